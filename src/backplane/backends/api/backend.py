@@ -1,0 +1,184 @@
+"""The backend contract (Arm NN's IBackendInternal, onert's Backend), with a default for everything.
+
+A minimal backend is an id, a support check and a table of kernels::
+
+    class MyBackend(Backend):
+        id = "MyBackend"
+        KERNELS = {"Relu": {6: lambda x: (np.maximum(x, 0),)}}
+
+Everything else (workload factory, memory manager, backend context, profiling context, capabilities,
+tensor-handle factories, custom allocator, ``optimize_subgraph``) has a default that a backend
+overrides when it does more.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from backplane.backends.api.kernels import Kernel, UnsupportedError, bind_kernel, select_kernel
+from backplane.backends.api.memory import HOST_FACTORY, MemoryManager, TensorHandleFactory
+from backplane.backends.api.optimization import OptimizationViews
+from backplane.ir.graph import Layer, SubgraphView, TensorInfo
+
+BACKEND_API_VERSION = (1, 0)
+"""The version of this contract: a backend written against (major, minor) loads when the major is
+equal and its minor is not above ours (seed 000, "Dynamic backend versioning")."""
+
+Workload = Callable[..., tuple[Any, ...]]
+"""A prepared call: inputs positional, a tuple of outputs back. Created once at load, run many times."""
+
+# The element types NumPy computes natively; the exotic ones (bfloat16, float8, int4) are not claimed.
+NUMPY_NATIVE_KINDS = frozenset("biufcO?")
+
+
+@dataclass(frozen=True)
+class Support:
+    """A support decision and, when refused, the reason."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+SUPPORTED = Support(True)
+
+
+def unsupported(reason: str) -> Support:
+    return Support(False, reason)
+
+
+class BackendContext:
+    """Lives as long as the Runtime; told before and after every network load and unload."""
+
+    def before_load_network(self, network_id: int) -> None: ...
+    def after_load_network(self, network_id: int) -> None: ...
+    def before_unload_network(self, network_id: int) -> None: ...
+    def after_unload_network(self, network_id: int) -> None: ...
+
+
+class ProfilingContext:
+    """Receives the time each of the backend's workloads took when a run is profiled."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []
+
+    def record(self, layer_name: str, seconds: float) -> None:
+        self.events.append((layer_name, seconds))
+
+
+@dataclass
+class WorkloadFactory:
+    """Creates a workload per layer, once, at load time. The default binds the backend's kernels."""
+
+    backend: Backend
+    memory_manager: MemoryManager | None = None
+
+    def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
+                        outputs: Sequence[TensorInfo]) -> Workload:
+        kernel = self.backend.kernel_for(layer)
+        if kernel is None:
+            raise UnsupportedError(f"{self.backend.id} has no kernel for {layer.describe()}")
+        return bind_kernel(kernel, layer.attrs, len(layer.outputs))
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options the Runtime hands to every backend context (thread counts, device ids, ...)."""
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+
+class Backend:
+    """Base class of every backend: one screen for a trivial one, overrides for the rest."""
+
+    id: ClassVar[str] = ""
+    version: ClassVar[str] = "0.0.0"
+    api_version: ClassVar[tuple[int, int]] = BACKEND_API_VERSION
+    KERNELS: ClassVar[Mapping[str, Mapping[int, Kernel]]] = {}
+    CHECKS: ClassVar[Mapping[str, Callable[[Layer, Sequence[TensorInfo]], str | None]]] = {}
+    """Optional per-op checks: given a layer and its input infos, a reason it is refused, or None."""
+
+    def __repr__(self) -> str:
+        return f"<backend {self.id} {self.version}>"
+
+    # -- support --------------------------------------------------------------------------------
+    def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
+                           outputs: Sequence[TensorInfo]) -> Support:
+        """Default: a kernel for the op at the model's opset, known attributes, NumPy dtypes."""
+        kernel = self.kernel_for(layer)
+        if kernel is None:
+            return unsupported(self._no_kernel_reason(layer))
+        unknown = _unknown_attributes(kernel, layer.attrs)
+        if unknown:
+            return unsupported(f"attribute(s) {', '.join(unknown)} not implemented")
+        for info in (*inputs, *outputs):
+            if info.dtype is not None and info.dtype.kind not in NUMPY_NATIVE_KINDS:
+                return unsupported(f"data type {info.dtype.name} not supported")
+        check = self.CHECKS.get(layer.op_type)
+        reason = check(layer, inputs) if check else None
+        return unsupported(reason) if reason else SUPPORTED
+
+    def kernel_for(self, layer: Layer) -> Kernel | None:
+        if layer.domain not in ("", "ai.onnx"):
+            return None
+        return select_kernel(self.KERNELS, layer.op_type, layer.opset)
+
+    def _no_kernel_reason(self, layer: Layer) -> str:
+        versions = self.KERNELS.get(layer.op_type) if layer.domain in ("", "ai.onnx") else None
+        if not versions:
+            return f"no kernel for {layer.domain + '::' if layer.domain else ''}{layer.op_type}"
+        return (f"no kernel for {layer.op_type} at opset {layer.opset} "
+                f"(kernels from opset {min(versions)})")
+
+    # -- factories ------------------------------------------------------------------------------
+    def create_memory_manager(self) -> MemoryManager | None:
+        return None
+
+    def create_workload_factory(self, memory_manager: MemoryManager | None = None) -> WorkloadFactory:
+        return WorkloadFactory(self, memory_manager)
+
+    def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
+        return None
+
+    def create_profiling_context(self, options: BackendOptions) -> ProfilingContext | None:
+        return None
+
+    def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
+        """Where this backend's tensors live, preferred first. Default: host memory, shared by all."""
+        return (HOST_FACTORY,)
+
+    def use_custom_allocator(self, allocator: Any) -> bool:
+        """Whether the backend accepts a custom allocator for its tensors. Default: no."""
+        return False
+
+    # -- description ----------------------------------------------------------------------------
+    def capabilities(self) -> dict[str, Any]:
+        """Name / value pairs (Arm NN's BackendCapabilities)."""
+        return {"AsyncExecution": False, "ProtectedContentAllocation": False}
+
+    def availability(self) -> Support:
+        """Whether the backend can run on this machine (a device present, a library installed)."""
+        return SUPPORTED
+
+    # -- optimization ---------------------------------------------------------------------------
+    def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
+        """Rewrite or compile a subgraph assigned to this backend. Default: leave it untouched."""
+        return OptimizationViews(untouched=[view])
+
+
+def _unknown_attributes(kernel: Kernel, attrs: Mapping[str, Any]) -> list[str]:
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    return [name for name in attrs if name not in params]

@@ -1,0 +1,70 @@
+"""Kernels: plain functions in one explicit table per backend, versions as data.
+
+A kernel follows its ONNX op: inputs positional (``None`` for an absent optional input), attributes as
+keyword arguments with the spec's defaults, and it always returns a tuple of outputs. A kernel that
+needs to know how many outputs the layer has (Split before opset 18) takes a keyword-only
+``n_outputs``; the workload factory passes it.
+
+A table maps an op type to ``{since_version: kernel}``; the newest kernel whose since-version is not
+above the model's opset wins::
+
+    KERNELS: KernelTable = {
+        "Relu": {6: relu},
+        "Softmax": {1: softmax_v1, 13: softmax},
+    }
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+Kernel = Callable[..., tuple[Any, ...]]
+KernelTable = dict[str, dict[int, Kernel]]
+
+
+class UnsupportedError(NotImplementedError):
+    """A kernel or backend cannot run this layer (an attribute value, a dtype, a shape).
+
+    Raised at load time, never for a wrong answer; fallback catches exactly this.
+    """
+
+
+def select_kernel(table: Mapping[str, Mapping[int, Kernel]], op_type: str, opset: int) -> Kernel | None:
+    """The kernel of the newest version not above ``opset``, or None."""
+    versions = table.get(op_type)
+    if not versions:
+        return None
+    eligible = [v for v in versions if v <= opset]
+    return versions[max(eligible)] if eligible else None
+
+
+def bind_kernel(kernel: Kernel, attrs: Mapping[str, Any], n_outputs: int) -> Callable[..., tuple[Any, ...]]:
+    """Bind a layer's attributes to its kernel once, at load time.
+
+    Attributes the kernel does not know are an UnsupportedError naming them and the known ones.
+    """
+    params = inspect.signature(kernel).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [name for name in attrs if name not in params and not takes_any]
+    if unknown:
+        known = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY or p.default
+                 is not inspect.Parameter.empty]
+        raise UnsupportedError(f"attribute(s) {unknown} not supported by kernel {kernel.__name__}; "
+                               f"it knows {known}")
+    kwargs = dict(attrs)
+    if "n_outputs" in params:
+        kwargs["n_outputs"] = n_outputs
+    return functools.partial(kernel, **kwargs) if kwargs else kernel
+
+
+def as_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def numpy_dtype_name(dtype: np.dtype | None) -> str:
+    return "?" if dtype is None else dtype.name

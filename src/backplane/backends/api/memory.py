@@ -1,0 +1,47 @@
+"""Tensor memory: which memory a backend's tensors live in, what it can import and export, and the
+memory manager acquired around execution (Arm NN's ITensorHandleFactory, MemorySource, IMemoryManager).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class MemorySource(enum.Flag):
+    """Kinds of memory a tensor handle can live in, import from or export to."""
+
+    UNDEFINED = 0
+    MALLOC = enum.auto()  # plain host memory (NumPy arrays, torch CPU tensors)
+    PINNED = enum.auto()  # page-locked host memory
+    CUDA = enum.auto()  # CUDA device memory
+    DMA_BUF = enum.auto()  # a buffer shared between devices by the OS
+    BACKEND = enum.auto()  # memory private to one backend
+
+
+@dataclass(frozen=True)
+class TensorHandleFactory:
+    """Describes one kind of tensor handle a backend makes.
+
+    Two backends whose preferred factories have the same ``id`` read each other's tensors directly;
+    otherwise the optimizer decides per edge between import and copy from the flags.
+    """
+
+    id: str
+    memory: MemorySource = MemorySource.MALLOC
+    import_flags: MemorySource = MemorySource.UNDEFINED
+    export_flags: MemorySource = MemorySource.UNDEFINED
+    supports_mapping: bool = True
+
+
+HOST_FACTORY = TensorHandleFactory("host", MemorySource.MALLOC, MemorySource.MALLOC,
+                                   MemorySource.MALLOC)
+"""Host memory as NumPy sees it: every host backend shares it, so edges between them need nothing."""
+
+
+class MemoryManager:
+    """Backend memory acquired before a network's runs and released after (IMemoryManager)."""
+
+    def acquire(self) -> None: ...
+
+    def release(self) -> None: ...

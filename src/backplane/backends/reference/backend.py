@@ -1,0 +1,18 @@
+"""CpuRef: readable NumPy kernels, the executable specification every other backend is tested against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backplane.backends.api.backend import Backend
+from backplane.backends.reference.kernels import CHECKS, KERNELS
+
+
+class CpuRef(Backend):
+    id = "CpuRef"
+    version = "1.0.0"
+    KERNELS = KERNELS
+    CHECKS = CHECKS
+
+    def capabilities(self) -> dict[str, Any]:
+        return {**super().capabilities(), "Reference": True}

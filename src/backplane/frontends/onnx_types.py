@@ -1,0 +1,76 @@
+"""ONNX element types and attributes as Python values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, TensorProto, numpy_helper
+
+
+def onnx_to_numpy_dtype(elem_type: int) -> np.dtype | None:
+    """The NumPy dtype of an ONNX element type (ml_dtypes for bfloat16, float8, int4); None if unknown."""
+    if elem_type == TensorProto.UNDEFINED:
+        return None
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def numpy_to_onnx_dtype(dtype: np.dtype) -> int:
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def tensor_to_array(tensor: TensorProto, base_dir: str | None = None) -> np.ndarray:
+    """A TensorProto as an ndarray (strings as object arrays of str)."""
+    array = numpy_helper.to_array(tensor, base_dir or "")
+    if array.dtype.kind in "SO" and tensor.data_type == TensorProto.STRING:
+        array = np.vectorize(lambda b: b.decode("utf-8") if isinstance(b, bytes) else b,
+                             otypes=[object])(array) if array.size else array.astype(object)
+    return array
+
+
+def attribute_value(attr: AttributeProto, import_graph: Callable[[onnx.GraphProto], Any]) -> Any:
+    """The Python value of one attribute: int, float, str, list, ndarray, or an imported sub-graph."""
+    kind = attr.type
+    if kind == AttributeProto.FLOAT:
+        return float(attr.f)
+    if kind == AttributeProto.INT:
+        return int(attr.i)
+    if kind == AttributeProto.STRING:
+        return attr.s.decode("utf-8")
+    if kind == AttributeProto.TENSOR:
+        return tensor_to_array(attr.t)
+    if kind == AttributeProto.GRAPH:
+        return import_graph(attr.g)
+    if kind == AttributeProto.SPARSE_TENSOR:
+        return sparse_to_dense(attr.sparse_tensor)
+    if kind == AttributeProto.TYPE_PROTO:
+        return attr.tp
+    if kind == AttributeProto.FLOATS:
+        return [float(v) for v in attr.floats]
+    if kind == AttributeProto.INTS:
+        return [int(v) for v in attr.ints]
+    if kind == AttributeProto.STRINGS:
+        return [s.decode("utf-8") for s in attr.strings]
+    if kind == AttributeProto.TENSORS:
+        return [tensor_to_array(t) for t in attr.tensors]
+    if kind == AttributeProto.GRAPHS:
+        return [import_graph(g) for g in attr.graphs]
+    if kind == AttributeProto.TYPE_PROTOS:
+        return list(attr.type_protos)
+    raise ValueError(f"attribute '{attr.name}' has unknown type {kind}")
+
+
+def sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    values = tensor_to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices)
+    dense = np.zeros(tuple(sparse.dims), dtype=values.dtype)
+    if indices.ndim == 1:  # linearized indices
+        dense.reshape(-1)[indices] = values
+    else:  # one row of coordinates per value
+        dense[tuple(indices.T)] = values
+    return dense
