@@ -1,0 +1,17 @@
+"""backplane: a neural-network inference runtime whose backends plug in."""
+
+from backplane.backends.api.backend import Backend, Support
+from backplane.backends.registry import registry
+from backplane.frontends.onnx import ModelError, import_onnx
+from backplane.optimizer.optimize import OptimizationError, OptimizedNetwork, OptimizerOptions, optimize
+from backplane.runtime.loaded_network import ExecutionError
+from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions
+from backplane.session import InferenceSession
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend", "ExecutionError", "InferenceSession", "InvalidInputError", "ModelError",
+    "OptimizationError", "OptimizedNetwork", "OptimizerOptions", "Runtime", "RuntimeOptions",
+    "Support", "import_onnx", "optimize", "registry",
+]

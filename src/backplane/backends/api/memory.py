@@ -5,7 +5,15 @@ memory manager acquired around execution (Arm NN's ITensorHandleFactory, MemoryS
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+def _host_copy(value: Any) -> Any:
+    return np.array(value, copy=True)
 
 
 class MemorySource(enum.Flag):
@@ -32,6 +40,10 @@ class TensorHandleFactory:
     import_flags: MemorySource = MemorySource.UNDEFINED
     export_flags: MemorySource = MemorySource.UNDEFINED
     supports_mapping: bool = True
+    copy_in: Callable[[Any], Any] = _host_copy
+    """Copy a host array into this memory (what a MemCopy into the backend runs)."""
+    copy_out: Callable[[Any], Any] = _host_copy
+    """Copy a tensor of this memory to a host array (what a MemCopy out of the backend runs)."""
 
 
 HOST_FACTORY = TensorHandleFactory("host", MemorySource.MALLOC, MemorySource.MALLOC,

@@ -1,0 +1,20 @@
+"""The default registry, with the built-in backends registered explicitly, in one place."""
+
+from __future__ import annotations
+
+from backplane.backends.registry.registry import BackendRegistry, Registration, UnknownBackendError
+
+
+def _builtin_registry() -> BackendRegistry:
+    from backplane.backends.builtin.backend import Builtin
+    from backplane.backends.reference.backend import CpuRef
+
+    registry = BackendRegistry()
+    registry.register(Builtin.id, Builtin, origin="built in")
+    registry.register(CpuRef.id, CpuRef, origin="built in")
+    return registry
+
+
+registry = _builtin_registry()
+
+__all__ = ["BackendRegistry", "Registration", "UnknownBackendError", "registry"]

@@ -1,0 +1,207 @@
+"""Optimize: a Graph and backend preferences in, an OptimizedNetwork with its placement report out.
+
+1. generic passes (constant folding, identity / dropout removal, dead layers)
+2. assign: per layer, its pin first, then the preferences; support with reasons
+3. split per backend into acyclic subgraphs
+4. backend.optimize_subgraph(view): substitutions applied, failed layers reassigned, untouched kept
+5-6. tensor-handle strategy per edge; MemCopy layers where a copy is needed
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from backplane.backends.api.backend import Backend
+from backplane.backends.registry import BackendRegistry, UnknownBackendError
+from backplane.backends.registry import registry as default_registry
+from backplane.ir.graph import Graph, Layer
+from backplane.optimizer import passes
+from backplane.optimizer.edges import BUILTIN, insert_compatibility_layers
+from backplane.optimizer.partition import partition
+from backplane.optimizer.report import LayerPlacement, PlacementReport, SubgraphRecord
+
+log = logging.getLogger("backplane.optimizer")
+
+
+class OptimizationError(RuntimeError):
+    """No backend can run a layer, or none of the preferred backends is available."""
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    fold_constants: bool = True
+    remove_identities: bool = True
+    remove_dead_layers: bool = True
+
+
+@dataclass
+class OptimizedNetwork:
+    """The plan the runtime loads: the graph with every layer placed, and how it got there."""
+
+    graph: Graph
+    backends: dict[str, Backend]  # every backend a layer runs on, builtin included
+    report: PlacementReport
+    input_names: list[str]
+    output_names: list[str]  # the model's names; graph.outputs may name copies of them
+    options: OptimizerOptions = field(default_factory=OptimizerOptions)
+
+
+def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] | None = None,
+             options: OptimizerOptions | None = None,
+             registry: BackendRegistry | None = None) -> OptimizedNetwork:
+    """Place every layer of ``graph`` on the first of ``backends`` that supports it.
+
+    ``pins`` maps a layer name or an op type to a backend id tried before the preferences (a layer
+    name wins over its op type). The user's graph is not modified.
+    """
+    options = options or OptimizerOptions()
+    registry = registry or default_registry
+    pins = dict(pins or {})
+    graph = _private_copy(graph)
+    output_names = list(graph.outputs)
+    _run_passes(graph, options)
+    report = PlacementReport(list(backends))
+    available = _available_backends(backends, pins, registry, report)
+    _assign(graph, available, pins, report)
+    _optimize_subgraphs(graph, available, pins, report)
+    used = {layer.backend for layer in graph.layers if layer.backend}
+    factories = {bid: available[bid].tensor_handle_factories()[0] for bid in used}
+    report.copies = insert_compatibility_layers(graph, factories)
+    chosen = {bid: available[bid] for bid in used}
+    if report.copies:
+        chosen[BUILTIN] = registry.create(BUILTIN)
+    return OptimizedNetwork(graph, chosen, report, list(graph.inputs), output_names, options)
+
+
+def _private_copy(graph: Graph) -> Graph:
+    layers = [copy.copy(layer) for layer in graph.layers]
+    for layer in layers:
+        layer.inputs, layer.outputs = list(layer.inputs), list(layer.outputs)
+    return Graph(graph.name, layers, list(graph.inputs), list(graph.outputs), dict(graph.tensors),
+                 dict(graph.constants), dict(graph.opsets))
+
+
+def _run_passes(graph: Graph, options: OptimizerOptions) -> None:
+    if options.remove_identities:
+        passes.remove_identities(graph)
+    if options.fold_constants:
+        passes.fold_constants(graph)
+    if options.remove_dead_layers:
+        passes.remove_dead_layers(graph)
+
+
+def _available_backends(preferences: Sequence[str], pins: Mapping[str, str],
+                        registry: BackendRegistry, report: PlacementReport) -> dict[str, Backend]:
+    if not preferences:
+        raise OptimizationError(f"no backend preferences given. Known backends are: "
+                                f"{', '.join(registry.ids())}")
+    available: dict[str, Backend] = {}
+    for backend_id in [*preferences, *pins.values()]:
+        if backend_id in available or backend_id in report.unavailable:
+            continue
+        try:
+            backend = registry.create(backend_id)
+        except UnknownBackendError as exc:
+            raise OptimizationError(str(exc)) from exc
+        status = backend.availability()
+        if status.ok:
+            available[backend_id] = backend
+        else:
+            report.unavailable[backend_id] = status.reason
+            _warn(report, f"backend {backend_id} is not available: {status.reason}")
+    if not any(b in available for b in preferences):
+        raise OptimizationError(
+            f"none of the preferred backends {list(preferences)} are available "
+            f"({'; '.join(f'{b}: {r}' for b, r in report.unavailable.items())}). "
+            f"Registered backends are: {', '.join(registry.ids())}")
+    return available
+
+
+def _candidates(layer: Layer, preferences: Sequence[str], available: Mapping[str, Backend],
+                pins: Mapping[str, str], excluded: set[str]) -> list[str]:
+    pin = pins.get(layer.name) or pins.get(layer.op_type)
+    order = ([pin] if pin else []) + [b for b in preferences if b != pin]
+    return [b for b in order if b in available and b not in excluded]
+
+
+def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str],
+            report: PlacementReport, layers: Sequence[Layer] | None = None,
+            excluded: Mapping[str, set[str]] | None = None) -> None:
+    for layer in layers if layers is not None else graph.layers:
+        placement = report.layers.get(layer.name) or LayerPlacement(layer.name, layer.op_type, "")
+        placement.pinned = pins.get(layer.name) or pins.get(layer.op_type)
+        ins = [graph.info(n) for n in layer.inputs if n]
+        outs = [graph.info(n) for n in layer.outputs if n]
+        skip = (excluded or {}).get(layer.name, set())
+        for backend_id in _candidates(layer, report.preferences, available, pins, skip):
+            support = available[backend_id].is_layer_supported(layer, ins, outs)
+            if support.ok:
+                layer.backend = placement.backend = backend_id
+                for refused, reason in placement.refusals:
+                    _warn(report, f"Layer of type {layer.op_type} is not supported on requested "
+                                  f"backend {refused} (reason: {reason}), falling back to the next "
+                                  f"backend")
+                break
+            placement.refusals.append((backend_id, support.reason or "no reason given"))
+        else:
+            reasons = "; ".join(f"{b}: {r}" for b, r in placement.refusals) or "no backend tried"
+            raise OptimizationError(f"no backend can run {layer.describe()}: {reasons}")
+        report.layers[layer.name] = placement
+
+
+def _optimize_subgraphs(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str],
+                        report: PlacementReport) -> None:
+    """Let every backend rewrite its subgraphs; reassign failed layers until none fail."""
+    excluded: dict[str, set[str]] = {}
+    done: set[int] = set()  # layers already seen by their backend's optimize_subgraph
+    for _ in range(len(available) + 1):
+        failed: list[Layer] = []
+        for backend_id, view in partition(graph):
+            if all(id(layer) in done for layer in view.layers):
+                continue
+            views = available[backend_id].optimize_subgraph(view)
+            views.validate(view, backend_id)
+            for sub in views.substitutions:
+                _substitute(graph, sub.substitutable.layers, sub.replacement, backend_id, report)
+                done.update(id(layer) for layer in sub.replacement)
+                report.subgraphs.append(SubgraphRecord(backend_id, [lay.name for lay in sub.replacement],
+                                                       "substituted"))
+            for part in views.untouched:
+                done.update(id(layer) for layer in part.layers)
+                report.subgraphs.append(SubgraphRecord(backend_id, [lay.name for lay in part.layers],
+                                                       "untouched"))
+            for part in views.failed:
+                report.subgraphs.append(SubgraphRecord(backend_id, [lay.name for lay in part.layers],
+                                                       "failed"))
+                for layer in part.layers:
+                    excluded.setdefault(layer.name, set()).add(backend_id)
+                    report.layers[layer.name].refusals.append(
+                        (backend_id, "optimize_subgraph reported it failed"))
+                    failed.append(layer)
+        if not failed:
+            return
+        _assign(graph, available, pins, report, failed, excluded)
+    raise OptimizationError("optimize_subgraph kept failing layers on every backend")
+
+
+def _substitute(graph: Graph, old: Sequence[Layer], new: Sequence[Layer], backend_id: str,
+                report: PlacementReport) -> None:
+    gone = set(map(id, old))
+    position = min(i for i, layer in enumerate(graph.layers) if id(layer) in gone)
+    for layer in new:
+        layer.backend = backend_id
+    kept = [layer for layer in graph.layers if id(layer) not in gone]
+    graph.layers = kept[:position] + list(new) + kept[position:]
+    graph.toposort()
+    for layer in old:
+        placement = report.layers.get(layer.name)
+        if placement is not None and len(new) == 1 and new[0].name != layer.name:
+            placement.substituted_by = new[0].name
+
+
+def _warn(report: PlacementReport, message: str) -> None:
+    report.warnings.append(message)
+    log.warning(message)

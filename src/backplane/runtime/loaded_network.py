@@ -1,0 +1,169 @@
+"""LoadedNetwork: an OptimizedNetwork turned into a flat list of prepared calls over numbered slots.
+
+Everything is decided at load: each layer's workload, which slot each tensor lives in, when a slot
+can be dropped. A run is then: put the inputs in their slots, call each workload in order, drop what
+is dead, read the outputs (onnx.reference's "step 1: inputs, step 2: execute nodes").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Backend, ProfilingContext, Workload
+from backplane.backends.api.memory import MemoryManager
+from backplane.ir.graph import Graph, Layer
+from backplane.optimizer.optimize import OptimizedNetwork
+
+NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
+
+
+class ExecutionError(RuntimeError):
+    """A workload failed at run time; the message names its layer."""
+
+
+@dataclass(frozen=True)
+class Step:
+    workload: Workload
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    frees: tuple[int, ...]  # slots read for the last time by this step
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    layer: str
+    op_type: str
+    backend: str
+    seconds: float
+
+
+class LoadedNetwork:
+    def __init__(self, network: OptimizedNetwork, network_id: int,
+                 profiling: dict[str, ProfilingContext] | None = None) -> None:
+        self.network_id = network_id
+        self.network = network
+        graph = network.graph
+        self.memory_managers: list[MemoryManager] = []
+        factories = {}
+        for backend_id, backend in network.backends.items():
+            manager = backend.create_memory_manager()
+            if manager is not None:
+                self.memory_managers.append(manager)
+            factories[backend_id] = backend.create_workload_factory(manager)
+        self._slots: dict[str, int] = {}
+        self._template: list[Any] = [None]
+        self.layers: list[Layer] = list(graph.layers)
+        workloads = [self._create(factories[layer.backend or ""], layer, graph, network.backends)
+                     for layer in self.layers]
+        for layer in self.layers:
+            for name in (*layer.inputs, *layer.outputs):
+                self._slot(name)
+        self.input_slots = tuple(self._slot(name) for name in network.input_names)
+        self.output_slots = tuple(self._slot(name) for name in graph.outputs)
+        self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots))
+        self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
+        self.profiling = profiling or {}
+
+    # -- load ----------------------------------------------------------------------------------------
+    def _slot(self, name: str) -> int:
+        if not name:
+            return NONE_SLOT
+        if name not in self._slots:
+            self._slots[name] = len(self._template)
+            self._template.append(None)
+        return self._slots[name]
+
+    def _create(self, factory: Any, layer: Layer, graph: Graph, backends: dict[str, Backend]) -> Workload:
+        infos_in = [graph.info(n) for n in layer.inputs]
+        infos_out = [graph.info(n) for n in layer.outputs]
+        for name in layer.inputs:
+            if name in graph.constants:
+                self._bind_constant(name, graph.constants[name], backends[layer.backend or ""])
+        try:
+            return factory.create_workload(layer, infos_in, infos_out)
+        except Exception as exc:
+            raise ExecutionError(f"{layer.backend} could not create a workload for "
+                                 f"{layer.describe()}: {exc}") from exc
+
+    def _bind_constant(self, name: str, value: np.ndarray, backend: Backend) -> None:
+        slot = self._slot(name)
+        if self._template[slot] is None:  # constants live in host memory; a device backend copies
+            factory = backend.tensor_handle_factories()[0]
+            self._template[slot] = value if factory.id == "host" else factory.copy_in(value)
+
+    # -- run -----------------------------------------------------------------------------------------
+    def execute(self, inputs: Sequence[Any]) -> list[Any]:
+        """Run once; ``inputs`` in the order of the network's inputs, already checked."""
+        env = list(self._template)
+        for slot, value in zip(self.input_slots, inputs):
+            env[slot] = value
+        for manager in self.memory_managers:
+            manager.acquire()
+        try:
+            for step in self.steps:
+                results = step.workload(*[env[i] for i in step.inputs])
+                for i, value in zip(step.outputs, results):
+                    env[i] = value
+                for i in step.frees:
+                    env[i] = None
+        except Exception as exc:
+            raise self._failure(step, exc) from exc  # the loop variable names the failing step
+        finally:
+            for manager in self.memory_managers:
+                manager.release()
+        return [env[i] for i in self.output_slots]
+
+    def execute_profiled(self, inputs: Sequence[Any]) -> tuple[list[Any], list[LayerTiming]]:
+        """Like ``execute``, timing every layer (for the CLI and the debug knob, not the hot path)."""
+        env = list(self._template)
+        for slot, value in zip(self.input_slots, inputs):
+            env[slot] = value
+        timings: list[LayerTiming] = []
+        clock = time.perf_counter
+        for step, layer in zip(self.steps, self.layers):
+            start = clock()
+            try:
+                results = step.workload(*[env[i] for i in step.inputs])
+            except Exception as exc:
+                raise self._failure(step, exc) from exc
+            seconds = clock() - start
+            timings.append(LayerTiming(layer.name, layer.op_type, layer.backend or "", seconds))
+            context = self.profiling.get(layer.backend or "")
+            if context is not None:
+                context.record(layer.name, seconds)
+            for i, value in zip(step.outputs, results):
+                env[i] = value
+            for i in step.frees:
+                env[i] = None
+        return [env[i] for i in self.output_slots], timings
+
+    def _failure(self, step: Step, exc: Exception) -> ExecutionError:
+        layer = self._layer_of[id(step.workload)]
+        return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
+                              f"{type(exc).__name__}: {exc}")
+
+
+def _plan(layers: Sequence[Layer], workloads: Sequence[Workload], slots: dict[str, int],
+          keep: set[int]) -> list[Step]:
+    """The steps, with every slot freed after its last reader (graph outputs and constants kept)."""
+    last_read: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for name in layer.inputs:
+            if name:
+                last_read[slots[name]] = index
+    produced = {slots[o] for layer in layers for o in layer.outputs if o}
+    frees: dict[int, list[int]] = {}
+    for slot, index in last_read.items():
+        if slot in produced and slot not in keep:
+            frees.setdefault(index, []).append(slot)
+    steps = []
+    for index, (layer, workload) in enumerate(zip(layers, workloads)):
+        ins = tuple(slots[n] if n else NONE_SLOT for n in layer.inputs)
+        outs = tuple(slots[o] if o else NONE_SLOT for o in layer.outputs)
+        steps.append(Step(workload, ins, outs, tuple(frees.get(index, ()))))
+    return steps

@@ -1,0 +1,143 @@
+"""Runtime: holds the backends' contexts, loads optimized networks under ids, runs them."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import BackendContext, BackendOptions, ProfilingContext
+from backplane.backends.registry import BackendRegistry
+from backplane.backends.registry import registry as default_registry
+from backplane.ir.graph import TensorInfo
+from backplane.optimizer.optimize import OptimizedNetwork
+from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork
+
+
+class InvalidInputError(ValueError):
+    """The inputs given to a run do not match the model: a name, a dtype, a shape."""
+
+
+@dataclass
+class RuntimeOptions:
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    profiling: bool = False
+
+
+class Runtime:
+    """Loads networks and runs them (Arm NN's IRuntime). Backend contexts live as long as it does."""
+
+    def __init__(self, options: RuntimeOptions | None = None,
+                 registry: BackendRegistry | None = None) -> None:
+        self.options = options or RuntimeOptions()
+        self.registry = registry or default_registry
+        self.contexts: dict[str, BackendContext] = {}
+        self.profiling: dict[str, ProfilingContext] = {}
+        self._networks: dict[int, LoadedNetwork] = {}
+        self._ids = itertools.count(1)
+
+    def _context_for(self, backend_id: str, network: OptimizedNetwork) -> BackendContext | None:
+        if backend_id not in self.contexts:
+            backend = network.backends[backend_id]
+            options = BackendOptions(self.options.backend_options)
+            context = backend.create_backend_context(options)
+            if context is not None:
+                self.contexts[backend_id] = context
+            profiler = backend.create_profiling_context(options) if self.options.profiling else None
+            if profiler is not None:
+                self.profiling[backend_id] = profiler
+        return self.contexts.get(backend_id)
+
+    def load(self, network: OptimizedNetwork) -> int:
+        """Create every workload of the network once; returns the id to run it by."""
+        network_id = next(self._ids)
+        contexts = [c for b in network.backends if (c := self._context_for(b, network)) is not None]
+        for context in contexts:
+            context.before_load_network(network_id)
+        self._networks[network_id] = LoadedNetwork(network, network_id, self.profiling)
+        for context in contexts:
+            context.after_load_network(network_id)
+        return network_id
+
+    def unload(self, network_id: int) -> None:
+        loaded = self._loaded(network_id)
+        contexts = [self.contexts[b] for b in loaded.network.backends if b in self.contexts]
+        for context in contexts:
+            context.before_unload_network(network_id)
+        del self._networks[network_id]
+        for context in contexts:
+            context.after_unload_network(network_id)
+
+    def network(self, network_id: int) -> LoadedNetwork:
+        return self._loaded(network_id)
+
+    def run(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any]) -> list[Any]:
+        """Run a loaded network; inputs by name (or in the model's order), outputs in the model's order."""
+        loaded = self._loaded(network_id)
+        return loaded.execute(check_inputs(_input_specs(loaded), inputs))
+
+    def run_profiled(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any],
+                     ) -> tuple[list[Any], list[LayerTiming]]:
+        loaded = self._loaded(network_id)
+        return loaded.execute_profiled(check_inputs(_input_specs(loaded), inputs))
+
+    def _loaded(self, network_id: int) -> LoadedNetwork:
+        try:
+            return self._networks[network_id]
+        except KeyError:
+            raise KeyError(f"no network loaded under id {network_id}; loaded ids are "
+                           f"{sorted(self._networks)}") from None
+
+
+def _input_specs(loaded: LoadedNetwork) -> list[tuple[str, TensorInfo]]:
+    graph = loaded.network.graph
+    return [(name, graph.info(name)) for name in loaded.network.input_names]
+
+
+def check_inputs(specs: Sequence[tuple[str, TensorInfo]],
+                 inputs: Mapping[str, Any] | Sequence[Any]) -> list[Any]:
+    """Inputs in the model's order, each checked for name, dtype, rank and sizes."""
+    expected = ", ".join(f"{name}: {info}" for name, info in specs)
+    if isinstance(inputs, Mapping):
+        unknown = [name for name in inputs if name not in dict(specs)]
+        if unknown:
+            raise InvalidInputError(f"{unknown} {'is not an input' if len(unknown) == 1 else 'are not inputs'}"
+                                    f" of the model; its inputs are: {expected}")
+        missing = [name for name, _ in specs if name not in inputs]
+        if missing:
+            raise InvalidInputError(f"input(s) {missing} missing; the model's inputs are: {expected}")
+        values = [inputs[name] for name, _ in specs]
+    else:
+        values = list(inputs)
+        if len(values) != len(specs):
+            raise InvalidInputError(f"{len(values)} inputs given; the model has {len(specs)}: {expected}")
+    bound: dict[str, tuple[int, str]] = {}
+    return [_check_one(name, info, value, bound) for (name, info), value in zip(specs, values)]
+
+
+def _check_one(name: str, info: TensorInfo, value: Any, bound: dict[str, tuple[int, str]]) -> Any:
+    if info.dtype is None:  # sequences, optionals: passed as they are
+        return value
+    if not isinstance(value, np.ndarray):
+        value = np.asarray(value)
+    if value.dtype != info.dtype and not (info.dtype == object and value.dtype.kind in "OU"):
+        raise InvalidInputError(f"input '{name}' has dtype {value.dtype}; the model expects "
+                                f"{info.dtype} ({name}: {info})")
+    if info.shape is None:
+        return value
+    if value.ndim != len(info.shape):
+        raise InvalidInputError(f"input '{name}' has shape {value.shape} (rank {value.ndim}); "
+                                f"the model expects rank {len(info.shape)} ({name}: {info})")
+    for axis, (want, got) in enumerate(zip(info.shape, value.shape)):
+        if isinstance(want, int) and want != got:
+            raise InvalidInputError(f"input '{name}' has size {got} in dimension {axis}; the model "
+                                    f"expects {want} ({name}: {info}, given shape {value.shape})")
+        if isinstance(want, str):
+            size, where = bound.setdefault(want, (got, name))
+            if size != got:
+                raise InvalidInputError(f"dimension '{want}' is {size} in input '{where}' but {got} "
+                                        f"in input '{name}'")
+    return value
