@@ -1,0 +1,108 @@
+"""CpuRef's kernels against the ONNX backend node suite, one single-node case at a time.
+
+Every op CpuRef claims must pass all of its cases; a case CpuRef refuses is a clean "not supported"
+(skipped with the reason). Cases go straight through the backend's support check and workload
+factory, so no runtime, optimizer or frontend is involved.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from backplane.backends.reference.backend import CpuRef
+from backplane.frontends.onnx_types import attribute_value, tensor_to_array
+from backplane.ir.graph import Layer, TensorInfo
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@functools.lru_cache(maxsize=1)
+def node_cases() -> dict[str, Any]:
+    """The node suite's single-node cases, in the default domain, whose op CpuRef has a kernel for."""
+    from onnx.backend.test.loader import load_node_model_tests
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the case generators overflow on purpose
+        cases = load_node_model_tests()
+    return {case.name: case for case in cases if _is_candidate(case.model)}
+
+
+def _is_candidate(model: onnx.ModelProto) -> bool:
+    nodes = model.graph.node
+    if len(nodes) != 1 or nodes[0].domain not in DEFAULT_DOMAINS:
+        return False
+    graph_attrs = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    if any(attr.type in graph_attrs for attr in nodes[0].attribute):
+        return False
+    return nodes[0].op_type in CpuRef.KERNELS
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS)
+
+
+def _no_graph(graph: onnx.GraphProto) -> None:
+    raise AssertionError("single-node cases with graph attributes are filtered out")
+
+
+def _value(value: Any) -> Any:
+    """A case's value as the runtime holds it: TensorProtos (bfloat16, float8, ...) as arrays."""
+    return tensor_to_array(value) if isinstance(value, onnx.TensorProto) else value
+
+
+def _info(value: Any) -> TensorInfo:
+    if isinstance(value, np.ndarray):
+        return TensorInfo(tuple(value.shape), value.dtype)
+    return TensorInfo(None, None)  # a sequence, an optional, or absent
+
+
+def _layer(model: onnx.ModelProto) -> Layer:
+    node = model.graph.node[0]
+    attrs = {attr.name: attribute_value(attr, import_graph=_no_graph) for attr in node.attribute}
+    return Layer(node.name or node.op_type, node.op_type, list(node.input), list(node.output),
+                 attrs, node.domain, _opset(model))
+
+
+def _assert_same(name: str, actual: Any, expected: Any, rtol: float, atol: float) -> None:
+    """The comparison of onnx's backend test runner: shape, dtype, then values (strings exactly)."""
+    assert isinstance(actual, np.ndarray), f"output {name} is a {type(actual).__name__}, not an array"
+    assert actual.shape == expected.shape, f"output {name}: shape {actual.shape} != {expected.shape}"
+    if expected.dtype == object:
+        np.testing.assert_array_equal(actual, expected, err_msg=f"output {name}")
+        return
+    assert actual.dtype == expected.dtype, f"output {name}: dtype {actual.dtype} != {expected.dtype}"
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=f"output {name}")
+
+
+@pytest.mark.parametrize("case_name", sorted(node_cases()))
+def test_node_case(case_name: str) -> None:
+    case = node_cases()[case_name]
+    layer = _layer(case.model)
+    graph_inputs = [i.name for i in case.model.graph.input]
+    graph_outputs = [o.name for o in case.model.graph.output]
+    backend = CpuRef()
+    for inputs, expected in case.data_sets:
+        by_name = dict(zip(graph_inputs, map(_value, inputs)))
+        args = [by_name[name] if name else None for name in layer.inputs]
+        expected_by_name = dict(zip(graph_outputs, map(_value, expected)))
+        in_infos = [_info(a) for a in args]
+        out_infos = [_info(expected_by_name.get(name)) for name in layer.outputs]
+        support = backend.is_layer_supported(layer, in_infos, out_infos)
+        if not support:
+            assert isinstance(support.reason, str) and support.reason, "a refusal must give a reason"
+            pytest.skip(f"not supported: {support.reason}")
+        workload = backend.create_workload_factory().create_workload(layer, in_infos, out_infos)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # NaN and inf cases are intended
+            results = workload(*args)
+        assert isinstance(results, tuple), f"{layer.op_type} returned a {type(results).__name__}"
+        assert len(results) == len(layer.outputs), f"{len(results)} outputs for {layer.outputs}"
+        for name, actual in zip(layer.outputs, results):
+            if name in expected_by_name:
+                _assert_same(name, actual, expected_by_name[name], case.rtol, case.atol)
