@@ -51,7 +51,7 @@ def load_model(model: str | os.PathLike | bytes | ModelProto) -> tuple[ModelProt
     base_dir = os.path.dirname(os.path.abspath(path))
     try:
         onnx.external_data_helper.load_external_data_for_model(proto, base_dir)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError, onnx's ValidationError for a missing or unsafe file
         raise ModelError(f"'{path}': its external data could not be read: {exc}") from exc
     return proto, base_dir
 

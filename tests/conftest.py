@@ -1,0 +1,85 @@
+"""Shared test fixtures: small graphs built with onnx.helper, and partial backends for placement."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from backplane.backends.api.backend import Backend, Support, unsupported
+from backplane.backends.api.memory import MemorySource, TensorHandleFactory
+from backplane.backends.registry import registry
+from backplane.backends.reference.kernels import KERNELS as REF_KERNELS
+from backplane.ir.graph import Layer, TensorInfo
+
+PARTIAL_OPS = ("Conv", "Relu", "Add", "MatMul", "Gemm", "Mul")
+
+
+class PartialBackend(Backend):
+    """A backend with CpuRef's kernels for a few ops only, sharing host memory with CpuRef."""
+
+    id = "TestPartial"
+    version = "0.1.0"
+    KERNELS = {op: REF_KERNELS[op] for op in PARTIAL_OPS if op in REF_KERNELS}
+
+    def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
+                           outputs: Sequence[TensorInfo]) -> Support:
+        if layer.op_type not in self.KERNELS:
+            return unsupported(f"{layer.op_type} is not one of {', '.join(self.KERNELS)}")
+        return super().is_layer_supported(layer, inputs, outputs)
+
+
+PRIVATE_FACTORY = TensorHandleFactory("test-private", MemorySource.BACKEND)
+
+
+class PrivateMemoryBackend(PartialBackend):
+    """The same, but its tensors live in memory of its own: crossing to it needs a copy."""
+
+    id = "TestPrivate"
+
+    def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
+        return (PRIVATE_FACTORY,)
+
+
+@pytest.fixture
+def partial_backends() -> Iterator[None]:
+    with registry.temporarily(PartialBackend.id, PartialBackend), \
+            registry.temporarily(PrivateMemoryBackend.id, PrivateMemoryBackend):
+        yield
+
+
+def make_model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+               outputs: list[onnx.ValueInfoProto], initializers: Sequence[onnx.TensorProto] = (),
+               opset: int = 17) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "test", inputs, outputs, list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def float_input(name: str, shape: Sequence[int | str | None]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+
+def small_cnn_model(seed: int = 0) -> onnx.ModelProto:
+    """Conv -> Relu -> Conv -> Add(skip) -> Relu -> GlobalAveragePool -> Flatten -> Gemm -> Softmax."""
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3
+    w2 = rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.3
+    fc = rng.standard_normal((5, 4)).astype(np.float32)
+    inits = [onnx.numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (w2, "w2"), (fc, "fc"))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r1"], ["s"], name="skip"),
+        helper.make_node("Relu", ["s"], ["r2"], name="relu2"),
+        helper.make_node("GlobalAveragePool", ["r2"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc"], ["logits"], name="fc", transB=1),
+        helper.make_node("Softmax", ["logits"], ["probs"], name="softmax", axis=1),
+    ]
+    return make_model(nodes, [float_input("x", [1, 3, 8, 8])], [float_input("probs", [1, 5])], inits)

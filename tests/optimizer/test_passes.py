@@ -1,0 +1,38 @@
+"""Generic passes: constant folding (Shape of static tensors included), identity / dropout removal."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from backplane import InferenceSession, OptimizerOptions
+from tests.conftest import float_input, make_model
+
+
+def shape_chain_model():
+    shape = numpy_helper.from_array(np.array([2, -1], np.int64), "target")
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("Identity", ["x"], ["xi"], name="ident"),
+        helper.make_node("Dropout", ["xi"], ["xd"], name="drop"),
+        helper.make_node("Reshape", ["xd", "target"], ["r"], name="reshape"),
+        helper.make_node("Cast", ["s"], ["sf"], name="cast", to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["sf"], ["n"], name="sum", keepdims=0),
+        helper.make_node("Mul", ["r", "n"], ["y"], name="mul"),
+    ]
+    return make_model(nodes, [float_input("x", [2, 3, 4])], [float_input("y", [2, 12])], [shape])
+
+
+def test_folding_and_identity_removal_leave_the_work() -> None:
+    session = InferenceSession(shape_chain_model())
+    assert [layer.op_type for layer in session.optimized.graph.layers] == ["Reshape", "Mul"]
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x.reshape(2, 12) * 9)
+
+
+def test_passes_can_be_turned_off() -> None:
+    options = OptimizerOptions(fold_constants=False, remove_identities=False)
+    session = InferenceSession(shape_chain_model(), optimizer_options=options)
+    assert len(session.optimized.graph.layers) == 7
+    x = np.ones((2, 3, 4), np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.full((2, 12), 9, np.float32))
