@@ -1,0 +1,17 @@
+"""Adapters for the ONNX node-suite runner (shared/tools/onnx_node_suite.py --adapter MODULE:CALLABLE).
+
+``cpuref`` runs a case on CpuRef alone. A layer CpuRef does not claim ends the case with
+OptimizationError ("not supported"), never with a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from backplane.session import InferenceSession
+
+
+def cpuref(model_path: str, inputs: Mapping[str, Any]) -> list[Any]:
+    session = InferenceSession(model_path, backends=["CpuRef"])
+    return session.run(None, dict(inputs))
