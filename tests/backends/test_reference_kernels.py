@@ -71,6 +71,14 @@ def _layer(model: onnx.ModelProto) -> Layer:
 
 def _assert_same(name: str, actual: Any, expected: Any, rtol: float, atol: float) -> None:
     """The comparison of onnx's backend test runner: shape, dtype, then values (strings exactly)."""
+    if isinstance(expected, (list, tuple)):  # a sequence (or an optional holding one)
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"output {name}"
+        for i, (act, exp) in enumerate(zip(actual, expected)):
+            _assert_same(f"{name}[{i}]", _value(act), _value(exp), rtol, atol)
+        return
+    if expected is None:  # an empty optional
+        assert actual is None, f"output {name}: {actual!r} is not an empty optional"
+        return
     assert isinstance(actual, np.ndarray), f"output {name} is a {type(actual).__name__}, not an array"
     assert actual.shape == expected.shape, f"output {name}: shape {actual.shape} != {expected.shape}"
     if expected.dtype == object:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from backplane.backends.reference.kernels import elementwise, reduce
+from backplane.backends.reference.kernels import elementwise, indexing, reduce, shape
 
 KERNELS = {
     **elementwise.KERNELS,
     **reduce.KERNELS,
+    **shape.KERNELS,
+    **indexing.KERNELS,
 }
 
 CHECKS = {
     **elementwise.CHECKS,
+    **shape.CHECKS,
+    **indexing.CHECKS,
 }

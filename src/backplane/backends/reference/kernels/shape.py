@@ -1,0 +1,227 @@
+"""Layout ops: Reshape, Flatten, Squeeze / Unsqueeze, Transpose, Concat, Split, Expand, Tile, Pad,
+DepthToSpace / SpaceToDepth, Trilu, Identity, Dropout, Shape, Size, and the tensor makers
+(Constant, ConstantOfShape, Range, EyeLike).
+
+Where an attribute became an input in the same place (Squeeze / Unsqueeze axes at 13), one kernel
+serves both, taking a list or an int64 array; where the signature moved (Split at 13, Pad at 11),
+each form has its own kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from backplane.backends.api.kernels import KernelTable
+from backplane.frontends.onnx_types import onnx_to_numpy_dtype
+from backplane.ir.graph import Layer, TensorInfo
+
+
+def _axes(axes, ndim: int) -> list[int]:
+    return [int(a) % ndim for a in np.ravel(axes)] if ndim else []
+
+
+# -- reshapes ----------------------------------------------------------------------------------
+def reshape(data, shape, allowzero=0):
+    # A 0 copies the input's size at that position unless allowzero; -1 is inferred by NumPy.
+    new_shape = [data.shape[i] if d == 0 and not allowzero else int(d) for i, d in enumerate(shape)]
+    return (data.reshape(new_shape),)
+
+
+def flatten(input, axis=1):  # noqa: A002
+    axis = axis % input.ndim if input.ndim else 0
+    outer = math.prod(input.shape[:axis])
+    return (input.reshape(outer, math.prod(input.shape[axis:])),)
+
+
+def squeeze(data, axes=None):
+    if axes is None:
+        return (np.squeeze(data),)
+    return (np.squeeze(data, axis=tuple(_axes(axes, data.ndim))),)
+
+
+def unsqueeze(data, axes):
+    out_rank = data.ndim + len(np.ravel(axes))
+    return (np.expand_dims(data, axis=tuple(_axes(axes, out_rank))),)
+
+
+def transpose(data, perm=None):
+    return (np.transpose(data, perm),)
+
+
+def concat(*inputs, axis):
+    return (np.concatenate(inputs, axis=axis),)
+
+
+def expand(input, shape):  # noqa: A002
+    # Broadcasting goes both ways: a 1 in `shape` keeps the input's size.
+    target = np.broadcast_shapes(input.shape, tuple(int(d) for d in shape))
+    return (np.broadcast_to(input, target).copy(),)
+
+
+def tile(input, repeats):  # noqa: A002
+    return (np.tile(input, [int(r) for r in repeats]),)
+
+
+# -- Split -------------------------------------------------------------------------------------
+def split_v2(input, axis=0, split=None, *, n_outputs):  # noqa: A002
+    return _split(input, axis, split, n_outputs)
+
+
+def split_v13(input, split=None, axis=0, *, n_outputs):  # noqa: A002
+    return _split(input, axis, split, n_outputs)
+
+
+def split(input, split=None, axis=0, num_outputs=None, *, n_outputs):  # noqa: A002
+    if split is None and num_outputs is not None:  # equal chunks, the last one smaller
+        chunk = -(-input.shape[axis] // num_outputs)
+        split = [min(chunk, input.shape[axis] - i * chunk) for i in range(num_outputs)]
+    return _split(input, axis, split, n_outputs)
+
+
+def _split(x, axis, sizes, n_outputs):
+    if sizes is None:
+        return tuple(np.split(x, n_outputs, axis=axis))
+    return tuple(np.split(x, np.cumsum([int(s) for s in sizes])[:-1], axis=axis))
+
+
+# -- Pad ---------------------------------------------------------------------------------------
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "edge", "wrap": "wrap"}
+
+
+def pad(data, pads, constant_value=None, axes=None, mode="constant"):
+    axes = _axes(range(data.ndim) if axes is None else axes, data.ndim)
+    pads = [int(p) for p in pads]
+    widths = [(0, 0)] * data.ndim
+    for i, axis in enumerate(axes):
+        widths[axis] = (pads[i], pads[i + len(axes)])
+    return (_pad(data, widths, mode, 0 if constant_value is None else constant_value),)
+
+
+def pad_v2(data, pads, mode="constant", value=0.0):
+    return pad(data, pads, np.array(value, dtype=data.dtype), None, mode)
+
+
+def _pad(x, widths, mode, value):
+    # np.pad cannot crop: pad by the positive amounts, then slice off the negative ones.
+    grow = [(max(b, 0), max(e, 0)) for b, e in widths]
+    kwargs = {"constant_values": value} if mode == "constant" else {}
+    grown = np.pad(x, grow, mode=_PAD_MODES[mode], **kwargs).astype(x.dtype)
+    crop = tuple(slice(-min(b, 0), size + min(e, 0)) for (b, e), size in zip(widths, grown.shape))
+    return grown[crop]
+
+
+def check_pad(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    mode = layer.attrs.get("mode", "constant")
+    return None if mode in _PAD_MODES else f"Pad mode {mode!r} not known (known: {list(_PAD_MODES)})"
+
+
+# -- blocks ------------------------------------------------------------------------------------
+def depth_to_space(input, blocksize, mode="DCR"):  # noqa: A002
+    n, c, h, w = input.shape
+    b = blocksize
+    if mode == "DCR":  # depth is (b, b, c/b²)
+        blocks = input.reshape(n, b, b, c // b**2, h, w).transpose(0, 3, 4, 1, 5, 2)
+    else:  # CRD: depth is (c/b², b, b)
+        blocks = input.reshape(n, c // b**2, b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    return (blocks.reshape(n, c // b**2, h * b, w * b),)
+
+
+def space_to_depth(input, blocksize):  # noqa: A002
+    n, c, h, w = input.shape
+    b = blocksize
+    blocks = input.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+    return (blocks.reshape(n, c * b * b, h // b, w // b),)
+
+
+def trilu(input, k=None, upper=1):  # noqa: A002
+    k = 0 if k is None else int(k)
+    return (np.triu(input, k) if upper else np.tril(input, k),)
+
+
+# -- pass-through ------------------------------------------------------------------------------
+def identity(input):  # noqa: A002
+    return (input,)
+
+
+def dropout_v7(data, ratio=0.5, *, n_outputs):
+    # Inference: the data passes unchanged and the mask keeps everything.
+    return (data, np.ones_like(data))[:n_outputs]
+
+
+def dropout_v10(data, ratio=0.5, *, n_outputs):
+    return (data, np.ones(data.shape, dtype=bool))[:n_outputs]
+
+
+def dropout(data, ratio=None, training_mode=None, seed=None, *, n_outputs):
+    return dropout_v10(data, n_outputs=n_outputs)
+
+
+def check_dropout(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    if len(layer.inputs) > 2 and layer.inputs[2]:
+        return "Dropout with a training_mode input (random in training) is not supported"
+    return None
+
+
+def shape(data, start=0, end=None):
+    return (np.array(data.shape[start:end], dtype=np.int64),)
+
+
+def size(data):
+    return (np.array(data.size, dtype=np.int64),)
+
+
+# -- tensor makers -----------------------------------------------------------------------------
+def constant(value=None, sparse_value=None, value_float=None, value_floats=None, value_int=None,
+             value_ints=None, value_string=None, value_strings=None):
+    if value is not None or sparse_value is not None:
+        return (value if value is not None else sparse_value,)
+    if value_float is not None or value_floats is not None:
+        return (np.array(value_float if value_floats is None else value_floats, dtype=np.float32),)
+    if value_int is not None or value_ints is not None:
+        return (np.array(value_int if value_ints is None else value_ints, dtype=np.int64),)
+    return (np.array(value_string if value_strings is None else value_strings, dtype=object),)
+
+
+def constant_of_shape(input, value=None):  # noqa: A002
+    fill = np.zeros(1, dtype=np.float32) if value is None else value
+    return (np.full([int(d) for d in input], fill.reshape(-1)[0], dtype=fill.dtype),)
+
+
+def range_(start, limit, delta, stash_type=1):
+    count = max(math.ceil((limit - start) / delta), 0)
+    return ((start + np.arange(count) * delta).astype(start.dtype),)
+
+
+def eye_like(input, dtype=None, k=0):  # noqa: A002
+    out_dtype = input.dtype if dtype is None else onnx_to_numpy_dtype(dtype)
+    return (np.eye(*input.shape, k=k, dtype=out_dtype),)
+
+
+KERNELS: KernelTable = {
+    "Reshape": {5: reshape},  # allowzero (opset 14) defaults to the older behaviour
+    "Flatten": {1: flatten},  # negative axes (opset 11) are a superset
+    "Squeeze": {1: squeeze},  # axes: an attribute until opset 13, an input after; same kernel
+    "Unsqueeze": {1: unsqueeze},
+    "Transpose": {1: transpose},
+    "Concat": {4: concat},
+    "Split": {2: split_v2, 13: split_v13, 18: split},
+    "Expand": {8: expand},
+    "Tile": {6: tile},
+    "Pad": {2: pad_v2, 11: pad},
+    "DepthToSpace": {1: depth_to_space},
+    "SpaceToDepth": {1: space_to_depth},
+    "Trilu": {14: trilu},
+    "Identity": {1: identity},
+    "Dropout": {7: dropout_v7, 10: dropout_v10, 12: dropout},
+    "Shape": {1: shape},
+    "Size": {1: size},
+    "Constant": {1: constant},
+    "ConstantOfShape": {9: constant_of_shape},
+    "Range": {11: range_},
+    "EyeLike": {9: eye_like},
+}
+
+CHECKS = {"Pad": check_pad, "Dropout": check_dropout}
