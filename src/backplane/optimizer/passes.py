@@ -40,7 +40,7 @@ def fold_constants(graph: Graph) -> Graph:
 def _fold(layer: Layer, graph: Graph, kernels) -> tuple[np.ndarray, ...] | None:
     if layer.op_type == "Shape" and not layer.domain:
         info = graph.info(layer.inputs[0])
-        if info.is_static and layer.inputs[0] not in graph.constants:
+        if info.shape is not None and info.is_static and layer.inputs[0] not in graph.constants:
             start, end = layer.attrs.get("start", 0), layer.attrs.get("end")
             return (np.array(info.shape[start:end], dtype=np.int64),)
     if layer.domain or layer.op_type in NONDETERMINISTIC or not layer.outputs:
