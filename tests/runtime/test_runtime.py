@@ -129,3 +129,12 @@ def test_onnx_backend_api() -> None:
     assert onnx_backend.supports_device("CPU") and not onnx_backend.supports_device("NoSuch")
     rep = onnx_backend.prepare(model, "CpuRef")
     np.testing.assert_array_equal(rep.run([X])[0], onnx_backend.run_model(model, [X])[0])
+
+
+def test_a_custom_allocator_a_backend_refuses_is_an_error() -> None:
+    class Allocator:
+        pass
+
+    runtime = Runtime(RuntimeOptions(custom_allocators={"CpuRef": Allocator()}))
+    with pytest.raises(ValueError, match="backend CpuRef does not accept the custom allocator"):
+        runtime.load(optimize(import_onnx(small_cnn_model()), ["CpuRef"]))

@@ -23,7 +23,12 @@ class InvalidInputError(ValueError):
 
 @dataclass
 class RuntimeOptions:
+    """``backend_options`` go to every backend context; ``custom_allocators`` maps a backend id to the
+    allocator it must use for its tensors (Arm NN's m_CustomAllocatorMap); ``profiling`` creates the
+    backends' profiling contexts."""
+
     backend_options: dict[str, Any] = field(default_factory=dict)
+    custom_allocators: dict[str, Any] = field(default_factory=dict)
     profiling: bool = False
 
 
@@ -42,6 +47,10 @@ class Runtime:
     def _context_for(self, backend_id: str, network: OptimizedNetwork) -> BackendContext | None:
         if backend_id not in self.contexts:
             backend = network.backends[backend_id]
+            allocator = self.options.custom_allocators.get(backend_id)
+            if allocator is not None and not backend.use_custom_allocator(allocator):
+                raise ValueError(f"backend {backend_id} does not accept the custom allocator "
+                                 f"{allocator!r} given for it in RuntimeOptions.custom_allocators")
             options = BackendOptions(self.options.backend_options)
             context = backend.create_backend_context(options)
             if context is not None:
