@@ -157,23 +157,36 @@ class Worker:
     def __init__(self, runtime: str, model: Path, feeds_path: Path, log_dir: Path, timeout: float):
         self.runtime = runtime
         self.timeout = timeout
+        self.failed = False
         self.log = open(log_dir / f"{model.stem}.{runtime}.log", "w+")
         cmd = [sys.executable, __file__, "--worker", runtime, "--model", str(model),
                "--feeds", str(feeds_path)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, bufsize=1)
 
-    def ask(self, command: str | None) -> dict[str, Any]:
-        """Send a command (None: just read the next reply) and return the reply."""
+    def ask(self, command: str | None) -> dict[str, Any] | None:
+        """Send a command (None: just read the next reply) and return the reply; after an error
+        the worker is not asked again (None)."""
+        if self.failed:
+            return None
+        reply = self._ask(command)
+        self.failed = "error" in reply
+        return reply
+
+    def _ask(self, command: str | None) -> dict[str, Any]:
         if command is not None:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write(command + "\n")
+                self.proc.stdin.flush()
+            except OSError as exc:
+                return {"error": f"{command}: worker gone ({exc}) {self.stderr_tail()}".strip()}
         ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
         line = self.proc.stdout.readline() if ready else ""
         if line:
             return json.loads(line)
         why = f"no reply in {self.timeout:.0f}s" if not ready else "worker died"
-        return {"error": f"{command or 'load'}: {why}. {self.stderr_tail()}"}
+        tail = self.stderr_tail()
+        return {"error": f"{command or 'load'}: {why}" + (f": {tail}" if tail else "")}
 
     def stderr_tail(self, lines: int = 3) -> str:
         self.log.flush()
@@ -202,41 +215,40 @@ class Result:
 
 def bench_model(model: Path, args: argparse.Namespace, tmp: Path,
                 tick: Callable[[str], None]) -> dict[str, Result]:
+    """Load both runtimes on one model, time them alternately, fetch their outputs."""
     feeds_path = tmp / f"{model.stem}.feeds.npz"
     np.savez(feeds_path, **make_feeds(model))
     results = {rt: Result() for rt in RUNTIMES}
     workers: dict[str, Worker] = {}
     try:
-        for rt in RUNTIMES:  # one load at a time: loads are not timed against each other either
+        for rt in RUNTIMES:  # one load at a time, so loads do not overlap either
             tick(f"{model.stem}: loading {rt}")
             workers[rt] = Worker(rt, model, feeds_path, tmp, args.timeout)
-            record(results[rt], workers[rt].ask(None), "ready")
+            results[rt].load_s = record(results[rt], workers[rt].ask(None), "ready")
         for i in range(args.warmup + args.repeat):
+            phase = "warm-up" if i < args.warmup else f"run {i - args.warmup + 1}/{args.repeat}"
             for rt in RUNTIMES:
-                phase = "warm-up" if i < args.warmup else f"run {i - args.warmup + 1}/{args.repeat}"
                 tick(f"{model.stem}: {rt} {phase}")
-                if results[rt].error is None:
-                    seconds = record(results[rt], workers[rt].ask("run"), "seconds")
-                    if seconds is not None and i >= args.warmup:
-                        results[rt].times.append(seconds)
+                seconds = record(results[rt], workers[rt].ask("run"), "seconds")
+                if seconds is not None and i >= args.warmup:
+                    results[rt].times.append(seconds)
         for rt in RUNTIMES:
-            if results[rt].error is None and results[rt].times:
-                out_path = tmp / f"{model.stem}.{rt}.out.npz"
-                if record(results[rt], workers[rt].ask(f"save {out_path}"), "saved"):
-                    results[rt].outputs = dict(np.load(out_path))
+            out_path = tmp / f"{model.stem}.{rt}.out.npz"
+            if record(results[rt], workers[rt].ask(f"save {out_path}"), "saved"):
+                results[rt].outputs = dict(np.load(out_path))
     finally:
         for w in workers.values():
             w.close()
     return results
 
 
-def record(result: Result, answer: dict[str, Any], key: str) -> Any:
+def record(result: Result, answer: dict[str, Any] | None, key: str) -> Any:
     """Keep a worker's error on the result; return the answer's value for key (None on error)."""
+    if answer is None:
+        return None
     if "error" in answer:
         result.error = answer["error"]
         return None
-    if key == "ready":
-        result.load_s = answer[key]
     return answer[key]
 
 
