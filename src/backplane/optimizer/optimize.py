@@ -35,6 +35,8 @@ class OptimizerOptions:
     fold_constants: bool = True
     remove_identities: bool = True
     remove_dead_layers: bool = True
+    strict: bool = False
+    """Fail instead of falling back: a requested backend unavailable, or any layer refused by one."""
 
 
 @dataclass
@@ -67,6 +69,8 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     available = _available_backends(backends, pins, registry, report)
     _assign(graph, available, pins, report)
     _optimize_subgraphs(graph, available, pins, report)
+    if options.strict:
+        _check_strict(report)
     used = {layer.backend for layer in graph.layers if layer.backend}
     factories = {bid: available[bid].tensor_handle_factories()[0] for bid in used}
     report.copies = insert_compatibility_layers(graph, factories)
@@ -200,6 +204,15 @@ def _substitute(graph: Graph, old: Sequence[Layer], new: Sequence[Layer], backen
         placement = report.layers.get(layer.name)
         if placement is not None and len(new) == 1 and new[0].name != layer.name:
             placement.substituted_by = new[0].name
+
+
+def _check_strict(report: PlacementReport) -> None:
+    problems = [f"backend {b} is unavailable: {r}" for b, r in report.unavailable.items()]
+    problems += [f"layer '{p.name}' ({p.op_type}) fell back to {p.backend}: "
+                 + "; ".join(f"{b}: {r}" for b, r in p.refusals)
+                 for p in report.layers.values() if p.refusals]
+    if problems:
+        raise OptimizationError("strict placement failed:\n  " + "\n  ".join(problems))
 
 
 def _warn(report: PlacementReport, message: str) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from backplane.backends.api.backend import BackendContext, BackendOptions, ProfilingContext
 from backplane.backends.registry import BackendRegistry
 from backplane.backends.registry import registry as default_registry
+from backplane.backends.registry.dynamic import backend_paths
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork
@@ -30,6 +31,8 @@ class RuntimeOptions:
     backend_options: dict[str, Any] = field(default_factory=dict)
     custom_allocators: dict[str, Any] = field(default_factory=dict)
     profiling: bool = False
+    dynamic_backends_path: str | None = None
+    """One directory of dynamic backends that replaces BACKPLANE_DYNAMIC_BACKEND_PATHS entirely."""
 
 
 class Runtime:
@@ -43,6 +46,9 @@ class Runtime:
         self.profiling: dict[str, ProfilingContext] = {}
         self._networks: dict[int, LoadedNetwork] = {}
         self._ids = itertools.count(1)
+        paths = backend_paths(self.options.dynamic_backends_path)
+        if paths:
+            self.registry.load_dynamic_backends(paths)
 
     def _context_for(self, backend_id: str, network: OptimizedNetwork) -> BackendContext | None:
         if backend_id not in self.contexts:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from backplane.backends.api.backend import Backend
+from backplane.backends.api.backend import BACKEND_API_VERSION, Backend
+from backplane.backends.registry import dynamic, entry_points
+from backplane.backends.registry.dynamic import DynamicBackend, Skipped
 
 BackendFactory = Callable[[], Backend]
 
@@ -28,9 +32,12 @@ class Registration:
 class BackendRegistry:
     """Holds a factory per backend id; backends are created when needed and are cheap, stateless."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_version: tuple[int, int] = BACKEND_API_VERSION) -> None:
+        self.api_version = api_version
         self._entries: dict[str, Registration] = {}
         self._instances: dict[str, Backend] = {}
+        self.skipped: list[Skipped] = []
+        self._loaded_paths: set[str] = set()
 
     def register(self, backend_id: str, factory: BackendFactory, origin: str = "user") -> None:
         if not backend_id:
@@ -66,11 +73,65 @@ class BackendRegistry:
         return backend
 
     def _known(self, backend_id: str) -> Registration:
-        entry = self._entries.get(backend_id)
+        entry = self._entries.get(backend_id) or self._load_by_id(backend_id)
         if entry is None:
+            skipped = f" ({len(self.skipped)} candidates skipped: see `backplane backends`)" \
+                if self.skipped else ""
             raise UnknownBackendError(f"unknown backend '{backend_id}'. Known backends are: "
-                                      f"{', '.join(self._entries) or '(none)'}")
+                                      f"{', '.join(self._entries) or '(none)'}{skipped}")
         return entry
+
+    # -- backends from outside ---------------------------------------------------------------------
+    def _load_by_id(self, backend_id: str) -> Registration | None:
+        """Look for an id on the entry points, then on the backend paths (onert's load by id)."""
+        point = entry_points.declared().get(backend_id)
+        if point is not None:
+            self._add(entry_points.load(point, self.skipped, self.api_version))
+        if backend_id not in self._entries:
+            self.load_dynamic_backends(dynamic.backend_paths())
+        return self._entries.get(backend_id)
+
+    def load_entry_points(self) -> list[str]:
+        """Load every declared entry point not yet registered (for listings); returns the new ids."""
+        added = []
+        for name, point in entry_points.declared().items():
+            if name not in self._entries and self._add(entry_points.load(point, self.skipped,
+                                                                         self.api_version)):
+                added.append(name)
+        return added
+
+    def load_dynamic_backends(self, paths: Sequence[str]) -> list[str]:
+        """Register every valid dynamic backend file on ``paths``; returns the ids added."""
+        added = []
+        for path in dynamic.backend_files(dynamic.valid_paths(paths, self.skipped), self.skipped):
+            real = os.path.realpath(path)
+            if real in self._loaded_paths:
+                continue
+            self._loaded_paths.add(real)
+            found = dynamic.load_backend_file(path, self.skipped, self.api_version)
+            if found is not None and self._add(found):
+                added.append(found.id)
+        return added
+
+    def _add(self, found: DynamicBackend | None) -> bool:
+        if found is None:
+            return False
+        if found.id in self._entries:
+            return _refuse(self, found, f"backend id '{found.id}' is already registered from "
+                                        f"{self._entries[found.id].origin}")
+        try:
+            backend = found.factory()
+        except Exception as exc:
+            return _refuse(self, found, f"backend_factory() raised {type(exc).__name__}: {exc}")
+        if not isinstance(backend, Backend):
+            return _refuse(self, found, f"backend_factory() returned {backend!r}, not a Backend")
+        if backend.id != found.id:
+            return _refuse(self, found, f"backend_factory() made a backend with id '{backend.id}', "
+                                        f"not '{found.id}'")
+        origin = found.path if found.path.startswith("entry point") else f"file {found.path}"
+        self._entries[found.id] = Registration(found.id, found.factory, origin)
+        self._instances[found.id] = backend
+        return True
 
     @contextmanager
     def temporarily(self, backend_id: str, factory: BackendFactory) -> Iterator[None]:
@@ -80,3 +141,8 @@ class BackendRegistry:
             yield
         finally:
             self.deregister(backend_id)
+
+
+def _refuse(registry: BackendRegistry, found: DynamicBackend, reason: str) -> bool:
+    dynamic._skip(registry.skipped, found.path, reason)
+    return False
