@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
-from backplane.backends.reference.kernels import elementwise, indexing, reduce, shape
+from backplane.backends.reference.kernels import (
+    conv,
+    elementwise,
+    indexing,
+    matmul,
+    normalization,
+    pool,
+    reduce,
+    shape,
+)
 
 KERNELS = {
     **elementwise.KERNELS,
     **reduce.KERNELS,
     **shape.KERNELS,
     **indexing.KERNELS,
+    **conv.KERNELS,
+    **pool.KERNELS,
+    **matmul.KERNELS,
+    **normalization.KERNELS,
 }
 
 CHECKS = {
     **elementwise.CHECKS,
     **shape.CHECKS,
     **indexing.CHECKS,
+    **conv.CHECKS,
+    **pool.CHECKS,
+    **normalization.CHECKS,
 }

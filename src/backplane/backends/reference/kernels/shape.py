@@ -129,10 +129,14 @@ def depth_to_space(input, blocksize, mode="DCR"):  # noqa: A002
     return (blocks.reshape(n, c // b**2, h * b, w * b),)
 
 
-def space_to_depth(input, blocksize):  # noqa: A002
+def space_to_depth(input, blocksize, mode="DCR"):  # noqa: A002
     n, c, h, w = input.shape
     b = blocksize
-    blocks = input.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+    blocks = input.reshape(n, c, h // b, b, w // b, b)  # (n, c, h/b, b, w/b, b)
+    if mode == "DCR":  # depth becomes (b, b, c)
+        blocks = blocks.transpose(0, 3, 5, 1, 2, 4)
+    else:  # CRD: depth becomes (c, b, b)
+        blocks = blocks.transpose(0, 1, 3, 5, 2, 4)
     return (blocks.reshape(n, c * b * b, h // b, w // b),)
 
 
@@ -212,7 +216,7 @@ KERNELS: KernelTable = {
     "Tile": {6: tile},
     "Pad": {2: pad_v2, 11: pad},
     "DepthToSpace": {1: depth_to_space},
-    "SpaceToDepth": {1: space_to_depth},
+    "SpaceToDepth": {1: space_to_depth},  # mode (opset 28) defaults to the older behaviour
     "Trilu": {14: trilu},
     "Identity": {1: identity},
     "Dropout": {7: dropout_v7, 10: dropout_v10, 12: dropout},
