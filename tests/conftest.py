@@ -60,8 +60,9 @@ def make_model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
     return model
 
 
-def float_input(name: str, shape: Sequence[int | str | None]) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+def float_input(name: str, shape: Sequence[int | str | None] | None) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT,
+                                         None if shape is None else list(shape))
 
 
 def small_cnn_model(seed: int = 0) -> onnx.ModelProto:

@@ -10,6 +10,14 @@ from backplane import cli
 from tests.conftest import small_cnn_model
 
 
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Tables wide enough that reasons are not folded across lines."""
+    from rich.console import Console
+
+    monkeypatch.setattr(cli, "console", Console(width=300))
+
+
 @pytest.fixture
 def model_path(tmp_path):
     path = tmp_path / "cnn.onnx"

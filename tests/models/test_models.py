@@ -62,11 +62,22 @@ def light_inputs(path: Path) -> dict[str, np.ndarray]:
     return feeds
 
 
+# light_squeezenet's logits are 1000 equal values near 9.5e9 (its weights are constants), so its
+# softmax output hangs on the last bit of each (one ulp there is 1024): compare the logits instead.
+COMPARE_INSTEAD = {"light_squeezenet": "r65"}
+
+
 @pytest.mark.skipif(not LIGHT, reason="the installed onnx ships no light models")
 @pytest.mark.parametrize("name", LIGHT)
-def test_onnx_light_models_match_onnx_runtime(name: str) -> None:
+def test_onnx_light_models_match_onnx_runtime(name: str, tmp_path: Path) -> None:
     path = LIGHT_DIR / f"{name}.onnx"
     feeds = light_inputs(path)
+    if name in COMPARE_INSTEAD:
+        model = onnx.load(str(path))
+        del model.graph.output[:]
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(COMPARE_INSTEAD[name]))
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(model, str(path))
     session = InferenceSession(path, backends=["CpuRef"])
     assert_close(session.run(None, feeds), ort_outputs(path, feeds))
 
