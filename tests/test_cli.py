@@ -63,3 +63,22 @@ def test_unknown_backend_is_a_clear_error(model_path, capsys) -> None:
 def test_backends_lists_the_registered_backends(capsys) -> None:
     code, out = run_cli(["backends"], capsys)
     assert code == 0 and "CpuRef" in out and "builtin" in out and "built in" in out
+
+
+def test_backends_shows_where_each_came_from_and_what_was_skipped(tmp_path, capsys,
+                                                                  monkeypatch) -> None:
+    from tests.registry.test_dynamic import source
+    from tests.registry.test_example_backend import fresh_registry, install_entry_point
+
+    (tmp_path / "paths").mkdir()
+    (tmp_path / "paths" / "Acme_File_backend.py").write_text(source("AcmeFile"))
+    (tmp_path / "paths" / "Acme_Old_backend.py").write_text(source("AcmeOld", version="(0, 3)"))
+    install_entry_point(tmp_path / "site", monkeypatch)
+    monkeypatch.setattr(cli, "registry", fresh_registry())
+    code, out = run_cli(["backends", "--dynamic-backends-path", str(tmp_path / "paths")], capsys)
+    assert code == 0
+    assert "built in" in out
+    assert "entry point acme-tiny-backend acme_tiny_backend" in out and "AcmeTiny" in out
+    assert f"file {tmp_path / 'paths' / 'Acme_File_backend.py'}" in out
+    assert "Skipped candidates" in out
+    assert "its backend API version 0.3 is not compatible with backplane's backend API version 1.0" in out

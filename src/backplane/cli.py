@@ -16,6 +16,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from backplane.backends.registry import registry
+from backplane.backends.registry.dynamic import PATHS_VARIABLE, backend_paths
 from backplane.frontends.onnx import ModelError
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizationError
@@ -53,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     _model_arguments(inspect)
     inspect.add_argument("--graph", action="store_true", help="also print the optimized graph")
     inspect.set_defaults(command=cmd_inspect)
-    backends = sub.add_parser("backends", help="list the registered backends")
+    backends = sub.add_parser("backends", help="list the backends: built in, entry points, files, "
+                                               "and the candidates skipped with their reasons")
+    backends.add_argument("--dynamic-backends-path", metavar="DIR",
+                          help=f"one directory of dynamic backends, instead of ${PATHS_VARIABLE}")
     backends.set_defaults(command=cmd_backends)
     return parser
 
@@ -168,6 +172,8 @@ def random_input(info: TensorInfo, rng: np.random.Generator) -> np.ndarray:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
+    registry.load_entry_points()
+    registry.load_dynamic_backends(backend_paths(args.dynamic_backends_path))
     table = Table(title="Registered backends")
     for column in ("id", "version", "from", "available", "capabilities", "ops"):
         table.add_column(column, overflow="fold")
@@ -182,6 +188,13 @@ def cmd_backends(args: argparse.Namespace) -> int:
         table.add_row(backend_id, backend.version, registry.origin(backend_id),
                       "yes" if status.ok else f"no: {status.reason}", caps, str(len(backend.KERNELS)))
     console.print(table)
+    if registry.skipped:
+        skipped = Table(title="Skipped candidates")
+        skipped.add_column("candidate", overflow="fold")
+        skipped.add_column("reason", overflow="fold")
+        for entry in registry.skipped:
+            skipped.add_row(entry.candidate, entry.reason)
+        console.print(skipped)
     return 0
 
 
