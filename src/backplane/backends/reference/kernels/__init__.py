@@ -10,6 +10,7 @@ from backplane.backends.reference.kernels import (
     normalization,
     pool,
     reduce,
+    resize,
     shape,
 )
 
@@ -22,6 +23,7 @@ KERNELS = {
     **pool.KERNELS,
     **matmul.KERNELS,
     **normalization.KERNELS,
+    **resize.KERNELS,
 }
 
 CHECKS = {
@@ -31,4 +33,5 @@ CHECKS = {
     **conv.CHECKS,
     **pool.CHECKS,
     **normalization.CHECKS,
+    **resize.CHECKS,
 }

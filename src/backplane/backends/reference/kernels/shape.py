@@ -31,7 +31,7 @@ def reshape(data, shape, allowzero=0):
 
 
 def flatten(input, axis=1):  # noqa: A002
-    axis = axis % input.ndim if input.ndim else 0
+    axis = axis + input.ndim if axis < 0 else axis  # axis may equal the rank
     outer = math.prod(input.shape[:axis])
     return (input.reshape(outer, math.prod(input.shape[axis:])),)
 
