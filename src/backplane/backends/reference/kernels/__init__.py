@@ -9,6 +9,7 @@ from backplane.backends.reference.kernels import (
     matmul,
     normalization,
     pool,
+    quant,
     reduce,
     resize,
     shape,
@@ -24,6 +25,7 @@ KERNELS = {
     **matmul.KERNELS,
     **normalization.KERNELS,
     **resize.KERNELS,
+    **quant.KERNELS,
 }
 
 CHECKS = {
@@ -34,4 +36,5 @@ CHECKS = {
     **pool.CHECKS,
     **normalization.CHECKS,
     **resize.CHECKS,
+    **quant.CHECKS,
 }
