@@ -242,7 +242,7 @@ def test_a_preference_for_an_unregistered_id_is_looked_up_on_the_paths(tmp_path:
     assert net.report.backend_of("relu1") == "AcmeRelu"
     assert registry.origin("AcmeRelu") == f"file {tmp_path / 'Acme_Relu_backend.py'}"
     with pytest.raises(OptimizationError, match="unknown backend 'Nope'. Known backends are: "
-                                                "CpuRef, AcmeRelu"):
+                                                "builtin, CpuRef, AcmeRelu"):
         optimize(import_onnx(small_cnn_model()), ["Nope"], registry=registry)
 
 

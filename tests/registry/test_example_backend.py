@@ -25,7 +25,7 @@ TUTORIAL = ROOT / "docs" / "backend-in-one-screen.md"
 def fresh_registry() -> BackendRegistry:
     registry = BackendRegistry()
     for backend_id in default_registry.ids():
-        if default_registry.origin(backend_id) == "built in":
+        if default_registry.origin(backend_id) == "built in" and backend_id not in registry.ids():
             registry.register(backend_id, type(default_registry.create(backend_id)), "built in")
     return registry
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from backplane.backends.api.backend import Backend
+from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
 from backplane.backends.registry import registry as default_registry
 from backplane.ir.graph import Graph, Layer
@@ -63,11 +64,16 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     registry = registry or default_registry
     pins = dict(pins or {})
     graph = _private_copy(graph)
+    expose_captures(graph)
     output_names = list(graph.outputs)
     _run_passes(graph, options)
     report = PlacementReport(list(backends))
     available = _available_backends(backends, pins, registry, report)
+    available.setdefault(BUILTIN, registry.create(BUILTIN))
     _assign(graph, available, pins, report)
+    for layer in graph.layers:
+        if layer.backend == BUILTIN and layer.op_type in CONTROL_FLOW_OPS:
+            _optimize_bodies(layer, graph, backends, pins, options, registry, report)
     _optimize_subgraphs(graph, available, pins, report)
     if options.strict:
         _check_strict(report)
@@ -136,6 +142,10 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
             excluded: Mapping[str, set[str]] | None = None) -> None:
     for layer in layers if layers is not None else graph.layers:
         placement = report.layers.get(layer.name) or LayerPlacement(layer.name, layer.op_type, "")
+        if layer.op_type in CONTROL_FLOW_OPS and not layer.domain:
+            layer.backend = placement.backend = BUILTIN  # builtin's own, whatever the preferences
+            report.layers[layer.name] = placement
+            continue
         placement.pinned = pins.get(layer.name) or pins.get(layer.op_type)
         ins = [graph.info(n) for n in layer.inputs if n]
         outs = [graph.info(n) for n in layer.outputs if n]
@@ -204,6 +214,56 @@ def _substitute(graph: Graph, old: Sequence[Layer], new: Sequence[Layer], backen
         placement = report.layers.get(layer.name)
         if placement is not None and len(new) == 1 and new[0].name != layer.name:
             placement.substituted_by = new[0].name
+
+
+def expose_captures(graph: Graph) -> None:
+    """Append to each control-flow layer's inputs the outer tensors its bodies read (their captures).
+
+    The bodies are copied first, so the user's graph is untouched; each body's inputs grow by the
+    same names, which the builtin workload passes after the formal inputs.
+    """
+    for layer in graph.layers:
+        if layer.op_type not in CONTROL_FLOW_OPS or layer.domain or "captured" in layer.attrs:
+            continue
+        bodies = {name: _private_copy(layer.attrs[name]) for name in CONTROL_FLOW_OPS[layer.op_type]}
+        captured: list[str] = []
+        for body in bodies.values():
+            expose_captures(body)
+            captured += [n for n in _free_names(body) if n not in captured]
+        for body in bodies.values():
+            body.inputs = body.inputs + captured
+        layer.attrs = {**layer.attrs, **bodies, "captured": len(captured)}
+        layer.inputs = layer.inputs + captured
+
+
+def _free_names(graph: Graph) -> list[str]:
+    defined = set(graph.inputs) | set(graph.constants)
+    defined |= {out for layer in graph.layers for out in layer.outputs}
+    free: list[str] = []
+    for name in [n for layer in graph.layers for n in layer.inputs] + graph.outputs:
+        if name and name not in defined and name not in free:
+            free.append(name)
+    return free
+
+
+def _optimize_bodies(layer: Layer, graph: Graph, backends: Sequence[str], pins: Mapping[str, str],
+                     options: OptimizerOptions, registry: BackendRegistry,
+                     report: PlacementReport) -> None:
+    """Place the layers of a control-flow layer's bodies like any others; their report joins ours."""
+    attrs = dict(layer.attrs)
+    for name in CONTROL_FLOW_OPS[layer.op_type]:
+        body: Graph = attrs[name]
+        for outer in body.inputs:
+            if outer not in body.tensors:
+                body.tensors[outer] = graph.info(outer)
+        net = optimize(body, backends, pins=pins, options=options, registry=registry)
+        attrs[name] = net
+        for inner, placement in net.report.layers.items():
+            placement.name = f"{layer.name}/{name}/{inner}"
+            report.layers[placement.name] = placement
+        report.copies += net.report.copies
+        report.warnings += net.report.warnings
+    layer.attrs = attrs
 
 
 def _check_strict(report: PlacementReport) -> None:

@@ -63,6 +63,10 @@ class LoadedNetwork:
         for layer in self.layers:
             for name in (*layer.inputs, *layer.outputs):
                 self._slot(name)
+        for name in graph.outputs:  # an output may be a constant that no layer reads
+            if name in graph.constants:
+                self._slot(name)
+                self._template[self._slots[name]] = graph.constants[name]
         self.input_slots = tuple(self._slot(name) for name in network.input_names)
         self.output_slots = tuple(self._slot(name) for name in graph.outputs)
         self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots))

@@ -1,7 +1,7 @@
-"""builtin: always registered; owns the glue between backends (MemCopy) and, later, control flow.
+"""builtin: always registered; owns control flow (If, Loop, Scan) and the glue between backends (MemCopy).
 
-Like onert's builtin backend, its kernels are never taken from other backends, and the optimizer
-places its layers itself rather than by preference.
+Like onert's builtin backend, its kernels are never taken from other backends: the optimizer gives it
+its layers directly, whatever the preferences, and places the layers of the bodies like any others.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from backplane.backends.api.backend import Backend, Workload, WorkloadFactory
+from backplane.backends.api.backend import SUPPORTED, Backend, Support, Workload, WorkloadFactory, unsupported
 from backplane.backends.api.memory import TensorHandleFactory
+from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS, make_if, make_loop, make_scan
 from backplane.ir.graph import Layer, TensorInfo
 
-BUILTIN_OPS = ("MemCopy",)
+BUILTIN_OPS = ("MemCopy", *CONTROL_FLOW_OPS)
 
 
 def make_mem_copy(source: TensorHandleFactory, target: TensorHandleFactory) -> Workload:
@@ -31,12 +32,50 @@ class BuiltinWorkloadFactory(WorkloadFactory):
                         outputs: Sequence[TensorInfo]) -> Workload:
         if layer.op_type == "MemCopy":
             return make_mem_copy(layer.attrs["source"], layer.attrs["target"])
+        if layer.op_type in CONTROL_FLOW_OPS:
+            return _control_flow(layer)
         return super().create_workload(layer, inputs, outputs)
+
+
+def _load(network: Any) -> Any:
+    from backplane.runtime.loaded_network import LoadedNetwork  # the runtime loads the bodies
+
+    return LoadedNetwork(network, network_id=0)
+
+
+def _control_flow(layer: Layer) -> Workload:
+    attrs, captured = layer.attrs, layer.attrs["captured"]
+    if layer.op_type == "If":
+        return make_if(_load(attrs["then_branch"]), _load(attrs["else_branch"]), captured)
+    body = attrs["body"]
+    graph = body.graph
+    if layer.op_type == "Loop":
+        n_carried = len(layer.inputs) - 2 - captured
+        scan_infos = [graph.info(name) for name in graph.outputs[1 + n_carried:]]
+        return make_loop(_load(body), n_carried, captured, scan_infos)
+    n_scan_in = attrs["num_scan_inputs"]
+    n_state = len(layer.inputs) - n_scan_in - captured
+    n_scan_out = len(graph.outputs) - n_state
+    return make_scan(
+        _load(body), n_state, n_scan_in, captured,
+        attrs.get("scan_input_axes") or [0] * n_scan_in,
+        attrs.get("scan_input_directions") or [0] * n_scan_in,
+        attrs.get("scan_output_axes") or [0] * n_scan_out,
+        attrs.get("scan_output_directions") or [0] * n_scan_out,
+        [graph.info(name) for name in graph.outputs[n_state:]])
 
 
 class Builtin(Backend):
     id = "builtin"
     version = "1.0.0"
+
+    def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
+                           outputs: Sequence[TensorInfo]) -> Support:
+        if layer.domain or layer.op_type not in CONTROL_FLOW_OPS:
+            return unsupported(f"builtin runs only {', '.join(BUILTIN_OPS)}")
+        if layer.op_type == "Scan" and layer.opset < 9:
+            return unsupported("Scan before opset 9 (batched, with sequence_lens) is not supported")
+        return SUPPORTED
 
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
         return BuiltinWorkloadFactory(self, memory_manager)

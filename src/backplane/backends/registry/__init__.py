@@ -6,11 +6,9 @@ from backplane.backends.registry.registry import BackendRegistry, Registration, 
 
 
 def _builtin_registry() -> BackendRegistry:
-    from backplane.backends.builtin.backend import Builtin
     from backplane.backends.reference.backend import CpuRef
 
-    registry = BackendRegistry()
-    registry.register(Builtin.id, Builtin, origin="built in")
+    registry = BackendRegistry()  # builtin is in every registry from the start
     registry.register(CpuRef.id, CpuRef, origin="built in")
     return registry
 

@@ -38,6 +38,9 @@ class BackendRegistry:
         self._instances: dict[str, Backend] = {}
         self.skipped: list[Skipped] = []
         self._loaded_paths: set[str] = set()
+        from backplane.backends.builtin.backend import Builtin  # always registered (onert's builtin)
+
+        self.register(Builtin.id, Builtin, origin="built in")
 
     def register(self, backend_id: str, factory: BackendFactory, origin: str = "user") -> None:
         if not backend_id:
@@ -49,6 +52,8 @@ class BackendRegistry:
         self._entries[backend_id] = Registration(backend_id, factory, origin)
 
     def deregister(self, backend_id: str) -> None:
+        if backend_id == "builtin":
+            raise ValueError("the builtin backend is always registered; it cannot be deregistered")
         self._entries.pop(self._known(backend_id).id)
         self._instances.pop(backend_id, None)
 

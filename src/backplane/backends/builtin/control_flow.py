@@ -1,0 +1,87 @@
+"""If, Loop and Scan: builtin's workloads that run optimized sub-networks (onert's builtin kernels).
+
+Each body was placed by the optimizer like any graph and is loaded here as a LoadedNetwork of its own.
+A body's inputs are its formal inputs followed by the tensors it reads from the enclosing scope
+("captured"); the optimizer appended those to the layer's inputs, so they arrive as the last
+``n_captured`` inputs of the workload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.ir.graph import TensorInfo
+
+CONTROL_FLOW_OPS = {"If": ("then_branch", "else_branch"), "Loop": ("body",), "Scan": ("body",)}
+
+
+def _bool(value: Any) -> bool:
+    return bool(np.asarray(value).reshape(-1)[0])
+
+
+def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:
+    def if_(cond: Any, *captured: Any) -> tuple[Any, ...]:
+        branch = then_net if _bool(cond) else else_net
+        return tuple(branch.execute(captured))
+
+    return if_
+
+
+def make_loop(body: Any, n_carried: int, n_captured: int, scan_infos: Sequence[TensorInfo]) -> Any:
+    """ONNX Loop: run ``body`` while the trip count allows and its condition holds."""
+
+    def loop(trip_count: Any, cond: Any, *rest: Any) -> tuple[Any, ...]:
+        carried, captured = list(rest[:n_carried]), list(rest[n_carried:])
+        max_trips = None if trip_count is None else int(np.asarray(trip_count).reshape(-1)[0])
+        keep_going = True if cond is None else _bool(cond)
+        scans: list[list[Any]] = [[] for _ in scan_infos]
+        i = 0
+        while keep_going and (max_trips is None or i < max_trips):
+            outs = body.execute([np.array(i, np.int64), np.array(keep_going), *carried, *captured])
+            keep_going, carried = _bool(outs[0]), list(outs[1:1 + n_carried])
+            for collected, value in zip(scans, outs[1 + n_carried:]):
+                collected.append(value)
+            i += 1
+        return (*carried, *(_stack(values, info) for values, info in zip(scans, scan_infos)))
+
+    return loop
+
+
+def _stack(values: list[Any], info: TensorInfo, axis: int = 0) -> np.ndarray:
+    if values:
+        return np.stack([np.asarray(v) for v in values], axis=axis)
+    dims = info.shape or ()
+    element = tuple(d if isinstance(d, int) else 0 for d in dims)
+    dtype = info.dtype if info.dtype is not None else np.dtype(np.float32)
+    return np.zeros((0, *element), dtype=dtype)  # zero iterations: an empty stack
+
+
+def make_scan(body: Any, n_state: int, n_scan_in: int, n_captured: int, input_axes: Sequence[int],
+              input_directions: Sequence[int], output_axes: Sequence[int],
+              output_directions: Sequence[int], scan_out_infos: Sequence[TensorInfo]) -> Any:
+    """ONNX Scan (opset 9 on): iterate ``body`` over slices of the scan inputs, carrying state."""
+
+    def scan(*inputs: Any) -> tuple[Any, ...]:
+        state = list(inputs[:n_state])
+        scan_in = [np.asarray(x) for x in inputs[n_state:n_state + n_scan_in]]
+        captured = list(inputs[n_state + n_scan_in:])
+        axes = [a % x.ndim for a, x in zip(input_axes, scan_in)]
+        length = scan_in[0].shape[axes[0]] if scan_in else 0
+        collected: list[list[Any]] = [[] for _ in scan_out_infos]
+        for t in range(length):
+            slices = [np.take(x, length - 1 - t if rev else t, axis=ax)
+                      for x, ax, rev in zip(scan_in, axes, input_directions)]
+            outs = body.execute([*state, *slices, *captured])
+            state = list(outs[:n_state])
+            for values, value in zip(collected, outs[n_state:]):
+                values.append(value)
+        results = []
+        for values, info, axis, rev in zip(collected, scan_out_infos, output_axes, output_directions):
+            stacked = _stack(values[::-1] if rev else values, info)
+            results.append(np.moveaxis(stacked, 0, axis % stacked.ndim))
+        return (*state, *results)
+
+    return scan
