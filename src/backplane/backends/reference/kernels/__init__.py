@@ -13,6 +13,7 @@ from backplane.backends.reference.kernels import (
     reduce,
     resize,
     shape,
+    windows,
 )
 
 KERNELS = {
@@ -26,6 +27,7 @@ KERNELS = {
     **normalization.KERNELS,
     **resize.KERNELS,
     **quant.KERNELS,
+    **windows.KERNELS,
 }
 
 CHECKS = {

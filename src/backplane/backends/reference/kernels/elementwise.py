@@ -161,6 +161,10 @@ def xor(A, B):
     return (np.logical_xor(A, B),)
 
 
+def string_concat(X, Y):
+    return (np.asarray(X + Y, dtype=object),)  # object arrays of str add elementwise
+
+
 def where(condition, X, Y):
     return (np.where(condition, X, Y),)
 
@@ -329,6 +333,7 @@ KERNELS: KernelTable = {
     "Or": {7: or_},
     "Xor": {7: xor},
     "Where": {9: where},
+    "StringConcat": {20: string_concat},
     # casts
     "Cast": {6: cast},
     "CastLike": {15: cast_like},

@@ -1,4 +1,4 @@
-"""Matrix products: MatMul, Gemm, MatMulInteger, QLinearMatMul and Einsum, all through BLAS (np.matmul)."""
+"""Matrix products (MatMul, Gemm, MatMulInteger, QLinearMatMul, Einsum) through BLAS, and Det."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def q_linear_mat_mul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale
     return (np.clip(rounded, info.min, info.max).astype(y_zero_point.dtype),)
 
 
+def det(X):
+    return (np.asarray(np.linalg.det(X)).astype(X.dtype),)
+
+
 def einsum(*Inputs, equation):  # noqa: N803
     return (np.asarray(np.einsum(equation, *Inputs)),)
 
@@ -52,4 +56,5 @@ KERNELS: KernelTable = {
     "MatMulInteger": {10: mat_mul_integer},
     "QLinearMatMul": {10: q_linear_mat_mul},
     "Einsum": {12: einsum},
+    "Det": {11: det},
 }

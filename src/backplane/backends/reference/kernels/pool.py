@@ -1,4 +1,5 @@
-"""Pools: MaxPool (with Indices), AveragePool, LpPool and their Global forms, over sliding windows.
+"""Pools: MaxPool (with Indices), AveragePool, LpPool and their Global forms over sliding windows;
+MaxUnpool.
 
 Explicit padding is filled with a value the pool ignores (-inf for max, 0 for sums); ceil_mode adds
 padding at the end so the last, partial window exists. AveragePool divides by the number of input
@@ -95,6 +96,22 @@ def lp_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None
     return ((windows.sum(axis=tuple(range(X.ndim, windows.ndim))) ** (1 / p)).astype(X.dtype),)
 
 
+def max_unpool(X, I, output_shape=None, kernel_shape=None, pads=None, strides=None):  # noqa: N803
+    # I holds MaxPool's flat indices into the unpooled tensor of the default shape; everything
+    # else is zero. A larger output_shape adds zeros after the end of each axis.
+    rank = X.ndim - 2
+    strides, pads = list(strides or [1] * rank), list(pads or [0] * 2 * rank)
+    spatial = [(size - 1) * s + k - b - e for size, s, k, b, e
+               in zip(X.shape[2:], strides, kernel_shape, pads[:rank], pads[rank:])]
+    unpooled = np.zeros((*X.shape[:2], *spatial), dtype=X.dtype)
+    unpooled.reshape(-1)[I.reshape(-1)] = X.reshape(-1)
+    if output_shape is None:
+        return (unpooled,)
+    output = np.zeros([int(d) for d in output_shape], dtype=X.dtype)
+    output[tuple(slice(0, d) for d in unpooled.shape)] = unpooled
+    return (output,)
+
+
 def global_average_pool(X):
     return (np.mean(X, axis=tuple(range(2, X.ndim)), keepdims=True, dtype=X.dtype),)
 
@@ -121,6 +138,7 @@ KERNELS: KernelTable = {
     "MaxPool": {1: max_pool},  # later opsets add attributes whose defaults keep the old behaviour
     "AveragePool": {1: average_pool},
     "LpPool": {2: lp_pool},
+    "MaxUnpool": {9: max_unpool},
     "GlobalAveragePool": {1: global_average_pool},
     "GlobalMaxPool": {1: global_max_pool},
     "GlobalLpPool": {2: global_lp_pool},

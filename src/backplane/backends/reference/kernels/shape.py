@@ -1,4 +1,5 @@
 """Layout ops: Reshape, Flatten, Squeeze / Unsqueeze, Transpose, Concat, Split, Expand, Tile, Pad,
+CenterCropPad,
 DepthToSpace / SpaceToDepth, Trilu, Identity, Dropout, Shape, Size, and the tensor makers
 (Constant, ConstantOfShape, Range, EyeLike).
 
@@ -118,6 +119,17 @@ def check_pad(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     return None if mode in _PAD_MODES else f"Pad mode {mode!r} not known (known: {list(_PAD_MODES)})"
 
 
+def center_crop_pad(input_data, shape, axes=None):
+    # Crop or pad each axis about its centre: half of the difference (rounded down) goes first.
+    widths = [(0, 0)] * input_data.ndim
+    for axis, target in zip(_axes(range(input_data.ndim) if axes is None else axes, input_data.ndim),
+                            shape):
+        diff = int(target) - input_data.shape[axis]
+        begin = diff // 2 if diff >= 0 else -(-diff // 2)
+        widths[axis] = (begin, diff - begin)
+    return (_pad(input_data, widths, "constant", 0),)
+
+
 # -- blocks ------------------------------------------------------------------------------------
 def depth_to_space(input, blocksize, mode="DCR"):  # noqa: A002
     n, c, h, w = input.shape
@@ -215,6 +227,7 @@ KERNELS: KernelTable = {
     "Expand": {8: expand},
     "Tile": {6: tile},
     "Pad": {2: pad_v2, 11: pad},
+    "CenterCropPad": {18: center_crop_pad},
     "DepthToSpace": {1: depth_to_space},
     "SpaceToDepth": {1: space_to_depth},  # mode (opset 28) defaults to the older behaviour
     "Trilu": {14: trilu},
