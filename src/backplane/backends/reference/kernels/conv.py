@@ -41,7 +41,8 @@ def sliding_windows(padded, kernel, strides, dilations):
     extents = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
     views = np.lib.stride_tricks.sliding_window_view(padded, extents, axis=tuple(range(2, 2 + rank)))
     steps = tuple(slice(None, None, s) for s in strides) + tuple(slice(None, None, d) for d in dilations)
-    return views[(slice(None), slice(None), *steps)]
+    every = (slice(None), slice(None), *steps)
+    return views[every]
 
 
 def _defaults(x, strides, dilations):
@@ -89,8 +90,10 @@ def conv_transpose(X, W, B=None, auto_pad="NOTSET", dilations=None, group=1, ker
     for offset in itertools.product(*map(range, kernel)):
         target = tuple(slice(o * d, o * d + s * (i - 1) + 1, s)
                        for o, d, s, i in zip(offset, dilations, strides, ins))
-        full[(slice(None), slice(None), *target)] += products[(Ellipsis, *offset)]
-    begins, sizes = _transpose_crop(full.shape[2:], ins, strides, auto_pad, output_padding, output_shape, pads)
+        into, source = (slice(None), slice(None), *target), (Ellipsis, *offset)
+        full[into] += products[source]
+    begins, sizes = _transpose_crop(full.shape[2:], ins, strides, auto_pad, output_padding,
+                                    output_shape, pads)
     y = _window(full, begins, sizes)
     if B is not None:
         y = y + B.reshape(-1, *[1] * rank)
@@ -117,8 +120,8 @@ def _window(x, begins, sizes):
     """x[..., begin:begin+size] on each spatial axis, zeros where that runs past x's edges."""
     widths = [(max(0, -b), max(0, b + s - f)) for b, s, f in zip(begins, sizes, x.shape[2:])]
     padded = np.pad(x, [(0, 0), (0, 0), *widths])
-    return padded[(slice(None), slice(None),
-                   *(slice(max(b, 0), max(b, 0) + s) for b, s in zip(begins, sizes)))]
+    crop = (slice(None), slice(None), *(slice(max(b, 0), max(b, 0) + s) for b, s in zip(begins, sizes)))
+    return padded[crop]
 
 
 def check_conv(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:

@@ -57,7 +57,8 @@ def gather_nd(data, indices, batch_dims=0):
     flat_data = data.reshape((batches,) + data.shape[batch_dims:])
     flat_indices = indices.reshape(batches, -1, depth)  # (B, M, depth)
     coords = [_wrap(flat_indices[..., j], flat_data.shape[1 + j]) for j in range(depth)]
-    gathered = flat_data[(np.arange(batches)[:, None], *coords)]  # (B, M, *rest)
+    where = (np.arange(batches)[:, None], *coords)
+    gathered = flat_data[where]  # (B, M, *rest)
     out_shape = batch_shape + indices.shape[batch_dims:-1] + data.shape[batch_dims + depth:]
     return (gathered.reshape(out_shape),)
 

@@ -56,7 +56,8 @@ def check_batch_normalization(layer: Layer, inputs: Sequence[TensorInfo]) -> str
     return None
 
 
-def layer_normalization(X, Scale, B=None, axis=-1, epsilon=1e-5, stash_type=1, *, n_outputs=1):  # noqa: N803
+def layer_normalization(X, Scale, B=None, axis=-1, epsilon=1e-5, stash_type=1,  # noqa: N803
+                        *, n_outputs=1):
     axes = tuple(range(axis % X.ndim, X.ndim))
     x = _stash(X)
     mean = x.mean(axis=axes, keepdims=True)

@@ -24,7 +24,8 @@ def _broadcastable(param, x, axis, block_size):
         return param.reshape(())
     axis = axis % x.ndim
     if block_size:  # each value covers block_size consecutive elements along axis
-        return np.repeat(param, block_size, axis=axis)[(slice(None),) * axis + (slice(0, x.shape[axis]),)]
+        repeated = np.repeat(param, block_size, axis=axis)
+        return np.take(repeated, np.arange(x.shape[axis]), axis=axis)
     return param.reshape([-1 if d == axis else 1 for d in range(x.ndim)])
 
 
@@ -87,8 +88,8 @@ def q_linear_conv(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y
                           kernel_shape, pads, strides)
     if B is not None:
         acc = acc + B.reshape(-1, *[1] * (x.ndim - 2))
-    multiplier = (x_scale.astype(np.float32) * w_scale.astype(np.float32).reshape(-1, *[1] * (x.ndim - 2))
-                  / y_scale.astype(np.float32))
+    w_scale = w_scale.astype(np.float32).reshape(-1, *[1] * (x.ndim - 2))
+    multiplier = x_scale.astype(np.float32) * w_scale / y_scale.astype(np.float32)
     y = np.rint(acc * multiplier) + y_zero_point.astype(np.int32)
     return (_saturate(y, y_zero_point.dtype),)
 
@@ -100,14 +101,14 @@ def check_quantize(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     output_dtype = layer.attrs.get("output_dtype", 0)
     dtype = zero if zero is not None else (onnx_to_numpy_dtype(output_dtype) if output_dtype
                                            else np.dtype(np.uint8))
-    if not is_numpy_native(dtype) or dtype.kind not in "iu":
+    if dtype is None or not is_numpy_native(dtype) or dtype.kind not in "iu":
         return f"quantizing to {dtype} not supported (NumPy integer types only)"
     return None
 
 
 def check_dequantize(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     dtype = inputs[0].dtype if inputs else None
-    if not is_numpy_native(dtype) or dtype.kind not in "iu":
+    if dtype is None or not is_numpy_native(dtype) or dtype.kind not in "iu":
         return f"dequantizing {dtype} not supported (NumPy integer types only)"
     return None
 
