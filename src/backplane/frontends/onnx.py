@@ -77,9 +77,7 @@ def _check_opsets(proto: ModelProto) -> dict[str, int]:
     if "ai.onnx" in opsets:
         opsets[""] = opsets.pop("ai.onnx")
     if "" not in opsets:
-        if proto.ir_version >= 3:  # ONNX requires an opset_import from IR version 3 on
-            raise ModelError("the model declares no opset for the default ONNX domain")
-        opsets[""] = 1
+        return opsets  # a node of the default domain is then refused by name (no opset_import)
     default = opsets[""]
     if not MIN_OPSET <= default <= max_opset():
         raise ModelError(f"the model uses opset {default} of the default ONNX domain; "
