@@ -12,6 +12,7 @@ from backplane.backends.reference.kernels import (
     quant,
     reduce,
     resize,
+    rnn,
     shape,
     windows,
 )
@@ -28,6 +29,7 @@ KERNELS = {
     **resize.KERNELS,
     **quant.KERNELS,
     **windows.KERNELS,
+    **rnn.KERNELS,
 }
 
 CHECKS = {
@@ -39,4 +41,5 @@ CHECKS = {
     **normalization.CHECKS,
     **resize.CHECKS,
     **quant.CHECKS,
+    **rnn.CHECKS,
 }
