@@ -120,7 +120,7 @@ class LoadedNetwork:
         finally:
             for manager in self.memory_managers:
                 manager.release()
-        return [env[i] for i in self.output_slots]
+        return [_array(env[i]) for i in self.output_slots]
 
     def execute_profiled(self, inputs: Sequence[Any]) -> tuple[list[Any], list[LayerTiming]]:
         """Like ``execute``, timing every layer (for the CLI and the debug knob, not the hot path)."""
@@ -144,12 +144,17 @@ class LoadedNetwork:
                 env[i] = value
             for i in step.frees:
                 env[i] = None
-        return [env[i] for i in self.output_slots], timings
+        return [_array(env[i]) for i in self.output_slots], timings
 
     def _failure(self, step: Step, exc: Exception) -> ExecutionError:
         layer = self._layer_of[id(step.workload)]
         return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
                               f"{type(exc).__name__}: {exc}")
+
+
+def _array(value: Any) -> Any:
+    """NumPy turns 0-d results into scalars (np.float32); outputs are always arrays."""
+    return np.asarray(value) if isinstance(value, np.generic) else value
 
 
 def _plan(layers: Sequence[Layer], workloads: Sequence[Workload], slots: dict[str, int],

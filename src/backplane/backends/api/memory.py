@@ -13,6 +13,8 @@ import numpy as np
 
 
 def _host_copy(value: Any) -> Any:
+    if value is None or isinstance(value, (list, tuple)):  # an empty optional, a sequence
+        return value if value is None else [_host_copy(v) for v in value]
     return np.array(value, copy=True)
 
 
