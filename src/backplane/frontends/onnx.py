@@ -20,7 +20,7 @@ from onnx import GraphProto, ModelProto, NodeProto
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
 from backplane.ir.graph import Dim, Graph, Layer, TensorInfo
 
-MIN_OPSET = 7
+MIN_OPSET = 1  # kernels are versioned; an old op they cannot run is refused by name
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 

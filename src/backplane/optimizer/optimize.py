@@ -142,8 +142,12 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
             excluded: Mapping[str, set[str]] | None = None) -> None:
     for layer in layers if layers is not None else graph.layers:
         placement = report.layers.get(layer.name) or LayerPlacement(layer.name, layer.op_type, "")
-        if layer.op_type in CONTROL_FLOW_OPS and not layer.domain:
-            layer.backend = placement.backend = BUILTIN  # builtin's own, whatever the preferences
+        if layer.op_type in CONTROL_FLOW_OPS and not layer.domain:  # builtin's own, always
+            support = available[BUILTIN].is_layer_supported(layer, [], [])
+            if not support.ok:
+                raise OptimizationError(f"no backend can run {layer.describe()}: builtin: "
+                                        f"{support.reason}")
+            layer.backend = placement.backend = BUILTIN
             report.layers[layer.name] = placement
             continue
         placement.pinned = pins.get(layer.name) or pins.get(layer.op_type)
