@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from backplane.backends.api.kernels import Kernel, UnsupportedError, bind_kernel, select_kernel
 from backplane.backends.api.memory import HOST_FACTORY, MemoryManager, TensorHandleFactory
 from backplane.backends.api.optimization import OptimizationViews
@@ -30,8 +32,14 @@ equal and its minor is not above ours (seed 000, "Dynamic backend versioning")."
 Workload = Callable[..., tuple[Any, ...]]
 """A prepared call: inputs positional, a tuple of outputs back. Created once at load, run many times."""
 
-# The element types NumPy computes natively; the exotic ones (bfloat16, float8, int4) are not claimed.
-NUMPY_NATIVE_KINDS = frozenset("biufcO?")
+
+
+def is_numpy_native(dtype: np.dtype | None) -> bool:
+    """NumPy's own element types; ml_dtypes' bfloat16, float8 and int4 are not claimed by default.
+
+    float8_e5m2 reports kind "f" like float32, so the test is whether NumPy built the type in.
+    """
+    return dtype is not None and (dtype.isbuiltin == 1 or dtype.kind in "OSU")
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,7 @@ class Backend:
         if unknown:
             return unsupported(f"attribute(s) {', '.join(unknown)} not implemented")
         for info in (*inputs, *outputs):
-            if info.dtype is not None and info.dtype.kind not in NUMPY_NATIVE_KINDS:
+            if info.dtype is not None and not is_numpy_native(info.dtype):
                 return unsupported(f"data type {info.dtype.name} not supported")
         check = self.CHECKS.get(layer.op_type)
         reason = check(layer, inputs) if check else None

@@ -7,9 +7,12 @@ from backplane.backends.registry.registry import BackendRegistry, Registration, 
 
 def _builtin_registry() -> BackendRegistry:
     from backplane.backends.reference.backend import CpuRef
+    from backplane.backends.torch.backend import CpuAcc, GpuAcc  # imports torch only when created
 
     registry = BackendRegistry()  # builtin is in every registry from the start
     registry.register(CpuRef.id, CpuRef, origin="built in")
+    registry.register(CpuAcc.id, CpuAcc, origin="built in")
+    registry.register(GpuAcc.id, GpuAcc, origin="built in")
     return registry
 
 

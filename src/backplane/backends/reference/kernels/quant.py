@@ -13,7 +13,7 @@ import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.reference.kernels.conv import conv
-from backplane.backends.reference.kernels.elementwise import is_numpy_native
+from backplane.backends.api.backend import is_numpy_native
 from backplane.frontends.onnx_types import onnx_to_numpy_dtype
 from backplane.ir.graph import Layer, TensorInfo
 

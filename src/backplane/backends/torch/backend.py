@@ -1,0 +1,199 @@
+"""CpuAcc and GpuAcc: the backend classes, their tensor memory, options and workload factories.
+
+Both share one kernel table (``kernels/``): a torch kernel runs where its tensors are. They differ in
+memory (CpuAcc: torch CPU tensors, zero-copy views of NumPy arrays; GpuAcc: CUDA tensors, uploaded
+through pinned memory) and in ``optimize_subgraph`` (CpuAcc fuses into oneDNN primitives, GpuAcc
+captures CUDA graphs).
+
+Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-op threads),
+``CpuAcc.linear_route`` ("auto": measure MKL and oneDNN per layer at load and keep the faster;
+"mkl"; "onednn"), ``GpuAcc.device`` (default "cuda:0"), ``GpuAcc.cuda_graphs`` (default True).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import (
+    SUPPORTED,
+    Backend,
+    BackendContext,
+    BackendOptions,
+    Support,
+    Workload,
+    WorkloadFactory,
+    unsupported,
+)
+from backplane.backends.api.memory import MemorySource, TensorHandleFactory
+from backplane.backends.api.optimization import OptimizationViews
+from backplane.ir.graph import Layer, SubgraphView, TensorInfo
+
+FUSED_DOMAIN = "backplane.torch"
+"""The domain of the layers CpuAcc and GpuAcc substitute (fused convolutions, CUDA graphs)."""
+
+
+def torch_missing() -> str | None:
+    """Why torch cannot be used here, or None."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install 'backplane[torch]')"
+    return None
+
+
+def _numpy_to_torch(value: Any) -> Any:
+    import torch
+
+    array = np.asarray(value)
+    if not (array.flags.writeable and array.flags.c_contiguous):
+        array = np.array(array, order="C")  # torch.from_numpy wants writable, positive strides
+    return torch.from_numpy(array)
+
+
+def _torch_to_numpy(tensor: Any) -> np.ndarray:
+    return tensor.numpy()
+
+
+TORCH_CPU_FACTORY = TensorHandleFactory(
+    "torch-cpu", MemorySource.MALLOC, MemorySource.MALLOC, MemorySource.MALLOC,
+    copy_in=_numpy_to_torch, copy_out=_torch_to_numpy)
+"""torch CPU tensors: copy_in and copy_out are zero-copy views (torch.from_numpy / .numpy())."""
+
+
+class TorchBackend(Backend):
+    """What CpuAcc and GpuAcc share: the kernel table, the support check, fused-layer workloads."""
+
+    version = "0.1.0"
+
+    def __init__(self) -> None:
+        self.options = BackendOptions()
+        self.missing = self._missing()
+        if self.missing is None:
+            from backplane.backends.torch import kernels
+
+            self.KERNELS = kernels.KERNELS  # type: ignore[misc]
+            self.CHECKS = kernels.CHECKS  # type: ignore[misc]
+            self.input_dtypes = kernels.INPUT_DTYPES
+
+    def _missing(self) -> str | None:
+        return torch_missing()
+
+    def availability(self) -> Support:
+        return unsupported(self.missing) if self.missing else SUPPORTED
+
+    def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
+                           outputs: Sequence[TensorInfo]) -> Support:
+        if self.missing:
+            return unsupported(self.missing)
+        from backplane.backends.torch.kernels.common import TORCH_DTYPES
+
+        for info in (*inputs, *outputs):
+            if info.dtype is not None and info.dtype not in TORCH_DTYPES:
+                return unsupported(f"data type {info.dtype.name} not supported by torch kernels")
+        allowed = self.input_dtypes.get(layer.op_type)
+        if allowed and inputs and inputs[0].dtype is not None and inputs[0].dtype not in allowed:
+            return unsupported(f"{layer.op_type} on {inputs[0].dtype.name} is not claimed "
+                               f"(claimed: {', '.join(sorted(d.name for d in allowed))})")
+        return super().is_layer_supported(layer, inputs, outputs)
+
+    def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
+        return TorchWorkloadFactory(self, memory_manager)
+
+    def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
+        """Workload makers for the layers this backend substitutes: op type -> maker(layer, backend,
+        input infos)."""
+        return {}
+
+
+class TorchWorkloadFactory(WorkloadFactory):
+    def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
+                        outputs: Sequence[TensorInfo]) -> Workload:
+        if layer.domain == FUSED_DOMAIN:
+            backend: TorchBackend = self.backend  # type: ignore[assignment]
+            return backend.fused_workloads()[layer.op_type](layer, backend, inputs)
+        return super().create_workload(layer, inputs, outputs)
+
+
+class TorchContext(BackendContext):
+    def __init__(self, threads: int | None) -> None:
+        if threads:
+            import torch
+
+            torch.set_num_threads(int(threads))
+
+
+class CpuAcc(TorchBackend):
+    """PyTorch's CPU kernels (oneDNN, MKL), with convolutions and linears fused and prepacked."""
+
+    id = "CpuAcc"
+
+    def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
+        return (TORCH_CPU_FACTORY,)
+
+    def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
+        self.options = options
+        return TorchContext(options.get("CpuAcc.threads"))
+
+    def capabilities(self) -> dict[str, Any]:
+        return {**super().capabilities(), "FusedConvolution": True, "ZeroCopyNumPy": True}
+
+    def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
+        if self.missing:
+            return OptimizationViews(untouched=[view])
+        from backplane.backends.torch import fusion
+
+        return fusion.fuse(view)
+
+    def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
+        from backplane.backends.torch import fusion
+
+        return fusion.WORKLOADS
+
+
+class GpuAcc(TorchBackend):
+    """PyTorch's CUDA kernels; each static-shape subgraph captured as a CUDA graph at load."""
+
+    id = "GpuAcc"
+
+    def _missing(self) -> str | None:
+        reason = torch_missing()
+        if reason:
+            return reason
+        import torch
+
+        if not torch.cuda.is_available():
+            built = torch.version.cuda
+            return ("no CUDA device is available" if built else
+                    f"this torch ({torch.__version__}) is built without CUDA")
+        return None
+
+    def device(self) -> Any:
+        import torch
+
+        return torch.device(self.options.get("GpuAcc.device", "cuda:0"))
+
+    def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
+        from backplane.backends.torch import cuda
+
+        return (cuda.factory(self.options.get("GpuAcc.device", "cuda:0")),)
+
+    def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
+        self.options = options
+        return None
+
+    def capabilities(self) -> dict[str, Any]:
+        return {**super().capabilities(), "AsyncExecution": True, "CudaGraphs": True}
+
+    def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
+        if self.missing or not self.options.get("GpuAcc.cuda_graphs", True):
+            return OptimizationViews(untouched=[view])
+        from backplane.backends.torch import cuda
+
+        return cuda.capture_views(view, self)
+
+    def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
+        from backplane.backends.torch import cuda
+
+        return cuda.WORKLOADS

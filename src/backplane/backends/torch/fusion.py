@@ -1,0 +1,348 @@
+"""CpuAcc's ``optimize_subgraph``: fuse what oneDNN runs fused, with weights prepacked at load.
+
+Patterns (each intermediate tensor read by the next layer only, all layers in the subgraph):
+
+- Conv [-> BatchNormalization] [-> Add(residual)] [-> activation | -> x * Sigmoid(x)]
+  becomes one ``FusedConv``: oneDNN's convolution with the batch norm folded into its weights, the
+  residual as a binary post-op and the activation as a unary post-op, on channels-last activations
+  (``torch.ops.mkldnn._convolution_pointwise``, weights reordered once at load).
+- Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)] [-> activation]
+  becomes one ``Linear``: at load the faster of MKL (``F.linear``) and oneDNN
+  (``torch.ops.mkldnn._linear_pointwise`` with a prepacked weight) on its static shape is measured
+  and kept (``CpuAcc.linear_route`` forces one).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.api.optimization import OptimizationViews, Substitution
+from backplane.backends.reference.kernels.conv import spatial_pads
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.ir.graph import Graph, Layer, SubgraphView
+
+F32 = np.dtype(np.float32)
+PostOp = tuple[str, list[float], "str | None"]  # oneDNN's unary attr, its scalars, its algorithm
+
+
+@dataclass
+class _Context:
+    """What the matchers need: constants, consumers, and which layers are still free to fuse."""
+
+    view: SubgraphView
+    graph: Graph
+    consumers: dict[str, list[Layer]]
+    inside: set[int]
+    taken: set[int] = field(default_factory=set)
+
+    def const(self, name: str) -> np.ndarray | None:
+        return self.graph.constants.get(name) if name else None
+
+    def sole(self, name: str) -> Layer | None:
+        """The one free layer of the subgraph that reads ``name``, if nothing else reads it."""
+        users = self.consumers.get(name, [])
+        if len(users) != 1 or name in self.graph.outputs:
+            return None
+        user = users[0]
+        return user if id(user) in self.inside and id(user) not in self.taken else None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        info = self.graph.info(name)
+        return tuple(info.shape) if info.is_static and info.dtype == F32 else None  # type: ignore
+
+
+def fuse(view: SubgraphView) -> OptimizationViews:
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
+    ctx = _Context(view, graph, graph.consumers(), set(map(id, view.layers)))
+    views = OptimizationViews()
+    for layer in view.layers:
+        if id(layer) in ctx.taken or layer.domain:
+            continue
+        match = _match_conv(layer, ctx) if layer.op_type == "Conv" else _match_linear(layer, ctx)
+        if match is None:
+            continue
+        group, fused = match
+        ctx.taken.update(map(id, group))
+        views.substitutions.append(Substitution(SubgraphView.of(graph, group), [fused]))
+    rest = [layer for layer in view.layers if id(layer) not in ctx.taken]
+    if rest:
+        views.untouched.append(SubgraphView.of(graph, rest))
+    return views
+
+
+# -- post-ops ----------------------------------------------------------------------------------------
+def post_op(layer: Layer, ctx: _Context) -> PostOp | None:
+    """The oneDNN eltwise post-op a layer is, or None."""
+    op, attrs = layer.op_type, layer.attrs
+    if layer.domain or op not in _SIMPLE and op not in ("LeakyRelu", "HardSigmoid", "Gelu", "Clip"):
+        return None
+    if op in _SIMPLE:
+        return (_SIMPLE[op], [], None)
+    if op == "LeakyRelu":
+        return ("leaky_relu", [float(attrs.get("alpha", 0.01))], None)
+    if op == "HardSigmoid":  # torch's hardsigmoid is ONNX's with alpha 1/6, beta 1/2
+        alpha, beta = attrs.get("alpha", 0.2), attrs.get("beta", 0.5)
+        return ("hardsigmoid", [], None) if math.isclose(alpha, 1 / 6, rel_tol=1e-6) and beta == 0.5 \
+            else None
+    if op == "Gelu":
+        return ("gelu", [], attrs.get("approximate", "none"))
+    bounds = _clip_bounds(layer, ctx)
+    return ("hardtanh", list(bounds), None) if bounds else None
+
+
+_SIMPLE = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish": "hardswish"}
+
+
+def _clip_bounds(layer: Layer, ctx: _Context) -> tuple[float, float] | None:
+    if layer.opset < 11:
+        return float(layer.attrs.get("min", -np.inf)), float(layer.attrs.get("max", np.inf))
+    values = []
+    for index, default in ((1, -np.inf), (2, np.inf)):
+        name = layer.inputs[index] if len(layer.inputs) > index else ""
+        if name and ctx.const(name) is None:
+            return None
+        values.append(float(ctx.const(name).reshape(-1)[0]) if name else default)  # type: ignore
+    return values[0], values[1]
+
+
+def _swish(out: str, ctx: _Context) -> list[Layer] | None:
+    """x * Sigmoid(x), read from ``out``: the two layers, or None."""
+    users = ctx.consumers.get(out, [])
+    if len(users) != 2 or out in ctx.graph.outputs:
+        return None
+    sigmoid = next((u for u in users if u.op_type == "Sigmoid" and not u.domain), None)
+    mul = next((u for u in users if u.op_type == "Mul" and not u.domain), None)
+    if sigmoid is None or mul is None or ctx.sole(sigmoid.outputs[0]) is not mul:
+        return None
+    if any(id(u) not in ctx.inside or id(u) in ctx.taken for u in users):
+        return None
+    return [sigmoid, mul]
+
+
+# -- Conv ----------------------------------------------------------------------------------------------
+def _match_conv(conv: Layer, ctx: _Context) -> tuple[list[Layer], Layer] | None:
+    x, w_name = conv.inputs[0], conv.inputs[1]
+    weight, in_shape = ctx.const(w_name), ctx.shape(x)
+    b_name = conv.inputs[2] if len(conv.inputs) > 2 else ""
+    bias = ctx.const(b_name)
+    if weight is None or weight.dtype != F32 or weight.ndim != 4 or in_shape is None or len(in_shape) != 4:
+        return None
+    if b_name and bias is None:
+        return None
+    strides = list(conv.attrs.get("strides") or [1, 1])
+    dilations = list(conv.attrs.get("dilations") or [1, 1])
+    begins, ends = spatial_pads(in_shape[2:], weight.shape[2:], strides, dilations,
+                                conv.attrs.get("auto_pad", "NOTSET"), conv.attrs.get("pads"))
+    group, out = [conv], conv.outputs[0]
+    bias = np.zeros(weight.shape[0], F32) if bias is None else bias
+    nxt = ctx.sole(out)
+    if nxt is not None and nxt.op_type == "BatchNormalization" and not nxt.domain:
+        folded = _fold_batch_norm(nxt, weight, bias, ctx)
+        if folded is not None:
+            (weight, bias), out = folded, nxt.outputs[0]
+            group.append(nxt)
+            nxt = ctx.sole(out)
+    inputs, binary = [x], False
+    if nxt is not None and nxt.op_type == "Add" and not nxt.domain:
+        other = nxt.inputs[1] if nxt.inputs[0] == out else nxt.inputs[0]
+        if ctx.const(other) is None and ctx.shape(other) == ctx.shape(out) and other != out:
+            inputs, binary, out = [x, other], True, nxt.outputs[0]
+            group.append(nxt)
+            nxt = ctx.sole(out)
+    unary: PostOp | None = None
+    swish = None if binary else _swish(out, ctx)
+    if swish is not None:
+        unary, out = ("swish", [], None), swish[1].outputs[0]
+        group += swish
+    elif nxt is not None and (unary := post_op(nxt, ctx)) is not None:
+        group.append(nxt)
+        out = nxt.outputs[0]
+    attrs = {"weight": np.ascontiguousarray(weight, F32), "bias": np.ascontiguousarray(bias, F32),
+             "strides": strides, "dilations": dilations, "group": int(conv.attrs.get("group", 1)),
+             "begins": begins, "ends": ends, "input_shape": list(in_shape), "binary": binary,
+             "unary": unary}
+    fused = Layer("+".join(lay.name for lay in group), "FusedConv", inputs, [out], attrs,
+                  FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _fold_batch_norm(bn: Layer, weight: np.ndarray, bias: np.ndarray, ctx: _Context,
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+    params = [ctx.const(name) for name in bn.inputs[1:5]]
+    if any(p is None for p in params) or bn.attrs.get("training_mode", 0) or len(bn.outputs) > 1:
+        return None
+    scale, shift, mean, var = (p.astype(np.float64) for p in params)  # type: ignore[union-attr]
+    factor = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
+    folded_w = weight.astype(np.float64) * factor.reshape(-1, 1, 1, 1)
+    folded_b = (bias.astype(np.float64) - mean) * factor + shift
+    return folded_w.astype(F32), folded_b.astype(F32)
+
+
+def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    a = layer.attrs
+    begins, ends, shape = a["begins"], a["ends"], list(a["input_shape"])
+    pre_pad = None
+    if begins != ends:  # oneDNN pads symmetrically: pad the input here first
+        pre_pad = [p for b, e in zip(reversed(begins), reversed(ends)) for p in (b, e)]
+        shape = shape[:2] + [s + b + e for s, b, e in zip(shape[2:], begins, ends)]
+        begins = [0, 0]
+    weight = torch.from_numpy(a["weight"])
+    bias = torch.from_numpy(a["bias"])
+    strides, dilations, groups = a["strides"], a["dilations"], a["group"]
+    packed = torch.ops.mkldnn._reorder_convolution_weight(weight, begins, strides, dilations,
+                                                          groups, shape)
+    attr, scalars, algorithm = a["unary"] or ("none", [], None)
+    cl = torch.channels_last
+    if a["binary"]:
+        binary = torch.ops.mkldnn._convolution_pointwise.binary
+        unary = None if attr == "none" else attr
+
+        def run(x, other):
+            x = F.pad(x, pre_pad) if pre_pad else x
+            return (binary(x.contiguous(memory_format=cl), other.contiguous(memory_format=cl),
+                           packed, bias, begins, strides, dilations, groups, "add", None, unary,
+                           scalars, algorithm),)
+        return run
+    pointwise = torch.ops.mkldnn._convolution_pointwise
+
+    def run_unary(x):
+        x = F.pad(x, pre_pad) if pre_pad else x
+        return (pointwise(x.contiguous(memory_format=cl), packed, bias, begins, strides, dilations,
+                          groups, attr, scalars, algorithm),)
+    return run_unary
+
+
+# -- Linear --------------------------------------------------------------------------------------------
+def _match_linear(layer: Layer, ctx: _Context) -> tuple[list[Layer], Layer] | None:
+    if layer.op_type == "Gemm" and not layer.domain:
+        found = _gemm_weights(layer, ctx)
+    elif layer.op_type == "MatMul" and not layer.domain:
+        found = _matmul_weights(layer, ctx)
+    else:
+        return None
+    if found is None:
+        return None
+    weight, bias, group = found
+    out = group[-1].outputs[0]
+    nxt = ctx.sole(out)
+    unary = post_op(nxt, ctx) if nxt is not None else None
+    if unary is not None:
+        group.append(nxt)  # type: ignore[arg-type]
+        out = nxt.outputs[0]  # type: ignore[union-attr]
+    x = layer.inputs[0]
+    attrs = {"weight": np.ascontiguousarray(weight, F32),
+             "bias": None if bias is None else np.ascontiguousarray(bias, F32),
+             "input_shape": list(ctx.shape(x) or []), "unary": unary}
+    fused = Layer("+".join(lay.name for lay in group), "Linear", [x], [out], attrs, FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _gemm_weights(gemm: Layer, ctx: _Context):
+    a = gemm.attrs
+    b = ctx.const(gemm.inputs[1])
+    c_name = gemm.inputs[2] if len(gemm.inputs) > 2 else ""
+    c = ctx.const(c_name)
+    if b is None or b.dtype != F32 or a.get("transA", 0) or ctx.shape(gemm.inputs[0]) is None:
+        return None
+    if c_name and c is None:
+        return None
+    weight = (b if a.get("transB", 0) else b.T) * np.float32(a.get("alpha", 1.0))  # (N, K)
+    bias = None
+    if c is not None and a.get("beta", 1.0) != 0:
+        if c.size not in (1, weight.shape[0]) or (c.ndim == 2 and c.shape[0] != 1):
+            return None
+        bias = np.broadcast_to(c.reshape(-1) * np.float32(a.get("beta", 1.0)), (weight.shape[0],))
+    return weight, bias, [gemm]
+
+
+def _matmul_weights(matmul: Layer, ctx: _Context):
+    b = ctx.const(matmul.inputs[1])
+    shape = ctx.shape(matmul.inputs[0])
+    if b is None or b.dtype != F32 or b.ndim != 2 or shape is None or len(shape) < 2:
+        return None
+    weight, bias, group = b.T, None, [matmul]
+    add = ctx.sole(matmul.outputs[0])
+    if add is not None and add.op_type == "Add" and not add.domain:
+        other = add.inputs[1] if add.inputs[0] == matmul.outputs[0] else add.inputs[0]
+        c = ctx.const(other)
+        if c is not None and c.dtype == F32 and c.size == b.shape[1] and c.shape[-1:] == (b.shape[1],) \
+                and c.ndim <= len(shape):
+            bias = c.reshape(-1)
+            group.append(add)
+    return weight, bias, group
+
+
+
+def _torch_post_op(unary: PostOp | None) -> Callable[[Any], Any] | None:
+    import torch
+    import torch.nn.functional as F
+
+    if unary is None:
+        return None
+    attr, scalars, algorithm = unary
+    table: dict[str, Callable[[Any], Any]] = {
+        "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+        "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "swish": F.silu,
+        "leaky_relu": lambda t: F.leaky_relu(t, scalars[0] if scalars else 0.01),
+        "hardtanh": lambda t: torch.clamp(t, scalars[0], scalars[1]),
+        "gelu": lambda t: F.gelu(t, approximate=algorithm or "none"),
+    }
+    return table[attr]
+
+
+def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    a = layer.attrs
+    weight = torch.from_numpy(a["weight"])
+    bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
+    post = _torch_post_op(a["unary"])
+
+    def mkl(x):
+        y = F.linear(x, weight, bias)
+        return (post(y) if post else y,)
+
+    route = backend.options.get("CpuAcc.linear_route", "auto")
+    if route == "mkl" or not a["input_shape"]:
+        return mkl
+    rows = math.prod(a["input_shape"][:-1])
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    attr, scalars, algorithm = a["unary"] or ("none", [], None)
+    linear = torch.ops.mkldnn._linear_pointwise
+
+    def onednn(x):
+        return (linear(x, packed, bias, attr, scalars, algorithm),)
+
+    if route == "onednn":
+        return onednn
+    sample = torch.randn(a["input_shape"])
+    return min((mkl, onednn), key=lambda run: _seconds(run, sample))
+
+
+def _seconds(run: Callable[[Any], Any], sample: Any, repeat: int = 3) -> float:
+    """The fastest of a few timed calls, after one untimed; a route that fails never wins."""
+    try:
+        run(sample)
+        best = math.inf
+        for _ in range(repeat):
+            start = time.perf_counter()
+            run(sample)
+            best = min(best, time.perf_counter() - start)
+        return best
+    except RuntimeError:
+        return math.inf
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {"FusedConv": conv_workload, "Linear": linear_workload}

@@ -1,0 +1,23 @@
+"""The torch backends' kernel table: one explicit merge of the per-family tables, their support checks,
+and the element types each op's first input may have. CpuAcc and GpuAcc share it: a torch kernel runs
+on whichever device its tensors are on."""
+
+from __future__ import annotations
+
+from backplane.backends.torch.kernels import elementwise, nn, shape
+
+KERNELS = {
+    **elementwise.KERNELS,
+    **nn.KERNELS,
+    **shape.KERNELS,
+}
+
+CHECKS = {
+    **nn.CHECKS,
+}
+
+INPUT_DTYPES = {
+    **elementwise.INPUT_DTYPES,
+    **nn.INPUT_DTYPES,
+    **shape.INPUT_DTYPES,
+}

@@ -1,0 +1,247 @@
+"""Elementwise torch kernels: arithmetic, math, comparisons, logic, Where, Cast, Clip, activations.
+
+ONNX broadcasting is NumPy's, which is torch's. ONNX keeps the input dtype where torch might promote
+(Pow of an int by a float, integer Div), so those kernels cast back or pick the rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from backplane.backends.api.kernels import KernelTable
+from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, SIGNED, scalar, torch_dtype
+
+
+def _unary(fn):
+    def kernel(X):
+        return (fn(X),)
+    kernel.__name__ = fn.__name__
+    return kernel
+
+
+def add(A, B):
+    return (torch.add(A, B),)
+
+
+def sub(A, B):
+    return (torch.sub(A, B),)
+
+
+def mul(A, B):
+    return (torch.mul(A, B),)
+
+
+def div(A, B):
+    if A.dtype.is_floating_point:
+        return (torch.div(A, B),)
+    return (torch.div(A, B, rounding_mode="trunc"),)  # ONNX integer division truncates
+
+
+def pow_(X, Y):
+    return (torch.pow(X, Y).to(X.dtype),)
+
+
+def erf(input):  # noqa: A002
+    return (torch.erf(input),)
+
+
+def sum_(*data_0):
+    return (functools.reduce(torch.add, data_0),)
+
+
+def mean(*data_0):
+    return (functools.reduce(torch.add, data_0) / len(data_0),)
+
+
+def max_(*data_0):
+    return (functools.reduce(torch.maximum, data_0),)
+
+
+def min_(*data_0):
+    return (functools.reduce(torch.minimum, data_0),)
+
+
+def clip_v6(input, max=3.4028234663852886e38, min=-3.4028234663852886e38):  # noqa: A002
+    return (torch.clamp(input, min, max),)
+
+
+def clip(input, min=None, max=None):  # noqa: A002
+    low = None if min is None else scalar(min)
+    high = None if max is None else scalar(max)
+    if low is None and high is None:
+        return (input.clone(),)
+    return (torch.clamp(input, low, high),)
+
+
+def equal(A, B):
+    return (torch.eq(A, B),)
+
+
+def less(A, B):
+    return (torch.lt(A, B),)
+
+
+def less_or_equal(A, B):
+    return (torch.le(A, B),)
+
+
+def greater(A, B):
+    return (torch.gt(A, B),)
+
+
+def greater_or_equal(A, B):
+    return (torch.ge(A, B),)
+
+
+def not_(X):
+    return (torch.logical_not(X),)
+
+
+def and_(A, B):
+    return (torch.logical_and(A, B),)
+
+
+def or_(A, B):
+    return (torch.logical_or(A, B),)
+
+
+def xor(A, B):
+    return (torch.logical_xor(A, B),)
+
+
+def where(condition, X, Y):
+    return (torch.where(condition, X, Y),)
+
+
+def cast(input, to, saturate=1):  # noqa: A002
+    return (input.to(torch_dtype(to)),)
+
+
+def relu(X):
+    return (torch.relu(X),)
+
+
+def leaky_relu(X, alpha=0.01):
+    return (F.leaky_relu(X, alpha),)
+
+
+def prelu(X, slope):
+    return (torch.where(X < 0, X * slope, X),)
+
+
+def elu(X, alpha=1.0):
+    return (F.elu(X, alpha),)
+
+
+def selu(X, alpha=1.6732632423543772, gamma=1.0507009873554805):
+    return (gamma * torch.where(X > 0, X, alpha * torch.expm1(X)),)
+
+
+def sigmoid(X):
+    return (torch.sigmoid(X),)
+
+
+def hard_sigmoid(X, alpha=0.2, beta=0.5):
+    return (torch.clamp(X * alpha + beta, 0.0, 1.0),)
+
+
+def hard_swish(X):
+    return (F.hardswish(X),)
+
+
+def softplus(X):
+    return (torch.log1p(torch.exp(X)) if X.numel() else X.clone(),)
+
+
+def softsign(X):
+    return (X / (1 + torch.abs(X)),)
+
+
+def mish(X):
+    return (F.mish(X),)
+
+
+def gelu(X, approximate="none"):
+    return (F.gelu(X, approximate=approximate),)
+
+
+def thresholded_relu(X, alpha=1.0):
+    return (torch.where(X > alpha, X, torch.zeros_like(X)),)
+
+
+KERNELS: KernelTable = {
+    "Add": {7: add},
+    "Sub": {7: sub},
+    "Mul": {7: mul},
+    "Div": {7: div},
+    "Pow": {7: pow_},
+    "Neg": {6: _unary(torch.neg)},
+    "Abs": {6: _unary(torch.abs)},
+    "Reciprocal": {6: _unary(torch.reciprocal)},
+    "Sqrt": {6: _unary(torch.sqrt)},
+    "Exp": {6: _unary(torch.exp)},
+    "Log": {6: _unary(torch.log)},
+    "Floor": {6: _unary(torch.floor)},
+    "Ceil": {6: _unary(torch.ceil)},
+    "Round": {11: _unary(torch.round)},  # both round half to even
+    "Sign": {9: _unary(torch.sign)},
+    "Erf": {9: erf},
+    "Sin": {7: _unary(torch.sin)},
+    "Cos": {7: _unary(torch.cos)},
+    "Tan": {7: _unary(torch.tan)},
+    "Asin": {7: _unary(torch.asin)},
+    "Acos": {7: _unary(torch.acos)},
+    "Atan": {7: _unary(torch.atan)},
+    "Sinh": {9: _unary(torch.sinh)},
+    "Cosh": {9: _unary(torch.cosh)},
+    "Tanh": {6: _unary(torch.tanh)},
+    "Asinh": {9: _unary(torch.asinh)},
+    "Acosh": {9: _unary(torch.acosh)},
+    "Atanh": {9: _unary(torch.atanh)},
+    "Sum": {8: sum_},
+    "Mean": {8: mean},
+    "Max": {8: max_},
+    "Min": {8: min_},
+    "Clip": {6: clip_v6, 11: clip},
+    "Equal": {7: equal},
+    "Less": {7: less},
+    "LessOrEqual": {12: less_or_equal},
+    "Greater": {7: greater},
+    "GreaterOrEqual": {12: greater_or_equal},
+    "Not": {1: not_},
+    "And": {7: and_},
+    "Or": {7: or_},
+    "Xor": {7: xor},
+    "Where": {9: where},
+    "Cast": {6: cast},
+    "Relu": {6: relu},
+    "LeakyRelu": {6: leaky_relu},
+    "PRelu": {7: prelu},
+    "Elu": {6: elu},
+    "Selu": {6: selu},
+    "Sigmoid": {6: sigmoid},
+    "HardSigmoid": {6: hard_sigmoid},
+    "HardSwish": {14: hard_swish},
+    "Softplus": {1: softplus},
+    "Softsign": {1: softsign},
+    "Mish": {18: mish},
+    "Gelu": {20: gelu},
+    "ThresholdedRelu": {10: thresholded_relu},
+}
+
+_FLOAT_OPS = ("Reciprocal", "Sqrt", "Exp", "Log", "Floor", "Ceil", "Round", "Erf", "Sin", "Cos",
+              "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Tanh", "Asinh", "Acosh", "Atanh",
+              "Mean", "LeakyRelu", "PRelu", "Elu", "Selu", "Sigmoid", "HardSigmoid", "HardSwish",
+              "Softplus", "Softsign", "Mish", "Gelu", "ThresholdedRelu")
+INPUT_DTYPES = {
+    **{op: FLOATS for op in _FLOAT_OPS},
+    **{op: NUMBERS for op in ("Add", "Sub", "Mul", "Div", "Abs", "Sum", "Max", "Min", "Clip",
+                              "Relu", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
+    "Neg": FLOATS | SIGNED,
+    "Sign": FLOATS | SIGNED,
+    "Pow": FLOATS,
+}
+"""Per op, the element types its first input may have (other inputs follow ONNX's type rules)."""

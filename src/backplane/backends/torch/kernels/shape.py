@@ -1,0 +1,185 @@
+"""Layout torch kernels: Reshape, Flatten, Transpose, Concat, Split, Slice, (Un)Squeeze, Gather,
+Expand, Tile, Shape, Identity; and the reductions.
+
+Shape-like inputs are read with ``ints`` (host lists), so these kernels never compute on them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from backplane.backends.api.kernels import KernelTable
+from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints
+
+
+def reshape(data, shape, allowzero=0):
+    dims = ints(shape)
+    if not allowzero:
+        dims = [data.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+    return (data.reshape(dims),)
+
+
+def flatten(input, axis=1):  # noqa: A002
+    axis = axis + input.dim() if axis < 0 else axis  # axis == rank is allowed
+    return (input.reshape(math.prod(input.shape[:axis]), math.prod(input.shape[axis:])),)
+
+
+def transpose(data, perm=None):
+    perm = perm if perm is not None else list(reversed(range(data.dim())))
+    return (data.permute(perm),)
+
+
+def concat(*inputs, axis):
+    return (torch.cat(inputs, axis),)
+
+
+def split_v13(input, split=None, axis=0, *, n_outputs=1):  # noqa: A002
+    sizes = ints(split) if split is not None else _even(input.shape[axis], n_outputs)
+    return tuple(torch.split(input, sizes, axis))
+
+
+def split(input, split=None, axis=0, num_outputs=None, *, n_outputs=1):  # noqa: A002
+    if split is not None:
+        return tuple(torch.split(input, ints(split), axis))
+    count = num_outputs or n_outputs
+    chunk = -(-input.shape[axis] // count)  # the last one is smaller when it does not divide
+    return tuple(torch.split(input, chunk, axis))
+
+
+def _even(size, parts):
+    return [size // parts] * parts
+
+
+def slice_(data, starts, ends, axes=None, steps=None):
+    starts, ends = ints(starts), ints(ends)
+    axes = ints(axes) if axes is not None else list(range(len(starts)))
+    steps = ints(steps) if steps is not None else [1] * len(starts)
+    index = [slice(None)] * data.dim()
+    flips = []
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        size = data.shape[axis]
+        begin, stop, stride = slice(start, end, step).indices(size)
+        if stride > 0:
+            index[axis] = slice(begin, max(begin, stop), stride)
+            continue
+        # torch slices forward only: take the same elements forward, then flip the axis.
+        count = max(0, -(-(begin - stop) // -stride))
+        first = begin + (count - 1) * stride if count else 0
+        index[axis] = slice(first, first + (count - 1) * -stride + 1 if count else 0, -stride)
+        flips.append(axis % data.dim())
+    result = data[tuple(index)]
+    return (result.flip(flips) if flips else result,)
+
+
+def squeeze_v1(data, axes=None):
+    return squeeze(data, axes)
+
+
+def squeeze(data, axes=None):
+    if axes is None:
+        return (data.reshape([d for d in data.shape if d != 1]),)
+    dims = {a % data.dim() for a in ints(axes)}
+    return (data.reshape([d for i, d in enumerate(data.shape) if i not in dims]),)
+
+
+def unsqueeze_v1(data, axes):
+    return unsqueeze(data, axes)
+
+
+def unsqueeze(data, axes):
+    rank = data.dim() + len(ints(axes))
+    dims = sorted(a % rank for a in ints(axes))
+    shape = list(data.shape)
+    for axis in dims:
+        shape.insert(axis, 1)
+    return (data.reshape(shape),)
+
+
+def gather(data, indices, axis=0):
+    axis = axis % data.dim()
+    size = data.shape[axis]
+    flat = indices.reshape(-1).long()
+    flat = torch.where(flat < 0, flat + size, flat)
+    picked = torch.index_select(data, axis, flat)
+    return (picked.reshape(*data.shape[:axis], *indices.shape, *data.shape[axis + 1:]),)
+
+
+def expand(input, shape):  # noqa: A002
+    target = torch.broadcast_shapes(tuple(input.shape), tuple(ints(shape)))
+    return (input.expand(target),)
+
+
+def tile(input, repeats):  # noqa: A002
+    return (input.repeat(ints(repeats)),)
+
+
+def shape(data, start=0, end=None):
+    return (torch.tensor(list(data.shape)[start:end], dtype=torch.int64, device=data.device),)
+
+
+def identity(input):  # noqa: A002
+    return (input,)
+
+
+# -- reductions ------------------------------------------------------------------------------------
+def _reduce(fn, keeps_dtype=True):
+    def kernel(data, axes=None, keepdims=1, noop_with_empty_axes=0):
+        dims = ints(axes) if axes is not None else []
+        if not dims:
+            if noop_with_empty_axes:
+                return (data,)
+            dims = list(range(data.dim()))
+        return (fn(data, dims, bool(keepdims)),)
+    kernel.__name__ = fn.__name__
+    return kernel
+
+
+def _reduce_v1(fn):
+    inner = _reduce(fn)
+
+    def kernel(data, axes=None, keepdims=1):
+        return inner(data, axes, keepdims)
+    kernel.__name__ = f"{fn.__name__}_v1"
+    return kernel
+
+
+def _sum(x, dims, keep):
+    return torch.sum(x, dims, keep, dtype=x.dtype)
+
+
+def _mean(x, dims, keep):
+    return torch.mean(x, dims, keep)
+
+
+def _max(x, dims, keep):
+    return torch.amax(x, dims, keep)
+
+
+def _min(x, dims, keep):
+    return torch.amin(x, dims, keep)
+
+
+KERNELS: KernelTable = {
+    "Reshape": {5: reshape},
+    "Flatten": {9: flatten},
+    "Transpose": {1: transpose},
+    "Concat": {4: concat},
+    "Split": {13: split_v13, 18: split},
+    "Slice": {10: slice_},
+    "Squeeze": {1: squeeze_v1, 13: squeeze},
+    "Unsqueeze": {1: unsqueeze_v1, 13: unsqueeze},
+    "Gather": {1: gather},
+    "Expand": {8: expand},
+    "Tile": {6: tile},
+    "Shape": {15: shape},
+    "Identity": {1: identity},
+    "ReduceSum": {1: _reduce_v1(_sum), 13: _reduce(_sum)},
+    "ReduceMean": {1: _reduce_v1(_mean), 18: _reduce(_mean)},
+    "ReduceMax": {1: _reduce_v1(_max), 18: _reduce(_max)},
+    "ReduceMin": {1: _reduce_v1(_min), 18: _reduce(_min)},
+}
+
+INPUT_DTYPES = {"ReduceSum": NUMBERS, "ReduceMean": FLOATS, "ReduceMax": NUMBERS,
+                "ReduceMin": NUMBERS}
