@@ -197,8 +197,8 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         pre_pad = [p for b, e in zip(reversed(begins), reversed(ends)) for p in (b, e)]
         shape = shape[:2] + [s + b + e for s, b, e in zip(shape[2:], begins, ends)]
         begins = [0, 0]
-    weight = torch.from_numpy(a["weight"])
-    bias = torch.from_numpy(a["bias"])
+    weight = torch.from_numpy(np.array(a["weight"]))
+    bias = torch.from_numpy(np.array(a["bias"]))
     strides, dilations, groups = a["strides"], a["dilations"], a["group"]
     packed = torch.ops.mkldnn._reorder_convolution_weight(weight, begins, strides, dilations,
                                                           groups, shape)
@@ -306,7 +306,7 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     import torch.nn.functional as F
 
     a = layer.attrs
-    weight = torch.from_numpy(a["weight"])
+    weight = torch.from_numpy(np.array(a["weight"]))
     bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
     post = _torch_post_op(a["unary"])
 
