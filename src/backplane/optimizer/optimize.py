@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from backplane.backends.api.backend import Backend
+from backplane.backends.builtin.backend import OWNED_OPS
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
 from backplane.backends.registry import registry as default_registry
@@ -142,8 +143,10 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
             excluded: Mapping[str, set[str]] | None = None) -> None:
     for layer in layers if layers is not None else graph.layers:
         placement = report.layers.get(layer.name) or LayerPlacement(layer.name, layer.op_type, "")
-        if layer.op_type in CONTROL_FLOW_OPS and not layer.domain:  # builtin's own, always
-            support = available[BUILTIN].is_layer_supported(layer, [], [])
+        ins = [graph.info(n) for n in layer.inputs if n]
+        outs = [graph.info(n) for n in layer.outputs if n]
+        if layer.op_type in OWNED_OPS and not layer.domain:  # builtin's own, always
+            support = available[BUILTIN].is_layer_supported(layer, ins, outs)
             if not support.ok:
                 raise OptimizationError(f"no backend can run {layer.describe()}: builtin: "
                                         f"{support.reason}")
@@ -151,8 +154,6 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
             report.layers[layer.name] = placement
             continue
         placement.pinned = pins.get(layer.name) or pins.get(layer.op_type)
-        ins = [graph.info(n) for n in layer.inputs if n]
-        outs = [graph.info(n) for n in layer.outputs if n]
         skip = (excluded or {}).get(layer.name, set())
         for backend_id in _candidates(layer, report.preferences, available, pins, skip):
             support = available[backend_id].is_layer_supported(layer, ins, outs)

@@ -1,4 +1,5 @@
-"""builtin: always registered; owns control flow (If, Loop, Scan) and the glue between backends (MemCopy).
+"""builtin: always registered; owns control flow (If, Loop, Scan), sequence and optional plumbing,
+and the glue between backends (MemCopy).
 
 Like onert's builtin backend, its kernels are never taken from other backends: the optimizer gives it
 its layers directly, whatever the preferences, and places the layers of the bodies like any others.
@@ -11,10 +12,13 @@ from typing import Any
 
 from backplane.backends.api.backend import SUPPORTED, Backend, Support, Workload, WorkloadFactory, unsupported
 from backplane.backends.api.memory import TensorHandleFactory
+from backplane.backends.builtin import sequence
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS, make_if, make_loop, make_scan
 from backplane.ir.graph import Layer, TensorInfo
 
-BUILTIN_OPS = ("MemCopy", *CONTROL_FLOW_OPS)
+BUILTIN_OPS = ("MemCopy", *CONTROL_FLOW_OPS, *sequence.KERNELS)
+OWNED_OPS = frozenset((*CONTROL_FLOW_OPS, *sequence.KERNELS))
+"""Ops the optimizer gives to builtin whatever the preferences (onert: kernels never taken elsewhere)."""
 
 
 def make_mem_copy(source: TensorHandleFactory, target: TensorHandleFactory) -> Workload:
@@ -68,14 +72,17 @@ def _control_flow(layer: Layer) -> Workload:
 class Builtin(Backend):
     id = "builtin"
     version = "1.0.0"
+    KERNELS = sequence.KERNELS
 
     def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
                            outputs: Sequence[TensorInfo]) -> Support:
-        if layer.domain or layer.op_type not in CONTROL_FLOW_OPS:
+        if layer.domain or layer.op_type not in OWNED_OPS:
             return unsupported(f"builtin runs only {', '.join(BUILTIN_OPS)}")
         if layer.op_type == "Scan" and layer.opset < 9:
             return unsupported("Scan before opset 9 (batched, with sequence_lens) is not supported")
-        return SUPPORTED
+        if layer.op_type in CONTROL_FLOW_OPS:
+            return SUPPORTED
+        return super().is_layer_supported(layer, inputs, outputs)
 
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
         return BuiltinWorkloadFactory(self, memory_manager)
