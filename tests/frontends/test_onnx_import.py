@@ -137,3 +137,11 @@ def test_local_functions_are_inlined() -> None:
     model = helper.make_model(graph, functions=[fn], opset_imports=[
         helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
     assert [layer.op_type for layer in import_onnx(model).layers] == ["Add"]
+
+
+def test_an_attribute_the_op_does_not_have_is_refused_by_name() -> None:
+    node = helper.make_node("ReduceSum", ["x"], ["y"], name="rs", axes=[0])  # an input from opset 13
+    model = make_model([node], [float_input("x", [2])], [float_input("y", None)], opset=13)
+    with pytest.raises(ModelError, match=r"node 'rs' \(ReduceSum, opset 13\): attribute\(s\) \['axes'\] "
+                                         r"are not attributes of ReduceSum-13"):
+        import_onnx(model)

@@ -192,9 +192,14 @@ class _Importer:
             raise ModelError(f"{where}: unknown op '{node.op_type}' in domain "
                              f"'{domain or 'ai.onnx'}'")
         try:
-            onnx.defs.get_schema(node.op_type, opset, domain)
+            schema = onnx.defs.get_schema(node.op_type, opset, domain)
         except onnx.defs.SchemaError as exc:
             raise ModelError(f"{where}: the op does not exist at opset {opset}") from exc
+        unknown = [a.name for a in node.attribute if a.name not in schema.attributes]
+        if unknown and not schema.has_function:  # kernels would bind them over their inputs
+            raise ModelError(f"{where}: attribute(s) {unknown} are not attributes of "
+                             f"{node.op_type}-{schema.since_version}; it has "
+                             f"{sorted(schema.attributes) or 'none'}")
         try:
             attrs: dict[str, Any] = {a.name: attribute_value(a, self.graph) for a in node.attribute}
         except ModelError:

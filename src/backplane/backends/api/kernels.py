@@ -1,8 +1,9 @@
 """Kernels: plain functions in one explicit table per backend, versions as data.
 
 A kernel follows its ONNX op: inputs positional (``None`` for an absent optional input), attributes as
-keyword arguments with the spec's defaults, and it always returns a tuple of outputs. A kernel that
-needs to know how many outputs the layer has (Split before opset 18) takes a keyword-only
+keyword arguments with the spec's defaults, and it always returns a tuple with one value per output
+slot of the layer, ``""`` placeholders included (extra values are ignored). A kernel that needs to
+know how many outputs the layer has (Split before opset 18, optional outputs) takes a keyword-only
 ``n_outputs``; the workload factory passes it.
 
 A table maps an op type to ``{since_version: kernel}``; the newest kernel whose since-version is not
