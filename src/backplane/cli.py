@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
 from backplane.backends.registry import registry
 from backplane.backends.registry.dynamic import PATHS_VARIABLE, backend_paths
@@ -36,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.command(args) or 0)
     except USER_ERRORS as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(Text("error: ", style="bold red") + Text(str(exc)), highlight=False)
         return 2
 
 
@@ -87,7 +88,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     session = _session(args)
     session.report.render(console)
     if args.graph:
-        console.print(repr(session.optimized.graph), highlight=False)
+        console.print(Text(repr(session.optimized.graph)), highlight=False)
     return 0
 
 
@@ -109,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         console.print(f"median of {len(totals)} runs: {statistics.median(totals) * 1e3:.2f} ms "
                       f"(min {min(totals) * 1e3:.2f}, max {max(totals) * 1e3:.2f})")
     for arg, value in zip(session.get_outputs(), outputs):
-        console.print(f"output {arg.name}: {_summary(value)}", highlight=False)
+        console.print(Text(f"output {arg.name}: {_summary(value)}"), highlight=False)
     return 0
 
 
@@ -123,7 +124,8 @@ def _layer_table(timings: list[LayerTiming]) -> Table:
     for column in ("#", "layer", "op", "backend", "ms"):
         table.add_column(column, justify="right" if column in ("#", "ms") else "left")
     for index, t in enumerate(timings):
-        table.add_row(str(index), t.layer, t.op_type, t.backend, f"{t.seconds * 1e3:.3f}")
+        cells = (str(index), t.layer, t.op_type, t.backend, f"{t.seconds * 1e3:.3f}")
+        table.add_row(*map(Text, cells))
     return table
 
 
@@ -193,7 +195,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
         skipped.add_column("candidate", overflow="fold")
         skipped.add_column("reason", overflow="fold")
         for entry in registry.skipped:
-            skipped.add_row(entry.candidate, entry.reason)
+            skipped.add_row(Text(entry.candidate), Text(entry.reason))
         console.print(skipped)
     return 0
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from backplane import debug
 from backplane.backends.api.backend import Backend
 from backplane.backends.builtin.backend import OWNED_OPS
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
@@ -84,6 +85,8 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     chosen = {bid: available[bid] for bid in used}
     if report.copies:
         chosen[BUILTIN] = registry.create(BUILTIN)
+    if debug.level() >= 1:
+        report.render(debug.console())
     return OptimizedNetwork(graph, chosen, report, list(graph.inputs), output_names, options)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 @dataclass
@@ -63,7 +64,7 @@ class PlacementReport:
         for p in self.layers.values():
             refused = "; ".join(f"{b}: {r}" for b, r in p.refusals)
             backend = p.backend + (f" (in {p.substituted_by})" if p.substituted_by else "")
-            table.add_row(p.name, p.op_type, backend, refused)
+            table.add_row(*map(Text, (p.name, p.op_type, backend, refused)))
         return table
 
     def copies_table(self) -> Table:
@@ -71,8 +72,8 @@ class PlacementReport:
         for column in ("tensor", "from", "to", "strategy", "bytes"):
             table.add_column(column)
         for c in self.copies:
-            table.add_row(c.tensor, c.source, c.target, c.strategy,
-                          "?" if c.nbytes is None else f"{c.nbytes:,}")
+            size = "?" if c.nbytes is None else f"{c.nbytes:,}"
+            table.add_row(*map(Text, (c.tensor, c.source, c.target, c.strategy, size)))
         return table
 
     def render(self, console: Console) -> None:
@@ -80,7 +81,7 @@ class PlacementReport:
         if self.copies:
             console.print(self.copies_table())
         for backend, reason in self.unavailable.items():
-            console.print(f"backend {backend} unavailable: {reason}")
+            console.print(Text(f"backend {backend} unavailable: {reason}"))
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
         console.print(f"{len(self.layers)} layers ({counts}); {len(self.copies)} copies; "
                       f"{len(self.subgraphs)} subgraphs")

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from backplane import debug
 from backplane.backends.api.backend import Backend, ProfilingContext, Workload
 from backplane.backends.api.memory import MemoryManager
 from backplane.ir.graph import Graph, Layer
@@ -72,6 +73,8 @@ class LoadedNetwork:
         self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots))
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.profiling = profiling or {}
+        if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
+            self.execute = self._execute_traced  # type: ignore[method-assign]
 
     # -- load ----------------------------------------------------------------------------------------
     def _slot(self, name: str) -> int:
@@ -145,6 +148,13 @@ class LoadedNetwork:
             for i in step.frees:
                 env[i] = None
         return [_array(env[i]) for i in self.output_slots], timings
+
+    def _execute_traced(self, inputs: Sequence[Any]) -> list[Any]:
+        outputs, timings = self.execute_profiled(inputs)
+        for t, layer in zip(timings, self.layers):
+            debug.console().print(f"{t.seconds * 1e3:9.3f} ms  {t.backend:>10}  {layer!r}",
+                                  markup=False, highlight=False)
+        return outputs
 
     def _failure(self, step: Step, exc: Exception) -> ExecutionError:
         layer = self._layer_of[id(step.workload)]
