@@ -196,7 +196,7 @@ class _Importer:
         except onnx.defs.SchemaError as exc:
             raise ModelError(f"{where}: the op does not exist at opset {opset}") from exc
         unknown = [a.name for a in node.attribute if a.name not in schema.attributes]
-        if unknown and not schema.has_function:  # kernels would bind them over their inputs
+        if unknown:  # a kernel would bind them over its inputs
             raise ModelError(f"{where}: attribute(s) {unknown} are not attributes of "
                              f"{node.op_type}-{schema.since_version}; it has "
                              f"{sorted(schema.attributes) or 'none'}")

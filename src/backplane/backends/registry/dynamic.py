@@ -187,7 +187,7 @@ def _import(path: str) -> ModuleType:
     return module
 
 
-def _skip(skipped: list[Skipped], candidate: str, reason: str) -> None:
+def _skip(skipped: list[Skipped], candidate: str, reason: str) -> DynamicBackend | None:
     skipped.append(Skipped(candidate, reason))
     log.warning("dynamic backend %s skipped: %s", candidate, reason)
     return None
