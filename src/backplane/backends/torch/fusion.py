@@ -3,9 +3,11 @@
 Patterns (each intermediate tensor read by the next layer only, all layers in the subgraph):
 
 - Conv [-> BatchNormalization] [-> Add(residual)] [-> activation | -> x * Sigmoid(x)]
-  becomes one ``FusedConv``: oneDNN's convolution with the batch norm folded into its weights, the
-  residual as a binary post-op and the activation as a unary post-op, on channels-last activations
-  (``torch.ops.mkldnn._convolution_pointwise``, weights reordered once at load).
+  becomes one ``FusedConv`` on channels-last activations, the batch norm folded into its weights.
+  At load the faster on its shape is measured and kept (``CpuAcc.conv_route`` forces one): oneDNN's
+  convolution with the residual as a binary and the activation as a unary post-op and the weights
+  reordered once (``torch.ops.mkldnn._convolution_pointwise``), or torch's ``conv2d`` followed by
+  the post-ops (cheaper per call on tiny convolutions such as squeeze-excitation's).
 - Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)] [-> activation]
   becomes one ``Linear``: at load the faster of MKL (``F.linear``) and oneDNN
   (``torch.ops.mkldnn._linear_pointwise`` with a prepacked weight) on its static shape is measured
@@ -167,7 +169,8 @@ def _match_conv(conv: Layer, ctx: _Context) -> tuple[list[Layer], Layer] | None:
         out = nxt.outputs[0]
     attrs = {"weight": np.ascontiguousarray(weight, F32), "bias": np.ascontiguousarray(bias, F32),
              "strides": strides, "dilations": dilations, "group": int(conv.attrs.get("group", 1)),
-             "begins": begins, "ends": ends, "input_shape": list(in_shape), "binary": binary,
+             "begins": begins, "ends": ends, "input_shape": list(in_shape),
+             "output_shape": list(ctx.shape(conv.outputs[0]) or []), "binary": binary,
              "unary": unary}
     fused = Layer("+".join(lay.name for lay in group), "FusedConv", inputs, [out], attrs,
                   FUSED_DOMAIN, 1)
@@ -187,10 +190,26 @@ def _fold_batch_norm(bn: Layer, weight: np.ndarray, bias: np.ndarray, ctx: _Cont
 
 
 def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """The faster, on this layer's shape, of oneDNN's fused convolution with a prepacked weight and
+    torch's convolution (channels-last) followed by its post-ops; measured once, here, at load."""
+    import torch
+
+    a = layer.attrs
+    routes = {"onednn": _onednn_conv(a), "torch": _torch_conv(a)}
+    forced = backend.options.get("CpuAcc.conv_route", "auto")
+    if forced in routes:
+        return routes[forced]
+    cl = torch.channels_last
+    sample = [torch.randn(a["input_shape"]).contiguous(memory_format=cl)]
+    if a["binary"]:
+        sample.append(torch.randn(a["output_shape"]).contiguous(memory_format=cl))
+    return min(routes.values(), key=lambda run: _seconds(run, *sample))
+
+
+def _onednn_conv(a: dict[str, Any]) -> Workload:
     import torch
     import torch.nn.functional as F
 
-    a = layer.attrs
     begins, ends, shape = a["begins"], a["ends"], list(a["input_shape"])
     pre_pad = None
     if begins != ends:  # oneDNN pads symmetrically: pad the input here first
@@ -220,6 +239,38 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         x = F.pad(x, pre_pad) if pre_pad else x
         return (pointwise(x.contiguous(memory_format=cl), packed, bias, begins, strides, dilations,
                           groups, attr, scalars, algorithm),)
+    return run_unary
+
+
+def _torch_conv(a: dict[str, Any]) -> Workload:
+    """torch's own convolution on channels-last tensors, the post-ops as separate torch calls."""
+    import torch
+    import torch.nn.functional as F
+
+    cl = torch.channels_last
+    weight = torch.from_numpy(np.array(a["weight"])).contiguous(memory_format=cl)
+    bias = torch.from_numpy(np.array(a["bias"]))
+    begins, ends = a["begins"], a["ends"]
+    pre_pad = None if begins == ends else [p for b, e in zip(reversed(begins), reversed(ends))
+                                           for p in (b, e)]
+    padding = begins if pre_pad is None else [0, 0]
+    strides, dilations, groups = a["strides"], a["dilations"], a["group"]
+    post = _torch_post_op(a["unary"])
+
+    def conv(x):
+        x = F.pad(x, pre_pad) if pre_pad else x
+        return F.conv2d(x.contiguous(memory_format=cl), weight, bias, strides, padding, dilations,
+                        groups)
+
+    if a["binary"]:
+        def run(x, other):
+            y = conv(x).add_(other)
+            return (post(y) if post else y,)
+        return run
+
+    def run_unary(x):
+        y = conv(x)
+        return (post(y) if post else y,)
     return run_unary
 
 
@@ -331,14 +382,14 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     return min((mkl, onednn), key=lambda run: _seconds(run, sample))
 
 
-def _seconds(run: Callable[[Any], Any], sample: Any, repeat: int = 3) -> float:
+def _seconds(run: Callable[..., Any], *sample: Any, repeat: int = 5) -> float:
     """The fastest of a few timed calls, after one untimed; a route that fails never wins."""
     try:
-        run(sample)
+        run(*sample)
         best = math.inf
         for _ in range(repeat):
             start = time.perf_counter()
-            run(sample)
+            run(*sample)
             best = min(best, time.perf_counter() - start)
         return best
     except RuntimeError:

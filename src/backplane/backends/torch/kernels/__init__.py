@@ -14,6 +14,7 @@ KERNELS = {
 
 CHECKS = {
     **nn.CHECKS,
+    **shape.CHECKS,
 }
 
 INPUT_DTYPES = {

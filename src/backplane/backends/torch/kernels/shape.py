@@ -7,11 +7,14 @@ Shape-like inputs are read with ``ints`` (host lists), so these kernels never co
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints
+from backplane.ir.graph import Layer, TensorInfo
 
 
 def reshape(data, shape, allowzero=0):
@@ -107,7 +110,7 @@ def gather(data, indices, axis=0):
 
 
 def expand(input, shape):  # noqa: A002
-    target = torch.broadcast_shapes(tuple(input.shape), tuple(ints(shape)))
+    target = np.broadcast_shapes(tuple(input.shape), tuple(ints(shape)))
     return (input.expand(target),)
 
 
@@ -180,6 +183,20 @@ KERNELS: KernelTable = {
     "ReduceMax": {1: _reduce_v1(_max), 18: _reduce(_max)},
     "ReduceMin": {1: _reduce_v1(_min), 18: _reduce(_min)},
 }
+
+def check_identity(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    if inputs and inputs[0].dtype is None:
+        return "Identity of a sequence or an optional (torch kernels take tensors only)"
+    return None
+
+
+def check_extremum(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    if inputs and inputs[0].shape is not None and 0 in inputs[0].shape:
+        return f"{layer.op_type} of an empty tensor (torch's amax / amin refuse it)"
+    return None
+
+
+CHECKS = {"Identity": check_identity, "ReduceMax": check_extremum, "ReduceMin": check_extremum}
 
 INPUT_DTYPES = {"ReduceSum": NUMBERS, "ReduceMean": FLOATS, "ReduceMax": NUMBERS,
                 "ReduceMin": NUMBERS}

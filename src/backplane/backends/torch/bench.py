@@ -1,0 +1,419 @@
+"""Time a model on backplane, ONNX Runtime and eager PyTorch side by side (``bench/bench_torch.py``,
+``backplane bench``).
+
+Each runtime runs in processes of its own, one process per round, alternating A, B, C, A, B, C, ...:
+ONNX Runtime's worker threads keep spinning after a call and would slow whatever ran next in the same
+process on a 2-core machine, and a slow drift of the machine touches every runtime alike. A process
+loads the model, makes ``--warmup`` untimed calls and ``--runs`` timed ones, and reports. Every runtime
+gets the same seeded inputs and returns host arrays (a GPU runtime uploads and downloads in each call).
+
+Columns: backplane for each ``--backends`` list; ``onnxruntime`` (CPU, ``--threads`` intra-op
+threads); ``torch-eager``, the PyTorch module the model was exported from (rebuilt by
+``scripts/export_models.py``'s builders with the same seed, so the same weights; skipped when those
+builders or torchvision / transformers are missing); on ``--device cuda``, ``torch-cudagraph``, that
+module captured as a CUDA graph and replayed. The table gives the median of all timed calls, the
+spread (min-max of each process's median), the ratio to ONNX Runtime (ORT time / this time: above 1
+is faster than ORT), GFLOP/s from the model's Conv / MatMul / Gemm multiply-adds, and that against the
+measured matmul peak of the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[4]  # the checkout, for scripts/export_models.py
+ORT = "onnxruntime"
+EAGER = "torch-eager"
+CUDA_GRAPH = "torch-cudagraph"
+Run = Callable[[], list[np.ndarray]]
+
+
+# -- the worker side ------------------------------------------------------------------------------------
+def load_backplane(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespace,
+                   backends: list[str]) -> Run:
+    from backplane.runtime.runtime import Runtime, RuntimeOptions
+    from backplane.session import InferenceSession
+
+    options = RuntimeOptions(backend_options={"CpuAcc.threads": args.threads,
+                                              "GpuAcc.device": _cuda(args)})
+    session = InferenceSession(model, backends=backends, runtime=Runtime(options))
+    return lambda: session.run(None, feeds)
+
+
+def load_onnxruntime(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespace) -> Run:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return lambda: session.run(None, feeds)
+
+
+def load_torch(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespace,
+               graph: bool) -> Run:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    module = _torch_module(Path(model).stem)
+    device = torch.device(_cuda(args) if args.device == "cuda" else "cpu")
+    module = module.to(device)
+    host = [torch.from_numpy(v) for v in feeds.values()]
+    if not graph:
+        def eager() -> list[np.ndarray]:
+            with torch.inference_mode():
+                outputs = module(*[x.to(device) for x in host])
+            return [o.cpu().numpy() for o in _flat(outputs)]
+        return eager
+    static = [x.to(device) for x in host]
+    with torch.inference_mode():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                module(*static)
+        torch.cuda.current_stream(device).wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            outputs = _flat(module(*static))
+
+    def replay() -> list[np.ndarray]:
+        for s, x in zip(static, host):
+            s.copy_(x, non_blocking=True)
+        cuda_graph.replay()
+        return [o.cpu().numpy() for o in outputs]
+    return replay
+
+
+def _torch_module(name: str) -> Any:
+    """The module ``scripts/export_models.py`` exports as ``name``, built with the same seed."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import export_models
+        import torchvision  # noqa: F401 - the builders need it
+    except ImportError as exc:
+        raise RuntimeError(f"no torch module: scripts/export_models.py not importable ({exc})") from exc
+    builders = export_models.anchors()
+    if name not in builders:
+        raise RuntimeError(f"no torch module for {name} (known: {', '.join(builders)})")
+    torch.manual_seed(0)
+    return builders[name]()[0].eval()
+
+
+def _flat(outputs: Any) -> list[Any]:
+    if isinstance(outputs, (tuple, list)):
+        return [o for item in outputs for o in _flat(item)]
+    if isinstance(outputs, dict):
+        return [o for item in outputs.values() for o in _flat(item)]
+    return [outputs]
+
+
+def _cuda(args: argparse.Namespace) -> str:
+    return "cuda:0"  # one GPU: the device machines have one per process
+
+
+def _loader(runtime: str, model: str, feeds: dict[str, np.ndarray],
+            args: argparse.Namespace) -> Run:
+    if runtime == ORT:
+        return load_onnxruntime(model, feeds, args)
+    if runtime in (EAGER, CUDA_GRAPH):
+        return load_torch(model, feeds, args, graph=runtime == CUDA_GRAPH)
+    return load_backplane(model, feeds, args, runtime.split(","))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of one runtime: load, warm up, time, report one JSON line on stdout."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the runtime prints goes to stderr
+    feeds = dict(np.load(args.feeds))
+    try:
+        start = time.perf_counter()
+        run = _loader(args.worker, args.model, feeds, args)
+        load_s = time.perf_counter() - start
+        for _ in range(args.warmup):
+            outputs = run()
+        times = []
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            outputs = run()
+            times.append(time.perf_counter() - start)
+        if args.save:
+            np.savez(args.save, *[np.asarray(o) for o in outputs])
+        replies.write(json.dumps({"load_s": load_s, "times": times}) + "\n")
+    except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
+        replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:500]}) + "\n")
+
+
+def peak_worker(args: argparse.Namespace) -> None:
+    """The fp32 matmul peak of the device at --threads, in GFLOP/s: the best of a few 2048^3
+    products through NumPy and torch (MKL, and oneDNN on the CPU)."""
+    n = 2048
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    calls: list[Callable[[], Any]] = [] if args.device == "cuda" else [lambda: a @ a]
+    sync: Callable[[], Any] = lambda: None  # noqa: E731
+    try:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        t = torch.from_numpy(a).to(_cuda(args) if args.device == "cuda" else "cpu")
+        calls.append(lambda: t @ t)
+        if args.device == "cuda":
+            sync = torch.cuda.synchronize
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(t, n)
+            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(t, packed, None, "none", [], None))
+    except ImportError:
+        pass
+    best = math.inf
+    for call in calls:
+        call()
+        for _ in range(5):
+            sync()
+            best = min(best, _timed(lambda: (call(), sync())))
+    print(json.dumps({"gflops": 2 * n ** 3 / best / 1e9}))
+
+
+def _timed(call: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+# -- the parent side ----------------------------------------------------------------------------------
+@dataclass
+class Result:
+    times: list[float] = field(default_factory=list)
+    medians: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+    error: str | None = None
+    outputs: list[np.ndarray] | None = None
+
+
+def _spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path,
+           save: Path | None) -> dict[str, Any]:
+    command = [sys.executable, "-m", "backplane.backends.torch.bench", "--worker", runtime,
+               "--model", str(model), "--feeds", str(feeds), "--runs", str(args.runs),
+               "--warmup", str(args.warmup), "--threads", str(args.threads),
+               "--device", args.device] + (["--save", str(save)] if save else [])
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        return {"error": f"worker exited {done.returncode} without a report: {tail}"}
+    return json.loads(lines[-1])
+
+
+def bench_model(args: argparse.Namespace, model: Path, runtimes: list[str], tmp: Path,
+                advance: Callable[[str], None]) -> dict[str, Result]:
+    feeds = tmp / f"{model.stem}.feeds.npz"
+    np.savez(feeds, **make_feeds(model))
+    results = {rt: Result() for rt in runtimes}
+    for round_ in range(args.rounds):
+        for rt in runtimes:
+            advance(f"{model.stem}: {rt} (round {round_ + 1}/{args.rounds})")
+            result = results[rt]
+            if result.error:
+                continue
+            save = tmp / f"{model.stem}.{len(result.medians)}.{runtimes.index(rt)}.npz"
+            reply = _spawn(args, rt, model, feeds, save if round_ == 0 else None)
+            if "error" in reply:
+                result.error = reply["error"]
+                continue
+            result.times += reply["times"]
+            result.medians.append(statistics.median(reply["times"]))
+            result.loads.append(reply["load_s"])
+            if round_ == 0:
+                with np.load(save) as saved:
+                    result.outputs = [saved[k] for k in saved.files]
+    return results
+
+
+def make_feeds(model: Path, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs: floats standard normal; ``*mask*`` ones, ``*token_type*`` zeros, other integer
+    inputs (ids) uniform below the rows of the embedding table they index (as bench_reference)."""
+    import onnx
+    import onnx.helper
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    inits = {t.name for t in graph.initializer}
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in graph.input:
+        if value.name in inits:
+            continue
+        tensor_type = value.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor_type.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+        if np.issubdtype(dtype, np.floating):
+            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+        elif "mask" in value.name or "token_type" in value.name:
+            feeds[value.name] = np.full(shape, "mask" in value.name, dtype)
+        else:
+            feeds[value.name] = rng.integers(0, _rows(graph, value.name), shape).astype(dtype)
+    return feeds
+
+
+def _rows(graph: Any, name: str) -> int:
+    """Rows of the embedding table that the ids in ``name`` index (through shape-only ops)."""
+    rows = {t.name: t.dims[0] for t in graph.initializer if t.dims}
+    names = {name}
+    for node in graph.node:
+        if not names.intersection(node.input):
+            continue
+        if node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"):
+            names.update(node.output)
+        elif node.op_type == "Gather" and node.input[1] in names and node.input[0] in rows:
+            return int(rows[node.input[0]])
+    return 2  # no embedding found: small valid ids
+
+
+def _diff(outputs: list[np.ndarray] | None, reference: list[np.ndarray] | None) -> str:
+    if outputs is None or reference is None:
+        return "-"
+    if len(outputs) != len(reference) or any(a.shape != b.shape for a, b in zip(outputs, reference)):
+        return "shapes differ"
+    worst = max(float(np.abs(a.astype(np.float64) - b).max() / max(np.abs(b).max(), 1e-12))
+                for a, b in zip(outputs, reference) if b.size)
+    return f"{worst:.1e}"
+
+
+def model_flops(model: Path) -> float:
+    """2 x the multiply-adds of the model's Conv, ConvTranspose, MatMul and Gemm layers."""
+    from backplane.frontends.onnx import import_onnx
+
+    graph = import_onnx(str(model))
+    total = 0
+    for layer in graph.layers:
+        out = graph.info(layer.outputs[0]) if layer.outputs else None
+        if out is None or not out.is_static:
+            continue
+        if layer.op_type == "Conv":
+            w = graph.info(layer.inputs[1])
+            if w.is_static:
+                total += math.prod(out.shape) * math.prod(w.shape[1:])  # type: ignore[arg-type]
+        elif layer.op_type in ("MatMul", "Gemm"):
+            a = graph.info(layer.inputs[0])
+            if a.is_static:
+                k = a.shape[0] if layer.op_type == "Gemm" and layer.attrs.get("transA") else a.shape[-1]
+                total += math.prod(out.shape) * k  # type: ignore[arg-type]
+    return 2.0 * total
+
+
+def table(model: str, results: dict[str, Result], flops: float, peak: float | None,
+          args: argparse.Namespace) -> Any:
+    from rich.table import Table
+
+    ort = results.get(ORT)
+    ort_ms = statistics.median(ort.times) * 1e3 if ort and ort.times else None
+    t = Table(title=f"{model}: {args.device}, {args.threads} threads, {args.rounds} rounds x "
+                    f"{args.runs} runs ({flops / 1e9:.2f} GFLOP per run)",
+              caption="ms: median of all timed calls; spread: min-max of the per-process medians; "
+                      "vs ORT = ORT ms / ms (above 1: faster than ORT); diff = max|out - ORT| / "
+                      "max|ORT|")
+    for column in ("runtime", "ms", "spread", "vs ORT", "GFLOP/s", "% peak", "load s", "diff"):
+        t.add_column(column, justify="left" if column == "runtime" else "right",
+                     no_wrap=column != "diff")
+    for rt, r in results.items():
+        name = rt if rt in (ORT, EAGER, CUDA_GRAPH) else f"backplane[{rt}]"
+        if r.error or not r.times:
+            skipped = rt in (EAGER, CUDA_GRAPH) and "no torch module" in (r.error or "")
+            t.add_row(name, "skipped" if skipped else "failed", "", "", "", "", "", r.error or "")
+            continue
+        ms = statistics.median(r.times) * 1e3
+        rate = flops / (ms / 1e3) / 1e9
+        t.add_row(name, f"{ms:.2f}", f"{min(r.medians) * 1e3:.2f}-{max(r.medians) * 1e3:.2f}",
+                  f"{ort_ms / ms:.2f}" if ort_ms else "-", f"{rate:.1f}",
+                  f"{rate / peak:.0%}" if peak else "-", f"{statistics.median(r.loads):.2f}",
+                  _diff(r.outputs, ort.outputs if ort else None) if rt != ORT else "")
+    return t
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench_torch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("models", nargs="*", type=Path, help="ONNX model files")
+    ap.add_argument("--backends", action="append", default=[],
+                    help="a backplane backend list, most preferred first (repeat for more columns; "
+                         "default: CpuAcc,CpuRef, or GpuAcc,CpuAcc,CpuRef with --device cuda)")
+    ap.add_argument("--no-ort", action="store_true", help="leave ONNX Runtime out")
+    ap.add_argument("--no-torch", action="store_true", help="leave the PyTorch columns out")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=5, help="processes per runtime (default: 5)")
+    ap.add_argument("--runs", type=int, default=20, help="timed calls per process (default: 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per process (default: 3)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for one process")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--feeds", help=argparse.SUPPRESS)
+    ap.add_argument("--save", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker == "peak":
+        peak_worker(args)
+        return 0
+    if args.worker:
+        worker(args)
+        return 0
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    missing = [str(m) for m in args.models if not m.is_file()]
+    if missing or not args.models:
+        print(f"no such model file(s): {', '.join(missing) or '(none given)'}", file=sys.stderr)
+        return 2
+    default = "GpuAcc,CpuAcc,CpuRef" if args.device == "cuda" else "CpuAcc,CpuRef"
+    runtimes = [b.replace(" ", "") for b in args.backends] or [default]
+    runtimes += [] if args.no_ort else [ORT]
+    runtimes += [] if args.no_torch else [EAGER] + ([CUDA_GRAPH] if args.device == "cuda" else [])
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    peak_reply = subprocess.run([sys.executable, "-m", "backplane.backends.torch.bench", "--worker",
+                                 "peak", "--threads", str(args.threads), "--device", args.device],
+                                capture_output=True, text=True)
+    peak = json.loads(peak_reply.stdout.strip().splitlines()[-1])["gflops"] \
+        if peak_reply.returncode == 0 and peak_reply.stdout.strip() else None
+    console.print(f"matmul peak ({args.device}, fp32, {args.threads} threads): "
+                  f"{peak:.0f} GFLOP/s" if peak else "matmul peak: not measured")
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, Progress(
+            TextColumn("{task.description:<60}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+        tables = []
+        task = progress.add_task("starting", total=len(args.models) * len(runtimes) * args.rounds)
+        started = False
+
+        def advance(text: str) -> None:
+            nonlocal started
+            progress.update(task, description=text, advance=1 if started else 0)
+            started = True
+
+        for model in args.models:
+            results = bench_model(args, model, runtimes, Path(tmp), advance)
+            tables.append(table(model.stem, results, model_flops(model), peak, args))
+            failed |= any(r.error for rt, r in results.items() if rt not in (EAGER, CUDA_GRAPH))
+    for done in tables:
+        console.print(done)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""CpuAcc's kernels against CpuRef on the ONNX node suite: every case of every op CpuAcc claims.
+
+A case goes straight through the support check and workload factory, as in the CpuRef test (whose
+case loading this reuses); CpuAcc's inputs and outputs pass through its tensor-handle factory (NumPy
+in, torch CPU tensors inside, NumPy out). Where CpuRef runs the case too, CpuAcc must match CpuRef's
+outputs within the case's tolerances; else it must match the case's expected outputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from backplane.backends.reference.backend import CpuRef  # noqa: E402
+from backplane.backends.torch.backend import TORCH_CPU_FACTORY, CpuAcc  # noqa: E402
+from tests.backends.test_reference_kernels import (  # noqa: E402
+    _assert_same,
+    _info,
+    _layer,
+    _value,
+    node_cases,
+)
+
+CLAIMED = sorted(name for name, case in node_cases().items()
+                 if case.model.graph.node[0].op_type in CpuAcc().KERNELS)
+
+
+def _run(backend: Any, layer: Any, args: list[Any], in_infos: list[Any], out_infos: list[Any],
+         to_backend: Any = None, to_host: Any = None) -> tuple[Any, ...] | None:
+    if not backend.is_layer_supported(layer, in_infos, out_infos):
+        return None
+    workload = backend.create_workload_factory().create_workload(layer, in_infos, out_infos)
+    if to_backend is not None:
+        args = [None if a is None else to_backend(a) for a in args]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN and inf cases are intended
+        results = workload(*args)
+    assert isinstance(results, tuple), f"{layer.op_type} returned a {type(results).__name__}"
+    return tuple(to_host(r) for r in results) if to_host is not None else results
+
+
+@pytest.mark.parametrize("case_name", CLAIMED)
+def test_node_case_matches_cpuref(case_name: str) -> None:
+    case = node_cases()[case_name]
+    layer = _layer(case.model)
+    graph_inputs = [i.name for i in case.model.graph.input]
+    graph_outputs = [o.name for o in case.model.graph.output]
+    acc, ref = CpuAcc(), CpuRef()
+    for inputs, expected in case.data_sets:
+        by_name = dict(zip(graph_inputs, map(_value, inputs)))
+        args = [by_name[name] if name else None for name in layer.inputs]
+        expected_by_name = dict(zip(graph_outputs, map(_value, expected)))
+        in_infos = [_info(a) for a in args]
+        out_infos = [_info(expected_by_name.get(name)) for name in layer.outputs]
+        support = acc.is_layer_supported(layer, in_infos, out_infos)
+        if not support:
+            assert support.reason, "a refusal must give a reason"
+            pytest.skip(f"not supported: {support.reason}")
+        actual = _run(acc, layer, args, in_infos, out_infos, TORCH_CPU_FACTORY.copy_in,
+                      TORCH_CPU_FACTORY.copy_out)
+        assert actual is not None and len(actual) == len(layer.outputs)
+        reference = _run(ref, layer, args, in_infos, out_infos)
+        for index, name in enumerate(layer.outputs):
+            if name not in expected_by_name:
+                continue
+            want = reference[index] if reference is not None else expected_by_name[name]
+            _assert_same(name, actual[index], want, case.rtol, case.atol)
