@@ -1,0 +1,73 @@
+"""CpuAcc and GpuAcc as backends: registered without importing torch, available (or not) with a
+reason, zero-copy torch-cpu memory, the thread option."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from backplane.backends.registry import registry
+from backplane.backends.torch import backend as torch_backend
+
+
+def test_importing_backplane_does_not_import_torch() -> None:
+    code = ("import sys, backplane; from backplane.backends.registry import registry; "
+            "assert {'CpuAcc', 'GpuAcc'} <= set(registry.ids()); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_without_torch_both_are_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_backend, "torch_missing", lambda: "torch is not installed (test)")
+    for backend in (torch_backend.CpuAcc(), torch_backend.GpuAcc()):
+        status = backend.availability()
+        assert not status.ok and status.reason == "torch is not installed (test)"
+        assert backend.KERNELS == {}
+
+
+def test_gpuacc_without_cuda_says_why() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    status = registry.create("GpuAcc").availability()
+    assert not status.ok and ("CUDA" in status.reason)
+    assert registry.create("GpuAcc").capabilities()["AsyncExecution"] is True
+
+
+def test_cpuacc_memory_is_a_zero_copy_view_of_numpy() -> None:
+    pytest.importorskip("torch")
+    factory = registry.create("CpuAcc").tensor_handle_factories()[0]
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tensor = factory.copy_in(array)
+    assert tensor.data_ptr() == array.ctypes.data
+    assert factory.copy_out(tensor).ctypes.data == array.ctypes.data
+    frozen = np.arange(3.0)
+    frozen.flags.writeable = False  # torch cannot view read-only memory: copied instead
+    assert factory.copy_in(frozen).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_thread_option_sets_torch_threads() -> None:
+    torch = pytest.importorskip("torch")
+    from backplane.backends.api.backend import BackendOptions
+
+    before = torch.get_num_threads()
+    try:
+        registry.create("CpuAcc").create_backend_context(BackendOptions({"CpuAcc.threads": 1}))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_refusals_give_reasons() -> None:
+    pytest.importorskip("torch")
+    from backplane.ir.graph import Layer, TensorInfo
+
+    acc = registry.create("CpuAcc")
+    u16 = TensorInfo((2,), np.dtype(np.uint16))
+    support = acc.is_layer_supported(Layer("a", "Add", ["x", "y"], ["z"], opset=17), [u16, u16], [u16])
+    assert not support.ok and "uint16" in support.reason
+    f32 = TensorInfo((2,), np.dtype(np.float32))
+    support = acc.is_layer_supported(Layer("m", "Mod", ["x", "y"], ["z"], opset=17), [f32, f32], [f32])
+    assert not support.ok and "no kernel for Mod" in support.reason

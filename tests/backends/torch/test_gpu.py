@@ -1,0 +1,73 @@
+"""GpuAcc on a CUDA device: the tiny models match ONNX Runtime, each static GPU subgraph runs as one
+captured CUDA graph, and the node-suite cases of its ops match CpuRef. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.backends.reference.backend import CpuRef  # noqa: E402
+from backplane.backends.registry import registry  # noqa: E402
+from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.backends.test_reference_kernels import _assert_same, _info, _layer, _value, node_cases  # noqa: E402
+from tests.models.test_models import DATA, TINY, assert_close, ort_outputs  # noqa: E402
+
+CLAIMED = sorted(name for name, case in node_cases().items()
+                 if case.model.graph.node[0].op_type in registry.create("CpuAcc").KERNELS)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graph", "eager"])
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_models_match_onnx_runtime(name: str, graphs: bool) -> None:
+    path = DATA / f"{name}.onnx"
+    feeds = dict(np.load(DATA / f"{name}.npz"))
+    options = RuntimeOptions(backend_options={"GpuAcc.cuda_graphs": graphs})
+    session = InferenceSession(path, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
+    for _ in range(2):  # a replay gives the same answer as the first run
+        assert_close(session.run(None, feeds), ort_outputs(path, feeds))
+    ops = [layer.op_type for layer in session.optimized.graph.layers if layer.backend == "GpuAcc"]
+    if graphs:
+        assert ops == ["CudaGraph"], ops
+    assert registry.create("GpuAcc").capabilities()["AsyncExecution"] is True
+
+
+def test_new_inputs_reach_the_captured_graph() -> None:
+    path = DATA / "tiny_mobilenet_v3.onnx"
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    session = InferenceSession(path, backends=["GpuAcc", "CpuRef"])
+    first = session.run(None, feeds)[0]
+    other = {k: v * 0.5 + 1 for k, v in feeds.items()}
+    assert_close(session.run(None, other), ort_outputs(path, other))
+    assert not np.allclose(first, session.run(None, other)[0])
+
+
+@pytest.mark.parametrize("case_name", CLAIMED)
+def test_node_case_matches_cpuref(case_name: str) -> None:
+    case = node_cases()[case_name]
+    layer = _layer(case.model)
+    gpu, ref = registry.create("GpuAcc"), CpuRef()
+    factory = gpu.tensor_handle_factories()[0]
+    names = [i.name for i in case.model.graph.input]
+    outs = [o.name for o in case.model.graph.output]
+    for inputs, expected in case.data_sets:
+        by_name = dict(zip(names, map(_value, inputs)))
+        args = [by_name[n] if n else None for n in layer.inputs]
+        expected_by_name = dict(zip(outs, map(_value, expected)))
+        in_infos = [_info(a) for a in args]
+        out_infos = [_info(expected_by_name.get(n)) for n in layer.outputs]
+        if not gpu.is_layer_supported(layer, in_infos, out_infos):
+            pytest.skip("not supported")
+        workload = gpu.create_workload_factory().create_workload(layer, in_infos, out_infos)
+        actual = [factory.copy_out(r) for r in workload(*[None if a is None else factory.copy_in(a)
+                                                          for a in args])]
+        reference = None
+        if ref.is_layer_supported(layer, in_infos, out_infos):
+            reference = ref.create_workload_factory().create_workload(layer, in_infos, out_infos)(*args)
+        for index, name in enumerate(layer.outputs):
+            if name in expected_by_name:
+                want = reference[index] if reference is not None else expected_by_name[name]
+                _assert_same(name, actual[index], want, case.rtol, case.atol)
