@@ -53,24 +53,35 @@ def _defaults(x, strides, dilations):
 def conv(X, W, B=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None,
          strides=None):
     strides, dilations = _defaults(X, strides, dilations)
-    kernel = W.shape[2:]
+    kernel, rank = W.shape[2:], X.ndim - 2
     begins, ends = spatial_pads(X.shape[2:], kernel, strides, dilations, auto_pad, pads)
-    padded = np.pad(X, [(0, 0), (0, 0), *zip(begins, ends)])
-    windows = sliding_windows(padded, kernel, strides, dilations)  # (N, C, *out, *k)
+    padded = pad_spatial(X, begins, ends)
     n, c, m, g = X.shape[0], X.shape[1], W.shape[0], group
-    out = windows.shape[2:2 + len(kernel)]
-    rank = len(kernel)
-    # im2col: (G, N * out, C/G * k), one row per receptive field
-    grouped = windows.reshape(n, g, c // g, *out, *kernel)
-    order = (1, 0, *range(3, 3 + rank), 2, *range(3 + rank, 3 + 2 * rank))
-    columns = grouped.transpose(order).reshape(g, n * math.prod(out), -1)
-    weights = W.reshape(g, m // g, -1)  # (G, M/G, C/G * k)
-    y = np.matmul(columns, weights.transpose(0, 2, 1))  # (G, N * out, M/G)
-    y = y.reshape(g, n, *out, m // g)
-    y = y.transpose(1, 0, 2 + rank, *range(2, 2 + rank)).reshape(n, m, *out)
+    windows = sliding_windows(padded, kernel, strides, dilations)  # (N, C, *out, *k)
+    out = windows.shape[2:2 + rank]
+    if g == c == m and c > 1:  # depthwise: one multiply-add per kernel offset beats G tiny GEMMs
+        acc = np.promote_types(X.dtype, np.float32)  # float16 multiplies and sums in float32
+        windows = sliding_windows(padded.astype(acc, copy=False), kernel, strides, dilations)
+        weights = W.astype(acc, copy=False)
+        y = np.zeros((n, c, *out), dtype=acc)
+        for offset in itertools.product(*map(range, kernel)):
+            y += windows[(Ellipsis, *offset)] * weights[(slice(None), 0, *offset)].reshape(c, *[1] * rank)
+    else:
+        # im2col: (N, G, C/G * k, out), one column per receptive field (a view for 1x1, stride 1)
+        grouped = windows.reshape(n, g, c // g, *out, *kernel)
+        order = (0, 1, 2, *range(3 + rank, 3 + 2 * rank), *range(3, 3 + rank))
+        columns = grouped.transpose(order).reshape(n, g, -1, math.prod(out))
+        y = np.matmul(W.reshape(g, m // g, -1), columns).reshape(n, m, *out)  # (N, G, M/G, out)
     if B is not None:
-        y = y + B.reshape(-1, *[1] * rank)
-    return (y.astype(X.dtype),)
+        y += B.reshape(-1, *[1] * rank)
+    return (y.astype(X.dtype, copy=False),)
+
+
+def pad_spatial(x, begins, ends):
+    """Zero-pad the spatial axes of (N, C, *spatial); no copy when there is nothing to pad."""
+    if not any(begins) and not any(ends):
+        return x
+    return np.pad(x, [(0, 0), (0, 0), *zip(begins, ends)])
 
 
 def conv_transpose(X, W, B=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
