@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     backends.add_argument("--dynamic-backends-path", metavar="DIR",
                           help=f"one directory of dynamic backends, instead of ${PATHS_VARIABLE}")
     backends.set_defaults(command=cmd_backends)
+    bench = sub.add_parser("bench", help="time a model on backplane, ONNX Runtime and eager PyTorch, "
+                                         "each in processes of its own (bench/bench_torch.py)")
+    bench.add_argument("model", help="an ONNX model file")
+    bench.add_argument("--backends", action="append", default=[],
+                       help="a backend list, most preferred first (repeat for more columns)")
+    for option, default in (("--device", "cpu"), ("--threads", None), ("--rounds", 5), ("--runs", 20)):
+        bench.add_argument(option, default=default, help=f"as bench_torch's {option}")
+    bench.set_defaults(command=cmd_bench)
     return parser
 
 
@@ -171,6 +179,14 @@ def random_input(info: TensorInfo, rng: np.random.Generator) -> np.ndarray:
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
     return np.zeros(shape, dtype=dtype)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from backplane.backends.torch.bench import main as bench_main
+
+    argv = [args.model, "--device", args.device, "--rounds", str(args.rounds), "--runs", str(args.runs)]
+    argv += [a for b in args.backends for a in ("--backends", b)]
+    return bench_main(argv + (["--threads", str(args.threads)] if args.threads else []))
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
