@@ -397,7 +397,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, Progress(
             TextColumn("{task.description:<60}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
-        tables = []
         task = progress.add_task("starting", total=len(args.models) * len(runtimes) * args.rounds)
         started = False
 
@@ -408,10 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         for model in args.models:
             results = bench_model(args, model, runtimes, Path(tmp), advance)
-            tables.append(table(model.stem, results, model_flops(model), peak, args))
+            console.print(table(model.stem, results, model_flops(model), peak, args))  # as it ends
             failed |= any(r.error for rt, r in results.items() if rt not in (EAGER, CUDA_GRAPH))
-    for done in tables:
-        console.print(done)
     return 1 if failed else 0
 
 
