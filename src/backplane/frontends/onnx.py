@@ -8,6 +8,7 @@ of the inputs the user will give. Every problem is a ModelError that names the n
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -65,9 +66,9 @@ def import_onnx(model: str | os.PathLike | bytes | ModelProto,
         proto = onnx.inliner.inline_local_functions(proto)
     if input_shapes:
         proto = _bind_input_shapes(proto, input_shapes)
-    proto = _infer_shapes(proto)
+    proto, weights = _infer_shapes(proto)
     importer = _Importer(opsets)
-    return importer.graph(proto.graph, top_level=True)
+    return importer.graph(proto.graph, top_level=True, weights=weights)
 
 
 def _check_opsets(proto: ModelProto) -> dict[str, int]:
@@ -107,14 +108,41 @@ def _copy(proto: ModelProto) -> ModelProto:
     return copy
 
 
-def _infer_shapes(proto: ModelProto) -> ModelProto:
+LARGE_INITIALIZER = 1024  # elements; shape inference needs only the shapes of larger ones
+
+
+def _infer_shapes(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorProto]]:
+    """Infer shapes on a copy of the model without its large weights (inference serializes the model:
+    on BERT-base that was 4 s of 5). Returns the annotated copy and the weights it left out."""
+    light, weights = _without_large_initializers(proto)
     try:
-        return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+        return onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True), weights
     except Exception:
         try:  # data propagation trips on some models where plain inference still works
-            return onnx.shape_inference.infer_shapes(proto, strict_mode=False)
+            return onnx.shape_inference.infer_shapes(light, strict_mode=False), weights
         except Exception:
-            return proto  # shapes stay unknown; kernels do not need them
+            return light, weights  # shapes stay unknown; kernels do not need them
+
+
+def _without_large_initializers(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorProto]]:
+    large = [init for init in proto.graph.initializer if math.prod(init.dims) > LARGE_INITIALIZER]
+    if not large:
+        return proto, {}
+    light = ModelProto(ir_version=proto.ir_version)  # what inference reads, without the weights
+    light.opset_import.extend(proto.opset_import)
+    light.functions.extend(proto.functions)
+    graph, light_graph = proto.graph, light.graph
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(light_graph, field).extend(getattr(graph, field))
+    light_graph.name, light_graph.doc_string = graph.name, graph.doc_string
+    names = {init.name for init in large}
+    light_graph.initializer.extend(i for i in graph.initializer if i.name not in names)
+    declared = {vi.name for vi in graph.input}
+    for init in large:  # a weight becomes an input of its type and shape, for inference only
+        if init.name not in declared:
+            light_graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type,
+                                                                         list(init.dims)))
+    return light, {init.name: init for init in large}
 
 
 def _tensor_info(type_proto: onnx.TypeProto) -> TensorInfo:
@@ -138,12 +166,13 @@ class _Importer:
         self.opsets = opsets
         self.names: set[str] = set()
 
-    def graph(self, g: GraphProto, top_level: bool = False) -> Graph:
+    def graph(self, g: GraphProto, top_level: bool = False,
+              weights: Mapping[str, onnx.TensorProto] | None = None) -> Graph:
         tensors: dict[str, TensorInfo] = {}
         for vi in (*g.input, *g.value_info, *g.output):
             tensors[vi.name] = _tensor_info(vi.type)
         constants: dict[str, np.ndarray] = {}
-        for init in g.initializer:
+        for init in (*g.initializer, *(weights or {}).values()):
             constants[init.name] = self._initializer(init)
             tensors[init.name] = TensorInfo(constants[init.name].shape, constants[init.name].dtype)
         layers: list[Layer] = []
