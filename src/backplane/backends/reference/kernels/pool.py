@@ -8,6 +8,8 @@ elements in the window, plus the explicit padding when count_include_pad (never 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -49,10 +51,11 @@ def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=Non
                                                          dilations, pads, strides)
     padded = _pad(X, begins, ends, extras, _lowest(X.dtype))
     windows = sliding_windows(padded, kernel_shape, strides, dilations)  # (N, C, *out, *k)
-    flat = windows.reshape(*windows.shape[:X.ndim], -1)
-    y = flat.max(axis=-1)
+    y = functools.reduce(np.maximum, (windows[(Ellipsis, *offset)]  # one maximum per kernel offset
+                                      for offset in itertools.product(*map(range, kernel_shape))))
     if n_outputs == 1:
         return (y,)
+    flat = windows.reshape(*windows.shape[:X.ndim], -1)
     return y, _argmax_indices(X.shape, flat, kernel_shape, strides, dilations, begins, storage_order)
 
 
