@@ -318,6 +318,7 @@ def model_flops(model: Path) -> float:
 
 def table(model: str, results: dict[str, Result], flops: float, peak: float | None,
           args: argparse.Namespace) -> Any:
+    from rich.markup import escape
     from rich.table import Table
 
     ort = results.get(ORT)
@@ -334,11 +335,12 @@ def table(model: str, results: dict[str, Result], flops: float, peak: float | No
         name = rt if rt in (ORT, EAGER, CUDA_GRAPH) else f"backplane[{rt}]"
         if r.error or not r.times:
             skipped = rt in (EAGER, CUDA_GRAPH) and "no torch module" in (r.error or "")
-            t.add_row(name, "skipped" if skipped else "failed", "", "", "", "", "", r.error or "")
+            t.add_row(escape(name), "skipped" if skipped else "failed", "", "", "", "", "",
+                      escape(r.error or ""))
             continue
         ms = statistics.median(r.times) * 1e3
         rate = flops / (ms / 1e3) / 1e9
-        t.add_row(name, f"{ms:.2f}", f"{min(r.medians) * 1e3:.2f}-{max(r.medians) * 1e3:.2f}",
+        t.add_row(escape(name), f"{ms:.2f}", f"{min(r.medians) * 1e3:.2f}-{max(r.medians) * 1e3:.2f}",
                   f"{ort_ms / ms:.2f}" if ort_ms else "-", f"{rate:.1f}",
                   f"{rate / peak:.0%}" if peak else "-", f"{statistics.median(r.loads):.2f}",
                   _diff(r.outputs, ort.outputs if ort else None) if rt != ORT else "")

@@ -57,11 +57,12 @@ def factory(device: str) -> TensorHandleFactory:
 
 
 def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
-    """The whole subgraph as one CUDA graph when every tensor in it has a static shape."""
+    """The whole subgraph as one CUDA graph when its inputs have static shapes."""
     graph = view.graph
     assert graph is not None, "the optimizer always gives views of a graph"
-    names = [n for layer in view.layers for n in (*layer.inputs, *layer.outputs) if n]
-    if not view.layers or not all(graph.info(n).is_static for n in names if n not in graph.constants):
+    # Static boundary inputs fix every shape inside: no kernel here makes a shape from data, and
+    # the shape-like inputs (HOST_INPUTS) must be constants.
+    if not view.layers or not all(graph.info(n).is_static for n in view.inputs):
         return OptimizationViews(untouched=[view])
     for layer in view.layers:
         host = HOST_INPUTS.get(layer.op_type, ())
@@ -71,7 +72,10 @@ def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
             return OptimizationViews(untouched=[view])
     constants = {n: graph.constants[n] for layer in view.layers for n in layer.inputs
                  if n in graph.constants}
-    attrs = {"layers": list(view.layers), "constants": constants}
+    # The boundary names as the layers inside read and write them (the optimizer renames the
+    # fused layer's inputs when it puts copies in front of them).
+    attrs = {"layers": list(view.layers), "constants": constants, "inputs": list(view.inputs),
+             "outputs": list(view.outputs)}
     name = f"CudaGraph[{view.layers[0].name}..{view.layers[-1].name}]({len(view.layers)} layers)"
     replacement = Layer(name, "CudaGraph", list(view.inputs), list(view.outputs), attrs,
                         FUSED_DOMAIN, 1)
@@ -108,11 +112,11 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
 
     def run_layers(*values: Any) -> list[Any]:
         env = dict(env_template)
-        env.update(zip(layer.inputs, values))
+        env.update(zip(layer.attrs["inputs"], values))
         for workload, inner_layer in steps:
             results = workload(*[env[n] if n else None for n in inner_layer.inputs])
             env.update(zip(inner_layer.outputs, results))
-        return [env[n] for n in layer.outputs]
+        return [env[n] for n in layer.attrs["outputs"]]
 
     static = [torch.zeros(info.shape, dtype=NUMPY_TO_TORCH[info.dtype], device=device)
               for info in inputs]
