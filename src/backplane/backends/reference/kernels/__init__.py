@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from backplane.backends.reference.kernels import (
+    attention,
     conv,
     elementwise,
     indexing,
+    losses,
     matmul,
     normalization,
     pool,
@@ -30,6 +32,8 @@ KERNELS = {
     **quant.KERNELS,
     **windows.KERNELS,
     **rnn.KERNELS,
+    **attention.KERNELS,
+    **losses.KERNELS,
 }
 
 CHECKS = {

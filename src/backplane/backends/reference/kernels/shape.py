@@ -207,6 +207,7 @@ def constant_of_shape(input, value=None):  # noqa: A002
 
 
 def range_(start, limit, delta, stash_type=1):
+    start, limit, delta = (np.reshape(v, ()) for v in (start, limit, delta))  # scalars, or size 1
     count = max(math.ceil((limit - start) / delta), 0)
     return ((start + np.arange(count) * delta).astype(start.dtype),)
 

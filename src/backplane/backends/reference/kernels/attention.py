@@ -1,0 +1,108 @@
+"""Attention (opset 23-25): scaled dot-product attention with masks, KV cache, grouped heads,
+soft capping and sliding windows.
+
+The steps follow the spec's function body, rounding where it rounds, so that float16 and bfloat16
+results agree with it: Q and K are each scaled by sqrt(scale) before their product, every matmul
+result is cast back to the input type, and the softmax runs in ``softmax_precision`` when given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from backplane.backends.api.kernels import KernelTable
+from backplane.frontends.onnx_types import onnx_to_numpy_dtype
+
+
+def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None,
+              is_causal=0, kv_num_heads=None, q_num_heads=None, qk_matmul_output_mode=0,
+              scale=None, softcap=0.0, softmax_precision=None, left_window_size=-1,
+              right_window_size=-1, *, n_outputs):
+    dtype = Q.dtype
+    rank = Q.ndim
+    if rank == 3:  # (B, S, H*D) -> (B, H, S, D)
+        Q, K, V = _split_heads(Q, q_num_heads), _split_heads(K, kv_num_heads), \
+            _split_heads(V, kv_num_heads)
+    present_key = K if past_key is None else np.concatenate((past_key, K), axis=2)
+    present_value = V if past_value is None else np.concatenate((past_value, V), axis=2)
+    q_len, kv_len = Q.shape[2], present_key.shape[2]
+
+    # Where each query sits among the keys: after the internal cache, or (external cache) so that
+    # the last query meets the last valid key.
+    if past_key is not None:
+        offset = past_key.shape[2]
+    elif nonpad_kv_seqlen is not None:
+        offset = nonpad_kv_seqlen.reshape(-1, 1, 1, 1).astype(np.int64) - q_len  # (B, 1, 1, 1)
+    else:
+        offset = 0
+    bias = _bias(attn_mask, is_causal, left_window_size, right_window_size, offset,
+                 nonpad_kv_seqlen, q_len, kv_len, dtype)
+
+    # Grouped-query attention: each K / V head serves q_heads / kv_heads consecutive Q heads.
+    groups = Q.shape[1] // present_key.shape[1]
+    keys = np.repeat(present_key, groups, axis=1)
+    values = np.repeat(present_value, groups, axis=1)
+
+    root_scale = math.sqrt(1 / math.sqrt(Q.shape[3]) if scale is None else scale)
+    root_scale = dtype.type(root_scale)
+    raw = _matmul(Q * root_scale, np.swapaxes(keys * root_scale, -1, -2))  # (B, H, q, kv)
+    capped = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
+    scores = capped + bias
+
+    probs = _softmax(scores.astype(onnx_to_numpy_dtype(softmax_precision) or dtype))
+    fully_masked = np.isneginf(np.max(bias, axis=-1, keepdims=True))  # no key to attend: zeros
+    probs = np.where(fully_masked, 0, probs).astype(dtype)
+
+    Y = _matmul(probs, values)
+    if rank == 3:  # (B, H, q, D) -> (B, q, H*D)
+        Y = Y.transpose(0, 2, 1, 3).reshape(Y.shape[0], q_len, -1)
+    qk_output = (raw, capped, scores, probs)[qk_matmul_output_mode].astype(dtype)
+    return (Y, present_key, present_value, qk_output)[:n_outputs]
+
+
+def _split_heads(x, num_heads):
+    batch, length, hidden = x.shape
+    return x.reshape(batch, length, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
+
+
+def _bias(mask, is_causal, left, right, offset, nonpad_kv_seqlen, q_len, kv_len, dtype):
+    """The additive bias (..., q, kv): 0 where query i may attend key j, -inf where not, plus a
+    float mask."""
+    position = np.arange(q_len)[:, None] + offset  # the query's absolute position (..., q, 1)
+    key = np.arange(kv_len)  # (kv,)
+    allowed = np.ones((q_len, kv_len), dtype=bool)
+    if is_causal:
+        allowed = allowed & (key <= position)
+    if left >= 0:
+        allowed = allowed & (position - key <= left)
+    if right >= 0:
+        allowed = allowed & (key - position <= right)
+    if nonpad_kv_seqlen is not None:  # keys past each batch's valid length are padding
+        allowed = allowed & (key < nonpad_kv_seqlen.reshape(-1, 1, 1, 1))
+    bias = np.where(allowed, dtype.type(0), dtype.type(-np.inf))
+    if mask is None:
+        return bias
+    # A mask shorter than the keys (the keys grew by the cache) leaves the new keys masked out.
+    widths = [(0, 0)] * (mask.ndim - 1) + [(0, kv_len - mask.shape[-1])]
+    if mask.dtype == bool:
+        return np.where(np.pad(mask, widths, constant_values=False), bias, dtype.type(-np.inf))
+    return np.pad(mask, widths, constant_values=-np.inf) + bias
+
+
+def _softmax(x):
+    # A row of -inf (every key masked) would be exp(-inf + inf) = NaN: it gives zeros instead.
+    peak = np.max(x, axis=-1, keepdims=True)
+    exp = np.exp(x - np.where(np.isneginf(peak), 0, peak).astype(x.dtype))
+    total = np.sum(exp, axis=-1, keepdims=True)
+    return exp / np.where(total == 0, 1, total).astype(x.dtype)
+
+
+def _matmul(a, b):
+    return np.matmul(a, b).astype(a.dtype)  # NumPy gives float32 for ml_dtypes' bfloat16
+
+
+KERNELS: KernelTable = {
+    "Attention": {23: attention},  # nonpad_kv_seqlen (24) and windows (25) default to the old ways
+}
