@@ -11,11 +11,13 @@ import functools
 import warnings
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
 
 from backplane.backends.reference.backend import CpuRef
+from backplane.backends.reference.kernels import indexing, shape
 from backplane.frontends.onnx_types import attribute_value, tensor_to_array
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -114,3 +116,38 @@ def test_node_case(case_name: str) -> None:
         for name, actual in zip(layer.outputs, results):
             if name in expected_by_name:
                 _assert_same(name, actual, expected_by_name[name], case.rtol, case.atol)
+
+
+# -- element types beyond NumPy's ------------------------------------------------------------------
+MOVEMENT_OPS = (shape.ANY_DTYPE | indexing.ANY_DTYPE) - {"Range"}
+ML_DTYPES = [np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn),
+             np.dtype(ml_dtypes.float8_e5m2)]
+
+
+def _movement_cases() -> list[str]:
+    return [name for name, case in node_cases().items()
+            if _layer(case.model).op_type in MOVEMENT_OPS
+            and any(getattr(_value(x), "dtype", None) == np.float32 for x in case.data_sets[0][0])]
+
+
+@pytest.mark.parametrize("case_name", sorted(_movement_cases()))
+def test_data_movement_is_the_same_in_every_element_type(case_name: str) -> None:
+    """Layout and selection ops CpuRef claims for ml_dtypes' types move values without touching
+    them: in bfloat16 or float8 they give the float32 result, element for element."""
+    case = node_cases()[case_name]
+    layer = _layer(case.model)
+    graph_inputs = [i.name for i in case.model.graph.input]
+    kernel = CpuRef().create_workload_factory().create_workload(layer, [], [])
+    by_name = dict(zip(graph_inputs, map(_value, case.data_sets[0][0])))
+    for dtype in ML_DTYPES:
+        narrow = {n: v.astype(dtype) if getattr(v, "dtype", None) == np.float32 else v
+                  for n, v in by_name.items()}
+        wide = {n: v.astype(np.float32) if getattr(v, "dtype", None) == dtype else v
+                for n, v in narrow.items()}  # the same values, exactly, in float32
+        actual = kernel(*[narrow[n] if n else None for n in layer.inputs])
+        expected = kernel(*[wide[n] if n else None for n in layer.inputs])
+        for act, exp in zip(actual, expected):
+            if exp.dtype == np.float32:
+                assert act.dtype == dtype, f"{dtype}: {act.dtype}"
+                act = act.astype(np.float32)
+            np.testing.assert_array_equal(act, exp, err_msg=f"{layer.op_type} in {dtype}")

@@ -113,6 +113,9 @@ class Backend:
     KERNELS: ClassVar[Mapping[str, Mapping[int, Kernel]]] = {}
     CHECKS: ClassVar[Mapping[str, Callable[[Layer, Sequence[TensorInfo]], str | None]]] = {}
     """Optional per-op checks: given a layer and its input infos, a reason it is refused, or None."""
+    ANY_DTYPE_OPS: ClassVar[frozenset[str]] = frozenset()
+    """Ops whose kernels are right for every element type their ONNX schema allows, ml_dtypes'
+    bfloat16, float8 and int4 included (data movement, casts): the NumPy-dtype check skips them."""
 
     def __repr__(self) -> str:
         return f"<backend {self.id} {self.version}>"
@@ -128,7 +131,8 @@ class Backend:
         if unknown:
             return unsupported(f"attribute(s) {', '.join(unknown)} not implemented")
         for info in (*inputs, *outputs):
-            if info.dtype is not None and not is_numpy_native(info.dtype):
+            if info.dtype is not None and not is_numpy_native(info.dtype) \
+                    and layer.op_type not in self.ANY_DTYPE_OPS:
                 return unsupported(f"data type {info.dtype.name} not supported")
         check = self.CHECKS.get(layer.op_type)
         reason = check(layer, inputs) if check else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from backplane.backends.api.backend import Backend
-from backplane.backends.reference.kernels import CHECKS, KERNELS
+from backplane.backends.reference.kernels import ANY_DTYPE_OPS, CHECKS, KERNELS
 
 
 class CpuRef(Backend):
@@ -13,6 +13,7 @@ class CpuRef(Backend):
     version = "1.0.0"
     KERNELS = KERNELS
     CHECKS = CHECKS
+    ANY_DTYPE_OPS = ANY_DTYPE_OPS
 
     def capabilities(self) -> dict[str, Any]:
         return {**super().capabilities(), "Reference": True}

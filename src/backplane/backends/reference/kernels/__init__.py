@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from backplane.backends.reference.kernels import (
     attention,
+    cast,
     conv,
     elementwise,
     indexing,
@@ -21,6 +22,7 @@ from backplane.backends.reference.kernels import (
 
 KERNELS = {
     **elementwise.KERNELS,
+    **cast.KERNELS,
     **reduce.KERNELS,
     **shape.KERNELS,
     **indexing.KERNELS,
@@ -38,6 +40,7 @@ KERNELS = {
 
 CHECKS = {
     **elementwise.CHECKS,
+    **cast.CHECKS,
     **shape.CHECKS,
     **indexing.CHECKS,
     **conv.CHECKS,
@@ -47,3 +50,7 @@ CHECKS = {
     **quant.CHECKS,
     **rnn.CHECKS,
 }
+
+ANY_DTYPE_OPS = (cast.ANY_DTYPE | quant.ANY_DTYPE | shape.ANY_DTYPE | indexing.ANY_DTYPE
+                 | elementwise.ANY_DTYPE | matmul.ANY_DTYPE | reduce.ANY_DTYPE | attention.ANY_DTYPE)
+"""Ops CpuRef runs for every element type their schema allows, ml_dtypes' included (Backend)."""

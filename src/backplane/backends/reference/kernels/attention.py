@@ -106,3 +106,5 @@ def _matmul(a, b):
 KERNELS: KernelTable = {
     "Attention": {23: attention},  # nonpad_kv_seqlen (24) and windows (25) default to the old ways
 }
+
+ANY_DTYPE = frozenset(KERNELS)  # bfloat16 rounds where the function body rounds (module doc)

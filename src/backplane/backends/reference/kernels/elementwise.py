@@ -1,4 +1,4 @@
-"""Elementwise ops: unary and binary math, comparisons, logic, Where, Cast, Clip and activations.
+"""Elementwise ops: unary and binary math, comparisons, logic, Where, Clip and activations.
 
 NumPy 2 keeps an array's dtype when it meets a Python scalar, so constants here are Python floats
 (``math.pi``, not ``np.pi``) and attribute values arrive as Python floats: float32 stays float32.
@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from backplane.backends.api.backend import is_numpy_native
 from backplane.backends.api.kernels import KernelTable
-from backplane.frontends.onnx_types import onnx_to_numpy_dtype
 from backplane.ir.graph import Layer, TensorInfo
 
 
@@ -201,37 +199,6 @@ def where(condition, X, Y):
     return (np.where(condition, X, Y),)
 
 
-# -- casts -------------------------------------------------------------------------------------
-def cast(input, to, saturate=1, round_mode="up"):  # noqa: A002
-    # saturate and round_mode only change float8 / float4 results, which CHECKS refuses.
-    return (_cast_to(input, onnx_to_numpy_dtype(to)),)
-
-
-def cast_like(input, target_type, saturate=1, round_mode="up"):  # noqa: A002
-    return (_cast_to(input, target_type.dtype),)
-
-
-def _cast_to(x, dtype):
-    if dtype == object:  # to string: str of each value, as an object array like every string tensor
-        return np.vectorize(str, otypes=[object])(x) if x.size else x.astype(object)
-    if x.dtype == object:  # from string: parse each value ("NaN", "INF", "1e-5")
-        return np.vectorize(lambda s: dtype.type(float(s)), otypes=[dtype])(x) if x.size \
-            else x.astype(dtype)
-    return x.astype(dtype)
-
-
-def check_cast(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
-    dtype = onnx_to_numpy_dtype(layer.attrs.get("to", 0))
-    if not is_numpy_native(dtype):
-        return f"cast to ONNX type {layer.attrs.get('to')} ({dtype}) not supported"
-    return None
-
-
-def check_cast_like(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
-    dtype = inputs[1].dtype if len(inputs) > 1 else None
-    return None if is_numpy_native(dtype) else f"cast to {dtype} not supported"
-
-
 # -- activations -------------------------------------------------------------------------------
 def relu(X):
     return (np.maximum(X, 0).astype(X.dtype),)
@@ -250,15 +217,15 @@ def thresholded_relu(X, alpha=1.0):
 
 
 def elu(X, alpha=1.0):
-    return (np.where(X < 0, alpha * (np.exp(X) - 1), X).astype(X.dtype),)
+    return (np.where(X < 0, alpha * np.expm1(X), X).astype(X.dtype),)
 
 
 def selu(X, alpha=1.6732632423543772, gamma=1.0507009873554805):
-    return ((gamma * np.where(X <= 0, alpha * (np.exp(X) - 1), X)).astype(X.dtype),)
+    return ((gamma * np.where(X <= 0, alpha * np.expm1(X), X)).astype(X.dtype),)
 
 
 def celu(X, alpha=1.0):
-    return ((np.maximum(X, 0) + np.minimum(0, alpha * (np.exp(X / alpha) - 1))).astype(X.dtype),)
+    return ((np.maximum(X, 0) + np.minimum(0, alpha * np.expm1(X / alpha))).astype(X.dtype),)
 
 
 def sigmoid(X):
@@ -361,9 +328,6 @@ KERNELS: KernelTable = {
     "Xor": {7: xor},
     "Where": {9: where},
     "StringConcat": {20: string_concat},
-    # casts
-    "Cast": {6: cast},
-    "CastLike": {15: cast_like},
     # activations
     "Relu": {6: relu},
     "LeakyRelu": {6: leaky_relu},
@@ -383,4 +347,10 @@ KERNELS: KernelTable = {
     "Shrink": {9: shrink},
 }
 
-CHECKS = {"Cast": check_cast, "CastLike": check_cast_like, "Gelu": check_gelu}
+CHECKS = {"Gelu": check_gelu}
+
+# ml_dtypes' bfloat16 computes like NumPy's float16: each ufunc works in float32 and rounds its
+# result to the type, as the spec's reference does. These kernels are such ufuncs (or selections)
+# and are right for every type their schema allows; the others keep to NumPy's types.
+ANY_DTYPE = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Abs", "Sqrt", "Exp", "Where", "Equal",
+                       "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Elu", "Celu"})

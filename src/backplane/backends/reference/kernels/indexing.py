@@ -168,3 +168,7 @@ KERNELS: KernelTable = {
 }
 
 CHECKS = {"ScatterElements": check_scatter, "ScatterND": check_scatter}
+
+# Selection moves elements and compares them (Unique); that is exact in every element type.
+ANY_DTYPE = frozenset({"Slice", "Gather", "GatherElements", "GatherND", "OneHot", "Compress",
+                       "Unique", "ReverseSequence"})

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
 
 def mat_mul(A, B):
-    return (np.asarray(np.matmul(A, B)),)  # 1-D @ 1-D gives a NumPy scalar
+    # 1-D @ 1-D gives a NumPy scalar; ml_dtypes' bfloat16 gives float32.
+    return (np.asarray(np.matmul(A, B)).astype(A.dtype, copy=False),)
 
 
 def gemm(A, B, C=None, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa: N803
@@ -47,6 +51,9 @@ def det(X):
 
 
 def einsum(*Inputs, equation):  # noqa: N803
+    dtype = Inputs[0].dtype
+    if dtype == BFLOAT16:  # np.einsum has no bfloat16 loops: accumulate in float32, round once
+        return (np.asarray(np.einsum(equation, *(x.astype(np.float32) for x in Inputs))).astype(dtype),)
     return (np.asarray(np.einsum(equation, *Inputs)),)
 
 
@@ -58,3 +65,6 @@ KERNELS: KernelTable = {
     "Einsum": {12: einsum},
     "Det": {11: det},
 }
+
+# BLAS has no bfloat16: MatMul's product comes back in float32 and is rounded once, as Einsum's.
+ANY_DTYPE = frozenset({"MatMul", "Einsum"})

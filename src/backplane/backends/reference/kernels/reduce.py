@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from backplane.backends.api.kernels import Kernel, KernelTable
+from backplane.backends.reference.kernels.cast import is_integer
 
 Reducer = Callable[[np.ndarray, tuple[int, ...]], np.ndarray]  # keepdims=True result
 
@@ -39,11 +40,11 @@ def _reduce_kernels(reducer: Reducer, name: str) -> tuple[Kernel, Kernel]:
 
 
 def _identity_of_max(dtype: np.dtype):  # the value an empty ReduceMax gives
-    return -np.inf if dtype.kind == "f" else (False if dtype.kind == "b" else np.iinfo(dtype).min)
+    return False if dtype.kind == "b" else (np.iinfo(dtype).min if is_integer(dtype) else -np.inf)
 
 
 def _identity_of_min(dtype: np.dtype):
-    return np.inf if dtype.kind == "f" else (True if dtype.kind == "b" else np.iinfo(dtype).max)
+    return True if dtype.kind == "b" else (np.iinfo(dtype).max if is_integer(dtype) else np.inf)
 
 
 def _max(x, axes):
@@ -190,3 +191,6 @@ KERNELS: KernelTable = {
     "CumSum": {11: cum_sum},
     "CumProd": {26: cum_prod},
 }
+
+# Extrema select; Softmax is ufuncs, where bfloat16 rounds at each step as float16 does.
+ANY_DTYPE = frozenset({"ReduceMax", "ReduceMin", "Softmax"})

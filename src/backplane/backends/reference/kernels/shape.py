@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.reference.kernels.cast import is_integer
 from backplane.frontends.onnx_types import onnx_to_numpy_dtype
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -207,9 +208,12 @@ def constant_of_shape(input, value=None):  # noqa: A002
 
 
 def range_(start, limit, delta, stash_type=1):
+    dtype = start.dtype
+    if dtype.itemsize == 2 and not is_integer(dtype):  # float16, bfloat16: count in stash_type
+        start, limit, delta = (v.astype(onnx_to_numpy_dtype(stash_type)) for v in (start, limit, delta))
     start, limit, delta = (np.reshape(v, ()) for v in (start, limit, delta))  # scalars, or size 1
     count = max(math.ceil((limit - start) / delta), 0)
-    return ((start + np.arange(count) * delta).astype(start.dtype),)
+    return ((start + np.arange(count) * delta).astype(dtype),)
 
 
 def eye_like(input, dtype=None, k=0):  # noqa: A002
@@ -243,3 +247,9 @@ KERNELS: KernelTable = {
 }
 
 CHECKS = {"Pad": check_pad, "Dropout": check_dropout}
+
+# Layout moves elements without arithmetic: right for every element type.
+ANY_DTYPE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split",
+                       "Expand", "Tile", "Pad", "CenterCropPad", "DepthToSpace", "SpaceToDepth",
+                       "Identity", "Shape", "Size"})
+ANY_DTYPE |= {"Range"}  # float16 and bfloat16 count in float32 (stash_type), as the spec says
