@@ -7,7 +7,8 @@ captures CUDA graphs).
 
 Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-op threads),
 ``CpuAcc.linear_route`` ("auto": measure MKL and oneDNN per layer at load and keep the faster;
-"mkl"; "onednn"), ``GpuAcc.device`` (default "cuda:0"), ``GpuAcc.cuda_graphs`` (default True).
+"mkl"; "onednn"), ``GpuAcc.device`` (default "cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32``
+(default False).
 """
 
 from __future__ import annotations
@@ -180,7 +181,14 @@ class GpuAcc(TorchBackend):
         return (cuda.factory(self.options.get("GpuAcc.device", "cuda:0")),)
 
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
+        """fp32 means fp32: TF32 matmuls and convolutions (torch's default for cuDNN) only when
+        ``GpuAcc.tf32`` is set. The switches are torch's, for the whole process."""
+        import torch
+
         self.options = options
+        tf32 = bool(options.get("GpuAcc.tf32", False))
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
         return None
 
     def capabilities(self) -> dict[str, Any]:

@@ -68,6 +68,8 @@ def load_torch(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespac
     import torch
 
     torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32, as GpuAcc by default
+    torch.backends.cudnn.allow_tf32 = False
     module = _torch_module(Path(model).stem)
     device = torch.device(_cuda(args) if args.device == "cuda" else "cpu")
     module = module.to(device)

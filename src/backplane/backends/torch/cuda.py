@@ -1,7 +1,7 @@
 """GpuAcc's memory and CUDA graphs.
 
 Memory: CUDA tensors. ``copy_in`` stages the array in pinned host memory and uploads it
-asynchronously; ``copy_out`` downloads it, which waits for the GPU work queued before it: that is the
+asynchronously (the staging buffer is kept until the copy's event completes); ``copy_out`` downloads it, which waits for the GPU work queued before it: that is the
 sync before another backend or the user reads a GpuAcc output.
 
 CUDA graphs: ``capture_views`` substitutes every static-shape GPU subgraph by one ``CudaGraph`` layer.
@@ -12,6 +12,7 @@ copies the inputs into the graph's static input tensors and replays it: one laun
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
 HOST_INPUTS: dict[str, tuple[int, ...]] = {
@@ -40,13 +42,20 @@ def factory(device: str) -> TensorHandleFactory:
     import torch
 
     target = torch.device(device)
+    in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
 
     def copy_in(value: Any) -> Any:
-        array = np.ascontiguousarray(value)
-        staged = torch.from_numpy(array if array.flags.writeable else array.copy())
-        if staged.numel():
-            staged = staged.pin_memory()
-        return staged.to(target, non_blocking=True)
+        array = np.asarray(value)
+        staged = torch.empty(array.shape, dtype=NUMPY_TO_TORCH[array.dtype], pin_memory=True)
+        staged.numpy()[...] = array
+        uploaded = staged.to(target, non_blocking=True)
+        # The staging buffer must outlive the asynchronous copy: keep it until its event is done.
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(target))
+        in_flight.append((done, staged))
+        while in_flight and in_flight[0][0].query():
+            in_flight.popleft()
+        return uploaded
 
     def copy_out(tensor: Any) -> np.ndarray:
         return tensor.cpu().numpy()
@@ -102,8 +111,6 @@ def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: A
 def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
     """Capture at load, with the static inputs the boundary's tensor infos describe."""
     import torch
-
-    from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 
     device = backend.device()
     inner = layer.attrs["layers"]
