@@ -13,7 +13,13 @@ from typing import Any
 from backplane.backends.api.backend import SUPPORTED, Backend, Support, Workload, WorkloadFactory, unsupported
 from backplane.backends.api.memory import TensorHandleFactory
 from backplane.backends.builtin import sequence
-from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS, make_if, make_loop, make_scan
+from backplane.backends.builtin.control_flow import (
+    CONTROL_FLOW_OPS,
+    make_if,
+    make_loop,
+    make_scan,
+    make_sequence_map,
+)
 from backplane.ir.graph import Layer, TensorInfo
 
 BUILTIN_OPS = ("MemCopy", *CONTROL_FLOW_OPS, *sequence.KERNELS)
@@ -53,6 +59,8 @@ def _control_flow(layer: Layer) -> Workload:
         return make_if(_load(attrs["then_branch"]), _load(attrs["else_branch"]), captured)
     body = attrs["body"]
     graph = body.graph
+    if layer.op_type == "SequenceMap":
+        return make_sequence_map(_load(body), captured, len(graph.outputs))
     if layer.op_type == "Loop":
         n_carried = len(layer.inputs) - 2 - captured
         scan_infos = [graph.info(name) for name in graph.outputs[1 + n_carried:]]

@@ -1,4 +1,4 @@
-"""If, Loop and Scan: builtin's workloads that run optimized sub-networks (onert's builtin kernels).
+"""If, Loop, Scan and SequenceMap: builtin's workloads that run optimized sub-networks (onert's builtin kernels).
 
 Each body was placed by the optimizer like any graph and is loaded here as a LoadedNetwork of its own.
 A body's inputs are its formal inputs followed by the tensors it reads from the enclosing scope
@@ -15,7 +15,8 @@ import numpy as np
 
 from backplane.ir.graph import TensorInfo
 
-CONTROL_FLOW_OPS = {"If": ("then_branch", "else_branch"), "Loop": ("body",), "Scan": ("body",)}
+CONTROL_FLOW_OPS = {"If": ("then_branch", "else_branch"), "Loop": ("body",), "Scan": ("body",),
+                    "SequenceMap": ("body",)}
 
 
 def _bool(value: Any) -> bool:
@@ -85,3 +86,19 @@ def make_scan(body: Any, n_state: int, n_scan_in: int, n_captured: int, input_ax
         return (*state, *results)
 
     return scan
+
+
+def make_sequence_map(body: Any, n_captured: int, n_outputs: int) -> Any:
+    """ONNX SequenceMap: run ``body`` on the i-th element of every sequence input (tensor inputs
+    whole), collecting each body output into a sequence."""
+
+    def sequence_map(*inputs: Any) -> tuple[Any, ...]:
+        formal, captured = inputs[:len(inputs) - n_captured], inputs[len(inputs) - n_captured:]
+        collected: list[list[Any]] = [[] for _ in range(n_outputs)]
+        for i in range(len(formal[0])):
+            args = [x[i] if isinstance(x, list) else x for x in formal]
+            for values, value in zip(collected, body.execute([*args, *captured])):
+                values.append(value)
+        return tuple(collected)
+
+    return sequence_map
