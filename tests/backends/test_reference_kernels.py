@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
+from backplane.backends.api.backend import kernel_key
 from backplane.backends.reference.backend import CpuRef
 from backplane.backends.reference.kernels import indexing, shape
 from backplane.frontends.onnx_types import attribute_value, tensor_to_array
@@ -37,16 +38,17 @@ def node_cases() -> dict[str, Any]:
 
 def _is_candidate(model: onnx.ModelProto) -> bool:
     nodes = model.graph.node
-    if len(nodes) != 1 or nodes[0].domain not in DEFAULT_DOMAINS:
+    if len(nodes) != 1:
         return False
     graph_attrs = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
     if any(attr.type in graph_attrs for attr in nodes[0].attribute):
         return False
-    return nodes[0].op_type in CpuRef.KERNELS
+    return kernel_key(_layer(model)) in CpuRef.KERNELS
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    return next(o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS)
+def _opset(model: onnx.ModelProto, domain: str) -> int:
+    domains = DEFAULT_DOMAINS if domain in DEFAULT_DOMAINS else (domain,)
+    return next(o.version for o in model.opset_import if o.domain in domains)
 
 
 def _no_graph(graph: onnx.GraphProto) -> None:
@@ -68,7 +70,7 @@ def _layer(model: onnx.ModelProto) -> Layer:
     node = model.graph.node[0]
     attrs = {attr.name: attribute_value(attr, import_graph=_no_graph) for attr in node.attribute}
     return Layer(node.name or node.op_type, node.op_type, list(node.input), list(node.output),
-                 attrs, node.domain, _opset(model))
+                 attrs, node.domain, _opset(model, node.domain))
 
 
 def _assert_same(name: str, actual: Any, expected: Any, rtol: float, atol: float) -> None:

@@ -130,25 +130,24 @@ class Backend:
         unknown = _unknown_attributes(kernel, layer.attrs)
         if unknown:
             return unsupported(f"attribute(s) {', '.join(unknown)} not implemented")
+        key = kernel_key(layer)
         for info in (*inputs, *outputs):
             if info.dtype is not None and not is_numpy_native(info.dtype) \
-                    and layer.op_type not in self.ANY_DTYPE_OPS:
+                    and key not in self.ANY_DTYPE_OPS:
                 return unsupported(f"data type {info.dtype.name} not supported")
-        check = self.CHECKS.get(layer.op_type)
+        check = self.CHECKS.get(key)
         reason = check(layer, inputs) if check else None
         return unsupported(reason) if reason else SUPPORTED
 
     def kernel_for(self, layer: Layer) -> Kernel | None:
-        if layer.domain not in ("", "ai.onnx"):
-            return None
-        return select_kernel(self.KERNELS, layer.op_type, layer.opset)
+        return select_kernel(self.KERNELS, kernel_key(layer), layer.opset)
 
     def _no_kernel_reason(self, layer: Layer) -> str:
-        versions = self.KERNELS.get(layer.op_type) if layer.domain in ("", "ai.onnx") else None
+        key = kernel_key(layer)
+        versions = self.KERNELS.get(key)
         if not versions:
-            return f"no kernel for {layer.domain + '::' if layer.domain else ''}{layer.op_type}"
-        return (f"no kernel for {layer.op_type} at opset {layer.opset} "
-                f"(kernels from opset {min(versions)})")
+            return f"no kernel for {key}"
+        return f"no kernel for {key} at opset {layer.opset} (kernels from opset {min(versions)})"
 
     # -- factories ------------------------------------------------------------------------------
     def create_memory_manager(self) -> MemoryManager | None:
@@ -184,6 +183,12 @@ class Backend:
     def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
         """Rewrite or compile a subgraph assigned to this backend. Default: leave it untouched."""
         return OptimizationViews(untouched=[view])
+
+
+def kernel_key(layer: Layer) -> str:
+    """A layer's key in KERNELS, CHECKS and ANY_DTYPE_OPS: its op type, prefixed with its domain
+    outside the default one ("ai.onnx.ml::LabelEncoder"); ``layer.opset`` is that domain's."""
+    return layer.op_type if layer.domain in ("", "ai.onnx") else f"{layer.domain}::{layer.op_type}"
 
 
 def _unknown_attributes(kernel: Kernel, attrs: Mapping[str, Any]) -> list[str]:

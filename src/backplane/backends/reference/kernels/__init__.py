@@ -10,6 +10,7 @@ from backplane.backends.reference.kernels import (
     indexing,
     losses,
     matmul,
+    ml,
     normalization,
     pool,
     quant,
@@ -17,6 +18,8 @@ from backplane.backends.reference.kernels import (
     resize,
     rnn,
     shape,
+    strings,
+    training,
     windows,
 )
 
@@ -34,12 +37,16 @@ KERNELS = {
     **quant.KERNELS,
     **windows.KERNELS,
     **rnn.KERNELS,
+    **strings.KERNELS,
     **attention.KERNELS,
     **losses.KERNELS,
+    **ml.KERNELS,
+    **training.KERNELS,
 }
 
 CHECKS = {
     **elementwise.CHECKS,
+    **attention.CHECKS,
     **cast.CHECKS,
     **shape.CHECKS,
     **indexing.CHECKS,
@@ -49,6 +56,9 @@ CHECKS = {
     **resize.CHECKS,
     **quant.CHECKS,
     **rnn.CHECKS,
+    **strings.CHECKS,
+    **ml.CHECKS,
+    **training.CHECKS,
 }
 
 ANY_DTYPE_OPS = (cast.ANY_DTYPE | quant.ANY_DTYPE | shape.ANY_DTYPE | indexing.ANY_DTYPE

@@ -1,5 +1,6 @@
 """Attention (opset 23-25): scaled dot-product attention with masks, KV cache, grouped heads,
-soft capping and sliding windows.
+soft capping and sliding windows; and its companions RotaryEmbedding and TensorScatter (the
+KV-cache update outside Attention).
 
 The steps follow the spec's function body, rounding where it rounds, so that float16 and bfloat16
 results agree with it: Q and K are each scaled by sqrt(scale) before their product, every matmul
@@ -9,11 +10,13 @@ result is cast back to the input type, and the softmax runs in ``softmax_precisi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.frontends.onnx_types import onnx_to_numpy_dtype
+from backplane.ir.graph import Layer, TensorInfo
 
 
 def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None,
@@ -103,8 +106,52 @@ def _matmul(a, b):
     return np.matmul(a, b).astype(a.dtype)  # NumPy gives float32 for ml_dtypes' bfloat16
 
 
+def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, interleaved=0, num_heads=0,
+                     rotary_embedding_dim=0):
+    x = X.transpose(0, 2, 1, 3) if X.ndim == 4 else X.reshape(*X.shape[:2], num_heads, -1)
+    dim = rotary_embedding_dim or x.shape[-1]  # (B, S, H, D): the first `dim` of D rotate
+    if position_ids is not None:  # the caches are (max_position, dim/2); else (B, S, dim/2)
+        cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
+    cos, sin = cos_cache[:, :, None, :], sin_cache[:, :, None, :]  # (B, S, 1, dim/2)
+    rotated = x[..., :dim]
+    # The pairs rotated together: (0, 1), (2, 3), ... interleaved, else (i, i + dim/2).
+    if interleaved:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+    else:
+        x1, x2 = np.split(rotated, 2, axis=-1)
+    real, imag = cos * x1 - sin * x2, sin * x1 + cos * x2
+    if interleaved:
+        rotated = np.stack((real, imag), axis=-1).reshape(rotated.shape)
+    else:
+        rotated = np.concatenate((real, imag), axis=-1)
+    Y = np.concatenate((rotated, x[..., dim:]), axis=-1)
+    return (Y.transpose(0, 2, 1, 3) if X.ndim == 4 else Y.reshape(X.shape),)
+
+
+def tensor_scatter(past_cache, update, write_indices=None, axis=-2, mode="linear"):
+    # Batch b's update goes along `axis` from write_indices[b], wrapping around if circular.
+    axis = axis % past_cache.ndim
+    present = past_cache.copy()
+    starts = np.zeros(len(past_cache), np.int64) if write_indices is None else write_indices
+    for b, start in enumerate(starts):
+        positions = int(start) + np.arange(update.shape[axis])
+        if mode == "circular":
+            positions %= past_cache.shape[axis]
+        np.moveaxis(present[b], axis - 1, 0)[positions] = np.moveaxis(update[b], axis - 1, 0)
+    return (present,)
+
+
+def check_tensor_scatter(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    mode = layer.attrs.get("mode", "linear")
+    return None if mode in ("linear", "circular") else f"TensorScatter mode {mode!r} not known"
+
+
 KERNELS: KernelTable = {
     "Attention": {23: attention},  # nonpad_kv_seqlen (24) and windows (25) default to the old ways
+    "RotaryEmbedding": {23: rotary_embedding},
+    "TensorScatter": {24: tensor_scatter},
 }
 
-ANY_DTYPE = frozenset(KERNELS)  # bfloat16 rounds where the function body rounds (module doc)
+CHECKS = {"TensorScatter": check_tensor_scatter}
+
+ANY_DTYPE = frozenset({"Attention"})  # bfloat16 rounds where the function body rounds (module doc)

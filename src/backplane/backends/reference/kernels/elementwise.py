@@ -263,6 +263,12 @@ def gelu(X, approximate="none"):
     return ((0.5 * X * (1 + erf(X / math.sqrt(2))[0])).astype(X.dtype),)
 
 
+def swi_glu(A, B, alpha=1.0):
+    # Swish(A) = A * sigmoid(alpha * A), the sigmoid rounded to A's type first, gates B.
+    gate = (1 / (1 + np.exp(-alpha * A))).astype(A.dtype)
+    return ((A * gate * B).astype(A.dtype),)
+
+
 def shrink(input, bias=0.0, lambd=0.5):  # noqa: A002
     output = np.where(input < -lambd, input + bias, np.where(input > lambd, input - bias, 0))
     return (output.astype(input.dtype),)
@@ -345,6 +351,7 @@ KERNELS: KernelTable = {
     "Mish": {18: mish},
     "Gelu": {20: gelu},
     "Shrink": {9: shrink},
+    "SwiGLU": {28: swi_glu},
 }
 
 CHECKS = {"Gelu": check_gelu}
