@@ -195,7 +195,7 @@ class GpuAcc(TorchBackend):
         return {**super().capabilities(), "AsyncExecution": True, "CudaGraphs": True}
 
     def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
-        if self.missing or not self.options.get("GpuAcc.cuda_graphs", True):
+        if self.missing:
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import cuda
 

@@ -125,6 +125,8 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
             env.update(zip(inner_layer.outputs, results))
         return [env[n] for n in layer.attrs["outputs"]]
 
+    if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
+        return lambda *values: tuple(run_layers(*values))
     static = [torch.zeros(info.shape, dtype=NUMPY_TO_TORCH[info.dtype], device=device)
               for info in inputs]
     return CapturedGraph(run_layers, static, device)
@@ -140,6 +142,7 @@ class CapturedGraph:
         import torch
 
         self.static_inputs = static_inputs
+        self.run_layers = run_layers  # holds the uploaded constants the graph reads: keep them alive
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
