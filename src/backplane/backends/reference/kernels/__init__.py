@@ -9,6 +9,7 @@ from backplane.backends.reference.kernels import (
     elementwise,
     grid_sample,
     indexing,
+    linear_attention,
     losses,
     matmul,
     ml,
@@ -42,6 +43,7 @@ KERNELS = {
     **rnn.KERNELS,
     **strings.KERNELS,
     **attention.KERNELS,
+    **linear_attention.KERNELS,
     **losses.KERNELS,
     **grid_sample.KERNELS,
     **nms.KERNELS,
@@ -53,6 +55,7 @@ KERNELS = {
 CHECKS = {
     **elementwise.CHECKS,
     **attention.CHECKS,
+    **linear_attention.CHECKS,
     **cast.CHECKS,
     **shape.CHECKS,
     **indexing.CHECKS,

@@ -173,13 +173,14 @@ def dropout_v10(data, ratio=0.5, *, n_outputs):
 
 
 def dropout(data, ratio=None, training_mode=None, seed=None, *, n_outputs):
-    return dropout_v10(data, n_outputs=n_outputs)
-
-
-def check_dropout(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
-    if len(layer.inputs) > 2 and layer.inputs[2]:
-        return "Dropout with a training_mode input (random in training) is not supported"
-    return None
+    rate = 0.5 if ratio is None else float(np.reshape(ratio, ()))
+    if training_mode is None or not training_mode or rate == 0:
+        return dropout_v10(data, n_outputs=n_outputs)
+    # Training: keep an element where a uniform draw of NumPy's RandomState(seed) is >= ratio
+    # (the spec leaves the generator to the runtime; no seed draws a fresh one each run), and
+    # scale what is kept by 1 / (1 - ratio).
+    mask = np.random.RandomState(seed).uniform(0, 1, data.shape) >= rate
+    return ((mask * data / (1 - rate)).astype(data.dtype), mask)[:n_outputs]
 
 
 def shape(data, start=0, end=None):
@@ -246,7 +247,7 @@ KERNELS: KernelTable = {
     "EyeLike": {9: eye_like},
 }
 
-CHECKS = {"Pad": check_pad, "Dropout": check_dropout}
+CHECKS = {"Pad": check_pad}
 
 # Layout moves elements without arithmetic: right for every element type.
 ANY_DTYPE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split",
