@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from backplane.backends.reference.kernels import (
     attention,
+    blocks,
     cast,
     conv,
     elementwise,
@@ -20,6 +21,7 @@ from backplane.backends.reference.kernels import (
     reduce,
     resize,
     rnn,
+    roi_align,
     shape,
     spectral,
     strings,
@@ -46,6 +48,8 @@ KERNELS = {
     **linear_attention.KERNELS,
     **losses.KERNELS,
     **grid_sample.KERNELS,
+    **blocks.KERNELS,
+    **roi_align.KERNELS,
     **nms.KERNELS,
     **spectral.KERNELS,
     **ml.KERNELS,
@@ -67,6 +71,7 @@ CHECKS = {
     **rnn.CHECKS,
     **strings.CHECKS,
     **grid_sample.CHECKS,
+    **roi_align.CHECKS,
     **ml.CHECKS,
     **training.CHECKS,
 }

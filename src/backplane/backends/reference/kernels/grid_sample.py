@@ -34,9 +34,17 @@ def grid_sample(X, grid, align_corners=0, mode="linear", padding_mode="zeros"):
     if mode == "nearest":
         coords = [np.rint(c) for c in coords]  # half to even
     coords = [_fold_inside(c, n, align_corners, padding_mode) for c, n in zip(coords, sizes)]
+    return (sample(X, coords, mode, align_corners, padding_mode).astype(X.dtype),)
+
+
+def sample(X, coords, mode="linear", align_corners=0, padding_mode="zeros"):
+    """X (N, C, *sizes) read at pixel coordinates: one (N, *out) array per spatial axis, the
+    same for every channel -> (N, C, *out), interpolated (float64)."""
+    sizes = X.shape[2:]
     taps = [_taps(c, mode) for c in coords]  # per axis: [(index, weight), ...]
-    Y = np.zeros((len(X), X.shape[1], *grid.shape[1:-1]), dtype=np.float64)
-    batch = np.arange(len(X)).reshape(-1, *[1] * (grid.ndim - 2))
+    out = coords[0].shape[1:]
+    Y = np.zeros((len(X), X.shape[1], *out), dtype=np.float64)
+    batch = np.arange(len(X)).reshape(-1, *[1] * len(out))
     for combination in itertools.product(*taps):  # every corner of the interpolation window
         weight = np.prod([w for _, w in combination], axis=0)
         index, inside = zip(*(_pixel_index(i, n, align_corners, padding_mode)
@@ -44,7 +52,7 @@ def grid_sample(X, grid, align_corners=0, mode="linear", padding_mode="zeros"):
         values = X[(batch, slice(None), *index)]  # (N, *out, C)
         values = np.where(np.logical_and.reduce(inside)[..., None], values, 0)
         Y += np.moveaxis(values * weight[..., None], -1, 1)
-    return (Y.astype(X.dtype),)
+    return Y
 
 
 def _denormalize(g, n, align_corners):
