@@ -1,6 +1,6 @@
 """Attention (opset 23-25): scaled dot-product attention with masks, KV cache, grouped heads,
-soft capping and sliding windows; and its companions RotaryEmbedding and TensorScatter (the
-KV-cache update outside Attention).
+soft capping and sliding windows; its companions RotaryEmbedding and TensorScatter (the
+KV-cache update outside Attention); and ai.onnx.preview's FlexAttention.
 
 The steps follow the spec's function body, rounding where it rounds, so that float16 and bfloat16
 results agree with it: Q and K are each scaled by sqrt(scale) before their product, every matmul
@@ -63,6 +63,20 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv
         Y = Y.transpose(0, 2, 1, 3).reshape(Y.shape[0], q_len, -1)
     qk_output = (raw, capped, scores, probs)[qk_matmul_output_mode].astype(dtype)
     return (Y, present_key, present_value, qk_output)[:n_outputs]
+
+
+def flex_attention(Q, K, V, scale=None, softmax_precision=None):
+    # ai.onnx.preview's FlexAttention without score_mod / prob_mod graphs (their attributes are
+    # refused as unknown): 4-D attention with grouped heads, the softmax in float32 at least.
+    root_scale = Q.dtype.type(math.sqrt(np.float32(1 / math.sqrt(Q.shape[3]) if scale is None
+                                                   else scale)))
+    groups = Q.shape[1] // K.shape[1]
+    keys, values = np.repeat(K, groups, axis=1), np.repeat(V, groups, axis=1)
+    scores = _matmul(Q * root_scale, np.swapaxes(keys * root_scale, -1, -2))
+    dtype = onnx_to_numpy_dtype(softmax_precision) if softmax_precision else \
+        np.result_type(Q.dtype, np.float32)
+    probs = _softmax(scores.astype(dtype))
+    return (np.matmul(probs, values.astype(dtype)).astype(V.dtype),)
 
 
 def _split_heads(x, num_heads):
@@ -150,6 +164,7 @@ KERNELS: KernelTable = {
     "Attention": {23: attention},  # nonpad_kv_seqlen (24) and windows (25) default to the old ways
     "RotaryEmbedding": {23: rotary_embedding},
     "TensorScatter": {24: tensor_scatter},
+    "ai.onnx.preview::FlexAttention": {1: flex_attention},
 }
 
 CHECKS = {"TensorScatter": check_tensor_scatter}
