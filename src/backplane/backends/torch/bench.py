@@ -225,7 +225,7 @@ def _spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path,
 def bench_model(args: argparse.Namespace, model: Path, runtimes: list[str], tmp: Path,
                 advance: Callable[[str], None]) -> dict[str, Result]:
     feeds = tmp / f"{model.stem}.feeds.npz"
-    np.savez(feeds, **make_feeds(model))
+    np.savez(feeds, **make_feeds(model))  # type: ignore[arg-type]
     results = {rt: Result() for rt in runtimes}
     for round_ in range(args.rounds):
         for rt in runtimes:
@@ -301,20 +301,24 @@ def model_flops(model: Path) -> float:
     from backplane.frontends.onnx import import_onnx
 
     graph = import_onnx(str(model))
+
+    def static(name: str) -> tuple[int, ...] | None:
+        info = graph.info(name)
+        return tuple(int(d) for d in info.shape) if info.is_static and info.shape else None  # type: ignore[arg-type]
+
     total = 0
     for layer in graph.layers:
-        out = graph.info(layer.outputs[0]) if layer.outputs else None
-        if out is None or not out.is_static:
+        out = static(layer.outputs[0]) if layer.outputs else None
+        if out is None or layer.op_type not in ("Conv", "MatMul", "Gemm"):
+            continue
+        operand = static(layer.inputs[1] if layer.op_type == "Conv" else layer.inputs[0])
+        if operand is None:
             continue
         if layer.op_type == "Conv":
-            w = graph.info(layer.inputs[1])
-            if w.is_static:
-                total += math.prod(out.shape) * math.prod(w.shape[1:])  # type: ignore[arg-type]
-        elif layer.op_type in ("MatMul", "Gemm"):
-            a = graph.info(layer.inputs[0])
-            if a.is_static:
-                k = a.shape[0] if layer.op_type == "Gemm" and layer.attrs.get("transA") else a.shape[-1]
-                total += math.prod(out.shape) * k  # type: ignore[arg-type]
+            total += math.prod(out) * math.prod(operand[1:])
+        else:
+            k = operand[0] if layer.op_type == "Gemm" and layer.attrs.get("transA") else operand[-1]
+            total += math.prod(out) * k
     return 2.0 * total
 
 

@@ -127,8 +127,8 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
 
     if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
         return lambda *values: tuple(run_layers(*values))
-    static = [torch.zeros(info.shape, dtype=NUMPY_TO_TORCH[info.dtype], device=device)
-              for info in inputs]
+    static = [torch.zeros(info.shape, dtype=NUMPY_TO_TORCH[info.dtype], device=device)  # type: ignore
+              for info in inputs]  # capture_views took only static inputs
     return CapturedGraph(run_layers, static, device)
 
 
