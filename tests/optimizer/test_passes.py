@@ -36,3 +36,26 @@ def test_passes_can_be_turned_off() -> None:
     assert len(session.optimized.graph.layers) == 7
     x = np.ones((2, 3, 4), np.float32)
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.full((2, 12), 9, np.float32))
+
+
+def test_folded_shape_computations_give_static_shapes() -> None:
+    """ONNX's whole-model inference cannot see through Shape -> Cast -> Abs -> Cast; once folded, the
+    Reshape's target is a constant and its output (and everything after it) gets a static shape."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("Cast", ["s"], ["sf"], name="to_float", to=TensorProto.FLOAT),
+        helper.make_node("Abs", ["sf"], ["sa"], name="abs"),
+        helper.make_node("Cast", ["sa"], ["si"], name="to_int", to=TensorProto.INT64),
+        helper.make_node("ReduceProd", ["si"], ["n"], name="count", keepdims=1),
+        helper.make_node("Reshape", ["x", "n"], ["flat"], name="flatten"),
+        helper.make_node("Relu", ["flat"], ["y"], name="relu"),
+    ]
+    model = make_model(nodes, [float_input("x", [2, 3, 4])], [float_input("y", None)])
+    unfolded = InferenceSession(model, optimizer_options=OptimizerOptions(fold_constants=False))
+    assert not unfolded.optimized.graph.info("flat").is_static
+    session = InferenceSession(model)
+    assert [layer.op_type for layer in session.optimized.graph.layers] == ["Reshape", "Relu"]
+    assert session.optimized.graph.info("flat").shape == (24,)
+    assert session.optimized.graph.info("y").shape == (24,)
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.maximum(x.reshape(-1), 0))

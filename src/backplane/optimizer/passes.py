@@ -9,6 +9,7 @@ import numpy as np
 
 from backplane.backends.api.kernels import UnsupportedError, bind_kernel, select_kernel
 from backplane.ir.graph import Graph, Layer, TensorInfo
+from backplane.optimizer import shapes
 
 # Ops whose output is not a function of their inputs: never folded.
 NONDETERMINISTIC = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
@@ -19,12 +20,14 @@ MAX_FOLDED_BYTES = 64 << 20  # folding must not turn a small model into a huge o
 def fold_constants(graph: Graph) -> Graph:
     """Evaluate, with CpuRef's kernels, every layer whose inputs are all known at load time.
 
-    ``Shape`` of a tensor whose shape is static counts as known too.
+    ``Shape`` of a tensor whose shape is static counts as known too. On the way, layers whose inputs
+    have static shapes get static output shapes (``shapes.refine``), which lets more Shapes fold.
     """
     from backplane.backends.reference.kernels import KERNELS
 
     kept: list[Layer] = []
     for layer in graph.layers:
+        shapes.refine(layer, graph)
         values = _fold(layer, graph, KERNELS)
         if values is None:
             kept.append(layer)
