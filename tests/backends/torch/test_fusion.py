@@ -107,3 +107,106 @@ def test_gemm_with_alpha_beta_and_trans_b() -> None:
     assert [lay.op_type for lay in session.optimized.graph.layers if lay.op_type != "MemCopy"] == ["Linear"]
     expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def _gelu_nodes(x: str, y: str, half_first: bool) -> list[onnx.NodeProto]:
+    """GELU as the torch exporter writes it: x * 0.5 * (1 + erf(x / sqrt(2))), in either Mul order."""
+    nodes = [helper.make_node("Div", [x, "sqrt2"], ["d"], name="div"),
+             helper.make_node("Erf", ["d"], ["e"], name="erf"),
+             helper.make_node("Add", ["e", "one"], ["p"], name="plus_one")]
+    if half_first:
+        return nodes + [helper.make_node("Mul", [x, "half"], ["h"], name="half"),
+                        helper.make_node("Mul", ["h", "p"], [y], name="gelu")]
+    return nodes + [helper.make_node("Mul", [x, "p"], ["h"], name="times"),
+                    helper.make_node("Mul", ["h", "half"], [y], name="gelu")]
+
+
+GELU_CONSTANTS = [numpy_helper.from_array(np.float32(v), n)
+                  for n, v in (("sqrt2", np.sqrt(2)), ("one", 1.0), ("half", 0.5))]
+
+
+@pytest.mark.parametrize("half_first", [False, True])
+@pytest.mark.parametrize("route", ["mkl", "onednn"])
+def test_linear_with_erf_gelu_becomes_one_layer(route: str, half_first: bool) -> None:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+             helper.make_node("Add", ["m", "bias"], ["a"], name="add"), *_gelu_nodes("a", "y", half_first)]
+    model = make_model(nodes, [float_input("x", [1, 6, 16])], [float_input("y", [1, 6, 24])],
+                       [_const("w", 16, 24), _const("bias", 24), *GELU_CONSTANTS])
+    feeds = _feeds(model)
+    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
+    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    (linear,) = [lay for lay in session.optimized.graph.layers if lay.op_type != "MemCopy"]
+    assert linear.op_type == "Linear" and linear.attrs["unary"] == ("gelu", [], "none")
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_gelu_lookalike_with_another_constant_stays_apart() -> None:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="matmul"), *_gelu_nodes("a", "y", False)]
+    constants = [*GELU_CONSTANTS[:2], numpy_helper.from_array(np.float32(0.25), "half")]
+    model = make_model(nodes, [float_input("x", [1, 6, 16])], [float_input("y", [1, 6, 24])],
+                       [_const("w", 16, 24), *constants])
+    session = InferenceSession(model, backends=["CpuAcc"])
+    ops = [lay.op_type for lay in session.optimized.graph.layers if lay.op_type != "MemCopy"]
+    assert ops == ["Linear", "Div", "Erf", "Add", "Mul", "Mul"]
+    feeds = _feeds(model)
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["mkl", "onednn"])
+def test_linear_plus_residual_becomes_one_layer(route: str) -> None:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+             helper.make_node("Add", ["m", "bias"], ["a"], name="add"),
+             helper.make_node("Add", ["x", "a"], ["y"], name="residual")]
+    model = make_model(nodes, [float_input("x", [1, 6, 16])], [float_input("y", [1, 6, 16])],
+                       [_const("w", 16, 16), _const("bias", 16)])
+    feeds = _feeds(model)
+    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
+    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    (linear,) = [lay for lay in session.optimized.graph.layers if lay.op_type != "MemCopy"]
+    assert linear.op_type == "Linear" and linear.attrs["binary"]
+    assert session.report.layers["residual"].substituted_by == linear.name
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def squeeze_excite_model(act: str, gate: str) -> onnx.ModelProto:
+    """x -> GlobalAveragePool -> 1x1 Conv -> act -> 1x1 Conv -> gate -> Mul(x, gate), as in
+    mobilenet_v3 (Relu, HardSigmoid) and efficientnet (x * Sigmoid(x), Sigmoid)."""
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["p"], name="pool"),
+             helper.make_node("Conv", ["p", "w1", "b1"], ["r"], name="reduce")]
+    if act == "swish":
+        nodes += [helper.make_node("Sigmoid", ["r"], ["rs"], name="act_sigmoid"),
+                  helper.make_node("Mul", ["r", "rs"], ["a"], name="act")]
+    else:
+        nodes.append(helper.make_node(act, ["r"], ["a"], name="act"))
+    gate_attrs = {"alpha": 1 / 6, "beta": 0.5} if gate == "HardSigmoid" else {}
+    nodes += [helper.make_node("Conv", ["a", "w2", "b2"], ["e"], name="expand"),
+              helper.make_node(gate, ["e"], ["g"], name="gate", **gate_attrs),
+              helper.make_node("Mul", ["x", "g"], ["y"], name="scale")]
+    inits = [_const("w1", 4, 16, 1, 1), _const("b1", 4), _const("w2", 16, 4, 1, 1), _const("b2", 16)]
+    return make_model(nodes, [float_input("x", [1, 16, 5, 5])], [float_input("y", [1, 16, 5, 5])], inits)
+
+
+@pytest.mark.parametrize(("act", "gate"), [("Relu", "HardSigmoid"), ("swish", "Sigmoid")])
+def test_squeeze_excite_becomes_one_layer(act: str, gate: str) -> None:
+    model = squeeze_excite_model(act, gate)
+    feeds = _feeds(model)
+    session = InferenceSession(model, backends=["CpuAcc"])
+    (fused,) = [lay for lay in session.optimized.graph.layers if lay.op_type != "MemCopy"]
+    assert fused.op_type == "SqueezeExcite"
+    assert {session.report.layers[n].substituted_by for n in ("pool", "reduce", "gate", "scale")} \
+        == {fused.name}
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_squeeze_excite_whose_gate_is_not_a_sigmoid_is_left_to_the_convolutions() -> None:
+    model = squeeze_excite_model("Relu", "Relu")
+    session = InferenceSession(model, backends=["CpuAcc"])
+    ops = [lay.op_type for lay in session.optimized.graph.layers if lay.op_type != "MemCopy"]
+    assert "SqueezeExcite" not in ops and ops.count("FusedConv") == 2
+    feeds = _feeds(model)
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)

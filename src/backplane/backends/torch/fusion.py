@@ -8,10 +8,12 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   convolution with the residual as a binary and the activation as a unary post-op and the weights
   reordered once (``torch.ops.mkldnn._convolution_pointwise``), or torch's ``conv2d`` followed by
   the post-ops (cheaper per call on tiny convolutions such as squeeze-excitation's).
-- Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)] [-> activation]
+- Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)]
+  [-> activation | -> GELU written out with Erf | -> Add(residual)]
   becomes one ``Linear``: at load the faster of MKL (``F.linear``) and oneDNN
-  (``torch.ops.mkldnn._linear_pointwise`` with a prepacked weight) on its static shape is measured
-  and kept (``CpuAcc.linear_route`` forces one).
+  (``torch.ops.mkldnn._linear_pointwise`` with a prepacked weight, the activation as a unary and the
+  residual as a binary post-op) on its static shape is measured and kept (``CpuAcc.linear_route``
+  forces one).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def fuse(view: SubgraphView) -> OptimizationViews:
     for layer in view.layers:
         if id(layer) in ctx.taken or layer.domain:
             continue
-        match = _match_conv(layer, ctx) if layer.op_type == "Conv" else _match_linear(layer, ctx)
+        matcher = MATCHERS.get(layer.op_type, _match_linear)
+        match = matcher(layer, ctx)
         if match is None:
             continue
         group, fused = match
@@ -286,17 +289,74 @@ def _match_linear(layer: Layer, ctx: _Context) -> tuple[list[Layer], Layer] | No
         return None
     weight, bias, group = found
     out = group[-1].outputs[0]
+    x, inputs, binary = layer.inputs[0], [layer.inputs[0]], False
     nxt = ctx.sole(out)
-    unary = post_op(nxt, ctx) if nxt is not None else None
-    if unary is not None:
+    unary: PostOp | None = None
+    gelu = _gelu(out, ctx)
+    if gelu is not None:
+        unary, out = ("gelu", [], "none"), gelu[-1].outputs[0]
+        group += gelu
+    elif nxt is not None and (unary := post_op(nxt, ctx)) is not None:
+        group.append(nxt)
+        out = nxt.outputs[0]
+    elif (residual := _residual(nxt, out, ctx)) is not None:  # oneDNN's binary post-op
+        inputs, binary, out = [x, residual], True, nxt.outputs[0]  # type: ignore[union-attr]
         group.append(nxt)  # type: ignore[arg-type]
-        out = nxt.outputs[0]  # type: ignore[union-attr]
-    x = layer.inputs[0]
     attrs = {"weight": np.ascontiguousarray(weight, F32),
              "bias": None if bias is None else np.ascontiguousarray(bias, F32),
-             "input_shape": list(ctx.shape(x) or []), "unary": unary}
-    fused = Layer("+".join(lay.name for lay in group), "Linear", [x], [out], attrs, FUSED_DOMAIN, 1)
+             "input_shape": list(ctx.shape(x) or []), "unary": unary, "binary": binary}
+    fused = Layer("+".join(lay.name for lay in group), "Linear", inputs, [out], attrs, FUSED_DOMAIN, 1)
     return group, fused
+
+
+def _residual(add: Layer | None, out: str, ctx: _Context) -> str | None:
+    """The other operand of ``add`` when it adds a tensor of ``out``'s shape to ``out``."""
+    if add is None or add.op_type != "Add" or add.domain:
+        return None
+    other = add.inputs[1] if add.inputs[0] == out else add.inputs[0]
+    if other == out or ctx.const(other) is not None or ctx.shape(other) != ctx.shape(out):
+        return None
+    return other
+
+
+def _gelu(out: str, ctx: _Context) -> list[Layer] | None:
+    """GELU as exporters write it, x * 0.5 * (1 + erf(x / sqrt(2))) in either order of the two Muls,
+    read from ``out``: its five layers, the last one writing the result, or None."""
+    users = ctx.consumers.get(out, [])
+    if len(users) != 2 or out in ctx.graph.outputs or any(
+            id(u) not in ctx.inside or id(u) in ctx.taken or u.domain for u in users):
+        return None
+    scale = next((u for u in users if _scalar_op(u, out, ctx, "Div", math.sqrt(2))
+                  or _scalar_op(u, out, ctx, "Mul", 1 / math.sqrt(2))), None)
+    erf = ctx.sole(scale.outputs[0]) if scale is not None else None
+    one = ctx.sole(erf.outputs[0]) if erf is not None and erf.op_type == "Erf" else None
+    if one is None or not _scalar_op(one, erf.outputs[0], ctx, "Add", 1.0):  # type: ignore[union-attr]
+        return None
+    first = next(u for u in users if u is not scale)
+    second = ctx.sole(first.outputs[0])
+    if first.op_type != "Mul" or second is None or second.op_type != "Mul":
+        return None
+    if set(first.inputs) == {out, one.outputs[0]} and _scalar_op(second, first.outputs[0], ctx, "Mul", 0.5):
+        tail = [first, second]  # (x * (1 + erf)) * 0.5
+    elif _scalar_op(first, out, ctx, "Mul", 0.5) and set(second.inputs) == {first.outputs[0], one.outputs[0]}:
+        tail = [first, second]  # (x * 0.5) * (1 + erf)
+    else:
+        return None
+    if ctx.sole(one.outputs[0]) is not second and ctx.sole(one.outputs[0]) is not first:
+        return None
+    return [scale, erf, one, *tail]  # type: ignore[list-item]
+
+
+def _scalar_op(layer: Layer, operand: str, ctx: _Context, op: str, value: float) -> bool:
+    """Whether ``layer`` is ``operand <op> value`` (or ``value <op> operand`` for Add and Mul)."""
+    if layer.op_type != op or layer.domain or len(layer.inputs) != 2 or operand not in layer.inputs:
+        return False
+    index = layer.inputs.index(operand)
+    if op == "Div" and index != 0:
+        return False
+    constant = ctx.const(layer.inputs[1 - index])
+    return constant is not None and constant.size == 1 and math.isclose(
+        float(constant.reshape(-1)[0]), value, rel_tol=1e-6)
 
 
 def _gemm_weights(gemm: Layer, ctx: _Context):
@@ -361,9 +421,10 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
     post = _torch_post_op(a["unary"])
 
-    def mkl(x):
+    def mkl(x, residual=None):
         y = F.linear(x, weight, bias)
-        return (post(y) if post else y,)
+        y = post(y) if post else y
+        return (y if residual is None else y.add_(residual),)
 
     route = backend.options.get("CpuAcc.linear_route", "auto")
     if route == "mkl" or not a["input_shape"]:
@@ -376,10 +437,16 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     def onednn(x):
         return (linear(x, packed, bias, attr, scalars, algorithm),)
 
+    def onednn_add(x, residual):
+        return (linear.binary(x, residual, packed, bias, "add"),)
+
+    fused = onednn_add if a.get("binary") else onednn
     if route == "onednn":
-        return onednn
-    sample = torch.randn(a["input_shape"])
-    return min((mkl, onednn), key=lambda run: _seconds(run, sample))
+        return fused
+    sample = [torch.randn(a["input_shape"])]
+    if a.get("binary"):
+        sample.append(torch.randn(*a["input_shape"][:-1], weight.shape[0]))
+    return min((mkl, fused), key=lambda run: _seconds(run, *sample))
 
 
 def _seconds(run: Callable[..., Any], *sample: Any, repeat: int = 5) -> float:
@@ -396,4 +463,88 @@ def _seconds(run: Callable[..., Any], *sample: Any, repeat: int = 5) -> float:
         return math.inf
 
 
-WORKLOADS: dict[str, Callable[..., Workload]] = {"FusedConv": conv_workload, "Linear": linear_workload}
+# -- squeeze-and-excitation -------------------------------------------------------------------------
+def _match_squeeze_excite(gap: Layer, ctx: _Context) -> tuple[list[Layer], Layer] | None:
+    """GlobalAveragePool -> 1x1 Conv -> activation -> 1x1 Conv -> gate -> Mul with the pooled input:
+    the whole block on a vector of channels, as two small matrix products (oneDNN's convolution costs
+    tens of microseconds a call on a 1x1 image, a matrix-vector product a few)."""
+    x = gap.inputs[0]
+    shape = ctx.shape(x)
+    if gap.domain or shape is None or len(shape) != 4:
+        return None
+    group = [gap]
+    reduce = _pointwise_conv(ctx.sole(gap.outputs[0]), shape[1], ctx)
+    if reduce is None:
+        return None
+    group.append(reduce[0])
+    act = _activation(reduce[0].outputs[0], ctx)
+    if act is None:
+        return None
+    group += act[0]
+    expand = _pointwise_conv(ctx.sole(act[0][-1].outputs[0]), reduce[1].shape[0], ctx)
+    gate = _activation(expand[0].outputs[0], ctx) if expand is not None else None
+    if expand is None or gate is None or gate[1][0] not in ("sigmoid", "hardsigmoid") \
+            or expand[1].shape[0] != shape[1]:
+        return None
+    group += [expand[0], *gate[0]]
+    mul = ctx.sole(gate[0][-1].outputs[0])
+    if mul is None or mul.op_type != "Mul" or mul.domain or set(mul.inputs) != {x, gate[0][-1].outputs[0]}:
+        return None
+    group.append(mul)
+    attrs = {"w1": reduce[1], "b1": reduce[2], "act": act[1], "w2": expand[1], "b2": expand[2],
+             "gate": gate[1]}
+    fused = Layer("+".join(lay.name for lay in group), "SqueezeExcite", [x], [mul.outputs[0]], attrs,
+                  FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _pointwise_conv(conv: Layer | None, channels: int, ctx: _Context,
+                    ) -> tuple[Layer, np.ndarray, np.ndarray] | None:
+    """A 1x1, unpadded, ungrouped Conv with constant weights on ``channels`` inputs: the layer, its
+    weight as a (out, in) matrix and its bias."""
+    if conv is None or conv.op_type != "Conv" or conv.domain:
+        return None
+    weight = ctx.const(conv.inputs[1])
+    b_name = conv.inputs[2] if len(conv.inputs) > 2 else ""
+    bias = ctx.const(b_name)
+    a = conv.attrs
+    if weight is None or weight.dtype != F32 or weight.shape[1:] != (channels, 1, 1) \
+            or (b_name and bias is None) or a.get("group", 1) != 1 or any(a.get("pads") or []) \
+            or a.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID") \
+            or any(v != 1 for v in (a.get("strides") or []) + (a.get("dilations") or [])):
+        return None
+    bias = np.zeros(weight.shape[0], F32) if bias is None else bias
+    return conv, np.ascontiguousarray(weight.reshape(weight.shape[0], channels)), bias.astype(F32)
+
+
+def _activation(out: str, ctx: _Context) -> tuple[list[Layer], PostOp] | None:
+    """The activation applied to ``out``: its layers and its post-op."""
+    swish = _swish(out, ctx)
+    if swish is not None:
+        return swish, ("swish", [], None)
+    nxt = ctx.sole(out)
+    unary = post_op(nxt, ctx) if nxt is not None else None
+    return ([nxt], unary) if unary is not None else None  # type: ignore[list-item]
+
+
+def squeeze_excite_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    a = layer.attrs
+    w1, b1, w2, b2 = (torch.from_numpy(np.array(a[k])) for k in ("w1", "b1", "w2", "b2"))
+    act, gate = _torch_post_op(a["act"]), _torch_post_op(a["gate"])
+    assert act is not None and gate is not None, "the matcher takes activations only"
+
+    def run(x):
+        s = gate(F.linear(act(F.linear(x.mean((2, 3)), w1, b1)), w2, b2))  # (N, C)
+        return (x * s[:, :, None, None],)
+    return run
+
+
+MATCHERS: dict[str, Callable[[Layer, _Context], tuple[list[Layer], Layer] | None]] = {
+    "Conv": _match_conv, "GlobalAveragePool": _match_squeeze_excite}
+"""The first layer of a pattern -> its matcher (any other layer may start a Linear)."""
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload}
