@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
 from backplane import InferenceSession, OptimizationError, import_onnx, optimize
 from backplane.backends.api.backend import Backend
+from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.registry import registry
-from tests.conftest import small_cnn_model
+from tests.conftest import PartialBackend, small_cnn_model
 
 X = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
 
@@ -61,6 +63,38 @@ def test_private_memory_gets_a_mem_copy_on_each_crossing(partial_backends) -> No
     assert len(mem_copies) == 4 and all(lay.backend == "builtin" for lay in mem_copies)
     expected = InferenceSession(small_cnn_model(), backends=["CpuRef"]).run(None, {"x": X})
     np.testing.assert_array_equal(session.run(None, {"x": X})[0], expected[0])
+
+
+class MappedBackend(PartialBackend):
+    """Tensors of a kind of its own, but in host memory that it imports and exports: crossings are
+    zero-copy MemImports (its views record what they were handed)."""
+
+    id = "TestMapped"
+    handed: list[np.ndarray] = []
+
+    def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
+        def import_(array: np.ndarray) -> np.ndarray:
+            MappedBackend.handed.append(array)
+            return array.view()
+
+        return (TensorHandleFactory("test-mapped", MemorySource.MALLOC, MemorySource.MALLOC,
+                                    MemorySource.MALLOC, import_=import_),)
+
+
+def test_host_memory_of_another_kind_is_imported_not_copied() -> None:
+    with registry.temporarily(MappedBackend.id, MappedBackend):
+        session = InferenceSession(small_cnn_model(), backends=["TestMapped", "CpuRef"])
+    crossings = [(c.tensor, c.source, c.target, c.strategy) for c in session.report.copies]
+    assert crossings == [("x", "user", "TestMapped", "import"), ("r2", "TestMapped", "CpuRef", "import"),
+                         ("f", "CpuRef", "TestMapped", "import"),
+                         ("logits", "TestMapped", "CpuRef", "import")]
+    glue = [lay.op_type for lay in session.optimized.graph.layers if lay.backend == "builtin"]
+    assert glue == ["MemImport"] * 4
+    MappedBackend.handed.clear()
+    (probs,) = session.run(None, {"x": X})
+    assert MappedBackend.handed[0] is X or np.shares_memory(MappedBackend.handed[0], X)
+    expected = InferenceSession(small_cnn_model(), backends=["CpuRef"]).run(None, {"x": X})
+    np.testing.assert_array_equal(probs, expected[0])
 
 
 def test_pins_by_layer_name_and_by_op_type(partial_backends) -> None:

@@ -20,19 +20,22 @@ USER = "user"  # graph inputs come from, and graph outputs go to, the user's hos
 
 class EdgeStrategy(enum.Enum):
     DIRECT_COMPATIBILITY = "direct"  # both sides use the same tensor handles
-    EXPORT_TO_TARGET = "import"  # the target imports the source's memory, zero-copy (later issue)
+    EXPORT_TO_TARGET = "import"  # a MemImport layer hands the source's memory over, zero-copy
     COPY_TO_TARGET = "copy"  # a MemCopy layer moves the tensor
 
 
 def edge_strategy(source: TensorHandleFactory, target: TensorHandleFactory) -> EdgeStrategy:
     if source.id == target.id:
         return EdgeStrategy.DIRECT_COMPATIBILITY
+    if target.can_import_from(source):
+        return EdgeStrategy.EXPORT_TO_TARGET
     return EdgeStrategy.COPY_TO_TARGET
 
 
 def insert_compatibility_layers(graph: Graph, factories: Mapping[str, TensorHandleFactory],
                                 ) -> list[CopyRecord]:
-    """Insert a MemCopy layer on every edge whose strategy is a copy; returns what was inserted.
+    """Insert a MemCopy (or MemImport) layer on every edge whose strategy is a copy (or an import);
+    returns what was inserted.
 
     ``factories`` maps a backend id to its preferred tensor-handle factory (the user is host memory).
     """
@@ -52,7 +55,7 @@ def insert_compatibility_layers(graph: Graph, factories: Mapping[str, TensorHand
             return name
         key = (name, factories[target].id)
         if key not in copies:
-            copies[key] = _mem_copy(graph, name, source, target, factories)
+            copies[key] = _mem_copy(graph, name, source, target, factories, strategy)
             layers.append(copies[key])
             info = graph.info(name)
             records.append(CopyRecord(name, source, target, strategy.value, info.nbytes,
@@ -68,9 +71,10 @@ def insert_compatibility_layers(graph: Graph, factories: Mapping[str, TensorHand
 
 
 def _mem_copy(graph: Graph, name: str, source: str, target: str,
-              factories: Mapping[str, TensorHandleFactory]) -> Layer:
+              factories: Mapping[str, TensorHandleFactory], strategy: EdgeStrategy) -> Layer:
     out = f"{name}@{target}"
     graph.tensors[out] = graph.info(name)
     attrs = {"source": factories[source], "target": factories[target]}
-    return Layer(f"MemCopy[{name}]({source}->{target})", "MemCopy", [name], [out], attrs,
-                 opset=0, backend=BUILTIN)
+    op = "MemImport" if strategy is EdgeStrategy.EXPORT_TO_TARGET else "MemCopy"
+    return Layer(f"{op}[{name}]({source}->{target})", op, [name], [out], attrs, opset=0,
+                 backend=BUILTIN)

@@ -18,6 +18,10 @@ def _host_copy(value: Any) -> Any:
     return np.array(value, copy=True)
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 class MemorySource(enum.Flag):
     """Kinds of memory a tensor handle can live in, import from or export to."""
 
@@ -46,6 +50,17 @@ class TensorHandleFactory:
     """Copy a host array into this memory (what a MemCopy into the backend runs)."""
     copy_out: Callable[[Any], Any] = _host_copy
     """Copy a tensor of this memory to a host array (what a MemCopy out of the backend runs)."""
+    export: Callable[[Any], Any] = _same
+    """This memory as a host array, without a copy (what a MemImport runs on the producer's side);
+    used where ``export_flags`` meet the consumer's ``import_flags``."""
+    import_: Callable[[Any], Any] = _same
+    """A host array as a tensor of this memory, without a copy (a MemImport's consumer side)."""
+
+    def can_import_from(self, source: TensorHandleFactory) -> bool:
+        """Whether tensors of ``source`` can be read here zero-copy (Arm NN's import, Ethos-N's
+        EXPORT_TO_TARGET): it exports host memory that this one imports, and both map it."""
+        shared = source.export_flags & self.import_flags & MemorySource.MALLOC
+        return bool(shared) and source.supports_mapping and self.supports_mapping
 
 
 HOST_FACTORY = TensorHandleFactory("host", MemorySource.MALLOC, MemorySource.MALLOC,

@@ -1,5 +1,5 @@
 """builtin: always registered; owns control flow (If, Loop, Scan), sequence and optional plumbing,
-and the glue between backends (MemCopy).
+and the glue between backends (MemCopy, MemImport).
 
 Like onert's builtin backend, its kernels are never taken from other backends: the optimizer gives it
 its layers directly, whatever the preferences, and places the layers of the bodies like any others.
@@ -22,7 +22,7 @@ from backplane.backends.builtin.control_flow import (
 )
 from backplane.ir.graph import Layer, TensorInfo
 
-BUILTIN_OPS = ("MemCopy", *CONTROL_FLOW_OPS, *sequence.KERNELS)
+BUILTIN_OPS = ("MemCopy", "MemImport", *CONTROL_FLOW_OPS, *sequence.KERNELS)
 OWNED_OPS = frozenset((*CONTROL_FLOW_OPS, *sequence.KERNELS))
 """Ops the optimizer gives to builtin whatever the preferences (onert: kernels never taken elsewhere)."""
 
@@ -37,11 +37,23 @@ def make_mem_copy(source: TensorHandleFactory, target: TensorHandleFactory) -> W
     return mem_copy
 
 
+def make_mem_import(source: TensorHandleFactory, target: TensorHandleFactory) -> Workload:
+    """Hand a tensor of ``source`` memory to ``target`` without a copy (both map host memory)."""
+    export, import_ = source.export, target.import_
+
+    def mem_import(x: Any) -> tuple[Any]:
+        return (import_(export(x)),)
+
+    return mem_import
+
+
 class BuiltinWorkloadFactory(WorkloadFactory):
     def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
                         outputs: Sequence[TensorInfo]) -> Workload:
         if layer.op_type == "MemCopy":
             return make_mem_copy(layer.attrs["source"], layer.attrs["target"])
+        if layer.op_type == "MemImport":
+            return make_mem_import(layer.attrs["source"], layer.attrs["target"])
         if layer.op_type in CONTROL_FLOW_OPS:
             return _control_flow(layer)
         return super().create_workload(layer, inputs, outputs)

@@ -59,8 +59,10 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
 
 TORCH_CPU_FACTORY = TensorHandleFactory(
     "torch-cpu", MemorySource.MALLOC, MemorySource.MALLOC, MemorySource.MALLOC,
-    copy_in=_numpy_to_torch, copy_out=_torch_to_numpy)
-"""torch CPU tensors: copy_in and copy_out are zero-copy views (torch.from_numpy / .numpy())."""
+    copy_in=_numpy_to_torch, copy_out=_torch_to_numpy, export=_torch_to_numpy,
+    import_=_numpy_to_torch)
+"""torch CPU tensors: host memory both ways, so edges to host backends and the user are imports,
+zero-copy views (torch.from_numpy / .numpy())."""
 
 
 class TorchBackend(Backend):
