@@ -210,3 +210,53 @@ def test_a_squeeze_excite_whose_gate_is_not_a_sigmoid_is_left_to_the_convolution
     feeds = _feeds(model)
     expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def _gelu_tanh_nodes(x: str, y: str) -> list[onnx.NodeProto]:
+    """GELU's tanh form as GPT-2's export writes it."""
+    return [helper.make_node("Mul", [x, "half"], ["h"], name="half"),
+            helper.make_node("Pow", [x, "three"], ["c"], name="cube"),
+            helper.make_node("Mul", ["c", "k"], ["ck"], name="cubic"),
+            helper.make_node("Add", [x, "ck"], ["i"], name="inner"),
+            helper.make_node("Mul", ["i", "s"], ["si"], name="scaled"),
+            helper.make_node("Tanh", ["si"], ["t"], name="tanh"),
+            helper.make_node("Add", ["t", "one"], ["p"], name="plus_one"),
+            helper.make_node("Mul", ["h", "p"], [y], name="gelu")]
+
+
+@pytest.mark.parametrize("route", ["mkl", "onednn"])
+def test_gemm_reshape_tanh_gelu_becomes_one_layer(route: str) -> None:
+    """GPT-2's MLP: Gemm on (tokens, features), Reshape back to (1, tokens, features), GELU (tanh)."""
+    constants = [numpy_helper.from_array(np.float32(v), n) for n, v in
+                 (("half", 0.5), ("three", 3.0), ("k", 0.044715), ("s", np.sqrt(2 / np.pi)),
+                  ("one", 1.0))]
+    shape = numpy_helper.from_array(np.array([1, 6, 24], np.int64), "shape")
+    nodes = [helper.make_node("Gemm", ["x", "w", "bias"], ["m"], name="gemm"),
+             helper.make_node("Reshape", ["m", "shape"], ["r"], name="reshape"),
+             *_gelu_tanh_nodes("r", "y")]
+    model = make_model(nodes, [float_input("x", [6, 16])], [float_input("y", [1, 6, 24])],
+                       [_const("w", 16, 24), _const("bias", 24), shape, *constants])
+    feeds = _feeds(model)
+    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
+    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    (linear,) = [lay for lay in session.optimized.graph.layers if lay.op_type not in ("MemCopy", "MemImport")]
+    assert linear.op_type == "Linear" and linear.attrs["unary"] == ("gelu", [], "tanh")
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["mkl", "onednn"])
+def test_gemm_reshape_residual_becomes_one_layer(route: str) -> None:
+    shape = numpy_helper.from_array(np.array([1, 6, 16], np.int64), "shape")
+    nodes = [helper.make_node("Gemm", ["x", "w", "bias"], ["m"], name="gemm"),
+             helper.make_node("Reshape", ["m", "shape"], ["r"], name="reshape"),
+             helper.make_node("Add", ["skip", "r"], ["y"], name="residual")]
+    model = make_model(nodes, [float_input("x", [6, 16]), float_input("skip", [1, 6, 16])],
+                       [float_input("y", [1, 6, 16])], [_const("w", 16, 16), _const("bias", 16), shape])
+    feeds = _feeds(model)
+    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
+    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    (linear,) = [lay for lay in session.optimized.graph.layers if lay.op_type not in ("MemCopy", "MemImport")]
+    assert linear.op_type == "Linear" and linear.attrs["binary"] and linear.attrs["output_shape"] == [1, 6, 16]
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)

@@ -8,8 +8,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   convolution with the residual as a binary and the activation as a unary post-op and the weights
   reordered once (``torch.ops.mkldnn._convolution_pointwise``), or torch's ``conv2d`` followed by
   the post-ops (cheaper per call on tiny convolutions such as squeeze-excitation's).
-- Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)]
-  [-> activation | -> GELU written out with Erf | -> Add(residual)]
+- Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)] [-> Reshape]
+  [-> activation | -> GELU written out (with Erf, or the tanh form) | -> Add(residual)]
   becomes one ``Linear``: at load the faster of MKL (``F.linear``) and oneDNN
   (``torch.ops.mkldnn._linear_pointwise`` with a prepacked weight, the activation as a unary and the
   residual as a binary post-op) on its static shape is measured and kept (``CpuAcc.linear_route``
@@ -290,12 +290,20 @@ def _match_linear(layer: Layer, ctx: _Context) -> tuple[list[Layer], Layer] | No
     weight, bias, group = found
     out = group[-1].outputs[0]
     x, inputs, binary = layer.inputs[0], [layer.inputs[0]], False
+    output_shape = None
+    reshape = ctx.sole(out)  # Gemm's 2-D result reshaped back to (batch, seq, features)
+    if reshape is not None and reshape.op_type == "Reshape" and not reshape.domain \
+            and (shape := ctx.shape(reshape.outputs[0])) is not None \
+            and shape[-1:] == (weight.shape[0],):
+        output_shape = list(shape)
+        group.append(reshape)
+        out = reshape.outputs[0]
     nxt = ctx.sole(out)
     unary: PostOp | None = None
     gelu = _gelu(out, ctx)
     if gelu is not None:
-        unary, out = ("gelu", [], "none"), gelu[-1].outputs[0]
-        group += gelu
+        unary, out = ("gelu", [], gelu[1]), gelu[0][-1].outputs[0]
+        group += gelu[0]
     elif nxt is not None and (unary := post_op(nxt, ctx)) is not None:
         group.append(nxt)
         out = nxt.outputs[0]
@@ -304,7 +312,8 @@ def _match_linear(layer: Layer, ctx: _Context) -> tuple[list[Layer], Layer] | No
         group.append(nxt)  # type: ignore[arg-type]
     attrs = {"weight": np.ascontiguousarray(weight, F32),
              "bias": None if bias is None else np.ascontiguousarray(bias, F32),
-             "input_shape": list(ctx.shape(x) or []), "unary": unary, "binary": binary}
+             "input_shape": list(ctx.shape(x) or []), "unary": unary, "binary": binary,
+             "output_shape": output_shape}
     fused = Layer("+".join(lay.name for lay in group), "Linear", inputs, [out], attrs, FUSED_DOMAIN, 1)
     return group, fused
 
@@ -319,13 +328,24 @@ def _residual(add: Layer | None, out: str, ctx: _Context) -> str | None:
     return other
 
 
-def _gelu(out: str, ctx: _Context) -> list[Layer] | None:
-    """GELU as exporters write it, x * 0.5 * (1 + erf(x / sqrt(2))) in either order of the two Muls,
-    read from ``out``: its five layers, the last one writing the result, or None."""
+def _gelu(out: str, ctx: _Context) -> tuple[list[Layer], str] | None:
+    """GELU written out by an exporter, read from ``out``: its layers (the last one writes the
+    result) and torch's name for its form ("none": with Erf, "tanh": the tanh approximation)."""
     users = ctx.consumers.get(out, [])
-    if len(users) != 2 or out in ctx.graph.outputs or any(
+    if out in ctx.graph.outputs or any(
             id(u) not in ctx.inside or id(u) in ctx.taken or u.domain for u in users):
         return None
+    if len(users) == 2:
+        layers = _gelu_erf(out, users, ctx)
+        return (layers, "none") if layers else None
+    if len(users) == 3:
+        layers = _gelu_tanh(out, users, ctx)
+        return (layers, "tanh") if layers else None
+    return None
+
+
+def _gelu_erf(out: str, users: list[Layer], ctx: _Context) -> list[Layer] | None:
+    """x * 0.5 * (1 + erf(x / sqrt(2))), in either order of the two Muls."""
     scale = next((u for u in users if _scalar_op(u, out, ctx, "Div", math.sqrt(2))
                   or _scalar_op(u, out, ctx, "Mul", 1 / math.sqrt(2))), None)
     erf = ctx.sole(scale.outputs[0]) if scale is not None else None
@@ -333,18 +353,43 @@ def _gelu(out: str, ctx: _Context) -> list[Layer] | None:
     if one is None or not _scalar_op(one, erf.outputs[0], ctx, "Add", 1.0):  # type: ignore[union-attr]
         return None
     first = next(u for u in users if u is not scale)
+    return _times_half(out, first, one.outputs[0], ctx, [scale, erf, one])  # type: ignore[list-item]
+
+
+def _gelu_tanh(out: str, users: list[Layer], ctx: _Context) -> list[Layer] | None:
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), as GPT-2's exports write it."""
+    cube = next((u for u in users if _scalar_op(u, out, ctx, "Pow", 3.0)), None)
+    cubic = ctx.sole(cube.outputs[0]) if cube is not None else None
+    if cubic is None or not _scalar_op(cubic, cube.outputs[0], ctx, "Mul", 0.044715):  # type: ignore[union-attr]
+        return None
+    inner = ctx.sole(cubic.outputs[0])
+    if inner is None or inner.op_type != "Add" or set(inner.inputs) != {out, cubic.outputs[0]} \
+            or inner not in users:
+        return None
+    scaled = ctx.sole(inner.outputs[0])
+    if scaled is None or not _scalar_op(scaled, inner.outputs[0], ctx, "Mul", math.sqrt(2 / math.pi)):
+        return None
+    tanh = ctx.sole(scaled.outputs[0])
+    one = ctx.sole(tanh.outputs[0]) if tanh is not None and tanh.op_type == "Tanh" else None
+    if one is None or not _scalar_op(one, tanh.outputs[0], ctx, "Add", 1.0):  # type: ignore[union-attr]
+        return None
+    first = next(u for u in users if u is not cube and u is not inner)
+    return _times_half(out, first, one.outputs[0], ctx, [cube, cubic, inner, scaled, tanh, one])  # type: ignore[list-item]
+
+
+def _times_half(out: str, first: Layer, factor: str, ctx: _Context, body: list[Layer],
+                ) -> list[Layer] | None:
+    """The two Muls that end a GELU: (x * factor) * 0.5 or (x * 0.5) * factor, ``first`` reading x."""
     second = ctx.sole(first.outputs[0])
     if first.op_type != "Mul" or second is None or second.op_type != "Mul":
         return None
-    if set(first.inputs) == {out, one.outputs[0]} and _scalar_op(second, first.outputs[0], ctx, "Mul", 0.5):
-        tail = [first, second]  # (x * (1 + erf)) * 0.5
-    elif _scalar_op(first, out, ctx, "Mul", 0.5) and set(second.inputs) == {first.outputs[0], one.outputs[0]}:
-        tail = [first, second]  # (x * 0.5) * (1 + erf)
-    else:
+    if set(first.inputs) == {out, factor} and _scalar_op(second, first.outputs[0], ctx, "Mul", 0.5):
+        pass
+    elif not (_scalar_op(first, out, ctx, "Mul", 0.5) and set(second.inputs) == {first.outputs[0], factor}):
         return None
-    if ctx.sole(one.outputs[0]) is not second and ctx.sole(one.outputs[0]) is not first:
+    if ctx.sole(factor) not in (first, second):
         return None
-    return [scale, erf, one, *tail]  # type: ignore[list-item]
+    return [*body, first, second]
 
 
 def _scalar_op(layer: Layer, operand: str, ctx: _Context, op: str, value: float) -> bool:
@@ -352,7 +397,7 @@ def _scalar_op(layer: Layer, operand: str, ctx: _Context, op: str, value: float)
     if layer.op_type != op or layer.domain or len(layer.inputs) != 2 or operand not in layer.inputs:
         return False
     index = layer.inputs.index(operand)
-    if op == "Div" and index != 0:
+    if op in ("Div", "Pow") and index != 0:
         return False
     constant = ctx.const(layer.inputs[1 - index])
     return constant is not None and constant.size == 1 and math.isclose(
@@ -421,9 +466,13 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
     post = _torch_post_op(a["unary"])
 
+    shape = a.get("output_shape")  # a Reshape folded in: the result viewed in its shape
+    result_shape = shape or [*a["input_shape"][:-1], weight.shape[0]]
+
     def mkl(x, residual=None):
         y = F.linear(x, weight, bias)
         y = post(y) if post else y
+        y = y.view(shape) if shape else y
         return (y if residual is None else y.add_(residual),)
 
     route = backend.options.get("CpuAcc.linear_route", "auto")
@@ -433,19 +482,22 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     attr, scalars, algorithm = a["unary"] or ("none", [], None)
     linear = torch.ops.mkldnn._linear_pointwise
+    unfolded = [*a["input_shape"][:-1], weight.shape[0]]
 
     def onednn(x):
-        return (linear(x, packed, bias, attr, scalars, algorithm),)
+        y = linear(x, packed, bias, attr, scalars, algorithm)
+        return (y.view(shape) if shape else y,)
 
     def onednn_add(x, residual):
-        return (linear.binary(x, residual, packed, bias, "add"),)
+        y = linear.binary(x, residual.reshape(unfolded), packed, bias, "add")
+        return (y.view(shape) if shape else y,)
 
     fused = onednn_add if a.get("binary") else onednn
     if route == "onednn":
         return fused
     sample = [torch.randn(a["input_shape"])]
     if a.get("binary"):
-        sample.append(torch.randn(*a["input_shape"][:-1], weight.shape[0]))
+        sample.append(torch.randn(result_shape))
     return min((mkl, fused), key=lambda run: _seconds(run, *sample))
 
 
