@@ -82,3 +82,22 @@ def test_backends_shows_where_each_came_from_and_what_was_skipped(tmp_path, caps
     assert f"file {tmp_path / 'paths' / 'Acme_File_backend.py'}" in out
     assert "Skipped candidates" in out
     assert "its backend API version 0.3 is not compatible with backplane's backend API version 1.0" in out
+
+
+def test_backends_prints_reasons_as_text_not_markup(capsys, monkeypatch) -> None:
+    """An availability reason with brackets ("pip install 'backplane[torch]'") keeps them."""
+    from backplane.backends.api.backend import Backend, unsupported
+    from tests.registry.test_example_backend import fresh_registry
+
+    class Absent(Backend):
+        id = "Absent"
+
+        def availability(self):
+            return unsupported("torch is not installed (pip install 'backplane[torch]')")
+
+    registry = fresh_registry()
+    registry.register(Absent.id, Absent)
+    monkeypatch.setattr(cli, "registry", registry)
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = run_cli(["backends"], capsys)
+    assert code == 0 and "pip install 'backplane[torch]'" in out

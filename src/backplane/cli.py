@@ -199,12 +199,14 @@ def cmd_backends(args: argparse.Namespace) -> int:
         try:
             backend = registry.create(backend_id)
         except Exception as exc:  # a broken factory is shown, not fatal
-            table.add_row(backend_id, "?", registry.origin(backend_id), f"no: {exc}", "", "")
+            table.add_row(*map(Text, (backend_id, "?", registry.origin(backend_id), f"no: {exc}",
+                                      "", "")))
             continue
         status = backend.availability()
         caps = ", ".join(f"{k}={v}" for k, v in backend.capabilities().items())
-        table.add_row(backend_id, backend.version, registry.origin(backend_id),
-                      "yes" if status.ok else f"no: {status.reason}", caps, str(len(backend.KERNELS)))
+        cells = (backend_id, backend.version, registry.origin(backend_id),  # as text: no markup
+                 "yes" if status.ok else f"no: {status.reason}", caps, str(len(backend.KERNELS)))
+        table.add_row(*map(Text, cells))
     console.print(table)
     if registry.skipped:
         skipped = Table(title="Skipped candidates")
