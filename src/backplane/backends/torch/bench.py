@@ -20,6 +20,7 @@ measured matmul peak of the device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,15 +90,46 @@ def load_torch(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespac
                 module(*static)
         torch.cuda.current_stream(device).wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
+        with torch.cuda.graph(cuda_graph), _pinned_tensor_constants() as constants:
             outputs = _flat(module(*static))
 
-    def replay() -> list[np.ndarray]:
+    def replay(pinned: list[Any] = constants) -> list[np.ndarray]:  # keeps what the graph reads
         for s, x in zip(static, host):
             s.copy_(x, non_blocking=True)
         cuda_graph.replay()
         return [o.cpu().numpy() for o in outputs]
     return replay
+
+
+@contextlib.contextmanager
+def _pinned_tensor_constants() -> Iterator[list[Any]]:
+    """While a module is captured: ``torch.tensor(data, device=<cuda>)`` made from pinned memory.
+
+    Some modules make small constants on the GPU in ``forward`` (transformers' eager attention mask:
+    ``torch.tensor(0.0, device=mask.device)`` in ``masking_utils.eager_mask``); from pageable memory
+    that copy is refused inside a capture ("Cannot copy between CPU and CUDA tensors during CUDA
+    graph capture unless the CPU tensor is pinned"). From a pinned buffer it is captured as a copy
+    node that each replay repeats: the buffers are yielded, for the caller to keep while the graph
+    lives. The module's kernels are unchanged.
+    """
+    import torch
+
+    original = torch.tensor
+    kept: list[Any] = []
+
+    def tensor(data: Any, *, device: Any = None, **kwargs: Any) -> Any:
+        if device is None or torch.device(device).type != "cuda":
+            return original(data, device=device, **kwargs)
+        kwargs.pop("pin_memory", None)
+        host = original(data, **kwargs).pin_memory()
+        kept.append(host)
+        return host.to(device, non_blocking=True)
+
+    torch.tensor = tensor  # type: ignore[assignment]
+    try:
+        yield kept
+    finally:
+        torch.tensor = original  # type: ignore[assignment]
 
 
 def _torch_module(name: str) -> Any:
