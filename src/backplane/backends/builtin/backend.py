@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from backplane.backends.api.backend import SUPPORTED, Backend, Support, Workload, WorkloadFactory, unsupported
-from backplane.backends.api.memory import TensorHandleFactory
+from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.builtin import sequence
 from backplane.backends.builtin.control_flow import (
     CONTROL_FLOW_OPS,
@@ -28,7 +28,13 @@ OWNED_OPS = frozenset((*CONTROL_FLOW_OPS, *sequence.KERNELS))
 
 
 def make_mem_copy(source: TensorHandleFactory, target: TensorHandleFactory) -> Workload:
-    """Copy a tensor out of ``source`` memory into ``target`` memory."""
+    """Copy a tensor out of ``source`` memory into ``target`` memory: one copy. Where one side is
+    host memory, the other side's copy alone moves it (``copy_in`` reads a host array, ``copy_out``
+    makes one); between two other memories it is staged through the host."""
+    if source.memory is MemorySource.MALLOC:
+        return lambda x: (target.copy_in(x),)
+    if target.memory is MemorySource.MALLOC:
+        return lambda x: (source.copy_out(x),)
     copy_out, copy_in = source.copy_out, target.copy_in
 
     def mem_copy(x: Any) -> tuple[Any]:

@@ -2,7 +2,7 @@
 
 Both share one kernel table (``kernels/``): a torch kernel runs where its tensors are. They differ in
 memory (CpuAcc: torch CPU tensors, zero-copy views of NumPy arrays; GpuAcc: CUDA tensors, uploaded
-through pinned memory) and in ``optimize_subgraph`` (CpuAcc fuses into oneDNN primitives, GpuAcc
+asynchronously on the current stream) and in ``optimize_subgraph`` (CpuAcc fuses into oneDNN primitives, GpuAcc
 captures CUDA graphs).
 
 Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-op threads),

@@ -145,6 +145,8 @@ def sigmoid(X):
 
 
 def hard_sigmoid(X, alpha=0.2, beta=0.5):
+    if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5:  # torch's own: one kernel instead of three
+        return (F.hardsigmoid(X),)
     return (torch.clamp(X * alpha + beta, 0.0, 1.0),)
 
 
