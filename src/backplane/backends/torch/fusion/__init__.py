@@ -1,0 +1,67 @@
+"""CpuAcc's ``optimize_subgraph``: fuse what oneDNN runs fused, with weights prepacked at load.
+
+Patterns (each intermediate tensor read by the next layer only, all layers in the subgraph):
+
+- Conv [-> BatchNormalization] [-> Add(residual)] [-> activation | -> x * Sigmoid(x)]
+  becomes one ``FusedConv`` on channels-last activations, the batch norm folded into its weights.
+  At load the faster on its shape is measured and kept (``CpuAcc.conv_route`` forces one): oneDNN's
+  convolution with the residual as a binary and the activation as a unary post-op and the weights
+  reordered once (``torch.ops.mkldnn._convolution_pointwise``), or torch's ``conv2d`` followed by
+  the post-ops (cheaper per call on tiny convolutions such as squeeze-excitation's).
+- Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)] [-> Reshape]
+  [-> activation | -> GELU written out (with Erf, or the tanh form) | -> Add(residual)]
+  becomes one ``Linear``: at load the faster of MKL (``F.linear``) and oneDNN
+  (``torch.ops.mkldnn._linear_pointwise`` with a prepacked weight, the activation as a unary and the
+  residual as a binary post-op) on its static shape is measured and kept (``CpuAcc.linear_route``
+  forces one).
+- GlobalAveragePool -> 1x1 Conv -> activation -> 1x1 Conv -> Sigmoid / HardSigmoid -> Mul
+  (squeeze-and-excitation) becomes one ``SqueezeExcite``: two matrix-vector products on the pooled
+  channels instead of two convolutions on a 1x1 image.
+
+One module per pattern (``conv``, ``linear``, ``squeeze_excite``); ``patterns`` holds what they share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.api.optimization import OptimizationViews, Substitution
+from backplane.backends.torch.fusion.conv import conv_workload, match_conv
+from backplane.backends.torch.fusion.linear import linear_workload, match_linear
+from backplane.backends.torch.fusion.patterns import Context
+from backplane.backends.torch.fusion.squeeze_excite import (
+    match_squeeze_excite,
+    squeeze_excite_workload,
+)
+from backplane.ir.graph import Layer, SubgraphView
+
+
+def fuse(view: SubgraphView) -> OptimizationViews:
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
+    ctx = Context(view, graph, graph.consumers(), set(map(id, view.layers)))
+    views = OptimizationViews()
+    for layer in view.layers:
+        if id(layer) in ctx.taken or layer.domain:
+            continue
+        matcher = MATCHERS.get(layer.op_type, match_linear)
+        match = matcher(layer, ctx)
+        if match is None:
+            continue
+        group, fused = match
+        ctx.taken.update(map(id, group))
+        views.substitutions.append(Substitution(SubgraphView.of(graph, group), [fused]))
+    rest = [layer for layer in view.layers if id(layer) not in ctx.taken]
+    if rest:
+        views.untouched.append(SubgraphView.of(graph, rest))
+    return views
+
+
+MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {
+    "Conv": match_conv, "GlobalAveragePool": match_squeeze_excite}
+"""The first layer of a pattern -> its matcher (any other layer may start a Linear)."""
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload}

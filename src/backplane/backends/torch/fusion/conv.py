@@ -1,0 +1,166 @@
+"""Conv [-> BatchNormalization] [-> Add(residual)] [-> activation]: one FusedConv, its route (oneDNN
+with post-ops, or torch's convolution) measured at load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.reference.kernels.conv import spatial_pads
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.fusion.patterns import (
+    F32,
+    Context,
+    PostOp,
+    post_op,
+    seconds,
+    swish_layers,
+    torch_post_op,
+)
+from backplane.ir.graph import Layer
+
+
+def match_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    x, w_name = conv.inputs[0], conv.inputs[1]
+    weight, in_shape = ctx.const(w_name), ctx.shape(x)
+    b_name = conv.inputs[2] if len(conv.inputs) > 2 else ""
+    bias = ctx.const(b_name)
+    if weight is None or weight.dtype != F32 or weight.ndim != 4 or in_shape is None or len(in_shape) != 4:
+        return None
+    if b_name and bias is None:
+        return None
+    strides = list(conv.attrs.get("strides") or [1, 1])
+    dilations = list(conv.attrs.get("dilations") or [1, 1])
+    begins, ends = spatial_pads(in_shape[2:], weight.shape[2:], strides, dilations,
+                                conv.attrs.get("auto_pad", "NOTSET"), conv.attrs.get("pads"))
+    group, out = [conv], conv.outputs[0]
+    bias = np.zeros(weight.shape[0], F32) if bias is None else bias
+    nxt = ctx.sole(out)
+    if nxt is not None and nxt.op_type == "BatchNormalization" and not nxt.domain:
+        folded = _fold_batch_norm(nxt, weight, bias, ctx)
+        if folded is not None:
+            (weight, bias), out = folded, nxt.outputs[0]
+            group.append(nxt)
+            nxt = ctx.sole(out)
+    inputs, binary = [x], False
+    if nxt is not None and nxt.op_type == "Add" and not nxt.domain:
+        other = nxt.inputs[1] if nxt.inputs[0] == out else nxt.inputs[0]
+        if ctx.const(other) is None and ctx.shape(other) == ctx.shape(out) and other != out:
+            inputs, binary, out = [x, other], True, nxt.outputs[0]
+            group.append(nxt)
+            nxt = ctx.sole(out)
+    unary: PostOp | None = None
+    swish = None if binary else swish_layers(out, ctx)
+    if swish is not None:
+        unary, out = ("swish", [], None), swish[1].outputs[0]
+        group += swish
+    elif nxt is not None and (unary := post_op(nxt, ctx)) is not None:
+        group.append(nxt)
+        out = nxt.outputs[0]
+    attrs = {"weight": np.ascontiguousarray(weight, F32), "bias": np.ascontiguousarray(bias, F32),
+             "strides": strides, "dilations": dilations, "group": int(conv.attrs.get("group", 1)),
+             "begins": begins, "ends": ends, "input_shape": list(in_shape),
+             "output_shape": list(ctx.shape(conv.outputs[0]) or []), "binary": binary,
+             "unary": unary}
+    fused = Layer("+".join(lay.name for lay in group), "FusedConv", inputs, [out], attrs,
+                  FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _fold_batch_norm(bn: Layer, weight: np.ndarray, bias: np.ndarray, ctx: Context,
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+    params = [ctx.const(name) for name in bn.inputs[1:5]]
+    if any(p is None for p in params) or bn.attrs.get("training_mode", 0) or len(bn.outputs) > 1:
+        return None
+    scale, shift, mean, var = (p.astype(np.float64) for p in params)  # type: ignore[union-attr]
+    factor = scale / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
+    folded_w = weight.astype(np.float64) * factor.reshape(-1, 1, 1, 1)
+    folded_b = (bias.astype(np.float64) - mean) * factor + shift
+    return folded_w.astype(F32), folded_b.astype(F32)
+
+
+def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """The faster, on this layer's shape, of oneDNN's fused convolution with a prepacked weight and
+    torch's convolution (channels-last) followed by its post-ops; measured once, here, at load."""
+    import torch
+
+    a = layer.attrs
+    routes = {"onednn": _onednn_conv(a), "torch": _torch_conv(a)}
+    forced = backend.options.get("CpuAcc.conv_route", "auto")
+    if forced in routes:
+        return routes[forced]
+    cl = torch.channels_last
+    sample = [torch.randn(a["input_shape"]).contiguous(memory_format=cl)]
+    if a["binary"]:
+        sample.append(torch.randn(a["output_shape"]).contiguous(memory_format=cl))
+    return min(routes.values(), key=lambda run: seconds(run, *sample))
+
+
+def _onednn_conv(a: dict[str, Any]) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    begins, ends, shape = a["begins"], a["ends"], list(a["input_shape"])
+    pre_pad = None
+    if begins != ends:  # oneDNN pads symmetrically: pad the input here first
+        pre_pad = [p for b, e in zip(reversed(begins), reversed(ends)) for p in (b, e)]
+        shape = shape[:2] + [s + b + e for s, b, e in zip(shape[2:], begins, ends)]
+        begins = [0, 0]
+    weight = torch.from_numpy(np.array(a["weight"]))
+    bias = torch.from_numpy(np.array(a["bias"]))
+    strides, dilations, groups = a["strides"], a["dilations"], a["group"]
+    packed = torch.ops.mkldnn._reorder_convolution_weight(weight, begins, strides, dilations,
+                                                          groups, shape)
+    attr, scalars, algorithm = a["unary"] or ("none", [], None)
+    cl = torch.channels_last
+    if a["binary"]:
+        binary = torch.ops.mkldnn._convolution_pointwise.binary
+        unary = None if attr == "none" else attr
+
+        def run(x, other):
+            x = F.pad(x, pre_pad) if pre_pad else x
+            return (binary(x.contiguous(memory_format=cl), other.contiguous(memory_format=cl),
+                           packed, bias, begins, strides, dilations, groups, "add", None, unary,
+                           scalars, algorithm),)
+        return run
+    pointwise = torch.ops.mkldnn._convolution_pointwise
+
+    def run_unary(x):
+        x = F.pad(x, pre_pad) if pre_pad else x
+        return (pointwise(x.contiguous(memory_format=cl), packed, bias, begins, strides, dilations,
+                          groups, attr, scalars, algorithm),)
+    return run_unary
+
+
+def _torch_conv(a: dict[str, Any]) -> Workload:
+    """torch's own convolution on channels-last tensors, the post-ops as separate torch calls."""
+    import torch
+    import torch.nn.functional as F
+
+    cl = torch.channels_last
+    weight = torch.from_numpy(np.array(a["weight"])).contiguous(memory_format=cl)
+    bias = torch.from_numpy(np.array(a["bias"]))
+    begins, ends = a["begins"], a["ends"]
+    pre_pad = None if begins == ends else [p for b, e in zip(reversed(begins), reversed(ends))
+                                           for p in (b, e)]
+    padding = begins if pre_pad is None else [0, 0]
+    strides, dilations, groups = a["strides"], a["dilations"], a["group"]
+    post = torch_post_op(a["unary"])
+
+    def conv(x):
+        x = F.pad(x, pre_pad) if pre_pad else x
+        return F.conv2d(x.contiguous(memory_format=cl), weight, bias, strides, padding, dilations,
+                        groups)
+
+    if a["binary"]:
+        def run(x, other):
+            y = conv(x).add_(other)
+            return (post(y) if post else y,)
+        return run
+
+    def run_unary(x):
+        y = conv(x)
+        return (post(y) if post else y,)
+    return run_unary

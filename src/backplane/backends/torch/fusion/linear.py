@@ -1,0 +1,215 @@
+"""Gemm / MatMul with constant weights [-> bias] [-> Reshape] [-> activation, GELU or residual Add]:
+one Linear, MKL or oneDNN measured at load."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.fusion.patterns import (
+    F32,
+    Context,
+    PostOp,
+    post_op,
+    scalar_op,
+    seconds,
+    torch_post_op,
+)
+from backplane.ir.graph import Layer
+
+
+def match_linear(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    if layer.op_type == "Gemm" and not layer.domain:
+        found = _gemm_weights(layer, ctx)
+    elif layer.op_type == "MatMul" and not layer.domain:
+        found = _matmul_weights(layer, ctx)
+    else:
+        return None
+    if found is None:
+        return None
+    weight, bias, group = found
+    out = group[-1].outputs[0]
+    x, inputs, binary = layer.inputs[0], [layer.inputs[0]], False
+    output_shape = None
+    reshape = ctx.sole(out)  # Gemm's 2-D result reshaped back to (batch, seq, features)
+    if reshape is not None and reshape.op_type == "Reshape" and not reshape.domain \
+            and (shape := ctx.shape(reshape.outputs[0])) is not None \
+            and shape[-1:] == (weight.shape[0],):
+        output_shape = list(shape)
+        group.append(reshape)
+        out = reshape.outputs[0]
+    nxt = ctx.sole(out)
+    unary: PostOp | None = None
+    gelu = _gelu(out, ctx)
+    if gelu is not None:
+        unary, out = ("gelu", [], gelu[1]), gelu[0][-1].outputs[0]
+        group += gelu[0]
+    elif nxt is not None and (unary := post_op(nxt, ctx)) is not None:
+        group.append(nxt)
+        out = nxt.outputs[0]
+    elif (residual := _residual(nxt, out, ctx)) is not None:  # oneDNN's binary post-op
+        inputs, binary, out = [x, residual], True, nxt.outputs[0]  # type: ignore[union-attr]
+        group.append(nxt)  # type: ignore[arg-type]
+    attrs = {"weight": np.ascontiguousarray(weight, F32),
+             "bias": None if bias is None else np.ascontiguousarray(bias, F32),
+             "input_shape": list(ctx.shape(x) or []), "unary": unary, "binary": binary,
+             "output_shape": output_shape}
+    fused = Layer("+".join(lay.name for lay in group), "Linear", inputs, [out], attrs, FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _residual(add: Layer | None, out: str, ctx: Context) -> str | None:
+    """The other operand of ``add`` when it adds a tensor of ``out``'s shape to ``out``."""
+    if add is None or add.op_type != "Add" or add.domain:
+        return None
+    other = add.inputs[1] if add.inputs[0] == out else add.inputs[0]
+    if other == out or ctx.const(other) is not None or ctx.shape(other) != ctx.shape(out):
+        return None
+    return other
+
+
+def _gelu(out: str, ctx: Context) -> tuple[list[Layer], str] | None:
+    """GELU written out by an exporter, read from ``out``: its layers (the last one writes the
+    result) and torch's name for its form ("none": with Erf, "tanh": the tanh approximation)."""
+    users = ctx.consumers.get(out, [])
+    if out in ctx.graph.outputs or any(
+            id(u) not in ctx.inside or id(u) in ctx.taken or u.domain for u in users):
+        return None
+    if len(users) == 2:
+        layers = _gelu_erf(out, users, ctx)
+        return (layers, "none") if layers else None
+    if len(users) == 3:
+        layers = _gelu_tanh(out, users, ctx)
+        return (layers, "tanh") if layers else None
+    return None
+
+
+def _gelu_erf(out: str, users: list[Layer], ctx: Context) -> list[Layer] | None:
+    """x * 0.5 * (1 + erf(x / sqrt(2))), in either order of the two Muls."""
+    scale = next((u for u in users if scalar_op(u, out, ctx, "Div", math.sqrt(2))
+                  or scalar_op(u, out, ctx, "Mul", 1 / math.sqrt(2))), None)
+    erf = ctx.sole(scale.outputs[0]) if scale is not None else None
+    one = ctx.sole(erf.outputs[0]) if erf is not None and erf.op_type == "Erf" else None
+    if one is None or not scalar_op(one, erf.outputs[0], ctx, "Add", 1.0):  # type: ignore[union-attr]
+        return None
+    first = next(u for u in users if u is not scale)
+    return _times_half(out, first, one.outputs[0], ctx, [scale, erf, one])  # type: ignore[list-item]
+
+
+def _gelu_tanh(out: str, users: list[Layer], ctx: Context) -> list[Layer] | None:
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), as GPT-2's exports write it."""
+    cube = next((u for u in users if scalar_op(u, out, ctx, "Pow", 3.0)), None)
+    cubic = ctx.sole(cube.outputs[0]) if cube is not None else None
+    if cubic is None or not scalar_op(cubic, cube.outputs[0], ctx, "Mul", 0.044715):  # type: ignore[union-attr]
+        return None
+    inner = ctx.sole(cubic.outputs[0])
+    if inner is None or inner.op_type != "Add" or set(inner.inputs) != {out, cubic.outputs[0]} \
+            or inner not in users:
+        return None
+    scaled = ctx.sole(inner.outputs[0])
+    if scaled is None or not scalar_op(scaled, inner.outputs[0], ctx, "Mul", math.sqrt(2 / math.pi)):
+        return None
+    tanh = ctx.sole(scaled.outputs[0])
+    one = ctx.sole(tanh.outputs[0]) if tanh is not None and tanh.op_type == "Tanh" else None
+    if one is None or not scalar_op(one, tanh.outputs[0], ctx, "Add", 1.0):  # type: ignore[union-attr]
+        return None
+    first = next(u for u in users if u is not cube and u is not inner)
+    return _times_half(out, first, one.outputs[0], ctx, [cube, cubic, inner, scaled, tanh, one])  # type: ignore[list-item]
+
+
+def _times_half(out: str, first: Layer, factor: str, ctx: Context, body: list[Layer],
+                ) -> list[Layer] | None:
+    """The two Muls that end a GELU: (x * factor) * 0.5 or (x * 0.5) * factor, ``first`` reading x."""
+    second = ctx.sole(first.outputs[0])
+    if first.op_type != "Mul" or second is None or second.op_type != "Mul":
+        return None
+    if set(first.inputs) == {out, factor} and scalar_op(second, first.outputs[0], ctx, "Mul", 0.5):
+        pass
+    elif not (scalar_op(first, out, ctx, "Mul", 0.5) and set(second.inputs) == {first.outputs[0], factor}):
+        return None
+    if ctx.sole(factor) not in (first, second):
+        return None
+    return [*body, first, second]
+
+
+def _gemm_weights(gemm: Layer, ctx: Context):
+    a = gemm.attrs
+    b = ctx.const(gemm.inputs[1])
+    c_name = gemm.inputs[2] if len(gemm.inputs) > 2 else ""
+    c = ctx.const(c_name)
+    if b is None or b.dtype != F32 or a.get("transA", 0) or ctx.shape(gemm.inputs[0]) is None:
+        return None
+    if c_name and c is None:
+        return None
+    weight = (b if a.get("transB", 0) else b.T) * np.float32(a.get("alpha", 1.0))  # (N, K)
+    bias = None
+    if c is not None and a.get("beta", 1.0) != 0:
+        if c.size not in (1, weight.shape[0]) or (c.ndim == 2 and c.shape[0] != 1):
+            return None
+        bias = np.broadcast_to(c.reshape(-1) * np.float32(a.get("beta", 1.0)), (weight.shape[0],))
+    return weight, bias, [gemm]
+
+
+def _matmul_weights(matmul: Layer, ctx: Context):
+    b = ctx.const(matmul.inputs[1])
+    shape = ctx.shape(matmul.inputs[0])
+    if b is None or b.dtype != F32 or b.ndim != 2 or shape is None or len(shape) < 2:
+        return None
+    weight, bias, group = b.T, None, [matmul]
+    add = ctx.sole(matmul.outputs[0])
+    if add is not None and add.op_type == "Add" and not add.domain:
+        other = add.inputs[1] if add.inputs[0] == matmul.outputs[0] else add.inputs[0]
+        c = ctx.const(other)
+        if c is not None and c.dtype == F32 and c.size == b.shape[1] and c.shape[-1:] == (b.shape[1],) \
+                and c.ndim <= len(shape):
+            bias = c.reshape(-1)
+            group.append(add)
+    return weight, bias, group
+
+
+def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    a = layer.attrs
+    weight = torch.from_numpy(np.array(a["weight"]))
+    bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
+    post = torch_post_op(a["unary"])
+
+    shape = a.get("output_shape")  # a Reshape folded in: the result viewed in its shape
+    result_shape = shape or [*a["input_shape"][:-1], weight.shape[0]]
+
+    def mkl(x, residual=None):
+        y = F.linear(x, weight, bias)
+        y = post(y) if post else y
+        y = y.view(shape) if shape else y
+        return (y if residual is None else y.add_(residual),)
+
+    route = backend.options.get("CpuAcc.linear_route", "auto")
+    if route == "mkl" or not a["input_shape"]:
+        return mkl
+    rows = math.prod(a["input_shape"][:-1])
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    attr, scalars, algorithm = a["unary"] or ("none", [], None)
+    linear = torch.ops.mkldnn._linear_pointwise
+    unfolded = [*a["input_shape"][:-1], weight.shape[0]]
+
+    def onednn(x):
+        y = linear(x, packed, bias, attr, scalars, algorithm)
+        return (y.view(shape) if shape else y,)
+
+    def onednn_add(x, residual):
+        y = linear.binary(x, residual.reshape(unfolded), packed, bias, "add")
+        return (y.view(shape) if shape else y,)
+
+    fused = onednn_add if a.get("binary") else onednn
+    if route == "onednn":
+        return fused
+    sample = [torch.randn(a["input_shape"])]
+    if a.get("binary"):
+        sample.append(torch.randn(result_shape))
+    return min((mkl, fused), key=lambda run: seconds(run, *sample))

@@ -1,0 +1,146 @@
+"""What the matchers share: the subgraph context, activations as oneDNN post-ops (and their torch
+equivalents), scalar-operand checks, and timing a route at load."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backplane.ir.graph import Graph, Layer, SubgraphView
+
+F32 = np.dtype(np.float32)
+
+
+PostOp = tuple[str, list[float], "str | None"]  # oneDNN's unary attr, its scalars, its algorithm
+
+
+@dataclass
+class Context:
+    """What the matchers need: constants, consumers, and which layers are still free to fuse."""
+
+    view: SubgraphView
+    graph: Graph
+    consumers: dict[str, list[Layer]]
+    inside: set[int]
+    taken: set[int] = field(default_factory=set)
+
+    def const(self, name: str) -> np.ndarray | None:
+        return self.graph.constants.get(name) if name else None
+
+    def sole(self, name: str) -> Layer | None:
+        """The one free layer of the subgraph that reads ``name``, if nothing else reads it."""
+        users = self.consumers.get(name, [])
+        if len(users) != 1 or name in self.graph.outputs:
+            return None
+        user = users[0]
+        return user if id(user) in self.inside and id(user) not in self.taken else None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        info = self.graph.info(name)
+        return tuple(info.shape) if info.is_static and info.dtype == F32 else None  # type: ignore
+
+
+def post_op(layer: Layer, ctx: Context) -> PostOp | None:
+    """The oneDNN eltwise post-op a layer is, or None."""
+    op, attrs = layer.op_type, layer.attrs
+    if layer.domain or op not in _SIMPLE and op not in ("LeakyRelu", "HardSigmoid", "Gelu", "Clip"):
+        return None
+    if op in _SIMPLE:
+        return (_SIMPLE[op], [], None)
+    if op == "LeakyRelu":
+        return ("leaky_relu", [float(attrs.get("alpha", 0.01))], None)
+    if op == "HardSigmoid":  # torch's hardsigmoid is ONNX's with alpha 1/6, beta 1/2
+        alpha, beta = attrs.get("alpha", 0.2), attrs.get("beta", 0.5)
+        return ("hardsigmoid", [], None) if math.isclose(alpha, 1 / 6, rel_tol=1e-6) and beta == 0.5 \
+            else None
+    if op == "Gelu":
+        return ("gelu", [], attrs.get("approximate", "none"))
+    bounds = _clip_bounds(layer, ctx)
+    return ("hardtanh", list(bounds), None) if bounds else None
+
+
+_SIMPLE = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish": "hardswish"}
+
+
+def _clip_bounds(layer: Layer, ctx: Context) -> tuple[float, float] | None:
+    if layer.opset < 11:
+        return float(layer.attrs.get("min", -np.inf)), float(layer.attrs.get("max", np.inf))
+    values = []
+    for index, default in ((1, -np.inf), (2, np.inf)):
+        name = layer.inputs[index] if len(layer.inputs) > index else ""
+        if name and ctx.const(name) is None:
+            return None
+        values.append(float(ctx.const(name).reshape(-1)[0]) if name else default)  # type: ignore
+    return values[0], values[1]
+
+
+def swish_layers(out: str, ctx: Context) -> list[Layer] | None:
+    """x * Sigmoid(x), read from ``out``: the two layers, or None."""
+    users = ctx.consumers.get(out, [])
+    if len(users) != 2 or out in ctx.graph.outputs:
+        return None
+    sigmoid = next((u for u in users if u.op_type == "Sigmoid" and not u.domain), None)
+    mul = next((u for u in users if u.op_type == "Mul" and not u.domain), None)
+    if sigmoid is None or mul is None or ctx.sole(sigmoid.outputs[0]) is not mul:
+        return None
+    if any(id(u) not in ctx.inside or id(u) in ctx.taken for u in users):
+        return None
+    return [sigmoid, mul]
+
+
+def scalar_op(layer: Layer, operand: str, ctx: Context, op: str, value: float) -> bool:
+    """Whether ``layer`` is ``operand <op> value`` (or ``value <op> operand`` for Add and Mul)."""
+    if layer.op_type != op or layer.domain or len(layer.inputs) != 2 or operand not in layer.inputs:
+        return False
+    index = layer.inputs.index(operand)
+    if op in ("Div", "Pow") and index != 0:
+        return False
+    constant = ctx.const(layer.inputs[1 - index])
+    return constant is not None and constant.size == 1 and math.isclose(
+        float(constant.reshape(-1)[0]), value, rel_tol=1e-6)
+
+
+def torch_post_op(unary: PostOp | None) -> Callable[[Any], Any] | None:
+    import torch
+    import torch.nn.functional as F
+
+    if unary is None:
+        return None
+    attr, scalars, algorithm = unary
+    table: dict[str, Callable[[Any], Any]] = {
+        "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+        "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "swish": F.silu,
+        "leaky_relu": lambda t: F.leaky_relu(t, scalars[0] if scalars else 0.01),
+        "hardtanh": lambda t: torch.clamp(t, scalars[0], scalars[1]),
+        "gelu": lambda t: F.gelu(t, approximate=algorithm or "none"),
+    }
+    return table[attr]
+
+
+def seconds(run: Callable[..., Any], *sample: Any, repeat: int = 5) -> float:
+    """The fastest of a few timed calls, after one untimed; a route that fails never wins."""
+    try:
+        run(*sample)
+        best = math.inf
+        for _ in range(repeat):
+            start = time.perf_counter()
+            run(*sample)
+            best = min(best, time.perf_counter() - start)
+        return best
+    except RuntimeError:
+        return math.inf
+
+
+def activation(out: str, ctx: Context) -> tuple[list[Layer], PostOp] | None:
+    """The activation applied to ``out``: its layers and its post-op."""
+    swish = swish_layers(out, ctx)
+    if swish is not None:
+        return swish, ("swish", [], None)
+    nxt = ctx.sole(out)
+    unary = post_op(nxt, ctx) if nxt is not None else None
+    return ([nxt], unary) if unary is not None else None  # type: ignore[list-item]
