@@ -6,9 +6,12 @@ Usage:
     python bench/bench_reference.py --repeat 20 --warmup 2
     python bench/bench_reference.py --models-dir tests/data --models tiny_bert,tiny_gpt2
 
-Each runtime runs in its own worker subprocess, one per model; the parent asks them for one run at a
-time, alternating (CpuRef, ReferenceEvaluator, CpuRef, ...), so a slow drift of the machine touches
-both alike and an idle worker, blocked on its pipe, costs the other nothing. Both get the same seeded
+Each runtime runs in its own worker subprocess, one per model; the parent asks them for runs in
+blocks, alternating (a block of CpuRef, a block of ReferenceEvaluator, ...), so a slow drift of the
+machine touches both alike. Between blocks it waits a moment: NumPy's BLAS threads keep spinning
+after a call, and asking the other worker at once measured it on a machine still busy with them
+(run by run alternation had CpuRef's mobilenet_v3_large at 103 ms, against 35 ms in a process alone).
+Each block starts with one untimed run. Both get the same seeded
 inputs (float: standard normal; int: `*mask*` ones, `*token_type*` zeros, other ids uniform below the
 size of the embedding table they index, found in the graph). Warm-up runs are not timed. The table
 gives per runtime the median and the min-max of the timed runs, the ratio of the medians
@@ -37,6 +40,7 @@ from rich.markup import escape
 ANCHORS = ["resnet50", "mobilenet_v3_large", "efficientnet_b0", "bert_base_s128", "gpt2_6l_512_s128"]
 RUNTIMES = ["CpuRef", "ReferenceEvaluator"]
 SEED = 0
+BLOCK_PAUSE_S = 0.5  # longer than OpenBLAS keeps its threads spinning after a call
 # Ops an id can flow through, unchanged in value, on its way to the embedding Gather.
 _SHAPE_ONLY = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"}
 
@@ -225,13 +229,20 @@ def bench_model(model: Path, args: argparse.Namespace, tmp: Path,
             tick(f"{model.stem}: loading {rt}")
             workers[rt] = Worker(rt, model, feeds_path, tmp, args.timeout)
             results[rt].load_s = record(results[rt], workers[rt].ask(None), "ready")
-        for i in range(args.warmup + args.repeat):
-            phase = "warm-up" if i < args.warmup else f"run {i - args.warmup + 1}/{args.repeat}"
+        for rt in RUNTIMES:
+            for _ in range(args.warmup):
+                tick(f"{model.stem}: {rt} warm-up")
+                record(results[rt], workers[rt].ask("run"), "seconds")
+        for block in range(args.blocks):
+            runs = args.repeat // args.blocks + (block < args.repeat % args.blocks)
             for rt in RUNTIMES:
-                tick(f"{model.stem}: {rt} {phase}")
-                seconds = record(results[rt], workers[rt].ask("run"), "seconds")
-                if seconds is not None and i >= args.warmup:
-                    results[rt].times.append(seconds)
+                time.sleep(BLOCK_PAUSE_S)  # the other worker's BLAS threads stop spinning
+                record(results[rt], workers[rt].ask("run"), "seconds")  # untimed: caches
+                for _ in range(runs):
+                    tick(f"{model.stem}: {rt} run {len(results[rt].times) + 1}/{args.repeat}")
+                    seconds = record(results[rt], workers[rt].ask("run"), "seconds")
+                    if seconds is not None:
+                        results[rt].times.append(seconds)
         for rt in RUNTIMES:
             out_path = tmp / f"{model.stem}.{rt}.out.npz"
             if record(results[rt], workers[rt].ask(f"save {out_path}"), "saved"):
@@ -334,14 +345,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated model names (default: the five anchors)")
     ap.add_argument("--repeat", type=int, default=10, help="timed runs per runtime (default: 10)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: 1)")
+    ap.add_argument("--blocks", type=int, default=5,
+                    help="blocks the timed runs are split into, alternating runtimes (default: 5)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds to wait for one load or run before giving up (default: 600)")
     ap.add_argument("--worker", choices=RUNTIMES, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--feeds", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.repeat < 1 or args.warmup < 0:
-        ap.error(f"--repeat must be >= 1 and --warmup >= 0, got {args.repeat} and {args.warmup}")
+    if args.repeat < 1 or args.warmup < 0 or not 1 <= args.blocks <= args.repeat:
+        ap.error(f"--repeat must be >= 1, --warmup >= 0 and --blocks in 1..repeat, got {args.repeat}, "
+                 f"{args.warmup} and {args.blocks}")
     return args
 
 
