@@ -9,6 +9,7 @@ from backplane.backends.reference.kernels import (
     conv,
     elementwise,
     grid_sample,
+    image,
     indexing,
     linear_attention,
     losses,
@@ -54,6 +55,7 @@ KERNELS = {
     **spectral.KERNELS,
     **ml.KERNELS,
     **training.KERNELS,
+    **image.KERNELS,
 }
 
 CHECKS = {
@@ -74,6 +76,7 @@ CHECKS = {
     **roi_align.CHECKS,
     **ml.CHECKS,
     **training.CHECKS,
+    **image.CHECKS,
 }
 
 ANY_DTYPE_OPS = (cast.ANY_DTYPE | quant.ANY_DTYPE | shape.ANY_DTYPE | indexing.ANY_DTYPE
