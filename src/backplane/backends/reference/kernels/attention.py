@@ -9,14 +9,22 @@ result is cast back to the input type, and the softmax runs in ``softmax_precisi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from backplane.backends.api.kernels import KernelTable
+from backplane.backends.api.kernels import (
+    Kernel,
+    KernelTable,
+    UnsupportedError,
+    bind_kernel,
+    select_kernel,
+)
 from backplane.frontends.onnx_types import onnx_to_numpy_dtype
-from backplane.ir.graph import Layer, TensorInfo
+from backplane.ir.graph import Graph, Layer, TensorInfo
 
 
 def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None,
@@ -65,9 +73,9 @@ def attention(Q, K, V, attn_mask=None, past_key=None, past_value=None, nonpad_kv
     return (Y, present_key, present_value, qk_output)[:n_outputs]
 
 
-def flex_attention(Q, K, V, scale=None, softmax_precision=None):
-    # ai.onnx.preview's FlexAttention without score_mod / prob_mod graphs (their attributes are
-    # refused as unknown): 4-D attention with grouped heads, the softmax in float32 at least.
+def flex_attention(Q, K, V, scale=None, softmax_precision=None, score_mod=None, prob_mod=None):
+    # ai.onnx.preview's FlexAttention: 4-D attention with grouped heads, the softmax in float32 at
+    # least; score_mod and prob_mod are one-tensor graphs applied to the scores and the probabilities.
     root_scale = Q.dtype.type(math.sqrt(np.float32(1 / math.sqrt(Q.shape[3]) if scale is None
                                                    else scale)))
     groups = Q.shape[1] // K.shape[1]
@@ -75,8 +83,34 @@ def flex_attention(Q, K, V, scale=None, softmax_precision=None):
     scores = _matmul(Q * root_scale, np.swapaxes(keys * root_scale, -1, -2))
     dtype = onnx_to_numpy_dtype(softmax_precision) if softmax_precision else \
         np.result_type(Q.dtype, np.float32)
-    probs = _softmax(scores.astype(dtype))
+    scores = scores.astype(dtype)
+    scores = _run_body(score_mod, scores) if score_mod is not None else scores
+    probs = _softmax(scores)
+    probs = _run_body(prob_mod, probs) if prob_mod is not None else probs
     return (np.matmul(probs, values.astype(dtype)).astype(V.dtype),)
+
+
+def _run_body(body: Graph, x: np.ndarray) -> np.ndarray:
+    """A one-input, one-output graph attribute run on ``x`` with CpuRef's own kernels."""
+    env: dict[str, Any] = {**body.constants, body.inputs[0]: x}
+    for workload, layer in _bound(body):
+        env.update(zip(layer.outputs, workload(*[env[n] if n else None for n in layer.inputs])))
+    return env[body.outputs[0]]
+
+
+@functools.lru_cache(maxsize=64)
+def _bound(body: Graph) -> list[tuple[Kernel, Layer]]:
+    """The body's layers with their kernels bound, once per graph."""
+    from backplane.backends.api.backend import kernel_key
+    from backplane.backends.reference.kernels import KERNELS  # this module is one of its parts
+
+    steps = []
+    for layer in body.layers:
+        kernel = select_kernel(KERNELS, kernel_key(layer), layer.opset)
+        if kernel is None:
+            raise UnsupportedError(f"no kernel for {layer.describe()} in a FlexAttention modifier")
+        steps.append((bind_kernel(kernel, layer.attrs, len(layer.outputs)), layer))
+    return steps
 
 
 def _split_heads(x, num_heads):
