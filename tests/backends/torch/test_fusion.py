@@ -260,3 +260,27 @@ def test_gemm_reshape_residual_becomes_one_layer(route: str) -> None:
     assert linear.op_type == "Linear" and linear.attrs["binary"] and linear.attrs["output_shape"] == [1, 6, 16]
     expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tail", ["relu", "add_relu", "swish"])
+@pytest.mark.parametrize("route", ["gemm", "auto"])
+def test_a_pointwise_conv_runs_as_a_matrix_product(tail: str, route: str) -> None:
+    """A 1x1 convolution on channels-last pixels is (pixels, C) x (C, K): the gemm route."""
+    model = conv_model(tail, pads=[0, 0, 0, 0])
+    weight = next(init for init in model.graph.initializer if init.name == "w")
+    weight.CopyFrom(_const("w", 8, 4, 1, 1))
+    for node in model.graph.node:
+        if node.op_type == "Conv":
+            del node.attribute[:]
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 6
+    feeds = _feeds(model)
+    options = RuntimeOptions(backend_options={"CpuAcc.conv_route": route})
+    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    (fused,) = [lay for lay in session.optimized.graph.layers if lay.op_type not in ("MemCopy", "MemImport")]
+    assert fused.op_type == "FusedConv"
+    if route == "gemm":
+        loaded = session.runtime.network(session.network_id)
+        (step,) = [s for s, lay in zip(loaded.steps, loaded.layers) if lay.op_type == "FusedConv"]
+        assert "_gemm_conv" in step.workload.__qualname__
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)

@@ -4,10 +4,11 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
 
 - Conv [-> BatchNormalization] [-> Add(residual)] [-> activation | -> x * Sigmoid(x)]
   becomes one ``FusedConv`` on channels-last activations, the batch norm folded into its weights.
-  At load the faster on its shape is measured and kept (``CpuAcc.conv_route`` forces one): oneDNN's
+  At load the fastest on its shape is measured and kept (``CpuAcc.conv_route`` forces one): oneDNN's
   convolution with the residual as a binary and the activation as a unary post-op and the weights
-  reordered once (``torch.ops.mkldnn._convolution_pointwise``), or torch's ``conv2d`` followed by
-  the post-ops (cheaper per call on tiny convolutions such as squeeze-excitation's).
+  reordered once (``torch.ops.mkldnn._convolution_pointwise``), torch's ``conv2d`` followed by
+  the post-ops (cheaper per call on tiny convolutions), or, for a 1x1 convolution, MKL's matrix
+  product on the channels-last pixels ("gemm").
 - Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)] [-> Reshape]
   [-> activation | -> GELU written out (with Erf, or the tanh form) | -> Add(residual)]
   becomes one ``Linear``: at load the faster of MKL (``F.linear``) and oneDNN

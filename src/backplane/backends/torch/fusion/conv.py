@@ -82,12 +82,15 @@ def _fold_batch_norm(bn: Layer, weight: np.ndarray, bias: np.ndarray, ctx: Conte
 
 
 def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
-    """The faster, on this layer's shape, of oneDNN's fused convolution with a prepacked weight and
-    torch's convolution (channels-last) followed by its post-ops; measured once, here, at load."""
+    """The fastest, on this layer's shape, of oneDNN's fused convolution with a prepacked weight,
+    torch's convolution (channels-last) followed by its post-ops, and, for a 1x1 convolution, a
+    matrix product on the channels-last pixels; measured once, here, at load."""
     import torch
 
     a = layer.attrs
     routes = {"onednn": _onednn_conv(a), "torch": _torch_conv(a)}
+    if _is_pointwise(a):
+        routes["gemm"] = _gemm_conv(a)
     forced = backend.options.get("CpuAcc.conv_route", "auto")
     if forced in routes:
         return routes[forced]
@@ -96,6 +99,41 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     if a["binary"]:
         sample.append(torch.randn(a["output_shape"]).contiguous(memory_format=cl))
     return min(routes.values(), key=lambda run: seconds(run, *sample))
+
+
+def _is_pointwise(a: dict[str, Any]) -> bool:
+    """A 1x1, stride 1, unpadded, ungrouped convolution: a matrix product over the pixels."""
+    return (a["weight"].shape[2:] == (1, 1) and a["strides"] == [1, 1] and a["group"] == 1
+            and not any(a["begins"]) and not any(a["ends"]))
+
+
+def _gemm_conv(a: dict[str, Any]) -> Workload:
+    """A 1x1 convolution as (pixels, C) x (C, K) through MKL on the channels-last layout: the result
+    viewed back as (N, K, H, W) is channels-last too, and no reorder happens on either side."""
+    import torch
+    import torch.nn.functional as F
+
+    weight = torch.from_numpy(np.array(a["weight"][:, :, 0, 0]))  # (K, C)
+    bias = torch.from_numpy(np.array(a["bias"]))
+    n, _, h, w = a["input_shape"]
+    k = weight.shape[0]
+    post = torch_post_op(a["unary"])
+    cl = torch.channels_last
+
+    def product(x):
+        pixels = x.contiguous(memory_format=cl).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+        return F.linear(pixels, weight, bias).view(n, h, w, k).permute(0, 3, 1, 2)
+
+    if a["binary"]:
+        def run(x, other):
+            y = product(x).add_(other)
+            return (post(y) if post else y,)
+        return run
+
+    def run_unary(x):
+        y = product(x)
+        return (post(y) if post else y,)
+    return run_unary
 
 
 def _onednn_conv(a: dict[str, Any]) -> Workload:
