@@ -3,6 +3,7 @@ with post-ops, or torch's convolution) measured at load."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,8 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     routes = {"onednn": _onednn_conv(a), "torch": _torch_conv(a)}
     if _is_pointwise(a):
         routes["gemm"] = _gemm_conv(a)
+    for name, run in routes.items():
+        run.route = name  # type: ignore[attr-defined]  # which one was kept, for tests and debugging
     forced = backend.options.get("CpuAcc.conv_route", "auto")
     if forced in routes:
         return routes[forced]
@@ -117,23 +120,13 @@ def _gemm_conv(a: dict[str, Any]) -> Workload:
     bias = torch.from_numpy(np.array(a["bias"]))
     n, _, h, w = a["input_shape"]
     k = weight.shape[0]
-    post = torch_post_op(a["unary"])
     cl = torch.channels_last
 
     def product(x):
         pixels = x.contiguous(memory_format=cl).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
         return F.linear(pixels, weight, bias).view(n, h, w, k).permute(0, 3, 1, 2)
 
-    if a["binary"]:
-        def run(x, other):
-            y = product(x).add_(other)
-            return (post(y) if post else y,)
-        return run
-
-    def run_unary(x):
-        y = product(x)
-        return (post(y) if post else y,)
-    return run_unary
+    return _then_post_ops(product, a)
 
 
 def _onednn_conv(a: dict[str, Any]) -> Workload:
@@ -185,20 +178,25 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
                                            for p in (b, e)]
     padding = begins if pre_pad is None else [0, 0]
     strides, dilations, groups = a["strides"], a["dilations"], a["group"]
-    post = torch_post_op(a["unary"])
 
     def conv(x):
         x = F.pad(x, pre_pad) if pre_pad else x
         return F.conv2d(x.contiguous(memory_format=cl), weight, bias, strides, padding, dilations,
                         groups)
 
+    return _then_post_ops(conv, a)
+
+
+def _then_post_ops(compute: Callable[[Any], Any], a: dict[str, Any]) -> Workload:
+    """``compute``'s result, plus the residual, then the activation: the post-ops as torch calls."""
+    post = torch_post_op(a["unary"])
     if a["binary"]:
         def run(x, other):
-            y = conv(x).add_(other)
+            y = compute(x).add_(other)
             return (post(y) if post else y,)
         return run
 
     def run_unary(x):
-        y = conv(x)
+        y = compute(x)
         return (post(y) if post else y,)
     return run_unary
