@@ -4,6 +4,7 @@ captured CUDA graph, and the node-suite cases of its ops match CpuRef. Skipped w
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,7 +15,7 @@ from backplane.backends.reference.backend import CpuRef  # noqa: E402
 from backplane.backends.registry import registry  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.backends.test_reference_kernels import _assert_same, _info, _layer, _value, node_cases  # noqa: E402
-from tests.models.test_models import DATA, TINY, assert_close, ort_outputs  # noqa: E402
+from tests.models.test_models import DATA, TINY, assert_close, ort, ort_outputs  # noqa: E402
 
 CLAIMED = sorted(name for name, case in node_cases().items()
                  if case.model.graph.node[0].op_type in registry.create("CpuAcc").KERNELS)
@@ -70,3 +71,57 @@ def test_node_case_matches_cpuref(case_name: str) -> None:
             if name in expected_by_name:
                 want = reference[index] if reference is not None else expected_by_name[name]
                 _assert_same(name, actual[index], want, case.rtol, case.atol)
+
+
+def _conv_relu_model() -> onnx.ModelProto:
+    """Conv -> Relu, Conv -> Add(residual) -> Relu, a bias-less Conv -> Relu, and a Conv whose output
+    is read twice (by its Relu and as a graph output), which stays unfused."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def const(name: str, *shape: int) -> onnx.TensorProto:
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.3, name)
+
+    inits = [const("w1", 8, 8, 3, 3), const("b1", 8), const("w2", 8, 8, 1, 1), const("b2", 8),
+             const("w3", 8, 8, 3, 3), const("w4", 8, 8, 1, 1), const("b4", 8)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+        helper.make_node("Add", ["x", "c2"], ["a2"]),
+        helper.make_node("Relu", ["a2"], ["r2"]),
+        helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c3"], ["r3"]),
+        helper.make_node("Conv", ["r3", "w4", "b4"], ["c4"]),
+        helper.make_node("Relu", ["c4"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "conv_relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8]),
+         helper.make_tensor_value_info("c4", TensorProto.FLOAT, [1, 8, 8, 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graph", "eager"])
+def test_conv_relu_chains_run_as_one_cudnn_call(graphs: bool, monkeypatch) -> None:
+    calls = {"relu": 0, "add_relu": 0}
+    relu, add_relu = torch.cudnn_convolution_relu, torch.cudnn_convolution_add_relu
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(torch, "cudnn_convolution_relu", counted("relu", relu))
+    monkeypatch.setattr(torch, "cudnn_convolution_add_relu", counted("add_relu", add_relu))
+    model = _conv_relu_model()
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 8, 16, 16)).astype(np.float32)}
+    options = RuntimeOptions(backend_options={"GpuAcc.cuda_graphs": graphs})
+    session = InferenceSession(model, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
+    expected = ort.InferenceSession(model.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds)
+    for _ in range(2):
+        assert_close(session.run(None, feeds), expected)
+    assert calls["add_relu"] >= 1 and calls["relu"] >= 2, calls  # c4 is read twice: not fused
