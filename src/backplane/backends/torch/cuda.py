@@ -11,7 +11,8 @@ CUDA graphs: ``capture_views`` substitutes every static-shape GPU subgraph by on
 Its workload, made at load, uploads the subgraph's constants once, runs the layers' kernels twice on a
 side stream (warm-up), captures them into a ``torch.cuda.CUDAGraph`` and from then on, per run,
 copies the inputs into the graph's static input tensors and replays it: one launch for the subgraph.
-Inside, Conv [-> Add] -> Relu chains run as one cuDNN call (``FUSE_CONV_RELU``).
+Inside, Conv [-> Add] -> Relu chains run as one cuDNN call (``FUSE_CONV_RELU``), and each value is
+dropped after its last reader (``_frees``), so that the graph reuses its memory as torch's modules do.
 """
 
 from __future__ import annotations
@@ -212,6 +213,27 @@ def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: A
             for name, value in constants.items()}
 
 
+def _frees(steps: Sequence[Step], kept: set[str]) -> list[list[str]]:
+    """For each step, the values no later step reads (the subgraph's outputs and constants aside):
+    dropped right after it, so that the caching allocator reuses their memory for the next steps.
+
+    Inside a capture that keeps the graph's memory small, as in torch's own modules (their
+    intermediates die as the forward goes). With every intermediate kept to the end, the late 1x1
+    convolutions of mobilenet_v3_large's captured graph ran 20-40% longer than in torch's graph of
+    the module, with the same cuDNN kernel and arguments; dropping them took its replay from 857 to
+    722 us of GPU time (H100, fp32, batch 1; resnet50: 2159 to 2146 us)."""
+    last: dict[str, int] = {}
+    for index, (_, names_in, names_out) in enumerate(steps):
+        for name in (*names_in, *names_out):
+            if name:
+                last[name] = index
+    frees: list[list[str]] = [[] for _ in steps]
+    for name, index in last.items():
+        if name not in kept:
+            frees[index].append(name)
+    return frees
+
+
 def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
     """Capture at load, with the static inputs the boundary's tensor infos describe."""
     import torch
@@ -220,13 +242,16 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
     inner = layer.attrs["layers"]
     steps = _inner_steps(inner, backend, layer.attrs["outputs"])
     env_template = _upload(inner, layer.attrs["constants"], device)
+    frees = _frees(steps, set(layer.attrs["outputs"]) | set(env_template))
 
     def run_layers(*values: Any) -> list[Any]:
         env = dict(env_template)
         env.update(zip(layer.attrs["inputs"], values))
-        for workload, names_in, names_out in steps:
+        for (workload, names_in, names_out), dead in zip(steps, frees):
             results = workload(*[env[n] if n else None for n in names_in])
             env.update(zip(names_out, results))
+            for name in dead:
+                del env[name]
         return [env[n] for n in layer.attrs["outputs"]]
 
     if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
