@@ -115,22 +115,32 @@ def _input_specs(loaded: LoadedNetwork) -> list[tuple[str, TensorInfo]]:
 def check_inputs(specs: Sequence[tuple[str, TensorInfo]],
                  inputs: Mapping[str, Any] | Sequence[Any]) -> list[Any]:
     """Inputs in the model's order, each checked for name, dtype, rank and sizes."""
-    expected = ", ".join(f"{name}: {info}" for name, info in specs)
     if isinstance(inputs, Mapping):
-        unknown = [name for name in inputs if name not in dict(specs)]
-        if unknown:
-            raise InvalidInputError(f"{unknown} {'is not an input' if len(unknown) == 1 else 'are not inputs'}"
-                                    f" of the model; its inputs are: {expected}")
-        missing = [name for name, _ in specs if name not in inputs]
-        if missing:
-            raise InvalidInputError(f"input(s) {missing} missing; the model's inputs are: {expected}")
+        if len(inputs) != len(specs) or any(name not in inputs for name, _ in specs):
+            _raise_names(specs, inputs)
         values = [inputs[name] for name, _ in specs]
     else:
         values = list(inputs)
         if len(values) != len(specs):
-            raise InvalidInputError(f"{len(values)} inputs given; the model has {len(specs)}: {expected}")
+            raise InvalidInputError(f"{len(values)} inputs given; the model has {len(specs)}: "
+                                    f"{_expected(specs)}")
     bound: dict[str, tuple[int, str]] = {}
     return [_check_one(name, info, value, bound) for (name, info), value in zip(specs, values)]
+
+
+def _expected(specs: Sequence[tuple[str, TensorInfo]]) -> str:
+    return ", ".join(f"{name}: {info}" for name, info in specs)
+
+
+def _raise_names(specs: Sequence[tuple[str, TensorInfo]], inputs: Mapping[str, Any]) -> None:
+    """The error for feeds whose names are not the model's (built only when they are not)."""
+    names = {name for name, _ in specs}
+    unknown = [name for name in inputs if name not in names]
+    if unknown:
+        raise InvalidInputError(f"{unknown} {'is not an input' if len(unknown) == 1 else 'are not inputs'}"
+                                f" of the model; its inputs are: {_expected(specs)}")
+    missing = [name for name, _ in specs if name not in inputs]
+    raise InvalidInputError(f"input(s) {missing} missing; the model's inputs are: {_expected(specs)}")
 
 
 def _check_one(name: str, info: TensorInfo, value: Any, bound: dict[str, tuple[int, str]]) -> Any:
