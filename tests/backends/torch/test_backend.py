@@ -71,3 +71,20 @@ def test_refusals_give_reasons() -> None:
     f32 = TensorInfo((2,), np.dtype(np.float32))
     support = acc.is_layer_supported(Layer("m", "Mod", ["x", "y"], ["z"], opset=17), [f32, f32], [f32])
     assert not support.ok and "no kernel for Mod" in support.reason
+
+
+def test_gpu_precision_option_names_the_choices() -> None:
+    """GpuAcc.precision is checked without a GPU: the type it means, or an error listing them."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    from backplane.backends.torch import cuda
+
+    def backend(value: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(options={"GpuAcc.precision": value})
+
+    assert cuda.reduced_precision(backend("fp32")) is None
+    assert cuda.reduced_precision(backend("fp16")) is torch.float16
+    assert cuda.reduced_precision(backend("bf16")) is torch.bfloat16
+    with pytest.raises(ValueError, match="'fp8' is not one of fp32, fp16, bf16"):
+        cuda.reduced_precision(backend("fp8"))

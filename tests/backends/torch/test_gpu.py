@@ -125,3 +125,22 @@ def test_conv_relu_chains_run_as_one_cudnn_call(graphs: bool, monkeypatch) -> No
     for _ in range(2):
         assert_close(session.run(None, feeds), expected)
     assert calls["add_relu"] >= 1 and calls["relu"] >= 2, calls  # c4 is read twice: not fused
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp16", 2e-2), ("bf16", 1e-1)])
+@pytest.mark.parametrize("name", TINY)
+def test_reduced_precision_stays_close_and_returns_float32(name: str, precision: str,
+                                                          tolerance: float) -> None:
+    """GpuAcc.precision (Arm NN's ReduceFp32ToFp16): float32 inside the graph becomes fp16 / bf16,
+    the outputs come back as float32, within the stated tolerance of ONNX Runtime's (max |diff|
+    relative to the output's max |value|)."""
+    path = DATA / f"{name}.onnx"
+    feeds = dict(np.load(DATA / f"{name}.npz"))
+    options = RuntimeOptions(backend_options={"GpuAcc.precision": precision})
+    session = InferenceSession(path, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
+    for got, want in zip(session.run(None, feeds), ort_outputs(path, feeds)):
+        assert got.dtype == want.dtype
+        if got.dtype == np.float32:
+            assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+        else:
+            np.testing.assert_array_equal(got, want)

@@ -2,13 +2,15 @@
 
 Both share one kernel table (``kernels/``): a torch kernel runs where its tensors are. They differ in
 memory (CpuAcc: torch CPU tensors, zero-copy views of NumPy arrays; GpuAcc: CUDA tensors, uploaded
-asynchronously on the current stream) and in ``optimize_subgraph`` (CpuAcc fuses into oneDNN primitives, GpuAcc
-captures CUDA graphs).
+asynchronously on the current stream) and in ``optimize_subgraph`` (CpuAcc fuses into oneDNN
+primitives, GpuAcc captures CUDA graphs).
 
 Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-op threads),
 ``CpuAcc.linear_route`` ("auto": measure MKL and oneDNN per layer at load and keep the faster;
-"mkl"; "onednn"), ``GpuAcc.device`` (default "cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32``
-(default False).
+"mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``GpuAcc.device`` (default
+"cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32`` (default False),
+``GpuAcc.fuse_conv_relu`` (default True), ``GpuAcc.precision`` ("fp32", the default; "fp16" or "bf16":
+float32 computed in that type inside GpuAcc's captured subgraphs, Arm NN's ReduceFp32ToFp16).
 """
 
 from __future__ import annotations
@@ -187,7 +189,10 @@ class GpuAcc(TorchBackend):
         ``GpuAcc.tf32`` is set. The switches are torch's, for the whole process."""
         import torch
 
+        from backplane.backends.torch import cuda
+
         self.options = options
+        cuda.reduced_precision(self)  # an unknown precision is an error now, not at the first load
         tf32 = bool(options.get("GpuAcc.tf32", False))
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32

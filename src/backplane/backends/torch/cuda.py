@@ -13,6 +13,7 @@ side stream (warm-up), captures them into a ``torch.cuda.CUDAGraph`` and from th
 copies the inputs into the graph's static input tensors and replays it: one launch for the subgraph.
 Inside, Conv [-> Add] -> Relu chains run as one cuDNN call (``FUSE_CONV_RELU``), and each value is
 dropped after its last reader (``_frees``), so that the graph reuses its memory as torch's modules do.
+With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the graph (``PRECISIONS``).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
     # The boundary names as the layers inside read and write them (the optimizer renames the
     # fused layer's inputs when it puts copies in front of them).
     attrs = {"layers": list(view.layers), "constants": constants, "inputs": list(view.inputs),
-             "outputs": list(view.outputs)}
+             "outputs": list(view.outputs),
+             "output_dtypes": [graph.info(n).dtype for n in view.outputs]}
     name = f"CudaGraph[{view.layers[0].name}..{view.layers[-1].name}]({len(view.layers)} layers)"
     replacement = Layer(name, "CudaGraph", list(view.inputs), list(view.outputs), attrs,
                         FUSED_DOMAIN, 1)
@@ -204,13 +206,42 @@ def _conv_relu(conv: Layer, parts: list[Workload], residual: bool) -> Workload:
     return workload
 
 
-def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: Any) -> dict[str, Any]:
+PRECISIONS = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
+"""``GpuAcc.precision``: the type float32 tensors take inside captured subgraphs (Arm NN's
+ReduceFp32ToFp16); their float32 inputs are converted on entry and their float32 outputs on exit."""
+
+
+def reduced_precision(backend: Any) -> Any:
+    """The torch dtype float32 becomes inside GpuAcc's subgraphs, or None for float32 itself."""
+    import torch
+
+    choice = backend.options.get("GpuAcc.precision", "fp32")
+    if choice not in PRECISIONS:
+        raise ValueError(f"GpuAcc.precision {choice!r} is not one of {', '.join(PRECISIONS)}")
+    name = PRECISIONS[choice]
+    return None if name is None else getattr(torch, name)
+
+
+def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: Any,
+            reduced: Any = None) -> dict[str, Any]:
     import torch
 
     host = {layer.inputs[i] for layer in layers for i in HOST_INPUTS.get(layer.op_type, ())
             if i < len(layer.inputs)}
-    return {name: value if name in host else torch.from_numpy(np.array(value)).to(device)
-            for name, value in constants.items()}
+    uploaded = {}
+    for name, value in constants.items():
+        if name in host:
+            uploaded[name] = value
+            continue
+        tensor = torch.from_numpy(np.array(value)).to(device)
+        uploaded[name] = _lower(tensor, reduced)
+    return uploaded
+
+
+def _lower(tensor: Any, reduced: Any) -> Any:
+    import torch
+
+    return tensor.to(reduced) if reduced is not None and tensor.dtype == torch.float32 else tensor
 
 
 def _frees(steps: Sequence[Step], kept: set[str]) -> list[list[str]]:
@@ -240,19 +271,25 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
 
     device = backend.device()
     inner = layer.attrs["layers"]
+    reduced = reduced_precision(backend)
     steps = _inner_steps(inner, backend, layer.attrs["outputs"])
-    env_template = _upload(inner, layer.attrs["constants"], device)
+    env_template = _upload(inner, layer.attrs["constants"], device, reduced)
     frees = _frees(steps, set(layer.attrs["outputs"]) | set(env_template))
+    back_to_fp32 = [reduced is not None and dtype == np.float32
+                    for dtype in layer.attrs.get("output_dtypes") or []]
 
     def run_layers(*values: Any) -> list[Any]:
         env = dict(env_template)
-        env.update(zip(layer.attrs["inputs"], values))
+        env.update(zip(layer.attrs["inputs"], (_lower(v, reduced) for v in values)))
         for (workload, names_in, names_out), dead in zip(steps, frees):
             results = workload(*[env[n] if n else None for n in names_in])
             env.update(zip(names_out, results))
             for name in dead:
                 del env[name]
-        return [env[n] for n in layer.attrs["outputs"]]
+        outputs = [env[n] for n in layer.attrs["outputs"]]
+        if any(back_to_fp32):
+            outputs = [o.float() if fp32 else o for o, fp32 in zip(outputs, back_to_fp32)]
+        return outputs
 
     if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
         return lambda *values: tuple(run_layers(*values))
