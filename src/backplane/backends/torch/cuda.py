@@ -208,7 +208,10 @@ def _conv_relu(conv: Layer, parts: list[Workload], residual: bool) -> Workload:
 
 PRECISIONS = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
 """``GpuAcc.precision``: the type float32 tensors take inside captured subgraphs (Arm NN's
-ReduceFp32ToFp16); their float32 inputs are converted on entry and their float32 outputs on exit."""
+ReduceFp32ToFp16); their float32 inputs are converted on entry, their float32 outputs on exit, every
+float32 result inside (a Cast to float) on the spot, and float32 constants are clamped to the reduced
+type's finite range first (attention masks of -3.4e38 would become -inf, and 0 * -inf NaN). Values
+computed beyond that range (activations over 65504 in fp16) still overflow: bf16 has float32's range."""
 
 
 def reduced_precision(backend: Any) -> Any:
@@ -234,6 +237,9 @@ def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: A
             uploaded[name] = value
             continue
         tensor = torch.from_numpy(np.array(value)).to(device)
+        if reduced is not None and tensor.dtype == torch.float32:  # -3.4e38 masks stay finite
+            finite = torch.finfo(reduced)
+            tensor = tensor.clamp(finite.min, finite.max)
         uploaded[name] = _lower(tensor, reduced)
     return uploaded
 
@@ -283,6 +289,8 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
         env.update(zip(layer.attrs["inputs"], (_lower(v, reduced) for v in values)))
         for (workload, names_in, names_out), dead in zip(steps, frees):
             results = workload(*[env[n] if n else None for n in names_in])
+            if reduced is not None:  # a Cast to float32 inside stays in the reduced type
+                results = [_lower(r, reduced) for r in results]
             env.update(zip(names_out, results))
             for name in dead:
                 del env[name]
