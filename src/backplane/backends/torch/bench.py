@@ -45,14 +45,30 @@ Run = Callable[[], list[np.ndarray]]
 
 # -- the worker side ------------------------------------------------------------------------------------
 def load_backplane(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespace,
-                   backends: list[str]) -> Run:
+                   column: str) -> Run:
+    """``column`` is a backend list with backend options after it, each after an ``@``:
+    "GpuAcc,CpuAcc,CpuRef@GpuAcc.precision=fp16" (so that two settings are columns of one run)."""
     from backplane.runtime.runtime import Runtime, RuntimeOptions
     from backplane.session import InferenceSession
 
-    options = RuntimeOptions(backend_options={"CpuAcc.threads": args.threads,
-                                              "GpuAcc.device": _cuda(args)})
-    session = InferenceSession(model, backends=backends, runtime=Runtime(options))
+    backends, *settings = column.split("@")
+    chosen = {"CpuAcc.threads": args.threads, "GpuAcc.device": _cuda(args)}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        chosen[key] = _option_value(value)
+    session = InferenceSession(model, backends=backends.split(","),
+                               runtime=Runtime(RuntimeOptions(backend_options=chosen)))
     return lambda: session.run(None, feeds)
+
+
+def _option_value(text: str) -> Any:
+    """An option's value as written: true / false, a number, or the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return json.loads(text) if text[:1].isdigit() or text[:1] == "-" else text
+    except ValueError:
+        return text
 
 
 def load_onnxruntime(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespace) -> Run:
@@ -167,7 +183,7 @@ def _loader(runtime: str, model: str, feeds: dict[str, np.ndarray],
         return load_onnxruntime(model, feeds, args)
     if runtime in (EAGER, CUDA_GRAPH):
         return load_torch(model, feeds, args, graph=runtime == CUDA_GRAPH)
-    return load_backplane(model, feeds, args, runtime.split(","))
+    return load_backplane(model, feeds, args, runtime)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -389,8 +405,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_torch", description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="*", type=Path, help="ONNX model files")
     ap.add_argument("--backends", action="append", default=[],
-                    help="a backplane backend list, most preferred first (repeat for more columns; "
-                         "default: CpuAcc,CpuRef, or GpuAcc,CpuAcc,CpuRef with --device cuda)")
+                    help="a backplane backend list, most preferred first, and backend options after "
+                         "@ signs (GpuAcc,CpuAcc,CpuRef@GpuAcc.precision=fp16); repeat for more "
+                         "columns; default: CpuAcc,CpuRef, or GpuAcc,CpuAcc,CpuRef with --device cuda")
     ap.add_argument("--no-ort", action="store_true", help="leave ONNX Runtime out")
     ap.add_argument("--no-torch", action="store_true", help="leave the PyTorch columns out")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
