@@ -151,6 +151,47 @@ def test_scan_matches_onnx_runtime(reverse: int) -> None:
         np.testing.assert_allclose(a, b)
 
 
+def scan8_model(with_lengths: bool) -> onnx.ModelProto:
+    """Scan-8: a batch of 3 running sums (state) over 4 rows each, optionally only the first
+    sequence_lens[b] rows of item b."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "row"], ["s_out"], name="s_add"),
+         helper.make_node("Identity", ["s_out"], ["y_t"], name="s_copy")],
+        "scan_body", [float_input("s_in", [2]), float_input("row", [2])],
+        [float_input("s_out", [2]), float_input("y_t", [2])])
+    lengths = "lengths" if with_lengths else ""
+    node = helper.make_node("Scan", [lengths, "s0", "xs"], ["s", "ys"], name="scan", body=body,
+                            num_scan_inputs=1)
+    inputs = [float_input("s0", [3, 2]), float_input("xs", [3, 4, 2])]
+    if with_lengths:
+        inputs.insert(0, scalar("lengths", TensorProto.INT64, [3]))
+    return make_model([node], inputs, [float_input("s", [3, 2]), float_input("ys", [3, 4, 2])],
+                      opset=8)
+
+
+def test_scan8_runs_each_batch_item_like_onnx_runtime() -> None:
+    rng = np.random.default_rng(3)
+    feeds = {"s0": rng.standard_normal((3, 2)).astype(np.float32),
+             "xs": rng.standard_normal((3, 4, 2)).astype(np.float32)}
+    session = InferenceSession(scan8_model(False))
+    assert session.report.backend_of("scan") == "builtin"
+    for got, want in zip(session.run(None, feeds), ort_run(scan8_model(False), feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_scan8_sequence_lens_stop_each_item_early() -> None:
+    rng = np.random.default_rng(4)
+    feeds = {"lengths": np.array([4, 2, 3], np.int64),
+             "s0": rng.standard_normal((3, 2)).astype(np.float32),
+             "xs": rng.standard_normal((3, 4, 2)).astype(np.float32)}
+    final, steps = InferenceSession(scan8_model(True)).run(None, feeds)
+    for b, length in enumerate(feeds["lengths"]):
+        sums = feeds["s0"][b] + np.cumsum(feeds["xs"][b, :length], axis=0)
+        np.testing.assert_allclose(final[b], sums[-1], rtol=1e-6)
+        np.testing.assert_allclose(steps[b, :length], sums, rtol=1e-6)
+        assert not steps[b, length:].any()  # the rest is padding
+
+
 def test_optimizing_control_flow_leaves_the_users_graph_alone() -> None:
     from backplane import import_onnx, optimize
 

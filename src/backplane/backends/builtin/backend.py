@@ -10,11 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from backplane.backends.api.backend import SUPPORTED, Backend, Support, Workload, WorkloadFactory, unsupported
+from backplane.backends.api.backend import (
+    SUPPORTED,
+    Backend,
+    Support,
+    Workload,
+    WorkloadFactory,
+    unsupported,
+)
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.builtin import sequence
 from backplane.backends.builtin.control_flow import (
     CONTROL_FLOW_OPS,
+    make_batched_scan,
     make_if,
     make_loop,
     make_scan,
@@ -66,7 +74,9 @@ class BuiltinWorkloadFactory(WorkloadFactory):
 
 
 def _load(network: Any) -> Any:
-    from backplane.runtime.loaded_network import LoadedNetwork  # the runtime loads the bodies
+    from backplane.runtime.loaded_network import (
+        LoadedNetwork,  # the runtime loads the bodies
+    )
 
     return LoadedNetwork(network, network_id=0)
 
@@ -84,15 +94,17 @@ def _control_flow(layer: Layer) -> Workload:
         scan_infos = [graph.info(name) for name in graph.outputs[1 + n_carried:]]
         return make_loop(_load(body), n_carried, captured, scan_infos)
     n_scan_in = attrs["num_scan_inputs"]
-    n_state = len(layer.inputs) - n_scan_in - captured
+    batched = layer.opset < 9  # Scan-8: a leading sequence_lens input, batch axis 0, scan axis 1
+    n_state = len(layer.inputs) - n_scan_in - captured - batched
     n_scan_out = len(graph.outputs) - n_state
-    return make_scan(
+    scan = make_scan(
         _load(body), n_state, n_scan_in, captured,
         attrs.get("scan_input_axes") or [0] * n_scan_in,
-        attrs.get("scan_input_directions") or [0] * n_scan_in,
+        attrs.get("scan_input_directions") or attrs.get("directions") or [0] * n_scan_in,
         attrs.get("scan_output_axes") or [0] * n_scan_out,
         attrs.get("scan_output_directions") or [0] * n_scan_out,
         [graph.info(name) for name in graph.outputs[n_state:]])
+    return make_batched_scan(scan, n_state, n_scan_in) if batched else scan
 
 
 class Builtin(Backend):
@@ -104,8 +116,6 @@ class Builtin(Backend):
                            outputs: Sequence[TensorInfo]) -> Support:
         if layer.domain or layer.op_type not in OWNED_OPS:
             return unsupported(f"builtin runs only {', '.join(BUILTIN_OPS)}")
-        if layer.op_type == "Scan" and layer.opset < 9:
-            return unsupported("Scan before opset 9 (batched, with sequence_lens) is not supported")
         if layer.op_type in CONTROL_FLOW_OPS:
             return SUPPORTED
         return super().is_layer_supported(layer, inputs, outputs)

@@ -88,6 +88,32 @@ def make_scan(body: Any, n_state: int, n_scan_in: int, n_captured: int, input_ax
     return scan
 
 
+def make_batched_scan(scan: Any, n_state: int, n_scan_in: int) -> Any:
+    """ONNX Scan-8: ``scan`` (opset 9's) per batch item (axis 0 of every state and scan input; the
+    scan axis is 1), over its first ``sequence_lens[b]`` steps when given; scan outputs of shorter
+    items are padded with zeros to the longest."""
+
+    def batched(sequence_lens: Any, *inputs: Any) -> tuple[Any, ...]:
+        states, scans = inputs[:n_state], inputs[n_state:n_state + n_scan_in]
+        captured = inputs[n_state + n_scan_in:]
+        batch = (states or scans)[0].shape[0]
+        items = []
+        for b in range(batch):
+            length = scans[0].shape[1] if sequence_lens is None else int(sequence_lens[b])
+            items.append(scan(*[s[b] for s in states], *[x[b, :length] for x in scans], *captured))
+        outputs = []
+        for index in range(len(items[0]) if items else 0):
+            values = [np.asarray(item[index]) for item in items]
+            if index >= n_state:  # scan outputs: (steps, ...) per item, padded to the longest
+                steps = max(v.shape[0] for v in values)
+                values = [np.pad(v, [(0, steps - v.shape[0])] + [(0, 0)] * (v.ndim - 1))
+                          for v in values]
+            outputs.append(np.stack(values))
+        return tuple(outputs)
+
+    return batched
+
+
 def make_sequence_map(body: Any, n_captured: int, n_outputs: int) -> Any:
     """ONNX SequenceMap: run ``body`` on the i-th element of every sequence input (tensor inputs
     whole), collecting each body output into a sequence."""

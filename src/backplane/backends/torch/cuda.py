@@ -290,7 +290,7 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
         for (workload, names_in, names_out), dead in zip(steps, frees):
             results = workload(*[env[n] if n else None for n in names_in])
             if reduced is not None:  # a Cast to float32 inside stays in the reduced type
-                results = [_lower(r, reduced) for r in results]
+                results = tuple(_lower(r, reduced) for r in results)
             env.update(zip(names_out, results))
             for name in dead:
                 del env[name]
