@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "each in processes of its own (bench/bench_torch.py)")
     bench.add_argument("model", help="an ONNX model file")
     bench.add_argument("--backends", action="append", default=[],
-                       help="a backend list, most preferred first, options after @ (CpuAcc,CpuRef@CpuAcc.threads=1); repeat for more columns")
+                       help="a backend list, most preferred first, options after @ "
+                            "(CpuAcc,CpuRef@CpuAcc.threads=1); repeat for more columns")
     for option, default in (("--device", "cpu"), ("--threads", None), ("--rounds", 5), ("--runs", 20)):
         bench.add_argument(option, default=default, help=f"as bench_torch's {option}")
     bench.set_defaults(command=cmd_bench)
