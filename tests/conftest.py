@@ -18,6 +18,22 @@ from backplane.ir.graph import Layer, TensorInfo
 PARTIAL_OPS = ("Conv", "Relu", "Add", "MatMul", "Gemm", "Mul")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Caches the tests fill (CpuAcc's measured routes) go to a folder of the test session's."""
+    import os
+
+    from backplane.backends.torch.route_cache import CACHE_VARIABLE
+
+    before = os.environ.get(CACHE_VARIABLE)
+    os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_VARIABLE, None)
+    else:
+        os.environ[CACHE_VARIABLE] = before
+
+
 class PartialBackend(Backend):
     """A backend with CpuRef's kernels for a few ops only, sharing host memory with CpuRef."""
 

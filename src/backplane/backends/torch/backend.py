@@ -7,7 +7,8 @@ primitives, GpuAcc captures CUDA graphs).
 
 Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-op threads),
 ``CpuAcc.linear_route`` ("auto": measure MKL and oneDNN per layer at load and keep the faster;
-"mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``GpuAcc.device`` (default
+"mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``CpuAcc.route_cache``
+(default True: measured routes kept on disk, ``route_cache``), ``GpuAcc.device`` (default
 "cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32`` (default False),
 ``GpuAcc.fuse_conv_relu`` (default True), ``GpuAcc.precision`` ("fp32", the default; "fp16" or "bf16":
 float32 computed in that type inside GpuAcc's captured subgraphs, Arm NN's ReduceFp32ToFp16).

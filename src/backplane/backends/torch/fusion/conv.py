@@ -15,8 +15,8 @@ from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
     PostOp,
+    fastest,
     post_op,
-    seconds,
     swish_layers,
     torch_post_op,
 )
@@ -97,11 +97,17 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     forced = backend.options.get("CpuAcc.conv_route", "auto")
     if forced in routes:
         return routes[forced]
-    cl = torch.channels_last
-    sample = [torch.randn(a["input_shape"]).contiguous(memory_format=cl)]
-    if a["binary"]:
-        sample.append(torch.randn(a["output_shape"]).contiguous(memory_format=cl))
-    return min(routes.values(), key=lambda run: seconds(run, *sample))
+
+    def sample() -> list[Any]:
+        cl = torch.channels_last
+        values = [torch.randn(a["input_shape"]).contiguous(memory_format=cl)]
+        if a["binary"]:
+            values.append(torch.randn(a["output_shape"]).contiguous(memory_format=cl))
+        return values
+
+    described = {k: a[k] for k in ("input_shape", "strides", "dilations", "group", "begins", "ends",
+                                   "binary", "unary")}
+    return fastest("conv", {**described, "weight": a["weight"].shape}, routes, sample, backend)
 
 
 def _is_pointwise(a: dict[str, Any]) -> bool:

@@ -14,9 +14,9 @@ from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
     PostOp,
+    fastest,
     post_op,
     scalar_op,
-    seconds,
     torch_post_op,
 )
 from backplane.ir.graph import Layer
@@ -209,7 +209,10 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     fused = onednn_add if a.get("binary") else onednn
     if route == "onednn":
         return fused
-    sample = [torch.randn(a["input_shape"])]
-    if a.get("binary"):
-        sample.append(torch.randn(result_shape))
-    return min((mkl, fused), key=lambda run: seconds(run, *sample))
+
+    def sample() -> list[Any]:
+        return [torch.randn(a["input_shape"])] + ([torch.randn(result_shape)] if a.get("binary") else [])
+
+    described = {k: a.get(k) for k in ("input_shape", "unary", "binary", "output_shape")}
+    described.update(weight=weight.shape, bias=bias is not None)
+    return fastest("linear", described, {"mkl": mkl, "onednn": fused}, sample, backend)

@@ -122,6 +122,24 @@ def torch_post_op(unary: PostOp | None) -> Callable[[Any], Any] | None:
     return table[attr]
 
 
+def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[..., Any]],
+            make_sample: Callable[[], list[Any]], backend: Any) -> Callable[..., Any]:
+    """The route measured fastest on a sample input, or the one the disk cache remembers for this
+    layer on this machine and library (``route_cache``; ``CpuAcc.route_cache`` False skips it)."""
+    from backplane.backends.torch import route_cache
+
+    cache_key = route_cache.key(kind, description) \
+        if backend.options.get("CpuAcc.route_cache", True) else None
+    remembered = route_cache.lookup(cache_key) if cache_key else None
+    if remembered in routes:
+        return routes[remembered]  # type: ignore[index]
+    sample = make_sample()
+    name = min(routes, key=lambda n: seconds(routes[n], *sample))
+    if cache_key:
+        route_cache.store(cache_key, name)
+    return routes[name]
+
+
 def seconds(run: Callable[..., Any], *sample: Any, repeat: int = 5) -> float:
     """The fastest of a few timed calls, after one untimed; a route that fails never wins."""
     try:

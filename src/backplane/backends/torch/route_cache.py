@@ -1,0 +1,81 @@
+"""CpuAcc's measured routes, kept on disk.
+
+Which kernel route is fastest for a layer (oneDNN, MKL, torch's own) is measured at load; that is most
+of CpuAcc's load time (BERT-base: several seconds). The answer depends on the layer's shape and
+attributes, the library doing the work, the thread count and the processor, so those are the key; a
+changed key measures again by itself. The cache is one JSON file in ``$BACKPLANE_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/backplane`` or ``~/.cache/backplane``); the option ``CpuAcc.route_cache`` (default
+True) turns it off. A missing, unreadable or corrupt file is an empty cache, never an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CACHE_VARIABLE = "BACKPLANE_CACHE_DIR"
+FILE_NAME = "cpuacc-routes.json"
+CACHE_VERSION = 1  # bump when a route's meaning changes
+
+
+def cache_file() -> Path:
+    root = os.environ.get(CACHE_VARIABLE)
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "backplane")
+    return Path(root) / FILE_NAME
+
+
+def key(kind: str, description: dict[str, Any]) -> str:
+    """The cache key of one layer's measurement: what it is, and where and with what it ran."""
+    import torch
+
+    from backplane.backends.torch.backend import TorchBackend
+
+    identity = {"kind": kind, "layer": description, "cache": CACHE_VERSION,
+                "backend": TorchBackend.version, "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "cpu": _processor()}
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def lookup(cache_key: str) -> str | None:
+    return _entries(cache_file()).get(cache_key)
+
+
+def store(cache_key: str, route: str) -> None:
+    """Record a route; a cache that cannot be written is left as it is."""
+    path = cache_file()
+    entries = _entries(path)
+    entries[cache_key] = route
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(entries, tmp)
+        os.replace(tmp.name, path)  # whole or not at all, also with other processes writing
+    except OSError:
+        pass
+
+
+def _entries(path: Path) -> dict[str, str]:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+@functools.lru_cache(maxsize=1)
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
