@@ -1,7 +1,8 @@
 """Adapters for the ONNX node-suite runner (shared/tools/onnx_node_suite.py --adapter MODULE:CALLABLE).
 
 ``cpuref`` runs a case on CpuRef alone. A layer CpuRef does not claim ends the case with
-OptimizationError ("not supported"), never with a wrong answer.
+OptimizationError ("not supported"), never with a wrong answer. ``cpuacc`` runs it on CpuAcc with
+CpuRef taking what CpuAcc refuses (the multi-backend flow the torch backends are used in).
 """
 
 from __future__ import annotations
@@ -14,4 +15,9 @@ from backplane.session import InferenceSession
 
 def cpuref(model_path: str, inputs: Mapping[str, Any]) -> list[Any]:
     session = InferenceSession(model_path, backends=["CpuRef"])
+    return session.run(None, dict(inputs))
+
+
+def cpuacc(model_path: str, inputs: Mapping[str, Any]) -> list[Any]:
+    session = InferenceSession(model_path, backends=["CpuAcc", "CpuRef"])
     return session.run(None, dict(inputs))

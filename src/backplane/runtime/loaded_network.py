@@ -58,6 +58,7 @@ class LoadedNetwork:
             factories[backend_id] = backend.create_workload_factory(manager)
         self._slots: dict[str, int] = {}
         self._template: list[Any] = [None]
+        self._constant_slots: dict[tuple[int, str], str] = {}  # (layer, constant) -> its slot's key
         self.layers: list[Layer] = list(graph.layers)
         workloads = [self._create(factories[layer.backend or ""], layer, graph, network.backends)
                      for layer in self.layers]
@@ -70,7 +71,8 @@ class LoadedNetwork:
                 self._template[self._slots[name]] = graph.constants[name]
         self.input_slots = tuple(self._slot(name) for name in network.input_names)
         self.output_slots = tuple(self._slot(name) for name in graph.outputs)
-        self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots))
+        self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots),
+                           self._constant_slots)
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.profiling = profiling or {}
         if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
@@ -90,18 +92,23 @@ class LoadedNetwork:
         infos_out = [graph.info(n) for n in layer.outputs]
         for name in layer.inputs:
             if name in graph.constants:
-                self._bind_constant(name, graph.constants[name], backends[layer.backend or ""])
+                self._constant_slots[id(layer), name] = self._bind_constant(
+                    name, graph.constants[name], backends[layer.backend or ""])
         try:
             return factory.create_workload(layer, infos_in, infos_out)
         except Exception as exc:
             raise ExecutionError(f"{layer.backend} could not create a workload for "
                                  f"{layer.describe()}: {exc}") from exc
 
-    def _bind_constant(self, name: str, value: np.ndarray, backend: Backend) -> None:
-        slot = self._slot(name)
-        if self._template[slot] is None:  # constants live in host memory; a device backend copies
-            factory = backend.tensor_handle_factories()[0]
+    def _bind_constant(self, name: str, value: np.ndarray, backend: Backend) -> str:
+        """The key of the slot holding ``name`` in ``backend``'s memory: constants live in host
+        memory, and each other kind of memory that reads one gets its own copy, made here once."""
+        factory = backend.tensor_handle_factories()[0]
+        key = name if factory.id == "host" else f"{name}@{factory.id}"
+        slot = self._slot(key)
+        if self._template[slot] is None:
             self._template[slot] = value if factory.id == "host" else factory.copy_in(value)
+        return key
 
     # -- run -----------------------------------------------------------------------------------------
     def execute(self, inputs: Sequence[Any]) -> list[Any]:
@@ -168,7 +175,7 @@ def _array(value: Any) -> Any:
 
 
 def _plan(layers: Sequence[Layer], workloads: Sequence[Workload], slots: dict[str, int],
-          keep: set[int]) -> list[Step]:
+          keep: set[int], constant_slots: dict[tuple[int, str], str]) -> list[Step]:
     """The steps, with every slot freed after its last reader (graph outputs and constants kept)."""
     last_read: dict[int, int] = {}
     for index, layer in enumerate(layers):
@@ -182,7 +189,8 @@ def _plan(layers: Sequence[Layer], workloads: Sequence[Workload], slots: dict[st
             frees.setdefault(index, []).append(slot)
     steps = []
     for index, (layer, workload) in enumerate(zip(layers, workloads)):
-        ins = tuple(slots[n] if n else NONE_SLOT for n in layer.inputs)
+        ins = tuple(slots[constant_slots.get((id(layer), n), n)] if n else NONE_SLOT
+                    for n in layer.inputs)
         outs = tuple(slots[o] if o else NONE_SLOT for o in layer.outputs)
         steps.append(Step(workload, ins, outs, tuple(frees.get(index, ()))))
     return steps

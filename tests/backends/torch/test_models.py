@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from backplane import InferenceSession  # noqa: E402
+from backplane import InferenceSession, OptimizerOptions  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.models.test_models import DATA, TINY, assert_close, ort_outputs  # noqa: E402
 
@@ -44,3 +44,25 @@ def test_cpuacc_and_cpuref_mixed_by_pins() -> None:
     session = InferenceSession(path, backends=["CpuAcc", "CpuRef"], pins={"LayerNormalization": "CpuRef"})
     assert_close(session.run(None, feeds), ort_outputs(path, feeds))
     assert session.report.copies, "crossing between torch-cpu and host memory copies"
+
+
+def test_a_constant_read_on_two_backends_reaches_each_in_its_memory() -> None:
+    """One constant, read by a CpuAcc layer (Add) and a CpuRef layer (CumSum's input here): each
+    backend gets it in its own memory (a torch tensor, a NumPy array), whichever layer comes first."""
+    from onnx import helper, numpy_helper
+
+    from tests.conftest import float_input, make_model
+
+    c = numpy_helper.from_array(np.arange(4, dtype=np.float32), "c")
+    axis = numpy_helper.from_array(np.array(0, np.int64), "axis")
+    nodes = [helper.make_node("Add", ["x", "c"], ["a"], name="add"),  # CpuAcc
+             helper.make_node("CumSum", ["c", "axis"], ["s"], name="cumsum"),  # CpuRef only
+             helper.make_node("Mul", ["a", "s"], ["y"], name="mul")]
+    model = make_model(nodes, [float_input("x", [4])], [float_input("y", [4])], [c, axis])
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"],
+                               optimizer_options=OptimizerOptions(fold_constants=False))
+    assert session.report.backend_of("add") == "CpuAcc"
+    assert session.report.backend_of("cumsum") == "CpuRef"
+    x = np.ones(4, np.float32)
+    (y,) = session.run(None, {"x": x})
+    np.testing.assert_array_equal(y, (x + np.arange(4)) * np.cumsum(np.arange(4)))
