@@ -154,3 +154,19 @@ def test_report_prints_as_a_table(partial_backends) -> None:
     text = str(InferenceSession(small_cnn_model(), backends=["TestPrivate", "CpuRef"]).report)
     assert "GlobalAveragePool is not one of" in text and "Tensors crossing backends" in text
     assert "9 layers (TestPrivate: 6, CpuRef: 3); 4 copies" in text
+
+
+def test_a_mem_copy_between_two_non_host_memories_goes_through_both_sides() -> None:
+    """A device -> torch-CPU-like crossing: copy_out makes a host array, copy_in wraps it in the
+    target's own handle type (a MemCopy must not hand the target a bare host array)."""
+    from backplane.backends.builtin.backend import make_mem_copy
+
+    class Handle:
+        def __init__(self, array: np.ndarray) -> None:
+            self.array = array
+
+    device = TensorHandleFactory("test-device", MemorySource.BACKEND, copy_out=lambda h: h.array.copy())
+    mapped = TensorHandleFactory("test-mapped-cpu", MemorySource.MALLOC, copy_in=Handle)
+    (moved,) = make_mem_copy(device, mapped)(Handle(np.arange(3.0)))
+    assert isinstance(moved, Handle)
+    np.testing.assert_array_equal(moved.array, np.arange(3.0))

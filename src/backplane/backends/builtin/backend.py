@@ -18,7 +18,7 @@ from backplane.backends.api.backend import (
     WorkloadFactory,
     unsupported,
 )
-from backplane.backends.api.memory import MemorySource, TensorHandleFactory
+from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory
 from backplane.backends.builtin import sequence
 from backplane.backends.builtin.control_flow import (
     CONTROL_FLOW_OPS,
@@ -36,12 +36,12 @@ OWNED_OPS = frozenset((*CONTROL_FLOW_OPS, *sequence.KERNELS))
 
 
 def make_mem_copy(source: TensorHandleFactory, target: TensorHandleFactory) -> Workload:
-    """Copy a tensor out of ``source`` memory into ``target`` memory: one copy. Where one side is
-    host memory, the other side's copy alone moves it (``copy_in`` reads a host array, ``copy_out``
-    makes one); between two other memories it is staged through the host."""
-    if source.memory is MemorySource.MALLOC:
+    """Copy a tensor out of ``source`` memory into ``target`` memory: one copy. Where one side holds
+    plain host arrays (the user, CpuRef), the other side's copy alone moves it (``copy_in`` reads a
+    host array, ``copy_out`` makes one); between two other memories it is staged through the host."""
+    if source.id == HOST_FACTORY.id:
         return lambda x: (target.copy_in(x),)
-    if target.memory is MemorySource.MALLOC:
+    if target.id == HOST_FACTORY.id:
         return lambda x: (source.copy_out(x),)
     copy_out, copy_in = source.copy_out, target.copy_in
 
@@ -74,9 +74,7 @@ class BuiltinWorkloadFactory(WorkloadFactory):
 
 
 def _load(network: Any) -> Any:
-    from backplane.runtime.loaded_network import (
-        LoadedNetwork,  # the runtime loads the bodies
-    )
+    from backplane.runtime.loaded_network import LoadedNetwork  # the runtime loads the bodies
 
     return LoadedNetwork(network, network_id=0)
 
