@@ -16,7 +16,7 @@ import numpy as np
 
 from backplane import debug
 from backplane.backends.api.backend import Backend, ProfilingContext, Workload
-from backplane.backends.api.memory import MemoryManager
+from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
 
@@ -104,10 +104,11 @@ class LoadedNetwork:
         """The key of the slot holding ``name`` in ``backend``'s memory: constants live in host
         memory, and each other kind of memory that reads one gets its own copy, made here once."""
         factory = backend.tensor_handle_factories()[0]
-        key = name if factory.id == "host" else f"{name}@{factory.id}"
+        host = factory.id == HOST_FACTORY.id
+        key = name if host else f"{name}@{factory.id}"
         slot = self._slot(key)
         if self._template[slot] is None:
-            self._template[slot] = value if factory.id == "host" else factory.copy_in(value)
+            self._template[slot] = value if host else factory.copy_in(value)
         return key
 
     # -- run -----------------------------------------------------------------------------------------
