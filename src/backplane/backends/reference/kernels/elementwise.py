@@ -229,7 +229,10 @@ def celu(X, alpha=1.0):
 
 
 def sigmoid(X):
-    return (1 / (1 + np.exp(-X)),)
+    result = np.negative(X)
+    np.exp(result, out=result)
+    result += 1
+    return (np.reciprocal(result, out=result),)
 
 
 def hard_sigmoid(X, alpha=0.2, beta=0.5):

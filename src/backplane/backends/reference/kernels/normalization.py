@@ -61,10 +61,13 @@ def layer_normalization(X, Scale, B=None, axis=-1, epsilon=1e-5, stash_type=1,  
     axes = tuple(range(axis % X.ndim, X.ndim))
     x = _stash(X)
     mean = x.mean(axis=axes, keepdims=True)
-    inv_std = 1 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + epsilon)
-    y = (x - mean) * inv_std * Scale
-    y = (y if B is None else y + B).astype(X.dtype)
-    return (y, mean, inv_std)[:n_outputs]
+    y = x - mean
+    inv_std = 1 / np.sqrt(np.square(y).mean(axis=axes, keepdims=True) + epsilon)
+    y *= inv_std
+    y *= Scale
+    if B is not None:
+        y += B
+    return (y.astype(X.dtype, copy=False), mean, inv_std)[:n_outputs]
 
 
 def rms_normalization(X, scale, axis=-1, epsilon=1e-5, stash_type=1):

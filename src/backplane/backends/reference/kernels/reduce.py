@@ -120,8 +120,10 @@ def _arg(fn, data, axis, keepdims, select_last_index):
 
 # -- Softmax family ----------------------------------------------------------------------------
 def softmax(input, axis=-1):  # noqa: A002
-    shifted = np.exp(input - np.max(input, axis=axis, keepdims=True))
-    return (shifted / np.sum(shifted, axis=axis, keepdims=True),)
+    shifted = input - np.max(input, axis=axis, keepdims=True)
+    np.exp(shifted, out=shifted)
+    shifted /= np.sum(shifted, axis=axis, keepdims=True)
+    return (shifted,)
 
 
 def log_softmax(input, axis=-1):  # noqa: A002
