@@ -10,6 +10,7 @@ pytest.importorskip("torch")
 
 from backplane import InferenceSession, OptimizerOptions  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.backends.torch.test_fusion import placed  # noqa: E402
 from tests.models.test_models import DATA, TINY, assert_close, ort_outputs  # noqa: E402
 
 FUSED = {"tiny_mobilenet_v3": "FusedConv", "tiny_bert": "Linear", "tiny_gpt2": "Linear"}
@@ -21,9 +22,9 @@ def test_tiny_models_match_onnx_runtime(name: str) -> None:
     feeds = dict(np.load(DATA / f"{name}.npz"))
     session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
     assert_close(session.run(None, feeds), ort_outputs(path, feeds))
-    placed = {layer.backend for layer in session.optimized.graph.layers if layer.op_type not in ("MemCopy", "MemImport")}
-    assert placed == {"CpuAcc"}, f"layers left to {placed - {'CpuAcc'}}"
-    assert any(layer.op_type == FUSED[name] for layer in session.optimized.graph.layers)
+    backends = {layer.backend for layer in session.optimized.graph.layers if layer.op_type not in ("MemCopy", "MemImport")}
+    assert backends == {"CpuAcc"}, f"layers left to {backends - {'CpuAcc'}}"
+    assert any(layer.op_type == FUSED[name] for layer in placed(session))
 
 
 @pytest.mark.parametrize("route", ["onednn", "torch"])

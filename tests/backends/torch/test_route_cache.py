@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import route_cache  # noqa: E402
 from backplane.backends.torch.fusion import patterns  # noqa: E402
-from tests.backends.torch.test_fusion import conv_model  # noqa: E402
+from tests.backends.torch.test_fusion import conv_model, inner_workloads  # noqa: E402
 
 
 @pytest.fixture
@@ -36,34 +36,37 @@ def measured(monkeypatch) -> list[object]:
 
 
 def _routes(session: InferenceSession) -> list[str]:
-    loaded = session.runtime.network(session.network_id)
-    return [step.workload.route for step, layer in zip(loaded.steps, loaded.layers)
-            if layer.op_type == "FusedConv"]
+    return [workload.route for workload in inner_workloads(session, "FusedConv")]
+
+
+def _session(model, **options) -> InferenceSession:
+    """CpuAcc's layers one by one (``CpuAcc.compile`` "layers"): only the convolution's routes."""
+    from backplane.runtime.runtime import Runtime, RuntimeOptions
+
+    chosen = RuntimeOptions(backend_options={"CpuAcc.compile": "layers", **options})
+    return InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(chosen))
 
 
 def test_a_second_load_takes_the_remembered_route_without_measuring(cache, measured) -> None:
-    first = _routes(InferenceSession(conv_model("add_relu"), backends=["CpuAcc"]))
+    first = _routes(_session(conv_model("add_relu")))
     assert measured and cache.is_file() and len(json.loads(cache.read_text())) == 1
     measured.clear()
-    again = _routes(InferenceSession(conv_model("add_relu"), backends=["CpuAcc"]))
+    again = _routes(_session(conv_model("add_relu")))
     assert measured == [] and again == first
 
 
 def test_a_changed_key_measures_again(cache, measured, monkeypatch) -> None:
-    InferenceSession(conv_model("relu"), backends=["CpuAcc"])
+    _session(conv_model("relu"))
     measured.clear()
     monkeypatch.setattr(route_cache, "_processor", lambda: "another processor")
-    InferenceSession(conv_model("relu"), backends=["CpuAcc"])
+    _session(conv_model("relu"))
     assert measured and len(json.loads(cache.read_text())) == 2
 
 
 def test_a_corrupt_cache_is_an_empty_one_and_the_option_turns_it_off(cache, measured) -> None:
-    from backplane.runtime.runtime import Runtime, RuntimeOptions
-
     cache.write_text("{not json")
-    InferenceSession(conv_model("relu"), backends=["CpuAcc"])
+    _session(conv_model("relu"))
     assert measured and len(json.loads(cache.read_text())) == 1
     cache.unlink()
-    off = RuntimeOptions(backend_options={"CpuAcc.route_cache": False})
-    InferenceSession(conv_model("relu"), backends=["CpuAcc"], runtime=Runtime(off))
+    _session(conv_model("relu"), **{"CpuAcc.route_cache": False})
     assert not cache.exists()

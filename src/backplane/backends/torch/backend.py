@@ -7,7 +7,9 @@ primitives, GpuAcc captures CUDA graphs).
 
 Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-op threads),
 ``CpuAcc.linear_route`` ("auto": measure MKL and oneDNN per layer at load and keep the faster;
-"mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``CpuAcc.route_cache``
+"mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``CpuAcc.compile``
+("auto": a subgraph with convolutions compiled by oneDNN Graph where that measures faster;
+"onednn_graph"; "layers": see ``fusion/onednn_graph.py``), ``CpuAcc.route_cache``
 (default True: measured routes kept on disk, ``route_cache``), ``GpuAcc.device`` (default
 "cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32`` (default False),
 ``GpuAcc.fuse_conv_relu`` (default True), ``GpuAcc.precision`` ("fp32", the default; "fp16" or "bf16":

@@ -55,13 +55,13 @@ def load_backplane(model: str, feeds: dict[str, np.ndarray], args: argparse.Name
     chosen = {"CpuAcc.threads": args.threads, "GpuAcc.device": _cuda(args)}
     for setting in settings:
         key, _, value = setting.partition("=")
-        chosen[key] = _option_value(value)
+        chosen[key] = option_value(value)
     session = InferenceSession(model, backends=backends.split(","),
                                runtime=Runtime(RuntimeOptions(backend_options=chosen)))
     return lambda: session.run(None, feeds)
 
 
-def _option_value(text: str) -> Any:
+def option_value(text: str) -> Any:
     """An option's value as written: true / false, a number, or the text itself."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"

@@ -12,7 +12,7 @@ Its workload, made at load, uploads the subgraph's constants once, runs the laye
 side stream (warm-up), captures them into a ``torch.cuda.CUDAGraph`` and from then on, per run,
 copies the inputs into the graph's static input tensors and replays it: one launch for the subgraph.
 Inside, Conv [-> Add] -> Relu chains run as one cuDNN call (``FUSE_CONV_RELU``), and each value is
-dropped after its last reader (``_frees``), so that the graph reuses its memory as torch's modules do.
+dropped after its last reader (``frees``), so that the graph reuses its memory as torch's modules do.
 With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the graph (``PRECISIONS``).
 """
 
@@ -253,7 +253,7 @@ def _lower(tensor: Any, reduced: Any) -> Any:
     return tensor.to(reduced) if reduced is not None and tensor.dtype == torch.float32 else tensor
 
 
-def _frees(steps: Sequence[Step], kept: set[str]) -> list[list[str]]:
+def frees(steps: Sequence[Step], kept: set[str]) -> list[list[str]]:
     """For each step, the values no later step reads (the subgraph's outputs and constants aside):
     dropped right after it, so that the caching allocator reuses their memory for the next steps.
 
@@ -267,11 +267,11 @@ def _frees(steps: Sequence[Step], kept: set[str]) -> list[list[str]]:
         for name in (*names_in, *names_out):
             if name:
                 last[name] = index
-    frees: list[list[str]] = [[] for _ in steps]
+    dropped: list[list[str]] = [[] for _ in steps]
     for name, index in last.items():
         if name not in kept:
-            frees[index].append(name)
-    return frees
+            dropped[index].append(name)
+    return dropped
 
 
 def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
@@ -283,14 +283,14 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
     reduced = reduced_precision(backend)
     steps = _inner_steps(inner, backend, layer.attrs["outputs"])
     env_template = _upload(inner, layer.attrs["constants"], device, reduced)
-    frees = _frees(steps, set(layer.attrs["outputs"]) | set(env_template))
+    dead_after = frees(steps, set(layer.attrs["outputs"]) | set(env_template))
     back_to_fp32 = [reduced is not None and dtype == np.float32
                     for dtype in layer.attrs.get("output_dtypes") or []]
 
     def run_layers(*values: Any) -> list[Any]:
         env = dict(env_template)
         env.update(zip(layer.attrs["inputs"], (_lower(v, reduced) for v in values)))
-        for (workload, names_in, names_out), dead in zip(steps, frees):
+        for (workload, names_in, names_out), dead in zip(steps, dead_after):
             results = workload(*[env[n] if n else None for n in names_in])
             if reduced is not None:  # a Cast to float32 inside stays in the reduced type
                 results = tuple(_lower(r, reduced) for r in results)

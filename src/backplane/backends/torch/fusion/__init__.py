@@ -19,6 +19,9 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   (squeeze-and-excitation) becomes one ``SqueezeExcite``: two matrix-vector products on the pooled
   channels instead of two convolutions on a 1x1 image.
 
+Then a subgraph with convolutions becomes one ``OneDnnGraph`` layer (``onednn_graph``): at load it
+is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster.
+
 One module per pattern (``conv``, ``linear``, ``squeeze_excite``); ``patterns`` holds what they share.
 """
 
@@ -28,6 +31,7 @@ from collections.abc import Callable
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
+from backplane.backends.torch.fusion import onednn_graph
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import Context
@@ -54,9 +58,26 @@ def fuse(view: SubgraphView) -> OptimizationViews:
         ctx.taken.update(map(id, group))
         views.substitutions.append(Substitution(SubgraphView.of(graph, group), [fused]))
     rest = [layer for layer in view.layers if id(layer) not in ctx.taken]
+    whole = onednn_graph.wrap(view, graph, _in_order(view.layers, views.substitutions))
+    if whole is not None:
+        return OptimizationViews(substitutions=[Substitution(view, [whole])])
     if rest:
         views.untouched.append(SubgraphView.of(graph, rest))
     return views
+
+
+def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[Layer]:
+    """The subgraph after fusion, in order: each fused layer where the last layer of its group was
+    (everything the group reads is made before that, and only later layers read its output)."""
+    fused_at = {id(sub.substitutable.layers[-1]): sub.replacement for sub in substitutions}
+    taken = {id(layer) for sub in substitutions for layer in sub.substitutable.layers}
+    ordered: list[Layer] = []
+    for layer in layers:
+        if id(layer) in fused_at:
+            ordered += fused_at[id(layer)]
+        elif id(layer) not in taken:
+            ordered.append(layer)
+    return ordered
 
 
 MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {
@@ -65,4 +86,5 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload}
+    "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload,
+    "OneDnnGraph": onednn_graph.onednn_graph_workload}

@@ -1,0 +1,212 @@
+"""A CpuAcc subgraph with convolutions as one ``OneDnnGraph`` layer, compiled at load by oneDNN Graph.
+
+Why: every call of torch's oneDNN convolution builds its primitive descriptor again, about 20 us even
+on a tiny tensor (``bench/bench_call_cost.py``), and a small CNN makes fifty such calls a run, each
+on a cache left cold by the last. oneDNN Graph, the graph API of the same library, compiles the
+subgraph's partitions (convolutions with their post-ops, pools, elementwise chains) once and then
+only executes them. PyTorch reaches it through TorchScript: the layers' workloads, with the routes
+it recognizes (``aten::conv2d`` and ``aten::linear``, not the prepacked ``torch.ops.mkldnn`` calls),
+are traced into one frozen graph, and its fuser hands the partitions to oneDNN Graph at the second or
+third call. Same process, this machine (2 threads, batch 1), layer by layer against compiled:
+mobilenet_v3_large 7.3 -> 4.6 ms, efficientnet_b0 10.4 -> 8.2 ms, resnet50 43.6 -> 39.2 ms.
+
+At load (``CpuAcc.compile``): "auto" (the default) builds both, checks that the compiled outputs
+match the layers' own on a sample, and keeps whichever runs the sample faster (the choice kept in
+the route cache, ``route_cache``); "onednn_graph" keeps the compiled one whenever it compiles;
+"layers" runs the layers one by one. A subgraph that fails to trace or compile, or whose outputs do
+not match, runs layer by layer. oneDNN Graph fusion is a process-wide TorchScript switch: it is on
+only for the duration of a call, and put back as it was.
+
+Only subgraphs that tracing cannot get wrong are taken: static boundary shapes, no kernel that reads
+a tensor's values on the host unless that tensor is a constant (a traced graph keeps the values it
+saw), and only ops from ``TRACED_OPS``, which the fuser was seen to handle. TorchScript is deprecated
+in PyTorch 2.x, and its warnings are silenced while tracing; should a later torch drop it, the
+tracing fails and the layers run one by one.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from backplane.backends.api.backend import BackendOptions, Workload
+from backplane.backends.api.kernels import bind_kernel
+from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
+from backplane.backends.torch.fusion.patterns import fastest, seconds
+from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+
+MODES = ("auto", "onednn_graph", "layers")
+TRACED_OPS = frozenset({
+    "FusedConv", "SqueezeExcite", "Linear", "MaxPool", "AveragePool", "GlobalAveragePool",
+    "GlobalMaxPool", "BatchNormalization", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid",
+    "HardSwish", "Clip", "Elu", "Add", "Sub", "Mul", "Div", "Flatten", "Reshape", "Squeeze",
+    "Unsqueeze", "Concat", "Transpose", "Split", "Slice", "Softmax", "Identity"})
+"""The ops a OneDnnGraph may hold: those of the CNNs it was measured and tested on (torchvision's,
+the onnx package's light models). A matrix product whose weights are not constants is not among
+them: oneDNN Graph's fuser aborted the process on light_bvlc_alexnet's Gemm with a computed
+weight (double free), where no exception can be caught."""
+TRACEABLE_ROUTES = {"CpuAcc.conv_route": "torch", "CpuAcc.linear_route": "mkl"}
+"""The routes whose calls oneDNN Graph's fuser recognizes in a traced graph."""
+
+
+def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer]) -> Layer | None:
+    """``layers`` (the view's layers after fusion, in order) as one OneDnnGraph layer, or None where
+    the subgraph has no convolution or tracing could get it wrong."""
+    if not any(layer.op_type == "FusedConv" and layer.domain == FUSED_DOMAIN for layer in layers):
+        return None
+    if any(layer.op_type not in TRACED_OPS or (layer.domain and layer.domain != FUSED_DOMAIN)
+           for layer in layers):
+        return None
+    if not view.inputs or not all(graph.info(n).is_static for n in view.inputs):
+        return None
+    for layer in layers:
+        host = HOST_INPUTS.get(layer.op_type, ())
+        if layer.op_type in NOT_CAPTURABLE or any(
+                i < len(layer.inputs) and layer.inputs[i] and layer.inputs[i] not in graph.constants
+                for i in host):
+            return None
+    constants = {n: graph.constants[n] for layer in layers for n in layer.inputs
+                 if n in graph.constants}
+    shapes = [[layer.op_type, *(list(graph.info(n).shape or ()) for n in layer.inputs[:1])]
+              for layer in layers]
+    attrs = {"layers": list(layers), "constants": constants, "inputs": list(view.inputs),
+             "outputs": list(view.outputs), "shapes": shapes}
+    name = f"OneDnnGraph[{layers[0].name}..{layers[-1].name}]({len(layers)} layers)"
+    return Layer(name, "OneDnnGraph", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
+    """The compiled subgraph or its layers one by one, as ``CpuAcc.compile`` says (see above)."""
+    mode = backend.options.get("CpuAcc.compile", "auto")
+    if mode not in MODES:
+        raise ValueError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "layers":
+        return _named(_layers(layer, backend), "layers")
+    sample = _sample(inputs)
+    compiled = _compiled(layer, backend, sample)
+    if compiled is None:
+        return _named(_layers(layer, backend), "layers")
+    if mode == "onednn_graph":
+        return compiled
+    routes = {"onednn_graph": compiled}
+    routes["layers"] = _named(_layers(layer, backend), "layers")
+    return fastest("graph", {"layers": layer.attrs["shapes"]}, routes, lambda: sample, backend)
+
+
+def _named(run: Callable[..., Any], route: str) -> Workload:
+    run.route = route  # type: ignore[attr-defined]  # which one was kept, for tests and debugging
+    return run
+
+
+def _sample(inputs: Sequence[TensorInfo]) -> list[Any]:
+    import torch
+
+    from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
+
+    values = []
+    for info in inputs:
+        dtype = NUMPY_TO_TORCH[info.dtype]  # type: ignore[index]
+        values.append(torch.randn(info.shape, dtype=dtype) if dtype.is_floating_point  # type: ignore
+                      else torch.zeros(info.shape, dtype=dtype))  # type: ignore[arg-type]
+    return values
+
+
+class _Forced:
+    """``backend`` with some options replaced (the routes a trace can use)."""
+
+    def __init__(self, backend: Any, forced: dict[str, Any]) -> None:
+        self._backend = backend
+        self.options = BackendOptions({**backend.options.values, **forced})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def _layers(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
+    """The layers' workloads one after the other, each value dropped after its last reader."""
+    from backplane.backends.torch import fusion
+
+    inner: list[Layer] = layer.attrs["layers"]
+    steps = []
+    for lay in inner:
+        if lay.domain == FUSED_DOMAIN:
+            workload = fusion.WORKLOADS[lay.op_type](lay, backend, ())
+        else:
+            workload = bind_kernel(backend.kernel_for(lay), lay.attrs, len(lay.outputs))
+        steps.append((workload, lay.inputs, lay.outputs))
+    template = {n: _numpy_to_torch(v) for n, v in layer.attrs["constants"].items()}
+    names_in, names_out = layer.attrs["inputs"], layer.attrs["outputs"]
+    dead = frees(steps, set(names_out) | set(template))
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        env = dict(template)
+        env.update(zip(names_in, values))
+        for (workload, reads, writes), drop in zip(steps, dead):
+            env.update(zip(writes, workload(*[env[n] if n else None for n in reads])))
+            for name in drop:
+                del env[name]
+        return tuple(env[n] for n in names_out)
+    run.inner = [(lay, workload) for lay, (workload, _, _) in zip(inner, steps)]  # type: ignore[attr-defined]
+    return run
+
+
+def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
+    """The subgraph traced, frozen and compiled by oneDNN Graph, or None where that fails or its
+    outputs on ``sample`` differ from the traced layers' own."""
+    import torch
+
+    traceable = _layers(layer, _Forced(backend, TRACEABLE_ROUTES))
+
+    class Subgraph(torch.nn.Module):
+        def forward(self, *values: Any) -> tuple[Any, ...]:
+            return traceable(*values)
+
+    fusion_was = torch.jit.onednn_fusion_enabled()
+    try:
+        torch.jit.enable_onednn_fusion(True)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecation and tracer warnings: checked just below
+            expected = traceable(*sample)
+            module = torch.jit.freeze(torch.jit.trace(Subgraph().eval(), tuple(sample),
+                                                      check_trace=False))
+            for _ in range(3):  # the profiling executor hands partitions to oneDNN Graph by now
+                got = module(*sample)
+    except Exception:  # noqa: BLE001  # any failure to trace or compile: the layers run instead
+        return None
+    finally:
+        torch.jit.enable_onednn_fusion(fusion_was)
+    got = got if isinstance(got, tuple) else (got,)
+    if len(got) != len(expected) or not all(map(_close, got, expected)):
+        return None
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        was = torch.jit.onednn_fusion_enabled()
+        torch.jit.enable_onednn_fusion(True)
+        try:
+            with torch.no_grad():
+                outputs = module(*values)
+        finally:
+            torch.jit.enable_onednn_fusion(was)
+        return outputs if isinstance(outputs, tuple) else (outputs,)
+
+    seconds(run, *sample, repeat=1)  # the first calls after a freeze are the slow ones
+    return _named(run, "onednn_graph")
+
+
+def _close(got: Any, expected: Any) -> bool:
+    """Equal dtypes and shapes, values within 1e-4 of the largest magnitude (fusion reorders sums)."""
+    import torch
+
+    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)):
+        return False
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return False
+    if not got.dtype.is_floating_point:
+        return bool(torch.equal(got, expected))
+    scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-6)
+    difference = float((got - expected).abs().max()) if got.numel() else 0.0
+    return math.isfinite(difference) and difference <= 1e-4 * scale
+

@@ -1,0 +1,115 @@
+"""CpuAcc's OneDnnGraph: a subgraph with convolutions compiled by oneDNN Graph at load, or run layer
+by layer, matching ONNX Runtime either way; only subgraphs a trace cannot get wrong are taken."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.runtime.loaded_network import ExecutionError  # noqa: E402
+from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.backends.torch.test_fusion import conv_model, placed  # noqa: E402
+from tests.conftest import float_input, make_model  # noqa: E402
+from tests.models.test_models import DATA, assert_close, ort_outputs  # noqa: E402
+
+MODEL = DATA / "tiny_mobilenet_v3.onnx"
+
+
+def _session(path, mode: str | None = None, **kwargs) -> InferenceSession:
+    options = {} if mode is None else {"CpuAcc.compile": mode}
+    return InferenceSession(path, backends=["CpuAcc", "CpuRef"],
+                            runtime=Runtime(RuntimeOptions(backend_options=options)), **kwargs)
+
+
+def _graph_workload(session: InferenceSession):
+    loaded = session.runtime.network(session.network_id)
+    (workload,) = [s.workload for s, lay in zip(loaded.steps, loaded.layers)
+                   if lay.op_type == "OneDnnGraph"]
+    return workload
+
+
+@pytest.mark.parametrize("mode", ["onednn_graph", "layers", "auto"])
+def test_a_cnn_becomes_one_layer_that_matches_onnx_runtime(mode: str) -> None:
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    session = _session(MODEL, mode)
+    ops = [layer.op_type for layer in session.optimized.graph.layers
+           if layer.op_type not in ("MemCopy", "MemImport")]
+    assert ops == ["OneDnnGraph"]
+    assert "FusedConv" in [layer.op_type for layer in placed(session)]
+    route = _graph_workload(session).route
+    assert route == mode if mode != "auto" else route in ("onednn_graph", "layers")
+    assert_close(session.run(None, feeds), ort_outputs(MODEL, feeds))
+
+
+def test_the_fusion_switch_is_put_back_after_each_call() -> None:
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    before = torch.jit.onednn_fusion_enabled()
+    session = _session(MODEL, "onednn_graph")
+    assert torch.jit.onednn_fusion_enabled() == before
+    session.run(None, feeds)
+    assert torch.jit.onednn_fusion_enabled() == before
+
+
+def test_a_trace_that_fails_leaves_the_layers_to_run_one_by_one(monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("tracing is gone")
+
+    monkeypatch.setattr(torch.jit, "trace", broken)
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    session = _session(MODEL, "onednn_graph")
+    assert _graph_workload(session).route == "layers"
+    assert_close(session.run(None, feeds), ort_outputs(MODEL, feeds))
+
+
+def test_an_unknown_mode_is_an_error_that_lists_the_modes() -> None:
+    with pytest.raises(ExecutionError, match="'fastest' is not one of auto, onednn_graph, layers"):
+        _session(MODEL, "fastest")
+
+
+def test_a_model_without_convolutions_is_left_as_it_was() -> None:
+    session = _session(DATA / "tiny_bert.onnx")
+    assert "OneDnnGraph" not in [layer.op_type for layer in session.optimized.graph.layers]
+    assert "Linear" in [layer.op_type for layer in session.optimized.graph.layers]
+
+
+def test_a_shape_read_from_data_keeps_the_subgraph_out_of_a_trace() -> None:
+    """A trace keeps the values it saw: a Reshape whose shape is an input of the model cannot be in
+    one (its shape is read on the host at each run)."""
+    model = conv_model("relu")
+    model.graph.node.append(helper.make_node("Reshape", ["y", "shape"], ["z"], name="reshape"))
+    model.graph.input.append(helper.make_tensor_value_info("shape", 7, [2]))
+    del model.graph.output[:]
+    model.graph.output.append(float_input("z", None))
+    session = _session(model)
+    ops = [layer.op_type for layer in session.optimized.graph.layers]
+    assert "OneDnnGraph" not in ops and "FusedConv" in ops
+    x = np.random.default_rng(0).standard_normal((1, 4, 6, 6)).astype(np.float32)
+    for shape in ([8, 36], [36, 8]):
+        (z,) = session.run(None, {"x": x, "shape": np.array(shape, np.int64)})
+        (expected,) = InferenceSession(model, backends=["CpuRef"]).run(
+            None, {"x": x, "shape": np.array(shape, np.int64)})
+        assert z.shape == tuple(shape)
+        np.testing.assert_allclose(z, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_two_outputs_and_a_constant_inside_come_out_right() -> None:
+    """A subgraph with two outputs, one of them read inside too, and a constant operand."""
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((8, 4, 3, 3))
+                                .astype(np.float32) * 0.3, "w")
+    k = numpy_helper.from_array(np.float32(0.5), "k")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Mul", ["r", "k"], ["m"], name="scale"),
+             helper.make_node("Add", ["m", "r"], ["y"], name="add")]
+    model = make_model(nodes, [float_input("x", [1, 4, 6, 6])],
+                       [float_input("y", [1, 8, 6, 6]), float_input("r", [1, 8, 6, 6])], [w, k])
+    x = {"x": np.random.default_rng(2).standard_normal((1, 4, 6, 6)).astype(np.float32)}
+    session = _session(model, "onednn_graph")
+    assert _graph_workload(session).route == "onednn_graph"
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, x)
+    for got, want in zip(session.run(None, x), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
