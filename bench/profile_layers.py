@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     def worker(kind: str):
         reply = subprocess.run([sys.executable, __file__, str(args.model), "--worker", kind,
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                          else "left", overflow="fold" if column == "layer" else "ellipsis")
     for layer, op_type, backend, ours, theirs in sorted(rows, key=lambda r: r[4] - r[3])[:args.top]:
         short = layer if len(layer) < 70 else layer[:33] + "…" + layer[-33:]
-        table.add_row(short, op_type, backend, f"{ours:.0f}", f"{theirs:.0f}", f"{ours - theirs:+.0f}")
+        table.add_row(Text(short), op_type, backend, f"{ours:.0f}", f"{theirs:.0f}",
+                      f"{ours - theirs:+.0f}")
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     by_op: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])

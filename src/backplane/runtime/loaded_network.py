@@ -141,16 +141,23 @@ class LoadedNetwork:
         timings: list[LayerTiming] = []
         clock = time.perf_counter
         for step, layer in zip(self.steps, self.layers):
+            inner = getattr(step.workload, "profiled", None)  # a workload that times its own layers
+            parts: list[tuple[str, str, float]] = []
             start = clock()
             try:
-                results = step.workload(*[env[i] for i in step.inputs])
+                if inner is None:
+                    results = step.workload(*[env[i] for i in step.inputs])
+                else:
+                    results, parts = inner(*[env[i] for i in step.inputs])
             except Exception as exc:
                 raise self._failure(step, exc) from exc
             seconds = clock() - start
-            timings.append(LayerTiming(layer.name, layer.op_type, layer.backend or "", seconds))
-            context = self.profiling.get(layer.backend or "")
-            if context is not None:
-                context.record(layer.name, seconds)
+            backend = layer.backend or ""
+            context = self.profiling.get(backend)
+            for name, op_type, spent in parts or [(layer.name, layer.op_type, seconds)]:
+                timings.append(LayerTiming(name, op_type, backend, spent))
+                if context is not None:
+                    context.record(name, spent)
             for i, value in zip(step.outputs, results):
                 env[i] = value
             for i in step.frees:
@@ -159,8 +166,10 @@ class LoadedNetwork:
 
     def _execute_traced(self, inputs: Sequence[Any]) -> list[Any]:
         outputs, timings = self.execute_profiled(inputs)
-        for t, layer in zip(timings, self.layers):
-            debug.console().print(f"{t.seconds * 1e3:9.3f} ms  {t.backend:>10}  {layer!r}",
+        layers = {layer.name: layer for layer in self.layers}
+        for t in timings:
+            shown = repr(layers[t.layer]) if t.layer in layers else f"{t.layer} ({t.op_type})"
+            debug.console().print(f"{t.seconds * 1e3:9.3f} ms  {t.backend:>10}  {shown}",
                                   markup=False, highlight=False)
         return outputs
 

@@ -113,3 +113,15 @@ def test_two_outputs_and_a_constant_inside_come_out_right() -> None:
     expected = InferenceSession(model, backends=["CpuRef"]).run(None, x)
     for got, want in zip(session.run(None, x), expected):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_profile_of_the_layers_one_by_one_times_each_of_them() -> None:
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    session = _session(MODEL, "layers")
+    outputs, timings = session.run_profiled(None, feeds)
+    inner = [layer.name for layer in placed(session)]
+    assert [t.layer for t in timings if t.backend == "CpuAcc"] == inner
+    assert all(t.seconds > 0 for t in timings)
+    assert_close(outputs, ort_outputs(MODEL, feeds))
+    compiled = _session(MODEL, "onednn_graph").run_profiled(None, feeds)[1]
+    assert [t.op_type for t in compiled if t.backend == "CpuAcc"] == ["OneDnnGraph"]

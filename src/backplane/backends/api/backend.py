@@ -30,7 +30,11 @@ BACKEND_API_VERSION = (1, 0)
 equal and its minor is not above ours (seed 000, "Dynamic backend versioning")."""
 
 Workload = Callable[..., tuple[Any, ...]]
-"""A prepared call: inputs positional, a tuple of outputs back. Created once at load, run many times."""
+"""A prepared call: inputs positional, a tuple of outputs back. Created once at load, run many times.
+
+A workload that runs several layers of its own may also have ``profiled(*inputs) -> (outputs,
+[(layer name, op type, seconds), ...])``: a profiled run then times its layers one by one (CpuAcc's
+OneDnnGraph when it runs its layers one by one)."""
 
 
 

@@ -27,6 +27,7 @@ tracing fails and the layers run one by one.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,6 +150,20 @@ def _layers(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
             for name in drop:
                 del env[name]
         return tuple(env[n] for n in names_out)
+
+    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float]]]:
+        """``run``, timing each layer (for the profiler: see ``Workload``)."""
+        env, spent = dict(template), []
+        env.update(zip(names_in, values))
+        for lay, (workload, reads, writes), drop in zip(inner, steps, dead):
+            start = time.perf_counter()
+            env.update(zip(writes, workload(*[env[n] if n else None for n in reads])))
+            spent.append((lay.name, lay.op_type, time.perf_counter() - start))
+            for name in drop:
+                del env[name]
+        return tuple(env[n] for n in names_out), spent
+
+    run.profiled = profiled  # type: ignore[attr-defined]
     run.inner = [(lay, workload) for lay, (workload, _, _) in zip(inner, steps)]  # type: ignore[attr-defined]
     return run
 

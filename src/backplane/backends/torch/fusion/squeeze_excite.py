@@ -81,5 +81,5 @@ def squeeze_excite_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
 
     def run(x):
         s = gate(F.linear(act(F.linear(x.mean((2, 3)), w1, b1)), w2, b2))  # (N, C)
-        return (x * s[:, :, None, None],)
+        return (x * s.view(*s.shape, 1, 1),)
     return run
