@@ -125,3 +125,20 @@ def test_a_profile_of_the_layers_one_by_one_times_each_of_them() -> None:
     assert_close(outputs, ort_outputs(MODEL, feeds))
     compiled = _session(MODEL, "onednn_graph").run_profiled(None, feeds)[1]
     assert [t.op_type for t in compiled if t.backend == "CpuAcc"] == ["OneDnnGraph"]
+
+
+def test_a_second_load_follows_the_remembered_choice(tmp_path, monkeypatch) -> None:
+    """With the choice on disk, a second load measures nothing, and traces only if it is to
+    keep the compiled graph."""
+    from backplane.backends.torch import route_cache
+    from backplane.backends.torch.fusion import patterns
+
+    monkeypatch.setenv(route_cache.CACHE_VARIABLE, str(tmp_path))
+    first = _graph_workload(_session(MODEL)).route
+    measured, traced = [], []
+    timed, trace = patterns.seconds, torch.jit.trace
+    monkeypatch.setattr(patterns, "seconds", lambda *a, **k: measured.append(a) or timed(*a, **k))
+    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: traced.append(a) or trace(*a, **k))
+    again = _graph_workload(_session(MODEL)).route
+    assert again == first and measured == []
+    assert len(traced) == (1 if first == "onednn_graph" else 0)

@@ -36,7 +36,7 @@ from backplane.backends.api.backend import BackendOptions, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
-from backplane.backends.torch.fusion.patterns import fastest, seconds
+from backplane.backends.torch.fusion.patterns import fastest, remembered, seconds
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 MODES = ("auto", "onednn_graph", "layers")
@@ -84,8 +84,9 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     mode = backend.options.get("CpuAcc.compile", "auto")
     if mode not in MODES:
         raise ValueError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "layers":
-        return _named(_layers(layer, backend), "layers")
+    description = {"layers": layer.attrs["shapes"]}
+    if mode == "layers" or (mode == "auto" and remembered("graph", description, backend) == "layers"):
+        return _named(_layers(layer, backend), "layers")  # nothing traced
     sample = _sample(inputs)
     compiled = _compiled(layer, backend, sample)
     if compiled is None:
@@ -93,8 +94,9 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     if mode == "onednn_graph":
         return compiled
     routes = {"onednn_graph": compiled}
-    routes["layers"] = _named(_layers(layer, backend), "layers")
-    return fastest("graph", {"layers": layer.attrs["shapes"]}, routes, lambda: sample, backend)
+    if remembered("graph", description, backend) != "onednn_graph":  # else nothing to measure
+        routes["layers"] = _named(_layers(layer, backend), "layers")
+    return fastest("graph", description, routes, lambda: sample, backend)
 
 
 def _named(run: Callable[..., Any], route: str) -> Workload:

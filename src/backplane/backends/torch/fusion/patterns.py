@@ -130,14 +130,23 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[.
 
     cache_key = route_cache.key(kind, description) \
         if backend.options.get("CpuAcc.route_cache", True) else None
-    remembered = route_cache.lookup(cache_key) if cache_key else None
-    if remembered in routes:
-        return routes[remembered]  # type: ignore[index]
+    known = remembered(kind, description, backend)
+    if known in routes:
+        return routes[known]  # type: ignore[index]
     sample = make_sample()
     name = min(routes, key=lambda n: seconds(routes[n], *sample))
     if cache_key:
         route_cache.store(cache_key, name)
     return routes[name]
+
+
+def remembered(kind: str, description: dict[str, Any], backend: Any) -> str | None:
+    """The route the disk cache keeps for this layer, if any (and if the cache is on)."""
+    from backplane.backends.torch import route_cache
+
+    if not backend.options.get("CpuAcc.route_cache", True):
+        return None
+    return route_cache.lookup(route_cache.key(kind, description))
 
 
 def seconds(run: Callable[..., Any], *sample: Any, repeat: int = 5) -> float:
