@@ -278,7 +278,8 @@ def test_gemm_reshape_residual_becomes_one_layer(route: str) -> None:
     options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
     session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
     (linear,) = placed(session)
-    assert linear.op_type == "Linear" and linear.attrs["binary"] and linear.attrs["output_shape"] == [1, 6, 16]
+    assert linear.op_type == "Linear" and linear.attrs["binary"]
+    assert linear.attrs["output_shape"] == [1, 6, 16]
     expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
 

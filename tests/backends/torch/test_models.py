@@ -22,7 +22,8 @@ def test_tiny_models_match_onnx_runtime(name: str) -> None:
     feeds = dict(np.load(DATA / f"{name}.npz"))
     session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
     assert_close(session.run(None, feeds), ort_outputs(path, feeds))
-    backends = {layer.backend for layer in session.optimized.graph.layers if layer.op_type not in ("MemCopy", "MemImport")}
+    backends = {layer.backend for layer in session.optimized.graph.layers
+                if layer.op_type not in ("MemCopy", "MemImport")}
     assert backends == {"CpuAcc"}, f"layers left to {backends - {'CpuAcc'}}"
     assert any(layer.op_type == FUSED[name] for layer in placed(session))
 
