@@ -55,23 +55,24 @@ def conv(X, W, B=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=
     strides, dilations = _defaults(X, strides, dilations)
     kernel, rank = W.shape[2:], X.ndim - 2
     begins, ends = spatial_pads(X.shape[2:], kernel, strides, dilations, auto_pad, pads)
-    padded = pad_spatial(X, begins, ends)
     n, c, m, g = X.shape[0], X.shape[1], W.shape[0], group
-    windows = sliding_windows(padded, kernel, strides, dilations)  # (N, C, *out, *k)
-    out = windows.shape[2:2 + rank]
-    if g == c == m and c > 1:  # depthwise: one multiply-add per kernel offset beats G tiny GEMMs
-        acc = np.promote_types(X.dtype, np.float32)  # float16 multiplies and sums in float32
-        if c >= 2 * out[-1]:  # more channels than pixels in a row: NumPy's inner loop along channels
-            y = _depthwise_channels_last(X.astype(acc, copy=False), W.astype(acc, copy=False),
-                                         begins, ends, strides, dilations, out)
-        else:
-            windows = sliding_windows(padded.astype(acc, copy=False), kernel, strides, dilations)
-            weights = W.astype(acc, copy=False)
-            y = np.zeros((n, c, *out), dtype=acc)
-            for offset in itertools.product(*map(range, kernel)):
-                y += windows[(Ellipsis, *offset)] * weights[(slice(None), 0, *offset)].reshape(c, *[1] * rank)
+    out = tuple((size + b + e - (k - 1) * d - 1) // s + 1 for size, b, e, k, d, s
+                in zip(X.shape[2:], begins, ends, kernel, dilations, strides))
+    depthwise = g == c == m and c > 1  # one multiply-add per kernel offset beats G tiny GEMMs
+    acc = np.promote_types(X.dtype, np.float32) if depthwise else X.dtype  # float16 sums in float32
+    if depthwise and c >= 2 * out[-1]:  # more channels than pixels in a row: NumPy's inner loop
+        y = _depthwise_channels_last(X.astype(acc, copy=False), W.astype(acc, copy=False),  # along C
+                                     begins, ends, strides, dilations, out)
+    elif depthwise:
+        padded = pad_spatial(X.astype(acc, copy=False), begins, ends)
+        windows = sliding_windows(padded, kernel, strides, dilations)  # (N, C, *out, *k)
+        weights = W.astype(acc, copy=False)
+        y = np.zeros((n, c, *out), dtype=acc)
+        for offset in itertools.product(*map(range, kernel)):
+            y += windows[(Ellipsis, *offset)] * weights[(slice(None), 0, *offset)].reshape(c, *[1] * rank)
     else:
         # im2col: (N, G, C/G * k, out), one column per receptive field (a view for 1x1, stride 1)
+        windows = sliding_windows(pad_spatial(X, begins, ends), kernel, strides, dilations)
         grouped = windows.reshape(n, g, c // g, *out, *kernel)
         order = (0, 1, 2, *range(3 + rank, 3 + 2 * rank), *range(3, 3 + rank))
         columns = grouped.transpose(order).reshape(n, g, -1, math.prod(out))
