@@ -67,9 +67,13 @@ def fuse(view: SubgraphView) -> OptimizationViews:
 
 
 def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[Layer]:
-    """The subgraph after fusion, in order: each fused layer where the last layer of its group was
-    (everything the group reads is made before that, and only later layers read its output)."""
-    fused_at = {id(sub.substitutable.layers[-1]): sub.replacement for sub in substitutions}
+    """The subgraph after fusion, in order: each fused layer where its group's output was made (that
+    layer reads, through the group, everything the group reads; only later layers read its output)."""
+    fused_at = {}
+    for sub in substitutions:
+        made = sub.replacement[-1].outputs[0]
+        (last,) = [lay for lay in sub.substitutable.layers if made in lay.outputs]
+        fused_at[id(last)] = sub.replacement
     taken = {id(layer) for sub in substitutions for layer in sub.substitutable.layers}
     ordered: list[Layer] = []
     for layer in layers:
