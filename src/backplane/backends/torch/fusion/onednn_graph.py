@@ -75,7 +75,8 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer]) -> Layer | N
               for layer in layers]
     attrs = {"layers": list(layers), "constants": constants, "inputs": list(view.inputs),
              "outputs": list(view.outputs), "shapes": shapes}
-    name = f"OneDnnGraph[{layers[0].name}..{layers[-1].name}]({len(layers)} layers)"
+    first, last = layers[0].name.split("+")[0], layers[-1].name.split("+")[-1]  # model node names
+    name = f"OneDnnGraph[{first}..{last}]({len(layers)} layers)"
     return Layer(name, "OneDnnGraph", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
 
 
