@@ -67,6 +67,19 @@ def inner_workloads(session: InferenceSession, op_type: str) -> list:
     return found
 
 
+def _on_cpuacc(model: onnx.ModelProto, **options: str) -> InferenceSession:
+    """The model on CpuAcc alone, with backend options."""
+    return InferenceSession(model, backends=["CpuAcc"],
+                            runtime=Runtime(RuntimeOptions(backend_options=options)))
+
+
+def assert_matches_cpuref(session: InferenceSession, model: onnx.ModelProto) -> None:
+    """CpuAcc's output within 1e-4 (relative) of CpuRef's on random inputs."""
+    feeds = _feeds(model)
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
 def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {i.name: RNG.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
             .astype(np.float32) for i in model.graph.input}
@@ -76,22 +89,17 @@ def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("tail", ["relu", "add_relu", "swish", "clip"])
 def test_conv_chains_become_one_layer(tail: str, route: str) -> None:
     model = conv_model(tail)
-    feeds = _feeds(model)
-    options = RuntimeOptions(backend_options={"CpuAcc.conv_route": route})
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    session = _on_cpuacc(model, **{"CpuAcc.conv_route": route})
     fused = placed(session)
     assert [layer.op_type for layer in fused] == ["FusedConv"]
     assert {"conv", "bn"} <= set(fused[0].name.split("+"))
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def test_asymmetric_padding_is_padded_first() -> None:
     model = conv_model("relu", pads=[0, 1, 2, 1])
-    feeds = _feeds(model)
     session = InferenceSession(model, backends=["CpuAcc"])
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def test_an_intermediate_read_elsewhere_is_not_fused() -> None:
@@ -109,13 +117,10 @@ def test_matmul_add_gelu_becomes_one_linear(route: str) -> None:
              helper.make_node("Add", ["bias", "m"], ["a"], name="add"),
              helper.make_node("Relu", ["a"], ["y"], name="relu")]
     model = make_model(nodes, [float_input("x", [2, 5, 16])], [float_input("y", [2, 5, 24])], inits)
-    feeds = _feeds(model)
-    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    session = _on_cpuacc(model, **{"CpuAcc.linear_route": route})
     ops = [layer.op_type for layer in placed(session)]
     assert ops == ["Linear"]
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def test_gemm_with_alpha_beta_and_trans_b() -> None:
@@ -123,11 +128,9 @@ def test_gemm_with_alpha_beta_and_trans_b() -> None:
     nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["y"], name="gemm", alpha=0.5, beta=2.0,
                               transB=1)]
     model = make_model(nodes, [float_input("x", [3, 16])], [float_input("y", [3, 24])], inits)
-    feeds = _feeds(model)
     session = InferenceSession(model, backends=["CpuAcc"])
     assert [lay.op_type for lay in placed(session)] == ["Linear"]
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def _gelu_nodes(x: str, y: str, half_first: bool) -> list[onnx.NodeProto]:
@@ -153,13 +156,10 @@ def test_linear_with_erf_gelu_becomes_one_layer(route: str, half_first: bool) ->
              helper.make_node("Add", ["m", "bias"], ["a"], name="add"), *_gelu_nodes("a", "y", half_first)]
     model = make_model(nodes, [float_input("x", [1, 6, 16])], [float_input("y", [1, 6, 24])],
                        [_const("w", 16, 24), _const("bias", 24), *GELU_CONSTANTS])
-    feeds = _feeds(model)
-    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    session = _on_cpuacc(model, **{"CpuAcc.linear_route": route})
     (linear,) = placed(session)
     assert linear.op_type == "Linear" and linear.attrs["unary"] == ("gelu", [], "none")
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def test_a_gelu_lookalike_with_another_constant_stays_apart() -> None:
@@ -170,9 +170,7 @@ def test_a_gelu_lookalike_with_another_constant_stays_apart() -> None:
     session = InferenceSession(model, backends=["CpuAcc"])
     ops = [lay.op_type for lay in placed(session)]
     assert ops == ["Linear", "Div", "Erf", "Add", "Mul", "Mul"]
-    feeds = _feeds(model)
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 @pytest.mark.parametrize("route", ["mkl", "onednn"])
@@ -182,14 +180,11 @@ def test_linear_plus_residual_becomes_one_layer(route: str) -> None:
              helper.make_node("Add", ["x", "a"], ["y"], name="residual")]
     model = make_model(nodes, [float_input("x", [1, 6, 16])], [float_input("y", [1, 6, 16])],
                        [_const("w", 16, 16), _const("bias", 16)])
-    feeds = _feeds(model)
-    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    session = _on_cpuacc(model, **{"CpuAcc.linear_route": route})
     (linear,) = placed(session)
     assert linear.op_type == "Linear" and linear.attrs["binary"]
     assert session.report.layers["residual"].substituted_by == linear.name
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def squeeze_excite_model(act: str, gate: str) -> onnx.ModelProto:
@@ -213,14 +208,12 @@ def squeeze_excite_model(act: str, gate: str) -> onnx.ModelProto:
 @pytest.mark.parametrize(("act", "gate"), [("Relu", "HardSigmoid"), ("swish", "Sigmoid")])
 def test_squeeze_excite_becomes_one_layer(act: str, gate: str) -> None:
     model = squeeze_excite_model(act, gate)
-    feeds = _feeds(model)
     session = InferenceSession(model, backends=["CpuAcc"])
     (fused,) = placed(session)
     assert fused.op_type == "SqueezeExcite"
     assert {session.report.layers[n].substituted_by for n in ("pool", "reduce", "gate", "scale")} \
         == {fused.name}
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def test_a_squeeze_excite_whose_gate_is_not_a_sigmoid_is_left_to_the_convolutions() -> None:
@@ -228,9 +221,7 @@ def test_a_squeeze_excite_whose_gate_is_not_a_sigmoid_is_left_to_the_convolution
     session = InferenceSession(model, backends=["CpuAcc"])
     ops = [lay.op_type for lay in placed(session)]
     assert "SqueezeExcite" not in ops and ops.count("FusedConv") == 2
-    feeds = _feeds(model)
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 def _gelu_tanh_nodes(x: str, y: str) -> list[onnx.NodeProto]:
@@ -257,13 +248,10 @@ def test_gemm_reshape_tanh_gelu_becomes_one_layer(route: str) -> None:
              *_gelu_tanh_nodes("r", "y")]
     model = make_model(nodes, [float_input("x", [6, 16])], [float_input("y", [1, 6, 24])],
                        [_const("w", 16, 24), _const("bias", 24), shape, *constants])
-    feeds = _feeds(model)
-    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    session = _on_cpuacc(model, **{"CpuAcc.linear_route": route})
     (linear,) = placed(session)
     assert linear.op_type == "Linear" and linear.attrs["unary"] == ("gelu", [], "tanh")
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 @pytest.mark.parametrize("route", ["mkl", "onednn"])
@@ -274,14 +262,11 @@ def test_gemm_reshape_residual_becomes_one_layer(route: str) -> None:
              helper.make_node("Add", ["skip", "r"], ["y"], name="residual")]
     model = make_model(nodes, [float_input("x", [6, 16]), float_input("skip", [1, 6, 16])],
                        [float_input("y", [1, 6, 16])], [_const("w", 16, 16), _const("bias", 16), shape])
-    feeds = _feeds(model)
-    options = RuntimeOptions(backend_options={"CpuAcc.linear_route": route})
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    session = _on_cpuacc(model, **{"CpuAcc.linear_route": route})
     (linear,) = placed(session)
     assert linear.op_type == "Linear" and linear.attrs["binary"]
     assert linear.attrs["output_shape"] == [1, 6, 16]
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
 
 
 @pytest.mark.parametrize("tail", ["relu", "add_relu", "swish"])
@@ -295,13 +280,10 @@ def test_a_pointwise_conv_runs_as_a_matrix_product(tail: str, route: str) -> Non
         if node.op_type == "Conv":
             del node.attribute[:]
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 6
-    feeds = _feeds(model)
-    options = RuntimeOptions(backend_options={"CpuAcc.conv_route": route, "CpuAcc.compile": "layers"})
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(options))
+    session = _on_cpuacc(model, **{"CpuAcc.conv_route": route, "CpuAcc.compile": "layers"})
     (fused,) = placed(session)
     assert fused.op_type == "FusedConv"
     if route == "gemm":
         (workload,) = inner_workloads(session, "FusedConv")
         assert workload.route == "gemm"
-    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
-    np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+    assert_matches_cpuref(session, model)
