@@ -69,6 +69,17 @@ def test_entry_point_and_path_give_the_same_placement(tmp_path: Path, monkeypatc
     np.testing.assert_array_equal(from_path.run(None, feeds)[0], reference)
 
 
+def test_an_entry_point_comes_before_a_file_with_the_same_id(tmp_path: Path, monkeypatch) -> None:
+    """Built-ins, entry points, then files: a Runtime reads the backend paths when it starts, and
+    the file on them must not take the id from the installed package."""
+    install_entry_point(tmp_path / "site", monkeypatch)
+    registry = fresh_registry()
+    Runtime(RuntimeOptions(dynamic_backends_path=str(EXAMPLE_SRC)), registry=registry)
+    assert registry.origin("AcmeTiny") == "entry point acme-tiny-backend acme_tiny_backend"
+    (skip,) = [s for s in registry.skipped if s.candidate.startswith(str(EXAMPLE_SRC))]
+    assert "already registered from entry point" in skip.reason
+
+
 def test_a_broken_entry_point_is_skipped_with_its_reason(tmp_path: Path, monkeypatch) -> None:
     install_entry_point(tmp_path, monkeypatch, target="acme_missing_module")
     registry = fresh_registry()

@@ -106,7 +106,11 @@ class BackendRegistry:
         return added
 
     def load_dynamic_backends(self, paths: Sequence[str]) -> list[str]:
-        """Register every valid dynamic backend file on ``paths``; returns the ids added."""
+        """Register every valid dynamic backend file on ``paths``; returns the ids added.
+
+        An installed entry point comes before a file with the same id (built-ins, entry points,
+        files: the first found wins), even where the files are read first, as a Runtime does when
+        it starts: the entry point is loaded then, and the file skipped with the reason."""
         added = []
         for path in dynamic.backend_files(dynamic.valid_paths(paths, self.skipped), self.skipped):
             real = os.path.realpath(path)
@@ -114,7 +118,12 @@ class BackendRegistry:
                 continue
             self._loaded_paths.add(real)
             found = dynamic.load_backend_file(path, self.skipped, self.api_version)
-            if found is not None and self._add(found):
+            if found is None:
+                continue
+            point = entry_points.declared().get(found.id)
+            if point is not None and found.id not in self._entries:
+                self._add(entry_points.load(point, self.skipped, self.api_version))
+            if self._add(found):
                 added.append(found.id)
         return added
 
