@@ -44,7 +44,8 @@ class InferenceSession:
         backends: backend ids, most preferred first; each layer runs on the first that supports it.
         pins: layer name or op type -> backend id, tried before the preferences.
         optimizer_options: turn generic passes off.
-        runtime: a Runtime to load into (one per session by default).
+        runtime: a Runtime to load into (one per session by default); its
+            ``RuntimeOptions.backend_options`` are this session's backend options.
     """
 
     def __init__(self, model: str | os.PathLike | bytes | onnx.ModelProto,
@@ -53,9 +54,9 @@ class InferenceSession:
                  input_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         self.graph = import_onnx(model, input_shapes)
         self.runtime = runtime or Runtime(RuntimeOptions())
-        self.optimized: OptimizedNetwork = optimize(self.graph, list(backends), pins=pins,
-                                                    options=optimizer_options,
-                                                    registry=self.runtime.registry)
+        self.optimized: OptimizedNetwork = optimize(
+            self.graph, list(backends), pins=pins, options=optimizer_options,
+            registry=self.runtime.registry, backend_options=self.runtime.options.backend_options)
         self.network_id = self.runtime.load(self.optimized)
         self._outputs = list(self.optimized.output_names)
 

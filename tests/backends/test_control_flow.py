@@ -200,3 +200,40 @@ def test_optimizing_control_flow_leaves_the_users_graph_alone() -> None:
     optimize(graph, ["CpuRef"])
     assert (repr(graph), [repr(graph.layers[0].attrs["then_branch"])]) == before
     assert graph.layers[0].inputs == ["c"]
+
+
+def test_a_body_on_a_backend_of_its_own_gets_its_context_and_its_copies_reported() -> None:
+    """A backend used only inside a Loop's body: its context hears the load under the network's
+    id, and the copies into and out of its memory show in the report (the body's inputs come from
+    its "user", the Loop)."""
+    from backplane.backends.api.backend import BackendContext
+    from backplane.backends.registry import registry
+    from tests.conftest import PrivateMemoryBackend
+
+    heard: list[str] = []
+
+    class Heard(BackendContext):
+        def before_load_network(self, network_id: int) -> None:
+            heard.append(f"load {network_id}")
+
+        def after_unload_network(self, network_id: int) -> None:
+            heard.append(f"unload {network_id}")
+
+    class BodyOnly(PrivateMemoryBackend):
+        id = "TestBodyOnly"
+
+        def create_backend_context(self, options):
+            return Heard()
+
+    with registry.temporarily(BodyOnly.id, BodyOnly):
+        session = InferenceSession(loop_model(), backends=["TestBodyOnly", "CpuRef"])
+    assert session.report.backend_of("loop/body/b_add") == "TestBodyOnly"
+    assert "TestBodyOnly" not in session.optimized.backends  # the top level has only the Loop
+    copied = [(c.source, c.target) for c in session.report.copies]
+    assert ("user", "TestBodyOnly") in copied and ("TestBodyOnly", "CpuRef") in copied
+    feeds = {"M": np.array(3, np.int64), "cond": np.array(True), "acc0": np.ones(3, np.float32),
+             "k0": np.array(0, np.float32)}
+    for a, b in zip(session.run(None, feeds), ort_run(loop_model(), feeds)):
+        np.testing.assert_allclose(a, b)
+    session.close()
+    assert heard == [f"load {session.network_id}", f"unload {session.network_id}"]

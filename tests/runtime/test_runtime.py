@@ -65,7 +65,8 @@ def test_contexts_hear_load_and_unload_and_memory_is_acquired_around_runs() -> N
         _, timings = runtime.run_profiled(network_id, {"x": X})
         runtime.unload(network_id)
     assert RECORDER.calls == [f"before_load {network_id}", f"after_load {network_id}", "acquire",
-                              "release", f"before_unload {network_id}", f"after_unload {network_id}"]
+                              "release", "acquire", "release",  # the profiled run too
+                              f"before_unload {network_id}", f"after_unload {network_id}"]
     assert [t.layer for t in timings] == [name for name, _ in runtime.profiling["TestHooked"].events]
     with pytest.raises(KeyError, match=f"no network loaded under id {network_id}"):
         runtime.run(network_id, {"x": X})
@@ -138,3 +139,124 @@ def test_a_custom_allocator_a_backend_refuses_is_an_error() -> None:
     runtime = Runtime(RuntimeOptions(custom_allocators={"CpuRef": Allocator()}))
     with pytest.raises(ValueError, match="backend CpuRef does not accept the custom allocator"):
         runtime.load(optimize(import_onnx(small_cnn_model()), ["CpuRef"]))
+
+
+class Optioned(CpuRef):
+    """Records the options its instances had when they made workloads."""
+
+    id = "TestOptioned"
+    seen: list[tuple[int, object]] = []
+
+    def create_workload_factory(self, memory_manager=None):
+        Optioned.seen.append((id(self), self.options.get("TestOptioned.flavour")))
+        return super().create_workload_factory(memory_manager)
+
+
+def test_backend_options_belong_to_the_network_that_was_given_them() -> None:
+    """Two runtimes with different options, loads alternating: each network's backend is its own,
+    with its runtime's options (they lived on one shared instance, and the last context set won)."""
+    Optioned.seen.clear()
+    with registry.temporarily(Optioned.id, Optioned):
+        sweet = Runtime(RuntimeOptions(backend_options={"TestOptioned.flavour": "sweet"}))
+        sour = Runtime(RuntimeOptions(backend_options={"TestOptioned.flavour": "sour"}))
+        order = [sweet, sour, sweet, sour]
+        sessions = [InferenceSession(small_cnn_model(), ["TestOptioned"], runtime=r) for r in order]
+    assert [flavour for _, flavour in Optioned.seen] == ["sweet", "sour", "sweet", "sour"]
+    assert len({instance for instance, _ in Optioned.seen}) == 4
+    backends = [s.optimized.backends["TestOptioned"] for s in sessions]
+    assert [b.options.get("TestOptioned.flavour") for b in backends] == ["sweet", "sour"] * 2
+
+
+def test_a_networks_own_options_win_over_its_runtimes() -> None:
+    Optioned.seen.clear()
+    with registry.temporarily(Optioned.id, Optioned):
+        runtime = Runtime(RuntimeOptions(backend_options={"TestOptioned.flavour": "sour",
+                                                          "TestOptioned.size": 2}))
+        network = optimize(import_onnx(small_cnn_model()), ["TestOptioned"],
+                           backend_options={"TestOptioned.flavour": "sweet"})
+        runtime.load(network)
+    options = network.backends["TestOptioned"].options
+    assert options.get("TestOptioned.flavour") == "sweet" and options.get("TestOptioned.size") == 2
+    assert [flavour for _, flavour in Optioned.seen] == ["sweet"]
+
+
+def test_a_custom_allocator_reaches_the_backend_of_every_network_loaded() -> None:
+    class Allocator:
+        pass
+
+    class Accepting(CpuRef):
+        id = "TestAccepting"
+
+        def use_custom_allocator(self, allocator) -> bool:
+            self.allocator = allocator
+            return True
+
+    allocator = Allocator()
+    with registry.temporarily(Accepting.id, Accepting):
+        runtime = Runtime(RuntimeOptions(custom_allocators={"TestAccepting": allocator}))
+        networks = [optimize(import_onnx(small_cnn_model()), ["TestAccepting"]) for _ in range(2)]
+        for network in networks:
+            runtime.load(network)
+        plain = optimize(import_onnx(small_cnn_model()), ["TestAccepting"])
+        Runtime().load(plain)
+    assert [n.backends["TestAccepting"].allocator for n in networks] == [allocator, allocator]
+    assert not hasattr(plain.backends["TestAccepting"], "allocator")
+
+
+@pytest.mark.parametrize("backends", [["CpuRef"], ["CpuAcc", "CpuRef"]])
+def test_runs_from_several_threads_give_each_its_own_answer(backends) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    if "CpuAcc" in backends:
+        pytest.importorskip("torch")
+    session = InferenceSession(small_cnn_model(), backends)
+    feeds = [np.random.default_rng(seed).standard_normal((1, 3, 8, 8)).astype(np.float32)
+             for seed in range(16)]
+    expected = [session.run(None, {"x": x})[0] for x in feeds]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda x: session.run(None, {"x": x})[0], feeds))
+            for g, e in zip(got, expected):
+                np.testing.assert_array_equal(g, e)
+
+
+def test_a_network_with_an_exclusive_workload_runs_one_run_at_a_time() -> None:
+    """A workload that keeps state across calls (GpuAcc's captured graphs) says ``exclusive``; its
+    network then takes a lock for each whole run. Here the state is a shared output buffer that
+    each call overwrites, as a captured graph's static outputs are."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Shared(CpuRef):
+        id = "TestShared"
+
+        def create_workload_factory(self, memory_manager=None):
+            factory = super().create_workload_factory(memory_manager)
+            make = factory.create_workload
+
+            def create_workload(layer, inputs, outputs):
+                inner, buffer = make(layer, inputs, outputs), {}
+
+                def workload(*values):
+                    (out,) = inner(*values)
+                    buffer["out"] = out
+                    time.sleep(0.001)  # another thread's call would overwrite it here
+                    return (buffer["out"],)
+
+                workload.exclusive = True
+                return workload
+
+            factory.create_workload = create_workload
+            return factory
+
+    with registry.temporarily(Shared.id, Shared):
+        session = InferenceSession(small_cnn_model(), ["TestShared"])
+    loaded = session.runtime.network(session.network_id)
+    assert session.runtime.network(session.network_id).exclusive
+    feeds = [np.random.default_rng(seed).standard_normal((1, 3, 8, 8)).astype(np.float32)
+             for seed in range(8)]
+    expected = [InferenceSession(small_cnn_model()).run(None, {"x": x})[0] for x in feeds]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: session.run(None, {"x": x})[0], feeds))
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from backplane import debug
-from backplane.backends.api.backend import Backend
+from backplane.backends.api.backend import Backend, BackendOptions
 from backplane.backends.builtin.backend import OWNED_OPS
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
@@ -52,42 +52,50 @@ class OptimizedNetwork:
     input_names: list[str]
     output_names: list[str]  # the model's names; graph.outputs may name copies of them
     options: OptimizerOptions = field(default_factory=OptimizerOptions)
+    backend_options: dict[str, object] = field(default_factory=dict)
+    """The options this network's backends were given (``Backend.options``)."""
 
 
 def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] | None = None,
-             options: OptimizerOptions | None = None,
-             registry: BackendRegistry | None = None) -> OptimizedNetwork:
+             options: OptimizerOptions | None = None, registry: BackendRegistry | None = None,
+             backend_options: Mapping[str, object] | None = None) -> OptimizedNetwork:
     """Place every layer of ``graph`` on the first of ``backends`` that supports it.
 
     ``pins`` maps a layer name or an op type to a backend id tried before the preferences (a layer
-    name wins over its op type). The user's graph is not modified.
+    name wins over its op type). ``backend_options`` ("CpuAcc.compile": "layers", ...) go to this
+    network's backends, created for it alone, before any of them is asked anything. The user's
+    graph is not modified.
     """
     options = options or OptimizerOptions()
     registry = registry or default_registry
     pins = dict(pins or {})
+    backend_options = dict(backend_options or {})
     graph = _private_copy(graph)
     expose_captures(graph)
     output_names = list(graph.outputs)
     _run_passes(graph, options)
     report = PlacementReport(list(backends))
-    available = _available_backends(backends, pins, registry, report)
-    available.setdefault(BUILTIN, registry.create(BUILTIN))
+    available = _available_backends(backends, pins, registry, report, backend_options)
+    if BUILTIN not in available:
+        available[BUILTIN] = registry.create(BUILTIN)
+        available[BUILTIN].options = BackendOptions(backend_options)
     _assign(graph, available, pins, report)
     for layer in graph.layers:
         if layer.backend == BUILTIN and layer.op_type in CONTROL_FLOW_OPS:
-            _optimize_bodies(layer, graph, backends, pins, options, registry, report)
+            _optimize_bodies(layer, graph, backends, pins, options, registry, report, backend_options)
     _optimize_subgraphs(graph, available, pins, report)
     if options.strict:
         _check_strict(report)
     used = {layer.backend for layer in graph.layers if layer.backend}
     factories = {bid: available[bid].tensor_handle_factories()[0] for bid in used}
-    report.copies = insert_compatibility_layers(graph, factories)
+    report.copies += insert_compatibility_layers(graph, factories)  # after the bodies' own
     chosen = {bid: available[bid] for bid in used}
     if report.copies:
-        chosen[BUILTIN] = registry.create(BUILTIN)
+        chosen[BUILTIN] = available[BUILTIN]
     if debug.level() >= 1:
         report.render(debug.console())
-    return OptimizedNetwork(graph, chosen, report, list(graph.inputs), output_names, options)
+    return OptimizedNetwork(graph, chosen, report, list(graph.inputs), output_names, options,
+                            backend_options)
 
 
 def _private_copy(graph: Graph) -> Graph:
@@ -108,7 +116,8 @@ def _run_passes(graph: Graph, options: OptimizerOptions) -> None:
 
 
 def _available_backends(preferences: Sequence[str], pins: Mapping[str, str],
-                        registry: BackendRegistry, report: PlacementReport) -> dict[str, Backend]:
+                        registry: BackendRegistry, report: PlacementReport,
+                        backend_options: Mapping[str, object]) -> dict[str, Backend]:
     if not preferences:
         raise OptimizationError(f"no backend preferences given. Known backends are: "
                                 f"{', '.join(registry.ids())}")
@@ -120,6 +129,7 @@ def _available_backends(preferences: Sequence[str], pins: Mapping[str, str],
             backend = registry.create(backend_id)
         except UnknownBackendError as exc:
             raise OptimizationError(str(exc)) from exc
+        backend.options = BackendOptions(backend_options)
         status = backend.availability()
         if status.ok:
             available[backend_id] = backend
@@ -256,7 +266,7 @@ def _free_names(graph: Graph) -> list[str]:
 
 def _optimize_bodies(layer: Layer, graph: Graph, backends: Sequence[str], pins: Mapping[str, str],
                      options: OptimizerOptions, registry: BackendRegistry,
-                     report: PlacementReport) -> None:
+                     report: PlacementReport, backend_options: Mapping[str, object]) -> None:
     """Place the layers of a control-flow layer's bodies like any others; their report joins ours."""
     attrs = dict(layer.attrs)
     for name in CONTROL_FLOW_OPS[layer.op_type]:
@@ -264,7 +274,8 @@ def _optimize_bodies(layer: Layer, graph: Graph, backends: Sequence[str], pins: 
         for outer in body.inputs:
             if outer not in body.tensors:
                 body.tensors[outer] = graph.info(outer)
-        net = optimize(body, backends, pins=pins, options=options, registry=registry)
+        net = optimize(body, backends, pins=pins, options=options, registry=registry,
+                       backend_options=backend_options)
         attrs[name] = net
         for inner, placement in net.report.layers.items():
             placement.name = f"{layer.name}/{name}/{inner}"

@@ -3,10 +3,17 @@
 Everything is decided at load: each layer's workload, which slot each tensor lives in, when a slot
 can be dropped. A run is then: put the inputs in their slots, call each workload in order, drop what
 is dead, read the outputs (onnx.reference's "step 1: inputs, step 2: execute nodes").
+
+Concurrent runs: each run has its own slots (a list made per run), so runs of one network from
+several threads are safe wherever the workloads are. A workload that keeps state across calls
+(GpuAcc's captured CUDA graphs copy inputs into, and return, tensors of their own) says so with an
+``exclusive`` attribute set to True; a network that holds one runs one run at a time, under a lock
+taken for the whole run, so that no run overwrites another's tensors before it has copied them out.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +63,7 @@ class LoadedNetwork:
             if manager is not None:
                 self.memory_managers.append(manager)
             factories[backend_id] = backend.create_workload_factory(manager)
+            factories[backend_id].network_id = network_id
         self._slots: dict[str, int] = {}
         self._template: list[Any] = [None]
         self._constant_slots: dict[tuple[int, str], str] = {}  # (layer, constant) -> its slot's key
@@ -75,8 +83,13 @@ class LoadedNetwork:
                            self._constant_slots)
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.profiling = profiling or {}
+        self.exclusive = any(getattr(w, "exclusive", False) for w in workloads)
         if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
             self.execute = self._execute_traced  # type: ignore[method-assign]
+        if self.exclusive:
+            self._lock = threading.Lock()
+            self.execute = self._one_at_a_time(self.execute)  # type: ignore[method-assign]
+            self.execute_profiled = self._one_at_a_time(self.execute_profiled)  # type: ignore[method-assign]
 
     # -- load ----------------------------------------------------------------------------------------
     def _slot(self, name: str) -> int:
@@ -111,6 +124,13 @@ class LoadedNetwork:
             self._template[slot] = value if host else factory.copy_in(value)
         return key
 
+    def _one_at_a_time(self, run: Any) -> Any:
+        def locked(inputs: Sequence[Any]) -> Any:
+            with self._lock:
+                return run(inputs)
+
+        return locked
+
     # -- run -----------------------------------------------------------------------------------------
     def execute(self, inputs: Sequence[Any]) -> list[Any]:
         """Run once; ``inputs`` in the order of the network's inputs, already checked."""
@@ -139,30 +159,39 @@ class LoadedNetwork:
         for slot, value in zip(self.input_slots, inputs):
             env[slot] = value
         timings: list[LayerTiming] = []
-        clock = time.perf_counter
-        for step, layer in zip(self.steps, self.layers):
-            inner = getattr(step.workload, "profiled", None)  # a workload that times its own layers
-            parts: list[tuple[str, str, float]] = []
-            start = clock()
-            try:
-                if inner is None:
-                    results = step.workload(*[env[i] for i in step.inputs])
-                else:
-                    results, parts = inner(*[env[i] for i in step.inputs])
-            except Exception as exc:
-                raise self._failure(step, exc) from exc
-            seconds = clock() - start
-            backend = layer.backend or ""
-            context = self.profiling.get(backend)
-            for name, op_type, spent in parts or [(layer.name, layer.op_type, seconds)]:
-                timings.append(LayerTiming(name, op_type, backend, spent))
-                if context is not None:
-                    context.record(name, spent)
-            for i, value in zip(step.outputs, results):
-                env[i] = value
-            for i in step.frees:
-                env[i] = None
+        for manager in self.memory_managers:
+            manager.acquire()
+        try:
+            for step, layer in zip(self.steps, self.layers):
+                self._profile_step(step, layer, env, timings)
+        finally:
+            for manager in self.memory_managers:
+                manager.release()
         return [_array(env[i]) for i in self.output_slots], timings
+
+    def _profile_step(self, step: Step, layer: Layer, env: list[Any],
+                      timings: list[LayerTiming]) -> None:
+        inner = getattr(step.workload, "profiled", None)  # a workload that times its own layers
+        parts: list[tuple[str, str, float]] = []
+        start = time.perf_counter()
+        try:
+            if inner is None:
+                results = step.workload(*[env[i] for i in step.inputs])
+            else:
+                results, parts = inner(*[env[i] for i in step.inputs])
+        except Exception as exc:
+            raise self._failure(step, exc) from exc
+        seconds = time.perf_counter() - start
+        backend = layer.backend or ""
+        context = self.profiling.get(backend)
+        for name, op_type, spent in parts or [(layer.name, layer.op_type, seconds)]:
+            timings.append(LayerTiming(name, op_type, backend, spent))
+            if context is not None:
+                context.record(name, spent)
+        for i, value in zip(step.outputs, results):
+            env[i] = value
+        for i in step.frees:
+            env[i] = None
 
     def _execute_traced(self, inputs: Sequence[Any]) -> list[Any]:
         outputs, timings = self.execute_profiled(inputs)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from backplane.backends.api.backend import BackendContext, BackendOptions, ProfilingContext
+from backplane.backends.api.backend import Backend, BackendContext, BackendOptions, ProfilingContext
 from backplane.backends.registry import BackendRegistry
 from backplane.backends.registry import registry as default_registry
 from backplane.backends.registry.dynamic import backend_paths
@@ -24,9 +24,10 @@ class InvalidInputError(ValueError):
 
 @dataclass
 class RuntimeOptions:
-    """``backend_options`` go to every backend context; ``custom_allocators`` maps a backend id to the
-    allocator it must use for its tensors (Arm NN's m_CustomAllocatorMap); ``profiling`` creates the
-    backends' profiling contexts."""
+    """``backend_options`` go to every backend context, and to the backends of every network loaded
+    here where the network's own (``optimize(backend_options=...)``) do not set them;
+    ``custom_allocators`` maps a backend id to the allocator it must use for its tensors (Arm NN's
+    m_CustomAllocatorMap); ``profiling`` creates the backends' profiling contexts."""
 
     backend_options: dict[str, Any] = field(default_factory=dict)
     custom_allocators: dict[str, Any] = field(default_factory=dict)
@@ -50,26 +51,39 @@ class Runtime:
         if paths:
             self.registry.load_dynamic_backends(paths)
 
-    def _context_for(self, backend_id: str, network: OptimizedNetwork) -> BackendContext | None:
-        if backend_id not in self.contexts:
-            backend = network.backends[backend_id]
-            allocator = self.options.custom_allocators.get(backend_id)
-            if allocator is not None and not backend.use_custom_allocator(allocator):
-                raise ValueError(f"backend {backend_id} does not accept the custom allocator "
-                                 f"{allocator!r} given for it in RuntimeOptions.custom_allocators")
+    def _context_for(self, backend: Backend) -> BackendContext | None:
+        """The backend's context in this runtime, made by the first backend of its id to load."""
+        if backend.id not in self.contexts:
             options = BackendOptions(self.options.backend_options)
             context = backend.create_backend_context(options)
             if context is not None:
-                self.contexts[backend_id] = context
+                self.contexts[backend.id] = context
             profiler = backend.create_profiling_context(options) if self.options.profiling else None
             if profiler is not None:
-                self.profiling[backend_id] = profiler
-        return self.contexts.get(backend_id)
+                self.profiling[backend.id] = profiler
+        return self.contexts.get(backend.id)
+
+    def _configure(self, network: OptimizedNetwork) -> list[str]:
+        """Give the backends of ``network`` and of its bodies their options and allocators; returns
+        their ids, each once (a backend used only inside a body gets its context too)."""
+        ids: list[str] = []
+        for net in within(network):
+            options = BackendOptions({**self.options.backend_options, **net.backend_options})
+            for backend_id, backend in net.backends.items():
+                backend.options = options
+                allocator = self.options.custom_allocators.get(backend_id)
+                if allocator is not None and not backend.use_custom_allocator(allocator):
+                    raise ValueError(f"backend {backend_id} does not accept the custom allocator "
+                                     f"{allocator!r} given for it in RuntimeOptions.custom_allocators")
+                if backend_id not in ids:
+                    ids.append(backend_id)
+                    self._context_for(backend)
+        return ids
 
     def load(self, network: OptimizedNetwork) -> int:
         """Create every workload of the network once; returns the id to run it by."""
         network_id = next(self._ids)
-        contexts = [c for b in network.backends if (c := self._context_for(b, network)) is not None]
+        contexts = [self.contexts[b] for b in self._configure(network) if b in self.contexts]
         for context in contexts:
             context.before_load_network(network_id)
         self._networks[network_id] = LoadedNetwork(network, network_id, self.profiling)
@@ -79,7 +93,8 @@ class Runtime:
 
     def unload(self, network_id: int) -> None:
         loaded = self._loaded(network_id)
-        contexts = [self.contexts[b] for b in loaded.network.backends if b in self.contexts]
+        used = {b for net in within(loaded.network) for b in net.backends}
+        contexts = [context for b, context in self.contexts.items() if b in used]
         for context in contexts:
             context.before_unload_network(network_id)
         del self._networks[network_id]
@@ -105,6 +120,15 @@ class Runtime:
         except KeyError:
             raise KeyError(f"no network loaded under id {network_id}; loaded ids are "
                            f"{sorted(self._networks)}") from None
+
+
+def within(network: OptimizedNetwork) -> list[OptimizedNetwork]:
+    """``network`` and the networks of its control-flow bodies, at any depth."""
+    found = [network]
+    for layer in network.graph.layers:
+        found += [n for value in layer.attrs.values() if isinstance(value, OptimizedNetwork)
+                  for n in within(value)]
+    return found
 
 
 def _input_specs(loaded: LoadedNetwork) -> list[tuple[str, TensorInfo]]:

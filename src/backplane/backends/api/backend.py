@@ -89,6 +89,8 @@ class WorkloadFactory:
 
     backend: Backend
     memory_manager: MemoryManager | None = None
+    network_id: int = 0
+    """The id of the network being loaded (set by the runtime; builtin loads bodies under it)."""
 
     def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
                         outputs: Sequence[TensorInfo]) -> Workload:
@@ -100,7 +102,8 @@ class WorkloadFactory:
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """Options the Runtime hands to every backend context (thread counts, device ids, ...)."""
+    """Backend options ("CpuAcc.compile": "layers", "GpuAcc.device": "cuda:1", ...): those of a
+    network reach its own backends (``Backend.options``), a Runtime's reach its backend contexts."""
 
     values: Mapping[str, Any] = field(default_factory=dict)
 
@@ -120,6 +123,10 @@ class Backend:
     ANY_DTYPE_OPS: ClassVar[frozenset[str]] = frozenset()
     """Ops whose kernels are right for every element type their ONNX schema allows, ml_dtypes'
     bfloat16, float8 and int4 included (data movement, casts): the NumPy-dtype check skips them."""
+    options: BackendOptions = BackendOptions()
+    """The options of the network this backend belongs to: ``optimize`` creates a backend for each
+    network and sets them before asking it anything; ``Runtime.load`` adds the runtime's options
+    that the network does not set. Read them from here, never from a context."""
 
     def __repr__(self) -> str:
         return f"<backend {self.id} {self.version}>"

@@ -69,34 +69,35 @@ class BuiltinWorkloadFactory(WorkloadFactory):
         if layer.op_type == "MemImport":
             return make_mem_import(layer.attrs["source"], layer.attrs["target"])
         if layer.op_type in CONTROL_FLOW_OPS:
-            return _control_flow(layer)
+            from backplane.runtime.loaded_network import LoadedNetwork  # the runtime loads bodies
+
+            bodies = [LoadedNetwork(layer.attrs[name], self.network_id)
+                      for name in CONTROL_FLOW_OPS[layer.op_type]]
+            workload = _control_flow(layer, bodies)
+            workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
+            return workload
         return super().create_workload(layer, inputs, outputs)
 
 
-def _load(network: Any) -> Any:
-    from backplane.runtime.loaded_network import LoadedNetwork  # the runtime loads the bodies
-
-    return LoadedNetwork(network, network_id=0)
-
-
-def _control_flow(layer: Layer) -> Workload:
+def _control_flow(layer: Layer, bodies: list[Any]) -> Workload:
+    """The workload of a control-flow layer over its bodies, loaded (then and else for If)."""
     attrs, captured = layer.attrs, layer.attrs["captured"]
     if layer.op_type == "If":
-        return make_if(_load(attrs["then_branch"]), _load(attrs["else_branch"]), captured)
+        return make_if(bodies[0], bodies[1], captured)
     body = attrs["body"]
     graph = body.graph
     if layer.op_type == "SequenceMap":
-        return make_sequence_map(_load(body), captured, len(graph.outputs))
+        return make_sequence_map(bodies[0], captured, len(graph.outputs))
     if layer.op_type == "Loop":
         n_carried = len(layer.inputs) - 2 - captured
         scan_infos = [graph.info(name) for name in graph.outputs[1 + n_carried:]]
-        return make_loop(_load(body), n_carried, captured, scan_infos)
+        return make_loop(bodies[0], n_carried, captured, scan_infos)
     n_scan_in = attrs["num_scan_inputs"]
     batched = layer.opset < 9  # Scan-8: a leading sequence_lens input, batch axis 0, scan axis 1
     n_state = len(layer.inputs) - n_scan_in - captured - batched
     n_scan_out = len(graph.outputs) - n_state
     scan = make_scan(
-        _load(body), n_state, n_scan_in, captured,
+        bodies[0], n_state, n_scan_in, captured,
         attrs.get("scan_input_axes") or [0] * n_scan_in,
         attrs.get("scan_input_directions") or attrs.get("directions") or [0] * n_scan_in,
         attrs.get("scan_output_axes") or [0] * n_scan_out,

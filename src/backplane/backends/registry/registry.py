@@ -30,12 +30,12 @@ class Registration:
 
 
 class BackendRegistry:
-    """Holds a factory per backend id; backends are created when needed and are cheap, stateless."""
+    """Holds a factory per backend id. ``create`` makes a new backend each time (Arm NN's factory):
+    each optimized network has backends of its own, which hold that network's options."""
 
     def __init__(self, api_version: tuple[int, int] = BACKEND_API_VERSION) -> None:
         self.api_version = api_version
         self._entries: dict[str, Registration] = {}
-        self._instances: dict[str, Backend] = {}
         self.skipped: list[Skipped] = []
         self._loaded_paths: set[str] = set()
         from backplane.backends.builtin.backend import Builtin  # always registered (onert's builtin)
@@ -55,7 +55,6 @@ class BackendRegistry:
         if backend_id == "builtin":
             raise ValueError("the builtin backend is always registered; it cannot be deregistered")
         self._entries.pop(self._known(backend_id).id)
-        self._instances.pop(backend_id, None)
 
     def ids(self) -> list[str]:
         return list(self._entries)
@@ -67,14 +66,11 @@ class BackendRegistry:
         return self._known(backend_id).origin
 
     def create(self, backend_id: str) -> Backend:
-        """The backend for an id (one shared instance per id)."""
-        backend = self._instances.get(backend_id)
-        if backend is None:
-            backend = self._known(backend_id).factory()
-            if not isinstance(backend, Backend):
-                raise TypeError(f"the factory of backend '{backend_id}' returned {backend!r}, "
-                                f"not a backplane Backend")
-            self._instances[backend_id] = backend
+        """A new backend for an id."""
+        backend = self._known(backend_id).factory()
+        if not isinstance(backend, Backend):
+            raise TypeError(f"the factory of backend '{backend_id}' returned {backend!r}, "
+                            f"not a backplane Backend")
         return backend
 
     def _known(self, backend_id: str) -> Registration:
@@ -144,7 +140,6 @@ class BackendRegistry:
                                         f"not '{found.id}'")
         origin = found.path if found.path.startswith("entry point") else f"file {found.path}"
         self._entries[found.id] = Registration(found.id, found.factory, origin)
-        self._instances[found.id] = backend
         return True
 
     @contextmanager

@@ -124,6 +124,24 @@ class TorchWorkloadFactory(WorkloadFactory):
         return super().create_workload(layer, inputs, outputs)
 
 
+class GpuWorkloadFactory(TorchWorkloadFactory):
+    """fp32 means fp32: TF32 matmuls and convolutions (torch's default for cuDNN) only where the
+    network's ``GpuAcc.tf32`` is set. The switches are torch's, for the whole process: they are set
+    as the network says while its graphs are captured and while its other workloads run, then put
+    back, so that two sessions with different options each get their own."""
+
+    def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
+                        outputs: Sequence[TensorInfo]) -> Workload:
+        from backplane.backends.torch import cuda
+
+        tf32 = bool(self.backend.options.get("GpuAcc.tf32", False))
+        with cuda.math_mode(tf32):
+            workload = super().create_workload(layer, inputs, outputs)
+        if isinstance(workload, cuda.CapturedGraph):  # its kernels were chosen at the capture
+            return workload
+        return cuda.in_math_mode(workload, tf32)
+
+
 class TorchContext(BackendContext):
     def __init__(self, threads: int | None) -> None:
         if threads:
@@ -141,7 +159,6 @@ class CpuAcc(TorchBackend):
         return (TORCH_CPU_FACTORY,)
 
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
-        self.options = options
         return TorchContext(options.get("CpuAcc.threads"))
 
     def capabilities(self) -> dict[str, Any]:
@@ -188,18 +205,15 @@ class GpuAcc(TorchBackend):
         return (cuda.factory(self.options.get("GpuAcc.device", "cuda:0")),)
 
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
-        """fp32 means fp32: TF32 matmuls and convolutions (torch's default for cuDNN) only when
-        ``GpuAcc.tf32`` is set. The switches are torch's, for the whole process."""
-        import torch
-
+        """Checks the runtime's ``GpuAcc.precision`` (an unknown one is an error at the first load,
+        listing the choices); a network's own options are checked as its workloads are made."""
         from backplane.backends.torch import cuda
 
-        self.options = options
-        cuda.reduced_precision(self)  # an unknown precision is an error now, not at the first load
-        tf32 = bool(options.get("GpuAcc.tf32", False))
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
+        cuda.precision_type(options.get("GpuAcc.precision", "fp32"))
         return None
+
+    def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
+        return GpuWorkloadFactory(self, memory_manager)
 
     def capabilities(self) -> dict[str, Any]:
         return {**super().capabilities(), "AsyncExecution": True, "CudaGraphs": True}

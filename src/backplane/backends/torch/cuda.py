@@ -18,8 +18,9 @@ With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -219,13 +220,40 @@ computed beyond that range (activations over 65504 in fp16) still overflow: bf16
 
 def reduced_precision(backend: Any) -> Any:
     """The torch dtype float32 becomes inside GpuAcc's subgraphs, or None for float32 itself."""
+    return precision_type(backend.options.get("GpuAcc.precision", "fp32"))
+
+
+def precision_type(choice: str) -> Any:
+    """``GpuAcc.precision``'s torch dtype (None for fp32), or an error that lists the choices."""
     import torch
 
-    choice = backend.options.get("GpuAcc.precision", "fp32")
     if choice not in PRECISIONS:
         raise ValueError(f"GpuAcc.precision {choice!r} is not one of {', '.join(PRECISIONS)}")
     name = PRECISIONS[choice]
     return None if name is None else getattr(torch, name)
+
+
+@contextlib.contextmanager
+def math_mode(tf32: bool) -> Iterator[None]:
+    """torch's TF32 switches for matmuls and cuDNN set to ``tf32`` inside, put back after."""
+    import torch
+
+    was = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = was
+
+
+def in_math_mode(workload: Workload, tf32: bool) -> Workload:
+    """``workload`` run with torch's TF32 switches set to ``tf32``."""
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        with math_mode(tf32):
+            return workload(*values)
+
+    return run
 
 
 def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: Any,
@@ -312,7 +340,10 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
 class CapturedGraph:
     """Layers captured once into a CUDA graph; a call copies its inputs into the graph's static
     inputs and replays it. The outputs are the graph's static outputs, overwritten by the next call
-    (whoever reads them copies them out first: a MemCopy, or the user through it)."""
+    (whoever reads them copies them out first: a MemCopy, or the user through it). So it is
+    ``exclusive``: a network that holds one runs one run at a time (``LoadedNetwork``)."""
+
+    exclusive = True
 
     def __init__(self, run_layers: Callable[..., list[Any]], static_inputs: list[Any],
                  device: Any) -> None:
