@@ -144,3 +144,44 @@ def test_reduced_precision_stays_close_and_returns_float32(name: str, precision:
             assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
         else:
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graph", "eager"])
+def test_runs_from_several_threads_give_each_its_own_answer(graphs: bool) -> None:
+    """A captured graph copies every run's inputs into one set of static tensors and returns its
+    static outputs: its network runs one run at a time (``exclusive``), so threads do not race."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = DATA / "tiny_mobilenet_v3.onnx"
+    base = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    options = RuntimeOptions(backend_options={"GpuAcc.cuda_graphs": graphs})
+    session = InferenceSession(path, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
+    assert session.runtime.network(session.network_id).exclusive == graphs
+    feeds = [{k: v * (1 + 0.1 * i) for k, v in base.items()} for i in range(16)]
+    expected = [session.run(None, f)[0] for f in feeds]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda f: session.run(None, f)[0], feeds))
+            for g, e in zip(got, expected):
+                np.testing.assert_array_equal(g, e)
+
+
+def test_tf32_belongs_to_the_session_that_asked_for_it() -> None:
+    """Two sessions, one with GpuAcc.tf32: torch's process-wide switches are as they were after
+    each load and each run, and the strict one matches fp32 more closely."""
+    path = DATA / "tiny_mobilenet_v3.onnx"
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+    def session(tf32: bool) -> InferenceSession:
+        options = RuntimeOptions(backend_options={"GpuAcc.tf32": tf32})
+        return InferenceSession(path, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
+
+    strict, loose = session(False), session(True)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    (want,) = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
+    (exact,), (fast,) = strict.run(None, feeds), loose.run(None, feeds)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    assert np.abs(exact - want).max() <= 1e-4 * np.abs(want).max()
+    assert np.abs(fast - want).max() <= 2e-2 * np.abs(want).max()
+    assert np.abs(exact - want).max() <= np.abs(fast - want).max()

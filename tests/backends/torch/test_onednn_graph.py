@@ -210,3 +210,13 @@ def test_the_light_models_compile_or_fall_back_without_crashing() -> None:
     conditioned = {name: ours for name, (ours, reference, _) in rows.items() if reference <= 1e-3}
     assert len(conditioned) >= 3, rows  # 9 here, 4 on an Intel Xeon (H100 machine)
     assert all(ours <= 1e-3 for ours in conditioned.values()), rows
+
+
+def test_two_sessions_with_different_compile_options_each_get_theirs() -> None:
+    """Options lived on one shared CpuAcc: a network loaded into one Runtime was built with the
+    ``CpuAcc.compile`` given to another, whichever context was made last."""
+    layers = Runtime(RuntimeOptions(backend_options={"CpuAcc.compile": "layers"}))
+    compiled = Runtime(RuntimeOptions(backend_options={"CpuAcc.compile": "onednn_graph"}))
+    routes = [_graph_workload(InferenceSession(MODEL, backends=["CpuAcc", "CpuRef"], runtime=r)).route
+              for r in (layers, compiled, layers, compiled)]
+    assert routes == ["layers", "onednn_graph", "layers", "onednn_graph"]
