@@ -74,10 +74,21 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer]) -> Layer | N
     shapes = [[layer.op_type, *(list(graph.info(n).shape or ()) for n in layer.inputs[:1])]
               for layer in layers]
     attrs = {"layers": list(layers), "constants": constants, "inputs": list(view.inputs),
-             "outputs": list(view.outputs), "shapes": shapes}
+             "outputs": list(view.outputs), "shapes": shapes,
+             "channels_last": _channels_last_inputs(view, graph, layers[0].backend)}
     first, last = layers[0].name.split("+")[0], layers[-1].name.split("+")[-1]  # model node names
     name = f"OneDnnGraph[{first}..{last}]({len(layers)} layers)"
     return Layer(name, "OneDnnGraph", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+def _channels_last_inputs(view: SubgraphView, graph: Graph, backend: str | None) -> list[bool]:
+    """For each input, whether it is likely to come channels-last: a 4-D tensor made by a layer of
+    the same backend (another partition of it, after a split), whose convolutions run channels-last.
+    The trace is built for that layout; the guard (``_layout_guard``) copies an input that comes in
+    another one all the same."""
+    producers = graph.producers()
+    return [len(graph.info(n).shape or ()) == 4 and n in producers
+            and producers[n].backend == backend for n in view.inputs]
 
 
 def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
@@ -88,7 +99,7 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     description = {"layers": layer.attrs["shapes"]}
     if mode == "layers" or (mode == "auto" and remembered("graph", description, backend) == "layers"):
         return _named(_layers(layer, backend), "layers")  # nothing traced
-    sample = _sample(inputs)
+    sample = _sample(inputs, layer.attrs.get("channels_last"))
     compiled = _compiled(layer, backend, sample)
     if compiled is None:
         return _named(_layers(layer, backend), "layers")
@@ -105,16 +116,18 @@ def _named(run: Callable[..., Any], route: str) -> Workload:
     return run
 
 
-def _sample(inputs: Sequence[TensorInfo]) -> list[Any]:
+def _sample(inputs: Sequence[TensorInfo], channels_last: Sequence[bool] | None = None) -> list[Any]:
+    """Random inputs of the boundary's shapes and types, channels-last where ``channels_last`` says."""
     import torch
 
     from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 
     values = []
-    for info in inputs:
+    for info, last in zip(inputs, channels_last or [False] * len(inputs)):
         dtype = NUMPY_TO_TORCH[info.dtype]  # type: ignore[index]
-        values.append(torch.randn(info.shape, dtype=dtype) if dtype.is_floating_point  # type: ignore
-                      else torch.zeros(info.shape, dtype=dtype))  # type: ignore[arg-type]
+        value = (torch.randn(info.shape, dtype=dtype) if dtype.is_floating_point  # type: ignore
+                 else torch.zeros(info.shape, dtype=dtype))  # type: ignore[arg-type]
+        values.append(value.contiguous(memory_format=torch.channels_last) if last else value)
     return values
 
 
