@@ -145,3 +145,15 @@ def test_an_attribute_the_op_does_not_have_is_refused_by_name() -> None:
     with pytest.raises(ModelError, match=r"node 'rs' \(ReduceSum, opset 13\): attribute\(s\) \['axes'\] "
                                          r"are not attributes of ReduceSum-13"):
         import_onnx(model)
+
+
+def test_a_negative_dimension_is_free_as_in_onnx_runtime() -> None:
+    """Some exporters write dim_value -1 for a free dimension; it was taken as a size to check."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 3])
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [x], [y])
+    session = InferenceSession(model)
+    assert session.get_inputs()[0].shape == [None, 3]
+    for batch in (1, 4):
+        value = np.linspace(-1, 1, batch * 3, dtype=np.float32).reshape(batch, 3)
+        np.testing.assert_array_equal(session.run(None, {"x": value})[0], np.maximum(value, 0))

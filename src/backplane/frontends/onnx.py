@@ -154,9 +154,9 @@ def _tensor_info(type_proto: onnx.TypeProto) -> TensorInfo:
         return TensorInfo(None, dtype)
     dims: list[Dim] = []
     for dim in tensor.shape.dim:
-        if dim.HasField("dim_value"):
+        if dim.HasField("dim_value") and dim.dim_value >= 0:
             dims.append(int(dim.dim_value))
-        else:
+        else:  # a name, nothing, or a negative size (some exporters write -1): free, as in ORT
             dims.append(dim.dim_param or None)
     return TensorInfo(tuple(dims), dtype)
 

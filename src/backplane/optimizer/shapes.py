@@ -55,7 +55,7 @@ def _static_info(type_proto: onnx.TypeProto) -> TensorInfo | None:
     if not type_proto.HasField("tensor_type") or not type_proto.tensor_type.HasField("shape"):
         return None
     dims = type_proto.tensor_type.shape.dim
-    if not all(d.HasField("dim_value") for d in dims):
+    if not all(d.HasField("dim_value") and d.dim_value >= 0 for d in dims):
         return None
     dtype = onnx.helper.tensor_dtype_to_np_dtype(type_proto.tensor_type.elem_type)
     return TensorInfo(tuple(int(d.dim_value) for d in dims), np.dtype(dtype))
