@@ -58,6 +58,7 @@ class InferenceSession:
             self.graph, list(backends), pins=pins, options=optimizer_options,
             registry=self.runtime.registry, backend_options=self.runtime.options.backend_options)
         self.network_id = self.runtime.load(self.optimized)
+        self.optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
         self._outputs = list(self.optimized.output_names)
 
     @property

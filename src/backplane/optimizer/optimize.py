@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from backplane import debug
@@ -54,22 +54,44 @@ class OptimizedNetwork:
     options: OptimizerOptions = field(default_factory=OptimizerOptions)
     backend_options: dict[str, object] = field(default_factory=dict)
     """The options this network's backends were given (``Backend.options``)."""
+    exclusions: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Layer name -> {backend id: reason}: the backends kept from each layer (``optimize``'s
+    ``exclude``)."""
+    remake: Callable[[dict[str, dict[str, str]]], OptimizedNetwork] | None = None
+    """Optimizes the same graph again with other exclusions: what the runtime does when a backend
+    cannot create a workload for a layer it took (Arm NN's failed subgraph, found at load)."""
+
+    def layers_behind(self, layer: Layer) -> list[str]:
+        """The model's layers that ``layer`` runs: itself, or those a substitution put into it."""
+        if layer.name in self.report.layers:
+            return [layer.name]
+        return [p.name for p in self.report.layers.values() if p.substituted_by == layer.name]
 
 
 def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] | None = None,
              options: OptimizerOptions | None = None, registry: BackendRegistry | None = None,
-             backend_options: Mapping[str, object] | None = None) -> OptimizedNetwork:
+             backend_options: Mapping[str, object] | None = None,
+             exclude: Mapping[str, Mapping[str, str]] | None = None) -> OptimizedNetwork:
     """Place every layer of ``graph`` on the first of ``backends`` that supports it.
 
     ``pins`` maps a layer name or an op type to a backend id tried before the preferences (a layer
     name wins over its op type). ``backend_options`` ("CpuAcc.compile": "layers", ...) go to this
-    network's backends, created for it alone, before any of them is asked anything. The user's
-    graph is not modified.
+    network's backends, created for it alone, before any of them is asked anything. ``exclude``
+    maps a layer name to the backends that must not take it, each with the reason (the report
+    shows it as a refusal). The user's graph is not modified.
     """
     options = options or OptimizerOptions()
     registry = registry or default_registry
     pins = dict(pins or {})
     backend_options = dict(backend_options or {})
+    exclusions = {name: dict(reasons) for name, reasons in (exclude or {}).items()}
+
+    source = graph  # the user's, untouched: ``graph`` becomes our copy below
+
+    def remake(more: dict[str, dict[str, str]]) -> OptimizedNetwork:
+        return optimize(source, backends, pins=pins, options=options, registry=registry,
+                        backend_options=backend_options, exclude=more)
+
     graph = _private_copy(graph)
     expose_captures(graph)
     output_names = list(graph.outputs)
@@ -79,11 +101,11 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     if BUILTIN not in available:
         available[BUILTIN] = registry.create(BUILTIN)
         available[BUILTIN].options = BackendOptions(backend_options)
-    _assign(graph, available, pins, report)
+    _assign(graph, available, pins, report, excluded=exclusions)
     for layer in graph.layers:
         if layer.backend == BUILTIN and layer.op_type in CONTROL_FLOW_OPS:
             _optimize_bodies(layer, graph, backends, pins, options, registry, report, backend_options)
-    _optimize_subgraphs(graph, available, pins, report)
+    _optimize_subgraphs(graph, available, pins, report, exclusions)
     if options.strict:
         _check_strict(report)
     used = {layer.backend for layer in graph.layers if layer.backend}
@@ -95,7 +117,7 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     if debug.level() >= 1:
         report.render(debug.console())
     return OptimizedNetwork(graph, chosen, report, list(graph.inputs), output_names, options,
-                            backend_options)
+                            backend_options, exclusions, remake)
 
 
 def _private_copy(graph: Graph) -> Graph:
@@ -153,7 +175,9 @@ def _candidates(layer: Layer, preferences: Sequence[str], available: Mapping[str
 
 def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str],
             report: PlacementReport, layers: Sequence[Layer] | None = None,
-            excluded: Mapping[str, set[str]] | None = None) -> None:
+            excluded: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    """Place ``layers`` (all by default); ``excluded``: layer name -> {backend id: reason} not to
+    try, each a refusal in the report."""
     for layer in layers if layers is not None else graph.layers:
         placement = report.layers.get(layer.name) or LayerPlacement(layer.name, layer.op_type, "")
         ins = [graph.info(n) for n in layer.inputs if n]
@@ -167,8 +191,11 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
             report.layers[layer.name] = placement
             continue
         placement.pinned = pins.get(layer.name) or pins.get(layer.op_type)
-        skip = (excluded or {}).get(layer.name, set())
-        for backend_id in _candidates(layer, report.preferences, available, pins, skip):
+        skip = (excluded or {}).get(layer.name, {})
+        for backend_id, reason in skip.items():
+            if (backend_id, reason) not in placement.refusals:
+                placement.refusals.append((backend_id, reason))
+        for backend_id in _candidates(layer, report.preferences, available, pins, set(skip)):
             support = available[backend_id].is_layer_supported(layer, ins, outs)
             if support.ok:
                 layer.backend = placement.backend = backend_id
@@ -185,9 +212,9 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
 
 
 def _optimize_subgraphs(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str],
-                        report: PlacementReport) -> None:
+                        report: PlacementReport, exclusions: Mapping[str, Mapping[str, str]]) -> None:
     """Let every backend rewrite its subgraphs; reassign failed layers until none fail."""
-    excluded: dict[str, set[str]] = {}
+    excluded = {name: dict(reasons) for name, reasons in exclusions.items()}
     done: set[int] = set()  # layers already seen by their backend's optimize_subgraph
     for _ in range(len(available) + 1):
         failed: list[Layer] = []
@@ -209,9 +236,8 @@ def _optimize_subgraphs(graph: Graph, available: Mapping[str, Backend], pins: Ma
                 report.subgraphs.append(SubgraphRecord(backend_id, [lay.name for lay in part.layers],
                                                        "failed"))
                 for layer in part.layers:
-                    excluded.setdefault(layer.name, set()).add(backend_id)
-                    report.layers[layer.name].refusals.append(
-                        (backend_id, "optimize_subgraph reported it failed"))
+                    excluded.setdefault(layer.name, {})[backend_id] = \
+                        "optimize_subgraph reported it failed"
                     failed.append(layer)
         if not failed:
             return
@@ -228,9 +254,11 @@ def _substitute(graph: Graph, old: Sequence[Layer], new: Sequence[Layer], backen
     kept = [layer for layer in graph.layers if id(layer) not in gone]
     graph.layers = kept[:position] + list(new) + kept[position:]
     graph.toposort()
-    for layer in old:
-        placement = report.layers.get(layer.name)
-        if placement is not None and len(new) == 1 and new[0].name != layer.name:
+    if len(new) != 1:
+        return
+    gone_names = {layer.name for layer in old} - {new[0].name}
+    for placement in report.layers.values():  # also those an earlier substitution put into ``old``
+        if placement.name in gone_names or placement.substituted_by in gone_names:
             placement.substituted_by = new[0].name
 
 

@@ -34,6 +34,14 @@ class ExecutionError(RuntimeError):
     """A workload failed at run time; the message names its layer."""
 
 
+class WorkloadError(ExecutionError):
+    """A backend could not create the workload of a layer it took, at load; names both."""
+
+    def __init__(self, message: str, layer: Layer, backend: str) -> None:
+        super().__init__(message)
+        self.layer, self.backend = layer, backend
+
+
 @dataclass(frozen=True)
 class Step:
     workload: Workload
@@ -110,8 +118,8 @@ class LoadedNetwork:
         try:
             return factory.create_workload(layer, infos_in, infos_out)
         except Exception as exc:
-            raise ExecutionError(f"{layer.backend} could not create a workload for "
-                                 f"{layer.describe()}: {exc}") from exc
+            raise WorkloadError(f"{layer.backend} could not create a workload for "
+                                f"{layer.describe()}: {exc}", layer, layer.backend or "") from exc
 
     def _bind_constant(self, name: str, value: np.ndarray, backend: Backend) -> str:
         """The key of the slot holding ``name`` in ``backend``'s memory: constants live in host

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from backplane.backends.api.backend import Backend, BackendContext, BackendOptions, ProfilingContext
+from backplane.backends.api.backend import (Backend, BackendContext, BackendOptions, OptionError,
+                                            ProfilingContext)
 from backplane.backends.registry import BackendRegistry
 from backplane.backends.registry import registry as default_registry
 from backplane.backends.registry.dynamic import backend_paths
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork
-from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork
+from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork, WorkloadError
+
+log = logging.getLogger("backplane.runtime")
 
 
 class InvalidInputError(ValueError):
@@ -81,13 +85,27 @@ class Runtime:
         return ids
 
     def load(self, network: OptimizedNetwork) -> int:
-        """Create every workload of the network once; returns the id to run it by."""
+        """Create every workload of the network once; returns the id to run it by.
+
+        A backend that cannot create the workload of a layer it took gives the layer up (Arm NN's
+        failed subgraph, found at load): the network is optimized again without that backend for
+        the model's layers behind it, which go to the next backend that supports them, with the
+        reason in the report. The load fails when no backend is left, or in strict mode."""
         network_id = next(self._ids)
-        contexts = [self.contexts[b] for b in self._configure(network) if b in self.contexts]
-        for context in contexts:
-            context.before_load_network(network_id)
-        self._networks[network_id] = LoadedNetwork(network, network_id, self.profiling)
-        for context in contexts:
+        told: list[BackendContext] = []
+        while True:  # each retry keeps one more backend from a layer: it ends
+            for backend_id in self._configure(network):
+                context = self.contexts.get(backend_id)
+                if context is not None and context not in told:
+                    context.before_load_network(network_id)
+                    told.append(context)
+            try:
+                loaded = LoadedNetwork(network, network_id, self.profiling)
+                break
+            except WorkloadError as exc:
+                network = _without(network, exc)
+        self._networks[network_id] = loaded
+        for context in told:
             context.after_load_network(network_id)
         return network_id
 
@@ -120,6 +138,26 @@ class Runtime:
         except KeyError:
             raise KeyError(f"no network loaded under id {network_id}; loaded ids are "
                            f"{sorted(self._networks)}") from None
+
+
+def _without(network: OptimizedNetwork, failure: WorkloadError) -> OptimizedNetwork:
+    """``network`` optimized again with ``failure``'s backend kept from its layer's model layers,
+    or ``failure`` raised where that cannot be (strict mode, a builtin layer, nothing to remake)."""
+    names = network.layers_behind(failure.layer)
+    known = [name for name in names if failure.backend in network.exclusions.get(name, {})]
+    if network.options.strict or network.remake is None or not names or known \
+            or failure.backend == "builtin" or isinstance(failure.__cause__, OptionError):
+        raise failure
+    reason = f"could not create its workload: {failure.__cause__ or failure}"
+    exclusions = {name: dict(reasons) for name, reasons in network.exclusions.items()}
+    for name in names:
+        exclusions.setdefault(name, {})[failure.backend] = reason
+    message = (f"{failure.backend} could not create a workload for {failure.layer.name}; "
+               f"{', '.join(names)} fall back to the next backend ({failure.__cause__})")
+    log.warning(message)
+    remade = network.remake(exclusions)
+    remade.report.warnings.append(message)
+    return remade
 
 
 def within(network: OptimizedNetwork) -> list[OptimizedNetwork]:

@@ -100,6 +100,11 @@ class WorkloadFactory:
         return bind_kernel(kernel, layer.attrs, len(layer.outputs))
 
 
+class OptionError(ValueError):
+    """A backend option with a value the backend does not take: the user's to fix, never a reason
+    to fall back to another backend (the message lists the values it takes)."""
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """Backend options ("CpuAcc.compile": "layers", "GpuAcc.device": "cuda:1", ...): those of a

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from backplane.backends.api.backend import Workload
+from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.api.optimization import OptimizationViews, Substitution
@@ -228,7 +228,7 @@ def precision_type(choice: str) -> Any:
     import torch
 
     if choice not in PRECISIONS:
-        raise ValueError(f"GpuAcc.precision {choice!r} is not one of {', '.join(PRECISIONS)}")
+        raise OptionError(f"GpuAcc.precision {choice!r} is not one of {', '.join(PRECISIONS)}")
     name = PRECISIONS[choice]
     return None if name is None else getattr(torch, name)
 

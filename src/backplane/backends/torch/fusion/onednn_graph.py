@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from backplane.backends.api.backend import BackendOptions, Workload
+from backplane.backends.api.backend import BackendOptions, OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
@@ -95,7 +95,7 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     """The compiled subgraph or its layers one by one, as ``CpuAcc.compile`` says (see above)."""
     mode = backend.options.get("CpuAcc.compile", "auto")
     if mode not in MODES:
-        raise ValueError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
+        raise OptionError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
     description = {"layers": layer.attrs["shapes"]}
     if mode == "layers" or (mode == "auto" and remembered("graph", description, backend) == "layers"):
         return _named(_layers(layer, backend), "layers")  # nothing traced
