@@ -55,10 +55,14 @@ def _fold(layer: Layer, graph: Graph, kernels) -> tuple[np.ndarray, ...] | None:
     kernel = select_kernel(kernels, layer.op_type, layer.opset)
     if kernel is None:
         return None
+    inferred = [graph.info(n) for n in layer.outputs if n]
+    if all(info.is_static for info in inferred) and \
+            sum(info.nbytes or 0 for info in inferred) > MAX_FOLDED_BYTES:
+        return None  # too large to keep as a constant: not computed at all
     try:
         workload = bind_kernel(kernel, layer.attrs, len(layer.outputs))
         values = workload(*(graph.constants[n] if n else None for n in layer.inputs))
-    except (UnsupportedError, ValueError, TypeError, IndexError, ArithmeticError):
+    except (UnsupportedError, ValueError, TypeError, IndexError, ArithmeticError, MemoryError):
         return None  # left to run time, where a real error is reported with its layer
     values = tuple(np.asarray(v) for v in values)
     if sum(v.nbytes for v in values) > MAX_FOLDED_BYTES:

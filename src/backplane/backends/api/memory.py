@@ -5,6 +5,7 @@ memory manager acquired around execution (Arm NN's ITensorHandleFactory, MemoryS
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,3 +75,51 @@ class MemoryManager:
     def acquire(self) -> None: ...
 
     def release(self) -> None: ...
+
+
+LIMIT_VARIABLE = "BACKPLANE_MAX_TENSOR_BYTES"
+"""The most bytes one tensor whose size comes from data may take; default: the memory available."""
+_UNCHECKED_BYTES = 64 << 20  # below this no limit is looked up
+
+
+class AllocationError(MemoryError):
+    """A tensor whose size comes from data (ConstantOfShape, Expand, Tile, ...) would pass the limit."""
+
+
+def check_allocation(shape: Any, dtype: Any, what: str = "a tensor") -> None:
+    """Raise AllocationError, naming the size, before ``shape`` of ``dtype`` is allocated past the
+    limit: ``$BACKPLANE_MAX_TENSOR_BYTES``, else the memory available now (a size past it would end
+    in the kernel's OOM killer, or a NumPy MemoryError that says nothing of the layer)."""
+    count = 1
+    for size in shape:
+        count *= max(int(size), 0)
+    nbytes = count * np.dtype(dtype).itemsize
+    if nbytes <= _UNCHECKED_BYTES and LIMIT_VARIABLE not in os.environ:
+        return
+    limit = allocation_limit()
+    if nbytes > limit:
+        raise AllocationError(f"{what} of shape {tuple(int(s) for s in shape)} and type "
+                              f"{np.dtype(dtype).name} would take {_size(nbytes)}; the limit is "
+                              f"{_size(limit)} (the memory available, or ${LIMIT_VARIABLE})")
+
+
+def allocation_limit() -> int:
+    """``$BACKPLANE_MAX_TENSOR_BYTES`` if set, else the memory available (Linux's MemAvailable)."""
+    if LIMIT_VARIABLE in os.environ:
+        return int(os.environ[LIMIT_VARIABLE])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.4g} {unit}" if unit != "bytes" else f"{nbytes} bytes"
+        nbytes /= 1024  # type: ignore[assignment]
+    return ""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.api.memory import check_allocation
 from backplane.ir.graph import Layer, TensorInfo
 
 COORDINATE_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",
@@ -31,6 +32,10 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
     else:
         factors = [float(s) for s in scales]
         out_sizes = [math.floor(n * f) for n, f in zip(in_sizes, factors)]
+    shape = list(X.shape)
+    for axis, size in zip(axes, out_sizes):
+        shape[axis] = size
+    check_allocation(shape, np.float64, "Resize's output")  # computed in float64
     roi = None if roi is None or not len(roi) else np.asarray(roi, dtype=np.float64)
     y = X.astype(np.float64)
     outside = np.zeros((), dtype=bool)  # tf_crop_and_resize: positions sampled outside the input

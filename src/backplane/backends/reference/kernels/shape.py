@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.api.memory import check_allocation
 from backplane.backends.reference.kernels.cast import is_integer
 from backplane.frontends.onnx_types import onnx_to_numpy_dtype
 from backplane.ir.graph import Layer, TensorInfo
@@ -60,11 +61,14 @@ def concat(*inputs, axis):
 def expand(input, shape):  # noqa: A002
     # Broadcasting goes both ways: a 1 in `shape` keeps the input's size.
     target = np.broadcast_shapes(input.shape, tuple(int(d) for d in shape))
+    check_allocation(target, input.dtype, "Expand's output")
     return (np.broadcast_to(input, target).copy(),)
 
 
 def tile(input, repeats):  # noqa: A002
-    return (np.tile(input, [int(r) for r in repeats]),)
+    repeats = [int(r) for r in repeats]
+    check_allocation([n * r for n, r in zip(input.shape, repeats)], input.dtype, "Tile's output")
+    return (np.tile(input, repeats),)
 
 
 # -- Split -------------------------------------------------------------------------------------
@@ -109,6 +113,7 @@ def pad_v2(data, pads, mode="constant", value=0.0):
 def _pad(x, widths, mode, value):
     # np.pad cannot crop: pad by the positive amounts, then slice off the negative ones.
     grow = [(max(b, 0), max(e, 0)) for b, e in widths]
+    check_allocation([n + b + e for n, (b, e) in zip(x.shape, grow)], x.dtype, "Pad's output")
     kwargs = {"constant_values": value} if mode == "constant" else {}
     grown = np.pad(x, grow, mode=_PAD_MODES[mode], **kwargs).astype(x.dtype)
     crop = tuple(slice(-min(b, 0), size + min(e, 0)) for (b, e), size in zip(widths, grown.shape))
@@ -205,7 +210,9 @@ def constant(value=None, sparse_value=None, value_float=None, value_floats=None,
 
 def constant_of_shape(input, value=None):  # noqa: A002
     fill = np.zeros(1, dtype=np.float32) if value is None else value
-    return (np.full([int(d) for d in input], fill.reshape(-1)[0], dtype=fill.dtype),)
+    shape = [int(d) for d in input]
+    check_allocation(shape, fill.dtype, "ConstantOfShape's output")
+    return (np.full(shape, fill.reshape(-1)[0], dtype=fill.dtype),)
 
 
 def range_(start, limit, delta, stash_type=1):
@@ -214,6 +221,7 @@ def range_(start, limit, delta, stash_type=1):
         start, limit, delta = (v.astype(onnx_to_numpy_dtype(stash_type)) for v in (start, limit, delta))
     start, limit, delta = (np.reshape(v, ()) for v in (start, limit, delta))  # scalars, or size 1
     count = max(math.ceil((limit - start) / delta), 0)
+    check_allocation([count], dtype, "Range's output")
     return ((start + np.arange(count) * delta).astype(dtype),)
 
 
