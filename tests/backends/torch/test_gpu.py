@@ -157,13 +157,19 @@ def test_runs_from_several_threads_give_each_its_own_answer(graphs: bool) -> Non
     options = RuntimeOptions(backend_options={"GpuAcc.cuda_graphs": graphs})
     session = InferenceSession(path, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
     assert session.runtime.network(session.network_id).exclusive == graphs
-    feeds = [{k: v * (1 + 0.1 * i) for k, v in base.items()} for i in range(16)]
+    rng = np.random.default_rng(0)
+    feeds = [{k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in base.items()}
+             for _ in range(16)]
     expected = [session.run(None, f)[0] for f in feeds]
+    assert min(np.abs(a - b).max() for a, b in zip(expected, expected[1:])) > 1e-3
     with ThreadPoolExecutor(8) as pool:
         for _ in range(3):
             got = list(pool.map(lambda f: session.run(None, f)[0], feeds))
             for g, e in zip(got, expected):
-                np.testing.assert_array_equal(g, e)
+                if graphs:  # one replay of the same kernels: the same bits
+                    np.testing.assert_array_equal(g, e)
+                else:  # each thread has cuBLAS and cuDNN handles of its own: their own sums
+                    np.testing.assert_allclose(g, e, rtol=0, atol=1e-5)
 
 
 def test_tf32_belongs_to_the_session_that_asked_for_it() -> None:
