@@ -169,7 +169,7 @@ def test_runs_from_several_threads_give_each_its_own_answer(graphs: bool) -> Non
                 if graphs:  # one replay of the same kernels: the same bits
                     np.testing.assert_array_equal(g, e)
                 else:  # each thread has cuBLAS and cuDNN handles of its own: their own sums
-                    np.testing.assert_allclose(g, e, rtol=0, atol=1e-5)
+                    np.testing.assert_allclose(g, e, rtol=0, atol=1e-4)
 
 
 def test_tf32_belongs_to_the_session_that_asked_for_it() -> None:
