@@ -169,12 +169,12 @@ class CpuAcc(TorchBackend):
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import fusion
 
-        return fusion.fuse(view)
+        return _specialized(view, self) or fusion.fuse(view)
 
     def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
-        from backplane.backends.torch import fusion
+        from backplane.backends.torch import fusion, specialize
 
-        return fusion.WORKLOADS
+        return {**fusion.WORKLOADS, "Specialized": specialize.specialized_workload}
 
 
 class GpuAcc(TorchBackend):
@@ -223,9 +223,19 @@ class GpuAcc(TorchBackend):
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import cuda
 
-        return cuda.capture_views(view, self)
+        return _specialized(view, self) or cuda.capture_views(view, self)
 
     def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
-        from backplane.backends.torch import cuda
+        from backplane.backends.torch import cuda, specialize
 
-        return cuda.WORKLOADS
+        return {**cuda.WORKLOADS, "Specialized": specialize.specialized_workload}
+
+
+def _specialized(view: SubgraphView, backend: TorchBackend) -> OptimizationViews | None:
+    """A subgraph with free dimensions at its inputs as one Specialized layer (``specialize``)."""
+    from backplane.backends.api.optimization import Substitution
+    from backplane.backends.torch import specialize
+
+    assert view.graph is not None, "the optimizer always gives views of a graph"
+    layer = specialize.wrap(view, view.graph, backend)
+    return None if layer is None else OptimizationViews(substitutions=[Substitution(view, [layer])])
