@@ -145,6 +145,7 @@ class Optioned(CpuRef):
     """Records the options its instances had when they made workloads."""
 
     id = "TestOptioned"
+    OPTIONS = {"TestOptioned.flavour": "sweet or sour", "TestOptioned.size": "any"}
     seen: list[tuple[int, object]] = []
 
     def create_workload_factory(self, memory_manager=None):
@@ -260,3 +261,20 @@ def test_a_network_with_an_exclusive_workload_runs_one_run_at_a_time() -> None:
         got = list(pool.map(lambda x: session.run(None, {"x": x})[0], feeds))
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_a_misspelled_option_is_an_error_that_lists_the_options() -> None:
+    pytest.importorskip("torch")
+    from backplane.backends.api.backend import OptionError
+
+    with pytest.raises(OptionError, match=r"'CpuAcc.compiel': not an option of CpuAcc; its options "
+                                          r"are: CpuAcc.threads, .*CpuAcc.compile"):
+        InferenceSession(small_cnn_model(), ["CpuAcc", "CpuRef"],
+                         runtime=Runtime(RuntimeOptions(backend_options={"CpuAcc.compiel": "layers"})))
+    with pytest.raises(OptionError, match="'CpuRef.threads': not an option of CpuRef; its options "
+                                          "are: none"):
+        Runtime(RuntimeOptions(backend_options={"CpuRef.threads": 2})).load(
+            optimize(import_onnx(small_cnn_model()), ["CpuRef"]))
+    # an option of a backend the network does not use is not its business
+    InferenceSession(small_cnn_model(), ["CpuRef"],
+                     runtime=Runtime(RuntimeOptions(backend_options={"GpuAcc.tf32": True})))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from backplane import debug
-from backplane.backends.api.backend import Backend, BackendOptions
+from backplane.backends.api.backend import Backend, BackendOptions, check_options
 from backplane.backends.builtin.backend import OWNED_OPS
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
@@ -151,6 +151,7 @@ def _available_backends(preferences: Sequence[str], pins: Mapping[str, str],
             backend = registry.create(backend_id)
         except UnknownBackendError as exc:
             raise OptimizationError(str(exc)) from exc
+        check_options(backend, backend_options)
         backend.options = BackendOptions(backend_options)
         status = backend.availability()
         if status.ok:

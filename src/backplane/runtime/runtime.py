@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import (Backend, BackendContext, BackendOptions, OptionError,
-                                            ProfilingContext)
+                                            ProfilingContext, check_options)
 from backplane.backends.registry import BackendRegistry
 from backplane.backends.registry import registry as default_registry
 from backplane.backends.registry.dynamic import backend_paths
@@ -74,6 +74,7 @@ class Runtime:
         for net in within(network):
             options = BackendOptions({**self.options.backend_options, **net.backend_options})
             for backend_id, backend in net.backends.items():
+                check_options(backend, options.values)
                 backend.options = options
                 allocator = self.options.custom_allocators.get(backend_id)
                 if allocator is not None and not backend.use_custom_allocator(allocator):

@@ -128,6 +128,9 @@ class Backend:
     ANY_DTYPE_OPS: ClassVar[frozenset[str]] = frozenset()
     """Ops whose kernels are right for every element type their ONNX schema allows, ml_dtypes'
     bfloat16, float8 and int4 included (data movement, casts): the NumPy-dtype check skips them."""
+    OPTIONS: ClassVar[Mapping[str, str]] = {}
+    """The options this backend takes ("<id>.<name>" -> what it does): any other option named
+    after the backend's id is an error that lists these (``check_options``)."""
     options: BackendOptions = BackendOptions()
     """The options of the network this backend belongs to: ``optimize`` creates a backend for each
     network and sets them before asking it anything; ``Runtime.load`` adds the runtime's options
@@ -199,6 +202,17 @@ class Backend:
     def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
         """Rewrite or compile a subgraph assigned to this backend. Default: leave it untouched."""
         return OptimizationViews(untouched=[view])
+
+
+def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
+    """OptionError for an option named after ``backend``'s id that it does not take (a misspelled
+    one would otherwise do nothing, unseen)."""
+    prefix = f"{backend.id}."
+    unknown = sorted(k for k in options if k.startswith(prefix) and k not in backend.OPTIONS)
+    if unknown:
+        takes = ", ".join(backend.OPTIONS) or "none"
+        raise OptionError(f"{', '.join(map(repr, unknown))}: not an option of {backend.id}; its "
+                          f"options are: {takes}")
 
 
 def kernel_key(layer: Layer) -> str:

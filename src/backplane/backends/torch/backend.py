@@ -154,6 +154,14 @@ class CpuAcc(TorchBackend):
     """PyTorch's CPU kernels (oneDNN, MKL), with convolutions and linears fused and prepacked."""
 
     id = "CpuAcc"
+    OPTIONS = {
+        "CpuAcc.threads": "torch's intra-op threads (process-wide)",
+        "CpuAcc.conv_route": "auto (measured), onednn, torch or gemm (1x1 only)",
+        "CpuAcc.linear_route": "auto (measured), mkl or onednn",
+        "CpuAcc.compile": "auto, onednn_graph or layers",
+        "CpuAcc.route_cache": "keep measured routes on disk (True)",
+        "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
+    }
 
     def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
         return (TORCH_CPU_FACTORY,)
@@ -181,6 +189,14 @@ class GpuAcc(TorchBackend):
     """PyTorch's CUDA kernels; each static-shape subgraph captured as a CUDA graph at load."""
 
     id = "GpuAcc"
+    OPTIONS = {
+        "GpuAcc.device": "the CUDA device (cuda:0)",
+        "GpuAcc.cuda_graphs": "capture and replay (True)",
+        "GpuAcc.fuse_conv_relu": "Conv [-> Add] -> Relu as one cuDNN call (True)",
+        "GpuAcc.tf32": "TF32 matrix products and convolutions (False)",
+        "GpuAcc.precision": "fp32, fp16 or bf16 inside captured subgraphs",
+        "GpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
+    }
 
     def _missing(self) -> str | None:
         reason = torch_missing()
