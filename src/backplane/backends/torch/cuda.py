@@ -253,6 +253,7 @@ def in_math_mode(workload: Workload, tf32: bool) -> Workload:
         with math_mode(tf32):
             return workload(*values)
 
+    run.__dict__.update(getattr(workload, "__dict__", {}))  # exclusive, built, ...: kept
     return run
 
 
