@@ -101,6 +101,7 @@ def test_a_build_that_fails_runs_the_layers_one_by_one(monkeypatch, caplog) -> N
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_gpu_signatures_are_captured_graphs() -> None:
     session = _session(["GpuAcc", "CpuRef"])
+    assert session.runtime.network(session.network_id).exclusive  # captured graphs inside
     for shape in SIZES:
         _check(session, shape, tolerance=1e-3)
     runners = _specialized(session).built.values()
