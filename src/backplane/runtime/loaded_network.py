@@ -56,6 +56,12 @@ class LayerTiming:
     op_type: str
     backend: str
     seconds: float
+    start: float = 0.0
+    """``time.perf_counter()`` when the layer began; a workload's inner layers start one after the
+    other from the workload's start (for traces: ``backplane.profiling``)."""
+    nbytes: int | None = None
+    """The bytes of the layer's outputs where they tell them (a MemCopy or MemImport: the bytes it
+    moves); None for a workload's inner layers."""
 
 
 class LoadedNetwork:
@@ -192,8 +198,10 @@ class LoadedNetwork:
         seconds = time.perf_counter() - start
         backend = layer.backend or ""
         context = self.profiling.get(backend)
+        nbytes = None if parts else _nbytes(results)
         for name, op_type, spent in parts or [(layer.name, layer.op_type, seconds)]:
-            timings.append(LayerTiming(name, op_type, backend, spent))
+            timings.append(LayerTiming(name, op_type, backend, spent, start, nbytes))
+            start += spent
             if context is not None:
                 context.record(name, spent)
         for i, value in zip(step.outputs, results):
@@ -214,6 +222,14 @@ class LoadedNetwork:
         layer = self._layer_of[id(step.workload)]
         return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
                               f"{type(exc).__name__}: {exc}")
+
+
+def _nbytes(values: Any) -> int | None:
+    if not isinstance(values, (tuple, list)):
+        return None
+    sizes = [getattr(value, "nbytes", None) for value in values]
+    known = [int(size) for size in sizes if isinstance(size, (int, np.integer))]
+    return sum(known) if known else None
 
 
 def _array(value: Any) -> Any:
