@@ -6,12 +6,12 @@ from backplane.frontends.onnx import ModelError, import_onnx
 from backplane.optimizer.optimize import OptimizationError, OptimizedNetwork, OptimizerOptions, optimize
 from backplane.runtime.loaded_network import ExecutionError
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions
-from backplane.session import InferenceSession
+from backplane.session import InferenceSession, ModelMetadata, RunOptions, SessionOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "ExecutionError", "InferenceSession", "InvalidInputError", "ModelError",
-    "OptimizationError", "OptimizedNetwork", "OptimizerOptions", "Runtime", "RuntimeOptions",
-    "Support", "import_onnx", "optimize", "registry",
+    "ModelMetadata", "OptimizationError", "OptimizedNetwork", "OptimizerOptions", "RunOptions",
+    "Runtime", "RuntimeOptions", "SessionOptions", "Support", "import_onnx", "optimize", "registry",
 ]

@@ -1,22 +1,47 @@
-"""InferenceSession: the ONNX Runtime-style facade over import, optimize, load and run."""
+"""InferenceSession: the ONNX Runtime-style facade over import, optimize, load and run.
+
+As in ONNX Runtime: ``InferenceSession(model, sess_options, providers=[...])`` or, in backplane's
+words, ``InferenceSession(model, backends=[...], sess_options=...)``; a backend is an id or an
+``(id, {option: value})`` pair, options named without the id ("threads" for "CpuAcc.threads").
+``SessionOptions`` holds the session-wide settings, ``RunOptions`` those of one run,
+``get_modelmeta()`` the model's metadata and ``end_profiling()`` writes a Chrome trace of the runs
+(``backplane.profiling``).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import difflib
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import onnx
 
-from backplane.frontends.onnx import import_onnx
+from backplane.backends.api.backend import OptionError
+from backplane.frontends.onnx import import_onnx, load_model
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork, OptimizerOptions, optimize
 from backplane.optimizer.report import PlacementReport
+from backplane.profiling import Trace, profile_file
 from backplane.runtime.loaded_network import LayerTiming
-from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions
+from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions, within
 
 DEFAULT_BACKENDS = ("CpuRef",)
+NO_VERSION = 2**63 - 1
+"""``ModelMetadata.version`` of a model that sets no model_version (ONNX Runtime's kNoVersion)."""
+SEVERITIES = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR,
+              4: logging.CRITICAL}
+"""ONNX Runtime's log severity levels (0 verbose, 1 info, 2 warning, 3 error, 4 fatal) as Python's."""
+CACHE_VARIABLE = "BACKPLANE_CACHE_DIR"  # backplane.backends.torch.route_cache.CACHE_VARIABLE
+
+BackendSpec = str | tuple[str, Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -28,6 +53,22 @@ class NodeArg:
     type: str
 
 
+@dataclass(frozen=True)
+class ModelMetadata:
+    """The model's metadata, as ONNX Runtime's ``ModelMetadata`` gives it (``producer_version`` is
+    backplane's addition). ``version`` is the model's model_version, ``NO_VERSION`` (2**63 - 1, as in
+    ONNX Runtime) where the model sets none."""
+
+    producer_name: str
+    producer_version: str
+    graph_name: str
+    domain: str
+    description: str
+    graph_description: str
+    version: int
+    custom_metadata_map: dict[str, str]
+
+
 def _node_arg(name: str, info: TensorInfo) -> NodeArg:
     if info.dtype is None:
         return NodeArg(name, None, "unknown")
@@ -36,31 +77,352 @@ def _node_arg(name: str, info: TensorInfo) -> NodeArg:
     return NodeArg(name, list(info.shape) if info.shape is not None else None, f"tensor({elem})")
 
 
+# -- options ----------------------------------------------------------------------------------------------
+class _Options:
+    """Attributes from a fixed list, each checked as it is set; any other name is an error that lists
+    the valid ones (a misspelled option would otherwise do nothing, unseen)."""
+
+    FIELDS: ClassVar[dict[str, tuple[Any, Callable[[Any], Any], str]]] = {}
+    """name -> (default, check returning the value to keep, what it does)."""
+
+    def __init__(self, **values: Any) -> None:
+        for name, (default, _, _) in self.FIELDS.items():
+            object.__setattr__(self, name, default() if callable(default) else default)
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.FIELDS:
+            raise AttributeError(self._unknown(name))
+        object.__setattr__(self, name, self.FIELDS[name][1](value))
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not set: unknown ones
+        raise AttributeError(self._unknown(name))
+
+    def _unknown(self, name: str) -> str:
+        kind = type(self).__name__
+        close = difflib.get_close_matches(name, self.FIELDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return (f"{kind} has no option '{name}'{hint}; its options are: "
+                + ", ".join(self.FIELDS))
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS)
+        return f"{type(self).__name__}({values})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and all(
+            getattr(self, n) == getattr(other, n) for n in self.FIELDS)
+
+
+def _count(name: str) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        return value
+    return check
+
+
+def _flag(name: str) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+        return value
+    return check
+
+
+def _severity(name: str, none_ok: bool = False) -> Callable[[Any], int | None]:
+    def check(value: Any) -> int | None:
+        if value is None and none_ok:
+            return None
+        if isinstance(value, bool) or value not in SEVERITIES:
+            raise ValueError(f"{name} must be 0 (verbose), 1 (info), 2 (warning), 3 (error) or "
+                             f"4 (fatal){' or None' if none_ok else ''}, got {value!r}")
+        return int(value)
+    return check
+
+
+def _pins(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"pins must map layer names or op types to backend ids, got {value!r}")
+    return dict(value)
+
+
+def _folder(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"cache_dir must be a folder's path or None, got {value!r}")
+    return os.fspath(value)
+
+
+def _text(name: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a str, got {value!r}")
+        return value
+    return check
+
+
+class SessionOptions(_Options):
+    """The session-wide settings (ONNX Runtime's names where it has one). Set them as attributes or
+    as keywords: ``SessionOptions(intra_op_num_threads=2, enable_profiling=True)``.
+
+    - ``intra_op_num_threads``: CpuAcc's threads (torch's intra-op pool, process-wide; the option
+      ``CpuAcc.threads``); 0 leaves torch's default.
+    - ``strict``: the optimizer's strict mode: fail instead of falling back (an unavailable backend,
+      a refused layer, a workload a backend cannot create).
+    - ``pins``: layer name or op type -> backend id, tried before the preferences.
+    - ``cache_dir``: the folder of CpuAcc's measured routes (``$BACKPLANE_CACHE_DIR`` while this
+      session loads, and while it runs a network whose layers build at run time); None: as set.
+    - ``enable_profiling``: every run is profiled; ``end_profiling()`` writes the Chrome trace, at
+      ``profile_file_prefix`` + the date and time + ".json".
+    - ``log_severity_level``: the lowest severity of backplane's messages logged while this session
+      works: 0 verbose, 1 info, 2 warning (the default), 3 error, 4 fatal.
+    """
+
+    FIELDS = {
+        "intra_op_num_threads": (0, _count("intra_op_num_threads"), "CpuAcc's threads; 0: torch's"),
+        "strict": (False, _flag("strict"), "fail instead of falling back"),
+        "pins": (dict, _pins, "layer name or op type -> backend id"),
+        "cache_dir": (None, _folder, "folder of CpuAcc's measured routes"),
+        "enable_profiling": (False, _flag("enable_profiling"), "profile every run"),
+        "profile_file_prefix": ("backplane_profile", _text("profile_file_prefix"),
+                                "the profile's file name before its date"),
+        "log_severity_level": (2, _severity("log_severity_level"), "0 verbose .. 4 fatal"),
+    }
+
+
+class RunOptions(_Options):
+    """The settings of one run: ``log_severity_level`` (None: the session's) and ``logid``, a tag
+    put before the messages logged during the run and on the run's event in the profile."""
+
+    FIELDS = {
+        "log_severity_level": (None, _severity("log_severity_level", none_ok=True),
+                               "0 verbose .. 4 fatal; None: the session's"),
+        "logid": ("", _text("logid"), "the run's tag in messages and the profile"),
+    }
+
+
+# -- logging and the cache folder, per session --------------------------------------------------------------
+_LOG_SCOPE: contextvars.ContextVar[tuple[int, str] | None] = contextvars.ContextVar(
+    "backplane_log_scope", default=None)
+
+
+class _ScopeFilter(logging.Filter):
+    """Drops backplane's messages below the working session's severity and tags them with its run's
+    logid; outside a session's work (no scope set) it passes everything as it is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        scope = _LOG_SCOPE.get()
+        if scope is None:
+            return True
+        level, tag = scope
+        if record.levelno < level:
+            return False
+        if tag and not getattr(record, "backplane_logid", None):
+            record.msg = f"[{tag}] {record.msg}"
+            record.backplane_logid = tag
+        return True
+
+
+_FILTER = _ScopeFilter()
+_known_loggers = -1
+
+
+def _install_filter() -> None:
+    """The filter on every logger of backplane's (a filter of a logger sees only its own records)."""
+    global _known_loggers
+    loggers = logging.root.manager.loggerDict
+    if len(loggers) == _known_loggers:
+        return
+    _known_loggers = len(loggers)
+    for name in [n for n in list(loggers) if n == "backplane" or n.startswith("backplane.")]:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
+@contextlib.contextmanager
+def _log_scope(severity: int, tag: str = "") -> Iterator[None]:
+    _install_filter()
+    token = _LOG_SCOPE.set((SEVERITIES[severity], tag))
+    try:
+        yield
+    finally:
+        _LOG_SCOPE.reset(token)
+
+
+_CACHE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _cache_scope(folder: str | None) -> Iterator[None]:
+    """``$BACKPLANE_CACHE_DIR`` set to ``folder`` meanwhile (one scope at a time in the process:
+    the route cache reads the variable as it measures)."""
+    if folder is None:
+        yield
+        return
+    with _CACHE_LOCK:
+        before = os.environ.get(CACHE_VARIABLE)
+        os.environ[CACHE_VARIABLE] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(CACHE_VARIABLE, None)
+            else:
+                os.environ[CACHE_VARIABLE] = before
+
+
+# -- backends and their options ----------------------------------------------------------------------------
+def backend_list(backends: Sequence[BackendSpec], provider_options: Sequence[Mapping[str, Any]]
+                 | None = None) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Backend ids and each one's options (named without its id) from ``backends=`` /
+    ``providers=`` (ids or (id, options) pairs) and ONNX Runtime's parallel ``provider_options``."""
+    if isinstance(backends, (str, bytes)) or not isinstance(backends, Sequence):
+        raise TypeError(f"backends (providers) must be a list of backend ids or (id, {{option: "
+                        f"value}}) pairs, got {backends!r}")
+    if provider_options is not None and len(provider_options) != len(backends):
+        raise ValueError(f"provider_options has {len(provider_options)} entries for "
+                         f"{len(backends)} backends: give one mapping per backend")
+    ids: list[str] = []
+    options: dict[str, dict[str, Any]] = {}
+    for index, item in enumerate(backends):
+        if isinstance(item, str):
+            backend_id, given = item, {}
+        elif (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+              and isinstance(item[1], Mapping)):
+            backend_id, given = item[0], dict(item[1])
+        else:
+            raise TypeError(f"backends[{index}] must be a backend id or an (id, {{option: value}}) "
+                            f"pair, got {item!r}")
+        if provider_options is not None:
+            given.update(provider_options[index])
+        ids.append(backend_id)
+        mine = options.setdefault(backend_id, {})
+        for key, value in given.items():
+            if not isinstance(key, str):
+                raise OptionError(f"{backend_id}: option names are str, got {key!r}")
+            name = key.removeprefix(f"{backend_id}.")
+            if "." in name:
+                raise OptionError(f"{key!r} given for {backend_id} is not one of its options: name "
+                                  f"them without the id ('threads' for '{backend_id}.threads') and "
+                                  f"give another backend's with that backend")
+            mine[name] = value
+    return ids, {b: o for b, o in options.items() if o}
+
+
+def qualified(options: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """{"CpuAcc": {"threads": 2}} as backend options: {"CpuAcc.threads": 2}."""
+    return {f"{backend}.{name}": value for backend, mine in options.items()
+            for name, value in mine.items()}
+
+
+def _merge(*layers: tuple[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Options from several places; one option given two different values is an error."""
+    merged: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for place, values in layers:
+        for key, value in values.items():
+            if key in merged and merged[key] != value:
+                raise OptionError(f"{key} is {merged[key]!r} in {where[key]} but {value!r} in {place}")
+            merged[key], where[key] = value, place
+    return merged
+
+
+# -- the session -------------------------------------------------------------------------------------------
 class InferenceSession:
     """Load an ONNX model onto a list of backends, in order of preference, and run it.
 
     Args:
         model: a path, the serialized bytes, or an onnx.ModelProto.
         backends: backend ids, most preferred first; each layer runs on the first that supports it.
-        pins: layer name or op type -> backend id, tried before the preferences.
-        optimizer_options: turn generic passes off.
+            An entry may be ``(id, {option: value})``: options for that backend, named without its
+            id (``("CpuAcc", {"threads": 2})`` is ``CpuAcc.threads``). Default: CpuRef alone.
+        sess_options: a ``SessionOptions`` (may also come second, as in ONNX Runtime).
+        providers: ONNX Runtime's name for ``backends`` (the same entries); give one or the other.
+        provider_options: ONNX Runtime's options per provider: one mapping per entry of
+            ``providers`` (or ``backends``).
+        pins: layer name or op type -> backend id, tried before the preferences (with
+            ``SessionOptions.pins``: both apply).
+        optimizer_options: turn generic passes off (``SessionOptions.strict`` sets its ``strict``).
         runtime: a Runtime to load into (one per session by default); its
-            ``RuntimeOptions.backend_options`` are this session's backend options.
+            ``RuntimeOptions.backend_options`` apply to this session too.
+        input_shapes: sizes for the model's free input dimensions.
     """
 
     def __init__(self, model: str | os.PathLike | bytes | onnx.ModelProto,
-                 backends: Sequence[str] = DEFAULT_BACKENDS, *, pins: Mapping[str, str] | None = None,
+                 backends: Sequence[BackendSpec] | SessionOptions | None = None,
+                 sess_options: SessionOptions | None = None, *,
+                 providers: Sequence[BackendSpec] | None = None,
+                 provider_options: Sequence[Mapping[str, Any]] | None = None,
+                 pins: Mapping[str, str] | None = None,
                  optimizer_options: OptimizerOptions | None = None, runtime: Runtime | None = None,
                  input_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
-        self.graph = import_onnx(model, input_shapes)
-        self.runtime = runtime or Runtime(RuntimeOptions())
-        self.optimized: OptimizedNetwork = optimize(
-            self.graph, list(backends), pins=pins, options=optimizer_options,
-            registry=self.runtime.registry, backend_options=self.runtime.options.backend_options)
-        self.network_id = self.runtime.load(self.optimized)
+        start = time.perf_counter()
+        if isinstance(backends, SessionOptions):  # ONNX Runtime's order: (model, sess_options, ...)
+            if sess_options is not None:
+                raise TypeError("two SessionOptions given: as the second argument and sess_options")
+            backends, sess_options = None, backends
+        if backends is not None and providers is not None:
+            raise ValueError("give backends= or providers= (the same list: providers is ONNX "
+                             "Runtime's name for it), not both")
+        if sess_options is not None and not isinstance(sess_options, SessionOptions):
+            raise TypeError(f"sess_options must be a backplane.SessionOptions, got "
+                            f"{type(sess_options).__name__}")
+        self.sess_options = sess_options if sess_options is not None else SessionOptions()
+        listed = backends if backends is not None else providers
+        ids, per_backend = backend_list(listed if listed is not None else DEFAULT_BACKENDS,
+                                        provider_options)
+        self._provider_options = per_backend
+        options = self.sess_options
+        session_wide = {"CpuAcc.threads": options.intra_op_num_threads} \
+            if options.intra_op_num_threads else {}
+        chosen = _merge(("SessionOptions", session_wide), ("the backends' options",
+                                                           qualified(per_backend)))
+        if runtime is not None:
+            mine = runtime.options.backend_options
+            if "CpuAcc.threads" in chosen and mine.get("CpuAcc.threads") != chosen["CpuAcc.threads"]:
+                raise OptionError("CpuAcc.threads is the runtime's (its backend context sets torch's "
+                                  "threads): give it in the RuntimeOptions of the runtime passed, or "
+                                  "pass no runtime")
+            chosen = _merge(("the runtime's RuntimeOptions", mine), ("this session", chosen))
+        self.runtime = runtime or Runtime(RuntimeOptions(backend_options=dict(chosen)))
+        self.backend_options: dict[str, Any] = chosen
+        """The backend options this session's backends were given ("CpuAcc.threads": 2, ...)."""
+        all_pins = _merge(("SessionOptions.pins", options.pins), ("pins=", pins or {}))
+        if options.strict:
+            optimizer_options = dataclasses.replace(optimizer_options or OptimizerOptions(),
+                                                    strict=True)
+        self._severity = options.log_severity_level
+        self._cache_dir = options.cache_dir
+        with _log_scope(self._severity), _cache_scope(self._cache_dir):
+            proto, _ = load_model(model)
+            self._meta = _metadata(proto)
+            self.graph = import_onnx(proto, input_shapes)
+            del proto
+            optimized = time.perf_counter()
+            self.optimized: OptimizedNetwork = optimize(
+                self.graph, ids, pins=all_pins, options=optimizer_options,
+                registry=self.runtime.registry, backend_options=chosen)
+            loading = time.perf_counter()
+            self.network_id = self.runtime.load(self.optimized)
+            loaded = time.perf_counter()
         self.optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
         self._outputs = list(self.optimized.output_names)
+        self._builds_at_run = any(layer.op_type == "Specialized" for net in within(self.optimized)
+                                  for layer in net.graph.layers)
+        self._trace: Trace | None = None
+        if options.enable_profiling:
+            self._trace = Trace(self._meta.graph_name or "model", ids, origin=start)
+            self._trace.span("import", start, optimized)
+            self._trace.span("optimize", optimized, loading, backends=ids)
+            self._trace.span("load", loading, loaded)
+        self._update_fast_path()
 
+    # -- what the model is ---------------------------------------------------------------------------
     @property
     def report(self) -> PlacementReport:
         return self.optimized.report
@@ -71,18 +433,71 @@ class InferenceSession:
     def get_outputs(self) -> list[NodeArg]:
         return [_node_arg(n, self.graph.info(n)) for n in self._outputs]
 
+    def get_modelmeta(self) -> ModelMetadata:
+        return self._meta
+
     def get_providers(self) -> list[str]:
         return list(self.optimized.report.preferences)
 
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
+    def get_provider_options(self) -> dict[str, dict[str, Any]]:
+        """Each backend's options as given to this session, named without its id."""
+        return {b: dict(o) for b, o in self._provider_options.items()}
+
+    def get_session_options(self) -> SessionOptions:
+        return self.sess_options
+
+    # -- runs ------------------------------------------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: RunOptions | None = None) -> list[Any]:
         """Outputs named in ``output_names`` (all when None), in that order."""
-        results = self.runtime.run(self.network_id, input_feed)
-        return self._select(output_names, results)
+        if self._fast and run_options is None:
+            return self._select(output_names, self.runtime.run(self.network_id, input_feed))
+        return self._run(output_names, input_feed, run_options)[0]
 
     def run_profiled(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+                     run_options: RunOptions | None = None,
                      ) -> tuple[list[Any], list[LayerTiming]]:
-        results, timings = self.runtime.run_profiled(self.network_id, input_feed)
+        """``run``, with the time each layer took (in the profile too when profiling is on)."""
+        results, timings = self._run(output_names, input_feed, run_options, timed=True)
+        assert timings is not None
+        return results, timings
+
+    def end_profiling(self) -> str:
+        """Write the profile (a Chrome trace: ``backplane.profiling``) and stop profiling; returns
+        the file's path, or "" where profiling was not on (as ONNX Runtime does)."""
+        trace, self._trace = self._trace, None
+        self._update_fast_path()
+        if trace is None:
+            return ""
+        return trace.write(profile_file(self.sess_options.profile_file_prefix))
+
+    def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+             run_options: RunOptions | None, timed: bool = False,
+             ) -> tuple[list[Any], list[LayerTiming] | None]:
+        if run_options is not None and not isinstance(run_options, RunOptions):
+            raise TypeError(f"run_options must be a backplane.RunOptions or None, got "
+                            f"{type(run_options).__name__}")
+        severity, tag = self._severity, ""
+        if run_options is not None:
+            tag = run_options.logid
+            if run_options.log_severity_level is not None:
+                severity = run_options.log_severity_level
+        trace = self._trace
+        timings: list[LayerTiming] | None = None
+        with _log_scope(severity, tag), _cache_scope(self._cache_dir if self._builds_at_run
+                                                     else None):
+            start = time.perf_counter()
+            if trace is None and not timed:
+                results = self.runtime.run(self.network_id, input_feed)
+            else:
+                results, timings = self.runtime.run_profiled(self.network_id, input_feed)
+            if trace is not None:
+                trace.add_run(timings or [], start, time.perf_counter(), tag)
         return self._select(output_names, results), timings
+
+    def _update_fast_path(self) -> None:
+        self._fast = (self._trace is None and self._severity == 2
+                      and not (self._cache_dir and self._builds_at_run))
 
     def _select(self, output_names: Sequence[str] | None, results: list[Any]) -> list[Any]:
         if output_names is None:
@@ -96,3 +511,12 @@ class InferenceSession:
 
     def close(self) -> None:
         self.runtime.unload(self.network_id)
+
+
+def _metadata(proto: onnx.ModelProto) -> ModelMetadata:
+    return ModelMetadata(
+        producer_name=proto.producer_name, producer_version=proto.producer_version,
+        graph_name=proto.graph.name, domain=proto.domain, description=proto.doc_string,
+        graph_description=proto.graph.doc_string,
+        version=proto.model_version if proto.HasField("model_version") else NO_VERSION,
+        custom_metadata_map={p.key: p.value for p in proto.metadata_props})
