@@ -1,0 +1,952 @@
+"""Export the corpus of real-world exports: small torch.nn architectures through torch's own exporters.
+
+Usage (with the project's venv: torch, onnx, onnxruntime, onnxscript for the dynamo exporter):
+    python scripts/export_corpus.py                  # every model -> tests/data/corpus/, manifest.json
+    python scripts/export_corpus.py --only gpt_causal_ts15 lstm_bi2_ts14
+    python scripts/export_corpus.py --list           # names, exporters, opsets, free axes
+
+Users bring ONNX files that other exporters wrote; this corpus is what torch writes for the
+architectures they bring, small: random weights from fixed seeds (nothing is downloaded), each file
+well under 1 MB. The models are written here as torch.nn modules (no torchvision, no transformers)
+and exported with the TorchScript exporter (`torch.onnx.export(..., dynamo=False)`, `ts` in the
+names) or the dynamo exporter (`dynamo=True`, `dyn`), at opsets from 13 to 21, with free axes
+(batch, sequence, height, width, time). A few are quantized after export by ONNX Runtime's own
+quantizer (`onnxruntime.quantization`: QDQ, QOperator and dynamic formats), which is how int8 ONNX
+files are usually made; their ops are all of the standard domain.
+
+Every model gets, in tests/data/corpus/:
+    <name>.onnx          the export
+    <name>.s0.npz        inputs at the first size of every free axis (`dict(np.load(p))` is a feed)
+    <name>.s1.npz        inputs at the second size of every free axis
+and an entry in manifest.json: file, exporter, opset, inputs with their symbolic shapes, the free
+axes and their two sizes, what the model exercises, its op types and size. After writing each model
+the script checks it (onnx.checker), runs it in ONNX Runtime at both sizes and compares that with
+eager torch on the same inputs, so that a model whose export baked in a size, or computes something
+else than the module, never enters the corpus.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "data" / "corpus"
+MAX_FILE_BYTES = 1_000_000
+MAX_CORPUS_BYTES = 8_000_000
+
+Feeds = dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------- weights
+
+def liven(m: nn.Module, seed: int) -> nn.Module:
+    """Random weights that let a test see every kernel's mistakes (as export_models.liven does, for
+    every module kind used here): matrices and kernels N(0, 1/fan_in), so that activations stay near
+    unit scale; biases N(0, 0.1); norm scales N(1, 0.2); BatchNorm statistics random. Library inits
+    leave biases and norm shifts at 0 and norm scales at 1, where a kernel that drops them passes."""
+    g = torch.Generator().manual_seed(seed)
+    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)
+    with torch.no_grad():
+        for mod in m.modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if isinstance(mod, nn.Embedding):
+                    p.copy_(torch.randn(p.shape, generator=g))
+                elif isinstance(mod, norms) and pname == "weight":
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2 + 1.0)
+                elif p.dim() >= 2:
+                    fan_in = p[0].numel()
+                    if isinstance(mod, nn.ConvTranspose2d):
+                        fan_in = p.shape[0] * p[0, 0].numel() // max(1, p.shape[1])
+                    p.copy_(torch.randn(p.shape, generator=g) * fan_in ** -0.5)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
+                mod.running_mean.copy_(torch.randn(mod.running_mean.shape, generator=g) * 0.1)
+                mod.running_var.copy_(torch.rand(mod.running_var.shape, generator=g) + 0.5)
+    return m.eval()
+
+
+# ---------------------------------------------------------------- CNNs
+
+def conv_bn(cin: int, cout: int, k: int, stride: int | tuple[int, int] = 1, groups: int = 1,
+            dilation: int = 1, act: type[nn.Module] | None = nn.ReLU6) -> nn.Sequential:
+    pad = dilation * (k - 1) // 2
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, stride, pad, dilation=dilation, groups=groups,
+                                         bias=False), nn.BatchNorm2d(cout)]
+    if act is not None:
+        layers.append(act())
+    return nn.Sequential(*layers)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: expand 1x1, depthwise 3x3, project 1x1, residual Add when shapes agree."""
+
+    def __init__(self, cin: int, cout: int, stride: int | tuple[int, int], expand: int,
+                 dilation: int = 1, act: type[nn.Module] = nn.ReLU6):
+        super().__init__()
+        mid = cin * expand
+        self.residual = stride in (1, (1, 1)) and cin == cout
+        self.block = nn.Sequential(conv_bn(cin, mid, 1, act=act),
+                                   conv_bn(mid, mid, 3, stride, groups=mid, dilation=dilation, act=act),
+                                   conv_bn(mid, cout, 1, act=None))
+
+    def forward(self, x):
+        y = self.block(x)
+        return x + y if self.residual else y
+
+
+class MobileNetish(nn.Module):
+    """A small MobileNet: strided stem, depthwise convolutions with strides (2, 1) and (1, 2), a
+    dilated depthwise one, grouped convolutions (groups 4), inverted residuals with Add, HardSwish,
+    global average pool and a classifier. Outputs the logits and the last feature map (so that a
+    wrong stride or padding shows in the spatial output, not only through the pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = conv_bn(3, 16, 3, stride=2)
+        self.features = nn.Sequential(
+            InvertedResidual(16, 16, 1, 2),
+            InvertedResidual(16, 24, (2, 1), 2),            # depthwise stride (2, 1)
+            InvertedResidual(24, 24, 1, 2, dilation=2, act=nn.Hardswish),
+            conv_bn(24, 32, 3, stride=(1, 2), groups=4),      # grouped, stride (1, 2)
+            InvertedResidual(32, 32, 1, 2, act=nn.Hardswish),
+            conv_bn(32, 32, 3, groups=8, act=nn.ReLU),
+        )
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        f = self.features(self.stem(x))
+        return self.head(F.adaptive_avg_pool2d(f, 1).flatten(1)), f
+
+
+class BasicBlock(nn.Module):
+    __module__ = "corpus"  # the domain of its ONNX local function where exported as one
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = conv_bn(cin, cout, 3, stride, act=nn.ReLU)
+        self.conv2 = conv_bn(cout, cout, 3, act=None)
+        self.down = conv_bn(cin, cout, 1, stride, act=None) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        return F.relu(self.conv2(self.conv1(x)) + identity)
+
+
+class ResNetish(nn.Module):
+    """ResNet's shape: 5x5 stem stride 2, MaxPool 3x3/2 pad 1, basic blocks with 1x1 strided
+    downsample shortcuts, an AvgPool with ceil_mode, global pool, classifier."""
+
+    def __init__(self, matmul_head: bool = False):
+        super().__init__()
+        self.matmul_head = matmul_head  # the classifier written as x @ W.T + b: MatMul, not Gemm
+        self.stem = conv_bn(3, 16, 5, 2, act=nn.ReLU)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.layer1 = BasicBlock(16, 16, 1)
+        self.layer2 = BasicBlock(16, 32, 2)
+        self.avg = nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        f = self.layer2(self.layer1(self.pool(self.stem(x))))
+        f = self.avg(f)
+        x = torch.flatten(F.adaptive_avg_pool2d(f, 1), 1)
+        return (x @ self.fc.weight.t() + self.fc.bias if self.matmul_head else self.fc(x)), f
+
+
+class UNetish(nn.Module):
+    """A two-level U-Net: MaxPool down, ConvTranspose2d (stride 2) and bilinear Resize up, skip
+    Concats, sigmoid mask. Height and width must be multiples of 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = conv_bn(3, 8, 3, act=nn.ReLU)
+        self.enc2 = conv_bn(8, 16, 3, act=nn.ReLU)
+        self.mid = conv_bn(16, 16, 3, act=nn.ReLU)
+        self.up2 = nn.ConvTranspose2d(16, 16, 2, stride=2)
+        self.dec2 = conv_bn(32, 8, 3, act=nn.ReLU)
+        self.dec1 = conv_bn(16, 8, 3, act=nn.ReLU)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([self.up2(m), e2], 1))
+        d1 = self.dec1(torch.cat([F.interpolate(d2, scale_factor=2.0, mode="bilinear",
+                                                align_corners=False), e1], 1))
+        return torch.sigmoid(self.out(d1))
+
+
+class FakeQuantCNN(nn.Module):
+    """Quantization-aware training's export: activations fake-quantized per tensor (uint8 and int8),
+    convolution and linear weights per output channel (int8, symmetric), as torch.ao's QAT leaves a
+    model; the TorchScript exporter writes each as a QuantizeLinear / DequantizeLinear pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, 2, 1)
+        self.c2 = nn.Conv2d(16, 16, 3, 1, 1, groups=16)
+        self.c3 = nn.Conv2d(16, 24, 1)
+        self.fc = nn.Linear(24, 10)
+
+    @staticmethod
+    def act_u8(x, scale: float, zp: int):
+        return torch.fake_quantize_per_tensor_affine(x, scale, zp, 0, 255)
+
+    @staticmethod
+    def act_s8(x, scale: float):
+        return torch.fake_quantize_per_tensor_affine(x, scale, 0, -128, 127)
+
+    def observe(self) -> FakeQuantCNN:
+        """What QAT's observers leave: per-channel weight scales as buffers (max |w| / 127)."""
+        for name in ("c1", "c2", "c3", "fc"):
+            w = getattr(self, name).weight.detach()
+            self.register_buffer(f"{name}_scale", w.abs().amax(dim=tuple(range(1, w.dim()))) / 127.0)
+            self.register_buffer(f"{name}_zp", torch.zeros(w.shape[0], dtype=torch.int32))
+        return self
+
+    def weight(self, name: str):
+        return torch.fake_quantize_per_channel_affine(getattr(self, name).weight, getattr(self, f"{name}_scale"),
+                                                      getattr(self, f"{name}_zp"), 0, -128, 127)
+
+    def forward(self, x):
+        x = self.act_s8(x, 0.03)
+        x = self.act_u8(F.relu(F.conv2d(x, self.weight("c1"), self.c1.bias, 2, 1)), 0.02, 0)
+        x = F.conv2d(x, self.weight("c2"), self.c2.bias, 1, 1, 1, 16)
+        x = self.act_s8(F.hardtanh(x, -2.0, 2.0), 2.0 / 127)
+        x = self.act_u8(F.relu(F.conv2d(x, self.weight("c3"), self.c3.bias)), 0.02, 0)
+        x = x.mean((2, 3))
+        return F.linear(x, self.weight("fc"), self.fc.bias)
+
+
+class AudioConv1d(nn.Module):
+    """A wav2vec-style feature encoder: strided Conv1d over the waveform, GroupNorm, GELU (erf),
+    more strided Conv1d, then transpose, LayerNorm and a projection, frames out."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0 = nn.Conv1d(1, 16, 10, stride=5, bias=False)
+        self.norm0 = nn.GroupNorm(16, 16)
+        self.conv1 = nn.Conv1d(16, 16, 3, stride=2, bias=False)
+        self.conv2 = nn.Conv1d(16, 16, 2, stride=2, bias=False)
+        self.ln = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 24)
+
+    def forward(self, wav):
+        x = F.gelu(self.norm0(self.conv0(wav.unsqueeze(1))))
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x))))
+        return self.proj(self.ln(x.transpose(1, 2)))
+
+
+# ---------------------------------------------------------------- recurrent
+
+class LSTMTagger(nn.Module):
+    """Two-layer bidirectional LSTM over (batch, seq, 16) with initial states, a linear head on
+    every step; returns the head, and the final hidden and cell states."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(16, 24, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(48, 8)
+
+    def forward(self, x, h0, c0):
+        y, (h, c) = self.rnn(x, (h0, c0))
+        return self.head(y), h, c
+
+
+class LSTMEncoder(nn.Module):
+    """The same LSTM with zero initial states (the exporter's default), last step's features out."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(16, 24, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(48, 8)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.head(y), y[:, -1]
+
+
+class GRUNet(nn.Module):
+    """GRU, multi-layer (bidirectional where asked), time-major or batch-first."""
+
+    def __init__(self, bidirectional: bool, batch_first: bool, layers: int = 2):
+        super().__init__()
+        self.rnn = nn.GRU(12, 20, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first)
+        self.head = nn.Linear(20 * (2 if bidirectional else 1), 6)
+
+    def forward(self, x):
+        y, h = self.rnn(x)
+        return self.head(y), h
+
+
+# ---------------------------------------------------------------- transformers
+
+class Encoder(nn.Module):
+    """nn.TransformerEncoder (2 layers, d_model 32, 4 heads, GELU) over embedded token ids, with
+    the padding mask from an attention_mask input (1 = token, 0 = padding), as a BERT takes it."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, max_len: int = 64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, input_ids, attention_mask):
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.tok(input_ids) + self.pos(pos)
+        return self.norm(self.encoder(x, src_key_padding_mask=attention_mask == 0))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int, max_len: int, sdpa: bool):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.heads, self.sdpa = heads, sdpa
+        # GPT-2's causal mask: a (1, 1, max_len, max_len) buffer sliced to the sequence.
+        self.register_buffer("bias", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool))
+                             .view(1, 1, max_len, max_len), persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.heads) ** 0.5)
+            att = att.masked_fill(~self.bias[:, :, :t, :t], torch.finfo(att.dtype).min)
+            y = torch.softmax(att, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int, max_len: int, sdpa: bool):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads, max_len, sdpa)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """A GPT-2-shaped decoder: token and position embeddings, pre-norm blocks with causal
+    self-attention (a sliced tril buffer, or scaled_dot_product_attention(is_causal=True)),
+    tanh-GELU MLPs, final LayerNorm and an LM head tied to the token embedding."""
+
+    def __init__(self, sdpa: bool, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2,
+                 max_len: int = 32):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(GPTBlock(d, heads, max_len, sdpa) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def tie(self) -> GPT:
+        self.head.weight = self.wte.weight
+        return self
+
+    def forward(self, input_ids):
+        pos = torch.arange(input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# ---------------------------------------------------------------- control flow
+
+class CondNet(nn.Module):
+    """torch.cond on a data-dependent predicate (the mean of a projection), a nested torch.cond in
+    the true branch; branches hold their own Linear layers. The dynamo exporter writes If nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.a1, self.a2, self.b1, self.c1 = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        h = self.proj(x)
+
+        def inner_true(z):
+            return self.a2(torch.relu(self.a1(z)))
+
+        def inner_false(z):
+            return torch.sigmoid(self.c1(z)) - 0.5
+
+        def true_branch(z):
+            return torch.cond(z.max() > 2.0, inner_true, inner_false, (z,))
+
+        def false_branch(z):
+            return torch.tanh(self.b1(z)) * 2.0
+
+        return torch.cond(h.mean() > 0, true_branch, false_branch, (h,))
+
+
+class ScriptedLoop(nn.Module):
+    """A recurrence written as a Python loop over the sequence and scripted (torch.jit.script): the
+    TorchScript exporter writes a Loop whose body appends each step to a list (SequenceInsert,
+    ConcatFromSequence), then a data-dependent while loop (a Loop with a condition)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ih = nn.Linear(12, 16)
+        self.hh = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.zeros(x.size(0), 16, dtype=x.dtype)
+        steps: list[torch.Tensor] = []
+        for t in range(x.size(1)):
+            h = torch.tanh(self.ih(x[:, t]) + self.hh(h))
+            steps.append(self.out(h))
+        y = torch.stack(steps, 1)
+        n = torch.zeros(1, dtype=torch.long)
+        while bool(h.abs().max() > 0.1) and int(n[0]) < 6:
+            h = h * 0.5
+            n = n + 1
+        return y, h, n
+
+
+# ---------------------------------------------------------------- detection
+
+def grid_decode(p: torch.Tensor, anchors: torch.Tensor, stride: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """YOLO's head: (N, A*(5+C), H, W) -> dynamic Reshape to (N, A, 5+C, H, W), permute, sigmoid,
+    a grid from arange(H) x arange(W), xywh -> xyxy. Returns boxes (N, A*H*W, 4), scores (N, A*H*W, C)."""
+    n, _, h, w = p.shape
+    a = anchors.shape[0]
+    p = p.reshape(n, a, -1, h, w).permute(0, 1, 3, 4, 2).sigmoid()      # (N, A, H, W, 5+C)
+    gy, gx = torch.meshgrid(torch.arange(h, dtype=p.dtype), torch.arange(w, dtype=p.dtype), indexing="ij")
+    grid = torch.stack((gx, gy), -1).view(1, 1, h, w, 2)
+    xy = (p[..., 0:2] * 2.0 - 0.5 + grid) * stride
+    wh = (p[..., 2:4] * 2.0) ** 2 * anchors.view(1, a, 1, 1, 2)
+    boxes = torch.cat((xy - wh / 2, xy + wh / 2), -1).reshape(n, -1, 4)
+    scores = (p[..., 5:] * p[..., 4:5]).reshape(n, boxes.shape[1], -1)
+    return boxes, scores
+
+
+class DetectorBody(nn.Module):
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.backbone = nn.Sequential(conv_bn(3, 16, 3, 2, act=nn.SiLU), conv_bn(16, 24, 3, 2, act=nn.SiLU),
+                                      conv_bn(24, 24, 3, 1, groups=24, act=nn.SiLU))
+        self.detect = nn.Conv2d(24, 3 * (5 + classes), 1)
+        self.register_buffer("anchors", torch.tensor([[10.0, 13.0], [16.0, 30.0], [33.0, 23.0]]))
+
+    def candidates(self, x):
+        return grid_decode(self.detect(self.backbone(x)), self.anchors, 4.0)
+
+
+def _nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou: float, score_thr: float,
+                   max_out: int) -> torch.Tensor:
+    """Greedy NMS per batch and class, as ONNX's NonMaxSuppression (corner boxes): [K, 3] indices."""
+    out = []
+    for b in range(boxes.shape[0]):
+        bx = boxes[b]
+        x1, y1 = torch.minimum(bx[:, 0], bx[:, 2]), torch.minimum(bx[:, 1], bx[:, 3])
+        x2, y2 = torch.maximum(bx[:, 0], bx[:, 2]), torch.maximum(bx[:, 1], bx[:, 3])
+        area = (x2 - x1) * (y2 - y1)
+        for c in range(scores.shape[1]):
+            s = scores[b, c]
+            order = [int(i) for i in torch.argsort(s, descending=True, stable=True) if s[i] > score_thr]
+            kept: list[int] = []
+            for i in order:
+                if len(kept) >= max_out:
+                    break
+                ok = True
+                for j in kept:
+                    iw = (torch.minimum(x2[i], x2[j]) - torch.maximum(x1[i], x1[j])).clamp(min=0)
+                    ih = (torch.minimum(y2[i], y2[j]) - torch.maximum(y1[i], y1[j])).clamp(min=0)
+                    inter = iw * ih
+                    if inter / (area[i] + area[j] - inter) > iou:
+                        ok = False
+                        break
+                if ok:
+                    kept.append(i)
+            out += [[b, c, i] for i in kept]
+    return torch.tensor(out, dtype=torch.long).reshape(-1, 3)
+
+
+class _NonMaxSuppression(torch.autograd.Function):
+    """How detection repositories (YOLOv5, mmdet) export NMS with the TorchScript exporter: an
+    autograd.Function whose symbolic writes ONNX's NonMaxSuppression."""
+
+    @staticmethod
+    def forward(ctx, boxes, scores, max_out: int, iou: float, score_thr: float):  # noqa: ARG004
+        return _nms_reference(boxes, scores, iou, score_thr, max_out)
+
+    @staticmethod
+    def symbolic(g, boxes, scores, max_out: int, iou: float, score_thr: float):
+        return g.op("NonMaxSuppression", boxes, scores,
+                    g.op("Constant", value_t=torch.tensor([max_out], dtype=torch.long)),
+                    g.op("Constant", value_t=torch.tensor([iou], dtype=torch.float)),
+                    g.op("Constant", value_t=torch.tensor([score_thr], dtype=torch.float)),
+                    center_point_box_i=0)
+
+
+class DetectNMSTorchScript(DetectorBody):
+    """Backbone, YOLO head, TopK of the best 32 candidates per image (k fixed), GatherElements of
+    their boxes and class scores, multi-class batched NonMaxSuppression, then the selected
+    (batch, class, box) triples gather boxes (flattened, dynamic Reshape + Gather) and scores."""
+
+    def forward(self, x):
+        boxes, scores = self.candidates(x)                       # (N, M, 4), (N, M, C)
+        best, _ = scores.max(-1)
+        _, idx = best.topk(32, dim=1)                             # (N, 32)
+        boxes = boxes.gather(1, idx.unsqueeze(-1).expand(-1, -1, 4))
+        scores = scores.gather(1, idx.unsqueeze(-1).expand(-1, -1, scores.shape[-1])).transpose(1, 2)
+        sel = _NonMaxSuppression.apply(boxes, scores, 20, 0.45, 0.25)  # (K, 3) int64
+        k = boxes.shape[1]
+        flat = sel[:, 0] * k + sel[:, 2]
+        det_boxes = boxes.reshape(-1, 4)[flat]
+        det_scores = scores.reshape(-1)[(sel[:, 0] * scores.shape[1] + sel[:, 1]) * k + sel[:, 2]]
+        return sel, det_boxes, det_scores
+
+
+@torch.library.custom_op("corpus::nms", mutates_args=())
+def corpus_nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torch.Tensor:
+    """torchvision.ops.nms's contract (boxes (M, 4) x1y1x2y2, scores (M,), kept indices by score)."""
+    return _nms_reference(boxes[None], scores[None, None], iou_threshold, float("-inf"), 1 << 30)[:, 2]
+
+
+@corpus_nms.register_fake
+def _(boxes, scores, iou_threshold):  # noqa: ARG001
+    return boxes.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.long)
+
+
+def corpus_nms_onnx(boxes, scores, iou_threshold: float):
+    """The dynamo exporter's translation, as onnxscript's torchlib writes torchvision::nms."""
+    from onnxscript import opset18 as op
+    sel = op.NonMaxSuppression(op.Unsqueeze(boxes, [0]), op.Unsqueeze(scores, [0, 1]),
+                               op.Constant(value_ints=[0x7FFFFFFFFFFFFFFF]),
+                               op.Constant(value_floats=[iou_threshold]))
+    return op.Reshape(op.Slice(sel, [2], [3], [1]), [-1])
+
+
+class DetectNMSDynamo(DetectorBody):
+    """One image, torchvision's detection post-process: TopK of min(64, candidates) by best class
+    score (k from the free height and width), score threshold, class-offset boxes (batched_nms's
+    trick), torchvision-style nms (a custom op translated to NonMaxSuppression), boxes, scores and
+    labels of the kept gathered by index."""
+
+    def forward(self, x):
+        boxes, scores = self.candidates(x)
+        boxes, scores = boxes[0], scores[0]                       # (M, 4), (M, C)
+        best, labels = scores.max(-1)
+        k = min(64, best.shape[0])
+        top, idx = best.topk(k)
+        boxes, labels = boxes[idx], labels[idx]
+        offset = labels.to(boxes.dtype).unsqueeze(1) * (boxes.max() + 1.0)
+        keep = corpus_nms(boxes + offset, top, 0.5)
+        return boxes[keep], top[keep], labels[keep]
+
+
+# ---------------------------------------------------------------- the corpus
+
+@dataclass
+class Spec:
+    """One corpus model: how it is built and exported, its inputs at two sizes, what it exercises."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    exporter: str                       # "torchscript", "dynamo", "torchscript+ort-quant"
+    opset: int
+    inputs: dict[str, tuple[str, tuple[int | str, ...], str]]  # name -> (kind, shape, dtype)
+    sizes: tuple[dict[str, int], dict[str, int]]                 # axis name -> size, twice
+    exercises: str
+    outputs: list[str]
+    script: bool = False                # torch.jit.script the module before the TorchScript export
+    quantize: str | None = None         # "qdq", "qoperator", "dynamic": onnxruntime.quantization
+    export_size: int = 1                # which size the example inputs of the export have (1: no
+    #                                     dimension of size 1 for torch.export to specialize)
+    grad_for_export: bool = False       # export with autograd on (keeps nn.Transformer* off its fast path)
+    custom_translation: dict = field(default_factory=dict)
+    export_options: dict = field(default_factory=dict)  # more keyword arguments of torch.onnx.export
+    vocab: int = 0
+    torch_tolerance: float = 1e-4
+
+    @property
+    def free_axes(self) -> list[str]:
+        return list(self.sizes[0])
+
+
+def make_feeds(spec: Spec, which: int) -> Feeds:
+    """The inputs at size `which` (0 or 1), from a seed of the model's name and the size."""
+    rng = np.random.default_rng([sum(map(ord, spec.name)), which])
+    sizes = spec.sizes[which]
+    feeds: Feeds = {}
+    for name, (kind, shape_t, dtype) in spec.inputs.items():
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in shape_t)
+        if kind == "normal":
+            a = rng.standard_normal(shape)
+        elif kind == "cond":  # torch.cond's predicate is the mean: s0 takes one branch, s1 the other
+            a = rng.standard_normal(shape) + (1.5 if which == 0 else -1.5)
+        elif kind == "image":
+            a = rng.uniform(-1.0, 1.0, shape)
+        elif kind == "ids":
+            a = rng.integers(0, spec.vocab, shape)
+        elif kind == "mask":  # 1 = token, 0 = padding; row i pads its last i positions (never all)
+            a = np.ones(shape)
+            for i in range(shape[0]):
+                if i:
+                    a[i, shape[1] - min(i * 2, shape[1] - 1):] = 0
+        elif kind == "wave":
+            t = np.arange(shape[1]) / 16000.0
+            a = np.sin(2 * np.pi * rng.uniform(100, 800, (shape[0], 1)) * t) + 0.1 * rng.standard_normal(shape)
+        else:
+            raise ValueError(kind)
+        feeds[name] = a.astype(dtype)
+    return feeds
+
+
+NCHW = ("N", 3, "H", "W")
+IMAGE_SIZES = ({"N": 1, "H": 32, "W": 32}, {"N": 3, "H": 40, "W": 24})
+SEQ_SIZES = ({"batch": 1, "seq": 8}, {"batch": 3, "seq": 13})
+
+
+def specs() -> dict[str, Spec]:
+    image = {"input": ("image", NCHW, "float32")}
+    image16 = {"input": ("image", NCHW, "float16")}
+    seq16 = {"x": ("normal", ("batch", "seq", 16), "float32")}
+    ids = {"input_ids": ("ids", ("batch", "seq"), "int64")}
+    s = [
+        Spec("mobilenet_dw_ts13", lambda: liven(MobileNetish(), 1), "torchscript", 13, image, IMAGE_SIZES,
+             "depthwise convs with strides (2,1) and (1,2), dilated depthwise, grouped convs (groups 4, 8), "
+             "BatchNorm folded, ReLU6 as Clip, HardSwish, residual Add, GlobalAveragePool, Gemm",
+             ["logits", "features"]),
+        Spec("mobilenet_dw_dyn18", lambda: liven(MobileNetish(), 1), "dynamo", 18, image, IMAGE_SIZES,
+             "the same CNN through the dynamo exporter (its spellings: ReduceMean pool, Clip, MatMul+Add)",
+             ["logits", "features"]),
+        Spec("mobilenet_fp16_ts17", lambda: liven(MobileNetish(), 1).half(), "torchscript", 17, image16,
+             IMAGE_SIZES, "the same CNN in float16 end to end (fp16 weights, inputs, outputs)",
+             ["logits", "features"], torch_tolerance=2e-2),
+        Spec("resnet_basic_ts16", lambda: liven(ResNetish(), 2), "torchscript", 16, image, IMAGE_SIZES,
+             "5x5 stride-2 stem, MaxPool 3x3/2 pad 1, basic blocks with strided 1x1 shortcut, "
+             "AveragePool ceil_mode count_include_pad=0 on odd sizes, Flatten, Gemm; each BasicBlock an "
+             "ONNX local function (export_modules_as_functions), called twice",
+             ["logits", "features"], export_options={"export_modules_as_functions": {BasicBlock}}),
+        Spec("resnet_basic_dyn21", lambda: liven(ResNetish(), 2), "dynamo", 21, image, IMAGE_SIZES,
+             "the ResNet through the dynamo exporter at opset 21", ["logits", "features"]),
+        Spec("unet_resize_dyn20", lambda: liven(UNetish(), 3), "dynamo", 20, image, IMAGE_SIZES,
+             "MaxPool down, ConvTranspose stride 2, bilinear Resize (half_pixel) by scale, skip Concat, Sigmoid",
+             ["mask"]),
+        Spec("unet_resize_ts13", lambda: liven(UNetish(), 3), "torchscript", 13, image, IMAGE_SIZES,
+             "the U-Net through the TorchScript exporter at opset 13 (Resize with sizes from Shape)",
+             ["mask"]),
+        Spec("fakequant_qdq_ts13", lambda: liven(FakeQuantCNN(), 4).observe(), "torchscript", 13, image, IMAGE_SIZES,
+             "QAT export: QuantizeLinear/DequantizeLinear pairs, uint8 and int8 activations per tensor, "
+             "int8 weights per channel (axis 0) on Conv, depthwise Conv and Gemm", ["logits"],
+             torch_tolerance=0.05),  # one quantum flips where torch and onnxruntime round a tie apart
+        Spec("resnet_qdq_ort17", lambda: liven(ResNetish(), 2), "torchscript+ort-quant", 17, image, IMAGE_SIZES,
+             "onnxruntime.quantization.quantize_static QDQ: uint8 activations, int8 per-channel weights "
+             "around every Conv/Gemm/pool/Add of the ResNet", ["logits", "features"], quantize="qdq"),
+        Spec("resnet_qlinear_ort15", lambda: liven(ResNetish(matmul_head=True), 2), "torchscript+ort-quant", 15, image,
+             IMAGE_SIZES, "quantize_static QOperator: QuantizeLinear, QLinearConv (uint8 x int8 per-channel), "
+             "QLinearMatMul, DequantizeLinear between float ops", ["logits", "features"], quantize="qoperator"),
+        Spec("lstm_bi2_ts14", lambda: liven(LSTMTagger(), 5), "torchscript", 14,
+             {"x": ("normal", ("batch", "seq", 16), "float32"),
+              "h0": ("normal", (4, "batch", 24), "float32"), "c0": ("normal", (4, "batch", 24), "float32")},
+             SEQ_SIZES, "LSTM, 2 layers, bidirectional, batch_first, initial states as inputs, Y_h/Y_c outputs",
+             ["y", "h", "c"]),
+        Spec("lstm_bi2_dyn18", lambda: liven(LSTMEncoder(), 5), "dynamo", 18, seq16, SEQ_SIZES,
+             "LSTM, 2 layers, bidirectional, zero initial states, through the dynamo exporter",
+             ["y", "last"]),
+        Spec("gru_bi2_dyn19", lambda: liven(GRUNet(True, True), 6), "dynamo", 19,
+             {"x": ("normal", ("batch", "seq", 12), "float32")}, SEQ_SIZES,
+             "GRU, 2 layers, bidirectional, batch_first (linear_before_reset=1)", ["y", "h"]),
+        Spec("gru_tm3_ts13", lambda: liven(GRUNet(False, False, 3), 6), "torchscript", 13,
+             {"x": ("normal", ("seq", "batch", 12), "float32")}, SEQ_SIZES,
+             "GRU, 3 layers, unidirectional, time-major; the weights are graph inputs too, with their "
+             "initializers as defaults (keep_initializers_as_inputs, older exporters' layout)", ["y", "h"],
+             export_options={"keep_initializers_as_inputs": True}),
+        # The TorchScript exporter of torch 2.13 writes nn.MultiheadAttention's sequence length into
+        # a Reshape as a constant (any other length fails in onnxruntime), so only the batch is free.
+        Spec("encoder_padmask_ts17", lambda: liven(Encoder(), 7), "torchscript", 17,
+             {"input_ids": ("ids", ("batch", 16), "int64"), "attention_mask": ("mask", ("batch", 16), "int64")},
+             ({"batch": 1}, {"batch": 3}),
+             "nn.TransformerEncoder (2 layers, 4 heads, GELU) with a key padding mask from attention_mask "
+             "(Equal, Where to -inf, Softmax), embeddings with arange positions, LayerNormalization; "
+             "sequence fixed at 16 (the TorchScript exporter bakes it into MultiheadAttention's Reshape)",
+             ["hidden"], grad_for_export=True, vocab=50),
+        Spec("encoder_padmask_dyn17", lambda: liven(Encoder(), 7), "dynamo", 17,
+             {**ids, "attention_mask": ("mask", ("batch", "seq"), "int64")}, SEQ_SIZES,
+             "the TransformerEncoder through the dynamo exporter asked for opset 17: it exports at 18 "
+             "and converts down with onnx's version converter", ["hidden"], vocab=50),
+        Spec("gpt_causal_ts15", lambda: liven(GPT(sdpa=False), 8).tie(), "torchscript", 15, ids, SEQ_SIZES,
+             "GPT-2-style decoder: causal mask sliced from a tril buffer (dynamic Slice), masked_fill with "
+             "finfo.min, LayerNorm decomposed (opset 15), tanh GELU, tied LM head", ["logits"], vocab=64),
+        Spec("gpt_sdpa_dyn18", lambda: liven(GPT(sdpa=True), 8).tie(), "dynamo", 18, ids, SEQ_SIZES,
+             "the GPT with scaled_dot_product_attention(is_causal=True) through the dynamo exporter",
+             ["logits"], vocab=64),
+        Spec("gpt_fp16_dyn19", lambda: liven(GPT(sdpa=True), 8).tie().half(), "dynamo", 19, ids, SEQ_SIZES,
+             "the SDPA GPT in float16 (weights and activations; logits float16)", ["logits"], vocab=64,
+             torch_tolerance=2e-2),
+        Spec("gpt_dynquant_ort15", lambda: liven(GPT(sdpa=False), 8).tie(), "torchscript+ort-quant", 15, ids,
+             SEQ_SIZES, "onnxruntime.quantization.quantize_dynamic of the GPT's MatMuls: DynamicQuantizeLinear, "
+             "MatMulInteger (uint8 x int8), Cast, Mul by the scales", ["logits"], quantize="dynamic",
+             vocab=64),
+        Spec("cond_nested_dyn18", lambda: liven(CondNet(), 9), "dynamo", 18,
+             {"x": ("cond", ("batch", 16), "float32")}, ({"batch": 2}, {"batch": 5}),
+             "torch.cond -> If on a data-dependent predicate, a nested If in the then-branch; size 0 "
+             "takes the else-branch, size 1 the then-branch and its nested then-branch", ["y"]),
+        Spec("loop_scripted_ts16", lambda: torch.jit.script(liven(ScriptedLoop(), 10)), "torchscript", 16,
+             {"x": ("normal", ("batch", "seq", 12), "float32")}, SEQ_SIZES,
+             "torch.jit.script'ed Python loops: Loop over the sequence with a list append "
+             "(SequenceInsert, ConcatFromSequence), a while loop with a data-dependent condition",
+             ["y", "h", "n"], script=True),
+        Spec("detect_nms_ts14", lambda: liven(DetectNMSTorchScript(), 11), "torchscript", 14, image, IMAGE_SIZES,
+             "YOLO head: dynamic Reshape to (N, A, 5+C, H, W), meshgrid from Range, TopK (k=32), "
+             "GatherElements, multi-class batched NonMaxSuppression, Gather of boxes by the selected indices",
+             ["selected", "boxes", "scores"]),
+        Spec("detect_nms_dyn21", lambda: liven(DetectNMSDynamo(), 11), "dynamo", 21,
+             {"input": ("image", (1, 3, "H", "W"), "float32")},
+             ({"H": 32, "W": 32}, {"H": 40, "W": 24}),
+             "torchvision-style post-process: TopK with k = min(64, candidates) from the free size, "
+             "class-offset boxes, NonMaxSuppression (custom-op translation), Gather of boxes, scores, labels",
+             ["boxes", "scores", "labels"], custom_translation={torch.ops.corpus.nms.default: corpus_nms_onnx}),
+        Spec("audio_conv1d_dyn19", lambda: liven(AudioConv1d(), 12), "dynamo", 19,
+             {"wav": ("wave", ("batch", "time"), "float32")}, ({"batch": 1, "time": 400}, {"batch": 3, "time": 560}),
+             "wav2vec-style feature encoder: strided Conv1d, GroupNorm, erf GELU, Transpose, "
+             "LayerNormalization, MatMul", ["frames"]),
+    ]
+    return {spec.name: spec for spec in s}
+
+
+# ---------------------------------------------------------------- export
+
+def export_torch(spec: Spec, module: nn.Module, path: Path) -> None:
+    feeds = make_feeds(spec, spec.export_size)
+    args = tuple(torch.from_numpy(feeds[n]) for n in spec.inputs)
+    in_names = list(spec.inputs)
+    if spec.exporter.startswith("torchscript"):
+        axes = {n: {i: d for i, d in enumerate(shape) if isinstance(d, str)}
+                for n, (_, shape, _) in spec.inputs.items()}
+        with torch.set_grad_enabled(spec.grad_for_export):
+            torch.onnx.export(module, args, str(path), dynamo=False, opset_version=spec.opset,
+                              input_names=in_names, output_names=spec.outputs, dynamic_axes=axes,
+                              do_constant_folding=True, **spec.export_options)
+    else:
+        dims: dict[str, torch.export.Dim] = {}
+        for which in (0, 1):
+            for axis, size in spec.sizes[which].items():
+                dims.setdefault(axis, torch.export.Dim(axis, min=1, max=4096))
+        shapes = tuple({i: dims[d] for i, d in enumerate(shape) if isinstance(d, str)} or None
+                       for _, shape, _ in spec.inputs.values())
+        with torch.no_grad():
+            program = torch.onnx.export(module, args, dynamo=True, opset_version=spec.opset,
+                                        input_names=in_names, output_names=spec.outputs,
+                                        dynamic_shapes=shapes, external_data=False, verbose=False,
+                                        custom_translation_table=spec.custom_translation or None,
+                                        **spec.export_options)
+        program.save(str(path), external_data=False)
+
+
+def quantize(spec: Spec, float_path: Path, path: Path) -> None:
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic,
+                                          quantize_static)
+    # reduce_range: 7-bit weights, as ONNX Runtime's documentation asks for x86 machines without
+    # VNNI. Its uint8 x int8 kernels there (VPMADDUBSW) add pairs of products in int16 and saturate;
+    # with 8-bit weights its QLinearConv was 14 quanta off the exact integer result at 369 of the
+    # stem's 4096 outputs on this project's machine, and onnxruntime would be a wrong reference.
+    if spec.quantize == "dynamic":
+        quantize_dynamic(str(float_path), str(path), op_types_to_quantize=["MatMul"],
+                         weight_type=QuantType.QInt8, per_channel=False, reduce_range=True)
+        return
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = [make_feeds(spec, w) for w in (0, 1)]
+
+        def get_next(self):
+            return self.batches.pop() if self.batches else None
+
+    fmt = QuantFormat.QDQ if spec.quantize == "qdq" else QuantFormat.QOperator
+    # Conv and MatMul only for QOperator: the others (QGemm, QLinearAdd, QLinearGlobalAveragePool)
+    # are com.microsoft contrib ops, not ONNX.
+    ops = None if fmt == QuantFormat.QDQ else ["Conv", "MatMul"]
+    quantize_static(str(float_path), str(path), Reader(), quant_format=fmt, op_types_to_quantize=ops,
+                    per_channel=True, reduce_range=True, activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8)
+
+
+def torch_outputs(module: nn.Module, spec: Spec, feeds: Feeds) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = module(*(torch.from_numpy(feeds[n]) for n in spec.inputs))
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    return [o.numpy() for o in out]
+
+
+def ort_run(path: Path, feeds: Feeds) -> list[np.ndarray]:
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def describe(path: Path) -> dict[str, Any]:
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    ops: set[str] = set()
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            ops.add(node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}")
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g)
+    walk(model.graph)
+    for function in model.functions:
+        walk(onnx.helper.make_graph(function.node, function.name, [], []))
+    inits = {i.name for i in model.graph.initializer}
+
+    def shape(vi: onnx.ValueInfoProto) -> list[int | str]:
+        return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+
+    def dtype(vi: onnx.ValueInfoProto) -> str:
+        return onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type).name
+
+    return {
+        "opset": next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+        "producer": f"{model.producer_name} {model.producer_version}".strip(),
+        "inputs": [{"name": vi.name, "dtype": dtype(vi), "shape": shape(vi)}
+                   for vi in model.graph.input if vi.name not in inits],
+        "outputs": [{"name": vi.name, "dtype": dtype(vi), "shape": shape(vi)} for vi in model.graph.output],
+        "ops": sorted(ops),
+        "nodes": len(model.graph.node),
+        "functions": [f"{f.domain}.{f.name}" for f in model.functions],
+        "bytes": os.path.getsize(path),
+    }
+
+
+def max_rel(got: np.ndarray, want: np.ndarray) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    if got.dtype.kind in "iub":
+        return float(np.max(np.abs(got.astype(np.int64) - want.astype(np.int64)), initial=0))
+    scale = max(float(np.max(np.abs(want.astype(np.float64)), initial=0)), 1e-3)
+    return float(np.max(np.abs(got.astype(np.float64) - want), initial=0)) / scale
+
+
+def export(spec: Spec) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = spec.build()
+    path = OUT / f"{spec.name}.onnx"
+    t0 = time.perf_counter()
+    if spec.quantize:
+        with tempfile.TemporaryDirectory() as tmp:
+            float_path = Path(tmp) / "float.onnx"
+            export_torch(spec, module, float_path)
+            quantize(spec, float_path, path)
+    else:
+        export_torch(spec, module, path)
+    info = describe(path)
+    if info["opset"] != spec.opset:
+        raise RuntimeError(f"asked for opset {spec.opset}, the file has {info['opset']}")
+    if info["bytes"] > MAX_FILE_BYTES:
+        raise RuntimeError(f"{info['bytes']} bytes: over {MAX_FILE_BYTES}")
+    free = sorted({d for vi in info["inputs"] for d in vi["shape"] if isinstance(d, str)})
+    if free != sorted(spec.free_axes):
+        raise RuntimeError(f"free axes in the file {free}, meant {sorted(spec.free_axes)}")
+    checks, notes = [], []
+    for which in (0, 1):
+        feeds = make_feeds(spec, which)
+        np.savez(OUT / f"{spec.name}.s{which}.npz", **feeds)
+        got = ort_run(path, feeds)
+        names = [o["name"] for o in info["outputs"]]
+        if names != spec.outputs:
+            raise RuntimeError(f"outputs {names}, meant {spec.outputs}")
+        if not all(np.isfinite(o).all() for o in got if o.dtype.kind == "f"):
+            raise RuntimeError(f"size {which}: onnxruntime's outputs are not finite")
+        if not spec.quantize:  # the export computes what the module does (a quantized one does not)
+            want = torch_outputs(module, spec, feeds)
+            diffs = [max_rel(g, w) for g, w in zip(got, want)]
+            if max(diffs) > spec.torch_tolerance:
+                raise RuntimeError(f"size {which}: onnxruntime vs torch differ by {diffs}")
+            checks.append(f"s{which} ort~torch {max(diffs):.1e}")
+        for o, value in zip(info["outputs"], got):
+            declared = o["shape"]
+            if len(declared) != value.ndim or any(isinstance(d, int) and d and d != n
+                                                  for d, n in zip(declared, value.shape)):
+                note = f"output {o['name']} is declared {declared} but is {list(value.shape)} at size {which}"
+                notes.append(note)
+        shapes = " ".join("x".join(map(str, o.shape)) for o in got)
+        checks.append(f"s{which} out {shapes}")
+    entry = {
+        "file": path.name,
+        "exporter": spec.exporter,
+        **({"quantized_with": f"onnxruntime.quantization {spec.quantize}"} if spec.quantize else {}),
+        "free_axes": spec.free_axes,
+        "sizes": list(spec.sizes),
+        "inputs_files": [f"{spec.name}.s0.npz", f"{spec.name}.s1.npz"],
+        "exercises": spec.exercises,
+        "torch": torch.__version__,
+        **info,
+        "notes": notes,
+    }
+    print(f"OK   {spec.name}: {spec.exporter} opset {info['opset']}, {info['nodes']} nodes, "
+          f"{info['bytes'] / 1e3:.0f} KB, {'; '.join(checks)} ({time.perf_counter() - t0:.1f}s)")
+    return entry
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="export only these models")
+    ap.add_argument("--list", action="store_true", help="list the models and exit")
+    a = ap.parse_args()
+    all_specs = specs()
+    if a.list:
+        for spec in all_specs.values():
+            print(f"{spec.name:24s} {spec.exporter:22s} opset {spec.opset:2d}  free {','.join(spec.free_axes)}")
+        return
+    unknown = sorted(set(a.only or ()) - set(all_specs))
+    if unknown:
+        sys.exit(f"Unknown model(s) {unknown}. Known: {', '.join(all_specs)}")
+    warnings.filterwarnings("ignore")
+    OUT.mkdir(parents=True, exist_ok=True)
+    manifest_path = OUT / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    failed = []
+    for spec in all_specs.values():
+        if a.only and spec.name not in a.only:
+            continue
+        try:
+            manifest[spec.name] = export(spec)
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            traceback.print_exc(limit=4)
+            print(f"FAIL {spec.name}: {type(e).__name__}: {str(e)[:1500]}")
+            failed.append(spec.name)
+    manifest = {name: manifest[name] for name in all_specs if name in manifest}
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    total = sum(e["bytes"] for e in manifest.values())
+    print(f"{len(manifest)} models, {total / 1e6:.2f} MB of .onnx"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if total > MAX_CORPUS_BYTES:
+        print(f"the corpus is over {MAX_CORPUS_BYTES} bytes")
+    sys.exit(1 if failed or total > MAX_CORPUS_BYTES else 0)
+
+
+if __name__ == "__main__":
+    main()
