@@ -101,3 +101,146 @@ def test_backends_prints_reasons_as_text_not_markup(capsys, monkeypatch) -> None
     monkeypatch.setenv("COLUMNS", "200")
     code, out = run_cli(["backends"], capsys)
     assert code == 0 and "pip install 'backplane[torch]'" in out
+
+
+# -- machine-readable output, pictures, traces, tables that keep paths whole, quiet progress -----------------
+def run_json(args: list[str], capfd) -> tuple[int, object, str]:
+    """The command with --json: its exit code, stdout parsed as one JSON document, and stderr."""
+    import json
+
+    code = cli.main(args + ["--json"])
+    out, err = capfd.readouterr()
+    return code, json.loads(out), err
+
+
+def test_inspect_json_is_the_whole_report(model_path, capfd, partial_backends) -> None:
+    code, doc, _ = run_json(["inspect", str(model_path), "--backends", "TestPrivate,CpuRef",
+                             "--graph"], capfd)
+    assert code == 0 and doc["backends"] == ["TestPrivate", "CpuRef"]
+    placement = doc["placement"]
+    assert placement["counts"] == {"TestPrivate": 6, "CpuRef": 3}
+    pool = next(layer for layer in placement["layers"] if layer["name"] == "pool")
+    assert pool["backend"] == "CpuRef"
+    assert pool["refusals"][0]["backend"] == "TestPrivate"
+    assert "GlobalAveragePool is not one of" in pool["refusals"][0]["reason"]
+    assert {(c["tensor"], c["strategy"], c["nbytes"]) for c in placement["copies"]} >= \
+        {("x", "copy", 768)}
+    assert [layer["op_type"] for layer in doc["graph"]][0] == "MemCopy"
+
+
+def test_run_json_and_a_trace(model_path, tmp_path, capfd) -> None:
+    import json
+
+    trace = tmp_path / "run.json"
+    code, doc, err = run_json(["run", str(model_path), "--repeat", "3", "--trace", str(trace)],
+                              capfd)
+    assert code == 0 and doc["runs"]["count"] == 3 and doc["runs"]["median_ms"] > 0
+    assert [layer["layer"] for layer in doc["layers"]][:2] == ["conv1", "relu1"]
+    assert doc["outputs"] == [{"name": "probs", "dtype": "float32", "shape": [1, 5],
+                               "first": doc["outputs"][0]["first"],
+                               "argmax": doc["outputs"][0]["argmax"]}]
+    assert doc["per_backend"][0]["backend"] == "CpuRef" and doc["trace"] == str(trace)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert len([e for e in events if e.get("name") == "run"]) == 4  # the warm-up and 3 timed runs
+    assert "timed runs" not in err  # no progress bar when stderr is not a terminal
+
+
+def test_backends_json_lists_ids_origins_and_options(capfd) -> None:
+    code, doc, _ = run_json(["backends"], capfd)
+    by_id = {b["id"]: b for b in doc["backends"]}
+    assert code == 0 and by_id["CpuRef"]["available"] is True and by_id["CpuRef"]["ops"] > 100
+    assert by_id["CpuRef"]["origin"] == "built in"
+    assert "CpuAcc.threads" in by_id["CpuAcc"]["options"]
+    assert by_id["GpuAcc"]["available"] is (by_id["GpuAcc"]["reason"] is None)
+
+
+def test_bench_json(model_path, capfd) -> None:
+    code, doc, err = run_json(["bench", str(model_path), "--backends", "CpuRef", "--no-ort",
+                               "--no-torch", "--no-peak", "--rounds", "1", "--runs", "2",
+                               "--warmup", "1"], capfd)
+    assert code == 0, doc
+    (row,) = doc["results"]
+    assert row["runtime"] == "CpuRef" and row["backplane"] is True
+    assert len(row["times_ms"]) == 2 and row["median_ms"] > 0 and row["load_s"] > 0
+    assert doc["rounds"] == 1 and doc["peak_gflops"] is None
+    assert "round" not in err  # the progress bar stays off a pipe
+
+
+def test_json_errors_are_json_too(model_path, capfd) -> None:
+    code, doc, _ = run_json(["run", str(model_path), "--backends", "Nope"], capfd)
+    assert code == 2 and doc["type"] == "OptimizationError"
+    assert "unknown backend 'Nope'" in doc["error"]
+
+
+def test_json_keeps_what_a_library_prints_off_stdout(model_path, capfd) -> None:
+    import os
+
+    from backplane.backends.registry import registry
+    from tests.conftest import PartialBackend
+
+    def noisy_relu(x):
+        print("python noise")
+        os.write(1, b"fd noise\n")  # as C code writing to stdout would
+        return (np.maximum(x, 0),)
+
+    class Noisy(PartialBackend):
+        id = "TestNoisy"
+        KERNELS = {"Relu": {6: noisy_relu}}
+
+    with registry.temporarily(Noisy.id, Noisy):
+        code, doc, err = run_json(["run", str(model_path), "--backends", "TestNoisy,CpuRef",
+                                   "--repeat", "1"], capfd)
+    assert code == 0 and doc["placement"] == {"TestNoisy": 2, "CpuRef": 7}
+    assert "python noise" in err and "fd noise" in err
+
+
+def test_backend_options_after_at(model_path, capsys) -> None:
+    assert cli.backend_specs("CpuAcc,CpuRef@CpuAcc.threads=1@CpuAcc.compile=layers") == \
+        [("CpuAcc", {"threads": 1, "compile": "layers"}), "CpuRef"]
+    code, out = run_cli(["inspect", str(model_path), "--backends", "CpuRef@CpuRef.threads=2"],
+                        capsys)
+    assert code == 2 and "'CpuRef.threads': not an option of CpuRef" in out
+    code, out = run_cli(["inspect", str(model_path), "--backends", "CpuRef@CpuAcc.threads=2"],
+                        capsys)
+    assert code == 2 and "name it <backend>.<option> with a backend of the list (CpuRef)" in out
+
+
+def test_inspect_html_and_dot(model_path, tmp_path, capsys, partial_backends) -> None:
+    from backplane import placement_picture
+
+    page, dot = tmp_path / "p.html", tmp_path / "p.dot"
+    code, out = run_cli(["inspect", str(model_path), "--backends", "TestPrivate,CpuRef",
+                         "--html", str(page), "--dot", str(dot)], capsys)
+    assert code == 0 and f"wrote {page} ({page.stat().st_size:,} bytes" in out
+    assert dot.read_text().startswith("digraph placement {")
+    html = page.read_text()
+    assert "<script" not in html and "GlobalAveragePool is not one of" in html
+    drawn = placement_picture.dot_program() is not None
+    assert ("<svg" in html) is drawn and ("drawn with Graphviz" in out) is drawn
+
+
+def test_tables_never_fold_a_path_or_a_layer_name(tmp_path, capsys, monkeypatch) -> None:
+    from rich.console import Console
+
+    model = small_cnn_model()
+    long_name = "/encoder/" + "/".join(f"block.{i}/sub_block_{i}" for i in range(12)) + "/Conv"
+    model.graph.node[0].name = long_name
+    path = tmp_path / "long.onnx"
+    onnx.save(model, str(path))
+    monkeypatch.setattr(cli, "console", Console(width=60, force_terminal=True))  # a narrow terminal
+    code, out = run_cli(["inspect", str(path)], capsys)
+    assert code == 0 and long_name in out
+    monkeypatch.setattr(cli, "console", Console())  # piped: as wide as the tables
+    code, out = run_cli(["run", str(path), "--repeat", "1"], capsys)
+    assert code == 0 and long_name in out and cli.console.width == cli.WIDE
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO()))
+    assert cli.progress_bar().disable is True
+    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO(), force_terminal=True))
+    assert cli.progress_bar().disable is False

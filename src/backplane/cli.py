@@ -1,18 +1,27 @@
-"""The ``backplane`` command: run, inspect, backends (Arm NN's ExecuteNetwork, in spirit)."""
+"""The ``backplane`` command: run, inspect, backends, bench (Arm NN's ExecuteNetwork, in spirit).
+
+``--json`` prints one JSON document on stdout and nothing else (messages, warnings and progress go to
+stderr). Tables never fold a path or a layer name; when stdout is not a terminal they are as wide as
+their widest cells. Progress bars show on a terminal only.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
+import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import Progress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -21,12 +30,16 @@ from backplane.backends.registry.dynamic import PATHS_VARIABLE, backend_paths
 from backplane.frontends.onnx import ModelError
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizationError
+from backplane.optimizer.report import print_table, unfolded_table
 from backplane.runtime.loaded_network import ExecutionError, LayerTiming
 from backplane.runtime.runtime import InvalidInputError
-from backplane.session import InferenceSession
+from backplane.session import InferenceSession, SessionOptions
 
 console = Console()
+err_console = Console(stderr=True)
 USER_ERRORS = (ModelError, OptimizationError, InvalidInputError, ExecutionError, ValueError, KeyError)
+WIDE = 10_000
+"""The console's width when stdout is not a terminal: tables as wide as their cells, never folded."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,15 +47,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=Console(stderr=True), show_time=False,
                                               show_path=False)])
+    if not console.is_terminal:
+        console.width = WIDE
+    as_json = getattr(args, "json", False)
     try:
+        if as_json:
+            with _stdout_to_stderr():  # whatever a library prints keeps off the document
+                code, document = args.command(args)
+            _emit(document)
+            return code
         return int(args.command(args) or 0)
     except USER_ERRORS as exc:
-        console.print(Text("error: ", style="bold red") + Text(str(exc)), highlight=False)
+        if as_json:
+            _emit({"error": str(exc), "type": type(exc).__name__})
+        else:
+            console.print(Text("error: ", style="bold red") + Text(str(exc)), highlight=False)
         return 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="backplane", description=__doc__)
+    parser = argparse.ArgumentParser(prog="backplane", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run a model, showing where each layer ran and how long it took")
     _model_arguments(run)
@@ -50,15 +74,23 @@ def _parser() -> argparse.ArgumentParser:
                      help="an input from a .npy file (random data for inputs not given)")
     run.add_argument("--repeat", type=int, default=10, help="timed runs after one warm-up run")
     run.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    run.add_argument("--trace", metavar="FILE.json",
+                     help="write a Chrome trace of the runs (chrome://tracing, ui.perfetto.dev)")
     run.set_defaults(command=cmd_run)
     inspect = sub.add_parser("inspect", help="print the placement report: where each layer goes, why")
     _model_arguments(inspect)
     inspect.add_argument("--graph", action="store_true", help="also print the optimized graph")
+    inspect.add_argument("--html", metavar="FILE.html",
+                         help="write a picture of the placement (drawn with Graphviz's dot where "
+                              "installed): layers coloured by backend, partitions outlined, copies "
+                              "and imports with their bytes, refusals with their reasons")
+    inspect.add_argument("--dot", metavar="FILE.dot", help="write the picture as Graphviz DOT text")
     inspect.set_defaults(command=cmd_inspect)
     backends = sub.add_parser("backends", help="list the backends: built in, entry points, files, "
                                                "and the candidates skipped with their reasons")
     backends.add_argument("--dynamic-backends-path", metavar="DIR",
                           help=f"one directory of dynamic backends, instead of ${PATHS_VARIABLE}")
+    _json_argument(backends)
     backends.set_defaults(command=cmd_backends)
     bench = sub.add_parser("bench", help="time a model on backplane, ONNX Runtime and eager PyTorch, "
                                          "each in processes of its own (bench/bench_torch.py)")
@@ -66,24 +98,75 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--backends", action="append", default=[],
                        help="a backend list, most preferred first, options after @ "
                             "(CpuAcc,CpuRef@CpuAcc.threads=1); repeat for more columns")
-    for option, default in (("--device", "cpu"), ("--threads", None), ("--rounds", 5), ("--runs", 20)):
+    for option, default in (("--device", "cpu"), ("--threads", None), ("--rounds", 5), ("--runs", 20),
+                            ("--warmup", 3)):
         bench.add_argument(option, default=default, help=f"as bench_torch's {option}")
+    bench.add_argument("--no-ort", action="store_true", help="leave ONNX Runtime out")
+    bench.add_argument("--no-torch", action="store_true", help="leave the PyTorch columns out")
+    bench.add_argument("--no-peak", action="store_true",
+                       help="with --json: do not measure the device's matmul peak")
+    _json_argument(bench)
     bench.set_defaults(command=cmd_bench)
     return parser
+
+
+def _json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout and nothing else")
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="an ONNX model file")
     parser.add_argument("--backends", default="CpuRef",
-                        help="comma-separated backend ids, most preferred first (default: CpuRef)")
+                        help="comma-separated backend ids, most preferred first, backend options "
+                             "after @ (CpuAcc,CpuRef@CpuAcc.compile=layers; default: CpuRef)")
     parser.add_argument("--pin", action="append", default=[], metavar="LAYER_OR_OP=BACKEND",
                         help="run a layer (by name) or every layer of an op type on a backend first")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads (SessionOptions.intra_op_num_threads)")
+    parser.add_argument("--strict", action="store_true",
+                        help="fail instead of falling back (SessionOptions.strict)")
+    _json_argument(parser)
 
 
-def _session(args: argparse.Namespace) -> InferenceSession:
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+# -- shared pieces ------------------------------------------------------------------------------------------
+def backend_specs(text: str) -> list[str | tuple[str, dict[str, Any]]]:
+    """``A,B@A.option=value@...`` as InferenceSession's backends: ids, and (id, options) pairs."""
+    ids_text, *settings = text.split("@")
+    ids = [b.strip() for b in ids_text.split(",") if b.strip()]
+    options: dict[str, dict[str, Any]] = {}
+    for setting in settings:
+        key, value = _key_value(setting, "a backend option after @")
+        backend, dot, name = key.partition(".")
+        if not dot or backend not in ids:
+            raise ValueError(f"backend option '{key}': name it <backend>.<option> with a backend of "
+                             f"the list ({', '.join(ids)})")
+        options.setdefault(backend, {})[name] = option_value(value)
+    return [(b, options[b]) if b in options else b for b in ids]
+
+
+def option_value(text: str) -> Any:
+    """An option's value as written: true / false, a number, or the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return json.loads(text) if text[:1].isdigit() or text[:1] == "-" else text
+    except ValueError:
+        return text
+
+
+def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSession:
+    options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict,
+                             enable_profiling=profiling)
     pins = dict(_key_value(p, "--pin") for p in args.pin)
-    return InferenceSession(args.model, backends=backends, pins=pins)
+    backends = backend_specs(args.backends)
+    with _busy(f"loading {Path(args.model).name} on {', '.join(_ids(backends))} (optimizing, "
+               "measuring CpuAcc's routes, creating workloads)"):
+        return InferenceSession(args.model, backends=backends, sess_options=options, pins=pins)
+
+
+def _ids(backends: Sequence[str | tuple[str, Any]]) -> list[str]:
+    return [b if isinstance(b, str) else b[0] for b in backends]
 
 
 def _key_value(text: str, option: str) -> tuple[str, str]:
@@ -93,34 +176,155 @@ def _key_value(text: str, option: str) -> tuple[str, str]:
     return key, value
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _busy(what: str) -> Iterator[None]:
+    """A spinner with the time spent on stderr while ``what`` goes on, on a terminal only."""
+    if not err_console.is_terminal:
+        yield
+        return
+    with err_console.status(what):
+        yield
+
+
+def progress_bar() -> Progress:
+    """A progress bar on stderr: on a terminal only (quiet when piped), gone when done."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err_console, transient=True,
+                    disable=not err_console.is_terminal)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """stdout, Python's and file descriptor 1 (a library's C code printing), sent to stderr."""
+    sys.stdout.flush()
+    try:
+        saved: int | None = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 to move
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _emit(document: Any) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, default=_jsonable) + "\n")
+    sys.stdout.flush()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+# -- inspect ------------------------------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> Any:
+    from backplane import placement_picture
+
     session = _session(args)
+    document: dict[str, Any] = {"model": args.model, "backends": session.get_providers(),
+                                "placement": session.report.to_dict()}
+    if args.graph:
+        document["graph"] = [{"name": layer.name, "op_type": layer.op_type, "domain": layer.domain,
+                              "backend": layer.backend, "inputs": layer.inputs,
+                              "outputs": layer.outputs}
+                             for layer in session.optimized.graph.layers]
+    title = Path(args.model).stem
+    if args.dot:
+        Path(args.dot).write_text(placement_picture.dot_source(session.optimized, session.graph,
+                                                                title))
+        document["dot"] = {"path": args.dot, "bytes": os.path.getsize(args.dot)}
+    if args.html:
+        with _busy("drawing the placement with Graphviz"):
+            drawn = placement_picture.write_html(args.html, session.optimized, session.graph, title)
+        document["html"] = {"path": args.html, "bytes": os.path.getsize(args.html), "drawn": drawn}
+        if not drawn:
+            logging.getLogger("backplane.cli").warning(
+                "Graphviz's dot was not found: %s holds the tables and the DOT text but no drawing "
+                "(install Graphviz, e.g. apt-get install graphviz, to draw it)", args.html)
+    if args.json:
+        return 0, document
     session.report.render(console)
     if args.graph:
         console.print(Text(repr(session.optimized.graph)), highlight=False)
+    for kind in ("dot", "html"):
+        if kind in document:
+            written = document[kind]
+            how = "" if kind == "dot" else (", drawn with Graphviz" if written["drawn"]
+                                            else ", not drawn: Graphviz's dot was not found")
+            console.print(Text(f"wrote {written['path']} ({written['bytes']:,} bytes{how})"),
+                          highlight=False)
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    session = _session(args)
+# -- run ------------------------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> Any:
+    session = _session(args, profiling=bool(args.trace))
     feeds = _feeds(session, dict(_key_value(i, "--input") for i in args.input), args.seed)
     outputs, timings = session.run_profiled(None, feeds)  # warm-up, and the per-layer profile
     totals: list[float] = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("timed runs", total=args.repeat)
         for _ in range(args.repeat):
             _, run_timings = session.run_profiled(None, feeds)
             totals.append(sum(t.seconds for t in run_timings))
             timings = _keep_faster(timings, run_timings)
             progress.advance(task)
-    console.print(_layer_table(timings))
-    console.print(_backend_table(timings))
+    trace = None
+    if args.trace:
+        written = session.end_profiling()
+        os.replace(written, args.trace)
+        trace = args.trace
+    if args.json:
+        return 0, _run_document(args, session, timings, totals, outputs, trace)
+    print_table(console, _layer_table(timings))
+    print_table(console, _backend_table(timings))
     if totals:
         console.print(f"median of {len(totals)} runs: {statistics.median(totals) * 1e3:.2f} ms "
                       f"(min {min(totals) * 1e3:.2f}, max {max(totals) * 1e3:.2f})")
     for arg, value in zip(session.get_outputs(), outputs):
         console.print(Text(f"output {arg.name}: {_summary(value)}"), highlight=False)
+    if trace:
+        console.print(Text(f"wrote {trace} (a Chrome trace: chrome://tracing, ui.perfetto.dev)"),
+                      highlight=False)
     return 0
+
+
+def _run_document(args: argparse.Namespace, session: InferenceSession, timings: list[LayerTiming],
+                  totals: list[float], outputs: list[Any], trace: str | None) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "model": args.model, "backends": session.get_providers(),
+        "placement": session.report.counts(),
+        "layers": [{"index": i, "layer": t.layer, "op_type": t.op_type, "backend": t.backend,
+                    "ms": t.seconds * 1e3} for i, t in enumerate(timings)],
+        "per_backend": _per_backend(timings),
+        "runs": {"count": len(totals)} | ({
+            "median_ms": statistics.median(totals) * 1e3, "min_ms": min(totals) * 1e3,
+            "max_ms": max(totals) * 1e3} if totals else {}),
+        "outputs": [_output(arg.name, value) for arg, value in zip(session.get_outputs(), outputs)],
+    }
+    if trace:
+        document["trace"] = trace
+    return document
+
+
+def _output(name: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, np.ndarray):
+        entry: dict[str, Any] = {"name": name, "dtype": str(value.dtype), "shape": list(value.shape)}
+        if value.dtype.kind in "biuf" and value.size:
+            flat = value.reshape(-1)
+            entry["first"] = flat[:5].tolist()
+            if value.ndim <= 2:
+                entry["argmax"] = int(np.argmax(flat))
+        return entry
+    return {"name": name, "value": repr(value)}
 
 
 def _keep_faster(best: list[LayerTiming], new: list[LayerTiming]) -> list[LayerTiming]:
@@ -128,25 +332,28 @@ def _keep_faster(best: list[LayerTiming], new: list[LayerTiming]) -> list[LayerT
     return [a if a.seconds <= b.seconds else b for a, b in zip(best, new)]
 
 
+def _per_backend(timings: list[LayerTiming]) -> list[dict[str, Any]]:
+    total = sum(t.seconds for t in timings) or 1.0
+    rows = []
+    for backend in dict.fromkeys(t.backend for t in timings):
+        mine = [t.seconds for t in timings if t.backend == backend]
+        rows.append({"backend": backend, "layers": len(mine), "ms": sum(mine) * 1e3,
+                     "share": sum(mine) / total})
+    return rows
+
+
 def _layer_table(timings: list[LayerTiming]) -> Table:
-    table = Table(title="Where each layer ran (fastest of the runs)")
-    for column in ("#", "layer", "op", "backend", "ms"):
-        table.add_column(column, justify="right" if column in ("#", "ms") else "left")
-    for index, t in enumerate(timings):
-        cells = (str(index), t.layer, t.op_type, t.backend, f"{t.seconds * 1e3:.3f}")
-        table.add_row(*map(Text, cells))
-    return table
+    rows = [(str(i), t.layer, t.op_type, t.backend, f"{t.seconds * 1e3:.3f}")
+            for i, t in enumerate(timings)]
+    return unfolded_table("Where each layer ran (fastest of the runs)",
+                          ("#", "layer", "op", "backend", "ms"), rows, right=("#", "ms"))
 
 
 def _backend_table(timings: list[LayerTiming]) -> Table:
-    table = Table(title="Per backend")
-    for column in ("backend", "layers", "ms", "share"):
-        table.add_column(column, justify="left" if column == "backend" else "right")
-    total = sum(t.seconds for t in timings) or 1.0
-    for backend in dict.fromkeys(t.backend for t in timings):
-        mine = [t.seconds for t in timings if t.backend == backend]
-        table.add_row(backend, str(len(mine)), f"{sum(mine) * 1e3:.2f}", f"{sum(mine) / total:.0%}")
-    return table
+    rows = [(r["backend"], str(r["layers"]), f"{r['ms']:.2f}", f"{r['share']:.0%}")
+            for r in _per_backend(timings)]
+    return unfolded_table("Per backend", ("backend", "layers", "ms", "share"), rows,
+                          right=("layers", "ms", "share"))
 
 
 def _summary(value: Any) -> str:
@@ -182,40 +389,119 @@ def random_input(info: TensorInfo, rng: np.random.Generator) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+# -- bench ----------------------------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> Any:
     from backplane.backends.torch.bench import main as bench_main
 
-    argv = [args.model, "--device", args.device, "--rounds", str(args.rounds), "--runs", str(args.runs)]
+    argv = [args.model, "--device", args.device, "--rounds", str(args.rounds), "--runs", str(args.runs),
+            "--warmup", str(args.warmup)]
     argv += [a for b in args.backends for a in ("--backends", b)]
-    return bench_main(argv + (["--threads", str(args.threads)] if args.threads else []))
+    argv += ["--threads", str(args.threads)] if args.threads else []
+    argv += (["--no-ort"] if args.no_ort else []) + (["--no-torch"] if args.no_torch else [])
+    if args.json:
+        return _bench_document(argv, measure_peak=not args.no_peak)
+    return bench_main(argv)
 
 
-def cmd_backends(args: argparse.Namespace) -> int:
+def _bench_document(argv: list[str], measure_peak: bool) -> tuple[int, dict[str, Any]]:
+    """What ``bench`` prints as tables, as one JSON document (the same processes, rounds, runs)."""
+    import subprocess
+    import tempfile
+
+    from backplane.backends.torch import bench
+
+    args = bench.parse_args(argv)
+    model = args.models[0]
+    if not model.is_file():
+        raise ModelError(f"model file '{model}' does not exist")
+    default = "GpuAcc,CpuAcc,CpuRef" if args.device == "cuda" else "CpuAcc,CpuRef"
+    runtimes = [b.replace(" ", "") for b in args.backends] or [default]
+    runtimes += [] if args.no_ort else [bench.ORT]
+    runtimes += [] if args.no_torch else [bench.EAGER] + (
+        [bench.CUDA_GRAPH] if args.device == "cuda" else [])
+    peak = None
+    if measure_peak:
+        reply = subprocess.run([sys.executable, "-m", "backplane.backends.torch.bench", "--worker",
+                                "peak", "--threads", str(args.threads), "--device", args.device],
+                               capture_output=True, text=True)
+        if reply.returncode == 0 and reply.stdout.strip():
+            peak = json.loads(reply.stdout.strip().splitlines()[-1])["gflops"]
+    with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, progress_bar() as progress:
+        task = progress.add_task("starting", total=len(runtimes) * args.rounds)
+        started = False
+
+        def advance(text: str) -> None:
+            nonlocal started
+            progress.update(task, description=text, advance=1 if started else 0)
+            started = True
+
+        results = bench.bench_model(args, model, runtimes, Path(tmp), advance)
+    flops = bench.model_flops(model)
+    ort = results.get(bench.ORT)
+    ort_ms = statistics.median(ort.times) * 1e3 if ort and ort.times else None
+    rows = []
+    for runtime, r in results.items():
+        row: dict[str, Any] = {"runtime": runtime, "backplane": runtime not in (
+            bench.ORT, bench.EAGER, bench.CUDA_GRAPH)}
+        if r.error or not r.times:
+            row["error"] = r.error or "no timed runs"
+            row["skipped"] = runtime in (bench.EAGER, bench.CUDA_GRAPH) and \
+                "no torch module" in (r.error or "")
+        else:
+            ms = statistics.median(r.times) * 1e3
+            rate = flops / (ms / 1e3) / 1e9
+            row.update({"median_ms": ms, "spread_ms": [min(r.medians) * 1e3, max(r.medians) * 1e3],
+                        "times_ms": [t * 1e3 for t in r.times],
+                        "vs_ort": ort_ms / ms if ort_ms else None, "gflops": rate,
+                        "share_of_peak": rate / peak if peak else None,
+                        "load_s": statistics.median(r.loads)})
+            if runtime != bench.ORT and ort is not None:
+                row["diff_vs_ort"] = bench._diff(r.outputs, ort.outputs)
+        rows.append(row)
+    failed = any("error" in row for row in rows if row["runtime"] not in (bench.EAGER,
+                                                                          bench.CUDA_GRAPH))
+    return (1 if failed else 0), {
+        "model": str(model), "device": args.device, "threads": args.threads,
+        "rounds": args.rounds, "runs": args.runs, "warmup": args.warmup,
+        "gflop_per_run": flops / 1e9, "peak_gflops": peak, "results": rows}
+
+
+# -- backends -------------------------------------------------------------------------------------------------
+def cmd_backends(args: argparse.Namespace) -> Any:
     registry.load_entry_points()
     registry.load_dynamic_backends(backend_paths(args.dynamic_backends_path))
-    table = Table(title="Registered backends")
-    for column in ("id", "version", "from", "available", "capabilities", "ops"):
-        table.add_column(column, overflow="fold")
+    entries: list[dict[str, Any]] = []
     for backend_id in registry.ids():
+        entry: dict[str, Any] = {"id": backend_id, "origin": registry.origin(backend_id)}
         try:
             backend = registry.create(backend_id)
         except Exception as exc:  # a broken factory is shown, not fatal
-            table.add_row(*map(Text, (backend_id, "?", registry.origin(backend_id), f"no: {exc}",
-                                      "", "")))
+            entry.update({"version": None, "available": False, "reason": str(exc),
+                          "capabilities": {}, "ops": 0, "options": {}})
+            entries.append(entry)
             continue
         status = backend.availability()
-        caps = ", ".join(f"{k}={v}" for k, v in backend.capabilities().items())
-        cells = (backend_id, backend.version, registry.origin(backend_id),  # as text: no markup
-                 "yes" if status.ok else f"no: {status.reason}", caps, str(len(backend.KERNELS)))
-        table.add_row(*map(Text, cells))
-    console.print(table)
-    if registry.skipped:
-        skipped = Table(title="Skipped candidates")
-        skipped.add_column("candidate", overflow="fold")
-        skipped.add_column("reason", overflow="fold")
-        for entry in registry.skipped:
-            skipped.add_row(Text(entry.candidate), Text(entry.reason))
-        console.print(skipped)
+        entry.update({"version": backend.version, "available": status.ok,
+                      "reason": None if status.ok else status.reason,
+                      "capabilities": dict(backend.capabilities()), "ops": len(backend.KERNELS),
+                      "options": dict(backend.OPTIONS)})
+        entries.append(entry)
+    skipped = [{"candidate": s.candidate, "reason": s.reason} for s in registry.skipped]
+    if args.json:
+        return 0, {"backends": entries, "skipped": skipped}
+    rows = []
+    for e in entries:
+        caps = ", ".join(f"{k}={v}" for k, v in e["capabilities"].items())
+        status = "yes" if e["available"] else f"no: {e['reason']}"
+        rows.append((e["id"], e["version"] or "?", e["origin"], status, caps, str(e["ops"])))
+    print_table(console, unfolded_table("Registered backends", ("id", "version", "from",
+                                                                "available", "capabilities", "ops"),
+                                        rows, folding=("available", "capabilities"),
+                                        right=("ops",)))
+    if skipped:
+        print_table(console, unfolded_table("Skipped candidates", ("candidate", "reason"),
+                                            [(s["candidate"], s["reason"]) for s in skipped],
+                                            folding=("reason",)))
     return 0
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -58,28 +59,39 @@ class PlacementReport:
         return counts
 
     def table(self) -> Table:
-        table = Table(title="Placement", show_lines=False)
-        for column in ("layer", "op", "backend", "refused by (reason)"):
-            table.add_column(column, overflow="fold")
+        """Layer names (paths, often) are never folded: the reasons fold instead."""
+        rows = []
         for p in self.layers.values():
             refused = "; ".join(f"{b}: {r}" for b, r in p.refusals)
             backend = p.backend + (f" (in {p.substituted_by})" if p.substituted_by else "")
-            table.add_row(*map(Text, (p.name, p.op_type, backend, refused)))
-        return table
+            rows.append((p.name, p.op_type, backend, refused))
+        return unfolded_table("Placement", ("layer", "op", "backend", "refused by (reason)"), rows,
+                              folding=("backend", "refused by (reason)"))
 
     def copies_table(self) -> Table:
-        table = Table(title="Tensors crossing backends")
-        for column in ("tensor", "from", "to", "strategy", "bytes"):
-            table.add_column(column)
-        for c in self.copies:
-            size = "?" if c.nbytes is None else f"{c.nbytes:,}"
-            table.add_row(*map(Text, (c.tensor, c.source, c.target, c.strategy, size)))
-        return table
+        rows = [(c.tensor, c.source, c.target, c.strategy, "?" if c.nbytes is None else f"{c.nbytes:,}")
+                for c in self.copies]
+        return unfolded_table("Tensors crossing backends", ("tensor", "from", "to", "strategy",
+                                                            "bytes"), rows, right=("bytes",))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``backplane inspect --json``)."""
+        return {"preferences": list(self.preferences),
+                "counts": self.counts(),
+                "layers": [{"name": p.name, "op_type": p.op_type, "backend": p.backend,
+                            "refusals": [{"backend": b, "reason": r} for b, r in p.refusals],
+                            "pinned": p.pinned, "substituted_by": p.substituted_by}
+                           for p in self.layers.values()],
+                "copies": [asdict(c) for c in self.copies],
+                "subgraphs": [asdict(s) for s in self.subgraphs],
+                "unavailable": dict(self.unavailable),
+                "warnings": list(self.warnings)}
 
     def render(self, console: Console) -> None:
-        console.print(self.table())
+        """The tables, never cropped: a line wider than the console wraps at the terminal."""
+        print_table(console, self.table())
         if self.copies:
-            console.print(self.copies_table())
+            print_table(console, self.copies_table())
         for backend, reason in self.unavailable.items():
             console.print(Text(f"backend {backend} unavailable: {reason}"))
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
@@ -90,3 +102,42 @@ class PlacementReport:
         buffer = io.StringIO()
         self.render(Console(file=buffer, width=160, color_system=None))
         return buffer.getvalue()
+
+
+def unfolded_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]],
+                   folding: tuple[str, ...] = (), right: tuple[str, ...] = ()) -> Table:
+    """A table whose cells are plain text (no markup) and whose columns, but those in ``folding``,
+    are never folded or cut: each is as wide as its widest cell, and a narrow console folds the
+    ``folding`` columns instead (a path or a layer name stays whole, to copy and paste)."""
+    table = Table(title=title)
+    for index, column in enumerate(columns):
+        widest = max([len(column), *(len(row[index]) for row in rows)])
+        justify = "right" if column in right else "left"
+        if column in folding:
+            table.add_column(column, overflow="fold", justify=justify)
+        else:
+            table.add_column(column, no_wrap=True, min_width=widest, justify=justify)
+    for row in rows:
+        table.add_row(*map(Text, row))
+    return table
+
+
+FOLDED_MIN = 16
+"""The least width a folding column gets when a table needs more than the console has."""
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` with its unfolded columns whole: where they need more than the console's
+    width, the table is laid out wider (its lines wrap at the terminal, never inside a cell)."""
+    need = 1 + 3 * len(table.columns)  # borders and padding
+    for column in table.columns:
+        need += (column.min_width or 0) if column.no_wrap else FOLDED_MIN
+    if need <= console.width:
+        console.print(table)
+        return
+    before = console._width  # print(width=...) cannot pass the console's width: widen it meanwhile
+    console.width = need
+    try:
+        console.print(table, crop=False)
+    finally:
+        console._width = before
