@@ -91,7 +91,7 @@ def main() -> int:
                 traceback.print_exc(limit=2, file=sys.stderr)
                 continue
             row["placement"] = " ".join(f"{b}:{n}" for b, n in sorted(session.report.counts().items()))
-            worst, times = 0.0, []
+            worst, compared, times = 0.0, False, []
             for size in (0, 1):
                 feed = feeds(name, size)
                 if (name, size) not in expected:
@@ -106,7 +106,7 @@ def main() -> int:
                     times.append(None)
                     continue
                 rel, mismatches = compare_outputs(actual, expected[(name, size)], out_names)
-                worst = max(worst, rel)
+                worst, compared = max(worst, rel), True
                 if mismatches:
                     row["status"] = "MISMATCH" if row["status"] == "ok" else row["status"]
                     problems += [f"{name} on {label} at {sizes_text(entry).split(' / ')[size]}: {m}"
@@ -117,7 +117,7 @@ def main() -> int:
                     session.run(None, feed)
                     samples.append((time.perf_counter() - t0) * 1e3)
                 times.append(statistics.median(samples) if samples else None)
-            row["worst"] = "inf" if worst == float("inf") else f"{worst:.1e}"
+            row["worst"] = "-" if not compared else "inf" if worst == float("inf") else f"{worst:.1e}"
             row["ms"] = " / ".join("-" if t is None else f"{t:.2f}" for t in times)
 
     import os
