@@ -13,7 +13,8 @@ TOLERANCE * max |want|, with an absolute floor of ABS_FLOOR where outputs are ne
 ONNX Runtime has NaN. float16 outputs cannot be compared at 1e-4 (float16's own resolution is 9.8e-4
 of a value): they are held to FP16_ULPS units in the last place of float16 at the output's scale.
 
-Where backplane fails on a model, its test fails: nothing here is skipped or expected to fail.
+ONNX Runtime is the reference with its graph optimizations off (`ort_outputs` says why). Where
+backplane fails on a model, its test fails: nothing here is skipped or expected to fail.
 """
 
 from __future__ import annotations
