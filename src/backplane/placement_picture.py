@@ -393,7 +393,7 @@ def _page(picture: Placement, report: PlacementReport, dot: str, svg: str | None
                              f"<td>{e(p.backend)}</td><td>{e(backend)}</td><td>{e(reason)}</td></tr>")
         parts.append("</table>")
     else:
-        parts.append("<p>Every layer went to the first backend it asked.</p>")
+        parts.append("<p>No backend refused a layer.</p>")
     parts.append(f"<h2>Tensors crossing backends ({len(report.copies)})</h2>")
     if report.copies:
         parts.append("<table><tr><th>tensor</th><th>from</th><th>to</th><th>how</th>"

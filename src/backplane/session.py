@@ -416,7 +416,9 @@ class InferenceSession:
                                   for layer in net.graph.layers)
         self._trace: Trace | None = None
         if options.enable_profiling:
-            self._trace = Trace(self._meta.graph_name or "model", ids, origin=start)
+            name = (os.path.basename(os.fspath(model)) if isinstance(model, (str, os.PathLike))
+                    else self._meta.graph_name or "model")
+            self._trace = Trace(name, ids, origin=start)
             self._trace.span("import", start, optimized)
             self._trace.span("optimize", optimized, loading, backends=ids)
             self._trace.span("load", loading, loaded)
