@@ -13,6 +13,7 @@ KERNELS = {
 }
 
 CHECKS = {
+    **elementwise.CHECKS,
     **nn.CHECKS,
     **shape.CHECKS,
 }

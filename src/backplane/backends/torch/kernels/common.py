@@ -6,6 +6,7 @@ constants on the host so that reading them never waits for the GPU) or as tensor
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,15 @@ def scalar(value: Any) -> float | int | bool:
     if isinstance(value, torch.Tensor):
         return value.reshape(-1)[0].item()
     return np.asarray(value).reshape(-1)[0].item()
+
+
+def in_range(value: float, dtype: torch.dtype) -> float:
+    """A Python number for a scalar argument of a torch op on ``dtype`` (clamp's bounds): torch
+    refuses one that overflows the type, so a float past the type's range becomes the value a cast
+    gives (its largest, or an infinity), as NumPy converts a Python float for a float16 array."""
+    if dtype.is_floating_point and math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+        return float(torch.tensor(value, dtype=torch.float64).to(dtype))
+    return value
 
 
 def torch_dtype(onnx_type: int) -> torch.dtype:

@@ -7,12 +7,23 @@ ONNX broadcasting is NumPy's, which is torch's. ONNX keeps the input dtype where
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from backplane.backends.api.kernels import KernelTable
-from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, SIGNED, scalar, torch_dtype
+from backplane.backends.torch.kernels.common import (
+    FLOATS,
+    NUMBERS,
+    SIGNED,
+    TORCH_DTYPES,
+    in_range,
+    scalar,
+    torch_dtype,
+)
+from backplane.frontends.onnx_types import onnx_to_numpy_dtype
+from backplane.ir.graph import Layer, TensorInfo
 
 
 def _unary(fn):
@@ -37,11 +48,27 @@ def mul(A, B):
 def div(A, B):
     if A.dtype.is_floating_point:
         return (torch.div(A, B),)
-    return (torch.div(A, B, rounding_mode="trunc"),)  # ONNX integer division truncates
+    # ONNX integer division truncates. By zero it is 0, as in CpuRef (NumPy), where torch's CPU
+    # kernel would raise ZeroDivisionError and fail the whole run; no data-dependent branch, so
+    # that the kernel stays capturable in a CUDA graph.
+    zero = B == 0
+    quotient = torch.div(A, B.masked_fill(zero, 1), rounding_mode="trunc")
+    return (quotient.masked_fill_(zero, 0),)
 
 
 def pow_(X, Y):
+    if Y.dtype.is_floating_point and Y.dtype != X.dtype:
+        # In torch a 0-d tensor does not widen the other's type (a 0-d float32 X to a float16 Y
+        # is computed in float16: 4 ** 8 overflows); CpuRef computes in the wider type.
+        wide = torch.promote_types(X.dtype, Y.dtype)
+        return (torch.pow(X.to(wide), Y.to(wide)).to(X.dtype),)
     return (torch.pow(X, Y).to(X.dtype),)
+
+
+def sign(input):  # noqa: A002
+    if input.dtype.is_floating_point:  # torch's sign of NaN is 0; NumPy's (and the spec's) is NaN
+        return (torch.where(torch.isnan(input), input, torch.sign(input)),)
+    return (torch.sign(input),)
 
 
 def erf(input):  # noqa: A002
@@ -65,7 +92,9 @@ def min_(*data_0):
 
 
 def clip_v6(input, max=3.4028234663852886e38, min=-3.4028234663852886e38):  # noqa: A002
-    return (torch.clamp(input, min, max),)
+    # The default bounds (float32's largest) overflow float16, which torch.clamp refuses: bounds
+    # are rounded to the input's type first, as NumPy does (past its range: an infinity).
+    return (torch.clamp(input, in_range(min, input.dtype), in_range(max, input.dtype)),)
 
 
 def clip(input, min=None, max=None):  # noqa: A002
@@ -155,7 +184,9 @@ def hard_swish(X):
 
 
 def softplus(X):
-    return (torch.log1p(torch.exp(X)) if X.numel() else X.clone(),)
+    # log(1 + exp(x)); torch's softplus returns x itself past 20, where exp would overflow (to an
+    # infinity from 88.7 in float32, 11.1 in float16) and log1p(exp(x)) rounds to x anyway.
+    return (F.softplus(X),)
 
 
 def softsign(X):
@@ -174,6 +205,20 @@ def thresholded_relu(X, alpha=1.0):
     return (torch.where(X > alpha, X, torch.zeros_like(X)),)
 
 
+def check_cast(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    to = layer.attrs.get("to")
+    dtype = onnx_to_numpy_dtype(to) if isinstance(to, int) else None
+    if dtype is None or dtype not in TORCH_DTYPES:
+        name = dtype.name if dtype is not None else f"ONNX type {to}"
+        return f"Cast to {name} (no torch type for it)"
+    return None
+
+
+def check_gelu(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    approximate = layer.attrs.get("approximate", "none")
+    return None if approximate in ("none", "tanh") else f"Gelu approximate={approximate!r} not known"
+
+
 KERNELS: KernelTable = {
     "Add": {7: add},
     "Sub": {7: sub},
@@ -189,7 +234,7 @@ KERNELS: KernelTable = {
     "Floor": {6: _unary(torch.floor)},
     "Ceil": {6: _unary(torch.ceil)},
     "Round": {11: _unary(torch.round)},  # both round half to even
-    "Sign": {9: _unary(torch.sign)},
+    "Sign": {9: sign},
     "Erf": {9: erf},
     "Sin": {7: _unary(torch.sin)},
     "Cos": {7: _unary(torch.cos)},
@@ -247,3 +292,6 @@ INPUT_DTYPES = {
     "Pow": FLOATS,
 }
 """Per op, the element types its first input may have (other inputs follow ONNX's type rules)."""
+
+CHECKS = {"Cast": check_cast, "Gelu": check_gelu}
+"""Refusals the attributes decide (the output's type may not be known to the support check)."""

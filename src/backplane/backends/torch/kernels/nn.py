@@ -6,6 +6,7 @@ prepacked forms of Conv and Gemm are in ``backends/torch/fusion.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -44,19 +45,46 @@ def _pool_geometry(X, kernel_shape, auto_pad, dilations, pads, strides):
     return strides, dilations, begins, ends
 
 
+def _ceil_sizes(spatial, kernel, strides, dilations, begins, ends):
+    """The output sizes of a ceil_mode pool: the last window must start inside the input or its
+    begin padding (never in the end padding), as in CpuRef and torch."""
+    sizes = []
+    for size, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begins, ends):
+        out = -(-(size + b + e - (k - 1) * d - 1) // s) + 1
+        sizes.append(out - 1 if (out - 1) * s >= size + b else out)
+    return sizes
+
+
+def _trimmed(y, sizes):
+    """y cut to ``sizes`` on its spatial axes: a pool run on an input padded here, where torch took
+    the end padding for input and let one more ceil_mode window start in it."""
+    return y[(Ellipsis, *(slice(0, n) for n in sizes))]
+
+
 def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
              storage_order=0, strides=None, *, n_outputs=1):
     rank = X.dim() - 2
     strides, dilations, begins, ends = _pool_geometry(X, kernel_shape, auto_pad, dilations, pads,
                                                       strides)
     fits = begins == ends and all(2 * b <= k for b, k in zip(begins, kernel_shape))
+    sizes = None
     if not fits:  # torch pads symmetrically, at most half a window: pad here instead
+        if ceil_mode:
+            sizes = _ceil_sizes(X.shape[2:], kernel_shape, strides, dilations, begins, ends)
         X, begins = _pad_both(X, begins, ends, -math.inf), [0] * rank
     pool = _MAX_POOL[rank]
     if n_outputs == 1:
-        return (pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode)),)
+        y = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode))
+        return (y if sizes is None else _trimmed(y, sizes),)
+    # indices: only where torch pads (check_max_pool), so that they are into X itself
     y, indices = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode),
                       return_indices=True)
+    if X.dtype.is_floating_point:
+        # torch's index of a window with several NaNs is its last NaN, CpuRef's (NumPy's argmax)
+        # the first: the first is the first maximum of the NaN mask
+        _, first_nan = pool(torch.isnan(X).to(X.dtype), kernel_shape, strides, begins, dilations,
+                            bool(ceil_mode), return_indices=True)
+        indices = torch.where(torch.isnan(y), first_nan, indices)
     planes = torch.arange(X.shape[0] * X.shape[1], device=X.device).reshape(*X.shape[:2],
                                                                           *[1] * rank)
     return y, indices + planes * math.prod(X.shape[2:])
@@ -67,9 +95,18 @@ def average_pool(X, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilatio
     rank = X.dim() - 2
     strides, _, begins, ends = _pool_geometry(X, kernel_shape, auto_pad, dilations, pads, strides)
     fits = begins == ends and all(2 * b <= k for b, k in zip(begins, kernel_shape))
+    sizes = None
     if not fits:  # only reached when the padding counts (check_average_pool)
+        if ceil_mode:
+            sizes = _ceil_sizes(X.shape[2:], kernel_shape, strides, [1] * rank, begins, ends)
         X, begins = _pad_both(X, begins, ends), [0] * rank
-    return (_AVG_POOL[rank](X, kernel_shape, strides, begins, bool(ceil_mode), bool(count_include_pad)),)
+    args = (kernel_shape, strides, begins, bool(ceil_mode), bool(count_include_pad))
+    if rank == 3 and X.dtype == torch.float16 and X.device.type == "cpu":
+        # torch's CPU avg_pool3d has no float16 kernel: in float32, rounded once at the end
+        y = _AVG_POOL[rank](X.float(), *args).to(X.dtype)
+    else:
+        y = _AVG_POOL[rank](X, *args)
+    return (y if sizes is None else _trimmed(y, sizes),)
 
 
 def global_average_pool(X):
@@ -95,6 +132,14 @@ def matmul(A, B):
 
 def batch_normalization(X, scale, B, input_mean, input_var, epsilon=1e-5, momentum=0.9,
                         training_mode=0):
+    params = (scale, B, input_mean, input_var)
+    if any(p.dtype != X.dtype for p in params):
+        # Since opset 15 the scale and bias (T1) and the statistics (T2) may have other float types
+        # than X, which torch's batch_norm refuses: computed in the widest, as CpuRef does.
+        wide = functools.reduce(torch.promote_types, (p.dtype for p in params), X.dtype)
+        scale, B, input_mean, input_var = (p.to(wide) for p in params)
+        y = F.batch_norm(X.to(wide), input_mean, input_var, scale, B, False, 0.0, epsilon)
+        return (y.to(X.dtype),)
     return (F.batch_norm(X, input_mean, input_var, scale, B, False, 0.0, epsilon),)
 
 
@@ -135,25 +180,66 @@ def check_conv(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
         return f"auto_pad {auto_pad!r} not known (known: {list(AUTO_PADS)})"
     if inputs and inputs[0].shape is not None and not 3 <= len(inputs[0].shape) <= 5:
         return f"Conv of rank {len(inputs[0].shape)} (torch convolves 1 to 3 spatial axes)"
+    return _check_window(layer, inputs)
+
+
+def _check_window(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    """A window larger than the padded input (no output position at all) is an error in torch,
+    even on an empty batch, where CpuRef gives an empty result."""
+    if not inputs or inputs[0].shape is None or len(inputs[0].shape) < 3:
+        return None
+    spatial = inputs[0].shape[2:]
+    kernel = layer.attrs.get("kernel_shape")
+    if kernel is None and len(inputs) > 1 and inputs[1].shape is not None:
+        kernel = inputs[1].shape[2:]  # Conv's weights
+    if kernel is None or len(kernel) != len(spatial) or \
+            not all(isinstance(d, int) for d in (*spatial, *kernel)):
+        return None
+    rank = len(spatial)
+    strides = layer.attrs.get("strides") or [1] * rank
+    dilations = layer.attrs.get("dilations") or [1] * rank
+    begins, ends = spatial_pads(spatial, kernel, strides, dilations,
+                                layer.attrs.get("auto_pad", "NOTSET"), layer.attrs.get("pads"))
+    for size, k, d, b, e in zip(spatial, kernel, dilations, begins, ends):
+        if size + b + e < (k - 1) * d + 1:
+            return (f"{layer.op_type} window of {(k - 1) * d + 1} larger than its padded input "
+                    f"({size + b + e}): no output position")
+    return None
+
+
+def _check_pool_pads(layer: Layer) -> str | None:
+    """A pad as wide as the window lets a window lie in the padding alone (ONNX Runtime refuses
+    such pads; CpuRef gives such a window an output where torch's ceil_mode rule drops it)."""
+    kernel = layer.attrs.get("kernel_shape", [])
+    rank = len(kernel)
+    pads = layer.attrs.get("pads") or []
+    dilations = layer.attrs.get("dilations") or [1] * rank
+    if len(pads) == 2 * rank and any(p >= (k - 1) * d + 1 for p, k, d
+                                     in zip(pads, [*kernel, *kernel], [*dilations, *dilations])):
+        return f"{layer.op_type} pads {list(pads)} as wide as the window {list(kernel)}"
     return None
 
 
 def check_max_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
-    reason = check_conv(layer, inputs)
+    reason = check_conv(layer, inputs) or _check_pool_pads(layer)
     if reason:
         return reason
     if layer.attrs.get("storage_order", 0):
         return "storage_order=1 (column-major indices) not supported"
     if len(layer.outputs) > 1 and layer.outputs[1]:
-        rank = len(layer.attrs.get("kernel_shape", []))
+        kernel = layer.attrs.get("kernel_shape", [])
+        rank = len(kernel)
         pads = layer.attrs.get("pads") or [0] * 2 * rank
         if pads[:rank] != pads[rank:] or layer.attrs.get("auto_pad", "NOTSET") != "NOTSET":
             return "MaxPool indices with asymmetric or automatic padding"
+        if any(2 * p > k for p, k in zip(pads, kernel)):
+            # padded here, not by torch: its indices would count the padding
+            return "MaxPool indices with padding over half the window (torch pads at most half)"
     return None
 
 
 def check_average_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
-    reason = check_conv(layer, inputs)
+    reason = check_conv(layer, inputs) or _check_pool_pads(layer)
     if reason:
         return reason
     if any(d != 1 for d in layer.attrs.get("dilations") or []):

@@ -47,8 +47,12 @@ def split(input, split=None, axis=0, num_outputs=None, *, n_outputs=1):  # noqa:
     if split is not None:
         return tuple(torch.split(input, ints(split), axis))
     count = num_outputs or n_outputs
-    chunk = -(-input.shape[axis] // count)  # the last one is smaller when it does not divide
-    return tuple(torch.split(input, chunk, axis))
+    size = input.shape[axis]
+    chunk = -(-size // count)  # the last one is smaller when it does not divide
+    # the sizes spelled out: torch.split(input, chunk) makes fewer parts than asked where the last
+    # ones are empty (4 in 3 parts: 2, 2 and 0) and refuses a chunk of 0 (an empty axis)
+    sizes = [max(0, min(chunk, size - i * chunk)) for i in range(count)]
+    return tuple(torch.split(input, sizes, axis))
 
 
 def _even(size, parts):
@@ -64,13 +68,16 @@ def slice_(data, starts, ends, axes=None, steps=None):
     for start, end, axis, step in zip(starts, ends, axes, steps):
         size = data.shape[axis]
         begin, stop, stride = slice(start, end, step).indices(size)
+        # A step past the axis's size takes one element, as a step of the size does; torch's own
+        # arithmetic overflows on a huge one (INT64_MAX: no element at all, or a negative stride).
         if stride > 0:
-            index[axis] = slice(begin, max(begin, stop), stride)
+            index[axis] = slice(begin, max(begin, stop), min(stride, max(size, 1)))
             continue
         # torch slices forward only: take the same elements forward, then flip the axis.
         count = max(0, -(-(begin - stop) // -stride))
         first = begin + (count - 1) * stride if count else 0
-        index[axis] = slice(first, first + (count - 1) * -stride + 1 if count else 0, -stride)
+        index[axis] = slice(first, first + (count - 1) * -stride + 1 if count else 0,
+                            min(-stride, max(size, 1)))
         flips.append(axis % data.dim())
     result = data[tuple(index)]
     return (result.flip(flips) if flips else result,)
@@ -106,7 +113,9 @@ def gather(data, indices, axis=0):
     flat = indices.reshape(-1).long()
     flat = torch.where(flat < 0, flat + size, flat)
     picked = torch.index_select(data, axis, flat)
-    return (picked.reshape(*data.shape[:axis], *indices.shape, *data.shape[axis + 1:]),)
+    # one tuple: a 0-d index into a 1-D tensor gives a 0-d result, and reshape() of no sizes at all
+    # is a TypeError
+    return (picked.reshape((*data.shape[:axis], *indices.shape, *data.shape[axis + 1:])),)
 
 
 def expand(input, shape):  # noqa: A002
