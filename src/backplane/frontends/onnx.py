@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx.inliner
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from onnx import GraphProto, ModelProto, NodeProto
 
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
@@ -60,23 +62,37 @@ def load_model(model: str | os.PathLike | bytes | ModelProto) -> tuple[ModelProt
 def import_onnx(model: str | os.PathLike | bytes | ModelProto,
                 input_shapes: Mapping[str, Sequence[int]] | None = None) -> Graph:
     """Import an ONNX model as a Graph; ``input_shapes`` binds symbolic input dimensions."""
-    proto, _ = load_model(model)
+    proto, base_dir = load_model(model)
     opsets = _check_opsets(proto)
+    _check_messages(proto, from_path=base_dir is not None)
     if proto.functions:
-        proto = onnx.inliner.inline_local_functions(proto)
+        proto = _inline_functions(proto)
     if input_shapes:
         proto = _bind_input_shapes(proto, input_shapes)
-    proto, weights = _infer_shapes(proto)
+    proto, weights, refusal = _infer_shapes(proto)
     importer = _Importer(opsets)
-    return importer.graph(proto.graph, top_level=True, weights=weights)
+    graph = importer.graph(proto.graph, top_level=True, weights=weights)
+    if refusal:
+        raise ModelError(f"ONNX's type and shape inference refuses the model: {refusal}")
+    return graph
 
 
 def _check_opsets(proto: ModelProto) -> dict[str, int]:
     if not proto.HasField("graph"):
         raise ModelError("the model has no graph")
-    opsets = {(o.domain or ""): int(o.version) for o in proto.opset_import}
-    if "ai.onnx" in opsets:
-        opsets[""] = opsets.pop("ai.onnx")
+    opsets: dict[str, int] = {}
+    for entry in proto.opset_import:
+        domain = "" if entry.domain in DEFAULT_DOMAINS else entry.domain
+        if not isinstance(domain, str):
+            raise ModelError(f"an opset_import's domain is not valid UTF-8 text: {domain!r}")
+        version = int(entry.version)
+        if domain and not 1 <= version <= MAX_VERSION:  # the default domain's range comes below
+            raise ModelError(f"the model imports opset {version} of domain '{domain or 'ai.onnx'}'; "
+                             f"an opset version is a number from 1 to {MAX_VERSION}")
+        if opsets.get(domain, version) != version:
+            raise ModelError(f"the model imports domain '{domain or 'ai.onnx'}' twice, at opsets "
+                             f"{opsets[domain]} and {version}")
+        opsets[domain] = version
     if "" not in opsets:
         return opsets  # a node of the default domain is then refused by name (no opset_import)
     default = opsets[""]
@@ -84,6 +100,77 @@ def _check_opsets(proto: ModelProto) -> dict[str, int]:
         raise ModelError(f"the model uses opset {default} of the default ONNX domain; "
                          f"supported opsets are {MIN_OPSET} to {max_opset()}")
     return opsets
+
+
+MAX_VERSION = 2**31 - 1  # onnx's schema lookup takes a C int
+MAX_INLINED_NODES = 1_000_000  # local functions calling each other several times grow exponentially
+MAX_FUNCTION_DEPTH = 64
+
+
+def _check_messages(proto: ModelProto, from_path: bool) -> None:
+    """Every text field is UTF-8 (protobuf hands back bytes where it is not, and names must be text),
+    and no tensor still keeps its data in an external file (read at load only beside a model file)."""
+    stack: list[tuple[Message, str]] = [(proto, "model")]
+    while stack:
+        message, path = stack.pop()
+        for field, value in message.ListFields():
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                single = isinstance(value, Message)
+                for k, item in enumerate([value] if single else value):
+                    name = getattr(item, "name", "")
+                    label = f" '{name}'" if isinstance(name, str) and name else ""
+                    where = f"{path}.{field.name}" + ("" if single else f"[{k}]")
+                    stack.append((item, where + label))
+            elif field.type == FieldDescriptor.TYPE_STRING:
+                for text in ([value] if isinstance(value, (str, bytes)) else value):
+                    if isinstance(text, bytes):
+                        raise ModelError(f"{path}: its field '{field.name}' is not valid UTF-8 text: "
+                                         f"{text[:80]!r}")
+        if isinstance(message, onnx.TensorProto) and message.data_location == onnx.TensorProto.EXTERNAL:
+            where = {e.key: e.value for e in message.external_data}.get("location", "")
+            how = ("it was not read beside the model file" if from_path else
+                   "external data is read only for a model loaded from its path")
+            raise ModelError(f"{path}: tensor '{message.name}' keeps its data in the external file "
+                             f"'{where}'; {how}")
+
+
+def _inline_functions(proto: ModelProto) -> ModelProto:
+    """The model with its local functions inlined; a malformed or recursive function, or one that
+    would inline to more than MAX_INLINED_NODES nodes, is a ModelError naming it."""
+    functions = {(f.domain, f.name): f for f in proto.functions}
+    sizes: dict[tuple[str, str], int] = {}
+    visiting: set[tuple[str, str]] = set()
+
+    def size(nodes: Sequence[NodeProto]) -> int:
+        total = 0
+        for node in nodes:
+            key = (node.domain, node.op_type)
+            if key in functions:
+                if key in visiting:
+                    raise ModelError(f"local function '{node.domain}::{node.op_type}' calls itself")
+                if len(visiting) >= MAX_FUNCTION_DEPTH:
+                    raise ModelError(f"local function '{node.domain}::{node.op_type}' is called "
+                                     f"{MAX_FUNCTION_DEPTH} functions deep; that is the most")
+                if key not in sizes:
+                    visiting.add(key)
+                    sizes[key] = size(functions[key].node)
+                    visiting.discard(key)
+                total += sizes[key]
+            else:
+                total += 1
+            for attr in node.attribute:
+                for graph in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    total += size(graph.node)
+            if total > MAX_INLINED_NODES:
+                raise ModelError(f"the model's local functions would inline to more than "
+                                 f"{MAX_INLINED_NODES} nodes")
+        return total
+
+    size(proto.graph.node)
+    try:
+        return onnx.inliner.inline_local_functions(proto)
+    except Exception as exc:  # onnx's C++ checks: a function called with more inputs than it has, ...
+        raise ModelError(f"the model's local functions cannot be inlined: {exc}") from exc
 
 
 def _bind_input_shapes(proto: ModelProto, shapes: Mapping[str, Sequence[int]]) -> ModelProto:
@@ -111,17 +198,38 @@ def _copy(proto: ModelProto) -> ModelProto:
 LARGE_INITIALIZER = 1024  # elements; shape inference needs only the shapes of larger ones
 
 
-def _infer_shapes(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorProto]]:
+def _infer_shapes(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorProto], str | None]:
     """Infer shapes on a copy of the model without its large weights (inference serializes the model:
-    on BERT-base that was 4 s of 5). Returns the annotated copy and the weights it left out."""
+    on BERT-base that was 4 s of 5). Returns the annotated copy, the weights it left out, and where
+    ONNX's own inference functions refuse a node (what ONNX Runtime refuses such a model for), None
+    where they do not: reported after the importer's own checks, which name the problem better."""
     light, weights = _without_large_initializers(proto)
+    infer = onnx.shape_inference.infer_shapes
     try:
-        return onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True), weights
+        return infer(light, strict_mode=True, data_prop=True), weights, None
+    except onnx.shape_inference.InferenceError:
+        strict_failed = True
+    except Exception:  # noqa: BLE001 - not an inference error: decided below as before
+        strict_failed = False
+    try:
+        inferred = infer(light, strict_mode=False, data_prop=True)
     except Exception:
         try:  # data propagation trips on some models where plain inference still works
-            return onnx.shape_inference.infer_shapes(light, strict_mode=False), weights
+            inferred = infer(light, strict_mode=False)
         except Exception:
-            return light, weights  # shapes stay unknown; kernels do not need them
+            inferred = light  # shapes stay unknown; kernels do not need them
+    refusal = None
+    if strict_failed:  # a node's inference function, or only data propagation?
+        try:
+            infer(light, strict_mode=True)
+        except onnx.shape_inference.InferenceError as exc:
+            refusal = str(exc)
+        except Exception:  # noqa: BLE001
+            pass
+    if refusal and refusal.count("Inference error(s)") > 1:
+        refusal = None  # inside a function body or sub-graph, where onnx's inference errs on valid
+        # models (MeanVarianceNormalization's body at opset 7): the kernels will tell
+    return inferred, weights, refusal
 
 
 def _without_large_initializers(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorProto]]:
@@ -167,10 +275,16 @@ class _Importer:
         self.names: set[str] = set()
 
     def graph(self, g: GraphProto, top_level: bool = False,
-              weights: Mapping[str, onnx.TensorProto] | None = None) -> Graph:
+              weights: Mapping[str, onnx.TensorProto] | None = None,
+              outer: frozenset[str] = frozenset()) -> Graph:
+        """Import ``g``; ``outer``: the names of the enclosing graphs a sub-graph may read."""
+        where = "the graph" if top_level else f"sub-graph '{g.name}'"
+        scope = outer | _check_definitions(g, where, weights or {})
         tensors: dict[str, TensorInfo] = {}
-        for vi in (*g.input, *g.value_info, *g.output):
+        for vi in (*g.value_info, *g.output):
             tensors[vi.name] = _tensor_info(vi.type)
+        for vi in g.input:
+            tensors[vi.name] = _input_info(vi, where) if top_level else _tensor_info(vi.type)
         constants: dict[str, np.ndarray] = {}
         for init in (*g.initializer, *(weights or {}).values()):
             constants[init.name] = self._initializer(init)
@@ -178,16 +292,15 @@ class _Importer:
         layers: list[Layer] = []
         for index, node in enumerate(g.node):
             if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS and len(node.output) == 1:
-                value = self._constant(node)
+                value = self._constant(node, index, scope)
                 constants[node.output[0]] = value
                 tensors[node.output[0]] = TensorInfo(value.shape, value.dtype)
             else:
-                layers.append(self.layer(node, index))
+                layers.append(self.layer(node, index, scope))
         inputs = [vi.name for vi in g.input if vi.name not in constants]
         graph = Graph(g.name or "main", layers, inputs, [vi.name for vi in g.output], tensors,
                       constants, dict(self.opsets))
-        if top_level:
-            self._check_outputs(graph)
+        self._check_reads(graph, outer, where)
         return graph
 
     def _initializer(self, init: onnx.TensorProto) -> np.ndarray:
@@ -196,20 +309,17 @@ class _Importer:
         except Exception as exc:
             raise ModelError(f"initializer '{init.name}' cannot be read: {exc}") from exc
 
-    def _constant(self, node: NodeProto) -> np.ndarray:
-        layer = self.layer(node, 0)
-        for key, value in layer.attrs.items():
-            if key == "value" or key == "sparse_value":
-                return np.asarray(value)
-            if key in ("value_float", "value_int", "value_string"):
-                dtype = {"value_float": np.float32, "value_int": np.int64}.get(key, object)
-                return np.array(value, dtype=dtype)
-            if key in ("value_floats", "value_ints", "value_strings"):
-                dtype = {"value_floats": np.float32, "value_ints": np.int64}.get(key, object)
-                return np.array(value, dtype=dtype)
-        raise ModelError(f"{layer.describe()} has no value attribute")
+    def _constant(self, node: NodeProto, index: int, scope: frozenset[str]) -> np.ndarray:
+        layer = self.layer(node, index, scope)
+        values = [key for key in layer.attrs if key in CONSTANT_VALUES]
+        if len(values) != 1:
+            raise ModelError(f"{layer.describe()} has {len(values)} value attributes "
+                             f"({', '.join(values) or 'none'}); a Constant has exactly one")
+        key, value = values[0], layer.attrs[values[0]]
+        return np.asarray(value) if CONSTANT_VALUES[key] is None \
+            else np.array(value, dtype=CONSTANT_VALUES[key])
 
-    def layer(self, node: NodeProto, index: int) -> Layer:
+    def layer(self, node: NodeProto, index: int, scope: frozenset[str] = frozenset()) -> Layer:
         domain = "" if node.domain in DEFAULT_DOMAINS else node.domain
         opset = self.opsets.get(domain)
         name = self._unique_name(node.name or f"{node.op_type}_{index}")
@@ -217,25 +327,29 @@ class _Importer:
         if opset is None:
             raise ModelError(f"{where}: its domain '{domain}' has no opset_import in the model; "
                              f"the model imports {sorted(self.opsets)}")
-        if not onnx.defs.has(node.op_type, domain):
+        if not node.op_type or not onnx.defs.has(node.op_type, domain):
             raise ModelError(f"{where}: unknown op '{node.op_type}' in domain "
                              f"'{domain or 'ai.onnx'}'")
         try:
             schema = onnx.defs.get_schema(node.op_type, opset, domain)
         except onnx.defs.SchemaError as exc:
             raise ModelError(f"{where}: the op does not exist at opset {opset}") from exc
-        unknown = [a.name for a in node.attribute if a.name not in schema.attributes]
-        if unknown:  # a kernel would bind them over its inputs
-            raise ModelError(f"{where}: attribute(s) {unknown} are not attributes of "
-                             f"{node.op_type}-{schema.since_version}; it has "
-                             f"{sorted(schema.attributes) or 'none'}")
+        op = f"{node.op_type}-{schema.since_version}"
+        _check_arity(node, schema, where, op)
+        _check_attributes(node, schema, where, op)
         try:
-            attrs: dict[str, Any] = {a.name: attribute_value(a, self.graph) for a in node.attribute}
+            attrs: dict[str, Any] = {
+                a.name: attribute_value(a, lambda g: self.graph(g, outer=scope))
+                for a in node.attribute}
         except ModelError:
             raise
         except Exception as exc:
             raise ModelError(f"{where}: an attribute cannot be read: {exc}") from exc
-        return Layer(name, node.op_type, list(node.input), list(node.output), attrs, domain, opset)
+        layer = Layer(name, node.op_type, list(node.input), list(node.output), attrs, domain, opset)
+        if node.op_type == "Loop" and not domain and not any(layer.inputs[:2]):
+            raise ModelError(f"{where}: neither a trip count (M) nor a condition (cond) is given, "
+                             f"so the loop never ends")
+        return layer
 
     def _unique_name(self, name: str) -> str:
         unique, k = name, 1
@@ -245,18 +359,136 @@ class _Importer:
         return unique
 
     @staticmethod
-    def _check_outputs(graph: Graph) -> None:
-        available = set(graph.inputs) | set(graph.constants)
+    def _check_reads(graph: Graph, outer: frozenset[str], where: str) -> None:
+        """Every name read is defined in the graph or (a sub-graph) in an enclosing one, the outputs
+        are produced, and the layers are ordered: by their inputs and what their bodies read."""
+        available = set(graph.inputs) | set(graph.constants) | outer
         available |= {o for layer in graph.layers for o in layer.outputs}
         for layer in graph.layers:
             absent = [name for name in layer.inputs if name and name not in available]
             if absent:
                 raise ModelError(f"{layer.describe()} reads {absent}, which no node, input or "
-                                 f"initializer of the graph provides")
+                                 f"initializer of {where} provides")
         missing = [o for o in graph.outputs if o not in available]
         if missing:
-            raise ModelError(f"the graph's output(s) {missing} are produced by no node")
+            raise ModelError(f"{where}'s output(s) {missing} are produced by no node")
         try:
-            graph.toposort()
+            graph.toposort(_reads)
         except ValueError as exc:
-            raise ModelError(str(exc)) from exc
+            raise ModelError(f"{where}: {exc}") from exc
+
+
+CONSTANT_VALUES: dict[str, Any] = {
+    "value": None, "sparse_value": None, "value_float": np.float32, "value_int": np.int64,
+    "value_string": object, "value_floats": np.float32, "value_ints": np.int64,
+    "value_strings": object}
+"""A Constant's value attributes and the dtype of the array each gives (None: the tensor's own)."""
+
+
+def _reads(layer: Layer) -> list[str]:
+    """What a layer reads: its inputs, and the outer names its bodies read (their captures)."""
+    bodies = [v for value in layer.attrs.values()
+              for v in (value if isinstance(value, list) else [value]) if isinstance(v, Graph)]
+    return [*layer.inputs, *(name for body in bodies for name in _free_names(body))]
+
+
+def _free_names(graph: Graph) -> set[str]:
+    defined = set(graph.inputs) | set(graph.constants)
+    defined |= {o for layer in graph.layers for o in layer.outputs if o}
+    read = {n for layer in graph.layers for n in _reads(layer) if n} | set(graph.outputs)
+    return read - defined
+
+
+def _check_definitions(g: GraphProto, where: str, weights: Mapping[str, onnx.TensorProto]) -> set[str]:
+    """Each name is defined once in ``g`` (static single assignment): by an input, an initializer
+    (which may also be declared an input, its default), or one node's output. Returns the names."""
+    defined: dict[str, str] = {}
+
+    def define(name: str, what: str) -> None:
+        if name in defined:
+            raise ModelError(f"{where}: '{name}' is defined twice, as {defined[name]} and as {what}")
+        defined[name] = what
+
+    for init in (*g.initializer, *weights.values()):
+        if not init.name:
+            raise ModelError(f"{where}: an initializer has no name")
+        define(init.name, "an initializer")
+    initializers = set(defined)
+    for vi in g.input:
+        if not vi.name:
+            raise ModelError(f"{where}: an input has no name")
+        if vi.name in initializers:
+            initializers.discard(vi.name)  # an input with a default; declared once only
+            continue
+        define(vi.name, "an input")
+    for k, node in enumerate(g.node):
+        for out in node.output:
+            if out:
+                define(out, f"an output of node '{node.name or f'{node.op_type}_{k}'}' "
+                            f"({node.op_type})")
+    return set(defined)
+
+
+def _check_arity(node: NodeProto, schema: onnx.defs.OpSchema, where: str, op: str) -> None:
+    """The number of inputs and outputs, and no required input left empty."""
+    for kind, count, low, high in (("input", len(node.input), schema.min_input, schema.max_input),
+                                   ("output", len(node.output), schema.min_output,
+                                    schema.max_output)):
+        if not low <= count <= high:
+            takes = f"exactly {low}" if low == high else \
+                f"at least {low}" if high >= 2**31 - 1 else f"{low} to {high}"
+            raise ModelError(f"{where}: {count} {kind}(s); {op} takes {takes}")
+    formals = schema.inputs
+    for k, name in enumerate(node.input):
+        formal = formals[min(k, len(formals) - 1)]
+        if not name and formal.option != onnx.defs.OpSchema.FormalParameterOption.Optional:
+            raise ModelError(f"{where}: input {k} ('{formal.name}') is empty; {op} requires it")
+
+
+def _check_attributes(node: NodeProto, schema: onnx.defs.OpSchema, where: str, op: str) -> None:
+    """Attributes the op has, each once and of its type; the required ones present."""
+    unknown = [a.name for a in node.attribute if a.name not in schema.attributes]
+    if unknown:  # a kernel would bind them over its inputs
+        raise ModelError(f"{where}: attribute(s) {unknown} are not attributes of {op}; it has "
+                         f"{sorted(schema.attributes) or 'none'}")
+    seen: set[str] = set()
+    for attr in node.attribute:
+        if attr.name in seen:
+            raise ModelError(f"{where}: attribute '{attr.name}' is given twice")
+        seen.add(attr.name)
+        if attr.ref_attr_name:
+            raise ModelError(f"{where}: attribute '{attr.name}' refers to '{attr.ref_attr_name}', "
+                             f"an attribute of a function, outside any function")
+        expected = int(schema.attributes[attr.name].type)
+        if attr.type != expected:
+            raise ModelError(f"{where}: attribute '{attr.name}' is of type "
+                             f"{_attribute_type(attr.type)}; {op} takes {_attribute_type(expected)}")
+    missing = [name for name, spec in schema.attributes.items() if spec.required and name not in seen]
+    if missing:
+        raise ModelError(f"{where}: required attribute(s) {sorted(missing)} of {op} missing")
+
+
+def _attribute_type(kind: int) -> str:
+    try:
+        return onnx.AttributeProto.AttributeType.Name(kind)
+    except ValueError:
+        return f"{kind} (not an ONNX attribute type)"
+
+
+def _input_info(vi: onnx.ValueInfoProto, where: str) -> TensorInfo:
+    """A graph input's type: a tensor of an element type backplane reads, or another kind."""
+    if not vi.HasField("type") or vi.type.WhichOneof("value") is None:
+        raise ModelError(f"{where}: input '{vi.name}' has no type")
+    if vi.type.HasField("tensor_type"):
+        elem = vi.type.tensor_type.elem_type
+        if onnx_to_numpy_dtype(elem) is None:
+            raise ModelError(f"{where}: input '{vi.name}' has element type {_elem_type(elem)}, "
+                             f"which backplane cannot read")
+    return _tensor_info(vi.type)
+
+
+def _elem_type(elem: int) -> str:
+    try:
+        return f"{onnx.TensorProto.DataType.Name(elem)} ({elem})"
+    except ValueError:
+        return f"{elem} (not an ONNX element type)"

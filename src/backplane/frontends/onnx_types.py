@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,10 @@ def numpy_to_onnx_dtype(dtype: np.dtype) -> int:
 
 
 def tensor_to_array(tensor: TensorProto, base_dir: str | None = None) -> np.ndarray:
-    """A TensorProto as an ndarray (strings as object arrays of str)."""
+    """A TensorProto as an ndarray (strings as object arrays of str). Its dims must be sizes: NumPy
+    would read a -1 as "whatever is left" and accept data of any length."""
+    if any(d < 0 for d in tensor.dims):
+        raise ValueError(f"its dims {list(tensor.dims)} include a negative size")
     array = numpy_helper.to_array(tensor, base_dir or "")
     if array.dtype.kind in "SO" and tensor.data_type == TensorProto.STRING:
         array = np.vectorize(lambda b: b.decode("utf-8") if isinstance(b, bytes) else b,
@@ -65,12 +69,39 @@ def attribute_value(attr: AttributeProto, import_graph: Callable[[onnx.GraphProt
     raise ValueError(f"attribute '{attr.name}' has unknown type {kind}")
 
 
+MAX_SPARSE_DENSE_BYTES = 1 << 30  # a few bytes of sparse tensor must not become gigabytes at import
+
+
 def sparse_to_dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
-    values = tensor_to_array(sparse.values)
-    indices = numpy_helper.to_array(sparse.indices)
-    dense = np.zeros(tuple(sparse.dims), dtype=values.dtype)
+    """The dense array of a SparseTensorProto; indices out of its dims, values and indices of
+    different counts, or a dense form past MAX_SPARSE_DENSE_BYTES are ValueErrors."""
+    dims = tuple(int(d) for d in sparse.dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"the sparse tensor's dims {list(dims)} include a negative size")
+    values = tensor_to_array(sparse.values).reshape(-1)
+    indices = tensor_to_array(sparse.indices)
+    if indices.dtype.kind not in "iu":
+        raise ValueError(f"the sparse tensor's indices are {indices.dtype}, not integers")
+    size = math.prod(dims)
+    if size * values.dtype.itemsize > MAX_SPARSE_DENSE_BYTES:
+        raise ValueError(f"the sparse tensor's dense form {list(dims)} would take "
+                         f"{size * values.dtype.itemsize} bytes, more than {MAX_SPARSE_DENSE_BYTES}")
+    dense = np.zeros(dims, dtype=values.dtype)
     if indices.ndim == 1:  # linearized indices
+        bounds = np.array([size])
+        rows = indices.reshape(-1, 1)
+    elif indices.ndim == 2 and indices.shape[1] == len(dims):  # one row of coordinates per value
+        bounds = np.array(dims)
+        rows = indices
+    else:
+        raise ValueError(f"the sparse tensor's indices have shape {list(indices.shape)}; for dims "
+                         f"{list(dims)} they are [n] or [n, {len(dims)}]")
+    if len(rows) != len(values):
+        raise ValueError(f"the sparse tensor has {len(values)} values and {len(rows)} indices")
+    if len(rows) and ((rows < 0).any() or (rows >= bounds).any()):
+        raise ValueError(f"the sparse tensor's indices fall outside its dims {list(dims)}")
+    if indices.ndim == 1:
         dense.reshape(-1)[indices] = values
-    else:  # one row of coordinates per value
+    else:
         dense[tuple(indices.T)] = values
     return dense

@@ -8,7 +8,7 @@ its output slot ``j`` writes ``layer.outputs[j]``. Every tensor has a TensorInfo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +103,10 @@ class Graph:
                     users.setdefault(name, []).append(layer)
         return users
 
-    def toposort(self) -> None:
-        """Reorder ``layers`` so that every layer comes after the producers of its inputs."""
-        self.layers = topological_order(self.layers, self.producers())
+    def toposort(self, reads: Callable[[Layer], Iterable[str]] | None = None) -> None:
+        """Reorder ``layers`` so that every layer comes after the producers of its inputs (of the
+        names ``reads`` gives, where given: a control-flow layer's captures, say)."""
+        self.layers = topological_order(self.layers, self.producers(), reads)
 
     def __repr__(self) -> str:
         lines = [f"graph {self.name}({', '.join(f'{n}: {self.info(n)}' for n in self.inputs)}) {{"]
@@ -115,14 +116,17 @@ class Graph:
         return "\n".join(lines)
 
 
-def topological_order(layers: Iterable[Layer], producers: dict[str, Layer]) -> list[Layer]:
-    """Depth-first topological order that keeps the given order where it can."""
+def topological_order(layers: Iterable[Layer], producers: dict[str, Layer],
+                      reads: Callable[[Layer], Iterable[str]] | None = None) -> list[Layer]:
+    """Depth-first topological order that keeps the given order where it can; a layer depends on
+    the producers of ``reads(layer)`` (its inputs by default). A cycle is a ValueError."""
+    reads = reads or (lambda layer: layer.inputs)
     layers = list(layers)
     members = set(map(id, layers))
     done: set[int] = set()
     order: list[Layer] = []
     for root in layers:
-        stack: list[tuple[Layer, Iterator[str]]] = [(root, iter(root.inputs))]
+        stack: list[tuple[Layer, Iterator[str]]] = [(root, iter(reads(root)))]
         if id(root) in done:
             continue
         on_stack = {id(root)}
@@ -134,7 +138,7 @@ def topological_order(layers: Iterable[Layer], producers: dict[str, Layer]) -> l
                     continue
                 if id(dep) in on_stack:
                     raise ValueError(f"the graph has a cycle through {dep.describe()}")
-                stack.append((dep, iter(dep.inputs)))
+                stack.append((dep, iter(reads(dep))))
                 on_stack.add(id(dep))
                 break
             else:

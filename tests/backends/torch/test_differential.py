@@ -25,11 +25,11 @@ Runs:
       python -m pytest tests/backends/torch/test_differential.py -q -p no:cacheprovider
 
 - Longer: ``BACKPLANE_HYPOTHESIS_EXAMPLES=N`` runs N examples per op from random seeds (pytest's
-  ``--hypothesis-seed=S`` makes one reproducible; ``--hypothesis-show-statistics`` prints per test
-  how many cases were claimed, refused and why, or skipped)::
+  ``--hypothesis-seed=S`` makes one reproducible); with ``-s`` each test prints how its cases went
+  (claimed, refused by CpuAcc and why, skipped because CpuRef refused or raised)::
 
-      BACKPLANE_HYPOTHESIS_EXAMPLES=2000 python -m pytest tests/backends/torch/test_differential.py \\
-          -q -p no:cacheprovider -n 0 --hypothesis-show-statistics
+      BACKPLANE_HYPOTHESIS_EXAMPLES=1000 python -m pytest tests/backends/torch/test_differential.py \\
+          -q -p no:cacheprovider -s --hypothesis-seed=7
 
 The explicit regression tests for what these found are in ``test_differential_regressions.py``.
 """
@@ -58,7 +58,7 @@ from backplane.backends.torch.backend import CpuAcc  # noqa: E402
 from backplane.backends.torch.kernels import KERNELS  # noqa: E402
 from backplane.ir.graph import UNKNOWN, Layer, TensorInfo  # noqa: E402
 
-CI_EXAMPLES = 20
+CI_EXAMPLES = 40
 EXAMPLES = int(os.environ.get("BACKPLANE_HYPOTHESIS_EXAMPLES", "0") or 0)
 SETTINGS = settings(
     max_examples=EXAMPLES or CI_EXAMPLES,
@@ -210,7 +210,7 @@ def run(test: Callable[..., None], op: str, *args: Any) -> None:
     test(op, *args)
     outcomes = OUTCOMES.get(op, Counter())
     if EXAMPLES:  # the long run's record (shown with pytest -s)
-        print(f"\n{op}: {sum(outcomes.values())} cases (the last pass's, after any shrinking)")
+        print(f"\n{op}: {sum(outcomes.values())} cases generated")
         for outcome, count in outcomes.most_common():
             print(f"    {count:6d}  {outcome[:150]}")
     assert outcomes["claimed"], f"CpuAcc claimed none of the generated {op} cases: {outcomes}"

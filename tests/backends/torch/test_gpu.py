@@ -161,7 +161,7 @@ def test_runs_from_several_threads_give_each_its_own_answer(graphs: bool) -> Non
     feeds = [{k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in base.items()}
              for _ in range(16)]
     expected = [session.run(None, f)[0] for f in feeds]
-    assert min(np.abs(a - b).max() for a, b in zip(expected, expected[1:])) > 1e-3
+    assert min(np.abs(a - b).max() for a, b in zip(expected, expected[1:])) > 2e-4  # > atol below
     with ThreadPoolExecutor(8) as pool:
         for _ in range(3):
             got = list(pool.map(lambda f: session.run(None, f)[0], feeds))
