@@ -167,3 +167,18 @@ def test_end_profiling_without_profiling_is_empty_and_profiling_ends(tmp_path) -
     assert session.end_profiling() == ""
     runs = [e for e in load_trace(path) if e["name"] == "run"]
     assert len(runs) == 1
+
+
+def test_the_default_placement_one_event_per_layer_run_too(tmp_path) -> None:
+    """CpuAcc as it loads by default (routes measured, the subgraph compiled where that is faster)."""
+    pytest.importorskip("torch")
+    options = SessionOptions(enable_profiling=True, profile_file_prefix=str(tmp_path / "p"))
+    session = InferenceSession(MOBILENET, options, providers=["CpuAcc", "CpuRef"])
+    x = np.random.default_rng(1).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    _, timings = session.run_profiled(None, {"input": x})
+    events = load_trace(session.end_profiling())
+    layers = [e for e in events if e["ph"] == "X" and e["cat"] in LAYER_CATEGORIES]
+    assert [e["name"] for e in layers] == [t.layer for t in timings]
+    assert [e["cat"] for e in layers][0] == [e["cat"] for e in layers][-1] == "import"
+    assert layers[0]["args"]["bytes"] == 3 * 64 * 64 * 4 and layers[-1]["args"]["bytes"] == 40
+    assert {e["args"]["backend"] for e in layers[1:-1]} == {"CpuAcc"}
