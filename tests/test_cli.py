@@ -63,6 +63,7 @@ def test_unknown_backend_is_a_clear_error(model_path, capsys) -> None:
 def test_backends_lists_the_registered_backends(capsys) -> None:
     code, out = run_cli(["backends"], capsys)
     assert code == 0 and "CpuRef" in out and "builtin" in out and "built in" in out
+    assert "CpuAcc.threads, CpuAcc.conv_route" in out  # the options each backend takes
 
 
 def test_backends_shows_where_each_came_from_and_what_was_skipped(tmp_path, capsys,

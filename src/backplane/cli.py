@@ -493,10 +493,12 @@ def cmd_backends(args: argparse.Namespace) -> Any:
     for e in entries:
         caps = ", ".join(f"{k}={v}" for k, v in e["capabilities"].items())
         status = "yes" if e["available"] else f"no: {e['reason']}"
-        rows.append((e["id"], e["version"] or "?", e["origin"], status, caps, str(e["ops"])))
+        rows.append((e["id"], e["version"] or "?", e["origin"], status, caps, str(e["ops"]),
+                     ", ".join(e["options"])))
     print_table(console, unfolded_table("Registered backends", ("id", "version", "from",
-                                                                "available", "capabilities", "ops"),
-                                        rows, folding=("available", "capabilities"),
+                                                                "available", "capabilities", "ops",
+                                                                "options"),
+                                        rows, folding=("available", "capabilities", "options"),
                                         right=("ops",)))
     if skipped:
         print_table(console, unfolded_table("Skipped candidates", ("candidate", "reason"),
