@@ -288,3 +288,24 @@ def test_pow_of_a_0d_float32_base_by_a_float16_exponent_is_float32(base: float, 
     x, y = np.array(base, np.float32), np.array([exponent], np.float16)
     (got,) = assert_same(_layer("Pow", 2), [x, y], rtol=1e-6)
     assert got.dtype == np.float32 and got[0] == np.float32(want)
+
+
+# -- AveragePool over 3 axes of an input smaller than the window ---------------------------------------
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [1, 1, 3], "auto_pad": "SAME_UPPER", "count_include_pad": 1},
+    {"kernel_shape": [3, 1, 2], "pads": [1, 0, 1, 1, 0, 0], "count_include_pad": 1}])
+@pytest.mark.parametrize("batch", [0, 2])
+def test_average_pool_3d_of_an_input_smaller_than_the_window(attrs: dict[str, Any],
+                                                             batch: int) -> None:
+    """torch's avg_pool3d wants the unpadded input to cover the window ("input image smaller than
+    kernel size"), where the padded one does: padded by the kernel instead."""
+    x = np.random.default_rng(3).uniform(-2, 2, (batch, 2, 1, 1, 1)).astype(np.float32)
+    assert_same(_layer("AveragePool", 1, attrs, opset=19), [x], rtol=1e-6)
+
+
+def test_average_pool_3d_of_an_input_smaller_than_the_window_uncounted_padding_is_refused() -> None:
+    x = np.ones((1, 1, 1, 1, 1), np.float32)
+    layer = _layer("AveragePool", 1, {"kernel_shape": [1, 1, 3], "pads": [0, 0, 1, 0, 0, 1]})
+    want = reference(layer, [x])
+    np.testing.assert_array_equal(want[0], np.ones((1, 1, 1, 1, 1)))
+    assert "avg_pool3d" in refusal(layer, [x], _infos(want))

@@ -95,6 +95,8 @@ def average_pool(X, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilatio
     rank = X.dim() - 2
     strides, _, begins, ends = _pool_geometry(X, kernel_shape, auto_pad, dilations, pads, strides)
     fits = begins == ends and all(2 * b <= k for b, k in zip(begins, kernel_shape))
+    if rank == 3 and any(n < k for n, k in zip(X.shape[2:], kernel_shape)):
+        fits = False  # torch's avg_pool3d wants the unpadded input to cover the window
     sizes = None
     if not fits:  # only reached when the padding counts (check_average_pool)
         if ceil_mode:
@@ -252,6 +254,12 @@ def check_average_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None
         symmetric = False
     if not symmetric and not layer.attrs.get("count_include_pad", 0):
         return "AveragePool with padding torch cannot express that the divisor must not count"
+    shape = inputs[0].shape if inputs else None
+    if rank == 3 and any(pads) and not layer.attrs.get("count_include_pad", 0) and \
+            shape is not None and len(shape) == 5 and \
+            any(isinstance(n, int) and n < k for n, k in zip(shape[2:], kernel)):
+        return ("AveragePool over 3 axes of an input smaller than the window, its padding not "
+                "counted (torch's avg_pool3d wants the unpadded input to cover the window)")
     return None
 
 
