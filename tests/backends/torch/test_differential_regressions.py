@@ -1,5 +1,7 @@
 """One explicit case per bug that the differential tests (``test_differential.py``) found in the torch
-kernels: each was a layer CpuAcc claimed and then failed on, or answered otherwise than CpuRef.
+kernels: each was a layer CpuAcc claimed and then failed on, or answered otherwise than CpuRef (the
+float64 HardSwish / HardSigmoid ones were seen on GpuAcc, whose CUDA kernels compute them in float;
+here they check the float64 path CpuAcc shares).
 
 Each case runs the layer on CpuRef and on CpuAcc (inputs through CpuAcc's tensor-handle factory, or
 as the non-contiguous tensors a layer before would hand over) and asserts CpuAcc claims it and
@@ -84,7 +86,7 @@ def refusal(layer: Layer, inputs: Sequence[Any], out_infos: Sequence[TensorInfo]
     return support.reason
 
 
-# -- Gather: a 0-d index of a 1-D tensor (seen in the wild) -----------------------------------------
+# -- Gather: a 0-d index of a 1-D tensor (seen in the wild) ----------------------------------------
 @pytest.mark.parametrize("index", [0, 2, -1, -3])
 def test_gather_of_a_0d_index_from_a_1d_tensor_is_0d(index: int) -> None:
     data = np.array([10.0, 20.0, 30.0], np.float32)
@@ -98,7 +100,7 @@ def test_gather_of_a_0d_index_keeps_the_other_axes() -> None:
     np.testing.assert_array_equal(y, [3, 7, 11])
 
 
-# -- Div: integer division by zero ----------------------------------------------------------------
+# -- Div: integer division by zero -----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8])
 def test_integer_division_by_zero_gives_cpurefs_zero_instead_of_raising(dtype: Any) -> None:
     a = np.array([7, 5, 0, 9], dtype)
@@ -114,7 +116,7 @@ def test_integer_division_truncates_and_broadcasts_with_a_zero_divisor() -> None
     np.testing.assert_array_equal(y, [[0, 3], [0, -2]])
 
 
-# -- Clip before opset 11 on float16: the default bounds overflow float16 -------------------------
+# -- Clip before opset 11 on float16: the default bounds overflow float16 --------------------------
 @pytest.mark.parametrize("attrs", [{}, {"min": -1e5}, {"max": 1e5}, {"min": -1.5, "max": 2.25},
                                    {"min": 7e4}])
 def test_clip_v6_on_float16(attrs: dict[str, float]) -> None:
@@ -122,7 +124,7 @@ def test_clip_v6_on_float16(attrs: dict[str, float]) -> None:
     assert_same(_layer("Clip", 1, attrs, opset=6), [x])
 
 
-# -- Softplus: exp overflowed for large inputs ----------------------------------------------------
+# -- Softplus: exp overflowed for large inputs -----------------------------------------------------
 @pytest.mark.parametrize("dtype, big", [(np.float32, 100.0), (np.float32, 1e4), (np.float16, 12.0),
                                         (np.float16, 1e4), (np.float64, 800.0)])
 def test_softplus_of_a_large_input_is_the_input(dtype: Any, big: float) -> None:
@@ -131,7 +133,7 @@ def test_softplus_of_a_large_input_is_the_input(dtype: Any, big: float) -> None:
     assert np.isfinite(y[0]) and y[0] == dtype(big)
 
 
-# -- Sign of NaN ------------------------------------------------------------------------------------
+# -- Sign of NaN -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_sign_of_nan_is_nan(dtype: Any) -> None:
     x = np.array([np.nan, -2.0, 0.0, 3.0, -np.inf], dtype)
@@ -139,7 +141,7 @@ def test_sign_of_nan_is_nan(dtype: Any) -> None:
     assert np.isnan(y[0])
 
 
-# -- BatchNormalization, opset 15: scale, bias and statistics of other types than X -------------------
+# -- BatchNormalization, opset 15: scale, bias and statistics of other types than X ----------------
 @pytest.mark.parametrize("x_type, param_type, stat_type", [
     (np.float16, np.float32, np.float32), (np.float32, np.float64, np.float16),
     (np.float64, np.float32, np.float64)])
@@ -153,7 +155,7 @@ def test_batch_normalization_with_mixed_types(x_type: Any, param_type: Any, stat
     assert y.dtype == x_type
 
 
-# -- Split (opset 18) into num_outputs with empty parts ---------------------------------------------
+# -- Split (opset 18) into num_outputs with empty parts --------------------------------------------
 @pytest.mark.parametrize("size, count, sizes", [(4, 3, [2, 2, 0]), (0, 2, [0, 0]), (5, 3, [2, 2, 1]),
                                                 (1, 2, [1, 0])])
 def test_split_into_num_outputs_makes_every_output(size: int, count: int, sizes: list[int]) -> None:
@@ -163,7 +165,7 @@ def test_split_into_num_outputs_makes_every_output(size: int, count: int, sizes:
     assert [p.shape[0] for p in parts] == sizes
 
 
-# -- Slice with a step of INT64_MAX / INT64_MIN ------------------------------------------------------
+# -- Slice with a step of INT64_MAX / INT64_MIN ----------------------------------------------------
 @pytest.mark.parametrize("start, end, step, want", [
     (0, 4, INT64_MAX, [0]), (1, INT64_MAX, INT64_MAX, [1]), (-1, INT64_MIN, INT64_MIN, [3]),
     (INT64_MAX, INT64_MIN, -(2**62), [3])])
@@ -186,7 +188,7 @@ def test_slice_with_a_huge_step_of_a_strided_view() -> None:
     np.testing.assert_array_equal(y, [[0], [4]])
 
 
-# -- AveragePool over 3 spatial axes on float16 ------------------------------------------------------
+# -- AveragePool over 3 spatial axes on float16 ----------------------------------------------------
 @pytest.mark.parametrize("attrs", [{"kernel_shape": [2, 2, 2]},
                                    {"kernel_shape": [3, 1, 2], "pads": [1, 0, 1, 1, 0, 1],
                                     "count_include_pad": 1, "ceil_mode": 1, "strides": [2, 1, 2]}])
@@ -195,7 +197,7 @@ def test_average_pool_3d_on_float16(attrs: dict[str, Any]) -> None:
     assert_same(_layer("AveragePool", 1, attrs, opset=19), [x], rtol=2e-3, atol=2e-3)
 
 
-# -- windows larger than the padded input ------------------------------------------------------------
+# -- windows larger than the padded input ----------------------------------------------------------
 @pytest.mark.parametrize("op, attrs, shapes", [
     # ceil_mode: one partial window over an input smaller than the kernel (CpuRef: its mean / max)
     ("AveragePool", {"kernel_shape": [3], "strides": [3], "ceil_mode": 1}, [(1, 2, 1)]),
@@ -218,7 +220,7 @@ def test_a_window_that_fits_is_still_claimed() -> None:
     assert_same(layer, [x])
 
 
-# -- types torch has no dtype for, when the output's type is not known ------------------------------
+# -- types torch has no dtype for, when the output's type is not known -----------------------------
 @pytest.mark.parametrize("to", [8, 16])  # string, bfloat16
 def test_cast_to_a_type_torch_lacks_is_refused_from_the_attribute(to: int) -> None:
     layer = _layer("Cast", 1, {"to": to})
@@ -230,7 +232,7 @@ def test_gelu_with_an_unknown_approximation_is_refused() -> None:
     assert "approximate" in refusal(layer, [np.zeros(2, np.float32)])
 
 
-# -- pools padded here (asymmetric, or over half the window) with ceil_mode ---------------------------
+# -- pools padded here (asymmetric, or over half the window) with ceil_mode ------------------------
 @pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
 @pytest.mark.parametrize("attrs", [
     {"kernel_shape": [2], "strides": [2], "pads": [0, 1]},
@@ -270,7 +272,7 @@ def test_max_pool_indices_with_padding_over_half_the_window_are_refused() -> Non
     assert_same(layer, [x])  # torch pads this one itself: claimed, and its indices are right
 
 
-# -- MaxPool's indices of a window with several NaNs -----------------------------------------------------
+# -- MaxPool's indices of a window with several NaNs -----------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_max_pool_index_of_a_window_of_nans_is_the_first_nan(dtype: Any) -> None:
     x = np.array([np.nan, np.nan, 1.0, np.nan, 2.0, 2.0, -np.inf, -np.inf], dtype).reshape(1, 1, 8)
@@ -279,7 +281,7 @@ def test_max_pool_index_of_a_window_of_nans_is_the_first_nan(dtype: Any) -> None
     np.testing.assert_array_equal(indices, [[[0, 3, 4, 6]]])
 
 
-# -- Pow of a 0-d base by an exponent of a narrower float type ------------------------------------------
+# -- Pow of a 0-d base by an exponent of a narrower float type -------------------------------------
 @pytest.mark.parametrize("base, exponent, want", [(4.0, 8.0, 65536.0), (3.0, 7.0, 2187.0),
                                                   (1.5, 30.0, 1.5**30)])
 def test_pow_of_a_0d_float32_base_by_a_float16_exponent_is_float32(base: float, exponent: float,
@@ -290,7 +292,7 @@ def test_pow_of_a_0d_float32_base_by_a_float16_exponent_is_float32(base: float, 
     assert got.dtype == np.float32 and got[0] == np.float32(want)
 
 
-# -- AveragePool over 3 axes of an input smaller than the window ---------------------------------------
+# -- AveragePool over 3 axes of an input smaller than the window -----------------------------------
 @pytest.mark.parametrize("attrs", [
     {"kernel_shape": [1, 1, 3], "auto_pad": "SAME_UPPER", "count_include_pad": 1},
     {"kernel_shape": [3, 1, 2], "pads": [1, 0, 1, 1, 0, 0], "count_include_pad": 1}])
@@ -309,3 +311,14 @@ def test_average_pool_3d_of_an_input_smaller_than_the_window_uncounted_padding_i
     want = reference(layer, [x])
     np.testing.assert_array_equal(want[0], np.ones((1, 1, 1, 1, 1)))
     assert "avg_pool3d" in refusal(layer, [x], _infos(want))
+
+
+# -- float64 activations through torch's float-precision shortcuts ------------------------------------
+@pytest.mark.parametrize("op, attrs", [("HardSigmoid", {"alpha": float(np.float32(1 / 6))}),
+                                       ("HardSigmoid", {"alpha": 1 / 6}), ("HardSwish", {})])
+def test_float64_hard_activations_keep_float64_precision(op: str, attrs: dict[str, float]) -> None:
+    """HardSigmoid with ONNX's float32 alpha of 1/6 went to torch's hardsigmoid (exactly 1/6), and
+    torch's CUDA hardsigmoid / hardswish compute float64 in float: 3e-8 off at 1."""
+    x = np.array([1.0, -1.0, 0.0, 2.5, -2.9, 7.0], np.float64)
+    layer = _layer(op, 1, {**attrs, "beta": 0.5} if op == "HardSigmoid" else attrs)
+    assert_same(layer, [x], rtol=1e-14, atol=1e-15)

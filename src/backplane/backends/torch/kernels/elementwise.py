@@ -174,12 +174,16 @@ def sigmoid(X):
 
 
 def hard_sigmoid(X, alpha=0.2, beta=0.5):
-    if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5:  # torch's own: one kernel instead of three
+    # torch's own (one kernel instead of three) where its 1/6 for ONNX's float32 alpha is below the
+    # type's precision: not for float64 (alpha differs by 3e-8, and CUDA's kernel computes in float)
+    if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5 and X.dtype != torch.float64:
         return (F.hardsigmoid(X),)
     return (torch.clamp(X * alpha + beta, 0.0, 1.0),)
 
 
 def hard_swish(X):
+    if X.dtype == torch.float64:  # torch's CUDA hardswish loses float64's precision (3e-8 off at 1)
+        return (X * torch.clamp(X / 6 + 0.5, 0.0, 1.0),)
     return (F.hardswish(X),)
 
 
