@@ -87,8 +87,8 @@ def main() -> int:
             findings[(outcome.kind, _where(outcome))].append(case.index)
         elif outcome.kind == "ran" and outcome.ort != "ran":
             notes[_template(outcome.ort)].append(case)
-        elif outcome.kind == "error" and outcome.ort == "ran":
-            refused[f"{outcome.error}: {_template(outcome.message)}"].append(case)
+        elif outcome.kind == "error" and outcome.ort in ("ran", "loaded"):
+            refused[f"{outcome.error} (ORT {outcome.ort}): {_template(outcome.message)}"].append(case)
     print(f"\nfindings ({sum(map(len, findings.values()))}, saved under {options.out}):")
     for (kind, where), indices in sorted(findings.items(), key=lambda kv: -len(kv[1])):
         print(f"  {len(indices):6d}  {kind}: {where}  cases {indices[:8]}")
@@ -96,7 +96,7 @@ def main() -> int:
     for why, cases in sorted(notes.items(), key=lambda kv: -len(kv[1])):
         print(f"  {len(cases):6d}  {why}\n          e.g. case {cases[0].index}: {'; '.join(cases[0].mutations)[:150]}")
     if options.ort_always:
-        print("\nbackplane refused, ONNX Runtime ran:")
+        print("\nbackplane refused, ONNX Runtime loaded (at load) or ran (at run):")
         for why, cases in sorted(refused.items(), key=lambda kv: -len(kv[1])):
             print(f"  {len(cases):6d}  {why}\n          e.g. case {cases[0].index}: "
                   f"{'; '.join(cases[0].mutations)[:150]}")

@@ -764,7 +764,7 @@ class Outcome:
     error: str = ""  # the class of backplane's exception
     message: str = ""
     detail: str = ""  # a traceback, a mismatch, why it was not run
-    ort: str = ""  # 'ran', 'refused: <class>', 'crash', 'hang' or '' (not asked)
+    ort: str = ""  # 'ran', 'loaded' (not run: no inputs), 'refused: <why>', 'crash', 'hang' or ''
     seconds: float = 0.0
     growth: int = 0  # resident bytes the case added
 
@@ -994,11 +994,13 @@ def run_case(blob: bytes, timeout: float = 20.0, memory: int = MEMORY_BUDGET,
         return outcome
     if outcome.kind != "ran" and not (ort_always and outcome.kind in ("error", "loaded")):
         return outcome
-    status, theirs, _, _ = _in_child(_ort_work(blob, result.get("feeds")), timeout, memory)
+    status, theirs, _, _ = _in_child(_ort_work(blob, result.get("feeds", feeds)), timeout, memory)
     if status != "ok":
         outcome.ort = status
     elif "refused" in theirs:
         outcome.ort = f"refused: {theirs['refused']}"
+    elif not theirs["ran"]:  # no inputs to run it on: backplane refused it at load
+        outcome.ort = "loaded"
     else:
         outcome.ort = "ran"
         if outcome.kind == "ran" and theirs["ran"]:
@@ -1013,8 +1015,8 @@ def summarize(results: Sequence[tuple[Case, Outcome]]) -> Counter:
     for _, outcome in results:
         if outcome.kind == "error":
             counts[f"error {outcome.error}"] += 1
-            if outcome.ort == "ran":
-                counts["(backplane refused, ORT ran)"] += 1
+            if outcome.ort in ("ran", "loaded"):
+                counts[f"(backplane refused, ORT {outcome.ort})"] += 1
         elif outcome.kind == "ran":
             counts["ran, matches ORT" if outcome.ort == "ran" else f"ran, ORT {outcome.ort.split(':')[0]}"] += 1
         else:

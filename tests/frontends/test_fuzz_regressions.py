@@ -327,3 +327,23 @@ def test_a_domain_imported_twice_at_two_opsets_is_refused() -> None:
     model.opset_import.append(helper.make_opsetid("ai.onnx", 13))
     with pytest.raises(ModelError, match="imports domain 'ai.onnx' twice, at opsets 17 and 13"):
         import_onnx(model)
+
+
+def test_inputs_of_one_type_parameter_must_share_a_type() -> None:
+    """Was a run: NumPy promoted a float Gemm input with int32 weights (ONNX Runtime refuses)."""
+    model = small_cnn_model()
+    fc = model.graph.initializer[2]
+    fc.CopyFrom(numpy_helper.from_array(np.ones((5, 4), np.int32), "fc"))
+    with pytest.raises(ModelError, match=r"layer 'fc' \(Gemm, opset 17\): type parameter T of Gemm-13 "
+                                         r"is bound to tensor\(float\) by input 0 'f' and to "
+                                         r"tensor\(int32\) by input 1 'fc'"):
+        import_onnx(model)
+
+
+def test_an_input_of_a_type_the_op_does_not_take_is_named() -> None:
+    model = make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
+                       [helper.make_tensor_value_info("x", TensorProto.BOOL, [2])],
+                       [helper.make_tensor_value_info("y", TensorProto.BOOL, [2])])
+    with pytest.raises(ModelError, match=r"layer 'relu' \(Relu, opset 17\): input 0 'x' is a "
+                                         r"tensor\(bool\); Relu-14 takes .*tensor\(float\)"):
+        import_onnx(model)

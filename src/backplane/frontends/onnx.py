@@ -395,6 +395,8 @@ class _Importer:
         graph = Graph(g.name or "main", layers, inputs, [vi.name for vi in g.output], tensors,
                       constants, dict(self.opsets))
         self._check_reads(graph, outer, where)
+        for layer in graph.layers:
+            _check_input_types(layer, graph)
         return graph
 
     def _initializer(self, init: onnx.TensorProto) -> np.ndarray:
@@ -548,6 +550,40 @@ def _check_arity(node: NodeProto, schema: onnx.defs.OpSchema, where: str, op: st
         formal = formals[min(k, len(formals) - 1)]
         if not name and formal.option != onnx.defs.OpSchema.FormalParameterOption.Optional:
             raise ModelError(f"{where}: input {k} ('{formal.name}') is empty; {op} requires it")
+
+
+def _check_input_types(layer: Layer, graph: Graph) -> None:
+    """The element types of a layer's inputs, where known, are those its op takes, and the inputs
+    of one type parameter share one type (ONNX Runtime refuses the model otherwise; NumPy would
+    promote the mixture and run)."""
+    schema = onnx.defs.get_schema(layer.op_type, layer.opset, layer.domain)
+    formals = schema.inputs
+    if not formals:
+        return
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    bound: dict[str, tuple[str, int, str]] = {}
+    op = f"{layer.op_type}-{schema.since_version}"
+    for k, name in enumerate(layer.inputs):
+        dtype = graph.info(name).dtype if name else None
+        if dtype is None:
+            continue
+        formal = formals[min(k, len(formals) - 1)]
+        try:
+            elem = onnx.helper.np_dtype_to_tensor_dtype(dtype)
+        except (KeyError, ValueError, TypeError):
+            continue
+        type_str = f"tensor({onnx.TensorProto.DataType.Name(elem).lower()})"
+        takes = allowed.get(formal.type_str, {formal.type_str})
+        if type_str not in takes:
+            raise ModelError(f"{layer.describe()}: input {k} '{name}' is a {type_str}; {op} takes "
+                             f"{', '.join(sorted(takes))} there")
+        if not formal.is_homogeneous:
+            continue
+        first = bound.setdefault(formal.type_str, (type_str, k, name))
+        if first[0] != type_str:
+            raise ModelError(f"{layer.describe()}: type parameter {formal.type_str} of {op} is "
+                             f"bound to {first[0]} by input {first[1]} '{first[2]}' and to "
+                             f"{type_str} by input {k} '{name}'")
 
 
 def _check_attributes(node: NodeProto, schema: onnx.defs.OpSchema, where: str, op: str) -> None:
