@@ -2,11 +2,11 @@
 CpuRef alone. The long run of tests/runtime/test_split_fuzz.py (which runs a small slice in CI).
 
 Usage:
-    python bench/split_fuzz.py                                  # the small test models and every light model
+    python bench/split_fuzz.py            # the small test models and every light model, 30 splits each
     python bench/split_fuzz.py --splits 40 --modes auto,onednn_graph,layers
     python bench/split_fuzz.py --models tests/data/tiny_mobilenet_v3.onnx --splits 100 --seed 3
     python bench/split_fuzz.py --backends GpuAcc,CpuAcc,CpuRef --option GpuAcc.cuda_graphs=false
-    python bench/split_fuzz.py --models M.onnx --pins '{"HardSigmoid": "CpuRef"}' --modes layers   # one split
+    python bench/split_fuzz.py --models M.onnx --pins '{"HardSigmoid": "CpuRef"}' --modes layers
 
 A split pins layer names or op types of the imported graph to CpuRef (``pins``), which cuts the
 accelerated part of the model into partitions; the generator (tests/runtime/split_fuzz.py, shared with
@@ -216,8 +216,8 @@ def _record(result: ModelResult, jobs: list[Job], message: dict[str, Any],
 
 def _problem(what: str, result: ModelResult, job: Job, args: argparse.Namespace) -> str:
     split, mode = job
-    return (f"  {what}\n    model {result.name}, mode {mode}, {split}\n"
-            f"    repro: {fuzz.repro(_shown(result.path), args.backends, split.pins, mode, args.option)}")
+    command = fuzz.repro(_shown(result.path), args.backends, split.pins, mode, args.option)
+    return f"  {what}\n    model {result.name}, mode {mode}, {split}\n    repro: {command}"
 
 
 def _shown(path: Path) -> str:
@@ -233,7 +233,8 @@ def machine() -> str:
 
     import backplane
 
-    parts = [f"python {platform.python_version()}", f"numpy {np.__version__}", f"onnx {onnx.__version__}"]
+    parts = [f"python {platform.python_version()}", f"numpy {np.__version__}",
+             f"onnx {onnx.__version__}"]
     try:
         import torch
 
@@ -259,12 +260,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", type=Path,
                         default=[*fuzz.SMALL, *fuzz.LIGHT_MODELS],
-                        help="ONNX files (default: the small test models and every light model of onnx)")
-    parser.add_argument("--splits", type=int, default=30, help="random splits per model, after one per op type inside a fused group (default 30)")
+                        help="ONNX files (default: the small test models and every light model)")
+    parser.add_argument("--splits", type=int, default=30,
+                        help="random splits per model, after one per op type inside a fused group "
+                             "(default 30)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", type=lambda s: [m or None for m in s.split(",")],
                         default=list(fuzz.MODES),
-                        help="CpuAcc.compile values, comma-separated (default: auto,onednn_graph,layers)")
+                        help="CpuAcc.compile values, comma-separated (default auto,onednn_graph,layers)")
     parser.add_argument("--backends", type=lambda s: s.replace(" ", "").split(","),
                         default=["CpuAcc", fuzz.REFERENCE],
                         help="the preferences of the split sessions (default CpuAcc,CpuRef)")
@@ -305,9 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(machine())
     extra = "".join(f", {k}={v}" for k, v in args.option.items())
-    print(f"backends {','.join(args.backends)}, CpuAcc.compile in {','.join(map(str, args.modes))}{extra}; "
-          f"seed {args.seed}, {'given pins' if args.pins else f'{args.splits} splits a model'}, "
-          f"tolerance {args.tolerance:g} of CpuRef's largest magnitude", flush=True)
+    made = "given pins" if args.pins else \
+        f"{args.splits} random splits a model after one per op type inside a fused group"
+    print(f"backends {','.join(args.backends)}, CpuAcc.compile in {','.join(map(str, args.modes))}"
+          f"{extra}; seed {args.seed}, {made}; tolerance {args.tolerance:g} of CpuRef's largest "
+          f"magnitude", flush=True)
     results = []
     began = time.perf_counter()
     for path in args.models:

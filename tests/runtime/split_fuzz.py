@@ -66,7 +66,7 @@ def load_subject(path: str | Path) -> Subject:
     light_squeezenet (COMPARE_INSTEAD)."""
     path = Path(path)
     model = onnx.load(str(path))
-    if path.parent == LIGHT_DIR:
+    if _is_light(path):
         _compare_logits(model)
     feeds = model_feeds(path, model)
     reference = InferenceSession(model, backends=[REFERENCE])
@@ -74,6 +74,11 @@ def load_subject(path: str | Path) -> Subject:
     kept = {layer.name for layer in reference.optimized.graph.layers}
     layers = [layer for layer in backplane.import_onnx(model).layers if layer.name in kept]
     return Subject(path.stem, model, feeds, expected, layers)
+
+
+def _is_light(path: Path) -> bool:
+    """One of onnx's light models (those of another onnx install too)."""
+    return path.parent == LIGHT_DIR or path.name.startswith("light_")
 
 
 def _compare_logits(model: onnx.ModelProto) -> None:
@@ -94,7 +99,7 @@ def model_feeds(path: Path, model: onnx.ModelProto) -> dict[str, np.ndarray]:
     seeded random data as the anchor models get (``backplane.cli.random_input``)."""
     if path.with_suffix(".npz").is_file():
         return dict(np.load(path.with_suffix(".npz")))
-    if path.parent == LIGHT_DIR:
+    if _is_light(path):
         return light_inputs(path)
     from backplane.cli import random_input
 
@@ -263,5 +268,5 @@ def repro(path: str | Path, backends: Sequence[str], pins: Mapping[str, str], mo
 
 
 __all__ = ["LIGHT_MODELS", "MODES", "SMALL", "STRATEGIES", "Split", "Subject", "TOLERANCE",
-           "group_members", "group_splits", "load_subject", "model_rng", "options_for", "relative_difference",
-           "repro", "run_split", "splits"]
+           "group_members", "group_splits", "load_subject", "model_rng", "options_for",
+           "relative_difference", "repro", "run_split", "splits"]
