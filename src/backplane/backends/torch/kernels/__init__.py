@@ -4,22 +4,31 @@ on whichever device its tensors are on."""
 
 from __future__ import annotations
 
-from backplane.backends.torch.kernels import elementwise, nn, shape
+from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
 
 KERNELS = {
     **elementwise.KERNELS,
     **nn.KERNELS,
     **shape.KERNELS,
+    **numeric.KERNELS,
+    **indexing.KERNELS,
+    **recurrent.KERNELS,
 }
 
 CHECKS = {
     **elementwise.CHECKS,
     **nn.CHECKS,
     **shape.CHECKS,
+    **numeric.CHECKS,
+    **indexing.CHECKS,
+    **recurrent.CHECKS,
 }
 
 INPUT_DTYPES = {
     **elementwise.INPUT_DTYPES,
     **nn.INPUT_DTYPES,
     **shape.INPUT_DTYPES,
+    **numeric.INPUT_DTYPES,
+    **indexing.INPUT_DTYPES,
+    **recurrent.INPUT_DTYPES,
 }
