@@ -237,8 +237,8 @@ def _optimize_subgraphs(graph: Graph, available: Mapping[str, Backend], pins: Ma
                 report.subgraphs.append(SubgraphRecord(backend_id, [lay.name for lay in part.layers],
                                                        "failed"))
                 for layer in part.layers:
-                    excluded.setdefault(layer.name, {})[backend_id] = \
-                        "optimize_subgraph reported it failed"
+                    excluded.setdefault(layer.name, {})[backend_id] = views.reasons.get(
+                        layer.name, "optimize_subgraph reported it failed")
                     failed.append(layer)
         if not failed:
             return

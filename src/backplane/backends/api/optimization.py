@@ -20,6 +20,8 @@ class OptimizationViews:
     substitutions: list[Substitution] = field(default_factory=list)
     failed: list[SubgraphView] = field(default_factory=list)
     untouched: list[SubgraphView] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Layer name -> why it failed (the refusal the placement report shows for a failed layer)."""
 
     def validate(self, view: SubgraphView, backend_id: str) -> None:
         """Together the three lists must cover exactly the view's layers, each once."""
