@@ -26,6 +26,7 @@ import onnx
 
 from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx, load_model
+from backplane.io_binding import IOBinding
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork, OptimizerOptions, optimize
 from backplane.optimizer.report import PlacementReport
@@ -510,6 +511,34 @@ class InferenceSession:
             raise InvalidInputError(f"{unknown}: not output(s) of the model; its outputs are: "
                                     f"{', '.join(self._outputs)}")
         return [results[index[name]] for name in output_names]
+
+    # -- inputs and outputs bound to memory (ONNX Runtime's IOBinding) ------------------------------
+    def io_binding(self) -> IOBinding:
+        """A binding of this session's inputs and outputs to memory: ``backplane.io_binding``."""
+        return IOBinding(self)
+
+    def run_with_iobinding(self, binding: IOBinding, run_options: RunOptions | None = None) -> None:
+        """Run on the bound inputs; the bound outputs are then ``binding.get_outputs()``, written
+        when this returns."""
+        if not isinstance(binding, IOBinding) or binding._session is not self:
+            raise TypeError("run_with_iobinding takes a binding made by this session's io_binding()")
+        binding._run(run_options)
+
+    def _run_on(self, input_feed: Mapping[str, Any], outputs_on: Sequence[str | None],
+                run_options: RunOptions | None) -> list[Any]:
+        """All outputs, each in the memory ``outputs_on`` names (None: the host)."""
+        severity, tag = self._severity, ""
+        if run_options is not None:
+            tag = run_options.logid
+            if run_options.log_severity_level is not None:
+                severity = run_options.log_severity_level
+        with _log_scope(severity, tag):
+            start = time.perf_counter()
+            if self._trace is None:
+                return self.runtime.run(self.network_id, input_feed, outputs_on)
+            results, timings = self.runtime.run_profiled(self.network_id, input_feed, outputs_on)
+            self._trace.add_run(timings, start, time.perf_counter(), tag)
+            return results
 
     def close(self) -> None:
         self.runtime.unload(self.network_id)

@@ -13,6 +13,8 @@ taken for the whole run, so that no run overwrites another's tensors before it h
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -48,6 +50,17 @@ class Step:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     frees: tuple[int, ...]  # slots read for the last time by this step
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run calls: the steps, the layers they run (for profiles and errors), the output slots.
+    A network has its own plan for host inputs and outputs, and one per placement of the user's
+    tensors in device memory (``LoadedNetwork.plan``)."""
+
+    steps: tuple[Step, ...]
+    layers: tuple[Layer, ...]
+    output_slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,8 @@ class LoadedNetwork:
         self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots),
                            self._constant_slots)
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
+        self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots)
+        self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
         self.profiling = profiling or {}
         self.exclusive = any(getattr(w, "exclusive", False) for w in workloads)
         if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
@@ -104,6 +119,7 @@ class LoadedNetwork:
             self._lock = threading.Lock()
             self.execute = self._one_at_a_time(self.execute)  # type: ignore[method-assign]
             self.execute_profiled = self._one_at_a_time(self.execute_profiled)  # type: ignore[method-assign]
+            self.execute_plan = self._one_at_a_time(self.execute_plan)  # type: ignore[method-assign]
 
     # -- load ----------------------------------------------------------------------------------------
     def _slot(self, name: str) -> int:
@@ -139,9 +155,9 @@ class LoadedNetwork:
         return key
 
     def _one_at_a_time(self, run: Any) -> Any:
-        def locked(inputs: Sequence[Any]) -> Any:
+        def locked(*args: Any) -> Any:
             with self._lock:
-                return run(inputs)
+                return run(*args)
 
         return locked
 
@@ -167,8 +183,10 @@ class LoadedNetwork:
                 manager.release()
         return [_array(env[i]) for i in self.output_slots]
 
-    def execute_profiled(self, inputs: Sequence[Any]) -> tuple[list[Any], list[LayerTiming]]:
+    def execute_profiled(self, inputs: Sequence[Any], plan: Plan | None = None,
+                         ) -> tuple[list[Any], list[LayerTiming]]:
         """Like ``execute``, timing every layer (for the CLI and the debug knob, not the hot path)."""
+        plan = plan or self.host_plan
         env = list(self._template)
         for slot, value in zip(self.input_slots, inputs):
             env[slot] = value
@@ -176,12 +194,130 @@ class LoadedNetwork:
         for manager in self.memory_managers:
             manager.acquire()
         try:
-            for step, layer in zip(self.steps, self.layers):
+            for step, layer in zip(plan.steps, plan.layers):
                 self._profile_step(step, layer, env, timings)
         finally:
             for manager in self.memory_managers:
                 manager.release()
-        return [_array(env[i]) for i in self.output_slots], timings
+        return [_array(env[i]) for i in plan.output_slots], timings
+
+    def execute_plan(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
+        """``execute`` with another plan (user tensors in device memory: ``plan``)."""
+        env = list(self._template)
+        for slot, value in zip(self.input_slots, inputs):
+            env[slot] = value
+        for manager in self.memory_managers:
+            manager.acquire()
+        try:
+            for step in plan.steps:
+                results = step.workload(*[env[i] for i in step.inputs])
+                for i, value in zip(step.outputs, results):
+                    env[i] = value
+                for i in step.frees:
+                    env[i] = None
+        except Exception as exc:
+            raise self._failure(step, exc) from exc
+        finally:
+            for manager in self.memory_managers:
+                manager.release()
+        return [_array(env[i]) for i in plan.output_slots]
+
+    # -- the user's tensors in device memory ---------------------------------------------------------
+    def plan(self, inputs_on: Sequence[str], outputs_on: Sequence[str | None]) -> Plan:
+        """The plan for inputs in the memory of ``inputs_on`` (a device per input: "cpu",
+        "cuda:0") and outputs wanted in ``outputs_on`` (a device per output; None: where the host
+        plan puts it, host memory). Made once per placement, at its first run.
+
+        An input in device memory is imported (a MemImport, no copy) by each copy layer that would
+        have moved it into that memory; every other reader gets one host copy of it. An output
+        wanted in device memory skips the copy that would have brought it to the host when it is
+        there already (cloned on the device where its producer overwrites it at the next run: a
+        captured CUDA graph), and is moved there otherwise."""
+        key = (tuple(inputs_on), tuple(outputs_on))
+        if key == (("cpu",) * len(self.input_slots), (None,) * len(self.output_slots)):
+            return self.host_plan
+        if key not in self._plans:
+            self._plans[key] = self._placed(*key)
+        return self._plans[key]
+
+    def _placed(self, inputs_on: tuple[str, ...], outputs_on: tuple[str | None, ...]) -> Plan:
+        from backplane.backends.api.memory import to_device, to_host
+
+        graph = self.network.graph
+        layers = list(self.layers)
+        workloads = [step.workload for step in self.steps]
+        front: list[tuple[Layer, Workload]] = []
+        for name, device in zip(self.network.input_names, inputs_on):
+            if device == "cpu":
+                continue
+            host_copy = ""
+            for index, layer in enumerate(layers):
+                if name not in layer.inputs:
+                    continue
+                target = layer.attrs.get("target")
+                if layer.op_type in _GLUE and getattr(target, "device", None) == device:
+                    layers[index] = Layer(f"MemImport[{name}](user {device}->{layer.outputs[0]})",
+                                          "MemImport", [name], list(layer.outputs),
+                                          {"source": device, "target": target}, backend="builtin")
+                    workloads[index] = _importer(target)
+                    continue
+                if not host_copy:
+                    host_copy = f"{name}@host"
+                    copy = Layer(f"MemCopy[{name}](user {device}->host)", "MemCopy", [name],
+                                 [host_copy], {"source": device, "target": HOST_FACTORY},
+                                 backend="builtin")
+                    front.append((copy, lambda x: (to_host(x),)))
+                layers[index] = _renamed(layer, name, host_copy)
+                for constant in layer.inputs:  # its constants stay bound where they were
+                    bound = self._constant_slots.get((id(layer), constant))
+                    if bound is not None:
+                        self._constant_slots[id(layers[index]), constant] = bound
+        outputs = list(graph.outputs)
+        back: list[tuple[Layer, Workload]] = []
+        producer = {o: i for i, layer in enumerate(layers) for o in layer.outputs}
+        for position, (name, device) in enumerate(zip(graph.outputs, outputs_on)):
+            if device is None or device == "cpu":
+                continue
+            index = producer.get(name)
+            layer = layers[index] if index is not None else None
+            if layer is not None and layer.op_type in _GLUE \
+                    and getattr(layer.attrs.get("source"), "device", None) == device:
+                name = layer.inputs[0]  # the value before it was brought to the host
+                made_by = producer.get(name)
+                if not str(getattr(layer.attrs["source"], "id", "")).startswith("torch-"):
+                    # another library's tensor handle: handed over as a torch tensor, no copy
+                    copy = Layer(f"MemImport[{name}]({device}->user {device})", "MemImport",
+                                 [name], [f"{name}@user {device}"],
+                                 {"source": layer.attrs["source"], "target": device},
+                                 backend="builtin")
+                    back.append((copy, functools.partial(_moved, to_device, device)))
+                    outputs[position] = copy.outputs[0]
+                    continue
+                if made_by is None or not getattr(workloads[made_by], "exclusive", False):
+                    outputs[position] = name
+                    continue
+                copy = Layer(f"MemCopy[{name}]({device}->user {device})", "MemCopy", [name],
+                             [f"{name}@user {device}"], {"source": device, "target": device},
+                             backend="builtin")
+                back.append((copy, lambda x: (x.clone(),)))
+            else:
+                copy = Layer(f"MemCopy[{name}](host->user {device})", "MemCopy", [name],
+                             [f"{name}@user {device}"], {"source": HOST_FACTORY, "target": device},
+                             backend="builtin")
+                back.append((copy, functools.partial(_moved, to_device, device)))
+            outputs[position] = copy.outputs[0]
+        read = {n for layer in layers for n in layer.inputs} | {n for c, _ in back for n in c.inputs}
+        kept = [(layer, w) for layer, w in zip(layers, workloads)
+                if layer.op_type not in _GLUE or any(o in read or o in outputs for o in layer.outputs)]
+        placed = [*front, *kept, *back]
+        for layer, workload in placed:
+            for value in (*layer.inputs, *layer.outputs):
+                self._slot(value)
+            self._layer_of.setdefault(id(workload), layer)
+        output_slots = tuple(self._slot(name) for name in outputs)
+        steps = _plan([layer for layer, _ in placed], [w for _, w in placed], self._slots,
+                      set(output_slots), self._constant_slots)
+        return Plan(tuple(steps), tuple(layer for layer, _ in placed), output_slots)
 
     def _profile_step(self, step: Step, layer: Layer, env: list[Any],
                       timings: list[LayerTiming]) -> None:
@@ -222,6 +358,26 @@ class LoadedNetwork:
         layer = self._layer_of[id(step.workload)]
         return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
                               f"{type(exc).__name__}: {exc}")
+
+
+_GLUE = ("MemCopy", "MemImport")
+
+
+def _importer(target: Any) -> Workload:
+    import_ = target.import_
+
+    def mem_import(x: Any) -> tuple[Any]:
+        return (import_(x),)
+
+    return mem_import
+
+
+def _moved(to_device: Any, device: str, x: Any) -> tuple[Any]:
+    return (to_device(x, device),)
+
+
+def _renamed(layer: Layer, old: str, new: str) -> Layer:
+    return dataclasses.replace(layer, inputs=[new if n == old else n for n in layer.inputs])
 
 
 def _nbytes(values: Any) -> int | None:

@@ -15,9 +15,10 @@ from backplane.backends.api.backend import (Backend, BackendContext, BackendOpti
 from backplane.backends.registry import BackendRegistry
 from backplane.backends.registry import registry as default_registry
 from backplane.backends.registry.dynamic import backend_paths
+from backplane.backends.api.memory import device_of, host_view
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork
-from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork, WorkloadError
+from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork, Plan, WorkloadError
 
 log = logging.getLogger("backplane.runtime")
 
@@ -85,6 +86,11 @@ class Runtime:
                     self._context_for(backend)
         return ids
 
+    def prepare(self, network: OptimizedNetwork) -> None:
+        """Give the network's backends their options, allocators and contexts without loading it:
+        what compiling an artifact does before the backends preprocess their partitions."""
+        self._configure(network)
+
     def load(self, network: OptimizedNetwork) -> int:
         """Create every workload of the network once; returns the id to run it by.
 
@@ -117,21 +123,35 @@ class Runtime:
         for context in contexts:
             context.before_unload_network(network_id)
         del self._networks[network_id]
+        for step in loaded.steps:  # delegates release what their init took (Backend.destroy)
+            release = getattr(step.workload, "destroy", None)
+            if release is not None:
+                release()
         for context in contexts:
             context.after_unload_network(network_id)
 
     def network(self, network_id: int) -> LoadedNetwork:
         return self._loaded(network_id)
 
-    def run(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any]) -> list[Any]:
-        """Run a loaded network; inputs by name (or in the model's order), outputs in the model's order."""
+    def run(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any],
+            outputs_on: Sequence[str | None] | None = None) -> list[Any]:
+        """Run a loaded network; inputs by name (or in the model's order), outputs in the model's order.
+
+        Inputs may be NumPy arrays or anything that speaks DLPack (torch, CuPy, JAX), on the host or
+        a CUDA device: each is read where it is, without a copy where its first readers can import
+        that memory. ``outputs_on`` names a device per output (None: host memory, as NumPy)."""
         loaded = self._loaded(network_id)
-        return loaded.execute(check_inputs(_input_specs(loaded), inputs))
+        values = check_inputs(_input_specs(loaded), inputs)
+        if outputs_on is None and not any(_on_device(v) for v in values):
+            return loaded.execute(values)
+        return loaded.execute_plan(_placement(loaded, values, outputs_on), values)
 
     def run_profiled(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any],
+                     outputs_on: Sequence[str | None] | None = None,
                      ) -> tuple[list[Any], list[LayerTiming]]:
         loaded = self._loaded(network_id)
-        return loaded.execute_profiled(check_inputs(_input_specs(loaded), inputs))
+        values = check_inputs(_input_specs(loaded), inputs)
+        return loaded.execute_profiled(values, _placement(loaded, values, outputs_on))
 
     def _loaded(self, network_id: int) -> LoadedNetwork:
         try:
@@ -168,6 +188,22 @@ def within(network: OptimizedNetwork) -> list[OptimizedNetwork]:
         found += [n for value in layer.attrs.values() if isinstance(value, OptimizedNetwork)
                   for n in within(value)]
     return found
+
+
+def _on_device(value: Any) -> bool:
+    """Whether a checked input is in device memory (host values are NumPy arrays by then)."""
+    return not isinstance(value, np.ndarray) and hasattr(value, "__dlpack_device__")
+
+
+def _placement(loaded: LoadedNetwork, values: Sequence[Any],
+               outputs_on: Sequence[str | None] | None) -> Plan:
+    count = len(loaded.output_slots)
+    if outputs_on is None:
+        outputs_on = (None,) * count
+    elif len(outputs_on) != count:
+        raise InvalidInputError(f"{len(outputs_on)} output devices given; the model has {count} "
+                                f"outputs")
+    return loaded.plan([device_of(v) if _on_device(v) else "cpu" for v in values], outputs_on)
 
 
 def _input_specs(loaded: LoadedNetwork) -> list[tuple[str, TensorInfo]]:
@@ -209,23 +245,47 @@ def _raise_names(specs: Sequence[tuple[str, TensorInfo]], inputs: Mapping[str, A
 def _check_one(name: str, info: TensorInfo, value: Any, bound: dict[str, tuple[int, str]]) -> Any:
     if info.dtype is None:  # sequences, optionals: passed as they are
         return value
-    if not isinstance(value, np.ndarray):
-        value = np.asarray(value)
-    if value.dtype != info.dtype and not (info.dtype == object and value.dtype.kind in "OU"):
-        raise InvalidInputError(f"input '{name}' has dtype {value.dtype}; the model expects "
+    dtype: Any
+    if isinstance(value, np.ndarray):
+        dtype = value.dtype
+    elif hasattr(value, "__dlpack_device__") and device_of(value) != "cpu":
+        value, dtype = _device_tensor(name, value)  # stays where it is
+    else:
+        value = host_view(value)
+        dtype = value.dtype
+    if dtype != info.dtype and not (info.dtype == object and dtype.kind in "OU"):
+        raise InvalidInputError(f"input '{name}' has dtype {dtype}; the model expects "
                                 f"{info.dtype} ({name}: {info})")
     if info.shape is None:
         return value
-    if value.ndim != len(info.shape):
-        raise InvalidInputError(f"input '{name}' has shape {value.shape} (rank {value.ndim}); "
+    shape = tuple(int(size) for size in value.shape)
+    if len(shape) != len(info.shape):
+        raise InvalidInputError(f"input '{name}' has shape {shape} (rank {len(shape)}); "
                                 f"the model expects rank {len(info.shape)} ({name}: {info})")
-    for axis, (want, got) in enumerate(zip(info.shape, value.shape)):
+    for axis, (want, got) in enumerate(zip(info.shape, shape)):
         if isinstance(want, int) and want != got:
             raise InvalidInputError(f"input '{name}' has size {got} in dimension {axis}; the model "
-                                    f"expects {want} ({name}: {info}, given shape {value.shape})")
+                                    f"expects {want} ({name}: {info}, given shape {shape})")
         if isinstance(want, str):
             size, where = bound.setdefault(want, (got, name))
             if size != got:
                 raise InvalidInputError(f"dimension '{want}' is {size} in input '{where}' but {got} "
                                         f"in input '{name}'")
     return value
+
+
+def _device_tensor(name: str, value: Any) -> tuple[Any, np.dtype]:
+    """A CUDA input as a torch tensor (imported through DLPack, no copy) and its NumPy dtype."""
+    try:
+        import torch
+
+        from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
+    except ImportError:
+        raise InvalidInputError(f"input '{name}' is in {device_of(value)} memory; reading device "
+                                f"memory takes torch (pip install torch)") from None
+    tensor = value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
+    for dtype, torch_dtype in NUMPY_TO_TORCH.items():
+        if torch_dtype == tensor.dtype:
+            return tensor, np.dtype(dtype)
+    raise InvalidInputError(f"input '{name}' has torch dtype {tensor.dtype}, which has no ONNX "
+                            f"element type here")

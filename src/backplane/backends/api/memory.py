@@ -47,6 +47,9 @@ class TensorHandleFactory:
     import_flags: MemorySource = MemorySource.UNDEFINED
     export_flags: MemorySource = MemorySource.UNDEFINED
     supports_mapping: bool = True
+    device: str = "cpu"
+    """Where the memory is, as DLPack and torch name devices: "cpu", "cuda:0", ... Device memory is
+    imported only by a factory of the same device."""
     copy_in: Callable[[Any], Any] = _host_copy
     """Copy a host array into this memory (what a MemCopy into the backend runs)."""
     copy_out: Callable[[Any], Any] = _host_copy
@@ -59,14 +62,72 @@ class TensorHandleFactory:
 
     def can_import_from(self, source: TensorHandleFactory) -> bool:
         """Whether tensors of ``source`` can be read here zero-copy (Arm NN's import, Ethos-N's
-        EXPORT_TO_TARGET): it exports host memory that this one imports, and both map it."""
-        shared = source.export_flags & self.import_flags & MemorySource.MALLOC
-        return bool(shared) and source.supports_mapping and self.supports_mapping
+        EXPORT_TO_TARGET): it exports host memory that this one imports, and both map it; or it
+        exports device memory of the same device that this one imports (through DLPack, which
+        orders the access on the importer's stream, as a DmaBuf import does with a fence)."""
+        shared = source.export_flags & self.import_flags
+        if shared & MemorySource.MALLOC and source.supports_mapping and self.supports_mapping:
+            return True
+        return bool(shared & MemorySource.CUDA) and source.device == self.device
 
 
 HOST_FACTORY = TensorHandleFactory("host", MemorySource.MALLOC, MemorySource.MALLOC,
                                    MemorySource.MALLOC)
 """Host memory as NumPy sees it: every host backend shares it, so edges between them need nothing."""
+
+
+DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cpu", 13: "cpu"}
+"""DLPack's device types (kDLCPU, kDLCUDA, kDLCUDAHost: pinned host memory, kDLCUDAManaged is left
+out) as the names devices have here; a value of another device type is refused by name."""
+
+
+def device_of(value: Any) -> str:
+    """The device a value's memory is on: "cpu" for NumPy arrays and anything host-side, "cuda:N"
+    for a CUDA tensor of any library that speaks DLPack (torch, CuPy, JAX)."""
+    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack_device__"):
+        return "cpu"
+    kind, index = value.__dlpack_device__()
+    name = DLPACK_DEVICES.get(int(kind))
+    if name is None:
+        raise ValueError(f"a {type(value).__name__} on DLPack device type {int(kind)}: backplane "
+                         f"takes host memory (types 1, 3, 13) and CUDA memory (type 2)")
+    return name if name == "cpu" else f"{name}:{int(index)}"
+
+
+def host_view(value: Any) -> Any:
+    """A host value as a NumPy array, without a copy where the value's library allows it (torch CPU
+    tensors, JAX and CuPy host arrays through DLPack; anything else through ``np.asarray``)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__") and not hasattr(value, "__array__"):
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, TypeError, RuntimeError):
+            pass
+    return np.asarray(value)
+
+
+def to_host(value: Any) -> np.ndarray:
+    """A copy in host memory of a device value (through torch, which imports any CUDA DLPack
+    producer); host values as they are."""
+    if device_of(value) == "cpu":
+        return host_view(value)
+    import torch
+
+    tensor = value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
+    return tensor.cpu().numpy()
+
+
+def to_device(value: Any, device: str) -> Any:
+    """``value`` as a torch tensor on ``device``: imported without a copy where it is there already
+    (any DLPack producer), copied otherwise."""
+    import torch
+
+    if device_of(value) == device:
+        return value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
+    if device_of(value) == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(host_view(value))).to(device)
+    return torch.from_dlpack(value).to(device)
 
 
 class MemoryManager:

@@ -27,7 +27,7 @@ import numpy as np
 
 from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
-from backplane.backends.api.memory import MemorySource, TensorHandleFactory
+from backplane.backends.api.memory import MemorySource, TensorHandleFactory, device_of, to_device
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
@@ -48,11 +48,21 @@ def factory(device: str) -> TensorHandleFactory:
     import torch
 
     target = torch.device(device)
+    if target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    name = str(target)
 
     def copy_in(value: Any) -> Any:
+        if not isinstance(value, np.ndarray) and device_of(value) != "cpu":
+            return to_device(value, name)  # a user's CUDA tensor, of this device or another
         # From pageable memory the copy returns once the driver has read the array: it may be
         # freed right after, so no staging buffer has to outlive the call.
         return _numpy_to_torch(value).to(target, non_blocking=True)
+
+    def import_(value: Any) -> Any:
+        # Another library's (or backend's) CUDA memory through DLPack: torch asks the producer
+        # for it on the current stream, and the producer makes that stream wait for its writes.
+        return value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
 
     def copy_out(tensor: Any) -> np.ndarray:
         # Into page-locked memory (torch's caching host allocator reuses it once the array dies):
@@ -60,9 +70,9 @@ def factory(device: str) -> TensorHandleFactory:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor).numpy()
 
-    return TensorHandleFactory(f"torch-{device}", MemorySource.CUDA, MemorySource.CUDA,
-                               MemorySource.CUDA, supports_mapping=False, copy_in=copy_in,
-                               copy_out=copy_out)
+    return TensorHandleFactory(f"torch-{name}", MemorySource.CUDA, MemorySource.CUDA,
+                               MemorySource.CUDA, supports_mapping=False, device=name,
+                               copy_in=copy_in, copy_out=copy_out, import_=import_)
 
 
 def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:

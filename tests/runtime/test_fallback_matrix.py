@@ -1,0 +1,151 @@
+"""The Ethos-N design's test matrix of backend-to-backend fallback: each row a sequence of backends
+that the layers of a small network are pinned to in turn, each with three shapes of hand-over (one
+tensor between partitions; several tensors in both directions; one tensor read by partitions on
+several backends). Each case checks the outputs against CpuRef alone and, from the placement report
+and a profiled run, that no byte was copied where the two sides could import each other's memory.
+
+The host rows run everywhere. The device rows (GpuAcc, and TritonGpu: the out-of-tree second GPU
+backend of examples/triton_gpu) skip without CUDA, or without Triton for TritonGpu.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from backplane import InferenceSession
+from backplane.backends.registry import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = {"CpuRef", "CpuAcc"}
+
+HOST_ROWS = [("CpuAcc", "CpuRef"), ("CpuRef", "CpuAcc"), ("CpuAcc", "CpuRef", "CpuAcc")]
+DEVICE_ROWS = [("GpuAcc", "TritonGpu"),  # GPU to GPU: two device backends, two streams
+               ("CpuAcc", "GpuAcc"), ("GpuAcc", "CpuAcc"), ("CpuAcc", "GpuAcc", "CpuAcc"),
+               ("GpuAcc", "CpuRef", "GpuAcc"), ("GpuAcc", "TritonGpu", "GpuAcc")]
+SHAPE = [2, 8, 16, 16]
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _triton_gpu() -> None:
+    """Register the example TritonGpu backend (out of tree) once, or skip."""
+    if not _torch_cuda():
+        pytest.skip("no CUDA device")
+    sys.path.insert(0, str(ROOT / "examples" / "triton_gpu" / "src"))
+    import triton_gpu_backend
+
+    reason = triton_gpu_backend.missing()
+    if reason:
+        pytest.skip(f"TritonGpu: {reason}")
+    if not registry.is_registered("TritonGpu"):
+        registry.register("TritonGpu", triton_gpu_backend.backend_factory, origin="examples/")
+
+
+# -- the three networks: layer name -> index of the row's backend that runs it -------------------
+def _node(op: str, inputs: list[str], output: str) -> onnx.NodeProto:
+    return helper.make_node(op, inputs, [output], name=output)
+
+
+def _model(nodes: list[onnx.NodeProto], outputs: list[str]) -> bytes:
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "matrix", [info("x", TensorProto.FLOAT, SHAPE)],
+                              [info(o, TensorProto.FLOAT, SHAPE) for o in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def one_tensor(row: tuple[str, ...]) -> tuple[bytes, dict[str, str]]:
+    """x -> L0 -> L1 [-> L2] -> y: one tensor crosses each edge."""
+    ops = ["Sigmoid", "Tanh", "Relu"]
+    names = [f"t{i}" for i in range(len(row))]
+    nodes = [_node(ops[i % 3], [names[i - 1] if i else "x"], names[i]) for i in range(len(row))]
+    return _model(nodes, [names[-1]]), {n: row[i] for i, n in enumerate(names)}
+
+
+def both_directions(row: tuple[str, ...]) -> tuple[bytes, dict[str, str]]:
+    """Layers alternate between the row's backends, each reading two earlier tensors: several
+    tensors cross each edge, both ways."""
+    nodes = [_node("Relu", ["x"], "t0"), _node("Sigmoid", ["t0"], "t1"),
+             _node("Add", ["t0", "t1"], "t2"), _node("Mul", ["t2", "t0"], "t3"),
+             _node("Sub", ["t3", "t1"], "t4"), _node("Add", ["t4", "t2"], "t5"),
+             _node("Mul", ["t5", "t3"], "t6")]
+    pins = {f"t{i}": row[(i // 2 + i) % len(row)] for i in range(7)}
+    return _model(nodes, ["t6", "t2"]), pins
+
+
+def shared_output(row: tuple[str, ...]) -> tuple[bytes, dict[str, str]]:
+    """One tensor read by layers on every backend of the row, and also an output of the model."""
+    nodes = [_node("Tanh", ["x"], "t"), _node("Relu", ["t"], "r"), _node("Sigmoid", ["t"], "s"),
+             _node("Mul", ["t", "t"], "m"), _node("Add", ["r", "s"], "rs"),
+             _node("Add", ["rs", "m"], "y")]
+    pins = {"t": row[0], "r": row[1 % len(row)], "s": row[-1], "m": row[0], "rs": row[-1],
+            "y": row[1 % len(row)]}
+    return _model(nodes, ["y", "t"]), pins
+
+
+NETWORKS = {"one_tensor": one_tensor, "both_directions": both_directions,
+            "shared_output": shared_output}
+
+
+def _check(row: tuple[str, ...], network: str) -> InferenceSession:
+    model, pins = NETWORKS[network](row)
+    x = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+    expected = InferenceSession(model, ["CpuRef"]).run(None, {"x": x})
+    preferences = [*dict.fromkeys(row), "CpuRef"]
+    session = InferenceSession(model, preferences, pins=pins)
+    placed = {name: p.backend for name, p in session.report.layers.items()}
+    assert {name: placed[name] for name in pins} == pins, "a pin was not honoured"
+    results, timings = session.run_profiled(None, {"x": x})
+    for got, want in zip(results, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    factories = {b: backend.tensor_handle_factories()[0]
+                 for b, backend in session.optimized.backends.items()}
+    copied = 0
+    for record in session.report.copies:
+        if "user" in (record.source, record.target):
+            continue
+        source, target = factories[record.source], factories[record.target]
+        both_host = record.source in HOST and record.target in HOST
+        both_device = source.device == target.device != "cpu"
+        if both_host or both_device:  # memory both sides can map: an import, never a copy
+            assert record.strategy == "import", record
+        else:
+            assert record.strategy == "copy", record
+            copied += 1
+    moved = [t for t in timings if t.op_type == "MemCopy" and "user" not in t.layer]
+    assert len(moved) == copied, [t.layer for t in moved]
+    assert all(t.nbytes for t in moved), "a copy's bytes are missing from the profile"
+    return session
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+@pytest.mark.parametrize("row", HOST_ROWS, ids="->".join)
+def test_host_rows(row: tuple[str, ...], network: str) -> None:
+    pytest.importorskip("torch")
+    session = _check(row, network)
+    assert not [c for c in session.report.copies if c.strategy == "copy"], \
+        "host backends share memory: nothing is copied, not even for the user"
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+@pytest.mark.parametrize("row", DEVICE_ROWS, ids="->".join)
+def test_device_rows(row: tuple[str, ...], network: str) -> None:
+    if not _torch_cuda():
+        pytest.skip("no CUDA device")
+    if "TritonGpu" in row:
+        _triton_gpu()
+    session = _check(row, network)
+    if "CpuAcc" not in row and "CpuRef" not in row:  # device memory only: imports only
+        inner = [c for c in session.report.copies if "user" not in (c.source, c.target)]
+        assert inner and all(c.strategy == "import" for c in inner)
