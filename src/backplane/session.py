@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import onnx
 
+from backplane import artifact
+from backplane.artifact import cache as _artifact_cache  # noqa: F401  # artifact.cache, loaded
 from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx, load_model
 from backplane.io_binding import IOBinding
@@ -352,6 +354,16 @@ class InferenceSession:
         runtime: a Runtime to load into (one per session by default); its
             ``RuntimeOptions.backend_options`` apply to this session too.
         input_shapes: sizes for the model's free input dimensions.
+        cache_dir: the compile cache's folder (``$BACKPLANE_COMPILE_CACHE`` where not given): the
+            model is compiled into an artifact there on its first load and loaded from it after
+            (``backplane.artifact.cache``); also the folder of CpuAcc's measured routes where
+            ``SessionOptions.cache_dir`` is not set.
+        repreprocess: for an artifact whose blobs were made for other machine facts, preprocess
+            those partitions again from their stored subgraphs instead of refusing it.
+
+    ``model`` may also be an artifact made by ``backplane.compile`` (a path): it loads without the
+    ONNX file, on the backends and with the options it was compiled for (``backends`` and their
+    options, where given, must be those).
     """
 
     def __init__(self, model: str | os.PathLike | bytes | onnx.ModelProto,
@@ -361,7 +373,8 @@ class InferenceSession:
                  provider_options: Sequence[Mapping[str, Any]] | None = None,
                  pins: Mapping[str, str] | None = None,
                  optimizer_options: OptimizerOptions | None = None, runtime: Runtime | None = None,
-                 input_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+                 input_shapes: Mapping[str, Sequence[int]] | None = None,
+                 cache_dir: str | os.PathLike | None = None, repreprocess: bool = False) -> None:
         start = time.perf_counter()
         if isinstance(backends, SessionOptions):  # ONNX Runtime's order: (model, sess_options, ...)
             if sess_options is not None:
@@ -375,6 +388,9 @@ class InferenceSession:
                             f"{type(sess_options).__name__}")
         self.sess_options = sess_options if sess_options is not None else SessionOptions()
         listed = backends if backends is not None else providers
+        stored = _stored_artifact(model)
+        if stored is not None and listed is None and provider_options is None:
+            listed = artifact_backends(stored[1])
         ids, per_backend = backend_list(listed if listed is not None else DEFAULT_BACKENDS,
                                         provider_options)
         self._provider_options = per_backend
@@ -398,16 +414,25 @@ class InferenceSession:
             optimizer_options = dataclasses.replace(optimizer_options or OptimizerOptions(),
                                                     strict=True)
         self._severity = options.log_severity_level
-        self._cache_dir = options.cache_dir
+        compiled = artifact.cache.folder(cache_dir) if stored is None else None
+        self._cache_dir = options.cache_dir if options.cache_dir or not compiled else compiled
         with _log_scope(self._severity), _cache_scope(self._cache_dir):
-            proto, _ = load_model(model)
-            self._meta = _metadata(proto)
-            self.graph = import_onnx(proto, input_shapes)
-            del proto
-            optimized = time.perf_counter()
-            self.optimized: OptimizedNetwork = optimize(
-                self.graph, ids, pins=all_pins, options=optimizer_options,
-                registry=self.runtime.registry, backend_options=chosen)
+            if stored is not None or compiled is not None:
+                found = self._load_artifact(model, stored, compiled, ids, chosen, all_pins,
+                                            optimizer_options, input_shapes, repreprocess)
+                self._meta = ModelMetadata(**found.manifest["model"]["metadata"])
+                self.graph = found.network.graph
+                self.optimized: OptimizedNetwork = found.network
+                optimized = time.perf_counter()
+            else:
+                proto, _ = load_model(model)
+                self._meta = metadata_of(proto)
+                self.graph = import_onnx(proto, input_shapes)
+                del proto
+                optimized = time.perf_counter()
+                self.optimized = optimize(
+                    self.graph, ids, pins=all_pins, options=optimizer_options,
+                    registry=self.runtime.registry, backend_options=chosen)
             loading = time.perf_counter()
             self.network_id = self.runtime.load(self.optimized)
             loaded = time.perf_counter()
@@ -424,6 +449,29 @@ class InferenceSession:
             self._trace.span("optimize", optimized, loading, backends=ids)
             self._trace.span("load", loading, loaded)
         self._update_fast_path()
+
+    def _load_artifact(self, model: Any, stored: tuple[Any, dict[str, Any]] | None,
+                       compiled: str | None, ids: list[str], chosen: dict[str, Any],
+                       pins: dict[str, str], optimizer_options: OptimizerOptions | None,
+                       input_shapes: Mapping[str, Sequence[int]] | None,
+                       repreprocess: bool) -> artifact.Artifact:
+        """The network from an artifact: ``model`` itself (``stored``: its contents, manifest), or
+        the compile cache's entry for it in the folder ``compiled``, compiled there if missing."""
+        registry = self.runtime.registry
+        if stored is not None:
+            contents, manifest = stored
+            check_artifact_choices(manifest, ids, chosen, input_shapes)
+            return artifact.load(contents, registry=registry, repreprocess=repreprocess)
+        assert compiled is not None
+        optimizer = dataclasses.asdict(optimizer_options or OptimizerOptions())
+        entry = artifact.cache.key(model, ids, chosen, registry, pins=pins, optimizer=optimizer,
+                                   input_shapes=input_shapes)
+
+        def compile_into(path: str) -> None:
+            artifact.build(model, path, ids, chosen, pins=pins, optimizer_options=optimizer_options,
+                           input_shapes=input_shapes, runtime=self.runtime)
+
+        return artifact.cache.fetch(compiled, entry, compile_into, registry)
 
     # -- what the model is ---------------------------------------------------------------------------
     @property
@@ -544,7 +592,39 @@ class InferenceSession:
         self.runtime.unload(self.network_id)
 
 
-def _metadata(proto: onnx.ModelProto) -> ModelMetadata:
+def _stored_artifact(model: Any) -> tuple[Any, dict[str, Any]] | None:
+    """An artifact's contents and manifest, read and checked, or None where ``model`` is not one."""
+    if isinstance(model, (str, os.PathLike)) and artifact.is_artifact(model):
+        return artifact.read_manifest(model)
+    return None
+
+
+def artifact_backends(manifest: Mapping[str, Any]) -> list[BackendSpec]:
+    """The backends an artifact was compiled for, with their options, as ``backends=`` takes them."""
+    options = manifest["backend_options"]
+    return [(b, {k.removeprefix(f"{b}."): v for k, v in options.items() if k.startswith(f"{b}.")})
+            for b in manifest["preferences"]]
+
+
+def check_artifact_choices(manifest: Mapping[str, Any], ids: Sequence[str],
+                           chosen: Mapping[str, Any],
+                           input_shapes: Mapping[str, Sequence[int]] | None) -> None:
+    """ArtifactError where the backends, options or input shapes asked for are not the artifact's
+    (its partitions and blobs were made for those)."""
+    theirs = {k: v for k, v in manifest["backend_options"].items() if k != "CpuAcc.threads"}
+    mine = {k: v for k, v in chosen.items() if k != "CpuAcc.threads"}  # threads: this machine's
+    shapes = manifest["input_shapes"] if input_shapes is None else \
+        {k: list(v) for k, v in input_shapes.items()}
+    for what, given, compiled in (("backends", list(ids), manifest["preferences"]),
+                                  ("backend options", mine, theirs),
+                                  ("input shapes", shapes, manifest["input_shapes"])):
+        if given != compiled:
+            raise artifact.ArtifactError(f"the artifact was compiled for {what} {compiled!r}; "
+                                         f"this session asks for {given!r} (compile again for "
+                                         f"those, or give none to take the artifact's)")
+
+
+def metadata_of(proto: onnx.ModelProto) -> ModelMetadata:
     return ModelMetadata(
         producer_name=proto.producer_name, producer_version=proto.producer_version,
         graph_name=proto.graph.name, domain=proto.domain, description=proto.doc_string,

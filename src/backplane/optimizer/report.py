@@ -87,6 +87,20 @@ class PlacementReport:
                 "unavailable": dict(self.unavailable),
                 "warnings": list(self.warnings)}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlacementReport:
+        """The report ``to_dict`` wrote (an artifact keeps its network's report this way)."""
+        report = cls(list(data["preferences"]), unavailable=dict(data["unavailable"]),
+                     warnings=list(data["warnings"]))
+        for p in data["layers"]:
+            report.layers[p["name"]] = LayerPlacement(
+                p["name"], p["op_type"], p["backend"],
+                [(r["backend"], r["reason"]) for r in p["refusals"]], p["pinned"],
+                p["substituted_by"])
+        report.copies = [CopyRecord(**c) for c in data["copies"]]
+        report.subgraphs = [SubgraphRecord(**s) for s in data["subgraphs"]]
+        return report
+
     def render(self, console: Console) -> None:
         """The tables, never cropped: a line wider than the console wraps at the terminal."""
         print_table(console, self.table())

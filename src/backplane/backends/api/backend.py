@@ -9,11 +9,17 @@ A minimal backend is an id, a support check and a table of kernels::
 Everything else (workload factory, memory manager, backend context, profiling context, capabilities,
 tensor-handle factories, custom allocator, ``optimize_subgraph``) has a default that a backend
 overrides when it does more.
+
+Ahead of time (ExecuTorch's delegates, ``docs/artifact.md``): a backend may also turn each of its
+partitions into a blob at compile time (``preprocess``) and that blob into a runnable handle when
+the artifact loads (``init``, ``execute``, ``destroy``). A backend without them keeps its layers as
+plain layers in the artifact, bound to its kernels at load.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -23,11 +29,15 @@ import numpy as np
 from backplane.backends.api.kernels import Kernel, UnsupportedError, bind_kernel, select_kernel
 from backplane.backends.api.memory import HOST_FACTORY, MemoryManager, TensorHandleFactory
 from backplane.backends.api.optimization import OptimizationViews
-from backplane.ir.graph import Layer, SubgraphView, TensorInfo
+from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 BACKEND_API_VERSION = (1, 0)
 """The version of this contract: a backend written against (major, minor) loads when the major is
 equal and its minor is not above ours (seed 000, "Dynamic backend versioning")."""
+
+DELEGATE_DOMAIN = "backplane.delegate"
+"""The domain of a ``Delegate`` layer: one partition preprocessed into a blob, run by its backend's
+``init`` / ``execute`` (see ``CompileSpec``, ``PreprocessResult``, ``InitContext``)."""
 
 Workload = Callable[..., tuple[Any, ...]]
 """A prepared call: inputs positional, a tuple of outputs back. Created once at load, run many times.
@@ -94,10 +104,44 @@ class WorkloadFactory:
 
     def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
                         outputs: Sequence[TensorInfo]) -> Workload:
+        if layer.domain == DELEGATE_DOMAIN:
+            return delegate_workload(self.backend, layer, self.network_id)
         kernel = self.backend.kernel_for(layer)
         if kernel is None:
             raise UnsupportedError(f"{self.backend.id} has no kernel for {layer.describe()}")
         return bind_kernel(kernel, layer.attrs, len(layer.outputs))
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """One setting a partition was preprocessed with (ExecuTorch's CompileSpec): a name and a
+    JSON value; the artifact stores them beside the blob and hands them back to ``init``."""
+
+    key: str
+    value: Any
+
+
+@dataclass
+class PreprocessResult:
+    """What ``Backend.preprocess`` makes of one partition (ExecuTorch's PreprocessResult).
+
+    ``debug_handle_map`` maps what runs inside the blob (a fused layer, a compiled partition) to
+    the model's node names it holds, so that errors and profiles inside a delegate name them."""
+
+    processed_bytes: bytes
+    debug_handle_map: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class InitContext:
+    """What ``Backend.init`` gets besides its blob (ExecuTorch's BackendInitContext).
+
+    ``graph`` is the partition's portable subgraph, stored beside the blob: its layers, its input
+    and output names and infos, and the constants it reads, mapped from the artifact (stored once
+    for all partitions, never copied into a blob). ``network_id`` is the network being loaded."""
+
+    graph: Graph
+    network_id: int = 0
 
 
 class OptionError(ValueError):
@@ -202,6 +246,49 @@ class Backend:
     def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
         """Rewrite or compile a subgraph assigned to this backend. Default: leave it untouched."""
         return OptimizationViews(untouched=[view])
+
+    # -- ahead of time (the delegate contract) ---------------------------------------------------
+    def machine_facts(self) -> dict[str, str]:
+        """What this backend's blobs depend on here (instruction sets, GPU architecture, library
+        versions): stored in the artifact, compared at load. Default: nothing."""
+        return {}
+
+    def preprocess(self, graph: Graph, compile_specs: Sequence[CompileSpec],
+                   ) -> PreprocessResult | None:
+        """Compile one of this backend's partitions (``graph``: its layers, as optimized) into a
+        blob, at compile time. Default: None, the layers stay plain and bind at load."""
+        return None
+
+    def init(self, processed: bytes | memoryview, compile_specs: Sequence[CompileSpec],
+             context: InitContext) -> Any:
+        """Turn a blob made by ``preprocess`` into a handle for ``execute``, when the artifact
+        loads: the only code an artifact runs on load."""
+        raise NotImplementedError(f"backend {self.id} made a blob but has no init")
+
+    def execute(self, handle: Any, *inputs: Any) -> tuple[Any, ...]:
+        """Run a handle made by ``init``: inputs positional, a tuple of outputs back."""
+        raise NotImplementedError(f"backend {self.id} made a blob but has no execute")
+
+    def destroy(self, handle: Any) -> None:
+        """Release what ``init`` took (the network is unloaded). Default: nothing."""
+
+
+def delegate_workload(backend: Backend, layer: Layer, network_id: int) -> Workload:
+    """The workload of a Delegate layer: its blob through ``backend.init`` once, here, at load;
+    ``execute`` at every run; ``destroy`` when the network is unloaded (or the workload dropped)."""
+    attrs = layer.attrs
+    specs = [CompileSpec(key, value) for key, value in attrs["compile_specs"]]
+    handle = backend.init(attrs["blob"], specs, InitContext(attrs["graph"], network_id))
+    execute = backend.execute
+
+    def run(*inputs: Any) -> tuple[Any, ...]:
+        return execute(handle, *inputs)
+
+    profiled = getattr(handle, "profiled", None)
+    if profiled is not None:  # a handle that times its own layers, named after the model's nodes
+        run.profiled = profiled  # type: ignore[attr-defined]
+    run.destroy = weakref.finalize(run, backend.destroy, handle)  # type: ignore[attr-defined]
+    return run
 
 
 def check_options(backend: Backend, options: Mapping[str, Any]) -> None:

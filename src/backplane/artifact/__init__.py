@@ -1,0 +1,75 @@
+"""Ahead of time: a model compiled once into one artifact, loaded anywhere without the model.
+
+``compile(model, backends, output)`` writes the artifact; ``InferenceSession(artifact)`` (or
+``load``) loads it; ``InferenceSession(model, cache_dir=...)`` compiles on first load and reuses
+the artifact after (``cache``). The format and the delegate contract: ``docs/artifact.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from backplane.artifact.compiler import (Artifact, delegate, load, manifest_of, model_hash,
+                                         read_manifest, save)
+from backplane.artifact.container import ArtifactError, is_artifact
+
+if TYPE_CHECKING:
+    from backplane.optimizer.optimize import OptimizerOptions
+    from backplane.runtime.runtime import Runtime
+    from backplane.session import BackendSpec, SessionOptions
+
+__all__ = ["Artifact", "ArtifactError", "build", "compile", "is_artifact", "load", "read_manifest"]
+
+
+def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
+            output: str | os.PathLike | None = None, *,
+            sess_options: SessionOptions | None = None,
+            provider_options: Sequence[Mapping[str, Any]] | None = None,
+            pins: Mapping[str, str] | None = None,
+            optimizer_options: OptimizerOptions | None = None,
+            input_shapes: Mapping[str, Sequence[int]] | None = None) -> int:
+    """Compile ``model`` (a path, bytes or ModelProto) for ``backends`` (as ``InferenceSession``
+    takes them) into the artifact ``output`` (default: the model's path with ".bpl"); returns the
+    artifact's size in bytes."""
+    from backplane.session import DEFAULT_BACKENDS, backend_list, qualified
+
+    if output is None:
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError("output= is needed where the model is not a file")
+        output = os.path.splitext(os.fspath(model))[0] + ".bpl"
+    ids, per_backend = backend_list(backends or DEFAULT_BACKENDS, provider_options)
+    options = dict(qualified(per_backend))
+    threads = sess_options.intra_op_num_threads if sess_options is not None else 0
+    if threads:
+        options.setdefault("CpuAcc.threads", threads)
+    all_pins = {**(sess_options.pins if sess_options is not None else {}), **(pins or {})}
+    return build(model, output, ids, options, pins=all_pins, optimizer_options=optimizer_options,
+                 input_shapes=input_shapes)
+
+
+def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Mapping[str, Any], *,
+          pins: Mapping[str, str] | None = None, optimizer_options: OptimizerOptions | None = None,
+          input_shapes: Mapping[str, Sequence[int]] | None = None,
+          runtime: Runtime | None = None) -> int:
+    """Import, optimize, preprocess and write: ``compile`` with the options already resolved."""
+    from backplane.frontends.onnx import import_onnx, load_model
+    from backplane.optimizer.optimize import optimize
+    from backplane.runtime.runtime import Runtime, RuntimeOptions
+    from backplane.session import metadata_of
+
+    runtime = runtime or Runtime(RuntimeOptions(backend_options=dict(options)))
+    digest = model_hash(model)
+    proto, _ = load_model(model)
+    meta = metadata_of(proto)
+    graph = import_onnx(proto, input_shapes)
+    del proto
+    network = optimize(graph, ids, pins=pins, options=optimizer_options, registry=runtime.registry,
+                       backend_options=dict(options))
+    runtime.prepare(network)
+    blobs = delegate(network)
+    manifest = manifest_of(network, blobs, model_sha256=digest, metadata=vars(meta),
+                           preferences=ids, input_shapes=input_shapes)
+    manifest["pins"] = dict(pins or {})
+    return save(network, output, manifest)
