@@ -228,7 +228,10 @@ def reverse_sequence(input, sequence_lens, batch_axis=1, time_axis=0):  # noqa: 
 
 # -- Unique ----------------------------------------------------------------------------------------
 def unique(X, axis=None, sorted=1, *, n_outputs):  # noqa: A002
-    rows = X.reshape(-1, 1) if axis is None else X.movedim(axis, 0).reshape(X.shape[axis], -1)
+    if axis is None:
+        rows = X.reshape(-1, 1)
+    else:  # one row per slice along the axis
+        rows = X.movedim(axis, 0).reshape(X.shape[axis], X.numel() // max(X.shape[axis], 1))
     order = torch.arange(rows.shape[0], device=X.device)
     for column in reversed(range(rows.shape[1])):  # lexicographic: a stable sort per column
         order = order[torch.sort(rows[order, column], stable=True).indices]
