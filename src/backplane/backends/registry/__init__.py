@@ -6,6 +6,7 @@ from backplane.backends.registry.registry import BackendRegistry, Registration, 
 
 
 def _builtin_registry() -> BackendRegistry:
+    from backplane.backends.openvino.backend import OpenVINO  # imports openvino only when created
     from backplane.backends.reference.backend import CpuRef
     from backplane.backends.torch.backend import CpuAcc, GpuAcc  # imports torch only when created
 
@@ -13,6 +14,7 @@ def _builtin_registry() -> BackendRegistry:
     registry.register(CpuRef.id, CpuRef, origin="built in")
     registry.register(CpuAcc.id, CpuAcc, origin="built in")
     registry.register(GpuAcc.id, GpuAcc, origin="built in")
+    registry.register(OpenVINO.id, OpenVINO, origin="built in")
     return registry
 
 

@@ -1,0 +1,1 @@
+"""OpenVINO: partitions compiled by Intel's OpenVINO for the CPU (see ``backend.py``)."""

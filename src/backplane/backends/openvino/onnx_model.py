@@ -1,0 +1,71 @@
+"""Layers of a backplane graph back into an ONNX model, in memory, for OpenVINO's ONNX frontend.
+
+Attributes are Python values in the IR (``frontends/onnx_types.attribute_value``); the op's schema
+gives each one's ONNX type back (an empty list has no type of its own). Constants the layers read
+become initializers, the tensors crossing the boundary the graph's inputs and outputs, each with the
+shape and type the IR knows (free dimensions as ``dim_param``, unknown ones left open).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, helper, numpy_helper
+
+from backplane.frontends.onnx_types import numpy_to_onnx_dtype
+from backplane.ir.graph import Graph, Layer, TensorInfo
+
+
+def value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
+    """``name`` as an ONNX graph input or output of ``info``'s type and shape."""
+    if info.dtype is None:
+        raise ValueError(f"tensor '{name}' has no known element type")
+    shape = None if info.shape is None else [d if isinstance(d, (int, str)) else None
+                                             for d in info.shape]
+    return helper.make_tensor_value_info(name, numpy_to_onnx_dtype(info.dtype), shape)
+
+
+def node(layer: Layer) -> onnx.NodeProto:
+    """The ONNX node of ``layer``, its attributes typed by the op's schema."""
+    try:
+        schema = onnx.defs.get_schema(layer.op_type, layer.opset, layer.domain)
+        types = {name: attr.type for name, attr in schema.attributes.items()}
+    except onnx.defs.SchemaError:
+        types = {}
+    made = helper.make_node(layer.op_type, layer.inputs, layer.outputs, name=layer.name,
+                            domain=layer.domain or None)
+    made.attribute.extend(_attribute(name, value, types.get(name)) for name, value
+                          in layer.attrs.items())
+    return made
+
+
+def _attribute(name: str, value: object, kind: int | None) -> onnx.AttributeProto:
+    if isinstance(value, np.ndarray):
+        return helper.make_attribute(name, numpy_helper.from_array(value))
+    if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
+        return helper.make_attribute(name, [numpy_helper.from_array(v) for v in value])
+    if kind == AttributeProto.FLOAT:
+        value = float(value)  # type: ignore[arg-type]
+    return helper.make_attribute(name, value, attr_type=kind)
+
+
+def model(layers: Sequence[Layer], inputs: Sequence[str], outputs: Sequence[str],
+          graph: Graph, name: str = "partition") -> onnx.ModelProto:
+    """An ONNX model running ``layers`` (in order) from ``inputs`` to ``outputs``; the constants the
+    layers read from ``graph`` are its initializers."""
+    read = {n for layer in layers for n in layer.inputs if n}
+    constants = [numpy_helper.from_array(np.asarray(graph.constants[n]), n)
+                 for n in sorted(read) if n in graph.constants]
+    body = helper.make_graph([node(layer) for layer in layers], name,
+                             [value_info(n, graph.info(n)) for n in inputs],
+                             [value_info(n, graph.info(n)) for n in outputs], constants)
+    opsets = {"": graph.opsets.get("", 0)}
+    for layer in layers:
+        opsets[layer.domain] = max(opsets.get(layer.domain, 0), layer.opset)
+    if not opsets[""]:
+        opsets[""] = max(layer.opset for layer in layers if not layer.domain) \
+            if any(not layer.domain for layer in layers) else 17
+    return helper.make_model(body, producer_name="backplane",
+                             opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])

@@ -1,0 +1,114 @@
+"""``optimize_subgraph`` for OpenVINO: each maximal partition OpenVINO takes as one compiled layer.
+
+1. The whole view as one ONNX model in memory, read by OpenVINO's ONNX frontend and asked of the CPU
+   plugin (``query_model``). Taken whole: one ``CompiledModel`` layer replaces the view.
+2. Otherwise each layer is asked alone, its constants with it (``query.layer_refusal``). The layers
+   refused fail, each with OpenVINO's reason (they go to the next backend, the reason a refusal in
+   the placement report); the rest is cut into pieces that keep the graph acyclic, and each piece is
+   asked again as in step 1.
+
+The ``openvino.Model`` read here is kept in the layer; it is compiled, with the network's options, when
+the network loads (``workload.compile_model``), as Arm NN's precompiled layers are made into workloads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from backplane.backends.api.optimization import OptimizationViews, Substitution
+from backplane.backends.openvino import onnx_model, query
+from backplane.ir.graph import Graph, Layer, SubgraphView
+
+DOMAIN = "backplane.openvino"
+"""The domain of the layers OpenVINO substitutes."""
+OP = "CompiledModel"
+
+
+def optimize(view: SubgraphView) -> OptimizationViews:
+    """The view as compiled layers where OpenVINO takes it, the layers it refuses failed with why."""
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
+    compiled = {layer.name for layer in view.layers if layer.domain == DOMAIN}
+    if compiled:  # a later round of the optimizer: what was compiled stays, the rest is asked
+        return _around(view, graph, compiled)
+    model, reason = convert(view, graph)
+    if model is not None:
+        return OptimizationViews(substitutions=[Substitution(view, [compiled_layer(view, model)])])
+    refusals = {layer.name: why for layer in view.layers
+                if (why := query.layer_refusal(layer, graph)) is not None}
+    if not refusals:  # every layer taken alone, not all together: the whole view fails
+        return _failed(OptimizationViews(), view.layers, graph, reason or "")
+    views = _failed(OptimizationViews(), [lay for lay in view.layers if lay.name in refusals],
+                    graph, "")
+    views.reasons.update(refusals)
+    for piece in acyclic_pieces(view.layers, set(refusals)):
+        sub = SubgraphView.of(graph, piece)
+        model, reason = convert(sub, graph)
+        if model is None:
+            _failed(views, piece, graph, reason or "")
+        else:
+            views.substitutions.append(Substitution(sub, [compiled_layer(sub, model)]))
+    return views
+
+
+def convert(view: SubgraphView, graph: Graph) -> tuple[Any, str | None]:
+    """(the view as an ``openvino.Model``, None), or (None, why OpenVINO does not take it whole)."""
+    try:
+        model = query.read(onnx_model.model(view.layers, view.inputs, view.outputs, graph))
+    except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError and others
+        return None, f"OpenVINO's ONNX frontend cannot convert its partition: " \
+                     f"{query.frontend_message(exc)}"
+    refused = query.refused_ops(model)
+    if refused:
+        return None, (f"OpenVINO's {query.DEVICE} plugin does not take {', '.join(refused[:4])} "
+                      f"of its partition")
+    return model, None
+
+
+def compiled_layer(view: SubgraphView, model: Any) -> Layer:
+    """One layer in place of ``view``: the same boundary tensors, the model kept to compile at load."""
+    first, last = view.layers[0].name, view.layers[-1].name
+    name = f"OpenVINO[{first}..{last}]({len(view.layers)} layers)"
+    attrs = {"model": model, "layers": [layer.name for layer in view.layers]}
+    return Layer(name, OP, list(view.inputs), list(view.outputs), attrs, DOMAIN, 1)
+
+
+def acyclic_pieces(layers: Sequence[Layer], refused: set[str]) -> list[list[Layer]]:
+    """The layers not in ``refused``, in groups that can each run as one step: a layer's depth rises
+    by one across every edge between a refused and a taken layer (``optimizer/partition.py``'s
+    rule), and the taken layers of one depth form one group. ``layers`` is a convex view."""
+    producers = {out: layer for layer in layers for out in layer.outputs if out}
+    depth: dict[int, int] = {}
+    groups: dict[int, list[Layer]] = {}
+    for layer in layers:  # topological order
+        level = 0
+        for name in layer.inputs:
+            dep = producers.get(name)
+            if dep is not None:
+                level = max(level, depth[id(dep)] + ((dep.name in refused) != (layer.name in refused)))
+        depth[id(layer)] = level
+        if layer.name not in refused:
+            groups.setdefault(level, []).append(layer)
+    return [groups[level] for level in sorted(groups)]
+
+
+def _around(view: SubgraphView, graph: Graph, compiled: set[str]) -> OptimizationViews:
+    views = OptimizationViews(untouched=[SubgraphView(
+        [layer for layer in view.layers if layer.name in compiled], [], [], graph)])
+    for piece in acyclic_pieces(view.layers, compiled):
+        more = optimize(SubgraphView.of(graph, piece))
+        views.substitutions += more.substitutions
+        views.failed += more.failed
+        views.untouched += more.untouched
+        views.reasons.update(more.reasons)
+    return views
+
+
+def _failed(views: OptimizationViews, layers: Sequence[Layer], graph: Graph,
+            reason: str) -> OptimizationViews:
+    if layers:
+        views.failed.append(SubgraphView(list(layers), [], [], graph))
+        if reason:
+            views.reasons.update({layer.name: reason for layer in layers})
+    return views

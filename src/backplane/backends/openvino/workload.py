@@ -1,0 +1,119 @@
+"""A compiled partition at run time: the options as OpenVINO's compile configuration, and the workload.
+
+The workload is one infer call on NumPy arrays shared with OpenVINO both ways: each input wraps the
+caller's array (``openvino.Tensor(..., shared_memory=True)``), and each output of a static shape is a
+fresh ``np.empty`` array that OpenVINO writes into, so no run's outputs are overwritten by the next.
+An output whose shape is known only after the run (free dimensions) is the one copy: OpenVINO keeps
+it in the infer request's own memory, which the next run reuses. Infer requests are pooled: runs of
+one network from several threads each take one, so the workload is not ``exclusive``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import BackendOptions, OptionError
+from backplane.ir.graph import TensorInfo
+
+log = logging.getLogger("backplane.openvino")
+
+PRECISIONS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+"""``OpenVINO.precision`` (the name and values of GpuAcc's option) -> OpenVINO's inference precision."""
+HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
+
+
+def compile_config(options: BackendOptions) -> dict[str, str]:
+    """OpenVINO's compile configuration from a network's options; OptionError for a value it does
+    not take. fp32 unless asked: OpenVINO's own default on a CPU with bf16 is bf16."""
+    precision = options.get("OpenVINO.precision", "fp32")
+    if precision not in PRECISIONS:
+        raise OptionError(f"OpenVINO.precision {precision!r} is not one of "
+                          f"{', '.join(PRECISIONS)}")
+    hint = options.get("OpenVINO.performance_hint", "LATENCY")
+    if not isinstance(hint, str) or hint.upper() not in HINTS:
+        raise OptionError(f"OpenVINO.performance_hint {hint!r} is not one of {', '.join(HINTS)}")
+    config = {"INFERENCE_PRECISION_HINT": PRECISIONS[precision], "PERFORMANCE_HINT": hint.upper()}
+    threads = options.get("OpenVINO.threads")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, (int, str)) \
+                or not str(threads).isdigit() or int(threads) < 1:
+            raise OptionError(f"OpenVINO.threads {threads!r} is not a positive whole number")
+        config["INFERENCE_NUM_THREADS"] = str(int(threads))
+    return config
+
+
+def compile_model(model: Any, options: BackendOptions) -> Any:
+    """``model`` compiled for OpenVINO's CPU plugin as ``options`` say; a precision the CPU does not
+    have (bf16 without AVX512-BF16 or AMX) is computed in f32, with a warning."""
+    from backplane.backends.openvino.query import DEVICE, core
+
+    config = compile_config(options)
+    compiled = core().compile_model(model, DEVICE, config)
+    got = precision_of(compiled)
+    if got != config["INFERENCE_PRECISION_HINT"]:
+        capabilities = core().get_property(DEVICE, "OPTIMIZATION_CAPABILITIES")
+        log.warning("OpenVINO.precision %s: this CPU computes in %s (OpenVINO's capabilities here: "
+                    "%s)", options.get("OpenVINO.precision", "fp32"), got, ", ".join(capabilities))
+    return compiled
+
+
+def precision_of(compiled: Any) -> str:
+    """The precision ``compiled`` computes float32 math in, as OpenVINO names it ("f32", "bf16")."""
+    return str(compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name())
+
+
+class CompiledPartition:
+    """One infer call of a compiled model on NumPy arrays shared with OpenVINO."""
+
+    exclusive = False
+
+    def __init__(self, compiled: Any, outputs: Sequence[TensorInfo]) -> None:
+        self.compiled = compiled
+        self.precision = precision_of(compiled)
+        self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle.put(compiled.create_infer_request())  # made at load; more if runs overlap
+        self._outputs = [(tuple(info.shape) if info.is_static else None,  # type: ignore[arg-type]
+                          port.get_element_type().to_dtype())
+                         for info, port in zip(outputs, compiled.outputs)]
+
+    def __call__(self, *inputs: Any) -> tuple[np.ndarray, ...]:
+        import openvino
+
+        try:
+            request = self._idle.get_nowait()
+        except queue.Empty:
+            request = self.compiled.create_infer_request()
+        try:
+            for index, value in enumerate(inputs):
+                request.set_input_tensor(index, openvino.Tensor(_shareable(value),
+                                                                shared_memory=True))
+            results: list[np.ndarray | None] = []
+            for index, (shape, dtype) in enumerate(self._outputs):
+                array = np.empty(shape, dtype) if shape is not None else None
+                if array is not None:
+                    request.set_output_tensor(index, openvino.Tensor(array, shared_memory=True))
+                results.append(array)
+            request.infer()
+            return tuple(array if array is not None else request.get_output_tensor(i).data.copy()
+                         for i, array in enumerate(results))
+        finally:
+            self._idle.put(request)
+
+
+def _shareable(value: Any) -> np.ndarray:
+    """``value`` as an array OpenVINO can wrap: C-contiguous and writable (a copy only where it is
+    neither: a broadcast view, a read-only buffer)."""
+    array = np.asarray(value)
+    if array.flags.c_contiguous and array.flags.writeable:
+        return array
+    return np.array(array, order="C")
+
+
+def runtime_config(options: Mapping[str, Any]) -> None:
+    """Check a runtime's options (an unknown value is an error at the first load)."""
+    compile_config(BackendOptions(options))
