@@ -1,5 +1,7 @@
 """backplane: a neural-network inference runtime whose backends plug in."""
 
+from backplane.artifact import ArtifactError
+from backplane.artifact import compile  # noqa: A004  # backplane.compile, as the issue names it
 from backplane.backends.api.backend import Backend, Support
 from backplane.backends.registry import registry
 from backplane.frontends.onnx import ModelError, import_onnx
@@ -11,7 +13,9 @@ from backplane.session import InferenceSession, ModelMetadata, RunOptions, Sessi
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "ExecutionError", "InferenceSession", "InvalidInputError", "ModelError",
+    "ArtifactError", "Backend", "ExecutionError", "InferenceSession", "InvalidInputError",
+    "ModelError",
     "ModelMetadata", "OptimizationError", "OptimizedNetwork", "OptimizerOptions", "RunOptions",
-    "Runtime", "RuntimeOptions", "SessionOptions", "Support", "import_onnx", "optimize", "registry",
+    "Runtime", "RuntimeOptions", "SessionOptions", "Support", "compile", "import_onnx", "optimize",
+    "registry",
 ]

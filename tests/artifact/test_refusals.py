@@ -1,0 +1,166 @@
+"""Loading refuses what the blobs cannot run on, naming what differs and what was expected."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import backplane
+from backplane import InferenceSession
+from backplane.artifact import ArtifactError, container
+from backplane.backends.api.backend import Backend, PreprocessResult
+from backplane.backends.reference.backend import CpuRef
+from backplane.backends.registry import BackendRegistry
+from backplane.ir.graph import Graph
+from tests.artifact.conftest import model_and_feeds
+
+
+class BlobRef(CpuRef):
+    """CpuRef with a delegate: its blob names the layers; init binds them; facts are settable."""
+
+    id = "BlobRef"
+    FACTS: dict[str, str] = {"isa": "avx2"}
+    preprocessed = 0
+
+    def machine_facts(self) -> dict[str, str]:
+        return dict(self.FACTS)
+
+    def preprocess(self, graph: Graph, compile_specs: Any) -> PreprocessResult:
+        BlobRef.preprocessed += 1
+        names = [layer.name for layer in graph.layers]
+        return PreprocessResult(json.dumps(names).encode(), {n: [n] for n in names})
+
+    def init(self, processed: Any, compile_specs: Any, context: Any) -> Any:
+        from backplane.runtime.loaded_network import LoadedNetwork
+        from backplane.optimizer.optimize import OptimizedNetwork
+        from backplane.optimizer.report import PlacementReport
+
+        assert json.loads(bytes(processed)) == [layer.name for layer in context.graph.layers]
+        net = OptimizedNetwork(context.graph, {self.id: self}, PlacementReport([self.id]),
+                               list(context.graph.inputs), list(context.graph.outputs))
+        return LoadedNetwork(net, context.network_id)
+
+    def execute(self, handle: Any, *inputs: Any) -> tuple[Any, ...]:
+        return tuple(handle.execute(list(inputs)))
+
+
+def registry_with(*backends: type[Backend]) -> BackendRegistry:
+    registry = BackendRegistry()
+    for backend in backends:
+        registry.register(backend.id, backend)
+    return registry
+
+
+@pytest.fixture
+def blob_artifact(tmp_path: Path) -> tuple[Path, BackendRegistry]:
+    registry = registry_with(BlobRef)
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    backplane.artifact.build(path, artifact, ["BlobRef"], {}, runtime=backplane.Runtime(registry=registry))
+    return artifact, registry
+
+
+def test_a_delegate_round_trips(blob_artifact: tuple[Path, BackendRegistry]) -> None:
+    artifact, registry = blob_artifact
+    path, feeds = model_and_feeds("tiny_bert")
+    session = InferenceSession(artifact, runtime=backplane.Runtime(registry=registry))
+    delegates = [lay for lay in session.optimized.graph.layers if lay.op_type == "Delegate"]
+    assert len(delegates) == 1 and delegates[0].backend == "BlobRef"
+    for a, b in zip(session.run(None, feeds), InferenceSession(path).run(None, feeds)):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_missing_backend(blob_artifact: tuple[Path, BackendRegistry]) -> None:
+    artifact, _ = blob_artifact
+    with pytest.raises(ArtifactError, match=r"needs backend BlobRef 1\.0\.0, which is not "
+                                            r"registered here.*CpuRef"):
+        InferenceSession(artifact)
+
+
+def test_incompatible_api_major(blob_artifact: tuple[Path, BackendRegistry]) -> None:
+    artifact, _ = blob_artifact
+
+    class NextApi(BlobRef):
+        api_version = (2, 0)
+
+    registry = registry_with(NextApi)
+    with pytest.raises(ArtifactError, match=r"API version 1\.0; the BlobRef here has API version "
+                                            r"2\.0"):
+        InferenceSession(artifact, runtime=backplane.Runtime(registry=registry))
+
+
+def test_other_machine_facts(blob_artifact: tuple[Path, BackendRegistry],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    artifact, registry = blob_artifact
+    monkeypatch.setattr(BlobRef, "FACTS", {"isa": "avx512f"})
+    with pytest.raises(ArtifactError, match=r"isa: the artifact was compiled for 'avx2', this "
+                                            r"machine has 'avx512f'"):
+        InferenceSession(artifact, runtime=backplane.Runtime(registry=registry))
+    before = BlobRef.preprocessed
+    _, feeds = model_and_feeds("tiny_bert")
+    session = InferenceSession(artifact, runtime=backplane.Runtime(registry=registry),
+                               repreprocess=True)
+    assert BlobRef.preprocessed == before + 1
+    assert all(np.isfinite(out).all() for out in session.run(None, feeds))
+
+
+def test_other_backend_version(blob_artifact: tuple[Path, BackendRegistry]) -> None:
+    artifact, _ = blob_artifact
+
+    class Newer(BlobRef):
+        version = "1.1.0"
+
+    with pytest.raises(ArtifactError, match=r"made by BlobRef 1\.0\.0, this one is 1\.1\.0"):
+        InferenceSession(artifact, runtime=backplane.Runtime(registry=registry_with(Newer)))
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    backplane.compile(path, ["CpuRef"], artifact)
+    data = artifact.read_bytes()
+    for keep in (len(data) - 100, 30, 200):
+        cut = tmp_path / f"cut{keep}.bpl"
+        cut.write_bytes(data[:keep])
+        with pytest.raises(ArtifactError, match="is truncated"):
+            InferenceSession(cut)
+
+
+def test_corrupted_file(tmp_path: Path) -> None:
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    backplane.compile(path, ["CpuRef"], artifact)
+    data = bytearray(artifact.read_bytes())
+    constants = next(s for s in container.read(artifact).header["sections"]
+                     if s["name"] == "constants")
+    flipped = bytearray(data)
+    flipped[constants["offset"] + 10] ^= 0x40
+    (tmp_path / "weights.bpl").write_bytes(flipped)
+    with pytest.raises(ArtifactError, match=r"corrupted: section 'constants' has sha256 \w+, "
+                                            r"expected " + constants["sha256"]):
+        InferenceSession(tmp_path / "weights.bpl")
+    header = bytearray(data)
+    header[60] ^= 0x01
+    (tmp_path / "header.bpl").write_bytes(header)
+    with pytest.raises(ArtifactError, match="corrupted: the header's sha256"):
+        InferenceSession(tmp_path / "header.bpl")
+
+
+def test_other_backends_than_compiled(tmp_path: Path) -> None:
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    backplane.compile(path, ["CpuRef"], artifact)
+    with pytest.raises(ArtifactError, match=r"compiled for backends \['CpuRef'\]; this session "
+                                            r"asks for \['CpuAcc', 'CpuRef'\]"):
+        InferenceSession(artifact, backends=["CpuAcc", "CpuRef"])
+
+
+def test_not_an_artifact(tmp_path: Path) -> None:
+    bad = tmp_path / "x.bpl"
+    bad.write_bytes(b"BPLNART\nxx")
+    with pytest.raises(ArtifactError, match="truncated"):
+        InferenceSession(bad)
