@@ -60,7 +60,7 @@ def _padded(x, widths, mode, value):
         return out
     for axis, (begin, end) in enumerate(widths):
         if begin or end:
-            positions = torch.arange(-begin, x.shape[axis] + end, device=x.device)
+            positions = torch.arange(-begin, max(x.shape[axis] + end, -begin), device=x.device)
             x = torch.index_select(x, axis, _source(positions, x.shape[axis], mode))
     return x
 
