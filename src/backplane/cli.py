@@ -1,4 +1,4 @@
-"""The ``backplane`` command: run, inspect, backends, bench (Arm NN's ExecuteNetwork, in spirit).
+"""The ``backplane`` command: run, inspect, compile, backends, bench (Arm NN's ExecuteNetwork, in spirit).
 
 ``--json`` prints one JSON document on stdout and nothing else (messages, warnings and progress go to
 stderr). Tables never fold a path or a layer name; when stdout is not a terminal they are as wide as
@@ -25,11 +25,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from backplane.artifact import ArtifactError, is_artifact
+from backplane.artifact import compile as compile_artifact
 from backplane.backends.registry import registry
 from backplane.backends.registry.dynamic import PATHS_VARIABLE, backend_paths
 from backplane.frontends.onnx import ModelError
 from backplane.ir.graph import TensorInfo
-from backplane.optimizer.optimize import OptimizationError
+from backplane.optimizer.optimize import OptimizationError, OptimizerOptions
 from backplane.optimizer.report import print_table, unfolded_table
 from backplane.runtime.loaded_network import ExecutionError, LayerTiming
 from backplane.runtime.runtime import InvalidInputError
@@ -37,7 +39,8 @@ from backplane.session import InferenceSession, SessionOptions
 
 console = Console()
 err_console = Console(stderr=True)
-USER_ERRORS = (ModelError, OptimizationError, InvalidInputError, ExecutionError, ValueError, KeyError)
+USER_ERRORS = (ModelError, OptimizationError, InvalidInputError, ExecutionError, ValueError, KeyError,
+               ArtifactError)
 WIDE = 10_000
 """The console's width when stdout is not a terminal: tables as wide as their cells, never folded."""
 
@@ -77,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--trace", metavar="FILE.json",
                      help="write a Chrome trace of the runs (chrome://tracing, ui.perfetto.dev)")
     run.set_defaults(command=cmd_run)
+    compile_ = sub.add_parser("compile", help="compile a model ahead of time into one artifact, "
+                                              "loaded after without the model (docs/artifact.md)")
+    _model_arguments(compile_)
+    compile_.add_argument("-o", "--output", metavar="FILE.bpl",
+                          help="the artifact (default: the model's path with .bpl)")
+    compile_.set_defaults(command=cmd_compile)
     inspect = sub.add_parser("inspect", help="print the placement report: where each layer goes, why")
     _model_arguments(inspect)
     inspect.add_argument("--graph", action="store_true", help="also print the optimized graph")
@@ -116,10 +125,11 @@ def _json_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="an ONNX model file")
-    parser.add_argument("--backends", default="CpuRef",
+    parser.add_argument("model", help="an ONNX model file, or an artifact (backplane compile)")
+    parser.add_argument("--backends", default=None,
                         help="comma-separated backend ids, most preferred first, backend options "
-                             "after @ (CpuAcc,CpuRef@CpuAcc.compile=layers; default: CpuRef)")
+                             "after @ (CpuAcc,CpuRef@CpuAcc.compile=layers; default: CpuRef, or "
+                             "an artifact's own)")
     parser.add_argument("--pin", action="append", default=[], metavar="LAYER_OR_OP=BACKEND",
                         help="run a layer (by name) or every layer of an op type on a backend first")
     parser.add_argument("--threads", type=int, default=0,
@@ -159,10 +169,33 @@ def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSess
     options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict,
                              enable_profiling=profiling)
     pins = dict(_key_value(p, "--pin") for p in args.pin)
-    backends = backend_specs(args.backends)
+    if args.backends is None and is_artifact(args.model):
+        with _busy(f"loading the artifact {Path(args.model).name}"):
+            return InferenceSession(args.model, sess_options=options, pins=pins or None)
+    backends = backend_specs(args.backends or "CpuRef")
     with _busy(f"loading {Path(args.model).name} on {', '.join(_ids(backends))} (optimizing, "
                "measuring CpuAcc's routes, creating workloads)"):
         return InferenceSession(args.model, backends=backends, sess_options=options, pins=pins)
+
+
+def cmd_compile(args: argparse.Namespace) -> Any:
+    """Compile the model into one artifact; print where it went and its size."""
+    options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict)
+    pins = dict(_key_value(p, "--pin") for p in args.pin)
+    backends = backend_specs(args.backends or "CpuRef")
+    output = args.output or str(Path(args.model).with_suffix(".bpl"))
+    optimizer = OptimizerOptions(strict=True) if args.strict else None
+    with _busy(f"compiling {Path(args.model).name} for {', '.join(_ids(backends))}"):
+        size = compile_artifact(args.model, backends, output, sess_options=options, pins=pins,
+                                optimizer_options=optimizer)
+    model_size = Path(args.model).stat().st_size
+    document = {"artifact": output, "bytes": size, "model": args.model, "model_bytes": model_size,
+                "backends": _ids(backends)}
+    if args.json:
+        return 0, document
+    console.print(Text(f"{output}: {size:,} bytes (the model: {model_size:,} bytes), for "
+                       f"{', '.join(_ids(backends))}"))
+    return 0
 
 
 def _ids(backends: Sequence[str | tuple[str, Any]]) -> list[str]:

@@ -1,0 +1,39 @@
+"""``backplane compile MODEL -o FILE --backends ...`` and ``backplane run FILE``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backplane import InferenceSession
+from backplane.cli import main
+from tests.artifact.conftest import model_and_feeds
+
+
+def test_compile_then_run_the_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, feeds = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    assert main(["compile", str(model), "-o", str(artifact), "--backends", "CpuRef", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["artifact"] == str(artifact) and document["bytes"] == artifact.stat().st_size
+    inputs = []
+    for name, value in feeds.items():
+        np.save(tmp_path / f"{name}.npy", value)
+        inputs += ["--input", f"{name}={tmp_path / name}.npy"]
+    assert main(["run", str(artifact), "--repeat", "1", "--json", *inputs]) == 0
+    ran = json.loads(capsys.readouterr().out)
+    expected = InferenceSession(model).run(None, feeds)
+    assert [o["shape"] for o in ran["outputs"]] == [list(e.shape) for e in expected]
+
+
+def test_run_refuses_other_backends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    assert main(["compile", str(model), "-o", str(artifact)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(artifact), "--backends", "CpuAcc,CpuRef", "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)
+    assert error["type"] == "ArtifactError" and "compiled for backends ['CpuRef']" in error["error"]
