@@ -149,3 +149,29 @@ def test_device_rows(row: tuple[str, ...], network: str) -> None:
     if "CpuAcc" not in row and "CpuRef" not in row:  # device memory only: imports only
         inner = [c for c in session.report.copies if "user" not in (c.source, c.target)]
         assert inner and all(c.strategy == "import" for c in inner)
+
+
+def test_a_convolution_whose_add_is_pinned_elsewhere_stays_on_the_gpu() -> None:
+    """Regression: GpuAcc's Conv-Add-Relu fusion looked up the Add inside the captured subgraph
+    after it was pinned out of it (a KeyError at load), and the load fallback then moved every layer
+    behind it off the GPU (resnet50: 34 layers to CpuRef, 58 copies a run)."""
+    if not _torch_cuda():
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(0)
+    weight = helper.make_tensor("W", TensorProto.FLOAT, [8, 8, 3, 3],
+                                rng.standard_normal(8 * 8 * 9).astype(np.float32))
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["x"], ["r"], name="relu_x"),
+             helper.make_node("Add", ["c", "r"], ["a"], name="add"),
+             helper.make_node("Relu", ["a"], ["y"], name="relu")]
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "residual", [info("x", TensorProto.FLOAT, SHAPE)],
+                              [info("y", TensorProto.FLOAT, SHAPE)], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal(SHAPE).astype(np.float32)
+    session = InferenceSession(model.SerializeToString(), ["GpuAcc", "CpuRef"],
+                               pins={"add": "CpuRef"})
+    assert not [w for w in session.report.warnings if "could not create" in w]
+    assert session.report.backend_of("conv") == "GpuAcc"
+    expected = InferenceSession(model.SerializeToString(), ["CpuRef"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-3, atol=1e-3)

@@ -131,7 +131,7 @@ def _inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] =
         uses[name] = uses.get(name, 0) + 1
 
     def sole(name: str) -> int | None:
-        return consumer[name] if uses.get(name) == 1 else None
+        return consumer.get(name) if uses.get(name) == 1 else None  # None: read outside only
 
     for index, layer in enumerate(layers):
         if layer.op_type != "Conv" or layer.domain or not _fusable_conv(layer):
