@@ -184,6 +184,25 @@ class CpuAcc(TorchBackend):
 
         return {**fusion.WORKLOADS, "Specialized": specialize.specialized_workload}
 
+    # -- ahead of time: the routes and compiled partitions of a load, kept in a blob (delegate.py)
+    def machine_facts(self) -> dict[str, str]:
+        from backplane.backends.torch import delegate
+
+        return {} if self.missing else delegate.machine_facts()
+
+    def preprocess(self, graph: Any, compile_specs: Any) -> Any:
+        from backplane.backends.torch import delegate
+
+        return None if self.missing else delegate.preprocess(self, graph)
+
+    def init(self, processed: Any, compile_specs: Any, context: Any) -> Any:
+        from backplane.backends.torch import delegate
+
+        return delegate.init(self, processed, context)
+
+    def execute(self, handle: Any, *inputs: Any) -> tuple[Any, ...]:
+        return handle(*inputs)
+
 
 class GpuAcc(TorchBackend):
     """PyTorch's CUDA kernels; each static-shape subgraph captured as a CUDA graph at load."""

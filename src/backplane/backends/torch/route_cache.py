@@ -10,6 +10,7 @@ True) turns it off. A missing, unreadable or corrupt file is an empty cache, nev
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import json
@@ -22,6 +23,10 @@ from typing import Any
 CACHE_VARIABLE = "BACKPLANE_CACHE_DIR"
 FILE_NAME = "cpuacc-routes.json"
 CACHE_VERSION = 1  # bump when a route's meaning changes
+KEPT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "backplane_kept_routes", default=None)
+"""Routes by key kept outside the disk cache while set: looked up first, and every route looked
+up or stored is added (CpuAcc's artifact blob: ``delegate``)."""
 
 
 def cache_file() -> Path:
@@ -45,11 +50,20 @@ def key(kind: str, description: dict[str, Any]) -> str:
 
 
 def lookup(cache_key: str) -> str | None:
-    return _entries(cache_file()).get(cache_key)
+    kept = KEPT.get()
+    if kept is not None and cache_key in kept:
+        return kept[cache_key]
+    route = _entries(cache_file()).get(cache_key)
+    if kept is not None and route is not None:
+        kept[cache_key] = route
+    return route
 
 
 def store(cache_key: str, route: str) -> None:
     """Record a route; a cache that cannot be written is left as it is."""
+    kept = KEPT.get()
+    if kept is not None:
+        kept[cache_key] = route
     path = cache_file()
     entries = _entries(path)
     entries[cache_key] = route

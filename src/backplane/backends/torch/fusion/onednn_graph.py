@@ -228,6 +228,7 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
 
     seconds(run, *sample, repeat=1)  # the first calls after a freeze are the slow ones
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
+    run.module = module  # type: ignore[attr-defined]  # what CpuAcc's artifact blob keeps
     return _named(run, "onednn_graph")
 
 
