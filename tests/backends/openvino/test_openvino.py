@@ -20,6 +20,7 @@ from backplane.backends.api.backend import OptionError  # noqa: E402
 from backplane.backends.openvino import partition  # noqa: E402
 from backplane.backends.registry import registry  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.models import test_corpus as corpus  # noqa: E402
 from tests.models.test_models import (  # noqa: E402
     COMPARE_INSTEAD,
     DATA,
@@ -180,6 +181,25 @@ def test_outputs_are_fresh_arrays_each_run_and_inputs_shared() -> None:
     np.testing.assert_array_equal(first, kept)  # the second run did not write into the first's
 
 
+def test_inputs_neither_contiguous_nor_writable_are_kept_alive_through_the_run() -> None:
+    """Such an input is copied for OpenVINO; the copy must live until the infer call is over (it
+    did not once: cond_nested_dyn18 read freed memory inside its If bodies)."""
+    path = DATA / "tiny_mobilenet_v3.onnx"
+    x = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))["input"]
+    session = InferenceSession(path, backends=["OpenVINO"])
+    (workload,) = [step.workload for step in session.runtime.network(session.network_id).steps]
+    want = workload(x)[0]
+    strided = np.zeros((1, 3, 64, 128), np.float32)
+    strided[..., ::2] = x
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    for value in [strided[..., ::2], frozen] * 3:
+        got = workload(value)[0]
+        noise = [np.full(x.shape, 1e6, np.float32) for _ in range(4)]  # reuse freed memory, if any
+        np.testing.assert_array_equal(got, want)
+        del noise
+
+
 def test_runs_from_several_threads_match() -> None:
     path = DATA / "tiny_bert.onnx"
     feeds = dict(np.load(DATA / "tiny_bert.npz"))
@@ -259,3 +279,25 @@ def test_partition_model_round_trips_attributes(tmp_path: Path) -> None:
     graph = import_onnx(str(DATA / "tiny_bert.onnx"))
     proto = onnx_model.model(graph.layers, graph.inputs, graph.outputs, graph)
     onnx.checker.check_model(proto, full_check=True)
+
+
+@pytest.mark.parametrize("size", [0, 1], ids=["s0", "s1"])
+@pytest.mark.parametrize("name", corpus.MANIFEST)
+def test_corpus_models_match_onnx_runtime(name: str, size: int) -> None:
+    """The corpus of real exports (free axes at two sizes, control flow, fp16, quantized) as
+    tests/models/test_corpus.py holds CpuRef and CpuAcc to it, with OpenVINO first."""
+    key = (name, "OpenVINO,CpuRef")
+    if key not in _corpus_sessions:
+        _corpus_sessions[key] = InferenceSession(corpus.CORPUS / corpus.MANIFEST[name]["file"],
+                                                 backends=["OpenVINO", "CpuRef"])
+    session = _corpus_sessions[key]
+    actual = session.run(None, corpus.feeds(name, size))
+    names = [o["name"] for o in corpus.MANIFEST[name]["outputs"]]
+    _, problems = corpus.compare_outputs(actual, corpus.expected_for(name, size), names,
+                                         corpus.quanta(name))
+    assert not problems, (f"{name} at {corpus.size_text(name, size)} (placement "
+                          f"{session.report.counts()}):\n  " + "\n  ".join(problems))
+    assert [c for c in session.report.copies if c.strategy == "copy"] == []
+
+
+_corpus_sessions: dict[tuple[str, str], InferenceSession] = {}

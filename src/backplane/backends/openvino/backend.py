@@ -39,6 +39,12 @@ from backplane.backends.api.optimization import OptimizationViews
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 INSTALL = "pip install 'backplane[openvino]'"
+QUANTIZED_OPS = frozenset({
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
+    "MatMulInteger", "ConvInteger", "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool",
+    "QLinearAveragePool", "QLinearConcat", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearSoftmax"})
+"""Refused: OpenVINO runs quantized graphs through its own int8 transformations, whose rounding is
+not the graph's (the corpus's resnet_qlinear_ort15 moved by a quarter of its logits' scale)."""
 
 
 
@@ -124,6 +130,9 @@ class OpenVINOWorkloadFactory(WorkloadFactory):
 def _layer_reason(layer: Layer, inputs: Sequence[TensorInfo],
                   outputs: Sequence[TensorInfo]) -> str | None:
     """What refuses ``layer`` before OpenVINO is asked, or None."""
+    if layer.op_type in QUANTIZED_OPS:
+        return (f"{layer.op_type}: OpenVINO's int8 transformations round otherwise than the graph "
+                f"says; quantized layers stay with the backends that follow it")
     if any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
            for v in layer.attrs.values()):
         return "a layer with a sub-graph (its body) is not converted; builtin runs control flow"

@@ -89,9 +89,11 @@ class CompiledPartition:
         except queue.Empty:
             request = self.compiled.create_infer_request()
         try:
-            for index, value in enumerate(inputs):
-                request.set_input_tensor(index, openvino.Tensor(_shareable(value),
-                                                                shared_memory=True))
+            # the request holds only OpenVINO's side of each tensor: ``held`` keeps the arrays
+            # alive until the infer call is over (a copy made by ``_shareable`` has no other owner)
+            held = [openvino.Tensor(_shareable(value), shared_memory=True) for value in inputs]
+            for index, tensor in enumerate(held):
+                request.set_input_tensor(index, tensor)
             results: list[np.ndarray | None] = []
             for index, (shape, dtype) in enumerate(self._outputs):
                 array = np.empty(shape, dtype) if shape is not None else None
@@ -99,6 +101,7 @@ class CompiledPartition:
                     request.set_output_tensor(index, openvino.Tensor(array, shared_memory=True))
                 results.append(array)
             request.infer()
+            del held
             return tuple(array if array is not None else request.get_output_tensor(i).data.copy()
                          for i, array in enumerate(results))
         finally:
