@@ -1058,4 +1058,6 @@ COVERED = {*UNARY, *BINARY, *VARIADIC, "Where", "Clip", "Cast", *REDUCTIONS, "So
 
 def test_every_kernel_is_covered() -> None:
     """A kernel added to the table without a property here fails this, until it gets one."""
-    assert sorted(set(KERNELS) - COVERED) == []
+    from backplane.backends.torch.kernels import numeric  # test_kernels_numeric.py covers these
+
+    assert sorted(set(KERNELS) - COVERED - set(numeric.KERNELS)) == []

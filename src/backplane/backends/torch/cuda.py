@@ -37,6 +37,10 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Split": (1,), "Slice": (1, 2, 3, 4),
     "Squeeze": (1,), "Unsqueeze": (1,), "ReduceSum": (1,), "ReduceMean": (1,),
     "ReduceMax": (1,), "ReduceMin": (1,), "Clip": (1, 2),
+    # numeric.py's: axes, lengths and steps
+    "CumSum": (1,), "CumProd": (1,), "DFT": (1, 2), "STFT": (1, 3), "ReduceProd": (1,),
+    "ReduceSumSquare": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
+    "ReduceLogSumExp": (1,),
 }
 """Inputs the kernels read on the host (shapes, axes, bounds): kept as NumPy inside a CUDA graph, since
 reading a CUDA tensor on the host would wait for the GPU, which a capture forbids."""
