@@ -48,6 +48,12 @@ class PlacementReport:
     subgraphs: list[SubgraphRecord] = field(default_factory=list)
     unavailable: dict[str, str] = field(default_factory=dict)  # backend id -> reason
     warnings: list[str] = field(default_factory=list)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    """Per backend, the most bytes its intermediate tensors take at once in a run, as planned at
+    load (each tensor dropped after its last reader; a copy's result counted in its target's
+    memory, an import's not at all); tensors whose size is known only at run time are left out."""
+    constant_bytes: dict[str, int] = field(default_factory=dict)
+    """Per backend, the bytes of the constants it reads (a copy per kind of memory)."""
 
     def backend_of(self, layer_name: str) -> str:
         return self.layers[layer_name].backend
@@ -85,7 +91,8 @@ class PlacementReport:
                 "copies": [asdict(c) for c in self.copies],
                 "subgraphs": [asdict(s) for s in self.subgraphs],
                 "unavailable": dict(self.unavailable),
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings),
+                "peak_bytes": dict(self.peak_bytes), "constant_bytes": dict(self.constant_bytes)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PlacementReport:
@@ -99,6 +106,8 @@ class PlacementReport:
                 p["substituted_by"])
         report.copies = [CopyRecord(**c) for c in data["copies"]]
         report.subgraphs = [SubgraphRecord(**s) for s in data["subgraphs"]]
+        report.peak_bytes = dict(data.get("peak_bytes", {}))
+        report.constant_bytes = dict(data.get("constant_bytes", {}))
         return report
 
     def render(self, console: Console) -> None:
@@ -111,11 +120,19 @@ class PlacementReport:
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
         console.print(f"{len(self.layers)} layers ({counts}); {len(self.copies)} copies; "
                       f"{len(self.subgraphs)} subgraphs")
+        if self.peak_bytes:
+            memory = ", ".join(f"{b}: {_mib(n)} peak + {_mib(self.constant_bytes.get(b, 0))} "
+                               f"constants" for b, n in self.peak_bytes.items())
+            console.print(f"memory planned ({memory})")
 
     def __str__(self) -> str:
         buffer = io.StringIO()
         self.render(Console(file=buffer, width=160, color_system=None))
         return buffer.getvalue()
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 def unfolded_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]],

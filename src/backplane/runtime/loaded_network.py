@@ -110,6 +110,7 @@ class LoadedNetwork:
                            self._constant_slots)
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots)
+        network.report.peak_bytes, network.report.constant_bytes = self._planned_memory()
         self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
         self.profiling = profiling or {}
         self.exclusive = any(getattr(w, "exclusive", False) for w in workloads)
@@ -153,6 +154,42 @@ class LoadedNetwork:
         if self._template[slot] is None:
             self._template[slot] = value if host else factory.copy_in(value)
         return key
+
+    def _planned_memory(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per backend: the peak bytes of the intermediate tensors of a run of the host plan, and
+        the bytes of its constants (``PlacementReport.peak_bytes``, ``constant_bytes``)."""
+        graph = self.network.graph
+        copied_to = {c.layer: c.target for c in self.network.report.copies if c.strategy == "copy"}
+        names = {slot: name for name, slot in self._slots.items()}
+        live: dict[str, int] = {}
+        peak: dict[str, int] = {}
+        held: dict[int, tuple[str, int]] = {}  # slot -> (backend, bytes)
+        for step, layer in zip(self.steps, self.layers):
+            owner = copied_to.get(layer.name) if layer.op_type in _GLUE else layer.backend
+            for slot in step.outputs:
+                nbytes = _bytes(graph, names.get(slot))
+                if owner and nbytes and slot != NONE_SLOT:
+                    held[slot] = (owner, nbytes)
+                    live[owner] = live.get(owner, 0) + nbytes
+                    peak[owner] = max(peak.get(owner, 0), live[owner])
+            for slot in step.frees:
+                if slot in held:
+                    owner_of, nbytes = held.pop(slot)
+                    live[owner_of] -= nbytes
+        constants: dict[str, int] = {}
+        seen: set[tuple[str, int]] = set()
+        for layer in self.layers:
+            backend = layer.backend or ""
+            held_here = [graph.constants[n] for n in layer.inputs if n in graph.constants]
+            held_here += [v for v in layer.attrs.values() if isinstance(v, np.ndarray)]  # fused
+            inner = layer.attrs.get("constants")
+            if isinstance(inner, dict):  # a captured subgraph's
+                held_here += [v for v in inner.values() if isinstance(v, np.ndarray)]
+            for value in held_here:
+                if (backend, id(value)) not in seen:
+                    seen.add((backend, id(value)))
+                    constants[backend] = constants.get(backend, 0) + int(value.nbytes)
+        return peak, constants
 
     def _one_at_a_time(self, run: Any) -> Any:
         def locked(*args: Any) -> Any:
@@ -361,6 +398,15 @@ class LoadedNetwork:
 
 
 _GLUE = ("MemCopy", "MemImport")
+
+
+def _bytes(graph: Graph, name: str | None) -> int:
+    if not name:
+        return 0
+    try:
+        return graph.info(name).nbytes or 0
+    except (KeyError, TypeError, ValueError):
+        return 0
 
 
 def _importer(target: Any) -> Workload:
