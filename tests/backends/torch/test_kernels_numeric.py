@@ -95,7 +95,7 @@ def test_unary(op: str) -> None:
 
 
 BINARY = ("Mod", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "SwiGLU")
-BINARY_OPSETS = {"SwiGLU": 28}
+BINARY_OPSETS = {"SwiGLU": (28,), "BitShift": (11, 28)}  # BitShift: signed types from 28
 
 
 def _divisors(dtype: np.dtype) -> st.SearchStrategy[Any]:
@@ -109,7 +109,7 @@ def _divisors(dtype: np.dtype) -> st.SearchStrategy[Any]:
 @given(data=st.data())
 def _binary(op: str, data: Any) -> None:
     draw = data.draw
-    opset = BINARY_OPSETS.get(op, OPSET)
+    opset = draw(st.sampled_from(BINARY_OPSETS.get(op, (OPSET,))))
     dtype, other = input_dtypes(draw, op, opset)[:2]
     shape_a, shape_b = draw(hnp.mutually_broadcastable_shapes(num_shapes=2, max_dims=4,
                                                                max_side=3)).input_shapes
@@ -198,6 +198,35 @@ def _det(op: str, data: Any) -> None:
 
 def test_det() -> None:
     run(_det, "Det")
+
+
+# -- losses ----------------------------------------------------------------------------------------
+@SETTINGS
+@given(data=st.data())
+def _loss(op: str, data: Any) -> None:
+    draw = data.draw
+    dtype, index_type = input_dtypes(draw, op)[:2]
+    n, classes = draw(st.integers(0, 3)), draw(st.integers(1, 4))
+    extra = list(draw(shapes(max_dims=2, min_side=1, max_side=3)))
+    scores = tensor(draw, dtype, [n, classes, *extra], low=-5, high=5, special=False)
+    if op == "NegativeLogLikelihoodLoss":  # log-probabilities
+        scores = place(-np.abs(scores.ref), draw(st.sampled_from(("contiguous", "permuted"))))
+    attrs: dict[str, Any] = draw(st.fixed_dictionaries({}, optional={
+        "reduction": st.sampled_from(["none", "sum", "mean"]),
+        "ignore_index": st.integers(-1, classes)}))
+    target = tensor(draw, index_type, [n, *extra], ("contiguous",),
+                    integers=(-classes, classes - 1))
+    args = [scores, target]
+    if draw(st.booleans()):
+        args.append(tensor(draw, dtype, [classes], ("contiguous",), low=0, high=2, special=False))
+    n_outputs = 2 if op == "SoftmaxCrossEntropyLoss" and draw(st.booleans()) else 1
+    terms = n * math.prod(extra)
+    differential(op, args, attrs, n_outputs=n_outputs, tol=8, atol=_slack(dtype, terms, 20.0))
+
+
+@pytest.mark.parametrize("op", ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"])
+def test_loss(op: str) -> None:
+    run(_loss, op)
 
 
 # -- ArgMax, ArgMin, Hardmax -----------------------------------------------------------------------
@@ -567,6 +596,7 @@ def test_refusals_name_the_reason() -> None:
 
 def test_every_numeric_kernel_is_covered() -> None:
     covered = {*UNARY, *BINARY, "CumSum", "CumProd", "Einsum", "Det", "ArgMax", "ArgMin",
+               "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss",
                "Hardmax", *REDUCTIONS, "HannWindow", "HammingWindow", "BlackmanWindow", "DFT",
                "STFT", "CastLike", "BitCast", "QuantizeLinear", "DequantizeLinear",
                "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul", "ConvInteger",

@@ -361,7 +361,70 @@ def check_lp_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     return None
 
 
+# -- sampling --------------------------------------------------------------------------------------
+_GRID_MODES = {"linear": "bilinear", "bilinear": "bilinear", "nearest": "nearest",
+               "cubic": "bicubic", "bicubic": "bicubic"}
+"""ONNX's GridSample modes (opset 16's names and opset 20's) as torch names them."""
+
+
+def _wide(*tensors):
+    """The float type to compute in: the widest of the inputs', float32 at least."""
+    wide = torch.float32
+    for t in tensors:
+        wide = torch.promote_types(wide, t.dtype)
+    return wide
+
+
+def affine_grid(theta, size, align_corners=0):
+    # theta (N, r, r+1) maps the homogeneous base grid (x, y[, z], 1) of the output to the input;
+    # torch's affine_grid puts a size-1 axis at 0 where ONNX's linspace puts it at -1
+    spatial = ints(size)[2:]
+    wide = _wide(theta)
+    axes = [torch.linspace(-1, 1, n, dtype=wide, device=theta.device) if align_corners else
+            (2 * torch.arange(n, dtype=wide, device=theta.device) + 1) / n - 1 for n in spatial]
+    mesh = torch.meshgrid(*axes, indexing="ij") if axes else []
+    ones = torch.ones(spatial, dtype=wide, device=theta.device)
+    base = torch.stack([*mesh[::-1], ones], dim=-1).reshape(-1, len(spatial) + 1)
+    grid = base @ theta.to(wide).transpose(1, 2)  # (N, points, r)
+    return (grid.reshape(theta.shape[0], *spatial, len(spatial)).to(theta.dtype),)
+
+
+def grid_sample(X, grid, align_corners=0, mode="linear", padding_mode="zeros"):
+    wide = _wide(X, grid)
+    y = F.grid_sample(X.to(wide), grid.to(wide), _GRID_MODES[mode], padding_mode,
+                      bool(align_corners))
+    return (y.to(X.dtype),)
+
+
+def check_grid_sample(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    mode = layer.attrs.get("mode", "linear")
+    padding = layer.attrs.get("padding_mode", "zeros")
+    if mode not in _GRID_MODES:
+        return f"GridSample mode {mode!r} not known (known: {list(_GRID_MODES)})"
+    if padding not in ("zeros", "border", "reflection"):
+        return f"GridSample padding_mode {padding!r} not known (known: zeros, border, reflection)"
+    rank = len(inputs[0].shape) if inputs and inputs[0].shape is not None else None
+    if rank is not None and rank not in (4, 5):
+        return f"GridSample of rank {rank} (torch samples 2 or 3 spatial axes)"
+    if rank == 5 and _GRID_MODES[mode] == "bicubic":
+        return "GridSample cubic over 3 spatial axes (torch's is 2-D only)"
+    if _GRID_MODES[mode] == "bicubic" and padding != "zeros":
+        # ONNX folds a coordinate outside the image into it before taking the 4 x 4 taps; torch
+        # folds each tap instead
+        return f"GridSample cubic with padding_mode {padding!r} (torch folds taps, not points)"
+    return None
+
+
+def check_affine_grid(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    size = inputs[1].shape if len(inputs) > 1 else None
+    if size is not None and size != (4,) and size != (5,):
+        return f"AffineGrid of size {size} (torch makes 2-D and 3-D grids)"
+    return None
+
+
 KERNELS: KernelTable = {
+    "AffineGrid": {20: affine_grid},
+    "GridSample": {16: grid_sample},
     "RNN": {7: rnn},
     "GRU": {7: gru},
     "LSTM": {7: lstm},
@@ -385,6 +448,8 @@ CHECKS = {
     "ConvTranspose": check_conv_transpose,
     "LRN": check_lrn,
     "LpPool": check_lp_pool,
+    "GridSample": check_grid_sample,
+    "AffineGrid": check_affine_grid,
 }
 
 INPUT_DTYPES = {**{op: FLOATS for op in KERNELS}, "Col2Im": NUMBERS}
