@@ -385,3 +385,9 @@ def test_node_case(name: str) -> None:
 def test_every_op_has_node_cases() -> None:
     missing = [op for op in OPS if not case_names((op,))]
     assert not missing, f"no single-op node cases for {missing}"
+
+
+def test_every_kernel_of_the_table_is_tested_here() -> None:
+    from backplane.backends.torch.kernels import indexing
+
+    assert sorted(indexing.KERNELS) == sorted(OPS) == sorted(PROPERTIES)

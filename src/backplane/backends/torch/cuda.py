@@ -41,10 +41,14 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "CumSum": (1,), "CumProd": (1,), "DFT": (1, 2), "STFT": (1, 3), "ReduceProd": (1,),
     "ReduceSumSquare": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
     "ReduceLogSumExp": (1,),
+    # indexing.py's and recurrent.py's: pads, counts, diagonals and sizes
+    "Pad": (1, 2, 3), "CenterCropPad": (1, 2), "OneHot": (1,), "TopK": (1,), "Trilu": (1,),
+    "Col2Im": (1, 2), "MaxUnpool": (2,), "AffineGrid": (1,),
 }
 """Inputs the kernels read on the host (shapes, axes, bounds): kept as NumPy inside a CUDA graph, since
 reading a CUDA tensor on the host would wait for the GPU, which a capture forbids."""
 NOT_CAPTURABLE = frozenset({"Shape"})  # makes a tensor from host values during the run
+NOT_CAPTURABLE |= {"NonZero", "Compress", "Unique", "NonMaxSuppression"}  # sizes from data
 
 
 @functools.lru_cache(maxsize=None)
