@@ -356,7 +356,7 @@ def test_node_case(name: str) -> None:
 
 def test_every_op_has_node_cases() -> None:
     missing = [op for op in OPS if not case_names((op,))]
-    assert not missing, f"no single-op node cases for {missing}"
+    assert missing == ["GlobalLpPool"], f"no single-op node cases for {missing}"  # onnx has none
 
 
 def test_every_kernel_of_the_table_is_tested_here() -> None:
