@@ -1,8 +1,8 @@
 """Math torch kernels beyond elementwise arithmetic: IsNaN / IsInf, Mod, BitShift and the bitwise ops,
-Celu / Shrink / Swish / SwiGLU, CumSum / CumProd, Einsum, Det, ArgMax / ArgMin / Hardmax, the
-reductions torch lacks elsewhere, window functions, DFT / STFT, CastLike / BitCast and the linear
-quantization ops (QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger,
-QLinearMatMul, ConvInteger, QLinearConv).
+Celu / Shrink / Swish / SwiGLU, CumSum / CumProd, Einsum, Det, NegativeLogLikelihoodLoss and
+SoftmaxCrossEntropyLoss, ArgMax / ArgMin / Hardmax, the reductions torch lacks elsewhere, window
+functions, DFT / STFT, CastLike / BitCast and the linear quantization ops (QuantizeLinear,
+DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, QLinearMatMul, ConvInteger, QLinearConv).
 
 Where NumPy (CpuRef, the spec) widens a computation, these kernels widen it the same way, so that
 the results are the same values and not merely close ones: a dequantized value is its integer times
@@ -139,6 +139,38 @@ def einsum(*Inputs, equation):  # noqa: N803
 
 def det(X):
     return (torch.linalg.det(X),)
+
+
+# -- losses ----------------------------------------------------------------------------------------
+def negative_log_likelihood_loss(input, target, weight=None, ignore_index=None,  # noqa: A002
+                                 reduction="mean"):
+    return (_nll(input, target, weight, ignore_index, reduction),)
+
+
+def softmax_cross_entropy_loss(scores, labels, weights=None, ignore_index=None, reduction="mean",
+                               *, n_outputs=1):
+    # log(softmax) along the classes, as exp / sum then log (not log-sum-exp), like CpuRef
+    exp = torch.exp(scores - torch.amax(scores, 1, keepdim=True))
+    log_prob = torch.log(exp / torch.sum(exp, 1, keepdim=True))
+    return (_nll(log_prob, labels, weights, ignore_index, reduction), log_prob)[:n_outputs]
+
+
+def _nll(log_prob, target, weight, ignore_index, reduction):
+    # (N, C, d1, ..., dk) scores, (N, d1, ..., dk) classes; an ignored target weighs 0
+    target = target.long()
+    ignored = target == ignore_index if ignore_index is not None else \
+        torch.zeros_like(target, dtype=torch.bool)
+    target = torch.where(ignored, 0, target)
+    target = torch.where(target < 0, target + log_prob.shape[1], target)  # NumPy's from the end
+    picked = torch.gather(log_prob, 1, target.unsqueeze(1)).squeeze(1)
+    weights = torch.ones_like(picked) if weight is None else weight[target]
+    weights = torch.where(ignored, 0, weights).to(log_prob.dtype)
+    loss = -picked * weights
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / weights.sum()  # "mean": weighted by the weights
 
 
 # -- ArgMax, ArgMin, Hardmax -----------------------------------------------------------------------
@@ -391,6 +423,13 @@ def check_bit_shift(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
         f"BitShift direction {direction!r} not known (known: 'LEFT', 'RIGHT')"
 
 
+def check_loss(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    reduction = layer.attrs.get("reduction", "mean")
+    known = ("none", "sum", "mean")
+    return None if reduction in known else \
+        f"{layer.op_type} reduction {reduction!r} not known (known: {', '.join(known)})"
+
+
 def check_einsum(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     if any(info.dtype is not None and info.dtype != inputs[0].dtype for info in inputs):
         return "Einsum of inputs of different types"
@@ -480,6 +519,8 @@ KERNELS: KernelTable = {
     "CumProd": {26: cum_prod},
     "Einsum": {12: einsum},
     "Det": {11: det},
+    "NegativeLogLikelihoodLoss": {12: negative_log_likelihood_loss},
+    "SoftmaxCrossEntropyLoss": {12: softmax_cross_entropy_loss},
     "ArgMax": {1: arg_max},  # select_last_index (opset 12) has a neutral default
     "ArgMin": {1: arg_min},
     "Hardmax": {1: hardmax_v1, 13: hardmax},
@@ -508,6 +549,8 @@ KERNELS: KernelTable = {
 CHECKS = {
     "BitShift": check_bit_shift,
     "Einsum": check_einsum,
+    "NegativeLogLikelihoodLoss": check_loss,
+    "SoftmaxCrossEntropyLoss": check_loss,
     "ArgMax": check_arg,
     "ArgMin": check_arg,
     "Hardmax": check_arg,
@@ -523,13 +566,14 @@ CHECKS = {
 }
 
 _FLOAT_OPS = ("IsNaN", "IsInf", "Celu", "Shrink", "Swish", "SwiGLU", "Einsum", "ReduceL2",
-              "ReduceLogSum", "ReduceLogSumExp", "Hardmax", "DFT", "STFT", "QuantizeLinear")
+              "ReduceLogSum", "ReduceLogSumExp", "Hardmax", "DFT", "STFT", "QuantizeLinear",
+              "NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss")
 INPUT_DTYPES = {
     **{op: FLOATS for op in _FLOAT_OPS},
     **{op: INTEGERS for op in ("BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot")},
     **{op: NUMBERS for op in ("Mod", "CumSum", "CumProd", "ArgMax", "ArgMin", "ReduceProd",
                               "ReduceSumSquare", "ReduceL1")},
-    "BitShift": frozenset({UINT8}),
+    "BitShift": INTEGERS,  # signed since opset 28; NumPy and torch agree on every shift
     "Det": frozenset(np.dtype(t) for t in (np.float32, np.float64)),  # torch.linalg: no float16
     "MatMulInteger": frozenset({UINT8, np.dtype(np.int8)}),
     "QLinearMatMul": frozenset({UINT8, np.dtype(np.int8)}),
