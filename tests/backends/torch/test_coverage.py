@@ -2,8 +2,8 @@
 
 Every single-op case of the suite (one node; the expanded function bodies are other ops' cases) is
 loaded on CpuAcc,CpuRef, as a user would, and run. CpuRef's op types are those of the cases whose op
-CpuRef has a kernel for, less the cases CpuRef fails (``tests/conformance/known_failures.txt``). An op
-type is taken when each of its cases that torch has types for (every input and output a tensor of
+CpuRef has a kernel for, less the cases CpuRef fails (``tests/conformance/known_failures.txt``). An
+op type is taken when each of its cases that torch has types for (every input and output a tensor of
 a type in ``TORCH_DTYPES``: no uint16, bfloat16, float8, string, sequence or optional) placed the
 op's layers on CpuAcc and matched the case's expected outputs, and it has at least one such case.
 The strict count asks that of every case of the op type, whatever its types.

@@ -450,7 +450,8 @@ def _quantize(op: str, data: Any) -> None:
     shape = list(draw(shapes(max_side=3)))
     attrs, param_shape = _scale_and_zero(draw, shape, target, dtype, opset)
     # scales that make ties (x / scale exactly .5) and saturation likely
-    scale = draw(hnp.arrays(dtype, param_shape, elements=st.sampled_from([0.5, 1.0, 2.0, 0.1, 3.0])))
+    scales = st.sampled_from([0.5, 1.0, 2.0, 0.1, 3.0])
+    scale = draw(hnp.arrays(dtype, param_shape, elements=scales))
     x = tensor(draw, dtype, shape, low=-300, high=300, special=False)
     args = [x, place(scale)]
     info = np.iinfo(target)

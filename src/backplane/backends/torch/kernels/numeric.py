@@ -1,5 +1,5 @@
-"""Math torch kernels beyond elementwise arithmetic: IsNaN / IsInf, Mod, BitShift and the bitwise ops,
-Celu / Shrink / Swish / SwiGLU, CumSum / CumProd, Einsum, Det, NegativeLogLikelihoodLoss and
+"""Math torch kernels beyond elementwise arithmetic: IsNaN / IsInf, Mod, BitShift and the bitwise
+ops, Celu / Shrink / Swish / SwiGLU, CumSum / CumProd, Einsum, Det, NegativeLogLikelihoodLoss and
 SoftmaxCrossEntropyLoss, ArgMax / ArgMin / Hardmax, the reductions torch lacks elsewhere, window
 functions, DFT / STFT, CastLike / BitCast and the linear quantization ops (QuantizeLinear,
 DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, QLinearMatMul, ConvInteger, QLinearConv).
@@ -93,7 +93,7 @@ def bitwise_not(X):
     return (torch.bitwise_not(X),)
 
 
-# -- activations CpuAcc's elementwise table lacks ---------------------------------------------------
+# -- activations CpuAcc's elementwise table lacks --------------------------------------------------
 def celu(X, alpha=1.0):
     return (torch.clamp_min(X, 0) + torch.clamp_max(alpha * torch.expm1(X / alpha), 0),)
 
