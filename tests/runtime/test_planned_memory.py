@@ -52,3 +52,14 @@ def test_a_split_counts_each_backends_own_tensors_and_imports_nothing() -> None:
     assert set(report.peak_bytes) == {"CpuAcc", "CpuRef"}
     assert report.peak_bytes["CpuRef"] == 2 * 4 * SIZE  # t1 and t2: imports add nothing
     assert all(c.strategy == "import" for c in report.copies)
+
+
+def test_the_report_counts_a_runs_partitions_and_crossings() -> None:
+    pytest.importorskip("torch")
+    report = InferenceSession(_chain(5), ["CpuAcc", "CpuRef"], pins={"t1": "CpuRef",
+                                                                     "t3": "CpuRef"}).report
+    assert report.partitions == ["CpuAcc", "CpuRef", "CpuAcc", "CpuRef", "CpuAcc"]
+    assert report.crossings() == {"import": 4}
+    assert "a run: 5 partitions (CpuAcc -> CpuRef -> CpuAcc -> CpuRef -> CpuAcc), 0 tensors " \
+           "copied and 4 imported between backends" in str(report)
+    assert InferenceSession(_chain(5), ["CpuRef"]).report.partitions == ["CpuRef"]

@@ -54,6 +54,17 @@ class PlacementReport:
     memory, an import's not at all); tensors whose size is known only at run time are left out."""
     constant_bytes: dict[str, int] = field(default_factory=dict)
     """Per backend, the bytes of the constants it reads (a copy per kind of memory)."""
+    partitions: list[str] = field(default_factory=list)
+    """The backend of each partition a run goes through, in order (a partition: consecutive layers
+    of one backend; copy and import layers between them do not count), set at load."""
+
+    def crossings(self) -> dict[str, int]:
+        """Tensors a run hands from one backend to another, by strategy ("copy", "import")."""
+        found: dict[str, int] = {}
+        for c in self.copies:
+            if "user" not in (c.source, c.target):
+                found[c.strategy] = found.get(c.strategy, 0) + 1
+        return found
 
     def backend_of(self, layer_name: str) -> str:
         return self.layers[layer_name].backend
@@ -92,7 +103,8 @@ class PlacementReport:
                 "subgraphs": [asdict(s) for s in self.subgraphs],
                 "unavailable": dict(self.unavailable),
                 "warnings": list(self.warnings),
-                "peak_bytes": dict(self.peak_bytes), "constant_bytes": dict(self.constant_bytes)}
+                "peak_bytes": dict(self.peak_bytes), "constant_bytes": dict(self.constant_bytes),
+                "partitions": list(self.partitions), "crossings": self.crossings()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PlacementReport:
@@ -108,6 +120,7 @@ class PlacementReport:
         report.subgraphs = [SubgraphRecord(**s) for s in data["subgraphs"]]
         report.peak_bytes = dict(data.get("peak_bytes", {}))
         report.constant_bytes = dict(data.get("constant_bytes", {}))
+        report.partitions = list(data.get("partitions", []))
         return report
 
     def render(self, console: Console) -> None:
@@ -120,6 +133,12 @@ class PlacementReport:
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
         console.print(f"{len(self.layers)} layers ({counts}); {len(self.copies)} copies; "
                       f"{len(self.subgraphs)} subgraphs")
+        if self.partitions:
+            crossing = self.crossings()
+            console.print(f"a run: {len(self.partitions)} partitions "
+                          f"({' -> '.join(_runs(self.partitions))}), "
+                          f"{crossing.get('copy', 0)} tensors copied and {crossing.get('import', 0)} "
+                          f"imported between backends")
         if self.peak_bytes:
             memory = ", ".join(f"{b}: {_mib(n)} peak + {_mib(self.constant_bytes.get(b, 0))} "
                                f"constants" for b, n in self.peak_bytes.items())
@@ -129,6 +148,14 @@ class PlacementReport:
         buffer = io.StringIO()
         self.render(Console(file=buffer, width=160, color_system=None))
         return buffer.getvalue()
+
+
+def _runs(partitions: list[str], shown: int = 8) -> list[str]:
+    """The partitions' backends, the middle elided past ``shown``."""
+    if len(partitions) <= shown:
+        return list(partitions)
+    return [*partitions[:shown // 2], f"... {len(partitions) - shown} more ...",
+            *partitions[-(shown // 2):]]
 
 
 def _mib(nbytes: int) -> str:

@@ -111,6 +111,7 @@ class LoadedNetwork:
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots)
         network.report.peak_bytes, network.report.constant_bytes = self._planned_memory()
+        network.report.partitions = _partitions(self.layers)
         self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
         self.profiling = profiling or {}
         self.exclusive = any(getattr(w, "exclusive", False) for w in workloads)
@@ -398,6 +399,17 @@ class LoadedNetwork:
 
 
 _GLUE = ("MemCopy", "MemImport")
+
+
+def _partitions(layers: Sequence[Layer]) -> list[str]:
+    """The backend of each run of consecutive layers of one backend (copy and import layers aside)."""
+    found: list[str] = []
+    for layer in layers:
+        if layer.op_type in _GLUE or not layer.backend:
+            continue
+        if not found or found[-1] != layer.backend:
+            found.append(layer.backend)
+    return found
 
 
 def _bytes(graph: Graph, name: str | None) -> int:
