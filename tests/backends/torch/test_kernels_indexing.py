@@ -39,7 +39,8 @@ from tests.backends.torch.test_differential import (  # noqa: E402
 
 OPS = ("Pad", "CenterCropPad", "GatherElements", "GatherND", "Scatter", "ScatterElements",
        "ScatterND", "TensorScatter", "OneHot", "NonZero", "Compress", "TopK", "Unique",
-       "ReverseSequence", "DepthToSpace", "SpaceToDepth", "Trilu", "EyeLike", "NonMaxSuppression")
+       "ReverseSequence", "DepthToSpace", "SpaceToDepth", "Trilu", "EyeLike", "NonMaxSuppression",
+       "Size", "ConstantOfShape", "Range", "Dropout")
 
 
 def index_tensor(draw: Any, values: np.ndarray) -> Any:
@@ -362,7 +363,56 @@ def _non_max_suppression(op: str, data: Any) -> None:
     differential(op, args, {"center_point_box": draw(st.sampled_from([0, 1]))}, exact=True)
 
 
+# -- tensor makers and pass-through ----------------------------------------------------------------
+@SETTINGS
+@given(data=st.data())
+def _size(op: str, data: Any) -> None:
+    draw = data.draw
+    dtype = draw(st.sampled_from(schema_dtypes(op)))
+    differential(op, [tensor(draw, dtype, draw(shapes()))], exact=True)
+
+
+@SETTINGS
+@given(data=st.data())
+def _constant_of_shape(op: str, data: Any) -> None:
+    draw = data.draw
+    shape = draw(shapes(max_dims=3))
+    attrs: dict[str, Any] = {}
+    if draw(st.booleans()):
+        dtype = draw(st.sampled_from([F32, I32, I64, BOOL]))
+        attrs["value"] = array(draw, dtype, (1,))
+    differential(op, [place(np.array(shape, dtype=np.int64))], attrs, exact=True)
+
+
+@SETTINGS
+@given(data=st.data())
+def _range(op: str, data: Any) -> None:
+    draw = data.draw
+    dtype = draw(st.sampled_from(schema_dtypes(op)))
+    bounds = {"integers": (-20, 20), "low": -20, "high": 20, "special": False}
+    start, limit = (tensor(draw, dtype, (), ("contiguous",), **bounds) for _ in range(2))
+    delta = tensor(draw, dtype, (), ("contiguous",), **bounds)
+    assume(delta.ref != 0 and abs((limit.ref - start.ref) / delta.ref) < 100)
+    differential(op, [start, limit, delta], exact=dtype.kind in "iu", tol=4)
+
+
+@SETTINGS
+@given(data=st.data())
+def _dropout(op: str, data: Any) -> None:
+    draw = data.draw
+    opset = draw(st.sampled_from([7, 10, 12, 13]))
+    dtype = draw(st.sampled_from(schema_dtypes(op, opset)))
+    args = [tensor(draw, dtype, draw(shapes()))]
+    attrs: dict[str, Any] = {}
+    if opset < 12:
+        attrs["ratio"] = draw(st.sampled_from([0.0, 0.25, 0.5]))
+    elif draw(st.booleans()):
+        args.append(place(np.array(draw(st.sampled_from([0.0, 0.5])), dtype=F32)))
+    differential(op, args, attrs, opset=opset, n_outputs=draw(st.integers(1, 2)), exact=True)
+
+
 PROPERTIES = {
+    "Size": _size, "ConstantOfShape": _constant_of_shape, "Range": _range, "Dropout": _dropout,
     "Pad": _pad, "CenterCropPad": _center_crop_pad, "GatherElements": _gather_elements,
     "GatherND": _gather_nd, "Scatter": _scatter_elements, "ScatterElements": _scatter_elements,
     "ScatterND": _scatter_nd, "TensorScatter": _tensor_scatter, "OneHot": _one_hot,
@@ -379,7 +429,7 @@ def test_against_cpuref(op: str) -> None:
 
 @pytest.mark.parametrize("name", case_names(OPS))
 def test_node_case(name: str) -> None:
-    check_case(name)
+    check_case(name, refusals=("Dropout with a training_mode input",))
 
 
 def test_every_op_has_node_cases() -> None:

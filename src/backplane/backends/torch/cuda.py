@@ -49,6 +49,7 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
 reading a CUDA tensor on the host would wait for the GPU, which a capture forbids."""
 NOT_CAPTURABLE = frozenset({"Shape"})  # makes a tensor from host values during the run
 NOT_CAPTURABLE |= {"NonZero", "Compress", "Unique", "NonMaxSuppression"}  # sizes from data
+NOT_CAPTURABLE |= {"Size", "ConstantOfShape", "Range"}  # read on the host, or make from host values
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,7 @@
 """Indexing and layout torch kernels: Pad, CenterCropPad, GatherND / GatherElements, Scatter,
 ScatterND / ScatterElements, TensorScatter, OneHot, NonZero, Compress, TopK, Unique,
-ReverseSequence, DepthToSpace / SpaceToDepth, Trilu, EyeLike and NonMaxSuppression.
+ReverseSequence, DepthToSpace / SpaceToDepth, Trilu, EyeLike, NonMaxSuppression; the tensor makers
+Size, ConstantOfShape and Range, and Dropout at inference.
 
 Indices are computed on the device (``torch.arange`` and arithmetic), never uploaded from the host,
 so that these kernels stay capturable where their sizes are static. Sizes, pads and counts (Pad's
@@ -306,6 +307,48 @@ def check_eye_like(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     return None
 
 
+# -- tensor makers and pass-through ----------------------------------------------------------------
+def size(data):
+    return (torch.tensor(data.numel(), dtype=torch.int64, device=data.device),)
+
+
+def constant_of_shape(input, value=None):  # noqa: A002
+    # the shape is read from the input where it is (on the GPU: a sync, never captured)
+    shape = ints(input)
+    if value is None:
+        return (torch.zeros(shape, dtype=torch.float32, device=input.device),)
+    fill = torch.as_tensor(value).reshape(-1)[0]  # 0-d: expands to any shape, () included
+    return (fill.to(input.device).expand(shape).clone(),)
+
+
+def range_(start, limit, delta, stash_type=1):
+    # the count as CpuRef computes it (NumPy, in the inputs' type; float16 in float32), the values
+    # as start + i * delta in float64 (NumPy widens a 0-d float to float64 against int64 indices)
+    first, last, step = (np.asarray(v.cpu() if isinstance(v, torch.Tensor) else v).reshape(())
+                         for v in (start, limit, delta))
+    if first.dtype == np.float16:
+        first, last, step = (v.astype(np.float32) for v in (first, last, step))
+    count = max(math.ceil((last - first) / step), 0)
+    wide = torch.float64 if first.dtype.kind == "f" else torch.int64
+    steps = torch.arange(count, dtype=wide, device=start.device) * step.item()
+    return ((steps + first.item()).to(start.dtype),)
+
+
+def dropout_v7(data, ratio=0.5, *, n_outputs=1):
+    return (data, torch.ones_like(data))[:n_outputs]
+
+
+def dropout(data, ratio=None, training_mode=None, seed=None, *, n_outputs=1):
+    # inference only (check_dropout): the data passes and the mask keeps everything
+    return (data, torch.ones(data.shape, dtype=torch.bool, device=data.device))[:n_outputs]
+
+
+def check_dropout(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    if len(layer.inputs) > 2 and layer.inputs[2]:
+        return "Dropout with a training_mode input (training draws a random mask; CpuRef's is NumPy's)"
+    return None
+
+
 # -- NonMaxSuppression -----------------------------------------------------------------------------
 def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
                         score_threshold=None, center_point_box=0):
@@ -375,6 +418,10 @@ KERNELS: KernelTable = {
     "Trilu": {14: trilu},
     "EyeLike": {9: eye_like},
     "NonMaxSuppression": {10: non_max_suppression},
+    "Size": {1: size},
+    "ConstantOfShape": {9: constant_of_shape},
+    "Range": {11: range_},
+    "Dropout": {7: dropout_v7, 10: dropout},
 }
 
 CHECKS = {
@@ -385,6 +432,7 @@ CHECKS = {
     "DepthToSpace": check_blocks,
     "SpaceToDepth": check_blocks,
     "EyeLike": check_eye_like,
+    "Dropout": check_dropout,
 }
 
 INPUT_DTYPES = {"TopK": NUMBERS, "NonMaxSuppression": FLOATS}
