@@ -147,3 +147,21 @@ def request_rows(session: InferenceSession, request: Mapping[str, Any]) -> dict[
 def split_rows(outputs: Mapping[str, np.ndarray], rows: int) -> list[dict[str, np.ndarray]]:
     """Outputs of ``rows`` rows as one mapping of output name -> row per request."""
     return [{n: v[i] for n, v in outputs.items()} for i in range(rows)]
+
+
+def answer(session: InferenceSession, requests: Sequence[Any], output_names: Sequence[str],
+           fixed: int | None) -> list[dict[str, np.ndarray] | Exception]:
+    """Serve's batch: each request's outputs (output name -> its row), or the ``BatchError`` of
+    a request that does not fit the model; the others run as one batch all the same."""
+    rows: list[dict[str, np.ndarray] | Exception] = []
+    for request in requests:
+        try:
+            rows.append(request_rows(session, request))
+        except BatchError as exc:
+            rows.append(exc)
+    good = [row for row in rows if not isinstance(row, Exception)]
+    if not good:
+        return rows
+    feeds = {name: np.concatenate([row[name] for row in good]) for name in good[0]}
+    answers = iter(split_rows(run_rows(session, feeds, output_names, fixed), len(good)))
+    return [row if isinstance(row, Exception) else next(answers) for row in rows]

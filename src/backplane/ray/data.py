@@ -74,7 +74,7 @@ def map_batches(dataset: ray.data.Dataset, model: Model, *,
                 input_columns: Mapping[str, str] | None = None,
                 output_columns: Sequence[str] | Mapping[str, str] | None = None,
                 concurrency: int | tuple[int, int] = 1, num_cpus: float = 1, num_gpus: float = 0,
-                batch_size: int | str | None = 64,
+                batch_size: int | str | None = 64, preserve_order: bool = True,
                 session_kwargs: Mapping[str, Any] | None = None,
                 **map_batches_args: Any) -> ray.data.Dataset:
     """``dataset`` scored by ``model`` on a pool of actors, each holding one ``Scorer``.
@@ -88,6 +88,10 @@ def map_batches(dataset: ray.data.Dataset, model: Model, *,
             ``sess_options`` is not given, the session's threads are ``num_cpus``
             (``SessionOptions(intra_op_num_threads=...)``, CpuAcc's).
         batch_size: the rows per batch (an int where num_gpus is set).
+        preserve_order: rows come out in the order they went in: sets Ray Data's
+            ``execution_options.preserve_order`` in the dataset's ``DataContext``, which the
+            datasets it was derived from share. False leaves the context as it is (Ray Data's
+            default: no order, no waiting for a slow batch before the ones after it).
         map_batches_args: anything else ``Dataset.map_batches`` takes (``memory``,
             ``runtime_env``, ``max_restarts``...).
     """
@@ -100,6 +104,8 @@ def map_batches(dataset: ray.data.Dataset, model: Model, *,
                          f"{concurrency!r}")
     if sess_options is None and num_cpus >= 1:
         sess_options = SessionOptions(intra_op_num_threads=int(num_cpus))
+    if preserve_order:
+        dataset.context.execution_options.preserve_order = True
     return dataset.map_batches(
         Scorer, compute=compute, num_cpus=num_cpus, num_gpus=num_gpus, batch_size=batch_size,
         batch_format="numpy", fn_constructor_args=(shipped(model), backends, sess_options),

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import ray
-from backplane.ray.batches import fixed_batch, request_rows, run_rows, split_rows
+from backplane.ray.batches import answer, fixed_batch, request_rows, run_rows
 from backplane.ray.loading import Model, load_session
 from backplane.session import BackendSpec, InferenceSession, SessionOptions
 from ray import serve
@@ -45,6 +45,7 @@ class ModelDeployment:
         self.outputs = [arg.name for arg in self.session.get_outputs()]
         self.health_request = health_request if health_request is not None \
             else zeros_request(self.session)
+        self.served = {"requests": 0, "batches": 0}
         self.run_batch.set_max_batch_size(max_batch_size)
         self.run_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.check_health()  # a model that loads but does not run fails the replica at its start
@@ -54,27 +55,21 @@ class ModelDeployment:
         over_http = hasattr(request, "json") and callable(request.json)
         if over_http:
             request = await request.json()
-        answer = await self.run_batch(request)
-        if isinstance(answer, Exception):  # this request's own error; the others got theirs
-            raise answer
-        return {name: value.tolist() for name, value in answer.items()} if over_http else answer
+        result = await self.run_batch(request)
+        if isinstance(result, Exception):  # this request's own error; the others got theirs
+            raise result
+        return {name: value.tolist() for name, value in result.items()} if over_http else result
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)  # set again from the arguments
     async def run_batch(self, requests: list[Any]) -> list[dict[str, np.ndarray] | Exception]:
         """Each request's outputs, or its error where it does not fit the model."""
-        rows: list[dict[str, np.ndarray] | Exception] = []
-        for request in requests:
-            try:
-                rows.append(request_rows(self.session, request))
-            except ValueError as exc:
-                rows.append(exc)
-        good = [row for row in rows if not isinstance(row, Exception)]
-        if not good:
-            return rows
-        feeds = {name: np.concatenate([row[name] for row in good]) for name in good[0]}
-        outputs = await asyncio.to_thread(run_rows, self.session, feeds, self.outputs, self.fixed)
-        answers = iter(split_rows(outputs, len(good)))
-        return [row if isinstance(row, Exception) else next(answers) for row in rows]
+        self.served["requests"] += len(requests)
+        self.served["batches"] += 1
+        return await asyncio.to_thread(answer, self.session, requests, self.outputs, self.fixed)
+
+    def stats(self) -> dict[str, int]:
+        """The requests this replica answered and the batches they ran in (to tune batching)."""
+        return dict(self.served)
 
     def check_health(self) -> None:
         """Serve's health check: the model runs once (an error marks the replica unhealthy)."""
