@@ -69,3 +69,25 @@ def test_node_case_matches_cpuref(case_name: str) -> None:
                 continue
             want = reference[index] if reference is not None else expected_by_name[name]
             _assert_same(name, actual[index], want, case.rtol, case.atol)
+
+
+def test_integer_div_of_the_most_negative_value_by_minus_one_wraps_as_numpy_does() -> None:
+    """torch's truncating division traps on INT_MIN / -1 (SIGFPE, the whole process dies): run in a
+    child so that a regression fails this test instead of the test run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, torch\n"
+        "from backplane.backends.torch.kernels.elementwise import div\n"
+        "from backplane.backends.reference.kernels.elementwise import div as ref\n"
+        "for t in (np.int8, np.int16, np.int32, np.int64):\n"
+        "    a = np.array([np.iinfo(t).min, 7, -7, 5, np.iinfo(t).min], t)\n"
+        "    b = np.array([-1, -1, 2, 0, 3], t)\n"
+        "    with np.errstate(all='ignore'):\n"
+        "        want = ref(a, b)[0]\n"
+        "    got = div(torch.from_numpy(a), torch.from_numpy(b))[0].numpy()\n"
+        "    assert (got == want).all(), (t, got, want)\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-800:])

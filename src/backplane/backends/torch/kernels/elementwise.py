@@ -51,8 +51,11 @@ def div(A, B):
     # ONNX integer division truncates. By zero it is 0, as in CpuRef (NumPy), where torch's CPU
     # kernel would raise ZeroDivisionError and fail the whole run; no data-dependent branch, so
     # that the kernel stays capturable in a CUDA graph.
-    zero = B == 0
-    quotient = torch.div(A, B.masked_fill(zero, 1), rounding_mode="trunc")
+    # The most negative integer by -1 overflows: x86 traps (SIGFPE kills the process) where NumPy
+    # wraps to the same most negative integer; -A wraps the same way.
+    zero, minus_one = B == 0, B == -1
+    quotient = torch.div(A, B.masked_fill(zero | minus_one, 1), rounding_mode="trunc")
+    quotient = torch.where(minus_one, torch.neg(A), quotient)
     return (quotient.masked_fill_(zero, 0),)
 
 
