@@ -50,6 +50,7 @@ reading a CUDA tensor on the host would wait for the GPU, which a capture forbid
 NOT_CAPTURABLE = frozenset({"Shape"})  # makes a tensor from host values during the run
 NOT_CAPTURABLE |= {"NonZero", "Compress", "Unique", "NonMaxSuppression"}  # sizes from data
 NOT_CAPTURABLE |= {"Size", "ConstantOfShape", "Range"}  # read on the host, or make from host values
+NOT_CAPTURABLE |= {"HannWindow", "HammingWindow", "BlackmanWindow"}  # sized by a value read on the host
 
 
 @functools.lru_cache(maxsize=None)
