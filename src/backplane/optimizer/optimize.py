@@ -21,7 +21,7 @@ from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
 from backplane.backends.registry import registry as default_registry
 from backplane.ir.graph import Graph, Layer
-from backplane.optimizer import passes
+from backplane.optimizer import measured, passes
 from backplane.optimizer.edges import BUILTIN, insert_compatibility_layers
 from backplane.optimizer.partition import partition
 from backplane.optimizer.report import LayerPlacement, PlacementReport, SubgraphRecord
@@ -40,6 +40,12 @@ class OptimizerOptions:
     remove_dead_layers: bool = True
     strict: bool = False
     """Fail instead of falling back: a requested backend unavailable, or any layer refused by one."""
+    placement: str = "preference"
+    """"preference" (the list's order) or "measured": each partition on the backend timed fastest
+    for it at load, the copies at its edges included (``optimizer/measured.py``)."""
+
+    def __post_init__(self) -> None:
+        measured.check_placement(self.placement)
 
 
 @dataclass
@@ -105,6 +111,8 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     for layer in graph.layers:
         if layer.backend == BUILTIN and layer.op_type in CONTROL_FLOW_OPS:
             _optimize_bodies(layer, graph, backends, pins, options, registry, report, backend_options)
+    if options.placement == "measured":
+        measured.place(graph, available, pins, report, exclusions, registry, backend_options)
     _optimize_subgraphs(graph, available, pins, report, exclusions)
     if options.strict:
         _check_strict(report)

@@ -39,6 +39,18 @@ class SubgraphRecord:
 
 
 @dataclass
+class MeasurementRecord:
+    """One backend timed on one partition under measured placement (``optimizer/measured.py``)."""
+
+    partition: str  # "first..last" layer
+    backend: str
+    ms: float | None  # None: not timed (``note`` says why)
+    edge_ms: float | None  # the copies and imports to its neighbours' backends
+    chosen: bool
+    note: str = ""
+
+
+@dataclass
 class PlacementReport:
     """Every decision the optimizer made, as data: tests assert on it, the CLI prints it."""
 
@@ -57,6 +69,8 @@ class PlacementReport:
     partitions: list[str] = field(default_factory=list)
     """The backend of each partition a run goes through, in order (a partition: consecutive layers
     of one backend; copy and import layers between them do not count), set at load."""
+    measurements: list[MeasurementRecord] = field(default_factory=list)
+    """Under measured placement, each partition's time on each backend that takes it whole."""
 
     def crossings(self) -> dict[str, int]:
         """Tensors a run hands from one backend to another, by strategy ("copy", "import")."""
@@ -91,6 +105,16 @@ class PlacementReport:
         return unfolded_table("Tensors crossing backends", ("tensor", "from", "to", "strategy",
                                                             "bytes"), rows, right=("bytes",))
 
+    def measurements_table(self) -> Table:
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
+        rows = [(m.partition, m.backend, ms(m.ms), ms(m.edge_ms), "yes" if m.chosen else "",
+                 m.note) for m in self.measurements]
+        return unfolded_table("Measured placement", ("partition", "backend", "ms", "edge ms",
+                                                     "chosen", "note"), rows,
+                              folding=("note",), right=("ms", "edge ms"))
+
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data (``backplane inspect --json``)."""
         return {"preferences": list(self.preferences),
@@ -104,7 +128,8 @@ class PlacementReport:
                 "unavailable": dict(self.unavailable),
                 "warnings": list(self.warnings),
                 "peak_bytes": dict(self.peak_bytes), "constant_bytes": dict(self.constant_bytes),
-                "partitions": list(self.partitions), "crossings": self.crossings()}
+                "partitions": list(self.partitions), "crossings": self.crossings(),
+                "measurements": [asdict(m) for m in self.measurements]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PlacementReport:
@@ -121,6 +146,7 @@ class PlacementReport:
         report.peak_bytes = dict(data.get("peak_bytes", {}))
         report.constant_bytes = dict(data.get("constant_bytes", {}))
         report.partitions = list(data.get("partitions", []))
+        report.measurements = [MeasurementRecord(**m) for m in data.get("measurements", [])]
         return report
 
     def render(self, console: Console) -> None:
@@ -128,6 +154,8 @@ class PlacementReport:
         print_table(console, self.table())
         if self.copies:
             print_table(console, self.copies_table())
+        if self.measurements:
+            print_table(console, self.measurements_table())
         for backend, reason in self.unavailable.items():
             console.print(Text(f"backend {backend} unavailable: {reason}"))
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
