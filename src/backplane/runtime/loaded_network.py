@@ -113,6 +113,7 @@ class LoadedNetwork:
         network.report.peak_bytes, network.report.constant_bytes = self._planned_memory()
         network.report.partitions = _partitions(self.layers)
         self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
+        self._planning = threading.Lock()
         self.profiling = profiling or {}
         self.exclusive = any(getattr(w, "exclusive", False) for w in workloads)
         if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
@@ -274,9 +275,12 @@ class LoadedNetwork:
         key = (tuple(inputs_on), tuple(outputs_on))
         if key == (("cpu",) * len(self.input_slots), (None,) * len(self.output_slots)):
             return self.host_plan
-        if key not in self._plans:
-            self._plans[key] = self._placed(*key)
-        return self._plans[key]
+        plan = self._plans.get(key)
+        if plan is None:
+            with self._planning:  # slots are numbered as plans are made: one plan at a time
+                plan = self._plans.get(key) or self._placed(*key)
+                self._plans[key] = plan
+        return plan
 
     def _placed(self, inputs_on: tuple[str, ...], outputs_on: tuple[str | None, ...]) -> Plan:
         from backplane.backends.api.memory import to_device, to_host
