@@ -167,3 +167,19 @@ def test_openvino_partitions_are_measured_against_cpuref() -> None:
     assert set(report.counts()) == {chosen(report)[part]}
     np.testing.assert_allclose(session.run(None, {"x": X})[0], reference()[0], rtol=1e-4,
                                atol=1e-6)
+
+
+def test_the_compile_cache_keeps_the_measured_placement(tmp_path: Any) -> None:
+    first = InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"],
+                             optimizer_options=MEASURED, cache_dir=tmp_path)
+    for cache in (measured._TIMES, measured._OUTPUTS, measured._EDGES):
+        cache.clear()  # a new process, as far as measurements go
+    before = CALLS["relu"]
+    again = InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"],
+                             optimizer_options=MEASURED, cache_dir=tmp_path)
+    assert CALLS["relu"] == before  # loaded from the artifact: nothing measured again
+    assert set(again.report.counts()) == {"CpuRef"}
+    assert again.report.measurements == first.report.measurements
+    preferred = InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"],
+                                 cache_dir=tmp_path)  # another key: the optimizer options differ
+    assert set(preferred.report.counts()) == {"TestSlowRef"}
