@@ -18,8 +18,26 @@ except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("backplane.ray needs Ray: pip install 'backplane[ray]' (ray[data,serve])"
                       ) from exc
 
+from typing import TYPE_CHECKING, Any
+
 from backplane.ray.batches import BatchError
-from backplane.ray.data import Scorer, map_batches
-from backplane.ray.serve import ModelDeployment, deployment
+
+if TYPE_CHECKING:
+    from backplane.ray.data import Scorer, map_batches
+    from backplane.ray.serve import ModelDeployment, deployment
+
+_WHERE = {"Scorer": "data", "map_batches": "data", "ModelDeployment": "serve",
+          "deployment": "serve"}
+"""Names -> the module that has them, imported on first use: a Ray Data actor does not import
+Ray Serve, nor a Serve replica Ray Data (seconds of a worker's start)."""
 
 __all__ = ["BatchError", "ModelDeployment", "Scorer", "deployment", "map_batches"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'backplane.ray' has no attribute '{name}'; its names are: "
+                             f"{', '.join(__all__)}")
+    import importlib
+
+    return getattr(importlib.import_module(f"backplane.ray.{_WHERE[name]}"), name)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import ray
+import ray.data
 from backplane.ray.batches import BatchError, feeds_from_columns, fixed_batch, run_rows
 from backplane.ray.loading import Model, load_session, shipped
 from backplane.session import BackendSpec, SessionOptions
