@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.torch.kernels.common import (
     FLOATS,
+    NUMPY_TO_TORCH,
     NUMBERS,
     SIGNED,
     TORCH_DTYPES,
@@ -59,7 +61,17 @@ def div(A, B):
     return (quotient.masked_fill_(zero, 0),)
 
 
+_NUMPY_PROMOTED = {(NUMPY_TO_TORCH[a], NUMPY_TO_TORCH[b]): NUMPY_TO_TORCH[np.result_type(a, b)]
+                   for a in NUMBERS for b in NUMBERS if np.result_type(a, b) in NUMPY_TO_TORCH}
+"""(X's type, Y's type) -> the type NumPy computes X ** Y in."""
+
+
 def pow_(X, Y):
+    if not X.dtype.is_floating_point:
+        # NumPy (CpuRef) computes an integer to a float power in the type both promote to
+        # (int32 ** float32 in float64) and truncates back; integer powers wrap alike in both
+        wide = _NUMPY_PROMOTED.get((X.dtype, Y.dtype), X.dtype)
+        return (torch.pow(X.to(wide), Y.to(wide)).to(X.dtype),)
     if Y.dtype.is_floating_point and Y.dtype != X.dtype:
         # In torch a 0-d tensor does not widen the other's type (a 0-d float32 X to a float16 Y
         # is computed in float16: 4 ** 8 overflows); CpuRef computes in the wider type.
@@ -296,7 +308,7 @@ INPUT_DTYPES = {
                               "Relu", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
     "Neg": FLOATS | SIGNED,
     "Sign": FLOATS | SIGNED,
-    "Pow": FLOATS,
+    "Pow": NUMBERS,
 }
 """Per op, the element types its first input may have (other inputs follow ONNX's type rules)."""
 

@@ -10,6 +10,7 @@ import functools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -71,7 +72,7 @@ def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=Non
     if not fits:  # torch pads symmetrically, at most half a window: pad here instead
         if ceil_mode:
             sizes = _ceil_sizes(X.shape[2:], kernel_shape, strides, dilations, begins, ends)
-        X, begins = _pad_both(X, begins, ends, -math.inf), [0] * rank
+        X, begins = _pad_both(X, begins, ends, _lowest(X.dtype)), [0] * rank
     pool = _MAX_POOL[rank]
     if n_outputs == 1:
         y = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode))
@@ -85,15 +86,38 @@ def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=Non
         _, first_nan = pool(torch.isnan(X).to(X.dtype), kernel_shape, strides, begins, dilations,
                             bool(ceil_mode), return_indices=True)
         indices = torch.where(torch.isnan(y), first_nan, indices)
+    if storage_order:
+        indices = _column_major(indices, X.shape[2:])
     planes = torch.arange(X.shape[0] * X.shape[1], device=X.device).reshape(*X.shape[:2],
                                                                           *[1] * rank)
     return y, indices + planes * math.prod(X.shape[2:])
 
 
+def _column_major(index, spatial):
+    """Row-major flat indices into ``spatial`` as column-major ones (storage_order=1)."""
+    coords = []
+    for n in reversed(spatial):
+        coords.append(index % n)
+        index = index // n
+    result, stride = torch.zeros_like(index), 1
+    for coord, n in zip(reversed(coords), spatial):
+        result, stride = result + coord * stride, stride * n
+    return result
+
+
+def _lowest(dtype):
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
 def average_pool(X, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None,
                  kernel_shape=None, pads=None, strides=None):
     rank = X.dim() - 2
-    strides, _, begins, ends = _pool_geometry(X, kernel_shape, auto_pad, dilations, pads, strides)
+    strides, dilated, begins, ends = _pool_geometry(X, kernel_shape, auto_pad, dilations, pads,
+                                                    strides)
+    if any(d != 1 for d in dilated) or _uncounted_padding(X.shape[2:], kernel_shape, begins, ends,
+                                                          auto_pad, count_include_pad):
+        return (_explicit_average_pool(X, kernel_shape, strides, dilated, begins, ends, ceil_mode,
+                                      count_include_pad),)
     fits = begins == ends and all(2 * b <= k for b, k in zip(begins, kernel_shape))
     if rank == 3 and any(n < k for n, k in zip(X.shape[2:], kernel_shape)):
         fits = False  # torch's avg_pool3d wants the unpadded input to cover the window
@@ -109,6 +133,41 @@ def average_pool(X, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilatio
     else:
         y = _AVG_POOL[rank](X, *args)
     return (y if sizes is None else _trimmed(y, sizes),)
+
+
+def _uncounted_padding(spatial, kernel, begins, ends, auto_pad, count_include_pad):
+    """Whether the padding is one torch cannot leave out of the divisor (asymmetric, automatic, over
+    half a window, or a 3-d input smaller than the window) while the divisor must not count it."""
+    if count_include_pad:
+        return False
+    symmetric = begins == ends and all(2 * b <= k for b, k in zip(begins, kernel))
+    small_3d = len(kernel) == 3 and any(b for b in begins) and \
+        any(n < k for n, k in zip(spatial, kernel))
+    return not symmetric or auto_pad in ("SAME_UPPER", "SAME_LOWER") or small_3d
+
+
+def _explicit_average_pool(X, kernel, strides, dilations, begins, ends, ceil_mode, count_pad):
+    """An average pool torch's cannot run (dilations, padding left out of the divisor that torch
+    would count): window sums as a depthwise convolution with ones (in float64, rounded once),
+    divided by the count of input (and counted padding) elements, as CpuRef."""
+    rank = X.dim() - 2
+    sizes = _ceil_sizes(X.shape[2:], kernel, strides, dilations, begins, ends) if ceil_mode \
+        else None
+    extras = [0] * rank
+    if sizes is not None:  # pad the end so that the last, partial window exists (never counted)
+        extras = [max(0, (o - 1) * s + (k - 1) * d + 1 - (n + b + e)) for o, s, k, d, n, b, e
+                  in zip(sizes, strides, kernel, dilations, X.shape[2:], begins, ends)]
+    ends_all = [e + x for e, x in zip(ends, extras)]
+    planes = X.reshape(-1, 1, *X.shape[2:]).to(torch.float64)
+    ones = torch.ones((1, 1, *kernel), dtype=torch.float64, device=X.device)
+    sums = _CONV[rank](_pad_both(planes, begins, ends_all), ones, None, strides, 0, dilations)
+    inside = torch.ones((1, 1, *X.shape[2:]), dtype=torch.float64, device=X.device)
+    if count_pad:
+        inside = _pad_both(_pad_both(inside, begins, ends, 1.0), [0] * rank, extras)
+    else:
+        inside = _pad_both(inside, begins, ends_all)
+    counts = _CONV[rank](inside, ones, None, strides, 0, dilations)
+    return (sums / counts).to(X.dtype).reshape(*X.shape[:2], *sums.shape[2:])
 
 
 def global_average_pool(X):
@@ -226,8 +285,6 @@ def check_max_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     reason = check_conv(layer, inputs) or _check_pool_pads(layer)
     if reason:
         return reason
-    if layer.attrs.get("storage_order", 0):
-        return "storage_order=1 (column-major indices) not supported"
     if len(layer.outputs) > 1 and layer.outputs[1]:
         kernel = layer.attrs.get("kernel_shape", [])
         rank = len(kernel)
@@ -241,26 +298,8 @@ def check_max_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
 
 
 def check_average_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
-    reason = check_conv(layer, inputs) or _check_pool_pads(layer)
-    if reason:
-        return reason
-    if any(d != 1 for d in layer.attrs.get("dilations") or []):
-        return "AveragePool with dilations (torch's average pools have none)"
-    rank = len(layer.attrs.get("kernel_shape", []))
-    pads = layer.attrs.get("pads") or [0] * 2 * rank
-    kernel = layer.attrs.get("kernel_shape", [])
-    symmetric = pads[:rank] == pads[rank:] and all(2 * p <= k for p, k in zip(pads, kernel))
-    if layer.attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER"):
-        symmetric = False
-    if not symmetric and not layer.attrs.get("count_include_pad", 0):
-        return "AveragePool with padding torch cannot express that the divisor must not count"
-    shape = inputs[0].shape if inputs else None
-    if rank == 3 and any(pads) and not layer.attrs.get("count_include_pad", 0) and \
-            shape is not None and len(shape) == 5 and \
-            any(isinstance(n, int) and n < k for n, k in zip(shape[2:], kernel)):
-        return ("AveragePool over 3 axes of an input smaller than the window, its padding not "
-                "counted (torch's avg_pool3d wants the unpadded input to cover the window)")
-    return None
+    # every geometry runs: torch's pools where they match CpuRef, _explicit_average_pool elsewhere
+    return check_conv(layer, inputs) or _check_pool_pads(layer)
 
 
 def check_batch_normalization(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
@@ -291,3 +330,4 @@ CHECKS = {
 }
 
 INPUT_DTYPES = {op: FLOATS for op in KERNELS}
+INPUT_DTYPES["MaxPool"] = FLOATS | {np.dtype(np.int8), np.dtype(np.uint8)}  # 8-bit since opset 12

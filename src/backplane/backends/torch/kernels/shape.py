@@ -16,6 +16,8 @@ from backplane.backends.api.kernels import KernelTable
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints
 from backplane.ir.graph import Layer, TensorInfo
 
+BOOL = np.dtype(np.bool_)
+
 
 def reshape(data, shape, allowzero=0):
     dims = ints(shape)
@@ -166,11 +168,26 @@ def _mean(x, dims, keep):
 
 
 def _max(x, dims, keep):
+    if x.numel() == 0:  # torch's amax refuses an empty slice; CpuRef gives the lowest value
+        low = False if x.dtype == torch.bool else (
+            -math.inf if x.dtype.is_floating_point else torch.iinfo(x.dtype).min)
+        return _filled(x, dims, keep, low)
     return torch.amax(x, dims, keep)
 
 
 def _min(x, dims, keep):
+    if x.numel() == 0:
+        high = True if x.dtype == torch.bool else (
+            math.inf if x.dtype.is_floating_point else torch.iinfo(x.dtype).max)
+        return _filled(x, dims, keep, high)
     return torch.amin(x, dims, keep)
+
+
+def _filled(x, dims, keep, value):
+    """The result of reducing the empty ``x`` over ``dims``: ``value`` everywhere."""
+    reduced = {d % x.dim() for d in dims}
+    shape = [1 if i in reduced else n for i, n in enumerate(x.shape) if keep or i not in reduced]
+    return torch.full(shape, value, dtype=x.dtype, device=x.device)
 
 
 KERNELS: KernelTable = {
@@ -199,13 +216,7 @@ def check_identity(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     return None
 
 
-def check_extremum(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
-    if inputs and inputs[0].shape is not None and 0 in inputs[0].shape:
-        return f"{layer.op_type} of an empty tensor (torch's amax / amin refuse it)"
-    return None
+CHECKS = {"Identity": check_identity}
 
-
-CHECKS = {"Identity": check_identity, "ReduceMax": check_extremum, "ReduceMin": check_extremum}
-
-INPUT_DTYPES = {"ReduceSum": NUMBERS, "ReduceMean": FLOATS, "ReduceMax": NUMBERS,
-                "ReduceMin": NUMBERS}
+INPUT_DTYPES = {"ReduceSum": NUMBERS, "ReduceMean": FLOATS, "ReduceMax": NUMBERS | {BOOL},
+                "ReduceMin": NUMBERS | {BOOL}}  # bool since opset 20: amax / amin are any / all
