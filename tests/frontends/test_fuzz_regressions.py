@@ -347,3 +347,15 @@ def test_an_input_of_a_type_the_op_does_not_take_is_named() -> None:
     with pytest.raises(ModelError, match=r"layer 'relu' \(Relu, opset 17\): input 0 'x' is a "
                                          r"tensor\(bool\); Relu-14 takes .*tensor\(float\)"):
         import_onnx(model)
+
+
+@pytest.mark.parametrize("value", [2, -1, 2**40])
+def test_a_flag_attribute_other_than_0_or_1_is_refused(value: int) -> None:
+    """Was a wrong answer: ArgMax with keepdims=2**40 kept the axis (a truthy test), where ONNX
+    Runtime reads it as 0 and drops it (found by bench/fuzz_loader.py, seed 7, case 793)."""
+    node = helper.make_node("ArgMax", ["x"], ["y"], name="argmax", axis=0, keepdims=value)
+    model = make_model([node], [float_input("x", [2, 3])],
+                       [helper.make_tensor_value_info("y", TensorProto.INT64, [3])])
+    with pytest.raises(ModelError, match=rf"node 'argmax' \(ArgMax, opset 17\): attribute "
+                                         rf"'keepdims' is {value}; it is a flag of ArgMax-13: 0 or 1"):
+        import_onnx(model)

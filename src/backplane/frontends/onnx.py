@@ -604,9 +604,23 @@ def _check_attributes(node: NodeProto, schema: onnx.defs.OpSchema, where: str, o
         if attr.type != expected:
             raise ModelError(f"{where}: attribute '{attr.name}' is of type "
                              f"{_attribute_type(attr.type)}; {op} takes {_attribute_type(expected)}")
+        if attr.name in FLAGS and attr.type == onnx.AttributeProto.INT and attr.i not in (0, 1):
+            # a flag of another value means different things to different runtimes (ONNX Runtime
+            # reads keepdims=2**40 as 0; a truthy test as 1): refused, not guessed
+            raise ModelError(f"{where}: attribute '{attr.name}' is {attr.i}; it is a flag of "
+                             f"{op}: 0 or 1")
     missing = [name for name, spec in schema.attributes.items() if spec.required and name not in seen]
     if missing:
         raise ModelError(f"{where}: required attribute(s) {sorted(missing)} of {op} missing")
+
+
+FLAGS = frozenset({
+    "keepdims", "select_last_index", "exclusive", "reverse", "ceil_mode", "count_include_pad",
+    "transA", "transB", "noop_with_empty_axes", "detect_negative", "detect_positive", "upper",
+    "center_point_box", "sorted", "largest", "onesided", "inverse", "periodic", "allowzero",
+    "new_axis", "fmod", "linear_before_reset", "input_forget", "is_causal", "interleaved",
+    "storage_order", "align_corners", "saturate", "antialias"})
+"""Integer attributes the ONNX operators define as flags, 0 or 1."""
 
 
 def _attribute_type(kind: int) -> str:
