@@ -70,13 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="backplane", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run a model, showing where each layer ran and how long it took")
     _model_arguments(run)
     run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                      help="an input from a .npy file (random data for inputs not given)")
-    run.add_argument("--repeat", type=int, default=10, help="timed runs after one warm-up run")
-    run.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    run.add_argument("--repeat", type=at_least(0), default=10, help="timed runs after one warm-up run")
+    run.add_argument("--seed", type=at_least(0), default=0, help="seed of the random inputs")
     run.add_argument("--trace", metavar="FILE.json",
                      help="write a Chrome trace of the runs (chrome://tracing, ui.perfetto.dev)")
     run.set_defaults(command=cmd_run)
@@ -132,7 +133,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                              "an artifact's own)")
     parser.add_argument("--pin", action="append", default=[], metavar="LAYER_OR_OP=BACKEND",
                         help="run a layer (by name) or every layer of an op type on a backend first")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--threads", type=at_least(0), default=0,
                         help="intra-op threads (SessionOptions.intra_op_num_threads)")
     parser.add_argument("--strict", action="store_true",
                         help="fail instead of falling back (SessionOptions.strict)")
@@ -140,6 +141,34 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- shared pieces ------------------------------------------------------------------------------------------
+def version_line() -> str:
+    """``backplane 0.1.0 (Python 3.11.9, numpy 2.1.0, onnx 1.17.0, torch 2.13.0+cpu)``: what a bug
+    report needs; torch only where installed (it is not imported to find its version)."""
+    import platform
+    from importlib import metadata
+
+    from backplane import __version__
+
+    parts = [f"Python {platform.python_version()}"]
+    for name in ("numpy", "onnx", "torch", "onnxruntime", "openvino"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            parts.append(f"{name} {metadata.version(name)}")
+    return f"backplane {__version__} ({', '.join(parts)})"
+
+
+def at_least(low: int) -> Any:
+    """An argparse type: an int not below ``low`` (``--repeat -1`` is an error, not zero runs)."""
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got '{text}'") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {value}")
+        return value
+    return check
+
+
 def backend_specs(text: str) -> list[str | tuple[str, dict[str, Any]]]:
     """``A,B@A.option=value@...`` as InferenceSession's backends: ids, and (id, options) pairs."""
     ids_text, *settings = text.split("@")
@@ -409,8 +438,21 @@ def _feeds(session: InferenceSession, files: dict[str, str], seed: int) -> dict[
                                     f"{', '.join(known)}")
     for name in known:
         info = session.graph.info(name)
-        feeds[name] = np.load(files[name]) if name in files else random_input(info, rng)
+        feeds[name] = _load_npy(name, files[name]) if name in files else random_input(info, rng)
     return feeds
+
+
+def _load_npy(name: str, path: str) -> Any:
+    """An input's array from a .npy file; a missing or unreadable file is a user error naming it."""
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise InvalidInputError(f"--input {name}={path}: the file {what} (give a .npy file, "
+                                f"written by numpy.save)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise InvalidInputError(f"--input {name}={path}: not a readable .npy file ({exc}); write "
+                                f"it with numpy.save") from exc
 
 
 def random_input(info: TensorInfo, rng: np.random.Generator) -> np.ndarray:
@@ -446,7 +488,8 @@ def _bench_document(argv: list[str], measure_peak: bool) -> tuple[int, dict[str,
     args = bench.parse_args(argv)
     model = args.models[0]
     if not model.is_file():
-        raise ModelError(f"model file '{model}' does not exist")
+        raise ModelError(f"'{model}' is a directory: give the model's .onnx file" if model.is_dir()
+                         else f"model file '{model}' does not exist")
     default = "GpuAcc,CpuAcc,CpuRef" if args.device == "cuda" else "CpuAcc,CpuRef"
     runtimes = [b.replace(" ", "") for b in args.backends] or [default]
     runtimes += [] if args.no_ort else [bench.ORT]

@@ -29,7 +29,7 @@ from backplane.artifact import cache as _artifact_cache  # noqa: F401  # artifac
 from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx, load_model
 from backplane.io_binding import IOBinding
-from backplane.ir.graph import TensorInfo
+from backplane.ir.graph import Graph, Layer, TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork, OptimizerOptions, optimize
 from backplane.optimizer.report import PlacementReport
 from backplane.profiling import Trace, profile_file
@@ -42,6 +42,7 @@ NO_VERSION = 2**63 - 1
 SEVERITIES = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR,
               4: logging.CRITICAL}
 """ONNX Runtime's log severity levels (0 verbose, 1 info, 2 warning, 3 error, 4 fatal) as Python's."""
+_log = logging.getLogger(__name__)
 CACHE_VARIABLE = "BACKPLANE_CACHE_DIR"  # backplane.backends.torch.route_cache.CACHE_VARIABLE
 
 BackendSpec = str | tuple[str, Mapping[str, Any]]
@@ -285,8 +286,9 @@ def backend_list(backends: Sequence[BackendSpec], provider_options: Sequence[Map
     """Backend ids and each one's options (named without its id) from ``backends=`` /
     ``providers=`` (ids or (id, options) pairs) and ONNX Runtime's parallel ``provider_options``."""
     if isinstance(backends, (str, bytes)) or not isinstance(backends, Sequence):
+        hint = f" (a list: [{backends!r}])" if isinstance(backends, str) else ""
         raise TypeError(f"backends (providers) must be a list of backend ids or (id, {{option: "
-                        f"value}}) pairs, got {backends!r}")
+                        f"value}}) pairs, got {backends!r}{hint}")
     if provider_options is not None and len(provider_options) != len(backends):
         raise ValueError(f"provider_options has {len(provider_options)} entries for "
                          f"{len(backends)} backends: give one mapping per backend")
@@ -301,6 +303,9 @@ def backend_list(backends: Sequence[BackendSpec], provider_options: Sequence[Map
         else:
             raise TypeError(f"backends[{index}] must be a backend id or an (id, {{option: value}}) "
                             f"pair, got {item!r}")
+        if backend_id == "builtin":
+            raise ValueError("'builtin' is backplane's own backend (control flow, copies between "
+                             "backends): it is always there; leave it out of the backend list")
         if provider_options is not None:
             given.update(provider_options[index])
         ids.append(backend_id)
@@ -429,6 +434,7 @@ class InferenceSession:
                 self._meta = metadata_of(proto)
                 self.graph = import_onnx(proto, input_shapes)
                 del proto
+                check_pins(self.graph, all_pins)
                 optimized = time.perf_counter()
                 self.optimized = optimize(
                     self.graph, ids, pins=all_pins, options=optimizer_options,
@@ -441,6 +447,7 @@ class InferenceSession:
         self._builds_at_run = any(layer.op_type == "Specialized" for net in within(self.optimized)
                                   for layer in net.graph.layers)
         self._trace: Trace | None = None
+        self._closed = False
         if options.enable_profiling:
             name = (os.path.basename(os.fspath(model)) if isinstance(model, (str, os.PathLike))
                     else self._meta.graph_name or "model")
@@ -503,12 +510,14 @@ class InferenceSession:
         """Outputs named in ``output_names`` (all when None), in that order."""
         if self._fast and run_options is None:
             return self._select(output_names, self.runtime.run(self.network_id, input_feed))
+        self._check_open()
         return self._run(output_names, input_feed, run_options)[0]
 
     def run_profiled(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
                      run_options: RunOptions | None = None,
                      ) -> tuple[list[Any], list[LayerTiming]]:
         """``run``, with the time each layer took (in the profile too when profiling is on)."""
+        self._check_open()
         results, timings = self._run(output_names, input_feed, run_options, timed=True)
         assert timings is not None
         return results, timings
@@ -547,8 +556,13 @@ class InferenceSession:
         return self._select(output_names, results), timings
 
     def _update_fast_path(self) -> None:
-        self._fast = (self._trace is None and self._severity == 2
+        self._fast = (self._trace is None and self._severity == 2 and not self._closed
                       and not (self._cache_dir and self._builds_at_run))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this InferenceSession is closed (close() unloaded its network): "
+                               "create a new session to run the model again")
 
     def _select(self, output_names: Sequence[str] | None, results: list[Any]) -> list[Any]:
         if output_names is None:
@@ -575,6 +589,7 @@ class InferenceSession:
     def _run_on(self, input_feed: Mapping[str, Any], outputs_on: Sequence[str | None],
                 run_options: RunOptions | None) -> list[Any]:
         """All outputs, each in the memory ``outputs_on`` names (None: the host)."""
+        self._check_open()
         severity, tag = self._severity, ""
         if run_options is not None:
             tag = run_options.logid
@@ -589,7 +604,43 @@ class InferenceSession:
             return results
 
     def close(self) -> None:
+        """Unload the network and release what its backends hold; running after is an error, and
+        closing again does nothing."""
+        if self._closed:
+            return
         self.runtime.unload(self.network_id)
+        self._closed = True
+        self._update_fast_path()
+
+
+def check_pins(graph: Graph, pins: Mapping[str, str]) -> None:
+    """A pin naming neither a layer nor an op type of the model (its bodies included) is an error,
+    with the closest names; an ONNX op type the model does not use is only logged (one pin list
+    serves many models)."""
+    names: set[str] = set()
+    op_types: set[str] = set()
+    for layer in _all_layers(graph):
+        names.add(layer.name)
+        op_types.add(layer.op_type)
+    for key in pins:
+        if key in names or key in op_types:
+            continue
+        if onnx.defs.has(key):
+            _log.info("pin %s: the model has no %s layer; the pin does nothing", key, key)
+            continue
+        close = difflib.get_close_matches(key, [*op_types, *names], n=3)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        raise ValueError(f"pin '{key}': no layer of the model has that name or op type{hint}; a pin "
+                         f"names a layer or an op type, and this model's op types are: "
+                         f"{', '.join(sorted(op_types))}")
+
+
+def _all_layers(graph: Graph) -> Iterator[Layer]:
+    for layer in graph.layers:
+        yield layer
+        for value in layer.attrs.values():
+            if isinstance(value, Graph):
+                yield from _all_layers(value)
 
 
 def _stored_artifact(model: Any) -> tuple[Any, dict[str, Any]] | None:

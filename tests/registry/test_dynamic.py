@@ -1,5 +1,6 @@
-"""Dynamic backends: seed 000's file-name table and version matrix, path handling, and every invalid
-backend skipped with a warning, never a crash (as Arm NN's DynamicBackendTests)."""
+"""Dynamic backends: the file-name table and version matrix of Arm NN's dynamic backends
+documentation, path handling, and every invalid backend skipped with a warning, never a crash (as
+Arm NN's DynamicBackendTests)."""
 
 from __future__ import annotations
 
@@ -242,7 +243,7 @@ def test_a_preference_for_an_unregistered_id_is_looked_up_on_the_paths(tmp_path:
     assert net.report.backend_of("relu1") == "AcmeRelu"
     assert registry.origin("AcmeRelu") == f"file {tmp_path / 'Acme_Relu_backend.py'}"
     with pytest.raises(OptimizationError, match="unknown backend 'Nope'. Known backends are: "
-                                                "builtin, CpuRef, AcmeRelu"):
+                                                "CpuRef, AcmeRelu"):  # builtin: never a choice
         optimize(import_onnx(small_cnn_model()), ["Nope"], registry=registry)
 
 

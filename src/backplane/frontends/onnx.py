@@ -45,6 +45,8 @@ def load_model(model: str | os.PathLike | bytes | ModelProto) -> tuple[ModelProt
         except Exception as exc:  # protobuf raises DecodeError and others
             raise ModelError(f"the bytes given are not an ONNX model: {exc}") from exc
     path = os.fspath(model)
+    if os.path.isdir(path):
+        raise ModelError(f"'{path}' is a directory: give the model's .onnx file")
     if not os.path.isfile(path):
         raise ModelError(f"model file '{path}' does not exist")
     try:

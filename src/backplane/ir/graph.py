@@ -8,6 +8,7 @@ its output slot ``j`` writes ``layer.outputs[j]``. Every tensor has a TensorInfo
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,11 +71,34 @@ class Layer:
 
 
 def _short(value: Any) -> str:
+    """An attribute as one short readable token: tensors by shape, graphs and layer lists by size,
+    functions by name, objects by type and id; never a memory address."""
     if isinstance(value, np.ndarray):
         return f"tensor{list(value.shape)}" if value.size > 4 else repr(value.tolist())
     if isinstance(value, Graph):
         return f"<graph {value.name} of {len(value.layers)} layers>"
-    return repr(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, Layer) for v in value):
+            return f"<{len(value)} layers>"
+        items = [_short(v) for v in value[:SHOWN_ITEMS]]
+        more = [f"... {len(value)} items"] if len(value) > SHOWN_ITEMS else []
+        inner = ", ".join(items + more)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, dict) and len(value) > SHOWN_ITEMS:
+        return f"<{len(value)} entries>"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return value.__qualname__
+    text = repr(value)
+    if " at 0x" in text or len(text) > 120:  # a default repr, or a record holding functions
+        name, kind = getattr(value, "id", None) or getattr(value, "name", None), type(value).__name__
+        return f"{kind}({name!r})" if isinstance(name, str) else f"<{kind}>"
+    return text
+
+
+SHOWN_ITEMS = 4
+"""Items of a list attribute shown in a layer's printout (the rest are counted)."""
 
 
 @dataclass(eq=False)

@@ -32,7 +32,9 @@ class RuntimeOptions:
     """``backend_options`` go to every backend context, and to the backends of every network loaded
     here where the network's own (``optimize(backend_options=...)``) do not set them;
     ``custom_allocators`` maps a backend id to the allocator it must use for its tensors (Arm NN's
-    m_CustomAllocatorMap); ``profiling`` creates the backends' profiling contexts."""
+    m_CustomAllocatorMap); ``profiling`` profiles every run: each backend's profiling context (a
+    plain ``ProfilingContext`` where the backend makes none), in ``Runtime.profiling`` by backend
+    id, records the time of each layer it ran."""
 
     backend_options: dict[str, Any] = field(default_factory=dict)
     custom_allocators: dict[str, Any] = field(default_factory=dict)
@@ -63,9 +65,9 @@ class Runtime:
             context = backend.create_backend_context(options)
             if context is not None:
                 self.contexts[backend.id] = context
-            profiler = backend.create_profiling_context(options) if self.options.profiling else None
-            if profiler is not None:
-                self.profiling[backend.id] = profiler
+            if self.options.profiling:
+                self.profiling[backend.id] = backend.create_profiling_context(options) \
+                    or ProfilingContext()
         return self.contexts.get(backend.id)
 
     def _configure(self, network: OptimizedNetwork) -> list[str]:
@@ -140,6 +142,8 @@ class Runtime:
         Inputs may be NumPy arrays or anything that speaks DLPack (torch, CuPy, JAX), on the host or
         a CUDA device: each is read where it is, without a copy where its first readers can import
         that memory. ``outputs_on`` names a device per output (None: host memory, as NumPy)."""
+        if self.options.profiling:
+            return self.run_profiled(network_id, inputs, outputs_on)[0]
         loaded = self._loaded(network_id)
         values = check_inputs(_input_specs(loaded), inputs)
         if outputs_on is None and not any(_on_device(v) for v in values):

@@ -23,7 +23,7 @@ class AcmeTiny(Backend):
     KERNELS = {"Relu": {6: relu}, "Add": {7: add}, "Mul": {7: mul}}  # op -> {since opset: kernel}
 
 
-# The three functions every dynamic backend exposes (seed 000, "Dynamic backends base interface").
+# The three functions every dynamic backend exposes (Arm NN's "Dynamic backends base interface").
 def get_backend_id():
     return AcmeTiny.id
 

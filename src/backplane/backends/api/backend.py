@@ -33,7 +33,8 @@ from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 BACKEND_API_VERSION = (1, 0)
 """The version of this contract: a backend written against (major, minor) loads when the major is
-equal and its minor is not above ours (seed 000, "Dynamic backend versioning")."""
+equal and its minor is not above ours (Arm NN's dynamic backends documentation, "Dynamic backend
+versioning")."""
 
 DELEGATE_DOMAIN = "backplane.delegate"
 """The domain of a ``Delegate`` layer: one partition preprocessed into a blob, run by its backend's

@@ -1,4 +1,5 @@
-"""Dynamic backends: Python files found on the backend paths (seed 000, "Dynamic backends").
+"""Dynamic backends: Python files found on the backend paths (as Arm NN's dynamic backends
+documentation describes them).
 
 A dynamic backend is a file ``<vendor>_<name>_backend.py`` (vendor and name alphanumeric), optionally
 followed by a version suffix of dot-separated numbers (``Acme_Npu_backend.py.1.2.3``), or a package
@@ -55,7 +56,7 @@ class DynamicBackend:
 
 
 def is_compatible(backend: tuple[int, int], api: tuple[int, int] = BACKEND_API_VERSION) -> bool:
-    """Same major version, and the backend's minor not above the API's (seed 000's rule)."""
+    """Same major version, and the backend's minor not above the API's (Arm NN's rule)."""
     return backend[0] == api[0] and backend[1] <= api[1]
 
 

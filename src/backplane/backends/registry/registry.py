@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 
 from collections.abc import Callable, Iterator, Sequence
@@ -78,8 +79,10 @@ class BackendRegistry:
         if entry is None:
             skipped = f" ({len(self.skipped)} candidates skipped: see `backplane backends`)" \
                 if self.skipped else ""
-            raise UnknownBackendError(f"unknown backend '{backend_id}'. Known backends are: "
-                                      f"{', '.join(self._entries) or '(none)'}{skipped}")
+            choices = [b for b in self._entries if b != "builtin"]  # always there, never chosen
+            hint = _did_you_mean(backend_id, choices)
+            raise UnknownBackendError(f"unknown backend '{backend_id}'{hint}. Known backends are: "
+                                      f"{', '.join(choices) or '(none)'}{skipped}")
         return entry
 
     # -- backends from outside ---------------------------------------------------------------------
@@ -155,3 +158,10 @@ class BackendRegistry:
 def _refuse(registry: BackendRegistry, found: DynamicBackend, reason: str) -> bool:
     dynamic._skip(registry.skipped, found.path, reason)
     return False
+
+
+def _did_you_mean(name: str, choices: Sequence[str]) -> str:
+    """" (did you mean 'CpuRef'?)" for a name that differs in case or by a typo; else ""."""
+    same = [c for c in choices if c.lower() == name.lower()]
+    close = same or difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
