@@ -1,7 +1,7 @@
 """Scoring generated images with a CNN through Ray Data, and serving it with Ray Serve (issue 16).
 
     python bench/ray_scale.py                        # both parts, on a local cluster of 2 CPUs
-    python bench/ray_scale.py --images 4096 --actors 1 2 4 --cpus 4 --address auto   # a real cluster
+    python bench/ray_scale.py --images 8192 --actors 1 2 4 8 --address auto   # a running cluster
     python bench/ray_scale.py --part data            # or: --part serve
 
 Ray Data: the same images scored by a plain loop over one session in this process (batches of
@@ -62,11 +62,12 @@ def machine() -> str:
     import torch
     return (f"CPU: {cpu}, {os.cpu_count()} logical CPUs, load average "
             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
-            f"Python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
-            f"onnx {onnx.__version__}, ray {ray.__version__}, backplane {backplane.__version__}")
+            f"Python {platform.python_version()}, numpy {np.__version__}, "
+            f"torch {torch.__version__}, onnx {onnx.__version__}, ray {ray.__version__}, "
+            f"backplane {backplane.__version__}")
 
 
-# -- Ray Data ----------------------------------------------------------------------------------------------
+# -- Ray Data --------------------------------------------------------------------------------------
 def plain_loop(model: bytes, images: np.ndarray, batch_size: int) -> float:
     """Seconds to score every image with one session in this process, one batch after the other."""
     session = backplane.InferenceSession(model, BACKENDS)
@@ -76,18 +77,25 @@ def plain_loop(model: bytes, images: np.ndarray, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def ray_data(model: bytes, images: np.ndarray, batch_size: int, actors: int) -> float:
-    """Seconds for a whole pass of map_batches over ``images`` with ``actors`` actors."""
+def ray_data(model: bytes, images: np.ndarray, batch_size: int, actors: int
+             ) -> tuple[float, float, int]:
+    """A whole pass of map_batches over ``images`` with ``actors`` actors: its seconds, the seconds
+    until its first block came out (the actors' start and model loads, mostly) and that block's
+    rows."""
     blocks = np.array_split(images, max(16, 4 * actors))  # blocks for every actor to take
     dataset = ray.data.from_numpy(blocks).rename_columns({"data": "input"})
     scored = backplane.ray.map_batches(dataset, model, backends=BACKENDS, concurrency=actors,
                                        num_cpus=1, batch_size=batch_size)
     start = time.perf_counter()
-    rows = sum(len(batch["logits"]) for batch in scored.iter_batches(batch_size=None))
+    rows, first, first_rows = 0, 0.0, 0
+    for batch in scored.iter_batches(batch_size=None):
+        rows += len(batch["logits"])
+        if not first:
+            first, first_rows = time.perf_counter() - start, rows
     seconds = time.perf_counter() - start
     if rows != len(images):
         raise RuntimeError(f"Ray Data scored {rows} rows of {len(images)}")
-    return seconds
+    return seconds, first, first_rows
 
 
 def bench_data(model: bytes, args: argparse.Namespace) -> None:
@@ -95,25 +103,32 @@ def bench_data(model: bytes, args: argparse.Namespace) -> None:
     start = time.perf_counter()
     backplane.InferenceSession(model, BACKENDS).run(None, {"input": images[:1]})
     load = time.perf_counter() - start
-    runs: dict[str, list[float]] = {}
+    runs: dict[str, list[tuple[float, float, int]]] = {}
     for round_ in range(args.rounds):
-        runs.setdefault("plain loop, 1 process", []).append(
-            plain_loop(model, images, args.batch_size))
+        seconds = plain_loop(model, images, args.batch_size)
+        runs.setdefault("plain loop, 1 process", []).append((seconds, 0.0, 0))
         for actors in args.actors:
             runs.setdefault(f"Ray Data, {actors} actor(s) x 1 thread", []).append(
                 ray_data(model, images, args.batch_size, actors))
         print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
-    print(f"\nRay Data: {args.images} images 3x64x64, batches of {args.batch_size}, "
-          f"median of {args.rounds} rounds (one session's load and first run here: {load:.2f} s)")
-    print(f"| {'how':34} | {'seconds':>8} | {'images/s':>9} | {'vs plain loop':>13} |")
-    print(f"| {'-' * 34} | {'-' * 8}:| {'-' * 9}:| {'-' * 13}:|")
-    base = statistics.median(runs["plain loop, 1 process"])
-    for how, seconds in runs.items():
-        median = statistics.median(seconds)
-        print(f"| {how:34} | {median:8.2f} | {args.images / median:9.0f} | {base / median:12.2f}x |")
+    print(f"\nRay Data: {args.images} images 3x64x64, batches of {args.batch_size}, median of "
+          f"{args.rounds} rounds. One session's load and first run here: {load:.2f} s. "
+          f"'first out': seconds until the first block came out (the actors' start); 'after': "
+          f"images/s from then to the end")
+    print(f"| {'how':34} | {'seconds':>7} | {'images/s':>8} | {'vs loop':>7} | "
+          f"{'first out':>9} | {'after':>5} |")
+    print(f"| {'-' * 34} | {'-' * 7}:| {'-' * 8}:| {'-' * 7}:| {'-' * 9}:| {'-' * 5}:|")
+    base = statistics.median(seconds for seconds, _, _ in runs["plain loop, 1 process"])
+    for how, times in runs.items():
+        median = statistics.median(seconds for seconds, _, _ in times)
+        first = statistics.median(first for _, first, _ in times)
+        after = statistics.median((args.images - rows) / (seconds - first)
+                                  for seconds, first, rows in times)
+        print(f"| {how:34} | {median:7.2f} | {args.images / median:8.0f} | "
+              f"{base / median:6.2f}x | {first:9.2f} | {after:5.0f} |")
 
 
-# -- Ray Serve ---------------------------------------------------------------------------------------------
+# -- Ray Serve -------------------------------------------------------------------------------------
 async def load(handle: serve.handle.DeploymentHandle, clients: int, seconds: float,
                images: np.ndarray) -> list[float]:
     """Latencies of the requests ``clients`` closed-loop clients send for ``seconds``."""
@@ -132,30 +147,36 @@ async def load(handle: serve.handle.DeploymentHandle, clients: int, seconds: flo
 
 def bench_serve(model: bytes, args: argparse.Namespace) -> None:
     images = np.random.default_rng(1).standard_normal((64, 3, 64, 64), np.float32)
-    print(f"\nRay Serve: 1 replica x 1 thread, closed-loop clients in this process, "
-          f"{args.serve_seconds:g} s each (after 1 s of warm-up)")
+    print(f"\nRay Serve: 1 replica x 1 thread taking {2 * args.max_batch_size} requests at once, "
+          f"closed-loop clients in this process, {args.serve_seconds:g} s each (after 1 s of "
+          f"warm-up), batches gathered for up to {args.batch_wait_ms:g} ms")
     print(f"| {'max_batch_size':>14} | {'clients':>7} | {'requests':>8} | {'req/s':>7} | "
-          f"{'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} |")
-    print(f"| {'-' * 14}:| {'-' * 7}:| {'-' * 8}:| {'-' * 7}:| {'-' * 7}:| {'-' * 7}:| {'-' * 7}:|")
+          f"{'p50 ms':>7} | {'p90 ms':>7} | {'p99 ms':>7} | {'mean batch':>10} |")
+    print(f"| {'-' * 14}:| {'-' * 7}:| {'-' * 8}:| {'-' * 7}:| {'-' * 7}:| {'-' * 7}:| {'-' * 7}:| "
+          f"{'-' * 10}:|")
     for max_batch in sorted({1, args.max_batch_size}):
         app = backplane.ray.deployment(model, backends=BACKENDS, max_batch_size=max_batch,
                                        batch_wait_timeout_s=args.batch_wait_ms / 1000,
+                                       max_ongoing_requests=2 * args.max_batch_size,
                                        name="cnn")
         handle = serve.run(app, name="bench", route_prefix=None)
         for clients in args.clients:
             asyncio.run(load(handle, clients, 1.0, images))
+            before = handle.stats.remote().result()
             latencies = np.array(asyncio.run(load(handle, clients, args.serve_seconds, images)))
+            after = handle.stats.remote().result()
             p50, p90, p99 = np.percentile(latencies * 1000, [50, 90, 99])
+            batch = (after["requests"] - before["requests"]) / (after["batches"] - before["batches"])
             print(f"| {max_batch:14} | {clients:7} | {len(latencies):8} | "
                   f"{len(latencies) / args.serve_seconds:7.1f} | {p50:7.1f} | {p90:7.1f} | "
-                  f"{p99:7.1f} |", flush=True)
+                  f"{p99:7.1f} | {batch:10.1f} |", flush=True)
         serve.delete("bench")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["data", "serve", "both"], default="both")
-    parser.add_argument("--images", type=int, default=2048)
+    parser.add_argument("--images", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--actors", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
