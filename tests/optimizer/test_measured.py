@@ -113,8 +113,8 @@ def test_copies_at_the_edges_are_timed(partial_backends: None) -> None:
 
 
 def test_a_pinned_partition_stays_where_its_pin_puts_it() -> None:
-    session = InferenceSession(small_cnn_model(), backends=["CpuRef"], pins={"relu1": "TestSlowRef"},
-                               optimizer_options=MEASURED)
+    session = InferenceSession(small_cnn_model(), backends=["CpuRef"],
+                               pins={"relu1": "TestSlowRef"}, optimizer_options=MEASURED)
     assert session.report.backend_of("relu1") == "TestSlowRef"
     (row,) = [m for m in session.report.measurements if m.partition == "relu1..relu1"]
     assert (row.backend, row.chosen, row.note) == ("TestSlowRef", True, "pinned")
@@ -134,7 +134,8 @@ def test_the_report_shows_the_table_and_keeps_it_as_data() -> None:
 
 
 def test_measurements_are_kept_for_the_process() -> None:
-    InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"], optimizer_options=MEASURED)
+    InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"],
+                     optimizer_options=MEASURED)
     assert CALLS["relu"] > 0
     before = CALLS["relu"]
     session = InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"],

@@ -1,8 +1,8 @@
 """Measured placement (issue 12, item 3): each partition on the backend measured fastest for it.
 
-With ``OptimizerOptions(placement="measured")``, after the layers are placed by preference, ``place``
-takes each partition (layers of one backend, as ``partition`` splits them) and every backend that
-supports all of its layers, and times each one:
+With ``OptimizerOptions(placement="measured")``, after the layers are placed by preference,
+``place`` takes each partition (layers of one backend, as ``partition`` splits them) and every
+backend that supports all of its layers, and times each one:
 
 - the partition alone, as a network of its own, prepared as it would really run: the backend's
   ``optimize_subgraph`` substitutions, workloads from its workload factory, constants in its memory,
@@ -69,9 +69,9 @@ PASSES = 4
 _TIMES: dict[tuple[str, str, str, str], float | str] = {}
 """(signature, backend id, version, options) -> median ms, or why it could not be timed."""
 _OUTPUTS: dict[str, list[np.ndarray]] = {}
-"""signature -> the outputs of its first run (host arrays): the inputs of the partitions after it."""
+"""signature -> the outputs of its first run (host arrays): inputs of the partitions after it."""
 _EDGES: dict[tuple[str, str, tuple[int, ...], str], float] = {}
-"""(source factory id, target factory id, shape, element type) -> median ms of the copy or import."""
+"""(source factory id, target factory id, shape, element type) -> median ms of that move."""
 
 
 def check_placement(value: str) -> None:
@@ -198,7 +198,8 @@ def _measure(part: _Part, graph: Graph, values: dict[str, np.ndarray],
 
 
 def _alone(graph: Graph, view: SubgraphView) -> Graph:
-    """The partition as a graph of its own: its layers copied, its boundary as inputs and outputs."""
+    """The partition as a graph of its own: its layers copied, its boundary as its inputs and
+    outputs."""
     layers = [copy.copy(layer) for layer in view.layers]
     for layer in layers:
         layer.inputs, layer.outputs, layer.backend = list(layer.inputs), list(layer.outputs), None
