@@ -44,6 +44,8 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
     # indexing.py's and recurrent.py's: pads, counts, diagonals and sizes
     "Pad": (1, 2, 3), "CenterCropPad": (1, 2), "OneHot": (1,), "TopK": (1,), "Trilu": (1,),
     "Col2Im": (1, 2), "MaxUnpool": (2,), "AffineGrid": (1,),
+    # vision.py's: Resize's roi, scales and sizes (scales at 1 before opset 11), Upsample's scales
+    "Resize": (1, 2, 3), "Upsample": (1,),
 }
 """Inputs the kernels read on the host (shapes, axes, bounds): kept as NumPy inside a CUDA graph, since
 reading a CUDA tensor on the host would wait for the GPU, which a capture forbids."""
@@ -51,6 +53,7 @@ NOT_CAPTURABLE = frozenset({"Shape"})  # makes a tensor from host values during 
 NOT_CAPTURABLE |= {"NonZero", "Compress", "Unique", "NonMaxSuppression"}  # sizes from data
 NOT_CAPTURABLE |= {"Size", "ConstantOfShape", "Range"}  # read on the host, or make from host values
 NOT_CAPTURABLE |= {"HannWindow", "HammingWindow", "BlackmanWindow"}  # sized by a value read on the host
+NOT_CAPTURABLE |= {"RoiAlign"}  # its samples per cell come from the regions' values
 
 
 @functools.lru_cache(maxsize=None)

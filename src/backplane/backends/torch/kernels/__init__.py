@@ -5,6 +5,7 @@ on whichever device its tensors are on."""
 from __future__ import annotations
 
 from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
+from backplane.backends.torch.kernels import vision
 
 KERNELS = {
     **elementwise.KERNELS,
@@ -13,6 +14,7 @@ KERNELS = {
     **numeric.KERNELS,
     **indexing.KERNELS,
     **recurrent.KERNELS,
+    **vision.KERNELS,
 }
 
 CHECKS = {
@@ -22,6 +24,7 @@ CHECKS = {
     **numeric.CHECKS,
     **indexing.CHECKS,
     **recurrent.CHECKS,
+    **vision.CHECKS,
 }
 
 INPUT_DTYPES = {
@@ -31,4 +34,5 @@ INPUT_DTYPES = {
     **numeric.INPUT_DTYPES,
     **indexing.INPUT_DTYPES,
     **recurrent.INPUT_DTYPES,
+    **vision.INPUT_DTYPES,
 }

@@ -64,6 +64,12 @@ def _trimmed(y, sizes):
 
 def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None,
              storage_order=0, strides=None, *, n_outputs=1):
+    if not X.dtype.is_floating_point:
+        # torch has no integer max pools on CUDA (nor a 1-d one on the CPU): 8-bit integers are
+        # exact in float32, and a maximum selects one of them
+        y, *indices = max_pool(X.float(), auto_pad, ceil_mode, dilations, kernel_shape, pads,
+                               storage_order, strides, n_outputs=n_outputs)
+        return (y.to(X.dtype), *indices)
     rank = X.dim() - 2
     strides, dilations, begins, ends = _pool_geometry(X, kernel_shape, auto_pad, dilations, pads,
                                                       strides)
@@ -72,7 +78,7 @@ def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=Non
     if not fits:  # torch pads symmetrically, at most half a window: pad here instead
         if ceil_mode:
             sizes = _ceil_sizes(X.shape[2:], kernel_shape, strides, dilations, begins, ends)
-        X, begins = _pad_both(X, begins, ends, _lowest(X.dtype)), [0] * rank
+        X, begins = _pad_both(X, begins, ends, -math.inf), [0] * rank
     pool = _MAX_POOL[rank]
     if n_outputs == 1:
         y = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode))
@@ -103,10 +109,6 @@ def _column_major(index, spatial):
     for coord, n in zip(reversed(coords), spatial):
         result, stride = result + coord * stride, stride * n
     return result
-
-
-def _lowest(dtype):
-    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 def average_pool(X, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None,
