@@ -47,9 +47,11 @@ WIDE = 10_000
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=Console(stderr=True), show_time=False,
-                                              show_path=False)])
+    messages = Console(stderr=True)
+    if not messages.is_terminal:
+        messages.width = WIDE  # one message, one line, when stderr goes to a file or a pipe
+    logging.basicConfig(level=log_level(args), format="%(message)s", force=True,
+                        handlers=[RichHandler(console=messages, show_time=False, show_path=False)])
     if not console.is_terminal:
         console.width = WIDE
     as_json = getattr(args, "json", False)
@@ -100,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                                                "and the candidates skipped with their reasons")
     backends.add_argument("--dynamic-backends-path", metavar="DIR",
                           help=f"one directory of dynamic backends, instead of ${PATHS_VARIABLE}")
-    _json_argument(backends)
+    _output_arguments(backends)
     backends.set_defaults(command=cmd_backends)
     bench = sub.add_parser("bench", help="time a model on backplane, ONNX Runtime and eager PyTorch, "
                                          "each in processes of its own (bench/bench_torch.py)")
@@ -115,14 +117,31 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-torch", action="store_true", help="leave the PyTorch columns out")
     bench.add_argument("--no-peak", action="store_true",
                        help="with --json: do not measure the device's matmul peak")
-    _json_argument(bench)
+    _output_arguments(bench)
     bench.set_defaults(command=cmd_bench)
     return parser
 
 
-def _json_argument(parser: argparse.ArgumentParser) -> None:
+def _output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document on stdout and nothing else")
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", action="store_true",
+                          help="log errors only (no warnings: the report keeps them)")
+    loudness.add_argument("-v", "--verbose", action="count", default=0,
+                          help="log more: -v info, -vv debug (each layer's fallback, each step)")
+
+
+def severity(args: argparse.Namespace) -> int:
+    """The sessions' log_severity_level for the flags (it drops backplane's messages below it)."""
+    return {logging.DEBUG: 0, logging.INFO: 1}.get(log_level(args), 2)
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """The logging level: WARNING, ERROR with --quiet, INFO with -v, DEBUG with -vv."""
+    if getattr(args, "quiet", False):
+        return logging.ERROR
+    return {0: logging.WARNING, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +156,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="intra-op threads (SessionOptions.intra_op_num_threads)")
     parser.add_argument("--strict", action="store_true",
                         help="fail instead of falling back (SessionOptions.strict)")
-    _json_argument(parser)
+    _output_arguments(parser)
 
 
 # -- shared pieces ------------------------------------------------------------------------------------------
@@ -196,7 +215,7 @@ def option_value(text: str) -> Any:
 
 def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSession:
     options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict,
-                             enable_profiling=profiling)
+                             enable_profiling=profiling, log_severity_level=severity(args))
     pins = dict(_key_value(p, "--pin") for p in args.pin)
     if args.backends is None and is_artifact(args.model):
         with _busy(f"loading the artifact {Path(args.model).name}"):
@@ -209,7 +228,8 @@ def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSess
 
 def cmd_compile(args: argparse.Namespace) -> Any:
     """Compile the model into one artifact; print where it went and its size."""
-    options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict)
+    options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict,
+                             log_severity_level=severity(args))
     pins = dict(_key_value(p, "--pin") for p in args.pin)
     backends = backend_specs(args.backends or "CpuRef")
     output = args.output or str(Path(args.model).with_suffix(".bpl"))

@@ -85,7 +85,22 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     network's backends, created for it alone, before any of them is asked anything. ``exclude``
     maps a layer name to the backends that must not take it, each with the reason (the report
     shows it as a refusal). The user's graph is not modified.
+
+    Each fallback is one warning in the report (``report.warnings``) and a DEBUG message; the log
+    gets one WARNING per (op type, backend, reason) with its count (``report.fallback_summary``).
     """
+    network = _optimize(graph, backends, pins=pins, options=options, registry=registry,
+                        backend_options=backend_options, exclude=exclude)
+    for line in network.report.fallback_summary():
+        log.warning(line)
+    return network
+
+
+def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] | None = None,
+              options: OptimizerOptions | None = None, registry: BackendRegistry | None = None,
+              backend_options: Mapping[str, object] | None = None,
+              exclude: Mapping[str, Mapping[str, str]] | None = None) -> OptimizedNetwork:
+    """``optimize`` without the summary in the log (bodies and remakes: their parent logs)."""
     options = options or OptimizerOptions()
     registry = registry or default_registry
     pins = dict(pins or {})
@@ -95,7 +110,7 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
     source = graph  # the user's, untouched: ``graph`` becomes our copy below
 
     def remake(more: dict[str, dict[str, str]]) -> OptimizedNetwork:
-        return optimize(source, backends, pins=pins, options=options, registry=registry,
+        return _optimize(source, backends, pins=pins, options=options, registry=registry,
                         backend_options=backend_options, exclude=more)
 
     graph = _private_copy(graph)
@@ -209,7 +224,7 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
             if support.ok:
                 layer.backend = placement.backend = backend_id
                 for refused, reason in placement.refusals:
-                    _warn(report, f"Layer of type {layer.op_type} is not supported on requested "
+                    _warn(report, level=logging.DEBUG, message=f"Layer of type {layer.op_type} is not supported on requested "
                                   f"backend {refused} (reason: {reason}), falling back to the next "
                                   f"backend")
                 break
@@ -311,7 +326,7 @@ def _optimize_bodies(layer: Layer, graph: Graph, backends: Sequence[str], pins: 
         for outer in body.inputs:
             if outer not in body.tensors:
                 body.tensors[outer] = graph.info(outer)
-        net = optimize(body, backends, pins=pins, options=options, registry=registry,
+        net = _optimize(body, backends, pins=pins, options=options, registry=registry,
                        backend_options=backend_options)
         attrs[name] = net
         for inner, placement in net.report.layers.items():
@@ -331,6 +346,6 @@ def _check_strict(report: PlacementReport) -> None:
         raise OptimizationError("strict placement failed:\n  " + "\n  ".join(problems))
 
 
-def _warn(report: PlacementReport, message: str) -> None:
+def _warn(report: PlacementReport, message: str, level: int = logging.WARNING) -> None:
     report.warnings.append(message)
-    log.warning(message)
+    log.log(level, message)

@@ -80,6 +80,22 @@ class PlacementReport:
                 found[c.strategy] = found.get(c.strategy, 0) + 1
         return found
 
+    def fallbacks(self) -> dict[tuple[str, str, str], int]:
+        """(op type, refusing backend, reason) -> how many layers it sent to a later backend."""
+        found: dict[tuple[str, str, str], int] = {}
+        for p in self.layers.values():
+            for backend, reason in p.refusals:
+                key = (p.op_type, backend, reason)
+                found[key] = found.get(key, 0) + 1
+        return found
+
+    def fallback_summary(self) -> list[str]:
+        """One line per (op type, backend, reason) with its count: what the log shows of the
+        fallbacks (each layer's is in ``layers`` and ``warnings``)."""
+        return [f"{count} layer{'s' if count > 1 else ''} of type {op_type} not supported on "
+                f"{backend} (reason: {reason}), fell back to the next backend"
+                for (op_type, backend, reason), count in self.fallbacks().items()]
+
     def backend_of(self, layer_name: str) -> str:
         return self.layers[layer_name].backend
 
