@@ -1060,7 +1060,8 @@ def test_every_kernel_is_covered() -> None:
     """A kernel added to the table without a property here fails this, until it gets one."""
     from backplane.backends.torch.kernels import numeric  # test_kernels_numeric.py covers these
     from backplane.backends.torch.kernels import indexing, recurrent  # test_kernels_<name>.py
-    from backplane.backends.torch.kernels import vision  # test_kernels_vision.py
+    from backplane.backends.torch.kernels import attention, ml, vision  # test_kernels_vision.py
 
-    others = {*numeric.KERNELS, *indexing.KERNELS, *recurrent.KERNELS, *vision.KERNELS}
+    others = {*numeric.KERNELS, *indexing.KERNELS, *recurrent.KERNELS, *vision.KERNELS,
+              *attention.KERNELS, *ml.KERNELS}
     assert sorted(set(KERNELS) - COVERED - others) == []

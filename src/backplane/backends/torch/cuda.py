@@ -46,6 +46,8 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "Col2Im": (1, 2), "MaxUnpool": (2,), "AffineGrid": (1,),
     # vision.py's: Resize's roi, scales and sizes (scales at 1 before opset 11), Upsample's scales
     "Resize": (1, 2, 3), "Upsample": (1,),
+    # ml.py's: the optimizers' learning rate and step count
+    "Adagrad": (0, 1), "Adam": (0, 1), "Momentum": (0, 1),
 }
 """Inputs the kernels read on the host (shapes, axes, bounds): kept as NumPy inside a CUDA graph, since
 reading a CUDA tensor on the host would wait for the GPU, which a capture forbids."""
@@ -54,6 +56,8 @@ NOT_CAPTURABLE |= {"NonZero", "Compress", "Unique", "NonMaxSuppression"}  # size
 NOT_CAPTURABLE |= {"Size", "ConstantOfShape", "Range"}  # read on the host, or make from host values
 NOT_CAPTURABLE |= {"HannWindow", "HammingWindow", "BlackmanWindow"}  # sized by a value read on the host
 NOT_CAPTURABLE |= {"RoiAlign"}  # its samples per cell come from the regions' values
+NOT_CAPTURABLE |= {"MelWeightMatrix"}  # made from values read on the host
+NOT_CAPTURABLE |= {"TreeEnsemble"}  # walks the trees until every row stands on a leaf (a data test)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ on whichever device its tensors are on."""
 from __future__ import annotations
 
 from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
-from backplane.backends.torch.kernels import vision
+from backplane.backends.torch.kernels import attention, ml, vision
 
 KERNELS = {
     **elementwise.KERNELS,
@@ -15,6 +15,8 @@ KERNELS = {
     **indexing.KERNELS,
     **recurrent.KERNELS,
     **vision.KERNELS,
+    **attention.KERNELS,
+    **ml.KERNELS,
 }
 
 CHECKS = {
@@ -25,6 +27,8 @@ CHECKS = {
     **indexing.CHECKS,
     **recurrent.CHECKS,
     **vision.CHECKS,
+    **attention.CHECKS,
+    **ml.CHECKS,
 }
 
 INPUT_DTYPES = {
@@ -35,4 +39,6 @@ INPUT_DTYPES = {
     **indexing.INPUT_DTYPES,
     **recurrent.INPUT_DTYPES,
     **vision.INPUT_DTYPES,
+    **attention.INPUT_DTYPES,
+    **ml.INPUT_DTYPES,
 }
