@@ -78,24 +78,23 @@ def plain_loop(model: bytes, images: np.ndarray, batch_size: int) -> float:
 
 
 def ray_data(model: bytes, images: np.ndarray, batch_size: int, actors: int
-             ) -> tuple[float, float, int]:
-    """A whole pass of map_batches over ``images`` with ``actors`` actors: its seconds, the seconds
-    until its first block came out (the actors' start and model loads, mostly) and that block's
-    rows."""
+             ) -> tuple[float, float]:
+    """A whole pass of map_batches over ``images`` with ``actors`` actors: its seconds, and the
+    seconds until its first block came out (the actors' start and model loads, mostly)."""
     blocks = np.array_split(images, max(16, 4 * actors))  # blocks for every actor to take
     dataset = ray.data.from_numpy(blocks).rename_columns({"data": "input"})
     scored = backplane.ray.map_batches(dataset, model, backends=BACKENDS, concurrency=actors,
                                        num_cpus=1, batch_size=batch_size)
     start = time.perf_counter()
-    rows, first, first_rows = 0, 0.0, 0
+    rows, first = 0, 0.0
     for batch in scored.iter_batches(batch_size=None):
         rows += len(batch["logits"])
         if not first:
-            first, first_rows = time.perf_counter() - start, rows
+            first = time.perf_counter() - start
     seconds = time.perf_counter() - start
     if rows != len(images):
         raise RuntimeError(f"Ray Data scored {rows} rows of {len(images)}")
-    return seconds, first, first_rows
+    return seconds, first
 
 
 def bench_data(model: bytes, args: argparse.Namespace) -> None:
@@ -103,29 +102,26 @@ def bench_data(model: bytes, args: argparse.Namespace) -> None:
     start = time.perf_counter()
     backplane.InferenceSession(model, BACKENDS).run(None, {"input": images[:1]})
     load = time.perf_counter() - start
-    runs: dict[str, list[tuple[float, float, int]]] = {}
+    runs: dict[str, list[tuple[float, float]]] = {}
     for round_ in range(args.rounds):
         seconds = plain_loop(model, images, args.batch_size)
-        runs.setdefault("plain loop, 1 process", []).append((seconds, 0.0, 0))
+        runs.setdefault("plain loop, 1 process", []).append((seconds, 0.0))
         for actors in args.actors:
             runs.setdefault(f"Ray Data, {actors} actor(s) x 1 thread", []).append(
                 ray_data(model, images, args.batch_size, actors))
         print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
     print(f"\nRay Data: {args.images} images 3x64x64, batches of {args.batch_size}, median of "
           f"{args.rounds} rounds. One session's load and first run here: {load:.2f} s. "
-          f"'first out': seconds until the first block came out (the actors' start); 'after': "
-          f"images/s from then to the end")
+          f"'first out': seconds until the first block came out (the actors' start and more)")
     print(f"| {'how':34} | {'seconds':>7} | {'images/s':>8} | {'vs loop':>7} | "
-          f"{'first out':>9} | {'after':>5} |")
-    print(f"| {'-' * 34} | {'-' * 7}:| {'-' * 8}:| {'-' * 7}:| {'-' * 9}:| {'-' * 5}:|")
-    base = statistics.median(seconds for seconds, _, _ in runs["plain loop, 1 process"])
+          f"{'first out':>9} |")
+    print(f"| {'-' * 34} | {'-' * 7}:| {'-' * 8}:| {'-' * 7}:| {'-' * 9}:|")
+    base = statistics.median(seconds for seconds, _ in runs["plain loop, 1 process"])
     for how, times in runs.items():
-        median = statistics.median(seconds for seconds, _, _ in times)
-        first = statistics.median(first for _, first, _ in times)
-        after = statistics.median((args.images - rows) / (seconds - first)
-                                  for seconds, first, rows in times)
+        median = statistics.median(seconds for seconds, _ in times)
+        first = statistics.median(first for _, first in times)
         print(f"| {how:34} | {median:7.2f} | {args.images / median:8.0f} | "
-              f"{base / median:6.2f}x | {first:9.2f} | {after:5.0f} |")
+              f"{base / median:6.2f}x | {first:9.2f} |")
 
 
 # -- Ray Serve -------------------------------------------------------------------------------------
@@ -166,7 +162,8 @@ def bench_serve(model: bytes, args: argparse.Namespace) -> None:
             latencies = np.array(asyncio.run(load(handle, clients, args.serve_seconds, images)))
             after = handle.stats.remote().result()
             p50, p90, p99 = np.percentile(latencies * 1000, [50, 90, 99])
-            batch = (after["requests"] - before["requests"]) / (after["batches"] - before["batches"])
+            requests, batches = (after[k] - before[k] for k in ("requests", "batches"))
+            batch = requests / batches
             print(f"| {max_batch:14} | {clients:7} | {len(latencies):8} | "
                   f"{len(latencies) / args.serve_seconds:7.1f} | {p50:7.1f} | {p90:7.1f} | "
                   f"{p99:7.1f} | {batch:10.1f} |", flush=True)
