@@ -55,7 +55,11 @@ def div(A, B):
     # that the kernel stays capturable in a CUDA graph.
     # The most negative integer by -1 overflows: x86 traps (SIGFPE kills the process) where NumPy
     # wraps to the same most negative integer; -A wraps the same way.
-    zero, minus_one = B == 0, B == -1
+    zero = B == 0
+    if not A.dtype.is_signed:  # (uint8's 255 == -1 in torch's comparison)
+        quotient = torch.div(A, B.masked_fill(zero, 1), rounding_mode="trunc")
+        return (quotient.masked_fill_(zero, 0),)
+    minus_one = B == -1
     quotient = torch.div(A, B.masked_fill(zero | minus_one, 1), rounding_mode="trunc")
     quotient = torch.where(minus_one, torch.neg(A), quotient)
     return (quotient.masked_fill_(zero, 0),)
