@@ -31,7 +31,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str]:
 
 
 def test_run_prints_each_layers_backend_and_time_and_the_outputs(model_path, capsys) -> None:
-    code, out = run_cli(["run", str(model_path), "--repeat", "2"], capsys)
+    code, out = run_cli(["run", str(model_path), "--backends", "CpuRef", "--repeat", "2"], capsys)
     assert code == 0
     for layer in ("conv1", "relu1", "pool", "softmax"):
         assert layer in out
@@ -42,10 +42,11 @@ def test_run_prints_each_layers_backend_and_time_and_the_outputs(model_path, cap
 def test_run_reads_inputs_from_npy_files(model_path, tmp_path, capsys) -> None:
     x = np.ones((1, 3, 8, 8), np.float32)
     np.save(tmp_path / "x.npy", x)
-    code, out = run_cli(["run", str(model_path), "--input", f"x={tmp_path / 'x.npy'}",
+    code, out = run_cli(["run", str(model_path), "--backends", "CpuRef", "--input", f"x={tmp_path / 'x.npy'}",
                          "--repeat", "1"], capsys)
     assert code == 0 and "output probs" in out
-    code, out = run_cli(["run", str(model_path), "--input", f"nope={tmp_path / 'x.npy'}"], capsys)
+    code, out = run_cli(["run", str(model_path), "--backends", "CpuRef", "--input",
+                         f"nope={tmp_path / 'x.npy'}"], capsys)
     assert code == 2 and "--input nope: not an input of the model; its inputs are: x" in out
 
 
@@ -133,8 +134,8 @@ def test_run_json_and_a_trace(model_path, tmp_path, capfd) -> None:
     import json
 
     trace = tmp_path / "run.json"
-    code, doc, err = run_json(["run", str(model_path), "--repeat", "3", "--trace", str(trace)],
-                              capfd)
+    code, doc, err = run_json(["run", str(model_path), "--backends", "CpuRef", "--repeat", "3",
+                               "--trace", str(trace)], capfd)
     assert code == 0 and doc["runs"]["count"] == 3 and doc["runs"]["median_ms"] > 0
     assert [layer["layer"] for layer in doc["layers"]][:2] == ["conv1", "relu1"]
     assert doc["outputs"] == [{"name": "probs", "dtype": "float32", "shape": [1, 5],
@@ -229,10 +230,10 @@ def test_tables_never_fold_a_path_or_a_layer_name(tmp_path, capsys, monkeypatch)
     path = tmp_path / "long.onnx"
     onnx.save(model, str(path))
     monkeypatch.setattr(cli, "console", Console(width=60, force_terminal=True))  # a narrow terminal
-    code, out = run_cli(["inspect", str(path)], capsys)
+    code, out = run_cli(["inspect", str(path), "--backends", "CpuRef"], capsys)
     assert code == 0 and long_name in out
     monkeypatch.setattr(cli, "console", Console())  # piped: as wide as the tables
-    code, out = run_cli(["run", str(path), "--repeat", "1"], capsys)
+    code, out = run_cli(["run", str(path), "--backends", "CpuRef", "--repeat", "1"], capsys)
     assert code == 0 and long_name in out and cli.console.width == cli.WIDE
 
 

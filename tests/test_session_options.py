@@ -61,7 +61,7 @@ def test_providers_is_an_alias_and_provider_options_run_parallel(loud) -> None:
                                provider_options=[{"level": 1}, {}])
     assert options_of(session, "TestLoud") == {"TestLoud.level": 1}
     (probs,) = session.run(None, {"x": X})
-    (reference,) = InferenceSession(MODEL).run(None, {"x": X})
+    (reference,) = InferenceSession(MODEL, ["CpuRef"]).run(None, {"x": X})
     np.testing.assert_allclose(probs, reference, rtol=1e-6)
     with pytest.raises(ValueError, match="give backends= or providers="):
         InferenceSession(MODEL, backends=["CpuRef"], providers=["CpuRef"])
@@ -110,7 +110,7 @@ def test_session_options_come_second_as_in_onnx_runtime(loud) -> None:
     with pytest.raises(TypeError, match="two SessionOptions"):
         InferenceSession(MODEL, options, sess_options=options)
     with pytest.raises(TypeError, match="sess_options must be a backplane.SessionOptions"):
-        InferenceSession(MODEL, sess_options={"strict": True})
+        InferenceSession(MODEL, ["CpuRef"], sess_options={"strict": True})
 
 
 def test_pins_from_session_options_and_pins_keyword_both_apply_and_must_agree(loud) -> None:
@@ -121,7 +121,7 @@ def test_pins_from_session_options_and_pins_keyword_both_apply_and_must_agree(lo
     assert session.report.backend_of("relu2") == "TestLoud"
     with pytest.raises(OptionError, match="relu1 is 'TestLoud' in SessionOptions.pins but "
                                           "'CpuRef' in pins="):
-        InferenceSession(MODEL, sess_options=SessionOptions(pins={"relu1": "TestLoud"}),
+        InferenceSession(MODEL, ["CpuRef"], sess_options=SessionOptions(pins={"relu1": "TestLoud"}),
                          pins={"relu1": "CpuRef"})
 
 
@@ -135,7 +135,7 @@ def test_strict_is_the_optimizers_strict(loud) -> None:
 
 
 def test_intra_op_threads_is_cpuaccs_threads_and_belongs_to_the_runtime() -> None:
-    session = InferenceSession(MODEL, sess_options=SessionOptions(intra_op_num_threads=1))
+    session = InferenceSession(MODEL, ["CpuRef"], sess_options=SessionOptions(intra_op_num_threads=1))
     assert session.backend_options == {"CpuAcc.threads": 1}
     assert session.runtime.options.backend_options == {"CpuAcc.threads": 1}
     with pytest.raises(OptionError, match="CpuAcc.threads is 1 in SessionOptions but 2 in the "
@@ -143,7 +143,7 @@ def test_intra_op_threads_is_cpuaccs_threads_and_belongs_to_the_runtime() -> Non
         InferenceSession(MODEL, backends=[("CpuAcc", {"threads": 2}), "CpuRef"],
                          sess_options=SessionOptions(intra_op_num_threads=1))
     with pytest.raises(OptionError, match="CpuAcc.threads is the runtime's"):
-        InferenceSession(MODEL, sess_options=SessionOptions(intra_op_num_threads=1),
+        InferenceSession(MODEL, ["CpuRef"], sess_options=SessionOptions(intra_op_num_threads=1),
                          runtime=Runtime(RuntimeOptions()))
 
 
@@ -175,12 +175,12 @@ def test_modelmeta_is_onnx_runtimes() -> None:
     model.model_version, model.doc_string, model.graph.doc_string = 7, "a model", "its graph"
     onnx.helper.set_model_props(model, {"author": "backplane", "licence": "MIT"})
     for source in (model.SerializeToString(), "tests/data/tiny_mobilenet_v3.onnx"):
-        mine = InferenceSession(source).get_modelmeta()
+        mine = InferenceSession(source, ["CpuRef"]).get_modelmeta()
         theirs = ort.InferenceSession(source, providers=["CPUExecutionProvider"]).get_modelmeta()
         for name in ("producer_name", "graph_name", "domain", "description", "graph_description",
                      "version", "custom_metadata_map"):
             assert getattr(mine, name) == getattr(theirs, name), name
-    meta = InferenceSession(model.SerializeToString()).get_modelmeta()
+    meta = InferenceSession(model.SerializeToString(), ["CpuRef"]).get_modelmeta()
     assert meta.custom_metadata_map == {"author": "backplane", "licence": "MIT"}
     assert (meta.version, meta.producer_version, meta.graph_name) == (7, "1.2", "test")
 

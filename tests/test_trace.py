@@ -145,7 +145,7 @@ def test_copies_between_memories_carry_their_bytes(tmp_path, partial_backends) -
 
 def test_runs_from_another_thread_get_tracks_of_their_own(tmp_path) -> None:
     options = SessionOptions(enable_profiling=True, profile_file_prefix=str(tmp_path / "p"))
-    session = InferenceSession(small_cnn_model().SerializeToString(), sess_options=options)
+    session = InferenceSession(small_cnn_model().SerializeToString(), ["CpuRef"], sess_options=options)
     session.run(None, {"x": X})
     worker = threading.Thread(target=session.run, args=(None, {"x": X}))
     worker.start()
@@ -158,9 +158,9 @@ def test_runs_from_another_thread_get_tracks_of_their_own(tmp_path) -> None:
 
 def test_end_profiling_without_profiling_is_empty_and_profiling_ends(tmp_path) -> None:
     model = small_cnn_model().SerializeToString()
-    assert InferenceSession(model).end_profiling() == ""
+    assert InferenceSession(model, ["CpuRef"]).end_profiling() == ""
     options = SessionOptions(enable_profiling=True, profile_file_prefix=str(tmp_path / "p"))
-    session = InferenceSession(model, sess_options=options)
+    session = InferenceSession(model, ["CpuRef"], sess_options=options)
     session.run(None, {"x": X})
     path = session.end_profiling()
     session.run(None, {"x": X})  # not profiled any more

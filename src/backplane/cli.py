@@ -35,7 +35,7 @@ from backplane.optimizer.optimize import OptimizationError, OptimizerOptions
 from backplane.optimizer.report import print_table, unfolded_table
 from backplane.runtime.loaded_network import ExecutionError, LayerTiming
 from backplane.runtime.runtime import InvalidInputError
-from backplane.session import InferenceSession, SessionOptions
+from backplane.session import InferenceSession, SessionOptions, default_backends
 
 console = Console()
 err_console = Console(stderr=True)
@@ -148,7 +148,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="an ONNX model file, or an artifact (backplane compile)")
     parser.add_argument("--backends", default=None,
                         help="comma-separated backend ids, most preferred first, backend options "
-                             "after @ (CpuAcc,CpuRef@CpuAcc.compile=layers; default: CpuRef, or "
+                             "after @ (CpuAcc,CpuRef@CpuAcc.compile=layers; default: the fastest "
+                             "available, GpuAcc,CpuAcc,CpuRef where torch and CUDA are there, or "
                              "an artifact's own)")
     parser.add_argument("--pin", action="append", default=[], metavar="LAYER_OR_OP=BACKEND",
                         help="run a layer (by name) or every layer of an op type on a backend first")
@@ -203,6 +204,22 @@ def backend_specs(text: str) -> list[str | tuple[str, dict[str, Any]]]:
     return [(b, options[b]) if b in options else b for b in ids]
 
 
+def chosen_backends(args: argparse.Namespace) -> list[str | tuple[str, dict[str, Any]]]:
+    """``--backends`` as InferenceSession takes them, or the default: the fastest available
+    (``session.default_backends``), named in the output as the default."""
+    if args.backends is not None:
+        return backend_specs(args.backends)
+    args.default_backends = True
+    return list(default_backends())
+
+
+def _backends_line(args: argparse.Namespace, session: InferenceSession) -> Text:
+    """"backends: CpuAcc, CpuRef (the fastest available: --backends to choose)", or as given."""
+    how = " (the fastest available: --backends to choose)" \
+        if getattr(args, "default_backends", False) else ""
+    return Text(f"backends: {', '.join(session.get_providers())}{how}")
+
+
 def option_value(text: str) -> Any:
     """An option's value as written: true / false, a number, or the text itself."""
     if text.lower() in ("true", "false"):
@@ -220,7 +237,7 @@ def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSess
     if args.backends is None and is_artifact(args.model):
         with _busy(f"loading the artifact {Path(args.model).name}"):
             return InferenceSession(args.model, sess_options=options, pins=pins or None)
-    backends = backend_specs(args.backends or "CpuRef")
+    backends = chosen_backends(args)
     with _busy(f"loading {Path(args.model).name} on {', '.join(_ids(backends))} (optimizing, "
                "measuring CpuAcc's routes, creating workloads)"):
         return InferenceSession(args.model, backends=backends, sess_options=options, pins=pins)
@@ -231,7 +248,7 @@ def cmd_compile(args: argparse.Namespace) -> Any:
     options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict,
                              log_severity_level=severity(args))
     pins = dict(_key_value(p, "--pin") for p in args.pin)
-    backends = backend_specs(args.backends or "CpuRef")
+    backends = chosen_backends(args)
     output = args.output or str(Path(args.model).with_suffix(".bpl"))
     optimizer = OptimizerOptions(strict=True) if args.strict else None
     with _busy(f"compiling {Path(args.model).name} for {', '.join(_ids(backends))}"):
@@ -312,6 +329,7 @@ def cmd_inspect(args: argparse.Namespace) -> Any:
 
     session = _session(args)
     document: dict[str, Any] = {"model": args.model, "backends": session.get_providers(),
+                                "default_backends": getattr(args, "default_backends", False),
                                 "placement": session.report.to_dict()}
     if args.graph:
         document["graph"] = [{"name": layer.name, "op_type": layer.op_type, "domain": layer.domain,
@@ -333,6 +351,7 @@ def cmd_inspect(args: argparse.Namespace) -> Any:
                 "(install Graphviz, e.g. apt-get install graphviz, to draw it)", args.html)
     if args.json:
         return 0, document
+    console.print(_backends_line(args, session), highlight=False)
     session.report.render(console)
     if args.graph:
         console.print(Text(repr(session.optimized.graph)), highlight=False)
@@ -366,6 +385,7 @@ def cmd_run(args: argparse.Namespace) -> Any:
         trace = args.trace
     if args.json:
         return 0, _run_document(args, session, timings, totals, outputs, trace)
+    console.print(_backends_line(args, session), highlight=False)
     print_table(console, _layer_table(timings))
     print_table(console, _backend_table(timings))
     if totals:
@@ -383,6 +403,7 @@ def _run_document(args: argparse.Namespace, session: InferenceSession, timings: 
                   totals: list[float], outputs: list[Any], trace: str | None) -> dict[str, Any]:
     document: dict[str, Any] = {
         "model": args.model, "backends": session.get_providers(),
+        "default_backends": getattr(args, "default_backends", False),
         "placement": session.report.counts(),
         "layers": [{"index": i, "layer": t.layer, "op_type": t.op_type, "backend": t.backend,
                     "ms": t.seconds * 1e3} for i, t in enumerate(timings)],

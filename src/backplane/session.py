@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
+import functools
 import logging
 import os
 import threading
@@ -36,7 +37,6 @@ from backplane.profiling import Trace, profile_file
 from backplane.runtime.loaded_network import LayerTiming
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions, within
 
-DEFAULT_BACKENDS = ("CpuRef",)
 NO_VERSION = 2**63 - 1
 """``ModelMetadata.version`` of a model that sets no model_version (ONNX Runtime's kNoVersion)."""
 SEVERITIES = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR,
@@ -281,6 +281,17 @@ def _cache_scope(folder: str | None) -> Iterator[None]:
 
 
 # -- backends and their options ----------------------------------------------------------------------------
+@functools.cache
+def default_backends() -> tuple[str, ...]:
+    """The backends a session takes when given none: the fastest this machine has. GpuAcc where
+    torch sees a CUDA device, then CpuAcc where torch is installed, then CpuRef (which runs every
+    op the others refuse)."""
+    from backplane.backends.registry import registry
+
+    found = [b for b in ("GpuAcc", "CpuAcc") if registry.create(b).availability().ok]
+    return (*found, "CpuRef")
+
+
 def backend_list(backends: Sequence[BackendSpec], provider_options: Sequence[Mapping[str, Any]]
                  | None = None) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Backend ids and each one's options (named without its id) from ``backends=`` /
@@ -348,7 +359,9 @@ class InferenceSession:
         model: a path, the serialized bytes, or an onnx.ModelProto.
         backends: backend ids, most preferred first; each layer runs on the first that supports it.
             An entry may be ``(id, {option: value})``: options for that backend, named without its
-            id (``("CpuAcc", {"threads": 2})`` is ``CpuAcc.threads``). Default: CpuRef alone.
+            id (``("CpuAcc", {"threads": 2})`` is ``CpuAcc.threads``). Default:
+            ``default_backends()``, the fastest this machine has (GpuAcc, CpuAcc where torch can
+            run them, then CpuRef); ``get_providers()`` says which.
         sess_options: a ``SessionOptions`` (may also come second, as in ONNX Runtime).
         providers: ONNX Runtime's name for ``backends`` (the same entries); give one or the other.
         provider_options: ONNX Runtime's options per provider: one mapping per entry of
@@ -396,8 +409,10 @@ class InferenceSession:
         stored = _stored_artifact(model)
         if stored is not None and listed is None and provider_options is None:
             listed = artifact_backends(stored[1])
-        ids, per_backend = backend_list(listed if listed is not None else DEFAULT_BACKENDS,
-                                        provider_options)
+        if listed is None:
+            listed = default_backends()
+            _log.info("no backends given: %s, the fastest available here", ", ".join(listed))
+        ids, per_backend = backend_list(listed, provider_options)
         self._provider_options = per_backend
         options = self.sess_options
         session_wide = {"CpuAcc.threads": options.intra_op_num_threads} \

@@ -27,7 +27,7 @@ def entries(folder: Path) -> list[Path]:
 
 def test_compiles_once_then_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "cache"
-    first = InferenceSession(MODEL, cache_dir=folder)
+    first = InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
     (entry,) = entries(folder)
     stamp = entry.stat().st_mtime_ns
 
@@ -35,9 +35,9 @@ def test_compiles_once_then_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         raise AssertionError("compiled again on a cache hit")
 
     monkeypatch.setattr(backplane.artifact, "build", no_compile)
-    second = InferenceSession(MODEL, cache_dir=folder)
+    second = InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
     assert entry.stat().st_mtime_ns == stamp and entries(folder) == [entry]
-    expected = InferenceSession(MODEL).run(None, FEEDS)
+    expected = InferenceSession(MODEL, ["CpuRef"]).run(None, FEEDS)
     for session in (first, second):
         for a, b in zip(session.run(None, FEEDS), expected):
             assert a.tobytes() == b.tobytes()
@@ -45,7 +45,7 @@ def test_compiles_once_then_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_the_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cache.CACHE_VARIABLE, str(tmp_path / "env"))
-    InferenceSession(MODEL)
+    InferenceSession(MODEL, ["CpuRef"])
     assert len(entries(tmp_path / "env")) == 1
 
 
@@ -85,8 +85,8 @@ def test_every_part_of_the_key_counts(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_a_changed_option_compiles_a_second_entry(tmp_path: Path) -> None:
     folder = tmp_path / "cache"
-    InferenceSession(MODEL, cache_dir=folder)
-    InferenceSession(MODEL, cache_dir=folder,
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder,
                      optimizer_options=OptimizerOptions(fold_constants=False))
     assert len(entries(folder)) == 2
 
@@ -94,7 +94,7 @@ def test_a_changed_option_compiles_a_second_entry(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_damaged_entry_is_compiled_again(tmp_path: Path, damage: str) -> None:
     folder = tmp_path / "cache"
-    InferenceSession(MODEL, cache_dir=folder)
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
     (entry,) = entries(folder)
     data = bytearray(entry.read_bytes())
     if damage == "flip":
@@ -104,16 +104,16 @@ def test_a_damaged_entry_is_compiled_again(tmp_path: Path, damage: str) -> None:
     entry.write_bytes(bytes(data))
     with pytest.raises(container.ArtifactError):
         container.read(entry)
-    session = InferenceSession(MODEL, cache_dir=folder)
+    session = InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
     container.read(entry)  # whole again
-    for a, b in zip(session.run(None, FEEDS), InferenceSession(MODEL).run(None, FEEDS)):
+    for a, b in zip(session.run(None, FEEDS), InferenceSession(MODEL, ["CpuRef"]).run(None, FEEDS)):
         assert a.tobytes() == b.tobytes()
 
 
 def test_two_processes_fill_one_entry_at_once(tmp_path: Path) -> None:
     folder = tmp_path / "cache"
     script = ("import sys, numpy as np; from backplane import InferenceSession; "
-              "s = InferenceSession(sys.argv[1], cache_dir=sys.argv[2]); "
+              "s = InferenceSession(sys.argv[1], ['CpuRef'], cache_dir=sys.argv[2]); "
               "feeds = dict(np.load(sys.argv[3])); "
               "np.save(sys.argv[4], s.run(None, feeds)[0])")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -127,6 +127,6 @@ def test_two_processes_fill_one_entry_at_once(tmp_path: Path) -> None:
     (entry,) = entries(folder)
     container.read(entry)
     assert not list(folder.glob("*.tmp"))
-    expected = InferenceSession(MODEL).run(None, FEEDS)[0]
+    expected = InferenceSession(MODEL, ["CpuRef"]).run(None, FEEDS)[0]
     for i in range(2):
         assert np.load(tmp_path / f"out{i}.npy").tobytes() == expected.tobytes()

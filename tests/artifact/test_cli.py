@@ -25,14 +25,14 @@ def test_compile_then_run_the_artifact(tmp_path: Path, capsys: pytest.CaptureFix
         inputs += ["--input", f"{name}={tmp_path / name}.npy"]
     assert main(["run", str(artifact), "--repeat", "1", "--json", *inputs]) == 0
     ran = json.loads(capsys.readouterr().out)
-    expected = InferenceSession(model).run(None, feeds)
+    expected = InferenceSession(model, ["CpuRef"]).run(None, feeds)
     assert [o["shape"] for o in ran["outputs"]] == [list(e.shape) for e in expected]
 
 
 def test_run_refuses_other_backends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model, _ = model_and_feeds("tiny_bert")
     artifact = tmp_path / "bert.bpl"
-    assert main(["compile", str(model), "-o", str(artifact)]) == 0
+    assert main(["compile", str(model), "-o", str(artifact), "--backends", "CpuRef"]) == 0
     capsys.readouterr()
     assert main(["run", str(artifact), "--backends", "CpuAcc,CpuRef", "--json"]) == 2
     error = json.loads(capsys.readouterr().out)

@@ -38,7 +38,7 @@ def if_model() -> onnx.ModelProto:
 @pytest.mark.parametrize("cond", [True, False])
 def test_if_runs_the_chosen_branch_with_outer_tensors(cond: bool) -> None:
     feeds = {"cond": np.array(cond), "x": np.array([1, 2, -3, 4], np.float32)}
-    session = InferenceSession(if_model())
+    session = InferenceSession(if_model(), ["CpuRef"])
     np.testing.assert_allclose(session.run(None, feeds)[0], ort_run(if_model(), feeds)[0])
     assert session.report.backend_of("branch") == "builtin"
     assert session.report.backend_of("branch/then_branch/t_mul") == "CpuRef"
@@ -72,7 +72,7 @@ def loop_model() -> onnx.ModelProto:
 def test_loop_carries_state_and_stacks_scan_outputs(trips: int, cond: bool) -> None:
     feeds = {"M": np.array(trips, np.int64), "cond": np.array(cond),
              "acc0": np.zeros(3, np.float32), "k0": np.array(-1, np.float32)}
-    got = InferenceSession(loop_model()).run(None, feeds)
+    got = InferenceSession(loop_model(), ["CpuRef"]).run(None, feeds)
     want = ort_run(loop_model(), feeds)
     for a, b in zip(got, want):
         assert a.shape == b.shape
@@ -123,7 +123,7 @@ def nested_model() -> onnx.ModelProto:
 @pytest.mark.parametrize("c, trips", [(True, 4), (True, 0), (False, 3)])
 def test_nested_control_flow(c: bool, trips: int) -> None:
     feeds = {"c": np.array(c), "M": np.array(trips, np.int64), "x": np.array([1, -1], np.float32)}
-    session = InferenceSession(nested_model())
+    session = InferenceSession(nested_model(), ["CpuRef"])
     np.testing.assert_allclose(session.run(None, feeds)[0], ort_run(nested_model(), feeds)[0])
     assert session.report.backend_of("outer/then_branch/loop/body/inner_if/then_branch/i_mul") == "CpuRef"
 
@@ -146,7 +146,7 @@ def scan_model(reverse: int) -> onnx.ModelProto:
 @pytest.mark.parametrize("reverse", [0, 1])
 def test_scan_matches_onnx_runtime(reverse: int) -> None:
     feeds = {"s0": np.zeros(2, np.float32), "xs": np.arange(10, dtype=np.float32).reshape(5, 2)}
-    got = InferenceSession(scan_model(reverse)).run(None, feeds)
+    got = InferenceSession(scan_model(reverse), ["CpuRef"]).run(None, feeds)
     for a, b in zip(got, ort_run(scan_model(reverse), feeds)):
         np.testing.assert_allclose(a, b)
 
@@ -173,7 +173,7 @@ def test_scan8_runs_each_batch_item_like_onnx_runtime() -> None:
     rng = np.random.default_rng(3)
     feeds = {"s0": rng.standard_normal((3, 2)).astype(np.float32),
              "xs": rng.standard_normal((3, 4, 2)).astype(np.float32)}
-    session = InferenceSession(scan8_model(False))
+    session = InferenceSession(scan8_model(False), ["CpuRef"])
     assert session.report.backend_of("scan") == "builtin"
     for got, want in zip(session.run(None, feeds), ort_run(scan8_model(False), feeds)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -184,7 +184,7 @@ def test_scan8_sequence_lens_stop_each_item_early() -> None:
     feeds = {"lengths": np.array([4, 2, 3], np.int64),
              "s0": rng.standard_normal((3, 2)).astype(np.float32),
              "xs": rng.standard_normal((3, 4, 2)).astype(np.float32)}
-    final, steps = InferenceSession(scan8_model(True)).run(None, feeds)
+    final, steps = InferenceSession(scan8_model(True), ["CpuRef"]).run(None, feeds)
     for b, length in enumerate(feeds["lengths"]):
         sums = feeds["s0"][b] + np.cumsum(feeds["xs"][b, :length], axis=0)
         np.testing.assert_allclose(final[b], sums[-1], rtol=1e-6)

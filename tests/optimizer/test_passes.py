@@ -24,7 +24,7 @@ def shape_chain_model():
 
 
 def test_folding_and_identity_removal_leave_the_work() -> None:
-    session = InferenceSession(shape_chain_model())
+    session = InferenceSession(shape_chain_model(), ["CpuRef"])
     assert [layer.op_type for layer in session.optimized.graph.layers] == ["Reshape", "Mul"]
     x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], x.reshape(2, 12) * 9)
@@ -32,7 +32,7 @@ def test_folding_and_identity_removal_leave_the_work() -> None:
 
 def test_passes_can_be_turned_off() -> None:
     options = OptimizerOptions(fold_constants=False, remove_identities=False)
-    session = InferenceSession(shape_chain_model(), optimizer_options=options)
+    session = InferenceSession(shape_chain_model(), ["CpuRef"], optimizer_options=options)
     assert len(session.optimized.graph.layers) == 7
     x = np.ones((2, 3, 4), np.float32)
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.full((2, 12), 9, np.float32))
@@ -51,9 +51,9 @@ def test_folded_shape_computations_give_static_shapes() -> None:
         helper.make_node("Relu", ["flat"], ["y"], name="relu"),
     ]
     model = make_model(nodes, [float_input("x", [2, 3, 4])], [float_input("y", None)])
-    unfolded = InferenceSession(model, optimizer_options=OptimizerOptions(fold_constants=False))
+    unfolded = InferenceSession(model, ["CpuRef"], optimizer_options=OptimizerOptions(fold_constants=False))
     assert not unfolded.optimized.graph.info("flat").is_static
-    session = InferenceSession(model)
+    session = InferenceSession(model, ["CpuRef"])
     assert [layer.op_type for layer in session.optimized.graph.layers] == ["Reshape", "Relu"]
     assert session.optimized.graph.info("flat").shape == (24,)
     assert session.optimized.graph.info("y").shape == (24,)

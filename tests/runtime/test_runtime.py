@@ -84,7 +84,7 @@ def test_two_networks_in_one_runtime_run_independently() -> None:
 
 
 def test_a_run_is_a_flat_list_of_steps_that_frees_dead_tensors() -> None:
-    session = InferenceSession(small_cnn_model())
+    session = InferenceSession(small_cnn_model(), ["CpuRef"])
     loaded = session.runtime.network(session.network_id)
     assert len(loaded.steps) == len(session.optimized.graph.layers)
     freed = {slot for step in loaded.steps for slot in step.frees}
@@ -100,25 +100,25 @@ def test_a_run_is_a_flat_list_of_steps_that_frees_dead_tensors() -> None:
 ])
 def test_bad_inputs_are_clear_errors(feeds, message) -> None:
     with pytest.raises(InvalidInputError, match=message):
-        InferenceSession(small_cnn_model()).run(None, feeds)
+        InferenceSession(small_cnn_model(), ["CpuRef"]).run(None, feeds)
 
 
 def test_unknown_output_names_list_the_outputs() -> None:
     with pytest.raises(InvalidInputError, match="not output.*its outputs are: probs"):
-        InferenceSession(small_cnn_model()).run(["logits"], {"x": X})
+        InferenceSession(small_cnn_model(), ["CpuRef"]).run(["logits"], {"x": X})
 
 
 def test_a_failing_kernel_names_its_layer() -> None:
     shape = helper.make_tensor_value_info("shape", TensorProto.INT64, [2])
     node = helper.make_node("Reshape", ["x", "shape"], ["y"], name="reshaper")
     model = make_model([node], [float_input("x", [6]), shape], [float_input("y", None)])
-    session = InferenceSession(model)
+    session = InferenceSession(model, ["CpuRef"])
     with pytest.raises(ExecutionError, match=r"layer 'reshaper' \(Reshape, opset 17\) failed on CpuRef"):
         session.run(None, {"x": np.zeros(6, np.float32), "shape": np.array([4, 4], np.int64)})
 
 
 def test_session_describes_inputs_and_outputs_like_onnx_runtime() -> None:
-    session = InferenceSession(small_cnn_model())
+    session = InferenceSession(small_cnn_model(), ["CpuRef"])
     (inp,), (out,) = session.get_inputs(), session.get_outputs()
     assert (inp.name, inp.shape, inp.type) == ("x", [1, 3, 8, 8], "tensor(float)")
     assert (out.name, out.shape, out.type) == ("probs", [1, 5], "tensor(float)")
@@ -257,7 +257,7 @@ def test_a_network_with_an_exclusive_workload_runs_one_run_at_a_time() -> None:
     assert session.runtime.network(session.network_id).exclusive
     feeds = [np.random.default_rng(seed).standard_normal((1, 3, 8, 8)).astype(np.float32)
              for seed in range(8)]
-    expected = [InferenceSession(small_cnn_model()).run(None, {"x": x})[0] for x in feeds]
+    expected = [InferenceSession(small_cnn_model(), ["CpuRef"]).run(None, {"x": x})[0] for x in feeds]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda x: session.run(None, {"x": x})[0], feeds))
     for g, e in zip(got, expected):

@@ -33,13 +33,13 @@ def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
     """Compile ``model`` (a path, bytes or ModelProto) for ``backends`` (as ``InferenceSession``
     takes them) into the artifact ``output`` (default: the model's path with ".bpl"); returns the
     artifact's size in bytes."""
-    from backplane.session import DEFAULT_BACKENDS, backend_list, qualified
+    from backplane.session import backend_list, default_backends, qualified
 
     if output is None:
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError("output= is needed where the model is not a file")
         output = os.path.splitext(os.fspath(model))[0] + ".bpl"
-    ids, per_backend = backend_list(backends or DEFAULT_BACKENDS, provider_options)
+    ids, per_backend = backend_list(backends or default_backends(), provider_options)
     options = dict(qualified(per_backend))
     threads = sess_options.intra_op_num_threads if sess_options is not None else 0
     if threads:
