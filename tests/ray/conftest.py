@@ -14,6 +14,8 @@ import pytest
 DATA = Path(__file__).parent.parent / "data"
 MOBILENET = DATA / "tiny_mobilenet_v3.onnx"
 BERT = DATA / "tiny_bert.onnx"
+REFERENCE = ["CpuRef"]
+"""The backends of the exact comparisons (named: the session's default depends on the machine)."""
 
 
 @pytest.fixture(scope="package")

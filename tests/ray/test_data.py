@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'b
 
 import backplane  # noqa: E402
 import backplane.ray  # noqa: E402
-from tests.ray.conftest import MOBILENET, images, serial  # noqa: E402
+from tests.ray.conftest import MOBILENET, REFERENCE, images, serial  # noqa: E402
 
 TIMEOUT_S = 300  # far above what a run takes: reaching it means a hang
 
@@ -30,10 +30,10 @@ def scored(dataset: ray.data.Dataset) -> list[dict[str, np.ndarray]]:
 
 def test_two_actors_score_as_a_serial_run_in_order(cluster):
     x = images(48)
-    rows = scored(backplane.ray.map_batches(table(x), str(MOBILENET), concurrency=2, num_cpus=1,
-                                            batch_size=8))
+    rows = scored(backplane.ray.map_batches(table(x), str(MOBILENET), backends=REFERENCE,
+                                            concurrency=2, num_cpus=1, batch_size=8))
     assert [row["id"] for row in rows] == list(range(48))
-    session = backplane.InferenceSession(str(MOBILENET))
+    session = backplane.InferenceSession(str(MOBILENET), REFERENCE)
     np.testing.assert_array_equal(np.stack([row["logits"] for row in rows]),
                                   serial(session, {"input": x})[0])
 
@@ -46,7 +46,7 @@ def test_a_free_batch_from_bytes_with_backend_options(cluster, free_batch_model)
     rows = scored(dataset)
     assert [row["id"] for row in rows] == list(range(40))
     assert sorted(rows[0]) == ["id", "scores"]
-    session = backplane.InferenceSession(str(MOBILENET))
+    session = backplane.InferenceSession(str(MOBILENET), REFERENCE)
     np.testing.assert_allclose(np.stack([row["scores"] for row in rows]),
                                serial(session, {"input": x})[0], rtol=1e-4, atol=1e-5)
 

@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 
 import backplane  # noqa: E402
 import backplane.ray  # noqa: E402
-from tests.ray.conftest import MOBILENET, images, serial  # noqa: E402
+from tests.ray.conftest import MOBILENET, REFERENCE, images, serial  # noqa: E402
 
 ROUTE = "/score"
 
@@ -34,15 +34,15 @@ def served(cluster, free_batch_model) -> Iterator[tuple[serve.handle.DeploymentH
     """The free-batch MobileNet behind Serve (a handle, and HTTP on a port of its own)."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = backplane.ray.deployment(free_batch_model, max_batch_size=8, batch_wait_timeout_s=0.05,
-                                   name="mobilenet")
+    app = backplane.ray.deployment(free_batch_model, backends=REFERENCE, max_batch_size=8,
+                                   batch_wait_timeout_s=0.05, name="mobilenet")
     yield serve.run(app, name="scoring", route_prefix=ROUTE), port
     serve.shutdown()
 
 
 @pytest.fixture(scope="module")
 def mobilenet() -> backplane.InferenceSession:
-    return backplane.InferenceSession(str(MOBILENET))
+    return backplane.InferenceSession(str(MOBILENET), REFERENCE)
 
 
 def test_concurrent_requests_get_their_own_outputs_batched(served, mobilenet):

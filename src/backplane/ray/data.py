@@ -10,7 +10,7 @@ import numpy as np
 import ray
 import ray.data
 from backplane.ray.batches import BatchError, feeds_from_columns, fixed_batch, run_rows
-from backplane.ray.loading import Model, load_session, shipped
+from backplane.ray.loading import Model, load_session, shipped, threads_of
 from backplane.session import BackendSpec, SessionOptions
 
 
@@ -86,8 +86,8 @@ def map_batches(dataset: ray.data.Dataset, model: Model, *,
             ``Scorer`` takes them. Bytes are put into Ray's object store once for every actor.
         concurrency: the actor pool's size, or its (min, max) to let Ray Data scale it.
         num_cpus, num_gpus: what each actor holds (a GPU each: ``num_gpus=1``). Where
-            ``sess_options`` is not given, the session's threads are ``num_cpus``
-            (``SessionOptions(intra_op_num_threads=...)``, CpuAcc's).
+            ``sess_options`` is not given and no backend sets its threads, the session's threads
+            are ``num_cpus`` (``SessionOptions(intra_op_num_threads=...)``, CpuAcc's).
         batch_size: the rows per batch (an int where num_gpus is set).
         preserve_order: rows come out in the order they went in: sets Ray Data's
             ``execution_options.preserve_order`` in the dataset's ``DataContext``, which the
@@ -103,8 +103,7 @@ def map_batches(dataset: ray.data.Dataset, model: Model, *,
     else:
         raise ValueError(f"concurrency must be the pool's size (an int) or its (min, max), got "
                          f"{concurrency!r}")
-    if sess_options is None and num_cpus >= 1:
-        sess_options = SessionOptions(intra_op_num_threads=int(num_cpus))
+    sess_options = threads_of(num_cpus, backends, sess_options)
     if preserve_order:
         dataset.context.execution_options.preserve_order = True
     return dataset.map_batches(

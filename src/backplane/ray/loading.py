@@ -32,6 +32,19 @@ def shipped(model: Model) -> Model:
     return model
 
 
+def threads_of(num_cpus: float, backends: Sequence[BackendSpec] | None,
+               sess_options: SessionOptions | None) -> SessionOptions | None:
+    """The session's options for an actor of ``num_cpus`` CPUs: as given where given; else as many
+    threads as CPUs (``intra_op_num_threads``, CpuAcc's), unless a backend's options set its own."""
+    if sess_options is not None or num_cpus < 1:
+        return sess_options
+    for spec in backends or ():
+        options = {} if isinstance(spec, str) else spec[1]
+        if any(key.rsplit(".", 1)[-1] == "threads" for key in options):
+            return None
+    return SessionOptions(intra_op_num_threads=int(num_cpus))
+
+
 def load_session(model: Model, backends: Sequence[BackendSpec] | None,
                  sess_options: SessionOptions | None,
                  session_kwargs: Mapping[str, Any] | None) -> InferenceSession:

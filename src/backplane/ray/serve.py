@@ -17,7 +17,7 @@ import numpy as np
 
 import ray
 from backplane.ray.batches import answer, fixed_batch, request_rows, run_rows
-from backplane.ray.loading import Model, load_session
+from backplane.ray.loading import Model, load_session, threads_of
 from backplane.session import BackendSpec, InferenceSession, SessionOptions
 from ray import serve
 from ray.serve.handle import DeploymentHandle  # noqa: F401  # the handle serve.run returns
@@ -112,16 +112,16 @@ def deployment(model: Model, *, backends: Sequence[BackendSpec] | None = None,
 
     Replicas: one per GPU of the cluster, each holding one (``num_gpus=1``), where the cluster has
     GPUs and ``num_replicas`` / ``num_gpus`` are not given; else ``num_replicas`` (default 1).
-    Where ``sess_options`` is not given, a replica's threads are ``num_cpus``. Each replica takes
-    up to twice ``max_batch_size`` requests at once (Serve's ``max_ongoing_requests``), so that a
-    batch can fill while another runs. ``deployment_options`` go to ``ModelDeployment.options``
-    (``name``, ``health_check_period_s``, ``max_ongoing_requests``...).
+    Where ``sess_options`` is not given and no backend sets its threads, a replica's threads are
+    ``num_cpus``. Each replica takes up to twice ``max_batch_size`` requests at once (Serve's
+    ``max_ongoing_requests``), so that a batch can fill while another runs.
+    ``deployment_options`` go to ``ModelDeployment.options`` (``name``, ``health_check_period_s``,
+    ``max_ongoing_requests``...).
     """
     if not ray.is_initialized():
         ray.init()
     count, gpus = replicas(ray.cluster_resources().get("GPU", 0), num_replicas, num_gpus)
-    if sess_options is None and num_cpus >= 1:
-        sess_options = SessionOptions(intra_op_num_threads=int(num_cpus))
+    sess_options = threads_of(num_cpus, backends, sess_options)
     deployment_options.setdefault("max_ongoing_requests", 2 * max_batch_size)
     options = ModelDeployment.options(
         num_replicas=count, ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
