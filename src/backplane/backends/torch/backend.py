@@ -45,7 +45,7 @@ FUSED_DOMAIN = "backplane.torch"
 def torch_missing() -> str | None:
     """Why torch cannot be used here, or None."""
     if importlib.util.find_spec("torch") is None:
-        return "torch is not installed (pip install 'backplane[torch]')"
+        return "torch is not installed (pip install 'backplane-nn[torch]')"
     return None
 
 
