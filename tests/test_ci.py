@@ -1,0 +1,48 @@
+"""The install the README gives is the one CI runs (issue 19, items 1 and 2): .ci/run holds the README's
+two commands word for word, the test command takes torch's CPU-only build, and the distribution's
+name (free on the package index) is the one the README, the example backend and the install hints
+use."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import backplane
+
+ROOT = Path(__file__).resolve().parents[1]
+DISTRIBUTION = "backplane-nn"
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Two commands on a fresh machine"):text.index("## Use\n")]
+    return re.findall(r"^```bash\n(.*?)\n```", section, re.M | re.S)
+
+
+def test_ci_runs_the_readmes_two_commands_word_for_word() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2 and all("\n" not in c for c in commands)
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith("#")]
+    assert commands[0] in ci and commands[1] in ci
+    assert ci.index(commands[0]) < ci.index(commands[1])
+    assert "pip install" not in " ".join(c for c in ci if c not in commands)  # nothing else installed
+
+
+def test_the_test_command_takes_torchs_cpu_build() -> None:
+    test_command = readme_commands()[1]
+    assert "torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu" in test_command
+    assert test_command.endswith("&& python -m pytest")
+
+
+def test_one_distribution_name_everywhere() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(rf'^name = "{DISTRIBUTION}"', pyproject, re.M)
+    assert re.search(rf'^version = "{re.escape(backplane.__version__)}"', pyproject, re.M)
+    example = (ROOT / "examples" / "acme_tiny" / "pyproject.toml").read_text()
+    assert f'dependencies = ["{DISTRIBUTION}", "numpy"]' in example
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"The package is `{DISTRIBUTION}`" in readme
+    source = (ROOT / "src" / "backplane" / "backends" / "torch" / "backend.py").read_text()
+    assert f"pip install '{DISTRIBUTION}[torch]'" in source
