@@ -7,8 +7,8 @@
 Ray Data: the same images scored by a plain loop over one session in this process (batches of
 ``--batch-size``) and by ``backplane.ray.map_batches`` with 1, 2, ... actors of one thread each;
 rounds alternate between them, the median is reported. A Ray Data time is the whole pass: the
-actors' start and their model loads are in it (the first row of the table says how long one load
-takes here). Serve: ``backplane.ray.deployment`` with one replica of one thread, under a load
+actors' start and their model loads are in it (the table's title says how long one load takes
+here), and a row of an actor that runs no model shows what Ray Data itself costs. Serve: ``backplane.ray.deployment`` with one replica of one thread, under a load
 generator of C concurrent clients in this process, each sending its next request when the last
 is answered: requests per second and latency percentiles, with Serve's batching on
 (``--max-batch-size``) and off (1).
@@ -77,14 +77,28 @@ def plain_loop(model: bytes, images: np.ndarray, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-def ray_data(model: bytes, images: np.ndarray, batch_size: int, actors: int
+class Copy:
+    """A callable class that scores nothing (the first pixels as "logits"): what Ray Data itself
+    costs on the same rows, without a model."""
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": batch["input"][:, 0, 0, :10].copy()}
+
+
+def ray_data(model: bytes | None, images: np.ndarray, batch_size: int, actors: int
              ) -> tuple[float, float]:
-    """A whole pass of map_batches over ``images`` with ``actors`` actors: its seconds, and the
-    seconds until its first block came out (the actors' start and model loads, mostly)."""
+    """A whole pass of map_batches over ``images`` with ``actors`` actors (``model`` None: of
+    ``Copy``): its seconds, and the seconds until its first block came out (the actors' start and
+    model loads, mostly)."""
     blocks = np.array_split(images, max(16, 4 * actors))  # blocks for every actor to take
     dataset = ray.data.from_numpy(blocks).rename_columns({"data": "input"})
-    scored = backplane.ray.map_batches(dataset, model, backends=BACKENDS, concurrency=actors,
-                                       num_cpus=1, batch_size=batch_size)
+    if model is None:
+        dataset.context.execution_options.preserve_order = True  # as map_batches sets it
+        scored = dataset.map_batches(Copy, compute=ray.data.ActorPoolStrategy(size=actors),
+                                     num_cpus=1, batch_size=batch_size, batch_format="numpy")
+    else:
+        scored = backplane.ray.map_batches(dataset, model, backends=BACKENDS, concurrency=actors,
+                                           num_cpus=1, batch_size=batch_size)
     start = time.perf_counter()
     rows, first = 0, 0.0
     for batch in scored.iter_batches(batch_size=None):
@@ -106,13 +120,16 @@ def bench_data(model: bytes, args: argparse.Namespace) -> None:
     for round_ in range(args.rounds):
         seconds = plain_loop(model, images, args.batch_size)
         runs.setdefault("plain loop, 1 process", []).append((seconds, 0.0))
+        runs.setdefault("Ray Data, 1 actor, no model", []).append(
+            ray_data(None, images, args.batch_size, 1))
         for actors in args.actors:
             runs.setdefault(f"Ray Data, {actors} actor(s) x 1 thread", []).append(
                 ray_data(model, images, args.batch_size, actors))
         print(f"  round {round_ + 1} of {args.rounds} done", flush=True)
     print(f"\nRay Data: {args.images} images 3x64x64, batches of {args.batch_size}, median of "
           f"{args.rounds} rounds. One session's load and first run here: {load:.2f} s. "
-          f"'first out': seconds until the first block came out (the actors' start and more)")
+          f"'first out': seconds until the first block came out (the actors' start and more); "
+          f"'no model': an actor that copies a few pixels, Ray Data's own cost")
     print(f"| {'how':34} | {'seconds':>7} | {'images/s':>8} | {'vs loop':>7} | "
           f"{'first out':>9} |")
     print(f"| {'-' * 34} | {'-' * 7}:| {'-' * 8}:| {'-' * 7}:| {'-' * 9}:|")
