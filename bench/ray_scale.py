@@ -8,10 +8,12 @@ Ray Data: the same images scored by a plain loop over one session in this proces
 ``--batch-size``) and by ``backplane.ray.map_batches`` with 1, 2, ... actors of one thread each;
 rounds alternate between them, the median is reported. A Ray Data time is the whole pass: the
 actors' start and their model loads are in it (the table's title says how long one load takes
-here), and a row of an actor that runs no model shows what Ray Data itself costs. Serve: ``backplane.ray.deployment`` with one replica of one thread, under a load
-generator of C concurrent clients in this process, each sending its next request when the last
-is answered: requests per second and latency percentiles, with Serve's batching on
-(``--max-batch-size``) and off (1).
+here), and a row of an actor that runs no model shows what Ray Data itself costs.
+
+Serve: ``backplane.ray.deployment`` with one replica of one thread, under a load generator of C
+concurrent clients in this process, each sending its next request when the last is answered:
+requests per second and latency percentiles, with Serve's batching on (``--max-batch-size``) and
+off (1).
 
 The model: a small CNN (five convolutions, 3x64x64 -> 10 classes, free batch dimension) built with
 torch.nn and exported with torch.onnx.export; backends CpuAcc, CpuRef.
