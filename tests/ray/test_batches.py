@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'backplane[ray]'")
+pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'backplane-nn[ray]'")
 
 import backplane  # noqa: E402
 from backplane.ray import BatchError, Scorer  # noqa: E402

@@ -8,7 +8,7 @@ import concurrent.futures
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'backplane[ray]'")
+ray = pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'backplane-nn[ray]'")
 
 import backplane  # noqa: E402
 import backplane.ray  # noqa: E402

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'backplane[ray]'")
+ray = pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'backplane-nn[ray]'")
 
 from ray import serve  # noqa: E402
 

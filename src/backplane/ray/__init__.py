@@ -1,4 +1,4 @@
-"""backplane on Ray: batch scoring with Ray Data and serving with Ray Serve (``backplane[ray]``).
+"""backplane on Ray: batch scoring with Ray Data and serving with Ray Serve (``backplane-nn[ray]``).
 
 ``map_batches(dataset, model, backends=..., concurrency=..., num_cpus=...)`` scores a Ray
 Dataset on a pool of actors, one session each (``Scorer`` is the callable class it maps);
@@ -15,7 +15,7 @@ from __future__ import annotations
 try:
     import ray  # noqa: F401
 except ImportError as exc:  # pragma: no cover - only without the extra
-    raise ImportError("backplane.ray needs Ray: pip install 'backplane[ray]' (ray[data,serve])"
+    raise ImportError("backplane.ray needs Ray: pip install 'backplane-nn[ray]' (ray[data,serve])"
                       ) from exc
 
 from typing import TYPE_CHECKING, Any
