@@ -59,9 +59,10 @@ def tree_ensemble(X, leaf_targetids, leaf_weights, n_targets, nodes_falseleafs,
     for _ in range(len(nodes_modes) + 1):
         if bool(at_leaf.all()):
             break
-        goes_true = _goes_true(X, node, table)
-        child = torch.where(goes_true, table["true_id"][node], table["false_id"][node])
-        leaf = torch.where(goes_true, table["true_leaf"][node], table["false_leaf"][node])
+        inner = torch.where(at_leaf, 0, node)  # a pair on a leaf holds a leaf index: looked past
+        goes_true = _goes_true(X, inner, table)
+        child = torch.where(goes_true, table["true_id"][inner], table["false_id"][inner])
+        leaf = torch.where(goes_true, table["true_leaf"][inner], table["false_leaf"][inner])
         node = torch.where(at_leaf, node, child)
         at_leaf = at_leaf | leaf
     targets = torch.tensor(list(leaf_targetids), dtype=torch.int64, device=device)[node]
@@ -129,7 +130,7 @@ def _aggregate(values, targets, n_targets, function, n_trees):
 # -- ai.onnx.preview.training ----------------------------------------------------------------------
 def adagrad(R, T, *inputs, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0.0):
     n = len(inputs) // 3
-    r = scalar(R) / (1 + scalar(T) * decay_factor)  # the decayed learning rate
+    r = float(_host(R) / (1 + _host(T) * decay_factor))  # decayed, in NumPy's types as CpuRef
     xs, hs = [], []
     for x, g, h in zip(inputs[:n], inputs[n:2 * n], inputs[2 * n:]):
         x64, g = x.double(), norm_coefficient * x.double() + g.double()
@@ -142,8 +143,9 @@ def adagrad(R, T, *inputs, decay_factor=0.0, epsilon=1e-6, norm_coefficient=0.0)
 def adam(R, T, *inputs, alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.0,
          norm_coefficient_post=0.0):
     n = len(inputs) // 4
-    rate, t = scalar(R), float(scalar(T))
-    r = rate * math.sqrt(1 - beta**t) / (1 - alpha**t) if t > 0 else rate  # bias-corrected
+    rate, t = _host(R), float(scalar(T))
+    # bias-corrected, in R's type as CpuRef computes it
+    r = float(rate * math.sqrt(1 - beta**t) / (1 - alpha**t) if t > 0 else rate)
     xs, vs, hs = [], [], []
     for x, g, v, h in zip(inputs[:n], inputs[n:2 * n], inputs[2 * n:3 * n], inputs[3 * n:]):
         x64, g = x.double(), norm_coefficient * x.double() + g.double()
@@ -154,6 +156,13 @@ def adam(R, T, *inputs, alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.
         vs.append(v.to(x.dtype))
         hs.append(h.to(x.dtype))
     return (*xs, *vs, *hs)
+
+
+def _host(value):
+    """A one-element input as a 0-d NumPy array of its type (the optimizers' R and T)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().reshape(())
+    return np.asarray(value).reshape(())
 
 
 def momentum(R, T, *inputs, alpha, beta, mode, norm_coefficient):
