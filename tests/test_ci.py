@@ -27,12 +27,14 @@ def test_ci_runs_the_readmes_two_commands_word_for_word() -> None:
           if line and not line.startswith("#")]
     assert commands[0] in ci and commands[1] in ci
     assert ci.index(commands[0]) < ci.index(commands[1])
-    assert "pip install" not in " ".join(c for c in ci if c not in commands)  # nothing else installed
+    assert "pip " not in " ".join(c for c in ci if c not in commands)  # nothing else installed
 
 
 def test_the_test_command_takes_torchs_cpu_build() -> None:
     test_command = readme_commands()[1]
-    assert "torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu" in test_command
+    cpu_torch = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu_torch in test_command
+    assert test_command.index(cpu_torch) < test_command.index('pip install -e ".[test]"')
     assert test_command.endswith("&& python -m pytest")
 
 
