@@ -26,7 +26,7 @@ def images(count: int, shape: tuple[int, ...]) -> ray.data.Dataset:
         rng = np.random.default_rng(int(batch["id"][0]))
         return {"id": batch["id"],
                 "image": rng.standard_normal((len(batch["id"]), *shape), np.float32)}
-    return ray.data.range(count).map_batches(generate, batch_size=256)
+    return ray.data.range(count).map_batches(generate, batch_size=256, num_cpus=0.25)
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(num_cpus=args.actors)
+        ray.init(num_cpus=args.actors + 1)  # the actors' CPUs, and one for the other steps
 
     with open(args.model, "rb") as file:
         model = file.read()
@@ -50,7 +50,8 @@ def main() -> None:
     scored = backplane.ray.map_batches(images(args.images, shape), model, backends=backends,
                                        input_columns={"input": "image"}, concurrency=args.actors,
                                        num_cpus=1, num_gpus=args.gpus, batch_size=64)
-    top = scored.map_batches(lambda b: {**b, "class": b["logits"].argmax(axis=1)}, batch_size=256)
+    top = scored.map_batches(lambda b: {**b, "class": b["logits"].argmax(axis=1)}, batch_size=256,
+                             num_cpus=0.25)
     start = time.perf_counter()
     top.write_parquet(args.output)
     seconds = time.perf_counter() - start
