@@ -58,10 +58,10 @@ def test_a_constant_read_on_two_backends_reaches_each_in_its_memory() -> None:
     c = numpy_helper.from_array(np.arange(4, dtype=np.float32), "c")
     axis = numpy_helper.from_array(np.array(0, np.int64), "axis")
     nodes = [helper.make_node("Add", ["x", "c"], ["a"], name="add"),  # CpuAcc
-             helper.make_node("CumSum", ["c", "axis"], ["s"], name="cumsum"),  # CpuRef only
+             helper.make_node("CumSum", ["c", "axis"], ["s"], name="cumsum"),  # pinned to CpuRef
              helper.make_node("Mul", ["a", "s"], ["y"], name="mul")]
     model = make_model(nodes, [float_input("x", [4])], [float_input("y", [4])], [c, axis])
-    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"],
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"], pins={"cumsum": "CpuRef"},
                                optimizer_options=OptimizerOptions(fold_constants=False))
     assert session.report.backend_of("add") == "CpuAcc"
     assert session.report.backend_of("cumsum") == "CpuRef"
