@@ -51,6 +51,16 @@ def test_a_free_batch_from_bytes_with_backend_options(cluster, free_batch_model)
                                serial(session, {"input": x})[0], rtol=1e-4, atol=1e-5)
 
 
+def test_an_artifact_shipped_as_bytes(cluster, tmp_path):
+    path = tmp_path / "mobilenet.bpl"
+    backplane.compile(str(MOBILENET), REFERENCE, str(path))
+    x = images(12, seed=5)
+    rows = scored(backplane.ray.map_batches(table(x), path.read_bytes(), batch_size=4))
+    session = backplane.InferenceSession(str(MOBILENET), REFERENCE)
+    np.testing.assert_array_equal(np.stack([row["logits"] for row in rows]),
+                                  serial(session, {"input": x})[0])
+
+
 def test_a_model_that_fails_to_load_fails_the_actor(cluster):
     with pytest.raises(Exception) as failure:
         scored(backplane.ray.map_batches(table(images(4)), b"not a model"))
