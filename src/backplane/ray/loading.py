@@ -52,9 +52,11 @@ def load_session(model: Model, backends: Sequence[BackendSpec] | None,
     or option) are raised as they are: they fail the actor with their message."""
     if isinstance(model, ray.ObjectRef):
         model = ray.get(model)
-    if not (isinstance(model, (bytes, bytearray, memoryview)) and is_artifact(model)):
+    if isinstance(model, (bytearray, memoryview)):
+        model = bytes(model)
+    if not (isinstance(model, bytes) and is_artifact(model)):
         return InferenceSession(model, backends, sess_options, **dict(session_kwargs or {}))
-    path = _artifact_file(bytes(model))
+    path = _artifact_file(model)
     try:
         return InferenceSession(path, backends, sess_options, **dict(session_kwargs or {}))
     finally:

@@ -20,7 +20,6 @@ from backplane.ray.batches import answer, fixed_batch, request_rows, run_rows
 from backplane.ray.loading import Model, load_session, threads_of
 from backplane.session import BackendSpec, InferenceSession, SessionOptions
 from ray import serve
-from ray.serve.handle import DeploymentHandle  # noqa: F401  # the handle serve.run returns
 
 
 @serve.deployment
