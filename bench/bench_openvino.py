@@ -1,9 +1,9 @@
 """OpenVINO inside backplane against ONNX Runtime, OpenVINO alone and CpuAcc (issue 12).
 
 Usage:
-    python bench/openvino.py                                   # the tiny models of tests/data
-    python bench/openvino.py /tmp/anchors/models/*.onnx        # the anchor models, fp32
-    python bench/openvino.py m.onnx --precision fp32,bf16      # and reduced precision, with accuracy
+    python bench/bench_openvino.py                                   # the tiny models of tests/data
+    python bench/bench_openvino.py /tmp/anchors/models/*.onnx        # the anchor models, fp32
+    python bench/bench_openvino.py m.onnx --precision fp32,bf16      # and reduced precision, with accuracy
 
 Each runtime runs in processes of its own, one process per round, alternating A, B, C, A, B, C, ...
 (ONNX Runtime's spinning threads would slow whatever ran next in its process; drift of a shared

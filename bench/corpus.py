@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.models.test_corpus import (CORPUS, MANIFEST, compare_outputs, feeds,  # noqa: E402
-                                      ort_outputs)
+                                      ort_outputs, quanta)
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
@@ -105,7 +105,8 @@ def main() -> int:
                     traceback.print_exc(limit=2, file=sys.stderr)
                     times.append(None)
                     continue
-                rel, mismatches = compare_outputs(actual, expected[(name, size)], out_names)
+                rel, mismatches = compare_outputs(actual, expected[(name, size)], out_names,
+                                                  quanta(name))
                 worst, compared = max(worst, rel), True
                 if mismatches:
                     row["status"] = "MISMATCH" if row["status"] == "ok" else row["status"]

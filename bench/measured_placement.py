@@ -32,8 +32,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# run as a script, this file's folder comes first on sys.path, where "import openvino" would find
-# bench/openvino.py instead of the library
+# run as a script, this file's folder comes first on sys.path, where a bench file named like a library
+# would shadow it (bench/openvino.py did, now bench_openvino.py)
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import numpy as np  # noqa: E402
