@@ -265,7 +265,7 @@ def test_unavailable_without_openvino_names_the_extra(monkeypatch: pytest.Monkey
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "openvino" else real(name, *args))
     status = registry.create("OpenVINO").availability()
-    assert not status.ok and "pip install 'backplane[openvino]'" in status.reason
+    assert not status.ok and "pip install 'backplane-nn[openvino]'" in status.reason
     session = InferenceSession(det_model(), backends=["OpenVINO", "CpuRef"])
     assert session.report.unavailable["OpenVINO"] == status.reason
     assert session.report.counts() == {"CpuRef": 3}

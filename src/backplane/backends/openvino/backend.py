@@ -1,4 +1,4 @@
-"""OpenVINO: a compiling CPU backend over Intel's OpenVINO runtime (``pip install 'backplane[openvino]'``).
+"""OpenVINO: a compiling CPU backend over Intel's OpenVINO runtime (``pip install 'backplane-nn[openvino]'``).
 
 Support is OpenVINO's own answer. ``is_layer_supported`` refuses what it can tell from a layer alone:
 element types the CPU plugin does not compute as they are (float64 runs as float32 there), sub-graphs
@@ -38,7 +38,7 @@ from backplane.backends.api.kernels import UnsupportedError
 from backplane.backends.api.optimization import OptimizationViews
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
-INSTALL = "pip install 'backplane[openvino]'"
+INSTALL = "pip install 'backplane-nn[openvino]'"
 QUANTIZED_OPS = frozenset({
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
     "MatMulInteger", "ConvInteger", "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool",
