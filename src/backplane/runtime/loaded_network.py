@@ -203,13 +203,20 @@ class LoadedNetwork:
     # -- run -----------------------------------------------------------------------------------------
     def execute(self, inputs: Sequence[Any]) -> list[Any]:
         """Run once; ``inputs`` in the order of the network's inputs, already checked."""
+        return self._run(self.host_plan, inputs)
+
+    def execute_plan(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
+        """``execute`` with another plan (user tensors in device memory: ``plan``)."""
+        return self._run(plan, inputs)
+
+    def _run(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
         env = list(self._template)
         for slot, value in zip(self.input_slots, inputs):
             env[slot] = value
         for manager in self.memory_managers:
             manager.acquire()
         try:
-            for step in self.steps:
+            for step in plan.steps:
                 results = step.workload(*[env[i] for i in step.inputs])
                 for i, value in zip(step.outputs, results):
                     env[i] = value
@@ -220,7 +227,7 @@ class LoadedNetwork:
         finally:
             for manager in self.memory_managers:
                 manager.release()
-        return [_array(env[i]) for i in self.output_slots]
+        return [_array(env[i]) for i in plan.output_slots]
 
     def execute_profiled(self, inputs: Sequence[Any], plan: Plan | None = None,
                          ) -> tuple[list[Any], list[LayerTiming]]:
@@ -239,27 +246,6 @@ class LoadedNetwork:
             for manager in self.memory_managers:
                 manager.release()
         return [_array(env[i]) for i in plan.output_slots], timings
-
-    def execute_plan(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
-        """``execute`` with another plan (user tensors in device memory: ``plan``)."""
-        env = list(self._template)
-        for slot, value in zip(self.input_slots, inputs):
-            env[slot] = value
-        for manager in self.memory_managers:
-            manager.acquire()
-        try:
-            for step in plan.steps:
-                results = step.workload(*[env[i] for i in step.inputs])
-                for i, value in zip(step.outputs, results):
-                    env[i] = value
-                for i in step.frees:
-                    env[i] = None
-        except Exception as exc:
-            raise self._failure(step, exc) from exc
-        finally:
-            for manager in self.memory_managers:
-                manager.release()
-        return [_array(env[i]) for i in plan.output_slots]
 
     # -- the user's tensors in device memory ---------------------------------------------------------
     def plan(self, inputs_on: Sequence[str], outputs_on: Sequence[str | None]) -> Plan:
