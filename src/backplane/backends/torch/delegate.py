@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -133,36 +132,12 @@ def _sequence(graph: Graph, workloads: Sequence[Workload]) -> Callable[..., Any]
     """The workloads one after the other over named values, each dropped after its last reader;
     ``profiled`` times each layer under its model node names."""
     from backplane.backends.torch.backend import _numpy_to_torch
-    from backplane.backends.torch.cuda import frees
+    from backplane.backends.torch.fusion.onednn_graph import sequence_workload
 
     steps = [(w, layer.inputs, layer.outputs) for w, layer in zip(workloads, graph.layers)]
     read = {n for layer in graph.layers for n in layer.inputs}
     template = {n: _numpy_to_torch(v) for n, v in graph.constants.items() if n in read}
-    names_in, names_out = list(graph.inputs), list(graph.outputs)
-    dead = frees(steps, set(names_out) | set(template))
-
-    def run(*values: Any) -> tuple[Any, ...]:
-        env = dict(template)
-        env.update(zip(names_in, values))
-        for (workload, reads, writes), drop in zip(steps, dead):
-            env.update(zip(writes, workload(*[env[n] if n else None for n in reads])))
-            for name in drop:
-                del env[name]
-        return tuple(env[n] for n in names_out)
-
-    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float]]]:
-        env, spent = dict(template), []
-        env.update(zip(names_in, values))
-        for layer, (workload, reads, writes), drop in zip(graph.layers, steps, dead):
-            start = time.perf_counter()
-            env.update(zip(writes, workload(*[env[n] if n else None for n in reads])))
-            spent.append((layer.name, layer.op_type, time.perf_counter() - start))
-            for name in drop:
-                del env[name]
-        return tuple(env[n] for n in names_out), spent
-
-    run.profiled = profiled  # type: ignore[attr-defined]
-    return run
+    return sequence_workload(graph.layers, steps, template, graph.inputs, graph.outputs)
 
 
 def _model_nodes(layer: Layer) -> list[str]:

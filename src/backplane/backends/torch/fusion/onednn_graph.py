@@ -155,7 +155,17 @@ def _layers(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
             workload = bind_kernel(backend.kernel_for(lay), lay.attrs, len(lay.outputs))
         steps.append((workload, lay.inputs, lay.outputs))
     template = {n: _numpy_to_torch(v) for n, v in layer.attrs["constants"].items()}
-    names_in, names_out = layer.attrs["inputs"], layer.attrs["outputs"]
+    run = sequence_workload(inner, steps, template, layer.attrs["inputs"], layer.attrs["outputs"])
+    run.inner = [(lay, workload) for lay, (workload, _, _) in zip(inner, steps)]  # type: ignore[attr-defined]
+    return run
+
+
+def sequence_workload(layers: Sequence[Layer], steps: Sequence[Any], template: dict[str, Any],
+                      names_in: Sequence[str], names_out: Sequence[str]) -> Any:
+    """``steps`` (workload, names read, names written) one after the other over named values, with
+    ``template``'s constants, each value dropped after its last reader; its ``profiled`` times each
+    of ``layers`` (the step's layer) for the profiler (see ``Workload``)."""
+    names_in, names_out = list(names_in), list(names_out)
     dead = frees(steps, set(names_out) | set(template))
 
     def run(*values: Any) -> tuple[Any, ...]:
@@ -168,10 +178,9 @@ def _layers(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
         return tuple(env[n] for n in names_out)
 
     def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float]]]:
-        """``run``, timing each layer (for the profiler: see ``Workload``)."""
         env, spent = dict(template), []
         env.update(zip(names_in, values))
-        for lay, (workload, reads, writes), drop in zip(inner, steps, dead):
+        for lay, (workload, reads, writes), drop in zip(layers, steps, dead):
             start = time.perf_counter()
             env.update(zip(writes, workload(*[env[n] if n else None for n in reads])))
             spent.append((lay.name, lay.op_type, time.perf_counter() - start))
@@ -180,7 +189,6 @@ def _layers(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
         return tuple(env[n] for n in names_out), spent
 
     run.profiled = profiled  # type: ignore[attr-defined]
-    run.inner = [(lay, workload) for lay, (workload, _, _) in zip(inner, steps)]  # type: ignore[attr-defined]
     return run
 
 
