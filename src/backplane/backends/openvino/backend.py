@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from backplane.backends.api.backend import (
+    DELEGATE_DOMAIN,
     SUPPORTED,
     Backend,
     BackendContext,
@@ -106,6 +107,25 @@ class OpenVINO(Backend):
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
         return OpenVINOWorkloadFactory(self, memory_manager)
 
+    # -- ahead of time: each compiled partition exported by OpenVINO (delegate.py) -------------------
+    def machine_facts(self) -> dict[str, str]:
+        from backplane.backends.openvino import delegate
+
+        return {} if self.missing else delegate.machine_facts()
+
+    def preprocess(self, graph: Any, compile_specs: Any) -> Any:
+        from backplane.backends.openvino import delegate
+
+        return None if self.missing else delegate.preprocess(self, graph)
+
+    def init(self, processed: Any, compile_specs: Any, context: Any) -> Any:
+        from backplane.backends.openvino import delegate
+
+        return delegate.init(self, processed, context)
+
+    def execute(self, handle: Any, *inputs: Any) -> tuple[Any, ...]:
+        return handle(*inputs)
+
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
         """Checks the runtime's OpenVINO options (a wrong value is an error at the first load)."""
         if not self.missing:
@@ -120,6 +140,8 @@ class OpenVINOWorkloadFactory(WorkloadFactory):
                         outputs: Sequence[TensorInfo]) -> Workload:
         from backplane.backends.openvino import partition, workload
 
+        if layer.domain == DELEGATE_DOMAIN:  # a partition of an artifact: its blob, imported
+            return super().create_workload(layer, inputs, outputs)
         if layer.domain != partition.DOMAIN or layer.op_type != partition.OP:
             raise UnsupportedError(f"OpenVINO runs only the partitions it compiled, not "
                                    f"{layer.describe()}")
