@@ -192,9 +192,14 @@ for name in sys.argv[1:]:
     path = LIGHT_DIR / f"{name}.onnx"
     feeds = light_inputs(path)
     got = InferenceSession(path, backends=["CpuAcc", "CpuRef"]).run(None, feeds)[0]
-    want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)[0]
+    reference = InferenceSession(path, backends=["CpuRef"])
+    want = reference.run(None, feeds)[0]
+    nudged = {k: v * np.asarray(1 + 1e-6, v.dtype) if v.dtype.kind == "f" else v
+              for k, v in feeds.items()}
+    wobble = relative(reference.run(None, nudged)[0], want)  # the output's own conditioning
     shipped = numpy_helper.to_array(onnx.load_tensor(str(LIGHT_DIR / f"{name}_output_0.pb")))
-    print(name, relative(got, want), relative(want, shipped), int(np.isfinite(got).all()), flush=True)
+    print(name, relative(got, want), max(relative(want, shipped), wobble),
+          int(np.isfinite(got).all()), flush=True)
 """
 
 
@@ -205,7 +210,11 @@ def test_the_light_models_compile_or_fall_back_without_crashing() -> None:
 
     Their weights are constants, so some end in a softmax of nearly equal huge logits, where the
     summation order of the BLAS decides the output: CpuAcc is held to CpuRef (1e-3 of the largest
-    value) on the models where CpuRef reproduces the output onnx ships, on this machine."""
+    value) on the models where CpuRef reproduces the output onnx ships, on this machine, and where
+    CpuRef's output moves by no more than 1e-3 when the inputs move by one part in a million
+    (light_squeezenet's logits are 9.5e9 with the top ones equal: its softmax is uniform on CpuRef
+    and one-hot after a few ulps of another summation order; a route measured on a busy machine
+    gave CpuAcc's one-hot output once in four fresh runs)."""
     import subprocess
     import sys
     from pathlib import Path
