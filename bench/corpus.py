@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from tests.models.test_corpus import (CORPUS, MANIFEST, compare_outputs, feeds,  # noqa: E402
                                       ort_outputs, quanta)
 
-from backplane import InferenceSession  # noqa: E402
+from backplane import InferenceSession, progress  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 
 
@@ -73,53 +73,59 @@ def main() -> int:
 
     rows, problems = [], []
     expected: dict[tuple[str, int], list] = {}
-    for name in names:
-        entry = MANIFEST[name]
-        out_names = [o["name"] for o in entry["outputs"]]
-        for label, backends, options in columns:
-            row = {"model": name, "exporter": entry["exporter"], "opset": str(entry["opset"]),
-                   "backends": label, "sizes": sizes_text(entry), "worst": "-", "ms": "-",
-                   "placement": "-", "status": "ok"}
-            rows.append(row)
-            print(f"{name} on {label} ...", file=sys.stderr, flush=True)
-            try:
-                session = InferenceSession(CORPUS / entry["file"], backends=backends,
-                                           runtime=Runtime(RuntimeOptions(backend_options=options)))
-            except Exception as e:  # noqa: BLE001 - reported under the table
-                row["status"] = "ERROR"
-                problems.append(f"{name} on {label}: load: {type(e).__name__}: {e}")
-                traceback.print_exc(limit=2, file=sys.stderr)
-                continue
-            row["placement"] = " ".join(f"{b}:{n}" for b, n in sorted(session.report.counts().items()))
-            worst, compared, times = 0.0, False, []
-            for size in (0, 1):
-                feed = feeds(name, size)
-                if (name, size) not in expected:
-                    expected[(name, size)] = ort_outputs(CORPUS / entry["file"], feed)
+    started = False  # the bar steps as each pair after the first begins
+    with progress.shown(), progress.task("corpus", total=len(names) * len(columns)) as step:
+        for name in names:
+            entry = MANIFEST[name]
+            out_names = [o["name"] for o in entry["outputs"]]
+            for label, backends, options in columns:
+                row = {"model": name, "exporter": entry["exporter"], "opset": str(entry["opset"]),
+                       "backends": label, "sizes": sizes_text(entry), "worst": "-", "ms": "-",
+                       "placement": "-", "status": "ok"}
+                rows.append(row)
+                step(f"corpus: {name} on {label}", advance=1 if started else 0)
+                started = True
                 try:
-                    actual = session.run(None, feed)
-                except Exception as e:  # noqa: BLE001
+                    runtime = Runtime(RuntimeOptions(backend_options=options))
+                    session = InferenceSession(CORPUS / entry["file"], backends=backends,
+                                               runtime=runtime)
+                except Exception as e:  # noqa: BLE001 - reported under the table
                     row["status"] = "ERROR"
-                    problems.append(f"{name} on {label} at {sizes_text(entry).split(' / ')[size]}: run: "
-                                    f"{type(e).__name__}: {e}")
+                    problems.append(f"{name} on {label}: load: {type(e).__name__}: {e}")
                     traceback.print_exc(limit=2, file=sys.stderr)
-                    times.append(None)
                     continue
-                rel, mismatches = compare_outputs(actual, expected[(name, size)], out_names,
-                                                  quanta(name))
-                worst, compared = max(worst, rel), True
-                if mismatches:
-                    row["status"] = "MISMATCH" if row["status"] == "ok" else row["status"]
-                    problems += [f"{name} on {label} at {sizes_text(entry).split(' / ')[size]}: {m}"
-                                 for m in mismatches]
-                samples = []
-                for _ in range(a.runs):
-                    t0 = time.perf_counter()
-                    session.run(None, feed)
-                    samples.append((time.perf_counter() - t0) * 1e3)
-                times.append(statistics.median(samples) if samples else None)
-            row["worst"] = "-" if not compared else "inf" if worst == float("inf") else f"{worst:.1e}"
-            row["ms"] = " / ".join("-" if t is None else f"{t:.2f}" for t in times)
+                row["placement"] = " ".join(f"{b}:{n}" for b, n
+                                            in sorted(session.report.counts().items()))
+                worst, compared, times = 0.0, False, []
+                for size in (0, 1):
+                    feed = feeds(name, size)
+                    if (name, size) not in expected:
+                        expected[(name, size)] = ort_outputs(CORPUS / entry["file"], feed)
+                    try:
+                        actual = session.run(None, feed)
+                    except Exception as e:  # noqa: BLE001
+                        row["status"] = "ERROR"
+                        problems.append(f"{name} on {label} at {sizes_text(entry).split(' / ')[size]}: run: "
+                                        f"{type(e).__name__}: {e}")
+                        traceback.print_exc(limit=2, file=sys.stderr)
+                        times.append(None)
+                        continue
+                    rel, mismatches = compare_outputs(actual, expected[(name, size)], out_names,
+                                                      quanta(name))
+                    worst, compared = max(worst, rel), True
+                    if mismatches:
+                        row["status"] = "MISMATCH" if row["status"] == "ok" else row["status"]
+                        problems += [f"{name} on {label} at {sizes_text(entry).split(' / ')[size]}: {m}"
+                                     for m in mismatches]
+                    samples = []
+                    for _ in range(a.runs):
+                        t0 = time.perf_counter()
+                        session.run(None, feed)
+                        samples.append((time.perf_counter() - t0) * 1e3)
+                    times.append(statistics.median(samples) if samples else None)
+                row["worst"] = "-" if not compared else \
+                    "inf" if worst == float("inf") else f"{worst:.1e}"
+                row["ms"] = " / ".join("-" if t is None else f"{t:.2f}" for t in times)
 
     import os
     import platform

@@ -238,11 +238,16 @@ def test_tables_never_fold_a_path_or_a_layer_name(tmp_path, capsys, monkeypatch)
 
 
 def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
+    import argparse
     import io
 
     from rich.console import Console
 
-    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO()))
-    assert cli.progress_bar().disable is True
-    monkeypatch.setattr(cli, "err_console", Console(file=io.StringIO(), force_terminal=True))
-    assert cli.progress_bar().disable is False
+    from backplane import progress
+
+    for console, quiet, shown in ((Console(file=io.StringIO()), False, False),
+                                  (Console(file=io.StringIO(), force_terminal=True), True, False),
+                                  (Console(file=io.StringIO(), force_terminal=True), False, True)):
+        monkeypatch.setattr(cli, "err_console", console)
+        with cli._working(argparse.Namespace(quiet=quiet), "work"):
+            assert (progress.active() is not None) is shown  # more in tests/test_progress.py

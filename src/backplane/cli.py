@@ -2,7 +2,8 @@
 
 ``--json`` prints one JSON document on stdout and nothing else (messages, warnings and progress go to
 stderr). Tables never fold a path or a layer name; when stdout is not a terminal they are as wide as
-their widest cells. Progress bars show on a terminal only.
+their widest cells. Progress bars (``backplane.progress``) show on stderr where it is a terminal,
+never with ``--quiet``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from backplane import progress
 from backplane.artifact import ArtifactError, is_artifact
 from backplane.artifact import compile as compile_artifact
 from backplane.backends.registry import registry
@@ -235,11 +236,10 @@ def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSess
                              enable_profiling=profiling, log_severity_level=severity(args))
     pins = dict(_key_value(p, "--pin") for p in args.pin)
     if args.backends is None and is_artifact(args.model):
-        with _busy(f"loading the artifact {Path(args.model).name}"):
+        with _working(args, f"loading the artifact {Path(args.model).name}"):
             return InferenceSession(args.model, sess_options=options, pins=pins or None)
     backends = chosen_backends(args)
-    with _busy(f"loading {Path(args.model).name} on {', '.join(_ids(backends))} (optimizing, "
-               "measuring CpuAcc's routes, creating workloads)"):
+    with _working(args, f"loading {Path(args.model).name} on {', '.join(_ids(backends))}"):
         return InferenceSession(args.model, backends=backends, sess_options=options, pins=pins)
 
 
@@ -251,7 +251,7 @@ def cmd_compile(args: argparse.Namespace) -> Any:
     backends = chosen_backends(args)
     output = args.output or str(Path(args.model).with_suffix(".bpl"))
     optimizer = OptimizerOptions(strict=True) if args.strict else None
-    with _busy(f"compiling {Path(args.model).name} for {', '.join(_ids(backends))}"):
+    with _working(args, f"compiling {Path(args.model).name} for {', '.join(_ids(backends))}"):
         size = compile_artifact(args.model, backends, output, sess_options=options, pins=pins,
                                 optimizer_options=optimizer)
     model_size = Path(args.model).stat().st_size
@@ -276,20 +276,14 @@ def _key_value(text: str, option: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _busy(what: str) -> Iterator[None]:
-    """A spinner with the time spent on stderr while ``what`` goes on, on a terminal only."""
-    if not err_console.is_terminal:
-        yield
-        return
-    with err_console.status(what):
-        yield
-
-
-def progress_bar() -> Progress:
-    """A progress bar on stderr: on a terminal only (quiet when piped), gone when done."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=err_console, transient=True,
-                    disable=not err_console.is_terminal)
+def _working(args: argparse.Namespace, what: str,
+             total: int | None = None) -> Iterator[progress.Step]:
+    """A bar on stderr while ``what`` goes on (``total`` steps; None: a spinner), and under it the
+    bars of the work inside (measured placement, CpuAcc's routes, compiled partitions): on a
+    terminal only, never with --quiet; gone when done."""
+    with progress.shown(err_console, quiet=getattr(args, "quiet", False)), \
+            progress.task(what, total) as step:
+        yield step
 
 
 @contextlib.contextmanager
@@ -342,7 +336,7 @@ def cmd_inspect(args: argparse.Namespace) -> Any:
                                                                 title))
         document["dot"] = {"path": args.dot, "bytes": os.path.getsize(args.dot)}
     if args.html:
-        with _busy("drawing the placement with Graphviz"):
+        with _working(args, "drawing the placement with Graphviz"):
             drawn = placement_picture.write_html(args.html, session.optimized, session.graph, title)
         document["html"] = {"path": args.html, "bytes": os.path.getsize(args.html), "drawn": drawn}
         if not drawn:
@@ -371,13 +365,12 @@ def cmd_run(args: argparse.Namespace) -> Any:
     feeds = _feeds(session, dict(_key_value(i, "--input") for i in args.input), args.seed)
     outputs, timings = session.run_profiled(None, feeds)  # warm-up, and the per-layer profile
     totals: list[float] = []
-    with progress_bar() as progress:
-        task = progress.add_task("timed runs", total=args.repeat)
+    with _working(args, "timed runs", total=args.repeat) as step:
         for _ in range(args.repeat):
             _, run_timings = session.run_profiled(None, feeds)
             totals.append(sum(t.seconds for t in run_timings))
             timings = _keep_faster(timings, run_timings)
-            progress.advance(task)
+            step()
     trace = None
     if args.trace:
         written = session.end_profiling()
@@ -515,11 +508,13 @@ def cmd_bench(args: argparse.Namespace) -> Any:
     argv += ["--threads", str(args.threads)] if args.threads else []
     argv += (["--no-ort"] if args.no_ort else []) + (["--no-torch"] if args.no_torch else [])
     if args.json:
-        return _bench_document(argv, measure_peak=not args.no_peak)
-    return bench_main(argv)
+        return _bench_document(args, argv, measure_peak=not args.no_peak)
+    with progress.shown(err_console, quiet=args.quiet):  # bench's own bar shows on it, or not
+        return bench_main(argv)
 
 
-def _bench_document(argv: list[str], measure_peak: bool) -> tuple[int, dict[str, Any]]:
+def _bench_document(cli_args: argparse.Namespace, argv: list[str],
+                    measure_peak: bool) -> tuple[int, dict[str, Any]]:
     """What ``bench`` prints as tables, as one JSON document (the same processes, rounds, runs)."""
     import subprocess
     import tempfile
@@ -543,13 +538,13 @@ def _bench_document(argv: list[str], measure_peak: bool) -> tuple[int, dict[str,
                                capture_output=True, text=True)
         if reply.returncode == 0 and reply.stdout.strip():
             peak = json.loads(reply.stdout.strip().splitlines()[-1])["gflops"]
-    with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, progress_bar() as progress:
-        task = progress.add_task("starting", total=len(runtimes) * args.rounds)
+    with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, \
+            _working(cli_args, "starting", total=len(runtimes) * args.rounds) as step:
         started = False
 
         def advance(text: str) -> None:
             nonlocal started
-            progress.update(task, description=text, advance=1 if started else 0)
+            step(text, advance=1 if started else 0)
             started = True
 
         results = bench.bench_model(args, model, runtimes, Path(tmp), advance)

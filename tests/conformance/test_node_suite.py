@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import pytest
 
-from backplane import InferenceSession
+from backplane import InferenceSession, progress
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.reference.backend import CpuRef
 from backplane.backends.registry import registry
@@ -104,10 +104,12 @@ def test_known_failures_name_real_cases_with_reasons() -> None:
 def update() -> None:
     """Rewrite the list from a CpuRef-alone run, keeping the reasons of the failures."""
     lines = ["# Node-suite cases CpuRef does not pass yet, with the reason. It may only shrink."]
-    for name in sorted(cases()):
-        failure = run_case(cases()[name], MODES["cpuref"])
-        if failure is not None:
-            lines.append(f"{name} {failure}")
+    with progress.shown(), progress.task("node suite on CpuRef", total=len(cases())) as step:
+        for name in sorted(cases()):
+            failure = run_case(cases()[name], MODES["cpuref"])
+            if failure is not None:
+                lines.append(f"{name} {failure}")
+            step()
     KNOWN_FAILURES.write_text("\n".join(lines) + "\n")
     print(f"{len(lines) - 1} known failures of {len(cases())} cases written to {KNOWN_FAILURES}")
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backplane import progress
 from backplane.artifact import codec, container
 from backplane.artifact.container import ArtifactError
 from backplane.artifact.facts import FORMAT_VERSION, cpu, describe_backend, differences
@@ -65,12 +66,16 @@ def delegate(network: OptimizedNetwork) -> dict[str, int]:
     from backplane.runtime.runtime import within
 
     blobs: dict[str, int] = {}
-    for net in within(network):
-        for backend_id, view in partition(net.graph, skip=frozenset({BUILTIN})):
+    parts = [(net, backend_id, view) for net in within(network)
+             for backend_id, view in partition(net.graph, skip=frozenset({BUILTIN}))]
+    with progress.task("compiling the partitions", total=len(parts)) as step:
+        for net, backend_id, view in parts:
+            step(f"compiling the partitions: {backend_id}, {len(view.layers)} layers", advance=0)
             backend = net.backends[backend_id]
             part = portable_graph(view.layers, view.inputs, view.outputs, net.graph, backend_id)
             specs = compile_specs(backend_id, net.backend_options)
             result = backend.preprocess(part, specs)
+            step()
             if result is None:
                 continue
             layer = delegate_layer(backend_id, part, specs, result)

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from backplane import progress
 from backplane.backends.api.backend import Backend, OptionError
 from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory, to_device, to_host
 from backplane.backends.builtin.backend import make_mem_copy, make_mem_import
@@ -106,8 +107,11 @@ def place(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str
     values = _seeded_inputs(graph)
     key = (repr(sorted((k, repr(v)) for k, v in backend_options.items())),
            {b: backend.version for b, backend in available.items()})
-    for part in parts:
-        _measure(part, graph, values, registry, backend_options, key)
+    with progress.task("measured placement: timing each partition on each backend",
+                       total=len(parts)) as step:
+        for part in parts:
+            _measure(part, graph, values, registry, backend_options, key)
+            step()
     producer = {out: index for index, part in enumerate(parts) for out in part.view.outputs}
     edges = [(name, producer.get(name, -1), index) for index, part in enumerate(parts)
              for name in part.view.inputs]

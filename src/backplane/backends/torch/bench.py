@@ -432,7 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker(args)
         return 0
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from backplane import progress
 
     missing = [str(m) for m in args.models if not m.is_file()]
     if missing or not args.models:
@@ -451,15 +452,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(f"matmul peak ({args.device}, fp32, {args.threads} threads): "
                   f"{peak:.0f} GFLOP/s" if peak else "matmul peak: not measured")
     failed = False
-    with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, Progress(
-            TextColumn("{task.description:<60}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("starting", total=len(args.models) * len(runtimes) * args.rounds)
+    with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, progress.shown(), \
+            progress.task("starting", total=len(args.models) * len(runtimes) * args.rounds) as step:
         started = False
 
         def advance(text: str) -> None:
             nonlocal started
-            progress.update(task, description=text, advance=1 if started else 0)
+            step(f"{text:<60}", advance=1 if started else 0)
             started = True
 
         for model in args.models:

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from backplane import progress
 from backplane.backends.api.backend import BackendOptions, OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
@@ -99,6 +100,7 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     description = {"layers": layer.attrs["shapes"]}
     if mode == "layers" or (mode == "auto" and remembered("graph", description, backend) == "layers"):
         return _named(_layers(layer, backend), "layers")  # nothing traced
+    progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
     sample = _sample(inputs, layer.attrs.get("channels_last"))
     compiled = _compiled(layer, backend, sample)
     if compiled is None:

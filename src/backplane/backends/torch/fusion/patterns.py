@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from backplane import progress
 from backplane.ir.graph import Graph, Layer, SubgraphView
 
 F32 = np.dtype(np.float32)
@@ -133,6 +134,7 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[.
     known = remembered(kind, description, backend)
     if known in routes:
         return routes[known]  # type: ignore[index]
+    progress.count("CpuAcc: routes measured")
     sample = make_sample()
     name = min(routes, key=lambda n: seconds(routes[n], *sample))
     if cache_key:
