@@ -262,13 +262,18 @@ def dot_source(network: OptimizedNetwork, source: Graph, title: str = "") -> str
     return to_dot(placement(network, source, title), network.report)
 
 
+def _n(count: int, one: str, many: str | None = None) -> str:
+    """``1 partition``, ``3 partitions``, ``0 copies``."""
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
 def to_dot(picture: Placement, report: PlacementReport) -> str:
     counts = report.counts()
     summary = ", ".join(f"{b}: {n}" for b, n in counts.items())
     crossings = {s: sum(1 for c in report.copies if c.strategy == s) for s in ("copy", "import")}
-    label = (f"{picture.title}: {len(report.layers)} layers ({summary}); "
-             f"{crossings['copy']} copies, {crossings['import']} imports; "
-             f"{len(picture.clusters)} partitions")
+    label = (f"{picture.title}: {_n(len(report.layers), 'layer')} ({summary}); "
+             f"{_n(crossings['copy'], 'copy', 'copies')}, {_n(crossings['import'], 'import')}; "
+             f"{_n(len(picture.clusters), 'partition')}")
     lines = ["digraph placement {",
              f"  graph [{_attrs({'rankdir': 'TB', 'fontname': 'Helvetica', 'fontsize': '14', 'labelloc': 't', 'label': label, 'nodesep': '0.25', 'ranksep': '0.3'})}];",
              f"  node [{_attrs({'shape': 'box', 'style': 'rounded,filled', 'fontname': 'Helvetica', 'fontsize': '10', 'penwidth': '1.2'})}];",
@@ -355,11 +360,12 @@ def _page(picture: Placement, report: PlacementReport, dot: str, svg: str | None
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>placement: {e(picture.title)}</title><style>{STYLE}</style></head><body>",
              f"<h1>{e(picture.title)}: placement on {e(', '.join(report.preferences))}</h1>",
-             f'<p class="summary">{len(report.layers)} layers ('
+             f'<p class="summary">{_n(len(report.layers), "layer")} ('
              + e(", ".join(f"{b}: {n}" for b, n in counts.items())) + f"); "
-             f"{sum(c.strategy == 'copy' for c in report.copies)} copies and "
-             f"{sum(c.strategy == 'import' for c in report.copies)} imports between backends; "
-             f"{len(picture.clusters)} partitions; {len(refused)} layers refused by a backend</p>",
+             f"{_n(sum(c.strategy == 'copy' for c in report.copies), 'copy', 'copies')} and "
+             f"{_n(sum(c.strategy == 'import' for c in report.copies), 'import')} between "
+             f"backends; {_n(len(picture.clusters), 'partition')}; "
+             f"{_n(len(refused), 'layer')} refused by a backend</p>",
              '<div class="legend">']
     for backend in picture.backends:
         fill, line = picture.colours(backend)
