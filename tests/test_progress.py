@@ -106,6 +106,15 @@ def test_cpuacc_counts_the_routes_it_measures(model_path, monkeypatch) -> None:
     assert "CpuAcc: routes measured" in written(console)
 
 
+def test_inspect_placement_measured_shows_its_partitions(model_path, monkeypatch, capsys) -> None:
+    console = terminal()
+    monkeypatch.setattr(cli, "err_console", console)
+    assert cli.main(["inspect", str(model_path), "--backends", "CpuRef", "--placement",
+                     "measured"]) == 0
+    assert "measured placement: timing each partition" in written(console)
+    assert "Measured placement" in capsys.readouterr().out  # the report's table of measurements
+
+
 def test_compile_shows_its_partitions(model_path, tmp_path, monkeypatch) -> None:
     console = terminal()
     monkeypatch.setattr(cli, "err_console", console)

@@ -134,6 +134,17 @@ def test_strict_is_the_optimizers_strict(loud) -> None:
                          sess_options=SessionOptions(strict=True))
 
 
+def test_placement_measured_is_the_optimizers_placement(loud) -> None:
+    session = InferenceSession(MODEL, backends=["CpuRef"],
+                               sess_options=SessionOptions(placement="measured"))
+    assert session.optimized.options.placement == "measured"
+    assert {m.backend for m in session.report.measurements} == {"CpuRef"}
+    assert InferenceSession(MODEL, ["CpuRef"]).report.measurements == []
+    with pytest.raises(ValueError, match="placement must be one of the choices "
+                                         r"\(preference: .*measured: .*\), got 'fastest'"):
+        SessionOptions(placement="fastest")
+
+
 def test_intra_op_threads_is_cpuaccs_threads_and_belongs_to_the_runtime() -> None:
     session = InferenceSession(MODEL, ["CpuRef"], sess_options=SessionOptions(intra_op_num_threads=1))
     assert session.backend_options == {"CpuAcc.threads": 1}

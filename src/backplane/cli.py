@@ -32,7 +32,8 @@ from backplane.backends.registry import registry
 from backplane.backends.registry.dynamic import PATHS_VARIABLE, backend_paths
 from backplane.frontends.onnx import ModelError
 from backplane.ir.graph import TensorInfo
-from backplane.optimizer.optimize import OptimizationError, OptimizerOptions
+from backplane.optimizer.measured import PLACEMENTS
+from backplane.optimizer.optimize import OptimizationError
 from backplane.optimizer.report import print_table, unfolded_table
 from backplane.runtime.loaded_network import ExecutionError, LayerTiming
 from backplane.runtime.runtime import InvalidInputError
@@ -158,6 +159,10 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="intra-op threads (SessionOptions.intra_op_num_threads)")
     parser.add_argument("--strict", action="store_true",
                         help="fail instead of falling back (SessionOptions.strict)")
+    parser.add_argument("--placement", choices=tuple(PLACEMENTS), default="preference",
+                        help="preference: each layer on the first backend that supports it; "
+                             "measured: each partition on the backend timed fastest at load, "
+                             "copies included (SessionOptions.placement)")
     _output_arguments(parser)
 
 
@@ -233,7 +238,8 @@ def option_value(text: str) -> Any:
 
 def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSession:
     options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict,
-                             enable_profiling=profiling, log_severity_level=severity(args))
+                             placement=args.placement, enable_profiling=profiling,
+                             log_severity_level=severity(args))
     pins = dict(_key_value(p, "--pin") for p in args.pin)
     if args.backends is None and is_artifact(args.model):
         with _working(args, f"loading the artifact {Path(args.model).name}"):
@@ -246,14 +252,12 @@ def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSess
 def cmd_compile(args: argparse.Namespace) -> Any:
     """Compile the model into one artifact; print where it went and its size."""
     options = SessionOptions(intra_op_num_threads=args.threads, strict=args.strict,
-                             log_severity_level=severity(args))
+                             placement=args.placement, log_severity_level=severity(args))
     pins = dict(_key_value(p, "--pin") for p in args.pin)
     backends = chosen_backends(args)
     output = args.output or str(Path(args.model).with_suffix(".bpl"))
-    optimizer = OptimizerOptions(strict=True) if args.strict else None
     with _working(args, f"compiling {Path(args.model).name} for {', '.join(_ids(backends))}"):
-        size = compile_artifact(args.model, backends, output, sess_options=options, pins=pins,
-                                optimizer_options=optimizer)
+        size = compile_artifact(args.model, backends, output, sess_options=options, pins=pins)
     model_size = Path(args.model).stat().st_size
     document = {"artifact": output, "bytes": size, "model": args.model, "model_bytes": model_size,
                 "backends": _ids(backends)}

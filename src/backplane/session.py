@@ -31,6 +31,7 @@ from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx, load_model
 from backplane.io_binding import IOBinding
 from backplane.ir.graph import Graph, Layer, TensorInfo
+from backplane.optimizer.measured import PLACEMENTS
 from backplane.optimizer.optimize import OptimizedNetwork, OptimizerOptions, optimize
 from backplane.optimizer.report import PlacementReport
 from backplane.profiling import Trace, profile_file
@@ -153,6 +154,23 @@ def _pins(value: Any) -> dict[str, str]:
     return dict(value)
 
 
+def _placement(value: Any) -> str:
+    if value not in PLACEMENTS:
+        choices = "; ".join(f"{name}: {what}" for name, what in PLACEMENTS.items())
+        raise ValueError(f"placement must be one of the choices ({choices}), got {value!r}")
+    return str(value)
+
+
+def optimizer_options_for(options: SessionOptions,
+                          given: OptimizerOptions | None) -> OptimizerOptions | None:
+    """``given`` with the session's ``strict`` and ``placement`` where they are not the defaults."""
+    if options.strict:
+        given = dataclasses.replace(given or OptimizerOptions(), strict=True)
+    if options.placement != "preference":
+        given = dataclasses.replace(given or OptimizerOptions(), placement=options.placement)
+    return given
+
+
 def _folder(value: Any) -> str | None:
     if value is None:
         return None
@@ -178,6 +196,9 @@ class SessionOptions(_Options):
     - ``strict``: the optimizer's strict mode: fail instead of falling back (an unavailable backend,
       a refused layer, a workload a backend cannot create).
     - ``pins``: layer name or op type -> backend id, tried before the preferences.
+    - ``placement``: "preference" (each layer on the first backend of the list that supports it) or
+      "measured" (each partition on the capable backend timed fastest at load, its copies included:
+      ``OptimizerOptions.placement``).
     - ``cache_dir``: the folder of CpuAcc's measured routes (``$BACKPLANE_CACHE_DIR`` while this
       session loads, and while it runs a network whose layers build at run time); None: as set.
     - ``enable_profiling``: every run is profiled; ``end_profiling()`` writes the Chrome trace, at
@@ -190,6 +211,7 @@ class SessionOptions(_Options):
         "intra_op_num_threads": (0, _count("intra_op_num_threads"), "CpuAcc's threads; 0: torch's"),
         "strict": (False, _flag("strict"), "fail instead of falling back"),
         "pins": (dict, _pins, "layer name or op type -> backend id"),
+        "placement": ("preference", _placement, "preference (the list's order) or measured"),
         "cache_dir": (None, _folder, "folder of CpuAcc's measured routes"),
         "enable_profiling": (False, _flag("enable_profiling"), "profile every run"),
         "profile_file_prefix": ("backplane_profile", _text("profile_file_prefix"),
@@ -430,9 +452,7 @@ class InferenceSession:
         self.backend_options: dict[str, Any] = chosen
         """The backend options this session's backends were given ("CpuAcc.threads": 2, ...)."""
         all_pins = _merge(("SessionOptions.pins", options.pins), ("pins=", pins or {}))
-        if options.strict:
-            optimizer_options = dataclasses.replace(optimizer_options or OptimizerOptions(),
-                                                    strict=True)
+        optimizer_options = optimizer_options_for(options, optimizer_options)
         self._severity = options.log_severity_level
         compiled = artifact.cache.folder(cache_dir) if stored is None else None
         self._cache_dir = options.cache_dir if options.cache_dir or not compiled else compiled

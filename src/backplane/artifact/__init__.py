@@ -33,7 +33,8 @@ def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
     """Compile ``model`` (a path, bytes or ModelProto) for ``backends`` (as ``InferenceSession``
     takes them) into the artifact ``output`` (default: the model's path with ".bpl"); returns the
     artifact's size in bytes."""
-    from backplane.session import backend_list, default_backends, qualified
+    from backplane.session import (backend_list, default_backends, optimizer_options_for,
+                                   qualified)
 
     if output is None:
         if not isinstance(model, (str, os.PathLike)):
@@ -45,6 +46,8 @@ def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
     if threads:
         options.setdefault("CpuAcc.threads", threads)
     all_pins = {**(sess_options.pins if sess_options is not None else {}), **(pins or {})}
+    if sess_options is not None:
+        optimizer_options = optimizer_options_for(sess_options, optimizer_options)
     return build(model, output, ids, options, pins=all_pins, optimizer_options=optimizer_options,
                  input_shapes=input_shapes)
 
