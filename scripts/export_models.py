@@ -117,7 +117,7 @@ def cnn(ctor: Callable[..., torch.nn.Module], batch: int = 1, size: int = 224, l
     return build
 
 
-def bert(seq: int = SEQ, live: bool = False, **config: Any) -> Builder:
+def bert(seq: int = SEQ, live: bool = False, batch: int = 1, **config: Any) -> Builder:
     """BertModel from a BertConfig (eager attention); ids, mask of ones, token types of zeros."""
     def build() -> Built:
         from transformers import BertConfig, BertModel
@@ -126,15 +126,15 @@ def bert(seq: int = SEQ, live: bool = False, **config: Any) -> Builder:
         m = _Bert(BertModel(cfg).eval()).eval()
         if live:
             liven(m)
-        ids = torch.randint(0, cfg.vocab_size, (1, seq))
-        mask = torch.ones(1, seq, dtype=torch.long)
-        tt = torch.zeros(1, seq, dtype=torch.long)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        tt = torch.zeros(batch, seq, dtype=torch.long)
         return m, (ids, mask, tt), ["input_ids", "attention_mask", "token_type_ids"], \
             ["last_hidden_state", "pooler_output"]
     return build
 
 
-def gpt2(seq: int = SEQ, live: bool = False, **config: Any) -> Builder:
+def gpt2(seq: int = SEQ, live: bool = False, batch: int = 1, **config: Any) -> Builder:
     """GPT2LMHeadModel from a GPT2Config (eager attention, no cache): input_ids -> logits."""
     def build() -> Built:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -143,22 +143,23 @@ def gpt2(seq: int = SEQ, live: bool = False, **config: Any) -> Builder:
         m = _LogitsOnly(GPT2LMHeadModel(cfg).eval()).eval()
         if live:
             liven(m)
-        ids = torch.randint(0, cfg.vocab_size, (1, seq))
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
         return m, (ids,), ["input_ids"], ["logits"]
     return build
 
 
-def anchors() -> dict[str, Builder]:
-    """The yardstick's models, in its order, with its settings."""
+def anchors(batch: int = 1) -> dict[str, Builder]:
+    """The yardstick's models, in its order, with its settings (at another batch where asked)."""
     import torchvision.models as tvm
     return {
-        "resnet50": cnn(tvm.resnet50),
+        "resnet50": cnn(tvm.resnet50, batch=batch),
         "resnet50_b8": cnn(tvm.resnet50, batch=8),
-        "mobilenet_v3_large": cnn(tvm.mobilenet_v3_large),
-        "efficientnet_b0": cnn(tvm.efficientnet_b0),
+        "mobilenet_v3_large": cnn(tvm.mobilenet_v3_large, batch=batch),
+        "efficientnet_b0": cnn(tvm.efficientnet_b0, batch=batch),
         "bert_base_s128": bert(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
-                               intermediate_size=3072, max_position_embeddings=512),
-        "gpt2_6l_512_s128": gpt2(n_layer=6, n_embd=512, n_head=8, n_positions=SEQ, use_cache=False),
+                               intermediate_size=3072, max_position_embeddings=512, batch=batch),
+        "gpt2_6l_512_s128": gpt2(n_layer=6, n_embd=512, n_head=8, n_positions=SEQ, use_cache=False,
+                                 batch=batch),
     }
 
 

@@ -89,3 +89,43 @@ def test_gpu_precision_option_names_the_choices() -> None:
     assert cuda.reduced_precision(backend("bf16")) is torch.bfloat16
     with pytest.raises(ValueError, match="'fp8' is not one of fp32, fp16, bf16"):
         cuda.reduced_precision(backend("fp8"))
+
+
+def test_gpu_compile_and_layout_options_name_the_choices() -> None:
+    """GpuAcc.compile and GpuAcc.channels_last are checked without a GPU."""
+    torch = pytest.importorskip("torch")
+    from backplane.backends.torch import cuda
+
+    assert cuda.compiler_of({}) == "none"
+    assert cuda.compiler_of({"GpuAcc.compile": "inductor"}) == "inductor"
+    with pytest.raises(ValueError, match="'tvm' is not one of none, inductor"):
+        cuda.compiler_of({"GpuAcc.compile": "tvm"})
+    assert cuda.channels_last({}, None) is False  # auto: NCHW in float32
+    assert cuda.channels_last({}, torch.float16) is True  # auto: NHWC in fp16
+    assert cuda.channels_last({"GpuAcc.channels_last": True}, None) is True
+    assert cuda.channels_last({"GpuAcc.channels_last": False}, torch.float16) is False
+    with pytest.raises(ValueError, match="'nhwc' is not one of auto, True, False"):
+        cuda.channels_last({"GpuAcc.channels_last": "nhwc"}, None)
+
+
+def test_a_subgraph_the_compiler_cannot_compile_runs_uncompiled(monkeypatch, caplog) -> None:
+    """GpuAcc.compile=inductor: where the compiler fails, the subgraph keeps its layers' own kernels
+    (the same answer), with a warning that names the subgraph and the error."""
+    torch = pytest.importorskip("torch")
+    from backplane.backends.torch import cuda
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+
+    def run_layers(x):
+        return [torch.relu(x) * 2]
+
+    static = [torch.randn(3, 4)]
+    with caplog.at_level("WARNING", logger="backplane.torch"):
+        function = cuda.compiled(run_layers, static, "inductor", "CudaGraph[a..b](2 layers)")
+    assert function is run_layers
+    assert "CudaGraph[a..b](2 layers): inductor could not compile it (RuntimeError: no compiler " \
+           "here); it runs uncompiled" in caplog.text
+    assert cuda.compiled(run_layers, static, "none", "x") is run_layers

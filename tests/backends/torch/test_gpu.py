@@ -191,3 +191,47 @@ def test_tf32_belongs_to_the_session_that_asked_for_it() -> None:
     assert np.abs(exact - want).max() <= 1e-4 * np.abs(want).max()
     assert np.abs(fast - want).max() <= 2e-2 * np.abs(want).max()
     assert np.abs(exact - want).max() <= np.abs(fast - want).max()
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-4), ("fp16", 2e-2)])
+@pytest.mark.parametrize("name", TINY)
+def test_inductor_compiled_graphs_match_onnx_runtime(name: str, precision: str,
+                                                     tolerance: float) -> None:
+    """GpuAcc.compile=inductor: each captured subgraph compiled by TorchInductor, then captured; the
+    outputs stay within the precision's tolerance of ONNX Runtime's, and a replay with new inputs
+    gives their answer."""
+    path = DATA / f"{name}.onnx"
+    feeds = dict(np.load(DATA / f"{name}.npz"))
+    options = RuntimeOptions(backend_options={"GpuAcc.compile": "inductor",
+                                              "GpuAcc.precision": precision})
+    session = InferenceSession(path, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
+    ops = [layer.op_type for layer in session.optimized.graph.layers if layer.backend == "GpuAcc"]
+    assert ops == ["CudaGraph"], ops
+    for run in range(2):
+        if run:
+            feeds = {k: v * 0.5 + 1 if v.dtype == np.float32 else v for k, v in feeds.items()}
+        for got, want in zip(session.run(None, feeds), ort_outputs(path, feeds)):
+            assert got.dtype == want.dtype
+            if got.dtype == np.float32:
+                assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+            else:
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_channels_last_changes_the_memory_not_the_answer(precision: str) -> None:
+    """GpuAcc.channels_last: the convolutions' tensors in NHWC memory give the NCHW answer (the same
+    in fp32 up to cuDNN's choice of kernel; in fp16 within its rounding)."""
+    path = DATA / "tiny_mobilenet_v3.onnx"
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+
+    def run(nhwc: bool) -> np.ndarray:
+        options = RuntimeOptions(backend_options={"GpuAcc.channels_last": nhwc,
+                                                  "GpuAcc.precision": precision})
+        session = InferenceSession(path, backends=["GpuAcc", "CpuRef"], runtime=Runtime(options))
+        return session.run(None, feeds)[0]
+
+    nchw, nhwc = run(False), run(True)
+    assert nhwc.flags.c_contiguous and nhwc.dtype == np.float32
+    tolerance = 1e-5 if precision == "fp32" else 2e-2
+    assert np.abs(nhwc - nchw).max() <= tolerance * np.abs(nchw).max()

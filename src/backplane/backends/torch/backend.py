@@ -13,7 +13,9 @@ Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-
 (default True: measured routes kept on disk, ``route_cache``), ``GpuAcc.device`` (default
 "cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32`` (default False),
 ``GpuAcc.fuse_conv_relu`` (default True), ``GpuAcc.precision`` ("fp32", the default; "fp16" or "bf16":
-float32 computed in that type inside GpuAcc's captured subgraphs, Arm NN's ReduceFp32ToFp16).
+float32 computed in that type inside GpuAcc's captured subgraphs, Arm NN's ReduceFp32ToFp16),
+``GpuAcc.channels_last`` ("auto": NHWC convolutions with fp16 or bf16) and ``GpuAcc.compile``
+("none"; "inductor": each captured subgraph compiled by TorchInductor first).
 """
 
 from __future__ import annotations
@@ -215,6 +217,8 @@ class GpuAcc(TorchBackend):
         "GpuAcc.tf32": "TF32 matrix products and convolutions (False)",
         "GpuAcc.precision": "fp32, fp16 or bf16 inside captured subgraphs",
         "GpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
+        "GpuAcc.compile": "none, or inductor: each captured subgraph compiled by TorchInductor",
+        "GpuAcc.channels_last": "convolutions' tensors in NHWC memory (auto: with fp16 or bf16)",
     }
 
     def _missing(self) -> str | None:
@@ -245,6 +249,8 @@ class GpuAcc(TorchBackend):
         from backplane.backends.torch import cuda
 
         cuda.precision_type(options.get("GpuAcc.precision", "fp32"))
+        cuda.compiler_of(options)
+        cuda.channels_last(options, None)
         return None
 
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:

@@ -13,13 +13,16 @@ side stream (warm-up), captures them into a ``torch.cuda.CUDAGraph`` and from th
 copies the inputs into the graph's static input tensors and replays it: one launch for the subgraph.
 Inside, Conv [-> Add] -> Relu chains run as one cuDNN call (``FUSE_CONV_RELU``), and each value is
 dropped after its last reader (``frees``), so that the graph reuses its memory as torch's modules do.
-With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the graph (``PRECISIONS``).
+With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the graph (``PRECISIONS``),
+convolutions in channels-last memory (``channels_last``). With ``GpuAcc.compile`` "inductor", the
+graph's layers are first compiled by TorchInductor for their shapes (``COMPILERS``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,6 +54,7 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
 }
 """Inputs the kernels read on the host (shapes, axes, bounds): kept as NumPy inside a CUDA graph, since
 reading a CUDA tensor on the host would wait for the GPU, which a capture forbids."""
+log = logging.getLogger("backplane.torch")
 NOT_CAPTURABLE = frozenset({"Shape"})  # makes a tensor from host values during the run
 NOT_CAPTURABLE |= {"NonZero", "Compress", "Unique", "NonMaxSuppression"}  # sizes from data
 NOT_CAPTURABLE |= {"Size", "ConstantOfShape", "Range"}  # read on the host, or make from host values
@@ -189,11 +193,13 @@ def _fusable_conv(layer: Layer) -> bool:
 
 
 def _conv_relu(conv: Layer, parts: list[Workload], residual: bool) -> Workload:
-    """relu(conv(X, W) + B [+ Z]) in one cuDNN call where cuDNN runs it (float32 NCHW on CUDA),
-    else the layers' own kernels one after the other; an error of the fused call (no cuDNN engine
-    for it) switches to the latter for good (it shows in the warm-up, before any capture)."""
+    """relu(conv(X, W) + B [+ Z]) in one cuDNN call where cuDNN runs it (float32, float16 or
+    bfloat16 on CUDA, NCHW or channels-last), else the layers' own kernels one after the other; an
+    error of the fused call (no cuDNN engine for it) switches to the latter for good (it shows in the
+    warm-up, before any capture)."""
     import torch
 
+    fused_types = (torch.float32, torch.float16, torch.bfloat16)
     attrs = conv.attrs
     pads = list(attrs.get("pads") or [0, 0, 0, 0])[:2]
     if attrs.get("auto_pad", "NOTSET") == "VALID":
@@ -215,9 +221,9 @@ def _conv_relu(conv: Layer, parts: list[Workload], residual: bool) -> Workload:
         return parts[-1](y)
 
     def workload(X: Any, W: Any, B: Any, Z: Any = None) -> tuple[Any]:
-        if state["fused"] and X.is_cuda and X.dtype == torch.float32 and X.dim() == 4 \
-                and W.dtype == torch.float32 and (B is None or B.dtype == torch.float32) \
-                and (Z is None or (Z.dtype == torch.float32 and tuple(Z.shape) == _out_shape(X, W))):
+        if state["fused"] and X.is_cuda and X.dtype in fused_types and X.dim() == 4 \
+                and W.dtype == X.dtype and (B is None or B.dtype == X.dtype) \
+                and (Z is None or (Z.dtype == X.dtype and tuple(Z.shape) == _out_shape(X, W))):
             bias = B
             if bias is None:
                 bias = state.get("zeros")
@@ -260,6 +266,60 @@ def precision_type(choice: str) -> Any:
     return None if name is None else getattr(torch, name)
 
 
+def channels_last(options: Any, reduced: Any) -> bool:
+    """``GpuAcc.channels_last``: a captured subgraph with convolutions keeps its 4-d float tensors
+    in channels-last memory (NHWC strides, the layout cuDNN's tensor-core kernels read without a
+    transpose), the convolutions' weights converted once at load. "auto" (the default): where the
+    subgraph runs in fp16 or bf16. Only the memory changes: every kernel still sees the same
+    values, and the subgraph's outputs leave it contiguous."""
+    choice = options.get("GpuAcc.channels_last", "auto")
+    if choice == "auto":
+        return reduced is not None
+    if isinstance(choice, bool):
+        return choice
+    raise OptionError(f"GpuAcc.channels_last {choice!r} is not one of auto, True, False")
+
+
+COMPILERS = ("none", "inductor")
+"""``GpuAcc.compile``: "none" (the default) runs each captured subgraph's layers kernel by kernel
+inside its CUDA graph; "inductor" traces the subgraph, for its static shapes, into one graph of
+torch operations (``make_fx``: every Python decision of the kernels taken once, as the capture takes
+it) and compiles that with TorchInductor (``torch.compile``): elementwise chains, normalizations and
+activations fused into Triton kernels, matmuls and convolutions left to cuBLAS and cuDNN, attention
+patterns onto scaled-dot-product attention. The compiled graph is then captured as before. It costs
+seconds to tens of seconds per subgraph at load, which inductor's own on-disk cache (keyed by the
+traced graph) shortens on the next load. A subgraph inductor cannot compile runs uncompiled, with a
+warning that names it."""
+
+
+def compiler_of(options: Any) -> str:
+    """``GpuAcc.compile``'s value, or an error that lists the choices."""
+    choice = options.get("GpuAcc.compile", "none")
+    if choice not in COMPILERS:
+        raise OptionError(f"GpuAcc.compile {choice!r} is not one of {', '.join(COMPILERS)}")
+    return choice
+
+
+def compiled(run_layers: Callable[..., list[Any]], static: Sequence[Any], compiler: str,
+             name: str) -> Callable[..., list[Any]]:
+    """``run_layers`` compiled by ``compiler`` for the shapes of ``static`` (``COMPILERS``), and run
+    once on them; ``run_layers`` itself where the compiler is "none" or fails."""
+    if compiler == "none":
+        return run_layers
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        traced = make_fx(run_layers, tracing_mode="real")(*static)
+        function = torch.compile(traced, fullgraph=True, dynamic=False)
+        function(*static)  # compiles now, at load, not in the first run
+    except Exception as exc:  # noqa: BLE001  # any failure: the layers run uncompiled
+        log.warning("%s: %s could not compile it (%s: %s); it runs uncompiled", name, compiler,
+                    type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+        return run_layers
+    return lambda *values: list(function(*values))
+
+
 @contextlib.contextmanager
 def math_mode(tf32: bool) -> Iterator[None]:
     """torch's TF32 switches for matmuls and cuDNN set to ``tf32`` inside, put back after."""
@@ -285,11 +345,13 @@ def in_math_mode(workload: Workload, tf32: bool) -> Workload:
 
 
 def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: Any,
-            reduced: Any = None) -> dict[str, Any]:
+            reduced: Any = None, nhwc: bool = False) -> dict[str, Any]:
     import torch
 
     host = {layer.inputs[i] for layer in layers for i in HOST_INPUTS.get(layer.op_type, ())
             if i < len(layer.inputs)}
+    weights = {layer.inputs[1] for layer in layers
+               if nhwc and layer.op_type == "Conv" and len(layer.inputs) > 1}
     uploaded = {}
     for name, value in constants.items():
         if name in host:
@@ -299,8 +361,18 @@ def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: A
         if reduced is not None and tensor.dtype == torch.float32:  # -3.4e38 masks stay finite
             finite = torch.finfo(reduced)
             tensor = tensor.clamp(finite.min, finite.max)
-        uploaded[name] = _lower(tensor, reduced)
+        tensor = _lower(tensor, reduced)
+        uploaded[name] = _nhwc(tensor) if name in weights else tensor
     return uploaded
+
+
+def _nhwc(tensor: Any) -> Any:
+    """A 4-d tensor in channels-last memory (the same values, strides NHWC); others as they are."""
+    import torch
+
+    if tensor.dim() != 4 or not tensor.is_floating_point():
+        return tensor
+    return tensor.contiguous(memory_format=torch.channels_last)
 
 
 def _lower(tensor: Any, reduced: Any) -> Any:
@@ -338,13 +410,17 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
     inner = layer.attrs["layers"]
     reduced = reduced_precision(backend)
     steps = _inner_steps(inner, backend, layer.attrs["outputs"])
-    env_template = _upload(inner, layer.attrs["constants"], device, reduced)
+    nhwc = channels_last(backend.options, reduced) and any(
+        lay.op_type == "Conv" and not lay.domain for lay in inner)
+    env_template = _upload(inner, layer.attrs["constants"], device, reduced, nhwc)
     dead_after = frees(steps, set(layer.attrs["outputs"]) | set(env_template))
     back_to_fp32 = [reduced is not None and dtype == np.float32
                     for dtype in layer.attrs.get("output_dtypes") or []]
 
     def run_layers(*values: Any) -> list[Any]:
         env = dict(env_template)
+        if nhwc:
+            values = tuple(_nhwc(v) for v in values)
         env.update(zip(layer.attrs["inputs"], (_lower(v, reduced) for v in values)))
         for (workload, names_in, names_out), dead in zip(steps, dead_after):
             results = workload(*[env[n] if n else None for n in names_in])
@@ -354,14 +430,17 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
             for name in dead:
                 del env[name]
         outputs = [env[n] for n in layer.attrs["outputs"]]
+        if nhwc:  # the other backends, and the user, get their usual layout
+            outputs = [o.contiguous() for o in outputs]
         if any(back_to_fp32):
             outputs = [o.float() if fp32 else o for o, fp32 in zip(outputs, back_to_fp32)]
         return outputs
 
-    if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
-        return lambda *values: tuple(run_layers(*values))
     static = [torch.zeros(info.shape, dtype=NUMPY_TO_TORCH[info.dtype], device=device)  # type: ignore
               for info in inputs]  # capture_views took only static inputs
+    run_layers = compiled(run_layers, static, compiler_of(backend.options), layer.name)
+    if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
+        return lambda *values: tuple(run_layers(*values))
     return CapturedGraph(run_layers, static, device)
 
 
