@@ -9,8 +9,9 @@ speedscope open, as ONNX Runtime's profiles are. In it:
   bytes of its outputs;
 - one track (``tid``) per backend, named with a metadata event (``"ph": "M"``, ``thread_name``) and
   sorted in the session's order of preference; runs from other threads get tracks of their own;
-- copies and imports between backends (MemCopy, MemImport layers, on the builtin backend's track) as
-  events of their own, ``cat`` "copy" or "import", with the bytes they move in ``args``;
+- copies and imports between backends (MemCopy, MemImport, FallbackImport layers, on the builtin
+  backend's track) as events of their own, ``cat`` "copy" or "import", with the bytes they move or
+  hand over in ``args``;
 - the layers a workload runs inside itself (CpuAcc's OneDnnGraph run layer by layer) named as the
   workload times them, one after the other from its start;
 - on the "session" track: the optimize and load of the model, and one "run" event around each run
@@ -31,7 +32,7 @@ from backplane.runtime.loaded_network import LayerTiming
 
 SESSION_TRACK = "session"
 BUILTIN = "builtin"
-CATEGORIES = {"MemCopy": "copy", "MemImport": "import"}
+CATEGORIES = {"MemCopy": "copy", "MemImport": "import", "FallbackImport": "import"}
 
 
 @dataclass

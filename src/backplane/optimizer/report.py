@@ -26,9 +26,13 @@ class CopyRecord:
     tensor: str
     source: str  # backend ids
     target: str
-    strategy: str
+    strategy: str  # "copy", "import", "fallback_import"
     nbytes: int | None
     layer: str  # the inserted layer's name
+    copied_bytes: int | None = None
+    """The bytes a run copies on this edge: a copy's tensor, nothing for an import; for a fallback
+    import, set at load: nothing where the producer writes its output in place, the tensor's where
+    it cannot. None until known (and in reports written before it was kept)."""
 
 
 @dataclass
@@ -71,6 +75,9 @@ class PlacementReport:
     of one backend; copy and import layers between them do not count), set at load."""
     measurements: list[MeasurementRecord] = field(default_factory=list)
     """Under measured placement, each partition's time on each backend that takes it whole."""
+    fallback_bytes: int = 0
+    """The bytes of fallback memory the network holds (FallbackImport layers' buffers, allocated
+    once at load and reused by every run), set at load."""
 
     def crossings(self) -> dict[str, int]:
         """Tensors a run hands from one backend to another, by strategy ("copy", "import")."""
@@ -79,6 +86,17 @@ class PlacementReport:
             if "user" not in (c.source, c.target):
                 found[c.strategy] = found.get(c.strategy, 0) + 1
         return found
+
+    def bytes_copied(self) -> int:
+        """The bytes a run copies from one backend to another (the user's tensors aside)."""
+        total = 0
+        for c in self.copies:
+            if "user" not in (c.source, c.target):
+                copied = c.copied_bytes
+                if copied is None:
+                    copied = (c.nbytes or 0) if c.strategy == "copy" else 0
+                total += copied
+        return total
 
     def fallbacks(self) -> dict[tuple[str, str, str], int]:
         """(op type, refusing backend, reason) -> how many layers it sent to a later backend."""
@@ -116,10 +134,18 @@ class PlacementReport:
                               folding=("backend", "refused by (reason)"))
 
     def copies_table(self) -> Table:
-        rows = [(c.tensor, c.source, c.target, c.strategy, "?" if c.nbytes is None else f"{c.nbytes:,}")
+        def size(nbytes: int | None) -> str:
+            return "?" if nbytes is None else f"{nbytes:,}"
+
+        columns = ("tensor", "from", "to", "strategy", "bytes", "copied")
+        rows = [(c.tensor, c.source, c.target, c.strategy, size(c.nbytes), size(c.copied_bytes))
                 for c in self.copies]
-        return unfolded_table("Tensors crossing backends", ("tensor", "from", "to", "strategy",
-                                                            "bytes"), rows, right=("bytes",))
+        if any(c.strategy == "fallback_import" for c in self.copies):  # name the layer that does it
+            columns += ("layer",)
+            rows = [(*row, c.layer if c.strategy == "fallback_import" else "")
+                    for row, c in zip(rows, self.copies)]
+        return unfolded_table("Tensors crossing backends", columns, rows, folding=("layer",),
+                              right=("bytes", "copied"))
 
     def measurements_table(self) -> Table:
         def ms(value: float | None) -> str:
@@ -145,6 +171,7 @@ class PlacementReport:
                 "warnings": list(self.warnings),
                 "peak_bytes": dict(self.peak_bytes), "constant_bytes": dict(self.constant_bytes),
                 "partitions": list(self.partitions), "crossings": self.crossings(),
+                "bytes_copied": self.bytes_copied(), "fallback_bytes": self.fallback_bytes,
                 "measurements": [asdict(m) for m in self.measurements]}
 
     @classmethod
@@ -162,6 +189,7 @@ class PlacementReport:
         report.peak_bytes = dict(data.get("peak_bytes", {}))
         report.constant_bytes = dict(data.get("constant_bytes", {}))
         report.partitions = list(data.get("partitions", []))
+        report.fallback_bytes = int(data.get("fallback_bytes", 0))
         report.measurements = [MeasurementRecord(**m) for m in data.get("measurements", [])]
         return report
 
@@ -179,14 +207,18 @@ class PlacementReport:
                       f"{len(self.subgraphs)} subgraphs")
         if self.partitions:
             crossing = self.crossings()
+            fallback = crossing.get("fallback_import", 0)
+            through = f" and {fallback} through fallback memory" if fallback else ""
             console.print(f"a run: {len(self.partitions)} partitions "
                           f"({' -> '.join(_runs(self.partitions))}), "
                           f"{crossing.get('copy', 0)} tensors copied and {crossing.get('import', 0)} "
-                          f"imported between backends")
+                          f"imported{through} between backends ({self.bytes_copied():,} bytes "
+                          f"copied)")
         if self.peak_bytes:
             memory = ", ".join(f"{b}: {_mib(n)} peak + {_mib(self.constant_bytes.get(b, 0))} "
                                f"constants" for b, n in self.peak_bytes.items())
-            console.print(f"memory planned ({memory})")
+            fallback = f"; fallback memory {_mib(self.fallback_bytes)}" if self.fallback_bytes else ""
+            console.print(f"memory planned ({memory}{fallback})")
 
     def __str__(self) -> str:
         buffer = io.StringIO()

@@ -28,6 +28,7 @@ from backplane.backends.api.backend import Backend, ProfilingContext, Workload
 from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
+from backplane.runtime import fallback
 
 NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
 
@@ -95,8 +96,12 @@ class LoadedNetwork:
         self._template: list[Any] = [None]
         self._constant_slots: dict[tuple[int, str], str] = {}  # (layer, constant) -> its slot's key
         self.layers: list[Layer] = list(graph.layers)
-        workloads = [self._create(factories[layer.backend or ""], layer, graph, network.backends)
-                     for layer in self.layers]
+        workloads = [self._create(factories, layer, graph, network.backends) for layer in self.layers]
+        self.fallback_memory = fallback.FallbackMemoryManager()
+        workloads, copied = fallback.bind(self.layers, workloads, graph, self.fallback_memory)
+        for record in network.report.copies:
+            if record.layer in copied:
+                record.copied_bytes = copied[record.layer]
         for layer in self.layers:
             for name in (*layer.inputs, *layer.outputs):
                 self._slot(name)
@@ -112,14 +117,20 @@ class LoadedNetwork:
         self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots)
         network.report.peak_bytes, network.report.constant_bytes = self._planned_memory()
         network.report.partitions = _partitions(self.layers)
+        network.report.fallback_bytes = self.fallback_memory.nbytes
         self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
         self._planning = threading.Lock()
         self.profiling = profiling or {}
-        self.exclusive = any(getattr(w, "exclusive", False) for w in workloads)
+        # Fallback memory is the network's, shared by its runs: one run at a time, and no output
+        # of a run may alias it.
+        self.exclusive = any(getattr(w, "exclusive", False) for w in workloads) \
+            or bool(self.fallback_memory.buffers)
         if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
             self.execute = self._execute_traced  # type: ignore[method-assign]
+        if self.fallback_memory.buffers:
+            self._detach_outputs()
         if self.exclusive:
-            self._lock = threading.Lock()
+            self._lock = threading.RLock()  # the traced run holds it and calls the profiled one
             self.execute = self._one_at_a_time(self.execute)  # type: ignore[method-assign]
             self.execute_profiled = self._one_at_a_time(self.execute_profiled)  # type: ignore[method-assign]
             self.execute_plan = self._one_at_a_time(self.execute_plan)  # type: ignore[method-assign]
@@ -133,7 +144,8 @@ class LoadedNetwork:
             self._template.append(None)
         return self._slots[name]
 
-    def _create(self, factory: Any, layer: Layer, graph: Graph, backends: dict[str, Backend]) -> Workload:
+    def _create(self, factories: dict[str, Any], layer: Layer, graph: Graph,
+                backends: dict[str, Backend]) -> Workload:
         infos_in = [graph.info(n) for n in layer.inputs]
         infos_out = [graph.info(n) for n in layer.outputs]
         for name in layer.inputs:
@@ -141,7 +153,9 @@ class LoadedNetwork:
                 self._constant_slots[id(layer), name] = self._bind_constant(
                     name, graph.constants[name], backends[layer.backend or ""])
         try:
-            return factory.create_workload(layer, infos_in, infos_out)
+            if layer.op_type == fallback.FALLBACK_IMPORT:  # the source backend's, so that it syncs
+                return factories[layer.attrs["source_backend"]].create_fallback_import(layer)
+            return factories[layer.backend or ""].create_workload(layer, infos_in, infos_out)
         except Exception as exc:
             raise WorkloadError(f"{layer.backend} could not create a workload for "
                                 f"{layer.describe()}: {exc}", layer, layer.backend or "") from exc
@@ -192,6 +206,26 @@ class LoadedNetwork:
                     seen.add((backend, id(value)))
                     constants[backend] = constants.get(backend, 0) + int(value.nbytes)
         return peak, constants
+
+    def _detach_outputs(self) -> None:
+        detach = self.fallback_memory.detach
+        run, profiled = self.execute, self.execute_profiled
+        planned = self.execute_plan
+
+        def execute(inputs: Sequence[Any]) -> list[Any]:
+            return [detach(value) for value in run(inputs)]
+
+        def execute_plan(plan: Plan, inputs: Sequence[Any]) -> list[Any]:
+            return [detach(value) for value in planned(plan, inputs)]
+
+        def execute_profiled(inputs: Sequence[Any], plan: Plan | None = None,
+                             ) -> tuple[list[Any], list[LayerTiming]]:
+            outputs, timings = profiled(inputs, plan)
+            return [detach(value) for value in outputs], timings
+
+        self.execute = execute  # type: ignore[method-assign]
+        self.execute_plan = execute_plan  # type: ignore[method-assign]
+        self.execute_profiled = execute_profiled  # type: ignore[method-assign]
 
     def _one_at_a_time(self, run: Any) -> Any:
         def locked(*args: Any) -> Any:
@@ -388,7 +422,7 @@ class LoadedNetwork:
                               f"{type(exc).__name__}: {exc}")
 
 
-_GLUE = ("MemCopy", "MemImport")
+_GLUE = ("MemCopy", "MemImport", fallback.FALLBACK_IMPORT)
 
 
 def _partitions(layers: Sequence[Layer]) -> list[str]:

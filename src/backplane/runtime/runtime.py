@@ -125,6 +125,7 @@ class Runtime:
         for context in contexts:
             context.before_unload_network(network_id)
         del self._networks[network_id]
+        loaded.fallback_memory.release()
         for step in loaded.steps:  # delegates release what their init took (Backend.destroy)
             release = getattr(step.workload, "destroy", None)
             if release is not None:

@@ -45,7 +45,12 @@ Workload = Callable[..., tuple[Any, ...]]
 
 A workload that runs several layers of its own may also have ``profiled(*inputs) -> (outputs,
 [(layer name, op type, seconds), ...])``: a profiled run then times its layers one by one (CpuAcc's
-OneDnnGraph when it runs its layers one by one)."""
+OneDnnGraph when it runs its layers one by one).
+
+A workload that can write its outputs into memory it is given may have ``write_into(memory,
+*inputs) -> outputs``, ``memory`` holding per output a tensor of its backend's memory to write that
+output into, or None: where an output crosses to another backend through fallback memory, the
+producer then writes it there and nothing is copied (``runtime/fallback.py``)."""
 
 
 
@@ -111,6 +116,18 @@ class WorkloadFactory:
         if kernel is None:
             raise UnsupportedError(f"{self.backend.id} has no kernel for {layer.describe()}")
         return bind_kernel(kernel, layer.attrs, len(layer.outputs))
+
+    def create_fallback_import(self, layer: Layer) -> Workload:
+        """The workload of a FallbackImport layer whose source is this backend (the Ethos-N design
+        creates it from the source backend, not the layer's): it runs after the producer wrote the
+        fallback memory and before the consumer reads it, and returns its input once the source's
+        writes are done. Default: a backend that runs synchronously has nothing to wait for; an
+        asynchronous one waits for its queue (Arm NN's ClFallbackImportWorkload: a CL sync)."""
+        return _written
+
+
+def _written(x: Any) -> tuple[Any]:
+    return (x,)
 
 
 @dataclass(frozen=True)

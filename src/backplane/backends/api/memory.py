@@ -23,6 +23,10 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _write_host(value: Any, out: np.ndarray) -> None:
+    np.copyto(out, host_view(value))
+
+
 class MemorySource(enum.Flag):
     """Kinds of memory a tensor handle can live in, import from or export to."""
 
@@ -30,7 +34,7 @@ class MemorySource(enum.Flag):
     MALLOC = enum.auto()  # plain host memory (NumPy arrays, torch CPU tensors)
     PINNED = enum.auto()  # page-locked host memory
     CUDA = enum.auto()  # CUDA device memory
-    DMA_BUF = enum.auto()  # a buffer shared between devices by the OS
+    DMA_BUF = enum.auto()  # a buffer shared between devices by the OS (here: page-aligned, mmap'd)
     BACKEND = enum.auto()  # memory private to one backend
 
 
@@ -58,7 +62,18 @@ class TensorHandleFactory:
     """This memory as a host array, without a copy (what a MemImport runs on the producer's side);
     used where ``export_flags`` meet the consumer's ``import_flags``."""
     import_: Callable[[Any], Any] = _same
-    """A host array as a tensor of this memory, without a copy (a MemImport's consumer side)."""
+    """A host array as a tensor of this memory, without a copy (a MemImport's consumer side; both
+    sides of a FallbackImport, given the fallback memory as an array of the tensor's shape)."""
+    alignment: int = 64
+    """The bytes memory imported here must be aligned to (Arm NN's GetMemoryAlignment): fallback
+    memory is aligned for both sides."""
+    fallback_import: bool = False
+    """FallbackImportMemoryRequired: where a consumer can neither share nor import this memory but
+    both import a third kind (``fallback_kind``), the producer's output goes into memory of that kind
+    that both import (a FallbackImport layer) instead of being copied."""
+    write_to: Callable[[Any, np.ndarray], None] = _write_host
+    """Copy a tensor of this memory into a host array (a FallbackImport whose producer cannot write
+    its output in place: the one copy left)."""
 
     def can_import_from(self, source: TensorHandleFactory) -> bool:
         """Whether tensors of ``source`` can be read here zero-copy (Arm NN's import, Ethos-N's
@@ -69,6 +84,20 @@ class TensorHandleFactory:
         if shared & MemorySource.MALLOC and source.supports_mapping and self.supports_mapping:
             return True
         return bool(shared & MemorySource.CUDA) and source.device == self.device
+
+
+FALLBACK_KINDS = (MemorySource.DMA_BUF, MemorySource.PINNED, MemorySource.MALLOC)
+"""The kinds of memory a FallbackImport may hand over, the preferred first."""
+
+
+def fallback_kind(source: TensorHandleFactory, target: TensorHandleFactory) -> MemorySource | None:
+    """The kind of memory that tensors of ``source`` reach ``target`` through without a copy where
+    neither reads the other's memory (the Ethos-N design's fallback memory): one that both import,
+    when ``source`` asks for it (``fallback_import``); None otherwise."""
+    if not source.fallback_import:
+        return None
+    shared = source.import_flags & target.import_flags
+    return next((kind for kind in FALLBACK_KINDS if shared & kind), None)
 
 
 HOST_FACTORY = TensorHandleFactory("host", MemorySource.MALLOC, MemorySource.MALLOC,
