@@ -9,7 +9,8 @@ backend that supports all of its layers, and times each one:
   inputs already in its memory (no copy at the boundary: those are the edges, timed apart);
 - every tensor that crosses to a neighbouring partition (or from / to the user): the copy or import
   that ``edge_strategy`` picks for the two backends' tensor-handle factories, run by builtin's
-  MemCopy / MemImport workload on a tensor of that size.
+  MemCopy / MemImport workload on a tensor of that size (a FallbackImport as one copy into fallback
+  memory, the most it costs: whether the producer writes in place is known only at load).
 
 A greedy pass in execution order, repeated until nothing changes, then gives each partition the
 backend of least time plus edge time to its neighbours' current backends. Each step lowers the total
@@ -33,6 +34,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,13 +45,20 @@ import numpy as np
 
 from backplane import progress
 from backplane.backends.api.backend import Backend, OptionError
-from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory, to_device, to_host
+from backplane.backends.api.memory import (
+    HOST_FACTORY,
+    TensorHandleFactory,
+    fallback_kind,
+    to_device,
+    to_host,
+)
 from backplane.backends.builtin.backend import make_mem_copy, make_mem_import
 from backplane.backends.registry import BackendRegistry
-from backplane.ir.graph import Graph, SubgraphView
+from backplane.ir.graph import Graph, SubgraphView, TensorInfo
 from backplane.optimizer.edges import BUILTIN, USER, EdgeStrategy, edge_strategy
 from backplane.optimizer.partition import partition
 from backplane.optimizer.report import MeasurementRecord, PlacementReport
+from backplane.runtime.fallback import FallbackMemoryManager
 
 log = logging.getLogger("backplane.optimizer")
 
@@ -71,8 +80,9 @@ _TIMES: dict[tuple[str, str, str, str], float | str] = {}
 """(signature, backend id, version, options) -> median ms, or why it could not be timed."""
 _OUTPUTS: dict[str, list[np.ndarray]] = {}
 """signature -> the outputs of its first run (host arrays): inputs of the partitions after it."""
-_EDGES: dict[tuple[str, str, tuple[int, ...], str], float] = {}
-"""(source factory id, target factory id, shape, element type) -> median ms of that move."""
+_EDGES: dict[tuple[str, str, tuple[int, ...], str, bool], float] = {}
+"""(source factory id, target factory id, shape, element type, to the user) -> median ms of that
+move."""
 
 
 def check_placement(value: str) -> None:
@@ -120,7 +130,7 @@ def place(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str
     factories[USER] = HOST_FACTORY  # and builtin's tensors, read as the user's
 
     def edge_ms(name: str, source: str, target: str) -> float:
-        return _edge_ms(values.get(name), factories[source], factories[target])
+        return _edge_ms(values.get(name), factories[source], factories[target], target == USER)
 
     _choose(parts, edges, edge_ms)
     for part in parts:
@@ -281,19 +291,41 @@ def _attr(value: Any) -> str:
 
 
 def _edge_ms(value: np.ndarray | None, source: TensorHandleFactory,
-             target: TensorHandleFactory) -> float:
+             target: TensorHandleFactory, to_user: bool = False) -> float:
     """Median ms of moving ``value`` from ``source``'s memory to ``target``'s as the network would
-    (nothing, an import or a copy); 0 where the value is unknown."""
-    strategy = edge_strategy(source, target)
+    (nothing, an import, a fallback import or a copy); 0 where the value is unknown."""
+    strategy = edge_strategy(source, target, to_user)
     if strategy is EdgeStrategy.DIRECT_COMPATIBILITY or value is None:
         return 0.0
-    key = (source.id, target.id, tuple(value.shape), value.dtype.str)
+    key = (source.id, target.id, tuple(value.shape), value.dtype.str, to_user)
     if key not in _EDGES:
-        make = make_mem_import if strategy is EdgeStrategy.EXPORT_TO_TARGET else make_mem_copy
-        glue = make(source, target)
+        if strategy is EdgeStrategy.FALLBACK_IMPORT:
+            glue = _fallback_import(value, source, target)
+        else:
+            make = make_mem_import if strategy is EdgeStrategy.EXPORT_TO_TARGET else make_mem_copy
+            glue = make(source, target)
         held = value if source.id == HOST_FACTORY.id else source.copy_in(value)
         _EDGES[key] = _median_ms(lambda: glue(held), 1)
     return _EDGES[key]
+
+
+def _fallback_import(value: np.ndarray, source: TensorHandleFactory,
+                     target: TensorHandleFactory) -> Callable[[Any], Any]:
+    """A FallbackImport of ``value``'s size as it runs when the producer cannot write in place: one
+    copy into fallback memory. Which producers write in place is known only at load, so an edge is
+    priced at the most it costs: a placement is never slower than measured."""
+    kind = fallback_kind(source, target)
+    assert kind is not None  # edge_strategy chose FALLBACK_IMPORT
+    info = TensorInfo(tuple(value.shape), value.dtype)
+    buffer, _ = FallbackMemoryManager().buffer("edge", kind, info, math.lcm(source.alignment,
+                                                                             target.alignment))
+    consumer = target.import_(buffer)
+
+    def fallback_import(x: Any) -> tuple[Any]:
+        source.write_to(x, buffer)
+        return (consumer,)
+
+    return fallback_import
 
 
 Edge = tuple[str, int, int]  # (tensor, producing part or -1 for the user, reading part or -1)
