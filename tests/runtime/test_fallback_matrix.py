@@ -4,8 +4,11 @@ tensor between partitions; several tensors in both directions; one tensor read b
 several backends). Each case checks the outputs against CpuRef alone and, from the placement report
 and a profiled run, that no byte was copied where the two sides could import each other's memory.
 
-The host rows run everywhere. The device rows (GpuAcc, and TritonGpu: the out-of-tree second GPU
-backend of examples/triton_gpu) skip without CUDA, or without Triton for TritonGpu.
+The host rows run everywhere. The fallback rows run everywhere too: TestNpu and TestGpu
+(tests/runtime/fallback_backends.py) hold memory of their own that neither imports from the other,
+but both import dma-buf memory, so each edge between them is a FallbackImport and copies nothing.
+The device rows (GpuAcc, and TritonGpu: the out-of-tree second GPU backend of examples/triton_gpu)
+skip without CUDA, or without Triton for TritonGpu.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import pytest
 from onnx import TensorProto, helper
 
 from backplane import InferenceSession
+from backplane.backends.api.memory import fallback_kind
 from backplane.backends.registry import registry
+from tests.runtime.fallback_backends import fallback_backends  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = {"CpuRef", "CpuAcc"}
 
 HOST_ROWS = [("CpuAcc", "CpuRef"), ("CpuRef", "CpuAcc"), ("CpuAcc", "CpuRef", "CpuAcc")]
+FALLBACK_ROWS = [("TestNpu", "TestGpu"), ("TestGpu", "TestNpu"), ("TestNpu", "TestGpu", "TestNpu"),
+                 ("TestGpu", "TestNpu", "TestGpu"), ("TestNpu", "CpuRef", "TestGpu")]
 DEVICE_ROWS = [("GpuAcc", "TritonGpu"),  # GPU to GPU: two device backends, two streams
                ("CpuAcc", "GpuAcc"), ("GpuAcc", "CpuAcc"), ("CpuAcc", "GpuAcc", "CpuAcc"),
                ("GpuAcc", "CpuRef", "GpuAcc"), ("GpuAcc", "TritonGpu", "GpuAcc")]
@@ -120,6 +127,8 @@ def _check(row: tuple[str, ...], network: str) -> InferenceSession:
         both_device = source.device == target.device != "cpu"
         if both_host or both_device:  # memory both sides can map: an import, never a copy
             assert record.strategy == "import", record
+        elif fallback_kind(source, target) is not None:  # memory both import: written in place
+            assert record.strategy == "fallback_import" and record.copied_bytes == 0, record
         else:
             assert record.strategy == "copy", record
             copied += 1
@@ -136,6 +145,20 @@ def test_host_rows(row: tuple[str, ...], network: str) -> None:
     session = _check(row, network)
     assert not [c for c in session.report.copies if c.strategy == "copy"], \
         "host backends share memory: nothing is copied, not even for the user"
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+@pytest.mark.parametrize("row", FALLBACK_ROWS, ids="->".join)
+def test_fallback_rows(row: tuple[str, ...], network: str, fallback_backends: None) -> None:
+    session = _check(row, network)
+    fallback = [c for c in session.report.copies if c.strategy == "fallback_import"]
+    layers = {lay.name: lay for lay in session.optimized.graph.layers}
+    assert all(layers[c.layer].op_type == "FallbackImport" for c in fallback)
+    copied = sum(c.nbytes or 0 for c in session.report.copies
+                 if c.strategy == "copy" and "user" not in (c.source, c.target))
+    assert session.report.bytes_copied() == copied  # nothing on the fallback edges
+    if "CpuRef" not in row:  # every edge between TestNpu and TestGpu
+        assert fallback and copied == 0
 
 
 @pytest.mark.parametrize("network", NETWORKS)
