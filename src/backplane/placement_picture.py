@@ -237,11 +237,15 @@ def _copy_node(record: CopyRecord, made: dict[int, str], picture: Placement) -> 
     made[id(record)] = node_id
     size = "? bytes" if record.nbytes is None else f"{record.nbytes:,} B"
     kind = "import (zero-copy)" if record.strategy == "import" else record.strategy
+    zero_copy = record.strategy == "import"
+    if record.strategy == "fallback_import":  # through memory both import, written in place or not
+        zero_copy = record.copied_bytes == 0
+        kind = "fallback import" + (" (zero-copy)" if zero_copy else " (one copy)"
+                                    if record.copied_bytes else "")
     picture.nodes[node_id] = _Node(node_id, {
         "label": f"{kind}\n{record.source} → {record.target}\n{size}",
-        "shape": "box", "style": "rounded,filled" + (",dashed" if record.strategy == "import" else
-                                                      ",bold"),
-        "fillcolor": IMPORT_FILL if record.strategy == "import" else COPY_FILL,
+        "shape": "box", "style": "rounded,filled" + (",dashed" if zero_copy else ",bold"),
+        "fillcolor": IMPORT_FILL if zero_copy else COPY_FILL,
         "color": BUILTIN_LINE, "fontsize": "9",
         "tooltip": f"{record.layer}: {record.tensor}, {size}",
         "class": f"crossing {record.strategy}"})
