@@ -118,10 +118,9 @@ def place(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str
     key = (repr(sorted((k, repr(v)) for k, v in backend_options.items())),
            {b: backend.version for b, backend in available.items()})
     with progress.task("measured placement: timing each partition on each backend",
-                       total=len(parts)) as step:
+                       total=sum(len(part.candidates) for part in parts)) as step:
         for part in parts:
-            _measure(part, graph, values, registry, backend_options, key)
-            step()
+            _measure(part, graph, values, registry, backend_options, key, step)
     producer = {out: index for index, part in enumerate(parts) for out in part.view.outputs}
     edges = [(name, producer.get(name, -1), index) for index, part in enumerate(parts)
              for name in part.view.inputs]
@@ -181,11 +180,12 @@ def _seeded(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -
 
 def _measure(part: _Part, graph: Graph, values: dict[str, np.ndarray],
              registry: BackendRegistry, backend_options: Mapping[str, object],
-             key: tuple[str, Mapping[str, str]]) -> None:
+             key: tuple[str, Mapping[str, str]], step: progress.Step) -> None:
     """Time ``part`` on each of its candidates; its outputs join ``values``. ``key``: the options
-    (as text) and each backend's version."""
+    (as text) and each backend's version; ``step``: one for each candidate (progress)."""
     missing = [n for n in part.view.inputs if n not in values and not graph.info(n).is_static]
     if missing:
+        step(advance=len(part.candidates))
         part.candidates = [part.backend]
         part.notes[""] = f"not timed: the shape of {', '.join(missing)} is known only at run time"
         return
@@ -199,9 +199,12 @@ def _measure(part: _Part, graph: Graph, values: dict[str, np.ndarray],
     options, versions = key
     for backend_id in part.candidates:
         entry = (signature, backend_id, versions[backend_id], options)
+        step(f"measured placement: a partition of {len(part.view.layers)} layers on {backend_id}",
+             advance=0)
         if entry not in _TIMES:
             _TIMES[entry] = _time_alone(alone, backend_id, inputs, signature, registry,
                                         backend_options)
+        step()
         found = _TIMES[entry]
         if isinstance(found, str):
             part.notes[backend_id] = found
