@@ -458,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def advance(text: str) -> None:
             nonlocal started
-            step(f"{text:<60}", advance=1 if started else 0)
+            step(f"{text:<40}", advance=1 if started else 0)
             started = True
 
         for model in args.models:
