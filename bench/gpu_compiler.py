@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,8 @@ def export(name: str, batch: int, out: Path) -> Path:
         return path
     torch.manual_seed(0)
     module, inputs, in_names, out_names = _builder(name, batch)()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
         torch.onnx.export(module, inputs, str(path), opset_version=17, dynamo=False,
                           input_names=in_names, output_names=out_names, do_constant_folding=True)
     return path
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1])
     ap.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES)
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    ap.add_argument("--configs", nargs="+", metavar="RUNTIME:PRECISION",
+                    help="instead of every runtime in every precision, these pairs, e.g. gpuacc:fp16")
     ap.add_argument("--reference", choices=("cpuref", "gpuacc-fp32"), default="cpuref",
                     help="what outputs are held to at batch 1 (larger batches: gpuacc-fp32)")
     ap.add_argument("--runs", type=int, default=100)
@@ -248,29 +252,31 @@ def main(argv: list[str] | None = None) -> int:
                     reference = [saved[k] for k in saved.files]
             print(f"{name:20} {batch:5} exported in {export_s:.1f} s; reference: "
                   f"{'CpuRef' if kind == 'cpuref' else 'GpuAcc fp32'}", flush=True)
-            for precision in args.precisions:
-                for runtime in args.runtimes:
-                    save = out / f"{model.stem}.{runtime}.{precision}.npz"
-                    reply = spawn(args, runtime, precision, model, name, batch, feeds, save)
-                    if "error" in reply:
-                        print(f"{name:20} {batch:5} {runtime:16} {precision:5} error: {reply['error']}",
-                              flush=True)
-                        continue
-                    median = statistics.median(reply["times"])
-                    with np.load(save) as saved:
-                        outputs = [saved[k] for k in saved.files]
-                    row = {"model": name, "batch": batch, "runtime": runtime, "precision": precision,
-                           "median_ms": median * 1e3, "samples_per_s": batch / median,
-                           "load_s": reply["load_s"], "partitions": reply.get("partitions"),
-                           "crossings": reply.get("crossings"), "diff": diff(outputs, reference)}
-                    rows.append(row)
-                    parts = "-" if row["partitions"] is None else str(row["partitions"])
-                    cross = "-" if row["crossings"] is None else str(row["crossings"])
-                    print(f"{name:20} {batch:5} {runtime:16} {precision:5} {row['median_ms']:10.3f} "
-                          f"{row['samples_per_s']:10.1f} {row['load_s']:7.1f} {parts:>5} {cross:>5} "
-                          f"{row['diff']:>8}", flush=True)
-    if args.json:
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            configs = [tuple(c.split(":")) for c in args.configs] if args.configs else \
+                [(runtime, precision) for precision in args.precisions for runtime in args.runtimes]
+            for runtime, precision in configs:
+                save = out / f"{model.stem}.{runtime}.{precision}.npz"
+                reply = spawn(args, runtime, precision, model, name, batch, feeds, save)
+                if "error" in reply:
+                    print(f"{name:20} {batch:5} {runtime:16} {precision:5} error: {reply['error']}",
+                          flush=True)
+                    continue
+                median = statistics.median(reply["times"])
+                with np.load(save) as saved:
+                    outputs = [saved[k] for k in saved.files]
+                row = {"model": name, "batch": batch, "runtime": runtime, "precision": precision,
+                       "median_ms": median * 1e3, "samples_per_s": batch / median,
+                       "load_s": reply["load_s"], "partitions": reply.get("partitions"),
+                       "crossings": reply.get("crossings"), "diff": diff(outputs, reference)}
+                rows.append(row)
+                if args.json:  # row by row: a run cut short keeps what it measured
+                    with args.json.open("a") as sink:
+                        sink.write(json.dumps(row) + "\n")
+                parts = "-" if row["partitions"] is None else str(row["partitions"])
+                cross = "-" if row["crossings"] is None else str(row["crossings"])
+                print(f"{name:20} {batch:5} {runtime:16} {precision:5} {row['median_ms']:10.3f} "
+                      f"{row['samples_per_s']:10.1f} {row['load_s']:7.1f} {parts:>5} {cross:>5} "
+                      f"{row['diff']:>8}", flush=True)
     return 0
 
 
