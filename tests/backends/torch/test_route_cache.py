@@ -70,3 +70,21 @@ def test_a_corrupt_cache_is_an_empty_one_and_the_option_turns_it_off(cache, meas
     cache.unlink()
     _session(conv_model("relu"), **{"CpuAcc.route_cache": False})
     assert not cache.exists()
+
+
+def test_a_remembered_route_is_the_only_one_built(cache, monkeypatch) -> None:
+    """A load with its routes known builds (copies and packs the weights of) only the routes it
+    keeps: the artifact's load and a warm load pay for nothing else."""
+    from backplane.backends.torch.fusion import conv
+
+    first = _routes(_session(conv_model("add_relu")))
+    made: list[str] = []
+    for name in ("_onednn_conv", "_torch_conv", "_gemm_conv"):
+        original = getattr(conv, name)
+
+        def counted(a, original=original, name=name):
+            made.append(name)
+            return original(a)
+        monkeypatch.setattr(conv, name, counted)
+    again = _routes(_session(conv_model("add_relu")))
+    assert again == first and made == [f"_{first[0]}_conv"]

@@ -89,14 +89,13 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     import torch
 
     a = layer.attrs
-    routes = {"onednn": _onednn_conv(a), "torch": _torch_conv(a)}
+    makers = {"onednn": _onednn_conv, "torch": _torch_conv}
     if _is_pointwise(a):
-        routes["gemm"] = _gemm_conv(a)
-    for name, run in routes.items():
-        run.route = name  # type: ignore[attr-defined]  # which one was kept, for tests and debugging
+        makers["gemm"] = _gemm_conv
+    routes = {name: _route(name, make, a) for name, make in makers.items()}
     forced = backend.options.get("CpuAcc.conv_route", "auto")
     if forced in routes:
-        return routes[forced]
+        return routes[forced]()
 
     def sample() -> list[Any]:
         cl = torch.channels_last
@@ -108,6 +107,17 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     described = {k: a[k] for k in ("input_shape", "strides", "dilations", "group", "begins", "ends",
                                    "binary", "unary")}
     return fastest("conv", {**described, "weight": a["weight"].shape}, routes, sample, backend)
+
+
+def _route(name: str, make: Callable[[dict[str, Any]], Workload],
+           a: dict[str, Any]) -> Callable[[], Workload]:
+    """The route's maker: a route is built (its weight copied, packed) only when it is kept or
+    measured, not at every load for the routes not taken."""
+    def made() -> Workload:
+        run = make(a)
+        run.route = name  # type: ignore[attr-defined]  # which one was kept, for tests and debugging
+        return run
+    return made
 
 
 def _is_pointwise(a: dict[str, Any]) -> bool:

@@ -172,28 +172,53 @@ def _matmul_weights(matmul: Layer, ctx: Context):
 
 
 def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """MKL's product (torch's linear, then the post-ops) or oneDNN's with a prepacked weight and
+    its post-op fused, the faster measured once at load; only the route kept is built."""
+    import torch
+
+    a = layer.attrs
+    route = backend.options.get("CpuAcc.linear_route", "auto")
+    if route == "mkl" or not a["input_shape"]:
+        return _mkl_linear(a)
+    if route == "onednn":
+        return _onednn_linear(a)
+    result_shape = a.get("output_shape") or [*a["input_shape"][:-1], a["weight"].shape[0]]
+
+    def sample() -> list[Any]:
+        return [torch.randn(a["input_shape"])] + ([torch.randn(result_shape)] if a.get("binary") else [])
+
+    described = {k: a.get(k) for k in ("input_shape", "unary", "binary", "output_shape")}
+    described.update(weight=torch.Size(a["weight"].shape), bias=a["bias"] is not None)
+    return fastest("linear", described, {"mkl": lambda: _mkl_linear(a),
+                                         "onednn": lambda: _onednn_linear(a)}, sample, backend)
+
+
+def _mkl_linear(a: dict[str, Any]) -> Workload:
     import torch
     import torch.nn.functional as F
 
-    a = layer.attrs
     weight = torch.from_numpy(np.array(a["weight"]))
     bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
     post = torch_post_op(a["unary"])
-
     shape = a.get("output_shape")  # a Reshape folded in: the result viewed in its shape
-    result_shape = shape or [*a["input_shape"][:-1], weight.shape[0]]
 
     def mkl(x, residual=None):
         y = F.linear(x, weight, bias)
         y = post(y) if post else y
         y = y.view(shape) if shape else y
         return (y if residual is None else y.add_(residual),)
+    return mkl
 
-    route = backend.options.get("CpuAcc.linear_route", "auto")
-    if route == "mkl" or not a["input_shape"]:
-        return mkl
-    rows = math.prod(a["input_shape"][:-1])
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+def _onednn_linear(a: dict[str, Any]) -> Workload:
+    import torch
+
+    from backplane.backends.torch.backend import _numpy_to_torch
+
+    weight = _numpy_to_torch(a["weight"])  # read once by the packing: no copy of its own needed
+    bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
+    shape = a.get("output_shape")
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, math.prod(a["input_shape"][:-1]))
     attr, scalars, algorithm = a["unary"] or ("none", [], None)
     linear = torch.ops.mkldnn._linear_pointwise
     unfolded = [*a["input_shape"][:-1], weight.shape[0]]
@@ -206,13 +231,4 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         y = linear.binary(x, residual.reshape(unfolded), packed, bias, "add")
         return (y.view(shape) if shape else y,)
 
-    fused = onednn_add if a.get("binary") else onednn
-    if route == "onednn":
-        return fused
-
-    def sample() -> list[Any]:
-        return [torch.randn(a["input_shape"])] + ([torch.randn(result_shape)] if a.get("binary") else [])
-
-    described = {k: a.get(k) for k in ("input_shape", "unary", "binary", "output_shape")}
-    described.update(weight=weight.shape, bias=bias is not None)
-    return fastest("linear", described, {"mkl": mkl, "onednn": fused}, sample, backend)
+    return onednn_add if a.get("binary") else onednn

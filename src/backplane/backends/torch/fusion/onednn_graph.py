@@ -107,10 +107,10 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
         return _named(_layers(layer, backend), "layers")
     if mode == "onednn_graph":
         return compiled
-    routes = {"onednn_graph": compiled}
-    if remembered("graph", description, backend) != "onednn_graph":  # else nothing to measure
-        routes["layers"] = _named(_layers(layer, backend), "layers")
-    return fastest("graph", description, routes, lambda: sample, backend)
+    return fastest("graph", description,
+                   {"onednn_graph": lambda: compiled,
+                    "layers": lambda: _named(_layers(layer, backend), "layers")},
+                   lambda: sample, backend)
 
 
 def _named(run: Callable[..., Any], route: str) -> Workload:

@@ -123,23 +123,24 @@ def torch_post_op(unary: PostOp | None) -> Callable[[Any], Any] | None:
     return table[attr]
 
 
-def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[..., Any]],
+def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[], Any]],
             make_sample: Callable[[], list[Any]], backend: Any) -> Callable[..., Any]:
     """The route measured fastest on a sample input, or the one the disk cache remembers for this
-    layer on this machine and library (``route_cache``; ``CpuAcc.route_cache`` False skips it)."""
+    layer on this machine and library (``route_cache``; ``CpuAcc.route_cache`` False skips it).
+    ``routes`` are makers: where the route is remembered only that one is made (a route not taken
+    would copy and pack its weights at every load for nothing)."""
     from backplane.backends.torch import route_cache
 
-    cache_key = route_cache.key(kind, description) \
-        if backend.options.get("CpuAcc.route_cache", True) else None
     known = remembered(kind, description, backend)
     if known in routes:
-        return routes[known]  # type: ignore[index]
+        return routes[known]()  # type: ignore[index]
     progress.count("CpuAcc: routes measured")
+    made = {name: make() for name, make in routes.items()}
     sample = make_sample()
-    name = min(routes, key=lambda n: seconds(routes[n], *sample))
-    if cache_key:
-        route_cache.store(cache_key, name)
-    return routes[name]
+    name = min(made, key=lambda n: seconds(made[n], *sample))
+    if backend.options.get("CpuAcc.route_cache", True):
+        route_cache.store(route_cache.key(kind, description), name)
+    return made[name]
 
 
 def remembered(kind: str, description: dict[str, Any], backend: Any) -> str | None:
