@@ -5,7 +5,8 @@ memory (CpuAcc: torch CPU tensors, zero-copy views of NumPy arrays; GpuAcc: CUDA
 asynchronously on the current stream) and in ``optimize_subgraph`` (CpuAcc fuses into oneDNN
 primitives, GpuAcc captures CUDA graphs).
 
-Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` (torch's intra-op threads),
+Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` ("auto", the default: as many
+intra-op threads as the CPUs other processes leave free, ``threads.py``; or a count),
 ``CpuAcc.linear_route`` ("auto": measure MKL and oneDNN per layer at load and keep the faster;
 "mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``CpuAcc.compile``
 ("auto": a subgraph with convolutions compiled by oneDNN Graph where that measures faster;
@@ -145,11 +146,37 @@ class GpuWorkloadFactory(TorchWorkloadFactory):
 
 
 class TorchContext(BackendContext):
-    def __init__(self, threads: int | None) -> None:
-        if threads:
+    """Sets torch's threads to ``CpuAcc.threads`` where a count is given; otherwise starts the
+    process's thread governor (``threads.py``), and holds the loading thread at its full count
+    while a network loads (routes are measured, and their cache keyed, at that count)."""
+
+    def __init__(self, threads: Any) -> None:
+        from backplane.backends.torch import threads as policy
+
+        count = policy.thread_setting(threads)
+        self.governor = None if count else policy.governor()
+        if count:
             import torch
 
-            torch.set_num_threads(int(threads))
+            torch.set_num_threads(count)
+
+    def before_load_network(self, network_id: int) -> None:
+        if self.governor is not None:
+            self.governor.hold_most()
+
+
+class CpuWorkloadFactory(TorchWorkloadFactory):
+    """Under the thread policy (``CpuAcc.threads`` "auto"), each workload ticks the governor
+    before its call: the threads follow the machine's load between calls."""
+
+    def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
+                        outputs: Sequence[TensorInfo]) -> Workload:
+        from backplane.backends.torch import threads as policy
+
+        workload = super().create_workload(layer, inputs, outputs)
+        if policy.thread_setting(self.backend.options.get("CpuAcc.threads")) is not None:
+            return workload
+        return policy.Governed(workload, policy.governor())
 
 
 class CpuAcc(TorchBackend):
@@ -157,7 +184,7 @@ class CpuAcc(TorchBackend):
 
     id = "CpuAcc"
     OPTIONS = {
-        "CpuAcc.threads": "torch's intra-op threads (process-wide)",
+        "CpuAcc.threads": "auto (fewer while other processes hold CPUs) or a count (process-wide)",
         "CpuAcc.conv_route": "auto (measured), onednn, torch or gemm (1x1 only)",
         "CpuAcc.linear_route": "auto (measured), mkl or onednn",
         "CpuAcc.compile": "auto, onednn_graph or layers",
@@ -170,6 +197,9 @@ class CpuAcc(TorchBackend):
 
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
         return TorchContext(options.get("CpuAcc.threads"))
+
+    def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
+        return CpuWorkloadFactory(self, memory_manager)
 
     def capabilities(self) -> dict[str, Any]:
         return {**super().capabilities(), "FusedConvolution": True, "ZeroCopyNumPy": True}

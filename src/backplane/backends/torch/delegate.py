@@ -104,10 +104,12 @@ def _kept_module(layer: Layer, module: Any, graph: Graph) -> Workload:
     import torch
 
     from backplane.backends.torch.fusion import onednn_graph
+    from backplane.backends.torch.threads import PerThreadCount
 
     sample = onednn_graph._sample([graph.info(n) for n in layer.inputs],
                                   layer.attrs.get("channels_last"))
     conform = onednn_graph._layout_guard(sample)
+    modules = PerThreadCount(module, sample, 2)  # one compiled per thread count: threads.py
 
     def run(*values: Any) -> tuple[Any, ...]:
         values = conform(values)
@@ -116,7 +118,7 @@ def _kept_module(layer: Layer, module: Any, graph: Graph) -> Workload:
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                outputs = module(*values)
+                outputs = modules.current()(*values)
         finally:
             torch.jit.enable_onednn_fusion(was)
         return outputs if isinstance(outputs, tuple) else (outputs,)

@@ -38,6 +38,7 @@ from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
 from backplane.backends.torch.fusion.patterns import fastest, remembered, seconds
+from backplane.backends.torch.threads import PerThreadCount
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 MODES = ("auto", "onednn_graph", "layers")
@@ -224,6 +225,7 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
         return None
 
     conform = _layout_guard(sample)
+    modules = PerThreadCount(module, sample, 3)  # one compiled per thread count: threads.py
 
     def run(*values: Any) -> tuple[Any, ...]:
         values = conform(values)
@@ -231,7 +233,7 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
         torch.jit.enable_onednn_fusion(True)
         try:
             with torch.no_grad():
-                outputs = module(*values)
+                outputs = modules.current()(*values)
         finally:
             torch.jit.enable_onednn_fusion(was)
         return outputs if isinstance(outputs, tuple) else (outputs,)

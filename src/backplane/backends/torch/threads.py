@@ -1,0 +1,242 @@
+"""CpuAcc's threads on a busy machine: as many intra-op threads as the CPUs others leave free.
+
+torch runs its intra-op work (its own kernels, oneDNN's, MKL's) on OpenMP threads that spin, then
+sleep, at the end of each parallel region. Where a neighbour process holds a core, the thread that
+shares that core is preempted for a scheduler slice while the others wait for it, in every region of
+every layer: on a 2-core machine with one CPU-burning neighbour, the demo model's median run went from
+3 to 8 ms on CpuAcc and its worst to 175 ms (``bench/contention.py``). ``OMP_WAIT_POLICY=PASSIVE``
+(threads sleep at once) tames that but cost the quiet machine 65%: every region then wakes its
+threads through the kernel. And the wait policy is the process's, fixed when OpenMP starts.
+
+So the policy (``CpuAcc.threads="auto"``, the default) keeps OpenMP as it is and changes the number
+of threads, which torch lets change between calls: at most every ``PERIOD`` seconds of runs it
+reads how much of the CPUs the process may use (its affinity) were idle or its own since the last
+reading (``/proc/stat`` and the process's CPU time), and runs with that many threads (at least one,
+at most torch's count when the policy started). Subtracting only other processes' use keeps the
+decision stable: one thread fewer does not make the neighbour look gone. Without ``/proc/stat``
+(not Linux) it keeps torch's count.
+
+``torch.set_num_threads`` sets the calling thread's count (OpenMP's are per thread), so each thread
+that runs a network gets the decision applied in it at its next call. A compiled ``OneDnnGraph``
+does not follow the count: oneDNN Graph's partitions keep running on the threads they were compiled
+with, so each count gets its own copy of the module, compiled at its first use
+(``PerThreadCount``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backplane.backends.api.backend import OptionError, Workload
+
+AUTO = "auto"
+PERIOD = 0.25
+"""Seconds between two readings of the CPUs' use (a reading costs about 0.1 ms)."""
+SLACK = 0.25
+"""A thread is used where 1 - SLACK of a CPU is free: 2 threads of 2 CPUs need 1.75 free."""
+
+
+def thread_setting(value: Any) -> int | None:
+    """``CpuAcc.threads`` as a thread count, or None for the policy ("auto", None or 0, what
+    ``SessionOptions.intra_op_num_threads=0`` gives); an OptionError for anything else."""
+    if value is None or value == AUTO or (isinstance(value, int) and value == 0):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str) and value.isdigit() and int(value) > 0:
+        return int(value)
+    raise OptionError(f"CpuAcc.threads {value!r} is neither {AUTO!r} (the default: fewer threads "
+                      f"while other processes hold CPUs) nor a positive thread count")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading: the clock, this process's CPU seconds (all its threads), and the idle and
+    total ticks of the CPUs it may use."""
+
+    wall: float
+    own: float
+    idle: int
+    total: int
+
+
+def read_sample(cpus: frozenset[int], stat: str = "/proc/stat") -> Sample | None:
+    """Now's reading, or None where the kernel does not say (no ``/proc/stat``)."""
+    try:
+        with open(stat) as file:
+            text = file.read()
+    except OSError:
+        return None
+    idle = total = 0
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(field) for field in rest.split()[:8]]  # user .. steal; guest is in user
+        idle += ticks[3] + ticks[4]  # idle, iowait
+        total += sum(ticks)
+    return Sample(time.perf_counter(), time.process_time(), idle, total)
+
+
+def free_cpus(before: Sample, after: Sample, cpus: int) -> float:
+    """The CPUs this process could have had between two readings: the idle ones and its own."""
+    wall, ticks = after.wall - before.wall, after.total - before.total
+    if wall <= 0 or ticks <= 0:
+        return float(cpus)
+    idle = cpus * (after.idle - before.idle) / ticks
+    own = (after.own - before.own) / wall
+    return min(float(cpus), idle + own)
+
+
+def choose(free: float, most: int) -> int:
+    """The threads for ``free`` CPUs: the largest of ``most``, half of it, a quarter, ... 1 that
+    ``free`` holds (few counts: a compiled OneDnnGraph is kept per count, ``PerThreadCount``)."""
+    count = most
+    while count > 1 and count > free + SLACK:
+        count //= 2
+    return max(1, count)
+
+
+class ThreadGovernor:
+    """Sets torch's threads to ``choose(free_cpus(...))`` every ``period`` seconds of calls."""
+
+    def __init__(self, most: int, cpus: frozenset[int],
+                 read: Callable[[frozenset[int]], Sample | None] = read_sample,
+                 apply: Callable[[int], None] | None = None, period: float = PERIOD) -> None:
+        self.most = self.threads = most
+        self.cpus, self.read, self.period = cpus, read, period
+        self.apply = apply or _set_torch_threads
+        self.decisions: dict[int, int] = {}
+        """How many readings chose each thread count (what the bench prints)."""
+        self._last = read(cpus)
+        self._due = time.perf_counter() + period
+        self._lock = threading.Lock()
+        self._applied = threading.local()
+
+    def tick(self) -> None:
+        """Before a call: read the CPUs' use if due, and give this thread the current count."""
+        if time.perf_counter() >= self._due:
+            self.update()
+        if getattr(self._applied, "threads", None) != self.threads:
+            self.apply(self.threads)
+            self._applied.threads = self.threads
+
+    def update(self) -> None:
+        with self._lock:
+            self._due = time.perf_counter() + self.period
+            sample = self.read(self.cpus)
+            if sample is not None and self._last is not None:
+                self.threads = choose(free_cpus(self._last, sample, len(self.cpus)), self.most)
+                self.decisions[self.threads] = self.decisions.get(self.threads, 0) + 1
+            self._last = sample
+
+    def hold_most(self) -> None:
+        """This thread at the full count (a load measures its routes, and keys their cache, at
+        the count a quiet machine runs with); the next call's tick applies the decision again."""
+        self.apply(self.most)
+        self._applied.threads = self.most
+
+
+def _set_torch_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)
+
+
+_GOVERNOR: ThreadGovernor | None = None
+_MADE = threading.Lock()
+
+
+def governor() -> ThreadGovernor:
+    """The process's governor (torch's threads are the process's), made at the first "auto" load:
+    at most torch's thread count then, and the CPUs of the process's affinity."""
+    global _GOVERNOR
+    with _MADE:
+        if _GOVERNOR is None:
+            import os
+
+            import torch
+
+            cpus = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                             else range(os.cpu_count() or 1))
+            _GOVERNOR = ThreadGovernor(max(1, min(torch.get_num_threads(), len(cpus))), cpus)
+        return _GOVERNOR
+
+
+class Governed:
+    """A CpuAcc workload whose calls (and profiled calls) tick the governor first; its other
+    attributes (``exclusive``, ``destroy``, ``relayouts``, ...) are the workload's."""
+
+    __slots__ = ("work", "governor")
+
+    def __init__(self, work: Workload, governor: ThreadGovernor) -> None:
+        self.work, self.governor = work, governor
+
+    def __call__(self, *inputs: Any) -> tuple[Any, ...]:
+        self.governor.tick()
+        return self.work(*inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Governed.__slots__:  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        found = getattr(self.work, name)
+        if name == "profiled":
+            return functools.partial(_ticked, self.governor, found)
+        return found
+
+    def __repr__(self) -> str:
+        return f"Governed({self.work!r})"
+
+
+def _ticked(governor: ThreadGovernor, call: Callable[..., Any], *inputs: Any) -> Any:
+    governor.tick()
+    return call(*inputs)
+
+
+class PerThreadCount:
+    """A frozen TorchScript module per torch thread count, for oneDNN Graph: a module whose
+    partitions were compiled at 2 threads still runs them on 2 after ``torch.set_num_threads(1)``
+    (measured: its second OpenMP thread kept as busy as the first, and the run 27 times slower
+    than a copy compiled at 1 thread, on a loaded 2-core machine). Each other count gets a copy
+    (saved and loaded: its own executor, its own weights) warmed at that count: ``calls`` calls on
+    ``sample``, which hand its partitions to oneDNN Graph."""
+
+    def __init__(self, module: Any, sample: Sequence[Any], calls: int) -> None:
+        import torch
+
+        self.count = torch.get_num_threads
+        self.modules = {self.count(): module}
+        self._sample, self._calls, self._saved = sample, calls, b""
+        self._lock = threading.Lock()
+
+    def current(self) -> Any:
+        """The module for the calling thread's count, copied and warmed on first use (called as
+        the module is: oneDNN fusion on, no grad)."""
+        module = self.modules.get(self.count())
+        return module if module is not None else self._copy()
+
+    def _copy(self) -> Any:
+        import io
+
+        import torch
+
+        with self._lock:
+            count = self.count()
+            if count not in self.modules:
+                if not self._saved:
+                    buffer = io.BytesIO()
+                    torch.jit.save(next(iter(self.modules.values())), buffer)
+                    self._saved = buffer.getvalue()
+                copy = torch.jit.load(io.BytesIO(self._saved))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # TorchScript's deprecation
+                    for _ in range(self._calls):
+                        copy(*self._sample)
+                self.modules[count] = copy
+            return self.modules[count]
