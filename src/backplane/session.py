@@ -507,7 +507,7 @@ class InferenceSession:
         assert compiled is not None
         optimizer = dataclasses.asdict(optimizer_options or OptimizerOptions())
         entry = artifact.cache.key(model, ids, chosen, registry, pins=pins, optimizer=optimizer,
-                                   input_shapes=input_shapes)
+                                   input_shapes=input_shapes, directory=compiled)
 
         def compile_into(path: str) -> None:
             artifact.build(model, path, ids, chosen, pins=pins, optimizer_options=optimizer_options,

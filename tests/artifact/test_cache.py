@@ -130,3 +130,33 @@ def test_two_processes_fill_one_entry_at_once(tmp_path: Path) -> None:
     expected = InferenceSession(MODEL, ["CpuRef"]).run(None, FEEDS)[0]
     for i in range(2):
         assert np.load(tmp_path / f"out{i}.npy").tobytes() == expected.tobytes()
+
+
+def test_a_hit_does_not_read_the_model_again(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model file's digest is remembered under its identity (inode, size, times); a file
+    written to since is hashed again, and its key changes with its bytes."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes(Path(MODEL).read_bytes())
+    folder = str(tmp_path / "cache")
+    monkeypatch.setattr(cache, "SETTLED_NS", -1)  # the file is new: remember it all the same
+    first = cache.key(model, ["CpuRef"], {}, registry, directory=folder)
+
+    def unread(model: object) -> str:
+        raise AssertionError("the model was hashed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, "model_hash", unread)
+        assert cache.key(model, ["CpuRef"], {}, registry, directory=folder) == first
+    model.write_bytes(model.read_bytes() + b"\0")  # other bytes (the key never parses them)
+    assert cache.key(model, ["CpuRef"], {}, registry, directory=folder) != first
+    assert cache.key(model, ["CpuRef"], {}, registry) == \
+        cache.key(model, ["CpuRef"], {}, registry, directory=folder)
+
+
+def test_a_freshly_written_model_is_not_remembered(tmp_path: Path) -> None:
+    """Written within SETTLED_NS before it was hashed: hashed again at every key."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes(Path(MODEL).read_bytes())
+    cache.key(model, ["CpuRef"], {}, registry, directory=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache" / cache.DIGESTS).exists()

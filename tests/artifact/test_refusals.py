@@ -140,14 +140,40 @@ def test_corrupted_file(tmp_path: Path) -> None:
     flipped = bytearray(data)
     flipped[constants["offset"] + 10] ^= 0x40
     (tmp_path / "weights.bpl").write_bytes(flipped)
-    with pytest.raises(ArtifactError, match=r"corrupted: section 'constants' has sha256 \w+, "
-                                            r"expected " + constants["sha256"]):
+    with pytest.raises(ArtifactError, match=r"corrupted: section 'constants' has crc32 \w+, "
+                                            r"expected " + constants["crc32"]):
         InferenceSession(tmp_path / "weights.bpl")
     header = bytearray(data)
     header[60] ^= 0x01
     (tmp_path / "header.bpl").write_bytes(header)
     with pytest.raises(ArtifactError, match="corrupted: the header's sha256"):
         InferenceSession(tmp_path / "header.bpl")
+
+
+def test_a_format_1_0_file_is_checked_by_its_sha256(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Format 1.0 kept each section's sha256 (1.1: its CRC-32): such a file loads, and a flipped
+    byte in it is found by its sha256."""
+    import hashlib
+
+    path, feeds = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "old.bpl"
+    with monkeypatch.context() as patch:
+        patch.setattr(container, "checksum", lambda data: {"sha256": hashlib.sha256(data).hexdigest()})
+        patch.setattr(backplane.artifact.compiler, "FORMAT_VERSION", (1, 0))
+        backplane.compile(path, ["CpuRef"], artifact)
+    header = container.read(artifact).header
+    assert header["format"] == [1, 0] and all("sha256" in s for s in header["sections"])
+    expected = InferenceSession(path, ["CpuRef"]).run(None, feeds)
+    for a, b in zip(InferenceSession(artifact).run(None, feeds), expected):
+        assert a.tobytes() == b.tobytes()
+    constants = next(s for s in header["sections"] if s["name"] == "constants")
+    data = bytearray(artifact.read_bytes())
+    data[constants["offset"] + 10] ^= 0x40
+    artifact.write_bytes(data)
+    with pytest.raises(ArtifactError, match=r"section 'constants' has sha256 \w+, expected "
+                                            + constants["sha256"]):
+        InferenceSession(artifact)
 
 
 def test_other_backends_than_compiled(tmp_path: Path) -> None:

@@ -5,14 +5,17 @@
     offset 0   b"BPLNART\\n"                      8 bytes, the magic
     offset 8   header length                       8 bytes, little-endian
     offset 16  sha256 of the header                32 bytes
-    offset 48  the header: UTF-8 JSON              {"format": [1, 0], "sections": [...], ...}
+    offset 48  the header: UTF-8 JSON              {"format": [1, 1], "sections": [...], ...}
     then       the sections, each starting at a multiple of ALIGNMENT bytes from the file's start
 
 A section is raw bytes (the constants, one blob per delegated partition); the header lists each one's
-name, offset, size and sha256. Reading maps the file copy-on-write (``mmap.ACCESS_COPY``): a
-section is a view of the mapping, never read into memory first, and arrays made on it are writable
-without writing to the file. Writing goes to a temporary file in the same folder, then
-``os.replace``: a reader sees the whole file or none.
+name, offset, size and CRC-32 (``zlib.crc32``, the check zip and PNG keep of their data; the header,
+small, keeps its sha256). Loading reads every section's bytes for it, so its cost is a load's floor:
+a CRC-32 costs about a third of a sha256 here (282 MB: 0.13 against 0.29 s). Files of format 1.0
+carry each section's sha256 instead, checked as before. Reading maps the file copy-on-write
+(``mmap.ACCESS_COPY``): a section is a view of the mapping, never read into memory first, and
+arrays made on it are writable without writing to the file. Writing goes to a temporary file in
+the same folder, then ``os.replace``: a reader sees the whole file or none.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import mmap
 import os
 import tempfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +64,7 @@ def write(path: str | os.PathLike, header: dict[str, Any],
     """Write the artifact atomically; returns its size in bytes."""
     table, offset = [], 0
     for name, data in sections:
-        table.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        table.append({"name": name, "size": len(data), **checksum(data)})
     text = b""
     while True:  # the offsets depend on the header's length, which depends on the offsets
         offset = _aligned(_PREFIX + len(text))
@@ -126,12 +130,18 @@ def _sections(path: str, header: dict[str, Any], mapping: Any, size: int) -> dic
             raise ArtifactError(f"'{path}' is truncated: {size} bytes, section '{entry['name']}' "
                                 f"ends at byte {end}")
         data = whole[entry["offset"]:end]
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry["sha256"]:
-            raise ArtifactError(f"'{path}' is corrupted: section '{entry['name']}' has sha256 "
-                                f"{digest}, expected {entry['sha256']}")
+        kind = "crc32" if "crc32" in entry else "sha256"  # sha256: format 1.0
+        digest = checksum(data)["crc32"] if kind == "crc32" else hashlib.sha256(data).hexdigest()
+        if digest != entry[kind]:
+            raise ArtifactError(f"'{path}' is corrupted: section '{entry['name']}' has {kind} "
+                                f"{digest}, expected {entry[kind]}")
         sections[entry["name"]] = data
     return sections
+
+
+def checksum(data: bytes | memoryview) -> dict[str, str]:
+    """A section's checksum, as its header entry holds it."""
+    return {"crc32": f"{zlib.crc32(data):08x}"}
 
 
 def _header_bytes(header: dict[str, Any]) -> bytes:
