@@ -247,6 +247,8 @@ class GpuAcc(TorchBackend):
         "GpuAcc.tf32": "TF32 matrix products and convolutions (False)",
         "GpuAcc.precision": "fp32, fp16 or bf16 inside captured subgraphs",
         "GpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
+        "GpuAcc.fuse_attention": "attention blocks as scaled_dot_product_attention (True; "
+                                 "with fp16, bf16 or tf32)",
         "GpuAcc.compile": "none, or inductor: each captured subgraph compiled by TorchInductor",
         "GpuAcc.channels_last": "convolutions' tensors in NHWC memory (auto: with fp16 or bf16)",
     }

@@ -135,12 +135,11 @@ chain of resnet50 and mobilenet_v3_large ran faster fused, 0.47x to 0.97x of its
 the same cuDNN kernel (``sm80_xmma_fprop_implicit_gemm``) and bit-identical outputs."""
 
 
-def _inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = ()) -> list[Step]:
+def _inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = (),
+                 constants: dict[str, np.ndarray] | None = None) -> list[Step]:
     bound = [(bind_kernel(backend.kernel_for(layer), layer.attrs, len(layer.outputs)), layer)
              for layer in layers]
     steps: list[Step | None] = [(w, layer.inputs, layer.outputs) for w, layer in bound]
-    if not backend.options.get("GpuAcc.fuse_conv_relu", FUSE_CONV_RELU):
-        return [s for s in steps if s is not None]
     uses: dict[str, int] = {}
     consumer: dict[str, int] = {}
     for index, layer in enumerate(layers):
@@ -154,6 +153,10 @@ def _inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] =
     def sole(name: str) -> int | None:
         return consumer.get(name) if uses.get(name) == 1 else None  # None: read outside only
 
+    if _fuses_attention(backend):
+        _fuse_attention(layers, steps, sole, constants or {})
+    if not backend.options.get("GpuAcc.fuse_conv_relu", FUSE_CONV_RELU):
+        return [s for s in steps if s is not None]
     for index, layer in enumerate(layers):
         if layer.op_type != "Conv" or layer.domain or not _fusable_conv(layer):
             continue
@@ -181,6 +184,148 @@ def _inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] =
             steps[i] = None
         steps[chain[-1]] = (fused, names, layers[chain[-1]].outputs)
     return [s for s in steps if s is not None]
+
+
+def _fuses_attention(backend: Any) -> bool:
+    """``GpuAcc.fuse_attention`` (default True), where the subgraph may round as tensor cores do:
+    in fp16 or bf16, or with ``GpuAcc.tf32``. In strict float32 the layers' own kernels run, since
+    the fused kernels may compute their products in TF32."""
+    options = backend.options
+    if not options.get("GpuAcc.fuse_attention", True):
+        return False
+    return bool(options.get("GpuAcc.tf32", False)) or \
+        options.get("GpuAcc.precision", "fp32") != "fp32"
+
+
+def _fuse_attention(layers: Sequence[Layer], steps: list[Step | None],
+                    sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> None:
+    """MatMul(Q, Kt) -> Mul or Div by a constant scalar -> [Add(mask) ->] Softmax(last axis) ->
+    [Cast to float ->] MatMul(., V), each result read by the next alone, as one call of torch's
+    ``scaled_dot_product_attention`` (Q, Kt transposed back to K, V, the mask, the scale): its flash
+    or memory-efficient kernels on CUDA, where the layers launch five or six kernels and write the
+    scores out twice. That is the attention block the TorchScript exporter writes for BERT and GPT-2
+    (transformers' eager attention). Rewrites ``steps`` in place."""
+    def one(index: int | None, *ops: str) -> Layer | None:
+        if index is None or layers[index].op_type not in ops or layers[index].domain:
+            return None
+        return layers[index]
+
+    def producer_index(name: str) -> int | None:
+        for i, layer in enumerate(layers):
+            if name in layer.outputs:
+                return i
+        return None
+
+    def scalar(name: str) -> float | None:
+        value = constants.get(name)
+        if value is None or np.asarray(value).size != 1 or \
+                not np.issubdtype(np.asarray(value).dtype, np.floating):
+            return None
+        return float(np.asarray(value).reshape(()))
+
+    for index, softmax in enumerate(layers):
+        if softmax.op_type != "Softmax" or softmax.domain or softmax.opset < 13 \
+                or int(softmax.attrs.get("axis", -1)) != -1:
+            continue
+        chain = [index]
+        start = producer_index(softmax.inputs[0])
+        mask = ""
+        add = one(start, "Add")
+        if add is not None and start is not None and sole(add.outputs[0]) == index:
+            scaled_at = next((i for i in (producer_index(n) for n in add.inputs)
+                              if i is not None and layers[i].op_type in ("Mul", "Div")
+                              and sole(layers[i].outputs[0]) == start), None)
+            if scaled_at is None:
+                continue
+            mask = next(n for n in add.inputs if n != layers[scaled_at].outputs[0])
+            chain.insert(0, start)
+        else:
+            scaled_at = start
+        scaled = one(scaled_at, "Mul", "Div")
+        if scaled is None or scaled_at is None or sole(scaled.outputs[0]) != chain[0]:
+            continue
+        product_at = next((producer_index(n) for n in scaled.inputs
+                           if producer_index(n) is not None), None)
+        product = one(product_at, "MatMul")
+        if product is None or product_at is None or sole(product.outputs[0]) != scaled_at:
+            continue
+        factor = next((scalar(n) for n in scaled.inputs if n != product.outputs[0]), None)
+        if factor is None or (scaled.op_type == "Div" and (scaled.inputs[0] != product.outputs[0]
+                                                            or factor == 0)):
+            continue
+        scale = factor if scaled.op_type == "Mul" else 1.0 / factor
+        tail: list[int] = []
+        last = softmax
+        cast_at = sole(softmax.outputs[0])
+        cast = one(cast_at, "Cast")
+        if cast is not None and cast_at is not None:
+            if int(cast.attrs.get("to", 0)) != 1:  # a Cast to float32 only: the identity here
+                continue
+            tail.append(cast_at)
+            last = cast
+        out_at = sole(last.outputs[0])
+        out = one(out_at, "MatMul")
+        if out is None or out_at is None or out.inputs[0] != last.outputs[0]:
+            continue
+        tail.append(out_at)
+        chain = [product_at, scaled_at, *chain, *tail]
+        if any(steps[i] is None for i in chain):
+            continue
+        parts = [steps[i] for i in chain]
+        made = {n for i in chain for n in layers[i].outputs}
+        reads = list(dict.fromkeys(n for i in chain for n in layers[i].inputs
+                                   if n and n not in made))
+        fused = _attention(parts, reads, product.inputs[0], product.inputs[1], out.inputs[1], mask,
+                           scale)  # type: ignore[arg-type]
+        for i in chain:
+            steps[i] = None
+        steps[chain[-1]] = (fused, reads, out.outputs)
+
+
+def _attention(parts: list[Step], reads: list[str], q: str, kt: str, v: str, mask: str,
+               scale: float) -> Workload:
+    """softmax(Q @ Kt * scale [+ mask]) @ V as ``scaled_dot_product_attention`` over the values
+    named ``reads`` (the chain's inputs from outside it), else (an error of the fused call: no kernel
+    for these shapes or types) the chain's own steps, for good."""
+    import torch.nn.functional as F
+
+    state = {"fused": True}
+    final = parts[-1][2][0]
+
+    def workload(*values: Any) -> tuple[Any]:
+        env = dict(zip(reads, values))
+        Q, Kt, V, M = env[q], env[kt], env[v], env.get(mask) if mask else None
+        if state["fused"] and _sdpa_shapes(Q, Kt, V, M):
+            try:
+                return (F.scaled_dot_product_attention(Q, Kt.transpose(-2, -1), V, attn_mask=M,
+                                                       scale=scale),)
+            except (RuntimeError, ValueError):
+                state["fused"] = False
+        for step, names_in, names_out in parts:
+            env.update(zip(names_out, step(*[env[n] if n else None for n in names_in])))
+        return (env[final],)
+
+    return workload
+
+
+def _sdpa_shapes(Q: Any, Kt: Any, V: Any, M: Any) -> bool:
+    """Whether ``scaled_dot_product_attention`` computes what the layers do on these values: one
+    floating type, the same leading (batch, head) dimensions for Q, K and V (the layers' MatMuls
+    would broadcast them; the fused kernels do not), and a mask that broadcasts to the scores
+    without enlarging them."""
+    import torch
+
+    if not (Q.is_floating_point() and Q.dtype == Kt.dtype == V.dtype and Q.dim() >= 3
+            and Q.dim() == Kt.dim() == V.dim() and Q.shape[:-2] == Kt.shape[:-2] == V.shape[:-2]
+            and Q.shape[-1] == Kt.shape[-2] and Kt.shape[-1] == V.shape[-2]):
+        return False
+    if M is None:
+        return True
+    scores = (*Q.shape[:-1], Kt.shape[-1])
+    try:
+        return M.dtype == Q.dtype and tuple(torch.broadcast_shapes(M.shape, scores)) == scores
+    except RuntimeError:
+        return False
 
 
 def _fusable_conv(layer: Layer) -> bool:
@@ -409,7 +554,7 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
     device = backend.device()
     inner = layer.attrs["layers"]
     reduced = reduced_precision(backend)
-    steps = _inner_steps(inner, backend, layer.attrs["outputs"])
+    steps = _inner_steps(inner, backend, layer.attrs["outputs"], layer.attrs["constants"])
     nhwc = channels_last(backend.options, reduced) and any(
         lay.op_type == "Conv" and not lay.domain for lay in inner)
     env_template = _upload(inner, layer.attrs["constants"], device, reduced, nhwc)
