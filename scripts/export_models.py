@@ -71,6 +71,29 @@ class _LogitsOnly(torch.nn.Module):
                       return_dict=False)[0]
 
 
+class _DecodeStep(torch.nn.Module):
+    """GPT-2 LM, one decoding step with its key / value cache: (input_ids, attention_mask, past key
+    and value of each layer) -> (logits, present key and value of each layer). The past length is a
+    free dimension (``dynamic_axes``), as in every exported decoder that keeps its cache."""
+
+    def __init__(self, m: torch.nn.Module, layers: int):
+        super().__init__()
+        self.m = m
+        self.layers = layers
+
+    def forward(self, input_ids, attention_mask, *past):
+        from transformers.cache_utils import DynamicCache
+        cache = DynamicCache()
+        for i in range(self.layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                     use_cache=True)
+        present = []
+        for layer in out.past_key_values.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
 # ---------------------------------------------------------------- builders
 
 def liven(m: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
@@ -148,6 +171,29 @@ def gpt2(seq: int = SEQ, live: bool = False, batch: int = 1, **config: Any) -> B
     return build
 
 
+def gpt2_decode(past: int, live: bool = False, **config: Any) -> Builder:
+    """One decoding step of GPT2LMHeadModel with a cache of ``past`` positions (eager attention);
+    the module carries the export's ``dynamic_axes`` (the past and total lengths)."""
+    def build() -> Built:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(**config)
+        cfg._attn_implementation = "eager"
+        layers, heads = cfg.n_layer, cfg.n_head
+        m = _DecodeStep(GPT2LMHeadModel(cfg).eval(), layers).eval()
+        if live:
+            liven(m)
+        ids = torch.randint(0, cfg.vocab_size, (1, 1))
+        mask = torch.ones(1, past + 1, dtype=torch.long)
+        cache = [torch.randn(1, heads, past, cfg.n_embd // heads) for _ in range(2 * layers)]
+        names = ["input_ids", "attention_mask"] + [f"past_{kind}_{i}" for i in range(layers)
+                                                   for kind in ("key", "value")]
+        outs = ["logits"] + [f"present_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+        m.dynamic_axes = {"attention_mask": {1: "total"}, **{n: {2: "past"} for n in names[2:]},
+                          **{n: {2: "total"} for n in outs[1:]}}
+        return m, (ids, mask, *cache), names, outs
+    return build
+
+
 def anchors(batch: int = 1) -> dict[str, Builder]:
     """The yardstick's models, in its order, with its settings (at another batch where asked)."""
     import torchvision.models as tvm
@@ -173,6 +219,10 @@ def small() -> dict[str, tuple[Path, Builder]]:
         "tiny_bert": (TEST_DATA, bert(seq=TINY_SEQ, live=True, vocab_size=100, hidden_size=32,
                                       num_hidden_layers=2, num_attention_heads=2,
                                       intermediate_size=64, max_position_embeddings=TINY_SEQ)),
+        # One decoding step with a cache of 6 positions (free past length).
+        "tiny_gpt2_decode": (TEST_DATA, gpt2_decode(6, live=True, vocab_size=100, n_positions=32,
+                                                    n_embd=32, n_layer=2, n_head=2,
+                                                    bos_token_id=99, eos_token_id=99)),
         # bos / eos set inside the vocabulary: GPT-2's 50256 is not (transformers warns).
         "tiny_gpt2": (TEST_DATA, gpt2(seq=TINY_SEQ, live=True, vocab_size=100, n_positions=TINY_SEQ,
                                       n_embd=32, n_layer=2, n_head=2, use_cache=False,
@@ -196,7 +246,8 @@ def export(name: str, build: Builder, out_dir: Path, save_inputs: bool = False) 
             with torch.inference_mode(False), torch.no_grad():
                 torch.onnx.export(m, args, str(path), opset_version=OPSET, dynamo=dynamo,
                                   input_names=in_names, output_names=out_names,
-                                  do_constant_folding=True)
+                                  do_constant_folding=True,
+                                  dynamic_axes=getattr(m, "dynamic_axes", None))
             summary = check(path)
             print(f"OK  {name}: dynamo={dynamo} {summary} ({time.perf_counter() - t0:.1f}s)")
             break

@@ -235,3 +235,17 @@ def test_channels_last_changes_the_memory_not_the_answer(precision: str) -> None
     assert nhwc.flags.c_contiguous and nhwc.dtype == np.float32
     tolerance = 1e-5 if precision == "fp32" else 2e-2
     assert np.abs(nhwc - nchw).max() <= tolerance * np.abs(nchw).max()
+
+
+def test_decoding_with_a_cache_stays_on_the_gpu() -> None:
+    """One GPT-2 decoding step with a free past length: GpuAcc takes it whole (a Specialized layer,
+    captured per past length), and several steps with the cache fed back match ONNX Runtime."""
+    from tests.models.test_decoder_cache import PATH, _decode
+
+    feeds = dict(np.load(DATA / "tiny_gpt2_decode.npz"))
+    session = InferenceSession(PATH, backends=["GpuAcc", "CpuRef"])
+    reference = ort.InferenceSession(str(PATH), providers=["CPUExecutionProvider"])
+    for got, want in zip(_decode(lambda f: session.run(None, f), feeds),
+                         _decode(lambda f: reference.run(None, f), feeds)):
+        assert_close(got, want)
+    assert session.report.partitions == ["GpuAcc"], session.report.partitions
