@@ -9,7 +9,7 @@ Usage (with a Python that has torch and torchvision; transformers for the BERT /
 
 Every model is a real architecture (torchvision, or transformers built from a Config) with random
 weights from a fixed seed: nothing pretrained is ever downloaded. Every export is ONNX opset 17 with
-static shapes, batch 1 unless the name says otherwise, through the TorchScript exporter
+static shapes (but tiny_gpt2_decode's free past length), batch 1 unless the name says otherwise, through the TorchScript exporter
 (dynamo=False, which emits opset 17 natively) and the dynamo exporter only if that one fails.
 
 The anchor builders repeat those of the project's yardstick (shared/tools/export_anchor_models.py):
