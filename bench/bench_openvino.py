@@ -13,11 +13,16 @@ seeded inputs (a tiny model's own ``.npz`` where there is one beside it).
 
 fp32 runtimes: ``onnxruntime`` (CPU EP), ``openvino`` (OpenVINO's own API: read the ONNX file,
 compile for the CPU with f32 inference precision and the LATENCY hint, infer with shared inputs and
-outputs), ``OpenVINO,CpuRef`` and ``CpuAcc,CpuRef`` (backplane sessions). bf16 runtimes:
+outputs), ``OpenVINO,CpuRef``, ``CpuAcc,CpuRef`` and ``measured:OpenVINO,CpuAcc,CpuRef`` (backplane
+sessions; ``measured:`` is ``OptimizerOptions(placement="measured")``: each partition on the backend
+timed fastest for it at load, issue 12's best configuration). ``--runtime`` (repeated) picks
+runtimes instead of the precision's list. bf16 runtimes:
 ``openvino-default`` (OpenVINO compiled with no precision hint: bf16 on a CPU with AMX or
 AVX512-BF16, f32 elsewhere), ``openvino`` with bf16 asked, ``OpenVINO,CpuRef`` with
 ``OpenVINO.precision=bf16``. The table: median ms of all timed calls, the spread (min-max of each
-process's median), ONNX Runtime's median over this one (above 1: faster than ONNX Runtime), the worst
+process's median), ONNX Runtime's median over this one (above 1: faster than ONNX Runtime), the
+better of ONNX Runtime's and OpenVINO's fp32 medians over this one ("vs peers", issue 12's figure,
+with its geometric mean over the models for each backplane runtime at the end), the worst
 relative difference of the outputs from ONNX Runtime's fp32 ones (max |diff| / max |reference|), the
 precision OpenVINO computed in where it tells, and the load seconds.
 """
@@ -48,7 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = [ROOT / "tests" / "data" / f"{name}.onnx"
         for name in ("tiny_mobilenet_v3", "tiny_bert", "tiny_gpt2")]
 ORT = "onnxruntime"
-RUNTIMES = {"fp32": [ORT, "openvino", "OpenVINO,CpuRef", "CpuAcc,CpuRef"],
+MEASURED = "measured:"
+RUNTIMES = {"fp32": [ORT, "openvino", "OpenVINO,CpuRef", "CpuAcc,CpuRef",
+                     f"{MEASURED}OpenVINO,CpuAcc,CpuRef"],
             "bf16": ["openvino-default", "openvino", "OpenVINO,CpuRef"]}
 Run = Callable[[], list[np.ndarray]]
 
@@ -79,14 +86,16 @@ def load(runtime: str, model: str, feeds: dict[str, np.ndarray], threads: int,
             return [results[port] for port in compiled.outputs]
 
         return run, compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
-    from backplane import InferenceSession
+    from backplane import InferenceSession, OptimizerOptions
 
-    backends = runtime.split(",")
+    placement = "measured" if runtime.startswith(MEASURED) else "preference"
+    backends = runtime.removeprefix(MEASURED).split(",")
     options = {"OpenVINO.threads": threads, "CpuAcc.threads": threads,
                "OpenVINO.precision": precision}
     session = InferenceSession(model, providers=[(b, {k: v for k, v in options.items()
                                                       if k.startswith(f"{b}.")})
-                                                 for b in backends])
+                                                 for b in backends],
+                               optimizer_options=OptimizerOptions(placement=placement))
     steps = session.runtime.network(session.network_id).steps
     used = sorted({w.precision for w in (s.workload for s in steps) if hasattr(w, "precision")})
     return (lambda: session.run(None, feeds)), ",".join(used)
@@ -142,7 +151,8 @@ def feeds_for(model: Path) -> dict[str, np.ndarray]:
 def bench_model(args: argparse.Namespace, model: Path, tmp: Path) -> list[dict[str, Any]]:
     feeds = tmp / f"{model.stem}.feeds.npz"
     np.savez(feeds, **feeds_for(model))  # type: ignore[arg-type]
-    columns = [(precision, rt) for precision in args.precision for rt in RUNTIMES[precision]]
+    columns = [(precision, rt) for precision in args.precision
+               for rt in (args.runtime or RUNTIMES[precision])]
     if (("fp32", ORT)) not in columns:
         columns.insert(0, ("fp32", ORT))  # the reference of every accuracy figure
     rows = {column: {"precision": column[0], "runtime": column[1], "medians": [], "times": [],
@@ -179,19 +189,31 @@ def difference(outputs: list[np.ndarray] | None, reference: list[np.ndarray] | N
     return f"{worst:.1e}"
 
 
-def table(model: str, rows: list[dict[str, Any]]) -> list[str]:
+def peers_median(rows: list[dict[str, Any]]) -> float | None:
+    """The better of ONNX Runtime's and OpenVINO's own fp32 medians, where either ran."""
+    medians = [statistics.median(r["times"]) for r in rows if r["precision"] == "fp32"
+               and r["runtime"] in (ORT, "openvino") and r["times"]]
+    return min(medians) if medians else None
+
+
+def table(model: str, rows: list[dict[str, Any]], ratios: dict[str, list[float]]) -> list[str]:
     reference = next(r for r in rows if r["runtime"] == ORT and r["precision"] == "fp32")
     base = statistics.median(reference["times"]) if reference["times"] else None
+    peers = peers_median(rows)
     lines = []
     for row in rows:
         name = f"{row['runtime']} {row['precision']}"
         if row["error"]:
-            lines.append(f"| {model:18s} | {name:24s} | failed: {row['error'][:70]} |")
+            lines.append(f"| {model:18s} | {name:37s} | failed: {row['error'][:70]} |")
             continue
         median = statistics.median(row["times"]) * 1e3
         spread = f"{min(row['medians']) * 1e3:.2f}-{max(row['medians']) * 1e3:.2f}"
         ratio = f"{base * 1e3 / median:.2f}x" if base else "-"
-        lines.append(f"| {model:18s} | {name:24s} | {median:8.2f} | {spread:>13s} | {ratio:>6s} | "
+        versus = f"{peers * 1e3 / median:.2f}x" if peers else "-"
+        if peers and row["runtime"] not in (ORT, "openvino", "openvino-default"):
+            ratios.setdefault(name, []).append(peers * 1e3 / median)
+        lines.append(f"| {model:18s} | {name:37s} | {median:8.2f} | {spread:>13s} | {ratio:>6s} | "
+                     f"{versus:>8s} | "
                      f"{difference(row['outputs'], reference['outputs']):>8s} | "
                      f"{row['computes'] or '-':>8s} | {statistics.median(row['loads']):6.2f} |")
     return lines
@@ -228,6 +250,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("model", nargs="*", type=Path, help="ONNX models (the tiny ones by default)")
     parser.add_argument("--precision", default="fp32",
                         help="comma-separated: fp32 and/or bf16 (default fp32)")
+    parser.add_argument("--runtime", action="append", default=[],
+                        help="a runtime to time (repeat; default: the precision's list)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="processes per runtime, alternating")
     parser.add_argument("--runs", type=int, default=50, help="timed calls per process")
@@ -252,14 +276,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     models = args.model or TINY
     lines = environment(args.threads)
-    lines += ["| model              | runtime precision        |   median | spread ms     | vs ORT |"
-              " rel diff | computes | load s |"]
+    lines += ["| model              | runtime precision                     |   median | spread ms     | vs ORT |"
+              " vs peers | rel diff | computes | load s |"]
     failed = False
+    ratios: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             rows = bench_model(args, model, Path(tmp))
             failed |= any(row["error"] for row in rows)
-            lines += table(model.stem, rows)
+            lines += table(model.stem, rows, ratios)
+    for name, values in ratios.items():
+        geomean = float(np.exp(np.mean(np.log(values))))
+        lines.append(f"{name}: vs peers {', '.join(f'{v:.2f}' for v in values)}; geometric mean "
+                     f"{geomean:.3f}, lowest {min(values):.2f} ({len(values)} models)")
     load1, load5, _ = os.getloadavg()
     lines.append(f"load average {load1:.2f} / {load5:.2f} (1 / 5 min) at the end")
     print("\n".join(lines))
