@@ -192,7 +192,8 @@ class SessionOptions(_Options):
     as keywords: ``SessionOptions(intra_op_num_threads=2, enable_profiling=True)``.
 
     - ``intra_op_num_threads``: CpuAcc's threads (torch's intra-op pool, process-wide; the option
-      ``CpuAcc.threads``); 0 leaves torch's default.
+      ``CpuAcc.threads``); 0 leaves CpuAcc's policy, "auto": fewer threads while other processes
+      hold CPUs (docs/torch-backends.md).
     - ``strict``: the optimizer's strict mode: fail instead of falling back (an unavailable backend,
       a refused layer, a workload a backend cannot create).
     - ``pins``: layer name or op type -> backend id, tried before the preferences.
@@ -208,7 +209,7 @@ class SessionOptions(_Options):
     """
 
     FIELDS = {
-        "intra_op_num_threads": (0, _count("intra_op_num_threads"), "CpuAcc's threads; 0: torch's"),
+        "intra_op_num_threads": (0, _count("intra_op_num_threads"), "CpuAcc's threads; 0: auto"),
         "strict": (False, _flag("strict"), "fail instead of falling back"),
         "pins": (dict, _pins, "layer name or op type -> backend id"),
         "placement": ("preference", _placement, "preference (the list's order) or measured"),
