@@ -137,7 +137,8 @@ def measure(args: argparse.Namespace, configs: list[str], counts: list[int]) -> 
 
 def table(burners: int, results: dict) -> None:
     print(f"\n{burners} burner(s)")
-    print(f"{'config':<22} {'median ms':>10} {'p10':>8} {'p90':>8} {'worst':>9}  threads (share of runs)")
+    print(f"{'config':<22} {'median ms':>10} {'p10':>8} {'p90':>8} {'worst':>9}  "
+          "threads (share of runs)")
     for config, got in results.items():
         ms = np.array(got["times"]) * 1e3
         used = [t for t in got["threads"] if t]

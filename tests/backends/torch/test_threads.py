@@ -1,5 +1,6 @@
-"""CpuAcc's thread policy (``threads.py``): the decisions it takes from a simulated load signal, the
-option's validation, and the workloads it governs. No timing is asserted: the readings are made up."""
+"""CpuAcc's thread policy (``threads.py``): the decisions it takes from a simulated load signal,
+the option's validation, and the workloads it governs. No timing is asserted: the readings are
+made up."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_a_misspelled_thread_setting_fails_the_session() -> None:
 @pytest.mark.parametrize("free, most, count", [
     (2.0, 2, 2), (1.8, 2, 2), (1.7, 2, 1), (1.0, 2, 1), (0.2, 2, 1), (3.9, 4, 4), (8.0, 4, 4),
     (2.6, 4, 2), (5.0, 8, 4), (4.0, 6, 3), (6.0, 6, 6)])
-def test_threads_for_the_free_cpus_halving_from_the_most(free: float, most: int, count: int) -> None:
+def test_threads_for_the_free_cpus_halving_from_the_most(free: float, most: int,
+                                                         count: int) -> None:
     assert threads.choose(free, most) == count
 
 

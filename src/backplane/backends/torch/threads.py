@@ -2,19 +2,20 @@
 
 torch runs its intra-op work (its own kernels, oneDNN's, MKL's) on OpenMP threads that spin, then
 sleep, at the end of each parallel region. Where a neighbour process holds a core, the thread that
-shares that core is preempted for a scheduler slice while the others wait for it, in every region of
-every layer: on a 2-core machine with one CPU-burning neighbour, the demo model's median run went from
-3 to 8 ms on CpuAcc and its worst to 175 ms (``bench/contention.py``). ``OMP_WAIT_POLICY=PASSIVE``
-(threads sleep at once) tames that but cost the quiet machine 65%: every region then wakes its
-threads through the kernel. And the wait policy is the process's, fixed when OpenMP starts.
+shares that core is preempted for a scheduler slice while the others wait for it, in every region
+of every layer: on a 2-core machine with one CPU-burning neighbour, the demo model's median run
+went from 3 to 8 ms on CpuAcc and its worst to 175 ms (``bench/contention.py``).
+``OMP_WAIT_POLICY=PASSIVE`` (threads sleep at once) tames that but cost the quiet machine 65%:
+every region then wakes its threads through the kernel. And the wait policy is the process's,
+fixed when OpenMP starts.
 
 So the policy (``CpuAcc.threads="auto"``, the default) keeps OpenMP as it is and changes the number
 of threads, which torch lets change between calls: at most every ``PERIOD`` seconds of runs it
 reads how much of the CPUs the process may use (its affinity) were idle or its own since the last
-reading (``/proc/stat`` and the process's CPU time), and runs with that many threads (at least one,
-at most torch's count when the policy started). Subtracting only other processes' use keeps the
-decision stable: one thread fewer does not make the neighbour look gone. Without ``/proc/stat``
-(not Linux) it keeps torch's count.
+reading (``/proc/stat`` and the process's CPU time), and runs with that many threads: torch's count
+when the policy started, halved until the free CPUs (with ``SLACK``) cover it, at least one.
+Subtracting only other processes' use keeps the decision stable: one thread fewer does not make
+the neighbour look gone. Without ``/proc/stat`` (not Linux) it keeps torch's count.
 
 ``torch.set_num_threads`` sets the calling thread's count (OpenMP's are per thread), so each thread
 that runs a network gets the decision applied in it at its next call. A compiled ``OneDnnGraph``
