@@ -31,6 +31,11 @@ def tensor_to_array(tensor: TensorProto, base_dir: str | None = None) -> np.ndar
     if any(d < 0 for d in tensor.dims):
         raise ValueError(f"its dims {list(tensor.dims)} include a negative size")
     array = numpy_helper.to_array(tensor, base_dir or "")
+    if not array.flags.writeable:
+        # A view of the proto's bytes, read-only: an array of its own instead (the bytes are freed),
+        # which a backend over host memory can share (CpuAcc's torch.from_numpy cannot view
+        # read-only memory, and would otherwise hold a second copy of every constant it reads).
+        array = array.copy()
     if array.dtype.kind in "SO" and tensor.data_type == TensorProto.STRING:
         array = np.vectorize(lambda b: b.decode("utf-8") if isinstance(b, bytes) else b,
                              otypes=[object])(array) if array.size else array.astype(object)

@@ -10,7 +10,7 @@ import numpy as np
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.reference.kernels.conv import spatial_pads
-from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
@@ -132,8 +132,8 @@ def _gemm_conv(a: dict[str, Any]) -> Workload:
     import torch
     import torch.nn.functional as F
 
-    weight = torch.from_numpy(np.array(a["weight"][:, :, 0, 0]))  # (K, C)
-    bias = torch.from_numpy(np.array(a["bias"]))
+    weight = _numpy_to_torch(a["weight"][:, :, 0, 0])  # (K, C): the constant's memory, no copy
+    bias = _numpy_to_torch(a["bias"])
     n, _, h, w = a["input_shape"]
     k = weight.shape[0]
     cl = torch.channels_last
@@ -155,8 +155,8 @@ def _onednn_conv(a: dict[str, Any]) -> Workload:
         pre_pad = [p for b, e in zip(reversed(begins), reversed(ends)) for p in (b, e)]
         shape = shape[:2] + [s + b + e for s, b, e in zip(shape[2:], begins, ends)]
         begins = [0, 0]
-    weight = torch.from_numpy(np.array(a["weight"]))
-    bias = torch.from_numpy(np.array(a["bias"]))
+    weight = _numpy_to_torch(a["weight"])  # read once by the packing
+    bias = _numpy_to_torch(a["bias"])
     strides, dilations, groups = a["strides"], a["dilations"], a["group"]
     packed = torch.ops.mkldnn._reorder_convolution_weight(weight, begins, strides, dilations,
                                                           groups, shape)
@@ -187,8 +187,9 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
     import torch.nn.functional as F
 
     cl = torch.channels_last
-    weight = torch.from_numpy(np.array(a["weight"])).contiguous(memory_format=cl)
-    bias = torch.from_numpy(np.array(a["bias"]))
+    # A copy only where channels-last is another layout (not for 1x1 or depthwise kernels)
+    weight = _numpy_to_torch(a["weight"]).contiguous(memory_format=cl)
+    bias = _numpy_to_torch(a["bias"])
     begins, ends = a["begins"], a["ends"]
     pre_pad = None if begins == ends else [p for b, e in zip(reversed(begins), reversed(ends))
                                            for p in (b, e)]

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import Workload
-from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
@@ -54,7 +54,9 @@ def match_linear(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None
     elif (residual := _residual(nxt, out, ctx)) is not None:  # oneDNN's binary post-op
         inputs, binary, out = [x, residual], True, nxt.outputs[0]  # type: ignore[union-attr]
         group.append(nxt)  # type: ignore[arg-type]
-    attrs = {"weight": np.ascontiguousarray(weight, F32),
+    # The weight as the model holds it, transposed as a view where it is: each route makes the
+    # layout it reads (a contiguous copy, a packed one) and keeps only that.
+    attrs = {"weight": weight,
              "bias": None if bias is None else np.ascontiguousarray(bias, F32),
              "input_shape": list(ctx.shape(x) or []), "unary": unary, "binary": binary,
              "output_shape": output_shape}
@@ -145,7 +147,9 @@ def _gemm_weights(gemm: Layer, ctx: Context):
         return None
     if c_name and c is None:
         return None
-    weight = (b if a.get("transB", 0) else b.T) * np.float32(a.get("alpha", 1.0))  # (N, K)
+    weight = b if a.get("transB", 0) else b.T  # (N, K), a view of the constant
+    if a.get("alpha", 1.0) != 1.0:
+        weight = weight * np.float32(a["alpha"])
     bias = None
     if c is not None and a.get("beta", 1.0) != 0:
         if c.size not in (1, weight.shape[0]) or (c.ndim == 2 and c.shape[0] != 1):
@@ -197,8 +201,8 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
     import torch
     import torch.nn.functional as F
 
-    weight = torch.from_numpy(np.array(a["weight"]))
-    bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
+    weight = _numpy_to_torch(a["weight"])  # the constant's memory where it is (N, K) contiguous
+    bias = None if a["bias"] is None else _numpy_to_torch(a["bias"])
     post = torch_post_op(a["unary"])
     shape = a.get("output_shape")  # a Reshape folded in: the result viewed in its shape
 
@@ -213,10 +217,8 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
 def _onednn_linear(a: dict[str, Any]) -> Workload:
     import torch
 
-    from backplane.backends.torch.backend import _numpy_to_torch
-
     weight = _numpy_to_torch(a["weight"])  # read once by the packing: no copy of its own needed
-    bias = None if a["bias"] is None else torch.from_numpy(np.array(a["bias"]))
+    bias = None if a["bias"] is None else _numpy_to_torch(a["bias"])
     shape = a.get("output_shape")
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, math.prod(a["input_shape"][:-1]))
     attr, scalars, algorithm = a["unary"] or ("none", [], None)

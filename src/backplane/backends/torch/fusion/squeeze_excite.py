@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import Workload
-from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
@@ -71,11 +71,10 @@ def _pointwise_conv(conv: Layer | None, channels: int, ctx: Context,
 
 
 def squeeze_excite_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
-    import torch
     import torch.nn.functional as F
 
     a = layer.attrs
-    w1, b1, w2, b2 = (torch.from_numpy(np.array(a[k])) for k in ("w1", "b1", "w2", "b2"))
+    w1, b1, w2, b2 = (_numpy_to_torch(a[k]) for k in ("w1", "b1", "w2", "b2"))  # no copies
     act, gate = torch_post_op(a["act"]), torch_post_op(a["gate"])
     assert act is not None and gate is not None, "the matcher takes activations only"
 
