@@ -16,6 +16,7 @@ from backplane.backends.torch.fusion.patterns import (
     Context,
     PostOp,
     fastest,
+    holding,
     post_op,
     swish_layers,
     torch_post_op,
@@ -142,7 +143,7 @@ def _gemm_conv(a: dict[str, Any]) -> Workload:
         pixels = x.contiguous(memory_format=cl).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
         return F.linear(pixels, weight, bias).view(n, h, w, k).permute(0, 3, 1, 2)
 
-    return _then_post_ops(product, a)
+    return holding(_then_post_ops(product, a), weight, bias)
 
 
 def _onednn_conv(a: dict[str, Any]) -> Workload:
@@ -171,14 +172,14 @@ def _onednn_conv(a: dict[str, Any]) -> Workload:
             return (binary(x.contiguous(memory_format=cl), other.contiguous(memory_format=cl),
                            packed, bias, begins, strides, dilations, groups, "add", None, unary,
                            scalars, algorithm),)
-        return run
+        return holding(run, packed, bias)
     pointwise = torch.ops.mkldnn._convolution_pointwise
 
     def run_unary(x):
         x = F.pad(x, pre_pad) if pre_pad else x
         return (pointwise(x.contiguous(memory_format=cl), packed, bias, begins, strides, dilations,
                           groups, attr, scalars, algorithm),)
-    return run_unary
+    return holding(run_unary, packed, bias)
 
 
 def _torch_conv(a: dict[str, Any]) -> Workload:
@@ -201,7 +202,7 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
         return F.conv2d(x.contiguous(memory_format=cl), weight, bias, strides, padding, dilations,
                         groups)
 
-    return _then_post_ops(conv, a)
+    return holding(_then_post_ops(conv, a), weight, bias)
 
 
 def _then_post_ops(compute: Callable[[Any], Any], a: dict[str, Any]) -> Workload:

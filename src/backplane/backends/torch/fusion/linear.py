@@ -15,6 +15,7 @@ from backplane.backends.torch.fusion.patterns import (
     Context,
     PostOp,
     fastest,
+    holding,
     post_op,
     scalar_op,
     torch_post_op,
@@ -154,7 +155,11 @@ def _gemm_weights(gemm: Layer, ctx: Context):
     if c is not None and a.get("beta", 1.0) != 0:
         if c.size not in (1, weight.shape[0]) or (c.ndim == 2 and c.shape[0] != 1):
             return None
-        bias = np.broadcast_to(c.reshape(-1) * np.float32(a.get("beta", 1.0)), (weight.shape[0],))
+        bias = c.reshape(-1)  # the constant's memory, where beta is 1 and it has N values
+        if a.get("beta", 1.0) != 1.0:
+            bias = bias * np.float32(a["beta"])
+        if bias.size == 1:
+            bias = np.broadcast_to(bias, (weight.shape[0],))  # made contiguous by the matcher
     return weight, bias, [gemm]
 
 
@@ -211,7 +216,7 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
         y = post(y) if post else y
         y = y.view(shape) if shape else y
         return (y if residual is None else y.add_(residual),)
-    return mkl
+    return holding(mkl, weight, bias)
 
 
 def _onednn_linear(a: dict[str, Any]) -> Workload:
@@ -233,4 +238,4 @@ def _onednn_linear(a: dict[str, Any]) -> Workload:
         y = linear.binary(x, residual.reshape(unfolded), packed, bias, "add")
         return (y.view(shape) if shape else y,)
 
-    return onednn_add if a.get("binary") else onednn
+    return holding(onednn_add if a.get("binary") else onednn, packed, bias)

@@ -143,6 +143,14 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     return made[name]
 
 
+def holding(run: Callable[..., Any], *tensors: Any) -> Callable[..., Any]:
+    """``run`` with ``weights``: the tensors it keeps of its layer's constants, in the layout it
+    reads (a packed copy, a channels-last copy, or the constant's own memory), for tests and
+    debugging: a route keeps no other copy of a weight."""
+    run.weights = tuple(t for t in tensors if t is not None)  # type: ignore[attr-defined]
+    return run
+
+
 def remembered(kind: str, description: dict[str, Any], backend: Any) -> str | None:
     """The route the disk cache keeps for this layer, if any (and if the cache is on)."""
     from backplane.backends.torch import route_cache
