@@ -182,6 +182,9 @@ class LoadedNetwork:
         held: dict[int, tuple[str, int]] = {}  # slot -> (backend, bytes)
         for step, layer in zip(self.steps, self.layers):
             owner = copied_to.get(layer.name) if layer.op_type in _GLUE else layer.backend
+            inner = _inner_peak(graph, layer)  # a compiled partition's own intermediates
+            if owner and inner:
+                peak[owner] = max(peak.get(owner, 0), live.get(owner, 0) + inner)
             for slot in step.outputs:
                 nbytes = _bytes(graph, names.get(slot))
                 if owner and nbytes and slot != NONE_SLOT:
@@ -193,17 +196,15 @@ class LoadedNetwork:
                     owner_of, nbytes = held.pop(slot)
                     live[owner_of] -= nbytes
         constants: dict[str, int] = {}
-        seen: set[tuple[str, int]] = set()
+        seen: set[tuple[str, int, int]] = set()
         for layer in self.layers:
             backend = layer.backend or ""
             held_here = [graph.constants[n] for n in layer.inputs if n in graph.constants]
-            held_here += [v for v in layer.attrs.values() if isinstance(v, np.ndarray)]  # fused
-            inner = layer.attrs.get("constants")
-            if isinstance(inner, dict):  # a captured subgraph's
-                held_here += [v for v in inner.values() if isinstance(v, np.ndarray)]
-            for value in held_here:
-                if (backend, id(value)) not in seen:
-                    seen.add((backend, id(value)))
+            for value in [*held_here, *_attr_arrays(layer)]:
+                # once per memory: a fused layer's weight may be a (transposed) view of a constant
+                key = (backend, value.__array_interface__["data"][0], int(value.nbytes))
+                if key not in seen:
+                    seen.add(key)
                     constants[backend] = constants.get(backend, 0) + int(value.nbytes)
         return peak, constants
 
@@ -434,6 +435,45 @@ def _partitions(layers: Sequence[Layer]) -> list[str]:
         if not found or found[-1] != layer.backend:
             found.append(layer.backend)
     return found
+
+
+def _attr_arrays(layer: Layer) -> list[np.ndarray]:
+    """The arrays a layer holds in its attributes: a fused layer's weights, a captured subgraph's
+    constants (``attrs["constants"]``), and those of the layers it holds (``attrs["layers"]``)."""
+    found = []
+    for value in layer.attrs.values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) \
+            else [value]
+        for item in items:
+            if isinstance(item, np.ndarray):
+                found.append(item)
+            elif isinstance(item, Layer):
+                found += _attr_arrays(item)
+    return found
+
+
+def _inner_peak(graph: Graph, layer: Layer) -> int:
+    """The peak bytes of the tensors made inside a layer that holds its layers (a OneDnnGraph:
+    ``attrs["layers"]``), as its layers one by one hold them (each dropped after its last reader
+    inside, its outputs kept): its memory while it runs, on top of what the plan holds. A compiled
+    partition that fuses layers may hold less; 0 for any other layer."""
+    inner = layer.attrs.get("layers")
+    if not isinstance(inner, list) or not all(isinstance(lay, Layer) for lay in inner):
+        return 0
+    made = {name: index for index, lay in enumerate(inner) for name in lay.outputs if name}
+    last = dict(made)  # each made tensor's last reader inside (its maker where none reads it)
+    for index, lay in enumerate(inner):
+        last.update((name, index) for name in lay.inputs if name in made)
+    freed: dict[int, list[str]] = {}
+    for name, index in last.items():
+        if name not in layer.outputs:
+            freed.setdefault(index, []).append(name)
+    live = peak = 0
+    for index, lay in enumerate(inner):
+        live += sum(_bytes(graph, name) for name in lay.outputs)
+        peak = max(peak, live)
+        live -= sum(_bytes(graph, name) for name in freed.get(index, ()))
+    return peak
 
 
 def _bytes(graph: Graph, name: str | None) -> int:

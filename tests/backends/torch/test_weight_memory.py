@@ -1,7 +1,7 @@
 """CpuAcc's weights in memory: after a load, each weight is held once by the model's constants and at
 most once more in the layout the chosen route reads (packed by oneDNN, channels-last, transposed),
 never as a copy that nothing reads; the constants CpuAcc reads are torch views of the graph's arrays;
-nothing writes into them.
+nothing writes into them; the report counts a compiled partition's constants and intermediates.
 
 Checked by memory addresses and byte counts of the tensors each workload says it keeps
 (``weights``), not by the process's resident memory, which other processes' noise would move."""
@@ -145,3 +145,28 @@ def test_no_backend_writes_into_the_models_constants(model: str) -> None:
             checked += 1
     assert checked
 
+
+def two_convs() -> onnx.ModelProto:
+    """x (1, 4, 8, 8) -> Conv 3x3 (8) -> Relu -> Conv 3x3 (8) -> Relu: one OneDnnGraph on CpuAcc."""
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+             helper.make_node("Relu", ["c2"], ["y"], name="relu2")]
+    return make_model(nodes, [float_input("x", [1, 4, 8, 8])], [float_input("y", [1, 8, 8, 8])],
+                      [_const("w1", 8, 4, 3, 3), _const("b1", 8), _const("w2", 8, 8, 3, 3),
+                       _const("b2", 8)])
+
+
+@pytest.mark.parametrize("compile_", ["layers", "onednn_graph"])
+def test_the_report_counts_a_partitions_own_intermediates_and_constants(compile_: str) -> None:
+    model = two_convs()
+    session = _session(model, **{"CpuAcc.compile": compile_})
+    assert [lay.op_type for lay in session.optimized.graph.layers
+            if lay.op_type != "MemImport"] == ["OneDnnGraph"]
+    report = session.report
+    activation = 1 * 8 * 8 * 8 * 4  # r1 inside, then y, both alive while conv2 writes y
+    assert report.peak_bytes == {"CpuAcc": 2 * activation}
+    weights = sum(t.nbytes for t in (numpy_helper.to_array(i) for i in model.graph.initializer))
+    assert report.constant_bytes == {"CpuAcc": weights}
+    cpuref = InferenceSession(model, backends=["CpuRef"]).report
+    assert cpuref.constant_bytes == {"CpuRef": weights}
