@@ -2,7 +2,8 @@
 
 ``cpuref`` runs a case on CpuRef alone. A layer CpuRef does not claim ends the case with
 OptimizationError ("not supported"), never with a wrong answer. ``cpuacc`` runs it on CpuAcc with
-CpuRef taking what CpuAcc refuses (the multi-backend flow the torch backends are used in).
+CpuRef taking what CpuAcc refuses (the multi-backend flow the torch backends are used in); ``gpuacc``
+on GpuAcc, CpuRef taking the rest (needs a CUDA device).
 """
 
 from __future__ import annotations
@@ -20,4 +21,9 @@ def cpuref(model_path: str, inputs: Mapping[str, Any]) -> list[Any]:
 
 def cpuacc(model_path: str, inputs: Mapping[str, Any]) -> list[Any]:
     session = InferenceSession(model_path, backends=["CpuAcc", "CpuRef"])
+    return session.run(None, dict(inputs))
+
+
+def gpuacc(model_path: str, inputs: Mapping[str, Any]) -> list[Any]:
+    session = InferenceSession(model_path, backends=["GpuAcc", "CpuRef"])
     return session.run(None, dict(inputs))
