@@ -1,4 +1,4 @@
-"""GpuAcc's attention fusion (``cuda._fuse_attention``), checked on the CPU: the steps a captured
+"""GpuAcc's attention fusion (``gpu_fusion.py``), checked on the CPU: the steps a captured
 subgraph runs, built as GpuAcc builds them, run on CPU tensors (torch's scaled_dot_product_attention
 runs there too). The GPU tests run the same models on CUDA."""
 
@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from backplane.backends.registry import registry  # noqa: E402
 from backplane.backends.torch import cuda  # noqa: E402
+from backplane.backends.torch import gpu_fusion as gpu  # noqa: E402
 from backplane.frontends.onnx import import_onnx  # noqa: E402
 from backplane.optimizer import passes  # noqa: E402
 from tests.models.test_models import DATA  # noqa: E402
@@ -31,7 +32,7 @@ def _run(name: str, options: dict) -> tuple[list[np.ndarray], int, int]:
     graph = _graph(name)
     acc = registry.create("CpuAcc")
     backend = types.SimpleNamespace(kernel_for=acc.kernel_for, options=options)
-    steps = cuda._inner_steps(graph.layers, backend, graph.outputs, graph.constants)
+    steps = gpu.inner_steps(graph.layers, backend, graph.outputs, graph.constants)
     env = cuda._upload(graph.layers, dict(graph.constants), torch.device("cpu"))
     feeds = dict(np.load(DATA / f"{name}.npz"))
     env.update({n: torch.from_numpy(feeds[n]) for n in graph.inputs})
@@ -76,9 +77,9 @@ def test_the_fused_call_declines_what_it_would_compute_otherwise() -> None:
     """A mask that would enlarge the scores, batch dimensions the MatMuls broadcast, or mixed types:
     the fused call is not made (the layers' own kernels run)."""
     q, kt, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 4, 8)
-    assert cuda._sdpa_shapes(q, kt, v, torch.zeros(1, 1, 4, 4))
-    assert cuda._sdpa_shapes(q, kt, v, None)
-    assert not cuda._sdpa_shapes(q, kt, v, torch.zeros(3, 2, 4, 4))  # enlarges the scores
-    assert not cuda._sdpa_shapes(q, kt[:, :1], v, None)  # K broadcast over heads
-    assert not cuda._sdpa_shapes(q, kt, v.double(), None)  # mixed types
-    assert not cuda._sdpa_shapes(q, kt, v, torch.zeros(1, 1, 4, 4, dtype=torch.float64))
+    assert gpu._sdpa_shapes(q, kt, v, torch.zeros(1, 1, 4, 4))
+    assert gpu._sdpa_shapes(q, kt, v, None)
+    assert not gpu._sdpa_shapes(q, kt, v, torch.zeros(3, 2, 4, 4))  # enlarges the scores
+    assert not gpu._sdpa_shapes(q, kt[:, :1], v, None)  # K broadcast over heads
+    assert not gpu._sdpa_shapes(q, kt, v.double(), None)  # mixed types
+    assert not gpu._sdpa_shapes(q, kt, v, torch.zeros(1, 1, 4, 4, dtype=torch.float64))
