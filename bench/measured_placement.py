@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,8 @@ from typing import Any
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import numpy as np  # noqa: E402
+
+from backplane.backends.torch.bench import feeds_for, timed_runs, worker_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [ROOT / "tests" / "data" / f"{name}.onnx"
@@ -61,13 +62,7 @@ def worker(args: argparse.Namespace) -> None:
         session = InferenceSession(str(args.model[0]), providers=providers,
                                    optimizer_options=OptimizerOptions(placement=args.worker))
         load_s = time.perf_counter() - start
-        for _ in range(args.warmup):
-            outputs = session.run(None, feeds)
-        times = []
-        for _ in range(args.runs):
-            start = time.perf_counter()
-            outputs = session.run(None, feeds)
-            times.append(time.perf_counter() - start)
+        outputs, times = timed_runs(lambda: session.run(None, feeds), args.warmup, args.runs)
         if args.save:
             np.savez(args.save, *[np.asarray(o) for o in outputs])
         report = session.report
@@ -86,22 +81,7 @@ def spawn(args: argparse.Namespace, placement: str, model: Path, feeds: Path,
     command = [sys.executable, __file__, str(model), "--worker", placement, "--feeds", str(feeds),
                "--runs", str(args.runs), "--warmup", str(args.warmup), "--threads",
                str(args.threads)] + (["--save", str(save)] if save else [])
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
-    lines = done.stdout.strip().splitlines()
-    if not lines:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        return {"error": f"worker exited {done.returncode} without a report: {tail}"}
-    return json.loads(lines[-1])
-
-
-def feeds_for(model: Path) -> dict[str, np.ndarray]:
-    beside = model.with_suffix(".npz")
-    if beside.exists():
-        return dict(np.load(beside))
-    from backplane.backends.torch.bench import make_feeds  # seeded, embedding-aware ids
-
-    return make_feeds(model)
+    return worker_report(command, args.threads, args.timeout)
 
 
 def bench_model(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, dict[str, Any]]:

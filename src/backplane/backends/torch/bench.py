@@ -195,18 +195,46 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         run = _loader(args.worker, args.model, feeds, args)
         load_s = time.perf_counter() - start
-        for _ in range(args.warmup):
-            outputs = run()
-        times = []
-        for _ in range(args.runs):
-            start = time.perf_counter()
-            outputs = run()
-            times.append(time.perf_counter() - start)
+        outputs, times = timed_runs(run, args.warmup, args.runs)
         if args.save:
             np.savez(args.save, *[np.asarray(o) for o in outputs])
         replies.write(json.dumps({"load_s": load_s, "times": times}) + "\n")
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
         replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:500]}) + "\n")
+
+
+def timed_runs(run: Callable[[], Any], warmup: int, runs: int) -> tuple[Any, list[float]]:
+    """``warmup`` untimed calls of ``run``, then ``runs`` timed ones: the last outputs and the
+    seconds of each timed call (a bench worker's loop, shared by the bench scripts)."""
+    outputs = None
+    for _ in range(warmup):
+        outputs = run()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        outputs = run()
+        times.append(time.perf_counter() - start)
+    return outputs, times
+
+
+def worker_report(command: Sequence[str], threads: int, timeout: float) -> dict[str, Any]:
+    """Run one worker process (``OMP_NUM_THREADS`` at ``threads``) and return the JSON report of its
+    last stdout line, or an error naming its exit status and the end of its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(list(command), capture_output=True, text=True, env=env, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        return {"error": f"worker exited {done.returncode} without a report: {tail}"}
+    return json.loads(lines[-1])
+
+
+def feeds_for(model: Path) -> dict[str, np.ndarray]:
+    """The inputs saved beside the model (``MODEL.npz``), else seeded ones (``make_feeds``)."""
+    beside = model.with_suffix(".npz")
+    if beside.exists():
+        return dict(np.load(beside))
+    return make_feeds(model)
 
 
 def peak_worker(args: argparse.Namespace) -> None:
@@ -261,13 +289,7 @@ def _spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path,
                "--model", str(model), "--feeds", str(feeds), "--runs", str(args.runs),
                "--warmup", str(args.warmup), "--threads", str(args.threads),
                "--device", args.device] + (["--save", str(save)] if save else [])
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
-    lines = done.stdout.strip().splitlines()
-    if not lines:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        return {"error": f"worker exited {done.returncode} without a report: {tail}"}
-    return json.loads(lines[-1])
+    return worker_report(command, args.threads, args.timeout)
 
 
 def bench_model(args: argparse.Namespace, model: Path, runtimes: list[str], tmp: Path,
