@@ -63,6 +63,7 @@ def load_gpuacc(args: argparse.Namespace, feeds: dict[str, np.ndarray], compile_
     from backplane.session import InferenceSession
 
     options: dict[str, Any] = dict(GPU_OPTIONS[args.precision])
+    options.update(json.loads(args.options))
     if compile_:
         options["GpuAcc.compile"] = "inductor"
     backends = ["CpuRef"] if args.worker == "cpuref" else ["GpuAcc", "CpuRef"]
@@ -150,7 +151,8 @@ def spawn(args: argparse.Namespace, runtime: str, precision: str, model: Path, n
           batch: int, feeds: Path, save: Path) -> dict[str, Any]:
     command = [sys.executable, __file__, "--worker", runtime, "--model", str(model),
                "--name", name, "--batch", str(batch), "--feeds", str(feeds), "--save", str(save),
-               "--precision", precision, "--runs", str(args.runs), "--warmup", str(args.warmup)]
+               "--precision", precision, "--runs", str(args.runs), "--warmup", str(args.warmup),
+               "--options", json.dumps(options_of(args.option))]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -160,6 +162,20 @@ def spawn(args: argparse.Namespace, runtime: str, precision: str, model: Path, n
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
         return {"error": f"worker exited {done.returncode} without a report: {tail}"[:600]}
     return json.loads(lines[-1])
+
+
+def options_of(pairs: list[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` pairs as backend options: each value JSON where it parses, else text."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.startswith("GpuAcc."):
+            raise SystemExit(f"--option {pair!r}: expected GpuAcc.NAME=VALUE")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
 
 
 def diff(outputs: list[np.ndarray], reference: list[np.ndarray] | None, precision: str) -> str:
@@ -214,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--dir", type=Path, help="where the exported models go (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON lines here")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a GpuAcc option for the gpuacc runtimes, e.g. GpuAcc.channels_last=true "
+                         "(the value read as JSON where it is JSON, else as a string)")
+    ap.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     # the worker's own arguments
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -230,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     from backplane.backends.torch.bench import make_feeds
 
     print(machine(), flush=True)
+    if args.option:
+        print(f"GpuAcc options for the gpuacc runtimes: {options_of(args.option)}", flush=True)
     out = args.dir or Path(tempfile.mkdtemp(prefix="gpu_compiler_"))
     out.mkdir(parents=True, exist_ok=True)
     rows = []
