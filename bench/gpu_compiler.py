@@ -14,7 +14,9 @@ on the GPU at once):
   exported from (``scripts/export_models.py``'s builders, seed 0: the same weights).
 Precisions: ``tf32`` (float32 with TF32 matrix products and convolutions) and ``fp16`` (GpuAcc's
 ``GpuAcc.precision=fp16``; the module in half precision). Every call takes NumPy inputs and returns
-NumPy outputs: the uploads and downloads are timed on every runtime.
+NumPy outputs: the uploads and downloads are timed on every runtime (``--io device``: inputs uploaded
+once and outputs left on the GPU, GpuAcc through its ``io_binding``, both runtimes synchronized at
+the end of each call).
 
 Printed per model and batch: the median ms of a call, samples per second, the load time (GpuAcc: the
 session's construction and first run, captures and compiles included; inductor: compile and the
@@ -72,7 +74,21 @@ def load_gpuacc(args: argparse.Namespace, feeds: dict[str, np.ndarray], compile_
     report = session.report
     plan = {"partitions": len(report.partitions), "crossings": sum(report.crossings().values()),
             "on": sorted(set(report.partitions))}
-    return (lambda: session.run(None, feeds)), plan
+    if args.io == "host" or args.worker == "cpuref":
+        return (lambda: session.run(None, feeds)), plan
+    import torch
+
+    binding = session.io_binding()  # inputs uploaded once, outputs left on the GPU
+    for name, value in feeds.items():
+        binding.bind_input(name, torch.from_numpy(value).cuda())
+    for output in session.get_outputs():
+        binding.bind_output(output.name, "cuda")
+
+    def run() -> list[Any]:
+        session.run_with_iobinding(binding)  # the outputs are written when it returns
+        return binding.get_outputs()
+
+    return run, plan
 
 
 def load_inductor(args: argparse.Namespace, feeds: dict[str, np.ndarray]) -> Any:
@@ -87,18 +103,32 @@ def load_inductor(args: argparse.Namespace, feeds: dict[str, np.ndarray]) -> Any
         module = module.half()
     compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
 
-    def run() -> list[np.ndarray]:
+    uploaded = [torch.from_numpy(feeds[name]).cuda() for name in in_names]
+
+    def run() -> list[Any]:
         with torch.no_grad():
             values = []
-            for name in in_names:
-                value = torch.from_numpy(feeds[name]).cuda(non_blocking=True)
+            for name, ready in zip(in_names, uploaded):
+                value = torch.from_numpy(feeds[name]).cuda(non_blocking=True) \
+                    if args.io == "host" else ready
                 values.append(value.half() if half and value.is_floating_point() else value)
             outputs = compiled(*values)
             flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+            if args.io == "device":
+                torch.cuda.current_stream().synchronize()  # as GpuAcc's run: done when it returns
+                return flat
             return [o.float().cpu().numpy() if o.is_floating_point() else o.cpu().numpy()
                     for o in flat]
 
     return run, {}
+
+
+def on_host(value: Any) -> np.ndarray:
+    """An output as a NumPy array (a device tensor copied, fp16 widened to float32)."""
+    if hasattr(value, "cpu"):
+        value = value.detach().cpu()
+        return (value.float() if value.is_floating_point() else value).numpy()
+    return np.asarray(value)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -124,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             outputs = run()
             times.append(time.perf_counter() - start)
-        np.savez(args.save, *[np.asarray(o) for o in outputs])
+        np.savez(args.save, *[on_host(o) for o in outputs])
         replies.write(json.dumps({"load_s": load_s, "times": times, **plan}) + "\n")
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
         replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:600]}) + "\n")
@@ -152,7 +182,7 @@ def spawn(args: argparse.Namespace, runtime: str, precision: str, model: Path, n
     command = [sys.executable, __file__, "--worker", runtime, "--model", str(model),
                "--name", name, "--batch", str(batch), "--feeds", str(feeds), "--save", str(save),
                "--precision", precision, "--runs", str(args.runs), "--warmup", str(args.warmup),
-               "--options", json.dumps(options_of(args.option))]
+               "--options", json.dumps(options_of(args.option)), "--io", args.io]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -233,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="a GpuAcc option for the gpuacc runtimes, e.g. GpuAcc.channels_last=true "
                          "(the value read as JSON where it is JSON, else as a string)")
+    ap.add_argument("--io", choices=("host", "device"), default="host",
+                    help="host: NumPy in and out, uploads and downloads timed (the default); "
+                         "device: inputs already on the GPU and outputs left there (GpuAcc through "
+                         "io_binding, inductor on CUDA tensors), the GPU's own time")
     ap.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     # the worker's own arguments
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -252,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     print(machine(), flush=True)
     if args.option:
         print(f"GpuAcc options for the gpuacc runtimes: {options_of(args.option)}", flush=True)
+    print("inputs and outputs: " + ("NumPy, uploads and downloads timed" if args.io == "host" else
+                                    "on the GPU (inputs uploaded once, outputs left there)"),
+          flush=True)
     out = args.dir or Path(tempfile.mkdtemp(prefix="gpu_compiler_"))
     out.mkdir(parents=True, exist_ok=True)
     rows = []
