@@ -15,8 +15,7 @@ intra-op threads as the CPUs other processes leave free, ``threads.py``; or a co
 "cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32`` (default False),
 ``GpuAcc.fuse_conv_relu`` (default True), ``GpuAcc.precision`` ("fp32", the default; "fp16" or "bf16":
 float32 computed in that type inside GpuAcc's captured subgraphs, Arm NN's ReduceFp32ToFp16),
-``GpuAcc.channels_last`` ("auto": NHWC convolutions with fp16 or bf16, and with TF32 where none is
-grouped) and ``GpuAcc.compile``
+``GpuAcc.channels_last`` ("auto": NHWC convolutions with fp16, bf16 or TF32) and ``GpuAcc.compile``
 ("none"; "inductor": each captured subgraph compiled by TorchInductor first).
 """
 
@@ -251,8 +250,8 @@ class GpuAcc(TorchBackend):
         "GpuAcc.fuse_attention": "attention blocks as scaled_dot_product_attention (True; "
                                  "with fp16, bf16 or tf32)",
         "GpuAcc.compile": "none, or inductor: each captured subgraph compiled by TorchInductor",
-        "GpuAcc.channels_last": "convolutions' tensors in NHWC memory (auto: with fp16 or bf16, "
-                                "and with TF32 where none is grouped)",
+        "GpuAcc.channels_last": "convolutions' tensors in NHWC memory (auto: with fp16, bf16 or "
+                                "tf32)",
     }
 
     def _missing(self) -> str | None:
