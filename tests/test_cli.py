@@ -164,8 +164,34 @@ def test_bench_json(model_path, capfd) -> None:
     (row,) = doc["results"]
     assert row["runtime"] == "CpuRef" and row["backplane"] is True
     assert len(row["times_ms"]) == 2 and row["median_ms"] > 0 and row["load_s"] > 0
+    assert (row["partitions"], row["crossings"]) == (1, 0)
     assert doc["rounds"] == 1 and doc["peak_gflops"] is None
     assert "round" not in err  # the progress bar stays off a pipe
+
+
+def test_bench_shows_the_plans_partitions_and_crossings(tmp_path, capfd) -> None:
+    """A model CpuAcc takes but for one layer (an inverse DFT, which it refuses) runs in three
+    partitions with two tensors handed between backends; ONNX Runtime's row has no plan."""
+    pytest.importorskip("torch")
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("DFT", ["a"], ["b"], inverse=1),
+             helper.make_node("Relu", ["b"], ["y"])]
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 2]) for n in ("x", "y")]
+    path = tmp_path / "split.onnx"
+    onnx.save(helper.make_model(helper.make_graph(nodes, "split", info[:1], info[1:]),
+                                opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    code, doc, _ = run_json(["bench", str(path), "--backends", "CpuAcc,CpuRef", "--no-torch",
+                             "--no-peak", "--rounds", "1", "--runs", "2", "--warmup", "1"], capfd)
+    assert code == 0, doc
+    rows = {row["runtime"]: row for row in doc["results"]}
+    assert (rows["CpuAcc,CpuRef"]["partitions"], rows["CpuAcc,CpuRef"]["crossings"]) == (3, 2)
+    assert "partitions" not in rows["onnxruntime"]
+    from backplane.backends.torch.bench import plan_text
+
+    assert plan_text({"partitions": 3, "crossings": 2}) == "3 parts, 2 crossings"
+    assert plan_text({"partitions": 1, "crossings": 0}) == "1 part, 0 crossings"
+    assert plan_text({}) == ""
 
 
 def test_json_errors_are_json_too(model_path, capfd) -> None:

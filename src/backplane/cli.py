@@ -570,7 +570,7 @@ def _bench_document(cli_args: argparse.Namespace, argv: list[str],
                         "times_ms": [t * 1e3 for t in r.times],
                         "vs_ort": ort_ms / ms if ort_ms else None, "gflops": rate,
                         "share_of_peak": rate / peak if peak else None,
-                        "load_s": statistics.median(r.loads)})
+                        "load_s": statistics.median(r.loads), **r.plan})
             if runtime != bench.ORT and ort is not None:
                 row["diff_vs_ort"] = bench._diff(r.outputs, ort.outputs)
         rows.append(row)

@@ -13,8 +13,9 @@ threads); ``torch-eager``, the PyTorch module the model was exported from (rebui
 builders or torchvision / transformers are missing); on ``--device cuda``, ``torch-cudagraph``, that
 module captured as a CUDA graph and replayed. The table gives the median of all timed calls, the
 spread (min-max of each process's median), the ratio to ONNX Runtime (ORT time / this time: above 1
-is faster than ORT), GFLOP/s from the model's Conv / MatMul / Gemm multiply-adds, and that against the
-measured matmul peak of the device.
+is faster than ORT), GFLOP/s from the model's Conv / MatMul / Gemm multiply-adds, that against the
+measured matmul peak of the device, the load time, and backplane's plan: its partitions and its
+crossings (tensors a run hands from one backend to another), so that a placement that regresses shows.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ Run = Callable[[], list[np.ndarray]]
 
 # -- the worker side ------------------------------------------------------------------------------------
 def load_backplane(model: str, feeds: dict[str, np.ndarray], args: argparse.Namespace,
-                   column: str) -> Run:
+                   column: str) -> tuple[Run, dict[str, Any]]:
     """``column`` is a backend list with backend options after it, each after an ``@``:
-    "GpuAcc,CpuAcc,CpuRef@GpuAcc.precision=fp16" (so that two settings are columns of one run)."""
+    "GpuAcc,CpuAcc,CpuRef@GpuAcc.precision=fp16" (so that two settings are columns of one run).
+    With the call, the plan: its partitions and the tensors a run hands between backends."""
     from backplane.runtime.runtime import Runtime, RuntimeOptions
     from backplane.session import InferenceSession
 
@@ -58,7 +60,9 @@ def load_backplane(model: str, feeds: dict[str, np.ndarray], args: argparse.Name
         chosen[key] = option_value(value)
     session = InferenceSession(model, backends=backends.split(","),
                                runtime=Runtime(RuntimeOptions(backend_options=chosen)))
-    return lambda: session.run(None, feeds)
+    report = session.report
+    plan = {"partitions": len(report.partitions), "crossings": sum(report.crossings().values())}
+    return (lambda: session.run(None, feeds)), plan
 
 
 def option_value(text: str) -> Any:
@@ -178,11 +182,12 @@ def _cuda(args: argparse.Namespace) -> str:
 
 
 def _loader(runtime: str, model: str, feeds: dict[str, np.ndarray],
-            args: argparse.Namespace) -> Run:
+            args: argparse.Namespace) -> tuple[Run, dict[str, Any]]:
+    """The runtime's call, and its plan where it is backplane's (else {})."""
     if runtime == ORT:
-        return load_onnxruntime(model, feeds, args)
+        return load_onnxruntime(model, feeds, args), {}
     if runtime in (EAGER, CUDA_GRAPH):
-        return load_torch(model, feeds, args, graph=runtime == CUDA_GRAPH)
+        return load_torch(model, feeds, args, graph=runtime == CUDA_GRAPH), {}
     return load_backplane(model, feeds, args, runtime)
 
 
@@ -193,12 +198,12 @@ def worker(args: argparse.Namespace) -> None:
     feeds = dict(np.load(args.feeds))
     try:
         start = time.perf_counter()
-        run = _loader(args.worker, args.model, feeds, args)
+        run, plan = _loader(args.worker, args.model, feeds, args)
         load_s = time.perf_counter() - start
         outputs, times = timed_runs(run, args.warmup, args.runs)
         if args.save:
             np.savez(args.save, *[np.asarray(o) for o in outputs])
-        replies.write(json.dumps({"load_s": load_s, "times": times}) + "\n")
+        replies.write(json.dumps({"load_s": load_s, "times": times, "plan": plan}) + "\n")
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
         replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:500]}) + "\n")
 
@@ -281,6 +286,8 @@ class Result:
     loads: list[float] = field(default_factory=list)
     error: str | None = None
     outputs: list[np.ndarray] | None = None
+    plan: dict[str, int] = field(default_factory=dict)
+    """backplane's plan: ``partitions`` and ``crossings`` (tensors a run hands between backends)."""
 
 
 def _spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path,
@@ -311,6 +318,7 @@ def bench_model(args: argparse.Namespace, model: Path, runtimes: list[str], tmp:
             result.times += reply["times"]
             result.medians.append(statistics.median(reply["times"]))
             result.loads.append(reply["load_s"])
+            result.plan = reply.get("plan") or {}
             if round_ == 0:
                 with np.load(save) as saved:
                     result.outputs = [saved[k] for k in saved.files]
@@ -402,16 +410,18 @@ def table(model: str, results: dict[str, Result], flops: float, peak: float | No
     t = Table(title=f"{model}: {args.device}, {args.threads} threads, {args.rounds} rounds x "
                     f"{args.runs} runs ({flops / 1e9:.2f} GFLOP per run)",
               caption="ms: median of all timed calls; spread: min-max of the per-process medians; "
-                      "vs ORT = ORT ms / ms (above 1: faster than ORT); diff = max|out - ORT| / "
+                      "vs ORT = ORT ms / ms (above 1: faster than ORT); plan: backplane's partitions "
+                      "and the tensors a run hands between backends; diff = max|out - ORT| / "
                       "max|ORT|")
-    for column in ("runtime", "ms", "spread", "vs ORT", "GFLOP/s", "% peak", "load s", "diff"):
+    for column in ("runtime", "ms", "spread", "vs ORT", "GFLOP/s", "% peak", "load s", "plan",
+                   "diff"):
         t.add_column(column, justify="left" if column == "runtime" else "right",
                      no_wrap=column != "diff")
     for rt, r in results.items():
         name = rt if rt in (ORT, EAGER, CUDA_GRAPH) else f"backplane[{rt}]"
         if r.error or not r.times:
             skipped = rt in (EAGER, CUDA_GRAPH) and "no torch module" in (r.error or "")
-            t.add_row(escape(name), "skipped" if skipped else "failed", "", "", "", "", "",
+            t.add_row(escape(name), "skipped" if skipped else "failed", "", "", "", "", "", "",
                       escape(r.error or ""))
             continue
         ms = statistics.median(r.times) * 1e3
@@ -419,8 +429,18 @@ def table(model: str, results: dict[str, Result], flops: float, peak: float | No
         t.add_row(escape(name), f"{ms:.2f}", f"{min(r.medians) * 1e3:.2f}-{max(r.medians) * 1e3:.2f}",
                   f"{ort_ms / ms:.2f}" if ort_ms else "-", f"{rate:.1f}",
                   f"{rate / peak:.0%}" if peak else "-", f"{statistics.median(r.loads):.2f}",
-                  _diff(r.outputs, ort.outputs if ort else None) if rt != ORT else "")
+                  plan_text(r.plan), _diff(r.outputs, ort.outputs if ort else None) if rt != ORT else "")
     return t
+
+
+def plan_text(plan: dict[str, int]) -> str:
+    """"2 parts, 1 crossing": how many partitions a run goes through and how many tensors it hands
+    from one backend to another (a regression in placement shows here first); "" if not backplane."""
+    if not plan:
+        return ""
+    parts, crossings = plan["partitions"], plan["crossings"]
+    return (f"{parts} part{'s' if parts != 1 else ''}, "
+            f"{crossings} crossing{'s' if crossings != 1 else ''}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
