@@ -23,6 +23,7 @@ from backplane import InferenceSession, progress
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.reference.backend import CpuRef
 from backplane.backends.registry import registry
+from backplane.session import BackendSpec
 from tests.backends.test_reference_kernels import _assert_same, _value
 
 KNOWN_FAILURES = Path(__file__).with_name("known_failures.txt")
@@ -60,8 +61,11 @@ def known_failures() -> dict[str, str]:
     return known
 
 
-def run_case(case: Any, backends: list[str]) -> str | None:
-    """None if the case passes, else why not (one line)."""
+def run_case(case: Any, backends: Sequence[BackendSpec],
+             tolerance: tuple[float, float] | None = None) -> str | None:
+    """None if the case passes (at the suite's rtol and atol, or ``tolerance``'s), else why not (one
+    line). A backend is an id or an (id, options) pair, as InferenceSession takes them."""
+    rtol, atol = tolerance or (case.rtol, case.atol)
     try:
         session = InferenceSession(case.model, backends=backends)
         names = [arg.name for arg in session.get_inputs()]
@@ -70,7 +74,7 @@ def run_case(case: Any, backends: list[str]) -> str | None:
             actual = session.run(None, feeds)
             assert len(actual) == len(expected), f"{len(actual)} outputs, expected {len(expected)}"
             for name, act, exp in zip(session.optimized.output_names, actual, expected):
-                _assert_same(name, act, _value(exp), case.rtol, case.atol)
+                _assert_same(name, act, _value(exp), rtol, atol)
     except AssertionError as exc:
         return "wrong answer: " + " ".join(str(exc).split())[:200]
     except Exception as exc:
