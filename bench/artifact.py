@@ -6,13 +6,17 @@ Default models: tests/data's tiny models. Per model and backend list: compile ti
 against the model's, and the median load time of (a) InferenceSession(model.onnx) with CpuAcc's
 routes already on disk (its best case: nothing measured), (b) the same with an empty route cache
 (a first load), (c) InferenceSession(artifact) and (d) a compile-cache hit
-(InferenceSession(model, cache_dir=...), with the routes of (a) and (c)). Prints the CPU and the
-library versions first.
+(InferenceSession(model, cache_dir=...), with the routes of (a) and (c)); for (a), (c) and (d)
+also the median first run after the load (``*_first_s``: a compiled OneDnnGraph of an artifact is
+compiled by oneDNN Graph at its first run, so a user of one waits for load + first run), with the
+model's saved inputs (``MODEL.npz``) or seeded ones. Prints the CPU, the library versions and the
+load average (1, 5, 15 min) first, and the load average after each row.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -29,15 +33,23 @@ import onnx  # noqa: E402
 import backplane  # noqa: E402
 from backplane import InferenceSession, SessionOptions  # noqa: E402
 from backplane.artifact.facts import cpu  # noqa: E402
+from backplane.backends.torch.bench import feeds_for  # noqa: E402
 
 
-def median_seconds(make, repeat: int) -> float:
-    times = []
+def median_seconds(make, repeat: int, feeds: dict[str, np.ndarray] | None = None
+                   ) -> tuple[float, float]:
+    """The median time of ``make()`` (a load), and of the first run of what it made on ``feeds``."""
+    loads, firsts = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        make()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        session = make()
+        loads.append(time.perf_counter() - start)
+        if feeds is not None:
+            start = time.perf_counter()
+            session.run(None, feeds)
+            firsts.append(time.perf_counter() - start)
+        del session
+    return statistics.median(loads), statistics.median(firsts) if firsts else math.nan
 
 
 def bench(model: Path, backends: list[str], repeat: int, folder: Path) -> dict[str, object]:
@@ -47,25 +59,30 @@ def bench(model: Path, backends: list[str], repeat: int, folder: Path) -> dict[s
     start = time.perf_counter()
     size = backplane.compile(model, backends, artifact)
     compile_s = time.perf_counter() - start
-    warm = median_seconds(lambda: InferenceSession(model, backends=backends), repeat)
+    feeds = feeds_for(model)
+    warm, warm_first = median_seconds(lambda: InferenceSession(model, backends=backends), repeat,
+                                      feeds)
 
-    def cold() -> None:
+    def cold() -> InferenceSession:
         os.environ["BACKPLANE_CACHE_DIR"] = tempfile.mkdtemp(dir=folder)
-        InferenceSession(model, backends=backends)
+        return InferenceSession(model, backends=backends)
 
-    cold_s = median_seconds(cold, repeat)
+    cold_s, _ = median_seconds(cold, repeat)
     os.environ["BACKPLANE_CACHE_DIR"] = str(routes)
-    from_artifact = median_seconds(lambda: InferenceSession(artifact), repeat)
+    from_artifact, artifact_first = median_seconds(lambda: InferenceSession(artifact), repeat,
+                                                   feeds)
     cache = folder / "compiled"
     # the routes of (a) and (c), not the cache folder's own: else the entry's routes are measured
     # again, and may differ (a OneDnnGraph compiled in one, layer by layer in the other)
     same_routes = SessionOptions(cache_dir=str(routes))
     InferenceSession(model, backends, same_routes, cache_dir=cache)  # fills the entry
-    hit = median_seconds(lambda: InferenceSession(model, backends, same_routes, cache_dir=cache),
-                         repeat)
-    return {"model": model.name, "backends": ",".join(backends), "model_bytes": model.stat().st_size,
-            "artifact_bytes": size, "compile_s": compile_s, "onnx_warm_s": warm, "onnx_cold_s": cold_s,
-            "artifact_s": from_artifact, "cache_hit_s": hit}
+    hit, hit_first = median_seconds(
+        lambda: InferenceSession(model, backends, same_routes, cache_dir=cache), repeat, feeds)
+    return {"model": model.name, "backends": ",".join(backends),
+            "model_bytes": model.stat().st_size, "artifact_bytes": size, "compile_s": compile_s,
+            "onnx_warm_s": warm, "onnx_cold_s": cold_s, "artifact_s": from_artifact,
+            "cache_hit_s": hit, "onnx_warm_first_s": warm_first, "artifact_first_s": artifact_first,
+            "cache_hit_first_s": hit_first}
 
 
 def main() -> None:
@@ -81,17 +98,28 @@ def main() -> None:
     facts = cpu()
     print(f"CPU: {facts['cpu']} ({os.cpu_count()} logical CPUs; ISA: {facts['isa']}); torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}, onnx "
-          f"{onnx.__version__}, backplane {backplane.__version__}")
+          f"{onnx.__version__}, backplane {backplane.__version__}; load average {load_average()}")
     columns = ("model", "backends", "model_bytes", "artifact_bytes", "compile_s", "onnx_cold_s",
-               "onnx_warm_s", "artifact_s", "cache_hit_s")
-    print(" | ".join(columns) + " | speedup (warm onnx / artifact)")
+               "onnx_warm_s", "artifact_s", "cache_hit_s", "onnx_warm_first_s", "artifact_first_s",
+               "cache_hit_first_s")
+    print(" | ".join(columns) + " | load speedup (warm onnx / artifact) | load + first run "
+          "speedup | load average after")
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             for backends in lists:
                 row = bench(model, backends, args.repeat, Path(tmp))
                 cells = [f"{row[c]:.3f}" if c.endswith("_s") else str(row[c]) for c in columns]
-                speedup = float(row["onnx_warm_s"]) / float(row["artifact_s"])  # type: ignore[arg-type]
-                print(" | ".join(cells) + f" | {speedup:.1f}x", flush=True)
+                seconds = {c: float(row[c])  # type: ignore[arg-type]
+                           for c in columns if c.endswith("_s")}
+                speedup = seconds["onnx_warm_s"] / seconds["artifact_s"]
+                both = ((seconds["onnx_warm_s"] + seconds["onnx_warm_first_s"])
+                        / (seconds["artifact_s"] + seconds["artifact_first_s"]))
+                print(" | ".join(cells) + f" | {speedup:.1f}x | {both:.1f}x | {load_average()}",
+                      flush=True)
+
+
+def load_average() -> str:
+    return "/".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 if __name__ == "__main__":

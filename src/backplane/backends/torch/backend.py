@@ -76,7 +76,7 @@ zero-copy views (torch.from_numpy / .numpy())."""
 class TorchBackend(Backend):
     """What CpuAcc and GpuAcc share: the kernel table, the support check, fused-layer workloads."""
 
-    version = "0.1.0"
+    version = "0.2.0"  # 0.2: CpuAcc blobs hold weightless archives (delegate.py)
 
     def __init__(self) -> None:
         self.options = BackendOptions()

@@ -1,29 +1,45 @@
 """CpuAcc's artifact blob: what its load does at a cost, done once at compile time.
 
 Loading a CpuAcc partition measures routes (oneDNN, MKL or torch's own per fused layer, compiled
-or layer by layer per OneDnnGraph) and traces and freezes the compiled partitions. ``preprocess``
-does that load once and keeps the outcome in the blob: every route chosen, by its route-cache key,
-and each compiled OneDnnGraph as the frozen TorchScript module (``torch.jit.save``, a format torch
-keeps). ``init`` then creates the partition's workloads with those routes known (nothing is
-measured) and the compiled partitions loaded instead of traced (``torch.jit.load``; oneDNN Graph
-still compiles them at their first calls, as the profiling executor does, here during ``init``).
-The weights are not in the blob: they are the artifact's constants, mapped, in the portable
-subgraph ``init`` gets.
+or layer by layer per OneDnnGraph) and traces, freezes and compiles the compiled partitions.
+``preprocess`` does that load once and keeps in the blob every route chosen, by its route-cache
+key, and each compiled OneDnnGraph as its traced module without its weights
+(``onednn_graph.weightless``: a TorchScript archive, each tensor the trace read a buffer saved
+empty), with where each weight is: a view of one of the layer's own arrays, which the artifact
+stores as its constants ("view": most weights), or its bytes in the blob, in its own strides
+("raw": a layout a route made, as a 3x3 kernel's channels-last copy). ``init`` creates the
+workloads with the routes known (nothing is measured), loads each archive (``torch.jit.load``),
+sets its buffers to those tensors, mapped from the file, not copied, and freezes it: nothing
+runs. oneDNN Graph compiles the frozen module's partitions at its first run, on that run's inputs
+and at that run's thread count (``onednn_graph.CompiledPerThreads``): the first run costs what
+the profiling executor needs (a profiled run, then the partitions compiled and run).
 
 The blob: an 8-byte little-endian length, a JSON header ``{"routes": {key: route}, "modules":
-{layer name: [offset, size]}}``, then the saved modules.
+{layer name: {"archive": [offset, size], "weights": {buffer: recipe}}}}`` padded so that the
+payload starts at a multiple of 64 bytes, then the payload: the archives and the raw weights,
+each at a multiple of 64 bytes. A recipe is ``["view", array, element offset, sizes, strides]``
+(``array``: ``constants/NAME`` or ``layers/I/ATTRIBUTE`` of the OneDnnGraph layer) or ``["raw",
+dtype, [offset, size], sizes, strides]``.
+
+A TorchScript archive is code, not pickled Python: TorchScript source (``code/``) that torch
+compiles at ``torch.jit.load`` and runs at every call, and its objects (``data.pkl``,
+``constants.pkl``: the module, its empty buffers, a scalar constant) in pickle's byte format, read
+by torch's own C++ unpickler, which builds tensors and TorchScript objects and resolves classes in
+the archive's own code only: no Python object is unpickled and no Python runs.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from backplane.artifact.container import ALIGNMENT
 from backplane.backends.api.backend import InitContext, PreprocessResult, Workload
 from backplane.backends.torch import route_cache
+from backplane.backends.torch.fusion import onednn_graph
 from backplane.ir.graph import Graph, Layer
 
 FACT_NAMES = ("torch", "isa")
@@ -40,43 +56,48 @@ def machine_facts() -> dict[str, str]:
 
 
 def preprocess(backend: Any, graph: Graph) -> PreprocessResult:
-    """Load the partition once, keeping the routes chosen and the compiled modules."""
-    import torch
-
+    """Load the partition once, keeping the routes chosen and the compiled modules' archives."""
     kept: dict[str, str] = {}
     token = route_cache.KEPT.set(kept)
     try:
         workloads = _workloads(backend, graph, {})
+        compiled = [layer for layer, workload in zip(graph.layers, workloads)
+                    if layer.op_type == "OneDnnGraph"
+                    and getattr(workload, "route", None) == "onednn_graph"]
+        header: dict[str, Any] = {"routes": kept, "modules": {}}
+        payload = bytearray()
+        for layer in compiled:
+            archive, weights = onednn_graph.weightless(layer, backend, _sample(layer, graph))
+            arrays = _arrays(layer)
+            header["modules"][layer.name] = {
+                "archive": _append(payload, archive),
+                "weights": {name: _recipe(tensor, arrays, payload)
+                            for name, tensor in weights.items()}}
     finally:
         route_cache.KEPT.reset(token)
-    modules: dict[str, bytes] = {}
-    for layer, workload in zip(graph.layers, workloads):
-        module = getattr(workload, "module", None)
-        if layer.op_type == "OneDnnGraph" and module is not None:
-            buffer = io.BytesIO()
-            torch.jit.save(module, buffer)
-            modules[layer.name] = buffer.getvalue()
-    header: dict[str, Any] = {"routes": kept, "modules": {}}
-    offset = 0
-    for name, data in modules.items():
-        header["modules"][name] = [offset, len(data)]
-        offset += len(data)
     text = json.dumps(header).encode()
-    blob = len(text).to_bytes(8, "little") + text + b"".join(modules.values())
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)  # the payload starts aligned, as the blob does
+    blob = len(text).to_bytes(8, "little") + text + bytes(payload)
     return PreprocessResult(blob, {layer.name: _model_nodes(layer) for layer in graph.layers})
 
 
 def init(backend: Any, processed: bytes | memoryview, context: InitContext) -> Callable[..., Any]:
     """The partition's workloads with the kept routes and modules, as one call (the handle)."""
-    import torch
-
     processed = memoryview(processed)
     length = int.from_bytes(processed[:8], "little")
     header = json.loads(bytes(processed[8:8 + length]))
     payload = processed[8 + length:]
+    layers = {layer.name: layer for layer in context.graph.layers}
     modules = {}
-    for name, (offset, size) in header["modules"].items():
-        modules[name] = torch.jit.load(io.BytesIO(payload[offset:offset + size]))
+    for name, kept in header["modules"].items():
+        if not isinstance(kept, dict):  # [offset, size]: a frozen module with its weights
+            raise ValueError(f"CpuAcc's blob for {name} is of the layout before weightless "
+                             f"modules; compile the model again")
+        start, size = kept["archive"]
+        arrays = _arrays(layers[name])
+        weights = {buffer: _tensor(recipe, arrays, payload)
+                   for buffer, recipe in kept["weights"].items()}
+        modules[name] = _maker(payload[start:start + size], weights)
     token = route_cache.KEPT.set(dict(header["routes"]))
     try:
         workloads = _workloads(backend, context.graph, modules)
@@ -85,7 +106,7 @@ def init(backend: Any, processed: bytes | memoryview, context: InitContext) -> C
     return _sequence(context.graph, workloads)
 
 
-def _workloads(backend: Any, graph: Graph, modules: dict[str, Any]) -> list[Workload]:
+def _workloads(backend: Any, graph: Graph, modules: dict[str, Callable[[], Any]]) -> list[Workload]:
     factory = backend.create_workload_factory()
     workloads = []
     for layer in graph.layers:
@@ -98,36 +119,98 @@ def _workloads(backend: Any, graph: Graph, modules: dict[str, Any]) -> list[Work
     return workloads
 
 
-def _kept_module(layer: Layer, module: Any, graph: Graph) -> Workload:
-    """A compiled OneDnnGraph from its saved module: the inputs conformed to the layout it was
-    traced for, oneDNN fusion on for its calls (as ``onednn_graph._compiled`` runs it)."""
+def _kept_module(layer: Layer, make: Callable[[], Any], graph: Graph) -> Workload:
+    """A compiled OneDnnGraph from its kept module, compiled by oneDNN Graph at its first run
+    (per thread count, ``onednn_graph.CompiledPerThreads``), as ``onednn_graph._compiled`` runs it
+    after its load."""
+    modules = onednn_graph.CompiledPerThreads(make)
+    run = onednn_graph.compiled_run(modules, _sample(layer, graph))
+    run.route = "onednn_graph"  # type: ignore[attr-defined]
+    return run
+
+
+def _maker(archive: memoryview, weights: dict[str, Any]) -> Callable[[], Any]:
+    """The kept module's maker: the module made here, at load (a broken blob fails the load, not
+    the first run), handed out at the first call; a fresh one for each further thread count."""
+    made = [onednn_graph.from_weightless(archive, weights)]
+    return lambda: made.pop() if made else onednn_graph.from_weightless(archive, weights)
+
+
+def _sample(layer: Layer, graph: Graph) -> list[Any]:
+    return onednn_graph._sample([graph.info(n) for n in layer.inputs],
+                                layer.attrs.get("channels_last"))
+
+
+# -- the kept modules' weights: views of the artifact's constants where they are ------------------
+def _arrays(layer: Layer) -> dict[str, np.ndarray]:
+    """The arrays a OneDnnGraph layer holds, by a name that finds them again in the layer the
+    artifact gives back: its constants and its layers' array attributes (fused weights)."""
+    arrays = {f"constants/{name}": np.asarray(value)
+              for name, value in layer.attrs["constants"].items()}
+    for i, inner in enumerate(layer.attrs["layers"]):
+        arrays.update({f"layers/{i}/{key}": value for key, value in inner.attrs.items()
+                       if isinstance(value, np.ndarray)})
+    return arrays
+
+
+def _recipe(tensor: Any, arrays: dict[str, np.ndarray], payload: bytearray) -> list[Any]:
+    """How ``_tensor`` makes ``tensor`` again at load: a view of one of ``arrays`` ("view", the
+    artifact's constants: the weights the routes read as they are), else its memory in the payload
+    ("raw", in its own strides: a channels-last copy, a folded weight), mapped as the constants
+    are, not copied. A tensor whose memory is not one dense block is stored contiguous."""
     import torch
 
-    from backplane.backends.torch.fusion import onednn_graph
-    from backplane.backends.torch.threads import PerThreadCount
+    sizes, strides = list(tensor.shape), list(tensor.stride())
+    item, start = tensor.element_size(), tensor.data_ptr()
+    end = start + item * (1 + sum((n - 1) * s for n, s in zip(sizes, strides)))
+    for key, array in arrays.items():
+        base = array.__array_interface__["data"][0]
+        if (str(array.dtype) == _dtype(tensor) and array.flags.c_contiguous
+                and base <= start and end <= base + array.nbytes
+                and (start - base) % item == 0 and min(strides, default=0) >= 0):
+            return ["view", key, (start - base) // item, sizes, strides]
+    if not _dense(sizes, strides):
+        tensor = tensor.contiguous()
+        strides = list(tensor.stride())
+    memory = torch.as_strided(tensor, [tensor.numel()], [1])  # its elements as they lie in memory
+    data = memory.view(torch.uint8).numpy().tobytes()
+    return ["raw", _dtype(tensor), _append(payload, data), sizes, strides]
 
-    sample = onednn_graph._sample([graph.info(n) for n in layer.inputs],
-                                  layer.attrs.get("channels_last"))
-    conform = onednn_graph._layout_guard(sample)
-    modules = PerThreadCount(module, sample, 2)  # one compiled per thread count: threads.py
 
-    def run(*values: Any) -> tuple[Any, ...]:
-        values = conform(values)
-        was = torch.jit.onednn_fusion_enabled()
-        torch.jit.enable_onednn_fusion(True)
-        try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                outputs = modules.current()(*values)
-        finally:
-            torch.jit.enable_onednn_fusion(was)
-        return outputs if isinstance(outputs, tuple) else (outputs,)
+def _tensor(recipe: list[Any], arrays: dict[str, np.ndarray], payload: memoryview) -> Any:
+    import torch
 
-    for _ in range(2):  # the first call profiles, the second hands the partitions to oneDNN Graph
-        run(*sample)
-    run.route = "onednn_graph"  # type: ignore[attr-defined]
-    run.relayouts = conform.relayouts  # type: ignore[attr-defined]
-    return run
+    kind, sizes, strides = recipe[0], recipe[-2], recipe[-1]
+    if kind == "view":
+        flat = torch.from_numpy(arrays[recipe[1]]).reshape(-1)
+        return torch.as_strided(flat, sizes, strides, recipe[2])
+    if kind == "raw":
+        start, size = recipe[2]
+        memory = torch.frombuffer(payload[start:start + size], dtype=torch.uint8)
+        return torch.as_strided(memory.view(getattr(torch, recipe[1])), sizes, strides)
+    raise ValueError(f"CpuAcc's blob: a weight kept as {kind!r}, not as 'view' or 'raw'")
+
+
+def _dense(sizes: list[int], strides: list[int]) -> bool:
+    """Whether a tensor's elements fill one block of memory (in any order of its dimensions)."""
+    step = 1
+    for size, stride in sorted(zip(sizes, strides), key=lambda pair: pair[1]):
+        if size != 1 and stride != step:
+            return False
+        step *= size
+    return True
+
+
+def _dtype(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _append(payload: bytearray, data: bytes) -> list[int]:
+    """``data`` appended at the payload's next aligned offset; its [offset, size]."""
+    payload.extend(b"\0" * (-len(payload) % ALIGNMENT))
+    offset = len(payload)
+    payload.extend(data)
+    return [offset, len(data)]
 
 
 def _sequence(graph: Graph, workloads: Sequence[Workload]) -> Callable[..., Any]:

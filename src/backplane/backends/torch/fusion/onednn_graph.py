@@ -15,7 +15,10 @@ match the layers' own on a sample, and keeps whichever runs the sample faster (t
 the route cache, ``route_cache``); "onednn_graph" keeps the compiled one whenever it compiles;
 "layers" runs the layers one by one. A subgraph that fails to trace or compile, or whose outputs do
 not match, runs layer by layer. oneDNN Graph fusion is a process-wide TorchScript switch: it is on
-only for the duration of a call, and put back as it was.
+only for the duration of a call, and put back as it was. Each other thread count compiles its own
+module at its first call (``CompiledPerThreads``). An artifact keeps the traced module without its
+weights (``weightless``), frozen again at its load and compiled at its first run
+(``backends/torch/delegate.py``).
 
 Only subgraphs that tracing cannot get wrong are taken: static boundary shapes, no kernel that reads
 a tensor's values on the host unless that tensor is a constant (a traced graph keeps the values it
@@ -26,10 +29,12 @@ tracing fails and the layers run one by one.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from backplane import progress
@@ -38,7 +43,6 @@ from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
 from backplane.backends.torch.fusion.patterns import fastest, remembered, seconds
-from backplane.backends.torch.threads import PerThreadCount
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 MODES = ("auto", "onednn_graph", "layers")
@@ -201,47 +205,173 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
     import torch
 
     traceable = _layers(layer, _Forced(backend, TRACEABLE_ROUTES))
-
-    class Subgraph(torch.nn.Module):
-        def forward(self, *values: Any) -> tuple[Any, ...]:
-            return traceable(*values)
-
-    fusion_was = torch.jit.onednn_fusion_enabled()
     try:
-        torch.jit.enable_onednn_fusion(True)
-        with torch.no_grad(), warnings.catch_warnings():
+        with _fusion(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation and tracer warnings: checked just below
             expected = traceable(*sample)
-            module = torch.jit.freeze(torch.jit.trace(Subgraph().eval(), tuple(sample),
-                                                      check_trace=False))
+            traced = _trace(traceable, sample)
+            module = _freeze(traced)
             for _ in range(3):  # the profiling executor hands partitions to oneDNN Graph by now
                 got = module(*sample)
     except Exception:  # noqa: BLE001  # any failure to trace or compile: the layers run instead
         return None
-    finally:
-        torch.jit.enable_onednn_fusion(fusion_was)
     got = got if isinstance(got, tuple) else (got,)
     if len(got) != len(expected) or not all(map(_close, got, expected)):
         return None
+    modules = CompiledPerThreads(lambda: _freeze(traced), {torch.get_num_threads(): module})
+    run = compiled_run(modules, sample)
+    seconds(run, *sample, repeat=1)  # the first calls after a freeze are the slow ones
+    return _named(run, "onednn_graph")
+
+
+def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload:
+    """The call of a compiled OneDnnGraph: its inputs in the layout it was traced for
+    (``_layout_guard``), oneDNN Graph fusion on for the call and put back after, no autograd."""
+    import torch
 
     conform = _layout_guard(sample)
-    modules = PerThreadCount(module, sample, 3)  # one compiled per thread count: threads.py
 
     def run(*values: Any) -> tuple[Any, ...]:
-        values = conform(values)
         was = torch.jit.onednn_fusion_enabled()
         torch.jit.enable_onednn_fusion(True)
         try:
             with torch.no_grad():
-                outputs = modules.current()(*values)
+                outputs = modules(*conform(values))
         finally:
             torch.jit.enable_onednn_fusion(was)
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
-    seconds(run, *sample, repeat=1)  # the first calls after a freeze are the slow ones
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
-    run.module = module  # type: ignore[attr-defined]  # what CpuAcc's artifact blob keeps
-    return _named(run, "onednn_graph")
+    run.modules = modules  # type: ignore[attr-defined]
+    return run
+
+
+@contextlib.contextmanager
+def _fusion() -> Iterator[None]:
+    """oneDNN Graph fusion on (a process-wide TorchScript switch) and no autograd, for a trace, a
+    freeze or a call; the switch put back as it was."""
+    import torch
+
+    was = torch.jit.onednn_fusion_enabled()
+    torch.jit.enable_onednn_fusion(True)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.jit.enable_onednn_fusion(was)
+
+
+def _trace(traceable: Callable[..., Any], sample: Sequence[Any],
+           buffers: dict[str, Any] | None = None) -> Any:
+    """``traceable`` traced on ``sample`` as a TorchScript module; ``buffers`` (tensors
+    ``traceable`` reads) become the module's buffers, read by ``GetAttr``, instead of constants."""
+    import torch
+
+    class Subgraph(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, tensor in (buffers or {}).items():
+                self.register_buffer(name, tensor)
+
+        def forward(self, *values: Any) -> tuple[Any, ...]:
+            return traceable(*values)
+
+    with _fusion(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation, the tracer's warnings
+        return torch.jit.trace(Subgraph().eval(), tuple(sample), check_trace=False)
+
+
+def _freeze(module: Any) -> Any:
+    """``module`` frozen (its buffers become constants: oneDNN Graph takes constant weights), on
+    one thread: freezing compares constants of equal shapes pairwise (``at::equal``, a parallel
+    region each, which on a busy machine waits for a preempted thread): resnet50 froze in 0.01 to
+    0.02 s on one thread, 0.06 to 0.8 s on two, on this 2-core machine with others' load."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _fusion(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.jit.freeze(module)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def weightless(layer: Layer, backend: Any, sample: Sequence[Any]) -> tuple[bytes, dict[str, Any]]:
+    """The OneDnnGraph ``layer`` traced as ``_compiled`` traces it, as a TorchScript archive
+    without its weights: each tensor the trace kept as a constant is a buffer of the module
+    instead (``w0``, ``w1``, ...), saved empty. Returns the archive and the buffers' tensors;
+    ``from_weightless`` makes the frozen module again from both (CpuAcc's artifact blob)."""
+    import io
+
+    import torch
+
+    traceable = _layers(layer, _Forced(backend, TRACEABLE_ROUTES))
+    constants = [node.t("value") for node in _trace(traceable, sample).graph.nodes()
+                 if node.kind() == "prim::Constant" and node.hasAttribute("value")
+                 and node.kindOf("value") == "t"
+                 and node.t("value").dim() > 0]
+    traced = _trace(traceable, sample, {f"w{i}": t for i, t in enumerate(constants)})
+    weights = dict(traced.named_buffers())
+    for name, tensor in weights.items():
+        setattr(traced, name, torch.empty(0, dtype=tensor.dtype))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(traced, buffer)
+    return buffer.getvalue(), weights
+
+
+def from_weightless(archive: bytes | memoryview, weights: dict[str, Any]) -> Any:
+    """The frozen module of ``weightless``'s archive with its buffers set to ``weights``."""
+    import io
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = torch.jit.load(io.BytesIO(archive))  # type: ignore[arg-type]
+    for name, tensor in weights.items():
+        setattr(module, name, tensor)
+    return _freeze(module)
+
+
+class CompiledPerThreads:
+    """A frozen module per torch thread count, each compiled by oneDNN Graph at its first call at
+    that count, on that call's inputs: oneDNN Graph's partitions keep running on the threads they
+    were compiled with (a module compiled at 2 threads kept 2 busy after
+    ``torch.set_num_threads(1)``, 27 times slower on a loaded 2-core machine: ``threads.py``).
+
+    ``modules`` holds those compiled already; ``make()`` makes a fresh frozen module for another
+    count. Its first call is the profiling executor's profiled run (its result is not returned:
+    it runs the layers as traced, not oneDNN Graph's partitions); the second compiles the
+    partitions and runs them, and its result is the call's, as every later call's."""
+
+    def __init__(self, make: Callable[[], Any], modules: dict[int, Any] | None = None) -> None:
+        import torch
+
+        self.make, self.modules = make, dict(modules or {})
+        self._count = torch.get_num_threads
+        self._lock = threading.Lock()
+
+    def __call__(self, *values: Any) -> Any:
+        module = self.modules.get(self._count())
+        return module(*values) if module is not None else self._first(values)
+
+    def _first(self, values: Sequence[Any]) -> Any:
+        with self._lock:  # one compile per count, also with threads running the network at once
+            count = self._count()
+            module = self.modules.get(count)
+            if module is not None:
+                return module(*values)
+            module = self.make()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript's deprecation
+                module(*values)  # profiled: records the types the fuser needs
+                outputs = module(*values)  # the partitions compiled, then run
+            self.modules[count] = module
+            return outputs
 
 
 def _layout_guard(sample: Sequence[Any]) -> Callable[[Sequence[Any]], Sequence[Any]]:
