@@ -2,9 +2,12 @@
 
 Each runtime runs in a process of its own, in alternating order, batch 1: the process imports its
 libraries, loads the model, runs it ``--runs`` times; the table shows the peak resident set of the
-process (VmHWM: libraries, model, weights and the runs' tensors together), the resident set once the
-model is loaded, and the growth from there to the peak (what the runs' tensors took), with
-backplane's planned peak for comparison (``PlacementReport.peak_bytes``, intermediates only).
+process (VmHWM: libraries, model, weights and the runs' tensors together), the peak reached by the
+time the model is loaded (the import's and the load's), the resident set once it is loaded, and the
+growth from there to the runs' own peak (what the runs' tensors took; the peak is reset after the
+load where Linux allows it), with backplane's planned peak for comparison
+(``PlacementReport.peak_bytes``, intermediates only). ``--keep-initializers`` loads
+backplane's sessions with ``SessionOptions.keep_initializers`` (the graphs keep the weights).
 
 Usage:
     python bench/memory.py MODEL.onnx [MODEL.onnx ...] [--backends CpuAcc,CpuRef] [--runs 20]
@@ -53,7 +56,8 @@ def feeds(inputs: list[tuple[str, list, str]]) -> dict[str, np.ndarray]:
     return values
 
 
-def child(model: str, runtime: str, backends: list[str], runs: int, threads: int) -> dict:
+def child(model: str, runtime: str, backends: list[str], runs: int, threads: int,
+          keep: bool) -> dict:
     planned = None
     if runtime == "onnxruntime":
         import onnxruntime as ort
@@ -69,15 +73,31 @@ def child(model: str, runtime: str, backends: list[str], runs: int, threads: int
 
         options = SessionOptions()
         options.intra_op_num_threads = threads
+        if keep:
+            options.keep_initializers = True
         session = InferenceSession(model, backends, options)
         inputs = [(i.name, i.shape, i.type) for i in session.get_inputs()]
         run = session.run
         planned = sum(session.report.peak_bytes.values())
     values = feeds(inputs)
-    loaded = status("VmRSS")
+    loaded, at_load = status("VmRSS"), status("VmHWM")
+    reset = reset_peak()
     for _ in range(runs):
         run(None, values)
-    return {"peak": status("VmHWM"), "loaded": loaded, "planned": planned}
+    in_runs = status("VmHWM")
+    return {"peak": max(at_load, in_runs), "at_load": at_load, "loaded": loaded,
+            "in_runs": in_runs if reset else None, "planned": planned}
+
+
+def reset_peak() -> bool:
+    """VmHWM back to the resident set now (Linux's clear_refs 5), so that the runs' own peak can
+    be read apart from the load's; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def machine() -> str:
@@ -108,18 +128,22 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--keep-initializers", action="store_true")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     backends = args.backends.split(",")
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], backends, args.runs, args.threads)))
+        print(json.dumps(child(args.child[0], args.child[1], backends, args.runs, args.threads,
+                               args.keep_initializers)))
         return 0
     if not args.models:
         parser.error("give at least one model")
     print(machine())
+    kept = ", keeping initializers" if args.keep_initializers else ""
     print(f"{args.threads} threads, batch 1, {args.runs} runs a process, backplane on "
-          f"{','.join(backends)}; MiB")
-    print(f"{'model':<28} {'runtime':<12} {'peak':>8} {'loaded':>8} {'growth':>8} {'planned':>8}")
+          f"{','.join(backends)}{kept}; MiB")
+    print(f"{'model':<28} {'runtime':<12} {'peak':>8} {'at load':>8} {'loaded':>8} {'growth':>8} "
+          f"{'planned':>8}")
     runtimes = ("backplane", "onnxruntime")
     for model in args.models:
         found: dict[str, list[dict]] = {r: [] for r in runtimes}
@@ -127,7 +151,8 @@ def main() -> int:
             for runtime in (runtimes if round_ % 2 == 0 else runtimes[::-1]):
                 done = subprocess.run(
                     [sys.executable, __file__, "--backends", args.backends, "--runs",
-                     str(args.runs), "--threads", str(args.threads), "--child", model, runtime],
+                     str(args.runs), "--threads", str(args.threads), "--child", model, runtime,
+                     *(["--keep-initializers"] if args.keep_initializers else [])],
                     capture_output=True, text=True,
                     env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
                 if done.returncode:
@@ -139,9 +164,10 @@ def main() -> int:
                 continue
             best = min(found[runtime], key=lambda r: r["peak"])
             planned = "" if best["planned"] is None else f"{best['planned'] / 2**20:8.1f}"
+            top = best["in_runs"] if best["in_runs"] is not None else best["peak"]
             print(f"{Path(model).stem:<28} {runtime:<12} {best['peak'] / 2**20:8.1f} "
-                  f"{best['loaded'] / 2**20:8.1f} {(best['peak'] - best['loaded']) / 2**20:8.1f} "
-                  f"{planned:>8}", flush=True)
+                  f"{best['at_load'] / 2**20:8.1f} {best['loaded'] / 2**20:8.1f} "
+                  f"{(top - best['loaded']) / 2**20:8.1f} {planned:>8}", flush=True)
     return 0
 
 

@@ -225,3 +225,18 @@ def test_session_severity_silences_its_messages_and_only_its_own(loud, caplog) -
 def test_the_new_names_are_exported() -> None:
     for name in ("SessionOptions", "RunOptions", "ModelMetadata"):
         assert name in backplane.__all__ and hasattr(backplane, name)
+
+
+def test_keep_initializers_is_a_flag_and_keeps_the_graphs_weights(tmp_path) -> None:
+    """Off by default: a model read from its file leaves its weights to the loaded network
+    (tests/runtime/test_released_weights.py); on, the graphs keep them as imported."""
+    with pytest.raises(ValueError, match="keep_initializers must be True or False"):
+        SessionOptions(keep_initializers=1)
+    path = tmp_path / "cnn.onnx"
+    onnx.save(small_cnn_model(), str(path))
+    released = InferenceSession(path, ["CpuRef"])
+    kept = InferenceSession(path, ["CpuRef"], SessionOptions(keep_initializers=True))
+    assert released.optimized.released and not kept.optimized.released
+    assert type(kept.graph.constants) is dict and type(kept.optimized.graph.constants) is dict
+    assert sorted(released.graph.constants) == sorted(kept.graph.constants)
+    assert released.run(None, {"x": X})[0].tobytes() == kept.run(None, {"x": X})[0].tobytes()

@@ -4,11 +4,12 @@ Opsets 7 to the newest the installed onnx knows; initializers and Constant nodes
 external data is read from beside the model file; local functions are inlined; If / Loop / Scan
 bodies become sub-Graphs in the layer's attributes. Symbolic dimensions can be bound from the shapes
 of the inputs the user will give. Every problem is a ModelError that names the node, its op and opset.
+Reading the file (its large weights apart from the proto) is ``onnx_file.py``; ONNX's own shape
+inference over the model, ``onnx_shapes.py``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,6 +21,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from onnx import GraphProto, ModelProto, NodeProto
 
+from backplane.frontends.onnx_file import (  # noqa: F401  # ModelError, load_model: from here too
+    ModelError, ReadModel, load_model, read_model)
+from backplane.frontends.onnx_shapes import copy_model, infer_shapes
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
 from backplane.ir.graph import Dim, Graph, Layer, TensorInfo
 
@@ -27,53 +31,26 @@ MIN_OPSET = 1  # kernels are versioned; an old op they cannot run is refused by 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
-class ModelError(ValueError):
-    """The model cannot be imported: malformed, an unknown op, an unsupported opset."""
-
-
 def max_opset() -> int:
     return onnx.defs.onnx_opset_version()
 
 
-def load_model(model: str | os.PathLike | bytes | ModelProto) -> tuple[ModelProto, str | None]:
-    """Parse a model from a path, bytes or a ModelProto; external data is loaded from its folder."""
-    if isinstance(model, ModelProto):
-        return model, None
-    if isinstance(model, bytes):
-        try:
-            return onnx.load_model_from_string(model), None
-        except Exception as exc:  # protobuf raises DecodeError and others
-            raise ModelError(f"the bytes given are not an ONNX model: {exc}") from exc
-    path = os.fspath(model)
-    if os.path.isdir(path):
-        raise ModelError(f"'{path}' is a directory: give the model's .onnx file")
-    if not os.path.isfile(path):
-        raise ModelError(f"model file '{path}' does not exist")
-    try:
-        proto = onnx.load(path, load_external_data=False)
-    except Exception as exc:
-        raise ModelError(f"'{path}' is not a readable ONNX model: {exc}") from exc
-    base_dir = os.path.dirname(os.path.abspath(path))
-    try:
-        onnx.external_data_helper.load_external_data_for_model(proto, base_dir)
-    except Exception as exc:  # OSError, onnx's ValidationError for a missing or unsafe file
-        raise ModelError(f"'{path}': its external data could not be read: {exc}") from exc
-    return proto, base_dir
-
-
-def import_onnx(model: str | os.PathLike | bytes | ModelProto,
+def import_onnx(model: str | os.PathLike | bytes | ModelProto | ReadModel,
                 input_shapes: Mapping[str, Sequence[int]] | None = None) -> Graph:
-    """Import an ONNX model as a Graph; ``input_shapes`` binds symbolic input dimensions."""
-    proto, base_dir = load_model(model)
+    """Import an ONNX model as a Graph; ``input_shapes`` binds symbolic input dimensions. A model
+    read by ``read_model`` gives its arrays to the graph (its ``arrays`` are emptied)."""
+    read = read_model(model)
+    proto, arrays = read.proto, read.arrays
+    read.arrays = {}
     opsets = _check_opsets(proto)
-    _check_messages(proto, from_path=base_dir is not None)
+    _check_messages(proto, from_path=read.base_dir is not None)
     if proto.functions:
         proto = _inline_functions(proto)
     if input_shapes:
         proto = _bind_input_shapes(proto, input_shapes)
-    proto, weights, refusal = _infer_shapes(proto)
+    proto, weights, refusal = infer_shapes(proto)
     importer = _Importer(opsets, proto.functions)
-    graph = importer.graph(proto.graph, top_level=True, weights=weights)
+    graph = importer.graph(proto.graph, top_level=True, weights=weights, arrays=arrays)
     if refusal:
         raise ModelError(f"ONNX's type and shape inference refuses the model: {refusal}")
     return graph
@@ -176,7 +153,7 @@ def _inline_functions(proto: ModelProto) -> ModelProto:
 
 
 def _bind_input_shapes(proto: ModelProto, shapes: Mapping[str, Sequence[int]]) -> ModelProto:
-    proto = _copy(proto)
+    proto = copy_model(proto)
     for vi in proto.graph.input:
         if vi.name not in shapes or not vi.type.HasField("tensor_type"):
             continue
@@ -189,163 +166,6 @@ def _bind_input_shapes(proto: ModelProto, shapes: Mapping[str, Sequence[int]]) -
                 dim.Clear()
                 dim.dim_value = int(size)
     return proto
-
-
-def _copy(proto: ModelProto) -> ModelProto:
-    copy = ModelProto()
-    copy.CopyFrom(proto)
-    return copy
-
-
-LARGE_INITIALIZER = 1024  # elements; shape inference needs only the shapes of larger ones
-
-
-def _infer_shapes(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorProto], str | None]:
-    """Infer shapes on a copy of the model without its large weights (inference serializes the model:
-    on BERT-base that was 4 s of 5), its nodes in order. Returns the annotated copy, the weights it
-    left out, and where ONNX's own inference functions refuse a node (as ONNX Runtime, which runs
-    them, refuses such a model), else None: raised after the importer's own checks, which name
-    problems better. Shapes the model declares for its intermediate tensors that its ops contradict
-    are dropped, not trusted; a model is not refused for them (ORT only warns)."""
-    light, weights = _without_large_initializers(proto)
-    light = _for_inference(light, proto)
-    infer = onnx.shape_inference.infer_shapes
-    try:
-        return infer(light, strict_mode=True, data_prop=True), weights, None
-    except Exception:  # noqa: BLE001 - which of the reasons below?
-        pass
-    try:  # data propagation trips on some models where plain inference works
-        infer(light, strict_mode=True)
-        return _infer_leniently(light), weights, None
-    except Exception:  # noqa: BLE001
-        pass
-    undeclared = _copy(light)  # the shapes of the model's ops alone: do they refuse a node?
-    undeclared.graph.ClearField("value_info")
-    for vi in undeclared.graph.output:
-        if vi.type.HasField("tensor_type"):
-            vi.type.tensor_type.ClearField("shape")
-    try:
-        infer(undeclared, strict_mode=True)
-    except onnx.shape_inference.InferenceError as exc:
-        refusal = str(exc)
-        if refusal.count("Inference error(s)") == 1:  # not from inside a function body, where
-            # onnx's inference errs on valid models (MeanVarianceNormalization's at opset 7)
-            return _infer_leniently(light), weights, refusal
-        return _infer_leniently(light), weights, None
-    except Exception:  # noqa: BLE001 - not an inference function's refusal: as before
-        return _infer_leniently(light), weights, None
-    without = _copy(light)  # the ops are fine with each other; the declared shapes are not
-    without.graph.ClearField("value_info")
-    return _infer_leniently(without), weights, None
-
-
-def _infer_leniently(light: ModelProto) -> ModelProto:
-    infer = onnx.shape_inference.infer_shapes
-    try:
-        return infer(light, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001
-        try:
-            return infer(light, strict_mode=False)
-        except Exception:  # noqa: BLE001
-            return light  # shapes stay unknown; kernels do not need them
-
-
-def _for_inference(light: ModelProto, original: ModelProto) -> ModelProto:
-    """``light`` with every graph's nodes in topological order (ONNX's inference reads them in the
-    order given, as ONNX Runtime's does only after sorting) and the domain 'ai.onnx' written ''
-    (which inference does not read as the default). A copy where anything changes."""
-    def needs(graph: GraphProto) -> bool:
-        if any(node.domain == "ai.onnx" for node in graph.node):
-            return True
-        if _sorted_nodes(graph) != list(range(len(graph.node))):
-            return True
-        return any(needs(g) for node in graph.node for a in node.attribute
-                   for g in ([a.g] if a.HasField("g") else []) + list(a.graphs))
-
-    def fix(graph: GraphProto) -> None:
-        order = _sorted_nodes(graph)
-        nodes = [graph.node[k] for k in order]
-        graph.ClearField("node")
-        graph.node.extend(nodes)
-        for node in graph.node:
-            if node.domain == "ai.onnx":
-                node.domain = ""
-            for a in node.attribute:
-                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    fix(g)
-
-    if not needs(light.graph) and not any(o.domain == "ai.onnx" for o in light.opset_import):
-        return light
-    light = _copy(light) if light is original else light
-    fix(light.graph)
-    for entry in light.opset_import:
-        if entry.domain == "ai.onnx":
-            entry.domain = ""
-    return light
-
-
-def _sorted_nodes(graph: GraphProto) -> list[int]:
-    """The indices of ``graph``'s nodes in a topological order that keeps the given one where it can
-    (a node after the producers of its inputs and of the outer names its sub-graphs read); the
-    given order where there is a cycle, which the importer then names."""
-    producer = {out: k for k, node in enumerate(graph.node) for out in node.output if out}
-    reads = [[*node.input, *_outer_reads(node)] for node in graph.node]
-    order: list[int] = []
-    state = [0] * len(graph.node)  # 0 new, 1 on the stack, 2 done
-    for root in range(len(graph.node)):
-        if state[root]:
-            continue
-        stack = [(root, iter(reads[root]))]
-        state[root] = 1
-        while stack:
-            k, pending = stack[-1]
-            for name in pending:
-                dep = producer.get(name)
-                if dep is None or state[dep] == 2:
-                    continue
-                if state[dep] == 1:
-                    return list(range(len(graph.node)))  # a cycle
-                state[dep] = 1
-                stack.append((dep, iter(reads[dep])))
-                break
-            else:
-                stack.pop()
-                state[k] = 2
-                order.append(k)
-    return order
-
-
-def _outer_reads(node: NodeProto) -> set[str]:
-    """The names a node's sub-graphs read that they do not define themselves."""
-    names: set[str] = set()
-    for attr in node.attribute:
-        for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-            defined = {vi.name for vi in g.input} | {i.name for i in g.initializer}
-            defined |= {o for n in g.node for o in n.output}
-            read = {i for n in g.node for i in (*n.input, *_outer_reads(n))} | {o.name for o in g.output}
-            names |= read - defined
-    return names
-
-
-def _without_large_initializers(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorProto]]:
-    large = [init for init in proto.graph.initializer if math.prod(init.dims) > LARGE_INITIALIZER]
-    if not large:
-        return proto, {}
-    light = ModelProto(ir_version=proto.ir_version)  # what inference reads, without the weights
-    light.opset_import.extend(proto.opset_import)
-    light.functions.extend(proto.functions)
-    graph, light_graph = proto.graph, light.graph
-    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
-        getattr(light_graph, field).extend(getattr(graph, field))
-    light_graph.name, light_graph.doc_string = graph.name, graph.doc_string
-    names = {init.name for init in large}
-    light_graph.initializer.extend(i for i in graph.initializer if i.name not in names)
-    declared = {vi.name for vi in graph.input}
-    for init in large:  # a weight becomes an input of its type and shape, for inference only
-        if init.name not in declared:
-            light_graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type,
-                                                                         list(init.dims)))
-    return light, {init.name: init for init in large}
 
 
 def _tensor_info(type_proto: onnx.TypeProto) -> TensorInfo:
@@ -372,8 +192,10 @@ class _Importer:
 
     def graph(self, g: GraphProto, top_level: bool = False,
               weights: Mapping[str, onnx.TensorProto] | None = None,
-              outer: frozenset[str] = frozenset()) -> Graph:
-        """Import ``g``; ``outer``: the names of the enclosing graphs a sub-graph may read."""
+              outer: frozenset[str] = frozenset(),
+              arrays: Mapping[str, np.ndarray] | None = None) -> Graph:
+        """Import ``g``; ``outer``: the names of the enclosing graphs a sub-graph may read;
+        ``arrays``: initializers already read (``read_model``), whose tensors hold no data."""
         where = "the graph" if top_level else f"sub-graph '{g.name}'"
         scope = outer | _check_definitions(g, where, weights or {})
         tensors: dict[str, TensorInfo] = {}
@@ -383,7 +205,8 @@ class _Importer:
             tensors[vi.name] = _input_info(vi, where) if top_level else _tensor_info(vi.type)
         constants: dict[str, np.ndarray] = {}
         for init in (*g.initializer, *(weights or {}).values()):
-            constants[init.name] = self._initializer(init)
+            read = (arrays or {}).get(init.name)
+            constants[init.name] = self._initializer(init) if read is None else read
             tensors[init.name] = TensorInfo(constants[init.name].shape, constants[init.name].dtype)
         layers: list[Layer] = []
         for index, node in enumerate(g.node):

@@ -13,6 +13,7 @@ import copy
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backplane import debug
 from backplane.backends.api.backend import Backend, BackendOptions, check_options
@@ -25,6 +26,9 @@ from backplane.optimizer import measured, passes
 from backplane.optimizer.edges import BUILTIN, insert_compatibility_layers
 from backplane.optimizer.partition import partition
 from backplane.optimizer.report import LayerPlacement, PlacementReport, SubgraphRecord
+
+if TYPE_CHECKING:
+    from backplane.optimizer.release import FileWeights
 
 log = logging.getLogger("backplane.optimizer")
 
@@ -66,6 +70,12 @@ class OptimizedNetwork:
     remake: Callable[[dict[str, dict[str, str]]], OptimizedNetwork] | None = None
     """Optimizes the same graph again with other exclusions: what the runtime does when a backend
     cannot create a workload for a layer it took (Arm NN's failed subgraph, found at load)."""
+    weights: FileWeights | None = None
+    """Where the weights its model file holds can be read again: set by the network's maker (a
+    session) to give them up: loading the network leaves each weight to the workloads that read
+    it (``optimizer/release.py``)."""
+    released: bool = False
+    """A load released its weights: loading it again loads its ``remake``."""
 
     def layers_behind(self, layer: Layer) -> list[str]:
         """The model's layers that ``layer`` runs: itself, or those a substitution put into it."""

@@ -28,6 +28,7 @@ from backplane.backends.api.backend import Backend, ProfilingContext, Workload
 from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
+from backplane.optimizer.release import FileWeights, ReleasedConstants, released_layer
 from backplane.runtime import fallback
 
 NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
@@ -96,7 +97,17 @@ class LoadedNetwork:
         self._template: list[Any] = [None]
         self._constant_slots: dict[tuple[int, str], str] = {}  # (layer, constant) -> its slot's key
         self.layers: list[Layer] = list(graph.layers)
-        workloads = [self._create(factories, layer, graph, network.backends) for layer in self.layers]
+        release = network.weights
+        if release is not None:  # what no layer reads as an input is left to the file already
+            graph.constants = ReleasedConstants(  # type: ignore[assignment]
+                graph.constants, release, holding=_read_constants(graph))
+        workloads: list[Workload] = []
+        memory: list[list[tuple[int, int]]] = []  # each layer's constants, for the report
+        for index, layer in enumerate(self.layers):
+            workloads.append(self._create(factories, layer, graph, network.backends))
+            memory.append(_constant_memory(layer, graph))
+            if release is not None:  # its workload holds what it reads: the layer holds nothing
+                self.layers[index] = graph.layers[index] = self._released(layer, release)
         self.fallback_memory = fallback.FallbackMemoryManager()
         workloads, copied = fallback.bind(self.layers, workloads, graph, self.fallback_memory)
         for record in network.report.copies:
@@ -115,7 +126,10 @@ class LoadedNetwork:
                            self._constant_slots)
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots)
-        network.report.peak_bytes, network.report.constant_bytes = self._planned_memory()
+        network.report.peak_bytes, network.report.constant_bytes = self._planned_memory(memory)
+        if release is not None:
+            graph.constants.let_go()  # type: ignore[attr-defined]
+            network.released = True
         network.report.partitions = _partitions(self.layers)
         network.report.fallback_bytes = self.fallback_memory.nbytes
         self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
@@ -171,9 +185,20 @@ class LoadedNetwork:
             self._template[slot] = value if host else factory.copy_in(value)
         return key
 
-    def _planned_memory(self) -> tuple[dict[str, int], dict[str, int]]:
+    def _released(self, layer: Layer, weights: FileWeights) -> Layer:
+        """``layer``'s released copy (``optimizer/release.py``), its constants bound as before."""
+        light = released_layer(layer, weights)
+        for name in layer.inputs:
+            bound = self._constant_slots.pop((id(layer), name), None)
+            if bound is not None:
+                self._constant_slots[id(light), name] = bound
+        return light
+
+    def _planned_memory(self, memory: Sequence[Sequence[tuple[int, int]]],
+                        ) -> tuple[dict[str, int], dict[str, int]]:
         """Per backend: the peak bytes of the intermediate tensors of a run of the host plan, and
-        the bytes of its constants (``PlacementReport.peak_bytes``, ``constant_bytes``)."""
+        the bytes of its constants (``PlacementReport.peak_bytes``, ``constant_bytes``), from the
+        memory (address, bytes) of each layer's constants."""
         graph = self.network.graph
         copied_to = {c.layer: c.target for c in self.network.report.copies if c.strategy == "copy"}
         names = {slot: name for name, slot in self._slots.items()}
@@ -197,15 +222,13 @@ class LoadedNetwork:
                     live[owner_of] -= nbytes
         constants: dict[str, int] = {}
         seen: set[tuple[str, int, int]] = set()
-        for layer in self.layers:
+        for layer, spans in zip(self.layers, memory):
             backend = layer.backend or ""
-            held_here = [graph.constants[n] for n in layer.inputs if n in graph.constants]
-            for value in [*held_here, *_attr_arrays(layer)]:
+            for address, nbytes in spans:
                 # once per memory: a fused layer's weight may be a (transposed) view of a constant
-                key = (backend, value.__array_interface__["data"][0], int(value.nbytes))
-                if key not in seen:
-                    seen.add(key)
-                    constants[backend] = constants.get(backend, 0) + int(value.nbytes)
+                if (backend, address, nbytes) not in seen:
+                    seen.add((backend, address, nbytes))
+                    constants[backend] = constants.get(backend, 0) + nbytes
         return peak, constants
 
     def _detach_outputs(self) -> None:
@@ -435,6 +458,20 @@ def _partitions(layers: Sequence[Layer]) -> list[str]:
         if not found or found[-1] != layer.backend:
             found.append(layer.backend)
     return found
+
+
+def _constant_memory(layer: Layer, graph: Graph) -> list[tuple[int, int]]:
+    """The memory (address, bytes) of the constants a layer reads: its inputs' and the arrays its
+    attributes hold."""
+    held = [graph.constants[n] for n in layer.inputs if n in graph.constants]
+    return [(value.__array_interface__["data"][0], int(value.nbytes))
+            for value in [*held, *_attr_arrays(layer)]]
+
+
+def _read_constants(graph: Graph) -> frozenset[str]:
+    """The constants a layer reads as an input, or that are outputs: bound at load."""
+    return frozenset(n for layer in graph.layers for n in layer.inputs if n in graph.constants) \
+        | frozenset(n for n in graph.outputs if n in graph.constants)
 
 
 def _attr_arrays(layer: Layer) -> list[np.ndarray]:

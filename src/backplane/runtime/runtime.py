@@ -99,7 +99,14 @@ class Runtime:
         A backend that cannot create the workload of a layer it took gives the layer up (Arm NN's
         failed subgraph, found at load): the network is optimized again without that backend for
         the model's layers behind it, which go to the next backend that supports them, with the
-        reason in the report. The load fails when no backend is left, or in strict mode."""
+        reason in the report. The load fails when no backend is left, or in strict mode. A network
+        whose weights a load released (``optimizer/release.py``) is made again to load."""
+        if network.released:
+            if network.remake is None:
+                raise ValueError("this network's weights were released after its load, and it has "
+                                 "no model file to be made again from: load the model again "
+                                 "(SessionOptions.keep_initializers keeps them)")
+            network = network.remake(dict(network.exclusions))  # released as it loads
         network_id = next(self._ids)
         told: list[BackendContext] = []
         while True:  # each retry keeps one more backend from a layer: it ends
