@@ -214,23 +214,3 @@ def test_cpuacc_workloads_are_governed_by_default_and_not_with_a_count(monkeypat
         assert not any(isinstance(w, Governed) for w in _steps(fixed))
     finally:
         torch.set_num_threads(before)
-
-
-def test_a_compiled_module_is_kept_per_thread_count() -> None:
-    torch = pytest.importorskip("torch")
-
-    module = torch.jit.freeze(torch.jit.script(torch.nn.Linear(4, 3).eval()))
-    sample = [torch.ones(2, 4)]
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        kept = threads.PerThreadCount(module, sample, 2)
-        assert kept.current() is module
-        torch.set_num_threads(1)
-        copy = kept.current()
-        assert copy is not module and kept.current() is copy and set(kept.modules) == {1, 2}
-        torch.testing.assert_close(copy(*sample), module(*sample))
-        torch.set_num_threads(2)
-        assert kept.current() is module
-    finally:
-        torch.set_num_threads(before)

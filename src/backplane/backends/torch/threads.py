@@ -21,7 +21,7 @@ the neighbour look gone. Without ``/proc/stat`` (not Linux) it keeps torch's cou
 that runs a network gets the decision applied in it at its next call. A compiled ``OneDnnGraph``
 does not follow the count: oneDNN Graph's partitions keep running on the threads they were compiled
 with, so each count gets its own copy of the module, compiled at its first use
-(``PerThreadCount``).
+(``fusion.onednn_graph.CompiledPerThreads``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +96,7 @@ def free_cpus(before: Sample, after: Sample, cpus: int) -> float:
 
 def choose(free: float, most: int) -> int:
     """The threads for ``free`` CPUs: the largest of ``most``, half of it, a quarter, ... 1 that
-    ``free`` holds (few counts: a compiled OneDnnGraph is kept per count, ``PerThreadCount``)."""
+    ``free`` holds (few counts: a compiled OneDnnGraph is kept per count, ``CompiledPerThreads``)."""
     count = most
     while count > 1 and count > free + SLACK:
         count //= 2
@@ -198,46 +197,3 @@ class Governed:
 def _ticked(governor: ThreadGovernor, call: Callable[..., Any], *inputs: Any) -> Any:
     governor.tick()
     return call(*inputs)
-
-
-class PerThreadCount:
-    """A frozen TorchScript module per torch thread count, for oneDNN Graph: a module whose
-    partitions were compiled at 2 threads still runs them on 2 after ``torch.set_num_threads(1)``
-    (measured: its second OpenMP thread kept as busy as the first, and the run 27 times slower
-    than a copy compiled at 1 thread, on a loaded 2-core machine). Each other count gets a copy
-    (saved and loaded: its own executor, its own weights) warmed at that count: ``calls`` calls on
-    ``sample``, which hand its partitions to oneDNN Graph."""
-
-    def __init__(self, module: Any, sample: Sequence[Any], calls: int) -> None:
-        import torch
-
-        self.count = torch.get_num_threads
-        self.modules = {self.count(): module}
-        self._sample, self._calls, self._saved = sample, calls, b""
-        self._lock = threading.Lock()
-
-    def current(self) -> Any:
-        """The module for the calling thread's count, copied and warmed on first use (called as
-        the module is: oneDNN fusion on, no grad)."""
-        module = self.modules.get(self.count())
-        return module if module is not None else self._copy()
-
-    def _copy(self) -> Any:
-        import io
-
-        import torch
-
-        with self._lock:
-            count = self.count()
-            if count not in self.modules:
-                if not self._saved:
-                    buffer = io.BytesIO()
-                    torch.jit.save(next(iter(self.modules.values())), buffer)
-                    self._saved = buffer.getvalue()
-                copy = torch.jit.load(io.BytesIO(self._saved))
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # TorchScript's deprecation
-                    for _ in range(self._calls):
-                        copy(*self._sample)
-                self.modules[count] = copy
-            return self.modules[count]
