@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -100,3 +101,14 @@ def small_cnn_model(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Softmax", ["logits"], ["probs"], name="softmax", axis=1),
     ]
     return make_model(nodes, [float_input("x", [1, 3, 8, 8])], [float_input("probs", [1, 5])], inits)
+
+
+def inner_workloads(session: Any, op_type: str) -> list:
+    """The workloads of a session's ``op_type`` layers, those inside a layer that holds layers (a
+    OneDnnGraph run layer by layer, a Specialized layer) too."""
+    loaded = session.runtime.network(session.network_id)
+    found = []
+    for step, layer in zip(loaded.steps, loaded.layers):
+        pairs = getattr(step.workload, "inner", [(layer, step.workload)])
+        found += [workload for lay, workload in pairs if lay.op_type == op_type]
+    return found

@@ -19,7 +19,7 @@ from onnx import helper, numpy_helper
 import backplane
 from backplane import InferenceSession, Runtime, SessionOptions
 from backplane.optimizer.release import Released, ReleasedConstants
-from tests.conftest import float_input, make_model
+from tests.conftest import float_input, inner_workloads, make_model
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((1, 4, 128)).astype(np.float32)
@@ -53,16 +53,6 @@ def holders(value: np.ndarray) -> int:
     garbage collector's referrers miss a dict that holds arrays alone, so they are counted)."""
     gc.collect()
     return sys.getrefcount(value) - 3  # the caller's name, this argument, getrefcount's argument
-
-
-def inner_workloads(session: InferenceSession, op_type: str) -> list:
-    """The workloads of the ``op_type`` layers, inside a layer that holds layers too."""
-    loaded = session.runtime.network(session.network_id)
-    found = []
-    for step, layer in zip(loaded.steps, loaded.layers):
-        pairs = getattr(step.workload, "inner", [(layer, step.workload)])
-        found += [workload for lay, workload in pairs if lay.op_type == op_type]
-    return found
 
 
 def stored(path: Path) -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
-from tests.conftest import float_input, make_model  # noqa: E402
+from tests.conftest import float_input, inner_workloads, make_model  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -55,16 +55,6 @@ def placed(session: InferenceSession) -> list:
         elif layer.op_type not in ("MemCopy", "MemImport"):
             layers.append(layer)
     return layers
-
-
-def inner_workloads(session: InferenceSession, op_type: str) -> list:
-    """The workloads of the ``op_type`` layers, inside a OneDnnGraph run layer by layer too."""
-    loaded = session.runtime.network(session.network_id)
-    found = []
-    for step, layer in zip(loaded.steps, loaded.layers):
-        pairs = getattr(step.workload, "inner", [(layer, step.workload)])
-        found += [workload for lay, workload in pairs if lay.op_type == op_type]
-    return found
 
 
 def _on_cpuacc(model: onnx.ModelProto, **options: str) -> InferenceSession:
