@@ -57,17 +57,18 @@ def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Ma
           input_shapes: Mapping[str, Sequence[int]] | None = None,
           runtime: Runtime | None = None) -> int:
     """Import, optimize, preprocess and write: ``compile`` with the options already resolved."""
-    from backplane.frontends.onnx import import_onnx, load_model
+    from backplane.frontends.onnx import import_onnx
+    from backplane.frontends.onnx_file import read_model
     from backplane.optimizer.optimize import optimize
     from backplane.runtime.runtime import Runtime, RuntimeOptions
     from backplane.session import metadata_of
 
     runtime = runtime or Runtime(RuntimeOptions(backend_options=dict(options)))
     digest = model_hash(model)
-    proto, _ = load_model(model)
-    meta = metadata_of(proto)
-    graph = import_onnx(proto, input_shapes)
-    del proto
+    read = read_model(model)  # each weight read into an array of its own: never proto and arrays both
+    meta = metadata_of(read.proto)
+    graph = import_onnx(read, input_shapes)
+    del read
     network = optimize(graph, ids, pins=pins, options=optimizer_options, registry=runtime.registry,
                        backend_options=dict(options))
     runtime.prepare(network)

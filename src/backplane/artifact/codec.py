@@ -157,11 +157,13 @@ def _used_names(graph: Graph) -> set[str]:
     return used
 
 
-def tensor_section(tensors: list[np.ndarray]) -> tuple[list[dict[str, Any]], bytes]:
+def tensor_section(tensors: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[memoryview]]:
     """The tensor table and the constants section: each array's bytes at an aligned offset; arrays
-    of str or object elements as JSON in the table (there are few, and they are small)."""
+    of str or object elements as JSON in the table (there are few, and they are small). The section
+    is the arrays' own memory in order (a copy only of an array that is not contiguous), written
+    piece by piece: never all the weights a second time in one buffer."""
     table: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
+    chunks: list[memoryview] = []
     offset = 0
     for array in tensors:
         entry: dict[str, Any] = {"dtype": _dtype_name(array.dtype), "shape": list(array.shape)}
@@ -172,14 +174,14 @@ def tensor_section(tensors: list[np.ndarray]) -> tuple[list[dict[str, Any]], byt
                                     f"cannot be stored")
             entry["values"] = values
         else:
-            data = np.ascontiguousarray(array).tobytes()
+            data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
             padding = -offset % ALIGNMENT
-            chunks += [b"\0" * padding, data]
+            chunks += [memoryview(b"\0" * padding), data]
             offset += padding
             entry.update(offset=offset, nbytes=len(data))
             offset += len(data)
         table.append(entry)
-    return table, b"".join(chunks)
+    return table, chunks
 
 
 # -- decoding ---------------------------------------------------------------------------------------------

@@ -59,12 +59,18 @@ def is_artifact(source: Any) -> bool:
     return False
 
 
+Section = bytes | memoryview | Sequence[bytes | memoryview]
+"""A section's bytes: one buffer, or its pieces in order (written one after the other)."""
+
+
 def write(path: str | os.PathLike, header: dict[str, Any],
-          sections: Sequence[tuple[str, bytes | memoryview]]) -> int:
+          sections: Sequence[tuple[str, Section]]) -> int:
     """Write the artifact atomically; returns its size in bytes."""
     table, offset = [], 0
-    for name, data in sections:
-        table.append({"name": name, "size": len(data), **checksum(data)})
+    pieces = [[data] if isinstance(data, (bytes, memoryview)) else list(data)
+              for _, data in sections]
+    for (name, _), parts in zip(sections, pieces):
+        table.append({"name": name, "size": sum(len(p) for p in parts), **checksum(*parts)})
     text = b""
     while True:  # the offsets depend on the header's length, which depends on the offsets
         offset = _aligned(_PREFIX + len(text))
@@ -80,9 +86,10 @@ def write(path: str | os.PathLike, header: dict[str, Any],
     with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False, suffix=".tmp") as tmp:
         try:
             tmp.write(MAGIC + len(text).to_bytes(8, "little") + hashlib.sha256(text).digest() + text)
-            for entry, (_, data) in zip(table, sections):
+            for entry, parts in zip(table, pieces):
                 tmp.write(b"\0" * (entry["offset"] - tmp.tell()))
-                tmp.write(data)
+                for part in parts:
+                    tmp.write(part)
             tmp.flush()
             os.fsync(tmp.fileno())
         except BaseException:
@@ -139,9 +146,12 @@ def _sections(path: str, header: dict[str, Any], mapping: Any, size: int) -> dic
     return sections
 
 
-def checksum(data: bytes | memoryview) -> dict[str, str]:
-    """A section's checksum, as its header entry holds it."""
-    return {"crc32": f"{zlib.crc32(data):08x}"}
+def checksum(*parts: bytes | memoryview) -> dict[str, str]:
+    """A section's checksum, as its header entry holds it, over its bytes (given in pieces)."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return {"crc32": f"{crc:08x}"}
 
 
 def _header_bytes(header: dict[str, Any]) -> bytes:
