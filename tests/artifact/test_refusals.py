@@ -140,8 +140,8 @@ def test_corrupted_file(tmp_path: Path) -> None:
     flipped = bytearray(data)
     flipped[constants["offset"] + 10] ^= 0x40
     (tmp_path / "weights.bpl").write_bytes(flipped)
-    with pytest.raises(ArtifactError, match=r"corrupted: section 'constants' has crc32 \w+, "
-                                            r"expected " + constants["crc32"]):
+    with pytest.raises(ArtifactError, match=r"corrupted: section 'constants' has xxh3_64 \w+, "
+                                            r"expected " + constants["xxh3_64"]):
         InferenceSession(tmp_path / "weights.bpl")
     header = bytearray(data)
     header[60] ^= 0x01
@@ -150,26 +150,39 @@ def test_corrupted_file(tmp_path: Path) -> None:
         InferenceSession(tmp_path / "header.bpl")
 
 
-def test_a_format_1_0_file_is_checked_by_its_sha256(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Format 1.0 kept each section's sha256 (1.1: its CRC-32): such a file loads, and a flipped
-    byte in it is found by its sha256."""
+def _sha256(*parts: bytes) -> dict[str, str]:  # format 1.0's: a section's pieces, hashed in order
     import hashlib
 
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return {"sha256": digest.hexdigest()}
+
+
+def _crc32(*parts: bytes) -> dict[str, str]:  # format 1.1's
+    import zlib
+
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return {"crc32": f"{crc:08x}"}
+
+
+@pytest.mark.parametrize("version, kind, checksum", [((1, 0), "sha256", _sha256),
+                                                     ((1, 1), "crc32", _crc32)])
+def test_an_older_format_is_checked_by_its_own_checksum(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: tuple[int, int], kind: str,
+        checksum) -> None:
+    """Format 1.0 kept each section's sha256, 1.1 its CRC-32 (1.2: its XXH3-64): such a file
+    loads, and a flipped byte in it is found by its own checksum."""
     path, feeds = model_and_feeds("tiny_bert")
     artifact = tmp_path / "old.bpl"
     with monkeypatch.context() as patch:
-        def sha256(*parts: bytes) -> dict[str, str]:  # a section's pieces, hashed in order
-            digest = hashlib.sha256()
-            for part in parts:
-                digest.update(part)
-            return {"sha256": digest.hexdigest()}
-
-        patch.setattr(container, "checksum", sha256)
-        patch.setattr(backplane.artifact.compiler, "FORMAT_VERSION", (1, 0))
+        patch.setattr(container, "checksum", checksum)
+        patch.setattr(backplane.artifact.compiler, "FORMAT_VERSION", version)
         backplane.compile(path, ["CpuRef"], artifact)
     header = container.read(artifact).header
-    assert header["format"] == [1, 0] and all("sha256" in s for s in header["sections"])
+    assert header["format"] == list(version) and all(kind in s for s in header["sections"])
     expected = InferenceSession(path, ["CpuRef"]).run(None, feeds)
     for a, b in zip(InferenceSession(artifact).run(None, feeds), expected):
         assert a.tobytes() == b.tobytes()
@@ -177,8 +190,8 @@ def test_a_format_1_0_file_is_checked_by_its_sha256(tmp_path: Path,
     data = bytearray(artifact.read_bytes())
     data[constants["offset"] + 10] ^= 0x40
     artifact.write_bytes(data)
-    with pytest.raises(ArtifactError, match=r"section 'constants' has sha256 \w+, expected "
-                                            + constants["sha256"]):
+    with pytest.raises(ArtifactError, match=rf"section 'constants' has {kind} \w+, expected "
+                                            + constants[kind]):
         InferenceSession(artifact)
 
 

@@ -7,9 +7,9 @@ import platform
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = (1, 1)
+FORMAT_VERSION = (1, 2)
 """The artifact format: a reader loads a file of its major version whose minor is not above its own.
-1.1: each section's checksum is its CRC-32 (1.0: its sha256, still read)."""
+1.2: each section's checksum is its XXH3-64 (1.1: its CRC-32, 1.0: its sha256, both still read)."""
 
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
