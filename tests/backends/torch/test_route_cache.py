@@ -82,9 +82,9 @@ def test_a_remembered_route_is_the_only_one_built(cache, monkeypatch) -> None:
     for name in ("_onednn_conv", "_torch_conv", "_gemm_conv"):
         original = getattr(conv, name)
 
-        def counted(a, original=original, name=name):
+        def counted(*args, original=original, name=name):
             made.append(name)
-            return original(a)
+            return original(*args)
         monkeypatch.setattr(conv, name, counted)
     again = _routes(_session(conv_model("add_relu")))
     assert again == first and made == [f"_{first[0]}_conv"]

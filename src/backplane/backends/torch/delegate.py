@@ -15,9 +15,11 @@ and at that run's thread count (``onednn_graph.CompiledPerThreads``): the first 
 the profiling executor needs (a profiled run, then the partitions compiled and run).
 
 The blob: an 8-byte little-endian length, a JSON header ``{"routes": {key: route}, "modules":
-{layer name: {"archive": [offset, size], "weights": {buffer: recipe}}}}`` padded so that the
-payload starts at a multiple of 64 bytes, then the payload: the archives and the raw weights,
-each at a multiple of 64 bytes. A recipe is ``["view", array, element offset, sizes, strides]``
+{layer name: {"archive": [offset, size], "weights": {buffer: recipe}}}, "packed": {layer name:
+{"descriptor": [offset, size], "data": [offset, size], "sizes": [...], "dtype": "float32"}}}``
+padded so that the payload starts at a multiple of 64 bytes, then the payload: the archives, the
+raw weights and the packed ones, each at a multiple of 64 bytes (a blob without "packed", of an
+earlier backplane, loads and packs as before). A recipe is ``["view", array, element offset, sizes, strides]``
 (``array``: ``constants/NAME`` or ``layers/I/ATTRIBUTE`` of the OneDnnGraph layer) or ``["raw",
 dtype, [offset, size], sizes, strides]``.
 
@@ -38,7 +40,7 @@ import numpy as np
 
 from backplane.artifact.container import ALIGNMENT
 from backplane.backends.api.backend import InitContext, PreprocessResult, Workload
-from backplane.backends.torch import route_cache
+from backplane.backends.torch import prepacked, route_cache
 from backplane.backends.torch.fusion import onednn_graph
 from backplane.ir.graph import Graph, Layer
 
@@ -58,13 +60,14 @@ def machine_facts() -> dict[str, str]:
 def preprocess(backend: Any, graph: Graph) -> PreprocessResult:
     """Load the partition once, keeping the routes chosen and the compiled modules' archives."""
     kept: dict[str, str] = {}
-    token = route_cache.KEPT.set(kept)
+    made: dict[str, Any] = {}
+    token, packing = route_cache.KEPT.set(kept), prepacked.MADE.set(made)
     try:
         workloads = _workloads(backend, graph, {})
         compiled = [layer for layer, workload in zip(graph.layers, workloads)
                     if layer.op_type == "OneDnnGraph"
                     and getattr(workload, "route", None) == "onednn_graph"]
-        header: dict[str, Any] = {"routes": kept, "modules": {}}
+        header: dict[str, Any] = {"routes": kept, "modules": {}, "packed": {}}
         payload = bytearray()
         for layer in compiled:
             archive, weights = onednn_graph.weightless(layer, backend, _sample(layer, graph))
@@ -73,8 +76,16 @@ def preprocess(backend: Any, graph: Graph) -> PreprocessResult:
                 "archive": _append(payload, archive),
                 "weights": {name: _recipe(tensor, arrays, payload)
                             for name, tensor in weights.items()}}
+        if prepacked.available():
+            for name, tensor in sorted(prepacked.alive(made).items()):
+                descriptor, data, sizes, dtype = prepacked.to_bytes(tensor)
+                header["packed"][name] = {"descriptor": _append(payload, descriptor),
+                                          "data": _append(payload, data), "sizes": sizes,
+                                          "dtype": dtype}
+        del workloads
     finally:
         route_cache.KEPT.reset(token)
+        prepacked.MADE.reset(packing)
     text = json.dumps(header).encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)  # the payload starts aligned, as the blob does
     blob = len(text).to_bytes(8, "little") + text + bytes(payload)
@@ -98,11 +109,15 @@ def init(backend: Any, processed: bytes | memoryview, context: InitContext) -> C
         weights = {buffer: _tensor(recipe, arrays, payload)
                    for buffer, recipe in kept["weights"].items()}
         modules[name] = _maker(payload[start:start + size], weights)
-    token = route_cache.KEPT.set(dict(header["routes"]))
+    packed = {name: prepacked.from_bytes(_slice(payload, kept["descriptor"]),
+                                         _slice(payload, kept["data"]), kept["sizes"], kept["dtype"])
+              for name, kept in header.get("packed", {}).items()} if prepacked.available() else {}
+    token, packing = route_cache.KEPT.set(dict(header["routes"])), prepacked.KEPT.set(packed)
     try:
         workloads = _workloads(backend, context.graph, modules)
     finally:
         route_cache.KEPT.reset(token)
+        prepacked.KEPT.reset(packing)
     return _sequence(context.graph, workloads)
 
 
@@ -203,6 +218,11 @@ def _dense(sizes: list[int], strides: list[int]) -> bool:
 
 def _dtype(tensor: Any) -> str:
     return str(tensor.dtype).removeprefix("torch.")
+
+
+def _slice(payload: memoryview, where: list[int]) -> memoryview:
+    start, size = where
+    return payload[start:start + size]
 
 
 def _append(payload: bytearray, data: bytes) -> list[int]:

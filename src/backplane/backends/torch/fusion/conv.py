@@ -90,7 +90,7 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     import torch
 
     a = layer.attrs
-    makers = {"onednn": _onednn_conv, "torch": _torch_conv}
+    makers = {"onednn": lambda a: _onednn_conv(a, layer.name), "torch": _torch_conv}
     if _is_pointwise(a):
         makers["gemm"] = _gemm_conv
     routes = {name: _route(name, make, a) for name, make in makers.items()}
@@ -146,9 +146,11 @@ def _gemm_conv(a: dict[str, Any]) -> Workload:
     return holding(_then_post_ops(product, a), weight, bias)
 
 
-def _onednn_conv(a: dict[str, Any]) -> Workload:
+def _onednn_conv(a: dict[str, Any], name: str) -> Workload:
     import torch
     import torch.nn.functional as F
+
+    from backplane.backends.torch import prepacked
 
     begins, ends, shape = a["begins"], a["ends"], list(a["input_shape"])
     pre_pad = None
@@ -159,8 +161,8 @@ def _onednn_conv(a: dict[str, Any]) -> Workload:
     weight = _numpy_to_torch(a["weight"])  # read once by the packing
     bias = _numpy_to_torch(a["bias"])
     strides, dilations, groups = a["strides"], a["dilations"], a["group"]
-    packed = torch.ops.mkldnn._reorder_convolution_weight(weight, begins, strides, dilations,
-                                                          groups, shape)
+    packed = prepacked.packed(name, lambda: torch.ops.mkldnn._reorder_convolution_weight(
+        weight, begins, strides, dilations, groups, shape))
     attr, scalars, algorithm = a["unary"] or ("none", [], None)
     cl = torch.channels_last
     if a["binary"]:

@@ -190,7 +190,7 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     if route == "mkl" or not a["input_shape"]:
         return _mkl_linear(a)
     if route == "onednn":
-        return _onednn_linear(a)
+        return _onednn_linear(a, layer.name)
     result_shape = a.get("output_shape") or [*a["input_shape"][:-1], a["weight"].shape[0]]
 
     def sample() -> list[Any]:
@@ -198,8 +198,8 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
 
     described = {k: a.get(k) for k in ("input_shape", "unary", "binary", "output_shape")}
     described.update(weight=torch.Size(a["weight"].shape), bias=a["bias"] is not None)
-    return fastest("linear", described, {"mkl": lambda: _mkl_linear(a),
-                                         "onednn": lambda: _onednn_linear(a)}, sample, backend)
+    routes = {"mkl": lambda: _mkl_linear(a), "onednn": lambda: _onednn_linear(a, layer.name)}
+    return fastest("linear", described, routes, sample, backend)
 
 
 def _mkl_linear(a: dict[str, Any]) -> Workload:
@@ -219,13 +219,16 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
     return holding(mkl, weight, bias)
 
 
-def _onednn_linear(a: dict[str, Any]) -> Workload:
+def _onednn_linear(a: dict[str, Any], name: str) -> Workload:
     import torch
+
+    from backplane.backends.torch import prepacked
 
     weight = _numpy_to_torch(a["weight"])  # read once by the packing: no copy of its own needed
     bias = None if a["bias"] is None else _numpy_to_torch(a["bias"])
     shape = a.get("output_shape")
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, math.prod(a["input_shape"][:-1]))
+    packed = prepacked.packed(name, lambda: torch.ops.mkldnn._reorder_linear_weight(
+        weight, math.prod(a["input_shape"][:-1])))
     attr, scalars, algorithm = a["unary"] or ("none", [], None)
     linear = torch.ops.mkldnn._linear_pointwise
     unfolded = [*a["input_shape"][:-1], weight.shape[0]]

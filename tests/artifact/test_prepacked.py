@@ -1,0 +1,115 @@
+"""CpuAcc's blob keeps the weights its oneDNN routes packed: an artifact load reorders none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backplane
+from backplane import InferenceSession
+from backplane.artifact import container
+from backplane.backends.api.backend import DELEGATE_DOMAIN
+from tests.artifact.conftest import model_and_feeds
+
+torch = pytest.importorskip("torch")
+prepacked = pytest.importorskip("backplane.backends.torch.prepacked")
+pytestmark = pytest.mark.skipif(not prepacked.available(),
+                                reason="this torch cannot make a oneDNN tensor from its bytes")
+
+
+def _aligned_copy(data: bytes) -> memoryview:
+    room = np.zeros(len(data) + 64, np.uint8)
+    start = -room.ctypes.data % 64
+    room[start:start + len(data)] = np.frombuffer(data, np.uint8)
+    return memoryview(room[start:start + len(data)])
+
+
+def test_a_packed_linear_weight_is_made_again_from_its_bytes_without_a_copy() -> None:
+    weight, x = torch.randn(96, 40), torch.randn(8, 40)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    descriptor, data, sizes, dtype = prepacked.to_bytes(packed)
+    assert sizes == [96, 40] and dtype == "float32"
+    memory = _aligned_copy(data)
+    again = prepacked.from_bytes(descriptor, memory, sizes, dtype)
+    assert again.is_mkldnn and list(again.shape) == sizes
+    address = np.frombuffer(memory, np.uint8).ctypes.data
+    assert torch.ops.mkldnn.data_ptr(again) == address  # it reads the bytes where they lie
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], None)
+    got = torch.ops.mkldnn._linear_pointwise(x, again, None, "none", [], None)
+    assert torch.equal(got, want)
+    # read-only bytes (a blob given as bytes) are copied once into aligned memory
+    from_bytes = prepacked.from_bytes(descriptor, memoryview(bytes(data)), sizes, dtype)
+    assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, from_bytes, None, "none", [], None),
+                       want)
+
+
+@pytest.mark.parametrize("groups, channels_in", [(1, 16), (16, 1), (4, 4)])
+def test_a_packed_convolution_weight_is_made_again_from_its_bytes(groups: int,
+                                                                  channels_in: int) -> None:
+    weight = torch.randn(16, channels_in, 3, 3)
+    x = torch.randn(1, 16, 10, 10).contiguous(memory_format=torch.channels_last)
+    packed = torch.ops.mkldnn._reorder_convolution_weight(weight, [1, 1], [1, 1], [1, 1], groups,
+                                                          [1, 16, 10, 10])
+    descriptor, data, sizes, dtype = prepacked.to_bytes(packed)
+    again = prepacked.from_bytes(descriptor, _aligned_copy(data), sizes, dtype)
+    conv = torch.ops.mkldnn._convolution_pointwise
+    args = (None, [1, 1], [1, 1], [1, 1], groups, "none", [], None)
+    assert torch.equal(conv(x, again, *args), conv(x, packed, *args))
+
+
+def _packed_entries(artifact: Path) -> dict[str, dict]:
+    contents = container.read(artifact)
+    entries = {}
+    for name, blob in contents.sections.items():
+        if name.startswith("blob:"):
+            length = int.from_bytes(blob[:8], "little")
+            entries.update(json.loads(bytes(blob[8:8 + length])).get("packed", {}))
+    return entries
+
+
+@pytest.mark.parametrize("name, options", [
+    ("tiny_bert", {"CpuAcc.linear_route": "onednn"}),
+    ("tiny_mobilenet_v3", {"CpuAcc.compile": "layers", "CpuAcc.conv_route": "onednn"})])
+def test_an_artifact_load_packs_nothing(name: str, options: dict, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blob keeps each weight the kept oneDNN routes packed (by layer name); loading the
+    artifact makes them from those bytes, calls no reorder, and runs as the ONNX session does,
+    bit for bit."""
+    path, feeds = model_and_feeds(name)
+    backends = [("CpuAcc", options), "CpuRef"]
+    artifact = tmp_path / f"{name}.bpl"
+    backplane.compile(path, backends, artifact)
+    entries = _packed_entries(artifact)
+    assert entries, "no packed weight kept"
+    expected = InferenceSession(path, backends=backends).run(None, feeds)
+
+    reorders: list[str] = []
+    mkldnn = torch.ops.mkldnn
+    for op in ("_reorder_linear_weight", "_reorder_convolution_weight"):
+        original = getattr(mkldnn, op)
+
+        def counted(*args, op=op, original=original):
+            reorders.append(op)
+            return original(*args)
+        monkeypatch.setattr(mkldnn, op, counted)
+    session = InferenceSession(artifact)
+    assert reorders == []
+    (delegate,) = [lay for lay in session.optimized.graph.layers if lay.domain == DELEGATE_DOMAIN]
+    inner = {lay.name for lay in delegate.attrs["graph"].layers}
+    inner |= {sub.name for lay in delegate.attrs["graph"].layers
+              for sub in lay.attrs.get("layers", []) if hasattr(sub, "name")}
+    assert set(entries) <= inner  # kept by the names of the layers that read them
+    for a, b in zip(session.run(None, feeds), expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    assert reorders == []
+
+
+def test_routes_not_kept_leave_no_packed_weight(tmp_path: Path) -> None:
+    """With every linear on MKL's route nothing is packed, so the blob keeps no packed weight."""
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    backplane.compile(path, [("CpuAcc", {"CpuAcc.linear_route": "mkl"}), "CpuRef"], artifact)
+    assert _packed_entries(artifact) == {}
