@@ -9,8 +9,10 @@ routes already on disk (its best case: nothing measured), (b) the same with an e
 (InferenceSession(model, cache_dir=...), with the routes of (a) and (c)); for (a), (c) and (d)
 also the median first run after the load (``*_first_s``: a compiled OneDnnGraph of an artifact is
 compiled by oneDNN Graph at its first run, so a user of one waits for load + first run), with the
-model's saved inputs (``MODEL.npz``) or seeded ones. Prints the CPU, the library versions and the
-load average (1, 5, 15 min) first, and the load average after each row.
+model's saved inputs (``MODEL.npz``) or seeded ones, and ``outputs``: the artifact's first-run
+outputs against the ONNX file's ("bitwise", or the largest difference over the largest value: the
+round trip). Prints the CPU, the library versions and the load average (1, 5, 15 min) first, and
+the load average after each row. On the GPU machine: ``--backends GpuAcc,CpuRef``.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from backplane.artifact.facts import cpu  # noqa: E402
 from backplane.backends.torch.bench import feeds_for  # noqa: E402
 
 
-def median_seconds(make, repeat: int, feeds: dict[str, np.ndarray] | None = None
-                   ) -> tuple[float, float]:
-    """The median time of ``make()`` (a load), and of the first run of what it made on ``feeds``."""
+def median_seconds(make, repeat: int, feeds: dict[str, np.ndarray] | None = None,
+                   outputs: list | None = None) -> tuple[float, float]:
+    """The median time of ``make()`` (a load), and of the first run of what it made on ``feeds``
+    (whose outputs go to ``outputs``, if given)."""
     loads, firsts = [], []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -46,8 +49,10 @@ def median_seconds(make, repeat: int, feeds: dict[str, np.ndarray] | None = None
         loads.append(time.perf_counter() - start)
         if feeds is not None:
             start = time.perf_counter()
-            session.run(None, feeds)
+            got = session.run(None, feeds)
             firsts.append(time.perf_counter() - start)
+            if outputs is not None:
+                outputs[:] = got
         del session
     return statistics.median(loads), statistics.median(firsts) if firsts else math.nan
 
@@ -60,8 +65,9 @@ def bench(model: Path, backends: list[str], repeat: int, folder: Path) -> dict[s
     size = backplane.compile(model, backends, artifact)
     compile_s = time.perf_counter() - start
     feeds = feeds_for(model)
+    expected: list[np.ndarray] = []
     warm, warm_first = median_seconds(lambda: InferenceSession(model, backends=backends), repeat,
-                                      feeds)
+                                      feeds, expected)
 
     def cold() -> InferenceSession:
         os.environ["BACKPLANE_CACHE_DIR"] = tempfile.mkdtemp(dir=folder)
@@ -69,8 +75,9 @@ def bench(model: Path, backends: list[str], repeat: int, folder: Path) -> dict[s
 
     cold_s, _ = median_seconds(cold, repeat)
     os.environ["BACKPLANE_CACHE_DIR"] = str(routes)
+    got: list[np.ndarray] = []
     from_artifact, artifact_first = median_seconds(lambda: InferenceSession(artifact), repeat,
-                                                   feeds)
+                                                   feeds, got)
     cache = folder / "compiled"
     # the routes of (a) and (c), not the cache folder's own: else the entry's routes are measured
     # again, and may differ (a OneDnnGraph compiled in one, layer by layer in the other)
@@ -82,7 +89,20 @@ def bench(model: Path, backends: list[str], repeat: int, folder: Path) -> dict[s
             "model_bytes": model.stat().st_size, "artifact_bytes": size, "compile_s": compile_s,
             "onnx_warm_s": warm, "onnx_cold_s": cold_s, "artifact_s": from_artifact,
             "cache_hit_s": hit, "onnx_warm_first_s": warm_first, "artifact_first_s": artifact_first,
-            "cache_hit_first_s": hit_first}
+            "cache_hit_first_s": hit_first, "outputs": _compared(got, expected)}
+
+
+def _compared(got: list[np.ndarray], expected: list[np.ndarray]) -> str:
+    """"bitwise" where the artifact's outputs are the ONNX file's bit for bit, else the largest
+    difference over the largest value of the ONNX file's outputs."""
+    if len(got) == len(expected) and all(a.dtype == b.dtype and a.shape == b.shape
+                                         and a.tobytes() == b.tobytes()
+                                         for a, b in zip(got, expected)):
+        return "bitwise"
+    worst = max((float(np.max(np.abs(a.astype(np.float64) - b), initial=0.0))
+                 / max(float(np.max(np.abs(b.astype(np.float64)), initial=0.0)), 1e-30)
+                 for a, b in zip(got, expected)), default=float("nan"))
+    return f"rel {worst:.1e}"
 
 
 def main() -> None:
@@ -101,7 +121,7 @@ def main() -> None:
           f"{onnx.__version__}, backplane {backplane.__version__}; load average {load_average()}")
     columns = ("model", "backends", "model_bytes", "artifact_bytes", "compile_s", "onnx_cold_s",
                "onnx_warm_s", "artifact_s", "cache_hit_s", "onnx_warm_first_s", "artifact_first_s",
-               "cache_hit_first_s")
+               "cache_hit_first_s", "outputs")
     print(" | ".join(columns) + " | load speedup (warm onnx / artifact) | load + first run "
           "speedup | load average after")
     with tempfile.TemporaryDirectory() as tmp:

@@ -55,15 +55,19 @@ def test_the_blob_keeps_the_module_without_its_weights(tmp_path: Path) -> None:
 def test_compiled_at_the_first_run_not_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                ) -> None:
     """Loading makes the frozen module and calls nothing; the first run compiles it (one module,
-    at that run's thread count) and its outputs are the ONNX session's, bit for bit."""
+    at that run's thread count: a busy machine's thread policy may pick another count for the
+    second run, which compiles one more) and its outputs are the ONNX session's, bit for bit."""
     from backplane.backends.torch.fusion import onednn_graph
 
     made: list[onednn_graph.CompiledPerThreads] = []
+    counts: list[int] = []
 
     class Recorded(onednn_graph.CompiledPerThreads):
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             made.append(self)
+            count = self._count
+            self._count = lambda: counts.append(count()) or counts[-1]  # the counts runs asked for
 
     path, feeds = model_and_feeds("tiny_mobilenet_v3")
     artifact = tmp_path / "m.bpl"
@@ -77,7 +81,7 @@ def test_compiled_at_the_first_run_not_at_load(tmp_path: Path, monkeypatch: pyte
     for _ in range(2):
         for a, b in zip(session.run(None, feeds), expected):
             assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    assert len(made[0].modules) == 1
+    assert counts and set(made[0].modules) == set(counts)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # TorchScript's
