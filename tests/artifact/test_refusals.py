@@ -209,3 +209,21 @@ def test_not_an_artifact(tmp_path: Path) -> None:
     bad.write_bytes(b"BPLNART\nxx")
     with pytest.raises(ArtifactError, match="truncated"):
         InferenceSession(bad)
+
+
+def test_an_artifact_gets_the_permissions_open_would_give(tmp_path: Path) -> None:
+    """Written through a temporary file (made 0600), the artifact ends as a plain ``open`` would
+    make it under the process's umask, readable by those the user's other files are."""
+    import os
+
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    old = os.umask(0o022)
+    try:
+        backplane.compile(path, ["CpuRef"], artifact)
+        assert artifact.stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        backplane.compile(path, ["CpuRef"], artifact)
+        assert artifact.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

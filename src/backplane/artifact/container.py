@@ -96,6 +96,7 @@ def write(path: str | os.PathLike, header: dict[str, Any],
                     tmp.write(part)
             tmp.flush()
             os.fsync(tmp.fileno())
+            os.chmod(tmp.name, 0o666 & ~_umask())  # as open() would make it, not the temporary's 0600
         except BaseException:
             tmp.close()
             os.unlink(tmp.name)
@@ -162,6 +163,20 @@ CHECKSUMS = {"xxh3_64": lambda data: xxhash.xxh3_64_hexdigest(data),
              "crc32": lambda data: f"{zlib.crc32(data):08x}",  # format 1.1
              "sha256": lambda data: hashlib.sha256(data).hexdigest()}  # format 1.0
 """A section's checksum by the name its header entry gives it: each format's, for reading."""
+
+
+def _umask() -> int:
+    """The process's file-creation mask: from /proc where it says, else set and set back."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _header_bytes(header: dict[str, Any]) -> bytes:
