@@ -30,10 +30,11 @@ median plus the reference's median over its lower quartile, at least MARGIN (2%)
 reference's median. So another backend takes a partition only when its median, edges included,
 is below the reference's by more than the two middle halves of runs reach towards each other:
 their middle halves do not overlap, and it saves at least 2%. Why quartiles: a run's noise is one-
-sided (preemption, a cold cache only add time) and comes in outliers, which the quartiles of 5 to
-15 runs are not moved by, as a range or a standard deviation would be. Why a floor: the partition
-is timed alone at load, which is not the model's run (a resnet50 load measured OpenVINO at 64.05
-and CpuAcc at 64.08 ms, where whole runs take 72 and 82 ms); below a 2% gain, preference is kept.
+sided (preemption, a cold cache only add time) and comes in outliers, which move the quartiles of 5
+to 15 runs less than a range or a standard deviation. Why a floor: the partition is timed alone
+at load, which is not the model's run (timed back to back, before these turns, a resnet50 load
+measured OpenVINO at 64.05 and CpuAcc at 64.08 ms, where whole runs took 72 and 82 ms; in turns,
+67.4 and 80.3, the sessions 71.8 and 77.9); below a 2% gain, preference is kept.
 Each move lowers the sum of times, edges and margins, so the placement's measured total is below
 preference order's by at least the margins of the partitions it moved, never above it. A
 partition moves whole or not at all: layers a backend refuses stay where preference put them.
@@ -118,7 +119,7 @@ it into the faster one, and a slow backend (CpuRef on a BERT) is not run MIN_RUN
 MARGIN = 0.02
 """The least a backend other than the reference must save (a fraction of the reference's median
 ms) to take a partition from it, however steady both were: the timing of a partition alone, at
-load, is not the run itself (the resnet50 tie of 64.05 against 64.08 ms)."""
+load, is not the run itself."""
 EDGE_RUNS, EDGE_BUDGET_S = 7, 0.3
 """Timed runs of an edge's copy at most, and seconds of them (one run at least)."""
 PASSES = 4
