@@ -28,11 +28,11 @@ import mmap
 import os
 import tempfile
 import zlib
-
-import xxhash
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 MAGIC = b"BPLNART\n"
 ALIGNMENT = 64
@@ -159,7 +159,7 @@ def checksum(*parts: bytes | memoryview) -> dict[str, str]:
     return {"xxh3_64": digest.hexdigest()}
 
 
-CHECKSUMS = {"xxh3_64": lambda data: xxhash.xxh3_64_hexdigest(data),
+CHECKSUMS = {"xxh3_64": xxhash.xxh3_64_hexdigest,
              "crc32": lambda data: f"{zlib.crc32(data):08x}",  # format 1.1
              "sha256": lambda data: hashlib.sha256(data).hexdigest()}  # format 1.0
 """A section's checksum by the name its header entry gives it: each format's, for reading."""
