@@ -18,8 +18,8 @@ sessions; ``measured:`` is ``OptimizerOptions(placement="measured")``: each part
 timed fastest for it at load, issue 12's best configuration). ``--runtime`` (repeated) picks
 runtimes instead of the precision's list. bf16 runtimes:
 ``openvino-default`` (OpenVINO compiled with no precision hint: bf16 on a CPU with AMX or
-AVX512-BF16, f32 elsewhere), ``openvino`` with bf16 asked, ``OpenVINO,CpuRef`` with
-``OpenVINO.precision=bf16``. The table: median ms of all timed calls, the spread (min-max of each
+AVX512-BF16, f32 elsewhere), ``openvino`` with bf16 asked, and the backplane sessions with
+``OpenVINO.precision=bf16`` and ``CpuAcc.precision=bf16``. The table: median ms of all timed calls, the spread (min-max of each
 process's median), ONNX Runtime's median over this one (above 1: faster than ONNX Runtime), the
 better of ONNX Runtime's and OpenVINO's fp32 medians over this one ("vs peers", issue 12's figure,
 with its geometric mean over the models for each backplane runtime at the end), the worst
@@ -57,7 +57,8 @@ ORT = "onnxruntime"
 MEASURED = "measured:"
 RUNTIMES = {"fp32": [ORT, "openvino", "OpenVINO,CpuRef", "CpuAcc,CpuRef",
                      f"{MEASURED}OpenVINO,CpuAcc,CpuRef"],
-            "bf16": ["openvino-default", "openvino", "OpenVINO,CpuRef"]}
+            "bf16": ["openvino-default", "openvino", "OpenVINO,CpuRef", "CpuAcc,CpuRef",
+                     f"{MEASURED}OpenVINO,CpuAcc,CpuRef"]}
 Run = Callable[[], list[np.ndarray]]
 
 
@@ -92,7 +93,7 @@ def load(runtime: str, model: str, feeds: dict[str, np.ndarray], threads: int,
     placement = "measured" if runtime.startswith(MEASURED) else "preference"
     backends = runtime.removeprefix(MEASURED).split(",")
     options = {"OpenVINO.threads": threads, "CpuAcc.threads": threads,
-               "OpenVINO.precision": precision}
+               "OpenVINO.precision": precision, "CpuAcc.precision": precision}
     session = InferenceSession(model, providers=[(b, {k: v for k, v in options.items()
                                                       if k.startswith(f"{b}.")})
                                                  for b in backends],

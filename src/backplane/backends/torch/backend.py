@@ -11,7 +11,9 @@ intra-op threads as the CPUs other processes leave free, ``threads.py``; or a co
 "mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``CpuAcc.compile``
 ("auto": a subgraph with convolutions compiled by oneDNN Graph where that measures faster;
 "onednn_graph"; "layers": see ``fusion/onednn_graph.py``), ``CpuAcc.route_cache``
-(default True: measured routes kept on disk, ``route_cache``), ``GpuAcc.device`` (default
+(default True: measured routes kept on disk, ``route_cache``), ``CpuAcc.precision`` ("fp32", the
+default; "bf16": float32 computed in bfloat16 inside CpuAcc's subgraphs where the CPU has bfloat16
+instructions, ``fusion/reduced.py``), ``GpuAcc.device`` (default
 "cuda:0"), ``GpuAcc.cuda_graphs`` (default True), ``GpuAcc.tf32`` (default False),
 ``GpuAcc.fuse_conv_relu`` (default True), ``GpuAcc.precision`` ("fp32", the default; "fp16" or "bf16":
 float32 computed in that type inside GpuAcc's captured subgraphs, Arm NN's ReduceFp32ToFp16),
@@ -190,12 +192,18 @@ class CpuAcc(TorchBackend):
         "CpuAcc.compile": "auto, onednn_graph or layers",
         "CpuAcc.route_cache": "keep measured routes on disk (True)",
         "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
+        "CpuAcc.precision": "fp32, or bf16 on CPUs with bfloat16 instructions (AVX512-BF16, AMX)",
     }
 
     def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
         return (TORCH_CPU_FACTORY,)
 
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
+        """Checks the runtime's ``CpuAcc.precision`` (an unknown one is an error at the first load,
+        listing the choices); a network's own is checked as it is optimized."""
+        from backplane.backends.torch.fusion import reduced
+
+        reduced.precision_of(options)
         return TorchContext(options.get("CpuAcc.threads"))
 
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
@@ -208,8 +216,9 @@ class CpuAcc(TorchBackend):
         if self.missing:
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import fusion
+        from backplane.backends.torch.fusion import reduced
 
-        return _specialized(view, self) or fusion.fuse(view)
+        return _specialized(view, self) or fusion.fuse(view, reduced.reduced_type(self.options))
 
     def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
         from backplane.backends.torch import fusion, specialize

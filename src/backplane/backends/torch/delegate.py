@@ -141,7 +141,7 @@ def _kept_module(layer: Layer, make: Callable[[], Any], graph: Graph) -> Workloa
     modules = onednn_graph.CompiledPerThreads(make)
     run = onednn_graph.compiled_run(modules, _sample(layer, graph))
     run.route = "onednn_graph"  # type: ignore[attr-defined]
-    return run
+    return onednn_graph.edges(layer, run)
 
 
 def _maker(archive: memoryview, weights: dict[str, Any]) -> Callable[[], Any]:
@@ -153,7 +153,7 @@ def _maker(archive: memoryview, weights: dict[str, Any]) -> Callable[[], Any]:
 
 def _sample(layer: Layer, graph: Graph) -> list[Any]:
     return onednn_graph._sample([graph.info(n) for n in layer.inputs],
-                                layer.attrs.get("channels_last"))
+                                layer.attrs.get("channels_last"), layer.attrs.get("compute"))
 
 
 # -- the kept modules' weights: views of the artifact's constants where they are ------------------

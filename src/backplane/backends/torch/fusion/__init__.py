@@ -20,7 +20,9 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   channels instead of two convolutions on a 1x1 image.
 
 Then a subgraph with convolutions becomes one ``OneDnnGraph`` layer (``onednn_graph``): at load it
-is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster.
+is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster. With
+``CpuAcc.precision`` "bf16" it computes float32 in bfloat16, and every other subgraph becomes one
+``Reduced`` layer (``reduced``): its layers, fused as above, computing float32 in bfloat16.
 
 One module per pattern (``conv``, ``linear``, ``squeeze_excite``); ``patterns`` holds what they share.
 """
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.fusion import onednn_graph
+from backplane.backends.torch.fusion import reduced as reduced_precision
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import Context
@@ -42,7 +45,9 @@ from backplane.backends.torch.fusion.squeeze_excite import (
 from backplane.ir.graph import Layer, SubgraphView
 
 
-def fuse(view: SubgraphView) -> OptimizationViews:
+def fuse(view: SubgraphView, reduced: str | None = None) -> OptimizationViews:
+    """The view's patterns fused; then the whole view as one OneDnnGraph where it can be, else,
+    computing in ``reduced`` (``CpuAcc.precision``), as one Reduced layer."""
     graph = view.graph
     assert graph is not None, "the optimizer always gives views of a graph"
     ctx = Context(view, graph, graph.consumers(), set(map(id, view.layers)))
@@ -58,7 +63,10 @@ def fuse(view: SubgraphView) -> OptimizationViews:
         ctx.taken.update(map(id, group))
         views.substitutions.append(Substitution(SubgraphView.of(graph, group), [fused]))
     rest = [layer for layer in view.layers if id(layer) not in ctx.taken]
-    whole = onednn_graph.wrap(view, graph, _in_order(view.layers, views.substitutions))
+    ordered = _in_order(view.layers, views.substitutions)
+    whole = onednn_graph.wrap(view, graph, ordered, reduced)
+    if whole is None and reduced is not None:
+        whole = reduced_precision.wrap(view, graph, ordered, reduced)
     if whole is not None:
         return OptimizationViews(substitutions=[Substitution(view, [whole])])
     if rest:
@@ -91,4 +99,4 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload,
-    "OneDnnGraph": onednn_graph.onednn_graph_workload}
+    "OneDnnGraph": onednn_graph.onednn_graph_workload, "Reduced": reduced_precision.reduced_workload}

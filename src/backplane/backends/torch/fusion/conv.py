@@ -10,16 +10,18 @@ import numpy as np
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.reference.kernels.conv import spatial_pads
-from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
     PostOp,
+    compute_type,
     fastest,
     holding,
     post_op,
     swish_layers,
     torch_post_op,
+    weight_of,
 )
 from backplane.ir.graph import Layer
 
@@ -100,13 +102,16 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
 
     def sample() -> list[Any]:
         cl = torch.channels_last
-        values = [torch.randn(a["input_shape"]).contiguous(memory_format=cl)]
+        dtype = compute_type(a)
+        values = [torch.randn(a["input_shape"], dtype=dtype).contiguous(memory_format=cl)]
         if a["binary"]:
-            values.append(torch.randn(a["output_shape"]).contiguous(memory_format=cl))
+            values.append(torch.randn(a["output_shape"], dtype=dtype).contiguous(memory_format=cl))
         return values
 
     described = {k: a[k] for k in ("input_shape", "strides", "dilations", "group", "begins", "ends",
                                    "binary", "unary")}
+    if a.get("compute"):  # a reduced-precision layer's routes are measured and kept apart
+        described["compute"] = a["compute"]
     return fastest("conv", {**described, "weight": a["weight"].shape}, routes, sample, backend)
 
 
@@ -133,8 +138,8 @@ def _gemm_conv(a: dict[str, Any]) -> Workload:
     import torch
     import torch.nn.functional as F
 
-    weight = _numpy_to_torch(a["weight"][:, :, 0, 0])  # (K, C): the constant's memory, no copy
-    bias = _numpy_to_torch(a["bias"])
+    weight = weight_of(a, "weight", a["weight"][:, :, 0, 0])  # (K, C): the constant's memory in fp32
+    bias = weight_of(a, "bias")
     n, _, h, w = a["input_shape"]
     k = weight.shape[0]
     cl = torch.channels_last
@@ -158,8 +163,8 @@ def _onednn_conv(a: dict[str, Any], name: str) -> Workload:
         pre_pad = [p for b, e in zip(reversed(begins), reversed(ends)) for p in (b, e)]
         shape = shape[:2] + [s + b + e for s, b, e in zip(shape[2:], begins, ends)]
         begins = [0, 0]
-    weight = _numpy_to_torch(a["weight"])  # read once by the packing
-    bias = _numpy_to_torch(a["bias"])
+    weight = weight_of(a, "weight")  # read once by the packing
+    bias = weight_of(a, "bias")
     strides, dilations, groups = a["strides"], a["dilations"], a["group"]
     packed = prepacked.packed(name, lambda: torch.ops.mkldnn._reorder_convolution_weight(
         weight, begins, strides, dilations, groups, shape))
@@ -191,8 +196,8 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
 
     cl = torch.channels_last
     # A copy only where channels-last is another layout (not for 1x1 or depthwise kernels)
-    weight = _numpy_to_torch(a["weight"]).contiguous(memory_format=cl)
-    bias = _numpy_to_torch(a["bias"])
+    weight = weight_of(a, "weight").contiguous(memory_format=cl)
+    bias = weight_of(a, "bias")
     begins, ends = a["begins"], a["ends"]
     pre_pad = None if begins == ends else [p for b, e in zip(reversed(begins), reversed(ends))
                                            for p in (b, e)]

@@ -9,16 +9,18 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import Workload
-from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
     PostOp,
+    compute_type,
     fastest,
     holding,
     post_op,
     scalar_op,
     torch_post_op,
+    weight_of,
 )
 from backplane.ir.graph import Layer
 
@@ -194,10 +196,14 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     result_shape = a.get("output_shape") or [*a["input_shape"][:-1], a["weight"].shape[0]]
 
     def sample() -> list[Any]:
-        return [torch.randn(a["input_shape"])] + ([torch.randn(result_shape)] if a.get("binary") else [])
+        dtype = compute_type(a)
+        return [torch.randn(a["input_shape"], dtype=dtype)] + (
+            [torch.randn(result_shape, dtype=dtype)] if a.get("binary") else [])
 
     described = {k: a.get(k) for k in ("input_shape", "unary", "binary", "output_shape")}
     described.update(weight=torch.Size(a["weight"].shape), bias=a["bias"] is not None)
+    if a.get("compute"):  # a reduced-precision layer's routes are measured and kept apart
+        described["compute"] = a["compute"]
     routes = {"mkl": lambda: _mkl_linear(a), "onednn": lambda: _onednn_linear(a, layer.name)}
     return fastest("linear", described, routes, sample, backend)
 
@@ -206,8 +212,8 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
     import torch
     import torch.nn.functional as F
 
-    weight = _numpy_to_torch(a["weight"])  # the constant's memory where it is (N, K) contiguous
-    bias = None if a["bias"] is None else _numpy_to_torch(a["bias"])
+    weight = weight_of(a, "weight")  # the constant's memory where it is (N, K) contiguous fp32
+    bias = weight_of(a, "bias")
     post = torch_post_op(a["unary"])
     shape = a.get("output_shape")  # a Reshape folded in: the result viewed in its shape
 
@@ -224,8 +230,8 @@ def _onednn_linear(a: dict[str, Any], name: str) -> Workload:
 
     from backplane.backends.torch import prepacked
 
-    weight = _numpy_to_torch(a["weight"])  # read once by the packing: no copy of its own needed
-    bias = None if a["bias"] is None else _numpy_to_torch(a["bias"])
+    weight = weight_of(a, "weight")  # read once by the packing: no copy of its own needed
+    bias = weight_of(a, "bias")
     shape = a.get("output_shape")
     packed = prepacked.packed(name, lambda: torch.ops.mkldnn._reorder_linear_weight(
         weight, math.prod(a["input_shape"][:-1])))

@@ -143,6 +143,26 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     return made[name]
 
 
+def compute_type(a: dict[str, Any]) -> Any:
+    """The torch type a fused layer computes float32 in: its ``compute`` attribute, set inside a
+    reduced-precision subgraph (``reduced``), else float32."""
+    import torch
+
+    return getattr(torch, a.get("compute") or "float32")
+
+
+def weight_of(a: dict[str, Any], key: str, value: Any = None) -> Any:
+    """A fused layer's constant ``a[key]`` (or ``value``, an array made from it) as a torch tensor: the
+    array's own memory, or a copy in ``compute_type`` where the layer computes in reduced precision."""
+    from backplane.backends.torch.backend import _numpy_to_torch
+
+    value = a[key] if value is None else value
+    if value is None:
+        return None
+    tensor = _numpy_to_torch(value)
+    return tensor.to(compute_type(a)) if a.get("compute") and tensor.is_floating_point() else tensor
+
+
 def holding(run: Callable[..., Any], *tensors: Any) -> Callable[..., Any]:
     """``run`` with ``weights``: the tensors it keeps of its layer's constants, in the layout it
     reads (a packed copy, a channels-last copy, or the constant's own memory), for tests and

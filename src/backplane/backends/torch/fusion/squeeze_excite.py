@@ -7,12 +7,13 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import Workload
-from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
     activation,
     torch_post_op,
+    weight_of,
 )
 from backplane.ir.graph import Layer
 
@@ -74,7 +75,7 @@ def squeeze_excite_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     import torch.nn.functional as F
 
     a = layer.attrs
-    w1, b1, w2, b2 = (_numpy_to_torch(a[k]) for k in ("w1", "b1", "w2", "b2"))  # no copies
+    w1, b1, w2, b2 = (weight_of(a, k) for k in ("w1", "b1", "w2", "b2"))  # no copies in fp32
     act, gate = torch_post_op(a["act"]), torch_post_op(a["gate"])
     assert act is not None and gate is not None, "the matcher takes activations only"
 

@@ -1,0 +1,155 @@
+"""``CpuAcc.precision`` "bf16": a CpuAcc subgraph's float32 math computed in bfloat16 (Arm NN's
+ReduceFp32ToBf16), as one ``Reduced`` layer.
+
+Its float32 inputs are converted on entry, its float32 outputs on exit, its float32 constants once at
+load (the fused layers' weights packed in bfloat16, for oneDNN's AMX and AVX512-BF16 kernels), and
+every float32 result inside (a Cast to float, a ConstantOfShape) on the spot; the layers then run
+one after the other, fused as in float32 (``fuse``), on bfloat16 tensors. Constants a kernel reads on
+the host (Resize's scales, Clip's bounds: ``HOST_INPUTS``) stay as they are. bfloat16 has float32's
+range and 8 bits of mantissa: results differ from float32 by about 1e-2 of their scale
+(``bench/bench_openvino.py`` reports it beside the speed).
+
+Only where oneDNN has bfloat16 kernels on this CPU (``hardware``: AVX512-BF16, AMX or AVX-NE-CONVERT):
+elsewhere torch's bfloat16 is emulated, 5-8x slower than float32 on the developer machine's AVX2
+(a 3x3 convolution 15.6 against 1.9 ms, a 128x768x768 product 8.9 against 1.7), so the subgraph
+stays float32 and a warning on the ``backplane.torch`` logger says so, as OpenVINO's CPU plugin does
+with a precision its CPU lacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import OptionError, Workload
+from backplane.backends.api.kernels import bind_kernel
+from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.cuda import HOST_INPUTS
+from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+
+log = logging.getLogger("backplane.torch")
+PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
+"""``CpuAcc.precision`` (GpuAcc's and OpenVINO's option name) -> the type float32 is computed in."""
+
+
+def precision_of(options: Any) -> str | None:
+    """``CpuAcc.precision``'s torch type name (None for fp32), or an error listing the choices."""
+    choice = options.get("CpuAcc.precision", "fp32")
+    if choice not in PRECISIONS:
+        raise OptionError(f"CpuAcc.precision {choice!r} is not one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[choice]
+
+
+def hardware() -> bool:
+    """Whether oneDNN has bfloat16 kernels on this CPU (torch's own check)."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def reduced_type(options: Any) -> str | None:
+    """The type this network's CpuAcc subgraphs compute float32 in: ``CpuAcc.precision``'s where the
+    CPU has the kernels for it, else None (float32, with a warning)."""
+    dtype = precision_of(options)
+    if dtype is not None and not hardware():
+        _warn(options.get("CpuAcc.precision"))
+        return None
+    return dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _warn(choice: str) -> None:
+    """Once per process, not once per subgraph."""
+    from backplane.artifact.facts import cpu
+
+    log.warning("CpuAcc.precision %s: this CPU (%s) has no bfloat16 instructions for oneDNN "
+                "(AVX512-BF16, AMX or AVX-NE-CONVERT); computing in fp32", choice, cpu()["isa"])
+
+
+def mark(layers: Sequence[Layer], dtype: str) -> list[Layer]:
+    """``layers`` with each fused one marked to compute in ``dtype`` (its ``compute`` attribute: its
+    weights packed and its routes measured in that type, ``patterns.weight_of``)."""
+    return [Layer(lay.name, lay.op_type, lay.inputs, lay.outputs, {**lay.attrs, "compute": dtype},
+                  lay.domain, lay.opset, lay.backend) if lay.domain == FUSED_DOMAIN else lay
+            for lay in layers]
+
+
+def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer], dtype: str) -> Layer:
+    """``layers`` (the view's layers after fusion, in order) as one Reduced layer computing in
+    ``dtype``; its fused layers marked to pack their weights in it."""
+    inner = mark(layers, dtype)
+    constants = {n: graph.constants[n] for lay in layers for n in lay.inputs if n in graph.constants}
+    attrs = {"layers": inner, "constants": constants, "inputs": list(view.inputs),
+             "outputs": list(view.outputs), "dtype": dtype,
+             "output_dtypes": [graph.info(n).dtype for n in view.outputs]}
+    first, last = layers[0].name.split("+")[0], layers[-1].name.split("+")[-1]  # model node names
+    name = f"Reduced[{dtype}][{first}..{last}]({len(layers)} layers)"
+    return Layer(name, "Reduced", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+def reduced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo] = ()) -> Workload:
+    """The layers one after the other on ``dtype`` tensors, float32 converted at the edges."""
+    import torch
+
+    from backplane.backends.torch import fusion
+    from backplane.backends.torch.fusion.onednn_graph import sequence_workload
+
+    dtype = getattr(torch, layer.attrs["dtype"])
+    inner: list[Layer] = layer.attrs["layers"]
+    steps = []
+    for lay in inner:
+        if lay.domain == FUSED_DOMAIN:
+            workload = fusion.WORKLOADS[lay.op_type](lay, backend, ())
+        else:
+            workload = bind_kernel(backend.kernel_for(lay), lay.attrs, len(lay.outputs))
+        steps.append((workload, lay.inputs, lay.outputs))
+    run = sequence_workload(inner, steps, constants(inner, layer.attrs["constants"], dtype),
+                            layer.attrs["inputs"], layer.attrs["outputs"],
+                            convert=lambda t: lower(t, dtype))
+    run.inner = [(lay, workload) for lay, (workload, _, _) in zip(inner, steps)]  # type: ignore[attr-defined]
+    return at_edges(run, layer.attrs["dtype"], layer.attrs["output_dtypes"])
+
+
+def constants(layers: Sequence[Layer], arrays: dict[str, np.ndarray], dtype: Any) -> dict[str, Any]:
+    """``arrays`` as torch tensors, float32 ones in ``dtype`` (None: as they are) but those a kernel
+    reads on the host (``HOST_INPUTS``: scales, bounds)."""
+    host = {lay.inputs[i] for lay in layers for i in HOST_INPUTS.get(lay.op_type, ())
+            if i < len(lay.inputs)}
+    return {n: _numpy_to_torch(v) if n in host else lower(_numpy_to_torch(v), dtype)
+            for n, v in arrays.items()}
+
+
+def at_edges(run: Any, dtype: str, output_dtypes: Sequence[Any]) -> Workload:
+    """``run`` (which computes in ``dtype``) called on its float32 inputs converted to ``dtype``,
+    its outputs declared float32 converted back; its attributes (``route``, ``inner``, ...) kept,
+    its ``profiled`` (if any) converted alike."""
+    import torch
+
+    reduced = getattr(torch, dtype)
+    raised = [d == np.float32 for d in output_dtypes]
+
+    def call(*values: Any) -> tuple[Any, ...]:
+        outputs = run(*[lower(v, reduced) for v in values])
+        return tuple(o.float() if up else o for o, up in zip(outputs, raised))
+
+    call.__dict__.update(getattr(run, "__dict__", {}))
+    if hasattr(run, "profiled"):
+        def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float]]]:
+            outputs, spent = run.profiled(*[lower(v, reduced) for v in values])
+            return tuple(o.float() if up else o for o, up in zip(outputs, raised)), spent
+
+        call.profiled = profiled  # type: ignore[attr-defined]
+    call.precision = {"bfloat16": "bf16"}[dtype]  # type: ignore[attr-defined]
+    return call
+
+
+def lower(tensor: Any, dtype: Any) -> Any:
+    """A float32 tensor in ``dtype``; anything else (and everything, for ``dtype`` None) as it is."""
+    import torch
+
+    return tensor.to(dtype) if dtype is not None and isinstance(tensor, torch.Tensor) \
+        and tensor.dtype == torch.float32 else tensor
