@@ -203,6 +203,9 @@ for name in sys.argv[1:]:
 """
 
 
+ILL_CONDITIONED = frozenset({"light_squeezenet"})  # a softmax of tied logits of 9.5e9 (below)
+
+
 def test_the_light_models_compile_or_fall_back_without_crashing() -> None:
     """Every light model of the onnx package through CpuAcc (its subgraphs compiled where they
     qualify) in a process of its own: an abort inside the fuser (light_bvlc_alexnet's Gemm with a
@@ -214,7 +217,10 @@ def test_the_light_models_compile_or_fall_back_without_crashing() -> None:
     CpuRef's output moves by no more than 1e-3 when the inputs move by one part in a million
     (light_squeezenet's logits are 9.5e9 with the top ones equal: its softmax is uniform on CpuRef
     and one-hot after a few ulps of another summation order; a route measured on a busy machine
-    gave CpuAcc's one-hot output once in four fresh runs)."""
+    gave CpuAcc's one-hot output once in four fresh runs). The nudge does not show that: its top
+    logits stay tied under it (wobble 0, on this machine and on the GPU machine's Xeon, whether each
+    input element is nudged by the same factor or by one of its own), while CpuAcc's routes give
+    the one-hot output (124 and 1.0 apart), so it is held to running, finite, not to CpuRef."""
     import subprocess
     import sys
     from pathlib import Path
@@ -229,8 +235,9 @@ def test_the_light_models_compile_or_fall_back_without_crashing() -> None:
     rows = {name: (float(ours), float(reference), finite == "1")
             for name, ours, reference, finite in map(str.split, done.stdout.splitlines())}
     assert sorted(rows) == sorted(LIGHT) and all(finite for _, _, finite in rows.values())
-    conditioned = {name: ours for name, (ours, reference, _) in rows.items() if reference <= 1e-3}
-    assert len(conditioned) >= 3, rows  # 9 here, 4 on an Intel Xeon (H100 machine)
+    conditioned = {name: ours for name, (ours, reference, _) in rows.items()
+                   if reference <= 1e-3 and name not in ILL_CONDITIONED}
+    assert len(conditioned) >= 3, rows  # 8 here, 3 on an Intel Xeon (H100 machine)
     assert all(ours <= 1e-3 for ours in conditioned.values()), rows
 
 

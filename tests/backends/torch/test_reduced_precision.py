@@ -150,3 +150,17 @@ def test_an_artifact_keeps_the_precision(name: str, compile_mode: str, bf16_cpu:
     assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want))
     reference = _session(path, {}, ["CpuRef"]).run(None, feeds)
     assert 1e-4 < _relative(got, reference) < 3e-2
+
+
+@pytest.mark.skipif(not reduced.hardware(), reason="this CPU has no bfloat16 instructions for oneDNN")
+@pytest.mark.parametrize("name", ["tiny_bert", "tiny_gpt2", "tiny_mobilenet_v3"])
+def test_oneDNN_routes_in_bfloat16_where_the_cpu_has_them(name: str) -> None:
+    """The measured routes (oneDNN's packed bfloat16 weights among them) and oneDNN Graph's
+    bfloat16 partitions, on a CPU with AVX512-BF16 or AMX."""
+    feeds = dict(np.load(DATA / f"{name}.npz"))
+    want = _session(DATA / f"{name}.onnx", {}, ["CpuRef"]).run(None, feeds)
+    session = _session(DATA / f"{name}.onnx", {"CpuAcc.precision": "bf16",
+                                               "CpuAcc.route_cache": False})
+    ((_, workload),) = _cpuacc_steps(session)
+    assert workload.precision == "bf16"
+    assert 1e-4 < _relative(session.run(None, feeds), want) < 3e-2
