@@ -164,3 +164,17 @@ def test_oneDNN_routes_in_bfloat16_where_the_cpu_has_them(name: str) -> None:
     ((_, workload),) = _cpuacc_steps(session)
     assert workload.precision == "bf16"
     assert 1e-4 < _relative(session.run(None, feeds), want) < 3e-2
+
+
+@pytest.mark.parametrize("flags, native", [("fpu avx2 avx512f avx512bw avx512vl avx512dq", False),
+                                           ("fpu avx512f avx512_bf16", True),
+                                           ("fpu avx512f amx_tile amx_bf16", True)])
+def test_bfloat16_hardware_needs_a_flag_of_its_own(flags: str, native: bool, tmp_path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's check passes on plain AVX-512, where oneDNN emulates bfloat16: not taken for it."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(reduced, "Path", lambda _: cpuinfo)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    assert reduced.hardware.__wrapped__() is native

@@ -9,11 +9,11 @@ the host (Resize's scales, Clip's bounds: ``HOST_INPUTS``) stay as they are. bfl
 range and 8 bits of mantissa: results differ from float32 by about 1e-2 of their scale
 (``bench/bench_openvino.py`` reports it beside the speed).
 
-Only where oneDNN has bfloat16 kernels on this CPU (``hardware``: AVX512-BF16, AMX or AVX-NE-CONVERT):
-elsewhere torch's bfloat16 is emulated, 5-8x slower than float32 on the developer machine's AVX2
-(a 3x3 convolution 15.6 against 1.9 ms, a 128x768x768 product 8.9 against 1.7), so the subgraph
-stays float32 and a warning on the ``backplane.torch`` logger says so, as OpenVINO's CPU plugin does
-with a precision its CPU lacks.
+Only where the CPU has bfloat16 instructions for oneDNN's kernels (``hardware``: AVX512-BF16, AMX,
+AVX-NE-CONVERT, Arm's BF16). Elsewhere torch's bfloat16 is emulated, 5-8x slower than float32 on
+the developer machine's AVX2 (a 3x3 convolution 15.6 against 1.9 ms, a 128x768x768 product 8.9
+against 1.7), so the subgraph stays float32 and a warning on the ``backplane.torch`` logger says so,
+as OpenVINO's CPU plugin does with a precision its CPU lacks.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,25 @@ def precision_of(options: Any) -> str | None:
     return PRECISIONS[choice]
 
 
+NATIVE = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16"})
+"""CPU flags (x86's, and Arm's ``bf16`` feature) of bfloat16 arithmetic or conversion in hardware."""
+
+
+@functools.lru_cache(maxsize=1)
 def hardware() -> bool:
-    """Whether oneDNN has bfloat16 kernels on this CPU (torch's own check)."""
+    """Whether oneDNN has bfloat16 kernels on this CPU: torch's check, which also passes on plain
+    AVX-512 (where oneDNN emulates bfloat16), and a flag of ``NATIVE`` in /proc/cpuinfo."""
     import torch
 
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = {flag for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features")
+             for flag in line.partition(":")[2].split()}
+    return bool(flags & NATIVE)
 
 
 def reduced_type(options: Any) -> str | None:
