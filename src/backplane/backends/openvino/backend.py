@@ -83,7 +83,8 @@ class OpenVINO(Backend):
         return unsupported(self.missing) if self.missing else SUPPORTED
 
     def capabilities(self) -> dict[str, Any]:
-        return {**super().capabilities(), "ZeroCopyNumPy": True, "CompiledPartitions": True}
+        return {**super().capabilities(), "ZeroCopyNumPy": True, "CompiledPartitions": True,
+                "HostThreads": "tbb"}
 
     def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
                            outputs: Sequence[TensorInfo]) -> Support:

@@ -16,4 +16,4 @@ class CpuRef(Backend):
     ANY_DTYPE_OPS = ANY_DTYPE_OPS
 
     def capabilities(self) -> dict[str, Any]:
-        return {**super().capabilities(), "Reference": True}
+        return {**super().capabilities(), "Reference": True, "HostThreads": "blas"}

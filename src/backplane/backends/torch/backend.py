@@ -210,7 +210,8 @@ class CpuAcc(TorchBackend):
         return CpuWorkloadFactory(self, memory_manager)
 
     def capabilities(self) -> dict[str, Any]:
-        return {**super().capabilities(), "FusedConvolution": True, "ZeroCopyNumPy": True}
+        return {**super().capabilities(), "FusedConvolution": True, "ZeroCopyNumPy": True,
+                "HostThreads": "openmp"}
 
     def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
         if self.missing:
