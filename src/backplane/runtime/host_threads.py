@@ -4,7 +4,8 @@ CpuRef computes with NumPy, whose BLAS (OpenBLAS) runs a product on a pool of th
 0.1-0.2 s after it before they sleep; CpuAcc's torch runs on an OpenMP pool, OpenVINO on TBB's. In
 a run that goes from one to the other, each pool's threads still spin while the other's work: on
 the developer machine (2-core AMD EPYC), resnet50 on CpuAcc with two of its convolutions pinned to
-CpuRef took 158.6 ms a run, against 50.2 all on CpuAcc; with NumPy's BLAS on one thread, 56.0.
+CpuRef took 177.2 ms a run, against 55.4 all on CpuAcc; with NumPy's BLAS on one thread, 55.2
+(``bench/host_threads.py``; more in docs/architecture.md).
 
 So in a network whose layers run on a backend of BLAS threads (``capabilities()["HostThreads"]``
 "blas": CpuRef) and on one with another pool of its own ("openmp", "tbb"), the first one's
