@@ -68,3 +68,29 @@ def test_the_backends_name_their_pools() -> None:
     assert CpuRef().capabilities()["HostThreads"] == "blas"
     torch_backend = pytest.importorskip("backplane.backends.torch.backend")
     assert torch_backend.CpuAcc().capabilities()["HostThreads"] == "openmp"
+
+
+@needs_blas
+def test_measured_placement_times_cpuref_as_a_mixed_run_runs_it(two_blas_threads,
+                                                               monkeypatch) -> None:
+    """Beside CpuAcc, a CpuRef candidate is timed on one BLAS thread; alone, on NumPy's."""
+    pytest.importorskip("torch")
+    from backplane import OptimizerOptions
+    from backplane.optimizer import measured
+
+    made = []
+    original = host_threads.OneBlasThread
+
+    def spy(workload, libs):
+        made.append(workload)
+        return original(workload, libs)
+
+    monkeypatch.setattr(host_threads, "OneBlasThread", spy)
+    measured._TIMES.clear()
+    path = DATA / "tiny_mobilenet_v3.onnx"
+    InferenceSession(path, backends=["CpuRef"],
+                     optimizer_options=OptimizerOptions(placement="measured"))
+    assert made == []
+    InferenceSession(path, backends=["CpuAcc", "CpuRef"],
+                     optimizer_options=OptimizerOptions(placement="measured"))
+    assert any("_prepare" in getattr(w, "__qualname__", "") for w in made)  # a candidate's runner

@@ -82,6 +82,7 @@ from backplane.ir.graph import Graph, SubgraphView, TensorInfo
 from backplane.optimizer.edges import BUILTIN, USER, EdgeStrategy, edge_strategy
 from backplane.optimizer.partition import partition
 from backplane.optimizer.report import MeasurementRecord, PlacementReport
+from backplane.runtime import host_threads
 from backplane.runtime.fallback import FallbackMemoryManager
 
 log = logging.getLogger("backplane.optimizer")
@@ -210,12 +211,14 @@ def place(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str
     parts = [_part(graph, backend_id, view, available, pins, exclusions)
              for backend_id, view in partition(graph, skip=frozenset({BUILTIN}))]
     values = _seeded_inputs(graph)
-    key = (repr(sorted((k, repr(v)) for k, v in backend_options.items())),
+    one_blas = host_threads.mixed(available.values())  # as a run that mixes them would be
+    key = (repr(sorted((k, repr(v)) for k, v in backend_options.items()))
+           + (" one BLAS thread" if one_blas else ""),
            {b: backend.version for b, backend in available.items()})
     with progress.task("measured placement: timing each partition on each backend",
                        total=sum(len(part.candidates) for part in parts)) as step:
         for part in parts:
-            _measure(part, graph, values, registry, backend_options, key, step)
+            _measure(part, graph, values, registry, backend_options, key, step, one_blas)
     producer = {out: index for index, part in enumerate(parts) for out in part.view.outputs}
     edges = [(name, producer.get(name, -1), index) for index, part in enumerate(parts)
              for name in part.view.inputs]
@@ -275,9 +278,10 @@ def _seeded(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -
 
 def _measure(part: _Part, graph: Graph, values: dict[str, np.ndarray],
              registry: BackendRegistry, backend_options: Mapping[str, object],
-             key: tuple[str, Mapping[str, str]], step: progress.Step) -> None:
+             key: tuple[str, Mapping[str, str]], step: progress.Step, one_blas: bool = False) -> None:
     """Time ``part`` on each of its candidates; its outputs join ``values``. ``key``: the options
-    (as text) and each backend's version; ``step``: one for each candidate (progress)."""
+    (as text) and each backend's version; ``step``: one for each candidate (progress);
+    ``one_blas``: a candidate of BLAS threads runs on one (``runtime/host_threads.py``)."""
     missing = [n for n in part.view.inputs if n not in values and not graph.info(n).is_static]
     if missing:
         step(advance=len(part.candidates))
@@ -298,7 +302,7 @@ def _measure(part: _Part, graph: Graph, values: dict[str, np.ndarray],
     for backend_id in todo:  # all loaded and run once before any is timed
         step(f"measured placement: a partition of {len(part.view.layers)} layers on {backend_id}",
              advance=0)
-        made = _prepare(alone, backend_id, inputs, signature, registry, backend_options)
+        made = _prepare(alone, backend_id, inputs, signature, registry, backend_options, one_blas)
         if isinstance(made, str):
             _TIMES[entries[backend_id]] = made
         else:
@@ -330,10 +334,11 @@ def _alone(graph: Graph, view: SubgraphView) -> Graph:
 
 
 def _prepare(alone: Graph, backend_id: str, inputs: Sequence[np.ndarray], signature: str,
-             registry: BackendRegistry, backend_options: Mapping[str, object]
-             ) -> Callable[[], Any] | str:
+             registry: BackendRegistry, backend_options: Mapping[str, object],
+             one_blas: bool = False) -> Callable[[], Any] | str:
     """``alone`` loaded on ``backend_id`` alone and run once (its outputs kept in ``_OUTPUTS``): a
-    call that runs it again on the same inputs, or why it could not run there."""
+    call that runs it again on the same inputs (on one BLAS thread where ``one_blas`` and the
+    backend computes on BLAS threads), or why it could not run there."""
     from backplane.optimizer.optimize import OptimizerOptions, optimize  # it calls us
     from backplane.runtime.loaded_network import LoadedNetwork
 
@@ -349,7 +354,12 @@ def _prepare(alone: Graph, backend_id: str, inputs: Sequence[np.ndarray], signat
         feed = [v if on is None else to_device(v, device) for v in inputs]
         outputs = loaded.execute_plan(plan, feed)
         _OUTPUTS.setdefault(signature, [np.array(to_host(o)) for o in outputs])
-        return lambda: loaded.execute_plan(plan, feed)
+        run: Callable[[], Any] = lambda: loaded.execute_plan(plan, feed)  # noqa: E731
+        libraries = host_threads.blas_libraries()
+        if one_blas and libraries and network.backends[backend_id].capabilities().get(
+                "HostThreads") == host_threads.BLAS:
+            run = host_threads.OneBlasThread(run, libraries)
+        return run
     except Exception as exc:  # noqa: BLE001 - a backend that cannot run it is not a candidate
         log.info("measured placement: %s cannot run %s: %s", backend_id, alone.name, exc)
         return f"not a candidate: {type(exc).__name__}: {exc}"[:200]

@@ -11,14 +11,15 @@ So in a network whose layers run on a backend of BLAS threads (``capabilities()[
 "blas": CpuRef) and on one with another pool of its own ("openmp", "tbb"), the first one's
 workloads run with NumPy's BLAS on one thread, set before each call and put back after it (2.5 us,
 through threadpoolctl's handles on the libraries, found once). A network of CpuRef alone keeps
-NumPy's threads. The setting is the process's: a run of another network in another thread at the
+NumPy's threads. Measured placement times a CpuRef candidate on one BLAS thread too where another
+backend it may share the run with has a pool of its own. The setting is the process's: a run of another network in another thread at the
 same moment computes its BLAS products on one thread too (slower, not different).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from backplane.backends.api.backend import Backend, Workload
@@ -31,16 +32,21 @@ def share(layers: Sequence[Layer], workloads: Sequence[Workload],
           backends: Mapping[str, Backend]) -> list[Workload]:
     """``workloads``, those of BLAS-threaded backends on one BLAS thread where the network also
     runs a backend with another pool of host threads (see above)."""
-    kinds = {b: backends[b].capabilities().get("HostThreads") for b in {lay.backend for lay in layers}
-             if b in backends}
-    blas_users = {b for b, kind in kinds.items() if kind == BLAS}
-    if not blas_users or not any(kind and kind != BLAS for kind in kinds.values()):
+    used = {b: backends[b] for b in {lay.backend for lay in layers} if b in backends}
+    if not mixed(used.values()):
         return list(workloads)
+    blas_users = {b for b, backend in used.items() if backend.capabilities().get("HostThreads") == BLAS}
     libraries = blas_libraries()
     if not libraries:
         return list(workloads)
     return [OneBlasThread(w, libraries) if lay.backend in blas_users else w
             for lay, w in zip(layers, workloads)]
+
+
+def mixed(backends: Iterable[Backend]) -> bool:
+    """Whether ``backends`` hold one computing on BLAS threads and one with another pool."""
+    kinds = {backend.capabilities().get("HostThreads") for backend in backends}
+    return BLAS in kinds and bool(kinds - {BLAS, None})
 
 
 @functools.lru_cache(maxsize=1)
