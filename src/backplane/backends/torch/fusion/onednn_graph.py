@@ -111,17 +111,17 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     compute = layer.attrs.get("compute")
     description = {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {})}
     if mode == "layers" or (mode == "auto" and remembered("graph", description, backend) == "layers"):
-        return edges(layer, _named(_layers(layer, backend), "layers"))  # nothing traced
+        return edges(layer, _named(layers_run(layer, backend), "layers"))  # nothing traced
     progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
     sample = _sample(inputs, layer.attrs.get("channels_last"), compute)
     compiled = _compiled(layer, backend, sample)
     if compiled is None:
-        return edges(layer, _named(_layers(layer, backend), "layers"))
+        return edges(layer, _named(layers_run(layer, backend), "layers"))
     if mode == "onednn_graph":
         return edges(layer, compiled)
     return edges(layer, fastest("graph", description,
                                 {"onednn_graph": lambda: compiled,
-                                 "layers": lambda: _named(_layers(layer, backend), "layers")},
+                                 "layers": lambda: _named(layers_run(layer, backend), "layers")},
                                 lambda: sample, backend))
 
 
@@ -167,8 +167,10 @@ class _Forced:
         return getattr(self._backend, name)
 
 
-def _layers(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
-    """The layers' workloads one after the other, each value dropped after its last reader."""
+def layers_run(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
+    """The layers' workloads (``layer.attrs["layers"]``, of a OneDnnGraph or a Reduced layer) one
+    after the other, each value dropped after its last reader; in ``attrs["compute"]`` where given
+    (its constants, and each float32 result, converted: ``reduced``)."""
     import torch
 
     from backplane.backends.torch import fusion
@@ -235,7 +237,7 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
     outputs on ``sample`` differ from the traced layers' own."""
     import torch
 
-    traceable = _layers(layer, _Forced(backend, TRACEABLE_ROUTES))
+    traceable = layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))
     try:
         with _fusion(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation and tracer warnings: checked just below
@@ -338,7 +340,7 @@ def weightless(layer: Layer, backend: Any, sample: Sequence[Any]) -> tuple[bytes
 
     import torch
 
-    traceable = _layers(layer, _Forced(backend, TRACEABLE_ROUTES))
+    traceable = layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))
     constants = [node.t("value") for node in _trace(traceable, sample).graph.nodes()
                  if node.kind() == "prim::Constant" and node.hasAttribute("value")
                  and node.kindOf("value") == "t"

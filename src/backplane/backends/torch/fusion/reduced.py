@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import OptionError, Workload
-from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.cuda import HOST_INPUTS
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
@@ -99,7 +98,7 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer], dtype: str) 
     inner = mark(layers, dtype)
     constants = {n: graph.constants[n] for lay in layers for n in lay.inputs if n in graph.constants}
     attrs = {"layers": inner, "constants": constants, "inputs": list(view.inputs),
-             "outputs": list(view.outputs), "dtype": dtype,
+             "outputs": list(view.outputs), "compute": dtype,
              "output_dtypes": [graph.info(n).dtype for n in view.outputs]}
     first, last = layers[0].name.split("+")[0], layers[-1].name.split("+")[-1]  # model node names
     name = f"Reduced[{dtype}][{first}..{last}]({len(layers)} layers)"
@@ -107,26 +106,10 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer], dtype: str) 
 
 
 def reduced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo] = ()) -> Workload:
-    """The layers one after the other on ``dtype`` tensors, float32 converted at the edges."""
-    import torch
+    """The layers one after the other on ``compute`` tensors, float32 converted at the edges."""
+    from backplane.backends.torch.fusion.onednn_graph import layers_run
 
-    from backplane.backends.torch import fusion
-    from backplane.backends.torch.fusion.onednn_graph import sequence_workload
-
-    dtype = getattr(torch, layer.attrs["dtype"])
-    inner: list[Layer] = layer.attrs["layers"]
-    steps = []
-    for lay in inner:
-        if lay.domain == FUSED_DOMAIN:
-            workload = fusion.WORKLOADS[lay.op_type](lay, backend, ())
-        else:
-            workload = bind_kernel(backend.kernel_for(lay), lay.attrs, len(lay.outputs))
-        steps.append((workload, lay.inputs, lay.outputs))
-    run = sequence_workload(inner, steps, constants(inner, layer.attrs["constants"], dtype),
-                            layer.attrs["inputs"], layer.attrs["outputs"],
-                            convert=lambda t: lower(t, dtype))
-    run.inner = [(lay, workload) for lay, (workload, _, _) in zip(inner, steps)]  # type: ignore[attr-defined]
-    return at_edges(run, layer.attrs["dtype"], layer.attrs["output_dtypes"])
+    return at_edges(layers_run(layer, backend), layer.attrs["compute"], layer.attrs["output_dtypes"])
 
 
 def constants(layers: Sequence[Layer], arrays: dict[str, np.ndarray], dtype: Any) -> dict[str, Any]:
