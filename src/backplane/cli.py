@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from backplane import progress
-from backplane.artifact import ArtifactError, is_artifact
+from backplane.artifact import ArtifactError, SigningKey, is_artifact
 from backplane.artifact import compile as compile_artifact
 from backplane.backends.registry import registry
 from backplane.backends.registry.dynamic import PATHS_VARIABLE, backend_paths
@@ -90,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     _model_arguments(compile_)
     compile_.add_argument("-o", "--output", metavar="FILE.bpl",
                           help="the artifact (default: the model's path with .bpl)")
+    compile_.add_argument("--sign", metavar="KEYFILE",
+                          help="sign the artifact with the key in this file (its bytes, at least "
+                               "16: head -c 32 /dev/urandom > KEYFILE); a session with "
+                               "SessionOptions.artifact_key loads only artifacts signed with it")
     compile_.set_defaults(command=cmd_compile)
     inspect = sub.add_parser("inspect", help="print the placement report: where each layer goes, why")
     _model_arguments(inspect)
@@ -256,15 +260,18 @@ def cmd_compile(args: argparse.Namespace) -> Any:
     pins = dict(_key_value(p, "--pin") for p in args.pin)
     backends = chosen_backends(args)
     output = args.output or str(Path(args.model).with_suffix(".bpl"))
+    key = SigningKey.from_file(args.sign) if args.sign else None
     with _working(args, f"compiling {Path(args.model).name} for {', '.join(_ids(backends))}"):
-        size = compile_artifact(args.model, backends, output, sess_options=options, pins=pins)
+        size = compile_artifact(args.model, backends, output, sess_options=options, pins=pins,
+                                sign_key=key)
     model_size = Path(args.model).stat().st_size
     document = {"artifact": output, "bytes": size, "model": args.model, "model_bytes": model_size,
-                "backends": _ids(backends)}
+                "backends": _ids(backends), "signed_with": key.id if key else None}
     if args.json:
         return 0, document
+    signed = f", signed with key {key.id}" if key else ""
     console.print(Text(f"{output}: {size:,} bytes (the model: {model_size:,} bytes), for "
-                       f"{', '.join(_ids(backends))}"))
+                       f"{', '.join(_ids(backends))}{signed}"))
     return 0
 
 

@@ -131,7 +131,7 @@ class InferenceSession:
                             f"{type(sess_options).__name__}")
         self.sess_options = sess_options if sess_options is not None else SessionOptions()
         listed = backends if backends is not None else providers
-        stored = _stored_artifact(model)
+        stored = _stored_artifact(model, self.sess_options.artifact_key)
         if stored is not None and listed is None and provider_options is None:
             listed = artifact_backends(stored[1])
         if listed is None:
@@ -229,21 +229,22 @@ class InferenceSession:
                        repreprocess: bool) -> artifact.Artifact:
         """The network from an artifact: ``model`` itself (``stored``: its contents, manifest), or
         the compile cache's entry for it in the folder ``compiled``, compiled there if missing."""
-        registry = self.runtime.registry
+        registry, key = self.runtime.registry, self.sess_options.artifact_key
         if stored is not None:
             contents, manifest = stored
             check_artifact_choices(manifest, ids, chosen, input_shapes)
-            return artifact.load(contents, registry=registry, repreprocess=repreprocess)
+            return artifact.load(contents, registry=registry, repreprocess=repreprocess, key=key)
         assert compiled is not None
         optimizer = dataclasses.asdict(optimizer_options or OptimizerOptions())
-        entry = artifact.cache.key(model, ids, chosen, registry, pins=pins, optimizer=optimizer,
-                                   input_shapes=input_shapes, directory=compiled)
+        parts = artifact.cache.key_parts(model, ids, chosen, registry, pins=pins,
+                                         optimizer=optimizer, input_shapes=input_shapes,
+                                         directory=compiled, sign_key=key)
 
         def compile_into(path: str) -> None:
             artifact.build(model, path, ids, chosen, pins=pins, optimizer_options=optimizer_options,
-                           input_shapes=input_shapes, runtime=self.runtime)
+                           input_shapes=input_shapes, runtime=self.runtime, sign_key=key)
 
-        return artifact.cache.fetch(compiled, entry, compile_into, registry)
+        return artifact.cache.fetch(compiled, parts, compile_into, registry, key)
 
     # -- what the model is ---------------------------------------------------------------------------
     @property
@@ -408,10 +409,12 @@ def _all_layers(graph: Graph) -> Iterator[Layer]:
                 yield from _all_layers(value)
 
 
-def _stored_artifact(model: Any) -> tuple[Any, dict[str, Any]] | None:
-    """An artifact's contents and manifest, read and checked, or None where ``model`` is not one."""
+def _stored_artifact(model: Any, key: artifact.SigningKey | None,
+                     ) -> tuple[Any, dict[str, Any]] | None:
+    """An artifact's contents and manifest, read and checked (signed with ``key`` where given),
+    or None where ``model`` is not one."""
     if isinstance(model, (str, os.PathLike)) and artifact.is_artifact(model):
-        return artifact.read_manifest(model)
+        return artifact.read_manifest(model, key)
     return None
 
 

@@ -130,6 +130,15 @@ def _folder(value: Any) -> str | None:
     return os.fspath(value)
 
 
+def _artifact_key(value: Any) -> Any:
+    from backplane.artifact.signing import signing_key
+
+    try:
+        return signing_key(value)
+    except TypeError as exc:
+        raise ValueError(f"artifact_key must be bytes, a SigningKey or None: {exc}") from exc
+
+
 def _text(name: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if not isinstance(value, str):
@@ -164,6 +173,10 @@ class SessionOptions(_Options):
       holds, or read from the file again where none does; a fused layer's weight is a
       ``Released`` placeholder; loading ``session.optimized`` again imports the file anew
       (``backplane.optimizer.release``).
+    - ``artifact_key``: a signing key (bytes, or ``backplane.artifact.SigningKey.from_file``):
+      an artifact, or a compile-cache entry, loads only where signed with it (an unsigned or
+      otherwise signed one is an ``ArtifactError``; a cache entry is compiled again, signed);
+      ``backplane.compile`` signs with it (docs/artifact.md).
     """
 
     FIELDS = {
@@ -178,6 +191,7 @@ class SessionOptions(_Options):
         "log_severity_level": (2, _severity("log_severity_level"), "0 verbose .. 4 fatal"),
         "keep_initializers": (False, _flag("keep_initializers"),
                               "keep the model's weights in the graphs after the load"),
+        "artifact_key": (None, _artifact_key, "load only artifacts signed with this key"),
     }
 
 

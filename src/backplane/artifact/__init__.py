@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Any
 from backplane.artifact.compiler import (Artifact, delegate, load, manifest_of, model_hash,
                                          read_manifest, save)
 from backplane.artifact.container import ArtifactError, is_artifact
+from backplane.artifact.signing import SigningKey, signing_key
 
 if TYPE_CHECKING:
     from backplane.optimizer.optimize import OptimizerOptions
     from backplane.runtime.runtime import Runtime
     from backplane.session import BackendSpec, SessionOptions
 
-__all__ = ["Artifact", "ArtifactError", "build", "compile", "is_artifact", "load", "read_manifest"]
+__all__ = ["Artifact", "ArtifactError", "SigningKey", "build", "compile", "is_artifact", "load",
+           "read_manifest"]
 
 
 def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
@@ -29,10 +31,13 @@ def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
             provider_options: Sequence[Mapping[str, Any]] | None = None,
             pins: Mapping[str, str] | None = None,
             optimizer_options: OptimizerOptions | None = None,
-            input_shapes: Mapping[str, Sequence[int]] | None = None) -> int:
+            input_shapes: Mapping[str, Sequence[int]] | None = None,
+            sign_key: SigningKey | bytes | None = None) -> int:
     """Compile ``model`` (a path, bytes or ModelProto) for ``backends`` (as ``InferenceSession``
     takes them) into the artifact ``output`` (default: the model's path with ".bpl"); returns the
-    artifact's size in bytes."""
+    artifact's size in bytes. ``sign_key``: sign it with this key (``SigningKey`` or its bytes;
+    default: ``sess_options.artifact_key``); a session whose ``SessionOptions.artifact_key`` is
+    that key loads only artifacts signed with it."""
     from backplane.session import (backend_list, default_backends, optimizer_options_for,
                                    qualified)
 
@@ -48,14 +53,15 @@ def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
     all_pins = {**(sess_options.pins if sess_options is not None else {}), **(pins or {})}
     if sess_options is not None:
         optimizer_options = optimizer_options_for(sess_options, optimizer_options)
+        sign_key = sign_key if sign_key is not None else sess_options.artifact_key
     return build(model, output, ids, options, pins=all_pins, optimizer_options=optimizer_options,
-                 input_shapes=input_shapes)
+                 input_shapes=input_shapes, sign_key=signing_key(sign_key))
 
 
 def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Mapping[str, Any], *,
           pins: Mapping[str, str] | None = None, optimizer_options: OptimizerOptions | None = None,
           input_shapes: Mapping[str, Sequence[int]] | None = None,
-          runtime: Runtime | None = None) -> int:
+          runtime: Runtime | None = None, sign_key: SigningKey | None = None) -> int:
     """Import, optimize, preprocess and write: ``compile`` with the options already resolved."""
     from backplane.frontends.onnx import import_onnx
     from backplane.frontends.onnx_file import read_model
@@ -76,4 +82,4 @@ def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Ma
     manifest = manifest_of(network, blobs, model_sha256=digest, metadata=vars(meta),
                            preferences=ids, input_shapes=input_shapes)
     manifest["pins"] = dict(pins or {})
-    return save(network, output, manifest)
+    return save(network, output, manifest, sign_key)

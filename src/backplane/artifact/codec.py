@@ -27,6 +27,8 @@ a compiled partition's constants are the graph's own arrays.
 from __future__ import annotations
 
 import base64
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -97,11 +99,12 @@ class Encoder:
         for kind, encode in _ENCODERS.items():
             if isinstance(value, kind):
                 return encode(self, value)
-        if hasattr(value, "SerializeToString") and hasattr(value, "DESCRIPTOR"):
+        if hasattr(value, "DESCRIPTOR") and value.DESCRIPTOR.name in PROTO_TYPES:
             return {"$proto": [value.DESCRIPTOR.name,
                                base64.b64encode(value.SerializeToString()).decode()]}
         raise TypeError(f"{type(value).__module__}.{type(value).__name__} has no encoding (known: "
-                        f"{', '.join(t.__name__ for t in _ENCODERS)}, onnx messages)")
+                        f"{', '.join(t.__name__ for t in _ENCODERS)}, onnx's "
+                        f"{', '.join(PROTO_TYPES)})")
 
 
 def _dict(enc: Encoder, value: dict[Any, Any]) -> Any:
@@ -185,29 +188,75 @@ def tensor_section(tensors: list[np.ndarray]) -> tuple[list[dict[str, Any]], lis
 
 
 # -- decoding ---------------------------------------------------------------------------------------------
-def resolve_dtype(name: str) -> np.dtype:
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes  # bfloat16, float8 and int4 are ml_dtypes' (installed with onnx)
+NUMPY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                "float16", "float32", "float64", "complex64", "complex128")
+"""The dtypes an artifact names by numpy's name (those of ONNX's tensor types numpy has)."""
+ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+             "float8_e8m0fnu", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "int4", "uint4",
+             "int2", "uint2")
+"""The dtypes of ONNX's tensor types numpy lacks: ml_dtypes' (installed with onnx)."""
+_TEXT_DTYPE = re.compile(r"[<>|=]?[USV][0-9]{1,9}|\|O")  # dtype.str of str, bytes, void, object
+PROTO_TYPES = ("TypeProto", "TensorProto", "SparseTensorProto")
+"""The onnx messages an attribute may hold (a TYPE_PROTO attribute's TypeProto, ...)."""
 
-        return np.dtype(getattr(ml_dtypes, name))
+
+def resolve_dtype(name: Any) -> np.dtype:
+    """The dtype an artifact names: one of NUMPY_DTYPES, ML_DTYPES or a str/bytes/object dtype's
+    ``str``; anything else (a name read from the file) is an ArtifactError listing those."""
+    if name in ML_DTYPES:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))  # a name of ML_DTYPES, not the file's
+    if name in NUMPY_DTYPES or (isinstance(name, str) and _TEXT_DTYPE.fullmatch(name)):
+        return np.dtype(name)
+    raise ArtifactError(f"unknown dtype {str(name)[:100]!r} in the artifact; known: "
+                        f"{', '.join(NUMPY_DTYPES + ML_DTYPES)}, and str/bytes/object dtypes")
+
+
+MAX_DIM = 1 << 62
 
 
 def tensors_from(table: list[dict[str, Any]], section: memoryview) -> list[np.ndarray]:
-    """The arrays of the tensor table, views of the mapped constants section (no copy)."""
+    """The arrays of the tensor table, views of the mapped constants section (no copy); each
+    entry's shape, offset and size checked against its dtype and the section first."""
     arrays = []
-    for entry in table:
-        dtype = resolve_dtype(entry["dtype"])
+    for k, entry in enumerate(table):
+        if not isinstance(entry, dict) or not _shape_ok(entry.get("shape")):
+            raise ArtifactError(f"tensor {k} of the artifact has entry {str(entry)[:200]}: a "
+                                f"dtype and a shape of sizes >= 0 expected")
+        dtype, shape = resolve_dtype(entry.get("dtype")), tuple(entry["shape"])
+        count = math.prod(shape)
         if "values" in entry:
-            arrays.append(np.array(entry["values"], dtype=dtype).reshape(entry["shape"]))
-        elif entry["nbytes"] == 0:
-            arrays.append(np.zeros(entry["shape"], dtype))
+            values = entry["values"]
+            if not isinstance(values, list) or len(values) != count or \
+                    not all(isinstance(x, str) for x in values) or dtype.kind not in "OSU":
+                raise ArtifactError(f"tensor {k} of the artifact: {count} str values of a "
+                                    f"{dtype} tensor expected, its entry has {str(values)[:200]}")
+            arrays.append(np.array(values, dtype=dtype).reshape(shape))
+            continue
+        offset, nbytes = entry.get("offset"), entry.get("nbytes")
+        if not (_natural(offset) and _natural(nbytes)) or dtype.hasobject or \
+                nbytes != count * dtype.itemsize or offset + nbytes > len(section):
+            raise ArtifactError(f"tensor {k} of the artifact ({dtype}, shape {list(shape)}) "
+                                f"says it is {nbytes!r} bytes at offset {offset!r}; it needs "
+                                f"{count * dtype.itemsize} bytes within the constants section's "
+                                f"{len(section)}")
+        if nbytes == 0:
+            arrays.append(np.zeros(shape, dtype))
         else:
-            count = entry["nbytes"] // dtype.itemsize
-            flat = np.frombuffer(section, dtype, count, entry["offset"])
-            arrays.append(flat.reshape(entry["shape"]))
+            arrays.append(np.frombuffer(section, dtype, count, offset).reshape(shape))
     return arrays
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shape_ok(shape: Any) -> bool:
+    """A list of sizes >= 0 whose product stays below MAX_DIM (no overflow in byte counts)."""
+    if not isinstance(shape, list) or not all(_natural(d) and d < MAX_DIM for d in shape):
+        return False
+    return math.prod(shape) < MAX_DIM
 
 
 BackendMaker = Callable[[list[str], Mapping[str, Any]], dict[str, Any]]
@@ -239,11 +288,16 @@ class Decoder:
                                 data["exclusions"], None)
 
     def graph(self, data: dict[str, Any]) -> Graph:
+        _require(data, "graph", GRAPH_FIELDS)
+        if not all(isinstance(k, str) and _natural(v) for k, v in data["opsets"].items()):
+            raise ArtifactError(f"graph '{data['name']}' of the artifact has opsets "
+                                f"{str(data['opsets'])[:200]}, not domain -> version")
         return Graph(data["name"], [self.layer(lay) for lay in data["layers"]], list(data["inputs"]),
                      list(data["outputs"]), {n: _info_from(i) for n, i in data["tensors"].items()},
                      {n: self.value(v) for n, v in data["constants"].items()}, dict(data["opsets"]))
 
     def layer(self, data: dict[str, Any]) -> Layer:
+        _require(data, "layer", LAYER_FIELDS)
         return Layer(data["name"], data["op"], list(data["inputs"]), list(data["outputs"]),
                      {k: self.value(v) for k, v in data["attrs"].items()}, data["domain"],
                      data["opset"], data["backend"])
@@ -262,6 +316,18 @@ class Decoder:
                                 f"the artifact was written by a newer backplane")
         return decode(self, data[tag])
 
+    def tensor(self, index: Any) -> np.ndarray:
+        if not _natural(index) or index >= len(self.tensors):
+            raise ArtifactError(f"tensor {str(index)[:50]} of the artifact does not exist: its "
+                                f"table has {len(self.tensors)}")
+        return self.tensors[index]
+
+    def blob(self, name: Any) -> memoryview:
+        if not isinstance(name, str) or name not in self.blobs:
+            raise ArtifactError(f"blob {str(name)[:50]!r} is not a section of the artifact; its "
+                                f"blobs are: {', '.join(self.blobs) or 'none'}")
+        return self.blobs[name]
+
     def factory(self, factory_id: str) -> TensorHandleFactory:
         if factory_id not in self._factories:
             raise ArtifactError(f"no backend of the network makes tensor handles '{factory_id}'; "
@@ -269,19 +335,24 @@ class Decoder:
         return self._factories[factory_id]
 
 
-def _proto(payload: list[str]) -> Any:
+def _proto(payload: Any) -> Any:
     import onnx
 
-    message = getattr(onnx, payload[0])()
-    message.ParseFromString(base64.b64decode(payload[1]))
+    kind = payload[0] if isinstance(payload, list) and len(payload) == 2 else None
+    if kind not in PROTO_TYPES:
+        raise ArtifactError(f"an onnx message of type {str(kind)[:100]!r} in the artifact; the "
+                            f"types an artifact holds are: {', '.join(PROTO_TYPES)}")
+    message = {"TypeProto": onnx.TypeProto, "TensorProto": onnx.TensorProto,
+               "SparseTensorProto": onnx.SparseTensorProto}[kind]()
+    message.ParseFromString(base64.b64decode(payload[1], validate=True))
     return message
 
 
 _DECODERS: dict[str, Callable[[Decoder, Any], Any]] = {
-    "$tensor": lambda dec, i: dec.tensors[i],
+    "$tensor": lambda dec, i: dec.tensor(i),
     "$tuple": lambda dec, v: tuple(dec.value(x) for x in v),
     "$map": lambda dec, v: {_hashable(dec.value(k)): dec.value(x) for k, x in v},
-    "$blob": lambda dec, name: dec.blobs[name],
+    "$blob": lambda dec, name: dec.blob(name),
     "$bytes": lambda dec, v: base64.b64decode(v),
     "$scalar": lambda dec, v: resolve_dtype(v[0]).type(v[1]),
     "$dtype": lambda dec, v: resolve_dtype(v),
@@ -298,10 +369,32 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-def _info_from(data: list[Any]) -> TensorInfo:
-    shape, dtype = data
+def _info_from(data: Any) -> TensorInfo:
+    shape, dtype = data if isinstance(data, list) and len(data) == 2 else (0, None)
+    if shape is not None and not (isinstance(shape, list) and all(
+            d is None or isinstance(d, str) or (_natural(d) and d < MAX_DIM) for d in shape)):
+        raise ArtifactError(f"a tensor info of the artifact is {str(data)[:200]}: [shape, dtype] "
+                            f"expected, a shape of sizes >= 0, names or None")
     return TensorInfo(tuple(shape) if shape is not None else None,
                       resolve_dtype(dtype) if dtype is not None else None)
+
+
+GRAPH_FIELDS = {"name": str, "inputs": list, "outputs": list, "tensors": dict, "constants": dict,
+                "opsets": dict, "layers": list}
+LAYER_FIELDS = {"name": str, "op": str, "inputs": list, "outputs": list, "attrs": dict,
+                "domain": str, "opset": int, "backend": (str, type(None))}
+
+
+def _require(data: Any, what: str, fields: dict[str, Any]) -> None:
+    """ArtifactError where ``data`` (a graph's or layer's JSON) lacks a field or mistypes one;
+    inputs and outputs must be names."""
+    wrong = [name for name, kind in fields.items() if not isinstance(data, dict)
+             or not isinstance(data.get(name), kind) or isinstance(data.get(name), bool)]
+    if not wrong and not all(isinstance(n, str) for n in (*data["inputs"], *data["outputs"])):
+        wrong = ["inputs", "outputs"]
+    if wrong:
+        raise ArtifactError(f"a {what} of the artifact lacks or mistypes {', '.join(wrong)}: "
+                            f"{str(data)[:200]}")
 
 
 def report_from(data: dict[str, Any]) -> PlacementReport:

@@ -22,7 +22,9 @@ from typing import Any
 from backplane import progress
 from backplane.artifact import codec, container
 from backplane.artifact.container import ArtifactError
-from backplane.artifact.facts import FORMAT_VERSION, cpu, describe_backend, differences
+from backplane.artifact.facts import (FORMAT_VERSION, cpu, describe_backend, differences,
+                                      manifest_problems)
+from backplane.artifact.signing import SigningKey
 from backplane.backends.api.backend import (DELEGATE_DOMAIN, BackendOptions, CompileSpec,
                                             PreprocessResult)
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
@@ -122,8 +124,10 @@ def _substitute(net: OptimizedNetwork, old: Sequence[Layer], layer: Layer) -> No
     net.report.subgraphs.append(SubgraphRecord(layer.backend or "", sorted(names), "delegated"))
 
 
-def save(network: OptimizedNetwork, path: str | os.PathLike, manifest: dict[str, Any]) -> int:
-    """Write ``network`` (delegated already) and ``manifest`` as one artifact; returns its size."""
+def save(network: OptimizedNetwork, path: str | os.PathLike, manifest: dict[str, Any],
+         key: SigningKey | None = None) -> int:
+    """Write ``network`` (delegated already) and ``manifest`` as one artifact, signed with ``key``
+    where given; returns its size."""
     encoder = codec.Encoder()
     encoded = encoder.network(network)
     table, constants = codec.tensor_section(encoder.tensors)
@@ -131,7 +135,7 @@ def save(network: OptimizedNetwork, path: str | os.PathLike, manifest: dict[str,
     sections += [(f"blob:{i}", blob) for i, blob in enumerate(encoder.blobs)]
     header = {"format": list(FORMAT_VERSION), "manifest": manifest, "tensors": table,
               "network": encoded}
-    return container.write(path, header, sections)
+    return container.write(path, header, sections, key)
 
 
 def manifest_of(network: OptimizedNetwork, blobs: Mapping[str, int], *, model_sha256: str,
@@ -155,29 +159,52 @@ def manifest_of(network: OptimizedNetwork, blobs: Mapping[str, int], *, model_sh
 
 
 # -- load -----------------------------------------------------------------------------------------------
-def read_manifest(path: str | os.PathLike) -> tuple[container.Contents, dict[str, Any]]:
-    contents = container.read(path)
-    major, minor = contents.header.get("format", [0, 0])
+def read_manifest(path: str | os.PathLike, key: SigningKey | None = None,
+                  ) -> tuple[container.Contents, dict[str, Any]]:
+    """Read and check the artifact (signed with ``key`` where given) and its manifest's format."""
+    contents = container.read(path, key)
+    major, minor = contents.header["format"]
     if major != FORMAT_VERSION[0] or minor > FORMAT_VERSION[1]:
         raise ArtifactError(f"'{contents.path}' has artifact format {major}.{minor}; this backplane "
                             f"reads format {FORMAT_VERSION[0]}.0 to "
                             f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}")
+    problems = manifest_problems(contents.header["manifest"])
+    if problems:
+        raise ArtifactError(f"'{contents.path}' is malformed: its manifest's " +
+                            "; ".join(problems))
     return contents, contents.header["manifest"]
 
 
 def load(source: str | os.PathLike | container.Contents, *,
-         registry: BackendRegistry | None = None, repreprocess: bool = False) -> Artifact:
+         registry: BackendRegistry | None = None, repreprocess: bool = False,
+         key: SigningKey | None = None) -> Artifact:
     """Read, check and rebuild an artifact's network, ready for ``Runtime.load``.
 
     ``repreprocess``: where a backend's blobs were made for other machine facts or another version
     of the backend, preprocess its partitions again from their stored subgraphs instead of
-    refusing the artifact."""
+    refusing the artifact. ``key``: the artifact must be signed with it (``read_manifest``'s
+    contents given must have been read with it)."""
     registry = registry or default_registry
     if isinstance(source, container.Contents):
         contents, manifest = source, source.header["manifest"]
+        if key is not None and contents.verified_key != key.id:
+            raise ArtifactError(f"'{contents.path}' was read without checking its signature "
+                                f"under key {key.id}: read it with read_manifest(path, key)")
     else:
-        contents, manifest = read_manifest(source)
-    stale = check(manifest, registry, repreprocess, contents.path)
+        contents, manifest = read_manifest(source, key)
+    try:
+        stale = check(manifest, registry, repreprocess, contents.path)
+        network = _decoded(contents, registry)
+    except (KeyError, IndexError, TypeError, ValueError, RecursionError) as exc:
+        # the header is data someone else may have written: any shape it has is refused by name
+        raise ArtifactError(f"'{contents.path}' is malformed: {type(exc).__name__}: "
+                            f"{str(exc)[:500]}") from exc
+    if stale:
+        _preprocess_again(network, stale)
+    return Artifact(network, manifest, contents.path)
+
+
+def _decoded(contents: container.Contents, registry: BackendRegistry) -> OptimizedNetwork:
     tensors = codec.tensors_from(contents.header["tensors"], contents.sections["constants"])
 
     def make_backends(ids: list[str], options: Mapping[str, Any]) -> dict[str, Any]:
@@ -187,11 +214,8 @@ def load(source: str | os.PathLike | container.Contents, *,
             made[backend_id].options = BackendOptions(dict(options))
         return made
 
-    decoder = codec.Decoder(tensors, contents.sections, make_backends)
-    network = decoder.network(contents.header["network"])
-    if stale:
-        _preprocess_again(network, stale)
-    return Artifact(network, manifest, contents.path)
+    blobs = {name: data for name, data in contents.sections.items() if name.startswith("blob:")}
+    return codec.Decoder(tensors, blobs, make_backends).network(contents.header["network"])
 
 
 def check(manifest: dict[str, Any], registry: BackendRegistry, repreprocess: bool,

@@ -5,14 +5,18 @@
     offset 0   b"BPLNART\\n"                      8 bytes, the magic
     offset 8   header length                       8 bytes, little-endian
     offset 16  sha256 of the header                32 bytes
-    offset 48  the header: UTF-8 JSON              {"format": [1, 2], "sections": [...], ...}
+    offset 48  the header: UTF-8 JSON              {"format": [1, 3], "sections": [...], ...}
+    then       a signed file's HMAC-SHA256 of the header (32 bytes; the header names its key)
     then       the sections, each starting at a multiple of ALIGNMENT bytes from the file's start
 
 A section is raw bytes (the constants, one blob per delegated partition); the header lists each one's
 name, offset, size and XXH3-64 (``xxhash``: a checksum at the speed memory is read, 0.04 s for BERT's
 437 MB here against 0.14-0.27 s for a CRC-32 and 0.31 s for a sha256; the header, small, keeps its
 sha256). Loading reads every section's bytes for it, so its cost is a load's floor. Files of format
-1.1 carry each section's CRC-32 (``zlib.crc32``), of 1.0 its sha256, checked as before.
+1.1 carry each section's CRC-32 (``zlib.crc32``), of 1.0 its sha256, checked as before. These catch
+damage; a signed file (format 1.3, ``signing.py``) also lists the sha256 of every 16 MiB piece of
+each section, and a reader given the key checks the HMAC and those instead. Every offset, size and
+type the header gives is checked before it is used.
 
 Reading maps the file copy-on-write (``mmap.ACCESS_COPY``): a section is a view of the mapping,
 never read into memory first, and arrays made on it are writable without writing to the file.
@@ -34,6 +38,9 @@ from typing import Any
 
 import xxhash
 
+from backplane.artifact import signing
+from backplane.artifact.signing import ALGORITHM, MAC_BYTES, SigningKey
+
 MAGIC = b"BPLNART\n"
 ALIGNMENT = 64
 _PREFIX = len(MAGIC) + 8 + 32
@@ -51,6 +58,8 @@ class Contents:
     header: dict[str, Any]
     sections: dict[str, memoryview]
     path: str
+    verified_key: str | None = None
+    """The id of the key whose signature was checked (``read(path, key)``), None where none was."""
 
 
 def is_artifact(source: Any) -> bool:
@@ -68,16 +77,20 @@ Section = bytes | memoryview | Sequence[bytes | memoryview]
 
 
 def write(path: str | os.PathLike, header: dict[str, Any],
-          sections: Sequence[tuple[str, Section]]) -> int:
-    """Write the artifact atomically; returns its size in bytes."""
+          sections: Sequence[tuple[str, Section]], key: SigningKey | None = None) -> int:
+    """Write the artifact atomically, signed where ``key`` is given; returns its size in bytes."""
     table, offset = [], 0
     pieces = [[data] if isinstance(data, (bytes, memoryview)) else list(data)
               for _, data in sections]
     for (name, _), parts in zip(sections, pieces):
         table.append({"name": name, "size": sum(len(p) for p in parts), **checksum(*parts)})
-    text = b""
+        if key is not None:
+            table[-1]["sha256_pieces"] = signing.piece_digests(parts)
+    if key is not None:
+        header = {**header, "signature": {"algorithm": ALGORITHM, "key_id": key.id}}
+    text, mac_bytes = b"", MAC_BYTES if key is not None else 0
     while True:  # the offsets depend on the header's length, which depends on the offsets
-        offset = _aligned(_PREFIX + len(text))
+        offset = _aligned(_PREFIX + len(text) + mac_bytes)
         for entry in table:
             entry["offset"] = offset
             offset = _aligned(offset + entry["size"])
@@ -85,11 +98,13 @@ def write(path: str | os.PathLike, header: dict[str, Any],
         settled, text = len(laid_out) == len(text), laid_out
         if settled:
             break
+    mac = key.mac(text) if key is not None else b""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False, suffix=".tmp") as tmp:
         try:
-            tmp.write(MAGIC + len(text).to_bytes(8, "little") + hashlib.sha256(text).digest() + text)
+            tmp.write(MAGIC + len(text).to_bytes(8, "little") + hashlib.sha256(text).digest()
+                      + text + mac)
             for entry, parts in zip(table, pieces):
                 tmp.write(b"\0" * (entry["offset"] - tmp.tell()))
                 for part in parts:
@@ -105,8 +120,10 @@ def write(path: str | os.PathLike, header: dict[str, Any],
     return os.path.getsize(path)
 
 
-def read(path: str | os.PathLike) -> Contents:
-    """Map and check an artifact: magic, header checksum, every section's bounds and checksum."""
+def read(path: str | os.PathLike, key: SigningKey | None = None) -> Contents:
+    """Map and check an artifact: magic, header checksum, every section's bounds and checksum.
+    With ``key``: the artifact must be signed with it (its MAC checked, then every section's
+    sha256 pieces instead of the XXH3)."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as file:
@@ -119,36 +136,123 @@ def read(path: str | os.PathLike) -> Contents:
                 raise ArtifactError(f"'{path}' is truncated: {size} bytes, shorter than the "
                                     f"{_PREFIX} bytes of an artifact's prefix")
             length = int.from_bytes(prefix[8:16], "little")
+            if length > size - _PREFIX:  # checked before reading: a length of 2**63 reads nothing
+                raise ArtifactError(f"'{path}' is truncated: {size} bytes, its header alone needs "
+                                    f"{_PREFIX + length}")
             text = file.read(length)
+            mac = file.read(MAC_BYTES)  # where the header says it is signed
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
     except OSError as exc:
         raise ArtifactError(f"'{path}' could not be read: {exc}") from exc
-    if len(text) < length:
-        raise ArtifactError(f"'{path}' is truncated: {size} bytes, its header alone needs "
-                            f"{_PREFIX + length}")
     if hashlib.sha256(text).digest() != prefix[16:48]:
         raise ArtifactError(f"'{path}' is corrupted: the header's sha256 is "
                             f"{hashlib.sha256(text).hexdigest()}, expected {prefix[16:48].hex()}")
-    header = json.loads(text)
-    return Contents(header, _sections(path, header, mapping, size), path)
+    header = _parsed(path, text)
+    start = _PREFIX + length
+    if header.get("signature") is not None:
+        start += MAC_BYTES
+        if key is not None:
+            _check_signature(path, header["signature"], key, text, mac)
+    elif key is not None:
+        raise ArtifactError(f"'{path}' is not signed; this session takes only artifacts signed "
+                            f"with key {key.id} (SessionOptions.artifact_key): sign it with "
+                            f"'backplane compile --sign KEYFILE' or backplane.compile(..., "
+                            f"sign_key=...)")
+    sections = _sections(path, header["sections"], mapping, size, start, key)
+    return Contents(header, sections, path, key.id if key is not None else None)
 
 
-def _sections(path: str, header: dict[str, Any], mapping: Any, size: int) -> dict[str, memoryview]:
+def _parsed(path: str, text: bytes) -> dict[str, Any]:
+    """The header's JSON, with the fields every reader uses of the types it uses them as."""
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ArtifactError(f"'{path}' is malformed: its header is not JSON: {exc}") from exc
+    expected = {"format": list, "sections": list, "manifest": dict, "tensors": list,
+                "network": dict}
+    wrong = [f"{name} (a {kind.__name__} expected)" for name, kind in expected.items()
+             if not isinstance(header.get(name) if isinstance(header, dict) else None, kind)]
+    if wrong:
+        raise ArtifactError(f"'{path}' is malformed: its header lacks or mistypes " +
+                            ", ".join(wrong))
+    version = header["format"]
+    if len(version) != 2 or not all(_is_int(v) for v in version):
+        raise ArtifactError(f"'{path}' is malformed: its format is {version!r}, not two integers")
+    return header
+
+
+def _check_signature(path: str, signature: Any, key: SigningKey, text: bytes, mac: bytes) -> None:
+    if not isinstance(signature, dict) or signature.get("algorithm") != ALGORITHM:
+        raise ArtifactError(f"'{path}' is signed as {signature!r}; this backplane checks "
+                            f"'{ALGORITHM}' signatures")
+    if signature.get("key_id") != key.id:
+        raise ArtifactError(f"'{path}' is signed with key {signature.get('key_id')!r}, not with "
+                            f"this session's key {key.id} (SessionOptions.artifact_key)")
+    if len(mac) < MAC_BYTES or not key.verifies(mac, text):
+        raise ArtifactError(f"'{path}': its signature does not verify under key {key.id}: the "
+                            f"header was changed after it was signed, or signed with another key")
+
+
+def _sections(path: str, table: list[Any], mapping: Any, size: int, start: int,
+              key: SigningKey | None) -> dict[str, memoryview]:
+    """Each section's bytes, bounds checked, and checked: by its sha256 pieces (signed: the key's
+    check), else by the checksum its entry names."""
     whole = memoryview(mapping) if mapping is not None else memoryview(b"")
-    sections = {}
-    for entry in header["sections"]:
-        end = entry["offset"] + entry["size"]
-        if end > size:
-            raise ArtifactError(f"'{path}' is truncated: {size} bytes, section '{entry['name']}' "
-                                f"ends at byte {end}")
-        data = whole[entry["offset"]:end]
-        kind = next((k for k in CHECKSUMS if k in entry), "sha256")
+    sections: dict[str, memoryview] = {}
+    signed = []
+    for entry in table:
+        name, offset, length = _bounds(path, entry, start)
+        if name in sections:
+            raise ArtifactError(f"'{path}' is malformed: two sections are named '{name}'")
+        if offset + length > size:
+            raise ArtifactError(f"'{path}' is truncated: {size} bytes, section '{name}' ends at "
+                                f"byte {offset + length}")
+        data = sections[name] = whole[offset:offset + length]
+        if key is not None:
+            signed.append((name, data, _pieces(path, entry, name, length)))
+            continue
+        kind = next((k for k in CHECKSUMS if k in entry), None)
+        if kind is None:
+            raise ArtifactError(f"'{path}' is malformed: section '{name}' has no checksum (known: "
+                                f"{', '.join(CHECKSUMS)})")
         digest = CHECKSUMS[kind](data)
         if digest != entry[kind]:
-            raise ArtifactError(f"'{path}' is corrupted: section '{entry['name']}' has {kind} "
+            raise ArtifactError(f"'{path}' is corrupted: section '{name}' has {kind} "
                                 f"{digest}, expected {entry[kind]}")
-        sections[entry["name"]] = data
+    wrong = signing.mismatched_pieces(signed) if signed else []
+    if wrong:
+        raise ArtifactError(f"'{path}' is corrupted or altered after signing: the sha256 of "
+                            + "; ".join(wrong) + " differs from the signed header's")
     return sections
+
+
+def _bounds(path: str, entry: Any, start: int) -> tuple[str, int, int]:
+    """A section entry's name, offset and size, each of its type, the section after the header."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or \
+            not _is_int(entry.get("offset")) or not _is_int(entry.get("size")):
+        raise ArtifactError(f"'{path}' is malformed: a section entry is {str(entry)[:200]}, not "
+                            f"{{name: str, offset: int, size: int, checksum}}")
+    name, offset, length = entry["name"], entry["offset"], entry["size"]
+    if offset < start or length < 0:
+        raise ArtifactError(f"'{path}' is malformed: section '{name}' at offset {offset} of size "
+                            f"{length}; sections start after the header (byte {start}) and have "
+                            f"a size >= 0")
+    return name, offset, length
+
+
+def _pieces(path: str, entry: dict[str, Any], name: str, length: int) -> list[str]:
+    expected = entry.get("sha256_pieces")
+    count = -(-length // signing.PIECE)
+    if not isinstance(expected, list) or len(expected) != count or \
+            not all(isinstance(d, str) for d in expected):
+        raise ArtifactError(f"'{path}' is malformed: section '{name}' of {length} bytes needs "
+                            f"the sha256 of its {count} pieces of {signing.PIECE} bytes in its "
+                            f"signed entry, which has {str(expected)[:200]}")
+    return expected
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def checksum(*parts: bytes | memoryview) -> dict[str, str]:
