@@ -3,6 +3,7 @@ atomic; a damaged entry is compiled again, never loaded."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -160,3 +161,137 @@ def test_a_freshly_written_model_is_not_remembered(tmp_path: Path) -> None:
     model.write_bytes(Path(MODEL).read_bytes())
     cache.key(model, ["CpuRef"], {}, registry, directory=str(tmp_path / "cache"))
     assert not (tmp_path / "cache" / cache.DIGESTS).exists()
+
+
+# -- who may write the folder chooses what is loaded: it must be the user's alone ---------------------
+def test_the_folder_is_made_private(tmp_path: Path) -> None:
+    folder = tmp_path / "new" / "cache"
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    assert folder.stat().st_mode & 0o777 == 0o700 and len(entries(folder)) == 1
+
+
+def refused(folder: Path, caplog: pytest.LogCaptureFixture, why: str) -> None:
+    """The session compiles in memory: right outputs, nothing written to or read from ``folder``,
+    a warning naming the folder and why."""
+    before = sorted(folder.iterdir())
+    with caplog.at_level("WARNING", logger="backplane.artifact"):
+        session = InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    assert sorted(folder.iterdir()) == before
+    assert f"the compile cache {folder} is not used: {why}" in caplog.text
+    expected = InferenceSession(MODEL, ["CpuRef"]).run(None, FEEDS)
+    for a, b in zip(session.run(None, FEEDS), expected):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_a_folder_writable_by_others_is_not_used(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "cache"
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    (entry,) = entries(folder)
+    data = bytearray(entry.read_bytes())  # whoever can write there could put anything
+    folder.chmod(0o777)
+    refused(folder, caplog, "the folder is writable by its group or by others (mode 777)")
+    folder.chmod(0o770)
+    refused(folder, caplog, "the folder is writable by its group or by others (mode 770)")
+    assert entry.read_bytes() == data
+
+
+def test_a_folder_of_another_user_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The owner must be this process's user (root owns everything here: the user seen is
+    another)."""
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    owner = folder.stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1000)
+    refused(folder, caplog, f"the folder belongs to user {owner}, not to this process's user "
+                            f"{owner + 1000}")
+
+
+def test_an_entry_writable_by_others_is_compiled_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "cache"
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    (entry,) = entries(folder)
+    entry.chmod(0o666)
+    builds = []
+    real = backplane.artifact.build
+    monkeypatch.setattr(backplane.artifact, "build",
+                        lambda *args, **kwargs: builds.append(1) or real(*args, **kwargs))
+    with caplog.at_level("WARNING", logger="backplane.artifact"):
+        InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    assert builds == [1] and "the entry is writable by its group or by others (mode 666)" in \
+        caplog.text
+    assert entry.stat().st_mode & 0o022 == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_an_entry_of_another_user_is_compiled_again(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "cache"
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    (entry,) = entries(folder)
+    os.chown(entry, 4321, 4321)
+    with caplog.at_level("WARNING", logger="backplane.artifact"):
+        InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    assert "the entry belongs to user 4321, not to this process's user 0" in caplog.text
+    assert entry.stat().st_uid == 0
+
+
+def test_another_models_artifact_under_this_key_is_not_served(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An entry holding another model's artifact (whole, its checksums right) under this model's
+    key: its manifest's model sha256 is not this model's, so it is compiled again and replaced."""
+    folder = tmp_path / "cache"
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    (entry,) = entries(folder)
+    other, other_feeds = model_and_feeds("tiny_mobilenet_v3")
+    backplane.compile(other, ["CpuRef"], entry)
+    theirs = container.read(entry).header["manifest"]["model"]["sha256"]
+    with caplog.at_level("WARNING", logger="backplane.artifact"):
+        session = InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    assert f"it holds another artifact than this key's: its model sha256 {theirs}" in caplog.text
+    expected = InferenceSession(MODEL, ["CpuRef"]).run(None, FEEDS)
+    for a, b in zip(session.run(None, FEEDS), expected):
+        assert a.tobytes() == b.tobytes()
+    manifest = container.read(entry).header["manifest"]
+    assert manifest["model"]["sha256"] == cache.model_hash(MODEL)
+
+
+def test_an_entry_of_other_options_under_this_key_is_not_served(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "cache"
+    InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    (entry,) = entries(folder)
+    backplane.compile(MODEL, ["CpuRef"], entry, pins={"MatMul": "CpuRef"})
+    with caplog.at_level("WARNING", logger="backplane.artifact"):
+        InferenceSession(MODEL, ["CpuRef"], cache_dir=folder)
+    assert "its pins {'MatMul': 'CpuRef'}, this key's {}" in caplog.text
+    assert container.read(entry).header["manifest"]["pins"] == {}
+
+
+MALFORMED = {
+    "a digest that is not hex": lambda identity: {"MODEL": [*identity, "not hex"]},
+    "a digest that is a number": lambda identity: {"MODEL": [*identity, 12345]},
+    "a digest that is a list": lambda identity: {"MODEL": [*identity, ["ab" * 32]]},
+    "a digest too short": lambda identity: {"MODEL": [*identity, "ab"]},
+}
+
+
+@pytest.mark.parametrize("malformed", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_digests_file_is_not_believed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  malformed) -> None:  # type: ignore[no-untyped-def]
+    """model-digests.json is input from the folder: an entry whose digest is not a sha256 (hex,
+    64 digits) is dropped and the model hashed (it was taken as the digest, whatever it was)."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes(MODEL.read_bytes())
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setattr(cache, "SETTLED_NS", -1)
+    truth = cache.model_digest(model, str(folder))
+    path = str(model.resolve())
+    identity = json.loads((folder / cache.DIGESTS).read_text())[path][:5]
+    text = json.dumps(malformed(identity)).replace('"MODEL"', json.dumps(path))
+    (folder / cache.DIGESTS).write_text(text)
+    assert cache.model_digest(model, str(folder)) == truth
