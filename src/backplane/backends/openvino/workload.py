@@ -3,8 +3,9 @@
 The workload is one infer call on NumPy arrays shared with OpenVINO both ways: each input wraps the
 caller's array (``openvino.Tensor(..., shared_memory=True)``), and each output of a static shape is a
 fresh ``np.empty`` array that OpenVINO writes into, so no run's outputs are overwritten by the next.
-An output whose shape is known only after the run (free dimensions) is the one copy: OpenVINO keeps
-it in the infer request's own memory, which the next run reuses. Infer requests are pooled: runs of
+An output whose shape is known only after the run (free dimensions) is copied: OpenVINO keeps it in
+the infer request's own memory, which the next run reuses. So is an output that is one of the
+partition's inputs (``passed_through``): OpenVINO never writes it. Infer requests are pooled: runs of
 one network from several threads each take one, so the workload is not ``exclusive``.
 """
 
@@ -77,9 +78,11 @@ class CompiledPartition:
         self.precision = precision_of(compiled)
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._idle.put(compiled.create_infer_request())  # made at load; more if runs overlap
-        self._outputs = [(tuple(info.shape) if info.is_static else None,  # type: ignore[arg-type]
+        passed = passed_through(compiled)  # copied after the run, as a shape known only then
+        self._outputs = [(tuple(info.shape)  # type: ignore[arg-type]
+                          if info.is_static and index not in passed else None,
                           port.get_element_type().to_dtype())
-                         for info, port in zip(outputs, compiled.outputs)]
+                         for index, (info, port) in enumerate(zip(outputs, compiled.outputs))]
 
     def __call__(self, *inputs: Any) -> tuple[np.ndarray, ...]:
         import openvino
@@ -106,6 +109,17 @@ class CompiledPartition:
                          for i, array in enumerate(results))
         finally:
             self._idle.put(request)
+
+
+def passed_through(compiled: Any) -> set[int]:
+    """The outputs of ``compiled`` that are one of its inputs (a Dropout, Identity or one-input Sum
+    the frontend removed: Parameter -> Result). OpenVINO's CPU plugin never writes an output tensor
+    set for those (the array stays as ``np.empty`` left it, another run's freed memory); its own
+    output tensor is the input's memory, which the workload copies. The runtime model's results are
+    in the compiled model's output order."""
+    results = compiled.get_runtime_model().get_results()
+    return {index for index, result in enumerate(results)
+            if result.input_value(0).get_node().get_rt_info()["layerType"].astype(str) == "Input"}
 
 
 def _shareable(value: Any) -> np.ndarray:
