@@ -227,3 +227,154 @@ def test_an_artifact_gets_the_permissions_open_would_give(tmp_path: Path) -> Non
         assert artifact.stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(old)
+
+
+# -- a header is data someone else may have written: every name, number and shape is checked -------
+def raw(tmp_path: Path, header: Any, body: bytes = b"", length: int | None = None) -> Path:
+    """A file with this header (any JSON, or text), its sha256 right, then ``body``."""
+    import hashlib
+
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    size = len(text) if length is None else length
+    path = tmp_path / "raw.bpl"
+    path.write_bytes(container.MAGIC + size.to_bytes(8, "little") + hashlib.sha256(text).digest()
+                     + text + body)
+    return path
+
+
+def section_header(**entry: Any) -> dict[str, Any]:
+    return {"format": [1, 3], "manifest": {}, "tensors": [], "network": {},
+            "sections": [{"name": "constants", "offset": 4096, "size": 64,
+                          "xxh3_64": container.checksum(b"\0" * 64)["xxh3_64"], **entry}]}
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"offset": -64}, r"malformed: section 'constants' at offset -64 of size 64; sections start "
+                      r"after the header \(byte \d+\)"),
+    ({"offset": 0, "size": 0}, r"malformed: section 'constants' at offset 0"),
+    ({"size": -8}, r"malformed: section 'constants' at offset 4096 of size -8"),
+    ({"offset": "4096"}, r"malformed: a section entry is .*not \{name: str, offset: int"),
+    ({"xxh3_64": None, "md5": "x"}, r"malformed: section 'constants' has no checksum \(known: "
+                                    r"xxh3_64, crc32, sha256\)"),
+])
+def test_a_section_out_of_bounds_is_refused(tmp_path: Path, entry: dict[str, Any],
+                                            message: str) -> None:
+    header = section_header(**entry)
+    if entry.get("xxh3_64", "") is None:
+        del header["sections"][0]["xxh3_64"]
+    with pytest.raises(ArtifactError, match=message):
+        container.read(raw(tmp_path, header, b"\0" * 8192))
+
+
+def test_two_sections_of_one_name_are_refused(tmp_path: Path) -> None:
+    header = section_header()
+    header["sections"].append({**header["sections"][0], "offset": 4160})
+    with pytest.raises(ArtifactError, match="malformed: two sections are named 'constants'"):
+        container.read(raw(tmp_path, header, b"\0" * 8192))
+
+
+@pytest.mark.parametrize("header, message", [
+    ([1, 2], r"lacks or mistypes format \(a list expected\), sections"),
+    ({**section_header(), "format": ["1", 3]}, r"its format is \['1', 3\], not two integers"),
+    (b"[" * 100_000 + b"]" * 100_000, r"its header is not JSON"),
+    (b"{not json", r"its header is not JSON"),
+])
+def test_a_header_of_another_shape_is_refused(tmp_path: Path, header: Any, message: str) -> None:
+    with pytest.raises(ArtifactError, match=message):
+        InferenceSession(raw(tmp_path, header))
+
+
+def test_a_header_length_past_the_file_is_refused_before_reading(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match=r"truncated: \d+ bytes, its header alone needs "
+                                            + str(48 + 2**62)):
+        container.read(raw(tmp_path, section_header(), length=2**62))
+
+
+def rewritten(artifact: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    """The artifact with its header changed by ``change`` and written again with every checksum
+    right (as anyone can): only the checks of what the header says stand in the way."""
+    contents = container.read(artifact)
+    header = {k: v for k, v in contents.header.items() if k != "sections"}
+    change(header)
+    container.write(artifact, header, [(n, bytes(d)) for n, d in contents.sections.items()])
+    return artifact
+
+
+@pytest.fixture
+def compiled(tmp_path: Path) -> Path:
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    backplane.compile(path, ["CpuRef"], artifact)
+    return artifact
+
+
+def first_array(header: dict[str, Any]) -> dict[str, Any]:
+    return next(t for t in header["tensors"] if t.get("nbytes"))
+
+
+TENSOR_ATTACKS = {
+    "offset past the section": (lambda t: t.update(offset=10**12),
+                                r"says it is \d+ bytes at offset 1000000000000; it needs"),
+    "fewer bytes than its shape": (lambda t: t.update(nbytes=t["nbytes"] - 4),
+                                   r"says it is \d+ bytes at offset \d+; it needs"),
+    "a negative size": (lambda t: t.update(shape=[-1]), r"a shape of sizes >= 0 expected"),
+    "a huge shape": (lambda t: t.update(shape=[2**40, 2**40], nbytes=0),
+                     r"a shape of sizes >= 0 expected"),
+    "object elements from bytes": (lambda t: t.update(dtype="|O"), r"\(object, shape"),
+    "a name of ml_dtypes that is no dtype": (lambda t: t.update(dtype="finfo"),
+                                             r"unknown dtype 'finfo' in the artifact; known: bool"),
+    "a name of numpy that is no dtype": (lambda t: t.update(dtype="ndarray"),
+                                         r"unknown dtype 'ndarray'"),
+}
+
+
+@pytest.mark.parametrize("attack", TENSOR_ATTACKS.values(), ids=TENSOR_ATTACKS.keys())
+def test_a_tensor_entry_is_checked_against_its_section(compiled: Path, attack: Any) -> None:
+    change, message = attack
+    rewritten(compiled, lambda header: change(first_array(header)))
+    with pytest.raises(ArtifactError, match=message):
+        InferenceSession(compiled)
+
+
+def inject(value: Any) -> Any:
+    def change(header: dict[str, Any]) -> None:
+        header["network"]["graph"]["layers"][0]["attrs"]["injected"] = value
+    return change
+
+
+def nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = {"$tuple": [value]}
+    return value
+
+
+NETWORK_ATTACKS = {
+    "an onnx message type not written": (inject({"$proto": ["ModelProto", ""]}),
+                                         r"onnx message of type 'ModelProto'.* are: TypeProto, "
+                                         r"TensorProto, SparseTensorProto"),
+    "a name of onnx that is no message": (inject({"$proto": ["load_model", ""]}),
+                                          r"onnx message of type 'load_model'"),
+    "a negative tensor index": (inject({"$tensor": -1}), r"tensor -1 of the artifact does not "
+                                                         r"exist: its table has \d+"),
+    "the constants as a blob": (inject({"$blob": "constants"}),
+                                r"blob 'constants' is not a section of the artifact; its blobs "
+                                r"are: none"),
+    "an opset that is text": (lambda h: h["network"]["graph"]["layers"][0].update(opset="13"),
+                              r"a layer of the artifact lacks or mistypes opset"),
+    "a value nested past the stack": (inject(nested(400)), r"malformed: RecursionError"),
+    "an API version of one number": (lambda h: h["manifest"]["backends"][0].update(
+        api_version=[1]), r"its manifest's backends\[0\] has api_version \[1\]"),
+    "metadata with a field of its own": (lambda h: h["manifest"]["model"]["metadata"].update(
+        evil="x"), r"its manifest's model.metadata has the unknown field 'evil'"),
+    "backends that are no list": (lambda h: h["manifest"].update(backends={"CpuRef": 1}),
+                                  r"its manifest's backends is .*, not a list"),
+}
+
+
+@pytest.mark.parametrize("attack", NETWORK_ATTACKS.values(), ids=NETWORK_ATTACKS.keys())
+def test_a_name_or_number_from_the_network_is_checked(compiled: Path, attack: Any) -> None:
+    change, message = attack
+    rewritten(compiled, change)
+    with pytest.raises(ArtifactError, match=message):
+        InferenceSession(compiled)
