@@ -1,5 +1,5 @@
 """backplane.ray without a cluster: rows to inputs and back, fixed batches split and padded, the
-Scorer called as an actor would call it, Serve's batches answered, replicas per GPU."""
+Scorer called as an actor would call it, replicas per GPU (Serve's requests: test_answers.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytest.importorskip("ray", reason="backplane.ray needs Ray: pip install 'backpla
 
 import backplane  # noqa: E402
 from backplane.ray import BatchError, Scorer  # noqa: E402
-from backplane.ray.batches import answer, feeds_from_columns, fixed_batch, run_rows  # noqa: E402
+from backplane.ray.batches import feeds_from_columns, fixed_batch, run_rows  # noqa: E402
 from backplane.ray.loading import threads_of  # noqa: E402
 from backplane.ray.serve import replicas, zeros_request  # noqa: E402
 from tests.ray.conftest import BERT, MOBILENET, REFERENCE, images, serial  # noqa: E402
@@ -112,16 +112,6 @@ def test_unknown_column_names_list_the_models():
 def test_a_model_that_does_not_load_raises_backplanes_error():
     with pytest.raises(backplane.ModelError, match="not an ONNX model"):
         Scorer(b"not a model")
-
-
-def test_serve_batch_answers_each_request(mobilenet):
-    x = images(3)
-    requests = [{"input": x[0]}, {"inptu": x[1]}, {"input": x[2]}]
-    answers = answer(mobilenet, requests, ["logits"], fixed=1)
-    want = serial(mobilenet, {"input": x})[0]
-    np.testing.assert_array_equal(answers[0]["logits"], want[0])
-    assert isinstance(answers[1], BatchError) and "lacks input(s) input" in str(answers[1])
-    np.testing.assert_array_equal(answers[2]["logits"], want[2])
 
 
 def test_zeros_request(free_batch_model):

@@ -3,8 +3,9 @@
 ``map_batches(dataset, model, backends=..., concurrency=..., num_cpus=...)`` scores a Ray
 Dataset on a pool of actors, one session each (``Scorer`` is the callable class it maps);
 ``deployment(model, backends=...)`` is a Ray Serve application of ``ModelDeployment``: one session
-per replica, requests batched by Serve, a health check that runs the model. docs/scaling.md has
-both recipes.
+per replica, requests batched by Serve, each checked alone first (a bad one gets its own error:
+``MalformedRequest``, ``BatchError``, HTTP 400 / 422 / 413), a health check that runs the model.
+docs/scaling.md has both recipes.
 
 This package is ``backplane.ray``; ``import ray`` inside backplane is Ray itself (imports are
 absolute).
@@ -20,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - only without the extra
 
 from typing import TYPE_CHECKING, Any
 
+from backplane.ray.answers import MalformedRequest, ModelRunError
 from backplane.ray.batches import BatchError
 
 if TYPE_CHECKING:
@@ -31,7 +33,8 @@ _WHERE = {"Scorer": "data", "map_batches": "data", "ModelDeployment": "serve",
 """Names -> the module that has them, imported on first use: a Ray Data actor does not import
 Ray Serve, nor a Serve replica Ray Data (seconds of a worker's start)."""
 
-__all__ = ["BatchError", "ModelDeployment", "Scorer", "deployment", "map_batches"]
+__all__ = ["BatchError", "MalformedRequest", "ModelDeployment", "ModelRunError", "Scorer",
+           "deployment", "map_batches"]
 
 
 def __getattr__(name: str) -> Any:

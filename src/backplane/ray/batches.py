@@ -59,20 +59,31 @@ def _as_input(values: np.ndarray, session: InferenceSession, name: str, column: 
     info = session.graph.info(name)
     if values.dtype == object and len(values):  # a column of arrays, one per row
         values = np.stack(list(values))
-    if info.dtype is not None and values.dtype != info.dtype:
-        if not np.can_cast(values.dtype, info.dtype, casting="same_kind"):
-            raise BatchError(f"column '{column}' is {values.dtype}, input '{name}' takes "
-                             f"{np.dtype(info.dtype)}: not a cast of the same kind")
-        values = values.astype(info.dtype)
-    wanted = list(info.shape[1:]) if info.shape is not None else None
-    if wanted is not None:
-        row = list(values.shape[1:])
-        if len(row) != len(wanted) or any(isinstance(w, int) and w >= 0 and w != r
-                                          for w, r in zip(wanted, row)):
-            raise BatchError(f"column '{column}' has rows of shape {tuple(row)}, input '{name}' "
-                             f"takes rows of shape {tuple(wanted)} (its shape is "
-                             f"{tuple(info.shape)}, the first dimension the batch)")
+    if not casts_to(values.dtype, info.dtype):
+        raise BatchError(f"column '{column}' is {values.dtype}, input '{name}' takes "
+                         f"{np.dtype(info.dtype)}: not a cast of the same kind")
+    values = values.astype(info.dtype, copy=False) if info.dtype is not None else values
+    if not row_fits(values.shape[1:], info.shape):
+        raise BatchError(f"column '{column}' has rows of shape {tuple(values.shape[1:])}, input "
+                         f"'{name}' takes rows of shape {tuple(info.shape[1:])} (its shape is "
+                         f"{tuple(info.shape)}, the first dimension the batch)")
     return values
+
+
+def casts_to(dtype: np.dtype, wanted: np.dtype | None) -> bool:
+    """Whether values of ``dtype`` feed an input of ``wanted``: the same, or a cast of the same
+    kind (float64 -> float32, int64 -> float32), not one of another kind (float32 -> int64)."""
+    return wanted is None or dtype == wanted or np.can_cast(dtype, wanted, casting="same_kind")
+
+
+def row_fits(row: Sequence[int], shape: Sequence[Any] | None) -> bool:
+    """Whether a row of shape ``row`` fits an input of ``shape`` (the first dimension the batch,
+    a free dimension anything): the same rank, the fixed dimensions equal."""
+    if shape is None:
+        return True
+    wanted = list(shape[1:])
+    return len(row) == len(wanted) and not any(
+        isinstance(w, int) and w >= 0 and w != r for w, r in zip(wanted, row))
 
 
 def run_rows(session: InferenceSession, feeds: Mapping[str, np.ndarray],
@@ -129,39 +140,3 @@ def _empty_outputs(session: InferenceSession, names: Sequence[str]) -> dict[str,
                              f"has no shape")
         result[name] = np.zeros([0, *rest], info.dtype)
     return result
-
-
-def request_rows(session: InferenceSession, request: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """One Serve request (each input name -> one row, without the batch axis) as feeds of one row,
-    checked as a column of one row would be."""
-    if not isinstance(request, Mapping):
-        raise BatchError(f"a request maps each input name to one row, got {type(request).__name__}")
-    names = [arg.name for arg in session.get_inputs()]
-    missing = [n for n in names if n not in request]
-    if missing:
-        raise BatchError(f"the request lacks input(s) {', '.join(missing)}: a request maps every "
-                         f"input of the model ({', '.join(names)}) to one row")
-    return feeds_from_columns(session, {n: np.asarray(request[n])[None] for n in names}, {})
-
-
-def split_rows(outputs: Mapping[str, np.ndarray], rows: int) -> list[dict[str, np.ndarray]]:
-    """Outputs of ``rows`` rows as one mapping of output name -> row per request."""
-    return [{n: v[i] for n, v in outputs.items()} for i in range(rows)]
-
-
-def answer(session: InferenceSession, requests: Sequence[Any], output_names: Sequence[str],
-           fixed: int | None) -> list[dict[str, np.ndarray] | Exception]:
-    """Serve's batch: each request's outputs (output name -> its row), or the ``BatchError`` of
-    a request that does not fit the model; the others run as one batch all the same."""
-    rows: list[dict[str, np.ndarray] | Exception] = []
-    for request in requests:
-        try:
-            rows.append(request_rows(session, request))
-        except BatchError as exc:
-            rows.append(exc)
-    good = [row for row in rows if not isinstance(row, Exception)]
-    if not good:
-        return rows
-    feeds = {name: np.concatenate([row[name] for row in good]) for name in good[0]}
-    answers = iter(split_rows(run_rows(session, feeds, output_names, fixed), len(good)))
-    return [row if isinstance(row, Exception) else next(answers) for row in rows]
