@@ -29,7 +29,7 @@ from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.release import FileWeights, ReleasedConstants, released_layer
-from backplane.runtime import fallback, host_threads
+from backplane.runtime import fallback, host_threads, ownership
 
 NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
 
@@ -128,6 +128,8 @@ class LoadedNetwork:
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots)
         network.report.peak_bytes, network.report.constant_bytes = self._planned_memory(memory)
+        self.held = ownership.Held([*(span for spans in memory for span in spans),
+                                    *_body_constant_memory(self.layers)])
         if release is not None:
             graph.constants.let_go()  # type: ignore[attr-defined]
             network.released = True
@@ -467,6 +469,18 @@ def _constant_memory(layer: Layer, graph: Graph) -> list[tuple[int, int]]:
     held = [graph.constants[n] for n in layer.inputs if n in graph.constants]
     return [(value.__array_interface__["data"][0], int(value.nbytes))
             for value in [*held, *_attr_arrays(layer)]]
+
+
+def _body_constant_memory(layers: Sequence[Layer]) -> list[tuple[int, int]]:
+    """The memory of the constants of the control-flow bodies ``layers`` hold, at any depth."""
+    spans = []
+    for layer in layers:
+        for body in layer.attrs.values():
+            if isinstance(body, OptimizedNetwork):
+                graph = body.graph
+                spans += [span for inner in graph.layers for span in _constant_memory(inner, graph)]
+                spans += _body_constant_memory(graph.layers)
+    return spans
 
 
 def _read_constants(graph: Graph) -> frozenset[str]:

@@ -19,6 +19,7 @@ from backplane.backends.api.memory import device_of, host_view
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork, Plan, WorkloadError
+from backplane.runtime.ownership import owned
 
 log = logging.getLogger("backplane.runtime")
 
@@ -155,15 +156,17 @@ class Runtime:
         loaded = self._loaded(network_id)
         values = check_inputs(_input_specs(loaded), inputs)
         if outputs_on is None and not any(_on_device(v) for v in values):
-            return loaded.execute(values)
-        return loaded.execute_plan(_placement(loaded, values, outputs_on), values)
+            return owned(loaded.execute(values), values, loaded.held)
+        return owned(loaded.execute_plan(_placement(loaded, values, outputs_on), values), values,
+                     loaded.held)
 
     def run_profiled(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any],
                      outputs_on: Sequence[str | None] | None = None,
                      ) -> tuple[list[Any], list[LayerTiming]]:
         loaded = self._loaded(network_id)
         values = check_inputs(_input_specs(loaded), inputs)
-        return loaded.execute_profiled(values, _placement(loaded, values, outputs_on))
+        outputs, timings = loaded.execute_profiled(values, _placement(loaded, values, outputs_on))
+        return owned(outputs, values, loaded.held), timings
 
     def _loaded(self, network_id: int) -> LoadedNetwork:
         try:

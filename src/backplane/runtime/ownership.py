@@ -1,0 +1,161 @@
+"""Outputs that are the caller's alone: copied where anything else holds their memory.
+
+A run's output must not share memory with a constant of the session (an initializer, a folded
+subgraph, a backend's converted weight), with the caller's inputs (Identity, Reshape, Transpose,
+Slice... return views), with another output, or with a buffer a backend writes again at the next
+run. ONNX Runtime copies every output into a fresh array. Here an output is copied only where its
+memory may be held elsewhere, which is decided once per run and per output from who holds it:
+
+- a NumPy array whose memory is its own (``OWNDATA``, or a view of such an array) is fresh when no
+  Python object but the chain from the output holds any array of that chain: its reference counts
+  are those of a freshly made array (measured once, at import, through the same functions, so the
+  interpreter's own references are counted as they are here);
+- a NumPy view of a torch CPU tensor (what CpuAcc and GpuAcc hand back) is fresh when that tensor
+  is held by the view alone, its storage by that tensor alone (torch's own use count) and the
+  storage's memory is neither an input's nor a constant's (``torch.from_numpy`` of an input or a
+  constant makes a storage of its own over their memory; ``Held`` keeps the constants' spans);
+- anything else (memory of a library that says nothing of its owners, an mmap) is copied.
+
+A copy where none was needed costs a memcpy of the output; a missed copy is a silent wrong answer.
+The checks are a few reference counts per output (about a microsecond).
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class Held:
+    """Memory a run's outputs may not be: the constants' (address, bytes) spans, found at load, and
+    the run's inputs. Needed for torch-made outputs only: NumPy's owners show in reference counts,
+    but a tensor over another array's memory (``torch.from_numpy``) hides that array."""
+
+    def __init__(self, spans: Iterable[tuple[int, int]] = ()) -> None:
+        merged: list[list[int]] = []
+        for start, size in sorted((a, n) for a, n in spans if n > 0):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], start + size)
+            else:
+                merged.append([start, start + size])
+        self.starts = [start for start, _ in merged]
+        self.ends = [end for _, end in merged]
+
+    def overlaps(self, value: np.ndarray, inputs: Sequence[Any]) -> bool:
+        low, high = _bounds(value)
+        index = bisect.bisect_right(self.starts, high - 1) - 1
+        if index >= 0 and self.ends[index] > low:
+            return True
+        for given in inputs:
+            if _is_cpu_tensor(given):
+                given = given.detach().numpy()
+            if isinstance(given, np.ndarray) and np.may_share_memory(value, given):
+                return True
+        return False
+
+
+NOTHING = Held()
+
+
+def owned(outputs: list[Any], inputs: Sequence[Any] = (), held: Held = NOTHING,
+          _measured: list[list[int]] | None = None) -> list[Any]:
+    """``outputs`` with every host array that is not the run's own replaced by a copy of it.
+
+    ``outputs`` must hold the only references the run kept (the network's slots already dropped),
+    ``inputs`` the run's inputs and ``held`` the session's constants. Lists (ONNX sequences) are
+    looked into; device tensors are returned as they are."""
+    result = []
+    for index in range(len(outputs)):
+        value = outputs[index]
+        if isinstance(value, list):
+            value = owned(value, inputs, held, _measured)
+        elif isinstance(value, np.ndarray) and not _fresh(value, inputs, held, _measured):
+            value = np.array(value, copy=True, order="K")
+        result.append(value)
+    return result
+
+
+def _fresh(value: np.ndarray, inputs: Sequence[Any], held: Held,
+           measured: list[list[int]] | None) -> bool:
+    counts, root = _chain(value)
+    if measured is not None:  # calibrating: what a fresh output looks like from here
+        measured.append(counts if root is None else [*counts, sys.getrefcount(root), _uses(root)])
+        return True
+    if counts[0] != _HEAD or any(count != _LINK for count in counts[1:]):
+        return False
+    if root is None:
+        return True
+    if _TENSOR_REFS == -1:
+        _calibrate_torch()
+    return (sys.getrefcount(root) == _TENSOR_REFS and _uses(root) == _STORAGE_USES
+            and not held.overlaps(value, inputs))
+
+
+def _chain(value: np.ndarray) -> tuple[list[int], Any]:
+    """The reference counts along ``value``'s chain of ``.base`` arrays, and the chain's owner where
+    it is a torch CPU tensor (None where the memory is an array's own). A chain whose owner is
+    anything else gets the count -1, which no fresh chain has."""
+    counts = []
+    node = value
+    while True:
+        counts.append(sys.getrefcount(node))
+        base = node.base
+        if base is None:
+            return (counts if node.flags.owndata else [*counts, -1]), None
+        if not isinstance(base, np.ndarray):
+            return (counts, base) if _is_cpu_tensor(base) else ([*counts, -1], None)
+        node = base
+
+
+def _is_cpu_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+
+def _bounds(value: np.ndarray) -> tuple[int, int]:
+    """The first and one-past-last byte addresses ``value`` reads."""
+    low = high = value.__array_interface__["data"][0]
+    for size, stride in zip(value.shape, value.strides):
+        if size == 0:
+            return low, low
+        if stride < 0:
+            low += (size - 1) * stride
+        else:
+            high += (size - 1) * stride
+    return low, high + value.itemsize
+
+
+def _uses(tensor: Any) -> int:
+    """How many tensors hold ``tensor``'s storage (torch's own count)."""
+    import torch
+
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
+def _calibrate() -> tuple[int, int]:
+    """The counts ``_chain`` sees on a fresh output array (the head) and on a fresh view's base (a
+    link), measured through the calls a run makes: the interpreter's own references count alike."""
+    measured: list[list[int]] = []
+    owned([np.empty(2)], _measured=measured)
+    owned([np.empty(4)[1:3]], _measured=measured)
+    (head,), (_, link) = measured
+    return head, link
+
+
+def _calibrate_torch() -> None:
+    """The same for a fresh torch-made output: the tensor's references and its storage's uses."""
+    global _TENSOR_REFS, _STORAGE_USES
+    import torch
+
+    measured: list[list[int]] = []
+    owned([torch.empty(4).numpy()], _measured=measured)
+    _, refs, uses = measured[0]
+    _TENSOR_REFS, _STORAGE_USES = refs, uses
+
+
+_HEAD, _LINK = _calibrate()
+_TENSOR_REFS, _STORAGE_USES = -1, -1  # measured at the first torch-made output
