@@ -86,8 +86,9 @@ class ModelDeployment:
             return _raised(await self.run_batch(request_rows(self.session, request)))
         try:
             body = await read_body(request, self.max_request_bytes)
-            # parsed and checked off the event loop: a body of megabytes takes milliseconds
-            feeds = await asyncio.to_thread(parsed_request, self.session, body)
+            # on the event loop: json.loads and np.asarray of lists hold the GIL, a thread
+            # would not let the loop run meanwhile
+            feeds = parsed_request(self.session, body)
             result = _raised(await self.run_batch(feeds))
         except tuple(STATUS) as exc:
             status = next(STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS)
