@@ -6,7 +6,7 @@ from backplane.backends.api.backend import Backend, Support
 from backplane.backends.registry import registry
 from backplane.frontends.onnx import ModelError, import_onnx
 from backplane.optimizer.optimize import OptimizationError, OptimizedNetwork, OptimizerOptions, optimize
-from backplane.runtime.loaded_network import ExecutionError
+from backplane.runtime.loaded_network import ExecutionError, RunTerminated
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions
 from backplane.session import InferenceSession, ModelMetadata, RunOptions, SessionOptions
 
@@ -16,6 +16,7 @@ __all__ = [
     "ArtifactError", "Backend", "ExecutionError", "InferenceSession", "InvalidInputError",
     "ModelError",
     "ModelMetadata", "OptimizationError", "OptimizedNetwork", "OptimizerOptions", "RunOptions",
-    "Runtime", "RuntimeOptions", "SessionOptions", "Support", "compile", "import_onnx", "optimize",
+    "RunTerminated", "Runtime", "RuntimeOptions", "SessionOptions", "Support", "compile",
+    "import_onnx", "optimize",
     "registry",
 ]

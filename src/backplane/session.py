@@ -36,7 +36,7 @@ from backplane.runtime.loaded_network import LayerTiming
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions, within
 from backplane.session_options import (BackendSpec, RunOptions, SessionOptions, backend_list,
                                        cache_scope, default_backends, log_scope, merge,
-                                       optimizer_options_for, qualified)
+                                       optimizer_options_for, qualified, stop_scope)
 
 NO_VERSION = 2**63 - 1
 """``ModelMetadata.version`` of a model that sets no model_version (ONNX Runtime's kNoVersion)."""
@@ -310,8 +310,8 @@ class InferenceSession:
                 severity = run_options.log_severity_level
         trace = self._trace
         timings: list[LayerTiming] | None = None
-        with log_scope(severity, tag), cache_scope(self._cache_dir if self._builds_at_run
-                                                     else None):
+        with log_scope(severity, tag), stop_scope(run_options), \
+                cache_scope(self._cache_dir if self._builds_at_run else None):
             start = time.perf_counter()
             if trace is None and not timed:
                 results = self.runtime.run(self.network_id, input_feed)
@@ -361,7 +361,7 @@ class InferenceSession:
             tag = run_options.logid
             if run_options.log_severity_level is not None:
                 severity = run_options.log_severity_level
-        with log_scope(severity, tag):
+        with log_scope(severity, tag), stop_scope(run_options):
             start = time.perf_counter()
             if self._trace is None:
                 return self.runtime.run(self.network_id, input_feed, outputs_on)

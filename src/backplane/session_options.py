@@ -18,12 +18,14 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from backplane.backends.api.backend import OptionError
 from backplane.optimizer.measured import PLACEMENTS
 from backplane.optimizer.optimize import OptimizerOptions
+from backplane.runtime.loaded_network import STOP, RunTerminated
 
 SEVERITIES = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR,
               4: logging.CRITICAL}
@@ -76,6 +78,16 @@ def _count(name: str) -> Callable[[Any], int]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         return value
+    return check
+
+
+def _seconds(name: str) -> Callable[[Any], float | None]:
+    def check(value: Any) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number of seconds > 0 or None, got {value!r}")
+        return float(value)
     return check
 
 
@@ -197,13 +209,48 @@ class SessionOptions(_Options):
 
 class RunOptions(_Options):
     """The settings of one run: ``log_severity_level`` (None: the session's) and ``logid``, a tag
-    put before the messages logged during the run and on the run's event in the profile."""
+    put before the messages logged during the run and on the run's event in the profile.
+
+    ``terminate`` set to True, from another thread while the run goes on or before it starts,
+    stops it before its next layer (inside If, Loop and Scan bodies too) with ``RunTerminated``,
+    as ONNX Runtime's flag does; set it back to False to run again with these options.
+    ``timeout_s`` stops a run the same way once it has run that many seconds. A layer that has
+    begun runs to its end: a single long kernel is not interrupted."""
 
     FIELDS = {
         "log_severity_level": (None, _severity("log_severity_level", none_ok=True),
                                "0 verbose .. 4 fatal; None: the session's"),
         "logid": ("", _text("logid"), "the run's tag in messages and the profile"),
+        "terminate": (False, _flag("terminate"), "stop the run before its next layer"),
+        "timeout_s": (None, _seconds("timeout_s"), "stop the run after this many seconds"),
     }
+
+
+def stopper(options: RunOptions) -> Callable[[], None]:
+    """The check a run with ``options`` makes before each layer (``loaded_network.STOP``)."""
+    limit = options.timeout_s
+    deadline = None if limit is None else time.perf_counter() + limit
+
+    def check() -> None:
+        if options.terminate:
+            raise RunTerminated("the run was stopped: RunOptions.terminate is set")
+        if deadline is not None and time.perf_counter() > deadline:
+            raise RunTerminated(f"the run was stopped after RunOptions.timeout_s = {limit} s")
+
+    return check
+
+
+@contextlib.contextmanager
+def stop_scope(options: RunOptions | None) -> Iterator[None]:
+    """Runs inside check ``options``' terminate flag and time limit before each layer."""
+    if options is None:
+        yield
+        return
+    token = STOP.set(stopper(options))
+    try:
+        yield
+    finally:
+        STOP.reset(token)
 
 
 # -- logging and the cache folder, per session --------------------------------------------------------------

@@ -13,11 +13,12 @@ taken for the whole run, so that no run overwrites another's tensors before it h
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,16 @@ NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outpu
 
 class ExecutionError(RuntimeError):
     """A workload failed at run time; the message names its layer."""
+
+
+class RunTerminated(ExecutionError):
+    """A run stopped between two layers: ``RunOptions.terminate`` was set, or its time ran out."""
+
+
+STOP: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "backplane_stop", default=None)
+"""The running run's check, called before each layer (control-flow bodies' included): raises
+``RunTerminated`` to stop it. None (the hot path's case): nothing is checked."""
 
 
 class WorkloadError(ExecutionError):
@@ -274,15 +285,27 @@ class LoadedNetwork:
         env = list(self._template)
         for slot, value in zip(self.input_slots, inputs):
             env[slot] = value
+        stop = STOP.get()
         for manager in self.memory_managers:
             manager.acquire()
         try:
-            for step in plan.steps:
-                results = step.workload(*[env[i] for i in step.inputs])
-                for i, value in zip(step.outputs, results):
-                    env[i] = value
-                for i in step.frees:
-                    env[i] = None
+            if stop is None:
+                for step in plan.steps:
+                    results = step.workload(*[env[i] for i in step.inputs])
+                    for i, value in zip(step.outputs, results):
+                        env[i] = value
+                    for i in step.frees:
+                        env[i] = None
+            else:  # the same loop, asking before each step whether to go on
+                for step in plan.steps:
+                    stop()
+                    results = step.workload(*[env[i] for i in step.inputs])
+                    for i, value in zip(step.outputs, results):
+                        env[i] = value
+                    for i in step.frees:
+                        env[i] = None
+        except RunTerminated:
+            raise
         except Exception as exc:
             raise self._failure(step, exc) from exc  # the loop variable names the failing step
         finally:
@@ -298,10 +321,13 @@ class LoadedNetwork:
         for slot, value in zip(self.input_slots, inputs):
             env[slot] = value
         timings: list[LayerTiming] = []
+        stop = STOP.get()
         for manager in self.memory_managers:
             manager.acquire()
         try:
             for step, layer in zip(plan.steps, plan.layers):
+                if stop is not None:
+                    stop()
                 self._profile_step(step, layer, env, timings)
         finally:
             for manager in self.memory_managers:
@@ -418,6 +444,8 @@ class LoadedNetwork:
                 results = step.workload(*[env[i] for i in step.inputs])
             else:
                 results, parts = inner(*[env[i] for i in step.inputs])
+        except RunTerminated:
+            raise
         except Exception as exc:
             raise self._failure(step, exc) from exc
         seconds = time.perf_counter() - start
