@@ -46,6 +46,9 @@ QUANTIZED_OPS = frozenset({
     "QLinearAveragePool", "QLinearConcat", "QLinearLeakyRelu", "QLinearSigmoid", "QLinearSoftmax"})
 """Refused: OpenVINO runs quantized graphs through its own int8 transformations, whose rounding is
 not the graph's (the corpus's resnet_qlinear_ort15 moved by a quarter of its logits' scale)."""
+NAN_WRONG_OPS = {"ThresholdedRelu": "x * (x > alpha)", "Shrink": "a product with x's sign"}
+"""Refused: OpenVINO computes them in a form that makes NaN of -inf and of +inf (ThresholdedRelu of
+-inf, Shrink of either), where ONNX gives 0 or the infinity (nan_forms.py keeps NaN for the rest)."""
 
 
 
@@ -146,8 +149,13 @@ class OpenVINOWorkloadFactory(WorkloadFactory):
         if layer.domain != partition.DOMAIN or layer.op_type != partition.OP:
             raise UnsupportedError(f"OpenVINO runs only the partitions it compiled, not "
                                    f"{layer.describe()}")
-        compiled = workload.compile_model(layer.attrs["model"], self.backend.options)
-        return workload.CompiledPartition(compiled, outputs)
+        options = self.backend.options
+        compiled = workload.compile_model(layer.attrs["model"], options)
+        nan_model = layer.attrs.get("nan_model")
+        nan_compiled = None if nan_model is None else \
+            (lambda: workload.compile_model(nan_model(), options))
+        return workload.CompiledPartition(compiled, outputs, nan_compiled,
+                                          layer.attrs.get("checks", ()))
 
 
 def _layer_reason(layer: Layer, inputs: Sequence[TensorInfo],
@@ -156,6 +164,9 @@ def _layer_reason(layer: Layer, inputs: Sequence[TensorInfo],
     if layer.op_type in QUANTIZED_OPS:
         return (f"{layer.op_type}: OpenVINO's int8 transformations round otherwise than the graph "
                 f"says; quantized layers stay with the backends that follow it")
+    if layer.op_type in NAN_WRONG_OPS:
+        return (f"{layer.op_type}: OpenVINO computes it as {NAN_WRONG_OPS[layer.op_type]}, which "
+                f"turns an infinite input into NaN")
     if any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
            for v in layer.attrs.values()):
         return "a layer with a sub-graph (its body) is not converted; builtin runs control flow"

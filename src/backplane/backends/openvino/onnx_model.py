@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, helper, numpy_helper
 
+from backplane.backends.openvino import nan_forms
 from backplane.frontends.onnx_types import numpy_to_onnx_dtype
 from backplane.ir.graph import Graph, Layer, TensorInfo
 
@@ -51,21 +52,39 @@ def _attribute(name: str, value: object, kind: int | None) -> onnx.AttributeProt
     return helper.make_attribute(name, value, attr_type=kind)
 
 
+def _nan_keeping(layer: Layer, graph: Graph, opset: int) -> list[onnx.NodeProto]:
+    """``layer``'s node, in the form that keeps NaN where OpenVINO's kernel drops it (nan_forms)."""
+    types = {n: numpy_to_onnx_dtype(info.dtype) for n in layer.inputs
+             if n and (info := graph.info(n)).dtype is not None}
+    first = graph.info(layer.inputs[0]) if layer.inputs and layer.inputs[0] else None
+    rank = len(first.shape) if first is not None and first.shape is not None else None
+    return nan_forms.nan_keeping(node(layer), types, opset, rank)
+
+
+def drops_nan(layers: Sequence[Layer], graph: Graph) -> bool:
+    """Whether some layer of ``layers`` has a NaN-keeping form other than its plain node."""
+    opset = graph.opsets.get("", 0) or 17
+    return any(len(forms := _nan_keeping(layer, graph, opset)) > 1
+               or forms[0].op_type != layer.op_type for layer in layers)
+
+
 def model(layers: Sequence[Layer], inputs: Sequence[str], outputs: Sequence[str],
-          graph: Graph, name: str = "partition") -> onnx.ModelProto:
+          graph: Graph, name: str = "partition", nan_keeping: bool = False) -> onnx.ModelProto:
     """An ONNX model running ``layers`` (in order) from ``inputs`` to ``outputs``; the constants the
-    layers read from ``graph`` are its initializers."""
+    layers read from ``graph`` are its initializers. ``nan_keeping``: the ops OpenVINO computes
+    with NaN-dropping min/max in the forms of ``nan_forms``."""
     read = {n for layer in layers for n in layer.inputs if n}
     constants = [numpy_helper.from_array(np.asarray(graph.constants[n]), n)
                  for n in sorted(read) if n in graph.constants]
-    body = helper.make_graph([node(layer) for layer in layers], name,
-                             [value_info(n, graph.info(n)) for n in inputs],
-                             [value_info(n, graph.info(n)) for n in outputs], constants)
     opsets = {"": graph.opsets.get("", 0)}
     for layer in layers:
         opsets[layer.domain] = max(opsets.get(layer.domain, 0), layer.opset)
     if not opsets[""]:
         opsets[""] = max(layer.opset for layer in layers if not layer.domain) \
             if any(not layer.domain for layer in layers) else 17
+    nodes = [made for layer in layers for made in _nan_keeping(layer, graph, opsets[""])] \
+        if nan_keeping else [node(layer) for layer in layers]
+    body = helper.make_graph(nodes, name, [value_info(n, graph.info(n)) for n in inputs],
+                             [value_info(n, graph.info(n)) for n in outputs], constants)
     return helper.make_model(body, producer_name="backplane",
                              opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])

@@ -7,6 +7,12 @@
    the placement report); the rest is cut into pieces that keep the graph acyclic, and each piece is
    asked again as in step 1.
 
+Before either, ``checks.refusal`` leaves to the next backend the layers OpenVINO would crash on or
+answer silently wrong (contradictory recurrent weights, sizes and indices out of range or computed
+where nothing can check them), and the rest is asked in pieces. The checks of sizes and indices that
+are the partition's inputs go with the compiled layer (``attrs["checks"]``); the workload makes them
+before each run.
+
 The ``openvino.Model`` read here is kept in the layer; it is compiled, with the network's options, when
 the network loads (``workload.compile_model``), as Arm NN's precompiled layers are made into workloads.
 """
@@ -14,10 +20,13 @@ the network loads (``workload.compile_model``), as Arm NN's precompiled layers a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
+import numpy as np
+
 from backplane.backends.api.optimization import OptimizationViews, Substitution
-from backplane.backends.openvino import onnx_model, query
+from backplane.backends.openvino import checks, onnx_model, query
 from backplane.ir.graph import Graph, Layer, SubgraphView
 
 DOMAIN = "backplane.openvino"
@@ -32,6 +41,16 @@ def optimize(view: SubgraphView) -> OptimizationViews:
     compiled = {layer.name for layer in view.layers if layer.domain == DOMAIN}
     if compiled:  # a later round of the optimizer: what was compiled stays, the rest is asked
         return _around(view, graph, compiled)
+    produced = {out: layer for layer in view.layers for out in layer.outputs if out}
+    checked = {layer.name: why for layer in view.layers
+               if (why := checks.refusal(layer, graph, produced)) is not None}
+    if checked:  # left to the next backend before OpenVINO sees them; the rest asked in pieces
+        views = _failed(OptimizationViews(), [lay for lay in view.layers if lay.name in checked],
+                        graph, "")
+        views.reasons.update(checked)
+        for piece in acyclic_pieces(view.layers, set(checked)):
+            _merge(views, optimize(SubgraphView.of(graph, piece)))
+        return views
     model, reason = convert(view, graph)
     if model is not None:
         return OptimizationViews(substitutions=[Substitution(view, [compiled_layer(view, model)])])
@@ -67,11 +86,34 @@ def convert(view: SubgraphView, graph: Graph) -> tuple[Any, str | None]:
 
 
 def compiled_layer(view: SubgraphView, model: Any) -> Layer:
-    """One layer in place of ``view``: the same boundary tensors, the model kept to compile at load."""
+    """One layer in place of ``view``: the same boundary tensors, the model kept to compile at load.
+    Where an op of the view drops NaN in OpenVINO (``nan_forms``), ``nan_model`` makes the model
+    that keeps it, compiled at the first run given a NaN or an infinity (``workload``); a view whose
+    constants hold one is that model from the start."""
     first, last = view.layers[0].name, view.layers[-1].name
     name = f"OpenVINO[{first}..{last}]({len(view.layers)} layers)"
-    attrs = {"model": model, "layers": [layer.name for layer in view.layers]}
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
+    attrs = {"model": model, "layers": [layer.name for layer in view.layers],
+             "checks": [asdict(check) for check in checks.run_checks(view.layers, view.inputs,
+                                                                      graph)]}
+    if onnx_model.drops_nan(view.layers, graph):
+        layers, inputs, outputs = list(view.layers), list(view.inputs), list(view.outputs)
+
+        def nan_model() -> Any:
+            return query.read(onnx_model.model(layers, inputs, outputs, graph, nan_keeping=True))
+
+        if _non_finite_constants(layers, graph):
+            attrs["model"] = nan_model()
+        else:
+            attrs["nan_model"] = nan_model
     return Layer(name, OP, list(view.inputs), list(view.outputs), attrs, DOMAIN, 1)
+
+
+def _non_finite_constants(layers: Sequence[Layer], graph: Graph) -> bool:
+    read = {n for layer in layers for n in layer.inputs if n in graph.constants}
+    return any(not np.isfinite(array).all() for n in read
+               if (array := np.asarray(graph.constants[n])).dtype.kind == "f")
 
 
 def acyclic_pieces(layers: Sequence[Layer], refused: set[str]) -> list[list[Layer]]:
@@ -97,12 +139,15 @@ def _around(view: SubgraphView, graph: Graph, compiled: set[str]) -> Optimizatio
     views = OptimizationViews(untouched=[SubgraphView(
         [layer for layer in view.layers if layer.name in compiled], [], [], graph)])
     for piece in acyclic_pieces(view.layers, compiled):
-        more = optimize(SubgraphView.of(graph, piece))
-        views.substitutions += more.substitutions
-        views.failed += more.failed
-        views.untouched += more.untouched
-        views.reasons.update(more.reasons)
+        _merge(views, optimize(SubgraphView.of(graph, piece)))
     return views
+
+
+def _merge(views: OptimizationViews, more: OptimizationViews) -> None:
+    views.substitutions += more.substitutions
+    views.failed += more.failed
+    views.untouched += more.untouched
+    views.reasons.update(more.reasons)
 
 
 def _failed(views: OptimizationViews, layers: Sequence[Layer], graph: Graph,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,8 +74,17 @@ class CompiledPartition:
 
     exclusive = False
 
-    def __init__(self, compiled: Any, outputs: Sequence[TensorInfo]) -> None:
+    def __init__(self, compiled: Any, outputs: Sequence[TensorInfo],
+                 nan_compiled: Callable[[], Any] | None = None,
+                 checks: Sequence[Mapping[str, Any]] = ()) -> None:
+        from backplane.backends.openvino.checks import Check
+
         self.compiled = compiled
+        self.checks = [Check(**check) for check in checks]  # sizes and indices, before each run
+        self._infos = list(outputs)
+        self._nan_compiled = nan_compiled  # the model keeping NaN, compiled when first needed
+        self._nan: CompiledPartition | None = None
+        self._nan_lock = threading.Lock()
         self.precision = precision_of(compiled)
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._idle.put(compiled.create_infer_request())  # made at load; more if runs overlap
@@ -85,6 +95,21 @@ class CompiledPartition:
                          for index, (info, port) in enumerate(zip(outputs, compiled.outputs))]
 
     def __call__(self, *inputs: Any) -> tuple[np.ndarray, ...]:
+        for check in self.checks:
+            check(inputs)
+        if self._nan_compiled is not None and not all(_finite(value) for value in inputs):
+            return self.keeping_nan()(*inputs)
+        return self._infer(inputs)
+
+    def keeping_nan(self) -> CompiledPartition:
+        """The workload of the NaN-keeping model (``nan_forms``), compiled at its first use."""
+        with self._nan_lock:
+            if self._nan is None:
+                assert self._nan_compiled is not None
+                self._nan = CompiledPartition(self._nan_compiled(), self._infos)  # checked here
+            return self._nan
+
+    def _infer(self, inputs: Sequence[Any]) -> tuple[np.ndarray, ...]:
         import openvino
 
         try:
@@ -120,6 +145,12 @@ def passed_through(compiled: Any) -> set[int]:
     results = compiled.get_runtime_model().get_results()
     return {index for index, result in enumerate(results)
             if result.input_value(0).get_node().get_rt_info()["layerType"].astype(str) == "Input"}
+
+
+def _finite(value: Any) -> bool:
+    """Whether ``value`` holds no NaN or infinity (an array not of floats holds none)."""
+    array = np.asarray(value)
+    return array.dtype.kind != "f" or bool(np.isfinite(array).all())
 
 
 def _shareable(value: Any) -> np.ndarray:
