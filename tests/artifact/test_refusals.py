@@ -369,6 +369,12 @@ NETWORK_ATTACKS = {
         evil="x"), r"its manifest's model.metadata has the unknown field 'evil'"),
     "backends that are no list": (lambda h: h["manifest"].update(backends={"CpuRef": 1}),
                                   r"its manifest's backends is .*, not a list"),
+    "a layer on a backend its network lacks": (
+        lambda h: h["network"]["graph"]["layers"][0].update(backend="Nope"),
+        r"runs on backend 'Nope', not one of its network's: CpuRef"),
+    "a backend the manifest does not list": (
+        lambda h: h["network"].update(backends=["CpuRef", "CpuAcc"]),
+        r"its network uses backend 'CpuAcc', which its manifest does not list \(CpuRef"),
 }
 
 

@@ -78,7 +78,10 @@ def folder(cache_dir: str | os.PathLike | None) -> str | None:
 
 def unsafe(stat: os.stat_result, what: str) -> str | None:
     """Why a cache folder or entry must not be used: owned by another user than this process's
-    (effective) one, or writable by group or others; None where it may be."""
+    (effective) one, or writable by group or others; None where it may be (and where the system
+    has no users: Windows)."""
+    if not hasattr(os, "geteuid"):
+        return None
     user = os.geteuid()
     if stat.st_uid != user:
         return f"the {what} belongs to user {stat.st_uid}, not to this process's user {user}"

@@ -271,17 +271,19 @@ class Decoder:
     blobs: Mapping[str, memoryview]
     make_backends: BackendMaker
     _factories: dict[str, TensorHandleFactory] = field(default_factory=dict)
+    _backends: tuple[str, ...] = ()
 
     def network(self, data: dict[str, Any]) -> OptimizedNetwork:
         from backplane.backends.api.memory import HOST_FACTORY
 
         backend_options = self.value(data["backend_options"])
         backends = self.make_backends(data["backends"], backend_options)
-        outer, self._factories = self._factories, {HOST_FACTORY.id: HOST_FACTORY}
+        outer = self._factories, self._backends
+        self._factories, self._backends = {HOST_FACTORY.id: HOST_FACTORY}, tuple(backends)
         for backend in backends.values():
             self._factories.update((f.id, f) for f in backend.tensor_handle_factories())
         graph = self.graph(data["graph"])
-        self._factories = outer
+        self._factories, self._backends = outer
         return OptimizedNetwork(graph, backends, report_from(data["report"]),
                                 list(data["input_names"]), list(data["output_names"]),
                                 OptimizerOptions(**data["options"]), backend_options,
@@ -298,6 +300,10 @@ class Decoder:
 
     def layer(self, data: dict[str, Any]) -> Layer:
         _require(data, "layer", LAYER_FIELDS)
+        if data["backend"] is not None and data["backend"] not in self._backends:
+            raise ArtifactError(f"layer '{data['name']}' of the artifact runs on backend "
+                                f"{data['backend']!r}, not one of its network's: "
+                                f"{', '.join(self._backends)}")
         return Layer(data["name"], data["op"], list(data["inputs"]), list(data["outputs"]),
                      {k: self.value(v) for k, v in data["attrs"].items()}, data["domain"],
                      data["opset"], data["backend"])

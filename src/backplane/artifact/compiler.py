@@ -207,9 +207,15 @@ def load(source: str | os.PathLike | container.Contents, *,
 def _decoded(contents: container.Contents, registry: BackendRegistry) -> OptimizedNetwork:
     tensors = codec.tensors_from(contents.header["tensors"], contents.sections["constants"])
 
+    checked = [entry["id"] for entry in contents.header["manifest"]["backends"]]
+
     def make_backends(ids: list[str], options: Mapping[str, Any]) -> dict[str, Any]:
         made = {}
         for backend_id in ids:
+            if backend_id not in checked:  # check() vetted the manifest's backends, only those
+                raise ArtifactError(f"'{contents.path}': its network uses backend "
+                                    f"{str(backend_id)[:100]!r}, which its manifest does not "
+                                    f"list ({', '.join(checked)})")
             made[backend_id] = registry.create(backend_id)
             made[backend_id].options = BackendOptions(dict(options))
         return made
