@@ -355,6 +355,8 @@ NETWORK_ATTACKS = {
                                          r"TensorProto, SparseTensorProto"),
     "a name of onnx that is no message": (inject({"$proto": ["load_model", ""]}),
                                           r"onnx message of type 'load_model'"),
+    "a void scalar of 10**15 bytes": (inject({"$scalar": ["|V8", 10**15]}),
+                                     r"a scalar of dtype \|V8 in the artifact: scalars are"),
     "a negative tensor index": (inject({"$tensor": -1}), r"tensor -1 of the artifact does not "
                                                          r"exist: its table has \d+"),
     "the constants as a blob": (inject({"$blob": "constants"}),

@@ -195,7 +195,7 @@ ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "flo
              "float8_e8m0fnu", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "int4", "uint4",
              "int2", "uint2")
 """The dtypes of ONNX's tensor types numpy lacks: ml_dtypes' (installed with onnx)."""
-_TEXT_DTYPE = re.compile(r"[<>|=]?[USV][0-9]{1,9}|\|O")  # dtype.str of str, bytes, void, object
+_TEXT_DTYPE = re.compile(r"[<>|=]?[USV][0-9]{1,7}|\|O")  # dtype.str of str, bytes, void, object
 PROTO_TYPES = ("TypeProto", "TensorProto", "SparseTensorProto")
 """The onnx messages an attribute may hold (a TYPE_PROTO attribute's TypeProto, ...)."""
 
@@ -360,7 +360,7 @@ _DECODERS: dict[str, Callable[[Decoder, Any], Any]] = {
     "$map": lambda dec, v: {_hashable(dec.value(k)): dec.value(x) for k, x in v},
     "$blob": lambda dec, name: dec.blob(name),
     "$bytes": lambda dec, v: base64.b64decode(v),
-    "$scalar": lambda dec, v: resolve_dtype(v[0]).type(v[1]),
+    "$scalar": lambda dec, v: _scalar(v),
     "$dtype": lambda dec, v: resolve_dtype(v),
     "$proto": lambda dec, v: _proto(v),
     "$info": lambda dec, v: _info_from(v),
@@ -369,6 +369,14 @@ _DECODERS: dict[str, Callable[[Decoder, Any], Any]] = {
     "$network": lambda dec, v: dec.network(v),
     "$factory": lambda dec, v: dec.factory(v),
 }
+
+
+def _scalar(payload: Any) -> Any:
+    dtype = resolve_dtype(payload[0])
+    if dtype.type is np.void:  # np.void(n) is n zero bytes: a number from the file, allocated
+        raise ArtifactError(f"a scalar of dtype {dtype} in the artifact: scalars are numbers, "
+                            f"bool or text")
+    return dtype.type(payload[1])
 
 
 def _hashable(key: Any) -> Any:
