@@ -134,9 +134,9 @@ def key_parts(model: Any, ids: Sequence[str], options: Mapping[str, Any],
 def fetch(directory: str, parts: Mapping[str, Any], compile_into: Callable[[str], Any],
           registry: BackendRegistry, key: SigningKey | None = None) -> Artifact:
     """The artifact of ``parts`` (``key_parts``): loaded where the entry is whole, safe
-    (``unsafe``), signed with ``key`` where given, and made from these parts (its manifest's model sha256,
-    backends and options are these); else compiled (by ``compile_into(path)``, which writes
-    atomically), replacing it, and loaded."""
+    (``unsafe``), signed with ``key`` where given, and made from these parts (its manifest's
+    model sha256, backends and options are these); else compiled (by ``compile_into(path)``,
+    which writes atomically), replacing it, and loaded."""
     path = str(Path(directory) / f"{entry_key(parts)}{SUFFIX}")
     if os.path.lexists(path):
         try:
