@@ -150,8 +150,8 @@ def test_bad_requests_get_their_own_4xx_while_the_others_succeed(served, free_ba
     local = backplane.InferenceSession(free_batch_model, REFERENCE)
     for row, (status, got) in zip(x, answers):
         assert status == 200, got
-        np.testing.assert_allclose(json.loads(got)["logits"], local.run(None, {"input": row[None]})[0][0],
-                                   rtol=1e-5, atol=1e-6)
+        want = local.run(None, {"input": row[None]})[0][0]
+        np.testing.assert_allclose(json.loads(got)["logits"], want, rtol=1e-5, atol=1e-6)
     after = handle.stats.remote().result()
     assert after["requests"] - before["requests"] == len(good)  # the bad ones never joined one
 
