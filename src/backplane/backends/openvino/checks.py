@@ -21,7 +21,8 @@ ConstantOfShape, Tile, Pad, Resize, OneHot) of whatever size its inputs say. So,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -44,84 +45,171 @@ SAME_VALUES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity
 """Ops whose output holds its first input's values, no other: the indices of GPT-2's embedding
 Gather are its input_ids reshaped, checked as the partition's input."""
 
-Bound = int | tuple[int, int]
-"""A dimension: known when the partition is made, or (input position, axis) read at run time."""
+Ref = tuple[str, int]
+"""Where a checked tensor is at run time: ("in", i), the partition's input i, or ("out", k), the k-th
+output added to the compiled model for the checks (a tensor computed inside it)."""
+Bound = int | tuple[str, int, int]
+"""An axis's size: known when the partition is made, ("in", i, axis) of the partition's input i, or
+("out", k, axis): entry ``axis`` of added output k, the Shape of a tensor computed inside."""
 
 
 @dataclass(frozen=True)
 class Check:
-    """A run-time check of the partition's input at ``position`` before OpenVINO reads it."""
+    """A check of a layer's indices (Gather, GatherND), size input (SIZE_INPUT, Resize) or Range
+    arguments, made before the infer call, or after it where it reads added outputs (``after``):
+    the run is refused then, its outputs never returned."""
 
     layer: str
     op: str
-    position: int
-    bounds: tuple[Bound, ...] = ()  # index checks: the size of each indexed axis
+    values: tuple[Ref | float, ...]  # the indices or size input; Range's start, limit, delta
+    bounds: tuple[Bound, ...] = ()  # Gather, GatherND: the size of each indexed axis
     dims: tuple[Bound | None, ...] = ()  # size checks: the data's dims (None: unknown, taken as 1)
     dtype: str = "float32"  # size checks: the output's element type
 
-    def __call__(self, inputs: Sequence[np.ndarray]) -> None:
-        values = np.asarray(inputs[self.position])
-        if self.bounds:
-            _check_indices(self, values, [_dim(b, inputs) for b in self.bounds])
+    @property
+    def after(self) -> bool:
+        return any(_is_ref(r) and r[0] == "out"  # type: ignore[index]
+                   for r in (*self.values, *self.bounds, *self.dims))
+
+    def __call__(self, inputs: Sequence[Any], added: Sequence[Any] = ()) -> None:
+        values = [np.asarray(_value(v, inputs, added)) for v in self.values]
+        if self.op == "Range":
+            _check_range(self.layer, *(float(v.reshape(-1)[0]) for v in values), self.dtype)
+        elif self.bounds:
+            _check_indices(self.layer, self.op, values[0],
+                           [_dim(b, inputs, added) for b in self.bounds])
         else:
-            shape = _output_shape(self.op, self.layer, values, [_dim(d, inputs) if d is not None else 1
-                                                    for d in self.dims])
-            _check_size(self.layer, self.op, shape, self.dtype)
+            dims = [_dim(d, inputs, added) if d is not None else 1 for d in self.dims]
+            _check_size(self.layer, self.op, _output_shape(self.op, self.layer, values[0], dims),
+                        self.dtype)
 
 
-def _dim(bound: Bound, inputs: Sequence[np.ndarray]) -> int:
-    return bound if isinstance(bound, int) else int(np.shape(inputs[bound[0]])[bound[1]])
+@dataclass
+class Plan:
+    """The checks of a partition, and what the compiled model must output for them: ``added``,
+    tensors computed inside (indices, Range arguments), then the Shape of each of ``shapes``."""
+
+    checks: list[Check] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    shapes: list[str] = field(default_factory=list)
+
+    def outputs(self) -> int:
+        return len(self.added) + len(self.shapes)
+
+
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, tuple) and bool(value) and isinstance(value[0], str)
+
+
+def _value(ref: Ref | float, inputs: Sequence[Any], added: Sequence[Any]) -> Any:
+    if not _is_ref(ref):
+        return ref  # a constant
+    return inputs[ref[1]] if ref[0] == "in" else added[ref[1]]  # type: ignore[index]
+
+
+def _dim(bound: Bound, inputs: Sequence[Any], added: Sequence[Any]) -> int:
+    if isinstance(bound, int):
+        return bound
+    where, index, axis = bound
+    return int(np.shape(inputs[index])[axis]) if where == "in" else int(added[index][axis])
+
+
+class _Outside(dict):  # type: ignore[type-arg]
+    """Every tensor neither produced in the partition nor a constant, as a partition input."""
+
+    def __init__(self, graph: Graph, produced: dict[str, Layer]) -> None:
+        super().__init__()
+        self.graph, self.produced = graph, produced
+
+    def __contains__(self, name: object) -> bool:
+        return name not in self.produced and name not in self.graph.constants
+
+    def __getitem__(self, name: str) -> int:
+        return 0
 
 
 def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | None:
-    """Why ``layer`` must not reach OpenVINO, in a partition whose layers produce ``produced``."""
+    """Why ``layer`` must not reach OpenVINO, in a partition whose layers produce ``produced``: what
+    is wrong already (constants), or what nothing could check before OpenVINO uses it."""
     if layer.op_type in GATES:
         return _recurrent_reason(layer, graph)
-    if layer.op_type == "Range":
-        return _range_reason(layer, graph)
-    for name in _checked_inputs(layer, graph, produced):
-        if name in graph.constants:
-            reason = _constant_reason(layer, graph, name)
-        elif name in produced and not _from_shapes(name, graph, produced, set()):
-            reason = (f"{layer.op_type} '{layer.name}' reads '{name}' as "
-                      f"{'indices' if layer.op_type in INDEX_OPS else 'a size'}, computed in the "
-                      f"partition: OpenVINO would use it unchecked (CpuRef checks it)")
-        elif name not in produced and not _bounds_known(layer, graph, produced):
-            reason = (f"{layer.op_type} '{layer.name}': the size of the axis its indices "
-                      f"'{name}' index is known only inside OpenVINO; CpuRef checks them")
-        else:
-            reason = None
-        if reason:
-            return reason
+    try:
+        planned = _plan_layer(Plan(), layer, graph, produced, _Outside(graph, produced))
+    except (IndexError, ValueError, AllocationError) as exc:
+        return f"{exc}; left to CpuRef, which refuses it when it runs"
+    return planned
+
+
+def plan(layers: Sequence[Layer], inputs: Sequence[str], graph: Graph) -> Plan:
+    """The checks of a partition of ``layers`` reading ``inputs`` (``refusal`` let each through)."""
+    produced = {out: layer for layer in layers for out in layer.outputs if out}
+    position = {name: index for index, name in enumerate(inputs)}
+    made = Plan()
+    for layer in layers:
+        _plan_layer(made, layer, graph, produced, position)
+    shapes_at = len(made.added)  # the Shape outputs come after the added tensors
+    made.checks = [replace(check, bounds=tuple(
+        ("out", shapes_at - 1 - b[1], b[2]) if _is_ref(b) and b[1] < 0 else b  # type: ignore
+        for b in check.bounds)) for check in made.checks]
+    return made
+
+
+def _plan_layer(made: Plan, layer: Layer, graph: Graph, produced: dict[str, Layer],
+                position: dict[str, int]) -> str | None:
+    """Add ``layer``'s checks to ``made``, checking constants now; why it is refused, or None."""
+    op = layer.op_type
+    names = _checked_inputs(layer, graph, produced)
+    if not names:
+        return None
+    if op not in ("Range", "Gather") and any(
+            n in produced and not _from_shapes(n, graph, produced, set()) for n in names):
+        return (f"{op} '{layer.name}' reads {', '.join(repr(n) for n in names)} computed in the "
+                f"partition: OpenVINO would use {'them' if op == 'GatherND' else 'it'} unchecked "
+                f"(CpuRef checks it)")
+    if op not in ("Range", "Gather", "GatherND") and any(n in produced for n in names):
+        return None  # sizes computed from tensor shapes alone
+    values = tuple(_ref(made, n, graph, position) for n in names)
+    out = graph.info(layer.outputs[0]).dtype
+    dtype = str(out if out is not None else "float32")
+    if op in INDEX_OPS:
+        bounds = _index_bounds(made, layer, graph, produced, position)
+        if bounds is None:
+            return (f"GatherND '{layer.name}': the size of an axis its indices index is known "
+                    f"only inside OpenVINO; CpuRef checks them")
+        check = Check(layer.name, op, values, bounds=tuple(bounds))
+    else:
+        dims = () if op in ("ConstantOfShape", "Range") else \
+            tuple(_data_dims(layer.inputs[0], graph, position))
+        check = Check(layer.name, op, values, dims=dims, dtype=dtype)
+    if not any(_is_ref(r) for r in (*values, *check.bounds, *check.dims)):
+        check([], [])  # all known now: checked once, here
+    else:
+        made.checks.append(check)
     return None
 
 
-def run_checks(layers: Sequence[Layer], inputs: Sequence[str], graph: Graph) -> list[Check]:
-    """The checks of the partition's inputs that ``layers`` read as sizes or indices."""
-    position = {name: index for index, name in enumerate(inputs)}
-    produced = {out: layer for layer in layers for out in layer.outputs if out}
-    checks = []
-    for layer in layers:
-        for name in _checked_inputs(layer, graph, produced):
-            if name not in position:
-                continue  # a constant (checked when the partition was made) or shapes
-            if layer.op_type in INDEX_OPS:
-                bounds = _index_bounds(layer, graph, position)
-                assert bounds is not None, "refusal() let through only known bounds"
-                checks.append(Check(layer.name, layer.op_type, position[name], tuple(bounds)))
-            else:
-                data = graph.info(layer.inputs[0]) if layer.op_type != "ConstantOfShape" else None
-                dims = _dims(layer.inputs[0], graph, position) if data is not None else ()
-                out = graph.info(layer.outputs[0]).dtype
-                checks.append(Check(layer.name, layer.op_type, position[name], dims=tuple(dims),
-                                    dtype=str(out if out is not None else "float32")))
-    return checks
+def _ref(made: Plan, name: str, graph: Graph, position: dict[str, int]) -> Any:
+    if name in graph.constants:  # kept as plain data (the check goes into an artifact's graph)
+        return np.asarray(graph.constants[name]).tolist()
+    if name in position:
+        return ("in", position[name])
+    if name not in made.added:
+        made.added.append(name)
+    return ("out", made.added.index(name))
+
+
+def _shape_ref(made: Plan, name: str, axis: int) -> Bound:
+    if name not in made.shapes:
+        made.shapes.append(name)
+    return ("out", -1 - made.shapes.index(name), axis)  # made absolute by ``resolved``
 
 
 def _checked_inputs(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> list[str]:
-    """The size or index inputs of ``layer``, each traced back through ops that keep its values."""
+    """The size, index or Range inputs of ``layer``, traced back through ops that keep values."""
     if layer.op_type in INDEX_OPS:
         names = [layer.inputs[1]]
+    elif layer.op_type == "Range":
+        names = list(layer.inputs[:3])
     elif layer.op_type == "Resize":  # opset 10: (X, scales); 11 on: (X, roi, scales, sizes)
         names = [n for n in layer.inputs[1 if layer.opset < 11 else 2:] if n]
     elif layer.op_type == "Pad" and layer.opset < 11:
@@ -153,69 +241,54 @@ def _from_shapes(name: str, graph: Graph, produced: dict[str, Layer], seen: set[
         _from_shapes(n, graph, produced, seen) for n in layer.inputs if n)
 
 
-def _dims(name: str, graph: Graph, position: dict[str, int]) -> list[Bound | None]:
+def _data_dims(name: str, graph: Graph, position: dict[str, int]) -> list[Bound | None]:
     shape = graph.info(name).shape or ()
-    return [d if isinstance(d, int) else (position[name], axis) if name in position else None
+    return [d if isinstance(d, int) else ("in", position[name], axis) if name in position else None
             for axis, d in enumerate(shape)]
 
 
-def _index_bounds(layer: Layer, graph: Graph, position: dict[str, int]) -> list[Bound] | None:
-    """The size of each axis the indices index, or None where one is not known."""
+def _index_bounds(made: Plan, layer: Layer, graph: Graph, produced: dict[str, Layer],
+                  position: dict[str, int]) -> list[Bound] | None:
+    """The size of each axis the indices index; None where GatherND's cannot be known before."""
     data, indices = (graph.info(n) for n in layer.inputs[:2])
-    dims = _dims(layer.inputs[0], graph, position)
-    if data.shape is None:
-        return None
+    if data.shape is None:  # Gather's axis may be negative here: it indexes the shape as numpy does
+        axis = int(layer.attrs.get("axis", 0))
+        if layer.op_type == "GatherND":
+            return None
+        return [("in", position[layer.inputs[0]], axis) if layer.inputs[0] in position
+                else _shape_ref(made, layer.inputs[0], axis)]
     if layer.op_type == "Gather":
-        axes = [int(layer.attrs.get("axis", 0)) % len(dims)]
+        axes = [int(layer.attrs.get("axis", 0)) % len(data.shape)]
     else:
         depth = indices.shape[-1] if indices.shape else None
         if not isinstance(depth, int):
             return None
         batch = int(layer.attrs.get("batch_dims", 0))
         axes = list(range(batch, batch + depth))
-    bounds = [dims[axis] if axis < len(dims) else None for axis in axes]
-    return None if any(b is None for b in bounds) else bounds  # type: ignore[return-value]
+    bounds: list[Bound] = []
+    for axis in axes:
+        dim = data.shape[axis] if axis < len(data.shape) else None
+        if isinstance(dim, int):
+            bounds.append(dim)
+        elif layer.inputs[0] in position:
+            bounds.append(("in", position[layer.inputs[0]], axis))
+        elif layer.op_type == "GatherND":
+            return None  # OpenVINO's GatherND reads past its data: checked before, or refused
+        else:
+            bounds.append(_shape_ref(made, layer.inputs[0], axis))
+    return bounds
 
 
-def _bounds_known(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> bool:
-    if layer.op_type not in INDEX_OPS:
-        return True
-    inputs = {n: 0 for n in layer.inputs if n and n not in produced and n not in graph.constants}
-    return _index_bounds(layer, graph, inputs) is not None
-
-
-def _constant_reason(layer: Layer, graph: Graph, name: str) -> str | None:
-    """Check a constant size or index input now, as the run-time check would."""
-    values = np.asarray(graph.constants[name])
-    inputs: dict[str, int] = {}
-    try:
-        if layer.op_type in INDEX_OPS:
-            bounds = _index_bounds(layer, graph, inputs)
-            if bounds is None:
-                return (f"{layer.op_type} '{layer.name}': the size of the axis its constant "
-                        f"indices index is known only inside OpenVINO; CpuRef checks them")
-            _check_indices(Check(layer.name, layer.op_type, 0, tuple(bounds)), values,
-                           [int(b) for b in bounds])  # type: ignore[arg-type]
-            return None
-        dims = [d if isinstance(d, int) else 1 for d in (graph.info(layer.inputs[0]).shape or ())]
-        out = graph.info(layer.outputs[0]).dtype
-        shape = _output_shape(layer.op_type, layer.name, values, dims)
-        _check_size(layer.name, layer.op_type, shape, str(out if out is not None else "float32"))
-    except (IndexError, ValueError, AllocationError) as exc:
-        return f"{exc}; left to CpuRef, which refuses it when it runs"
-    return None
-
-
-def _check_indices(check: Check, values: np.ndarray, bounds: list[int]) -> None:
+def _check_indices(layer: str, op: str, values: np.ndarray, bounds: list[int]) -> None:
     if values.size == 0:
         return
-    columns = values.reshape(-1, len(bounds)) if check.op == "GatherND" else values.reshape(-1, 1)
+    columns = values.reshape(-1, len(bounds)) if op == "GatherND" else values.reshape(-1, 1)
     for column, size in enumerate(bounds):
         low, high = int(columns[:, column].min()), int(columns[:, column].max())
         bad = low if low < -size else high if high >= size else None
         if bad is not None:
-            raise IndexError(f"{check.op} '{check.layer}': index {bad} is out of range for an "
-                             f"axis of size {size} (valid: {-size} to {size - 1})")
+            raise IndexError(f"{op} '{layer}': index {bad} is out of range for an axis of size "
+                             f"{size} (valid: {-size} to {size - 1})")
 
 
 def _output_shape(op: str, layer: str, values: np.ndarray, dims: list[int]) -> list[int]:
@@ -245,17 +318,15 @@ def _check_size(layer: str, op: str, shape: list[int], dtype: str) -> None:
     check_allocation([max(s, 0) for s in shape], np.dtype(dtype), f"the output of {op} '{layer}'")
 
 
-def _range_reason(layer: Layer, graph: Graph) -> str | None:
-    names = layer.inputs[:3]
-    if not all(n in graph.constants for n in names):
-        return (f"Range '{layer.name}': OpenVINO makes |limit - start| / |delta| elements where "
-                f"delta points away from limit (ONNX: none), and its inputs are known only at run "
-                f"time; CpuRef computes it")
-    start, limit, delta = (float(np.asarray(graph.constants[n]).reshape(-1)[0]) for n in names)
-    if delta == 0 or (limit - start) * delta < 0:
-        return (f"Range '{layer.name}': start {start}, limit {limit}, delta {delta}: OpenVINO "
-                f"answers otherwise than ONNX here; CpuRef computes it")
-    return None
+def _check_range(layer: str, start: float, limit: float, delta: float, dtype: str) -> None:
+    """OpenVINO makes |limit - start| / |delta| elements where delta points away from limit, where
+    ONNX makes none: such a Range is refused, as is a delta of 0."""
+    if delta == 0 or (limit != start and (limit - start) * delta < 0):
+        raise ValueError(f"Range '{layer}': start {start}, limit {limit}, delta {delta}: ONNX makes "
+                         f"no element of it and OpenVINO would make "
+                         f"{'infinitely many' if delta == 0 else abs((limit - start) / delta)}")
+    count = max(int(np.ceil((limit - start) / delta)), 0)
+    check_allocation([count], np.dtype(dtype), f"the output of Range '{layer}'")
 
 
 def _recurrent_reason(layer: Layer, graph: Graph) -> str | None:

@@ -69,10 +69,12 @@ def drops_nan(layers: Sequence[Layer], graph: Graph) -> bool:
 
 
 def model(layers: Sequence[Layer], inputs: Sequence[str], outputs: Sequence[str],
-          graph: Graph, name: str = "partition", nan_keeping: bool = False) -> onnx.ModelProto:
-    """An ONNX model running ``layers`` (in order) from ``inputs`` to ``outputs``; the constants the
-    layers read from ``graph`` are its initializers. ``nan_keeping``: the ops OpenVINO computes
-    with NaN-dropping min/max in the forms of ``nan_forms``."""
+          graph: Graph, name: str = "partition", nan_keeping: bool = False,
+          shapes: Sequence[str] = ()) -> onnx.ModelProto:
+    """An ONNX model running ``layers`` (in order) from ``inputs`` to ``outputs``, then the Shape
+    of each of ``shapes`` (for the checks: ``checks.Plan``); the constants the layers read from
+    ``graph`` are its initializers. ``nan_keeping``: the ops OpenVINO computes with NaN-dropping
+    min/max in the forms of ``nan_forms``."""
     read = {n for layer in layers for n in layer.inputs if n}
     constants = [numpy_helper.from_array(np.asarray(graph.constants[n]), n)
                  for n in sorted(read) if n in graph.constants]
@@ -84,7 +86,14 @@ def model(layers: Sequence[Layer], inputs: Sequence[str], outputs: Sequence[str]
             if any(not layer.domain for layer in layers) else 17
     nodes = [made for layer in layers for made in _nan_keeping(layer, graph, opsets[""])] \
         if nan_keeping else [node(layer) for layer in layers]
+    results = [value_info(n, graph.info(n)) for n in outputs]
+    for tensor in shapes:
+        rank = graph.info(tensor).shape
+        nodes.append(helper.make_node("Shape", [tensor], [f"{tensor}/shape"],
+                                      name=f"{tensor}/shape"))
+        results.append(helper.make_tensor_value_info(
+            f"{tensor}/shape", onnx.TensorProto.INT64, None if rank is None else [len(rank)]))
     body = helper.make_graph(nodes, name, [value_info(n, graph.info(n)) for n in inputs],
-                             [value_info(n, graph.info(n)) for n in outputs], constants)
+                             results, constants)
     return helper.make_model(body, producer_name="backplane",
                              opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])

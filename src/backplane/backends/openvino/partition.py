@@ -53,7 +53,7 @@ def optimize(view: SubgraphView) -> OptimizationViews:
         return views
     model, reason = convert(view, graph)
     if model is not None:
-        return OptimizationViews(substitutions=[Substitution(view, [compiled_layer(view, model)])])
+        return OptimizationViews(substitutions=[Substitution(view, [compiled_layer(view, *model)])])
     refusals = {layer.name: why for layer in view.layers
                 if (why := query.layer_refusal(layer, graph)) is not None}
     if not refusals:  # every layer taken alone, not all together: the whole view fails
@@ -67,25 +67,33 @@ def optimize(view: SubgraphView) -> OptimizationViews:
         if model is None:
             _failed(views, piece, graph, reason or "")
         else:
-            views.substitutions.append(Substitution(sub, [compiled_layer(sub, model)]))
+            views.substitutions.append(Substitution(sub, [compiled_layer(sub, *model)]))
     return views
 
 
-def convert(view: SubgraphView, graph: Graph) -> tuple[Any, str | None]:
-    """(the view as an ``openvino.Model``, None), or (None, why OpenVINO does not take it whole)."""
+def convert(view: SubgraphView, graph: Graph) -> tuple[tuple[Any, checks.Plan] | None, str | None]:
+    """((the view as an ``openvino.Model``, its checks), None), or (None, why OpenVINO does not
+    take it whole). The model outputs what the checks read after the run (``checks.Plan``)."""
+    plan = checks.plan(view.layers, view.inputs, graph)
+    outputs = [*view.outputs, *plan.added]
     try:
-        model = query.read(onnx_model.model(view.layers, view.inputs, view.outputs, graph))
+        model = query.read(onnx_model.model(view.layers, view.inputs, outputs, graph,
+                                            shapes=plan.shapes))
     except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError and others
         return None, f"OpenVINO's ONNX frontend cannot convert its partition: " \
                      f"{query.frontend_message(exc)}"
-    refused = query.refused_ops(model)
+    try:
+        refused = query.refused_ops(model)
+    except Exception as exc:  # noqa: BLE001 - query_model validates shapes too
+        return None, f"OpenVINO's {query.DEVICE} plugin cannot query its partition: " \
+                     f"{query.frontend_message(exc)}"
     if refused:
         return None, (f"OpenVINO's {query.DEVICE} plugin does not take {', '.join(refused[:4])} "
                       f"of its partition")
-    return model, None
+    return (model, plan), None
 
 
-def compiled_layer(view: SubgraphView, model: Any) -> Layer:
+def compiled_layer(view: SubgraphView, model: Any, plan: checks.Plan) -> Layer:
     """One layer in place of ``view``: the same boundary tensors, the model kept to compile at load.
     Where an op of the view drops NaN in OpenVINO (``nan_forms``), ``nan_model`` makes the model
     that keeps it, compiled at the first run given a NaN or an infinity (``workload``); a view whose
@@ -95,13 +103,14 @@ def compiled_layer(view: SubgraphView, model: Any) -> Layer:
     graph = view.graph
     assert graph is not None, "the optimizer always gives views of a graph"
     attrs = {"model": model, "layers": [layer.name for layer in view.layers],
-             "checks": [asdict(check) for check in checks.run_checks(view.layers, view.inputs,
-                                                                      graph)]}
+             "checks": [asdict(check) for check in plan.checks]}
     if onnx_model.drops_nan(view.layers, graph):
-        layers, inputs, outputs = list(view.layers), list(view.inputs), list(view.outputs)
+        layers, inputs = list(view.layers), list(view.inputs)
+        outputs, shapes = [*view.outputs, *plan.added], list(plan.shapes)
 
         def nan_model() -> Any:
-            return query.read(onnx_model.model(layers, inputs, outputs, graph, nan_keeping=True))
+            return query.read(onnx_model.model(layers, inputs, outputs, graph, nan_keeping=True,
+                                               shapes=shapes))
 
         if _non_finite_constants(layers, graph):
             attrs["model"] = nan_model()

@@ -82,7 +82,10 @@ def layer_refusal(layer: Layer, graph: Graph) -> str | None:
         model = read(onnx_model.model([layer], inputs, outputs, graph))
     except Exception as exc:  # noqa: BLE001
         return f"OpenVINO's ONNX frontend cannot convert it: {frontend_message(exc)}"
-    refused = refused_ops(model)
+    try:
+        refused = refused_ops(model)
+    except Exception as exc:  # noqa: BLE001 - query_model validates shapes too
+        return f"OpenVINO's {DEVICE} plugin cannot query it: {frontend_message(exc)}"
     if refused:
         return f"OpenVINO's {DEVICE} plugin does not take {', '.join(refused[:4])}" + \
             (f" and {len(refused) - 4} more ops" if len(refused) > 4 else "")

@@ -80,7 +80,9 @@ class CompiledPartition:
         from backplane.backends.openvino.checks import Check
 
         self.compiled = compiled
-        self.checks = [Check(**check) for check in checks]  # sizes and indices, before each run
+        made = [Check(**check) for check in checks]  # sizes, indices: before the run or after
+        self._before = [check for check in made if not check.after]
+        self._after = [check for check in made if check.after]
         self._infos = list(outputs)
         self._nan_compiled = nan_compiled  # the model keeping NaN, compiled when first needed
         self._nan: CompiledPartition | None = None
@@ -95,7 +97,7 @@ class CompiledPartition:
                          for index, (info, port) in enumerate(zip(outputs, compiled.outputs))]
 
     def __call__(self, *inputs: Any) -> tuple[np.ndarray, ...]:
-        for check in self.checks:
+        for check in self._before:
             check(inputs)
         if self._nan_compiled is not None and not all(_finite(value) for value in inputs):
             return self.keeping_nan()(*inputs)
@@ -106,7 +108,8 @@ class CompiledPartition:
         with self._nan_lock:
             if self._nan is None:
                 assert self._nan_compiled is not None
-                self._nan = CompiledPartition(self._nan_compiled(), self._infos)  # checked here
+                self._nan = CompiledPartition(self._nan_compiled(), self._infos)
+                self._nan._after = self._after  # (the checks before the run are made by this one)
             return self._nan
 
     def _infer(self, inputs: Sequence[Any]) -> tuple[np.ndarray, ...]:
@@ -130,6 +133,11 @@ class CompiledPartition:
                 results.append(array)
             request.infer()
             del held
+            if self._after:  # what they read is computed inside: the compiled model's extra outputs
+                added = [request.get_output_tensor(index).data
+                         for index in range(len(results), len(self.compiled.outputs))]
+                for check in self._after:
+                    check(inputs, added)
             return tuple(array if array is not None else request.get_output_tensor(i).data.copy()
                          for i, array in enumerate(results))
         finally:
