@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("openvino")
 
 from backplane import InferenceSession  # noqa: E402
+from backplane.backends.api.memory import LIMIT_VARIABLE  # noqa: E402
+from backplane.runtime.loaded_network import ExecutionError  # noqa: E402
 
 F = TensorProto.FLOAT
 
@@ -50,3 +52,125 @@ def test_an_output_that_is_an_input_is_a_fresh_copy_of_it() -> None:
         assert not np.shares_memory(d, b) and not np.shares_memory(s, a)
         b[...] = 0  # the caller refills its buffer: what was returned stays
         assert np.abs(d).sum() > 0
+
+
+def refusal(session: InferenceSession, layer: str) -> str:
+    return next(reason for backend, reason in session.report.layers[layer].refusals
+                if backend == "OpenVINO")
+
+
+def gather_model(indices: object | None = None, data_shape: list | None = None) -> bytes:
+    """Gather(x, i) along axis 0; ``i`` a constant when given, else an input."""
+    inits = [] if indices is None else [numpy_helper.from_array(np.array(indices, np.int64), "i")]
+    inputs = [vi("x", data_shape or [4, 3])] + \
+        ([vi("i", [2], TensorProto.INT64)] if indices is None else [])
+    return model_of([helper.make_node("Gather", ["x", "i"], ["y"], name="g")], inputs,
+                    [vi("y", None)], inits)
+
+
+def test_gather_indices_out_of_range_are_refused_as_cpuref_refuses() -> None:
+    """OpenVINO returns zeros for them; CpuRef, CpuAcc and ONNX Runtime raise."""
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    session = InferenceSession(gather_model(), backends=["OpenVINO", "CpuRef"])
+    assert session.report.counts() == {"OpenVINO": 1}
+    np.testing.assert_array_equal(session.run(None, {"x": x, "i": np.array([3, -4])})[0],
+                                  x[[3, -4]])
+    for bad in (7, -5):
+        with pytest.raises(ExecutionError, match=f"Gather 'g': index {bad} is out of range"):
+            session.run(None, {"x": x, "i": np.array([1, bad])})
+    constant = InferenceSession(gather_model([1, 7]), backends=["OpenVINO", "CpuRef"])
+    assert constant.report.backend_of("g") == "CpuRef"
+    assert "index 7 is out of range for an axis of size 4" in refusal(constant, "g")
+
+
+def test_indices_computed_inside_the_partition_are_checked_after_the_run() -> None:
+    """i + 1 is computed by OpenVINO: it is an extra output of the compiled model, checked before
+    the outputs are returned; the axis is a free dimension, read from an extra Shape output."""
+    model = model_of(
+        [helper.make_node("Add", ["i", "one"], ["j"], name="add"),
+         helper.make_node("Relu", ["x"], ["r"], name="relu"),
+         helper.make_node("Gather", ["r", "j"], ["y"], name="g", axis=1)],
+        [vi("x", [2, "n"]), vi("i", [2], TensorProto.INT64)], [vi("y", None)],
+        [numpy_helper.from_array(np.array(1, np.int64), "one")])
+    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
+    assert session.report.counts() == {"OpenVINO": 3}
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    np.testing.assert_array_equal(session.run(None, {"x": x, "i": np.array([0, 3])})[0],
+                                  x[:, [1, 4]])
+    with pytest.raises(ExecutionError, match="index 5 is out of range for an axis of size 5"):
+        session.run(None, {"x": x, "i": np.array([0, 4])})
+
+
+def test_gathernd_with_indices_computed_inside_goes_to_cpuref() -> None:
+    """OpenVINO's GatherND reads past its data for an index out of range: checked before, or not
+    given to OpenVINO."""
+    model = model_of(
+        [helper.make_node("Add", ["i", "one"], ["j"], name="add"),
+         helper.make_node("GatherND", ["x", "j"], ["y"], name="g")],
+        [vi("x", [4, 3]), vi("i", [2, 2], TensorProto.INT64)], [vi("y", None)],
+        [numpy_helper.from_array(np.array(1, np.int64), "one")])
+    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("g") == "CpuRef"
+    assert "computed in the partition" in refusal(session, "g")
+    with pytest.raises(ExecutionError, match="out of bounds"):
+        session.run(None, {"x": np.ones((4, 3), np.float32), "i": np.array([[0, 0], [8, 0]])})
+
+
+def test_expand_to_a_negative_size_never_reaches_openvino() -> None:
+    """A constant negative size gave an empty tensor (OpenVINO), an input one an OpenVINO error:
+    CpuRef's reason for both."""
+    constant = model_of([helper.make_node("Expand", ["x", "s"], ["y"], name="e")],
+                        [vi("x", [1, 3])], [vi("y", None)],
+                        [numpy_helper.from_array(np.array([-2, 3], np.int64), "s")])
+    session = InferenceSession(constant, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("e") == "CpuRef"
+    assert "negative size [-2, 3]" in refusal(session, "e")
+    given = model_of([helper.make_node("Expand", ["x", "s"], ["y"], name="e")],
+                     [vi("x", [1, 3]), vi("s", [2], TensorProto.INT64)], [vi("y", None)])
+    session = InferenceSession(given, backends=["OpenVINO", "CpuRef"])
+    assert session.report.counts() == {"OpenVINO": 1}
+    x = np.ones((1, 3), np.float32)
+    assert session.run(None, {"x": x, "s": np.array([2, 3])})[0].shape == (2, 3)
+    with pytest.raises(ExecutionError, match=r"Expand 'e': a negative size \[-2, 3\]"):
+        session.run(None, {"x": x, "s": np.array([-2, 3])})
+
+
+def test_data_sized_outputs_are_held_to_cpurefs_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LIMIT_VARIABLE, str(1 << 20))
+    given = model_of([helper.make_node("ConstantOfShape", ["s"], ["y"], name="c")],
+                     [vi("s", [2], TensorProto.INT64)], [vi("y", None)])
+    session = InferenceSession(given, backends=["OpenVINO", "CpuRef"])
+    assert session.report.counts() == {"OpenVINO": 1}
+    assert session.run(None, {"s": np.array([256, 256])})[0].shape == (256, 256)
+    with pytest.raises(ExecutionError, match="ConstantOfShape 'c'.*would take 16 MiB"):
+        session.run(None, {"s": np.array([2048, 2048])})
+    constant = model_of([helper.make_node("Tile", ["x", "r"], ["y"], name="t")],
+                        [vi("x", [4, 4])], [vi("y", None)],
+                        [numpy_helper.from_array(np.array([1024, 1024], np.int64), "r")])
+    session = InferenceSession(constant, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("t") == "CpuRef"
+    assert "the limit is 1 MiB" in refusal(session, "t")
+
+
+def test_range_whose_delta_points_away_from_its_limit_runs_as_cpuref() -> None:
+    """OpenVINO made 10 elements of Range(0, 10, -1), where ONNX makes none."""
+    given = model_of([helper.make_node("Range", ["a", "b", "c"], ["y"], name="r")],
+                     [vi("a", []), vi("b", []), vi("c", [])], [vi("y", None)])
+    session = InferenceSession(given, backends=["OpenVINO", "CpuRef"])
+    feeds = {"a": np.float32(0), "b": np.float32(10)}
+    np.testing.assert_array_equal(session.run(None, {**feeds, "c": np.float32(2)})[0],
+                                  np.arange(0, 10, 2, dtype=np.float32))
+    with pytest.raises(ExecutionError, match="Range 'r': start 0.0, limit 10.0, delta -1.0"):
+        session.run(None, {**feeds, "c": np.float32(-1)})
+
+
+@pytest.mark.parametrize(("op", "gates"), [("LSTM", 4), ("GRU", 3), ("RNN", 1)])
+def test_recurrent_weights_contradicting_hidden_size_go_to_cpuref(op: str, gates: int) -> None:
+    """OpenVINO reads the weights by their own shapes: an LSTM of hidden_size 64 on weights of 4
+    returned 64 columns of whatever lay past them."""
+    model = model_of([helper.make_node(op, ["x", "W", "R"], ["y"], name="rnn", hidden_size=64)],
+                     [vi("x", [5, 1, 2]), vi("W", [1, gates * 4, 2]), vi("R", [1, gates * 4, 4])],
+                     [vi("y", None)])
+    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("rnn") == "CpuRef"
+    assert "contradicts hidden_size 64" in refusal(session, "rnn")
