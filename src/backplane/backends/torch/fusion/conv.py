@@ -18,6 +18,7 @@ from backplane.backends.torch.fusion.patterns import (
     compute_type,
     fastest,
     holding,
+    onednn_post_ops,
     post_op,
     swish_layers,
     torch_post_op,
@@ -168,7 +169,7 @@ def _onednn_conv(a: dict[str, Any], name: str) -> Workload:
     strides, dilations, groups = a["strides"], a["dilations"], a["group"]
     packed = prepacked.packed(name, lambda: torch.ops.mkldnn._reorder_convolution_weight(
         weight, begins, strides, dilations, groups, shape))
-    attr, scalars, algorithm = a["unary"] or ("none", [], None)
+    (attr, scalars, algorithm), after = onednn_post_ops(a["unary"])
     cl = torch.channels_last
     if a["binary"]:
         binary = torch.ops.mkldnn._convolution_pointwise.binary
@@ -176,16 +177,18 @@ def _onednn_conv(a: dict[str, Any], name: str) -> Workload:
 
         def run(x, other):
             x = F.pad(x, pre_pad) if pre_pad else x
-            return (binary(x.contiguous(memory_format=cl), other.contiguous(memory_format=cl),
-                           packed, bias, begins, strides, dilations, groups, "add", None, unary,
-                           scalars, algorithm),)
+            y = binary(x.contiguous(memory_format=cl), other.contiguous(memory_format=cl), packed,
+                       bias, begins, strides, dilations, groups, "add", None, unary, scalars,
+                       algorithm)
+            return (after(y) if after else y,)
         return holding(run, packed, bias)
     pointwise = torch.ops.mkldnn._convolution_pointwise
 
     def run_unary(x):
         x = F.pad(x, pre_pad) if pre_pad else x
-        return (pointwise(x.contiguous(memory_format=cl), packed, bias, begins, strides, dilations,
-                          groups, attr, scalars, algorithm),)
+        y = pointwise(x.contiguous(memory_format=cl), packed, bias, begins, strides, dilations,
+                      groups, attr, scalars, algorithm)
+        return (after(y) if after else y,)
     return holding(run_unary, packed, bias)
 
 

@@ -17,6 +17,7 @@ from backplane.backends.torch.fusion.patterns import (
     compute_type,
     fastest,
     holding,
+    onednn_post_ops,
     post_op,
     scalar_op,
     torch_post_op,
@@ -235,12 +236,13 @@ def _onednn_linear(a: dict[str, Any], name: str) -> Workload:
     shape = a.get("output_shape")
     packed = prepacked.packed(name, lambda: torch.ops.mkldnn._reorder_linear_weight(
         weight, math.prod(a["input_shape"][:-1])))
-    attr, scalars, algorithm = a["unary"] or ("none", [], None)
+    (attr, scalars, algorithm), after = onednn_post_ops(a["unary"])
     linear = torch.ops.mkldnn._linear_pointwise
     unfolded = [*a["input_shape"][:-1], weight.shape[0]]
 
     def onednn(x):
         y = linear(x, packed, bias, attr, scalars, algorithm)
+        y = after(y) if after else y
         return (y.view(shape) if shape else y,)
 
     def onednn_add(x, residual):

@@ -107,20 +107,59 @@ def scalar_op(layer: Layer, operand: str, ctx: Context, op: str, value: float) -
 
 
 def torch_post_op(unary: PostOp | None) -> Callable[[Any], Any] | None:
+    """The post-op as torch calls, keeping NaN (and infinities) as CpuRef does, also where
+    oneDNN Graph compiles the trace of it (``kernels.common``)."""
     import torch
     import torch.nn.functional as F
+
+    from backplane.backends.torch.kernels import common
 
     if unary is None:
         return None
     attr, scalars, algorithm = unary
+    slope = scalars[0] if scalars else 0.01
     table: dict[str, Callable[[Any], Any]] = {
-        "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+        "relu": common.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
         "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "swish": F.silu,
-        "leaky_relu": lambda t: F.leaky_relu(t, scalars[0] if scalars else 0.01),
-        "hardtanh": lambda t: torch.clamp(t, scalars[0], scalars[1]),
-        "gelu": lambda t: F.gelu(t, approximate=algorithm or "none"),
+        "leaky_relu": common.relu if slope == 0 else lambda t: F.leaky_relu(t, slope),
+        "hardtanh": lambda t: common.clamp(t, _bound(scalars[0]), _bound(scalars[1])),
+        "gelu": lambda t: common.gelu(t, approximate=algorithm or "none"),
     }
     return table[attr]
+
+
+def _bound(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # Clip without a bound: no clamp on that side
+
+
+def onednn_post_ops(unary: PostOp | None) -> tuple[PostOp, Callable[[Any], Any] | None]:
+    """``unary`` split into what oneDNN runs fused with the product and what torch runs after it.
+
+    oneDNN's relu (also leaky_relu with slope 0), clip (hardtanh) and hardsigmoid post-ops are
+    max / min against a bound, which turn NaN into the bound (a NaN pixel vanished after a
+    Conv -> Relu), and its gelu makes NaN of +Inf: those run as torch calls after it (in place:
+    one pass over the result, measured in bench/nan_propagation.py); the others keep NaN fused."""
+    if unary is None:
+        return ("none", [], None), None
+    attr, scalars, _ = unary
+    drops = attr in ("relu", "hardtanh", "hardsigmoid", "gelu") or (
+        attr == "leaky_relu" and scalars and scalars[0] == 0)
+    return (("none", [], None), _in_place(unary)) if drops else (unary, None)
+
+
+def _in_place(unary: PostOp) -> Callable[[Any], Any]:
+    """The post-ops ``onednn_post_ops`` leaves to torch, on a result nothing else holds yet."""
+    import torch.nn.functional as F
+
+    attr, scalars, _ = unary
+    if attr in ("relu", "leaky_relu"):
+        return lambda t: t.relu_()
+    if attr == "hardtanh":
+        low, high = _bound(scalars[0]), _bound(scalars[1])
+        return (lambda t: t) if low is None and high is None else lambda t: t.clamp_(low, high)
+    if attr == "hardsigmoid":
+        return lambda t: F.hardsigmoid(t, inplace=True)
+    return torch_post_op(unary)  # type: ignore[return-value]
 
 
 def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[], Any]],

@@ -1,7 +1,15 @@
-"""What the torch kernels share: dtype maps, and reading small integer inputs (shapes, axes) as lists.
+"""What the torch kernels share: dtype maps, reading small integer inputs (shapes, axes) as lists, and
+the activations that must keep NaN wherever they run.
 
 Shape-like inputs (Reshape's shape, Slice's starts, ...) may arrive as NumPy arrays (GpuAcc keeps such
 constants on the host so that reading them never waits for the GPU) or as tensors.
+
+NaN in, NaN out: torch's own ReLU, clamp and max pool keep NaN, but oneDNN Graph, which CpuAcc's
+compiled subgraphs run on (``fusion/onednn_graph.py``), fuses a ReLU or a clamp into the
+convolution before it as max / min against the bound, and x86's max returns its second operand (the
+bound) where the first is NaN: an all-NaN image gave finite logits. So ``relu`` and ``clamp``
+spell their op differently while TorchScript traces them for oneDNN Graph
+(``torch.jit.is_tracing()``); eagerly they are torch's own.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {
     np.dtype(np.float16): torch.float16,
@@ -58,3 +67,36 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
     from backplane.frontends.onnx_types import onnx_to_numpy_dtype
 
     return NUMPY_TO_TORCH[np.dtype(onnx_to_numpy_dtype(onnx_type))]
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """ReLU that keeps NaN also where oneDNN Graph compiles it. Traced, ELU with alpha 0: the same
+    values (0 * (exp(x) - 1) is a zero, -0.0, for x < 0; +Inf stays, -Inf gives 0), a post-op
+    oneDNN Graph fuses into the convolution as it fuses ReLU, but one it computes by comparison
+    and blend, so NaN stays NaN, at no measurable cost (bench/nan_propagation.py)."""
+    if torch.jit.is_tracing() and x.is_floating_point():
+        return F.elu(x, 0.0)
+    return torch.relu(x)
+
+
+def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) -> torch.Tensor:
+    """torch.clamp, which keeps NaN; traced for oneDNN Graph, as ops it does not fuse (its fused
+    clamp turns NaN into a bound): a lower bound of 0 as ``relu`` (fused, and keeping NaN), the
+    other bounds as torch's clamp_min and clamp_max after the compiled partition."""
+    if low is None and high is None:
+        return x
+    if not torch.jit.is_tracing() or not x.is_floating_point():
+        return torch.clamp(x, low, high)
+    y = x if low is None else relu(x) if low == 0 else torch.clamp_min(x, low)
+    if high is None:
+        return y
+    return torch.clamp_max(x, high) if y is x else y.clamp_max_(high)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """torch's GELU with +Inf kept: its vectorized erf form gives NaN at +Inf, where
+    x * Phi(x) is +Inf (CpuRef, ONNX Runtime)."""
+    y = F.gelu(x, approximate=approximate)
+    if approximate == "none":
+        y = y.masked_fill_(torch.isposinf(x), math.inf)
+    return y

@@ -24,6 +24,7 @@ from backplane.backends.torch.kernels.common import (
     scalar,
     torch_dtype,
 )
+from backplane.backends.torch.kernels import common
 from backplane.frontends.onnx_types import onnx_to_numpy_dtype
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -113,7 +114,7 @@ def min_(*data_0):
 def clip_v6(input, max=3.4028234663852886e38, min=-3.4028234663852886e38):  # noqa: A002
     # The default bounds (float32's largest) overflow float16, which torch.clamp refuses: bounds
     # are rounded to the input's type first, as NumPy does (past its range: an infinity).
-    return (torch.clamp(input, in_range(min, input.dtype), in_range(max, input.dtype)),)
+    return (common.clamp(input, in_range(min, input.dtype), in_range(max, input.dtype)),)
 
 
 def clip(input, min=None, max=None):  # noqa: A002
@@ -121,7 +122,7 @@ def clip(input, min=None, max=None):  # noqa: A002
     high = None if max is None else scalar(max)
     if low is None and high is None:
         return (input.clone(),)
-    return (torch.clamp(input, low, high),)
+    return (common.clamp(input, low, high),)
 
 
 def equal(A, B):
@@ -169,11 +170,12 @@ def cast(input, to, saturate=1):  # noqa: A002
 
 
 def relu(X):
-    return (torch.relu(X),)
+    return (common.relu(X),)
 
 
 def leaky_relu(X, alpha=0.01):
-    return (F.leaky_relu(X, alpha),)
+    # alpha 0 is ReLU, and oneDNN Graph computes it as one (relu keeps NaN there)
+    return (common.relu(X) if alpha == 0 else F.leaky_relu(X, alpha),)
 
 
 def prelu(X, slope):
@@ -197,7 +199,7 @@ def hard_sigmoid(X, alpha=0.2, beta=0.5):
     # type's precision: not for float64 (alpha differs by 3e-8, and CUDA's kernel computes in float)
     if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5 and X.dtype != torch.float64:
         return (F.hardsigmoid(X),)
-    return (torch.clamp(X * alpha + beta, 0.0, 1.0),)
+    return (common.clamp(X * alpha + beta, 0.0, 1.0),)
 
 
 def hard_swish(X):
@@ -221,7 +223,7 @@ def mish(X):
 
 
 def gelu(X, approximate="none"):
-    return (F.gelu(X, approximate=approximate),)
+    return (common.gelu(X, approximate),)
 
 
 def thresholded_relu(X, alpha=1.0):

@@ -81,7 +81,13 @@ def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=Non
         X, begins = _pad_both(X, begins, ends, -math.inf), [0] * rank
     pool = _MAX_POOL[rank]
     if n_outputs == 1:
-        y = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode))
+        if torch.jit.is_tracing():
+            # torch's pool with indices, which oneDNN Graph leaves to torch: its own max pool
+            # returns the window's largest number where the window holds NaN (common.relu)
+            y = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode),
+                     return_indices=True)[0]
+        else:
+            y = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode))
         return (y if sizes is None else _trimmed(y, sizes),)
     # indices: only where torch pads (check_max_pool), so that they are into X itself
     y, indices = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode),

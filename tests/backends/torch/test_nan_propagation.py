@@ -1,0 +1,518 @@
+"""NaN and Inf through the torch backends (CpuAcc, and GpuAcc where CUDA is) as through CpuRef.
+
+A NaN input must not become a finite, plausible output (issue 32: an all-NaN frame gave confident
+logits on CpuAcc, where CpuRef and ONNX Runtime give NaN). Three parts, each comparing a backend's
+outputs with CpuRef's on inputs holding NaN, +Inf and -Inf among finite values: where each output is
+NaN, where it is +Inf or -Inf, and (loosely: the values are the differential tests' business) the
+finite values.
+
+- every op of the torch kernel table that takes float inputs, as one-node models: the ONNX node
+  suite's cases of that op (models made with ``onnx.helper`` by ONNX's own test generator; the
+  newest opset among them), their data inputs poisoned;
+- the patterns CpuAcc fuses (Conv with its activations, batch norm and residual, Gemm / MatMul with
+  theirs, squeeze-and-excitation, pools after convolutions), under each of its routes and compile
+  modes, since fused kernels (oneDNN's post-ops, oneDNN Graph's partitions, cuDNN's epilogue) are
+  where NaN went missing;
+- whole models: tiny_mobilenet_v3, tiny_bert with a NaN row in its word embeddings, and corpus CNNs,
+  with an all-NaN input and with one NaN pixel.
+
+GpuAcc's cases are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.backends.registry import registry  # noqa: E402
+from backplane.backends.torch.kernels import KERNELS  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+CPU_CONFIGS: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "compiled": {"compile": "onednn_graph"},
+    "layers-onednn": {"compile": "layers", "conv_route": "onednn", "linear_route": "onednn"},
+    "layers-torch": {"compile": "layers", "conv_route": "torch", "linear_route": "mkl"},
+    "layers-gemm": {"compile": "layers", "conv_route": "gemm"},
+}
+"""CpuAcc's compile modes and routes (docs/torch-backends.md): each fused kernel is reached by one."""
+GPU_CONFIGS: dict[str, dict[str, Any]] = {"graphs": {}, "eager": {"cuda_graphs": False},
+                                          "unfused": {"fuse_conv_relu": False}}
+CONFIGS = [("CpuAcc", name, options) for name, options in CPU_CONFIGS.items()] + \
+          [("GpuAcc", name, options) for name, options in GPU_CONFIGS.items()]
+CONFIG_IDS = [f"{backend}-{name}" for backend, name, _ in CONFIGS]
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable(backend: str) -> str | None:
+    return registry.create(backend).missing
+
+
+def backends(backend: str, options: dict[str, Any]) -> list[Any]:
+    if unavailable(backend):
+        pytest.skip(f"{backend}: {unavailable(backend)}")
+    return [(backend, {"route_cache": False, **options} if backend == "CpuAcc" else options),
+            "CpuRef"]
+
+
+def run(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
+        spec: list[Any]) -> list[np.ndarray]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallback notices, invalid values: intended
+        return [np.asarray(o) for o in InferenceSession(model, backends=spec).run(None, feeds)]
+
+
+def assert_same_specials(name: str, got: np.ndarray, want: np.ndarray) -> None:
+    """NaN where CpuRef has NaN, the same infinities, finite values close (1e-3)."""
+    assert got.shape == want.shape, f"{name}: shape {got.shape}, CpuRef's {want.shape}"
+    if want.dtype.kind != "f":
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        return
+    nan_got, nan_want = np.isnan(got), np.isnan(want)
+    lost, made = int((nan_want & ~nan_got).sum()), int((nan_got & ~nan_want).sum())
+    assert not lost and not made, (f"{name}: {lost} of CpuRef's {int(nan_want.sum())} NaN are "
+                                   f"not NaN here, {made} NaN where CpuRef has none "
+                                   f"(of {want.size} values)")
+    for sign, test in (("+Inf", np.isposinf), ("-Inf", np.isneginf)):
+        differ = int((test(got) != test(want)).sum())
+        assert not differ, f"{name}: {differ} values differ in being {sign}"
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite].astype(np.float64), want[finite].astype(np.float64),
+                               rtol=1e-3, atol=1e-3, err_msg=name)
+
+
+def compare(model: onnx.ModelProto | str | Path, feeds: dict[str, np.ndarray],
+            spec: list[Any]) -> None:
+    expected = run(model, feeds, ["CpuRef"])
+    for index, (got, want) in enumerate(zip(run(model, feeds, spec), expected)):
+        assert_same_specials(f"output {index}", got, want)
+
+
+# -- poisoned values ----------------------------------------------------------------------------
+def poisoned(value: np.ndarray, kind: str) -> np.ndarray:
+    """``value`` with NaN ("nan": every 7th and the middle one), or +Inf and -Inf ("inf": every 5th,
+    alternating), in place of some of its values."""
+    value = np.array(value, copy=True)
+    flat = value.reshape(-1)
+    if kind == "nan":
+        flat[::7] = np.nan
+        flat[flat.size // 2] = np.nan
+    else:
+        flat[1::10] = np.inf
+        flat[6::10] = -np.inf
+        flat[flat.size // 2] = np.inf
+    return value
+
+
+# -- (a) every op, one node at a time -------------------------------------------------------------
+PARAMETERS = {"Resize": {1, 2}, "Upsample": {1}, "GridSample": {1}, "RoiAlign": {1}, "NonMaxSuppression": {0, 2, 3, 4}, "Clip": {1, 2}}
+"""Float inputs that are parameters rather than data (scales, regions of interest, sampling grids,
+boxes, bounds): left finite. NaN there makes the op's geometry undefined (CpuRef refuses
+NaN scales; a NaN coordinate picks no pixel), which is not what this test is about."""
+
+INF_EXCEPTIONS = {
+    "DFT": "the FFT's own algorithm decides which outputs an infinity makes NaN (inf times a "
+           "twiddle factor that rounds to zero in one algorithm and not in another, inf - inf in "
+           "a butterfly): NumPy's, torch's and ONNX Runtime's DFT each give another pattern (ONNX "
+           "Runtime all NaN); with NaN alone they agree",
+    "STFT": "as DFT",
+}
+"""Ops whose infinities this test leaves alone, with the reason; their NaN are still held."""
+REAL_PARTS_ONLY = {
+    "DFT": "the imaginary part of a real signal's first bin is 0 or NaN as the FFT's code takes "
+           "it (NumPy gives 0 along the last axis and NaN along another, torch the reverse in "
+           "STFT's frames, ONNX Runtime NaN): the real parts, which every FFT computes as a sum "
+           "of the samples, are compared",
+    "STFT": "as DFT",
+}
+"""Ops whose spectra (real, imaginary) are compared by their real parts, with the reason."""
+
+
+def _float_ops() -> list[str]:
+    """The kernel table's ops with an input that may be float (by their ONNX schemas)."""
+    ops = []
+    for op in KERNELS:
+        domain, _, name = str(op).rpartition("::")
+        try:
+            schema = onnx.defs.get_schema(name, domain=domain)
+        except onnx.defs.SchemaError:
+            ops.append(str(op))  # no schema to read: checked all the same
+            continue
+        allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+        if any("tensor(float)" in allowed.get(formal.type_str, [formal.type_str])
+               for formal in schema.inputs):
+            ops.append(str(op))
+    return sorted(ops)
+
+
+@functools.lru_cache(maxsize=1)
+def _node_cases() -> dict[str, list[Any]]:
+    """op -> the node suite's one-node cases of that op at the newest opset among them (at most
+    three), that have a float input to poison."""
+    from tests.backends.torch.node_cases import single_op_cases
+    from tests.conformance.test_node_suite import cases
+
+    chosen: dict[str, list[Any]] = {}
+    for op in _float_ops():
+        domain, _, name = op.rpartition("::")
+        found = []
+        for case_name in single_op_cases().get(name, []):
+            case = cases()[case_name]
+            node = case.model.graph.node[0]
+            if node.domain not in ("", "ai.onnx") and node.domain != domain:
+                continue
+            if _poisonable(case, op):
+                version = max(o.version for o in case.model.opset_import
+                              if o.domain in (node.domain, "ai.onnx" if not node.domain else ""))
+                found.append((version, case_name, case))
+        if found:
+            newest = max(v for v, _, _ in found)
+            chosen[op] = [c for v, _, c in sorted(found, key=lambda f: f[1]) if v == newest][:3]
+    chosen.update({op: [make()] for op, make in OWN_CASES.items()})
+    return chosen
+
+
+def _own_case(op: str, inputs: list[np.ndarray], opset: int, n_outputs: int = 1,
+              **attrs: Any) -> Any:
+    """A one-node case of ``op`` at ``opset`` made here, where the node suite has none with float
+    data: the shape of the suite's cases (``name``, ``model``, ``data_sets``)."""
+    from types import SimpleNamespace
+
+    names = [f"x{i}" for i in range(len(inputs))]
+    outputs = [f"y{i}" for i in range(n_outputs)]
+    graph = helper.make_graph(
+        [helper.make_node(op, names, outputs, **attrs)], op,
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+         for n, v in zip(names, inputs)],
+        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return SimpleNamespace(name=f"own_{op.lower()}", model=model, data_sets=[(inputs, None)])
+
+
+def _floats(*shape: int) -> np.ndarray:
+    return np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+
+
+OWN_CASES = {
+    "Equal": lambda: _own_case("Equal", [_floats(3, 4), _floats(3, 4)], 19),
+    "NonZero": lambda: _own_case("NonZero", [_floats(3, 4)], 13),
+    "Trilu": lambda: _own_case("Trilu", [_floats(2, 4, 5)], 14, upper=0),
+    "GlobalLpPool": lambda: _own_case("GlobalLpPool", [_floats(1, 3, 4, 5)], 22),
+    "AffineGrid": lambda: _own_case("AffineGrid", [_floats(2, 2, 3),
+                                                   np.array([2, 3, 4, 5], np.int64)], 20),
+}
+"""Float ops the node suite has no case with float data for: one-node models made here."""
+
+
+def _poisonable(case: Any, op: str) -> list[int]:
+    """The indices of the case's float inputs (with two values or more) that hold data."""
+    from tests.backends.test_reference_kernels import _value
+
+    skip = PARAMETERS.get(op.rpartition("::")[2], set())
+    inputs, _ = case.data_sets[0]
+    return [i for i, v in enumerate(map(_value, inputs)) if isinstance(v, np.ndarray)
+            and v.dtype.kind == "f" and v.dtype.itemsize >= 2 and v.size >= 2 and i not in skip
+            and v.dtype in (np.float16, np.float32, np.float64)]
+
+
+def _feeds(case: Any, op: str, kind: str) -> dict[str, np.ndarray]:
+    from tests.backends.test_reference_kernels import _value
+
+    inputs, _ = case.data_sets[0]
+    initialized = {init.name for init in case.model.graph.initializer}
+    names = [i.name for i in case.model.graph.input if i.name not in initialized]
+    targets = set(_poisonable(case, op))
+    return {name: poisoned(_value(v), kind) if i in targets else _value(v)
+            for i, (name, v) in enumerate(zip(names, inputs))}
+
+
+OPS = _float_ops()
+OP_CONFIGS = [c for c in CONFIGS if c[1] in ("auto", "layers-onednn", "graphs")]
+
+
+def test_every_float_op_has_a_case() -> None:
+    """Each float op of the kernel table is checked here, or listed with the reason it is not:
+    a kernel added later is not left out unseen."""
+    missing = sorted(set(OPS) - set(_node_cases()) - set(NO_CASE))
+    assert not missing, f"no one-node case with a float data input for {missing}"
+
+
+NO_CASE = {
+    "ConstantOfShape": "its float is an attribute; its input is a shape",
+    "EyeLike": "makes a matrix of the input's shape; its values are not read",
+    "Range": "float start, limit and delta are scalars: a NaN one is a NaN size, refused",
+    "Shape": "reads no values", "Size": "reads no values",
+    "BlackmanWindow": "its input is a size", "HammingWindow": "its input is a size",
+    "HannWindow": "its input is a size",
+    "DynamicQuantizeLinear": "NaN or Inf has no uint8 value (ONNX Runtime gives an infinite "
+                             "scale): undefined",
+    "MelWeightMatrix": "its float inputs are two frequencies, parameters of the matrix",
+    "QLinearConv": "its float inputs are quantization scales; its data are integers",
+    "QLinearMatMul": "its float inputs are quantization scales; its data are integers",
+    "ai.onnx.ml::Binarizer": "ONNX Runtime refuses NaN input ('Input data with index: 0 is NaN')",
+}
+"""Float ops without a case here, and why."""
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+@pytest.mark.parametrize("op", [op for op in OPS if op not in NO_CASE])
+@pytest.mark.parametrize("backend,config,options", OP_CONFIGS,
+                         ids=[f"{b}-{n}" for b, n, _ in OP_CONFIGS])
+def test_op(backend: str, config: str, options: dict[str, Any], op: str, kind: str) -> None:
+    spec = backends(backend, options)
+    if kind == "inf" and op in INF_EXCEPTIONS:
+        pytest.skip(f"{op} with Inf: {INF_EXCEPTIONS[op]}")
+    cases = _node_cases().get(op)
+    assert cases, f"{op}: no case (test_every_float_op_has_a_case names it)"
+    for case in cases:
+        feeds = _feeds(case, op, kind)
+        expected = run(case.model, feeds, ["CpuRef"])
+        for index, (got, want) in enumerate(zip(run(case.model, feeds, spec), expected)):
+            if op in REAL_PARTS_ONLY:
+                got, want = got[..., 0], want[..., 0]
+            assert_same_specials(f"{case.name} output {index}", got, want)
+
+
+# -- (a') the fused patterns ------------------------------------------------------------------------
+RNG = np.random.default_rng(32)
+C, HW = 8, 10
+
+
+def _const(name: str, value: np.ndarray) -> TensorProto:
+    return numpy_helper.from_array(np.asarray(value, np.float32), name)
+
+
+def _model(nodes: list[Any], inits: list[TensorProto], shape: tuple[int, ...],
+           out_shape: tuple[int, ...] | None = None, opset: int = 21) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes, "pattern", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _conv(name: str, x: str, y: str, c_in: int, c_out: int, k: int = 3, group: int = 1,
+          stride: int = 1) -> tuple[Any, list[TensorProto]]:
+    w = RNG.standard_normal((c_out, c_in // group, k, k)) / k
+    b = RNG.standard_normal(c_out)
+    node = helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [y], kernel_shape=[k, k],
+                            pads=[k // 2] * 4, group=group, strides=[stride, stride])
+    return node, [_const(f"{name}_w", w), _const(f"{name}_b", b)]
+
+
+def _activation(kind: str, x: str, y: str) -> tuple[list[Any], list[TensorProto]]:
+    """The activation ``kind`` from ``x`` to ``y``, as exporters write it."""
+    simple = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "hardswish": "HardSwish",
+              "leaky_relu": "LeakyRelu", "elu": "Elu"}
+    if kind in simple:
+        return [helper.make_node(simple[kind], [x], [y])], []
+    if kind == "relu6":
+        return [helper.make_node("Clip", [x, "lo", "hi"], [y])], [_const("lo", 0.0),
+                                                                   _const("hi", 6.0)]
+    if kind == "clip_min":
+        return [helper.make_node("Clip", [x, "lo"], [y])], [_const("lo", 0.0)]
+    if kind == "hardsigmoid":  # torch's spelling (alpha 1/6), the one CpuAcc fuses
+        return [helper.make_node("HardSigmoid", [x], [y], alpha=1 / 6, beta=0.5)], []
+    if kind == "hardsigmoid_onnx":
+        return [helper.make_node("HardSigmoid", [x], [y])], []
+    if kind == "swish":
+        return [helper.make_node("Sigmoid", [x], [f"{y}_s"]),
+                helper.make_node("Mul", [x, f"{y}_s"], [y])], []
+    if kind == "gelu":
+        return [helper.make_node("Gelu", [x], [y])], []
+    if kind == "gelu_erf":  # x * 0.5 * (1 + erf(x / sqrt(2))), as exporters write it
+        return [helper.make_node("Div", [x, "sqrt2"], [f"{y}_d"]),
+                helper.make_node("Erf", [f"{y}_d"], [f"{y}_e"]),
+                helper.make_node("Add", [f"{y}_e", "one"], [f"{y}_a"]),
+                helper.make_node("Mul", [x, f"{y}_a"], [f"{y}_m"]),
+                helper.make_node("Mul", [f"{y}_m", "half"], [y])], \
+            [_const("sqrt2", np.sqrt(2.0)), _const("one", 1.0), _const("half", 0.5)]
+    raise ValueError(f"activation {kind!r} is not one of {ACTIVATIONS}")
+
+
+ACTIVATIONS = ("relu", "relu6", "clip_min", "hardsigmoid", "hardsigmoid_onnx", "hardswish",
+               "sigmoid", "tanh", "leaky_relu", "elu", "swish", "gelu", "gelu_erf")
+
+
+def conv_activation(kind: str, k: int = 3, group: int = 1) -> onnx.ModelProto:
+    conv, inits = _conv("c", "x", "t", C, C, k, group)
+    act, more = _activation(kind, "t", "y")
+    return _model([conv, *act], inits + more, (1, C, HW, HW))
+
+
+def conv_bn_residual(kind: str) -> onnx.ModelProto:
+    """Conv -> BatchNormalization -> Add(x) -> activation (a residual block's end)."""
+    conv, inits = _conv("c", "x", "t", C, C)
+    bn = helper.make_node("BatchNormalization", ["t", "s", "sh", "m", "v"], ["n"])
+    inits += [_const("s", RNG.uniform(0.5, 2, C)), _const("sh", RNG.standard_normal(C)),
+              _const("m", RNG.standard_normal(C)), _const("v", RNG.uniform(0.5, 2, C))]
+    add = helper.make_node("Add", ["n", "x"], ["r"])
+    act, more = _activation(kind, "r", "y")
+    return _model([conv, bn, add, *act], inits + more, (1, C, HW, HW))
+
+
+def conv_pool(pool: str) -> onnx.ModelProto:
+    """Conv -> Relu -> a pool (MaxPool 3x3/2, AveragePool, GlobalMaxPool, GlobalAveragePool)."""
+    conv, inits = _conv("c", "x", "t", C, C)
+    relu = helper.make_node("Relu", ["t"], ["r"])
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]} \
+        if pool in ("MaxPool", "AveragePool") else {}
+    return _model([conv, relu, helper.make_node(pool, ["r"], ["y"], **attrs)], inits,
+                  (1, C, HW, HW))
+
+
+def squeeze_excite(gate: str) -> onnx.ModelProto:
+    """x * gate(W2 relu(W1 mean(x))): GlobalAveragePool, 1x1 Conv, Relu, 1x1 Conv, gate, Mul."""
+    conv0, inits = _conv("c0", "x", "a", C, C)
+    pool = helper.make_node("GlobalAveragePool", ["a"], ["p"])
+    conv1, more1 = _conv("c1", "p", "q", C, C // 2, k=1)
+    relu = helper.make_node("Relu", ["q"], ["r"])
+    conv2, more2 = _conv("c2", "r", "s", C // 2, C, k=1)
+    act, more3 = _activation(gate, "s", "g")
+    mul = helper.make_node("Mul", ["a", "g"], ["y"])
+    return _model([conv0, pool, conv1, relu, conv2, *act, mul], inits + more1 + more2 + more3,
+                  (1, C, HW, HW))
+
+
+def linear(kind: str, gemm: bool) -> onnx.ModelProto:
+    """(Gemm | MatMul + Add) -> activation on a (4, 16) input, then a residual Add."""
+    w = RNG.standard_normal((16, 16)) / 4
+    inits = [_const("w", w), _const("b", RNG.standard_normal(16))]
+    if gemm:
+        nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["t"])]
+    else:
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["u"]),
+                 helper.make_node("Add", ["u", "b"], ["t"])]
+    act, more = _activation(kind, "t", "a")
+    nodes += act
+    nodes += [helper.make_node("MatMul", ["a", "w2"], ["v"]),
+              helper.make_node("Add", ["v", "a"], ["y"])]
+    return _model(nodes, inits + more + [_const("w2", w.T)], (4, 16))
+
+
+def conv_then_linear(kind: str) -> onnx.ModelProto:
+    """Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm -> activation: a linear inside a
+    subgraph that oneDNN Graph compiles."""
+    conv, inits = _conv("c", "x", "t", C, C)
+    nodes = [conv, helper.make_node("Relu", ["t"], ["r"]),
+             helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "w", "b"], ["g"], transB=1)]
+    act, more = _activation(kind, "g", "y")
+    inits += [_const("w", RNG.standard_normal((C, C))), _const("b", RNG.standard_normal(C))]
+    return _model(nodes + act, inits + more, (1, C, HW, HW))
+
+
+PATTERNS: dict[str, Any] = {
+    **{f"conv-{k}": functools.partial(conv_activation, k) for k in ACTIVATIONS},
+    **{f"conv1x1-{k}": functools.partial(conv_activation, k, 1) for k in ("relu", "relu6")},
+    **{f"depthwise-{k}": functools.partial(conv_activation, k, 3, C) for k in ("relu", "relu6")},
+    **{f"residual-{k}": functools.partial(conv_bn_residual, k) for k in ("relu", "relu6")},
+    **{f"pool-{p}": functools.partial(conv_pool, p) for p in
+       ("MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool")},
+    **{f"se-{g}": functools.partial(squeeze_excite, g) for g in ("hardsigmoid", "sigmoid")},
+    **{f"gemm-{k}": functools.partial(linear, k, True) for k in ("relu", "relu6", "gelu_erf")},
+    **{f"matmul-{k}": functools.partial(linear, k, False) for k in
+       ("relu", "hardsigmoid", "gelu_erf", "tanh")},
+    **{f"conv-gemm-{k}": functools.partial(conv_then_linear, k) for k in ("relu", "relu6")},
+}
+
+
+def _pattern_input(shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """A finite input with, for "nan", NaN at two places (one pixel in all channels, one value
+    alone); for "inf", +Inf and -Inf at one value each and in one pixel in all channels
+    (convolutions turn the latter to NaN as CpuRef's do: inf - inf)."""
+    x = RNG.standard_normal(shape).astype(np.float32)
+    flat = x.reshape(shape[0], shape[1], -1) if len(shape) == 4 else x.reshape(1, 1, -1)
+    special = (np.nan, np.nan) if kind == "nan" else (np.inf, -np.inf)
+    flat[0, :, 3] = special[0]  # a whole pixel (4-D) or a value
+    flat[0, -1, -5] = special[1]
+    return x
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("backend,config,options", CONFIGS, ids=CONFIG_IDS)
+def test_fused_pattern(backend: str, config: str, options: dict[str, Any], pattern: str,
+                       kind: str) -> None:
+    spec = backends(backend, options)
+    model = PATTERNS[pattern]()
+    shape = tuple(d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim)
+    compare(model, {"x": _pattern_input(shape, kind)}, spec)
+
+
+# -- (b) whole models -----------------------------------------------------------------------------
+MODELS = {
+    "tiny_mobilenet_v3": DATA / "tiny_mobilenet_v3.onnx",
+    "mobilenet_dw_ts13": DATA / "corpus" / "mobilenet_dw_ts13.onnx",
+    "mobilenet_dw_dyn18": DATA / "corpus" / "mobilenet_dw_dyn18.onnx",
+    "resnet_basic_ts16": DATA / "corpus" / "resnet_basic_ts16.onnx",
+    "resnet_basic_dyn21": DATA / "corpus" / "resnet_basic_dyn21.onnx",
+    "unet_resize_ts13": DATA / "corpus" / "unet_resize_ts13.onnx",
+    "audio_conv1d_dyn19": DATA / "corpus" / "audio_conv1d_dyn19.onnx",
+}
+MODEL_CONFIGS = [c for c in CONFIGS if c[1] in ("auto", "compiled", "layers-onednn", "graphs")]
+
+
+def _inputs(path: Path) -> dict[str, np.ndarray]:
+    arrays = path.with_suffix(".npz") if path.parent == DATA else path.with_name(
+        path.stem + ".s0.npz")
+    with np.load(arrays) as data:
+        return {name: data[name] for name in data.files}
+
+
+@pytest.mark.parametrize("kind", ["all-nan", "one-nan"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("backend,config,options", MODEL_CONFIGS,
+                         ids=[f"{b}-{n}" for b, n, _ in MODEL_CONFIGS])
+def test_model(backend: str, config: str, options: dict[str, Any], name: str, kind: str) -> None:
+    spec = backends(backend, options)
+    feeds = _inputs(MODELS[name])
+    for value in feeds.values():
+        if value.dtype.kind == "f":
+            if kind == "all-nan":
+                value[...] = np.nan
+            else:
+                value.reshape(-1)[value.size // 3] = np.nan
+    expected = run(MODELS[name], feeds, ["CpuRef"])
+    assert any(np.isnan(e).any() for e in expected), f"{name}: CpuRef's outputs hold no NaN"
+    for index, (got, want) in enumerate(zip(run(MODELS[name], feeds, spec), expected)):
+        assert_same_specials(f"{name} output {index}", got, want)
+
+
+@pytest.fixture(scope="module")
+def bert_with_nan_row() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """tiny_bert with one row of its word embeddings NaN (a corrupted weight) and that token in
+    the input: NaN enters the float path of a transformer (LayerNorm, attention, GELU)."""
+    model = onnx.load(DATA / "tiny_bert.onnx")
+    feeds = _inputs(DATA / "tiny_bert.onnx")
+    token = int(feeds["input_ids"].reshape(-1)[3])
+    table = max((init for init in model.graph.initializer if len(init.dims) == 2),
+                key=lambda init: init.dims[0])  # the word embeddings: the longest table
+    values = numpy_helper.to_array(table).copy()
+    values[token] = np.nan
+    table.CopyFrom(numpy_helper.from_array(values, table.name))
+    return model, feeds
+
+
+@pytest.mark.parametrize("backend,config,options", MODEL_CONFIGS,
+                         ids=[f"{b}-{n}" for b, n, _ in MODEL_CONFIGS])
+def test_bert_nan_embedding(backend: str, config: str, options: dict[str, Any],
+                            bert_with_nan_row) -> None:
+    spec = backends(backend, options)
+    model, feeds = bert_with_nan_row
+    expected = run(model, feeds, ["CpuRef"])
+    assert any(np.isnan(e).any() for e in expected), "CpuRef's outputs hold no NaN"
+    for index, (got, want) in enumerate(zip(run(model, feeds, spec), expected)):
+        assert_same_specials(f"tiny_bert output {index}", got, want)
