@@ -174,3 +174,16 @@ def test_recurrent_weights_contradicting_hidden_size_go_to_cpuref(op: str, gates
     session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
     assert session.report.backend_of("rnn") == "CpuRef"
     assert "contradicts hidden_size 64" in refusal(session, "rnn")
+
+
+def test_a_conversion_that_changes_an_output_shape_goes_to_cpuref() -> None:
+    """OpenVINO 2026.4 converts ReduceLogSumExp-17 over all axes, not its ``axes``: with a free
+    batch dimension it returned a [1, 1, 1, 1] tensor for [n, 1, 4, 1]."""
+    model = model_of([helper.make_node("ReduceLogSumExp", ["x"], ["y"], name="r", axes=[3])],
+                     [vi("x", ["n", 1, 4, 4])], [vi("y", None)])
+    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("r") == "CpuRef"
+    assert "OpenVINO infers shape [1, 1, 1, 1] for 'y'" in refusal(session, "r")
+    x = np.random.default_rng(0).standard_normal((2, 1, 4, 4)).astype(np.float32)
+    want = np.log(np.exp(x).sum(axis=3, keepdims=True))
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-5)

@@ -82,6 +82,9 @@ def convert(view: SubgraphView, graph: Graph) -> tuple[tuple[Any, checks.Plan] |
     except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError and others
         return None, f"OpenVINO's ONNX frontend cannot convert its partition: " \
                      f"{query.frontend_message(exc)}"
+    contradiction = query.shape_contradiction(model, view.outputs, graph)
+    if contradiction:
+        return None, contradiction
     try:
         refused = query.refused_ops(model)
     except Exception as exc:  # noqa: BLE001 - query_model validates shapes too

@@ -9,6 +9,8 @@ Three questions, each with a reason when the answer is no:
 - ``refused_ops``: the ops of a converted model that ``Core.query_model`` does not put on the CPU.
 - ``layer_refusal``: the same for one layer, its constant inputs as initializers: what
   ``optimize_subgraph`` asks of each layer when a whole partition is not taken.
+- ``shape_contradiction``: an output whose shape, as OpenVINO infers it, is not the graph's (a
+  conversion that computes something else).
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ def refused_ops(model: Any) -> list[str]:
     return [f"{op.get_type_name()} '{op.get_friendly_name()}'" for op in computing or refused]
 
 
+def shape_contradiction(model: Any, outputs: Sequence[str], graph: Graph) -> str | None:
+    """Where OpenVINO's shape of an output contradicts the graph's (OpenVINO 2026.4 reduces a
+    ReduceLogSumExp of opset 17 over all axes, not its ``axes``), or None."""
+    for port, name in zip(model.outputs, outputs):
+        theirs, ours = port.get_partial_shape(), graph.info(name).shape
+        if ours is None or theirs.rank.is_dynamic:
+            continue
+        dims = [d.get_length() if d.is_static else None for d in theirs]
+        if len(dims) != len(ours) or any(isinstance(a, int) and b is not None and a != b
+                                         for a, b in zip(ours, dims)):
+            shown = ", ".join("?" if d is None else str(d) for d in dims)
+            return (f"OpenVINO infers shape [{shown}] for '{name}', which the graph has as "
+                    f"{graph.info(name)}")
+    return None
+
+
 def layer_refusal(layer: Layer, graph: Graph) -> str | None:
     """Why OpenVINO does not take ``layer`` of ``graph`` (its constants as initializers), or None."""
     inputs = [n for n in dict.fromkeys(layer.inputs) if n and n not in graph.constants]
@@ -82,6 +100,9 @@ def layer_refusal(layer: Layer, graph: Graph) -> str | None:
         model = read(onnx_model.model([layer], inputs, outputs, graph))
     except Exception as exc:  # noqa: BLE001
         return f"OpenVINO's ONNX frontend cannot convert it: {frontend_message(exc)}"
+    contradiction = shape_contradiction(model, outputs, graph)
+    if contradiction:
+        return contradiction
     try:
         refused = refused_ops(model)
     except Exception as exc:  # noqa: BLE001 - query_model validates shapes too
