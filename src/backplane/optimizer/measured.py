@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from backplane import progress
-from backplane.backends.api.backend import Backend, OptionError
+from backplane.backends.api.backend import Backend, OptionError, support_of
 from backplane.backends.api.memory import (
     HOST_FACTORY,
     TensorHandleFactory,
@@ -245,8 +245,8 @@ def _part(graph: Graph, backend_id: str, view: SubgraphView, available: Mapping[
         if other in (backend_id, BUILTIN) or any(other in exclusions.get(layer.name, {})
                                                  for layer in view.layers):
             continue
-        if all(available[other].is_layer_supported(
-                layer, [graph.info(n) for n in layer.inputs if n],
+        if all(support_of(
+                available[other], layer, [graph.info(n) for n in layer.inputs if n],
                 [graph.info(n) for n in layer.outputs if n]).ok for layer in view.layers):
             candidates.append(other)
     return _Part(view, backend_id, candidates)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from backplane import debug
-from backplane.backends.api.backend import Backend, BackendOptions, check_options
+from backplane.backends.api.backend import Backend, BackendOptions, check_options, support_of
 from backplane.backends.builtin.backend import OWNED_OPS
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
@@ -217,7 +217,7 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
         ins = [graph.info(n) for n in layer.inputs if n]
         outs = [graph.info(n) for n in layer.outputs if n]
         if layer.op_type in OWNED_OPS and not layer.domain:  # builtin's own, always
-            support = available[BUILTIN].is_layer_supported(layer, ins, outs)
+            support = support_of(available[BUILTIN], layer, ins, outs)
             if not support.ok:
                 raise OptimizationError(f"no backend can run {layer.describe()}: builtin: "
                                         f"{support.reason}")
@@ -230,7 +230,7 @@ def _assign(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, s
             if (backend_id, reason) not in placement.refusals:
                 placement.refusals.append((backend_id, reason))
         for backend_id in _candidates(layer, report.preferences, available, pins, set(skip)):
-            support = available[backend_id].is_layer_supported(layer, ins, outs)
+            support = support_of(available[backend_id], layer, ins, outs)
             if support.ok:
                 layer.backend = placement.backend = backend_id
                 for refused, reason in placement.refusals:

@@ -30,7 +30,7 @@ from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.release import FileWeights, ReleasedConstants, released_layer
-from backplane.runtime import fallback, host_threads, ownership
+from backplane.runtime import edge_checks, fallback, host_threads, ownership
 
 NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
 
@@ -122,6 +122,7 @@ class LoadedNetwork:
         self.fallback_memory = fallback.FallbackMemoryManager()
         workloads, copied = fallback.bind(self.layers, workloads, graph, self.fallback_memory)
         workloads = host_threads.share(self.layers, workloads, network.backends)
+        workloads = edge_checks.checked(self.layers, workloads, graph, network.backends)
         for record in network.report.copies:
             if record.layer in copied:
                 record.copied_bytes = copied[record.layer]

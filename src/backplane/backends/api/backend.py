@@ -80,6 +80,23 @@ def unsupported(reason: str) -> Support:
     return Support(False, reason)
 
 
+def support_of(backend: Any, layer: Any, inputs: Sequence[Any], outputs: Sequence[Any]) -> Support:
+    """``backend``'s answer for ``layer``, held to the contract: a ``Support``. An answer of
+    another type, or an exception from the query, is a refusal whose reason names the backend's
+    mistake (the layer goes to the next backend; the report keeps the reason)."""
+    try:
+        answer = backend.is_layer_supported(layer, inputs, outputs)
+    except OptionError:
+        raise  # the user's option, not the backend's mistake: ``check_options`` names it
+    except Exception as exc:  # noqa: BLE001  # a plugin's bug: refused, with its reason
+        return unsupported(f"{backend.id}.is_layer_supported raised {type(exc).__name__}: {exc}")
+    if not isinstance(answer, Support):
+        return unsupported(f"{backend.id}.is_layer_supported returned {answer!r} "
+                           f"({type(answer).__name__}); it must return a backplane.Support "
+                           f"(SUPPORTED, or unsupported(reason))")
+    return answer
+
+
 class BackendContext:
     """Lives as long as the Runtime; told before and after every network load and unload."""
 
