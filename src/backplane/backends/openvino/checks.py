@@ -136,7 +136,7 @@ def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | Non
     try:
         planned = _plan_layer(Plan(), layer, graph, produced, _Outside(graph, produced))
     except (IndexError, ValueError, AllocationError) as exc:
-        return f"{exc}; left to CpuRef, which refuses it when it runs"
+        return f"{exc}; left to the next backend (CpuRef refuses it when it runs)"
     return planned
 
 
