@@ -23,6 +23,7 @@ from onnx import GraphProto, ModelProto, NodeProto
 
 from backplane.frontends.onnx_file import (  # noqa: F401  # ModelError, load_model: from here too
     ModelError, ReadModel, load_model, read_model)
+from backplane.frontends.onnx_contrib import CONTRIB_DOMAIN, check_ort_node, known_ops, ort_arity
 from backplane.frontends.onnx_shapes import copy_model, infer_shapes
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
 from backplane.ir.graph import Dim, Graph, Layer, TensorInfo
@@ -259,16 +260,22 @@ class _Importer:
             raise ModelError(f"{where}: calls local function '{node.domain}::{node.op_type}', which "
                              f"could not be inlined, its opsets differing from the model's "
                              f"({'; '.join(differ) or 'none differ'})")
-        if not node.op_type or not onnx.defs.has(node.op_type, domain):
+        if _is_ort_op(node.op_type, domain):  # no onnx schema: arity from onnx_contrib's data
+            refusal = check_ort_node(domain, node.op_type, opset, len(node.input), len(node.output))
+            if refusal:
+                raise ModelError(f"{where}: {refusal}")
+        elif not node.op_type or not onnx.defs.has(node.op_type, domain):
+            known = f"; backplane knows these: {known_ops(domain)}" if domain == CONTRIB_DOMAIN else ""
             raise ModelError(f"{where}: unknown op '{node.op_type}' in domain "
-                             f"'{domain or 'ai.onnx'}'")
-        try:
-            schema = onnx.defs.get_schema(node.op_type, opset, domain)
-        except onnx.defs.SchemaError as exc:
-            raise ModelError(f"{where}: the op does not exist at opset {opset}") from exc
-        op = f"{node.op_type}-{schema.since_version}"
-        _check_arity(node, schema, where, op)
-        _check_attributes(node, schema, where, op)
+                             f"'{domain or 'ai.onnx'}'{known}")
+        else:
+            try:
+                schema = onnx.defs.get_schema(node.op_type, opset, domain)
+            except onnx.defs.SchemaError as exc:
+                raise ModelError(f"{where}: the op does not exist at opset {opset}") from exc
+            op = f"{node.op_type}-{schema.since_version}"
+            _check_arity(node, schema, where, op)
+            _check_attributes(node, schema, where, op)
         try:
             attrs: dict[str, Any] = {
                 a.name: attribute_value(a, lambda g: self.graph(g, outer=scope))
@@ -381,6 +388,8 @@ def _check_input_types(layer: Layer, graph: Graph) -> None:
     """The element types of a layer's inputs, where known, are those its op takes, and the inputs
     of one type parameter share one type (ONNX Runtime refuses the model otherwise; NumPy would
     promote the mixture and run)."""
+    if _is_ort_op(layer.op_type, layer.domain):
+        return  # no onnx schema; the kernels take the types ONNX Runtime's documentation gives
     schema = onnx.defs.get_schema(layer.op_type, layer.opset, layer.domain)
     formals = schema.inputs
     if not formals:
@@ -409,6 +418,11 @@ def _check_input_types(layer: Layer, graph: Graph) -> None:
             raise ModelError(f"{layer.describe()}: type parameter {formal.type_str} of {op} is "
                              f"bound to {first[0]} by input {first[1]} '{first[2]}' and to "
                              f"{type_str} by input {k} '{name}'")
+
+
+def _is_ort_op(op_type: str, domain: str) -> bool:
+    """One of the ops ONNX Runtime adds to ONNX that backplane knows (``onnx_contrib``)."""
+    return ort_arity(domain, op_type) is not None and not onnx.defs.has(op_type, domain)
 
 
 def _check_attributes(node: NodeProto, schema: onnx.defs.OpSchema, where: str, op: str) -> None:

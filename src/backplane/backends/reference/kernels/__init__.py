@@ -6,6 +6,8 @@ from backplane.backends.reference.kernels import (
     attention,
     blocks,
     cast,
+    contrib_quant,
+    contrib_transformer,
     conv,
     elementwise,
     grid_sample,
@@ -56,6 +58,8 @@ KERNELS = {
     **ml.KERNELS,
     **training.KERNELS,
     **image.KERNELS,
+    **contrib_quant.KERNELS,  # ONNX Runtime's com.microsoft ops
+    **contrib_transformer.KERNELS,
 }
 
 CHECKS = {
@@ -77,6 +81,8 @@ CHECKS = {
     **ml.CHECKS,
     **training.CHECKS,
     **image.CHECKS,
+    **contrib_quant.CHECKS,
+    **contrib_transformer.CHECKS,
 }
 
 ANY_DTYPE_OPS = (cast.ANY_DTYPE | quant.ANY_DTYPE | shape.ANY_DTYPE | indexing.ANY_DTYPE
