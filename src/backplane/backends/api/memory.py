@@ -183,13 +183,18 @@ def check_allocation(shape: Any, dtype: Any, what: str = "a tensor") -> None:
     count = 1
     for size in shape:
         count *= max(int(size), 0)
-    nbytes = count * np.dtype(dtype).itemsize
+    itemsize = getattr(dtype, "itemsize", None)  # a torch dtype's too
+    if not isinstance(itemsize, int):
+        dtype = np.dtype(dtype)
+        itemsize = dtype.itemsize
+    nbytes = count * itemsize
     if nbytes <= _UNCHECKED_BYTES and LIMIT_VARIABLE not in os.environ:
         return
     limit = allocation_limit()
     if nbytes > limit:
+        name = str(dtype).removeprefix("torch.")
         raise AllocationError(f"{what} of shape {tuple(int(s) for s in shape)} and type "
-                              f"{np.dtype(dtype).name} would take {_size(nbytes)}; the limit is "
+                              f"{name} would take {_size(nbytes)}; the limit is "
                               f"{_size(limit)} (the memory available, or ${LIMIT_VARIABLE})")
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.api.memory import check_allocation
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints, scalar, torch_dtype
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -50,6 +51,7 @@ def _source(positions, size, mode):
 def _padded(x, widths, mode, value):
     """x with (begin, end) added on each axis: negative widths crop, the rest is ``value`` or
     read from the input as ``mode`` says."""
+    check_allocation([n + b + e for n, (b, e) in zip(x.shape, widths)], x.dtype, "Pad's output")
     if mode == "constant":
         shape = [n + b + e for n, (b, e) in zip(x.shape, widths)]
         out = torch.full([max(n, 0) for n in shape], value, dtype=x.dtype, device=x.device)
@@ -315,6 +317,8 @@ def size(data):
 def constant_of_shape(input, value=None):  # noqa: A002
     # the shape is read from the input where it is (on the GPU: a sync, never captured)
     shape = ints(input)
+    check_allocation(shape, torch.float32 if value is None else torch.as_tensor(value).dtype,
+                     "ConstantOfShape's output")
     if value is None:
         return (torch.zeros(shape, dtype=torch.float32, device=input.device),)
     fill = torch.as_tensor(value).reshape(-1)[0]  # 0-d: expands to any shape, () included
@@ -329,6 +333,7 @@ def range_(start, limit, delta, stash_type=1):
     if first.dtype == np.float16:
         first, last, step = (v.astype(np.float32) for v in (first, last, step))
     count = max(math.ceil((last - first) / step), 0)
+    check_allocation([count], torch.float64, "Range's output")  # made in float64 or int64
     wide = torch.float64 if first.dtype.kind == "f" else torch.int64
     steps = torch.arange(count, dtype=wide, device=start.device) * step.item()
     return ((steps + first.item()).to(start.dtype),)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.api.memory import check_allocation
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -122,11 +123,14 @@ def gather(data, indices, axis=0):
 
 def expand(input, shape):  # noqa: A002
     target = np.broadcast_shapes(tuple(input.shape), tuple(ints(shape)))
+    check_allocation(target, input.dtype, "Expand's output")
     return (input.expand(target),)
 
 
 def tile(input, repeats):  # noqa: A002
-    return (input.repeat(ints(repeats)),)
+    repeats = ints(repeats)
+    check_allocation([n * r for n, r in zip(input.shape, repeats)], input.dtype, "Tile's output")
+    return (input.repeat(repeats),)
 
 
 def shape(data, start=0, end=None):

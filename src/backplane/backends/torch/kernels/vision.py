@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.api.memory import check_allocation
 from backplane.backends.reference.kernels import resize as spec
 from backplane.backends.reference.kernels.roi_align import _bilinear, _samples
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS
@@ -51,6 +52,10 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
     else:
         factors = [float(s) for s in scales]
         out_sizes = [math.floor(n * f) for n, f in zip(in_sizes, factors)]
+    shape = list(X.shape)
+    for axis, n_out in zip(axes, out_sizes):
+        shape[axis] = n_out
+    check_allocation(shape, torch.float64, "Resize's output")  # computed in float64
     y = X.to(torch.float64)
     outside = np.zeros((), dtype=bool)  # tf_crop_and_resize: positions sampled outside the input
     for i, (axis, n_in, n_out, factor) in enumerate(zip(axes, in_sizes, out_sizes, factors)):
