@@ -107,7 +107,7 @@ def test_session_options_come_second_as_in_onnx_runtime(loud) -> None:
     session = InferenceSession(MODEL, options, providers=["CpuRef", "TestLoud"])
     assert session.get_session_options() is options
     assert session.report.backend_of("relu1") == "TestLoud"  # pinned, though CpuRef comes first
-    with pytest.raises(TypeError, match="two SessionOptions"):
+    with pytest.raises(TypeError, match="is sess_options, and sess_options= is given too"):
         InferenceSession(MODEL, options, sess_options=options)
     with pytest.raises(TypeError, match="sess_options must be a backplane.SessionOptions"):
         InferenceSession(MODEL, ["CpuRef"], sess_options={"strict": True})
@@ -240,3 +240,43 @@ def test_keep_initializers_is_a_flag_and_keeps_the_graphs_weights(tmp_path) -> N
     assert type(kept.graph.constants) is dict and type(kept.optimized.graph.constants) is dict
     assert sorted(released.graph.constants) == sorted(kept.graph.constants)
     assert released.run(None, {"x": X})[0].tobytes() == kept.run(None, {"x": X})[0].tobytes()
+
+
+# -- ONNX Runtime's spellings (issue 31, item 4) ------------------------------------------------------
+def test_onnx_runtimes_argument_order_runs_unchanged() -> None:
+    options = SessionOptions(intra_op_num_threads=1)
+    feed = {"x": np.ones((1, 3, 8, 8), np.float32)}
+    expected = InferenceSession(MODEL, backends=["CpuRef"]).run(None, feed)
+    for session in (InferenceSession(MODEL, options, ["CpuRef"]),            # ORT's positions
+                    InferenceSession(MODEL, options, backends=["CpuRef"]),   # was a TypeError
+                    InferenceSession(MODEL, options, providers=["CpuRef"]),
+                    InferenceSession(MODEL, ["CpuRef"], options),            # backplane's before
+                    InferenceSession(MODEL, ["CpuRef"], sess_options=options),
+                    InferenceSession(MODEL, sess_options=options, providers=["CpuRef"],
+                                     provider_options=[{}]),
+                    InferenceSession(MODEL, options, ["CpuRef"], [{}])):
+        assert session.get_providers() == ["CpuRef"]
+        assert session.get_session_options() is options
+        np.testing.assert_array_equal(session.run(None, feed)[0], expected[0])
+
+
+def test_the_same_argument_twice_is_named() -> None:
+    options = SessionOptions()
+    with pytest.raises(TypeError, match="sess_options"):
+        InferenceSession(MODEL, options, sess_options=options)
+    with pytest.raises(TypeError, match="backends"):
+        InferenceSession(MODEL, ["CpuRef"], backends=["CpuRef"])
+    with pytest.raises(TypeError, match="argument 2 of InferenceSession is a int"):
+        InferenceSession(MODEL, 3)
+
+
+def test_onnx_runtimes_provider_names_run_on_backplanes_backends(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="backplane")
+    session = InferenceSession(MODEL, providers=["CPUExecutionProvider"])
+    torch_here = registry.create("CpuAcc").availability().ok
+    assert session.get_providers() == (["CpuAcc", "CpuRef"] if torch_here else ["CpuRef"])
+    session = InferenceSession(MODEL, providers=[("OpenVINOExecutionProvider", {"device_type": "CPU"}),
+                                                 "CPUExecutionProvider"])
+    assert session.get_providers()[-1] == "CpuRef"
+    assert "device_type" in caplog.text and "ignored" in caplog.text
+    assert "ONNX Runtime's name" in caplog.text

@@ -76,21 +76,61 @@ def _node_arg(name: str, info: TensorInfo) -> NodeArg:
     return NodeArg(name, list(info.shape) if info.shape is not None else None, f"tensor({elem})")
 
 
+def _by_kind(positional: Sequence[Any], **named: Any) -> dict[str, Any]:
+    """The arguments after the model, placed by what they are, as ONNX Runtime's
+    ``(model, sess_options, providers, provider_options)`` and backplane's ``(model, backends,
+    sess_options)`` both give them: a SessionOptions is ``sess_options``, a list of mappings
+    ``provider_options``, another list the backends (``providers`` or ``backends``)."""
+    if len(positional) > 3:
+        raise TypeError(f"InferenceSession takes the model and at most 3 more positional "
+                        f"arguments (sess_options, providers, provider_options), got "
+                        f"{len(positional)}")
+    for index, value in enumerate(positional, start=2):
+        if isinstance(value, SessionOptions):
+            name = "sess_options"
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value \
+                and all(isinstance(item, Mapping) for item in value):
+            name = "provider_options"
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            name = "backends" if named["providers"] is None else "providers"
+        elif value is None:
+            continue
+        else:
+            raise TypeError(f"argument {index} of InferenceSession is a {type(value).__name__}: "
+                            f"give a SessionOptions, a list of providers (backend ids) or a list "
+                            f"of provider options")
+        taken = [n for n in (name, *(("providers",) if name == "backends" else ()))
+                 if named[n] is not None]
+        if taken:
+            raise TypeError(f"argument {index} of InferenceSession is {name}, and {taken[0]}= "
+                            f"is given too")
+        named[name] = value
+    return named
+
+
 # -- the session -------------------------------------------------------------------------------------------
 class InferenceSession:
     """Load an ONNX model onto a list of backends, in order of preference, and run it.
 
+    The signature is ONNX Runtime's: ``InferenceSession(model, sess_options, providers,
+    provider_options)``, so code written for it runs unchanged (its provider names included).
+
     Args:
         model: a path, the serialized bytes, or an onnx.ModelProto.
-        backends: backend ids, most preferred first; each layer runs on the first that supports it.
-            An entry may be ``(id, {option: value})``: options for that backend, named without its
-            id (``("CpuAcc", {"threads": 2})`` is ``CpuAcc.threads``). Default:
+        sess_options: a ``SessionOptions``. A backend list in its place is taken as ``backends``
+            (``InferenceSession(path, ["CpuAcc", "CpuRef"])``).
+        providers: backend ids, most preferred first; each layer runs on the first that supports
+            it. An entry may be ``(id, {option: value})``: options for that backend, named without
+            its id (``("CpuAcc", {"threads": 2})`` is ``CpuAcc.threads``). ONNX Runtime's provider
+            names run on backplane's backends (``session_options.ORT_PROVIDERS``):
+            CPUExecutionProvider on CpuAcc (where torch is installed) and CpuRef,
+            CUDAExecutionProvider and TensorrtExecutionProvider on GpuAcc, OpenVINOExecutionProvider
+            on OpenVINO; their ONNX Runtime options are dropped with a warning. Default:
             ``default_backends()``, the fastest this machine has (GpuAcc, CpuAcc where torch can
             run them, then CpuRef); ``get_providers()`` says which.
-        sess_options: a ``SessionOptions`` (may also come second, as in ONNX Runtime).
-        providers: ONNX Runtime's name for ``backends`` (the same entries); give one or the other.
         provider_options: ONNX Runtime's options per provider: one mapping per entry of
             ``providers`` (or ``backends``).
+        backends: backplane's name for ``providers`` (the same entries); give one or the other.
         pins: layer name or op type -> backend id, tried before the preferences (with
             ``SessionOptions.pins``: both apply).
         optimizer_options: turn generic passes off (``SessionOptions.strict`` sets its ``strict``).
@@ -109,20 +149,20 @@ class InferenceSession:
     options, where given, must be those).
     """
 
-    def __init__(self, model: str | os.PathLike | bytes | onnx.ModelProto,
-                 backends: Sequence[BackendSpec] | SessionOptions | None = None,
-                 sess_options: SessionOptions | None = None, *,
+    def __init__(self, model: str | os.PathLike | bytes | onnx.ModelProto, *positional: Any,
+                 sess_options: SessionOptions | None = None,
                  providers: Sequence[BackendSpec] | None = None,
                  provider_options: Sequence[Mapping[str, Any]] | None = None,
+                 backends: Sequence[BackendSpec] | None = None,
                  pins: Mapping[str, str] | None = None,
                  optimizer_options: OptimizerOptions | None = None, runtime: Runtime | None = None,
                  input_shapes: Mapping[str, Sequence[int]] | None = None,
                  cache_dir: str | os.PathLike | None = None, repreprocess: bool = False) -> None:
         start = time.perf_counter()
-        if isinstance(backends, SessionOptions):  # ONNX Runtime's order: (model, sess_options, ...)
-            if sess_options is not None:
-                raise TypeError("two SessionOptions given: as the second argument and sess_options")
-            backends, sess_options = None, backends
+        given = _by_kind(positional, sess_options=sess_options, providers=providers,
+                         provider_options=provider_options, backends=backends)
+        sess_options, providers = given["sess_options"], given["providers"]
+        provider_options, backends = given["provider_options"], given["backends"]
         if backends is not None and providers is not None:
             raise ValueError("give backends= or providers= (the same list: providers is ONNX "
                              "Runtime's name for it), not both")

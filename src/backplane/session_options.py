@@ -336,6 +336,35 @@ def default_backends() -> tuple[str, ...]:
     return (*found, "CpuRef")
 
 
+ORT_PROVIDERS = {
+    "CPUExecutionProvider": ("CpuAcc", "CpuRef"),
+    "CUDAExecutionProvider": ("GpuAcc",),
+    "TensorrtExecutionProvider": ("GpuAcc",),
+    "OpenVINOExecutionProvider": ("OpenVINO",),
+}
+"""ONNX Runtime's execution providers and the backends that run what each runs (CpuAcc only where
+it is available: CpuRef runs every op), so that code written for ONNX Runtime runs unchanged."""
+_said: set[str] = set()
+
+
+def _from_ort(provider: str, given: Mapping[str, Any]) -> list[str]:
+    """``provider``'s backends, said once in the log; its ONNX Runtime options have no meaning
+    here and are dropped, with a warning naming them."""
+    from backplane.backends.registry import registry
+
+    mapped = [b for b in ORT_PROVIDERS[provider]
+              if b != "CpuAcc" or registry.create(b).availability().ok]
+    if provider not in _said:
+        _said.add(provider)
+        logging.getLogger("backplane.session").info(
+            "%s is ONNX Runtime's name: backplane runs it on %s", provider, ", ".join(mapped))
+    if given:
+        logging.getLogger("backplane.session").warning(
+            "%s's options %s are ONNX Runtime's and mean nothing to %s: ignored (backplane's "
+            "options: `backplane backends`)", provider, sorted(given), ", ".join(mapped))
+    return mapped
+
+
 def backend_list(backends: Sequence[BackendSpec], provider_options: Sequence[Mapping[str, Any]]
                  | None = None) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Backend ids and each one's options (named without its id) from ``backends=`` /
@@ -358,6 +387,11 @@ def backend_list(backends: Sequence[BackendSpec], provider_options: Sequence[Map
         else:
             raise TypeError(f"backends[{index}] must be a backend id or an (id, {{option: value}}) "
                             f"pair, got {item!r}")
+        if backend_id in ORT_PROVIDERS:
+            for mapped in _from_ort(backend_id, given):
+                if mapped not in ids:
+                    ids.append(mapped)
+            continue
         if backend_id == "builtin":
             raise ValueError("'builtin' is backplane's own backend (control flow, copies between "
                              "backends): it is always there; leave it out of the backend list")

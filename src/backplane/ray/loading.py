@@ -55,10 +55,10 @@ def load_session(model: Model, backends: Sequence[BackendSpec] | None,
     if isinstance(model, (bytearray, memoryview)):
         model = bytes(model)
     if not (isinstance(model, bytes) and is_artifact(model)):
-        return InferenceSession(model, backends, sess_options, **dict(session_kwargs or {}))
+        return InferenceSession(model, sess_options, backends=backends, **dict(session_kwargs or {}))
     path = _artifact_file(model)
     try:
-        return InferenceSession(path, backends, sess_options, **dict(session_kwargs or {}))
+        return InferenceSession(path, sess_options, backends=backends, **dict(session_kwargs or {}))
     finally:
         with contextlib.suppress(OSError):  # where a mapped file cannot be removed, it stays
             os.unlink(path)
