@@ -209,6 +209,11 @@ def _transformer() -> dict[str, Case]:
             attrs["activation_params"] = params
         cases[f"FusedConv-{activation}"] = Case("FusedConv", [f(1, 3, 6, 6), f(4, 3, 3, 3),
                                                               f(4)], [F32], attrs)
+    for activation, attrs in (("Relu", {}), ("LeakyRelu", {"activation_alpha": 0.3}),
+                              ("HardSigmoid", {"activation_alpha": 0.3, "activation_beta": 0.6})):
+        cases[f"FusedGemm-{activation}"] = Case(
+            "FusedGemm", [f(4, 6), f(5, 6), f(5)], [F32],
+            {"activation": activation, "transB": 1, "alpha": 0.7, "beta": 1.3, **attrs})
     cases["FusedConv-residual"] = Case("FusedConv", [f(1, 2, 5, 5), f(4, 2, 1, 1), f(4),
                                                      f(1, 4, 5, 5)], [F32],
                                        {"activation": "Relu"}, fed=1)

@@ -23,7 +23,8 @@ from onnx import GraphProto, ModelProto, NodeProto
 
 from backplane.frontends.onnx_file import (  # noqa: F401  # ModelError, load_model: from here too
     ModelError, ReadModel, load_model, read_model)
-from backplane.frontends.onnx_contrib import CONTRIB_DOMAIN, check_ort_node, known_ops, ort_arity
+from backplane.frontends.onnx_contrib import (
+    CONTRIB_DOMAIN, annotate_ort_types, check_ort_node, known_ops, ort_arity)
 from backplane.frontends.onnx_shapes import copy_model, infer_shapes
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
 from backplane.ir.graph import Dim, Graph, Layer, TensorInfo
@@ -50,6 +51,11 @@ def import_onnx(model: str | os.PathLike | bytes | ModelProto | ReadModel,
     if input_shapes:
         proto = _bind_input_shapes(proto, input_shapes)
     proto, weights, refusal = infer_shapes(proto)
+    for _ in proto.graph.node:  # ONNX Runtime's ops typed from their inputs, then onward
+        if not annotate_ort_types(proto):
+            break
+        proto, more, refusal = infer_shapes(proto)
+        weights.update(more)
     importer = _Importer(opsets, proto.functions)
     graph = importer.graph(proto.graph, top_level=True, weights=weights, arrays=arrays)
     if refusal:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from onnx import ModelProto, TensorProto, helper
+
 CONTRIB_DOMAIN = "com.microsoft"
 
 
@@ -53,10 +55,68 @@ ORT_OPS: dict[str, dict[str, Arity]] = {
         "RotaryEmbedding": Arity(1, 4, 4, 1, 1),
         "FusedMatMul": Arity(1, 2, 2, 1, 1),
         "FusedConv": Arity(1, 2, 4, 1, 1),
+        "FusedGemm": Arity(1, 2, 3, 1, 1),
     },
     "": {"SimplifiedLayerNormalization": Arity(1, 2, 2, 1, 2)},
 }
 """domain -> op -> its since-version and how many inputs and outputs it takes."""
+
+
+FLOAT, INT32 = TensorProto.FLOAT, TensorProto.INT32
+
+OUTPUT_TYPES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "QLinearAdd": ((7, 0),), "QLinearMul": ((7, 0),),
+    "QLinearSigmoid": ((4, 0),), "QLinearLeakyRelu": ((4, 0),),
+    "QLinearConcat": ((1,),), "QLinearGlobalAveragePool": ((4, 0),),
+    "QLinearAveragePool": ((4, 0),), "QLinearSoftmax": ((4, 0),),
+    "QGemm": ((8, -FLOAT),), "DynamicQuantizeMatMul": ((-FLOAT,),),
+    "MatMulIntegerToFloat": ((2,),), "MatMulNBits": ((2, 0),),
+    "SkipLayerNormalization": ((2, 0), (-FLOAT,), (-FLOAT,), (2, 0)),
+    "SkipSimplifiedLayerNormalization": ((2, 0), (-FLOAT,), (-FLOAT,), (2, 0)),
+    "SimplifiedLayerNormalization": ((1, 0), (-FLOAT,)),
+    "EmbedLayerNormalization": ((2,), (-INT32,), (2,)),
+    "Gelu": ((0,),), "BiasGelu": ((1, 0),), "FastGelu": ((1, 0),), "QuickGelu": ((0,),),
+    "BiasAdd": ((1, 0),), "Attention": ((1, 0), (1, 0)),
+    "MultiHeadAttention": ((3, 0, 1),) * 3, "RotaryEmbedding": ((2, 0),),
+    "FusedMatMul": ((1, 0),), "FusedConv": ((1, 0),), "FusedGemm": ((1, 0),),
+}
+"""op -> per output, where its element type comes from: the type of the first of these inputs
+that is present and typed, or (a negative number) that TensorProto type. Inputs that are mostly
+weights come first, so that one pass of inference types a whole chain of these ops."""
+
+
+def annotate_ort_types(proto: ModelProto) -> int:
+    """Declare, in ``proto`` (an inferred copy, the importer's own), the element types of the
+    outputs of ONNX Runtime's ops where their sources are typed; onnx's shape inference cannot,
+    and the ops after them would stay untyped. Returns how many outputs it typed."""
+    graph = proto.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in (*graph.input, *graph.value_info,
+                                                                *graph.output)}
+    types.update((init.name, init.data_type) for init in graph.initializer)
+    added = 0
+    for node in graph.node:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if ort_arity(domain, node.op_type) is None or node.op_type not in OUTPUT_TYPES:
+            continue
+        for name, sources in zip(node.output, OUTPUT_TYPES[node.op_type]):
+            if not name or types.get(name):
+                continue
+            elem = _source_type(node.input, sources, types)
+            if elem:
+                graph.value_info.append(helper.make_tensor_value_info(name, elem, None))
+                types[name], added = elem, added + 1
+    return added
+
+
+def _source_type(inputs: list[str] | object, sources: tuple[int, ...], types: dict[str, int],
+                 ) -> int:
+    names = list(inputs)  # type: ignore[call-overload]
+    for source in sources:
+        if source < 0:
+            return -source
+        if source < len(names) and names[source] and types.get(names[source]):
+            return types[names[source]]
+    return 0
 
 
 def ort_arity(domain: str, op_type: str) -> Arity | None:

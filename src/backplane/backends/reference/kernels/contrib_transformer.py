@@ -1,7 +1,8 @@
 """ONNX Runtime's transformer fusions (com.microsoft domain, written by its transformer optimizer),
 from its contrib-op documentation: the normalizations with a residual (Skip*), the BERT embedding,
-the GELU family, Attention (packed QKV weights) and MultiHeadAttention, FusedMatMul, FusedConv,
-RotaryEmbedding; and SimplifiedLayerNormalization, which ONNX Runtime adds to the default domain.
+the GELU family, Attention (packed QKV weights) and MultiHeadAttention, FusedMatMul, FusedGemm,
+FusedConv, RotaryEmbedding; and SimplifiedLayerNormalization, which ONNX Runtime adds to the
+default domain.
 
 Masks follow ONNX Runtime: a masked position gets ``mask_filter_value`` (-10000) added to its score,
 not -inf, so that a row masked throughout averages its values instead of giving NaN.
@@ -18,6 +19,7 @@ from backplane.backends.api.kernels import KernelTable
 from backplane.backends.reference.kernels.attention import rotary_embedding
 from backplane.backends.reference.kernels.conv import conv
 from backplane.backends.reference.kernels.elementwise import gelu
+from backplane.backends.reference.kernels.matmul import gemm
 from backplane.backends.reference.kernels.normalization import layer_normalization
 from backplane.backends.reference.kernels.reduce import softmax
 from backplane.ir.graph import Layer, TensorInfo
@@ -107,6 +109,17 @@ def fused_conv(X, W, B=None, Z=None, activation="", activation_params=None,  # n
     if activation:
         y = ACTIVATIONS[activation](y, *(activation_params or ()))
     return (y.astype(X.dtype),)
+
+
+def fused_gemm(A, B, C=None, activation="", activation_alpha=None,  # noqa: N803
+               activation_beta=None, activation_gamma=None, alpha=1.0, beta=1.0, transA=0,
+               transB=0):  # noqa: N803
+    # Gemm, then the activation with its attributes (alpha, beta) in order.
+    (y,) = gemm(A, B, C, alpha=alpha, beta=beta, transA=transA, transB=transB)
+    if activation:
+        params = [p for p in (activation_alpha, activation_beta, activation_gamma) if p is not None]
+        y = ACTIVATIONS[activation](y, *params)
+    return (y.astype(A.dtype),)
 
 
 def fused_mat_mul(A, B, alpha=1.0, transA=0, transB=0, transBatchA=0,  # noqa: N803
@@ -256,10 +269,11 @@ def _check_mask(info: TensorInfo | None, name: str) -> str | None:
     return None
 
 
-def check_fused_conv(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+def check_activation(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     activation = layer.attrs.get("activation", "")
     if activation and activation not in ACTIVATIONS:
-        return f"FusedConv activation '{activation}' not supported (takes {', '.join(ACTIVATIONS)})"
+        return (f"{layer.op_type} activation '{activation}' not supported (takes "
+                f"{', '.join(ACTIVATIONS)})")
     return None
 
 
@@ -286,6 +300,7 @@ KERNELS: KernelTable = {
     MS + "QuickGelu": {1: quick_gelu},
     MS + "BiasAdd": {1: bias_add},
     MS + "FusedConv": {1: fused_conv},
+    MS + "FusedGemm": {1: fused_gemm},
     MS + "FusedMatMul": {1: fused_mat_mul},
     MS + "Attention": {1: attention},
     MS + "MultiHeadAttention": {1: multi_head_attention},
@@ -295,7 +310,8 @@ KERNELS: KernelTable = {
 CHECKS = {
     MS + "Attention": check_attention,
     MS + "MultiHeadAttention": check_multi_head_attention,
-    MS + "FusedConv": check_fused_conv,
+    MS + "FusedConv": check_activation,
+    MS + "FusedGemm": check_activation,
     MS + "FusedMatMul": check_fused_mat_mul,
     MS + "RotaryEmbedding": check_rotary,
 }
