@@ -91,8 +91,7 @@ class CompiledPartition:
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._idle.put(compiled.create_infer_request())  # made at load; more if runs overlap
         passed = passed_through(compiled)  # copied after the run, as a shape known only then
-        self._outputs = [(tuple(info.shape)  # type: ignore[arg-type]
-                          if info.is_static and index not in passed else None,
+        self._outputs = [(_static_shape(info, port) if index not in passed else None,
                           port.get_element_type().to_dtype())
                          for index, (info, port) in enumerate(zip(outputs, compiled.outputs))]
 
@@ -142,6 +141,18 @@ class CompiledPartition:
                          for i, array in enumerate(results))
         finally:
             self._idle.put(request)
+
+
+def _static_shape(info: TensorInfo, port: Any) -> tuple[int, ...] | None:
+    """The shape of an output both the graph and OpenVINO know before the run, or None. Where the
+    graph's is static and OpenVINO's is not (a model declaring an output shape its input's free
+    dimension contradicts), OpenVINO writes a smaller tensor into the array it is given and leaves
+    the rest as np.empty left it: such an output is copied after the run, in OpenVINO's shape."""
+    shape = port.get_partial_shape()
+    if not info.is_static or shape.is_dynamic:
+        return None
+    ours = tuple(int(d) for d in info.shape)  # type: ignore[union-attr]
+    return ours if ours == tuple(shape.to_shape()) else None
 
 
 def passed_through(compiled: Any) -> set[int]:
