@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -277,3 +280,19 @@ def test_progress_shows_on_a_terminal_only(monkeypatch) -> None:
         monkeypatch.setattr(cli, "err_console", console)
         with cli._working(argparse.Namespace(quiet=quiet), "work"):
             assert (progress.active() is not None) is shown  # more in tests/test_progress.py
+
+
+def test_log_lines_in_a_file_or_pipe_are_as_long_as_their_message(model_path) -> None:
+    """Rich padded every log line to the console's width (10,000 characters) off a terminal.
+    The warning: an unavailable backend (GpuAcc without CUDA, which CI's machine lacks)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("GpuAcc is available here: no warning to look at")
+    done = subprocess.run([sys.executable, "-m", "backplane", "run", str(model_path),
+                           "--backends", "GpuAcc,CpuRef", "--repeat", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert any("GpuAcc is not available" in line for line in lines), done.stderr
+    assert max(len(line) for line in lines) < 400, max(lines, key=len)[:200]
+    assert all(line == line.rstrip() for line in lines)

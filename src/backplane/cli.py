@@ -50,10 +50,13 @@ WIDE = 10_000
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     messages = Console(stderr=True)
-    if not messages.is_terminal:
-        messages.width = WIDE  # one message, one line, when stderr goes to a file or a pipe
-    logging.basicConfig(level=log_level(args), format="%(message)s", force=True,
-                        handlers=[RichHandler(console=messages, show_time=False, show_path=False)])
+    if messages.is_terminal:
+        handler: logging.Handler = RichHandler(console=messages, show_time=False, show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:  # a file or a pipe: one plain line per message, as long as the message (rich pads
+        handler = logging.StreamHandler(sys.stderr)  # every line to the console's width)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=log_level(args), force=True, handlers=[handler])
     if not console.is_terminal:
         console.width = WIDE
     as_json = getattr(args, "json", False)
