@@ -13,10 +13,12 @@ absolute).
 
 from __future__ import annotations
 
+from backplane.install_hints import hint
+
 try:
     import ray  # noqa: F401
 except ImportError as exc:  # pragma: no cover - only without the extra
-    raise ImportError("backplane.ray needs Ray: pip install 'backplane-nn[ray]' (ray[data,serve])"
+    raise ImportError(f"backplane.ray needs Ray: {hint('ray')}"
                       ) from exc
 
 from typing import TYPE_CHECKING, Any

@@ -17,6 +17,7 @@ from backplane.backends.registry import registry as default_registry
 from backplane.backends.registry.dynamic import backend_paths
 from backplane.backends.api.memory import device_of, host_view
 from backplane.ir.graph import TensorInfo
+from backplane.install_hints import hint
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork, Plan, WorkloadError
 from backplane.runtime.ownership import owned
@@ -297,7 +298,7 @@ def _device_tensor(name: str, value: Any) -> tuple[Any, np.dtype]:
         from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
     except ImportError:
         raise InvalidInputError(f"input '{name}' is in {device_of(value)} memory; reading device "
-                                f"memory takes torch (pip install torch)") from None
+                                f"memory takes torch ({hint('torch')})") from None
     tensor = value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
     for dtype, torch_dtype in NUMPY_TO_TORCH.items():
         if torch_dtype == tensor.dtype:

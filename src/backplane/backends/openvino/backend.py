@@ -1,4 +1,4 @@
-"""OpenVINO: a compiling CPU backend over Intel's OpenVINO runtime (``pip install 'backplane-nn[openvino]'``).
+"""OpenVINO: a compiling CPU backend over Intel's OpenVINO runtime (``pip install openvino``).
 
 Support is OpenVINO's own answer. ``is_layer_supported`` refuses what it can tell from a layer alone:
 element types the CPU plugin does not compute as they are (float64 runs as float32 there), sub-graphs
@@ -37,9 +37,10 @@ from backplane.backends.api.backend import (
 )
 from backplane.backends.api.kernels import UnsupportedError
 from backplane.backends.api.optimization import OptimizationViews
+from backplane.install_hints import hint
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
-INSTALL = "pip install 'backplane-nn[openvino]'"
+INSTALL = hint("openvino")
 QUANTIZED_OPS = frozenset({
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul",
     "MatMulInteger", "ConvInteger", "QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool",

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.install_hints import hint
 from backplane.ir.graph import Layer, TensorInfo
 
 MODES = {"RGB": "RGB", "BGR": "RGB", "Grayscale": "L"}  # ONNX pixel_format -> Pillow's mode
@@ -29,7 +30,7 @@ def image_decoder(encoded_stream, pixel_format="RGB"):
 
 def check_image_decoder(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     if importlib.util.find_spec("PIL") is None:
-        return "ImageDecoder needs Pillow (pip install pillow)"
+        return f"ImageDecoder needs Pillow ({hint('image')})"
     pixel_format = layer.attrs.get("pixel_format", "RGB")
     if pixel_format not in MODES:
         return f"pixel_format {pixel_format!r} not known (known: {', '.join(MODES)})"
