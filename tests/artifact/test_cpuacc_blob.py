@@ -1,14 +1,12 @@
-"""CpuAcc's blob: compiled OneDnnGraphs kept as TorchScript archives without their weights, loaded
-without a call, compiled by oneDNN Graph at their first run, per thread count."""
+"""CpuAcc's blob: data only (routes, the compiled OneDnnGraphs' names, packed weights); a compiled
+OneDnnGraph traced again from its layer and compiled by oneDNN Graph at its first run, per thread
+count."""
 
 from __future__ import annotations
 
-import io
 import json
-import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import backplane
@@ -23,40 +21,47 @@ COMPILED = [("CpuAcc", {"compile": "onednn_graph"}), "CpuRef"]
 machine)."""
 
 
-def _cpuacc_blob(artifact: Path) -> tuple[dict, memoryview, int]:
-    """The header and payload of the artifact's one CpuAcc blob, and the constants' bytes."""
+def cpuacc_blob(artifact: Path) -> tuple[dict, memoryview]:
+    """The header and payload of the artifact's one CpuAcc blob."""
     contents = container.read(artifact)
     (blob,) = [v for k, v in contents.sections.items() if k.startswith("blob:")]
     length = int.from_bytes(blob[:8], "little")
-    return (json.loads(bytes(blob[8:8 + length])), blob[8 + length:],
-            len(contents.sections["constants"]))
+    return json.loads(bytes(blob[8:8 + length])), blob[8 + length:]
 
 
-def test_the_blob_keeps_the_module_without_its_weights(tmp_path: Path) -> None:
-    """The archive's tensors are empty; each weight is a view of the artifact's constants or, for
-    a layout a route made (a channels-last copy), its bytes in the payload: each weight is stored
-    once, never twice as a copy of a constant."""
+@pytest.mark.parametrize("options", [{"compile": "onednn_graph"},
+                                     {"compile": "layers", "conv_route": "onednn"}])
+def test_the_blob_holds_routes_names_and_packed_weights_only(tmp_path: Path,
+                                                             options: dict) -> None:
+    """Layout 3: the routes, the compiled OneDnnGraph by name, and a payload made of the packed
+    weights' descriptors and bytes alone, each at a multiple of 64 bytes: no archive, no module,
+    no weight copied from the constants."""
     path, _ = model_and_feeds("tiny_mobilenet_v3")
     artifact = tmp_path / "m.bpl"
-    backplane.compile(path, COMPILED, artifact)
-    header, payload, constants = _cpuacc_blob(artifact)
-    (kept,) = header["modules"].values()
-    start, size = kept["archive"]
-    archive = zipfile.ZipFile(io.BytesIO(bytes(payload[start:start + size])))
-    assert all(info.file_size == 0 for info in archive.infolist() if "/data/" in info.filename)
-    kinds = [recipe[0] for recipe in kept["weights"].values()]
-    assert set(kinds) <= {"view", "raw"} and kinds.count("view") > 0.9 * len(kinds)
-    raw = sum(recipe[2][1] for recipe in kept["weights"].values() if recipe[0] == "raw")
-    assert raw < 0.1 * constants
-    assert all(recipe[2][0] % container.ALIGNMENT == 0 for recipe in kept["weights"].values()
-               if recipe[0] == "raw")
+    backplane.compile(path, [("CpuAcc", options), "CpuRef"], artifact)
+    header, payload = cpuacc_blob(artifact)
+    assert sorted(header) == ["compiled", "layout", "packed", "routes"] and header["layout"] == 3
+    assert all(isinstance(v, str) for v in header["routes"].values())
+    if options["compile"] == "onednn_graph":
+        (name,) = header["compiled"]
+        assert name.startswith("OneDnnGraph")
+    else:
+        assert header["compiled"] == [] and header["packed"]
+    pieces = sorted(where for entry in header["packed"].values()
+                    for where in (entry["descriptor"], entry["data"]))
+    covered = 0
+    for offset, size in pieces:  # one after the other, aligned, and nothing else
+        assert offset % container.ALIGNMENT == 0 and offset == covered + (-covered % container.ALIGNMENT)
+        covered = offset + size
+    assert covered == len(payload)
 
 
 def test_compiled_at_the_first_run_not_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                ) -> None:
-    """Loading makes the frozen module and calls nothing; the first run compiles it (one module,
-    at that run's thread count: a busy machine's thread policy may pick another count for the
-    second run, which compiles one more) and its outputs are the ONNX session's, bit for bit."""
+    """Loading makes no module and calls nothing; the first run traces the module again from its
+    layer, freezes and compiles it (one module, at that run's thread count: a busy machine's
+    thread policy may pick another count for the second run, which freezes and compiles one more)
+    and its outputs are the ONNX session's, bit for bit."""
     from backplane.backends.torch.fusion import onednn_graph
 
     made: list[onednn_graph.CompiledPerThreads] = []
@@ -112,23 +117,3 @@ def test_each_thread_count_compiles_its_own_module_at_its_first_call() -> None:
             assert len(makes) == 2 and set(kept.modules) == {1, 2}
     finally:
         torch.set_num_threads(before)
-
-
-def test_a_weight_in_another_layout_is_mapped_in_its_own_strides() -> None:
-    """A raw weight comes back with its strides (a channels-last copy stays channels-last) as a
-    view of the payload, not a copy; a view of a constant as a view of the mapped array."""
-    from backplane.backends.torch import delegate
-
-    array = np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)
-    last = torch.from_numpy(array).contiguous(memory_format=torch.channels_last)
-    payload = bytearray()
-    raw = delegate._recipe(last, {"constants/w": array}, payload)
-    view = delegate._recipe(torch.from_numpy(array)[1], {"constants/w": array}, payload)
-    assert raw[0] == "raw" and view[:3] == ["view", "constants/w", 12]
-    mapped = memoryview(bytearray(payload))
-    again = delegate._tensor(raw, {"constants/w": array}, mapped)
-    assert again.stride() == last.stride() and torch.equal(again, last)
-    assert again.data_ptr() == torch.frombuffer(mapped, dtype=torch.uint8).data_ptr()
-    viewed = delegate._tensor(view, {"constants/w": array}, mapped)
-    assert torch.equal(viewed, torch.from_numpy(array)[1])
-    assert viewed.data_ptr() == array[1].__array_interface__["data"][0]

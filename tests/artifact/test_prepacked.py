@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +115,76 @@ def test_routes_not_kept_leave_no_packed_weight(tmp_path: Path) -> None:
     artifact = tmp_path / "bert.bpl"
     backplane.compile(path, [("CpuAcc", {"CpuAcc.linear_route": "mkl"}), "CpuRef"], artifact)
     assert _packed_entries(artifact) == {}
+
+
+def _set(at: int, fmt: str, *values: int):
+    def change(descriptor: bytearray) -> None:
+        struct.pack_into(fmt, descriptor, at, *values)
+    return change
+
+
+@pytest.mark.parametrize("change, data_size, named", [
+    (lambda d: d.pop(), None, "descriptor of 771 bytes"),
+    (lambda d: None, -64, "reads 24576 bytes"),
+    (_set(304, "<q", 64), None, "reads 24832 bytes (offset 64"),  # offset0 past the data
+    (_set(320, "<q", 3072 * 5), None, "reads 73728 bytes"),  # an outer stride past it
+    (_set(424, "<q", 1 << 40), None, "pads dim 1 to 48, not a multiple"),  # a huge inner block
+    (_set(4, "<i", 1000), None, "1000 dims"),
+    (_set(416, "<i", 13), None, "13 inner blocks"),
+    (_set(520, "<q", 100000), None, "inner blocks [16, 64] of dims [100000, 0]"),
+    (_set(8, "<q", 97), None, "dims [97, 40]"),
+    (_set(104, "<i", 5), None, "data type 5"),
+    (_set(312, "<i", 3), None, "format kind 3"),
+    (_set(208, "<q", 8), None, "padded offsets [8, 0]"),
+    (_set(0, "<i", 7), None, "starts with 7"),
+    (_set(768, "<i", 0), None, "in 0 group(s)")])
+def test_a_crafted_descriptor_is_refused_before_torch_reads_it(change, data_size, named) -> None:
+    """A descriptor changed in one field (or its data cut short): an ArtifactError naming the
+    field, where torch would have read past the data (or oneDNN past its own arrays)."""
+    from backplane.artifact.container import ArtifactError
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(96, 40), 8)
+    descriptor, data, sizes, dtype = prepacked.to_bytes(packed)
+    assert len(descriptor) == 772 and len(data) == 24576  # the fields' offsets are this torch's
+    crafted = bytearray(descriptor)
+    change(crafted)
+    memory = _aligned_copy(data[:len(data) + data_size] if data_size else data)
+    with pytest.raises(ArtifactError, match=re.escape(named)):
+        prepacked.from_bytes(bytes(crafted), memory, sizes, dtype)
+
+
+def test_a_packed_type_outside_the_table_is_refused() -> None:
+    from backplane.artifact.container import ArtifactError
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(96, 40), 8)
+    descriptor, data, sizes, _ = prepacked.to_bytes(packed)
+    for dtype in ("float64", "__class__", "bfloat16"):
+        with pytest.raises(ArtifactError, match="type"):
+            prepacked.from_bytes(descriptor, _aligned_copy(data), sizes, dtype)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("data", lambda where, n: [where[0], where[1] - 64], "reads"),
+    ("data", lambda where, n: [where[0], n], "inside its payload"),
+    ("data", lambda where, n: [-64, where[1]], "inside its payload"),
+    ("descriptor", lambda where, n: [where[0] + 64, where[1]], "descriptor"),
+    ("sizes", lambda sizes, n: [sizes[0] * 2, sizes[1]], "its layer's weight has sizes"),
+    ("dtype", lambda dtype, n: "float64", "its layer's weight has sizes")])
+def test_a_crafted_packed_entry_in_an_artifact_is_refused(tmp_path: Path, field: str, value,
+                                                          named: str) -> None:
+    """A packed weight's entry pointing past its slice, at another slice or at a weight of other
+    sizes or type: the artifact's load is an ArtifactError that names it."""
+    from tests.artifact.test_hostile_blob import blob_of, refused, rewrite
+
+    path, _ = model_and_feeds("tiny_bert")
+    artifact = tmp_path / "bert.bpl"
+    backplane.compile(path, [("CpuAcc", {"CpuAcc.linear_route": "onednn"}), "CpuRef"], artifact)
+    (blob,) = [v for k, v in container.read(artifact).sections.items() if k.startswith("blob:")]
+    length = int.from_bytes(blob[:8], "little")
+    header, payload = json.loads(bytes(blob[8:8 + length])), bytes(blob[8 + length:])
+    name = sorted(header["packed"])[0]
+    entry = header["packed"][name]
+    entry[field] = value(entry[field], len(payload))
+    rewrite(artifact, blob_of(header, payload))
+    message = refused(artifact)
+    assert named in message and (name in message or field in ("data", "descriptor"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -112,10 +113,10 @@ def test_control_flow_bodies_and_copy_layers_survive(tmp_path: Path) -> None:
 
 def test_cpuacc_loads_without_tracing_or_measuring(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """CpuAcc's blob keeps the routes it measured and the traced OneDnnGraph: loading the
-    artifact traces nothing and measures nothing, and its outputs are the ONNX session's, bit for
-    bit."""
-    torch = pytest.importorskip("torch")
+    """CpuAcc's blob keeps the routes it measured and which OneDnnGraph it compiled: loading the
+    artifact traces nothing and measures nothing, its first run traces that OneDnnGraph once from
+    its layer (the blob holds no module), and its outputs are the ONNX session's, bit for bit."""
+    pytest.importorskip("torch")
     path, feeds = model_and_feeds("tiny_mobilenet_v3")
     artifact = tmp_path / "m.bpl"
     backplane.compile(path, ["CpuAcc", "CpuRef"], artifact)
@@ -124,15 +125,22 @@ def test_cpuacc_loads_without_tracing_or_measuring(tmp_path: Path,
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("traced or measured while loading an artifact")
 
-    monkeypatch.setattr(torch.jit, "trace", refuse)
+    from backplane.backends.torch.fusion import onednn_graph
+
+    traces = []
+    trace = onednn_graph._trace
+    monkeypatch.setattr(onednn_graph, "_trace", lambda *a: traces.append(1) or trace(*a))
     monkeypatch.setattr("backplane.backends.torch.route_cache.store", refuse)
     monkeypatch.setenv("BACKPLANE_CACHE_DIR", str(tmp_path / "empty"))  # no route on disk either
     session = InferenceSession(artifact)
     (delegate,) = [lay for lay in session.optimized.graph.layers if lay.domain == DELEGATE_DOMAIN]
-    assert delegate.backend == "CpuAcc"
+    blob = delegate.attrs["blob"]
+    compiled = json.loads(bytes(blob[8:8 + int.from_bytes(blob[:8], "little")]))["compiled"]
+    assert delegate.backend == "CpuAcc" and traces == []
     inner = delegate.attrs["graph"].layers
     assert [lay.op_type for lay in inner] == ["OneDnnGraph"]
     assert delegate.attrs["debug_handle_map"][inner[0].name][0] == \
         "/features/features.0/features.0.0/Conv"  # the model node the blob starts with
     for a, b in zip(session.run(None, feeds), expected):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    assert len(traces) == len(compiled) <= 1

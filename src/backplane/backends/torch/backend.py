@@ -41,6 +41,7 @@ from backplane.backends.api.backend import (
 )
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory
 from backplane.backends.api.optimization import OptimizationViews
+from backplane.install_hints import hint
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
 FUSED_DOMAIN = "backplane.torch"
@@ -50,7 +51,7 @@ FUSED_DOMAIN = "backplane.torch"
 def torch_missing() -> str | None:
     """Why torch cannot be used here, or None."""
     if importlib.util.find_spec("torch") is None:
-        return "torch is not installed (pip install 'backplane-nn[torch]')"
+        return f"torch is not installed ({hint('torch')})"
     return None
 
 
@@ -78,7 +79,7 @@ zero-copy views (torch.from_numpy / .numpy())."""
 class TorchBackend(Backend):
     """What CpuAcc and GpuAcc share: the kernel table, the support check, fused-layer workloads."""
 
-    version = "0.2.0"  # 0.2: CpuAcc blobs hold weightless archives (delegate.py)
+    version = "0.3.0"  # 0.3: CpuAcc blobs hold no archive, only data (delegate.py's layout 3)
 
     def __init__(self) -> None:
         self.options = BackendOptions()

@@ -1,33 +1,29 @@
-"""CpuAcc's artifact blob: what its load does at a cost, done once at compile time.
+"""CpuAcc's artifact blob: what its load does at a cost, done once at compile time, kept as data.
 
 Loading a CpuAcc partition measures routes (oneDNN, MKL or torch's own per fused layer, compiled
-or layer by layer per OneDnnGraph) and traces, freezes and compiles the compiled partitions.
-``preprocess`` does that load once and keeps in the blob every route chosen, by its route-cache
-key, and each compiled OneDnnGraph as its traced module without its weights
-(``onednn_graph.weightless``: a TorchScript archive, each tensor the trace read a buffer saved
-empty), with where each weight is: a view of one of the layer's own arrays, which the artifact
-stores as its constants ("view": most weights), or its bytes in the blob, in its own strides
-("raw": a layout a route made, as a 3x3 kernel's channels-last copy). ``init`` creates the
-workloads with the routes known (nothing is measured), loads each archive (``torch.jit.load``),
-sets its buffers to those tensors, mapped from the file, not copied, and freezes it: nothing
-runs. oneDNN Graph compiles the frozen module's partitions at its first run, on that run's inputs
-and at that run's thread count (``onednn_graph.CompiledPerThreads``): the first run costs what
-the profiling executor needs (a profiled run, then the partitions compiled and run).
+or layer by layer per OneDnnGraph) and packs the weights of its oneDNN routes. ``preprocess`` does
+that load once and keeps in the blob every route chosen, by its route-cache key, the names of the
+OneDnnGraph layers it compiled, and each weight a kept oneDNN route packed, as its bytes and its
+oneDNN memory descriptor (``prepacked``). ``init`` creates the workloads with the routes known
+(nothing is measured, no weight packed), each compiled OneDnnGraph's layers among them, from the
+layer the artifact's network stores as data, its weights mapped from the file. At its first run
+such a OneDnnGraph is traced with the kept routes (its layers run once on a sample) and frozen
+(``onednn_graph.retraced``), then compiled by oneDNN Graph on that run's inputs and at that run's
+thread count (``onednn_graph.CompiledPerThreads``): the first run costs the trace and what the
+profiling executor needs (a profiled run, then the partitions compiled and run).
 
-The blob: an 8-byte little-endian length, a JSON header ``{"routes": {key: route}, "modules":
-{layer name: {"archive": [offset, size], "weights": {buffer: recipe}}}, "packed": {layer name:
-{"descriptor": [offset, size], "data": [offset, size], "sizes": [...], "dtype": "float32"}}}``
-padded so that the payload starts at a multiple of 64 bytes, then the payload: the archives, the
-raw weights and the packed ones, each at a multiple of 64 bytes (a blob without "packed", of an
-earlier backplane, loads and packs as before). A recipe is ``["view", array, element offset, sizes, strides]``
-(``array``: ``constants/NAME`` or ``layers/I/ATTRIBUTE`` of the OneDnnGraph layer) or ``["raw",
-dtype, [offset, size], sizes, strides]``.
+The blob is data: no TorchScript archive, no pickle, no name from the file looked up in a module
+(a type is read through ``prepacked.DTYPES``). Every offset, size and descriptor is checked against
+the payload it points into before native code reads it, and every name against the partition's
+layers; a blob that fails is an ``ArtifactError`` naming what and where.
 
-A TorchScript archive is code, not pickled Python: TorchScript source (``code/``) that torch
-compiles at ``torch.jit.load`` and runs at every call, and its objects (``data.pkl``,
-``constants.pkl``: the module, its empty buffers, a scalar constant) in pickle's byte format, read
-by torch's own C++ unpickler, which builds tensors and TorchScript objects and resolves classes in
-the archive's own code only: no Python object is unpickled and no Python runs.
+The blob: an 8-byte little-endian length, a JSON header ``{"layout": 3, "routes": {key: route},
+"compiled": [layer name, ...], "packed": {layer name: {"descriptor": [offset, size], "data":
+[offset, size], "sizes": [...], "dtype": "float32"}}}`` padded so that the payload starts at a
+multiple of 64 bytes, then the payload: the packed weights' descriptors and bytes, each at a
+multiple of 64 bytes. Layouts 1 and 2 (no "layout"; CpuAcc 0.1 and 0.2) kept each compiled
+OneDnnGraph as a TorchScript archive, code that loading it would run: such a blob is refused
+(compile the model again).
 """
 
 from __future__ import annotations
@@ -36,20 +32,22 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from backplane.artifact.container import ALIGNMENT
+from backplane.artifact.container import ALIGNMENT, ArtifactError
 from backplane.backends.api.backend import InitContext, PreprocessResult, Workload
 from backplane.backends.torch import prepacked, route_cache
 from backplane.backends.torch.fusion import onednn_graph
 from backplane.ir.graph import Graph, Layer
 
 FACT_NAMES = ("torch", "isa")
+LAYOUT = 3
+"""The blob's layout: 3 holds no code (1 and 2 held TorchScript archives, refused)."""
+KEYS = ("layout", "routes", "compiled", "packed")
+PACKED_KEYS = ("descriptor", "data", "sizes", "dtype")
 
 
 def machine_facts() -> dict[str, str]:
     """What CpuAcc's blobs depend on: torch's version (its TorchScript and oneDNN) and the
-    instruction sets the routes were measured and the partitions compiled with."""
+    instruction sets the routes were measured and the weights packed for."""
     import torch
 
     from backplane.artifact.facts import cpu
@@ -58,24 +56,19 @@ def machine_facts() -> dict[str, str]:
 
 
 def preprocess(backend: Any, graph: Graph) -> PreprocessResult:
-    """Load the partition once, keeping the routes chosen and the compiled modules' archives."""
+    """Load the partition once, keeping the routes chosen, the compiled OneDnnGraphs' names and
+    the packed weights."""
     kept: dict[str, str] = {}
     made: dict[str, Any] = {}
     token, packing = route_cache.KEPT.set(kept), prepacked.MADE.set(made)
     try:
-        workloads = _workloads(backend, graph, {})
-        compiled = [layer for layer, workload in zip(graph.layers, workloads)
+        workloads = _workloads(backend, graph, set())
+        compiled = [layer.name for layer, workload in zip(graph.layers, workloads)
                     if layer.op_type == "OneDnnGraph"
                     and getattr(workload, "route", None) == "onednn_graph"]
-        header: dict[str, Any] = {"routes": kept, "modules": {}, "packed": {}}
+        header: dict[str, Any] = {"layout": LAYOUT, "routes": kept, "compiled": compiled,
+                                  "packed": {}}
         payload = bytearray()
-        for layer in compiled:
-            archive, weights = onednn_graph.weightless(layer, backend, _sample(layer, graph))
-            arrays = _arrays(layer)
-            header["modules"][layer.name] = {
-                "archive": _append(payload, archive),
-                "weights": {name: _recipe(tensor, arrays, payload)
-                            for name, tensor in weights.items()}}
         if prepacked.available():
             for name, tensor in sorted(prepacked.alive(made).items()):
                 descriptor, data, sizes, dtype = prepacked.to_bytes(tensor)
@@ -93,40 +86,115 @@ def preprocess(backend: Any, graph: Graph) -> PreprocessResult:
 
 
 def init(backend: Any, processed: bytes | memoryview, context: InitContext) -> Callable[..., Any]:
-    """The partition's workloads with the kept routes and modules, as one call (the handle)."""
-    processed = memoryview(processed)
-    length = int.from_bytes(processed[:8], "little")
-    header = json.loads(bytes(processed[8:8 + length]))
-    payload = processed[8 + length:]
-    layers = {layer.name: layer for layer in context.graph.layers}
-    modules = {}
-    for name, kept in header["modules"].items():
-        if not isinstance(kept, dict):  # [offset, size]: a frozen module with its weights
-            raise ValueError(f"CpuAcc's blob for {name} is of the layout before weightless "
-                             f"modules; compile the model again")
-        start, size = kept["archive"]
-        arrays = _arrays(layers[name])
-        weights = {buffer: _tensor(recipe, arrays, payload)
-                   for buffer, recipe in kept["weights"].items()}
-        modules[name] = _maker(payload[start:start + size], weights)
-    packed = {name: prepacked.from_bytes(_slice(payload, kept["descriptor"]),
-                                         _slice(payload, kept["data"]), kept["sizes"], kept["dtype"])
-              for name, kept in header.get("packed", {}).items()} if prepacked.available() else {}
-    token, packing = route_cache.KEPT.set(dict(header["routes"])), prepacked.KEPT.set(packed)
+    """The partition's workloads with the kept routes and packed weights, the compiled
+    OneDnnGraphs traced again, as one call (the handle)."""
+    header, payload = _header(memoryview(processed))
+    compiled = _compiled_names(header["compiled"], context.graph)
+    packed = _packed(header["packed"], payload, context.graph) if prepacked.available() else {}
+    token, packing = route_cache.KEPT.set(header["routes"]), prepacked.KEPT.set(packed)
     try:
-        workloads = _workloads(backend, context.graph, modules)
+        workloads = _workloads(backend, context.graph, compiled)
     finally:
         route_cache.KEPT.reset(token)
         prepacked.KEPT.reset(packing)
     return _sequence(context.graph, workloads)
 
 
-def _workloads(backend: Any, graph: Graph, modules: dict[str, Callable[[], Any]]) -> list[Workload]:
+# -- reading the blob: every field checked before it is used --------------------------------------
+def _header(processed: memoryview) -> tuple[dict[str, Any], memoryview]:
+    """The blob's header, checked as layout 3's, and its payload."""
+    length = int.from_bytes(processed[:8], "little") if len(processed) >= 8 else -1
+    if not 0 <= length <= len(processed) - 8:
+        raise ArtifactError(f"CpuAcc's blob of {len(processed)} bytes names a header of {length}")
+    try:
+        header = json.loads(bytes(processed[8:8 + length]))
+    except ValueError as exc:
+        raise ArtifactError(f"CpuAcc's blob has no JSON header: {exc}") from exc
+    if not isinstance(header, dict) or header.get("layout") != LAYOUT:
+        layout = header.get("layout", "1 or 2") if isinstance(header, dict) else "unknown"
+        raise ArtifactError(f"CpuAcc's blob is of layout {layout}, this CpuAcc reads layout "
+                            f"{LAYOUT} (earlier ones kept TorchScript archives, which are not "
+                            f"loaded): compile the model again")
+    routes, compiled, packed = header.get("routes"), header.get("compiled"), header.get("packed")
+    if (sorted(header) != sorted(KEYS) or not _strings(routes, values=True)
+            or not (isinstance(compiled, list) and all(isinstance(n, str) for n in compiled))
+            or not _strings(packed)):
+        raise ArtifactError(f"CpuAcc's blob header has keys {sorted(header)} (expected "
+                            f"{', '.join(KEYS)}: routes a mapping of names to names, compiled a "
+                            f"list of layer names, packed a mapping by layer name)")
+    return header, processed[8 + length:]
+
+
+def _strings(value: Any, values: bool = False) -> bool:
+    """Whether ``value`` is a dict with string keys (and string values, where ``values``)."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and (not values or isinstance(v, str)) for k, v in value.items())
+
+
+def _compiled_names(names: list[str], graph: Graph) -> set[str]:
+    """The compiled OneDnnGraphs' names, each one of the partition's OneDnnGraph layers."""
+    choices = {layer.name for layer in graph.layers if layer.op_type == "OneDnnGraph"}
+    for name in names:
+        if name not in choices:
+            raise ArtifactError(f"CpuAcc's blob names {name!r} a compiled OneDnnGraph; the "
+                                f"partition's are: {', '.join(sorted(choices)) or 'none'}")
+    return set(names)
+
+
+def _packed(entries: dict[str, Any], payload: memoryview, graph: Graph) -> dict[str, Any]:
+    """The packed weights of ``entries`` by layer name, each checked against the layer that reads
+    it (its weight's sizes and type) and made from the payload's bytes (``prepacked.from_bytes``:
+    the descriptor checked against its data first)."""
+    layers = _weighted_layers(graph)
+    packed = {}
+    for name, entry in entries.items():
+        layer = layers.get(name)
+        if layer is None:
+            raise ArtifactError(f"CpuAcc's blob keeps a packed weight for {name!r}, which is no "
+                                f"fused layer of the partition with a weight")
+        sizes = list(layer.attrs["weight"].shape)
+        dtype = layer.attrs.get("compute") or "float32"
+        if not isinstance(entry, dict) or sorted(entry) != sorted(PACKED_KEYS) or \
+                entry["sizes"] != sizes or entry["dtype"] != dtype:
+            raise ArtifactError(f"CpuAcc's blob keeps a packed weight for {name!r} as {entry!r}; "
+                                f"its layer's weight has sizes {sizes} and type {dtype}")
+        packed[name] = prepacked.from_bytes(_slice(payload, entry["descriptor"], name),
+                                            _slice(payload, entry["data"], name), sizes, dtype)
+    return packed
+
+
+def _weighted_layers(graph: Graph) -> dict[str, Layer]:
+    """The fused layers with a weight array (a Linear, a FusedConv), inner ones included."""
+    import numpy as np
+
+    from backplane.backends.torch.backend import FUSED_DOMAIN
+
+    found = {}
+    for layer in graph.layers:
+        inner = layer.attrs.get("layers")
+        for lay in [layer, *(inner if isinstance(inner, list) else [])]:
+            if isinstance(lay, Layer) and lay.domain == FUSED_DOMAIN and isinstance(
+                    lay.attrs.get("weight"), np.ndarray):
+                found[lay.name] = lay
+    return found
+
+
+def _slice(payload: memoryview, where: Any, name: str) -> memoryview:
+    """``payload[offset:offset + size]`` for ``where`` = [offset, size] inside the payload."""
+    if not (isinstance(where, list) and len(where) == 2
+            and all(type(v) is int and v >= 0 for v in where)
+            and where[0] + where[1] <= len(payload)):
+        raise ArtifactError(f"CpuAcc's blob keeps a packed weight for {name!r} at {where!r}, not "
+                            f"an [offset, size] inside its payload of {len(payload)} bytes")
+    return payload[where[0]:where[0] + where[1]]
+
+
+def _workloads(backend: Any, graph: Graph, compiled: set[str]) -> list[Workload]:
     factory = backend.create_workload_factory()
     workloads = []
     for layer in graph.layers:
-        if layer.name in modules:
-            workloads.append(_kept_module(layer, modules[layer.name], graph))
+        if layer.name in compiled:
+            workloads.append(_compiled_again(layer, backend, graph))
             continue
         infos_in = [graph.info(n) for n in layer.inputs]
         infos_out = [graph.info(n) for n in layer.outputs]
@@ -134,95 +202,20 @@ def _workloads(backend: Any, graph: Graph, modules: dict[str, Callable[[], Any]]
     return workloads
 
 
-def _kept_module(layer: Layer, make: Callable[[], Any], graph: Graph) -> Workload:
-    """A compiled OneDnnGraph from its kept module, compiled by oneDNN Graph at its first run
-    (per thread count, ``onednn_graph.CompiledPerThreads``), as ``onednn_graph._compiled`` runs it
-    after its load."""
-    modules = onednn_graph.CompiledPerThreads(make)
-    run = onednn_graph.compiled_run(modules, _sample(layer, graph))
+def _compiled_again(layer: Layer, backend: Any, graph: Graph) -> Workload:
+    """A compiled OneDnnGraph made again from its layer: traced, frozen and compiled by oneDNN
+    Graph at its first run (per thread count, ``onednn_graph.CompiledPerThreads``), then run as
+    ``onednn_graph._compiled`` runs it after its load."""
+    sample = _sample(layer, graph)
+    modules = onednn_graph.CompiledPerThreads(onednn_graph.retraced(layer, backend, sample))
+    run = onednn_graph.compiled_run(modules, sample)
     run.route = "onednn_graph"  # type: ignore[attr-defined]
     return onednn_graph.edges(layer, run)
-
-
-def _maker(archive: memoryview, weights: dict[str, Any]) -> Callable[[], Any]:
-    """The kept module's maker: the module made here, at load (a broken blob fails the load, not
-    the first run), handed out at the first call; a fresh one for each further thread count."""
-    made = [onednn_graph.from_weightless(archive, weights)]
-    return lambda: made.pop() if made else onednn_graph.from_weightless(archive, weights)
 
 
 def _sample(layer: Layer, graph: Graph) -> list[Any]:
     return onednn_graph._sample([graph.info(n) for n in layer.inputs],
                                 layer.attrs.get("channels_last"), layer.attrs.get("compute"))
-
-
-# -- the kept modules' weights: views of the artifact's constants where they are ------------------
-def _arrays(layer: Layer) -> dict[str, np.ndarray]:
-    """The arrays a OneDnnGraph layer holds, by a name that finds them again in the layer the
-    artifact gives back: its constants and its layers' array attributes (fused weights)."""
-    arrays = {f"constants/{name}": np.asarray(value)
-              for name, value in layer.attrs["constants"].items()}
-    for i, inner in enumerate(layer.attrs["layers"]):
-        arrays.update({f"layers/{i}/{key}": value for key, value in inner.attrs.items()
-                       if isinstance(value, np.ndarray)})
-    return arrays
-
-
-def _recipe(tensor: Any, arrays: dict[str, np.ndarray], payload: bytearray) -> list[Any]:
-    """How ``_tensor`` makes ``tensor`` again at load: a view of one of ``arrays`` ("view", the
-    artifact's constants: the weights the routes read as they are), else its memory in the payload
-    ("raw", in its own strides: a channels-last copy, a folded weight), mapped as the constants
-    are, not copied. A tensor whose memory is not one dense block is stored contiguous."""
-    import torch
-
-    sizes, strides = list(tensor.shape), list(tensor.stride())
-    item, start = tensor.element_size(), tensor.data_ptr()
-    end = start + item * (1 + sum((n - 1) * s for n, s in zip(sizes, strides)))
-    for key, array in arrays.items():
-        base = array.__array_interface__["data"][0]
-        if (str(array.dtype) == _dtype(tensor) and array.flags.c_contiguous
-                and base <= start and end <= base + array.nbytes
-                and (start - base) % item == 0 and min(strides, default=0) >= 0):
-            return ["view", key, (start - base) // item, sizes, strides]
-    if not _dense(sizes, strides):
-        tensor = tensor.contiguous()
-        strides = list(tensor.stride())
-    memory = torch.as_strided(tensor, [tensor.numel()], [1])  # its elements as they lie in memory
-    data = memory.view(torch.uint8).numpy().tobytes()
-    return ["raw", _dtype(tensor), _append(payload, data), sizes, strides]
-
-
-def _tensor(recipe: list[Any], arrays: dict[str, np.ndarray], payload: memoryview) -> Any:
-    import torch
-
-    kind, sizes, strides = recipe[0], recipe[-2], recipe[-1]
-    if kind == "view":
-        flat = torch.from_numpy(arrays[recipe[1]]).reshape(-1)
-        return torch.as_strided(flat, sizes, strides, recipe[2])
-    if kind == "raw":
-        start, size = recipe[2]
-        memory = torch.frombuffer(payload[start:start + size], dtype=torch.uint8)
-        return torch.as_strided(memory.view(getattr(torch, recipe[1])), sizes, strides)
-    raise ValueError(f"CpuAcc's blob: a weight kept as {kind!r}, not as 'view' or 'raw'")
-
-
-def _dense(sizes: list[int], strides: list[int]) -> bool:
-    """Whether a tensor's elements fill one block of memory (in any order of its dimensions)."""
-    step = 1
-    for size, stride in sorted(zip(sizes, strides), key=lambda pair: pair[1]):
-        if size != 1 and stride != step:
-            return False
-        step *= size
-    return True
-
-
-def _dtype(tensor: Any) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _slice(payload: memoryview, where: list[int]) -> memoryview:
-    start, size = where
-    return payload[start:start + size]
 
 
 def _append(payload: bytearray, data: bytes) -> list[int]:

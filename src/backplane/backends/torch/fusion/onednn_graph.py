@@ -16,9 +16,9 @@ the route cache, ``route_cache``); "onednn_graph" keeps the compiled one wheneve
 "layers" runs the layers one by one. A subgraph that fails to trace or compile, or whose outputs do
 not match, runs layer by layer. oneDNN Graph fusion is a process-wide TorchScript switch: it is on
 only for the duration of a call, and put back as it was. Each other thread count compiles its own
-module at its first call (``CompiledPerThreads``). An artifact keeps the traced module without its
-weights (``weightless``), frozen again at its load and compiled at its first run
-(``backends/torch/delegate.py``).
+module at its first call (``CompiledPerThreads``). An artifact keeps which OneDnnGraphs were
+compiled, not the modules: each is traced and frozen again from its layer at its first run, which
+oneDNN Graph compiles (``retraced``, ``backends/torch/delegate.py``).
 
 Only subgraphs that tracing cannot get wrong are taken: static boundary shapes, no kernel that reads
 a tensor's values on the host unless that tensor is a constant (a traced graph keeps the values it
@@ -294,18 +294,11 @@ def _fusion() -> Iterator[None]:
         torch.jit.enable_onednn_fusion(was)
 
 
-def _trace(traceable: Callable[..., Any], sample: Sequence[Any],
-           buffers: dict[str, Any] | None = None) -> Any:
-    """``traceable`` traced on ``sample`` as a TorchScript module; ``buffers`` (tensors
-    ``traceable`` reads) become the module's buffers, read by ``GetAttr``, instead of constants."""
+def _trace(traceable: Callable[..., Any], sample: Sequence[Any]) -> Any:
+    """``traceable`` traced on ``sample`` as a TorchScript module."""
     import torch
 
     class Subgraph(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            for name, tensor in (buffers or {}).items():
-                self.register_buffer(name, tensor)
-
         def forward(self, *values: Any) -> tuple[Any, ...]:
             return traceable(*values)
 
@@ -331,43 +324,24 @@ def _freeze(module: Any) -> Any:
         torch.set_num_threads(threads)
 
 
-def weightless(layer: Layer, backend: Any, sample: Sequence[Any]) -> tuple[bytes, dict[str, Any]]:
-    """The OneDnnGraph ``layer`` traced as ``_compiled`` traces it, as a TorchScript archive
-    without its weights: each tensor the trace kept as a constant is a buffer of the module
-    instead (``w0``, ``w1``, ...), saved empty. Returns the archive and the buffers' tensors;
-    ``from_weightless`` makes the frozen module again from both (CpuAcc's artifact blob)."""
-    import io
+def retraced(layer: Layer, backend: Any, sample: Sequence[Any]) -> Callable[[], Any]:
+    """The maker of the OneDnnGraph ``layer``'s frozen module for an artifact's load
+    (``backends/torch/delegate.py``): nothing of the module is read from the file. The layer,
+    which the artifact keeps as data, becomes its traceable layers here, with the routes the blob
+    keeps; its first call traces them on ``sample`` as ``_compiled`` does and freezes the trace,
+    each later call freezes that trace again (``CompiledPerThreads``: another thread count).
 
-    import torch
+    The trace runs the layers once (with oneDNN's kernels generated for each shape: resnet50 about
+    0.3 s on two cores of a Xeon), so it waits for the first run, which compiles the module anyway,
+    and the load stays as fast as it was."""
+    pending = [layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))]
+    traced: list[Any] = []
 
-    traceable = layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))
-    constants = [node.t("value") for node in _trace(traceable, sample).graph.nodes()
-                 if node.kind() == "prim::Constant" and node.hasAttribute("value")
-                 and node.kindOf("value") == "t"
-                 and node.t("value").dim() > 0]
-    traced = _trace(traceable, sample, {f"w{i}": t for i, t in enumerate(constants)})
-    weights = dict(traced.named_buffers())
-    for name, tensor in weights.items():
-        setattr(traced, name, torch.empty(0, dtype=tensor.dtype))
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.jit.save(traced, buffer)
-    return buffer.getvalue(), weights
-
-
-def from_weightless(archive: bytes | memoryview, weights: dict[str, Any]) -> Any:
-    """The frozen module of ``weightless``'s archive with its buffers set to ``weights``."""
-    import io
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module = torch.jit.load(io.BytesIO(archive))  # type: ignore[arg-type]
-    for name, tensor in weights.items():
-        setattr(module, name, tensor)
-    return _freeze(module)
+    def make() -> Any:
+        if not traced:
+            traced.append(_trace(pending.pop(), sample))
+        return _freeze(traced[0])
+    return make
 
 
 class CompiledPerThreads:
