@@ -138,7 +138,9 @@ def einsum(*Inputs, equation):  # noqa: N803
 
 
 def det(X):
-    return (torch.linalg.det(X),)
+    # CUDA's LU lost a NaN column (a determinant of -0.0 on an H100, where LAPACK's is NaN): a
+    # matrix holding NaN has a NaN determinant, said here on every device (n^2 reads for n^3 work)
+    return (torch.linalg.det(X).masked_fill_(torch.isnan(X).any(-1).any(-1), math.nan),)
 
 
 # -- losses ----------------------------------------------------------------------------------------
