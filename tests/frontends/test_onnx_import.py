@@ -157,3 +157,47 @@ def test_a_negative_dimension_is_free_as_in_onnx_runtime() -> None:
     for batch in (1, 4):
         value = np.linspace(-1, 1, batch * 3, dtype=np.float32).reshape(batch, 3)
         np.testing.assert_array_equal(session.run(None, {"x": value})[0], np.maximum(value, 0))
+
+
+def _paddle_style_classifier() -> onnx.ModelProto:
+    """A classifier as Paddle exports it: input [-1, 3, '?', '?'] (every free size named '?'),
+    opset 12: Conv, Relu, GlobalAveragePool, Flatten, Gemm."""
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    fc = numpy_helper.from_array(rng.standard_normal((5, 4)).astype(np.float32), "fc")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc"], ["y"], transB=1)]
+    graph = helper.make_graph(
+        nodes, "paddle", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, "?", "?"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 5])], [w, fc])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
+
+
+@pytest.mark.parametrize("backends", [["CpuRef"], ["CpuAcc", "CpuRef"]], ids=",".join)
+def test_a_dimension_named_question_mark_is_free_on_its_own(backends) -> None:
+    """Issue 27: '?' is 48 in height and 192 in width, which ONNX Runtime runs."""
+    if backends[0] == "CpuAcc":
+        pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    model = _paddle_style_classifier()
+    x = np.random.default_rng(4).standard_normal((2, 3, 48, 192)).astype(np.float32)
+    (want,) = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    session = InferenceSession(model.SerializeToString(), backends=backends)
+    (got,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    (again,) = session.run(None, {"x": x[:1, :, :40, :24]})
+    assert again.shape == (1, 5)
+
+
+def test_a_real_dimension_name_still_binds_its_sizes() -> None:
+    model = make_model([helper.make_node("Add", ["a", "b"], ["y"])],
+                       [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n"]),
+                        helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n"])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
+    session = InferenceSession(model, backends=["CpuRef"])
+    with pytest.raises(Exception, match="dimension 'n' is 3 in input 'a' but 2 in input 'b'"):
+        session.run(None, {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})

@@ -175,6 +175,13 @@ def _bind_input_shapes(proto: ModelProto, shapes: Mapping[str, Sequence[int]]) -
     return proto
 
 
+UNKNOWN_DIM_NAMES = frozenset({"?", "-1", "None", "unk", "unknown"})
+"""``dim_param`` values that exporters write for "any size" (Paddle writes ``?`` for every free
+height and width): each such dimension is free on its own. A real name (``batch``, ``N``) binds
+every dimension that bears it to one size, as ONNX says; ONNX Runtime checks neither, and runs a
+``[-1, 3, '?', '?']`` input of 48x192, which this name-binding refused."""
+
+
 def _tensor_info(type_proto: onnx.TypeProto) -> TensorInfo:
     if not type_proto.HasField("tensor_type"):
         return TensorInfo(None, None)
@@ -186,6 +193,8 @@ def _tensor_info(type_proto: onnx.TypeProto) -> TensorInfo:
     for dim in tensor.shape.dim:
         if dim.HasField("dim_value") and dim.dim_value >= 0:
             dims.append(int(dim.dim_value))
+        elif dim.dim_param in UNKNOWN_DIM_NAMES:  # "unknown", not a name two sizes share
+            dims.append(None)
         else:  # a name, nothing, or a negative size (some exporters write -1): free, as in ORT
             dims.append(dim.dim_param or None)
     return TensorInfo(tuple(dims), dtype)
