@@ -1,7 +1,8 @@
-"""Models made at test time by ONNX Runtime's own tools (its quantizer: dynamic, static QOperator and
-QDQ, per tensor and per channel; its transformer optimizer; its 4-bit / 8-bit weight quantizer; its
-saved optimized models) load and match ONNX Runtime, graph optimizations off, on CpuRef and on
-CpuAcc with CpuRef behind it (the com.microsoft ops fall back to CpuRef layer by layer)."""
+"""Models made at test time by ONNX Runtime's own tools (its quantizer: dynamic, static QOperator
+and QDQ, per tensor and per channel; its transformer optimizer; its 4-bit / 8-bit weight
+quantizer; its saved optimized models) load and match ONNX Runtime, graph optimizations off, on
+CpuRef and on CpuAcc with CpuRef behind it (the com.microsoft ops fall back to CpuRef layer by
+layer)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def assert_matches_ort(path: Path, feeds: dict[str, np.ndarray], backends: list[
 # -- the models --------------------------------------------------------------------------------
 def small_cnn(path: Path) -> Path:
     """Conv, LeakyRelu, Sigmoid, Mul, Concat, AveragePool, a residual Add, GlobalAveragePool,
-    Gemm, Softmax: every op ONNX Runtime's static quantizer turns into a com.microsoft QLinear op."""
+    Gemm, Softmax: every op ONNX Runtime's static quantizer turns into a com.microsoft one."""
     rng = np.random.default_rng(29)
 
     def w(*shape: int, scale: float = 0.3) -> np.ndarray:
@@ -112,8 +113,10 @@ def ort_saved(source: Path, path: Path) -> Path:
 
 
 # -- static and dynamic quantization -----------------------------------------------------------
-STATIC = {"qoperator-per-tensor": ("QOperator", False), "qoperator-per-channel": ("QOperator", True),
-          "qdq-per-tensor": ("QDQ", False), "qdq-per-channel": ("QDQ", True)}
+STATIC = {"qoperator-per-tensor": ("QOperator", False),
+          "qoperator-per-channel": ("QOperator", True),
+          "qdq-per-tensor": ("QDQ", False),
+          "qdq-per-channel": ("QDQ", True)}
 
 
 @pytest.mark.parametrize("backends", BACKEND_LISTS.values(), ids=BACKEND_LISTS.keys())
