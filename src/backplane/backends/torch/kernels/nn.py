@@ -199,6 +199,11 @@ def matmul(A, B):
     return (torch.matmul(A, B),)
 
 
+def batch_normalization_v7(X, scale, B, mean, var, epsilon=1e-5, momentum=0.9, spatial=1):
+    # spatial=0 (statistics per element, not per channel) is refused by check_batch_normalization
+    return batch_normalization(X, scale, B, mean, var, epsilon)
+
+
 def batch_normalization(X, scale, B, input_mean, input_var, epsilon=1e-5, momentum=0.9,
                         training_mode=0):
     params = (scale, B, input_mean, input_var)
@@ -323,18 +328,22 @@ def check_average_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None
 def check_batch_normalization(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     if layer.attrs.get("training_mode", 0):
         return "BatchNormalization in training mode"
+    if layer.attrs.get("spatial", 1) != 1:  # opset 7: statistics per element
+        return "BatchNormalization with spatial=0"
+    if len([n for n in layer.outputs if n]) > 1:  # before 14: the running statistics asked for
+        return "BatchNormalization with its training outputs"
     return None
 
 
 KERNELS: KernelTable = {
     "Conv": {1: conv},
-    "MaxPool": {8: max_pool},
-    "AveragePool": {7: average_pool},
+    "MaxPool": {1: max_pool},
+    "AveragePool": {1: average_pool},
     "GlobalAveragePool": {1: global_average_pool},
     "GlobalMaxPool": {1: global_max_pool},
     "Gemm": {7: gemm},
     "MatMul": {1: matmul},
-    "BatchNormalization": {9: batch_normalization},
+    "BatchNormalization": {7: batch_normalization_v7, 9: batch_normalization},
     "LayerNormalization": {17: layer_normalization},
     "Softmax": {1: _coerced(softmax), 13: softmax},
     "LogSoftmax": {1: _coerced(log_softmax), 13: log_softmax},

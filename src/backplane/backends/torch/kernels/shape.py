@@ -196,17 +196,17 @@ def _filled(x, dims, keep, value):
 
 KERNELS: KernelTable = {
     "Reshape": {5: reshape},
-    "Flatten": {9: flatten},
+    "Flatten": {1: flatten},
     "Transpose": {1: transpose},
     "Concat": {4: concat},
-    "Split": {13: split_v13, 18: split},
-    "Slice": {10: slice_},
+    "Split": {2: split_v13, 18: split},  # split: an attribute before 13, an input after
+    "Slice": {1: slice_},  # starts, ends, axes: attributes before 10, inputs after
     "Squeeze": {1: squeeze_v1, 13: squeeze},
     "Unsqueeze": {1: unsqueeze_v1, 13: unsqueeze},
     "Gather": {1: gather},
     "Expand": {8: expand},
     "Tile": {6: tile},
-    "Shape": {15: shape},
+    "Shape": {1: shape},  # start and end (15) default to the whole shape
     "Identity": {1: identity},
     "ReduceSum": {1: _reduce_v1(_sum), 13: _reduce(_sum)},
     "ReduceMean": {1: _reduce_v1(_mean), 18: _reduce(_mean)},
