@@ -267,7 +267,44 @@ def _rotary() -> dict[str, Case]:
     }
 
 
-CASES = {**QUANT_CASES, **_transformer(), **_attention(), **_rotary()}
+def _gqa() -> dict[str, Case]:
+    heads, kv_heads, head = 4, 2, 16  # ONNX Runtime's rotary takes head sizes in multiples of 16
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads}
+    cos, sin = f(16, head // 2), f(16, head // 2)
+
+    def lengths(*seqlens: int) -> list[np.ndarray]:  # seqlens_k (one less than each total)
+        return [np.array(seqlens, np.int32), np.array(max(seqlens) + 1, np.int32)]
+
+    def qkv(seq: int) -> list[np.ndarray]:
+        return [f(2, seq, heads * head), f(2, seq, kv_heads * head), f(2, seq, kv_heads * head)]
+
+    def cache(length: int) -> list[np.ndarray]:
+        return [f(2, kv_heads, length, head), f(2, kv_heads, length, head)]
+
+    return {
+        "GroupQueryAttention-prompt": Case("GroupQueryAttention", [*qkv(5), None, None,
+                                                                   *lengths(4, 4)],
+                                           [F32, F32, F32], attrs, fed=3),
+        "GroupQueryAttention-decode-rotary": Case(
+            "GroupQueryAttention", [*qkv(1), *cache(6), *lengths(6, 6), cos, sin],
+            [F32, F32, F32], {**attrs, "do_rotary": 1}, fed=5),
+        "GroupQueryAttention-shared-buffer": Case(
+            "GroupQueryAttention", [*qkv(1), *cache(10), *lengths(5, 5), cos, sin],
+            [F32, F32, F32], {**attrs, "do_rotary": 1, "rotary_interleaved": 1}, fed=5),
+        "GroupQueryAttention-packed-window": Case(
+            "GroupQueryAttention", [f(2, 6, (heads + 2 * kv_heads) * head), None, None, None,
+                                    None, *lengths(5, 5)], [F32, F32, F32],
+            {**attrs, "local_window_size": 2}, fed=1),
+        "GroupQueryAttention-softcap": Case(
+            "GroupQueryAttention", [*qkv(4), None, None, *lengths(3, 3)], [F32, F32, F32],
+            {**attrs, "softcap": 2.0}, fed=3),
+        "GroupQueryAttention-smooth-softmax-scale": Case(
+            "GroupQueryAttention", [*qkv(1), *cache(2), *lengths(2, 2)], [F32, F32, F32],
+            {**attrs, "smooth_softmax": 1, "scale": 0.2}, fed=5),
+    }
+
+
+CASES = {**QUANT_CASES, **_transformer(), **_attention(), **_rotary(), **_gqa()}
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -52,6 +52,7 @@ ORT_OPS: dict[str, dict[str, Arity]] = {
         "BiasAdd": Arity(1, 3, 3, 1, 1),
         "Attention": Arity(1, 2, 7, 1, 2),
         "MultiHeadAttention": Arity(1, 1, 10, 1, 4),
+        "GroupQueryAttention": Arity(1, 7, 17, 1, 4),
         "RotaryEmbedding": Arity(1, 4, 4, 1, 1),
         "FusedMatMul": Arity(1, 2, 2, 1, 1),
         "FusedConv": Arity(1, 2, 4, 1, 1),
@@ -78,6 +79,7 @@ OUTPUT_TYPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "Gelu": ((0,),), "BiasGelu": ((1, 0),), "FastGelu": ((1, 0),), "QuickGelu": ((0,),),
     "BiasAdd": ((1, 0),), "Attention": ((1, 0), (1, 0)),
     "MultiHeadAttention": ((3, 0, 1),) * 3, "RotaryEmbedding": ((2, 0),),
+    "GroupQueryAttention": ((7, 3, 0), (3, 0), (3, 0)),
     "FusedMatMul": ((1, 0),), "FusedConv": ((1, 0),), "FusedGemm": ((1, 0),),
 }
 """op -> per output, where its element type comes from: the type of the first of these inputs

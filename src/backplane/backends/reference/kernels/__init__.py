@@ -6,6 +6,7 @@ from backplane.backends.reference.kernels import (
     attention,
     blocks,
     cast,
+    contrib_attention,
     contrib_quant,
     contrib_transformer,
     conv,
@@ -60,6 +61,7 @@ KERNELS = {
     **image.KERNELS,
     **contrib_quant.KERNELS,  # ONNX Runtime's com.microsoft ops
     **contrib_transformer.KERNELS,
+    **contrib_attention.KERNELS,
 }
 
 CHECKS = {
@@ -83,6 +85,7 @@ CHECKS = {
     **image.CHECKS,
     **contrib_quant.CHECKS,
     **contrib_transformer.CHECKS,
+    **contrib_attention.CHECKS,
 }
 
 ANY_DTYPE_OPS = (cast.ANY_DTYPE | quant.ANY_DTYPE | shape.ANY_DTYPE | indexing.ANY_DTYPE
