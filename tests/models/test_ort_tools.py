@@ -181,6 +181,22 @@ def test_transformer_optimizer(name: str, backends: list[str], tmp_path) -> None
     assert_matches_ort(path, dict(np.load(DATA / f"{name}.npz")), backends)
 
 
+@pytest.mark.parametrize("backends", BACKEND_LISTS.values(), ids=BACKEND_LISTS.keys())
+def test_dynamic_quantization_of_the_optimized_bert(backends: list[str], tmp_path) -> None:
+    # The optimizer's Attention becomes QAttention (its projection quantized), the rest stays
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    optimized = tmp_path / "opt.onnx"
+    optimize_model(str(DATA / "tiny_bert.onnx"), model_type="bert", num_heads=2, hidden_size=32,
+                   opt_level=0).save_model_to_file(str(optimized))
+    path = tmp_path / "dq.onnx"
+    # the quantizer's shape inference cannot type the com.microsoft ops' outputs: they are float
+    quantization.quantize_dynamic(optimized, path,
+                                  extra_options={"DefaultTensorType": TensorProto.FLOAT})
+    assert contrib_ops(path) == {"QAttention", "SkipLayerNormalization", "BiasGelu"}
+    assert_matches_ort(path, dict(np.load(DATA / "tiny_bert.npz")), backends)
+
+
 SAVED = {"tiny_mobilenet_v3": {"FusedConv"},
          "tiny_bert": {"SkipLayerNormalization", "FusedMatMul", "FusedGemm", "Gelu"},
          "tiny_gpt2": {"SkipLayerNormalization", "FusedMatMul", "FastGelu"}}

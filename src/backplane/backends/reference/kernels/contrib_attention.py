@@ -1,6 +1,6 @@
 """ONNX Runtime's attention ops (com.microsoft domain), from its contrib-op documentation:
-Attention (packed QKV weights, BERT and GPT-2 as its transformer optimizer fuses them),
-MultiHeadAttention, GroupQueryAttention (grouped heads over a BNSH key / value cache, as its
+Attention (packed QKV weights, BERT and GPT-2 as its transformer optimizer fuses them), QAttention
+(the same, its projection quantized by its dynamic quantizer), MultiHeadAttention, GroupQueryAttention (grouped heads over a BNSH key / value cache, as its
 language-model builders write it) and RotaryEmbedding.
 
 Masks of Attention and MultiHeadAttention follow ONNX Runtime: a masked position gets
@@ -70,18 +70,40 @@ def attention(input, weights, bias=None, mask_index=None, past=None,  # noqa: A0
               n_outputs=1):
     sizes = qkv_hidden_sizes or [weights.shape[1] // 3] * 3
     qkv = np.matmul(input, weights) + (0 if bias is None else bias)
+    return _packed_attention(qkv, sizes, mask_index, past, attention_bias, num_heads,
+                             mask_filter_value, scale, unidirectional, n_outputs)
+
+
+def q_attention(input, weight, bias, input_scale, weight_scale, mask_index=None,  # noqa: A002
+                input_zero_point=None, weight_zero_point=None, past=None, *, num_heads,
+                do_rotary=0, mask_filter_value=-10000.0, past_present_share_buffer=0,
+                scale=None, unidirectional=0, n_outputs=1):
+    # Attention whose projection is an integer product of the centred operands, rescaled.
+    centred_input = input.astype(np.int32) - (0 if input_zero_point is None
+                                              else input_zero_point.astype(np.int32))
+    centred_weight = weight.astype(np.int32) - (0 if weight_zero_point is None
+                                                else weight_zero_point.astype(np.int32))
+    product = np.matmul(centred_input, centred_weight).astype(np.float32)
+    qkv = product * (input_scale.astype(np.float32) * weight_scale.astype(np.float32)) + bias
+    return _packed_attention(qkv, [weight.shape[1] // 3] * 3, mask_index, past, None, num_heads,
+                             mask_filter_value, scale, unidirectional, n_outputs)
+
+
+def _packed_attention(qkv, sizes, mask_index, past, attention_bias, num_heads, mask_filter_value,
+                      scale, unidirectional, n_outputs):
+    """Attention over the projected (B, S, q + k + v) with Attention's masks and past."""
     q, k, v = np.split(qkv, np.cumsum(sizes)[:2], axis=-1)
     q, k, v = (_heads(t, num_heads) for t in (q, k, v))
     if past is not None:  # (2, B, n, P, h)
         k, v = np.concatenate((past[0], k), axis=2), np.concatenate((past[1], v), axis=2)
-    batch, seq, total = input.shape[0], input.shape[1], k.shape[2]
+    batch, seq, total = qkv.shape[0], qkv.shape[1], k.shape[2]
     score_bias = _mask_bias(mask_index, batch, seq, total, mask_filter_value)
     if unidirectional:
         score_bias = score_bias + _causal_bias(seq, total, mask_filter_value)
     if attention_bias is not None:
         score_bias = score_bias + attention_bias
     head_scale = 1 / math.sqrt(sizes[0] // num_heads) if scale is None else scale
-    out = _attend(q, k, v, score_bias, head_scale).astype(input.dtype)
+    out = _attend(q, k, v, score_bias, head_scale).astype(qkv.dtype)
     return (out, np.stack((k, v))) if n_outputs > 1 else (out,)  # present: (2, B, n, T, h)
 
 
@@ -217,6 +239,13 @@ def check_attention(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     return _check_mask(_input_info(layer, inputs, 3), "mask_index")
 
 
+def check_q_attention(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    for name in ("do_rotary", "past_present_share_buffer"):
+        if layer.attrs.get(name, 0):
+            return f"QAttention with {name}=1 not supported"
+    return _check_mask(_input_info(layer, inputs, 5), "mask_index")
+
+
 def check_multi_head_attention(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     for k, name in ((8, "past_sequence_length"), (9, "cache_indirection")):
         if len(layer.inputs) > k and layer.inputs[k]:
@@ -264,6 +293,7 @@ def check_group_query_attention(layer: Layer, inputs: Sequence[TensorInfo]) -> s
 
 KERNELS: KernelTable = {
     MS + "Attention": {1: attention},
+    MS + "QAttention": {1: q_attention},
     MS + "MultiHeadAttention": {1: multi_head_attention},
     MS + "GroupQueryAttention": {1: group_query_attention},
     MS + "RotaryEmbedding": {1: ms_rotary_embedding},
@@ -271,6 +301,7 @@ KERNELS: KernelTable = {
 
 CHECKS = {
     MS + "Attention": check_attention,
+    MS + "QAttention": check_q_attention,
     MS + "MultiHeadAttention": check_multi_head_attention,
     MS + "GroupQueryAttention": check_group_query_attention,
     MS + "RotaryEmbedding": check_rotary,
