@@ -47,4 +47,4 @@ def test_one_distribution_name_everywhere() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert f"The package is `{DISTRIBUTION}`" in readme
     source = (ROOT / "src" / "backplane" / "backends" / "torch" / "backend.py").read_text()
-    assert f"pip install '{DISTRIBUTION}[torch]'" in source
+    assert "torch is not installed ({hint('torch')})" in source  # tests/test_install_hints.py

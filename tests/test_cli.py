@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -296,3 +297,41 @@ def test_log_lines_in_a_file_or_pipe_are_as_long_as_their_message(model_path) ->
     assert any("GpuAcc is not available" in line for line in lines), done.stderr
     assert max(len(line) for line in lines) < 400, max(lines, key=len)[:200]
     assert all(line == line.rstrip() for line in lines)
+
+
+DECODE = Path(__file__).resolve().parent / "data" / "tiny_gpt2_decode.onnx"
+
+
+def test_run_says_what_inputs_it_made_and_which_free_dimension_it_set(capsys) -> None:
+    code = cli.main(["run", str(DECODE), "--backends", "CpuRef", "--repeat", "1",
+                     "--dim", "total=7", "--dim", "past=6"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "input 'past_key_0': made float32[1, 2, 6, 16] in [" in err
+    assert "input 'attention_mask': made int64[1, 7]" in err
+    assert "set to 1" not in err
+    cli.main(["run", str(DECODE), "--backends", "CpuRef", "--repeat", "0", "--dim", "total=7",
+              "--shape", "past_key_0=1,2,6,16", "--shape", "past_value_0=1,2,6,16",
+              "--shape", "past_key_1=1,2,6,16", "--shape", "past_value_1=1,2,6,16"])
+    err = capsys.readouterr().err
+    assert "made float32[1, 2, 6, 16]" in err and "set to 1" not in err
+
+
+def test_a_free_dimension_left_open_is_named_with_how_to_choose_it(capsys) -> None:
+    cli.main(["run", str(DECODE), "--backends", "CpuRef", "--repeat", "0"])
+    err = capsys.readouterr().err
+    assert "free 'past' set to 1: --dim NAME=SIZE or --shape past_key_0=... to choose" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dim", "nope=3"], "--dim nope: no input has a free dimension of that name; the free "
+                          "dimensions are: past, total"),
+    (["--dim", "past=x"], "--dim past=x: the size is an integer"),
+    (["--shape", "input_ids=2,1"], "--shape input_ids=2,1: the model declares input_ids: int64[1,1]"),
+    (["--shape", "nope=1"], "--shape nope: not an input of the model"),
+    (["--shape", "input_ids=a,1"], "sizes are integers separated by commas"),
+])
+def test_bad_shapes_and_dims_are_user_errors(args, message, capsys) -> None:
+    code = cli.main(["run", str(DECODE), "--backends", "CpuRef", "--repeat", "0", *args])
+    out = capsys.readouterr().out
+    assert code == 2 and message in out.replace("\n", ""), out

@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     _model_arguments(run)
     run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                      help="an input from a .npy file (random data for inputs not given)")
+    run.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,...",
+                     help="the shape of a made-up input (its free dimensions included)")
+    run.add_argument("--dim", action="append", default=[], metavar="SYMBOL=SIZE",
+                     help="the size of a free dimension, by its name in the model, in every "
+                          "made-up input (default 1)")
     run.add_argument("--repeat", type=at_least(0), default=10, help="timed runs after one warm-up run")
     run.add_argument("--seed", type=at_least(0), default=0, help="seed of the random inputs")
     run.add_argument("--trace", metavar="FILE.json",
@@ -376,7 +381,10 @@ def cmd_inspect(args: argparse.Namespace) -> Any:
 # -- run ------------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> Any:
     session = _session(args, profiling=bool(args.trace))
-    feeds = _feeds(session, dict(_key_value(i, "--input") for i in args.input), args.seed)
+    feeds, made = _feeds(session, dict(_key_value(i, "--input") for i in args.input), args.seed,
+                         _shapes(args.shape), _dims(args.dim))
+    for line in made:
+        err_console.print(Text(line), highlight=False, soft_wrap=True)
     outputs, timings = session.run_profiled(None, feeds)  # warm-up, and the per-layer profile
     totals: list[float] = []
     with _working(args, "timed runs", total=args.repeat) as step:
@@ -476,18 +484,91 @@ def _summary(value: Any) -> str:
     return repr(value)
 
 
-def _feeds(session: InferenceSession, files: dict[str, str], seed: int) -> dict[str, Any]:
+def _feeds(session: InferenceSession, files: dict[str, str], seed: int,
+           shapes: dict[str, tuple[int, ...]] | None = None, dims: dict[str, int] | None = None,
+           ) -> tuple[dict[str, Any], list[str]]:
+    """The run's inputs: from --input files, else made up (shaped by --shape and --dim); and a
+    line per made-up input saying what it is and which free dimension was set how."""
     rng = np.random.default_rng(seed)
+    shapes, dims = shapes or {}, dims or {}
     feeds: dict[str, Any] = {}
     known = [arg.name for arg in session.get_inputs()]
-    for name in files:
-        if name not in known:
-            raise InvalidInputError(f"--input {name}: not an input of the model; its inputs are: "
-                                    f"{', '.join(known)}")
+    for option, names in (("--input", files), ("--shape", shapes)):
+        for name in names:
+            if name not in known:
+                raise InvalidInputError(f"{option} {name}: not an input of the model; its inputs "
+                                        f"are: {', '.join(known)}")
+    symbols = {d for name in known for d in (session.graph.info(name).shape or ())
+               if isinstance(d, str)}
+    unknown = sorted(set(dims) - symbols)
+    if unknown:
+        raise InvalidInputError(f"--dim {unknown[0]}: no input has a free dimension of that name; "
+                                f"the free dimensions are: {', '.join(sorted(symbols)) or 'none'}")
+    made = []
     for name in known:
+        if name in files:
+            feeds[name] = _load_npy(name, files[name])
+            continue
         info = session.graph.info(name)
-        feeds[name] = _load_npy(name, files[name]) if name in files else random_input(info, rng)
-    return feeds
+        shape, notes = made_shape(name, info, shapes.get(name), dims)
+        feeds[name] = random_input(TensorInfo(shape, info.dtype), rng)
+        made.append(f"input '{name}': made {_describe_made(feeds[name])}{notes}")
+    return feeds, made
+
+
+def made_shape(name: str, info: TensorInfo, given: tuple[int, ...] | None,
+               dims: dict[str, int]) -> tuple[tuple[int, ...], str]:
+    """The shape of a made-up input and what was chosen for its free dimensions."""
+    declared = info.shape or ()
+    if given is not None:
+        if len(given) != len(declared) or any(isinstance(d, int) and d != g
+                                              for d, g in zip(declared, given)):
+            raise InvalidInputError(f"--shape {name}={','.join(map(str, given))}: the model "
+                                    f"declares {name}: {info}")
+        return given, ""
+    shape, chosen = [], []
+    for axis, d in enumerate(declared):
+        if isinstance(d, int):
+            shape.append(d)
+        elif isinstance(d, str) and d in dims:
+            shape.append(dims[d])
+        else:
+            shape.append(1)
+            chosen.append(f"'{d}'" if isinstance(d, str) else f"axis {axis}")
+    notes = (f" (free {', '.join(chosen)} set to 1: --dim NAME=SIZE or --shape "
+             f"{name}=... to choose)") if chosen else ""
+    return tuple(shape), notes
+
+
+def _describe_made(value: np.ndarray) -> str:
+    if value.size == 0 or value.dtype.kind not in "biuf":
+        return f"{value.dtype}{list(value.shape)}"
+    low, high = value.min(), value.max()
+    return f"{value.dtype}{list(value.shape)} in [{low:.3g}, {high:.3g}]"
+
+
+def _shapes(items: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for item in items:
+        name, text = _key_value(item, "--shape")
+        try:
+            shapes[name] = tuple(int(d) for d in text.split(",") if d.strip()) if text else ()
+        except ValueError:
+            raise InvalidInputError(f"--shape {item}: sizes are integers separated by commas "
+                                    f"(--shape input=1,3,224,224)") from None
+        if any(d < 0 for d in shapes[name]):
+            raise InvalidInputError(f"--shape {item}: a size is >= 0")
+    return shapes
+
+
+def _dims(items: Sequence[str]) -> dict[str, int]:
+    dims = {}
+    for item in items:
+        name, text = _key_value(item, "--dim")
+        if not text.isdigit():
+            raise InvalidInputError(f"--dim {item}: the size is an integer >= 0 (--dim batch=8)")
+        dims[name] = int(text)
+    return dims
 
 
 def _load_npy(name: str, path: str) -> Any:
