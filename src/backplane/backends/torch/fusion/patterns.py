@@ -182,12 +182,24 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     return made[name]
 
 
+COMPUTE_TYPES = ("float32", "bfloat16", "float16")
+"""The names a ``compute`` attribute may hold: it comes from an artifact's JSON too, so a name is
+looked up in this list, never as any attribute of torch."""
+
+
 def compute_type(a: dict[str, Any]) -> Any:
     """The torch type a fused layer computes float32 in: its ``compute`` attribute, set inside a
     reduced-precision subgraph (``reduced``), else float32."""
+    return named_type(a.get("compute") or "float32")
+
+
+def named_type(name: str) -> Any:
+    """The torch dtype of one of ``COMPUTE_TYPES``, or a ValueError listing them."""
     import torch
 
-    return getattr(torch, a.get("compute") or "float32")
+    if name not in COMPUTE_TYPES:
+        raise ValueError(f"a compute type {name!r}; the known ones are {', '.join(COMPUTE_TYPES)}")
+    return getattr(torch, name)
 
 
 def weight_of(a: dict[str, Any], key: str, value: Any = None) -> Any:

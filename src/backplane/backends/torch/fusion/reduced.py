@@ -29,6 +29,7 @@ import numpy as np
 from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.cuda import HOST_INPUTS
+from backplane.backends.torch.fusion.patterns import named_type
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 log = logging.getLogger("backplane.torch")
@@ -127,7 +128,7 @@ def at_edges(run: Any, dtype: str, output_dtypes: Sequence[Any]) -> Workload:
     its ``profiled`` (if any) converted alike."""
     import torch
 
-    reduced = getattr(torch, dtype)
+    reduced = named_type(dtype)
     raised = [d == np.float32 for d in output_dtypes]
 
     def call(*values: Any) -> tuple[Any, ...]:
