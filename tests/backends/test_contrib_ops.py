@@ -163,7 +163,27 @@ def _nbits(bits: int, k: int, n: int, block: int, zero_points: str) -> Case:
     return Case("MatMulNBits", inputs, [F32], {"K": k, "N": n, "bits": bits, "block_size": block})
 
 
+def _lstm(dirs: int, per_channel: bool, dtype: type, **attrs: Any) -> Case:
+    hidden, size = 8, 6
+    zero = 128 if dtype == np.uint8 else 0
+    scales = [f(dirs, 4 * hidden, scale=0.1) ** 2 + 0.01 if per_channel
+              else np.full(dirs, scale, np.float32) for scale in (0.02, 0.03)]
+    quantized = [(q((dirs, rows, 4 * hidden), dtype), np.full(scale.shape, zero, dtype), scale)
+                 for rows, scale in zip((size, hidden), scales)]
+    (w, w_zero, w_scale), (r, r_zero, r_scale) = quantized
+    direction = "bidirectional" if dirs == 2 else attrs.pop("direction", "forward")
+    return Case("DynamicQuantizeLSTM",
+                [f(5, 2, size), w, r, f(dirs, 8 * hidden), None, f(dirs, 2, hidden),
+                 f(dirs, 2, hidden), attrs.pop("P", None), w_scale, w_zero, r_scale, r_zero],
+                [F32, F32, F32], {"hidden_size": hidden, "direction": direction, **attrs})
+
+
 QUANT_CASES = {**_quantized(),
+               "DynamicQuantizeLSTM": _lstm(1, False, np.int8),
+               "DynamicQuantizeLSTM-bidirectional-per-channel": _lstm(2, True, np.int8),
+               "DynamicQuantizeLSTM-reverse-uint8-peepholes-clip": _lstm(
+                   1, False, np.uint8, direction="reverse", P=f(1, 24), clip=0.8),
+               "DynamicQuantizeLSTM-input-forget": _lstm(1, True, np.int8, input_forget=1),
                "MatMulNBits-4bit": _nbits(4, 64, 5, 32, "packed"),
                "MatMulNBits-4bit-ragged-K": _nbits(4, 40, 3, 16, "none"),
                "MatMulNBits-4bit-float-zero": _nbits(4, 32, 4, 16, "float"),
@@ -362,9 +382,9 @@ def _unknown_op_model(op: str, domain: str = MS) -> onnx.ModelProto:
 
 def test_unknown_contrib_op_is_a_model_error_listing_the_known_ones() -> None:
     with pytest.raises(ModelError) as info:
-        import_onnx(_unknown_op_model("DynamicQuantizeLSTM"))
+        import_onnx(_unknown_op_model("BeamSearch"))
     message = str(info.value)
-    assert "unknown op 'DynamicQuantizeLSTM' in domain 'com.microsoft'" in message
+    assert "unknown op 'BeamSearch' in domain 'com.microsoft'" in message
     assert "QLinearAdd" in message and "MatMulNBits" in message
 
 

@@ -161,6 +161,17 @@ def test_dynamic_quantization_saved_by_onnx_runtime(name: str, backends: list[st
     assert_matches_ort(saved, feeds, backends)
 
 
+@pytest.mark.parametrize("backends", BACKEND_LISTS.values(), ids=BACKEND_LISTS.keys())
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_dynamic_quantization_of_an_lstm(per_channel: bool, backends: list[str],
+                                         tmp_path) -> None:
+    path = tmp_path / "dq.onnx"
+    quantization.quantize_dynamic(DATA / "corpus" / "lstm_bi2_ts14.onnx", path,
+                                  per_channel=per_channel)
+    assert contrib_ops(path) == {"DynamicQuantizeLSTM"}
+    assert_matches_ort(path, dict(np.load(DATA / "corpus" / "lstm_bi2_ts14.s0.npz")), backends)
+
+
 # -- transformer optimizer and ORT's saved optimized models ------------------------------------
 OPTIMIZER = {"tiny_bert": ("bert", {"Attention", "SkipLayerNormalization", "BiasGelu"}),
              "tiny_gpt2": ("gpt2", {"SkipLayerNormalization", "FastGelu"})}

@@ -1,7 +1,8 @@
 """ONNX Runtime's quantized ops (com.microsoft domain, the QOperator format its quantizer writes),
 from its contrib-op documentation: dequantize, compute in float32, quantize (round half to even,
 saturate). QGemm, DynamicQuantizeMatMul and MatMulIntegerToFloat take integer products of the
-centred operands, as MatMulInteger does. MatMulNBits: block-quantized 2-, 4- and 8-bit weights.
+centred operands, as MatMulInteger does; DynamicQuantizeLSTM is an LSTM whose products are
+DynamicQuantizeMatMuls. MatMulNBits: block-quantized 2-, 4- and 8-bit weights.
 
 Table keys carry the domain ("com.microsoft::QLinearAdd"); versions are its opset's.
 """
@@ -160,6 +161,56 @@ def _unpack(packed, bits):
     return values.reshape(packed.shape[0], -1)
 
 
+# -- recurrent -----------------------------------------------------------------------------------
+def dynamic_quantize_lstm(X, W, R, B=None, sequence_lens=None, initial_h=None,  # noqa: N803
+                          initial_c=None, P=None, W_scale=None, W_zero_point=None,  # noqa: N803
+                          R_scale=None, R_zero_point=None, activation_alpha=None,  # noqa: N803
+                          activation_beta=None, activations=None, clip=None, direction="forward",
+                          hidden_size=None, input_forget=0, *, n_outputs=3):
+    # LSTM (gates i, o, f, c) whose two products are DynamicQuantizeMatMuls, as ONNX Runtime
+    # runs it: X quantized to uint8 once over its whole range, the hidden state at every step.
+    # W, R: (directions, input or hidden, 4 * hidden); scales and zero points per direction
+    # (D,) or per direction and column (D, 4 * hidden).
+    seq, batch = X.shape[:2]
+    dirs, hidden = W.shape[0], R.shape[1]
+    bias = np.zeros((dirs, 8 * hidden), np.float32) if B is None else B
+    x_q, x_scale, x_zero = dynamic_quantize_linear(X.astype(np.float32))
+    Y = np.zeros((seq, dirs, batch, hidden), np.float32)
+    states = []
+    for d in range(dirs):
+        (x_gates,) = mat_mul_integer_to_float(x_q, W[d], x_scale, W_scale[d], x_zero,
+                                              W_zero_point[d])
+        x_gates = x_gates + bias[d, :4 * hidden] + bias[d, 4 * hidden:]
+        h = np.zeros((batch, hidden), np.float32) if initial_h is None else initial_h[d]
+        c = np.zeros((batch, hidden), np.float32) if initial_c is None else initial_c[d]
+        peep = np.zeros((3, hidden), np.float32) if P is None else P[d].reshape(3, hidden)
+        backward = direction == "reverse" or d == 1
+        for t in reversed(range(seq)) if backward else range(seq):
+            h_q, h_scale, h_zero = dynamic_quantize_linear(h)
+            (h_gates,) = mat_mul_integer_to_float(h_q, R[d], h_scale, R_scale[d], h_zero,
+                                                  R_zero_point[d])
+            h, c = _lstm_step(x_gates[t] + h_gates, c, peep, clip, input_forget)
+            Y[t, d] = h
+        states.append((h, c))
+    Y_h, Y_c = np.stack([h for h, _ in states]), np.stack([c for _, c in states])
+    return (Y, Y_h, Y_c)[:n_outputs]
+
+
+def _lstm_step(gates, c, peep, clip, input_forget):
+    """One LSTM step with the default activations (sigmoid, tanh, tanh); peep is (i, o, f)."""
+    i, o, f, g = np.split(gates, 4, axis=-1)
+    i, f = i + peep[0] * c, f + peep[2] * c
+    if clip is not None:  # the inputs of the activations, peepholes added
+        i, f, g = (np.clip(x, -clip, clip) for x in (i, f, g))
+    i = 1 / (1 + np.exp(-i))
+    f = 1 - i if input_forget else 1 / (1 + np.exp(-f))
+    c = f * c + i * np.tanh(g)
+    o = o + peep[1] * c
+    if clip is not None:
+        o = np.clip(o, -clip, clip)
+    return 1 / (1 + np.exp(-o)) * np.tanh(c), c
+
+
 # -- checks ------------------------------------------------------------------------------------
 def check_mat_mul_n_bits(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     bits, attrs = layer.attrs.get("bits", 4), layer.attrs
@@ -169,6 +220,15 @@ def check_mat_mul_n_bits(layer: Layer, inputs: Sequence[TensorInfo]) -> str | No
         return "MatMulNBits with weights prepacked for an execution provider not supported"
     if len(layer.inputs) > 4 and layer.inputs[4]:
         return "MatMulNBits with g_idx (deprecated) not supported"
+    return None
+
+
+def check_dynamic_quantize_lstm(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    if layer.attrs.get("activations") not in (None, ["Sigmoid", "Tanh", "Tanh"] * 2,
+                                              ["Sigmoid", "Tanh", "Tanh"]):
+        return f"DynamicQuantizeLSTM activations {layer.attrs['activations']} not supported"
+    if len(layer.inputs) > 4 and layer.inputs[4]:
+        return "DynamicQuantizeLSTM with sequence_lens not supported"
     return None
 
 
@@ -185,6 +245,8 @@ KERNELS: KernelTable = {
     MS + "MatMulIntegerToFloat": {1: mat_mul_integer_to_float},
     MS + "DynamicQuantizeMatMul": {1: dynamic_quantize_mat_mul},
     MS + "MatMulNBits": {1: mat_mul_n_bits},
+    MS + "DynamicQuantizeLSTM": {1: dynamic_quantize_lstm},
 }
 
-CHECKS = {MS + "MatMulNBits": check_mat_mul_n_bits}
+CHECKS = {MS + "MatMulNBits": check_mat_mul_n_bits,
+          MS + "DynamicQuantizeLSTM": check_dynamic_quantize_lstm}
