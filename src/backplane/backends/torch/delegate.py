@@ -145,7 +145,7 @@ def _packed(entries: dict[str, Any], payload: memoryview, graph: Graph) -> dict[
     """The packed weights of ``entries`` by layer name, each checked against the layer that reads
     it (its weight's sizes and type) and made from the payload's bytes (``prepacked.from_bytes``:
     the descriptor checked against its data first)."""
-    layers = _weighted_layers(graph)
+    layers = _weighted_layers(graph.layers)
     packed = {}
     for name, entry in entries.items():
         layer = layers.get(name)
@@ -163,19 +163,20 @@ def _packed(entries: dict[str, Any], payload: memoryview, graph: Graph) -> dict[
     return packed
 
 
-def _weighted_layers(graph: Graph) -> dict[str, Layer]:
-    """The fused layers with a weight array (a Linear, a FusedConv), inner ones included."""
+def _weighted_layers(layers: list[Layer]) -> dict[str, Layer]:
+    """The fused layers with a weight array (a Linear, a FusedConv) by name, those inside a
+    OneDnnGraph, Reduced or Specialized layer included."""
     import numpy as np
 
     from backplane.backends.torch.backend import FUSED_DOMAIN
 
     found = {}
-    for layer in graph.layers:
+    for layer in layers:
         inner = layer.attrs.get("layers")
-        for lay in [layer, *(inner if isinstance(inner, list) else [])]:
-            if isinstance(lay, Layer) and lay.domain == FUSED_DOMAIN and isinstance(
-                    lay.attrs.get("weight"), np.ndarray):
-                found[lay.name] = lay
+        if isinstance(inner, list):
+            found.update(_weighted_layers([lay for lay in inner if isinstance(lay, Layer)]))
+        if layer.domain == FUSED_DOMAIN and isinstance(layer.attrs.get("weight"), np.ndarray):
+            found[layer.name] = layer
     return found
 
 
