@@ -9,7 +9,7 @@ Users bring ONNX files that other exporters wrote; this corpus is what torch wri
 architectures they bring, small: random weights from fixed seeds (nothing is downloaded), each file
 well under 1 MB. The models are written here as torch.nn modules (no torchvision, no transformers)
 and exported with the TorchScript exporter (`torch.onnx.export(..., dynamo=False)`, `ts` in the
-names) or the dynamo exporter (`dynamo=True`, `dyn`), at opsets from 13 to 21, with free axes
+names) or the dynamo exporter (`dynamo=True`, `dyn`), at opsets from 11 to 21, with free axes
 (batch, sequence, height, width, time). A few are quantized after export by ONNX Runtime's own
 quantizer (`onnxruntime.quantization`: QDQ, QOperator and dynamic formats), which is how int8 ONNX
 files are usually made; their ops are all of the standard domain.
@@ -44,6 +44,9 @@ import onnx
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import corpus_wild as wild  # noqa: E402 - beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "corpus"
@@ -613,6 +616,8 @@ def make_feeds(spec: Spec, which: int) -> Feeds:
             for i in range(shape[0]):
                 if i:
                     a[i, shape[1] - min(i * 2, shape[1] - 1):] = 0
+        elif kind == "rate":  # a sample rate: s0 16 kHz, s1 8 kHz (an If's two branches)
+            a = np.full(shape, 16000 if which == 0 else 8000)
         elif kind == "wave":
             t = np.arange(shape[1]) / 16000.0
             a = np.sin(2 * np.pi * rng.uniform(100, 800, (shape[0], 1)) * t) + 0.1 * rng.standard_normal(shape)
@@ -731,8 +736,54 @@ def specs() -> dict[str, Spec]:
              {"wav": ("wave", ("batch", "time"), "float32")}, ({"batch": 1, "time": 400}, {"batch": 3, "time": 560}),
              "wav2vec-style feature encoder: strided Conv1d, GroupNorm, erf GELU, Transpose, "
              "LayerNormalization, MatMul", ["frames"]),
+        *wild_specs(),
     ]
     return {spec.name: spec for spec in s}
+
+
+def wild_specs() -> list[Spec]:
+    """The patterns of models from the wild (issue 27): scripts/corpus_wild.py's modules."""
+    image = {"input": ("image", (1, 3, "H", "W"), "float32")}
+    return [
+        Spec("crnn_paddle_ts12", lambda: liven(wild.CRNNRecognizer(), 13), "torchscript", 12,
+             {"input": ("image", ("N", 3, 32, "W"), "float32")}, ({"N": 1, "W": 160}, {"N": 2, "W": 96}),
+             "Paddle-style CRNN text recognizer at opset 12: CNN with (2,1) strides to height 1, Im2Seq as "
+             "Shape/Gather/Mul/Unsqueeze/Concat/Reshape, Transpose, 2-layer bidirectional LSTM, Linear, Softmax",
+             ["probs"]),
+        Spec("char_tagger_ts14", lambda: liven(wild.CharTagger(), 14), "torchscript", 14,
+             {"chars": ("ids", ("batch", "seq"), "int64")}, ({"batch": 1, "seq": 48}, {"batch": 2, "seq": 23}),
+             "character-level transformer tagger of many small layers: embeddings, 4 hand-written encoder "
+             "layers (d 32, heads split by Reshape/Transpose from the free length, additive padding mask, "
+             "LayerNorm decomposed at opset 14), per-token Linear and LogSoftmax", ["tags"], vocab=96),
+        Spec("vad_lstm_if_ts16", lambda: torch.jit.script(liven(wild.LstmVad(), 15)), "torchscript", 16,
+             {"x": ("wave", ("batch", 576), "float32"), "state": ("normal", (2, "batch", 64), "float32"),
+              "sr": ("rate", (1,), "int64")}, ({"batch": 1}, {"batch": 2}),
+             "Silero-style VAD run on one 36 ms chunk: a scripted if on the sr input (an If whose "
+             "branches hold strided Conv1d front ends; s0 16 kHz, s1 8 kHz), ReduceMean, one LSTMCell step "
+             "from the state input (LSTM of one step), Sigmoid, the new state out", ["prob", "state_out"],
+             script=True),
+        Spec("yolo_v8_ts17", lambda: liven(wild.YoloV8ish(), 16), "torchscript", 17, image,
+             ({"H": 160, "W": 160}, {"H": 96, "W": 128}),
+             "YOLOv8-style detector: SiLU convs, C2f (Split, Concat), decoupled head on two levels, "
+             "Concat/Split, DFL (Softmax, 1x1 Conv), anchors from Range over the free H/W, dist2bbox, Sigmoid",
+             ["output0"]),
+        Spec("layout_hswish_ts11", lambda: liven(wild.LayoutDetector(), 17), "torchscript", 11, image,
+             ({"H": 256, "W": 192}, {"H": 160, "W": 224}),
+             "PicoDet-style layout detector at opset 11: 40 hard-swish chains as Paddle writes them (Add, "
+             "Clip with min/max inputs, Mul, Div), depthwise-separable convs, FPN with nearest Resize by "
+             "scales, Sigmoid/ReLU heads, Flatten and Concat of three levels", ["scores", "boxes"]),
+        Spec("encoder4_plain_dyn18", lambda: liven(wild.PlainEncoder(), 18), "dynamo", 18,
+             {"x": ("normal", ("batch", "seq", 64), "float32")}, ({"batch": 1, "seq": 32}, {"batch": 2, "seq": 19}),
+             "plain nn.TransformerEncoder, 4 layers, d 64, 4 heads, ReLU, free batch and length through the "
+             "dynamo exporter (the TorchScript exporter bakes the length into MultiheadAttention's Reshape); "
+             "d 64, not 256: 4 layers at d 256 are 4 MB of weights", ["y"]),
+        Spec("bytes_int32_dyn20", lambda: liven(wild.ByteClassifier(), 19), "dynamo", 20,
+             {"data": ("ids", ("batch", "length"), "int32"), "valid": ("mask", ("batch", "length"), "bool")},
+             ({"batch": 1, "length": 512}, {"batch": 3, "length": 300}),
+             "byte-level file classifier: Gather of an Embedding by int32 bytes, a bool validity mask "
+             "(Cast, Mul), gated strided Conv1d (Sigmoid, Mul), ReduceMax over the free length, MLP",
+             ["logits"], vocab=256),
+    ]
 
 
 # ---------------------------------------------------------------- export
