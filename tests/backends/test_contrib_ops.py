@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -178,7 +179,28 @@ def _lstm(dirs: int, per_channel: bool, dtype: type, **attrs: Any) -> Case:
                 [F32, F32, F32], {"hidden_size": hidden, "direction": direction, **attrs})
 
 
+def _gather_block(dtype: Any, bits: int = 4, zero_points: bool = True, **attrs: Any) -> Case:
+    rows, cols, block = 12, 32, 16
+    packed = dtype == np.uint8 and bits < 8
+    if packed:
+        data, zero = q((rows, cols * bits // 8)), q((rows, cols // block * bits // 8))
+    else:
+        info = ml_dtypes.iinfo(dtype)
+        data = rng.integers(info.min, info.max + 1, (rows, cols)).astype(dtype)
+        zero = rng.integers(info.min, info.max + 1, (rows, cols // block)).astype(dtype)
+    indices = np.array([[0, 11, -1], [5, 3, -12]], np.int64)
+    return Case("GatherBlockQuantized", [data, indices, f(rows, cols // block, scale=0.1),
+                                         zero if zero_points else None], [F32],
+                {"block_size": block, "bits": bits, **attrs}, fed=0)
+
+
 QUANT_CASES = {**_quantized(),
+               "GatherBlockQuantized-uint4": _gather_block(ml_dtypes.uint4),
+               "GatherBlockQuantized-int4-no-zero": _gather_block(ml_dtypes.int4,
+                                                                  zero_points=False),
+               "GatherBlockQuantized-uint8-4bit": _gather_block(np.uint8, 4),
+               "GatherBlockQuantized-uint8-8bit-no-zero": _gather_block(np.uint8, 8,
+                                                                       zero_points=False),
                "DynamicQuantizeLSTM": _lstm(1, False, np.int8),
                "DynamicQuantizeLSTM-bidirectional-per-channel": _lstm(2, True, np.int8),
                "DynamicQuantizeLSTM-reverse-uint8-peepholes-clip": _lstm(

@@ -237,3 +237,19 @@ def test_matmul_nbits_quantizer(name: str, bits: int, backends: list[str], tmp_p
     ops = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
     assert ops["MatMulNBits"] >= 1
     assert_matches_ort(path, dict(np.load(DATA / f"{name}.npz")), backends)
+
+
+@pytest.mark.parametrize("backends", BACKEND_LISTS.values(), ids=BACKEND_LISTS.keys())
+def test_4bit_quantizer_with_embeddings(backends: list[str], tmp_path) -> None:
+    pytest.importorskip("onnx_ir")
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    # the embedding tables quantized too: GatherBlockQuantized over uint4 blocks along axis 1
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(DATA / "tiny_gpt2.onnx")), block_size=16,
+                                     bits=4, op_types_to_quantize=("MatMul", "Gather"),
+                                     quant_axes=(("MatMul", 0), ("Gather", 1)))
+    quantizer.process()
+    path = tmp_path / "nbits.onnx"
+    quantizer.model.save_model_to_file(str(path))
+    assert contrib_ops(path) == {"MatMulNBits", "GatherBlockQuantized"}
+    assert_matches_ort(path, dict(np.load(DATA / "tiny_gpt2.npz")), backends)

@@ -41,6 +41,7 @@ ORT_OPS: dict[str, dict[str, Arity]] = {
         "DynamicQuantizeMatMul": Arity(1, 3, 5, 1, 1),
         "MatMulIntegerToFloat": Arity(1, 4, 7, 1, 1),
         "MatMulNBits": Arity(1, 3, 6, 1, 1),
+        "GatherBlockQuantized": Arity(1, 3, 4, 1, 1),
         "DynamicQuantizeLSTM": Arity(1, 12, 12, 0, 3),
         # transformer fusions
         "SkipLayerNormalization": Arity(1, 3, 5, 1, 4),
@@ -73,7 +74,7 @@ OUTPUT_TYPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "QLinearConcat": ((1,),), "QLinearGlobalAveragePool": ((4, 0),),
     "QLinearAveragePool": ((4, 0),), "QLinearSoftmax": ((4, 0),),
     "QGemm": ((8, -FLOAT),), "DynamicQuantizeMatMul": ((-FLOAT,),),
-    "MatMulIntegerToFloat": ((2,),), "MatMulNBits": ((2, 0),),
+    "MatMulIntegerToFloat": ((2,),), "MatMulNBits": ((2, 0),), "GatherBlockQuantized": ((2,),),
     "DynamicQuantizeLSTM": ((8, 0),) * 3,
     "SkipLayerNormalization": ((2, 0), (-FLOAT,), (-FLOAT,), (2, 0)),
     "SkipSimplifiedLayerNormalization": ((2, 0), (-FLOAT,), (-FLOAT,), (2, 0)),

@@ -89,5 +89,6 @@ CHECKS = {
 }
 
 ANY_DTYPE_OPS = (cast.ANY_DTYPE | quant.ANY_DTYPE | shape.ANY_DTYPE | indexing.ANY_DTYPE
-                 | elementwise.ANY_DTYPE | matmul.ANY_DTYPE | reduce.ANY_DTYPE | attention.ANY_DTYPE)
+                 | elementwise.ANY_DTYPE | matmul.ANY_DTYPE | reduce.ANY_DTYPE | attention.ANY_DTYPE
+                 | contrib_quant.ANY_DTYPE)
 """Ops CpuRef runs for every element type their schema allows, ml_dtypes' included (Backend)."""

@@ -1,7 +1,8 @@
 """ONNX Runtime's attention ops (com.microsoft domain), from its contrib-op documentation:
 Attention (packed QKV weights, BERT and GPT-2 as its transformer optimizer fuses them), QAttention
-(the same, its projection quantized by its dynamic quantizer), MultiHeadAttention, GroupQueryAttention (grouped heads over a BNSH key / value cache, as its
-language-model builders write it) and RotaryEmbedding.
+(the same, its projection quantized by its dynamic quantizer), MultiHeadAttention,
+GroupQueryAttention (grouped heads over a BNSH key / value cache, as its language-model builders
+write it) and RotaryEmbedding.
 
 Masks of Attention and MultiHeadAttention follow ONNX Runtime: a masked position gets
 ``mask_filter_value`` (-10000) added to its score, not -inf, so that a row masked throughout

@@ -2,7 +2,8 @@
 from its contrib-op documentation: dequantize, compute in float32, quantize (round half to even,
 saturate). QGemm, DynamicQuantizeMatMul and MatMulIntegerToFloat take integer products of the
 centred operands, as MatMulInteger does; DynamicQuantizeLSTM is an LSTM whose products are
-DynamicQuantizeMatMuls. MatMulNBits: block-quantized 2-, 4- and 8-bit weights.
+DynamicQuantizeMatMuls. MatMulNBits and GatherBlockQuantized: block-quantized 2-, 4- and 8-bit
+weights.
 
 Table keys carry the domain ("com.microsoft::QLinearAdd"); versions are its opset's.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
@@ -154,6 +156,28 @@ def mat_mul_n_bits(A, B, scales, zero_points=None, g_idx=None, bias=None, *, K, 
     return (y.astype(A.dtype),)
 
 
+def gather_block_quantized(data, indices, scales, zero_points=None, bits=4, block_size=128,
+                           gather_axis=0, quantize_axis=1):
+    # The whole table dequantized block by block along quantize_axis, then Gather; an index out
+    # of range gives zeros. uint8 data of bits < 8 is packed along its last axis.
+    if data.dtype == np.uint8 and bits < 8:
+        data = _unpack(data.reshape(-1, data.shape[-1]), bits).reshape(*data.shape[:-1], -1)
+        if zero_points is not None:
+            zero_points = _unpack(zero_points.reshape(-1, zero_points.shape[-1]), bits).reshape(
+                *zero_points.shape[:-1], -1)
+    axis = quantize_axis % data.ndim
+    default = 2 ** (bits - 1) if data.dtype == np.uint8 else 0
+    zero = np.full(scales.shape, default, np.int32) if zero_points is None else zero_points
+    blocks = [np.repeat(p, block_size, axis=axis).take(np.arange(data.shape[axis]), axis=axis)
+              for p in (scales.astype(np.float32), zero.astype(np.int32))]
+    table = (data.astype(np.int32) - blocks[1]) * blocks[0]
+    axis, size = gather_axis % data.ndim, data.shape[gather_axis % data.ndim]
+    valid = (indices >= -size) & (indices < size)
+    out = np.take(table, np.where(valid, indices, 0), axis=axis)
+    keep = valid.reshape(*[1] * axis, *indices.shape, *[1] * (data.ndim - axis - 1))
+    return (np.where(keep, out, 0).astype(scales.dtype),)
+
+
 def _unpack(packed, bits):
     """(rows, bytes) uint8 -> (rows, bytes * 8 / bits) values, the low bits of each byte first."""
     shifts = np.arange(0, 8, bits, dtype=np.uint8)
@@ -223,6 +247,19 @@ def check_mat_mul_n_bits(layer: Layer, inputs: Sequence[TensorInfo]) -> str | No
     return None
 
 
+def check_gather_block_quantized(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    dtype = inputs[0].dtype if inputs else None
+    if dtype is not None and dtype not in BLOCK_QUANTIZED:
+        return (f"GatherBlockQuantized of {dtype} data not supported (takes "
+                f"{', '.join(sorted(d.name for d in BLOCK_QUANTIZED))})")
+    if layer.attrs.get("bits", 4) not in (2, 4, 8):
+        return f"GatherBlockQuantized with bits={layer.attrs['bits']} not supported (takes 2, 4, 8)"
+    return None
+
+
+BLOCK_QUANTIZED = frozenset(map(np.dtype, (ml_dtypes.int4, ml_dtypes.uint4, np.uint8)))
+
+
 def check_dynamic_quantize_lstm(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     if layer.attrs.get("activations") not in (None, ["Sigmoid", "Tanh", "Tanh"] * 2,
                                               ["Sigmoid", "Tanh", "Tanh"]):
@@ -246,7 +283,11 @@ KERNELS: KernelTable = {
     MS + "DynamicQuantizeMatMul": {1: dynamic_quantize_mat_mul},
     MS + "MatMulNBits": {1: mat_mul_n_bits},
     MS + "DynamicQuantizeLSTM": {1: dynamic_quantize_lstm},
+    MS + "GatherBlockQuantized": {1: gather_block_quantized},
 }
 
 CHECKS = {MS + "MatMulNBits": check_mat_mul_n_bits,
+          MS + "GatherBlockQuantized": check_gather_block_quantized,
           MS + "DynamicQuantizeLSTM": check_dynamic_quantize_lstm}
+
+ANY_DTYPE = frozenset({MS + "GatherBlockQuantized"})  # its check names the types
