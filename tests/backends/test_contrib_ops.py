@@ -179,7 +179,8 @@ def _lstm(dirs: int, per_channel: bool, dtype: type, **attrs: Any) -> Case:
                 [F32, F32, F32], {"hidden_size": hidden, "direction": direction, **attrs})
 
 
-def _gather_block(dtype: Any, bits: int = 4, zero_points: bool = True, **attrs: Any) -> Case:
+def _gather_block(dtype: Any, bits: int = 4, zero_points: bool = True,
+                  indices: list[list[int]] | None = None, **attrs: Any) -> Case:
     rows, cols, block = 12, 32, 16
     packed = dtype == np.uint8 and bits < 8
     if packed:
@@ -188,8 +189,8 @@ def _gather_block(dtype: Any, bits: int = 4, zero_points: bool = True, **attrs: 
         info = ml_dtypes.iinfo(dtype)
         data = rng.integers(info.min, info.max + 1, (rows, cols)).astype(dtype)
         zero = rng.integers(info.min, info.max + 1, (rows, cols // block)).astype(dtype)
-    indices = np.array([[0, 11, -1], [5, 3, -12]], np.int64)
-    return Case("GatherBlockQuantized", [data, indices, f(rows, cols // block, scale=0.1),
+    chosen = np.array(indices or [[0, 11, -1], [5, 3, -12]], np.int64)
+    return Case("GatherBlockQuantized", [data, chosen, f(rows, cols // block, scale=0.1),
                                          zero if zero_points else None], [F32],
                 {"block_size": block, "bits": bits, **attrs}, fed=0)
 
@@ -199,6 +200,8 @@ QUANT_CASES = {**_quantized(),
                "GatherBlockQuantized-int4-no-zero": _gather_block(ml_dtypes.int4,
                                                                   zero_points=False),
                "GatherBlockQuantized-uint8-4bit": _gather_block(np.uint8, 4),
+               "GatherBlockQuantized-out-of-range": _gather_block(  # zeros there
+                   ml_dtypes.uint4, indices=[[0, 12, -13]]),
                "GatherBlockQuantized-uint8-8bit-no-zero": _gather_block(np.uint8, 8,
                                                                        zero_points=False),
                "DynamicQuantizeLSTM": _lstm(1, False, np.int8),
@@ -349,6 +352,9 @@ def _gqa() -> dict[str, Case]:
         "GroupQueryAttention-softcap": Case(
             "GroupQueryAttention", [*qkv(4), None, None, *lengths(3, 3)], [F32, F32, F32],
             {**attrs, "softcap": 2.0}, fed=3),
+        "GroupQueryAttention-head-sink": Case(
+            "GroupQueryAttention", [*qkv(3), None, None, *lengths(2, 2), None, None, None, None,
+                                    f(heads)], [F32, F32, F32], attrs, fed=3),
         "GroupQueryAttention-smooth-softmax-scale": Case(
             "GroupQueryAttention", [*qkv(1), *cache(2), *lengths(2, 2)], [F32, F32, F32],
             {**attrs, "smooth_softmax": 1, "scale": 0.2}, fed=5),
