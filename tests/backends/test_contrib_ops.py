@@ -116,6 +116,10 @@ def _quantized() -> dict[str, Case]:
             "QLinearConcat", [s(0.05), z(zp, dtype), q((1, 2, 3), dtype), s(0.05), z(zp, dtype),
                               q((1, 4, 3), dtype), s(0.02), z(zp - 7, dtype)], [elem],
             {"axis": 1}, fed=0)
+        cases[f"QLinearWhere-{name}"] = Case(
+            "QLinearWhere", [rng.random((2, 3, 4)) > 0.5, q((2, 3, 4), dtype), s(0.05),
+                             z(zp, dtype), q((3, 1), dtype), s(0.02), z(zp - 9, dtype), s(0.04),
+                             z(zp + 4, dtype)], [elem], fed=2)
         pool = [q((2, 3, 6, 5), dtype), s(0.04), z(zp, dtype), s(0.03), z(zp + 2, dtype)]
         cases[f"QLinearGlobalAveragePool-{name}"] = Case("QLinearGlobalAveragePool", pool, [elem])
         cases[f"QLinearGlobalAveragePool-nhwc-{name}"] = Case(

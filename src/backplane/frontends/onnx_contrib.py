@@ -34,6 +34,7 @@ ORT_OPS: dict[str, dict[str, Arity]] = {
         "QLinearSigmoid": Arity(1, 4, 5, 1, 1),
         "QLinearLeakyRelu": Arity(1, 4, 5, 1, 1),
         "QLinearConcat": Arity(1, 3, ANY, 1, 1),
+        "QLinearWhere": Arity(1, 9, 9, 1, 1),
         "QLinearGlobalAveragePool": Arity(1, 5, 5, 1, 1),
         "QLinearAveragePool": Arity(1, 4, 5, 1, 1),
         "QLinearSoftmax": Arity(1, 5, 5, 1, 1),
@@ -71,7 +72,7 @@ FLOAT, INT32 = TensorProto.FLOAT, TensorProto.INT32
 OUTPUT_TYPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "QLinearAdd": ((7, 0),), "QLinearMul": ((7, 0),),
     "QLinearSigmoid": ((4, 0),), "QLinearLeakyRelu": ((4, 0),),
-    "QLinearConcat": ((1,),), "QLinearGlobalAveragePool": ((4, 0),),
+    "QLinearConcat": ((1,),), "QLinearWhere": ((8,),), "QLinearGlobalAveragePool": ((4, 0),),
     "QLinearAveragePool": ((4, 0),), "QLinearSoftmax": ((4, 0),),
     "QGemm": ((8, -FLOAT),), "DynamicQuantizeMatMul": ((-FLOAT,),),
     "MatMulIntegerToFloat": ((2,),), "MatMulNBits": ((2, 0),), "GatherBlockQuantized": ((2,),),

@@ -60,6 +60,13 @@ def q_linear_leaky_relu(X, X_scale, X_zero_point, Y_scale, Y_zero_point=None,  #
     return (_quantize(y, Y_scale, Y_zero_point, X.dtype),)
 
 
+def q_linear_where(condition, X, x_scale, x_zero_point, Y, y_scale, y_zero_point,  # noqa: N803
+                   z_scale, z_zero_point):
+    real = np.where(condition, _dequantize(X, x_scale, x_zero_point),
+                    _dequantize(Y, y_scale, y_zero_point))
+    return (_quantize(real, z_scale, z_zero_point, z_zero_point.dtype),)
+
+
 def q_linear_concat(Y_scale, Y_zero_point, *inputs, axis):  # noqa: N803
     # inputs: (tensor, scale, zero point) triples, each requantized to Y's scale and zero point.
     parts = [_quantize(_dequantize(x, s, z), Y_scale, Y_zero_point, Y_zero_point.dtype)
@@ -275,6 +282,7 @@ KERNELS: KernelTable = {
     MS + "QLinearSigmoid": {1: q_linear_sigmoid},
     MS + "QLinearLeakyRelu": {1: q_linear_leaky_relu},
     MS + "QLinearConcat": {1: q_linear_concat},
+    MS + "QLinearWhere": {1: q_linear_where},
     MS + "QLinearGlobalAveragePool": {1: q_linear_global_average_pool},
     MS + "QLinearAveragePool": {1: q_linear_average_pool},
     MS + "QLinearSoftmax": {1: q_linear_softmax},
