@@ -19,6 +19,7 @@ from backplane import InferenceSession  # noqa: E402
 from backplane.backends.api.backend import OptionError  # noqa: E402
 from backplane.backends.openvino import partition  # noqa: E402
 from backplane.backends.registry import registry  # noqa: E402
+from backplane.install_hints import hint  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.models import test_corpus as corpus  # noqa: E402
 from tests.models.test_models import (  # noqa: E402
@@ -265,7 +266,7 @@ def test_unavailable_without_openvino_names_the_extra(monkeypatch: pytest.Monkey
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "openvino" else real(name, *args))
     status = registry.create("OpenVINO").availability()
-    assert not status.ok and "pip install 'backplane-nn[openvino]'" in status.reason
+    assert not status.ok and hint("openvino") in status.reason
     session = InferenceSession(det_model(), backends=["OpenVINO", "CpuRef"])
     assert session.report.unavailable["OpenVINO"] == status.reason
     assert session.report.counts() == {"CpuRef": 3}

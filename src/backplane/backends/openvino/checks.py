@@ -10,12 +10,16 @@ ConstantOfShape, Tile, Pad, Resize, OneHot) of whatever size its inputs say. So,
 
 - ``refusal``: a reason to leave the layer to the next backend (CpuRef checks what OpenVINO does
   not), decided when the partition is made: recurrent weights that contradict the attributes (or
-  whose sizes are not known then), constant shapes, sizes and indices out of range, a data-sized
-  output past the allocation limit (``api.memory.check_allocation``), and sizes or indices computed
-  inside the partition (OpenVINO reads them before anyone can look), except those computed from
-  tensor shapes alone (Shape, Gather, Concat ... as exporters write them).
-- ``run_checks``: for sizes and indices that are inputs of the partition, the checks the workload
-  makes on them before each infer call (``Check``): cheap, one pass over an index or size tensor.
+  whose sizes are not known then), constant sizes and indices out of range, a constant data-sized
+  output past the allocation limit (``api.memory.check_allocation``), sizes computed inside the
+  partition other than from tensor shapes alone (Shape, Gather, Concat ... as exporters write
+  them), and GatherND indices computed inside (OpenVINO's GatherND reads past its data).
+- ``plan``: the run-time checks of the rest (``Check``), one pass over an index or size tensor
+  each: before the infer call for the partition's inputs, after it for Gather indices and Range
+  arguments computed inside, which the compiled model then also outputs (``Plan.added``, with the
+  Shape of each tensor in ``Plan.shapes`` whose indexed axis is a free dimension). A check after
+  the run refuses it: OpenVINO's Gather gives zeros for such an index, nothing worse, and its
+  outputs are never returned.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class Check:
 
     layer: str
     op: str
-    values: tuple[Ref | float, ...]  # the indices or size input; Range's start, limit, delta
+    values: tuple[Any, ...]  # Refs or constants: the indices or size; Range's start, limit, delta
     bounds: tuple[Bound, ...] = ()  # Gather, GatherND: the size of each indexed axis
     dims: tuple[Bound | None, ...] = ()  # size checks: the data's dims (None: unknown, taken as 1)
     dtype: str = "float32"  # size checks: the output's element type
@@ -93,15 +97,12 @@ class Plan:
     added: list[str] = field(default_factory=list)
     shapes: list[str] = field(default_factory=list)
 
-    def outputs(self) -> int:
-        return len(self.added) + len(self.shapes)
-
 
 def _is_ref(value: Any) -> bool:
     return isinstance(value, tuple) and bool(value) and isinstance(value[0], str)
 
 
-def _value(ref: Ref | float, inputs: Sequence[Any], added: Sequence[Any]) -> Any:
+def _value(ref: Any, inputs: Sequence[Any], added: Sequence[Any]) -> Any:
     if not _is_ref(ref):
         return ref  # a constant
     return inputs[ref[1]] if ref[0] == "in" else added[ref[1]]  # type: ignore[index]
@@ -161,12 +162,13 @@ def _plan_layer(made: Plan, layer: Layer, graph: Graph, produced: dict[str, Laye
     names = _checked_inputs(layer, graph, produced)
     if not names:
         return None
-    if op not in ("Range", "Gather") and any(
-            n in produced and not _from_shapes(n, graph, produced, set()) for n in names):
-        return (f"{op} '{layer.name}' reads {', '.join(repr(n) for n in names)} computed in the "
+    inside = [n for n in names if n in produced]
+    if op == "GatherND" and inside or op not in ("Range", "Gather", "GatherND") and any(
+            not _from_shapes(n, graph, produced, set()) for n in inside):
+        return (f"{op} '{layer.name}' reads {', '.join(repr(n) for n in inside)} computed in the "
                 f"partition: OpenVINO would use {'them' if op == 'GatherND' else 'it'} unchecked "
                 f"(CpuRef checks it)")
-    if op not in ("Range", "Gather", "GatherND") and any(n in produced for n in names):
+    if op not in ("Range", "Gather", "GatherND") and inside:
         return None  # sizes computed from tensor shapes alone
     values = tuple(_ref(made, n, graph, position) for n in names)
     out = graph.info(layer.outputs[0]).dtype
@@ -201,7 +203,7 @@ def _ref(made: Plan, name: str, graph: Graph, position: dict[str, int]) -> Any:
 def _shape_ref(made: Plan, name: str, axis: int) -> Bound:
     if name not in made.shapes:
         made.shapes.append(name)
-    return ("out", -1 - made.shapes.index(name), axis)  # made absolute by ``resolved``
+    return ("out", -1 - made.shapes.index(name), axis)  # made absolute by ``plan``
 
 
 def _checked_inputs(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> list[str]:
