@@ -9,6 +9,7 @@ CpuRef has a kernel for each (``backends/reference/kernels/contrib_*.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from onnx import ModelProto, TensorProto, helper
@@ -108,21 +109,19 @@ def annotate_ort_types(proto: ModelProto) -> int:
         for name, sources in zip(node.output, OUTPUT_TYPES[node.op_type]):
             if not name or types.get(name):
                 continue
-            elem = _source_type(node.input, sources, types)
+            elem = _source_type(list(node.input), sources, types)
             if elem:
                 graph.value_info.append(helper.make_tensor_value_info(name, elem, None))
                 types[name], added = elem, added + 1
     return added
 
 
-def _source_type(inputs: list[str] | object, sources: tuple[int, ...], types: dict[str, int],
-                 ) -> int:
-    names = list(inputs)  # type: ignore[call-overload]
+def _source_type(inputs: Sequence[str], sources: tuple[int, ...], types: dict[str, int]) -> int:
     for source in sources:
         if source < 0:
             return -source
-        if source < len(names) and names[source] and types.get(names[source]):
-            return types[names[source]]
+        if source < len(inputs) and inputs[source] and types.get(inputs[source]):
+            return types[inputs[source]]
     return 0
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.reference.kernels.attention import rotary_embedding
+from backplane.backends.reference.kernels.contrib_quant import mat_mul_integer_to_float
 from backplane.backends.reference.kernels.reduce import softmax
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -80,12 +81,8 @@ def q_attention(input, weight, bias, input_scale, weight_scale, mask_index=None,
                 do_rotary=0, mask_filter_value=-10000.0, past_present_share_buffer=0,
                 scale=None, unidirectional=0, n_outputs=1):
     # Attention whose projection is an integer product of the centred operands, rescaled.
-    centred_input = input.astype(np.int32) - (0 if input_zero_point is None
-                                              else input_zero_point.astype(np.int32))
-    centred_weight = weight.astype(np.int32) - (0 if weight_zero_point is None
-                                                else weight_zero_point.astype(np.int32))
-    product = np.matmul(centred_input, centred_weight).astype(np.float32)
-    qkv = product * (input_scale.astype(np.float32) * weight_scale.astype(np.float32)) + bias
+    (qkv,) = mat_mul_integer_to_float(input, weight, input_scale, weight_scale, input_zero_point,
+                                      weight_zero_point, bias)
     return _packed_attention(qkv, [weight.shape[1] // 3] * 3, mask_index, past, None, num_heads,
                              mask_filter_value, scale, unidirectional, n_outputs)
 

@@ -120,7 +120,7 @@ def q_gemm(A, a_scale, a_zero_point, B, b_scale, b_zero_point, C=None, y_scale=N
     a = _centred(A, a_zero_point)
     b = _centred(B.T, b_zero_point) if transB else _centred(B, b_zero_point)  # (K, N)
     acc = (a.T if transA else a) @ b
-    if C is not None:  # int32, at scale a_scale * b_scale / alpha's reciprocal and zero point 0
+    if C is not None:  # int32, quantized at the product's scale with zero point 0
         acc = acc + C.astype(np.int32)
     y = acc.astype(np.float32) * (np.float32(alpha) * a_scale.astype(np.float32)
                                   * b_scale.astype(np.float32))
