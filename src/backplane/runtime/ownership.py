@@ -45,17 +45,10 @@ class Held:
         self.starts = [start for start, _ in merged]
         self.ends = [end for _, end in merged]
 
-    def overlaps(self, value: np.ndarray, inputs: Sequence[Any]) -> bool:
-        low, high = _bounds(value)
+    def overlaps(self, low: int, high: int) -> bool:
+        """Whether the bytes [low, high) meet a constant's."""
         index = bisect.bisect_right(self.starts, high - 1) - 1
-        if index >= 0 and self.ends[index] > low:
-            return True
-        for given in inputs:
-            if _is_cpu_tensor(given):
-                given = given.detach().numpy()
-            if isinstance(given, np.ndarray) and np.may_share_memory(value, given):
-                return True
-        return False
+        return index >= 0 and self.ends[index] > low
 
 
 NOTHING = Held()
@@ -82,17 +75,38 @@ def owned(outputs: list[Any], inputs: Sequence[Any] = (), held: Held = NOTHING,
 def _fresh(value: np.ndarray, inputs: Sequence[Any], held: Held,
            measured: list[list[int]] | None) -> bool:
     counts, root = _chain(value)
+    if root is not None:
+        return _fresh_tensor(value, root, counts, inputs, held, measured)
     if measured is not None:  # calibrating: what a fresh output looks like from here
-        measured.append(counts if root is None else [*counts, sys.getrefcount(root), _uses(root)])
+        measured.append(counts)
         return True
-    if counts[0] != _HEAD or any(count != _LINK for count in counts[1:]):
-        return False
-    if root is None:
+    return counts[0] == _HEAD and all(count == _LINK for count in counts[1:])
+
+
+def _fresh_tensor(value: np.ndarray, root: Any, counts: list[int], inputs: Sequence[Any],
+                  held: Held, measured: list[list[int]] | None) -> bool:
+    """The same for a NumPy view of a torch CPU tensor: the view held by the output alone, the
+    tensor by the view alone, its storage by that tensor alone, and the storage's memory no
+    constant's and no input's."""
+    storage = root.untyped_storage()
+    uses = _use_count(storage._cdata)
+    if measured is not None:
+        measured.append([*counts, sys.getrefcount(root), uses])
         return True
     if _TENSOR_REFS == -1:
         _calibrate_torch()
-    return (sys.getrefcount(root) == _TENSOR_REFS and _uses(root) == _STORAGE_USES
-            and not held.overlaps(value, inputs))
+    if counts != [_TENSOR_HEAD] or sys.getrefcount(root) != _TENSOR_REFS or uses != _STORAGE_USES:
+        return False
+    low = storage.data_ptr()
+    if held.overlaps(low, low + storage.nbytes()):
+        return False
+    for given in inputs:
+        if isinstance(given, np.ndarray):
+            if np.may_share_memory(value, given):
+                return False
+        elif _is_cpu_tensor(given) and given.untyped_storage().data_ptr() == low:
+            return False
+    return True
 
 
 def _chain(value: np.ndarray) -> tuple[list[int], Any]:
@@ -113,27 +127,12 @@ def _chain(value: np.ndarray) -> tuple[list[int], Any]:
 
 def _is_cpu_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor) and value.device.type == "cpu"
+    return torch is not None and isinstance(value, torch.Tensor) and value.is_cpu
 
 
-def _bounds(value: np.ndarray) -> tuple[int, int]:
-    """The first and one-past-last byte addresses ``value`` reads."""
-    low = high = value.__array_interface__["data"][0]
-    for size, stride in zip(value.shape, value.strides):
-        if size == 0:
-            return low, low
-        if stride < 0:
-            low += (size - 1) * stride
-        else:
-            high += (size - 1) * stride
-    return low, high + value.itemsize
-
-
-def _uses(tensor: Any) -> int:
-    """How many tensors hold ``tensor``'s storage (torch's own count)."""
-    import torch
-
-    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+def _use_count(storage: Any) -> int:
+    """How many tensors hold a storage (torch's own count)."""
+    return sys.modules["torch"]._C._storage_Use_Count(storage)  # type: ignore[no-any-return]
 
 
 def _calibrate() -> tuple[int, int]:
@@ -148,14 +147,13 @@ def _calibrate() -> tuple[int, int]:
 
 def _calibrate_torch() -> None:
     """The same for a fresh torch-made output: the tensor's references and its storage's uses."""
-    global _TENSOR_REFS, _STORAGE_USES
+    global _TENSOR_HEAD, _TENSOR_REFS, _STORAGE_USES
     import torch
 
     measured: list[list[int]] = []
     owned([torch.empty(4).numpy()], _measured=measured)
-    _, refs, uses = measured[0]
-    _TENSOR_REFS, _STORAGE_USES = refs, uses
+    _TENSOR_HEAD, _TENSOR_REFS, _STORAGE_USES = measured[0]
 
 
 _HEAD, _LINK = _calibrate()
-_TENSOR_REFS, _STORAGE_USES = -1, -1  # measured at the first torch-made output
+_TENSOR_HEAD = _TENSOR_REFS = _STORAGE_USES = -1  # measured at the first torch-made output
