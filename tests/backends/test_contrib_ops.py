@@ -5,6 +5,7 @@ outputs within 1e-5 of the output's scale."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from backplane import InferenceSession
 from backplane.backends.reference.backend import CpuRef
 from backplane.frontends.onnx import ModelError, import_onnx
 from backplane.frontends.onnx_contrib import CONTRIB_DOMAIN, ORT_OPS
+from backplane.optimizer.optimize import OptimizationError
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -197,6 +199,12 @@ def _gather_block(dtype: Any, bits: int = 4, zero_points: bool = True,
     return Case("GatherBlockQuantized", [data, chosen, f(rows, cols // block, scale=0.1),
                                          zero if zero_points else None], [F32],
                 {"block_size": block, "bits": bits, **attrs}, fed=0)
+
+
+def _lstm_with_lengths() -> Case:
+    case = _lstm(1, False, np.int8)
+    case.inputs[4] = np.array([5, 3], np.int32)
+    return case
 
 
 QUANT_CASES = {**_quantized(),
@@ -423,6 +431,27 @@ def test_unknown_contrib_op_is_a_model_error_listing_the_known_ones() -> None:
 def test_wrong_arity_of_a_contrib_op_is_a_model_error() -> None:
     with pytest.raises(ModelError, match=r"1 input\(s\); QLinearAdd takes 7 to 8"):
         import_onnx(_unknown_op_model("QLinearAdd"))
+
+
+REFUSED = {
+    "packed QKV": Case("MultiHeadAttention", [f(2, 4, 2, 3, 4)], [F32], {"num_heads": 2}),
+    "transBatchA": Case("FusedMatMul", [f(2, 3, 4), f(2, 4, 5)], [F32], {"transBatchA": 1},
+                        fed=2),
+    "activation 'Elu' not supported": Case("FusedConv", [f(1, 2, 4, 4), f(3, 2, 1, 1)], [F32],
+                                           {"activation": "Elu"}),
+    "bits=3": Case("MatMulNBits", [f(2, 32), q((4, 2, 6)), f(4, 2)], [F32],
+                   {"K": 32, "N": 4, "bits": 3, "block_size": 16}),
+    "do_rotary=1": Case("Attention", [f(1, 3, 8), f(8, 24)], [F32],
+                        {"num_heads": 2, "do_rotary": 1}),
+    "sequence_lens": _lstm_with_lengths(),
+}
+
+
+@pytest.mark.parametrize("reason", REFUSED)
+def test_modes_cpuref_does_not_run_are_refused_with_their_reason(reason: str) -> None:
+    model, _ = _model(REFUSED[reason])
+    with pytest.raises(OptimizationError, match=re.escape(reason)):
+        InferenceSession(model, backends=["CpuRef"])
 
 
 TORCH_CASES = ["QLinearAdd-uint8", "SkipLayerNormalization", "Attention-raw-mask", "FusedConv-Relu",
