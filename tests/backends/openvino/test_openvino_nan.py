@@ -117,3 +117,31 @@ def test_tiny_mobilenet_v3_gives_nan_for_nan() -> None:
     want = InferenceSession(path, backends=["CpuRef"]).run(None, one)[0]
     assert_same(session.run(None, one)[0], want)
     np.testing.assert_array_equal(session.run(None, feeds)[0], finite)  # the first model again
+
+
+CORPUS = DATA / "corpus"
+NAN_CORPUS = ["mobilenet_dw_dyn18", "mobilenet_fp16_ts17", "resnet_basic_ts16", "unet_resize_ts13",
+              "lstm_bi2_ts14", "audio_conv1d_dyn19"]
+
+
+@pytest.mark.parametrize("name", NAN_CORPUS)
+def test_corpus_models_keep_nan_where_cpuref_does(name: str) -> None:
+    """Every 7th value of the float input NaN: the outputs NaN where CpuRef's are, and close
+    elsewhere."""
+    import json
+
+    entry = json.loads((CORPUS / "manifest.json").read_text())[name]
+    path = CORPUS / entry["file"]
+    feeds = {k: v.copy() for k, v in np.load(CORPUS / entry["inputs_files"][0]).items()}
+    floats = [v for v in feeds.values() if v.dtype.kind == "f"]
+    floats[0].reshape(-1)[::7] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
+    session = InferenceSession(path, backends=["OpenVINO", "CpuRef"])
+    assert "OpenVINO" in session.report.counts()
+    for got, expected in zip(session.run(None, feeds), want):
+        got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        scale = max(float(np.nanmax(np.abs(expected), initial=0.0)), 1.0)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-3 * scale, equal_nan=True)
