@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -335,3 +336,15 @@ def test_bad_shapes_and_dims_are_user_errors(args, message, capsys) -> None:
     code = cli.main(["run", str(DECODE), "--backends", "CpuRef", "--repeat", "0", *args])
     out = capsys.readouterr().out
     assert code == 2 and message in out.replace("\n", ""), out
+
+
+def test_verbose_flags_say_each_step(model_path, capsys) -> None:
+    """-v: the load's steps and times; -vv: the placement plan and each layer as it runs (the
+    help promised it; a normal run printed nothing). `backplane run` times each layer itself."""
+    assert cli.main(["run", str(model_path), "--backends", "CpuRef", "--repeat", "0", "-v"]) == 0
+    err = capsys.readouterr().err
+    assert "imported in" in err and "CpuRef: " in err and "loaded in" in err, err
+    assert cli.main(["run", str(model_path), "--backends", "CpuRef", "--repeat", "0", "-vv"]) == 0
+    err = capsys.readouterr().err
+    assert "Placement" in err and "conv1" in err, err[-2000:]
+    assert "BACKPLANE_DEBUG" not in os.environ  # the knob is the command's, put back after

@@ -49,6 +49,16 @@ WIDE = 10_000
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "verbose", 0) < 2 or os.environ.get("BACKPLANE_DEBUG"):
+        return _main(args)
+    os.environ["BACKPLANE_DEBUG"] = "2"  # the debug knob: the plan, then each layer as it runs
+    try:
+        return _main(args)
+    finally:
+        del os.environ["BACKPLANE_DEBUG"]
+
+
+def _main(args: argparse.Namespace) -> int:
     messages = Console(stderr=True)
     if messages.is_terminal:
         handler: logging.Handler = RichHandler(console=messages, show_time=False, show_path=False)
@@ -143,7 +153,8 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
     loudness.add_argument("-q", "--quiet", action="store_true",
                           help="log errors only (no warnings: the report keeps them)")
     loudness.add_argument("-v", "--verbose", action="count", default=0,
-                          help="log more: -v info, -vv debug (each layer's fallback, each step)")
+                          help="log more: -v info (each load's steps and times), -vv debug (each "
+                               "layer's fallback and the placement plan)")
 
 
 def severity(args: argparse.Namespace) -> int:

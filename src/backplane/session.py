@@ -231,6 +231,10 @@ class InferenceSession:
                                   for layer in net.graph.layers)
         self._trace: Trace | None = None
         self._closed = False
+        _log.info("imported in %.3f s, placed in %.3f s (%s), loaded in %.3f s",
+                  optimized - start, loading - optimized,
+                  ", ".join(f"{b}: {n} layers" for b, n in self.optimized.report.counts().items()),
+                  loaded - loading)
         if options.enable_profiling:
             name = (os.path.basename(os.fspath(model)) if isinstance(model, (str, os.PathLike))
                     else self._meta.graph_name or "model")
