@@ -9,8 +9,15 @@ load where Linux allows it), with backplane's planned peak for comparison
 (``PlacementReport.peak_bytes``, intermediates only). ``--keep-initializers`` loads
 backplane's sessions with ``SessionOptions.keep_initializers`` (the graphs keep the weights).
 
+``--sessions N`` measures churn instead: one process per backend list (``--churn``, repeatable;
+a backend's options after a colon, ``CpuAcc:compile=layers``) creates a session, runs it once and
+drops it (``gc.collect()``), N times, and prints its resident set (VmRSS) every ``--every``
+sessions, with the functions held in TorchScript's process-wide compilation unit (where each
+traced module stayed before issue 32's fix). A service that reloads models needs this flat.
+
 Usage:
     python bench/memory.py MODEL.onnx [MODEL.onnx ...] [--backends CpuAcc,CpuRef] [--runs 20]
+    python bench/memory.py MODEL.onnx --sessions 500 [--every 50] [--churn CpuAcc,CpuRef ...]
 """
 
 from __future__ import annotations
@@ -89,6 +96,75 @@ def child(model: str, runtime: str, backends: list[str], runs: int, threads: int
             "in_runs": in_runs if reset else None, "planned": planned}
 
 
+def providers(spec: str) -> list:
+    """"CpuAcc:compile=layers,CpuRef" as providers=: ids, or (id, {option: value}) pairs."""
+    found: list = []
+    for item in spec.split(","):
+        name, _, options = item.partition(":")
+        pairs = dict(option.split("=", 1) for option in options.split(";") if option)
+        found.append((name, pairs) if pairs else name)
+    return found
+
+
+def churn(model: str, spec: str, sessions: int, every: int, threads: int) -> None:
+    """Creates, runs once and drops ``sessions`` sessions, printing a JSON line every ``every``
+    (and after the first): sessions done, VmRSS, TorchScript functions held, seconds."""
+    import gc
+    import time
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from backplane import InferenceSession, SessionOptions
+
+    options = SessionOptions()
+    options.intra_op_num_threads = threads
+    values, start = None, time.perf_counter()
+    for done in range(1, sessions + 1):
+        session = InferenceSession(model, options, providers=providers(spec))
+        if values is None:
+            values = feeds([(i.name, i.shape, i.type) for i in session.get_inputs()])
+        session.run(None, values)
+        del session
+        gc.collect()
+        if done == 1 or done % max(1, every) == 0 or done == sessions:
+            print(json.dumps({"sessions": done, "rss": status("VmRSS"), "jit": jit_functions(),
+                              "seconds": time.perf_counter() - start}), flush=True)
+
+
+def jit_functions() -> int | None:
+    """How many functions torch's process-wide TorchScript compilation unit holds (None: no torch
+    imported)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else len(torch.jit._state._python_cu.get_functions())
+
+
+def churn_table(model: str, specs: list[str], args: argparse.Namespace) -> None:
+    print(f"{args.threads} threads; {Path(model).stem}: {args.sessions} sessions created, run once "
+          f"and dropped, one process per backend list; MiB")
+    print(f"{'backends':<32} {'sessions':>8} {'rss':>8} {'growth':>8} {'MiB/sess':>8} "
+          f"{'jit fns':>7} {'seconds':>8}")
+    for spec in specs:
+        command = [sys.executable, __file__, model, "--sessions", str(args.sessions), "--every",
+                   str(args.every), "--threads", str(args.threads), "--churn-child", spec]
+        first, other = None, []
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}) as child:
+            assert child.stdout is not None
+            for line in child.stdout:
+                if not line.startswith("{"):  # warnings, a traceback
+                    other.append(line)
+                    continue
+                row = json.loads(line)
+                first = first or row
+                growth = (row["rss"] - first["rss"]) / 2**20
+                per = growth / max(1, row["sessions"] - first["sessions"])
+                print(f"{spec:<32} {row['sessions']:>8} {row['rss'] / 2**20:8.1f} {growth:8.1f} "
+                      f"{per:8.2f} {row['jit'] if row['jit'] is not None else '-':>7} "
+                      f"{row['seconds']:8.1f}", flush=True)
+        if child.returncode:
+            print(f"{spec}: failed\n{''.join(other)[-1500:]}")
+
+
 def reset_peak() -> bool:
     """VmHWM back to the resident set now (Linux's clear_refs 5), so that the runs' own peak can
     be read apart from the load's; False where the kernel does not allow it."""
@@ -129,9 +205,26 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--keep-initializers", action="store_true")
+    parser.add_argument("--sessions", type=int, default=0,
+                        help="churn: create, run once and drop this many sessions per --churn list")
+    parser.add_argument("--every", type=int, default=50, help="churn: print RSS every N sessions")
+    parser.add_argument("--churn", action="append",
+                        help="churn: a backend list (repeatable; default CpuAcc,CpuRef, "
+                             "CpuAcc:compile=layers,CpuRef and CpuRef)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--churn-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     backends = args.backends.split(",")
+    if args.churn_child:
+        churn(args.models[0], args.churn_child, args.sessions, args.every, args.threads)
+        return 0
+    if args.sessions:
+        if len(args.models) != 1:
+            parser.error("--sessions takes one model")
+        print(machine())
+        churn_table(args.models[0], args.churn or ["CpuAcc,CpuRef", "CpuAcc:compile=layers,CpuRef",
+                                                   "CpuRef"], args)
+        return 0
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], backends, args.runs, args.threads,
                                args.keep_initializers)))

@@ -58,7 +58,8 @@ def test_a_trace_that_fails_leaves_the_layers_to_run_one_by_one(monkeypatch) -> 
     def broken(*args, **kwargs):
         raise RuntimeError("tracing is gone")
 
-    monkeypatch.setattr(torch.jit, "trace", broken)
+    # the tracer's entry point (_trace's, and torch.jit.trace's too)
+    monkeypatch.setattr(torch._C.ScriptModule, "_create_method_from_trace", broken)
     feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
     session = _session(MODEL, "onednn_graph")
     assert _graph_workload(session).route == "layers"
@@ -168,9 +169,10 @@ def test_a_second_load_follows_the_remembered_choice(tmp_path, monkeypatch) -> N
     monkeypatch.setenv(route_cache.CACHE_VARIABLE, str(tmp_path))
     first = _graph_workload(_session(MODEL)).route
     measured, traced = [], []
-    timed, trace = patterns.seconds, torch.jit.trace
+    timed, trace = patterns.seconds, torch._C.ScriptModule._create_method_from_trace
     monkeypatch.setattr(patterns, "seconds", lambda *a, **k: measured.append(a) or timed(*a, **k))
-    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: traced.append(a) or trace(*a, **k))
+    monkeypatch.setattr(torch._C.ScriptModule, "_create_method_from_trace",  # the tracer's entry
+                        lambda *a, **k: traced.append(a) or trace(*a, **k))
     again = _graph_workload(_session(MODEL)).route
     assert again == first and measured == []
     assert len(traced) == (1 if first == "onednn_graph" else 0)

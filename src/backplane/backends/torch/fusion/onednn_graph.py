@@ -295,16 +295,28 @@ def _fusion() -> Iterator[None]:
 
 
 def _trace(traceable: Callable[..., Any], sample: Sequence[Any]) -> Any:
-    """``traceable`` traced on ``sample`` as a TorchScript module."""
+    """``traceable`` traced on ``sample`` as a TorchScript module, in a compilation unit of its own.
+
+    ``torch.jit.trace`` defines every traced module's type and ``forward`` in torch's one
+    process-wide compilation unit (``torch.jit._state._python_cu``), and nothing ever removes them:
+    each graph (the subgraph's weights as its constants), its frozen copy and oneDNN Graph's
+    partitions compiled for both stayed in memory after the session was gone, 11-20 MB per
+    tiny_mobilenet_v3 session on this AMD EPYC (``bench/memory.py --sessions``). A module whose
+    unit is its own holds the unit, and ``torch.jit.freeze`` clones into the same unit: all of it
+    goes with the module. This is ``torch.jit.trace``'s own path (``trace_module``) with the unit
+    given; torch's private names, so a torch that changes them fails the trace here, and the
+    layers then run one by one (``_compiled``)."""
     import torch
+    from torch.jit._trace import _create_interpreter_name_lookup_fn
 
-    class Subgraph(torch.nn.Module):
-        def forward(self, *values: Any) -> tuple[Any, ...]:
-            return traceable(*values)
-
+    module = torch._C.ScriptModule("Subgraph", torch._C.CompilationUnit(), True)
+    module._register_attribute("training", torch._C.BoolType.get(), False)  # eval: freezable
     with _fusion(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TorchScript's deprecation, the tracer's warnings
-        return torch.jit.trace(Subgraph().eval(), tuple(sample), check_trace=False)
+        module._create_method_from_trace("forward", traceable, tuple(sample),
+                                         _create_interpreter_name_lookup_fn(0), True, False,
+                                         [], False)  # strict, not forced out of place, as trace's
+    return torch.jit.RecursiveScriptModule._construct(module, lambda _: None)
 
 
 def _freeze(module: Any) -> Any:
