@@ -1,0 +1,339 @@
+"""backplane against ONNX Runtime and OpenVINO over the whole corpus of exports (issue 27).
+
+Usage:
+    python bench/wild.py                                  # every model of tests/data/corpus
+    python bench/wild.py --models yolo_v8_ts17,vad_lstm_if_ts16 --rounds 3
+    python bench/wild.py --neighbour                      # the same beside a CPU-burning process
+    python bench/wild.py --profile --json wild.json       # where backplane's time goes on the slow ones
+
+For every model of tests/data/corpus/manifest.json, at batch 1 and the model's first size (its
+``.s0.npz``), three runtimes, each in processes of its own, alternating A B C A B C over ``--rounds``
+rounds (ONNX Runtime's spinning threads slow whatever shares its process; drift of a shared machine
+touches all three alike):
+
+- ``onnxruntime``: CPUExecutionProvider, ORT_ENABLE_ALL, intra_op ``--threads``, inter_op 1;
+- ``openvino``: OpenVINO's own runtime, ``Core().compile_model`` on the ONNX file for the CPU,
+  INFERENCE_NUM_THREADS ``--threads``, f32, LATENCY hint (bench/bench_openvino.py's loader);
+  "-" where it does not load;
+- ``backplane``: ``InferenceSession(path, SessionOptions(intra_op_num_threads=threads))``, its
+  default backends (CpuAcc, CpuRef here), with empty caches: each process points
+  ``$BACKPLANE_CACHE_DIR`` (CpuAcc's routes), ``$BACKPLANE_COMPILE_CACHE`` and ``$XDG_CACHE_HOME``
+  at a new temporary folder.
+
+A process imports its runtime, creates the session (the load time: cold, a fresh process), makes
+one first call (timed apart: a runtime that compiles at its first run pays there), warm-up calls,
+then warm-up calls for ``--warmup-seconds`` (5 at the least: with empty caches backplane's first
+calls of a model still measure and build), then timed calls for about ``--seconds`` (10 at the least). A runtime's figure is the best of
+its rounds' medians. The table per model: the three times, ORT / backplane and OpenVINO / backplane
+(above 1: backplane is faster), the load seconds of each, backplane's first call, its placement
+(layers per backend) and the worst difference of its outputs from ONNX Runtime's (relative to the
+output's scale). Then the geometric mean of ORT / backplane over the models and the models below
+0.8. ``--profile`` runs backplane's ``run_profiled`` on each model below 0.8 and prints where its
+time goes (the layers that take most, by median). ``--json FILE`` writes the whole document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_openvino import difference, environment  # noqa: E402
+from bench_openvino import load as load_peer  # noqa: E402
+
+from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E402
+
+CORPUS = ROOT / "tests" / "data" / "corpus"
+RUNTIMES = ("onnxruntime", "openvino", "backplane")
+LOW = 0.8  # issue 27: no model below this ORT / backplane ratio
+BURN = "while True: pass"
+Run = Callable[[], list[Any]]
+
+
+# -- the worker side ------------------------------------------------------------------------------
+def load(runtime: str, model: str, feeds: dict[str, np.ndarray], threads: int) -> tuple[Run, dict]:
+    """A call that runs the model once, and what the runtime tells of its plan."""
+    if runtime == "onnxruntime":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return (lambda: session.run(None, feeds)), {}
+    if runtime == "openvino":
+        run, _ = load_peer("openvino", model, feeds, threads, "fp32")
+        return run, {}
+    from backplane import InferenceSession, SessionOptions
+
+    session = InferenceSession(model, SessionOptions(intra_op_num_threads=threads))
+    report = session.report
+    plan = {"placement": dict(sorted(report.counts().items())), "partitions": len(report.partitions)}
+    return (lambda: session.run(None, feeds)), plan
+
+
+def empty_caches() -> None:
+    """backplane's cache folders pointed at a new temporary folder (set before it is imported)."""
+    folder = tempfile.mkdtemp(prefix="wild-cache.")
+    for variable in ("BACKPLANE_CACHE_DIR", "BACKPLANE_COMPILE_CACHE", "XDG_CACHE_HOME"):
+        os.environ[variable] = folder
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of one runtime: load, first call, warm up, time; one JSON line on stdout."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the runtime prints goes to stderr
+    empty_caches()
+    feeds = dict(np.load(args.feeds))
+    try:
+        start = time.perf_counter()
+        run, plan = load(args.worker, args.model, feeds, args.threads)
+        load_s = time.perf_counter() - start
+        outputs, first = timed_runs(run, 0, 1)
+        warm, end = [], time.perf_counter() + args.warmup_seconds
+        while len(warm) < 5 or time.perf_counter() < end:  # past a runtime's settling runs
+            warm += timed_runs(run, 0, 1)[1]
+        runs = int(min(5000, max(10, args.seconds / max(statistics.median(warm), 1e-6))))
+        outputs, times = timed_runs(run, 0, runs)
+        if args.save:
+            np.savez(args.save, *[np.asarray(o) for o in outputs])
+        replies.write(json.dumps({"load_s": load_s, "first_s": first[0], "times": times, "plan": plan}) + "\n")
+    except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
+        # OpenVINO's reports run over many lines, each behind the source file that threw it
+        text = re.sub(r"(Exception from|Check '\w+' failed at) \S+:\d+:\s*", "", " ".join(str(exc).split()))
+        replies.write(json.dumps({"error": f"{type(exc).__name__}: {text}"[:400]}) + "\n")
+
+
+def profile_worker(args: argparse.Namespace) -> None:
+    """backplane's run_profiled on one model: median seconds per layer over the runs, largest first."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    empty_caches()
+    from backplane import InferenceSession, SessionOptions
+
+    feeds = dict(np.load(args.feeds))
+    session = InferenceSession(args.model, SessionOptions(intra_op_num_threads=args.threads))
+    for _ in range(3):
+        session.run(None, feeds)
+    per_layer: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    totals = []
+    for _ in range(args.profile_runs):
+        _, timings = session.run_profiled(None, feeds)
+        totals.append(sum(t.seconds for t in timings))
+        for t in timings:
+            per_layer[(t.layer, t.op_type, t.backend)].append(t.seconds)
+    layers = sorted(((statistics.median(v), *k) for k, v in per_layer.items()), reverse=True)
+    replies.write(json.dumps({"total_s": statistics.median(totals), "layers": len(layers),
+                              "top": [{"s": s, "layer": n[:90], "op": o, "backend": b}
+                                      for s, n, o, b in layers[:8]]}) + "\n")
+
+
+# -- the parent side ------------------------------------------------------------------------------
+def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save: Path | None,
+          mode: str = "--worker") -> dict[str, Any]:
+    command = [sys.executable, __file__, mode, runtime, "--model", str(model), "--feeds", str(feeds),
+               "--threads", str(args.threads), "--seconds", str(args.seconds),
+               "--warmup-seconds", str(args.warmup_seconds),
+               "--profile-runs", str(args.profile_runs)] + (["--save", str(save)] if save else [])
+    try:
+        return worker_report(command, args.threads, args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:.0f} s"}
+
+
+def bench_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
+    """The three runtimes on one model, alternating over the rounds; outputs saved in round 1."""
+    entry = json.loads((CORPUS / "manifest.json").read_text())[name]
+    model, feeds = CORPUS / entry["file"], CORPUS / entry["inputs_files"][0]
+    rows: dict[str, dict[str, Any]] = {rt: {"medians": [], "loads": [], "firsts": [], "error": None,
+                                            "outputs": None, "plan": {}} for rt in RUNTIMES}
+    for round_ in range(args.rounds):
+        for rt, row in rows.items():
+            if row["error"]:
+                continue
+            print(f"{name}: {rt} (round {round_ + 1}/{args.rounds}), load average "
+                  f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            save = tmp / f"{name}.{rt}.npz" if round_ == 0 else None
+            reply = spawn(args, rt, model, feeds, save)
+            if "error" in reply:
+                row["error"] = reply["error"]
+                continue
+            row["medians"].append(statistics.median(reply["times"]))
+            row["loads"].append(reply["load_s"])
+            row["firsts"].append(reply["first_s"])
+            row["plan"] = reply["plan"] or row["plan"]
+            if save:
+                with np.load(save) as saved:
+                    row["outputs"] = [saved[k] for k in saved.files]
+    return summarize(name, entry, rows)
+
+
+def summarize(name: str, entry: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One model's figures: best-of-rounds median ms, median load s, ratios, the output difference."""
+    result: dict[str, Any] = {"model": name, "exporter": entry["exporter"], "opset": entry["opset"],
+                              "size": entry["sizes"][0]}
+    for rt, row in rows.items():
+        result[rt] = {"error": row["error"]} if row["error"] else {
+            "ms": min(row["medians"]) * 1e3, "round_ms": [m * 1e3 for m in row["medians"]],
+            "load_s": statistics.median(row["loads"]), "first_ms": statistics.median(row["firsts"]) * 1e3}
+    result["backplane_plan"] = rows["backplane"]["plan"]
+    result["diff"] = difference(rows["backplane"]["outputs"], rows["onnxruntime"]["outputs"])
+    bp = result["backplane"].get("ms")
+    for peer, key in (("onnxruntime", "ort_over_bp"), ("openvino", "ov_over_bp")):
+        peer_ms = result[peer].get("ms")
+        result[key] = peer_ms / bp if peer_ms and bp else None
+    return result
+
+
+def cell(result: dict[str, Any], key: str, fmt: str) -> str:
+    value = result.get(key)
+    return "failed" if value is None else format(value, fmt)
+
+
+def table(results: list[dict[str, Any]]) -> list[str]:
+    lines = ["| model | ORT ms | OpenVINO ms | backplane ms | ORT / bp | OV / bp | load s ORT / OV / bp "
+             "| bp 1st call ms | bp layers per backend | diff |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in results:
+        ms = ["-" if rt == "openvino" and "error" in r[rt] else cell(r[rt], "ms", ".3g") for rt in RUNTIMES]
+        loads = " / ".join(cell(r[rt], "load_s", ".2f") if "error" not in r[rt] else "-" for rt in RUNTIMES)
+        ratios = [f"{r[k]:.2f}" if r[k] else "-" for k in ("ort_over_bp", "ov_over_bp")]
+        plan = " ".join(f"{b}:{n}" for b, n in r["backplane_plan"].get("placement", {}).items()) or "-"
+        lines.append(f"| {r['model']} | {' | '.join(ms)} | {' | '.join(ratios)} | {loads} | "
+                     f"{cell(r['backplane'], 'first_ms', '.3g')} | {plan} | {r['diff']} |")
+    return lines
+
+
+def geomean(values: Sequence[float]) -> float:
+    return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
+
+
+def verdict(results: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
+    """The closing lines: geometric means of the ratios, the models below LOW, the failures."""
+    ort = [r["ort_over_bp"] for r in results if r["ort_over_bp"]]
+    ov = [r["ov_over_bp"] for r in results if r["ov_over_bp"]]
+    low = sorted((r["ort_over_bp"], r["model"]) for r in results if r["ort_over_bp"] and r["ort_over_bp"] < LOW)
+    # OpenVINO is timed where it loads; a model it refuses is said, not a failure of the bench
+    failed = [f"{r['model']} on {rt}: {r[rt]['error']}" for r in results for rt in RUNTIMES
+              if "error" in r[rt] and rt != "openvino"]
+    refused = [f"{r['model']}: {r['openvino']['error'][:240]}" for r in results if "error" in r["openvino"]]
+    summary = {"geomean_ort_over_bp": geomean(ort), "models_timed": len(ort),
+               "geomean_ov_over_bp": geomean(ov), "models_timed_openvino": len(ov),
+               "below": [{"model": m, "ort_over_bp": v} for v, m in low], "failed": failed,
+               "openvino_refused": refused}
+    lines = [f"geomean ORT / backplane {summary['geomean_ort_over_bp']:.3f} over {len(ort)} models; "
+             f"OpenVINO / backplane {summary['geomean_ov_over_bp']:.3f} over {len(ov)} models",
+             f"{len(low)} models below {LOW}: " + (", ".join(f"{m} {v:.2f}" for v, m in low) or "none")]
+    lines += [f"failed: {f}" for f in failed] + [f"OpenVINO does not load {f}" for f in refused]
+    return lines, summary
+
+
+def profile_lines(name: str, reply: dict[str, Any]) -> list[str]:
+    if "error" in reply:
+        return [f"{name}: profile failed: {reply['error']}"]
+    lines = [f"{name}: run_profiled {reply['total_s'] * 1e3:.3g} ms over {reply['layers']} timed layers; "
+             f"the largest:"]
+    lines += [f"    {t['s'] * 1e3:8.3f} ms  {t['backend']:8s} {t['op']:18s} {t['layer']}" for t in reply["top"]]
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", help="comma-separated corpus model names (default: all of them)")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per runtime, alternating (default 2)")
+    ap.add_argument("--seconds", type=float, default=0.5, help="timed calls per process, in seconds (0.5)")
+    ap.add_argument("--warmup-seconds", type=float, default=1.0, help="untimed calls first, in seconds (1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--neighbour", action="store_true", help="run beside a CPU-burning process")
+    ap.add_argument("--profile", action="store_true", help="profile backplane on the models below 0.8")
+    ap.add_argument("--profile-runs", type=int, default=20, help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, help="write the results as a JSON document to this file")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one process (600)")
+    ap.add_argument("--worker", choices=RUNTIMES, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--feeds", help=argparse.SUPPRESS)
+    ap.add_argument("--save", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def backplane_version() -> str:
+    """backplane's version and the checkout's commit (with '+changes' where the tree differs)."""
+    import backplane
+
+    def git(*command: str) -> str:
+        done = subprocess.run(["git", "-C", str(ROOT), *command], capture_output=True, text=True)
+        return done.stdout.strip()
+
+    dirty = "+changes" if git("status", "--porcelain", "--untracked-files=no", "src") else ""
+    return f"{getattr(backplane, '__version__', '?')} at {git('rev-parse', '--short', 'HEAD')}{dirty}"
+
+
+def run_all(args: argparse.Namespace, names: list[str]) -> tuple[list[str], dict[str, Any]]:
+    header = [f"command: python bench/wild.py {' '.join(sys.argv[1:])}".rstrip(),
+              f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+              *(line.replace(", backplane absent", "") for line in environment(args.threads)),
+              f"backplane {backplane_version()}",
+              f"neighbour: {'one CPU-burning process (' + BURN + ')' if args.neighbour else 'none'}; "
+              f"{args.rounds} rounds, best of the rounds' medians, batch 1 at each model's .s0.npz"]
+    burner = subprocess.Popen([sys.executable, "-c", BURN]) if args.neighbour else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="wild.") as tmp:
+            results = [bench_model(args, name, Path(tmp)) for name in names]
+            closing, summary = verdict(results)
+            profiles = {}
+            if args.profile:
+                for below in summary["below"]:
+                    entry = json.loads((CORPUS / "manifest.json").read_text())[below["model"]]
+                    profiles[below["model"]] = spawn(args, "backplane", CORPUS / entry["file"],
+                                                     CORPUS / entry["inputs_files"][0], None, "--profile-worker")
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
+    load1, load5, _ = os.getloadavg()
+    lines = header + [""] + table(results) + [""] + closing
+    lines += [line for name, reply in profiles.items() for line in profile_lines(name, reply)]
+    lines.append(f"load average {load1:.2f} / {load5:.2f} (1 / 5 min) at the end")
+    return lines, {"header": header, "models": results, "summary": summary, "profiles": profiles,
+                   "load_average_end": [load1, load5]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.profile_worker:
+        profile_worker(args)
+        return 0
+    manifest = json.loads((CORPUS / "manifest.json").read_text())
+    names = args.models.split(",") if args.models else list(manifest)
+    unknown = [n for n in names if n not in manifest]
+    if unknown:
+        print(f"unknown models {unknown}; the corpus has: {', '.join(manifest)}", file=sys.stderr)
+        return 2
+    lines, document = run_all(args, names)
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps(document, indent=1, default=str) + "\n")
+    return 1 if document["summary"]["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
