@@ -73,7 +73,8 @@ def relu(x: torch.Tensor) -> torch.Tensor:
     """ReLU that keeps NaN also where oneDNN Graph compiles it. Traced, ELU with alpha 0: the same
     values (0 * (exp(x) - 1) is a zero, -0.0, for x < 0; +Inf stays, -Inf gives 0), a post-op
     oneDNN Graph fuses into the convolution as it fuses ReLU, but one it computes by comparison
-    and blend, so NaN stays NaN, at no measurable cost (bench/nan_propagation.py)."""
+    and blend, so NaN stays NaN (its cost is within a busy machine's noise:
+    ``bench/nan_propagation.py``, docs/torch-backends.md)."""
     if torch.jit.is_tracing() and x.is_floating_point():
         return F.elu(x, 0.0)
     return torch.relu(x)
