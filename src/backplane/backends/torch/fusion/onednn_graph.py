@@ -42,7 +42,7 @@ from backplane.backends.api.backend import BackendOptions, OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
-from backplane.backends.torch.fusion.patterns import fastest, remembered, seconds
+from backplane.backends.torch.fusion.patterns import fastest, named_type, remembered, seconds
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -149,7 +149,7 @@ def _sample(inputs: Sequence[TensorInfo], channels_last: Sequence[bool] | None =
     for info, last in zip(inputs, channels_last or [False] * len(inputs)):
         dtype = NUMPY_TO_TORCH[info.dtype]  # type: ignore[index]
         if compute and dtype == torch.float32:
-            dtype = getattr(torch, compute)
+            dtype = named_type(compute)
         value = (torch.randn(info.shape, dtype=dtype) if dtype.is_floating_point  # type: ignore
                  else torch.zeros(info.shape, dtype=dtype))  # type: ignore[arg-type]
         values.append(value.contiguous(memory_format=torch.channels_last) if last else value)
@@ -184,7 +184,7 @@ def layers_run(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
             workload = bind_kernel(backend.kernel_for(lay), lay.attrs, len(lay.outputs))
         steps.append((workload, lay.inputs, lay.outputs))
     compute = layer.attrs.get("compute")
-    dtype = None if compute is None else getattr(torch, compute)
+    dtype = None if compute is None else named_type(compute)
     template = constants(inner, layer.attrs["constants"], dtype)
     run = sequence_workload(inner, steps, template, layer.attrs["inputs"], layer.attrs["outputs"],
                             None if dtype is None else lambda t: lower(t, dtype))
