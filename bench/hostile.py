@@ -71,7 +71,8 @@ def hostile_cases(only: set[str]) -> list[Case]:
         if only and name not in only:
             continue
         built, feeds = build()
-        cases.append(Case(name, built if isinstance(built, bytes) else built.SerializeToString(), feeds))
+        blob = built if isinstance(built, bytes) else built.SerializeToString()
+        cases.append(Case(name, blob, feeds))
     return cases
 
 
@@ -111,22 +112,24 @@ def machine() -> str:
     import torch
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    versions = [f"Python {platform.python_version()}", f"NumPy {np.__version__}", f"torch {torch.__version__}",
-                f"onnx {onnx.__version__}", f"onnxruntime {onnxruntime.__version__}"]
+    versions = [f"Python {platform.python_version()}", f"NumPy {np.__version__}",
+                f"torch {torch.__version__}", f"onnx {onnx.__version__}",
+                f"onnxruntime {onnxruntime.__version__}"]
     try:
         import openvino
         versions.append(f"OpenVINO {openvino.__version__.split('-')[0]}")
     except ImportError:
         pass
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
     return (f"CPU: {cpu}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
             f"{platform.system()} {platform.release()}\n{', '.join(versions)}; backplane at {commit}")
 
 
 def table(results: list[Result], columns: list[str]) -> str:
     """A Markdown table: one row per backend, one column per verdict that occurs."""
-    counts = {c: collections.Counter(r.verdicts[c][0] for r in results if c in r.verdicts) for c in columns}
+    counts = {c: collections.Counter(r.verdicts[c][0] for r in results if c in r.verdicts)
+              for c in columns}
     seen = [k for k in v.VERDICTS if any(counts[c][k] for c in columns)]
     shown = [*[k for k in (v.CRASH, v.HANG, v.FOREIGN, v.DIFFERS) if k not in seen], *seen]
     shown.sort(key=v.VERDICTS.index)
@@ -153,9 +156,9 @@ def save(result: Result, backend: str, verdict: str, about: str, out: Path) -> P
 
 def report(results: list[Result], columns: list[str], options: argparse.Namespace) -> int:
     failed = 0
-    for title, group in (("hostile graphs", [r for r in results if not r.case.name.startswith("fuzz-")]),
-                         (f"fuzzed models (seed {options.seed})",
-                          [r for r in results if r.case.name.startswith("fuzz-")])):
+    fuzzed = [r for r in results if r.case.name.startswith("fuzz-")]
+    for title, group in (("hostile graphs", [r for r in results if r not in fuzzed]),
+                         (f"fuzzed models (seed {options.seed})", fuzzed)):
         if group:
             print(f"\n{title}: {len(group)} cases\n\n{table(group, columns)}")
     print(f"\nfindings (models and tracebacks under {options.out}):")
@@ -164,8 +167,8 @@ def report(results: list[Result], columns: list[str], options: argparse.Namespac
             if verdict in v.FINDINGS:
                 failed += backend != ORT
                 path = save(result, backend, verdict, about, options.out)
-                print(f"  {result.case.name} on {backend}: {verdict}: {about.splitlines()[0][:150] if about else ''}"
-                      f"\n      {path}")
+                first = about.splitlines()[0][:150] if about else ""
+                print(f"  {result.case.name} on {backend}: {verdict}: {first}\n      {path}")
     print("\nnotes (refused where CpuRef ran; ran where CpuRef did not; differs from CpuRef as ORT):")
     for result in results:
         for backend, (verdict, about) in result.verdicts.items():
@@ -183,14 +186,16 @@ def main() -> int:
     parser.add_argument("--run-timeout", type=float, default=5.0, help="RunOptions.timeout_s")
     parser.add_argument("--ort-timeout", type=float, default=15.0,
                         help="seconds ONNX Runtime may take (it has no run timeout)")
-    parser.add_argument("--only", nargs="*", default=[], help="case names (fuzz-SEED-INDEX for a mutant)")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="case names (fuzz-SEED-INDEX for a mutant)")
     parser.add_argument("--no-hostile", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("/tmp/hostile_findings"))
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("BACKPLANE_CACHE_DIR", tempfile.mkdtemp(prefix="hostile_cache_"))
     only = set(options.only)
-    cases = ([] if options.no_hostile else hostile_cases(only)) + fuzz_cases(options.seed, options.fuzz, only)
+    cases = [] if options.no_hostile else hostile_cases(only)
+    cases += fuzz_cases(options.seed, options.fuzz, only)
     lists = v.available_lists()
     v.warm_imports()
     print(f"{' '.join(sys.argv)}\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n{machine()}")
@@ -198,7 +203,8 @@ def main() -> int:
     start = time.monotonic()
     results = []
     context = multiprocessing.get_context("fork")
-    with context.Pool(options.jobs, initializer=_init, initargs=(options, lists), maxtasksperchild=50) as pool:
+    with context.Pool(options.jobs, initializer=_init, initargs=(options, lists),
+                      maxtasksperchild=50) as pool:
         for result in pool.imap_unordered(judge, cases):
             results.append(result)
             if len(results) % 50 == 0:

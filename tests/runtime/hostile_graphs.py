@@ -80,7 +80,8 @@ SIZES: dict[str, Callable[[], Built]] = {
                                         "d": np.array(1, np.int64)}, out=TensorProto.INT64),
     "range_zero_delta": lambda: one("Range", {"a": np.array(0, np.int64), "b": np.array(10, np.int64),
                                               "d": np.array(0, np.int64)}, out=TensorProto.INT64),
-    "range_nan_limit": lambda: one("Range", {"a": np.array(0, np.float32), "b": np.array(np.nan, np.float32),
+    "range_nan_limit": lambda: one("Range", {"a": np.array(0, np.float32),
+                                             "b": np.array(np.nan, np.float32),
                                              "d": np.array(1, np.float32)}),
     "reshape_negative": lambda: one("Reshape", {"x": x(2, 3)}, {"s": i64(-2, 3)}),
     "reshape_two_free": lambda: one("Reshape", {"x": x(2, 3)}, {"s": i64(-1, -1)}),
@@ -88,16 +89,17 @@ SIZES: dict[str, Callable[[], Built]] = {
     "reshape_huge_input": lambda: one("Reshape", {"x": x(2, 3), "s": i64(I64_MAX, 6)}),
     "slice_extreme_bounds": lambda: one("Slice", {"x": x(5)}, {"a": i64(I64_MAX), "b": i64(I64_MIN),
                                                                "c": i64(0), "d": i64(I64_MIN)}),
-    "slice_huge_step_forward": lambda: one("Slice", {"x": x(5)}, {"a": i64(0), "b": i64(5), "c": i64(0),
-                                                                  "d": i64(I64_MAX)}),
-    "slice_huge_step_backward": lambda: one("Slice", {"x": x(5)}, {"a": i64(4), "b": i64(0), "c": i64(0),
-                                                                   "d": i64(-I64_MAX)}),
+    "slice_huge_step_forward": lambda: one("Slice", {"x": x(5)}, {"a": i64(0), "b": i64(5),
+                                                                  "c": i64(0), "d": i64(I64_MAX)}),
+    "slice_huge_step_backward": lambda: one("Slice", {"x": x(5)}, {"a": i64(4), "b": i64(0),
+                                                                   "c": i64(0), "d": i64(-I64_MAX)}),
     "slice_step_zero": lambda: one("Slice", {"x": x(5)}, {"a": i64(0), "b": i64(5), "c": i64(0),
                                                           "d": i64(0)}),
     "pad_negative_past_dim": lambda: one("Pad", {"x": x(2, 3)}, {"p": i64(-5, 0, 0, 0)}),
     "pad_huge_input": lambda: one("Pad", {"x": x(2, 3), "p": i64(0, 0, 1 << 40, 0)}),
     "resize_huge_scale": lambda: one("Resize", {"x": x(1, 1, 2, 2)},
-                                     {"r": np.zeros(0, np.float32), "s": np.array([1, 1, 1e6, 1e6], np.float32)}),
+                                     {"r": np.zeros(0, np.float32),
+                                      "s": np.array([1, 1, 1e6, 1e6], np.float32)}),
     "onehot_negative_depth": lambda: one("OneHot", {"i": i64(0, 1)},
                                          {"d": i64(-3), "v": np.array([0, 1], np.float32)}),
     "onehot_huge_depth": lambda: one("OneHot", {"i": i64(0, 1), "d": i64(1 << 40)},
@@ -110,7 +112,8 @@ SIZES: dict[str, Callable[[], Built]] = {
 # -- indices out of range, splits past their input -------------------------------------------------
 
 def _scatternd() -> Built:
-    return one("ScatterND", {"x": x(4)}, {"i": np.array([[9]], np.int64), "u": np.array([1], np.float32)})
+    return one("ScatterND", {"x": x(4)},
+               {"i": np.array([[9]], np.int64), "u": np.array([1], np.float32)})
 
 
 INDICES: dict[str, Callable[[], Built]] = {
@@ -118,17 +121,20 @@ INDICES: dict[str, Callable[[], Built]] = {
     "gather_oob_input": lambda: one("Gather", {"x": x(3, 4), "i": i64(7)}),
     "gather_negative_oob": lambda: one("Gather", {"x": x(3, 4), "i": i64(-9)}, axis=1),
     "gather_axis_oob": lambda: one("Gather", {"x": x(3, 4), "i": i64(0)}, axis=5),
-    "gatherelements_oob": lambda: one("GatherElements", {"x": x(2, 2), "i": np.array([[0, 5]], np.int64)}),
+    "gatherelements_oob": lambda: one("GatherElements",
+                                      {"x": x(2, 2), "i": np.array([[0, 5]], np.int64)}),
     "gathernd_oob": lambda: one("GatherND", {"x": x(2, 2), "i": np.array([[9, 0]], np.int64)}),
     "scatternd_oob": _scatternd,
     "scatterelements_oob": lambda: one("ScatterElements", {"x": x(2, 2)},
-                                       {"i": np.array([[3]], np.int64), "u": np.array([[1]], np.float32)}),
+                                       {"i": np.array([[3]], np.int64),
+                                        "u": np.array([[1]], np.float32)}),
     "compress_condition_long": lambda: one("Compress", {"x": x(2, 2)},
                                            {"c": np.array([1, 0, 1, 1, 1], bool)}, axis=0),
     "split_past_input_const": lambda: one("Split", {"x": x(4)}, {"s": i64(3, 3)}, outs=2),
     "split_past_input_attr": lambda: one("Split", {"x": x(4)}, outs=2, opset=11, split=[3, 3]),
     "split_negative": lambda: one("Split", {"x": x(4)}, {"s": i64(6, -2)}, outs=2),
-    "split_more_outputs_than_elements": lambda: one("Split", {"x": x(3)}, outs=5, opset=18, num_outputs=5),
+    "split_more_outputs_than_elements": lambda: one("Split", {"x": x(3)}, outs=5, opset=18,
+                                                    num_outputs=5),
 }
 
 
@@ -158,8 +164,10 @@ WEIGHTS: dict[str, Callable[[], Built]] = {
     "conv_zero_stride": lambda: _conv(1, (1, 1, 3, 3), strides=[0, 0]),
     "maxpool_kernel_past_input": lambda: one("MaxPool", {"x": x(1, 1, 5, 5)}, kernel_shape=[7, 7]),
     "batchnorm_scale_mismatch": lambda: one("BatchNormalization", {"x": x(1, 3, 2, 2)},
-                                            {"s": np.ones(2, np.float32), "b": np.zeros(2, np.float32),
-                                             "m": np.zeros(2, np.float32), "v": np.ones(2, np.float32)}),
+                                            {"s": np.ones(2, np.float32),
+                                             "b": np.zeros(2, np.float32),
+                                             "m": np.zeros(2, np.float32),
+                                             "v": np.ones(2, np.float32)}),
     "layernorm_scale_mismatch": lambda: one("LayerNormalization", {"x": x(2, 4)},
                                             {"s": np.ones(3, np.float32)}),
     "matmul_runtime_mismatch": lambda: model(
@@ -186,7 +194,8 @@ WEIGHTS: dict[str, Callable[[], Built]] = {
 
 def _loop(trip: int) -> Built:
     body = helper.make_graph(
-        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Add", ["a", "one"], ["a_out"])],
+        [helper.make_node("Identity", ["c"], ["c_out"]),
+         helper.make_node("Add", ["a", "one"], ["a_out"])],
         "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
                  helper.make_tensor_value_info("c", TensorProto.BOOL, []),
                  helper.make_tensor_value_info("a", F, [1])],
@@ -214,7 +223,8 @@ def _nested_if(depth: int) -> Built:
         out = f"o{level}"
         node = helper.make_node("If", ["c"], [out], then_branch=inner, else_branch=leaf)
         inner = helper.make_graph([node], f"g{level}", [], [helper.make_tensor_value_info(out, F, [3])])
-    return model(list(inner.node), {"x": x(3), "c": np.array(True)}, outputs=[(inner.output[0].name, F)])
+    return model(list(inner.node), {"x": x(3), "c": np.array(True)},
+                 outputs=[(inner.output[0].name, F)])
 
 
 def _field(number: int, payload: bytes) -> bytes:
@@ -245,7 +255,8 @@ def _nested_if_bytes(depth: int) -> Built:
     for level in range(depth):
         out = f"o{level}".encode()
         node = (_field(1, b"c") + _field(2, out) + _field(4, b"If")
-                + _field(5, attribute("then_branch", graph)) + _field(5, attribute("else_branch", leaf)))
+                + _field(5, attribute("then_branch", graph))
+                + _field(5, attribute("else_branch", leaf)))
         info = helper.make_tensor_value_info(out.decode(), F, [3]).SerializeToString()
         graph = _field(1, node) + _field(2, f"g{level}".encode()) + _field(12, info)
     top, feeds = _nested_if(0)  # its inputs and opset; its graph's node and output come from ``graph``
@@ -302,7 +313,8 @@ VALUES: dict[str, Callable[[], Built]] = {
     "empty_reducesum": lambda: one("ReduceSum", {"x": x(2, 0)}, {"a": i64(1)}),
     "empty_reducemax": lambda: one("ReduceMax", {"x": x(2, 0)}, axes=[1], opset=13),
     "empty_softmax": lambda: one("Softmax", {"x": x(2, 0)}),
-    "empty_conv_batch": lambda: one("Conv", {"x": x(0, 1, 4, 4)}, {"w": np.ones((1, 1, 3, 3), np.float32)}),
+    "empty_conv_batch": lambda: one("Conv", {"x": x(0, 1, 4, 4)},
+                                    {"w": np.ones((1, 1, 3, 3), np.float32)}),
     "empty_concat": lambda: one("Concat", {"a": x(0, 3), "b": x(2, 3)}, axis=0),
     "empty_argmax_axis": lambda: one("ArgMax", {"x": x(2, 0)}, out=TensorProto.INT64, axis=1),
     "nan_relu": lambda: _nan("Relu", np.nan),
@@ -314,8 +326,8 @@ VALUES: dict[str, Callable[[], Built]] = {
     "inf_logsoftmax": lambda: _nan("LogSoftmax", -np.inf),
     "nan_reducemax": lambda: _nan("ReduceMax", np.nan, keepdims=0),
     "nan_argmax": lambda: _nan("ArgMax", np.nan, out=TensorProto.INT64, axis=3),
-    "nan_topk": lambda: one("TopK", {"x": x(2, 5) * np.array([1, np.nan, 1, 1, 1], np.float32)}, {"k": i64(2)},
-                            outs=2),
+    "nan_topk": lambda: one("TopK", {"x": x(2, 5) * np.array([1, np.nan, 1, 1, 1], np.float32)},
+                            {"k": i64(2)}, outs=2),
     "nan_max_of_two": lambda: one("Max", {"a": x(2, 3, fill=np.nan), "b": x(2, 3)}),
     "inf_instancenorm": lambda: one("InstanceNormalization", {"x": _nan("Relu", np.inf)[1]["x"]},
                                     {"s": np.ones(1, np.float32), "b": np.zeros(1, np.float32)}),
@@ -332,7 +344,8 @@ VALUES: dict[str, Callable[[], Built]] = {
 
 # -- names -----------------------------------------------------------------------------------------
 
-def _names(outputs: Sequence[str], nodes: Sequence[onnx.NodeProto] = (), twice_input: bool = False) -> Built:
+def _names(outputs: Sequence[str], nodes: Sequence[onnx.NodeProto] = (),
+           twice_input: bool = False) -> Built:
     feeds = {"x": x(2, 3)}
     inputs = [helper.make_tensor_value_info("x", F, [2, 3])] * (2 if twice_input else 1)
     nodes = list(nodes) or [helper.make_node("Add", ["x", "w"], ["y"])]

@@ -60,8 +60,10 @@ def test_verdicts_tell_findings_from_answers() -> None:
     want = v.Run("ran", outputs=[np.array([1.0, np.nan, np.inf], np.float32)])
     same = v.Run("ran", outputs=[np.array([1.00001, np.nan, np.inf], np.float32)])
     assert v.verdict(same, want)[0] == v.MATCHES
-    for outputs in ([np.array([1.1, np.nan, np.inf], np.float32)], [np.array([1.0, 0.0, np.inf], np.float32)],
-                    [np.array([1.0, np.nan, -np.inf], np.float32)], [np.array([1.0, np.nan, np.inf])], []):
+    for outputs in ([np.array([1.1, np.nan, np.inf], np.float32)],  # a value
+                    [np.array([1.0, 0.0, np.inf], np.float32)],  # a NaN lost
+                    [np.array([1.0, np.nan, -np.inf], np.float32)],  # an infinity's sign
+                    [np.array([1.0, np.nan, np.inf])], []):  # the dtype, the arity
         assert v.verdict(v.Run("ran", outputs=outputs), want)[0] == v.DIFFERS, outputs
     assert v.verdict(v.Run("ran", outputs=[np.array([1.1, np.nan, np.inf], np.float32)]), want,
                      v.Run("ran", outputs=[np.array([1.1, np.nan, np.inf], np.float32)]))[0] == v.AS_ORT
@@ -69,8 +71,8 @@ def test_verdicts_tell_findings_from_answers() -> None:
     assert v.verdict(v.Run("error", "ModelError", True, " "), want)[0] == v.EMPTY
     assert v.verdict(v.Run("error", "ModelError", True, "bad"), want)[0] == v.REFUSED_REF_RAN
     assert v.verdict(v.Run("ran", outputs=[], detail="output 0 shares memory"), want)[0] == v.SHARED
-    assert v.verdict(v.Run("ran", outputs=[np.array([1, 2])]), v.Run("ran", outputs=[np.array([1, 3])]))[0] \
-        == v.DIFFERS
+    ints = v.Run("ran", outputs=[np.array([1, 3])])
+    assert v.verdict(v.Run("ran", outputs=[np.array([1, 2])]), ints)[0] == v.DIFFERS
 
 
 def test_the_child_reports_refusals_and_crashes() -> None:
@@ -78,6 +80,7 @@ def test_the_child_reports_refusals_and_crashes() -> None:
     dies by a signal is a crash, not an answer."""
     assert v.run_backend(b"\x08", {}, ["CpuRef"], CHILD_TIMEOUT).error == "ModelError"
     blob, feeds = _blob("nan_relu")
-    refused = v.run_backend(blob, {"x": "not an array"}, ["CpuRef"], CHILD_TIMEOUT)  # type: ignore[dict-item]
+    wrong = {"x": "not an array"}
+    refused = v.run_backend(blob, wrong, ["CpuRef"], CHILD_TIMEOUT)  # type: ignore[arg-type]
     assert refused.status == "error" and refused.own, refused
     assert v._in_child(lambda post: __import__("os").abort(), 30, v.MEMORY)[0] == "crash"

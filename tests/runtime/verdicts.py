@@ -38,8 +38,8 @@ CRASH, HANG, FOREIGN, EMPTY = "crash", "hang", "foreign exception", "empty messa
 SHARED, DIFFERS, AS_ORT = "output shares memory", "differs silently", "differs from CpuRef as ORT"
 REFUSED, REFUSED_REF_RAN = "refused", "refused, CpuRef ran"
 RAN, MATCHES, RAN_REF_NOT, NOT_RUN = "ran", "matches CpuRef", "ran, CpuRef did not", "loaded, not run"
-VERDICTS = (CRASH, HANG, FOREIGN, EMPTY, SHARED, DIFFERS, AS_ORT, REFUSED, REFUSED_REF_RAN, RAN, MATCHES,
-            RAN_REF_NOT, NOT_RUN)
+VERDICTS = (CRASH, HANG, FOREIGN, EMPTY, SHARED, DIFFERS, AS_ORT, REFUSED, REFUSED_REF_RAN, RAN,
+            MATCHES, RAN_REF_NOT, NOT_RUN)
 FINDINGS = frozenset({CRASH, HANG, FOREIGN, EMPTY, SHARED, DIFFERS})
 
 
@@ -132,8 +132,8 @@ def _backplane_work(blob: bytes, feeds: Feeds | None, backends: list[str],
             post(given)
             outputs = session.run(None, given, backplane.RunOptions(timeout_s=run_timeout))
         except Exception as exc:  # noqa: BLE001 - classified here
-            return {"status": "error", "error": type(exc).__name__, "own": isinstance(exc, own_errors()),
-                    "message": str(exc)[:2000], "feeds": given,
+            return {"status": "error", "error": type(exc).__name__,
+                    "own": isinstance(exc, own_errors()), "message": str(exc)[:2000], "feeds": given,
                     "detail": f"at {stage}:\n{traceback.format_exc()[-6000:]}"}
         sent = [o if _nbytes(o) <= MAX_SENT_BYTES else None for o in outputs]
         return {"status": "ran", "outputs": sent, "feeds": given, "detail": _shared(outputs, given)}
@@ -175,7 +175,8 @@ def difference(got: Any, want: Any) -> str:
     if isinstance(want, list) or isinstance(got, list):
         if not (isinstance(want, list) and isinstance(got, list)) or len(got) != len(want):
             return f"{type(got).__name__} of {_len(got)}, CpuRef {type(want).__name__} of {_len(want)}"
-        return next((f"[{k}]: {d}" for k, (g, w) in enumerate(zip(got, want)) if (d := difference(g, w))), "")
+        return next((f"[{k}]: {d}" for k, (g, w) in enumerate(zip(got, want))
+                     if (d := difference(g, w))), "")
     if got is None or want is None:
         return ""  # too large to send back: not compared
     got, want = np.asarray(got), np.asarray(want)
@@ -192,12 +193,15 @@ def difference(got: Any, want: Any) -> str:
         return f"NaN at {int((np.isnan(g) & ~np.isnan(w)).sum())} places CpuRef has none, none at " \
                f"{int((np.isnan(w) & ~np.isnan(g)).sum())} where it has NaN"
     finite = np.isfinite(w)
-    if (g[~finite & ~np.isnan(w)] != w[~finite & ~np.isnan(w)]).any() or not np.isfinite(g[finite]).all():
+    infinite = ~finite & ~np.isnan(w)
+    if (g[infinite] != w[infinite]).any() or not np.isfinite(g[finite]).all():
         return "infinities differ"
     scale = float(np.max(np.abs(w[finite]), initial=0.0))
     worst = float(np.max(np.abs(g[finite] - w[finite]), initial=0.0))
     allowed = max(TOLERANCE * scale, ABS_FLOOR)
-    return f"max |diff| {worst:.3g} at scale {scale:.3g} (allowed {allowed:.3g})" if worst > allowed else ""
+    if worst > allowed:
+        return f"max |diff| {worst:.3g} at scale {scale:.3g} (allowed {allowed:.3g})"
+    return ""
 
 
 def _len(value: Any) -> int:
@@ -224,8 +228,8 @@ def verdict(run: Run, reference: Run | None, ort: Run | None = None) -> tuple[st
     if reference is None:
         return RAN, ""
     if reference.status != "ran":
-        return RAN_REF_NOT, (f"gave {describe(run.outputs)}; CpuRef: {reference.status} {reference.error} "
-                             f"{reference.message[:300]}")
+        return RAN_REF_NOT, (f"gave {describe(run.outputs)}; CpuRef: {reference.status} "
+                             f"{reference.error} {reference.message[:300]}")
     problem = compare(run.outputs or [], reference.outputs or [])
     if not problem:
         return MATCHES, ""
