@@ -25,8 +25,9 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "tests" / "data" / "tiny_mobilenet_v3.onnx"
 WARM_UP, COUNT = 3, 12
-BOUND_MB = 12.0
-"""Growth allowed over ``COUNT`` sessions (1 MB a session); the leak grew 11-20 MB a session."""
+BOUND_MB = 30.0
+"""Growth allowed over ``COUNT`` sessions (2.5 MB a session); the leak grew 11-20 MB a session
+(136-241 MB over 12). 12 MB was too tight: 12.3 MB on the GPU machine's Xeon under pytest -n 12."""
 CACHE_CAP = {"DNNL_GRAPH_COMPILED_PARTITION_CACHE_CAPACITY": "64",  # the name torch's oneDNN reads
              "ONEDNN_GRAPH_COMPILED_PARTITION_CACHE_CAPACITY": "64"}  # and newer oneDNN's
 
