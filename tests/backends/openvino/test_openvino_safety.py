@@ -204,3 +204,20 @@ def test_an_output_declared_larger_than_it_comes_out_is_returned_as_written() ->
     got = session.run(None, {"x": np.ones((2, 1), np.float32)})[0]
     want = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": np.ones((2, 1), np.float32)})[0]
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_pad_cropping_more_than_its_axis_never_reaches_openvino() -> None:
+    """Pad [-3, 4] of a 1-element axis: OpenVINO corrupts its heap (double free, SIGSEGV, SIGBUS in
+    a child process here); CpuRef answers. Constant pads go to CpuRef, input pads are refused."""
+    constant = model_of([helper.make_node("Pad", ["x", "p"], ["y"], name="pad")], [vi("x", [1])],
+                        [vi("y", None)], [numpy_helper.from_array(np.array([-3, 4]), "p")], 18)
+    session = InferenceSession(constant, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("pad") == "CpuRef"
+    assert "crop more than the axes [1] hold" in refusal(session, "pad")
+    given = model_of([helper.make_node("Pad", ["x", "p"], ["y"], name="pad")],
+                     [vi("x", [1]), vi("p", [2], TensorProto.INT64)], [vi("y", None)], (), 18)
+    session = InferenceSession(given, backends=["OpenVINO", "CpuRef"])
+    x = np.ones(1, np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x, "p": np.array([-1, 2])})[0], [0, 0])
+    with pytest.raises(ExecutionError, match=r"Pad 'pad': pads \[-3, 4\] crop more"):
+        session.run(None, {"x": x, "p": np.array([-3, 4])})

@@ -83,7 +83,7 @@ class Check:
             _check_indices(self.layer, self.op, values[0],
                            [_dim(b, inputs, added) for b in self.bounds])
         else:
-            dims = [_dim(d, inputs, added) if d is not None else 1 for d in self.dims]
+            dims = [_dim(d, inputs, added) if d is not None else None for d in self.dims]
             _check_size(self.layer, self.op, _output_shape(self.op, self.layer, values[0], dims),
                         self.dtype)
 
@@ -293,9 +293,11 @@ def _check_indices(layer: str, op: str, values: np.ndarray, bounds: list[int]) -
                              f"{size} (valid: {-size} to {size - 1})")
 
 
-def _output_shape(op: str, layer: str, values: np.ndarray, dims: list[int]) -> list[int]:
-    """The output shape ``op`` makes of its size input ``values`` and its data's ``dims``."""
+def _output_shape(op: str, layer: str, values: np.ndarray, given: list[int | None]) -> list[int]:
+    """The output shape ``op`` makes of its size input ``values`` and its data's dims (None:
+    unknown, counted as 1: the size checked is then the least the output can have)."""
     flat = [float(v) for v in values.reshape(-1)]
+    dims = [1 if d is None else d for d in given]
     if op in ("Expand", "ConstantOfShape", "Tile", "Resize") and any(v < 0 for v in flat):
         raise ValueError(f"{op} '{layer}': a negative size {[int(v) for v in flat]} (negative "
                          f"dimensions are not allowed)")
@@ -308,6 +310,12 @@ def _output_shape(op: str, layer: str, values: np.ndarray, dims: list[int]) -> l
         return [d * int(r) for d, r in zip(dims, flat)]
     if op == "Pad":
         half = len(flat) // 2
+        if len(flat) == 2 * len(given) and any(
+                min(a, b) < 0 and (d is None or d + min(a, 0) < 0 or d + min(b, 0) < 0)
+                for d, a, b in zip(given, flat[:half], flat[half:])):
+            raise ValueError(f"Pad '{layer}': pads {[int(v) for v in flat]} crop more than the "
+                             f"axes {['?' if d is None else d for d in given]} hold, or an axis "
+                             f"of unknown size (OpenVINO crashes where a crop passes the axis)")
         return [d + int(a) + int(b) for d, a, b in zip(dims, flat[:half], flat[half:])]
     if op == "OneHot":
         return [*dims, int(flat[0]) if flat else 0]
