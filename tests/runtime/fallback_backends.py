@@ -1,5 +1,6 @@
-"""Two host backends whose memories cannot import each other but both import a third kind, as the
-Ethos-N design's NPU and GPU do with dma-buf: the FallbackImport's test bed, with no device.
+"""Two host backends whose own memories neither can read, but that both export and import dma-buf
+with FallbackImportMemoryRequired, as the Ethos-N design's NPU and GPU: the FallbackImport's test
+bed, with no device.
 
 - TestNpu is asynchronous: its kernels go into a command queue that runs when it is flushed (as
   OpenCL's does at clFinish), so that whoever reads its memory before it syncs reads stale bytes.
@@ -8,10 +9,12 @@ Ethos-N design's NPU and GPU do with dma-buf: the FallbackImport's test bed, wit
 - TestGpu runs at once. Its tensors (``GpuTensor``) live in memory of its own too; it imports
   dma-buf aligned to two pages.
 
-Neither exports, so an edge between them is a copy, unless both say ``fallback_import``: then the
-producer writes into dma-buf memory that both import, and nothing is copied. Their kernels (Relu,
-Sigmoid, Tanh, Add, Sub, Mul, float32) write into given memory (``write_into``); TestNpuCopying's
-do not, so that a FallbackImport from it copies instead.
+Both say they export dma-buf and import it, with ``fallback_import``: their own memory is not
+dma-buf, so it cannot be handed over as it is ("no backend has support for memory export. Arm NN
+needs to handle the memory for each backend"); by the design's rule the edge between them is a
+FallbackImport: the producer writes into dma-buf memory that both import, nothing is copied.
+Their kernels (Relu, Sigmoid, Tanh, Add, Sub, Mul, float32) write into given memory
+(``write_into``); TestNpuCopying's do not, so that a FallbackImport from it copies instead.
 """
 
 from __future__ import annotations
@@ -172,7 +175,8 @@ class NpuBackend(FallbackTestBackend):
             np.copyto(out, x.array)
 
         return (TensorHandleFactory(
-            "test-npu", MemorySource.BACKEND, MemorySource.DMA_BUF, alignment=mmap.PAGESIZE,
+            "test-npu", MemorySource.BACKEND, MemorySource.DMA_BUF, MemorySource.DMA_BUF,
+            alignment=mmap.PAGESIZE,
             fallback_import=True, copy_in=lambda a: NpuTensor(np.array(a, np.float32)),
             copy_out=copy_out, import_=_importer(NpuTensor, mmap.PAGESIZE, True),
             write_to=write_to),)
@@ -180,7 +184,8 @@ class NpuBackend(FallbackTestBackend):
 
 GPU_ALIGNMENT = 2 * mmap.PAGESIZE  # more than a mapping's: fallback memory is aligned for both
 GPU_FACTORY = TensorHandleFactory(
-    "test-gpu", MemorySource.BACKEND, MemorySource.DMA_BUF, alignment=GPU_ALIGNMENT,
+    "test-gpu", MemorySource.BACKEND, MemorySource.DMA_BUF, MemorySource.DMA_BUF,
+    alignment=GPU_ALIGNMENT,
     fallback_import=True, copy_in=lambda a: GpuTensor(np.array(a, np.float32)),
     copy_out=lambda x: np.array(x.array, copy=True),
     import_=_importer(GpuTensor, GPU_ALIGNMENT, False), write_to=lambda x, out: np.copyto(out, x.array))

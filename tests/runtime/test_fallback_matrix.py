@@ -22,7 +22,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from backplane import InferenceSession
-from backplane.backends.api.memory import fallback_kind
+from backplane.optimizer.edges import EdgeStrategy, choose
+from backplane.backends.api.memory import MemorySource, TensorHandleFactory, fallback_kind
 from backplane.backends.registry import registry
 from tests.runtime.fallback_backends import fallback_backends  # noqa: F401 (a fixture)
 
@@ -116,18 +117,19 @@ def _check(row: tuple[str, ...], network: str) -> InferenceSession:
     results, timings = session.run_profiled(None, {"x": x})
     for got, want in zip(results, expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    factories = {b: backend.tensor_handle_factories()[0]
+    factories = {b: backend.tensor_handle_factories()
                  for b, backend in session.optimized.backends.items()}
     copied = 0
     for record in session.report.copies:
         if "user" in (record.source, record.target):
             continue
-        source, target = factories[record.source], factories[record.target]
+        source = factories[record.source][0]
+        strategy, target = choose(source, factories[record.target])
         both_host = record.source in HOST and record.target in HOST
         both_device = source.device == target.device != "cpu"
         if both_host or both_device:  # memory both sides can map: an import, never a copy
             assert record.strategy == "import", record
-        elif fallback_kind(source, target) is not None:  # memory both import: written in place
+        elif strategy is EdgeStrategy.FALLBACK_IMPORT:  # fallback memory: written in place
             assert record.strategy == "fallback_import" and record.copied_bytes == 0, record
         else:
             assert record.strategy == "copy", record
@@ -198,3 +200,59 @@ def test_a_convolution_whose_add_is_pinned_elsewhere_stays_on_the_gpu() -> None:
     assert session.report.backend_of("conv") == "GpuAcc"
     expected = InferenceSession(model.SerializeToString(), ["CpuRef"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-3, atol=1e-3)
+
+
+M = MemorySource
+
+
+# -- the design's matrix by its own rule, on factories made to its capability table -------------
+def _design_factories(neon_fallback: bool, fallback: bool,
+                      ) -> dict[str, tuple[TensorHandleFactory, ...]]:
+    """The seed's backends as GetHandleFactoryPreferences lists them. Its table: "Map/Unmap" for
+    EthosNImportTensorHandle, ClTensorHandle and NeonTensorHandle, not ClImportTensorHandle
+    ("Gpu Tensor cannot have map/unmap and import at the same time"); "Import (DmaBuf)" for the
+    NPU, "(Malloc, DmaBuf)" for ClImport, "(Malloc)" for Neon. Its Export row is empty ("no
+    backend has support for memory export"), yet it calls CPU -> GPU a MemImport, which its rule
+    (import & export != 0) gives only where Neon exports Malloc, as Arm NN's NeonTensorHandleFactory
+    does; the NPU and ClImport export the kind of memory the fallback memory manager makes for them.
+    ``fallback``: ClImport and the NPU say FallbackImportMemoryRequired ("add
+    FallbackImportMemoryRequired instead, so that memory import is allowed in case of GPU
+    fallback"); ``neon_fallback``: so does Neon (the design's test trick). ClImport comes first in
+    the GPU's list: a backend's tensors are made by its first factory here, where Arm NN picks an
+    output's factory by what its consumers import."""
+    neon = TensorHandleFactory("neon", M.MALLOC, M.MALLOC, M.MALLOC, fallback_import=neon_fallback)
+    cl = TensorHandleFactory("cl", M.BACKEND)
+    cl_import = TensorHandleFactory("cl-import", M.BACKEND, M.MALLOC | M.DMA_BUF,
+                                    M.MALLOC | M.DMA_BUF, supports_mapping=False,
+                                    fallback_import=fallback)
+    npu = TensorHandleFactory("ethosn-import", M.BACKEND, M.DMA_BUF, M.DMA_BUF,
+                              fallback_import=fallback)
+    return {"CPU": (neon,), "GPU": (cl_import, cl), "NPU": (npu,)}
+
+
+F, I, C = EdgeStrategy.FALLBACK_IMPORT, EdgeStrategy.EXPORT_TO_TARGET, EdgeStrategy.COPY_TO_TARGET
+DESIGN_MATRIX = {  # (source, target): (without the flags, with them, with them and on Neon too)
+    ("CPU", "GPU"): (I, I, F), ("GPU", "CPU"): (I, F, F),
+    ("CPU", "NPU"): (C, C, C), ("NPU", "CPU"): (C, C, C),
+    ("GPU", "NPU"): (I, F, F), ("NPU", "GPU"): (I, F, F),
+}
+
+
+@pytest.mark.parametrize("edge", DESIGN_MATRIX, ids="->".join)
+def test_the_designs_matrix_by_its_rule(edge: tuple[str, str]) -> None:
+    """"As CPU and GPU can be direct compatible, which means in case of fallback from CPU to GPU,
+    it can use MemImportLayer ... In order to test CPU GPU with FallbackMemoryManager, we have to
+    add CapabilityClass::FallbackImportMemoryRequired to NeonTensorHandleFactory." CPU <-> NPU
+    share no kind (Malloc against DmaBuf): a MemCopy, flags or not."""
+    source, target = edge
+    for variant, (neon_flag, flag) in enumerate([(False, False), (False, True), (True, True)]):
+        factories = _design_factories(neon_flag, flag)
+        strategy, factory = choose(factories[source][0], factories[target])
+        assert strategy is DESIGN_MATRIX[edge][variant], (edge, variant, strategy)
+        if strategy is C:  # "factory->SupportsMapUnmap()": the GPU's ClTensorHandle, not ClImport
+            assert factory.supports_mapping
+        if strategy is F:
+            kind = fallback_kind(factories[source][0], factory)
+            assert kind is (M.MALLOC if "CPU" in edge else M.DMA_BUF)
+    same = _design_factories(False, True)["GPU"]
+    assert choose(same[0], same)[0] is EdgeStrategy.DIRECT_COMPATIBILITY

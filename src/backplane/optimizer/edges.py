@@ -1,15 +1,28 @@
 """Tensor-handle strategy per edge, and the compatibility layers it needs (the Ethos-N design's step 5-6).
 
-Where a tensor crosses from one backend to another, ``edge_strategy`` decides, from the two backends'
-tensor-handle factories, whether the consumer reads it as it is, imports it, reads it through memory
-of a third kind that both import (a FallbackImport), or needs a copy. Only that one function decides;
-``insert_compatibility_layers`` carries the decision out.
+Where a tensor crosses from one backend to another, ``edge_strategy`` decides, from the producer's
+tensor-handle factory and the consumer's factories in its order of preference (Arm NN's
+GetHandleFactoryPreferences), whether the consumer reads it as it is, imports it, reads it through
+fallback memory (a FallbackImport), or needs a copy. Only ``choose`` decides;
+``insert_compatibility_layers`` carries the decision out. The rule is the design's, in order:
+
+1. DIRECT_COMPATIBILITY where a factory the consumer prefers is the producer's;
+2. EXPORT_TO_TARGET on the first preferred factory that imports a kind the producer exports
+   (``(factory->GetImportFlags() & srcFactory->GetExportFlags()) != 0``): a MemImport, or a
+   FallbackImport "if the srcFactory requires fallback import memory";
+3. COPY_TO_TARGET on the first preferred factory that maps, where the producer's maps too.
+
+Where the design finds no strategy (a side that cannot map, nothing imported) it stops with
+"Undefined memory strategy found"; here the edge is copied all the same, through the factories'
+``copy_out`` and ``copy_in``, which every factory has (a CUDA factory's is a DMA), where Arm NN's
+MemCopy maps both handles: the edges between CUDA memory and the host (GpuAcc <-> CpuAcc, CpuRef,
+the user) are of that kind, and the design's own matrix runs GPU <-> CPU.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory, fallback_kind
 from backplane.ir.graph import Graph, Layer
@@ -17,6 +30,9 @@ from backplane.optimizer.report import CopyRecord
 
 BUILTIN = "builtin"
 USER = "user"  # graph inputs come from, and graph outputs go to, the user's host memory
+
+Preferences = TensorHandleFactory | Sequence[TensorHandleFactory]
+"""A consumer's tensor-handle factories, preferred first (one factory: that one alone)."""
 
 
 class EdgeStrategy(enum.Enum):
@@ -26,28 +42,49 @@ class EdgeStrategy(enum.Enum):
     COPY_TO_TARGET = "copy"  # a MemCopy layer moves the tensor
 
 
-def edge_strategy(source: TensorHandleFactory, target: TensorHandleFactory,
+def choose(source: TensorHandleFactory, targets: Preferences, to_user: bool = False,
+           ) -> tuple[EdgeStrategy, TensorHandleFactory]:
+    """The strategy of an edge from ``source`` to a consumer that prefers ``targets``, and the
+    consumer's factory it uses (the module's docstring gives the rule). A tensor that goes
+    ``to_user`` outlives the run: where the rule says FallbackImport it is copied instead (the
+    producer's memory cannot be handed over, and the next run writes the fallback memory again)."""
+    prefs = _tuple(targets)
+    if not prefs:
+        raise ValueError(f"no tensor-handle factory to read {source.id}'s tensors with: a backend "
+                         f"lists at least one in tensor_handle_factories()")
+    for target in prefs:
+        if target.id == source.id:
+            return EdgeStrategy.DIRECT_COMPATIBILITY, target
+    for target in prefs:
+        if target.can_import_from(source):
+            if fallback_kind(source, target) is None:
+                return EdgeStrategy.EXPORT_TO_TARGET, target
+            if not to_user:
+                return EdgeStrategy.FALLBACK_IMPORT, target
+            break  # the producer's memory cannot be handed over, and fallback memory is reused
+    mapped = [t for t in prefs if t.supports_mapping]
+    if source.supports_mapping and mapped:
+        return EdgeStrategy.COPY_TO_TARGET, mapped[0]
+    return EdgeStrategy.COPY_TO_TARGET, prefs[0]  # the design's Undefined: see the docstring
+
+
+def edge_strategy(source: TensorHandleFactory, targets: Preferences,
                   to_user: bool = False) -> EdgeStrategy:
-    """How a tensor of ``source`` reaches ``target``. A tensor that goes ``to_user`` outlives the
-    run: it never goes through fallback memory, which the next run writes again."""
-    if source.id == target.id:
-        return EdgeStrategy.DIRECT_COMPATIBILITY
-    if target.can_import_from(source):
-        return EdgeStrategy.EXPORT_TO_TARGET
-    if not to_user and fallback_kind(source, target) is not None:
-        return EdgeStrategy.FALLBACK_IMPORT
-    return EdgeStrategy.COPY_TO_TARGET
+    """How a tensor of ``source`` reaches a consumer that prefers ``targets`` (``choose``)."""
+    return choose(source, targets, to_user)[0]
 
 
-def insert_compatibility_layers(graph: Graph, factories: Mapping[str, TensorHandleFactory],
+def insert_compatibility_layers(graph: Graph, factories: Mapping[str, Preferences],
                                 ) -> list[CopyRecord]:
     """Insert a MemCopy (MemImport, FallbackImport) layer on every edge whose strategy is a copy
     (an import, a fallback import); returns what was inserted. A fallback import needs the tensor's
     size at load, where its memory is allocated: a tensor of free dimensions is copied instead.
 
-    ``factories`` maps a backend id to its preferred tensor-handle factory (the user is host memory).
+    ``factories`` maps a backend id to its tensor-handle factories, preferred first (the user is
+    host memory): a producer's tensors are of its first, a consumer reads through the one that
+    ``choose`` picks.
     """
-    factories = {USER: HOST_FACTORY, **factories}
+    prefs = {USER: (HOST_FACTORY,), **{b: _tuple(f) for b, f in factories.items()}}
     producers = graph.producers()
     copies: dict[tuple[str, str], Layer] = {}
     records: list[CopyRecord] = []
@@ -58,15 +95,17 @@ def insert_compatibility_layers(graph: Graph, factories: Mapping[str, TensorHand
         source = dep.backend if dep is not None else USER
         if name in graph.constants or source == target or source is None:
             return name
-        strategy = edge_strategy(factories[source], factories[target], target == USER)
+        made_by = prefs[source][0]
+        strategy, factory = choose(made_by, prefs[target], target == USER)
         if strategy is EdgeStrategy.DIRECT_COMPATIBILITY:
             return name
         info = graph.info(name)
         if strategy is EdgeStrategy.FALLBACK_IMPORT and info.nbytes is None:
-            strategy = EdgeStrategy.COPY_TO_TARGET
-        key = (name, factories[target].id)
+            # copied as an edge to the user is: what the rule gives when fallback memory is out
+            strategy, factory = choose(made_by, prefs[target], to_user=True)
+        key = (name, factory.id)
         if key not in copies:
-            copies[key] = _mem_copy(graph, name, source, target, factories, strategy)
+            copies[key] = _mem_copy(graph, name, (source, made_by), (target, factory), strategy)
             layers.append(copies[key])
             copied = {EdgeStrategy.COPY_TO_TARGET: info.nbytes, EdgeStrategy.EXPORT_TO_TARGET: 0
                       }.get(strategy)  # a fallback import's: known at load (in place or not)
@@ -82,17 +121,23 @@ def insert_compatibility_layers(graph: Graph, factories: Mapping[str, TensorHand
     return records
 
 
-def _mem_copy(graph: Graph, name: str, source: str, target: str,
-              factories: Mapping[str, TensorHandleFactory], strategy: EdgeStrategy) -> Layer:
-    out = f"{name}@{target}"
+def _tuple(factories: Preferences) -> tuple[TensorHandleFactory, ...]:
+    return (factories,) if isinstance(factories, TensorHandleFactory) else tuple(factories)
+
+
+def _mem_copy(graph: Graph, name: str, source: tuple[str, TensorHandleFactory],
+              target: tuple[str, TensorHandleFactory], strategy: EdgeStrategy) -> Layer:
+    """The compatibility layer of one edge: ``source`` and ``target`` are (backend, factory)."""
+    (source_id, made_by), (target_id, read_by) = source, target
+    out = f"{name}@{target_id}"
     graph.tensors[out] = graph.info(name)
-    attrs: dict[str, object] = {"source": factories[source], "target": factories[target]}
+    attrs: dict[str, object] = {"source": made_by, "target": read_by}
     op = "MemImport" if strategy is EdgeStrategy.EXPORT_TO_TARGET else "MemCopy"
     if strategy is EdgeStrategy.FALLBACK_IMPORT:
         # On builtin like the other glue; its workload is the source backend's (which can sync
         # it), the memory the runtime's fallback memory manager allocates once per network.
-        kind = fallback_kind(factories[source], factories[target])
+        kind = fallback_kind(made_by, read_by)
         op = "FallbackImport"
-        attrs.update(source_backend=source, memory=kind.name if kind else "")
-    return Layer(f"{op}[{name}]({source}->{target})", op, [name], [out], attrs, opset=0,
+        attrs.update(source_backend=source_id, memory=kind.name if kind else "")
+    return Layer(f"{op}[{name}]({source_id}->{target_id})", op, [name], [out], attrs, opset=0,
                  backend=BUILTIN)

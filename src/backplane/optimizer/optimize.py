@@ -142,7 +142,7 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
     if options.strict:
         _check_strict(report)
     used = {layer.backend for layer in graph.layers if layer.backend}
-    factories = {bid: available[bid].tensor_handle_factories()[0] for bid in used}
+    factories = {bid: tuple(available[bid].tensor_handle_factories()) for bid in used}
     report.copies += insert_compatibility_layers(graph, factories)  # after the bodies' own
     chosen = {bid: available[bid] for bid in used}
     if report.copies:

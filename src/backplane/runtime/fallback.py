@@ -1,8 +1,8 @@
 """Fallback memory (the Ethos-N design's FallbackImport layer and fallback memory manager).
 
-Where a tensor crosses between two backends that neither share nor import each other's memory but
-both import a third kind (``fallback_kind``), the optimizer puts a FallbackImport layer on the edge.
-At load, ``bind`` carries it out:
+Where the consumer imports a kind of memory the producer exports and the producer's factory says
+FallbackImportMemoryRequired (``fallback_kind``), the optimizer puts a FallbackImport layer on the
+edge instead of a MemImport. At load, ``bind`` carries it out:
 
 - the network's ``FallbackMemoryManager`` allocates one buffer of that kind per such tensor, once,
   aligned for both sides (the least common multiple of their ``alignment``);
@@ -12,10 +12,11 @@ At load, ``bind`` carries it out:
   (``create_fallback_import``), runs between the two: an asynchronous source waits there for its
   writes, then the consumer's handle of the buffer is handed over. No byte is copied.
 
-A producer whose workload cannot write into given memory writes where it always does, and the
-FallbackImport copies its output into the buffer (``TensorHandleFactory.write_to``): the one copy
-left, counted in the report (``CopyRecord.copied_bytes``). So is a tensor that is also an output of
-the network, which must outlive the run.
+A producer whose workload cannot write into given memory (or whose factory does not import that
+kind) writes where it always does, and the FallbackImport copies its output into the buffer
+(``TensorHandleFactory.write_to``): the one copy left, counted in the report
+(``CopyRecord.copied_bytes``). So is a tensor that is also an output of the network, which must
+outlive the run.
 
 Buffers live as long as the network and every run reuses them: a network that holds one runs one
 run at a time (``exclusive``), and a run's outputs never alias one (``detach``).
@@ -125,7 +126,8 @@ def bind(layers: Sequence[Layer], workloads: Sequence[Workload], graph: Graph,
         buffer, fresh = manager.buffer(name, kind, info, alignment[name])
         producer, position = made[name]
         if fresh:
-            writes = getattr(workloads[producer], "write_into", None) is not None
+            writes = (getattr(workloads[producer], "write_into", None) is not None
+                      and bool(source.import_flags & kind))  # its output imported from the buffer
             free = into.get(producer, [None] * len(layers[producer].outputs))[position] is None
             in_place[name, kind] = writes and free and name not in graph.outputs
             if in_place[name, kind]:

@@ -68,22 +68,22 @@ class TensorHandleFactory:
     """The bytes memory imported here must be aligned to (Arm NN's GetMemoryAlignment): fallback
     memory is aligned for both sides."""
     fallback_import: bool = False
-    """FallbackImportMemoryRequired: where a consumer can neither share nor import this memory but
-    both import a third kind (``fallback_kind``), the producer's output goes into memory of that kind
-    that both import (a FallbackImport layer) instead of being copied."""
+    """FallbackImportMemoryRequired: where a consumer imports a kind this factory exports, the
+    tensor is not handed over as it is (a MemImport) but through fallback memory of that kind, which
+    both sides import and the runtime allocates (a FallbackImport layer; ``fallback_kind``)."""
     write_to: Callable[[Any, np.ndarray], None] = _write_host
     """Copy a tensor of this memory into a host array (a FallbackImport whose producer cannot write
     its output in place: the one copy left)."""
 
     def can_import_from(self, source: TensorHandleFactory) -> bool:
-        """Whether tensors of ``source`` can be read here zero-copy (Arm NN's import, Ethos-N's
-        EXPORT_TO_TARGET): it exports host memory that this one imports, and both map it; or it
-        exports device memory of the same device that this one imports (through DLPack, which
-        orders the access on the importer's stream, as a DmaBuf import does with a fence)."""
+        """Whether tensors of ``source`` can be read here zero-copy: the Ethos-N design's
+        ``(factory->GetImportFlags() & srcFactory->GetExportFlags()) != 0``, for every kind of
+        memory. One addition: CUDA memory only between factories of the same device (DLPack hands
+        another device's memory over as it is, where this factory's kernels cannot run on it)."""
         shared = source.export_flags & self.import_flags
-        if shared & MemorySource.MALLOC and source.supports_mapping and self.supports_mapping:
+        if shared & ~MemorySource.CUDA:
             return True
-        return bool(shared & MemorySource.CUDA) and source.device == self.device
+        return bool(shared) and source.device == self.device
 
 
 FALLBACK_KINDS = (MemorySource.DMA_BUF, MemorySource.PINNED, MemorySource.MALLOC)
@@ -91,12 +91,13 @@ FALLBACK_KINDS = (MemorySource.DMA_BUF, MemorySource.PINNED, MemorySource.MALLOC
 
 
 def fallback_kind(source: TensorHandleFactory, target: TensorHandleFactory) -> MemorySource | None:
-    """The kind of memory that tensors of ``source`` reach ``target`` through without a copy where
-    neither reads the other's memory (the Ethos-N design's fallback memory): one that both import,
-    when ``source`` asks for it (``fallback_import``); None otherwise."""
+    """The kind of fallback memory a tensor of ``source`` reaches ``target`` through: where
+    ``source`` says FallbackImportMemoryRequired (``fallback_import``), the first kind of
+    FALLBACK_KINDS that ``source`` exports and ``target`` imports; None otherwise (CUDA memory is
+    imported as it is: the fallback memory manager allocates host memory only)."""
     if not source.fallback_import:
         return None
-    shared = source.import_flags & target.import_flags
+    shared = source.export_flags & target.import_flags
     return next((kind for kind in FALLBACK_KINDS if shared & kind), None)
 
 
