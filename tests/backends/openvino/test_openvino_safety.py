@@ -221,3 +221,30 @@ def test_a_pad_cropping_more_than_its_axis_never_reaches_openvino() -> None:
     np.testing.assert_array_equal(session.run(None, {"x": x, "p": np.array([-1, 2])})[0], [0, 0])
     with pytest.raises(ExecutionError, match=r"Pad 'pad': pads \[-3, 4\] crop more"):
         session.run(None, {"x": x, "p": np.array([-3, 4])})
+
+
+@pytest.mark.parametrize(("op", "second", "feed", "kind"), [
+    ("Squeeze", "axes", np.array([1]), TensorProto.INT64),
+    ("Reshape", "shape", np.array([4]), TensorProto.INT64),
+    ("Compress", "condition", np.array([True, False, True, True]), TensorProto.BOOL)])
+def test_axes_shapes_and_conditions_the_user_gives_go_to_cpuref(op: str, second: str,
+                                                                 feed: np.ndarray, kind: int) -> None:
+    """OpenVINO answered each of these silently on a [2, 3] input (squeezing an axis of 3, a
+    shape of 4 elements, a condition longer than its axis); CpuRef raises."""
+    attrs = {"axis": 1} if op == "Compress" else {}
+    model = model_of([helper.make_node(op, ["x", "s"], ["y"], name="n", **attrs)],
+                     [vi("x", [2, 3]), vi("s", [len(feed)], kind)], [vi("y", None)], (), 18)
+    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("n") == "CpuRef"
+    assert f"its {second} 's' is given at run time" in refusal(session, "n")
+    with pytest.raises(ExecutionError):
+        session.run(None, {"x": np.ones((2, 3), np.float32), "s": feed})
+
+
+def test_a_constant_compress_condition_longer_than_its_axis_goes_to_cpuref() -> None:
+    condition = numpy_helper.from_array(np.array([True, False, True, True]), "c")
+    model = model_of([helper.make_node("Compress", ["x", "c"], ["y"], name="n", axis=1)],
+                     [vi("x", [2, 3])], [vi("y", None)], [condition], 18)
+    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("n") == "CpuRef"
+    assert "a condition of 4 values on an axis of size 3" in refusal(session, "n")

@@ -134,6 +134,15 @@ def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | Non
     is wrong already (constants), or what nothing could check before OpenVINO uses it."""
     if layer.op_type in GATES:
         return _recurrent_reason(layer, graph)
+    if layer.op_type in ("Squeeze", "Compress", "Reshape") and len(layer.inputs) > 1 \
+            and _traced(layer.inputs[1], graph, produced) in graph.inputs:  # the user's values
+        what = {"Compress": "condition", "Reshape": "shape"}.get(layer.op_type, "axes")
+        return (f"{layer.op_type} '{layer.name}': its {what} '{layer.inputs[1]}' is given at run "
+                f"time, and OpenVINO answers one that does not fit the data silently "
+                f"(an axis of size 3 squeezed, a condition longer than its axis, a shape of another "
+                f"size); CpuRef checks it")
+    if layer.op_type == "Compress":
+        return _compress_reason(layer, graph)
     try:
         planned = _plan_layer(Plan(), layer, graph, produced, _Outside(graph, produced))
     except (IndexError, ValueError, AllocationError) as exc:
@@ -337,6 +346,20 @@ def _check_range(layer: str, start: float, limit: float, delta: float, dtype: st
                          f"{'infinitely many' if delta == 0 else abs((limit - start) / delta)}")
     count = max(int(np.ceil((limit - start) / delta)), 0)
     check_allocation([count], np.dtype(dtype), f"the output of Range '{layer}'")
+
+
+def _compress_reason(layer: Layer, graph: Graph) -> str | None:
+    """OpenVINO fills zeros for a condition longer than its axis, where CpuRef raises."""
+    condition = np.asarray(graph.constants[layer.inputs[1]]).reshape(-1)
+    shape = graph.info(layer.inputs[0]).shape
+    axis = layer.attrs.get("axis")
+    size = None if shape is None else int(np.prod([d if isinstance(d, int) else -1 for d in shape])) \
+        if axis is None else shape[int(axis) % len(shape)] if shape else None
+    if isinstance(size, int) and 0 <= size and condition.size <= size:
+        return None
+    return (f"Compress '{layer.name}': a condition of {condition.size} values on an axis of size "
+            f"{size if isinstance(size, int) and size >= 0 else 'unknown before the run'}: OpenVINO "
+            f"fills zeros for a condition longer than its axis; CpuRef checks it")
 
 
 def _recurrent_reason(layer: Layer, graph: Graph) -> str | None:
