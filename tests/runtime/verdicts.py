@@ -235,7 +235,7 @@ def verdict(run: Run, reference: Run | None, ort: Run | None = None) -> tuple[st
         return MATCHES, ""
     if ort is not None and ort.status == "ran" and not compare(run.outputs or [], ort.outputs or []):
         return AS_ORT, problem
-    return DIFFERS, problem
+    return DIFFERS, f"{problem}\ngave {describe(run.outputs)}\nCpuRef {describe(reference.outputs)}"
 
 
 def compare(outputs: Sequence[Any], expected: Sequence[Any]) -> str:
