@@ -35,7 +35,8 @@ from backplane.backends.api.backend import (
     WorkloadFactory,
     unsupported,
 )
-from backplane.backends.api.memory import MemorySource, TensorHandleFactory
+from backplane.backends.api.memory import HOST_FACTORY, MemorySource, TensorHandleFactory
+from backplane.backends.reference.backend import CpuRef
 from backplane.backends.registry import registry
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -212,4 +213,75 @@ def fallback_backends() -> Iterator[None]:
     with registry.temporarily(NpuBackend.id, NpuBackend), \
             registry.temporarily(GpuBackend.id, GpuBackend), \
             registry.temporarily(NpuCopyingBackend.id, NpuCopyingBackend):
+        yield
+
+
+# -- an asynchronous backend in host memory: only the runtime's sync makes its outputs whole ---
+UNWRITTEN = 777.0  # what an output of TestAsyncHost holds until its queue is flushed
+
+
+class AsyncHostBackend(CpuRef):
+    """CpuRef's kernels, run later: a workload queues its kernel and returns host arrays that hold
+    UNWRITTEN until the queue is flushed, which only its sync (``create_fallback_import``) does, as
+    a GPU's queue runs at clFinish. Its tensors are host memory (``FACTORY``), so a host reader
+    reads them directly, or imports them: no copy-out that would wait."""
+
+    id = "TestAsyncHost"
+    FACTORY: ClassVar[TensorHandleFactory] = HOST_FACTORY
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = CommandQueue()
+
+    def capabilities(self) -> dict[str, Any]:
+        return {**super().capabilities(), "AsyncExecution": True}
+
+    def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
+        return (self.FACTORY,)
+
+    def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
+        return AsyncHostFactory(self, memory_manager)
+
+
+class AsyncHostExporting(AsyncHostBackend):
+    """The same, in host memory of its own that it exports: its readers import it (a MemImport)."""
+
+    id = "TestAsyncHostExporting"
+    FACTORY = TensorHandleFactory("test-async-host", MemorySource.MALLOC, MemorySource.MALLOC,
+                                  MemorySource.MALLOC)
+
+
+class AsyncHostFactory(WorkloadFactory):
+    backend: AsyncHostBackend
+
+    def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
+                        outputs: Sequence[TensorInfo]) -> Workload:
+        kernel, queue = super().create_workload(layer, inputs, outputs), self.backend.queue
+
+        def queued(*xs: Any) -> tuple[Any, ...]:
+            out = [np.full(o.shape, UNWRITTEN, o.dtype) for o in outputs]
+
+            def later() -> None:
+                for memory, value in zip(out, kernel(*xs)):
+                    np.copyto(memory, value)
+
+            queue.pending.append(later)
+            return tuple(out)
+
+        return queued
+
+    def create_fallback_import(self, layer: Layer) -> Workload:
+        queue = self.backend.queue
+
+        def synced(x: Any) -> tuple[Any]:
+            queue.flush()
+            return (x,)
+
+        return synced
+
+
+@pytest.fixture
+def async_backends() -> Iterator[None]:
+    with registry.temporarily(AsyncHostBackend.id, AsyncHostBackend), \
+            registry.temporarily(AsyncHostExporting.id, AsyncHostExporting):
         yield

@@ -22,11 +22,17 @@ the user) are of that kind, and the design's own matrix runs GPU <-> CPU.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory, fallback_kind
+from backplane.backends.api.memory import (
+    HOST_FACTORY,
+    MemorySource,
+    TensorHandleFactory,
+    fallback_kind,
+)
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.report import CopyRecord
+from backplane.runtime.fallback import SYNC
 
 BUILTIN = "builtin"
 USER = "user"  # graph inputs come from, and graph outputs go to, the user's host memory
@@ -75,7 +81,8 @@ def edge_strategy(source: TensorHandleFactory, targets: Preferences,
 
 
 def insert_compatibility_layers(graph: Graph, factories: Mapping[str, Preferences],
-                                ) -> list[CopyRecord]:
+                                asynchronous: Collection[str] = (),
+                                protected: Collection[str] = ()) -> list[CopyRecord]:
     """Insert a MemCopy (MemImport, FallbackImport) layer on every edge whose strategy is a copy
     (an import, a fallback import); returns what was inserted. A fallback import needs the tensor's
     size at load, where its memory is allocated: a tensor of free dimensions is copied instead.
@@ -83,10 +90,19 @@ def insert_compatibility_layers(graph: Graph, factories: Mapping[str, Preference
     ``factories`` maps a backend id to its tensor-handle factories, preferred first (the user is
     host memory): a producer's tensors are of its first, a consumer reads through the one that
     ``choose`` picks.
+
+    A tensor of an ``asynchronous`` backend (AsyncExecution) that another backend or the user
+    reads goes through a Sync layer first, whose workload the source backend makes
+    (``create_fallback_import``: the design's FallbackImportWorkload, "created to be sync after
+    execution of the subgraph in case the source backend has asynchronous execution"); a
+    FallbackImport syncs itself, and so does a tensor in CUDA memory (``_host_sync``). A tensor
+    of a ``protected`` backend (ProtectedContentAllocation) that a backend without it or the user
+    would read is refused: that copy or import would put protected memory in unprotected memory.
     """
     prefs = {USER: (HOST_FACTORY,), **{b: _tuple(f) for b, f in factories.items()}}
     producers = graph.producers()
     copies: dict[tuple[str, str], Layer] = {}
+    synced: dict[str, Layer] = {}
     records: list[CopyRecord] = []
     layers: list[Layer] = []
 
@@ -95,17 +111,25 @@ def insert_compatibility_layers(graph: Graph, factories: Mapping[str, Preference
         source = dep.backend if dep is not None else USER
         if name in graph.constants or source == target or source is None:
             return name
+        if source in protected and target not in protected:
+            _refuse_protected(name, source, target, protected)
         made_by = prefs[source][0]
         strategy, factory = choose(made_by, prefs[target], target == USER)
-        if strategy is EdgeStrategy.DIRECT_COMPATIBILITY:
-            return name
         info = graph.info(name)
         if strategy is EdgeStrategy.FALLBACK_IMPORT and info.nbytes is None:
             # copied as an edge to the user is: what the rule gives when fallback memory is out
             strategy, factory = choose(made_by, prefs[target], to_user=True)
+        read = name
+        if source in asynchronous and _host_sync(strategy, made_by):
+            if name not in synced:
+                synced[name] = _sync(graph, name, source)
+                layers.append(synced[name])
+            read = synced[name].outputs[0]
+        if strategy is EdgeStrategy.DIRECT_COMPATIBILITY:
+            return read
         key = (name, factory.id)
         if key not in copies:
-            copies[key] = _mem_copy(graph, name, (source, made_by), (target, factory), strategy)
+            copies[key] = _mem_copy(graph, read, (source, made_by), (target, factory), strategy)
             layers.append(copies[key])
             copied = {EdgeStrategy.COPY_TO_TARGET: info.nbytes, EdgeStrategy.EXPORT_TO_TARGET: 0
                       }.get(strategy)  # a fallback import's: known at load (in place or not)
@@ -141,3 +165,29 @@ def _mem_copy(graph: Graph, name: str, source: tuple[str, TensorHandleFactory],
         attrs.update(source_backend=source_id, memory=kind.name if kind else "")
     return Layer(f"{op}[{name}]({source_id}->{target_id})", op, [name], [out], attrs, opset=0,
                  backend=BUILTIN)
+
+
+def _host_sync(strategy: EdgeStrategy, made_by: TensorHandleFactory) -> bool:
+    """Whether an edge out of an asynchronous backend needs a Sync layer: not a FallbackImport,
+    which syncs itself, nor an edge out of CUDA memory, where the copy-out waits on the producer's
+    stream and DLPack orders an import on the importer's (a host-wide sync would only cost)."""
+    return strategy is not EdgeStrategy.FALLBACK_IMPORT and not made_by.memory & MemorySource.CUDA
+
+
+def _sync(graph: Graph, name: str, source: str) -> Layer:
+    """A Sync layer: ``name`` once ``source``'s writes are done (its workload is the source's)."""
+    out = f"{name}@synced"
+    graph.tensors[out] = graph.info(name)
+    return Layer(f"{SYNC}[{name}]({source})", SYNC, [name], [out], {"source_backend": source},
+                 opset=0, backend=BUILTIN)
+
+
+def _refuse_protected(name: str, source: str, target: str, protected: Collection[str]) -> None:
+    from backplane.optimizer.optimize import OptimizationError  # optimize imports this module
+
+    reader = "the user (an output of the network)" if target == USER else target
+    allowed = ", ".join(sorted(protected))
+    raise OptimizationError(
+        f"{name} is in protected memory of {source} (ProtectedContentAllocation) and {reader} "
+        f"would read it through unprotected memory; its readers must run on a backend that "
+        f"allocates protected content ({allowed}), and it cannot be an output")

@@ -143,9 +143,12 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
         _check_strict(report)
     used = {layer.backend for layer in graph.layers if layer.backend}
     factories = {bid: tuple(available[bid].tensor_handle_factories()) for bid in used}
-    report.copies += insert_compatibility_layers(graph, factories)  # after the bodies' own
+    capabilities = {bid: available[bid].capabilities() for bid in used}
+    report.copies += insert_compatibility_layers(  # after the bodies' own
+        graph, factories, {b for b, c in capabilities.items() if c.get("AsyncExecution")},
+        {b for b, c in capabilities.items() if c.get("ProtectedContentAllocation")})
     chosen = {bid: available[bid] for bid in used}
-    if report.copies:
+    if any(layer.backend == BUILTIN for layer in graph.layers):  # copies, imports, syncs
         chosen[BUILTIN] = available[BUILTIN]
     if debug.level() >= 1:
         report.render(debug.console())

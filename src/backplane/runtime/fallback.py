@@ -36,6 +36,9 @@ from backplane.backends.api.memory import MemorySource, host_view
 from backplane.ir.graph import Graph, Layer, TensorInfo
 
 FALLBACK_IMPORT = "FallbackImport"
+SYNC = "Sync"
+"""A layer between an asynchronous backend's output and any other reader: its workload is the
+source backend's ``create_fallback_import`` (a FallbackImport's without the fallback memory)."""
 
 
 def allocate(kind: MemorySource, nbytes: int, alignment: int) -> np.ndarray:

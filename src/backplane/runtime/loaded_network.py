@@ -182,7 +182,7 @@ class LoadedNetwork:
                 self._constant_slots[id(layer), name] = self._bind_constant(
                     name, graph.constants[name], backends[layer.backend or ""])
         try:
-            if layer.op_type == fallback.FALLBACK_IMPORT:  # the source backend's, so that it syncs
+            if layer.op_type in (fallback.FALLBACK_IMPORT, fallback.SYNC):  # the source's: it syncs
                 return factories[layer.attrs["source_backend"]].create_fallback_import(layer)
             return factories[layer.backend or ""].create_workload(layer, infos_in, infos_out)
         except Exception as exc:
