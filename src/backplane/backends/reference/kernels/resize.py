@@ -1,8 +1,8 @@
 """Resize and Upsample: separable interpolation, one (out, in) weight matrix per resized axis.
 
 Nearest, linear and cubic interpolation are all separable, so an N-d resize is a 1-d resize along
-each axis in turn, and a 1-d resize is a matrix product with a small weight matrix whose rows hold
-each output position's taps (onnx's reference computes the same taps one point at a time).
+each axis in turn, and a 1-d resize weighs each output position's taps, the nonzero entries of its
+row of a small weight matrix (onnx's reference computes the same taps one point at a time).
 """
 
 from __future__ import annotations
@@ -49,11 +49,33 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
             stretch = min(factor, 1.0) if antialias else 1.0
             weights = _filter_weights(coords, n_in, taps, 2 if mode == "cubic" else 1, stretch,
                                       exclude_outside)
-        y = np.moveaxis(np.matmul(weights, np.moveaxis(y, axis, -2)), -2, axis)
+        y = _resized(y, axis, *taps_of(weights))
         if coordinate_transformation_mode == "tf_crop_and_resize":
             outside = outside | _along(axis, X.ndim, (coords < 0) | (coords > n_in - 1))
     y = np.where(outside, extrapolation_value, y)
     return (_round_like(y, X.dtype),)
+
+
+def taps_of(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each output position's taps, the input positions its row of ``weights`` does not weigh 0:
+    indices and weights, both (out, k) for k the most taps a position has (a position with fewer
+    repeats a tap with the weight 0). Summing over the taps alone, not over the whole row as a
+    matrix product does, keeps a NaN or Inf to the outputs that read it: 0 * NaN is NaN, and the
+    product spread one NaN pixel over its whole row and column (and made an Inf NaN)."""
+    nonzero = weights != 0
+    k = max(int(nonzero.sum(axis=1).max(initial=0)), 1)
+    index = np.argsort(~nonzero, axis=1, kind="stable")[:, :k]
+    return index, np.take_along_axis(weights, index, axis=1)
+
+
+def _resized(y: np.ndarray, axis: int, index: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    moved = np.moveaxis(y, axis, -1)
+    out = np.zeros((*moved.shape[:-1], index.shape[0]))
+    with np.errstate(invalid="ignore"):  # Inf * 0 where a row has fewer taps: masked out
+        for tap in range(index.shape[1]):
+            w = weights[:, tap]
+            out += np.where(w != 0, moved[..., index[:, tap]] * w, 0.0)
+    return np.moveaxis(out, -1, axis)
 
 
 def _from_sizes(in_sizes, sizes, policy):

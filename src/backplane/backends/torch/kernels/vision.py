@@ -1,6 +1,6 @@
 """Vision torch kernels: Resize and Upsample, RoiAlign, DeformConv.
 
-Resize is separable: along each resized axis it is a matrix product with an (out, in) weight matrix
+Resize is separable: along each resized axis it weighs each output's taps, the nonzero entries of an (out, in) weight matrix
 whose rows hold each output position's taps (nearest, linear or cubic, antialiased or not). The
 weights depend on the sizes, scales and region of interest only, never on the data, so they are
 built on the host by the spec's own code (CpuRef's ``resize`` helpers) and the product runs in
@@ -63,14 +63,26 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
         coords = spec._source_coordinates(coordinate_transformation_mode, n_in, n_out, factor, box)
         weights = _weights(coords, n_in, mode, nearest_mode, cubic_coeff_a, antialias, factor,
                            exclude_outside)
-        w = torch.from_numpy(weights).to(y.device)
-        y = torch.matmul(w, y.movedim(axis, -2)).movedim(-2, axis)  # (..., out, rest)
+        y = _resized(y, axis, *spec.taps_of(weights))
         if coordinate_transformation_mode == "tf_crop_and_resize":
             outside = outside | spec._along(axis, X.dim(), (coords < 0) | (coords > n_in - 1))
     if outside.any():
         mask = torch.from_numpy(np.ascontiguousarray(outside)).to(y.device)
         y = torch.where(mask, torch.tensor(extrapolation_value, dtype=y.dtype, device=y.device), y)
     return (_round_like(y, X.dtype),)
+
+
+def _resized(y, axis: int, index: np.ndarray, weights: np.ndarray):
+    """``y`` resized along ``axis``, each output the weighed sum of its taps alone (CpuRef's
+    ``taps_of``: a NaN or Inf reaches only the outputs that read it)."""
+    moved = y.movedim(axis, -1)
+    taps = torch.from_numpy(index).to(y.device)
+    weighs = torch.from_numpy(weights).to(y.device)
+    out = moved.new_zeros((*moved.shape[:-1], index.shape[0]))
+    for tap in range(index.shape[1]):
+        w = weighs[:, tap]
+        out += torch.where(w != 0, moved.index_select(-1, taps[:, tap]) * w, 0.0)
+    return out.movedim(-1, axis)
 
 
 def _weights(coords, n_in, mode, nearest_mode, cubic_coeff_a, antialias, factor,
