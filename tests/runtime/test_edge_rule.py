@@ -211,7 +211,13 @@ def _chain_model() -> bytes:
 def test_a_network_reads_through_the_consumers_second_factory(
         backend: type, strategy: str, factory: str | None) -> None:
     """CpuRef -> a backend whose first factory neither is host memory nor imports it: the edge is
-    an import into (or direct through) its second factory, not the copy the first one needs."""
+    an import into (or direct through) its second factory, not the copy the first one needs.
+
+    The seed: "compLayer->SetBackendId(dstLayer.GetBackendId()); ...
+    compOutputSlot.SetTensorHandleFactory(preference);": the layer's output is in the consumer's
+    chosen factory (``attrs["target"]``). Deviation: the layer itself stays on builtin, which makes
+    every copy and import from the two factories' callables (the design's per-backend MemCopy
+    workloads have no counterpart here), so glue never joins a backend's partition."""
     model, x = _chain_model(), np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3)
     with registry.temporarily(backend.id, backend):
         session = InferenceSession(model, [backend.id, "CpuRef"], pins={"a": "CpuRef"})
@@ -223,5 +229,6 @@ def test_a_network_reads_through_the_consumers_second_factory(
             layer = next(lay for lay in session.optimized.graph.layers
                          if lay.name == crossing[0].layer)
             assert layer.op_type == "MemImport" and layer.attrs["target"].id == factory
+            assert layer.backend == "builtin"
         got = session.run(None, {"x": x})[0]
     np.testing.assert_allclose(got, np.tanh(1 / (1 + np.exp(-np.maximum(x, 0)))), rtol=1e-6)
