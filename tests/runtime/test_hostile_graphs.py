@@ -13,11 +13,8 @@ import pytest
 from tests.runtime import verdicts as v
 from tests.runtime.hostile_graphs import CASES
 
-LEFT_OUT = {  # cases that crash or hang the process today: findings of issue 32, not tested here
-    "slice_extreme_bounds": "hangs at load in onnx.shape_inference.infer_shapes (data_prop=True)",
-    "slice_huge_step_forward": "SIGSEGV at load in onnx.shape_inference.infer_shapes",
-    "slice_huge_step_backward": "SIGSEGV at load in onnx.shape_inference.infer_shapes",
-}
+LEFT_OUT: dict[str, str] = {}  # cases that crash or hang the process today (none on CpuRef and
+# CpuAcc since the Slice steps of +-(2**63 - 1) and -2**63 are inferred without data propagation)
 CHILD_TIMEOUT = 120.0  # seconds for a load and a run on a busy machine
 RUN_TIMEOUT = 3.0  # RunOptions.timeout_s: stops the Loop of 2**62 trips
 

@@ -31,8 +31,9 @@ def infer_shapes(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorPr
     light, weights = _without_large_initializers(proto)
     light = _for_inference(light, proto)
     infer = onnx.shape_inference.infer_shapes
+    propagate = _propagation_is_safe(light)
     try:
-        return infer(light, strict_mode=True, data_prop=True), weights, None
+        return infer(light, strict_mode=True, data_prop=propagate), weights, None
     except Exception:  # noqa: BLE001 - which of the reasons below?
         pass
     try:  # data propagation trips on some models where plain inference works
@@ -60,8 +61,47 @@ def infer_shapes(proto: ModelProto) -> tuple[ModelProto, dict[str, onnx.TensorPr
     return _infer_leniently(without), weights, None
 
 
+EXTREME_STEP = 1 << 62
+"""A Slice step at least this large: onnx 1.23's data propagation crashed the interpreter (SIGSEGV)
+on a step of +-(2**63 - 1) and looped forever on one of -2**63, where plain shape inference and
+ONNX Runtime run the model. Such a model is inferred without data propagation. (Bounds of INT64_MAX,
+"to the end" as exporters write it, are common and harmless.)"""
+
+
+def _propagation_is_safe(model: ModelProto) -> bool:
+    """Whether ONNX's data propagation may run on ``model``: no Slice of an extreme constant step."""
+    constants = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.output:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    constants[node.output[0]] = attr.t
+    for node in _nodes(model.graph):
+        if node.op_type == "Slice" and len(node.input) > 4 and node.input[4] in constants:
+            steps = onnx.numpy_helper.to_array(constants[node.input[4]]).reshape(-1)
+            if any(abs(int(step)) >= EXTREME_STEP for step in steps.tolist()):
+                return False
+    return True
+
+
+def _nodes(graph: GraphProto) -> list[NodeProto]:
+    """The nodes of ``graph`` and of the graphs its nodes hold, at any depth."""
+    found = []
+    for node in graph.node:
+        found.append(node)
+        for attr in node.attribute:
+            for body in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                found += _nodes(body)
+    return found
+
+
 def _infer_leniently(light: ModelProto) -> ModelProto:
     infer = onnx.shape_inference.infer_shapes
+    if not _propagation_is_safe(light):
+        try:
+            return infer(light, strict_mode=False)
+        except Exception:  # noqa: BLE001
+            return light
     try:
         return infer(light, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001
