@@ -8,6 +8,7 @@ factory, so no runtime, optimizer or frontend is involved.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from typing import Any
 
@@ -153,3 +154,38 @@ def test_data_movement_is_the_same_in_every_element_type(case_name: str) -> None
                 assert act.dtype == dtype, f"{dtype}: {act.dtype}"
                 act = act.astype(np.float32)
             np.testing.assert_array_equal(act, exp, err_msg=f"{layer.op_type} in {dtype}")
+
+
+# -- recurrent layers whose attributes contradict their weights (issue 32, bench/hostile.py) -------
+def _recurrent_model(op: str, gates: int, hidden: int, weights_hidden: int, feature: int = 3,
+                     direction: str = "forward"):
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((1, gates * weights_hidden, 3)).astype(np.float32)
+    r = rng.standard_normal((1, gates * weights_hidden, weights_hidden)).astype(np.float32)
+    node = helper.make_node(op, ["x", "w", "r"], ["y"], hidden_size=hidden, direction=direction)
+    graph = helper.make_graph(
+        [node], "rnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, feature])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(r, "r")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("op, gates, hidden, weights_hidden, feature, direction, reason", [
+    ("LSTM", 4, 8, 4, 3, "forward", "hidden_size 8 but R [1, 16, 4] is of hidden size 4"),
+    ("GRU", 3, 8, 4, 3, "forward", "hidden_size 8 but R [1, 12, 4] is of hidden size 4"),
+    ("RNN", 1, 2, 4, 3, "forward", "hidden_size 2 but R [1, 4, 4] is of hidden size 4"),
+    ("LSTM", 4, 4, 4, 5, "forward", "X [2, 1, 5] has 5 features where W [1, 16, 3] takes 3"),
+    ("GRU", 3, 4, 4, 3, "bidirectional", "holds 1 directions where direction 'bidirectional'"),
+])
+def test_recurrent_weights_that_contradict_the_layer_are_refused_at_load(
+        op, gates, hidden, weights_hidden, feature, direction, reason) -> None:
+    """ONNX Runtime refuses these; OpenVINO crashed on them, CpuRef and CpuAcc read past or short
+    of the weights (or failed at the run with a matmul's message)."""
+    from backplane import InferenceSession
+    from backplane.optimizer.optimize import OptimizationError
+
+    model = _recurrent_model(op, gates, hidden, weights_hidden, feature, direction)
+    with pytest.raises(OptimizationError, match=re.escape(reason)):
+        InferenceSession(model, backends=["CpuRef"])

@@ -151,6 +151,36 @@ def check_rnn(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     unknown = [a for a in layer.attrs.get("activations", []) if a not in ACTIVATIONS]
     if unknown:
         return f"activation(s) {unknown} not supported (known: {list(ACTIVATIONS)})"
+    return weights_contradiction(layer, inputs)
+
+
+GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+
+
+def weights_contradiction(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    """Where the layer's attributes and its weights' known sizes disagree (a hidden_size that is
+    not the weights', a direction count that is not theirs): ONNX Runtime refuses such a model,
+    OpenVINO crashed on it, and a kernel would read past or short of the weights."""
+    gates = GATES[layer.op_type]
+    hidden = layer.attrs.get("hidden_size")
+    directions = 2 if layer.attrs.get("direction", "forward") == "bidirectional" else 1
+    w = inputs[1].shape if len(inputs) > 1 else None
+    r = inputs[2].shape if len(inputs) > 2 else None
+    if w is None or r is None or len(w) != 3 or len(r) != 3:
+        return None
+    if isinstance(r[2], int) and hidden is not None and r[2] != hidden:
+        return f"hidden_size {hidden} but R {list(r)} is of hidden size {r[2]}"
+    hidden = hidden if hidden is not None else r[2]
+    x = inputs[0].shape
+    if x and isinstance(x[-1], int) and isinstance(w[2], int) and x[-1] != w[2]:
+        return f"X {list(x)} has {x[-1]} features where W {list(w)} takes {w[2]}"
+    for name, shape in (("W", w), ("R", r)):
+        if isinstance(shape[1], int) and isinstance(hidden, int) and shape[1] != gates * hidden:
+            return (f"{name} {list(shape)} has {shape[1]} rows where {layer.op_type} of hidden "
+                    f"size {hidden} has {gates} x {hidden}")
+        if isinstance(shape[0], int) and shape[0] != directions:
+            return (f"{name} {list(shape)} holds {shape[0]} directions where direction "
+                    f"'{layer.attrs.get('direction', 'forward')}' has {directions}")
     return None
 
 

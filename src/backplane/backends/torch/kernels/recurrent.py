@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.reference.kernels.conv import AUTO_PADS, spatial_pads
+from backplane.backends.reference.kernels.rnn import weights_contradiction
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -160,7 +161,7 @@ def check_rnn(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     unknown = [a for a in layer.attrs.get("activations", []) if a not in ACTIVATIONS]
     if unknown:
         return f"activation(s) {unknown} not supported (known: {list(ACTIVATIONS)})"
-    return None
+    return weights_contradiction(layer, inputs)
 
 
 # -- ConvTranspose, Col2Im -------------------------------------------------------------------------
