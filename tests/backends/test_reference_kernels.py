@@ -189,3 +189,34 @@ def test_recurrent_weights_that_contradict_the_layer_are_refused_at_load(
     model = _recurrent_model(op, gates, hidden, weights_hidden, feature, direction)
     with pytest.raises(OptimizationError, match=re.escape(reason)):
         InferenceSession(model, backends=["CpuRef"])
+
+
+def _one_node(op: str, inputs: dict, attrs: dict | None = None, outputs: int = 1) -> bytes:
+    from onnx import helper, numpy_helper
+
+    node = helper.make_node(op, list(inputs), [f"y{i}" for i in range(outputs)], **(attrs or {}))
+    graph = helper.make_graph(
+        [node], op, [], [helper.make_tensor_value_info(f"y{i}", onnx.TensorProto.FLOAT, None)
+                         for i in range(outputs)],
+        [numpy_helper.from_array(value, name) for name, value in inputs.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("backends", [["CpuRef"], ["CpuAcc", "CpuRef"]], ids=",".join)
+@pytest.mark.parametrize("op, inputs, outputs, message", [
+    ("Split", {"x": np.ones(4, np.float32), "s": np.array([6, -2], np.int64)}, 2, "non-negative|>= 0"),
+    ("Pad", {"x": np.ones((2, 3), np.float32), "p": np.array([-5, 0, 0, 0], np.int64)}, 1,
+     "a negative pad removes at most what the axis has"),
+    ("Dropout", {"x": np.ones(3, np.float32), "r": np.array(1.5, np.float32),
+                 "t": np.array(True)}, 1, r"ratio 1.5 is not in \[0, 1\)"),
+])
+def test_what_onnx_runtime_refuses_is_refused(backends, op, inputs, outputs, message) -> None:
+    """bench/hostile.py found CpuRef answering these (outputs of 6 and -2 elements, a Pad past its
+    axis, a Dropout ratio of 1.5) where ONNX Runtime refuses."""
+    if backends[0] == "CpuAcc":
+        pytest.importorskip("torch")
+    from backplane import ExecutionError, InferenceSession, ModelError, OptimizationError
+
+    with pytest.raises((ExecutionError, OptimizationError, ModelError), match=message):
+        session = InferenceSession(_one_node(op, inputs, outputs=outputs), backends=backends)
+        session.run(None, {})

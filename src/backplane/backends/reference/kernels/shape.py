@@ -90,7 +90,11 @@ def split(input, split=None, axis=0, num_outputs=None, *, n_outputs):  # noqa: A
 def _split(x, axis, sizes, n_outputs):
     if sizes is None:
         return tuple(np.split(x, n_outputs, axis=axis))
-    return tuple(np.split(x, np.cumsum([int(s) for s in sizes])[:-1], axis=axis))
+    sizes = [int(s) for s in sizes]
+    if any(s < 0 for s in sizes) or sum(sizes) != x.shape[axis]:
+        raise ValueError(f"Split's sizes {sizes} must be >= 0 and add up to the axis's "
+                         f"{x.shape[axis]}")
+    return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=axis))
 
 
 # -- Pad ---------------------------------------------------------------------------------------
@@ -111,6 +115,10 @@ def pad_v2(data, pads, mode="constant", value=0.0):
 
 
 def _pad(x, widths, mode, value):
+    made = [n + b + e for n, (b, e) in zip(x.shape, widths)]
+    if any(n < 0 for n in made):
+        raise ValueError(f"Pad's pads {widths} would make the {list(x.shape)} input {made}: a "
+                         f"negative pad removes at most what the axis has")
     # np.pad cannot crop: pad by the positive amounts, then slice off the negative ones.
     grow = [(max(b, 0), max(e, 0)) for b, e in widths]
     check_allocation([n + b + e for n, (b, e) in zip(x.shape, grow)], x.dtype, "Pad's output")
@@ -179,6 +187,8 @@ def dropout_v10(data, ratio=0.5, *, n_outputs):
 
 def dropout(data, ratio=None, training_mode=None, seed=None, *, n_outputs):
     rate = 0.5 if ratio is None else float(np.reshape(ratio, ()))
+    if not 0 <= rate < 1:  # NaN included
+        raise ValueError(f"Dropout's ratio {rate} is not in [0, 1)")
     if training_mode is None or not training_mode or rate == 0:
         return dropout_v10(data, n_outputs=n_outputs)
     # Training: keep an element where a uniform draw of NumPy's RandomState(seed) is >= ratio

@@ -51,7 +51,11 @@ def _source(positions, size, mode):
 def _padded(x, widths, mode, value):
     """x with (begin, end) added on each axis: negative widths crop, the rest is ``value`` or
     read from the input as ``mode`` says."""
-    check_allocation([n + b + e for n, (b, e) in zip(x.shape, widths)], x.dtype, "Pad's output")
+    made = [n + b + e for n, (b, e) in zip(x.shape, widths)]
+    if any(n < 0 for n in made):
+        raise ValueError(f"Pad's pads {widths} would make the {list(x.shape)} input {made}: a "
+                         f"negative pad removes at most what the axis has")
+    check_allocation(made, x.dtype, "Pad's output")
     if mode == "constant":
         shape = [n + b + e for n, (b, e) in zip(x.shape, widths)]
         out = torch.full([max(n, 0) for n in shape], value, dtype=x.dtype, device=x.device)
