@@ -12,6 +12,7 @@ pytest.importorskip("openvino")
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.api.memory import LIMIT_VARIABLE  # noqa: E402
+from backplane.optimizer.optimize import OptimizationError  # noqa: E402
 from backplane.runtime.loaded_network import ExecutionError  # noqa: E402
 
 F = TensorProto.FLOAT
@@ -165,15 +166,16 @@ def test_range_whose_delta_points_away_from_its_limit_runs_as_cpuref() -> None:
 
 
 @pytest.mark.parametrize(("op", "gates"), [("LSTM", 4), ("GRU", 3), ("RNN", 1)])
-def test_recurrent_weights_contradicting_hidden_size_go_to_cpuref(op: str, gates: int) -> None:
+def test_recurrent_weights_contradicting_hidden_size_are_refused(op: str, gates: int) -> None:
     """OpenVINO reads the weights by their own shapes: an LSTM of hidden_size 64 on weights of 4
-    returned 64 columns of whatever lay past them."""
+    returned 64 columns of whatever lay past them. OpenVINO refuses the layer with the reason (and
+    CpuRef too since a1c2039, so the model does not load)."""
     model = model_of([helper.make_node(op, ["x", "W", "R"], ["y"], name="rnn", hidden_size=64)],
                      [vi("x", [5, 1, 2]), vi("W", [1, gates * 4, 2]), vi("R", [1, gates * 4, 4])],
                      [vi("y", None)])
-    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
-    assert session.report.backend_of("rnn") == "CpuRef"
-    assert "contradicts hidden_size 64" in refusal(session, "rnn")
+    with pytest.raises(OptimizationError, match=f"OpenVINO: {op} 'rnn': W has shape "
+                                                r"\(1, \d+, 2\), which contradicts hidden_size 64"):
+        InferenceSession(model, backends=["OpenVINO", "CpuRef"])
 
 
 def test_a_conversion_that_changes_an_output_shape_goes_to_cpuref() -> None:
@@ -248,3 +250,18 @@ def test_a_constant_compress_condition_longer_than_its_axis_goes_to_cpuref() -> 
     session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
     assert session.report.backend_of("n") == "CpuRef"
     assert "a condition of 4 values on an axis of size 3" in refusal(session, "n")
+
+
+def test_a_slice_step_past_32_bits_never_reaches_openvino() -> None:
+    """A step of -(2**63 - 1) killed the process with SIGFPE in OpenVINO (bench/hostile.py's
+    slice_huge_step_backward); on CpuRef it is a backward slice of one element."""
+    big = np.iinfo(np.int64)
+    inits = [numpy_helper.from_array(np.array([v], np.int64), n)
+             for n, v in (("a", 4), ("b", 0), ("c", 0), ("d", -big.max))]
+    model = model_of([helper.make_node("Slice", ["x", "a", "b", "c", "d"], ["y"], name="s")],
+                     [vi("x", [5])], [vi("y", None)], inits)
+    session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("s") == "CpuRef"
+    assert "past 32 bits" in refusal(session, "s")
+    x = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x[4:0:-big.max])

@@ -143,6 +143,8 @@ def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | Non
                 f"size); CpuRef checks it")
     if layer.op_type == "Compress":
         return _compress_reason(layer, graph)
+    if layer.op_type == "Slice" and len(layer.inputs) > 4 and layer.inputs[4]:
+        return _slice_reason(layer, graph, produced)
     try:
         planned = _plan_layer(Plan(), layer, graph, produced, _Outside(graph, produced))
     except (IndexError, ValueError, AllocationError) as exc:
@@ -346,6 +348,22 @@ def _check_range(layer: str, start: float, limit: float, delta: float, dtype: st
                          f"{'infinitely many' if delta == 0 else abs((limit - start) / delta)}")
     count = max(int(np.ceil((limit - start) / delta)), 0)
     check_allocation([count], np.dtype(dtype), f"the output of Range '{layer}'")
+
+
+def _slice_reason(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | None:
+    """OpenVINO dies of SIGFPE on a step of -2**63 or -(2**63 - 1) (bench/hostile.py's
+    slice_extreme_bounds, slice_huge_step_backward): steps past 32 bits, or 0, go to CpuRef."""
+    steps = layer.inputs[4]
+    if steps not in graph.constants:
+        if _from_shapes(steps, graph, produced, set()):
+            return None
+        return (f"Slice '{layer.name}': its steps '{steps}' are known only at run time, and "
+                f"OpenVINO crashes on a step past 32 bits; CpuRef checks them")
+    values = np.asarray(graph.constants[steps]).reshape(-1)
+    if values.size and (not values.all() or int(np.abs(values.astype(np.float64)).max()) >= 2**31):
+        return (f"Slice '{layer.name}': steps {values.tolist()} (0, or past 32 bits: OpenVINO "
+                f"crashes on -2**63); left to the next backend")
+    return None
 
 
 def _compress_reason(layer: Layer, graph: Graph) -> str | None:
