@@ -48,14 +48,36 @@ WIDE = 10_000
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; the process's logging and debug knob are put back as they were after it (a
+    program or a test that calls main keeps its own)."""
     args = _parser().parse_args(argv)
-    if getattr(args, "verbose", 0) < 2 or os.environ.get("BACKPLANE_DEBUG"):
-        return _main(args)
-    os.environ["BACKPLANE_DEBUG"] = "2"  # the debug knob: the plan, then each layer as it runs
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    debug_before = os.environ.get("BACKPLANE_DEBUG")
+    if getattr(args, "verbose", 0) >= 2 and not debug_before:
+        os.environ["BACKPLANE_DEBUG"] = "2"  # the debug knob: the plan, then each layer as it runs
     try:
         return _main(args)
     finally:
-        del os.environ["BACKPLANE_DEBUG"]
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        if debug_before is None:
+            os.environ.pop("BACKPLANE_DEBUG", None)
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each message to whatever ``sys.stderr`` is when it is written."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -64,7 +86,7 @@ def _main(args: argparse.Namespace) -> int:
         handler: logging.Handler = RichHandler(console=messages, show_time=False, show_path=False)
         handler.setFormatter(logging.Formatter("%(message)s"))
     else:  # a file or a pipe: one plain line per message, as long as the message (rich pads
-        handler = logging.StreamHandler(sys.stderr)  # every line to the console's width)
+        handler = _Stderr()  # every line to the console's width)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=log_level(args), force=True, handlers=[handler])
     if not console.is_terminal:
@@ -394,8 +416,9 @@ def cmd_run(args: argparse.Namespace) -> Any:
     session = _session(args, profiling=bool(args.trace))
     feeds, made = _feeds(session, dict(_key_value(i, "--input") for i in args.input), args.seed,
                          _shapes(args.shape), _dims(args.dim))
-    for line in made:
-        err_console.print(Text(line), highlight=False, soft_wrap=True)
+    if not args.json:  # before the run: what it runs on, also when the run fails on it
+        for line in made:
+            console.print(Text(line), highlight=False, soft_wrap=True)
     outputs, timings = session.run_profiled(None, feeds)  # warm-up, and the per-layer profile
     totals: list[float] = []
     with _working(args, "timed runs", total=args.repeat) as step:
@@ -410,7 +433,7 @@ def cmd_run(args: argparse.Namespace) -> Any:
         os.replace(written, args.trace)
         trace = args.trace
     if args.json:
-        return 0, _run_document(args, session, timings, totals, outputs, trace)
+        return 0, _run_document(args, session, timings, totals, outputs, trace) | {"inputs": made}
     console.print(_backends_line(args, session), highlight=False)
     print_table(console, _layer_table(timings))
     print_table(console, _backend_table(timings))
