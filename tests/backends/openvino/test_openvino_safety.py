@@ -265,3 +265,23 @@ def test_a_slice_step_past_32_bits_never_reaches_openvino() -> None:
     assert "past 32 bits" in refusal(session, "s")
     x = np.arange(5, dtype=np.float32)
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], x[4:0:-big.max])
+
+
+def test_an_integer_division_by_a_value_given_at_run_time_goes_to_cpuref() -> None:
+    """OpenVINO answered INT32_MIN for 7 / 0 and 7 % 0 (bench/hostile.py), where CpuRef answers 0
+    and ONNX Runtime refuses; a constant divisor without a zero stays on OpenVINO."""
+    ints = TensorProto.INT32
+    for op in ("Div", "Mod"):
+        graph = helper.make_graph(
+            [helper.make_node(op, ["a", "b"], ["q"], name="by_input"),
+             helper.make_node(op, ["q", "eight"], ["y"], name="by_eight")], op,
+            [helper.make_tensor_value_info("a", ints, [2]),
+             helper.make_tensor_value_info("b", ints, [2])],
+            [helper.make_tensor_value_info("y", ints, [2])],
+            [numpy_helper.from_array(np.array([8, 8], np.int32), "eight")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        session = InferenceSession(model.SerializeToString(), backends=["OpenVINO", "CpuRef"])
+        assert session.report.backend_of("by_input") == "CpuRef"
+        assert session.report.backend_of("by_eight") == "OpenVINO"
+        (y,) = session.run(None, {"a": np.array([7, 7], np.int32), "b": np.array([0, 2], np.int32)})
+        np.testing.assert_array_equal(y, [0, 0] if op == "Div" else [0, 1])  # (7 op [0, 2]) op 8

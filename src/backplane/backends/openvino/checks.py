@@ -143,6 +143,8 @@ def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | Non
                 f"size); CpuRef checks it")
     if layer.op_type == "Compress":
         return _compress_reason(layer, graph)
+    if layer.op_type in ("Div", "Mod") and len(layer.inputs) > 1:
+        return _integer_division_reason(layer, graph)
     if layer.op_type == "Slice" and len(layer.inputs) > 4 and layer.inputs[4]:
         return _slice_reason(layer, graph, produced)
     try:
@@ -378,6 +380,20 @@ def _compress_reason(layer: Layer, graph: Graph) -> str | None:
     return (f"Compress '{layer.name}': a condition of {condition.size} values on an axis of size "
             f"{size if isinstance(size, int) and size >= 0 else 'unknown before the run'}: OpenVINO "
             f"fills zeros for a condition longer than its axis; CpuRef checks it")
+
+
+def _integer_division_reason(layer: Layer, graph: Graph) -> str | None:
+    """OpenVINO answers the most negative integer for an integer division or modulo by zero,
+    where CpuRef answers 0 and ONNX Runtime refuses (bench/hostile.py): an integer divisor must be
+    a constant without a zero (shape arithmetic's, as ``Div(Shape, 8)``, is)."""
+    dtype = graph.info(layer.inputs[0]).dtype
+    if dtype is None or dtype.kind not in "iu":
+        return None
+    divisor = graph.constants.get(layer.inputs[1])
+    if divisor is not None and np.all(np.asarray(divisor) != 0):
+        return None
+    return (f"{layer.op_type} '{layer.name}': an integer divisor that is not a constant without "
+            f"a zero; OpenVINO answers the most negative integer for a division by zero")
 
 
 def _recurrent_reason(layer: Layer, graph: Graph) -> str | None:
