@@ -14,7 +14,11 @@ plausible logits. Each such node is written here as the op plus what puts NaN ba
 - Greater(a, b) as Less(b, a), GreaterOrEqual(a, b) as LessOrEqual(b, a): OpenVINO's Less answers
   NaN rightly.
 
-MaxPool, GlobalMaxPool and Resize are left as they are: ONNX Runtime drops NaN there the same way.
+- MaxPool, GlobalMaxPool (one output): ``Where(pool(Cast(IsNaN(x))) > 0, NaN, pool(x))``, so that
+  every output whose window reads a NaN is NaN, as in CpuRef (ONNX Runtime drops NaN there, and
+  OpenVINO dropped 9 where CpuRef keeps them: docs/robustness.md).
+
+Resize is left as it is.
 The helper nodes are named after the layer (``<layer>/nan_...``); they cost an extra pass over the
 op's output where they break OpenVINO's fusion of the op into the layer before it.
 """
@@ -47,6 +51,8 @@ def nan_keeping(made: onnx.NodeProto, types: Types, opset: int, rank: int | None
         return _keep_inputs(made, KEEP_INPUT[op])
     if op in ("ReduceMax", "ReduceMin"):
         return _reduce(made, types[made.input[0]])
+    if op in ("MaxPool", "GlobalMaxPool") and len([n for n in made.output if n]) == 1:
+        return _pool(made, types[made.input[0]])
     if op in ("Softmax", "LogSoftmax") and (opset >= 13 or rank is not None):
         return _softmax(made, types[made.input[0]], opset, rank)
     return [made]
@@ -93,6 +99,26 @@ def _reduce(made: onnx.NodeProto, elem: int) -> list[onnx.NodeProto]:
                              to=TensorProto.BOOL),
             _constant(f"{base}_value", float("nan"), elem),
             helper.make_node("Where", [f"{base}_anyb", f"{base}_value", f"{base}_free"], [out],
+                             name=f"{base}_where")]
+
+
+def _pool(made: onnx.NodeProto, elem: int) -> list[onnx.NodeProto]:
+    """``Where(pool(Cast(IsNaN(x))) > 0, NaN, pool(x))``: the same pool over the NaN flags (its
+    windows, strides, pads and dilations) says which outputs a NaN reaches."""
+    out, base = made.output[0], f"{made.name}/nan"
+    hits = onnx.NodeProto()
+    hits.CopyFrom(made)
+    hits.name, hits.input[0], hits.output[0] = f"{base}_hits", f"{base}_flag", f"{base}_hits"
+    return [_renamed(made, f"{base}_free"),
+            helper.make_node("IsNaN", [made.input[0]], [f"{base}_is"], name=f"{base}_is"),
+            helper.make_node("Cast", [f"{base}_is"], [f"{base}_flag"], name=f"{base}_flag",
+                             to=elem),
+            hits,
+            _constant(f"{base}_zero", 0.0, elem),
+            helper.make_node("Less", [f"{base}_zero", f"{base}_hits"], [f"{base}_hit"],
+                             name=f"{base}_hit"),
+            _constant(f"{base}_value", float("nan"), elem),
+            helper.make_node("Where", [f"{base}_hit", f"{base}_value", f"{base}_free"], [out],
                              name=f"{base}_where")]
 
 
