@@ -285,3 +285,16 @@ def test_an_integer_division_by_a_value_given_at_run_time_goes_to_cpuref() -> No
         assert session.report.backend_of("by_eight") == "OpenVINO"
         (y,) = session.run(None, {"a": np.array([7, 7], np.int32), "b": np.array([0, 2], np.int32)})
         np.testing.assert_array_equal(y, [0, 0] if op == "Div" else [0, 1])  # (7 op [0, 2]) op 8
+
+
+def test_a_reduction_of_an_empty_input_goes_to_cpuref() -> None:
+    """OpenVINO's ReduceMax of a [2, 0] input gave float32's lowest where ONNX gives -inf."""
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMax", ["x"], ["y"], name="empty", keepdims=0)], "r",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 0])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = InferenceSession(model.SerializeToString(), backends=["OpenVINO", "CpuRef"])
+    assert session.report.backend_of("empty") == "CpuRef"
+    (y,) = session.run(None, {"x": np.zeros((2, 0), np.float32)})
+    assert np.isneginf(y)

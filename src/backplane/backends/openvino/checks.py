@@ -145,6 +145,8 @@ def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | Non
         return _compress_reason(layer, graph)
     if layer.op_type in ("Div", "Mod") and len(layer.inputs) > 1:
         return _integer_division_reason(layer, graph)
+    if layer.op_type in ("ReduceMax", "ReduceMin", "ArgMax", "ArgMin"):
+        return _empty_reduction_reason(layer, graph)
     if layer.op_type == "Slice" and len(layer.inputs) > 4 and layer.inputs[4]:
         return _slice_reason(layer, graph, produced)
     try:
@@ -394,6 +396,17 @@ def _integer_division_reason(layer: Layer, graph: Graph) -> str | None:
         return None
     return (f"{layer.op_type} '{layer.name}': an integer divisor that is not a constant without "
             f"a zero; OpenVINO answers the most negative integer for a division by zero")
+
+
+def _empty_reduction_reason(layer: Layer, graph: Graph) -> str | None:
+    """OpenVINO's ReduceMax over an empty input gives float32's lowest where ONNX gives -inf (and
+    ArgMax of an empty axis answers 0, where there is no element): an input known to be empty
+    goes to CpuRef. (One empty only at run time, through a free dimension, still reaches OpenVINO.)"""
+    shape = graph.info(layer.inputs[0]).shape
+    if shape is None or 0 not in shape:
+        return None
+    return (f"{layer.op_type} '{layer.name}' of an empty input {list(shape)}: OpenVINO answers "
+            f"float32's lowest (ONNX: -inf) or an index where there is no element")
 
 
 def _recurrent_reason(layer: Layer, graph: Graph) -> str | None:
