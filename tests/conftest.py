@@ -112,3 +112,14 @@ def inner_workloads(session: Any, op_type: str) -> list:
         pairs = getattr(step.workload, "inner", [(layer, step.workload)])
         found += [workload for lay, workload in pairs if lay.op_type == op_type]
     return found
+
+
+def host_backend_lists() -> list[list[str]]:
+    """CpuRef, and CpuAcc before CpuRef where torch is installed: the host backends a test of a
+    CpuRef rule holds CpuAcc to as well."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return [["CpuRef"]]
+    return [["CpuRef"], ["CpuAcc", "CpuRef"]]
+

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from backplane import InferenceSession
+from tests.conftest import host_backend_lists
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -24,15 +25,7 @@ def _model(mode: str, transform: str) -> bytes:
                              ir_version=8).SerializeToString()
 
 
-def _backends() -> list[list[str]]:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return [["CpuRef"]]
-    return [["CpuRef"], ["CpuAcc", "CpuRef"]]
-
-
-@pytest.mark.parametrize("backends", _backends(), ids=",".join)
+@pytest.mark.parametrize("backends", host_backend_lists(), ids=",".join)
 @pytest.mark.parametrize("mode, transform, as_ort", [
     ("nearest", "asymmetric", True), ("cubic", "half_pixel", True),
     ("linear", "half_pixel", False), ("linear", "align_corners", False)])
@@ -55,7 +48,7 @@ def test_a_nan_pixel_reaches_only_the_outputs_that_read_it(backends, mode, trans
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backends", _backends(), ids=",".join)
+@pytest.mark.parametrize("backends", host_backend_lists(), ids=",".join)
 def test_an_inf_pixel_stays_inf_under_nearest(backends) -> None:
     model = _model("nearest", "asymmetric")
     x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from backplane import ExecutionError, InferenceSession
 from backplane.backends.api.memory import LIMIT_VARIABLE
-from tests.conftest import make_model
+from tests.conftest import host_backend_lists, make_model
 
 
 def constant_of_shape_model(shape: list[int]):
@@ -20,16 +20,7 @@ def constant_of_shape_model(shape: list[int]):
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [size])
 
 
-def _backends() -> list[list[str]]:
-    """CpuRef, and CpuAcc where torch is installed (its kernels check as CpuRef's do)."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return [["CpuRef"]]
-    return [["CpuRef"], ["CpuAcc", "CpuRef"]]
-
-
-@pytest.mark.parametrize("backends", _backends(), ids=",".join)
+@pytest.mark.parametrize("backends", host_backend_lists(), ids=",".join)
 def test_four_terabytes_of_constant_load_and_fail_naming_the_layer_and_the_size(backends) -> None:
     """Folding computed it (NumPy's MemoryError out of the optimizer); now the inferred size keeps
     it out of folding, and the run says which layer asked for how much."""
@@ -47,7 +38,7 @@ def test_four_terabytes_of_constant_load_and_fail_naming_the_layer_and_the_size(
     ("Pad", [np.ones((2, 4), np.float32), np.array([0, 0, 1022, 0], np.int64)], (1024, 4)),
     ("ConstantOfShape", [np.array([1024, 4], np.int64)], (1024, 4)),
 ])
-@pytest.mark.parametrize("backends", _backends(), ids=",".join)
+@pytest.mark.parametrize("backends", host_backend_lists(), ids=",".join)
 def test_the_limit_can_be_set_and_names_the_op(op, inputs, out, backends, monkeypatch) -> None:
     """16 KiB outputs against a limit of 8 KiB (``$BACKPLANE_MAX_TENSOR_BYTES``); the inputs come
     from the user, so the size is known only at run time."""
