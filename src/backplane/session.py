@@ -286,7 +286,8 @@ class InferenceSession:
 
         def compile_into(path: str) -> None:
             artifact.build(model, path, ids, chosen, pins=pins, optimizer_options=optimizer_options,
-                           input_shapes=input_shapes, runtime=self.runtime, sign_key=key)
+                           input_shapes=input_shapes, runtime=self.runtime, sign_key=key,
+                           durable=False)
 
         return artifact.cache.fetch(compiled, parts, compile_into, registry, key)
 

@@ -61,8 +61,10 @@ def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
 def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Mapping[str, Any], *,
           pins: Mapping[str, str] | None = None, optimizer_options: OptimizerOptions | None = None,
           input_shapes: Mapping[str, Sequence[int]] | None = None,
-          runtime: Runtime | None = None, sign_key: SigningKey | None = None) -> int:
-    """Import, optimize, preprocess and write: ``compile`` with the options already resolved."""
+          runtime: Runtime | None = None, sign_key: SigningKey | None = None,
+          durable: bool = True) -> int:
+    """Import, optimize, preprocess and write: ``compile`` with the options already resolved
+    (``durable``: see ``container.write``; the compile cache writes without an fsync)."""
     from backplane.frontends.onnx import import_onnx
     from backplane.frontends.onnx_file import read_model
     from backplane.optimizer.optimize import optimize
@@ -82,4 +84,4 @@ def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Ma
     manifest = manifest_of(network, blobs, model_sha256=digest, metadata=vars(meta),
                            preferences=ids, input_shapes=input_shapes)
     manifest["pins"] = dict(pins or {})
-    return save(network, output, manifest, sign_key)
+    return save(network, output, manifest, sign_key, durable)

@@ -125,9 +125,9 @@ def _substitute(net: OptimizedNetwork, old: Sequence[Layer], layer: Layer) -> No
 
 
 def save(network: OptimizedNetwork, path: str | os.PathLike, manifest: dict[str, Any],
-         key: SigningKey | None = None) -> int:
+         key: SigningKey | None = None, durable: bool = True) -> int:
     """Write ``network`` (delegated already) and ``manifest`` as one artifact, signed with ``key``
-    where given; returns its size."""
+    where given; returns its size (``durable``: see ``container.write``)."""
     encoder = codec.Encoder()
     encoded = encoder.network(network)
     table, constants = codec.tensor_section(encoder.tensors)
@@ -135,7 +135,7 @@ def save(network: OptimizedNetwork, path: str | os.PathLike, manifest: dict[str,
     sections += [(f"blob:{i}", blob) for i, blob in enumerate(encoder.blobs)]
     header = {"format": list(FORMAT_VERSION), "manifest": manifest, "tensors": table,
               "network": encoded}
-    return container.write(path, header, sections, key)
+    return container.write(path, header, sections, key, durable)
 
 
 def manifest_of(network: OptimizedNetwork, blobs: Mapping[str, int], *, model_sha256: str,
