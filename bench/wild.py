@@ -25,7 +25,8 @@ one first call (timed apart: a runtime that compiles at its first run pays there
 then warm-up calls for ``--warmup-seconds`` (5 at the least: with empty caches backplane's first
 calls of a model still measure and build), then timed calls for about ``--seconds`` (10 at the least). A runtime's figure is the best of
 its rounds' medians. The table per model: the three times, ORT / backplane and OpenVINO / backplane
-(above 1: backplane is faster), the load seconds of each, backplane's first call, its placement
+(above 1: backplane is faster), the load seconds of each (import and session; in brackets the part
+of backplane's that is importing backplane and torch), backplane's first call, its placement
 (layers per backend) and the worst difference of its outputs from ONNX Runtime's (relative to the
 output's scale). Then the geometric mean of ORT / backplane over the models and the models below
 0.8. ``--profile`` runs backplane's ``run_profiled`` on each model below 0.8 and prints where its
@@ -87,6 +88,21 @@ def load(runtime: str, model: str, feeds: dict[str, np.ndarray], threads: int) -
     return (lambda: session.run(None, feeds)), plan
 
 
+def imported(runtime: str) -> None:
+    """The runtime's modules imported (timed apart from its session: backplane's CpuAcc imports
+    torch, 0.3-0.8 s of its cold load on the developer machine, whatever the model)."""
+    if runtime == "onnxruntime":
+        import onnxruntime  # noqa: F401
+    elif runtime == "openvino":
+        import openvino  # noqa: F401
+    else:
+        import backplane  # noqa: F401
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass
+
+
 def empty_caches() -> None:
     """backplane's cache folders pointed at a new temporary folder (set before it is imported)."""
     folder = tempfile.mkdtemp(prefix="wild-cache.")
@@ -102,6 +118,8 @@ def worker(args: argparse.Namespace) -> None:
     feeds = dict(np.load(args.feeds))
     try:
         start = time.perf_counter()
+        imported(args.worker)
+        import_s = time.perf_counter() - start
         run, plan = load(args.worker, args.model, feeds, args.threads)
         load_s = time.perf_counter() - start
         outputs, first = timed_runs(run, 0, 1)
@@ -112,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
         outputs, times = timed_runs(run, 0, runs)
         if args.save:
             np.savez(args.save, *[np.asarray(o) for o in outputs])
-        replies.write(json.dumps({"load_s": load_s, "first_s": first[0], "times": times, "plan": plan}) + "\n")
+        replies.write(json.dumps({"load_s": load_s, "import_s": import_s, "first_s": first[0], "times": times, "plan": plan}) + "\n")
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
         # OpenVINO's reports run over many lines, each behind the source file that threw it
         text = re.sub(r"(Exception from|Check '\w+' failed at) \S+:\d+:\s*", "", " ".join(str(exc).split()))
@@ -160,7 +178,7 @@ def bench_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any
     """The three runtimes on one model, alternating over the rounds; outputs saved in round 1."""
     entry = json.loads((CORPUS / "manifest.json").read_text())[name]
     model, feeds = CORPUS / entry["file"], CORPUS / entry["inputs_files"][0]
-    rows: dict[str, dict[str, Any]] = {rt: {"medians": [], "loads": [], "firsts": [], "error": None,
+    rows: dict[str, dict[str, Any]] = {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "error": None,
                                             "outputs": None, "plan": {}} for rt in RUNTIMES}
     for round_ in range(args.rounds):
         for rt, row in rows.items():
@@ -175,6 +193,7 @@ def bench_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any
                 continue
             row["medians"].append(statistics.median(reply["times"]))
             row["loads"].append(reply["load_s"])
+            row["imports"].append(reply["import_s"])
             row["firsts"].append(reply["first_s"])
             row["plan"] = reply["plan"] or row["plan"]
             if save:
@@ -190,7 +209,8 @@ def summarize(name: str, entry: dict[str, Any], rows: dict[str, dict[str, Any]])
     for rt, row in rows.items():
         result[rt] = {"error": row["error"]} if row["error"] else {
             "ms": min(row["medians"]) * 1e3, "round_ms": [m * 1e3 for m in row["medians"]],
-            "load_s": statistics.median(row["loads"]), "first_ms": statistics.median(row["firsts"]) * 1e3}
+            "load_s": statistics.median(row["loads"]),
+            "import_s": statistics.median(row["imports"]), "first_ms": statistics.median(row["firsts"]) * 1e3}
     result["backplane_plan"] = rows["backplane"]["plan"]
     result["diff"] = difference(rows["backplane"]["outputs"], rows["onnxruntime"]["outputs"])
     bp = result["backplane"].get("ms")
@@ -206,12 +226,14 @@ def cell(result: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
-    lines = ["| model | ORT ms | OpenVINO ms | backplane ms | ORT / bp | OV / bp | load s ORT / OV / bp "
+    lines = ["| model | ORT ms | OpenVINO ms | backplane ms | ORT / bp | OV / bp | load s ORT / OV / bp (import) "
              "| bp 1st call ms | bp layers per backend | diff |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
         ms = ["-" if rt == "openvino" and "error" in r[rt] else cell(r[rt], "ms", ".3g") for rt in RUNTIMES]
         loads = " / ".join(cell(r[rt], "load_s", ".2f") if "error" not in r[rt] else "-" for rt in RUNTIMES)
+        if "error" not in r["backplane"]:
+            loads += f" ({cell(r['backplane'], 'import_s', '.2f')})"
         ratios = [f"{r[k]:.2f}" if r[k] else "-" for k in ("ort_over_bp", "ov_over_bp")]
         plan = " ".join(f"{b}:{n}" for b, n in r["backplane_plan"].get("placement", {}).items()) or "-"
         lines.append(f"| {r['model']} | {' | '.join(ms)} | {' | '.join(ratios)} | {loads} | "
