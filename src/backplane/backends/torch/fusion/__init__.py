@@ -38,6 +38,14 @@ from backplane.backends.torch.fusion import reduced as reduced_precision
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import Context
+from backplane.backends.torch.fusion.qlinear import (
+    dynamic_matmul_workload,
+    match_dynamic_matmul,
+    match_qlinear_conv,
+    match_qlinear_matmul,
+    qlinear_workload,
+)
+from backplane.backends.torch.fusion.quantized import match_quant_dequant, quant_dequant_workload
 from backplane.backends.torch.fusion.squeeze_excite import (
     match_squeeze_excite,
     squeeze_excite_workload,
@@ -93,10 +101,14 @@ def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[La
 
 
 MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {
-    "Conv": match_conv, "GlobalAveragePool": match_squeeze_excite}
+    "Conv": match_conv, "GlobalAveragePool": match_squeeze_excite,
+    "QuantizeLinear": match_quant_dequant, "QLinearConv": match_qlinear_conv,
+    "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul}
 """The first layer of a pattern -> its matcher (any other layer may start a Linear)."""
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload,
-    "OneDnnGraph": onednn_graph.onednn_graph_workload, "Reduced": reduced_precision.reduced_workload}
+    "OneDnnGraph": onednn_graph.onednn_graph_workload, "Reduced": reduced_precision.reduced_workload,
+    "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
+    "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload}

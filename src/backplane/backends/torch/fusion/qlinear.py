@@ -1,0 +1,324 @@
+"""The QOperator format's integer layers as float products of exact integers, one layer each.
+
+[QuantizeLinear ->] QLinearConv [-> DequantizeLinear [-> activation]] becomes one ``QLinearConv``
+and [QuantizeLinear ->] QLinearMatMul [-> DequantizeLinear [-> Add(constant)] [-> activation]] one
+``QLinearMatMul`` (both in CpuAcc's domain), with constant weights, scales and zero points.
+
+How: the operands centred on their zero points are small integers, held exactly in float32; their
+product is computed by the float convolution or matrix product (FusedConv's and Linear's routes,
+measured at load: oneDNN with a prepacked weight, torch's, MKL's), which is exact where no sum can
+pass 2^24 (checked at match time from the weights: otherwise the layers stay as they are). The
+result is then requantized as CpuRef does it, rint(acc * (s_x * s_w / s_y)) + z_y in float64 with
+the multiplier rounded to float32 first, saturated, and, where a DequantizeLinear follows, brought
+back to float32. So the outputs are CpuRef's, bit for bit, at the cost of a float product and a few
+elementwise calls, in one layer instead of three or four that each made an integer tensor.
+
+Also: DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul(x's scale * the weight's) [-> Add(bias)],
+what ``onnxruntime.quantization.quantize_dynamic`` writes for each MatMul, becomes one
+``DynamicQuantMatMul``: x quantized over its range (``kernels.numeric.dynamic_quantize_linear``),
+centred, times the centred weight in float32 (exact as above), times the scales, plus the bias.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.reference.kernels.conv import spatial_pads
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.fusion.patterns import (
+    F32,
+    Context,
+    activation,
+    compute_type,
+    torch_post_op,
+)
+from backplane.backends.torch.fusion.quantized import RANGES, quant_params, to_grid, torch_params
+from backplane.ir.graph import Layer
+
+EXACT = 2 ** 24
+"""Integers up to this are exact in float32: every sum of the products stays below it."""
+
+
+def _zero_point(name: str, ctx: Context) -> tuple[float, tuple[int, int]] | None:
+    """A scalar constant zero point of an 8- or 16-bit type: its value and its type's range."""
+    zero = ctx.const(name)
+    if zero is None or zero.size != 1 or zero.dtype not in RANGES:
+        return None
+    return float(zero.reshape(())), RANGES[zero.dtype]
+
+
+def _input_side(layer: Layer, ctx: Context) -> tuple[list[Layer], str, dict[str, Any]] | None:
+    """The integer input: its QuantizeLinear where it has one the layer alone reads (the layer
+    then reads the float tensor), its zero point and the largest |x - zero point| it can hold."""
+    zero = _zero_point(layer.inputs[2], ctx)
+    scale = ctx.const(layer.inputs[1])
+    if zero is None or scale is None or scale.size != 1:
+        return None
+    (x_zero, (low, high)), x = zero, layer.inputs[0]
+    side = {"x_zero": x_zero, "reach": max(high - x_zero, x_zero - low), "into": None}
+    made = ctx.graph.producers().get(x)
+    if made is None or made.op_type != "QuantizeLinear" or made.domain or ctx.sole(x) is not layer \
+            or id(made) not in ctx.inside or id(made) in ctx.taken:
+        return [], x, side
+    source = made.inputs[0]
+    shape = ctx.graph.info(source).shape
+    into = quant_params(made, ctx, 1, len(shape) if shape is not None else None)
+    if ctx.graph.info(source).dtype != F32 or into is None or (into["low"], into["high"]) != (low, high):
+        return [], x, side
+    return [made], source, {**side, "into": into}
+
+
+def _output_side(layer: Layer, ctx: Context, bias_add: bool = False,
+                 ) -> tuple[list[Layer], str, dict[str, Any]]:
+    """What follows the integer output: a DequantizeLinear the layer alone feeds (then an Add of a
+    constant where ``bias_add``, and an activation) or nothing."""
+    y = layer.outputs[0]
+    after = ctx.sole(y)
+    side: dict[str, Any] = {"back": None, "add": None, "activation": None}
+    if after is None or after.op_type != "DequantizeLinear" or after.domain \
+            or after.attrs.get("output_dtype", 0) not in (0, 1):
+        return [], y, side
+    back = quant_params(after, ctx, 1, None)
+    if back is None:
+        return [], y, side
+    group, out = [after], after.outputs[0]
+    side["back"] = back
+    add = ctx.sole(out)
+    if bias_add and add is not None and add.op_type == "Add" and not add.domain:
+        other = add.inputs[1] if add.inputs[0] == out else add.inputs[0]
+        constant = ctx.const(other)
+        shape = ctx.graph.info(out).shape
+        if constant is not None and constant.dtype == F32 and shape is not None and \
+                np.broadcast_shapes(constant.shape, tuple(shape)) == tuple(shape):
+            side["add"], out = np.ascontiguousarray(constant), add.outputs[0]
+            group.append(add)
+    found = activation(out, ctx)
+    if found is not None:
+        group += found[0]
+        side["activation"], out = found[1], found[0][-1].outputs[0]
+    return group, out, side
+
+
+def _requant(layer: Layer, ctx: Context, x_scale: np.ndarray, w_scale: np.ndarray,
+             shape: list[int]) -> dict[str, Any] | None:
+    """The output's quantization: the multiplier s_x * s_w / s_y in float32 (as CpuRef and the
+    torch kernel round it), shaped ``shape`` per output channel, the zero point and the range."""
+    y_scale = ctx.const(layer.inputs[-2 if layer.op_type == "QLinearMatMul" else 6])
+    zero = _zero_point(layer.inputs[-1 if layer.op_type == "QLinearMatMul" else 7], ctx)
+    if y_scale is None or y_scale.size != 1 or zero is None or w_scale.dtype != F32:
+        return None
+    multiplier = x_scale.astype(F32).reshape(()) * w_scale.astype(F32) / y_scale.astype(F32).reshape(())
+    multiplier = multiplier.reshape(shape) if multiplier.size > 1 else multiplier.reshape(())
+    return {"multiplier": np.ascontiguousarray(multiplier, F32), "y_zero": zero[0],
+            "y_low": zero[1][0], "y_high": zero[1][1]}
+
+
+def _centred_weight(w: np.ndarray | None, zero: np.ndarray | None, per_row: bool) -> np.ndarray | None:
+    """w minus its zero point (a scalar, or one per output channel: rows of a (M, ...) convolution
+    weight, columns of a (K, N) matrix), as float32."""
+    if w is None or w.dtype not in RANGES or (zero is not None and zero.dtype != w.dtype):
+        return None
+    centred = w.astype(np.int64)
+    if zero is not None and zero.size > 1:
+        zero = zero.reshape([-1] + [1] * (w.ndim - 1)) if per_row else zero.reshape(1, -1)
+    return (centred - (0 if zero is None else zero.astype(np.int64))).astype(F32)
+
+
+def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    """QLinearConv of a 4-D input, constant weight, scales, zero points and bias, whose sums are
+    exact in float32; with the QuantizeLinear before it and DequantizeLinear after it it owns."""
+    if conv.domain or len(conv.inputs) < 8:
+        return None
+    w_zero_name = conv.inputs[5]
+    weight = _centred_weight(ctx.const(conv.inputs[3]), ctx.const(w_zero_name), per_row=True)
+    w_scale, info = ctx.const(conv.inputs[4]), ctx.graph.info(conv.inputs[0])
+    b_name = conv.inputs[8] if len(conv.inputs) > 8 else ""
+    bias = ctx.const(b_name)
+    if weight is None or weight.ndim != 4 or w_scale is None or not info.is_static \
+            or len(info.shape) != 4 or (b_name and bias is None) or (w_zero_name and ctx.const(w_zero_name) is None):
+        return None
+    inside = _input_side(conv, ctx)
+    requant = _requant(conv, ctx, ctx.const(conv.inputs[1]), w_scale, [1, -1, 1, 1])  # type: ignore[arg-type]
+    if inside is None or requant is None:
+        return None
+    before, x, side = inside
+    bias = np.zeros(weight.shape[0], F32) if bias is None else bias.astype(np.float64)
+    if side["reach"] * float(np.abs(weight).sum(axis=(1, 2, 3)).max()) + float(np.abs(bias).max()) >= EXACT:
+        return None
+    after, out, out_side = _output_side(conv, ctx)
+    strides = list(conv.attrs.get("strides") or [1, 1])
+    dilations = list(conv.attrs.get("dilations") or [1, 1])
+    begins, ends = spatial_pads(info.shape[2:], weight.shape[2:], strides, dilations,
+                                conv.attrs.get("auto_pad", "NOTSET"), conv.attrs.get("pads"))
+    # The FusedConv attributes conv_workload reads: its routes compute the integer product.
+    attrs = {"weight": weight, "bias": bias.astype(F32), "strides": strides, "dilations": dilations,
+             "group": int(conv.attrs.get("group", 1)), "begins": begins, "ends": ends,
+             "input_shape": list(info.shape), "output_shape": list(ctx.graph.info(conv.outputs[0]).shape or []),
+             "binary": False, "unary": None, **side, **requant, **out_side}
+    group = [*before, conv, *after]
+    fused = Layer("+".join(lay.name for lay in group), "QLinearConv", [x], [out], attrs, FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def match_qlinear_matmul(matmul: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    """QLinearMatMul by a constant 2-D matrix (per-tensor or per-column scale and zero point)."""
+    if matmul.domain or len(matmul.inputs) != 8:
+        return None
+    b_zero = ctx.const(matmul.inputs[5])
+    weight = _centred_weight(ctx.const(matmul.inputs[3]), b_zero, per_row=False)
+    b_scale, info = ctx.const(matmul.inputs[4]), ctx.graph.info(matmul.inputs[0])
+    if weight is None or weight.ndim != 2 or b_zero is None or b_scale is None \
+            or not info.is_static or len(info.shape) < 2:
+        return None
+    inside = _input_side(matmul, ctx)
+    requant = _requant(matmul, ctx, ctx.const(matmul.inputs[1]), b_scale, [-1])  # type: ignore[arg-type]
+    if inside is None or requant is None:
+        return None
+    before, x, side = inside
+    if side["reach"] * float(np.abs(weight).sum(axis=0).max()) >= EXACT:
+        return None
+    after, out, out_side = _output_side(matmul, ctx, bias_add=True)
+    attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None, "input_shape": list(info.shape),
+             "unary": None, "binary": False, "output_shape": None, **side, **requant, **out_side}
+    group = [*before, matmul, *after]
+    fused = Layer("+".join(lay.name for lay in group), "QLinearMatMul", [x], [out], attrs,
+                  FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def qlinear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """Centre (or quantize) the input, the product by the measured route, requantize, and
+    dequantize, add and activate where the layer took those."""
+    import torch
+
+    from backplane.backends.torch.fusion.conv import conv_workload
+    from backplane.backends.torch.fusion.linear import linear_workload
+
+    a = layer.attrs
+    product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(layer, backend)
+    into = torch_params(a["into"]) if a["into"] is not None else None
+    x_zero, dtype = a["x_zero"], compute_type(a)  # bfloat16 inside a Reduced layer: not exact
+    multiplier = _double(a["multiplier"])
+    finish = _finisher(a)
+
+    def run(x):
+        centred = to_grid(x, into) if into is not None else x.to(dtype)
+        (acc,) = product(centred.sub_(x_zero))
+        y = torch.round(acc.double().mul_(multiplier)).add_(a["y_zero"]).clamp_(a["y_low"], a["y_high"])
+        return (finish(y),)
+    run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
+    return run
+
+
+def _double(value: np.ndarray) -> Any:
+    """A float32 constant as float64: a Python float for a scalar, else a tensor."""
+    import torch
+
+    return float(value) if value.ndim == 0 else torch.from_numpy(value.astype(np.float64))
+
+
+def _finisher(a: dict[str, Any]) -> Any:
+    """The requantized float64 integers to the layer's output: its integer type, or dequantized
+    (the product of an integer and a float32 scale in float64, rounded once to float32, is
+    CpuRef's), plus the constant, then the activation."""
+    import torch
+
+    from backplane.backends.torch.backend import _numpy_to_torch
+
+    if a["back"] is None:
+        dtype = next(t for t, (low, high) in _TORCH_RANGES().items()
+                     if (low, high) == (a["y_low"], a["y_high"]))
+        return lambda y: y.to(dtype)
+    scale, zero = (_double(a["back"][k]) for k in ("scale", "zero"))
+    add = _numpy_to_torch(a["add"]) if a["add"] is not None else None
+    post = torch_post_op(a["activation"])
+
+    def finish(y):
+        out = y.sub_(zero).mul_(scale).to(torch.float32)
+        out = out.add_(add) if add is not None else out
+        return post(out) if post else out
+    return finish
+
+
+def _TORCH_RANGES() -> dict[Any, tuple[int, int]]:  # noqa: N802
+    import torch
+
+    return {torch.uint8: RANGES[np.dtype(np.uint8)], torch.int8: RANGES[np.dtype(np.int8)],
+            torch.int16: RANGES[np.dtype(np.int16)], torch.uint16: RANGES[np.dtype(np.uint16)]}
+
+
+def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    """DynamicQuantizeLinear -> MatMulInteger(constant 2-D weight, constant zero point) -> Cast to
+    float -> Mul by Mul(x's scale, the weight's constant scale) [-> Add(constant bias)]: each
+    intermediate read by the next layer alone."""
+    x, q, x_scale, x_zero = quantize.inputs[0], *quantize.outputs
+    matmul, scales = ctx.sole(q), ctx.sole(x_scale)
+    info = ctx.graph.info(x)
+    if matmul is None or matmul.op_type != "MatMulInteger" or matmul.domain or scales is None \
+            or matmul.inputs[:1] + matmul.inputs[2:3] != [q, x_zero] or ctx.sole(x_zero) is not matmul \
+            or info.dtype != F32 or not info.is_static or len(info.shape) < 2:
+        return None
+    w_zero_name = matmul.inputs[3] if len(matmul.inputs) > 3 else ""
+    w_zero = ctx.const(w_zero_name)
+    weight = _centred_weight(ctx.const(matmul.inputs[1]), w_zero, per_row=False)
+    w_scale = _other_constant(scales, x_scale, "Mul", ctx)
+    if weight is None or weight.ndim != 2 or (w_zero_name and w_zero is None) or w_scale is None \
+            or w_scale.dtype != F32 or w_scale.size not in (1, weight.shape[1]):
+        return None
+    if 255 * float(np.abs(weight).sum(axis=0).max()) >= EXACT:
+        return None
+    cast = ctx.sole(matmul.outputs[0])
+    if cast is None or cast.op_type != "Cast" or cast.domain or cast.attrs.get("to") != 1:
+        return None
+    scaled = ctx.sole(cast.outputs[0])
+    if scaled is None or scaled.op_type != "Mul" or scaled.domain \
+            or sorted(scaled.inputs) != sorted([cast.outputs[0], scales.outputs[0]]) \
+            or ctx.sole(scales.outputs[0]) is not scaled:
+        return None
+    group, out, bias = [quantize, scales, matmul, cast, scaled], scaled.outputs[0], None
+    add = ctx.sole(out)
+    constant = _other_constant(add, out, "Add", ctx) if add is not None else None
+    if constant is not None and constant.dtype == F32 and constant.shape == (weight.shape[1],):
+        group.append(add)  # type: ignore[arg-type]
+        bias, out = np.ascontiguousarray(constant), add.outputs[0]  # type: ignore[union-attr]
+    attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None, "input_shape": list(info.shape),
+             "unary": None, "binary": False, "output_shape": None,
+             "w_scale": np.ascontiguousarray(w_scale.reshape(-1) if w_scale.size > 1 else w_scale.reshape(())),
+             "add": bias}
+    fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x], [out], attrs,
+                  FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _other_constant(layer: Layer, operand: str, op: str, ctx: Context) -> np.ndarray | None:
+    """The constant ``layer`` (an ``op`` of two inputs) combines ``operand`` with, or None."""
+    if layer.op_type != op or layer.domain or len(layer.inputs) != 2 or operand not in layer.inputs:
+        return None
+    return ctx.const(layer.inputs[1 - layer.inputs.index(operand)])
+
+
+def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """x quantized over its range as DynamicQuantizeLinear does, centred, the product with the
+    centred weight by the measured route (exact), then times x's scale times the weight's, plus
+    the bias: the float32 steps of the layers it replaces, in their order."""
+    import torch
+
+    from backplane.backends.torch.backend import _numpy_to_torch
+    from backplane.backends.torch.fusion.linear import linear_workload
+    from backplane.backends.torch.kernels.numeric import dynamic_quantize_linear
+
+    a = layer.attrs
+    product = linear_workload(layer, backend)
+    w_scale = _numpy_to_torch(a["w_scale"])
+    bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
+    dtype = compute_type(a)  # bfloat16 inside a Reduced layer: not exact
+
+    def run(x):
+        q, scale, zero = dynamic_quantize_linear(x)
+        (acc,) = product(q.to(dtype).sub_(zero.to(dtype)))
+        y = acc.mul_(scale * w_scale)
+        return (y.add_(bias) if bias is not None else y,)
+    return run
