@@ -13,7 +13,10 @@ side stream (warm-up), captures them into a ``torch.cuda.CUDAGraph`` and from th
 copies the inputs into the graph's static input tensors and replays it: one launch for the subgraph.
 Inside, Conv [-> Add] -> Relu chains run as one cuDNN call and attention blocks as one
 scaled-dot-product-attention call (``gpu_fusion.py``), and each value is dropped after its last
-reader (``frees``), so that the graph reuses its memory as torch's modules do.
+reader (``frees``), so that the graph reuses its memory as torch's modules do. A subgraph with a
+layer that cannot be captured (sizes read from data: NonMaxSuppression, NonZero, a TopK of computed
+k) is captured in runs around it, that layer and every layer reading what it sizes run one by one
+(``capturable_runs``); layers whose capture fails run uncaptured, on the GPU (``CaptureError``).
 With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the graph (``PRECISIONS``),
 convolutions in channels-last memory (``channels_last``). With ``GpuAcc.compile`` "inductor", the
 graph's layers are first compiled by TorchInductor for their shapes (``COMPILERS``).
@@ -98,19 +101,60 @@ def factory(device: str) -> TensorHandleFactory:
 
 
 def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
-    """The whole subgraph as one CUDA graph when its inputs have static shapes."""
+    """Each run of capturable layers (``capturable``) as one CUDA graph, the other layers
+    untouched: a subgraph whose shapes are all static is one graph; one with a NonMaxSuppression or
+    a NonZero is split there, the layers before it captured, those whose shapes it decides left to
+    run one by one."""
     graph = view.graph
     assert graph is not None, "the optimizer always gives views of a graph"
-    # Static boundary inputs fix every shape inside: no kernel here makes a shape from data, and
-    # the shape-like inputs (HOST_INPUTS) must be constants.
-    if not view.layers or not all(graph.info(n).is_static for n in view.inputs):
+    runs = capturable_runs(view)
+    if not runs:
         return OptimizationViews(untouched=[view])
+    captured = {id(layer) for run in runs for layer in run}
+    rest = [layer for layer in view.layers if id(layer) not in captured]
+    substitutions = [Substitution(part, [_cuda_graph_layer(part)])
+                     for part in (SubgraphView.of(graph, run) for run in runs)]
+    return OptimizationViews(substitutions=substitutions,
+                             untouched=[SubgraphView.of(graph, rest)] if rest else [])
+
+
+def capturable(layer: Layer, graph: Any) -> bool:
+    """Whether a capture can hold ``layer``: no size read from data or made on the host during the
+    run (``NOT_CAPTURABLE``), and the inputs its kernel reads on the host (``HOST_INPUTS``) are
+    constants."""
+    if layer.op_type in NOT_CAPTURABLE:
+        return False
+    host = HOST_INPUTS.get(layer.op_type, ())
+    return not any(i < len(layer.inputs) and layer.inputs[i] and layer.inputs[i] not in graph.constants
+                   for i in host)
+
+
+def capturable_runs(view: SubgraphView, least: int = 2) -> list[list[Layer]]:
+    """The view's layers that can be captured, as runs of consecutive layers (in topological order,
+    so that no path leaves a run and comes back into it) of ``least`` layers or more. A layer is
+    left out where ``capturable`` says so, and so is every layer reading what such a layer or a
+    boundary input of free shape makes: its shapes are known only at the run."""
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
+    free = {n for n in view.inputs if not graph.info(n).is_static}
+    runs: list[list[Layer]] = [[]]
     for layer in view.layers:
-        host = HOST_INPUTS.get(layer.op_type, ())
-        if layer.op_type in NOT_CAPTURABLE or any(
-                i < len(layer.inputs) and layer.inputs[i] and layer.inputs[i] not in graph.constants
-                for i in host):
-            return OptimizationViews(untouched=[view])
+        if capturable(layer, graph) and not free.intersection(layer.inputs):
+            runs[-1].append(layer)
+            continue
+        free.update(n for n in layer.outputs if n)
+        runs.append([])
+    return [run for run in runs if len(run) >= least and _static_boundary(graph, run)]
+
+
+def _static_boundary(graph: Any, run: list[Layer]) -> bool:
+    """Whether the run's inputs have static shapes (its capture allocates them at load)."""
+    return all(graph.info(n).is_static for n in SubgraphView.of(graph, run).inputs)
+
+
+def _cuda_graph_layer(view: SubgraphView) -> Layer:
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
     constants = {n: graph.constants[n] for layer in view.layers for n in layer.inputs
                  if n in graph.constants}
     # The boundary names as the layers inside read and write them (the optimizer renames the
@@ -119,9 +163,7 @@ def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
              "outputs": list(view.outputs),
              "output_dtypes": [graph.info(n).dtype for n in view.outputs]}
     name = f"CudaGraph[{view.layers[0].name}..{view.layers[-1].name}]({len(view.layers)} layers)"
-    replacement = Layer(name, "CudaGraph", list(view.inputs), list(view.outputs), attrs,
-                        FUSED_DOMAIN, 1)
-    return OptimizationViews(substitutions=[Substitution(view, [replacement])])
+    return Layer(name, "CudaGraph", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
 
 
 PRECISIONS = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
@@ -334,7 +376,18 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
     run_layers = compiled(run_layers, static, compiler_of(backend.options), layer.name)
     if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
         return lambda *values: tuple(run_layers(*values))
-    return CapturedGraph(run_layers, static, device)
+    try:
+        return CapturedGraph(run_layers, static, device)
+    except CaptureError as exc:  # the layers run (the warm-up did): on the GPU, uncaptured
+        log.warning("%s: not captured as a CUDA graph (%s); its layers run one by one on %s",
+                    layer.name, exc, device)
+        return lambda *values: tuple(run_layers(*values))
+
+
+class CaptureError(RuntimeError):
+    """The layers ran in the warm-up, but their capture failed (a kernel copied from pageable host
+    memory, or waited for the GPU): they can still run uncaptured, on the GPU, rather than the
+    whole subgraph leaving GpuAcc for the next backend."""
 
 
 class CapturedGraph:
@@ -358,8 +411,11 @@ class CapturedGraph:
                 run_layers(*static_inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = tuple(run_layers(*static_inputs))
+        try:
+            with torch.cuda.graph(self.graph):
+                self.outputs = tuple(run_layers(*static_inputs))
+        except RuntimeError as exc:
+            raise CaptureError(str(exc).splitlines()[0][:300] if str(exc) else repr(exc)) from exc
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         for static, value in zip(self.static_inputs, inputs):

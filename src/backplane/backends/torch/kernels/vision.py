@@ -67,8 +67,7 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
         if coordinate_transformation_mode == "tf_crop_and_resize":
             outside = outside | spec._along(axis, X.dim(), (coords < 0) | (coords > n_in - 1))
     if outside.any():
-        mask = torch.from_numpy(np.ascontiguousarray(outside)).to(y.device)
-        y = torch.where(mask, torch.tensor(extrapolation_value, dtype=y.dtype, device=y.device), y)
+        y = y.masked_fill(_on_device(np.ascontiguousarray(outside), y.device), extrapolation_value)
     return (_round_like(y, X.dtype),)
 
 
@@ -76,13 +75,36 @@ def _resized(y, axis: int, index: np.ndarray, weights: np.ndarray):
     """``y`` resized along ``axis``, each output the weighed sum of its taps alone (CpuRef's
     ``taps_of``: a NaN or Inf reaches only the outputs that read it)."""
     moved = y.movedim(axis, -1)
-    taps = torch.from_numpy(index).to(y.device)
-    weighs = torch.from_numpy(weights).to(y.device)
+    taps, weighs = _on_device(index, y.device), _on_device(weights, y.device)
     out = moved.new_zeros((*moved.shape[:-1], index.shape[0]))
     for tap in range(index.shape[1]):
         w = weighs[:, tap]
         out += torch.where(w != 0, moved.index_select(-1, taps[:, tap]) * w, 0.0)
     return out.movedim(-1, axis)
+
+
+_UPLOADED: dict[tuple[str, str, tuple[int, ...], bytes], torch.Tensor] = {}
+_UPLOAD_LIMIT = 64 << 20  # bytes of device memory the uploads below may keep
+_uploaded_bytes = [0]
+
+
+def _on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` (taps, weights, masks: made from shapes alone) as a tensor on ``device``, uploaded
+    once per content and kept: the warm-up runs before a CUDA graph's capture upload it, and the
+    capture reads the kept tensor (a copy from pageable host memory is refused during a capture,
+    and the captured graph reads the tensor at every replay, so it is never freed). Past
+    ``_UPLOAD_LIMIT`` bytes an upload is made per call and not kept: a capture then fails, and the
+    subgraph runs layer by layer."""
+    if device.type == "cpu":
+        return torch.from_numpy(array)
+    key = (str(device), array.dtype.str, array.shape, array.tobytes())
+    tensor = _UPLOADED.get(key)
+    if tensor is None:
+        tensor = torch.from_numpy(array).to(device)
+        if _uploaded_bytes[0] + array.nbytes <= _UPLOAD_LIMIT:
+            _UPLOADED[key] = tensor  # a race uploads twice at worst: the same values
+            _uploaded_bytes[0] += array.nbytes
+    return tensor
 
 
 def _weights(coords, n_in, mode, nearest_mode, cubic_coeff_a, antialias, factor,
