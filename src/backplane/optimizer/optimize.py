@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from backplane import debug
 from backplane.backends.api.backend import Backend, BackendOptions, check_options, support_of
+from backplane.backends.api.memory import MemorySource
 from backplane.backends.builtin.backend import OWNED_OPS
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
@@ -103,7 +105,35 @@ def optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] |
                         backend_options=backend_options, exclude=exclude)
     for line in network.report.fallback_summary():
         log.warning(line)
+    refused = first_choice_refusals(network.report, registry or default_registry)
+    if refused:
+        _warn(network.report, refused)
     return network
+
+
+def first_choice_refusals(report: PlacementReport, registry: BackendRegistry,
+                          named: int = 8) -> str | None:
+    """One line naming the layers the first backend of the list refused, and why, where that
+    backend keeps its tensors off the host (GpuAcc): each such layer runs elsewhere, behind copies,
+    and a model it refuses whole would otherwise run on the next backend with only a count per op
+    type in the log. None where it refused nothing, is unavailable or computes in host memory."""
+    first = report.preferences[0] if report.preferences else None
+    refused = [(p, next(r for b, r in p.refusals if b == first)) for p in report.layers.values()
+               if any(b == first for b, _ in p.refusals)]
+    if first is None or not refused or first in report.unavailable:
+        return None
+    memory = registry.create(first).tensor_handle_factories()[0].memory
+    if memory & (MemorySource.MALLOC | MemorySource.PINNED):
+        return None
+    by_reason: dict[str, list[str]] = {}
+    for placement, reason in refused:
+        by_reason.setdefault(reason, []).append(f"{placement.name} ({placement.op_type})")
+    places = Counter(p.backend for p, _ in refused)
+    reasons = "; ".join(f"{reason}: {', '.join(names[:named])}"
+                        + (f" and {len(names) - named} more" if len(names) > named else "")
+                        for reason, names in by_reason.items())
+    return (f"{first}, first in the list, refused {len(refused)} of {len(report.layers)} layers, "
+            f"placed on {', '.join(f'{b} ({n})' for b, n in places.items())} instead: {reasons}")
 
 
 def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] | None = None,
