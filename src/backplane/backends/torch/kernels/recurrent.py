@@ -2,10 +2,14 @@
 normalizations (Instance, Group, RMS, Lp, MeanVariance, LRN); LpPool, GlobalLpPool and MaxUnpool;
 AffineGrid, GridSample and RoiAlign.
 
-The recurrent layers step through time as CpuRef does (every ONNX option: directions, the
-activations torch has, clip, sequence_lens, initial states, peepholes, layouts), with each step's
-gates in one matrix product. Statistics of float16 inputs are computed in float32 (``stash_type``),
-as CpuRef and ONNX Runtime do.
+The recurrent layers run as one call of torch's fused kernel (``torch.lstm``, ``torch.gru``,
+``torch.rnn_tanh`` / ``rnn_relu``, what nn.LSTM / GRU / RNN call; oneDNN's LSTM on the CPU) where
+ONNX's attributes are what it computes: the default activations (RNN's Tanh or Relu), no clip, full
+sequences, LSTM without peepholes (or all zero) and input_forget, GRU with linear_before_reset=1.
+Elsewhere they step through time as CpuRef does (every ONNX option: directions, the activations
+torch has, clip, sequence_lens, initial states, peepholes, layouts), every step's input projection
+in one matrix product before the loop, the recurrent one per step. Statistics of float16 inputs are
+computed in float32 (``stash_type``), as CpuRef and ONNX Runtime do.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.reference.kernels.conv import AUTO_PADS, spatial_pads
@@ -31,31 +36,94 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Softplus": lambda x: torch.logaddexp(torch.zeros_like(x), x),  # no threshold, as in CpuRef
 }
 
+LSTM_ORDER, GRU_ORDER = [0, 2, 3, 1], [1, 0, 2]
+"""torch's gates (LSTM i, f, g, o; GRU r, z, n) as indices into ONNX's (LSTM i, o, f, c; GRU z, r,
+h)."""
+RNN_NATIVE = {"Tanh": torch.rnn_tanh, "Relu": torch.rnn_relu}
+_PARAMS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+"""W -> (R, B, the three's versions, torch's weight list): ``_params``'s, dropped with W."""
+
 Cell = Callable[[torch.Tensor, list[torch.Tensor], int], list[torch.Tensor]]
 
 
-def _run(cell: Cell, X, states, sequence_lens, direction, layout):
-    """``cell`` over time for each direction: Y (seq, dirs, batch, hidden) and the final states
+def _native(function, order, X, W, R, B, states, direction, layout):
+    """All steps and directions in one call of torch's fused kernel (``torch.lstm``, ``torch.gru``,
+    ``torch.rnn_tanh``, ``torch.rnn_relu``, what nn.LSTM / GRU / RNN call): Y and the final states,
+    shaped as ONNX's."""
+    hidden, bidirectional = R.shape[-1], direction == "bidirectional"
+    params = _params(W, R, B, order)  # W's directions: torch refuses a count other than 1 or 2
+    # torch runs backward only as a bidirectional's second half: reverse alone runs forward on
+    # the flipped sequence (time is axis `layout`), and its Y is flipped back
+    reverse = direction == "reverse"
+    x = X.flip(layout) if reverse else X
+    # torch's states are (dirs, batch, hidden) in both layouts
+    hx = [(s.transpose(0, 1) if layout else s).contiguous() for s in states]
+    out, *final = function(x, hx if len(hx) > 1 else hx[0], params, B is not None, 1, 0.0, False,
+                           bidirectional, bool(layout))
+    y = out.unflatten(2, (1 + bidirectional, hidden))  # (seq, batch, dirs, hidden), or batch first
+    y = y.flip(layout) if reverse else y
+    return (y if layout else y.transpose(1, 2)), [f.transpose(0, 1) if layout else f for f in final]
+
+
+def _params(W, R, B, order):
+    """torch's flat weight list (per direction w_ih, w_hh[, b_ih, b_hh]), kept with W for the next
+    call while W, R and B are the same tensors, unchanged (their version counters): reordering the
+    gates costs more than the kernel itself on a short sequence."""
+    tensors = [t for t in (W, R, B) if t is not None]
+    cacheable = not any(t.is_inference() for t in tensors)  # an inference tensor has no version
+    versions = [t._version for t in tensors] if cacheable else None
+    kept = _PARAMS.get(W) if cacheable else None
+    if kept is not None and kept[0] is R and kept[1] is B and kept[2] == versions:
+        return kept[3]
+    params = []
+    for d in range(W.shape[0]):
+        params += [_reordered(W[d], order), _reordered(R[d], order)]
+        if B is not None:  # ONNX's [Wb, Rb] are torch's b_ih, b_hh
+            params += [_reordered(b, order) for b in B[d].chunk(2)]
+    if cacheable:
+        _PARAMS[W] = (R, B, versions, params)
+    return params
+
+
+def _reordered(weights, order):
+    """Gate-major ``weights`` (gates * hidden, ...) with their gates in ``order``."""
+    if len(order) == 1:
+        return weights
+    return weights.unflatten(0, (len(order), -1))[order].flatten(0, 1)
+
+
+def _full(sequence_lens, seq):
+    """Whether every sequence is ``seq`` steps long: no sequence_lens, or all of them equal to it.
+    Their values are read on the CPU only (on a GPU the read would wait for the device, which a CUDA
+    graph's capture forbids)."""
+    if sequence_lens is None:
+        return True
+    return sequence_lens.device.type == "cpu" and bool((sequence_lens == seq).all())
+
+
+def _natively(X, sequence_lens, clip, layout, names, defaults):
+    """Whether torch's fused kernel computes what ONNX asks: the default activations in every
+    direction, no clip, full sequences, and steps to take."""
+    return (clip is None and layout in (0, 1) and X.numel() > 0 and list(names) == defaults
+            and _full(sequence_lens, X.shape[layout]))
+
+
+def _run(cell: Cell, projected, states, sequence_lens, direction, layout):
+    """``cell`` over time for each direction, fed each step's input projection (``projected``:
+    (seq, batch, dirs, gates), time first): Y (seq, dirs, batch, hidden) and the final states
     (dirs, batch, hidden), or batch first with layout 1."""
     if layout:
-        X, states = X.transpose(0, 1), [s.transpose(0, 1) for s in states]
-    seq, batch = X.shape[:2]
-    lengths = torch.full((batch,), seq, device=X.device) if sequence_lens is None \
-        else sequence_lens.long()
-    rows = torch.arange(batch, device=X.device)
+        states = [s.transpose(0, 1) for s in states]
+    seq = projected.shape[0]
     ys, finals = [], []
     for d in range(2 if direction == "bidirectional" else 1):
         backward = direction == "reverse" or d == 1
         carried = [s[d] for s in states]
-        y = torch.zeros((seq, batch, states[0].shape[-1]), dtype=X.dtype, device=X.device)
-        for t in range(seq):
-            # backward, each sequence starts at its own last valid step
-            steps = lengths - 1 - t if backward else torch.full_like(lengths, t)
-            valid = ((steps >= 0) & (t < lengths))[:, None]
-            at = steps.clamp(0, max(seq - 1, 0))
-            updated = cell(X[at, rows], carried, d)
-            carried = [torch.where(valid, new, old) for new, old in zip(updated, carried)]
-            y[at, rows] = torch.where(valid, carried[0], y[at, rows])
+        if _full(sequence_lens, seq):
+            y, carried = _steps(cell, projected[:, :, d], carried, d, backward)
+        else:
+            y, carried = _masked_steps(cell, projected[:, :, d], carried, d, backward,
+                                       sequence_lens.long())
         ys.append(y)
         finals.append(carried)
     y_all = torch.stack(ys, dim=1)
@@ -63,6 +131,40 @@ def _run(cell: Cell, X, states, sequence_lens, direction, layout):
     if layout:
         return y_all.permute(2, 0, 1, 3), [s.transpose(0, 1) for s in final]
     return y_all, final
+
+
+def _steps(cell: Cell, xw, carried, d, backward):
+    """Every sequence as long as ``xw`` (seq, batch, gates): one cell call per step, no masks."""
+    seq = xw.shape[0]
+    outputs = [carried[0]] * seq
+    for t in range(seq - 1, -1, -1) if backward else range(seq):
+        carried = cell(xw[t], carried, d)
+        outputs[t] = carried[0]
+    y = torch.stack(outputs) if seq else carried[0].new_zeros((0, *carried[0].shape))
+    return y, carried
+
+
+def _masked_steps(cell: Cell, xw, carried, d, backward, lengths):
+    """Sequences of their own ``lengths``: a step past a sequence's end keeps its state, and its
+    Y stays zero; backward, each sequence starts at its own last valid step."""
+    seq, batch = xw.shape[:2]
+    rows = torch.arange(batch, device=xw.device)
+    y = carried[0].new_zeros((seq, *carried[0].shape))
+    for t in range(seq):
+        steps = lengths - 1 - t if backward else torch.full_like(lengths, t)
+        valid = ((steps >= 0) & (t < lengths))[:, None]
+        at = steps.clamp(0, max(seq - 1, 0))
+        updated = cell(xw[at, rows], carried, d)
+        carried = [torch.where(valid, new, old) for new, old in zip(updated, carried)]
+        y[at, rows] = torch.where(valid, carried[0], y[at, rows])
+    return y, carried
+
+
+def _projected(X, W, bias, layout):
+    """Every step's input projection X W^T + bias in one matrix product: (seq, batch, dirs, gates),
+    time first. The loop is left with the recurrent part."""
+    x = X.transpose(0, 1) if layout else X
+    return (x @ W.flatten(0, 1).T + bias.flatten()).unflatten(-1, (W.shape[0], -1))
 
 
 def _initial(value, X, directions, hidden, layout):
@@ -79,9 +181,7 @@ def _biases(B, directions, gates, hidden, X):
     return B
 
 
-def _functions(activations, defaults, directions):
-    names = list(activations or defaults * directions)
-    per = len(defaults)
+def _functions(names, per, directions):
     return [[ACTIVATIONS[n] for n in names[d * per:(d + 1) * per]] for d in range(directions)]
 
 
@@ -93,15 +193,20 @@ def rnn(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
         activation_beta=None, activations=None, clip=None, direction="forward", hidden_size=None,
         layout=0, *, n_outputs=2):
     dirs, hidden = W.shape[0], W.shape[1]
-    bias = _biases(B, dirs, 1, hidden, X)
-    funcs = _functions(activations, ["Tanh"], dirs)
-
-    def cell(x, states, d):
-        gates = x @ W[d].T + states[0] @ R[d].T + bias[d, :hidden] + bias[d, hidden:]
-        return [funcs[d][0](_clipped(gates, clip))]
-
+    names = list(activations or ["Tanh"] * dirs)
     h0 = _initial(initial_h, X, dirs, hidden, layout)
-    y, (y_h,) = _run(cell, X, [h0], sequence_lens, direction, layout)
+    native = names[0] in RNN_NATIVE  # one kernel for both directions: the same activation
+    if native and _natively(X, sequence_lens, clip, layout, names, names[:1] * dirs):
+        y, (y_h,) = _native(RNN_NATIVE[names[0]], [0], X, W, R, B, [h0], direction, layout)
+        return (y, y_h)[:n_outputs]
+    bias = _biases(B, dirs, 1, hidden, X)
+    funcs = _functions(names, 1, dirs)
+
+    def cell(xw, states, d):
+        return [funcs[d][0](_clipped(xw + states[0] @ R[d].T, clip))]
+
+    projected = _projected(X, W, bias[:, :hidden] + bias[:, hidden:], layout)
+    y, (y_h,) = _run(cell, projected, [h0], sequence_lens, direction, layout)
     return (y, y_h)[:n_outputs]
 
 
@@ -109,13 +214,19 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
         activation_beta=None, activations=None, clip=None, direction="forward", hidden_size=None,
         layout=0, linear_before_reset=0, *, n_outputs=2):
     dirs, hidden = W.shape[0], W.shape[1] // 3
+    names = list(activations or ["Sigmoid", "Tanh"] * dirs)
+    h0 = _initial(initial_h, X, dirs, hidden, layout)
+    # torch's GRU applies the reset gate after the recurrent product: linear_before_reset=1 only
+    if linear_before_reset and _natively(X, sequence_lens, clip, layout, names,
+                                         ["Sigmoid", "Tanh"] * dirs):
+        y, (y_h,) = _native(torch.gru, GRU_ORDER, X, W, R, B, [h0], direction, layout)
+        return (y, y_h)[:n_outputs]
     bias = _biases(B, dirs, 3, hidden, X)
-    funcs = _functions(activations, ["Sigmoid", "Tanh"], dirs)
+    funcs = _functions(names, 2, dirs)
 
-    def cell(x, states, d):
+    def cell(xw, states, d):  # xw: gates z, r, h of X W^T + Wb
         (h,) = states
-        w_b, r_b = bias[d, :3 * hidden], bias[d, 3 * hidden:]
-        xw = x @ W[d].T + w_b  # gates z, r, h
+        r_b = bias[d, 3 * hidden:]
         hr = h @ R[d, :2 * hidden].T + r_b[:2 * hidden]
         z = funcs[d][0](_clipped(xw[:, :hidden] + hr[:, :hidden], clip))
         r = funcs[d][0](_clipped(xw[:, hidden:2 * hidden] + hr[:, hidden:], clip))
@@ -124,8 +235,8 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
         candidate = funcs[d][1](_clipped(xw[:, 2 * hidden:] + recurrent, clip))
         return [(1 - z) * candidate + z * h]
 
-    h0 = _initial(initial_h, X, dirs, hidden, layout)
-    y, (y_h,) = _run(cell, X, [h0], sequence_lens, direction, layout)
+    projected = _projected(X, W, bias[:, :3 * hidden], layout)
+    y, (y_h,) = _run(cell, projected, [h0], sequence_lens, direction, layout)
     return (y, y_h)[:n_outputs]
 
 
@@ -133,15 +244,23 @@ def lstm(X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=
          activation_alpha=None, activation_beta=None, activations=None, clip=None,
          direction="forward", hidden_size=None, input_forget=0, layout=0, *, n_outputs=3):
     dirs, hidden = W.shape[0], W.shape[1] // 4
+    names = list(activations or ["Sigmoid", "Tanh", "Tanh"] * dirs)
+    h0 = _initial(initial_h, X, dirs, hidden, layout)
+    c0 = _initial(initial_c, X, dirs, hidden, layout)
+    # peepholes of zeros change nothing (read on the CPU only, as sequence_lens)
+    no_peepholes = P is None or (P.device.type == "cpu" and not P.any())
+    if no_peepholes and not input_forget and _natively(X, sequence_lens, clip, layout, names,
+                                                       ["Sigmoid", "Tanh", "Tanh"] * dirs):
+        y, (y_h, y_c) = _native(torch.lstm, LSTM_ORDER, X, W, R, B, [h0, c0], direction, layout)
+        return (y, y_h, y_c)[:n_outputs]
     bias = _biases(B, dirs, 4, hidden, X)
     peep = torch.zeros((dirs, 3 * hidden), dtype=X.dtype, device=X.device) if P is None else P
-    funcs = _functions(activations, ["Sigmoid", "Tanh", "Tanh"], dirs)
+    funcs = _functions(names, 3, dirs)
 
-    def cell(x, states, d):
+    def cell(xw, states, d):
         h, c = states
         f, g, act = funcs[d]
-        gates = x @ W[d].T + h @ R[d].T + bias[d, :4 * hidden] + bias[d, 4 * hidden:]
-        i_, o_, f_, c_ = gates.chunk(4, dim=1)  # ONNX's gate order: i, o, f, c
+        i_, o_, f_, c_ = (xw + h @ R[d].T).chunk(4, dim=1)  # ONNX's gate order: i, o, f, c
         p_i, p_o, p_f = peep[d].chunk(3)
         i = f(_clipped(i_ + p_i * c, clip))
         forget = 1 - i if input_forget else f(_clipped(f_ + p_f * c, clip))
@@ -149,9 +268,8 @@ def lstm(X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=
         o = f(_clipped(o_ + p_o * c_new, clip))
         return [o * act(c_new), c_new]
 
-    h0 = _initial(initial_h, X, dirs, hidden, layout)
-    c0 = _initial(initial_c, X, dirs, hidden, layout)
-    y, (y_h, y_c) = _run(cell, X, [h0, c0], sequence_lens, direction, layout)
+    projected = _projected(X, W, bias[:, :4 * hidden] + bias[:, 4 * hidden:], layout)
+    y, (y_h, y_c) = _run(cell, projected, [h0, c0], sequence_lens, direction, layout)
     return (y, y_h, y_c)[:n_outputs]
 
 
