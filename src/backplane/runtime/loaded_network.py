@@ -114,11 +114,15 @@ class LoadedNetwork:
                 graph.constants, release, holding=_read_constants(graph))
         workloads: list[Workload] = []
         memory: list[list[tuple[int, int]]] = []  # each layer's constants, for the report
+        for factory in factories.values():  # for the load only: builtin folds those bodies read
+            factory.constants = graph.constants
         for index, layer in enumerate(self.layers):
             workloads.append(self._create(factories, layer, graph, network.backends))
             memory.append(_constant_memory(layer, graph))
             if release is not None:  # its workload holds what it reads: the layer holds nothing
                 self.layers[index] = graph.layers[index] = self._released(layer, release)
+        for factory in factories.values():
+            factory.constants = {}
         self.fallback_memory = fallback.FallbackMemoryManager()
         workloads, copied = fallback.bind(self.layers, workloads, graph, self.fallback_memory)
         workloads = host_threads.share(self.layers, workloads, network.backends)
@@ -274,6 +278,11 @@ class LoadedNetwork:
         return locked
 
     # -- run -----------------------------------------------------------------------------------------
+    def slots(self) -> list[Any]:
+        """The slots a run starts from, a new list: constants bound, all else None (builtin's
+        iterated bodies keep one over a call's iterations)."""
+        return list(self._template)
+
     def execute(self, inputs: Sequence[Any]) -> list[Any]:
         """Run once; ``inputs`` in the order of the network's inputs, already checked."""
         return self._run(self.host_plan, inputs)

@@ -8,7 +8,7 @@ its layers directly, whatever the preferences, and places the layers of the bodi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backplane.backends.api.backend import (
     SUPPORTED,
@@ -29,6 +29,10 @@ from backplane.backends.builtin.control_flow import (
     make_sequence_map,
 )
 from backplane.ir.graph import Layer, TensorInfo
+
+if TYPE_CHECKING:
+    from backplane.optimizer.optimize import OptimizedNetwork
+    from backplane.runtime.loaded_network import LoadedNetwork
 
 BUILTIN_OPS = ("MemCopy", "MemImport", *CONTROL_FLOW_OPS, *sequence.KERNELS)
 OWNED_OPS = frozenset((*CONTROL_FLOW_OPS, *sequence.KERNELS))
@@ -71,33 +75,55 @@ class BuiltinWorkloadFactory(WorkloadFactory):
         if layer.op_type in CONTROL_FLOW_OPS:
             from backplane.runtime.loaded_network import LoadedNetwork  # the runtime loads bodies
 
-            bodies = [LoadedNetwork(layer.attrs[name], self.network_id)
+            bodies = [LoadedNetwork(self._folded(layer, layer.attrs[name]), self.network_id)
                       for name in CONTROL_FLOW_OPS[layer.op_type]]
             workload = _control_flow(layer, bodies)
             workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
             return workload
         return super().create_workload(layer, inputs, outputs)
 
+    def _folded(self, layer: Layer, body: OptimizedNetwork) -> OptimizedNetwork:
+        """``body`` with the outer constants it reads (captured inputs that are constants of the
+        network being loaded: the runtime sets ``constants`` while it loads) made its own."""
+        from backplane.backends.builtin.bodies import fold_outer_constants
 
-def _control_flow(layer: Layer, bodies: list[Any]) -> Workload:
+        constants = getattr(self, "constants", None) or {}
+        captured = layer.attrs["captured"]
+        outer = layer.inputs[len(layer.inputs) - captured:]
+        inner = body.input_names[len(body.input_names) - captured:]
+        known = {name: constants[given] for name, given in zip(inner, outer) if given in constants}
+        return fold_outer_constants(body, known)
+
+
+def _control_flow(layer: Layer, bodies: list[LoadedNetwork]) -> Workload:
     """The workload of a control-flow layer over its bodies, loaded (then and else for If)."""
+    from backplane.backends.builtin.bodies import IteratedBody  # imports the runtime
+
     attrs, captured = layer.attrs, layer.attrs["captured"]
     if layer.op_type == "If":
         return make_if(bodies[0], bodies[1], captured)
     body = attrs["body"]
     graph = body.graph
+    n_outputs = len(graph.outputs)
     if layer.op_type == "SequenceMap":
-        return make_sequence_map(bodies[0], captured, len(graph.outputs))
+        n_formal = len(layer.inputs) - captured
+        return make_sequence_map(IteratedBody(bodies[0], n_formal, [], range(n_outputs)),
+                                 captured, n_outputs)
     if layer.op_type == "Loop":
         n_carried = len(layer.inputs) - 2 - captured
         scan_infos = [graph.info(name) for name in graph.outputs[1 + n_carried:]]
-        return make_loop(bodies[0], n_carried, captured, scan_infos)
+        iterated = IteratedBody(bodies[0], 2 + n_carried,
+                                [(2 + k, 1 + k) for k in range(n_carried)],
+                                [0, *range(1 + n_carried, n_outputs)])
+        return make_loop(iterated, n_carried, scan_infos)
     n_scan_in = attrs["num_scan_inputs"]
     batched = layer.opset < 9  # Scan-8: a leading sequence_lens input, batch axis 0, scan axis 1
     n_state = len(layer.inputs) - n_scan_in - captured - batched
-    n_scan_out = len(graph.outputs) - n_state
+    n_scan_out = n_outputs - n_state
+    iterated = IteratedBody(bodies[0], n_state + n_scan_in, [(k, k) for k in range(n_state)],
+                            range(n_state, n_outputs))
     scan = make_scan(
-        bodies[0], n_state, n_scan_in, captured,
+        iterated, n_state, n_scan_in,
         attrs.get("scan_input_axes") or [0] * n_scan_in,
         attrs.get("scan_input_directions") or attrs.get("directions") or [0] * n_scan_in,
         attrs.get("scan_output_axes") or [0] * n_scan_out,

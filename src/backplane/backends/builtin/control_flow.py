@@ -3,23 +3,29 @@
 Each body was placed by the optimizer like any graph and is loaded here as a LoadedNetwork of its own.
 A body's inputs are its formal inputs followed by the tensors it reads from the enclosing scope
 ("captured"); the optimizer appended those to the layer's inputs, so they arrive as the last
-``n_captured`` inputs of the workload.
+``n_captured`` inputs of the workload. A body run many times in a call (Loop, Scan, SequenceMap)
+runs as an ``IteratedBody`` (bodies.py): prepared at load, its slots kept over the iterations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from backplane.ir.graph import TensorInfo
+
+if TYPE_CHECKING:
+    from backplane.backends.builtin.bodies import IteratedBody
 
 CONTROL_FLOW_OPS = {"If": ("then_branch", "else_branch"), "Loop": ("body",), "Scan": ("body",),
                     "SequenceMap": ("body",)}
 
 
 def _bool(value: Any) -> bool:
+    if type(value) is np.ndarray and value.size == 1:
+        return bool(value.item())
     return bool(np.asarray(value).reshape(-1)[0])
 
 
@@ -31,21 +37,26 @@ def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:
     return if_
 
 
-def make_loop(body: Any, n_carried: int, n_captured: int, scan_infos: Sequence[TensorInfo]) -> Any:
-    """ONNX Loop: run ``body`` while the trip count allows and its condition holds."""
+def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInfo]) -> Any:
+    """ONNX Loop: run ``body`` while the trip count allows and its condition holds. ``body``'s
+    formal inputs: the iteration number, the condition, the carried values; its outputs: the
+    condition, the carried values, the scan outputs."""
+    reads_i, reads_cond = body.reads(0), body.reads(1)
 
     def loop(trip_count: Any, cond: Any, *rest: Any) -> tuple[Any, ...]:
-        carried, captured = list(rest[:n_carried]), list(rest[n_carried:])
         max_trips = None if trip_count is None else int(np.asarray(trip_count).reshape(-1)[0])
         keep_going = True if cond is None else _bool(cond)
         scans: list[list[Any]] = [[] for _ in scan_infos]
         i = 0
-        while keep_going and (max_trips is None or i < max_trips):
-            outs = body.execute([np.array(i, np.int64), np.array(keep_going), *carried, *captured])
-            keep_going, carried = _bool(outs[0]), list(outs[1:1 + n_carried])
-            for collected, value in zip(scans, outs[1 + n_carried:]):
-                collected.append(value)
-            i += 1
+        with body.start(rest[:n_carried], rest[n_carried:]) as iterations:
+            while keep_going and (max_trips is None or i < max_trips):
+                watched = iterations.run((np.array(i, np.int64) if reads_i else None,
+                                          np.array(keep_going) if reads_cond else None))
+                keep_going = _bool(watched[0])
+                for collected, value in zip(scans, watched[1:]):
+                    collected.append(value)
+                i += 1
+            carried = iterations.carried()
         return (*carried, *(_stack(values, info) for values, info in zip(scans, scan_infos)))
 
     return loop
@@ -60,25 +71,23 @@ def _stack(values: list[Any], info: TensorInfo, axis: int = 0) -> np.ndarray:
     return np.zeros((0, *element), dtype=dtype)  # zero iterations: an empty stack
 
 
-def make_scan(body: Any, n_state: int, n_scan_in: int, n_captured: int, input_axes: Sequence[int],
+def make_scan(body: IteratedBody, n_state: int, n_scan_in: int, input_axes: Sequence[int],
               input_directions: Sequence[int], output_axes: Sequence[int],
               output_directions: Sequence[int], scan_out_infos: Sequence[TensorInfo]) -> Any:
     """ONNX Scan (opset 9 on): iterate ``body`` over slices of the scan inputs, carrying state."""
 
     def scan(*inputs: Any) -> tuple[Any, ...]:
-        state = list(inputs[:n_state])
         scan_in = [np.asarray(x) for x in inputs[n_state:n_state + n_scan_in]]
-        captured = list(inputs[n_state + n_scan_in:])
         axes = [a % x.ndim for a, x in zip(input_axes, scan_in)]
         length = scan_in[0].shape[axes[0]] if scan_in else 0
         collected: list[list[Any]] = [[] for _ in scan_out_infos]
-        for t in range(length):
-            slices = [np.take(x, length - 1 - t if rev else t, axis=ax)
-                      for x, ax, rev in zip(scan_in, axes, input_directions)]
-            outs = body.execute([*state, *slices, *captured])
-            state = list(outs[:n_state])
-            for values, value in zip(collected, outs[n_state:]):
-                values.append(value)
+        with body.start(inputs[:n_state], inputs[n_state + n_scan_in:]) as iterations:
+            for t in range(length):
+                slices = [np.take(x, length - 1 - t if rev else t, axis=ax)
+                          for x, ax, rev in zip(scan_in, axes, input_directions)]
+                for values, value in zip(collected, iterations.run(slices)):
+                    values.append(value)
+            state = iterations.carried()
         results = []
         for values, info, axis, rev in zip(collected, scan_out_infos, output_axes, output_directions):
             stacked = _stack(values[::-1] if rev else values, info)
@@ -114,17 +123,18 @@ def make_batched_scan(scan: Any, n_state: int, n_scan_in: int) -> Any:
     return batched
 
 
-def make_sequence_map(body: Any, n_captured: int, n_outputs: int) -> Any:
+def make_sequence_map(body: IteratedBody, n_captured: int, n_outputs: int) -> Any:
     """ONNX SequenceMap: run ``body`` on the i-th element of every sequence input (tensor inputs
     whole), collecting each body output into a sequence."""
 
     def sequence_map(*inputs: Any) -> tuple[Any, ...]:
         formal, captured = inputs[:len(inputs) - n_captured], inputs[len(inputs) - n_captured:]
         collected: list[list[Any]] = [[] for _ in range(n_outputs)]
-        for i in range(len(formal[0])):
-            args = [x[i] if isinstance(x, list) else x for x in formal]
-            for values, value in zip(collected, body.execute([*args, *captured])):
-                values.append(value)
+        with body.start((), captured) as iterations:
+            for i in range(len(formal[0])):
+                args = [x[i] if isinstance(x, list) else x for x in formal]
+                for values, value in zip(collected, iterations.run(args)):
+                    values.append(value)
         return tuple(collected)
 
     return sequence_map

@@ -1,0 +1,284 @@
+"""Control-flow bodies prepared once at load, so that running one costs its kernels, not a network.
+
+Two things are decided here, before any run:
+
+- ``fold_outer_constants``: an outer constant a body reads (a weight of the model read inside an
+  If branch or a Loop body) becomes a constant of the body, bound in the memory of each backend that
+  reads it once at load, where it was an input imported into that memory at every call.
+- ``IteratedBody``: a Loop, Scan or SequenceMap body as three lists of calls over one list of slots
+  that lives across the iterations of a call: the imports of what the enclosing scope gives
+  (captured values) run once per call, not per iteration; a carried value whose body leaves it in a
+  backend's memory and whose next iteration would import it back there stays there (the two copies
+  or imports are skipped; the one to the host runs once, after the last iteration); and the
+  per-run setup of a loaded network (a slot list, memory managers, output conversion) happens once
+  per call.
+
+A body that runs one run at a time (``exclusive``: fallback memory, captured CUDA graphs) or under
+the debug trace runs as before, through its loaded network's ``execute`` per iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane import debug
+from backplane.ir.graph import Layer
+from backplane.optimizer.optimize import OptimizedNetwork
+from backplane.runtime.loaded_network import (
+    NONE_SLOT,
+    STOP,
+    ExecutionError,
+    LoadedNetwork,
+    RunTerminated,
+    Step,
+)
+
+GLUE = ("MemCopy", "MemImport")
+"""The layers that only move a tensor between memories (a FallbackImport or Sync is not one: it
+waits for its source backend, and its network runs the plain way)."""
+
+
+# -- outer constants -------------------------------------------------------------------------------
+def fold_outer_constants(net: OptimizedNetwork, known: Mapping[str, np.ndarray]) -> OptimizedNetwork:
+    """``net`` (a body) with the outer constants ``known`` among its inputs made constants of its
+    own: the copy or import layers that brought such an input into a backend's memory are dropped
+    and their readers read the constant, which the loaded body binds in their memory once. The
+    body's inputs stay as they are (the enclosing layer still passes the values). ``net`` itself is
+    untouched."""
+    graph = net.graph
+    known = {name: value for name, value in known.items() if name in graph.inputs}
+    if not known:
+        return net
+    renamed: dict[str, str] = {}
+    kept: list[Layer] = []
+    for layer in graph.layers:
+        if _moves_constant(layer, known) and layer.outputs[0] not in graph.outputs:
+            renamed[layer.outputs[0]] = layer.inputs[0]
+            continue
+        kept.append(layer)
+    layers = [dataclasses.replace(layer, inputs=[renamed.get(n, n) for n in layer.inputs])
+              if any(n in renamed for n in layer.inputs) else layer for layer in kept]
+    body = dataclasses.replace(graph, layers=layers, constants={**graph.constants, **known})
+    return dataclasses.replace(net, graph=body)
+
+
+def _moves_constant(layer: Layer, known: Mapping[str, np.ndarray]) -> bool:
+    return layer.op_type in GLUE and len(layer.inputs) == 1 and layer.inputs[0] in known \
+        and len(layer.outputs) == 1 and bool(layer.outputs[0])
+
+
+# -- iterated bodies -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """Where one carried value is read after an iteration and written before the next: the body
+    output's slot (``source``) and the input's (``targets``); or, kept in a backend's memory, the
+    slot the output glue reads and the slots its next iteration's import glue would fill, with the
+    output glue (``to_host``) run once after the last iteration."""
+
+    source: int
+    targets: tuple[int, ...]
+    to_host: Step | None = None
+    host_read: bool = False
+    """Whether the body itself reads the output glue's host value (then it runs every iteration)."""
+
+
+class IteratedBody:
+    """A body run many times in one call: formal inputs (``n_formal``; ``carried`` pairs them with
+    the outputs that feed them back), then the captured values. ``watched``: the output positions
+    read after each iteration (a Loop's condition, scan outputs)."""
+
+    def __init__(self, net: LoadedNetwork, n_formal: int, carried: Sequence[tuple[int, int]],
+                 watched: Sequence[int]) -> None:
+        self.net, self.n_formal = net, n_formal
+        self.carried_inputs = tuple(position for position, _ in carried)
+        self.carried_outputs = tuple(position for _, position in carried)
+        self.varying = tuple(p for p in range(n_formal) if p not in self.carried_inputs)
+        self.watched = tuple(watched)
+        self.plain = net.exclusive or debug.level() >= 2
+        slots, outs = net.input_slots, net.output_slots
+        self.varying_slots = tuple(slots[p] for p in self.varying)
+        self.captured_slots = tuple(slots[n_formal:])
+        self.watched_slots = tuple(outs[p] for p in self.watched)
+        steps, layers = list(net.host_plan.steps), list(net.host_plan.layers)
+        hoisted = [i for i, (step, layer) in enumerate(zip(steps, layers))
+                   if _is_glue(step, layer) and step.inputs[0] in self.captured_slots]
+        self.state = [_carried(steps, layers, slots[i], outs[o], set(hoisted), outs)
+                      for i, o in carried]
+        bridged_out = {i for c in self.state for i, step in enumerate(steps)
+                       if step is c.to_host and not c.host_read}
+        bridged_in = {i for c, (p, _) in zip(self.state, carried) if c.to_host is not None
+                      for i, step in enumerate(steps) if slots[p] in step.inputs}
+        keep = {*outs, *(c.source for c in self.state)}
+        self.hoisted = _with_frees([steps[i] for i in hoisted], set())
+        first = [s for i, s in enumerate(steps) if i not in {*hoisted, *bridged_out}]
+        self.first = _with_frees(first, keep)
+        self.rest = _with_frees([s for i, s in enumerate(steps)
+                                 if i not in {*hoisted, *bridged_out, *bridged_in}], keep)
+        self.layer_of = {id(step.workload): layer for step, layer in zip(steps, layers)}
+
+    def start(self, carried: Sequence[Any], captured: Sequence[Any]) -> Iterations:
+        """The iterations of one call, from the carried values' initial values."""
+        if self.plain:
+            return PlainIterations(self, carried, captured)
+        return Iterations(self, carried, captured)
+
+    def reads(self, position: int) -> bool:
+        """Whether an iteration reads formal input ``position`` (a Loop's iteration number or
+        condition often is not read: the driver need not make it)."""
+        slot = self.net.input_slots[position]
+        return slot in self.net.output_slots or any(slot in step.inputs for step in self.first)
+
+    def execute(self, steps: Sequence[Step], env: list[Any], stop: Any = None) -> None:
+        """Call ``steps`` over ``env`` (a loaded network's run loop, its errors named the same way);
+        ``stop``: the run's check before each step, if any (``STOP``)."""
+        step = None
+        try:
+            for step in steps:
+                if stop is not None:
+                    stop()
+                results = step.workload(*[env[i] for i in step.inputs])
+                for i, value in zip(step.outputs, results):
+                    env[i] = value
+                for i in step.frees:
+                    env[i] = None
+        except RunTerminated:
+            raise
+        except Exception as exc:
+            layer = self.layer_of[id(step.workload)] if step is not None else None
+            where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
+            raise ExecutionError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+    def execute_one(self, step: Step, value: Any) -> Any:
+        """``step``'s workload on one value (a carried value's glue to the host); its output."""
+        env = [None, value]
+        self.execute([dataclasses.replace(step, inputs=(1,), outputs=(1,), frees=())], env,
+                     STOP.get())
+        return env[1]
+
+
+class Iterations:
+    """One call's iterations over one list of slots (see ``IteratedBody``); a context manager that
+    holds the body's memory managers for the call."""
+
+    def __init__(self, body: IteratedBody, carried: Sequence[Any], captured: Sequence[Any]) -> None:
+        self.body, self.count, self.stop = body, 0, STOP.get()
+        self.values = list(carried)  # the carried values after the last iteration
+        self.env = env = body.net.slots()
+        for slot, value in zip(body.captured_slots, captured):
+            env[slot] = value
+        for position, value in zip(body.carried_inputs, carried):
+            env[body.net.input_slots[position]] = value
+
+    def __enter__(self) -> Iterations:
+        for manager in self.body.net.memory_managers:
+            manager.acquire()
+        self.body.execute(self.body.hoisted, self.env, self.stop)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for manager in self.body.net.memory_managers:
+            manager.release()
+
+    def run(self, varying: Sequence[Any]) -> list[Any]:
+        """One iteration on the formal inputs that are not carried; the watched outputs."""
+        body, env = self.body, self.env
+        env[NONE_SLOT] = None  # an absent output of the last iteration may have written it
+        for slot, value in zip(body.varying_slots, varying):
+            env[slot] = value
+        body.execute(body.rest if self.count else body.first, env, self.stop)
+        watched = [env[slot] for slot in body.watched_slots]
+        self.values = [env[c.source] for c in body.state]  # all read before any is written
+        for carried, value in zip(body.state, self.values):
+            for slot in carried.targets:
+                env[slot] = value
+        self.count += 1
+        return watched
+
+    def carried(self) -> list[Any]:
+        """The carried values after the last iteration, each in host memory as the body gives it."""
+        if not self.count:
+            return self.values
+        final = []
+        for carried, value in zip(self.body.state, self.values):
+            if carried.to_host is not None:
+                value = self.body.execute_one(carried.to_host, value)
+            final.append(np.asarray(value) if isinstance(value, np.generic) else value)
+        return final
+
+
+class PlainIterations(Iterations):
+    """The same iterations through the loaded network's ``execute`` (an exclusive or traced body)."""
+
+    def __init__(self, body: IteratedBody, carried: Sequence[Any], captured: Sequence[Any]) -> None:
+        self.body, self.count = body, 0
+        self.values, self.captured = list(carried), list(captured)
+
+    def __enter__(self) -> Iterations:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def run(self, varying: Sequence[Any]) -> list[Any]:
+        body = self.body
+        inputs: list[Any] = [None] * body.n_formal
+        for position, value in zip(body.varying, varying):
+            inputs[position] = value
+        for position, value in zip(body.carried_inputs, self.values):
+            inputs[position] = value
+        outputs = body.net.execute([*inputs, *self.captured])
+        self.values = [outputs[p] for p in body.carried_outputs]
+        self.count += 1
+        return [outputs[p] for p in body.watched]
+
+    def carried(self) -> list[Any]:
+        return self.values
+
+
+def _is_glue(step: Step, layer: Layer) -> bool:
+    return layer.op_type in GLUE and len(step.inputs) == 1 and len(step.outputs) == 1
+
+
+def _factory_id(layer: Layer, side: str) -> Any:
+    return getattr(layer.attrs.get(side), "id", None)
+
+
+def _carried(steps: Sequence[Step], layers: Sequence[Layer], given: int, made: int,
+             hoisted: set[int], outputs: Sequence[int]) -> Carried:
+    """How a carried value goes from the body output in slot ``made`` to the input slot ``given``:
+    kept in its backend's memory where the body's last glue brings it to the host and only glue
+    back into the same memory reads the input; otherwise through the host, as the body gives it."""
+    plain = Carried(made, (given,))
+    producers = [i for i, step in enumerate(steps) if made in step.outputs]
+    if made == given or given in outputs or outputs.count(made) != 1 or len(producers) != 1 \
+            or producers[0] in hoisted:
+        return plain  # the body gives the input back, or the output twice, or not from a layer
+    out, out_layer = steps[producers[0]], layers[producers[0]]
+    readers = [i for i, step in enumerate(steps) if given in step.inputs]
+    if not _is_glue(out, out_layer) or not readers:
+        return plain
+    memory = _factory_id(out_layer, "source")
+    if memory is None or any(not _is_glue(steps[i], layers[i])
+                             or _factory_id(layers[i], "target") != memory for i in readers):
+        return plain
+    return Carried(out.inputs[0], tuple(steps[i].outputs[0] for i in readers), out,
+                   any(made in step.inputs for step in steps))
+
+
+def _with_frees(steps: Sequence[Step], keep: set[int]) -> tuple[Step, ...]:
+    """``steps`` with each slot they make freed after its last reader among them, but ``keep``."""
+    made = {slot for step in steps for slot in step.outputs if slot != NONE_SLOT}
+    last: dict[int, int] = {}
+    for index, step in enumerate(steps):
+        for slot in step.inputs:
+            last[slot] = index
+    frees: dict[int, list[int]] = {}
+    for slot, index in last.items():
+        if slot in made and slot not in keep:
+            frees.setdefault(index, []).append(slot)
+    return tuple(dataclasses.replace(step, frees=tuple(frees.get(i, ())))
+                 for i, step in enumerate(steps))
