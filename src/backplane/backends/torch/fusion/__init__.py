@@ -45,7 +45,11 @@ from backplane.backends.torch.fusion.qlinear import (
     match_qlinear_matmul,
     qlinear_workload,
 )
-from backplane.backends.torch.fusion.quantized import match_quant_dequant, quant_dequant_workload
+from backplane.backends.torch.fusion.quantized import (
+    match_quant_dequant,
+    quant_dequant_workload,
+    then_quant_dequant,
+)
 from backplane.backends.torch.fusion.squeeze_excite import (
     match_squeeze_excite,
     squeeze_excite_workload,
@@ -101,7 +105,8 @@ def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[La
 
 
 MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {
-    "Conv": match_conv, "GlobalAveragePool": match_squeeze_excite,
+    "Conv": then_quant_dequant(match_conv), "GlobalAveragePool": match_squeeze_excite,
+    "Gemm": then_quant_dequant(match_linear), "MatMul": then_quant_dequant(match_linear),
     "QuantizeLinear": match_quant_dequant, "QLinearConv": match_qlinear_conv,
     "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul}
 """The first layer of a pattern -> its matcher (any other layer may start a Linear)."""

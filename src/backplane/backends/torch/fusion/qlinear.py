@@ -112,7 +112,7 @@ def _requant(layer: Layer, ctx: Context, x_scale: np.ndarray, w_scale: np.ndarra
         return None
     multiplier = x_scale.astype(F32).reshape(()) * w_scale.astype(F32) / y_scale.astype(F32).reshape(())
     multiplier = multiplier.reshape(shape) if multiplier.size > 1 else multiplier.reshape(())
-    return {"multiplier": np.ascontiguousarray(multiplier, F32), "y_zero": zero[0],
+    return {"multiplier": np.array(multiplier, F32), "y_zero": zero[0],
             "y_low": zero[1][0], "y_high": zero[1][1]}
 
 
@@ -192,25 +192,36 @@ def match_qlinear_matmul(matmul: Layer, ctx: Context) -> tuple[list[Layer], Laye
 def qlinear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     """Centre (or quantize) the input, the product by the measured route, requantize, and
     dequantize, add and activate where the layer took those."""
-    import torch
-
     from backplane.backends.torch.fusion.conv import conv_workload
     from backplane.backends.torch.fusion.linear import linear_workload
 
     a = layer.attrs
     product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(layer, backend)
-    into = torch_params(a["into"]) if a["into"] is not None else None
-    x_zero, dtype = a["x_zero"], compute_type(a)  # bfloat16 inside a Reduced layer: not exact
-    multiplier = _double(a["multiplier"])
-    finish = _finisher(a)
+    centre, finish = _centring(a), _finisher(a)
 
     def run(x):
-        centred = to_grid(x, into) if into is not None else x.to(dtype)
-        (acc,) = product(centred.sub_(x_zero))
-        y = torch.round(acc.double().mul_(multiplier)).add_(a["y_zero"]).clamp_(a["y_low"], a["y_high"])
-        return (finish(y),)
+        (acc,) = product(centre(x))
+        return (finish(acc),)
     run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
     return run
+
+
+def _centring(a: dict[str, Any]) -> Any:
+    """The input minus its zero point, in float32 (bfloat16 inside a Reduced layer: not exact):
+    quantized first where the layer took the QuantizeLinear (with its zero point the layer's, the
+    clamp is moved by it: clamp(r + z, low, high) - z is clamp(r, low - z, high - z), and a NaN,
+    quantized to 0, centres to -z)."""
+    import torch
+
+    x_zero, dtype = a["x_zero"], compute_type(a)
+    if a["into"] is None:
+        return lambda x: x.to(dtype).sub_(x_zero)
+    into = torch_params(a["into"])
+    scale, zero, low, high = into
+    if zero.__class__ is float and zero == x_zero:
+        return lambda x: torch.div(x, scale).round_().clamp_(low - zero, high - zero) \
+            .nan_to_num_(-zero)
+    return lambda x: to_grid(x, into).sub_(x_zero)
 
 
 def _double(value: np.ndarray) -> Any:
@@ -221,23 +232,30 @@ def _double(value: np.ndarray) -> Any:
 
 
 def _finisher(a: dict[str, Any]) -> Any:
-    """The requantized float64 integers to the layer's output: its integer type, or dequantized
-    (the product of an integer and a float32 scale in float64, rounded once to float32, is
-    CpuRef's), plus the constant, then the activation."""
+    """The integer product to the layer's output: requantized in float64, rint(acc * multiplier)
+    + z, saturated; then its integer type, or dequantized (the product of an integer and a float32
+    scale in float64, rounded once to float32, is CpuRef's; with the DequantizeLinear's zero point
+    the requantization's, the clamp moves by it as in ``_centring``), plus the constant, then the
+    activation."""
     import torch
 
     from backplane.backends.torch.backend import _numpy_to_torch
 
+    multiplier, y_zero, low, high = _double(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
     if a["back"] is None:
-        dtype = next(t for t, (low, high) in _TORCH_RANGES().items()
-                     if (low, high) == (a["y_low"], a["y_high"]))
-        return lambda y: y.to(dtype)
+        dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
+        return lambda acc: torch.round(acc.double().mul_(multiplier)).add_(y_zero) \
+            .clamp_(low, high).to(dtype)
     scale, zero = (_double(a["back"][k]) for k in ("scale", "zero"))
     add = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     post = torch_post_op(a["activation"])
+    same = zero.__class__ is float and zero == y_zero
 
-    def finish(y):
-        out = y.sub_(zero).mul_(scale).to(torch.float32)
+    def finish(acc):
+        y = torch.round(acc.double().mul_(multiplier))
+        y = y.clamp_(low - y_zero, high - y_zero) if same else \
+            y.add_(y_zero).clamp_(low, high).sub_(zero)
+        out = y.mul_(scale).to(torch.float32)
         out = out.add_(add) if add is not None else out
         return post(out) if post else out
     return finish
@@ -286,7 +304,7 @@ def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], La
         bias, out = np.ascontiguousarray(constant), add.outputs[0]  # type: ignore[union-attr]
     attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None, "input_shape": list(info.shape),
              "unary": None, "binary": False, "output_shape": None,
-             "w_scale": np.ascontiguousarray(w_scale.reshape(-1) if w_scale.size > 1 else w_scale.reshape(())),
+             "w_scale": np.array(w_scale.reshape(-1) if w_scale.size > 1 else w_scale.reshape(()), F32),
              "add": bias}
     fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x], [out], attrs,
                   FUSED_DOMAIN, 1)
@@ -308,17 +326,33 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
 
     from backplane.backends.torch.backend import _numpy_to_torch
     from backplane.backends.torch.fusion.linear import linear_workload
-    from backplane.backends.torch.kernels.numeric import dynamic_quantize_linear
 
     a = layer.attrs
     product = linear_workload(layer, backend)
-    w_scale = _numpy_to_torch(a["w_scale"])
+    w_scale = a["w_scale"]
     bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
-    dtype = compute_type(a)  # bfloat16 inside a Reduced layer: not exact
 
     def run(x):
-        q, scale, zero = dynamic_quantize_linear(x)
-        (acc,) = product(q.to(dtype).sub_(zero.to(dtype)))
-        y = acc.mul_(scale * w_scale)
+        centred, scale = _dynamic_grid(x)
+        (acc,) = product(centred)
+        factor = scale * w_scale  # the graph's Mul of the two scales, in float32
+        y = acc.mul_(float(factor) if factor.ndim == 0 else torch.from_numpy(factor))
         return (y.add_(bias) if bias is not None else y,)
     return run
+
+
+def _dynamic_grid(x: Any) -> tuple[Any, np.float32]:
+    """DynamicQuantizeLinear's uint8 x minus its zero point (float32 integers, a new tensor) and
+    its scale: the range, scale and zero point on the host as CpuRef computes them
+    (``reference/kernels/quant.dynamic_quantize_linear``: a NaN in x gives the range NaN, scale 1
+    and zero point 0), then one pass over x (clamp moved by the zero point as in ``_centring``)."""
+    import torch
+
+    lowest, highest = torch.aminmax(x)
+    low, high = min(float(lowest), 0.0), max(float(highest), 0.0)
+    with np.errstate(all="ignore"):
+        scale = np.float32((high - low) / 255) if high > low else np.float32(1.0)
+        zero = float(np.clip(np.rint(np.float32(0 - low) / scale), 0, 255))
+    zero = 0.0 if zero != zero else zero  # NaN's uint8 is 0, as CpuRef's cast makes it
+    centred = torch.div(x, float(scale)).round_().clamp_(-zero, 255 - zero).nan_to_num_(-zero)
+    return centred, scale

@@ -20,6 +20,7 @@ for the tensor) and ``to_grid`` (x quantized, as float32 integers).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import F32, Context
 from backplane.ir.graph import Layer
+
+Matcher = Callable[[Layer, Context], "tuple[list[Layer], Layer] | None"]
 
 RANGES = {np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
           for t in (np.int8, np.uint8, np.int16, np.uint16)}
@@ -59,8 +62,9 @@ def quant_params(layer: Layer, ctx: Context, scale_at: int, rank: int | None,
         shape = [-1 if d == axis else 1 for d in range(rank)]
         scale, zero = scale.reshape(shape), zero.reshape(shape)
     low, high = RANGES[dtype]
-    return {"scale": np.ascontiguousarray(scale.reshape(scale.shape if scale.size > 1 else ())),
-            "zero": np.ascontiguousarray(zero.reshape(zero.shape if zero.size > 1 else ())),
+    # np.array, not np.ascontiguousarray: that makes a 0-d scale 1-d
+    return {"scale": np.array(scale.reshape(scale.shape if scale.size > 1 else ()), F32),
+            "zero": np.array(zero.reshape(zero.shape if zero.size > 1 else ()), F32),
             "low": low, "high": high}
 
 
@@ -75,8 +79,42 @@ def _declared_type(layer: Layer) -> np.dtype:
 def match_quant_dequant(quantize: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
     """QuantizeLinear -> DequantizeLinear of a float32 tensor, constant scales and zero points,
     the integer tensor read by the DequantizeLinear alone."""
-    x, q = quantize.inputs[0], quantize.outputs[0]
-    dequantize = ctx.sole(q)
+    found = _pair(quantize.inputs[0], ctx, quantize)
+    if found is None:
+        return None
+    group, attrs = found
+    fused = Layer("+".join(lay.name for lay in group), "QuantDequant", [quantize.inputs[0]],
+                  [group[-1].outputs[0]], {**attrs, "layers": []}, FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def then_quant_dequant(matcher: Matcher) -> Matcher:
+    """``matcher`` (Conv's, Gemm's, MatMul's), its fused layer taking the QuantizeLinear ->
+    DequantizeLinear pair that alone reads its output: one QuantDequant layer holding it, the
+    round trip done in place on its result (one layer call and one tensor fewer)."""
+    def match(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+        found = matcher(layer, ctx)
+        if found is None:
+            return None
+        group, fused = found
+        quantize = ctx.sole(fused.outputs[0])
+        pair = _pair(fused.outputs[0], ctx, quantize) if quantize is not None else None
+        if pair is None:
+            return found
+        taken, attrs = pair
+        wrapped = Layer("+".join(lay.name for lay in [fused, *taken]), "QuantDequant",
+                        list(fused.inputs), [taken[-1].outputs[0]], {**attrs, "layers": [fused]},
+                        FUSED_DOMAIN, 1)
+        return [*group, *taken], wrapped
+    return match
+
+
+def _pair(x: str, ctx: Context, quantize: Layer) -> tuple[list[Layer], dict[str, Any]] | None:
+    """``quantize`` and the DequantizeLinear after it, with their parameters, where they round-trip
+    the float32 tensor ``x`` (see ``match_quant_dequant``)."""
+    if quantize.op_type != "QuantizeLinear" or quantize.domain or quantize.inputs[0] != x:
+        return None
+    dequantize = ctx.sole(quantize.outputs[0])
     if dequantize is None or dequantize.op_type != "DequantizeLinear" or dequantize.domain:
         return None
     if ctx.graph.info(x).dtype != F32 or dequantize.attrs.get("output_dtype", 0) not in (0, 1):
@@ -86,10 +124,7 @@ def match_quant_dequant(quantize: Layer, ctx: Context) -> tuple[list[Layer], Lay
     into, back = quant_params(quantize, ctx, 1, rank), quant_params(dequantize, ctx, 1, rank)
     if into is None or back is None or (into["low"], into["high"]) != (back["low"], back["high"]):
         return None
-    attrs = {"into": into, "back": back}
-    fused = Layer(f"{quantize.name}+{dequantize.name}", "QuantDequant", [x],
-                  [dequantize.outputs[0]], attrs, FUSED_DOMAIN, 1)
-    return [quantize, dequantize], fused
+    return [quantize, dequantize], {"into": into, "back": back}
 
 
 def torch_params(params: dict[str, Any]) -> tuple[Any, Any, int, int]:
@@ -113,10 +148,41 @@ def to_grid(x: Any, params: tuple[Any, Any, int, int]) -> Any:
 
 
 def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
-    """The round trip on one new tensor: to the grid, then back with the DequantizeLinear's scale."""
-    into = torch_params(layer.attrs["into"])
-    scale, zero, _, _ = torch_params(layer.attrs["back"])
+    """The round trip (on the result of the layer it holds, in place, where it holds one)."""
+    round_trip = _round_trip(layer.attrs["into"], layer.attrs["back"])
+    if not layer.attrs["layers"]:
+        return lambda x: (round_trip(x, False),)
+    (inner,) = layer.attrs["layers"]
+    first = backend.fused_workloads()[inner.op_type](inner, backend, inputs)
 
-    def run(x):
-        return (to_grid(x, into).sub_(zero).mul_(scale),)
+    def run(*values):
+        (y,) = first(*values)
+        return (round_trip(y, True),)
+    run.route = getattr(first, "route", None)  # type: ignore[attr-defined]
+    run.weights = getattr(first, "weights", ())  # type: ignore[attr-defined]
     return run
+
+
+def _round_trip(into: dict[str, Any], back: dict[str, Any]) -> Callable[[Any, bool], Any]:
+    """t quantized and dequantized, in t's memory where ``fresh`` (nothing else holds it).
+
+    With one scale and zero point z for both (the QDQ format's case), (clamp(r + z, low, high) - z)
+    is clamp(r, low - z, high - z) on integers, and a NaN (quantized to 0) comes back as -z * s:
+    five calls instead of seven."""
+    import torch
+
+    scale, zero, low, high = torch_params(into)
+    same = scale.__class__ is float and all(
+        np.array_equal(into[k], back[k]) for k in ("scale", "zero"))
+    if same:
+        def simple(t, fresh):
+            t = t.div_(scale) if fresh else torch.div(t, scale)
+            return t.round_().clamp_(low - zero, high - zero).nan_to_num_(-zero).mul_(scale)
+        return simple
+    out_scale, out_zero, _, _ = torch_params(back)
+
+    def general(t, fresh):
+        t = t.div_(scale) if fresh else torch.div(t, scale)
+        t = t.round_().add_(zero).clamp_(low, high).nan_to_num_(0.0)
+        return t.sub_(out_zero).mul_(out_scale)
+    return general

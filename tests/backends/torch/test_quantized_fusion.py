@@ -1,0 +1,256 @@
+"""CpuAcc's quantized fusions (fusion/quantized.py, fusion/qlinear.py): which patterns become one
+layer, and that it computes CpuRef's values: bit for bit where the layers' arithmetic is exact
+(QuantizeLinear -> DequantizeLinear, QLinearConv, QLinearMatMul, DynamicQuantizeLinear ->
+MatMulInteger), within one quantization step where a float convolution precedes the rounding.
+
+The inputs hold what a wrong fusion gets wrong: values exactly halfway between two steps (rint
+rounds them to even; torch's fake_quantize, which multiplies by 1 / s, does not), values past
+both ends of the integer type (saturation), non-zero and per-channel zero points, NaN and
+infinities (a NaN quantizes to 0, as CpuRef's cast makes it), and, for the integer products,
+a multiplier of exactly 1/2 (every odd sum a tie)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from tests.conftest import float_input, make_model  # noqa: E402
+
+RNG = np.random.default_rng(29)
+ort = pytest.importorskip("onnxruntime")
+
+
+def _init(name: str, value: np.ndarray | float | int, dtype: type = np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype), name)
+
+
+def placed_types(session: InferenceSession) -> list[str]:
+    return [layer.op_type for layer in session.optimized.graph.layers
+            if layer.op_type not in ("MemCopy", "MemImport")]
+
+
+def held(session: InferenceSession) -> list[str]:
+    """The op types the QuantDequant layers hold (a FusedConv, a Linear), in order."""
+    return [inner.op_type for layer in session.optimized.graph.layers
+            if layer.op_type == "QuantDequant" for inner in layer.attrs["layers"]]
+
+
+def run_both(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
+             ) -> tuple[InferenceSession, np.ndarray, np.ndarray]:
+    """The CpuAcc session, its output and CpuRef's."""
+    session = InferenceSession(model, backends=["CpuAcc"])
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    return session, session.run(None, feeds)[0], expected
+
+
+def ort_output(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def hard_values(shape: tuple[int, ...], scale: np.ndarray, zero: np.ndarray, axis: int,
+                low: int, high: int) -> np.ndarray:
+    """Random values with, along ``axis``'s channels' own scale: ties (k + 1/2 steps), values a
+    few steps past both ends, NaN, +-inf and -0.0 at fixed places."""
+    x = RNG.standard_normal(shape).astype(np.float32) * 2
+    steps = np.broadcast_to(scale.reshape([-1 if d == axis else 1 for d in range(len(shape))])
+                            if scale.size > 1 else scale, shape)
+    flat, per = x.reshape(-1), steps.reshape(-1)
+    ties = RNG.integers(-140, 140, flat.size // 3) + 0.5
+    flat[: ties.size] = (ties * per[: ties.size]).astype(np.float32)
+    ends = np.concatenate([np.full(4, high + 3), np.full(4, low - 3)]) - float(np.max(zero))
+    flat[-len(ends) - 4:-4] = ends * per[-len(ends) - 4:-4]
+    flat[-4:] = [np.nan, np.inf, -np.inf, -0.0]
+    return RNG.permutation(flat).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+@pytest.mark.parametrize("same", [True, False], ids=["same-params", "other-dequantize"])
+def test_quantize_dequantize_pair_is_one_exact_layer(dtype: type, per_channel: bool,
+                                                    same: bool) -> None:
+    info = np.iinfo(dtype)
+    shape = (2, 6, 5, 7)
+    scale = (RNG.uniform(0.005, 0.05, 6) if per_channel else np.array(0.0173)).astype(np.float32)
+    zero = (RNG.integers(info.min + 20, info.max - 20, scale.shape)).astype(dtype)
+    back_scale, back_zero = (scale, zero) if same else (scale * np.float32(1.5), zero // 2)
+    inits = [_init("s", scale), _init("z", zero, dtype), _init("s2", back_scale),
+             _init("z2", back_zero, dtype)]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=1),
+             helper.make_node("DequantizeLinear", ["q", "s2", "z2"], ["y"], axis=1)]
+    model = make_model(nodes, [float_input("x", shape)], [float_input("y", shape)], inits)
+    feeds = {"x": hard_values(shape, scale, zero, 1, info.min, info.max)}
+    session, got, want = run_both(model, feeds)
+    assert placed_types(session) == ["QuantDequant"]
+    np.testing.assert_array_equal(got, want)  # NaN where CpuRef has NaN (none: NaN -> 0 -> -z * s)
+    finite = np.isfinite(feeds["x"])
+    np.testing.assert_array_equal(got[finite], ort_output(model, feeds)[finite])
+
+
+def qdq_conv_model(activation: str | None) -> tuple[onnx.ModelProto, float]:
+    """QDQ as ONNX Runtime writes it: x -> Q -> DQ -> Conv(DQ(int8 per-channel weight), bias)
+    [-> activation] -> Q -> DQ -> Gemm(DQ(weight)) -> Q -> DQ; and the last step's scale."""
+    w = RNG.integers(-127, 128, (8, 4, 3, 3)).astype(np.int8)
+    fc = RNG.integers(-127, 128, (5, 8 * 6 * 6)).astype(np.int8)
+    inits = [_init("xs", 0.02), _init("xz", 131, np.uint8), _init("w", w, np.int8),
+             _init("ws", RNG.uniform(0.002, 0.01, 8)), _init("wz", np.zeros(8), np.int8),
+             _init("b", RNG.standard_normal(8) * 0.1), _init("cs", 0.05), _init("cz", 17, np.uint8),
+             _init("fc", fc, np.int8), _init("fs", 0.001), _init("fz", 0, np.int8),
+             _init("shape", [1, -1], np.int64), _init("ys", 0.01), _init("yz", 120, np.uint8)]
+    node = helper.make_node
+    nodes = [node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0),
+             node("Conv", ["xd", "wd", "b"], ["c"], pads=[1, 1, 1, 1])]
+    last = "c"
+    if activation:
+        nodes.append(node(activation, ["c"], ["a"]))
+        last = "a"
+    nodes += [node("QuantizeLinear", [last, "cs", "cz"], ["cq"]),
+              node("DequantizeLinear", ["cq", "cs", "cz"], ["cd"]),
+              node("Reshape", ["cd", "shape"], ["flat"]),
+              node("DequantizeLinear", ["fc", "fs", "fz"], ["fd"]),
+              node("Gemm", ["flat", "fd"], ["g"], transB=1),
+              node("QuantizeLinear", ["g", "ys", "yz"], ["gq"]),
+              node("DequantizeLinear", ["gq", "ys", "yz"], ["y"])]
+    model = make_model(nodes, [float_input("x", [1, 4, 6, 6])], [float_input("y", [1, 5])], inits)
+    return model, 0.01
+
+
+@pytest.mark.parametrize("activation", [None, "Relu"])
+def test_qdq_conv_and_gemm_take_their_quantize_dequantize(activation: str | None) -> None:
+    model, step = qdq_conv_model(activation)
+    feeds = {"x": RNG.standard_normal((1, 4, 6, 6)).astype(np.float32)}
+    session, got, want = run_both(model, feeds)
+    assert held(session) == ["FusedConv", "Linear"], placed_types(session)
+    # the float convolution's sums may round a tie the other way: one step at most
+    assert float(np.max(np.abs(got - want))) <= step * 1.001
+    assert float(np.max(np.abs(got - ort_output(model, feeds)))) <= step * 1.001
+
+
+def qlinear_conv_model(quantized_io: bool, group: int, dtype: type) -> onnx.ModelProto:
+    """[x -> Q ->] QLinearConv (uint8 weights with per-channel zero points, per-channel scales,
+    an int32 bias, multiplier exactly 1/2 for channel 0) [-> DQ -> Relu]."""
+    info = np.iinfo(dtype)
+    channels, per_group = 6, 6 // group
+    w = RNG.integers(0, 256, (channels, per_group, 3, 3)).astype(np.uint8)
+    w_scale = RNG.uniform(0.3, 0.9, channels).astype(np.float32)
+    w_scale[0] = 0.5  # x_scale 1, y_scale 1: acc * 1/2, a tie at every odd sum
+    inits = [_init("xs", 1.0), _init("xz", info.min + 77, dtype), _init("w", w, np.uint8),
+             _init("ws", w_scale), _init("wz", RNG.integers(100, 150, channels), np.uint8),
+             _init("ys", 1.0), _init("yz", info.min + 90, dtype),
+             _init("b", RNG.integers(-400, 400, channels), np.int32)]
+    conv = helper.make_node("QLinearConv", ["xq", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"],
+                            ["yq"], pads=[1, 0, 1, 2], strides=[1, 2], group=group)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    if not quantized_io:
+        graph_in = helper.make_tensor_value_info("xq", elem, [1, channels, 7, 8])
+        graph_out = helper.make_tensor_value_info("yq", elem, None)
+        return make_model([conv], [graph_in], [graph_out], inits)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), conv,
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
+             helper.make_node("Relu", ["yd"], ["y"])]
+    return make_model(nodes, [float_input("x", [1, channels, 7, 8])], [float_input("y", None)],
+                      inits)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("group", [1, 3, 6])
+@pytest.mark.parametrize("quantized_io", [True, False], ids=["float-in-out", "integer-in-out"])
+def test_qlinear_conv_is_one_layer_bit_for_bit(quantized_io: bool, group: int, dtype: type) -> None:
+    model = qlinear_conv_model(quantized_io, group, dtype)
+    info = np.iinfo(dtype)
+    if quantized_io:  # every step from far below to far above the type's range, NaN, +-inf
+        x = np.round(RNG.uniform(-260, 260, (1, 6, 7, 8)) * 2) / 2
+        x.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+        feeds = {"x": x.astype(np.float32)}
+    else:
+        feeds = {"xq": RNG.integers(info.min, info.max + 1, (1, 6, 7, 8)).astype(dtype)}
+    session, got, want = run_both(model, feeds)
+    assert placed_types(session) == ["QLinearConv"]
+    assert {lay.domain for lay in session.optimized.graph.layers if lay.op_type == "QLinearConv"} \
+        == {"backplane.torch"}  # CpuAcc's, not the integer kernel
+    np.testing.assert_array_equal(got, want)
+    if not quantized_io:  # the requantized sums reach both ends of the type
+        assert got.min() == info.min and got.max() == info.max
+    if not quantized_io and dtype == np.uint8:  # ORT has no int8 x uint8 QLinearConv
+        np.testing.assert_array_equal(got, ort_output(model, feeds))
+
+
+def qlinear_matmul_model(per_column: bool) -> onnx.ModelProto:
+    """x -> Q -> QLinearMatMul(int8 weight) -> DQ -> Add(bias): ONNX Runtime's QOperator Gemm."""
+    k, n = 24, 5
+    b_scale = RNG.uniform(0.004, 0.01, n if per_column else ()).astype(np.float32)
+    b_zero = RNG.integers(-5, 5, n if per_column else ()).astype(np.int8)
+    inits = [_init("as", 0.03), _init("az", 128, np.uint8),
+             _init("b", RNG.integers(-127, 128, (k, n)), np.int8), _init("bs", b_scale),
+             _init("bz", b_zero, np.int8), _init("ys", 0.004), _init("yz", 110, np.uint8),
+             _init("bias", RNG.standard_normal(n))]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "as", "az"], ["xq"]),
+             helper.make_node("QLinearMatMul", ["xq", "as", "az", "b", "bs", "bz", "ys", "yz"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
+             helper.make_node("Add", ["yd", "bias"], ["y"])]
+    return make_model(nodes, [float_input("x", [2, 3, k])], [float_input("y", [2, 3, n])], inits)
+
+
+@pytest.mark.parametrize("per_column", [False, True], ids=["per-tensor", "per-column"])
+def test_qlinear_matmul_with_bias_is_one_layer_bit_for_bit(per_column: bool) -> None:
+    model = qlinear_matmul_model(per_column)
+    feeds = {"x": (RNG.standard_normal((2, 3, 24)) * 3).astype(np.float32)}
+    session, got, want = run_both(model, feeds)
+    assert placed_types(session) == ["QLinearMatMul"]
+    np.testing.assert_array_equal(got, want)
+    assert float(np.max(np.abs(got - ort_output(model, feeds)))) <= 0.004 * 1.001
+
+
+def dynamic_model(k: int, weight: np.ndarray | None = None) -> onnx.ModelProto:
+    """What quantize_dynamic writes for x @ W + bias: DynamicQuantizeLinear, MatMulInteger,
+    Cast, Mul by the product of the two scales, Add."""
+    n = 7
+    w = RNG.integers(-127, 128, (k, n)).astype(np.int8) if weight is None else weight
+    inits = [_init("w", w, w.dtype.type), _init("wz", 3, w.dtype.type),
+             _init("ws", RNG.uniform(0.001, 0.01, n)), _init("bias", RNG.standard_normal(n))]
+    node = helper.make_node
+    nodes = [node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             node("Mul", ["xs", "ws"], ["scales"]),
+             node("MatMulInteger", ["xq", "w", "xz", "wz"], ["acc"]),
+             node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+             node("Mul", ["accf", "scales"], ["m"]),
+             node("Add", ["bias", "m"], ["y"])]
+    return make_model(nodes, [float_input("x", [3, 4, k])], [float_input("y", [3, 4, n])], inits)
+
+
+@pytest.mark.parametrize("case", ["random", "all-positive", "nan", "constant"])
+def test_dynamic_quantization_matmul_is_one_layer_bit_for_bit(case: str) -> None:
+    model = dynamic_model(32)
+    x = (RNG.standard_normal((3, 4, 32)) * 2).astype(np.float32)
+    if case == "all-positive":  # the range widened to include 0: zero point 0
+        x = np.abs(x) + 0.5
+    elif case == "nan":
+        x[1, 2, 3] = np.nan
+    elif case == "constant":
+        x = np.full_like(x, 0.0)
+    feeds = {"x": x}
+    session, got, want = run_both(model, feeds)
+    assert placed_types(session) == ["DynamicQuantMatMul"]
+    np.testing.assert_array_equal(got, want)
+    if case != "nan":  # ONNX Runtime's float32 steps round a few values one ulp apart
+        np.testing.assert_allclose(got, ort_output(model, feeds), rtol=1e-6, atol=1e-7)
+
+
+def test_products_that_float32_cannot_hold_exactly_stay_integer_layers() -> None:
+    """uint8 weights of 255 over 300 inputs: sums up to 255 * 255 * 300, past 2^24: no fusion,
+    the layers run as they are, and the answer is CpuRef's all the same."""
+    model = dynamic_model(300, np.full((300, 7), 255, np.uint8))
+    feeds = {"x": np.abs(RNG.standard_normal((3, 4, 300))).astype(np.float32)}
+    session, got, want = run_both(model, feeds)
+    assert "DynamicQuantMatMul" not in placed_types(session)
+    assert "MatMulInteger" in placed_types(session)
+    np.testing.assert_array_equal(got, want)
