@@ -3,6 +3,8 @@
 Usage:
     python bench/control_flow.py                  # 3 rounds, 2 threads
     python bench/control_flow.py --rounds 5 --json control_flow.json
+    git archive <commit> src | tar -x -C /tmp/before
+    python bench/control_flow.py --before /tmp/before/src   # and backplane from an earlier tree
 
 Tiny models whose work is one Add, so that what is timed is the construct: ``add`` (the Add alone:
 the floor of a run), ``if_add`` (an If whose branches are one Add each, reading an outer constant),
@@ -12,7 +14,8 @@ in processes of its own, alternating over ``--rounds`` (bench/wild.py's way); a 
 model, warms up, then times each for about ``--seconds``. A figure is the best of the rounds'
 medians. Below the table: each construct's cost over the ``add`` floor, and a Loop's cost per
 iteration ((loop_100 - loop_10) / 90). Runtimes: ONNX Runtime (CPUExecutionProvider, all
-optimizations), backplane's default session (CpuAcc, CpuRef) and backplane on CpuRef alone.
+optimizations), backplane's default session (CpuAcc, CpuRef) and backplane on CpuRef alone; with
+``--before SRC``, backplane's default session from that source tree too ("backplane-before").
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from wild import backplane_version, environment  # noqa: E402  # (bench_openvino
 
 from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E402
 
-RUNTIMES = {"onnxruntime": None, "backplane": None, "backplane-CpuRef": ["CpuRef"]}
+RUNTIMES = {"onnxruntime": None, "backplane": None, "backplane-CpuRef": ["CpuRef"],
+            "backplane-before": None}
 MODELS = ("add", "if_add", "loop_10", "loop_100", "scan_100")
 OPSET = 17
 
@@ -135,6 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=0.3, help="timed calls per model, in seconds (0.3)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the results as a JSON document to this file")
+    ap.add_argument("--before", type=Path, help="also time backplane from this source tree (its src/)")
     ap.add_argument("--worker", choices=tuple(RUNTIMES), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -142,6 +147,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def spawn(args: argparse.Namespace, runtime: str) -> dict[str, Any]:
     command = [sys.executable, __file__, "--worker", runtime, "--threads", str(args.threads),
                "--seconds", str(args.seconds)]
+    if runtime == "backplane-before":
+        command = ["env", f"PYTHONPATH={args.before}", *command]
     try:
         return worker_report(command, args.threads, 600)
     except subprocess.TimeoutExpired:
@@ -175,12 +182,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     header = [f"command: python bench/control_flow.py {' '.join(sys.argv[1:])}".rstrip(),
               f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
               *(line.replace(", backplane absent", "") for line in environment(args.threads)),
-              f"backplane {backplane_version()}; {args.rounds} rounds, best of the rounds' medians"]
+              f"backplane {backplane_version()}; {args.rounds} rounds, best of the rounds' medians"
+              + (f"; backplane-before from {args.before}" if args.before else "")]
     print("\n".join(header), flush=True)
-    medians: dict[str, list[dict[str, float]]] = {rt: [] for rt in RUNTIMES}
+    runtimes = [rt for rt in RUNTIMES if args.before or rt != "backplane-before"]
+    medians: dict[str, list[dict[str, float]]] = {rt: [] for rt in runtimes}
     answers: dict[str, Any] = {}
     for round_ in range(args.rounds):
-        for rt in RUNTIMES:
+        for rt in runtimes:
             print(f"round {round_ + 1}/{args.rounds}: {rt}", file=sys.stderr, flush=True)
             reply = spawn(args, rt)
             if "error" in reply:

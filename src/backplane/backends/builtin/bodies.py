@@ -84,6 +84,8 @@ class Carried:
     to_host: Step | None = None
     host_read: bool = False
     """Whether the body itself reads the output glue's host value (then it runs every iteration)."""
+    final: Step | None = None
+    """``to_host`` reading and writing slot 1 of a list of its own (after the last iteration)."""
 
 
 class IteratedBody:
@@ -101,6 +103,7 @@ class IteratedBody:
         self.plain = net.exclusive or debug.level() >= 2
         slots, outs = net.input_slots, net.output_slots
         self.varying_slots = tuple(slots[p] for p in self.varying)
+        self.carried_slots = tuple(slots[p] for p in self.carried_inputs)
         self.captured_slots = tuple(slots[n_formal:])
         self.watched_slots = tuple(outs[p] for p in self.watched)
         steps, layers = list(net.host_plan.steps), list(net.host_plan.layers)
@@ -152,11 +155,12 @@ class IteratedBody:
             where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
             raise ExecutionError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
-    def execute_one(self, step: Step, value: Any) -> Any:
-        """``step``'s workload on one value (a carried value's glue to the host); its output."""
+    def to_host(self, carried: Carried, value: Any, stop: Any) -> Any:
+        """A kept carried value brought to the host by its output glue (after the last iteration)."""
+        if carried.final is None:
+            return value
         env = [None, value]
-        self.execute([dataclasses.replace(step, inputs=(1,), outputs=(1,), frees=())], env,
-                     STOP.get())
+        self.execute((carried.final,), env, stop)
         return env[1]
 
 
@@ -170,8 +174,8 @@ class Iterations:
         self.env = env = body.net.slots()
         for slot, value in zip(body.captured_slots, captured):
             env[slot] = value
-        for position, value in zip(body.carried_inputs, carried):
-            env[body.net.input_slots[position]] = value
+        for slot, value in zip(body.carried_slots, carried):
+            env[slot] = value
 
     def __enter__(self) -> Iterations:
         for manager in self.body.net.memory_managers:
@@ -204,8 +208,7 @@ class Iterations:
             return self.values
         final = []
         for carried, value in zip(self.body.state, self.values):
-            if carried.to_host is not None:
-                value = self.body.execute_one(carried.to_host, value)
+            value = self.body.to_host(carried, value, self.stop)
             final.append(np.asarray(value) if isinstance(value, np.generic) else value)
         return final
 
@@ -266,7 +269,8 @@ def _carried(steps: Sequence[Step], layers: Sequence[Layer], given: int, made: i
                              or _factory_id(layers[i], "target") != memory for i in readers):
         return plain
     return Carried(out.inputs[0], tuple(steps[i].outputs[0] for i in readers), out,
-                   any(made in step.inputs for step in steps))
+                   any(made in step.inputs for step in steps),
+                   dataclasses.replace(out, inputs=(1,), outputs=(1,), frees=()))
 
 
 def _with_frees(steps: Sequence[Step], keep: set[int]) -> tuple[Step, ...]:
