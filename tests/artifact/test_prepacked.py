@@ -16,6 +16,9 @@ from backplane.artifact import container
 from backplane.backends.api.backend import DELEGATE_DOMAIN
 from tests.artifact.conftest import model_and_feeds
 
+ONEDNN_LAYERS = {"CpuAcc.linear_route": "onednn", "CpuAcc.compile": "layers"}
+"""oneDNN's packed linears, layer by layer: traced (fusion/traced.py), tiny_bert's would use MKL's."""
+
 torch = pytest.importorskip("torch")
 prepacked = pytest.importorskip("backplane.backends.torch.prepacked")
 pytestmark = pytest.mark.skipif(not prepacked.available(),
@@ -73,7 +76,7 @@ def _packed_entries(artifact: Path) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("name, options", [
-    ("tiny_bert", {"CpuAcc.linear_route": "onednn"}),
+    ("tiny_bert", ONEDNN_LAYERS),
     ("tiny_mobilenet_v3", {"CpuAcc.compile": "layers", "CpuAcc.conv_route": "onednn"})])
 def test_an_artifact_load_packs_nothing(name: str, options: dict, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +181,7 @@ def test_a_crafted_packed_entry_in_an_artifact_is_refused(tmp_path: Path, field:
 
     path, _ = model_and_feeds("tiny_bert")
     artifact = tmp_path / "bert.bpl"
-    backplane.compile(path, [("CpuAcc", {"CpuAcc.linear_route": "onednn"}), "CpuRef"], artifact)
+    backplane.compile(path, [("CpuAcc", ONEDNN_LAYERS), "CpuRef"], artifact)
     (blob,) = [v for k, v in container.read(artifact).sections.items() if k.startswith("blob:")]
     length = int.from_bytes(blob[:8], "little")
     header, payload = json.loads(bytes(blob[8:8 + length])), bytes(blob[8 + length:])

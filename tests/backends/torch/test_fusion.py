@@ -47,10 +47,11 @@ def conv_model(tail: str, pads: list[int] | None = None) -> onnx.ModelProto:
 
 
 def placed(session: InferenceSession) -> list:
-    """The layers as placed, copies left out, each OneDnnGraph's own layers in its place."""
+    """The layers as placed, copies left out, each OneDnnGraph's and Traced's own layers in its
+    place."""
     layers = []
     for layer in session.optimized.graph.layers:
-        if layer.op_type == "OneDnnGraph":
+        if layer.op_type in ("OneDnnGraph", "Traced"):
             layers += layer.attrs["layers"]
         elif layer.op_type not in ("MemCopy", "MemImport"):
             layers.append(layer)

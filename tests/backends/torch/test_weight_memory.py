@@ -116,8 +116,10 @@ def test_a_conv_keeps_at_most_the_layout_its_route_reads(case, route: str, copie
 
 def test_the_constants_cpuacc_reads_are_views_of_the_graphs() -> None:
     """tiny_bert's embeddings (read by Gather on CpuAcc) are bound without a copy: the ONNX
-    frontend's constants are writable arrays of their own, which torch.from_numpy views."""
-    session = InferenceSession(str(DATA / "tiny_bert.onnx"), backends=["CpuAcc", "CpuRef"])
+    frontend's constants are writable arrays of their own, which torch.from_numpy views (layer by
+    layer: traced, tests/backends/torch/test_traced.py checks the trace's constants)."""
+    session = InferenceSession(str(DATA / "tiny_bert.onnx"), backends=["CpuAcc", "CpuRef"],
+                               provider_options=[{"CpuAcc.compile": "layers"}, {}])
     loaded = session.runtime.network(session.network_id)
     graph = session.optimized.graph
     bound = {key[:-len("@torch-cpu")]: loaded._template[slot]

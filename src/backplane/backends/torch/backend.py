@@ -218,14 +218,23 @@ class CpuAcc(TorchBackend):
         if self.missing:
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import fusion
-        from backplane.backends.torch.fusion import reduced
+        from backplane.backends.torch.fusion import reduced, traced
 
-        return _specialized(view, self) or fusion.fuse(view, reduced.reduced_type(self.options))
+        specialized = _specialized(view, self)
+        if specialized is not None:
+            return specialized
+        compute = reduced.reduced_type(self.options)
+        views = fusion.fuse(view, compute)
+        if compute is not None or self.options.get("CpuAcc.compile") == "layers":
+            return views
+        return traced.whole(view, views)
 
     def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
         from backplane.backends.torch import fusion, specialize
+        from backplane.backends.torch.fusion import traced
 
-        return {**fusion.WORKLOADS, "Specialized": specialize.specialized_workload}
+        return {**fusion.WORKLOADS, "Specialized": specialize.specialized_workload,
+                "Traced": traced.traced_workload}
 
     # -- ahead of time: the routes and compiled partitions of a load, kept in a blob (delegate.py)
     def machine_facts(self) -> dict[str, str]:

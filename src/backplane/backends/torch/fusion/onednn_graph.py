@@ -280,13 +280,13 @@ def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload
 
 
 @contextlib.contextmanager
-def _fusion() -> Iterator[None]:
-    """oneDNN Graph fusion on (a process-wide TorchScript switch) and no autograd, for a trace, a
-    freeze or a call; the switch put back as it was."""
+def _fusion(on: bool = True) -> Iterator[None]:
+    """oneDNN Graph fusion on (a process-wide TorchScript switch; off where not ``on``) and no
+    autograd, for a trace, a freeze or a call; the switch put back as it was."""
     import torch
 
     was = torch.jit.onednn_fusion_enabled()
-    torch.jit.enable_onednn_fusion(True)
+    torch.jit.enable_onednn_fusion(on)
     try:
         with torch.no_grad():
             yield
@@ -294,8 +294,9 @@ def _fusion() -> Iterator[None]:
         torch.jit.enable_onednn_fusion(was)
 
 
-def _trace(traceable: Callable[..., Any], sample: Sequence[Any]) -> Any:
-    """``traceable`` traced on ``sample`` as a TorchScript module, in a compilation unit of its own.
+def _trace(traceable: Callable[..., Any], sample: Sequence[Any], fusion: bool = True) -> Any:
+    """``traceable`` traced on ``sample`` as a TorchScript module, in a compilation unit of its own
+    (with oneDNN Graph fusion on where ``fusion``; ``traced`` traces without).
 
     ``torch.jit.trace`` defines every traced module's type and ``forward`` in torch's one
     process-wide compilation unit (``torch.jit._state._python_cu``), and nothing ever removes them:
@@ -311,7 +312,7 @@ def _trace(traceable: Callable[..., Any], sample: Sequence[Any]) -> Any:
 
     module = torch._C.ScriptModule("Subgraph", torch._C.CompilationUnit(), True)
     module._register_attribute("training", torch._C.BoolType.get(), False)  # eval: freezable
-    with _fusion(), warnings.catch_warnings():
+    with _fusion(fusion), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TorchScript's deprecation, the tracer's warnings
         module._create_method_from_trace("forward", traceable, tuple(sample),
                                          _create_interpreter_name_lookup_fn(0), True, False,
@@ -319,7 +320,7 @@ def _trace(traceable: Callable[..., Any], sample: Sequence[Any]) -> Any:
     return torch.jit.RecursiveScriptModule._construct(module, lambda _: None)
 
 
-def _freeze(module: Any) -> Any:
+def _freeze(module: Any, fusion: bool = True) -> Any:
     """``module`` frozen (its buffers become constants: oneDNN Graph takes constant weights), on
     one thread: freezing compares constants of equal shapes pairwise (``at::equal``, a parallel
     region each, which on a busy machine waits for a preempted thread): resnet50 froze in 0.01 to
@@ -329,7 +330,7 @@ def _freeze(module: Any) -> Any:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with _fusion(), warnings.catch_warnings():
+        with _fusion(fusion), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch.jit.freeze(module)
     finally:

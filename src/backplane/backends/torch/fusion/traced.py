@@ -1,0 +1,311 @@
+"""A CpuAcc subgraph that oneDNN Graph does not take, as one ``Traced`` layer: its layers traced
+into one frozen TorchScript graph, run by TorchScript's interpreter instead of a Python call each.
+
+Why: a subgraph without convolutions (a transformer, a detector's head, a tagger of hundreds of
+small layers) ran layer by layer, and at batch 1 the cost per layer (a Python call, its argument
+checks, torch's dispatch) is most of its time. Traced, the same kernels run as one graph: on the
+corpus's ``encoder4_plain_dyn18`` (140 layers) 1.15 -> 0.45 ms, ``char_tagger_ts14`` (157 layers)
+1.20 -> 0.55 ms (this 2-core AMD EPYC, 2 threads). Free-dimension partitions get it per input
+signature (``specialize``: each signature's build is a static subgraph).
+
+A trace keeps every value the layers read on the host (a shape, an axis, a count) as it was on the
+sample. That is right only where those values cannot change between runs: the boundary's shapes
+are static, the kernels' host inputs (``cuda.HOST_INPUTS``) are constants, no layer makes sizes
+from data (``cuda.NOT_CAPTURABLE``), as for a CUDA graph; and, checked by running the layers once
+under ``HostReads`` before tracing, no kernel turns a value computed from the inputs into a Python
+number, list or bool (a branch on data would be frozen into the trace). A subgraph that fails any
+of this, fails to trace, or whose traced outputs differ from the layers' own on two samples, runs
+layer by layer. With ``CpuAcc.compile`` "auto" the faster of the two on the sample is kept (and
+remembered in the route cache); "onednn_graph" keeps the trace whenever there is one; "layers"
+never traces. The trace uses the routes TorchScript can hold (``onednn_graph.TRACEABLE_ROUTES``:
+a prepacked oneDNN weight is no TorchScript constant), without oneDNN Graph's fuser.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import OptionError, Workload
+from backplane.backends.api.optimization import OptimizationViews, Substitution
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
+from backplane.backends.torch.fusion import onednn_graph
+from backplane.backends.torch.fusion.patterns import fastest, remembered
+from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+
+log = logging.getLogger("backplane.torch")
+HALF = np.dtype(np.float16)
+MIN_LAYERS = 3  # fewer: the trace saves less than its call costs
+FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "SqueezeExcite"})
+"""The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
+NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
+                               "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
+                               "Dropout"}
+"""Ops never traced: sizes from data, bodies of their own, fresh random draws each run (a trace
+keeps the seed's draws of torch's generator as they are made, but not NumPy's), Dropout's
+training mode read from an input."""
+
+
+def whole(view: SubgraphView, views: OptimizationViews) -> OptimizationViews:
+    """``views`` (``fusion.fuse``'s of ``view``) with the view as one Traced layer where it is not
+    one compiled layer already and ``wrap`` takes it; else each longest run of layers that can be
+    traced (between a NonZero, a NonMaxSuppression or a shape read from data) as one."""
+    from backplane.backends.torch.fusion import _in_order
+
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
+    subs = views.substitutions
+    if views.failed or (len(subs) == 1 and len(subs[0].substitutable.layers) == len(view.layers)):
+        return views
+    ordered = _in_order(list(view.layers), subs)
+    layer = wrap(view, graph, ordered)
+    if layer is not None:
+        return OptimizationViews(substitutions=[Substitution(view, [layer])])
+    return _segments(view, views, ordered)
+
+
+def _segments(view: SubgraphView, views: OptimizationViews,
+              ordered: Sequence[Layer]) -> OptimizationViews:
+    """Each longest run of ``ordered`` (the view's layers after fusion, in order: a run of them is
+    a convex subgraph) that ``wrap`` takes, as one Traced layer; the rest as ``views`` has it."""
+    graph = view.graph
+    assert graph is not None
+    fused = {id(lay): sub for sub in views.substitutions for lay in sub.replacement}
+    split = {id(lay) for sub in views.substitutions if len(sub.replacement) > 1
+             for lay in sub.replacement}  # a replacement of several layers stays as it is
+    result = OptimizationViews(reasons=dict(views.reasons))
+    taken: set[int] = set()
+
+    def originals(run: Sequence[Layer]) -> list[Layer]:
+        found = []
+        for lay in run:
+            sub = fused.get(id(lay))
+            found += sub.substitutable.layers if sub is not None else [lay]
+        return found
+
+    def close(run: list[Layer]) -> None:
+        if len(run) < MIN_LAYERS:
+            return
+        inner = originals(run)
+        part = SubgraphView.of(graph, inner)
+        layer = wrap(part, graph, run)
+        if layer is not None:
+            result.substitutions.append(Substitution(part, [layer]))
+            taken.update(map(id, run))
+
+    run: list[Layer] = []
+    for lay in ordered:
+        if id(lay) not in split and _traceable(lay, graph):
+            run.append(lay)
+        else:
+            close(run)
+            run = []
+    close(run)
+    result.substitutions += [sub for sub in views.substitutions
+                             if id(sub.replacement[-1]) not in taken]
+    rest = [lay for lay in ordered if id(lay) not in taken and id(lay) not in fused]
+    if rest:
+        result.untouched.append(SubgraphView.of(graph, rest))
+    return result
+
+
+def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer]) -> Layer | None:
+    """``layers`` (the view's layers after fusion, in order) as one Traced layer, or None where
+    the subgraph is too small or a trace could hold a value that changes between runs."""
+    if len(layers) < MIN_LAYERS or not view.inputs:
+        return None
+    if not all(graph.info(n).is_static for n in view.inputs):
+        return None
+    names = {n for layer in layers for n in (*layer.inputs, *layer.outputs) if n}
+    if any(graph.info(n).dtype == HALF for n in names):
+        return None  # torch's float16 kernels on a CPU without them: slower traced than not
+    if not all(_traceable(layer, graph) for layer in layers):
+        return None
+    constants = {n: graph.constants[n] for layer in layers for n in layer.inputs
+                 if n in graph.constants}
+    shapes = [[layer.op_type, *(list(graph.info(n).shape or ()) for n in layer.inputs[:1])]
+              for layer in layers]
+    attrs = {"layers": list(layers), "constants": constants, "inputs": list(view.inputs),
+             "outputs": list(view.outputs), "shapes": shapes}
+    first, last = layers[0].name.split("+")[0], layers[-1].name.split("+")[-1]
+    name = f"Traced[{first}..{last}]({len(layers)} layers)"
+    return Layer(name, "Traced", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+def _traceable(layer: Layer, graph: Graph) -> bool:
+    """Whether a trace of ``layer`` keeps nothing that changes between runs (as far as the op and
+    its constant host inputs tell: ``compile_traced`` checks the kernels' reads too)."""
+    if layer.domain == FUSED_DOMAIN and layer.op_type not in FUSED_TRACEABLE:
+        return False
+    if layer.op_type in NOT_TRACED or any(isinstance(v, Graph) for v in layer.attrs.values()):
+        return False
+    host = HOST_INPUTS.get(layer.op_type, ())
+    return not any(i < len(layer.inputs) and layer.inputs[i] and layer.inputs[i] not in graph.constants
+                   for i in host)
+
+
+def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
+    """The traced subgraph or its layers one by one, as ``CpuAcc.compile`` says (see above)."""
+    mode = backend.options.get("CpuAcc.compile", "auto")
+    if mode not in onednn_graph.MODES:
+        raise OptionError(f"CpuAcc.compile {mode!r} is not one of {', '.join(onednn_graph.MODES)}")
+    description = {"traced": layer.attrs["shapes"]}
+
+    def layers() -> Workload:
+        return _named(onednn_graph.layers_run(layer, backend), "layers")
+
+    known = remembered("traced", description, backend) if mode == "auto" else None
+    if mode == "layers" or known == "layers":
+        return layers()
+    if known == "traced":  # an artifact's load, or measured before: traced at the first run
+        return _deferred(layer, backend, inputs, layers)
+    sample = onednn_graph._sample(inputs)
+    compiled = compile_traced(layer, backend, sample)
+    if compiled is None:
+        return layers()
+    if mode == "onednn_graph":
+        return compiled
+    return fastest("traced", description, {"traced": lambda: compiled, "layers": layers},
+                   lambda: sample, backend)
+
+
+def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
+    """The layers traced and frozen, or None where they read a value of the inputs on the host,
+    fail to trace, or give other outputs traced than their own (on ``sample`` and one more)."""
+    import torch
+
+    traceable = onednn_graph.layers_run(layer, onednn_graph._Forced(backend,
+                                                                     onednn_graph.TRACEABLE_ROUTES))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation, the tracer's warnings
+            reads = HostReads(sample)
+            with reads:
+                expected = traceable(*sample)
+            if reads.found:
+                log.debug("%s runs layer by layer: a kernel reads %s of a computed value on the "
+                          "host", layer.name, reads.found[0])
+                return None
+            module = onednn_graph._freeze(onednn_graph._trace(traceable, sample, fusion=False),
+                                          fusion=False)
+            other = onednn_graph._sample([TensorInfo(tuple(v.shape), _numpy(v.dtype))
+                                          for v in sample])
+            checks = [(sample, expected), (other, traceable(*other))]
+            for values, wanted in checks:
+                got = module(*values)
+                got = got if isinstance(got, tuple) else (got,)
+                if len(got) != len(wanted) or not all(map(onednn_graph._close, got, wanted)):
+                    log.debug("%s runs layer by layer: its trace computes otherwise", layer.name)
+                    return None
+    except Exception as exc:  # noqa: BLE001  # any failure to trace: the layers run instead
+        log.debug("%s runs layer by layer: no trace (%s: %s)", layer.name, type(exc).__name__, exc)
+        return None
+    return _named(_traced_run(module, sample), "traced")
+
+
+def _traced_run(module: Any, sample: Sequence[Any]) -> Workload:
+    import torch
+
+    conform = onednn_graph._layout_guard(sample)
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        with torch.no_grad():
+            outputs = module(*conform(values))
+        return outputs if isinstance(outputs, tuple) else (outputs,)
+
+    run.relayouts = conform.relayouts  # type: ignore[attr-defined]
+    run.module = module  # type: ignore[attr-defined]  # for tests and debugging
+    return run
+
+
+def _deferred(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
+              layers: Callable[[], Workload]) -> Workload:
+    """A Traced layer whose route is known: traced at its first run, which a load need not wait
+    for; the layers run where the trace fails there."""
+    made: list[Workload] = []
+    lock = threading.Lock()
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        if not made:
+            with lock:
+                if not made:
+                    sample = onednn_graph._sample(inputs)
+                    made.append(compile_traced(layer, backend, sample) or layers())
+        return made[0](*values)
+
+    run.route = "traced"  # type: ignore[attr-defined]
+    return run
+
+
+def _named(run: Callable[..., Any], route: str) -> Workload:
+    run.route = route  # type: ignore[attr-defined]  # which one was kept, for tests and debugging
+    return run
+
+
+def _numpy(dtype: Any) -> Any:
+    from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
+
+    return next(n for n, t in NUMPY_TO_TORCH.items() if t == dtype)
+
+
+class HostReads:
+    """A torch function mode that records where a tensor computed from the inputs is read on the
+    host (``item``, ``tolist``, ``bool``, ``int``, ``numpy`` ...): such a read is a value a trace
+    would keep as it was. Constants read on the host (a Reshape's shape) are not recorded: they
+    cannot change between runs. Values are followed through every torch call and method, in-place
+    ones included (a call's outputs are computed from its inputs)."""
+
+    READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                       "__array__", "__complex__", "equal", "allclose", "is_nonzero"})
+
+    def __init__(self, inputs: Sequence[Any]) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        owner = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                return owner._call(func, args, kwargs or {})
+
+        self._mode = _Mode()
+        self._computed: dict[int, weakref.ref] = {}
+        self.found: list[str] = []
+        for value in inputs:
+            self._mark(value)
+
+    def __enter__(self) -> HostReads:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def _mark(self, value: Any) -> None:
+        self._computed[id(value)] = weakref.ref(value)
+
+    def _is_computed(self, value: Any) -> bool:
+        ref = self._computed.get(id(value))
+        return ref is not None and ref() is value
+
+    def _call(self, func: Any, args: Any, kwargs: Any) -> Any:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        computed = any(isinstance(a, torch.Tensor) and self._is_computed(a)
+                       for a in tree_flatten((args, kwargs))[0])
+        name = getattr(func, "__name__", str(func))
+        if computed and name in self.READS:
+            self.found.append(name)
+        outputs = func(*args, **kwargs)
+        if computed:
+            for value in tree_flatten(outputs)[0]:
+                if isinstance(value, torch.Tensor):
+                    self._mark(value)
+        return outputs
