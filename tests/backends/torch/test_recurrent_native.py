@@ -238,3 +238,26 @@ def test_weights_changed_in_place_are_read_again() -> None:
         torch.testing.assert_close(again, fresh, rtol=0, atol=0)
         assert not torch.equal(again, before)
         before = again.clone()
+
+
+@pytest.mark.parametrize("tracer", ["jit.trace", "make_fx"])
+def test_a_trace_reads_the_weights_it_is_given(tracer: str) -> None:
+    """Traced (CpuAcc's Traced layers, GpuAcc's compiled captures), the kernel must compute torch's
+    weights from the W it is given, not bake in the list kept from an earlier call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rng = np.random.default_rng(3)
+    X, W, R, B = (torch.from_numpy(rng.standard_normal(s).astype(np.float32) * 0.5) for s in
+                  ((SEQ, BATCH, WIDTH), (2, 4 * HIDDEN, WIDTH), (2, 4 * HIDDEN, HIDDEN),
+                   (2, 8 * HIDDEN)))
+
+    def layer(x: Any, w: Any, r: Any, b: Any) -> Any:
+        return recurrent.lstm(x, w, r, b, direction="bidirectional")[0]
+
+    layer(X, W, R, B)  # keeps torch's list for this W
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
+        traced = torch.jit.trace(layer, (X, W, R, B)) if tracer == "jit.trace" else \
+            make_fx(layer, tracing_mode="real")(X, W, R, B)
+    other = W * -1.5
+    torch.testing.assert_close(traced(X, other, R, B), layer(X, other, R, B))

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from backplane.backends.api.kernels import KernelTable
@@ -70,7 +71,9 @@ def _params(W, R, B, order):
     call while W, R and B are the same tensors, unchanged (their version counters): reordering the
     gates costs more than the kernel itself on a short sequence."""
     tensors = [t for t in (W, R, B) if t is not None]
-    cacheable = not any(t.is_inference() for t in tensors)  # an inference tensor has no version
+    # an inference tensor has no version; a trace must compute the weights from W (a kept list
+    # would become a constant of the trace where W may be an input)
+    cacheable = not _tracing() and not any(t.is_inference() for t in tensors)
     versions = [t._version for t in tensors] if cacheable else None
     kept = _PARAMS.get(W) if cacheable else None
     if kept is not None and kept[0] is R and kept[1] is B and kept[2] == versions:
@@ -83,6 +86,11 @@ def _params(W, R, B, order):
     if cacheable:
         _PARAMS[W] = (R, B, versions, params)
     return params
+
+
+def _tracing() -> bool:
+    """Whether torch is tracing this call (TorchScript's trace, make_fx, torch.compile)."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or get_proxy_mode() is not None
 
 
 def _reordered(weights, order):
