@@ -29,21 +29,38 @@ def _init(name: str, value: np.ndarray | float | int, dtype: type = np.float32) 
     return numpy_helper.from_array(np.asarray(value, dtype), name)
 
 
+def placed(session: InferenceSession) -> list:
+    """The layers as placed, copies left out, a Traced or OneDnnGraph layer's own in its place."""
+    found = []
+    for layer in session.optimized.graph.layers:
+        if layer.op_type in ("Traced", "OneDnnGraph"):
+            found += layer.attrs["layers"]
+        elif layer.op_type not in ("MemCopy", "MemImport"):
+            found.append(layer)
+    return found
+
+
 def placed_types(session: InferenceSession) -> list[str]:
-    return [layer.op_type for layer in session.optimized.graph.layers
-            if layer.op_type not in ("MemCopy", "MemImport")]
+    return [layer.op_type for layer in placed(session)]
 
 
 def held(session: InferenceSession) -> list[str]:
     """The op types the QuantDequant layers hold (a FusedConv, a Linear), in order."""
-    return [inner.op_type for layer in session.optimized.graph.layers
-            if layer.op_type == "QuantDequant" for inner in layer.attrs["layers"]]
+    return [inner.op_type for layer in placed(session) if layer.op_type == "QuantDequant"
+            for inner in layer.attrs["layers"]]
 
 
-def run_both(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
+@pytest.fixture(params=["auto", "layers"])
+def compile_mode(request: pytest.FixtureRequest) -> str:
+    """CpuAcc's default (its subgraph traced where that measures faster) and its layers run one by
+    one (``CpuAcc.compile`` "layers")."""
+    return request.param
+
+
+def run_both(model: onnx.ModelProto, feeds: dict[str, np.ndarray], compile_mode: str,
              ) -> tuple[InferenceSession, np.ndarray, np.ndarray]:
-    """The CpuAcc session, its output and CpuRef's."""
-    session = InferenceSession(model, backends=["CpuAcc"])
+    """The CpuAcc session (with ``CpuAcc.compile`` ``compile_mode``), its output and CpuRef's."""
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": compile_mode})])
     expected = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     return session, session.run(None, feeds)[0], expected
 
@@ -75,7 +92,7 @@ def hard_values(shape: tuple[int, ...], scale: np.ndarray, zero: np.ndarray, axi
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
 @pytest.mark.parametrize("same", [True, False], ids=["same-params", "other-dequantize"])
 def test_quantize_dequantize_pair_is_one_exact_layer(dtype: type, per_channel: bool,
-                                                    same: bool) -> None:
+                                                    same: bool, compile_mode: str) -> None:
     info = np.iinfo(dtype)
     shape = (2, 6, 5, 7)
     scale = (RNG.uniform(0.005, 0.05, 6) if per_channel else np.array(0.0173)).astype(np.float32)
@@ -87,7 +104,7 @@ def test_quantize_dequantize_pair_is_one_exact_layer(dtype: type, per_channel: b
              helper.make_node("DequantizeLinear", ["q", "s2", "z2"], ["y"], axis=1)]
     model = make_model(nodes, [float_input("x", shape)], [float_input("y", shape)], inits)
     feeds = {"x": hard_values(shape, scale, zero, 1, info.min, info.max)}
-    session, got, want = run_both(model, feeds)
+    session, got, want = run_both(model, feeds, compile_mode)
     assert placed_types(session) == ["QuantDequant"]
     np.testing.assert_array_equal(got, want)  # NaN where CpuRef has NaN (none: NaN -> 0 -> -z * s)
     finite = np.isfinite(feeds["x"])
@@ -125,10 +142,10 @@ def qdq_conv_model(activation: str | None) -> tuple[onnx.ModelProto, float]:
 
 
 @pytest.mark.parametrize("activation", [None, "Relu"])
-def test_qdq_conv_and_gemm_take_their_quantize_dequantize(activation: str | None) -> None:
+def test_qdq_conv_and_gemm_take_their_quantize_dequantize(activation: str | None, compile_mode: str) -> None:
     model, step = qdq_conv_model(activation)
     feeds = {"x": RNG.standard_normal((1, 4, 6, 6)).astype(np.float32)}
-    session, got, want = run_both(model, feeds)
+    session, got, want = run_both(model, feeds, compile_mode)
     assert held(session) == ["FusedConv", "Linear"], placed_types(session)
     # the float convolution's sums may round a tie the other way: one step at most
     assert float(np.max(np.abs(got - want))) <= step * 1.001
@@ -164,7 +181,7 @@ def qlinear_conv_model(quantized_io: bool, group: int, dtype: type) -> onnx.Mode
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
 @pytest.mark.parametrize("group", [1, 3, 6])
 @pytest.mark.parametrize("quantized_io", [True, False], ids=["float-in-out", "integer-in-out"])
-def test_qlinear_conv_is_one_layer_bit_for_bit(quantized_io: bool, group: int, dtype: type) -> None:
+def test_qlinear_conv_is_one_layer_bit_for_bit(quantized_io: bool, group: int, dtype: type, compile_mode: str) -> None:
     model = qlinear_conv_model(quantized_io, group, dtype)
     info = np.iinfo(dtype)
     if quantized_io:  # every step from far below to far above the type's range, NaN, +-inf
@@ -173,7 +190,7 @@ def test_qlinear_conv_is_one_layer_bit_for_bit(quantized_io: bool, group: int, d
         feeds = {"x": x.astype(np.float32)}
     else:
         feeds = {"xq": RNG.integers(info.min, info.max + 1, (1, 6, 7, 8)).astype(dtype)}
-    session, got, want = run_both(model, feeds)
+    session, got, want = run_both(model, feeds, compile_mode)
     assert placed_types(session) == ["QLinearConv"]
     assert {lay.domain for lay in session.optimized.graph.layers if lay.op_type == "QLinearConv"} \
         == {"backplane.torch"}  # CpuAcc's, not the integer kernel
@@ -201,10 +218,10 @@ def qlinear_matmul_model(per_column: bool) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("per_column", [False, True], ids=["per-tensor", "per-column"])
-def test_qlinear_matmul_with_bias_is_one_layer_bit_for_bit(per_column: bool) -> None:
+def test_qlinear_matmul_with_bias_is_one_layer_bit_for_bit(per_column: bool, compile_mode: str) -> None:
     model = qlinear_matmul_model(per_column)
     feeds = {"x": (RNG.standard_normal((2, 3, 24)) * 3).astype(np.float32)}
-    session, got, want = run_both(model, feeds)
+    session, got, want = run_both(model, feeds, compile_mode)
     assert placed_types(session) == ["QLinearMatMul"]
     np.testing.assert_array_equal(got, want)
     assert float(np.max(np.abs(got - ort_output(model, feeds)))) <= 0.004 * 1.001
@@ -228,7 +245,7 @@ def dynamic_model(k: int, weight: np.ndarray | None = None) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("case", ["random", "all-positive", "nan", "constant"])
-def test_dynamic_quantization_matmul_is_one_layer_bit_for_bit(case: str) -> None:
+def test_dynamic_quantization_matmul_is_one_layer_bit_for_bit(case: str, compile_mode: str) -> None:
     model = dynamic_model(32)
     x = (RNG.standard_normal((3, 4, 32)) * 2).astype(np.float32)
     if case == "all-positive":  # the range widened to include 0: zero point 0
@@ -238,19 +255,54 @@ def test_dynamic_quantization_matmul_is_one_layer_bit_for_bit(case: str) -> None
     elif case == "constant":
         x = np.full_like(x, 0.0)
     feeds = {"x": x}
-    session, got, want = run_both(model, feeds)
+    session, got, want = run_both(model, feeds, compile_mode)
     assert placed_types(session) == ["DynamicQuantMatMul"]
     np.testing.assert_array_equal(got, want)
     if case != "nan":  # ONNX Runtime's float32 steps round a few values one ulp apart
         np.testing.assert_allclose(got, ort_output(model, feeds), rtol=1e-6, atol=1e-7)
 
 
-def test_products_that_float32_cannot_hold_exactly_stay_integer_layers() -> None:
+def test_products_that_float32_cannot_hold_exactly_stay_integer_layers(compile_mode: str) -> None:
     """uint8 weights of 255 over 300 inputs: sums up to 255 * 255 * 300, past 2^24: no fusion,
     the layers run as they are, and the answer is CpuRef's all the same."""
     model = dynamic_model(300, np.full((300, 7), 255, np.uint8))
     feeds = {"x": np.abs(RNG.standard_normal((3, 4, 300))).astype(np.float32)}
-    session, got, want = run_both(model, feeds)
+    session, got, want = run_both(model, feeds, compile_mode)
     assert "DynamicQuantMatMul" not in placed_types(session)
     assert "MatMulInteger" in placed_types(session)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("activation", [None, "Relu"])
+def test_qdq_conv_on_int8_kernels_is_within_one_step(activation: str | None) -> None:
+    """``CpuAcc.int8`` "kernels": the convolution runs on torch's int8 kernel (quantize, integer
+    convolution requantizing to the output's step, dequantize): within one step of CpuRef."""
+    from tests.conftest import inner_workloads
+
+    model, step = qdq_conv_model(activation)
+    session = InferenceSession(model, backends=[("CpuAcc", {"int8": "kernels",
+                                                            "compile": "layers"})])
+    routes = [getattr(w, "route", None) for w in inner_workloads(session, "QuantDequant")]
+    assert "int8" in routes, routes
+    for seed in range(3):
+        feeds = {"x": np.random.default_rng(seed).standard_normal((1, 4, 6, 6)).astype(np.float32)}
+        got = session.run(None, feeds)[0]
+        want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+        assert float(np.max(np.abs(got - want))) <= step * 1.001
+
+
+def test_int8_weights_are_found_again_only_where_exact() -> None:
+    """The folded float weight of DequantizeLinear(int8 k, scale): k and the scales come back,
+    per tensor and per channel; a weight that is no int8 multiple of one scale is refused."""
+    from backplane.backends.torch.fusion.int8 import integer_weight
+
+    k = RNG.integers(-127, 128, (6, 3, 3, 3)).astype(np.int8)
+    k[:, 0, 0, 0] = 127  # each channel's peak at 127, as a symmetric quantizer puts it
+    for scale in (np.full(6, 0.0123, np.float32), RNG.uniform(0.001, 0.1, 6).astype(np.float32)):
+        weight = (k.astype(np.float64) * scale.reshape(-1, 1, 1, 1)).astype(np.float32)
+        found = integer_weight(weight)
+        assert found is not None
+        np.testing.assert_array_equal(found[0], k)
+        np.testing.assert_array_equal((found[0] * found[1].reshape(-1, 1, 1, 1).astype(np.float64))
+                                      .astype(np.float32), weight)
+    assert integer_weight(RNG.standard_normal((6, 3, 3, 3)).astype(np.float32)) is None

@@ -194,6 +194,8 @@ class CpuAcc(TorchBackend):
         "CpuAcc.route_cache": "keep measured routes on disk (True)",
         "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
         "CpuAcc.precision": "fp32, or bf16 on CPUs with bfloat16 instructions (AVX512-BF16, AMX)",
+        "CpuAcc.int8": "auto (QDQ convolutions on int8 kernels where measured faster), kernels "
+                       "or exact (never: CpuRef's values bit for bit)",
     }
 
     def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:

@@ -332,27 +332,28 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     w_scale = a["w_scale"]
     bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
 
+    w_scale = torch.from_numpy(np.array(a["w_scale"], F32))
+
     def run(x):
         centred, scale = _dynamic_grid(x)
         (acc,) = product(centred)
-        factor = scale * w_scale  # the graph's Mul of the two scales, in float32
-        y = acc.mul_(float(factor) if factor.ndim == 0 else torch.from_numpy(factor))
+        y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
         return (y.add_(bias) if bias is not None else y,)
     return run
 
 
-def _dynamic_grid(x: Any) -> tuple[Any, np.float32]:
+def _dynamic_grid(x: Any) -> tuple[Any, Any]:
     """DynamicQuantizeLinear's uint8 x minus its zero point (float32 integers, a new tensor) and
-    its scale: the range, scale and zero point on the host as CpuRef computes them
-    (``reference/kernels/quant.dynamic_quantize_linear``: a NaN in x gives the range NaN, scale 1
-    and zero point 0), then one pass over x (clamp moved by the zero point as in ``_centring``)."""
+    its scale (a 0-d float32 tensor), as CpuRef computes them
+    (``reference/kernels/quant.dynamic_quantize_linear``: the range widened to hold 0, the scale
+    divided in float64 and rounded once, a NaN in x making the range NaN, the scale 1 and the zero
+    point 0), all on tensors: nothing read on the host, so a trace (``traced``) may hold it."""
     import torch
 
     lowest, highest = torch.aminmax(x)
-    low, high = min(float(lowest), 0.0), max(float(highest), 0.0)
-    with np.errstate(all="ignore"):
-        scale = np.float32((high - low) / 255) if high > low else np.float32(1.0)
-        zero = float(np.clip(np.rint(np.float32(0 - low) / scale), 0, 255))
-    zero = 0.0 if zero != zero else zero  # NaN's uint8 is 0, as CpuRef's cast makes it
-    centred = torch.div(x, float(scale)).round_().clamp_(-zero, 255 - zero).nan_to_num_(-zero)
-    return centred, scale
+    low, high = lowest.clamp_max(0), highest.clamp_min(0)  # NaN stays NaN
+    spread = ((high.double() - low.double()) / 255).float()
+    scale = torch.where(high > low, spread, torch.ones_like(spread))
+    zero = torch.round(low.neg() / scale).clamp_(0, 255).nan_to_num_(0.0)
+    centred = torch.div(x, scale).round_().clamp_(zero.neg(), 255 - zero)
+    return torch.where(centred.isnan(), zero.neg(), centred), scale

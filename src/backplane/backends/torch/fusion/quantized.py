@@ -102,6 +102,10 @@ def then_quant_dequant(matcher: Matcher) -> Matcher:
         if pair is None:
             return found
         taken, attrs = pair
+        if all(np.array_equal(attrs["into"][k], attrs["back"][k]) for k in ("scale", "zero")):
+            from backplane.backends.torch.fusion.int8 import int8_conv
+
+            attrs["int8"] = int8_conv(fused, ctx, attrs["back"])
         wrapped = Layer("+".join(lay.name for lay in [fused, *taken]), "QuantDequant",
                         list(fused.inputs), [taken[-1].outputs[0]], {**attrs, "layers": [fused]},
                         FUSED_DOMAIN, 1)
@@ -153,14 +157,22 @@ def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Work
     if not layer.attrs["layers"]:
         return lambda x: (round_trip(x, False),)
     (inner,) = layer.attrs["layers"]
-    first = backend.fused_workloads()[inner.op_type](inner, backend, inputs)
 
-    def run(*values):
-        (y,) = first(*values)
-        return (round_trip(y, True),)
-    run.route = getattr(first, "route", None)  # type: ignore[attr-defined]
-    run.weights = getattr(first, "weights", ())  # type: ignore[attr-defined]
-    return run
+    def float_route() -> Workload:
+        first = backend.fused_workloads()[inner.op_type](inner, backend, inputs)
+
+        def run(*values):
+            (y,) = first(*values)
+            return (round_trip(y, True),)
+        run.route = getattr(first, "route", None)  # type: ignore[attr-defined]
+        run.weights = getattr(first, "weights", ())  # type: ignore[attr-defined]
+        return run
+
+    if not layer.attrs.get("int8"):
+        return float_route()
+    from backplane.backends.torch.fusion import int8
+
+    return int8.fastest_route(layer, backend, float_route)
 
 
 def _round_trip(into: dict[str, Any], back: dict[str, Any]) -> Callable[[Any, bool], Any]:
