@@ -19,6 +19,11 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   (squeeze-and-excitation) becomes one ``SqueezeExcite``: two matrix-vector products on the pooled
   channels instead of two convolutions on a 1x1 image.
 
+- Quantized patterns (``quantized``, ``qlinear``, ``int8``): QuantizeLinear -> DequantizeLinear
+  as one ``QuantDequant`` (also after a FusedConv or Linear, holding it); [Q ->] QLinearConv /
+  QLinearMatMul [-> DQ ...] as one layer computing exact integer products in float32;
+  DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] as one ``DynamicQuantMatMul``.
+
 Then a subgraph with convolutions becomes one ``OneDnnGraph`` layer (``onednn_graph``): at load it
 is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster. With
 ``CpuAcc.precision`` "bf16" it computes float32 in bfloat16, and every other subgraph becomes one
