@@ -20,7 +20,8 @@ from tests.conftest import float_input, host_backend_lists, make_model
 
 ort = pytest.importorskip("onnxruntime")
 
-PLACEMENTS = [*host_backend_lists(), ["HalfCpuRef", "CpuRef"]]
+PLACEMENTS = [*host_backend_lists(), ["HalfCpuRef", "CpuRef"],
+              *([["GpuAcc", "CpuRef"]] if registry.create("GpuAcc").availability().ok else [])]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -245,3 +246,15 @@ def test_outer_constants_are_bound_once_captured_imports_hoisted_carried_values_
         h, = iterations.carried()
     assert isinstance(h, np.ndarray)
     np.testing.assert_allclose(h, 3 * x * w)
+
+
+def test_traced_bodies_run_through_their_network_and_agree(monkeypatch, capsys) -> None:
+    # debug level 2 prints every layer as it runs: the bodies then run through their networks'
+    # execute (PlainIterations), which must give the same answers
+    monkeypatch.setenv("BACKPLANE_DEBUG", "2")
+    check(loop_model(), [loop_feeds(3, True, 1.0, 1), loop_feeds(20, True, 2.0, 3)], ["CpuRef"])
+    check(scan_model(), [{"s0": np.zeros(3, np.float32), "m0": np.zeros(3, np.float32),
+                          "rows": np.ones((2, 3), np.float32), "gain": np.array(2, np.float32)}],
+          ["CpuRef"])
+    traced = capsys.readouterr().err
+    assert "(b_in)" in traced and "(row, gain)" in traced  # the bodies' layers, as they ran
