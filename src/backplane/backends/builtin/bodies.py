@@ -180,7 +180,11 @@ class Iterations:
     def __enter__(self) -> Iterations:
         for manager in self.body.net.memory_managers:
             manager.acquire()
-        self.body.execute(self.body.hoisted, self.env, self.stop)
+        try:
+            self.body.execute(self.body.hoisted, self.env, self.stop)
+        except BaseException:
+            self.__exit__()  # a failing __enter__ gets no __exit__
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -83,7 +83,7 @@ def make_scan(body: IteratedBody, n_state: int, n_scan_in: int, input_axes: Sequ
         collected: list[list[Any]] = [[] for _ in scan_out_infos]
         with body.start(inputs[:n_state], inputs[n_state + n_scan_in:]) as iterations:
             for t in range(length):
-                slices = [np.take(x, length - 1 - t if rev else t, axis=ax)
+                slices = [_row(x, length - 1 - t if rev else t, ax)
                           for x, ax, rev in zip(scan_in, axes, input_directions)]
                 for values, value in zip(collected, iterations.run(slices)):
                     values.append(value)
@@ -95,6 +95,12 @@ def make_scan(body: IteratedBody, n_state: int, n_scan_in: int, input_axes: Sequ
         return (*state, *results)
 
     return scan
+
+
+def _row(x: np.ndarray, index: int, axis: int) -> np.ndarray:
+    """Slice ``index`` of ``x`` along ``axis``: a view along the first axis (C-contiguous where
+    ``x`` is, so a backend imports it without a copy), a copy along another."""
+    return x[index, ...] if axis == 0 else np.take(x, index, axis=axis)  # [i, ...]: 0-d arrays too
 
 
 def make_batched_scan(scan: Any, n_state: int, n_scan_in: int) -> Any:
