@@ -261,3 +261,26 @@ def test_a_trace_reads_the_weights_it_is_given(tracer: str) -> None:
             make_fx(layer, tracing_mode="real")(X, W, R, B)
     other = W * -1.5
     torch.testing.assert_close(traced(X, other, R, B), layer(X, other, R, B))
+
+
+@pytest.mark.parametrize("hidden, inside", [(HIDDEN, 1), (128, 2)])
+def test_a_small_recurrence_runs_on_one_thread(hidden: int, inside: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused kernel with a small recurrent product (``ONE_THREAD_BELOW``) runs on one thread, a
+    larger one on the caller's; the caller's count is put back either way."""
+    seen = []
+    lstm = torch.lstm
+
+    def spy(*args: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return lstm(*args)
+
+    monkeypatch.setattr(torch, "lstm", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        W, R = torch.zeros(1, 4 * hidden, WIDTH), torch.zeros(1, 4 * hidden, hidden)
+        recurrent.lstm(torch.zeros(SEQ, 1, WIDTH), W, R)
+        assert (seen, torch.get_num_threads()) == ([inside], 2)
+    finally:
+        torch.set_num_threads(before)

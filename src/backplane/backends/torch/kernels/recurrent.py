@@ -41,6 +41,12 @@ LSTM_ORDER, GRU_ORDER = [0, 2, 3, 1], [1, 0, 2]
 """torch's gates (LSTM i, f, g, o; GRU r, z, n) as indices into ONNX's (LSTM i, o, f, c; GRU z, r,
 h)."""
 RNN_NATIVE = {"Tanh": torch.rnn_tanh, "Relu": torch.rnn_relu}
+ONE_THREAD_BELOW = 1 << 16
+"""A fused kernel whose recurrent product is smaller than this (batch x gates * hidden x hidden
+multiply-adds a step) runs on one thread: its steps' parallel regions are too small to share, and
+each waits for every thread. On this project's 2-core machine (load 3-5), a bidirectional LSTM of
+80 steps, batch 1, hidden 32 (crnn_paddle_ts12's) took 0.21 ms on one thread, 0.28-0.36 ms on two
+and, in minutes when other processes held a core, 22-124 ms."""
 _PARAMS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 """W -> (R, B, the three's versions, torch's weight list): ``_params``'s, dropped with W."""
 
@@ -59,8 +65,17 @@ def _native(function, order, X, W, R, B, states, direction, layout):
     x = X.flip(layout) if reverse else X
     # torch's states are (dirs, batch, hidden) in both layouts
     hx = [(s.transpose(0, 1) if layout else s).contiguous() for s in states]
-    out, *final = function(x, hx if len(hx) > 1 else hx[0], params, B is not None, 1, 0.0, False,
-                           bidirectional, bool(layout))
+    threads = torch.get_num_threads()
+    alone = threads > 1 and X.device.type == "cpu" and \
+        X.shape[1 - layout] * R.shape[1] * R.shape[2] < ONE_THREAD_BELOW
+    if alone:
+        torch.set_num_threads(1)  # this thread's count (OpenMP's are per thread), put back below
+    try:
+        out, *final = function(x, hx if len(hx) > 1 else hx[0], params, B is not None, 1, 0.0,
+                               False, bidirectional, bool(layout))
+    finally:
+        if alone:
+            torch.set_num_threads(threads)
     y = out.unflatten(2, (1 + bidirectional, hidden))  # (seq, batch, dirs, hidden), or batch first
     y = y.flip(layout) if reverse else y
     return (y if layout else y.transpose(1, 2)), [f.transpose(0, 1) if layout else f for f in final]
