@@ -65,20 +65,26 @@ def _native(function, order, X, W, R, B, states, direction, layout):
     x = X.flip(layout) if reverse else X
     # torch's states are (dirs, batch, hidden) in both layouts
     hx = [(s.transpose(0, 1) if layout else s).contiguous() for s in states]
-    threads = torch.get_num_threads()
-    alone = threads > 1 and X.device.type == "cpu" and \
-        X.shape[1 - layout] * R.shape[1] * R.shape[2] < ONE_THREAD_BELOW
-    if alone:
-        torch.set_num_threads(1)  # this thread's count (OpenMP's are per thread), put back below
-    try:
-        out, *final = function(x, hx if len(hx) > 1 else hx[0], params, B is not None, 1, 0.0,
-                               False, bidirectional, bool(layout))
-    finally:
-        if alone:
-            torch.set_num_threads(threads)
+    small = X.shape[1 - layout] * R.shape[1] * R.shape[2] < ONE_THREAD_BELOW
+    out, *final = _on_one_thread_if(small and X.device.type == "cpu", function, x,
+                                    hx if len(hx) > 1 else hx[0], params, B is not None, 1, 0.0,
+                                    False, bidirectional, bool(layout))
     y = out.unflatten(2, (1 + bidirectional, hidden))  # (seq, batch, dirs, hidden), or batch first
     y = y.flip(layout) if reverse else y
     return (y if layout else y.transpose(1, 2)), [f.transpose(0, 1) if layout else f for f in final]
+
+
+def _on_one_thread_if(alone, function, *args):
+    """``function(*args)``, on one thread where ``alone`` (this thread's count: OpenMP's are per
+    thread), the count put back after."""
+    threads = torch.get_num_threads()
+    if not alone or threads == 1:
+        return function(*args)
+    torch.set_num_threads(1)
+    try:
+        return function(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _params(W, R, B, order):
