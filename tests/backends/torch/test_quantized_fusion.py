@@ -30,11 +30,18 @@ def _init(name: str, value: np.ndarray | float | int, dtype: type = np.float32) 
 
 
 def placed(session: InferenceSession) -> list:
-    """The layers as placed, copies left out, a Traced or OneDnnGraph layer's own in its place."""
+    """The layers as placed, copies left out, a Traced or OneDnnGraph layer's own in its place (and
+    an artifact's Delegate's)."""
+    return _flat(session.optimized.graph.layers)
+
+
+def _flat(layers: list) -> list:
     found = []
-    for layer in session.optimized.graph.layers:
+    for layer in layers:
         if layer.op_type in ("Traced", "OneDnnGraph"):
             found += layer.attrs["layers"]
+        elif layer.op_type == "Delegate":
+            found += _flat(layer.attrs["graph"].layers)
         elif layer.op_type not in ("MemCopy", "MemImport"):
             found.append(layer)
     return found
@@ -142,7 +149,8 @@ def qdq_conv_model(activation: str | None) -> tuple[onnx.ModelProto, float]:
 
 
 @pytest.mark.parametrize("activation", [None, "Relu"])
-def test_qdq_conv_and_gemm_take_their_quantize_dequantize(activation: str | None, compile_mode: str) -> None:
+def test_qdq_conv_and_gemm_take_their_quantize_dequantize(activation: str | None,
+                                                          compile_mode: str) -> None:
     model, step = qdq_conv_model(activation)
     feeds = {"x": RNG.standard_normal((1, 4, 6, 6)).astype(np.float32)}
     session, got, want = run_both(model, feeds, compile_mode)
@@ -181,7 +189,8 @@ def qlinear_conv_model(quantized_io: bool, group: int, dtype: type) -> onnx.Mode
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
 @pytest.mark.parametrize("group", [1, 3, 6])
 @pytest.mark.parametrize("quantized_io", [True, False], ids=["float-in-out", "integer-in-out"])
-def test_qlinear_conv_is_one_layer_bit_for_bit(quantized_io: bool, group: int, dtype: type, compile_mode: str) -> None:
+def test_qlinear_conv_is_one_layer_bit_for_bit(quantized_io: bool, group: int, dtype: type,
+                                               compile_mode: str) -> None:
     model = qlinear_conv_model(quantized_io, group, dtype)
     info = np.iinfo(dtype)
     if quantized_io:  # every step from far below to far above the type's range, NaN, +-inf
@@ -211,14 +220,16 @@ def qlinear_matmul_model(per_column: bool) -> onnx.ModelProto:
              _init("bz", b_zero, np.int8), _init("ys", 0.004), _init("yz", 110, np.uint8),
              _init("bias", RNG.standard_normal(n))]
     nodes = [helper.make_node("QuantizeLinear", ["x", "as", "az"], ["xq"]),
-             helper.make_node("QLinearMatMul", ["xq", "as", "az", "b", "bs", "bz", "ys", "yz"], ["yq"]),
+             helper.make_node("QLinearMatMul", ["xq", "as", "az", "b", "bs", "bz", "ys", "yz"],
+                              ["yq"]),
              helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
              helper.make_node("Add", ["yd", "bias"], ["y"])]
     return make_model(nodes, [float_input("x", [2, 3, k])], [float_input("y", [2, 3, n])], inits)
 
 
 @pytest.mark.parametrize("per_column", [False, True], ids=["per-tensor", "per-column"])
-def test_qlinear_matmul_with_bias_is_one_layer_bit_for_bit(per_column: bool, compile_mode: str) -> None:
+def test_qlinear_matmul_with_bias_is_one_layer_bit_for_bit(per_column: bool,
+                                                           compile_mode: str) -> None:
     model = qlinear_matmul_model(per_column)
     feeds = {"x": (RNG.standard_normal((2, 3, 24)) * 3).astype(np.float32)}
     session, got, want = run_both(model, feeds, compile_mode)
@@ -306,3 +317,23 @@ def test_int8_weights_are_found_again_only_where_exact() -> None:
         np.testing.assert_array_equal((found[0] * found[1].reshape(-1, 1, 1, 1).astype(np.float64))
                                       .astype(np.float32), weight)
     assert integer_weight(RNG.standard_normal((6, 3, 3, 3)).astype(np.float32)) is None
+
+
+@pytest.mark.parametrize("case", ["qdq-int8", "qlinear", "dynamic"])
+def test_quantized_layers_survive_an_artifact(case: str, tmp_path) -> None:
+    """The fused layers' attributes (scales, zero points, the int8 route's integer weight, a held
+    FusedConv) are stored in a compiled artifact and give the session's outputs when loaded."""
+    import backplane
+
+    options = {"compile": "layers", "int8": "kernels"}
+    model, shape = {"qdq-int8": (qdq_conv_model("Relu")[0], (1, 4, 6, 6)),
+                    "qlinear": (qlinear_conv_model(True, 3, np.uint8), (1, 6, 7, 8)),
+                    "dynamic": (dynamic_model(32), (3, 4, 32))}[case]
+    feeds = {"x": (RNG.standard_normal(shape) * 20).astype(np.float32)}
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    backplane.compile(path, [("CpuAcc", options)], tmp_path / "model.bpl")
+    expected = InferenceSession(path, backends=[("CpuAcc", options)]).run(None, feeds)[0]
+    loaded = InferenceSession(tmp_path / "model.bpl")
+    assert {"QuantDequant", "QLinearConv", "DynamicQuantMatMul"} & set(placed_types(loaded))
+    np.testing.assert_array_equal(loaded.run(None, feeds)[0], expected)

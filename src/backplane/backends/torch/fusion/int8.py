@@ -40,7 +40,8 @@ def int8_conv(fused: Layer, ctx: Context, out_params: dict[str, Any]) -> dict[st
     oneDNN does not take, a weight that is not int8 times a scale per channel)."""
     a = fused.attrs
     if fused.op_type != "FusedConv" or a["binary"] or a["begins"] != a["ends"] \
-            or (a["unary"] is not None and a["unary"][0] != "relu") or _as_uint8(out_params) is None:
+            or (a["unary"] is not None and a["unary"][0] != "relu") \
+            or _as_uint8(out_params) is None:
         return None
     made = ctx.graph.producers().get(fused.inputs[0])
     if made is None or made.op_type != "DequantizeLinear" or made.domain:
@@ -93,14 +94,14 @@ def _scaled(values: np.ndarray) -> tuple[np.ndarray, np.float32] | None:
     head = values[:16]
     for levels in (127, 128, *range(126, 63, -1)):
         guess = np.float32(peak / levels)
-        for scale in (guess, np.nextafter(guess, np.float32(0)), np.nextafter(guess, np.float32(1))):
+        for scale in (guess, np.nextafter(guess, F32.type(0)), np.nextafter(guess, F32.type(1))):
             if _exact(head, float(scale)) and _exact(values, float(scale)):
                 return np.rint(values / float(scale)).astype(np.int8), scale
     return None
 
 
 def _exact(values: np.ndarray, scale: float) -> bool:
-    """Whether each value is an int8 times ``scale``, rounded to float32 as DequantizeLinear does."""
+    """Whether each value is an int8 times ``scale`` rounded to float32 (DequantizeLinear's)."""
     k = np.rint(values / scale)
     return bool(k.min() >= -128 and k.max() <= 127 and
                 np.array_equal((k * scale).astype(F32), values.astype(F32)))
@@ -114,11 +115,12 @@ def int8_route(layer: Layer) -> Any:
     process; should a later torch drop them, building this route fails and the float one runs."""
     import torch
 
-    warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel")
+    warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_")
     a, conv = layer.attrs, layer.attrs["layers"][0].attrs
     q = a["int8"]
     weight = torch._make_per_channel_quantized_tensor(
-        torch.from_numpy(np.array(q["weight"], np.int8)), torch.from_numpy(q["scales"].astype(np.float64)),
+        torch.from_numpy(np.array(q["weight"], np.int8)),
+        torch.from_numpy(q["scales"].astype(np.float64)),
         torch.zeros(len(q["scales"]), dtype=torch.long), 0)
     bias = torch.from_numpy(np.array(conv["bias"], F32))
     packed = torch.ops.quantized.conv2d_prepack(weight, bias, conv["strides"], conv["begins"],
@@ -129,7 +131,8 @@ def int8_route(layer: Layer) -> Any:
     cl = torch.channels_last
 
     def run(x):
-        qx = torch.quantize_per_tensor(x.contiguous(memory_format=cl), x_scale, x_zero, torch.quint8)
+        qx = torch.quantize_per_tensor(x.contiguous(memory_format=cl), x_scale, x_zero,
+                                       torch.quint8)
         return (run_conv(qx, packed, out_scale, out_zero).dequantize(),)
     return run
 

@@ -13,10 +13,10 @@ the multiplier rounded to float32 first, saturated, and, where a DequantizeLinea
 back to float32. So the outputs are CpuRef's, bit for bit, at the cost of a float product and a few
 elementwise calls, in one layer instead of three or four that each made an integer tensor.
 
-Also: DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul(x's scale * the weight's) [-> Add(bias)],
-what ``onnxruntime.quantization.quantize_dynamic`` writes for each MatMul, becomes one
-``DynamicQuantMatMul``: x quantized over its range (``kernels.numeric.dynamic_quantize_linear``),
-centred, times the centred weight in float32 (exact as above), times the scales, plus the bias.
+Also: DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul(x's scale * the weight's)
+[-> Add(bias)], what ``onnxruntime.quantization.quantize_dynamic`` writes for each MatMul,
+becomes one ``DynamicQuantMatMul``: x quantized over its range as CpuRef does it, centred, times
+the centred weight in float32 (exact as above), times the scales, plus the bias.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def _input_side(layer: Layer, ctx: Context) -> tuple[list[Layer], str, dict[str,
     source = made.inputs[0]
     shape = ctx.graph.info(source).shape
     into = quant_params(made, ctx, 1, len(shape) if shape is not None else None)
-    if ctx.graph.info(source).dtype != F32 or into is None or (into["low"], into["high"]) != (low, high):
+    if ctx.graph.info(source).dtype != F32 or into is None \
+            or (into["low"], into["high"]) != (low, high):
         return [], x, side
     return [made], source, {**side, "into": into}
 
@@ -110,13 +111,15 @@ def _requant(layer: Layer, ctx: Context, x_scale: np.ndarray, w_scale: np.ndarra
     zero = _zero_point(layer.inputs[-1 if layer.op_type == "QLinearMatMul" else 7], ctx)
     if y_scale is None or y_scale.size != 1 or zero is None or w_scale.dtype != F32:
         return None
-    multiplier = x_scale.astype(F32).reshape(()) * w_scale.astype(F32) / y_scale.astype(F32).reshape(())
+    x_scale, y_scale = x_scale.astype(F32).reshape(()), y_scale.astype(F32).reshape(())
+    multiplier = x_scale * w_scale.astype(F32) / y_scale
     multiplier = multiplier.reshape(shape) if multiplier.size > 1 else multiplier.reshape(())
     return {"multiplier": np.array(multiplier, F32), "y_zero": zero[0],
             "y_low": zero[1][0], "y_high": zero[1][1]}
 
 
-def _centred_weight(w: np.ndarray | None, zero: np.ndarray | None, per_row: bool) -> np.ndarray | None:
+def _centred_weight(w: np.ndarray | None, zero: np.ndarray | None,
+                    per_row: bool) -> np.ndarray | None:
     """w minus its zero point (a scalar, or one per output channel: rows of a (M, ...) convolution
     weight, columns of a (K, N) matrix), as float32."""
     if w is None or w.dtype not in RANGES or (zero is not None and zero.dtype != w.dtype):
@@ -138,15 +141,18 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
     b_name = conv.inputs[8] if len(conv.inputs) > 8 else ""
     bias = ctx.const(b_name)
     if weight is None or weight.ndim != 4 or w_scale is None or not info.is_static \
-            or len(info.shape) != 4 or (b_name and bias is None) or (w_zero_name and ctx.const(w_zero_name) is None):
+            or len(info.shape) != 4 or (b_name and bias is None) \
+            or (w_zero_name and ctx.const(w_zero_name) is None):
         return None
     inside = _input_side(conv, ctx)
-    requant = _requant(conv, ctx, ctx.const(conv.inputs[1]), w_scale, [1, -1, 1, 1])  # type: ignore[arg-type]
+    x_scale = ctx.const(conv.inputs[1])
+    requant = _requant(conv, ctx, x_scale, w_scale, [1, -1, 1, 1])  # type: ignore[arg-type]
     if inside is None or requant is None:
         return None
     before, x, side = inside
     bias = np.zeros(weight.shape[0], F32) if bias is None else bias.astype(np.float64)
-    if side["reach"] * float(np.abs(weight).sum(axis=(1, 2, 3)).max()) + float(np.abs(bias).max()) >= EXACT:
+    largest = float(np.abs(weight).sum(axis=(1, 2, 3)).max())
+    if side["reach"] * largest + float(np.abs(bias).max()) >= EXACT:
         return None
     after, out, out_side = _output_side(conv, ctx)
     strides = list(conv.attrs.get("strides") or [1, 1])
@@ -156,10 +162,12 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
     # The FusedConv attributes conv_workload reads: its routes compute the integer product.
     attrs = {"weight": weight, "bias": bias.astype(F32), "strides": strides, "dilations": dilations,
              "group": int(conv.attrs.get("group", 1)), "begins": begins, "ends": ends,
-             "input_shape": list(info.shape), "output_shape": list(ctx.graph.info(conv.outputs[0]).shape or []),
+             "input_shape": list(info.shape),
+             "output_shape": list(ctx.graph.info(conv.outputs[0]).shape or []),
              "binary": False, "unary": None, **side, **requant, **out_side}
     group = [*before, conv, *after]
-    fused = Layer("+".join(lay.name for lay in group), "QLinearConv", [x], [out], attrs, FUSED_DOMAIN, 1)
+    fused = Layer("+".join(lay.name for lay in group), "QLinearConv", [x], [out], attrs,
+                  FUSED_DOMAIN, 1)
     return group, fused
 
 
@@ -174,15 +182,17 @@ def match_qlinear_matmul(matmul: Layer, ctx: Context) -> tuple[list[Layer], Laye
             or not info.is_static or len(info.shape) < 2:
         return None
     inside = _input_side(matmul, ctx)
-    requant = _requant(matmul, ctx, ctx.const(matmul.inputs[1]), b_scale, [-1])  # type: ignore[arg-type]
+    a_scale = ctx.const(matmul.inputs[1])
+    requant = _requant(matmul, ctx, a_scale, b_scale, [-1])  # type: ignore[arg-type]
     if inside is None or requant is None:
         return None
     before, x, side = inside
     if side["reach"] * float(np.abs(weight).sum(axis=0).max()) >= EXACT:
         return None
     after, out, out_side = _output_side(matmul, ctx, bias_add=True)
-    attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None, "input_shape": list(info.shape),
-             "unary": None, "binary": False, "output_shape": None, **side, **requant, **out_side}
+    attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None,
+             "input_shape": list(info.shape), "unary": None, "binary": False,
+             "output_shape": None, **side, **requant, **out_side}
     group = [*before, matmul, *after]
     fused = Layer("+".join(lay.name for lay in group), "QLinearMatMul", [x], [out], attrs,
                   FUSED_DOMAIN, 1)
@@ -276,7 +286,8 @@ def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], La
     matmul, scales = ctx.sole(q), ctx.sole(x_scale)
     info = ctx.graph.info(x)
     if matmul is None or matmul.op_type != "MatMulInteger" or matmul.domain or scales is None \
-            or matmul.inputs[:1] + matmul.inputs[2:3] != [q, x_zero] or ctx.sole(x_zero) is not matmul \
+            or matmul.inputs[:1] + matmul.inputs[2:3] != [q, x_zero] \
+            or ctx.sole(x_zero) is not matmul \
             or info.dtype != F32 or not info.is_static or len(info.shape) < 2:
         return None
     w_zero_name = matmul.inputs[3] if len(matmul.inputs) > 3 else ""
@@ -302,9 +313,10 @@ def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], La
     if constant is not None and constant.dtype == F32 and constant.shape == (weight.shape[1],):
         group.append(add)  # type: ignore[arg-type]
         bias, out = np.ascontiguousarray(constant), add.outputs[0]  # type: ignore[union-attr]
-    attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None, "input_shape": list(info.shape),
-             "unary": None, "binary": False, "output_shape": None,
-             "w_scale": np.array(w_scale.reshape(-1) if w_scale.size > 1 else w_scale.reshape(()), F32),
+    w_scale = w_scale.reshape(-1) if w_scale.size > 1 else w_scale.reshape(())
+    attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None,
+             "input_shape": list(info.shape), "unary": None, "binary": False,
+             "output_shape": None, "w_scale": np.array(w_scale, F32),
              "add": bias}
     fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x], [out], attrs,
                   FUSED_DOMAIN, 1)
