@@ -337,3 +337,30 @@ def test_quantized_layers_survive_an_artifact(case: str, tmp_path) -> None:
     loaded = InferenceSession(tmp_path / "model.bpl")
     assert {"QuantDequant", "QLinearConv", "DynamicQuantMatMul"} & set(placed_types(loaded))
     np.testing.assert_array_equal(loaded.run(None, feeds)[0], expected)
+
+
+@pytest.mark.parametrize("case", ["qdq", "qlinear", "dynamic"])
+def test_quantized_layers_inside_a_bf16_subgraph(case: str) -> None:
+    """``CpuAcc.precision`` "bf16": a QDQ convolution computes in bfloat16 with its neighbours,
+    but the integer products of QLinearConv and DynamicQuantMatMul stay float32 and exact (on an
+    input bfloat16 holds exactly, QLinearConv gives CpuRef's values)."""
+    import torch
+
+    from backplane.backends.torch.fusion import reduced
+
+    if not reduced.hardware():
+        pytest.skip("no bfloat16 instructions for oneDNN on this CPU")
+    model, shape = {"qdq": (qdq_conv_model("Relu")[0], (1, 4, 6, 6)),
+                    "qlinear": (qlinear_conv_model(True, 1, np.uint8), (1, 6, 7, 8)),
+                    "dynamic": (dynamic_model(32), (3, 4, 32))}[case]
+    x = torch.from_numpy(RNG.standard_normal(shape).astype(np.float32)).bfloat16().float()
+    feeds = {"x": x.numpy()}
+    session = InferenceSession(model, backends=[("CpuAcc", {"precision": "bf16"})])
+    assert [lay.op_type for lay in session.optimized.graph.layers
+            if lay.op_type not in ("MemImport", "MemCopy")] == ["Reduced"]
+    got = session.run(None, feeds)[0]
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    if case == "qlinear":
+        np.testing.assert_array_equal(got, want)
+    else:  # bfloat16's 8 bits: about 1e-2 of the scale
+        assert float(np.max(np.abs(got - want))) <= 0.03 * float(np.max(np.abs(want)))

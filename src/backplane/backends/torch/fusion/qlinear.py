@@ -205,27 +205,38 @@ def qlinear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     from backplane.backends.torch.fusion.conv import conv_workload
     from backplane.backends.torch.fusion.linear import linear_workload
 
-    a = layer.attrs
-    product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(layer, backend)
-    centre, finish = _centring(a), _finisher(a)
+    a, exact = layer.attrs, _in_float32(layer)
+    product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(exact, backend)
+    centre, finish, dtype = _centring(a), _finisher(a), compute_type(a)
 
     def run(x):
-        (acc,) = product(centre(x))
-        return (finish(acc),)
+        (acc,) = product(centre(x.float() if x.is_floating_point() else x))
+        out = finish(acc)
+        return (out.to(dtype) if out.is_floating_point() else out,)
     run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
     return run
 
 
+def _in_float32(layer: Layer) -> Layer:
+    """``layer`` with its product in float32 where a Reduced layer marked it to compute in
+    bfloat16 (``reduced``): the integer sums must stay exact; its float input is widened and
+    its float output narrowed instead."""
+    if not layer.attrs.get("compute"):
+        return layer
+    attrs = {k: v for k, v in layer.attrs.items() if k != "compute"}
+    return Layer(layer.name, layer.op_type, layer.inputs, layer.outputs, attrs, layer.domain,
+                 layer.opset, layer.backend)
+
+
 def _centring(a: dict[str, Any]) -> Any:
-    """The input minus its zero point, in float32 (bfloat16 inside a Reduced layer: not exact):
-    quantized first where the layer took the QuantizeLinear (with its zero point the layer's, the
+    """The input minus its zero point, in float32: quantized first where the layer took the QuantizeLinear (with its zero point the layer's, the
     clamp is moved by it: clamp(r + z, low, high) - z is clamp(r, low - z, high - z), and a NaN,
     quantized to 0, centres to -z)."""
     import torch
 
-    x_zero, dtype = a["x_zero"], compute_type(a)
+    x_zero = a["x_zero"]
     if a["into"] is None:
-        return lambda x: x.to(dtype).sub_(x_zero)
+        return lambda x: x.to(torch.float32).sub_(x_zero)
     into = torch_params(a["into"])
     scale, zero, low, high = into
     if zero.__class__ is float and zero == x_zero:
@@ -340,17 +351,17 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     from backplane.backends.torch.fusion.linear import linear_workload
 
     a = layer.attrs
-    product = linear_workload(layer, backend)
-    w_scale = a["w_scale"]
+    product = linear_workload(_in_float32(layer), backend)
     bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
-
     w_scale = torch.from_numpy(np.array(a["w_scale"], F32))
+    dtype = compute_type(a)
 
     def run(x):
-        centred, scale = _dynamic_grid(x)
+        centred, scale = _dynamic_grid(x.float())
         (acc,) = product(centred)
         y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
-        return (y.add_(bias) if bias is not None else y,)
+        y = y.add_(bias) if bias is not None else y
+        return (y.to(dtype),)
     return run
 
 

@@ -157,6 +157,10 @@ def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Work
     if not layer.attrs["layers"]:
         return lambda x: (round_trip(x, False),)
     (inner,) = layer.attrs["layers"]
+    if layer.attrs.get("compute"):  # inside a Reduced layer: what it holds computes alike
+        inner = Layer(inner.name, inner.op_type, inner.inputs, inner.outputs,
+                      {**inner.attrs, "compute": layer.attrs["compute"]}, inner.domain,
+                      inner.opset, inner.backend)
 
     def float_route() -> Workload:
         first = backend.fused_workloads()[inner.op_type](inner, backend, inputs)
@@ -168,7 +172,7 @@ def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Work
         run.weights = getattr(first, "weights", ())  # type: ignore[attr-defined]
         return run
 
-    if not layer.attrs.get("int8"):
+    if not layer.attrs.get("int8") or layer.attrs.get("compute"):
         return float_route()
     from backplane.backends.torch.fusion import int8
 
