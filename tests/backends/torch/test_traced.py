@@ -17,14 +17,18 @@ from backplane.backends.torch.fusion import traced  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 
 
-def attention_block(batch: int | str = "N", length: int | str = "L", d: int = 16) -> bytes:
+def attention_block(batch: int | str = "N", length: int | str = "L", d: int = 16,
+                    dtype: type = np.float32) -> bytes:
     """One self-attention block with a residual and a layer norm written out, as exporters write
     them: MatMul, Add, Reshape, Transpose, Softmax, ReduceMean, Sub, Pow, Sqrt, Div."""
     rng = np.random.default_rng(0)
     heads = 2
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
     def const(name: str, value: np.ndarray) -> onnx.TensorProto:
-        return numpy_helper.from_array(np.asarray(value), name)
+        value = np.asarray(value)  # float weights rounded to float16 in either type
+        return numpy_helper.from_array(
+            value.astype(np.float16).astype(dtype) if value.dtype.kind == "f" else value, name)
 
     inits = [const("wq", rng.standard_normal((d, d)).astype(np.float32) * 0.3),
              const("wk", rng.standard_normal((d, d)).astype(np.float32) * 0.3),
@@ -56,8 +60,8 @@ def attention_block(batch: int | str = "N", length: int | str = "L", d: int = 16
     ]
     graph = helper.make_graph(
         nodes, "attention_block",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, length, d])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, length, d])], inits)
+        [helper.make_tensor_value_info("x", elem, [batch, length, d])],
+        [helper.make_tensor_value_info("y", elem, [batch, length, d])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
 
 
@@ -183,3 +187,22 @@ def test_a_trace_holds_each_weight_once() -> None:
                if node.kind() == "prim::Constant" and node.output().type().kind() == "TensorType")
     weights = sum(numpy_helper.to_array(t).nbytes for t in onnx.load(str(path)).graph.initializer)
     assert weights * 0.9 < held <= weights * 1.01 + 1024
+
+
+def test_float16_is_computed_in_float32_and_rounded_once() -> None:
+    """On a CPU without float16 arithmetic a float16 subgraph is traced computing in float32, its
+    outputs rounded to float16: within a float16 step of the same block (the same float16 weights)
+    computed in float32, and within a few of CpuRef's float16 run (rounded at every layer)."""
+    if traced.native_half():
+        pytest.skip("this CPU computes float16 itself: its float16 subgraphs stay as they are")
+    half, single = attention_block(dtype=np.float16), attention_block()
+    x = _x((2, 6, 16)).astype(np.float16)
+    session = _session(half, **{"CpuAcc.compile": "onednn_graph"})
+    (got,) = session.run(None, {"x": x})
+    assert got.dtype == np.float16
+    assert [(lay.op_type, work.route) for lay, work in _inner_layers(session)] == [("Traced", "traced")]
+    (exact,) = InferenceSession(single, backends=["CpuRef"]).run(None, {"x": x.astype(np.float32)})
+    (stepwise,) = InferenceSession(half, backends=["CpuRef"]).run(None, {"x": x})
+    step = float(np.spacing(np.float16(np.abs(exact).max())))
+    assert np.abs(got.astype(np.float32) - exact).max() <= step
+    assert np.abs(got.astype(np.float32) - stepwise.astype(np.float32)).max() <= 8 * step

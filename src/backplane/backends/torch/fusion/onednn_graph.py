@@ -129,7 +129,8 @@ def edges(layer: Layer, run: Workload) -> Workload:
     """``run`` as the layer's workload: where it computes in reduced precision (its ``compute``),
     float32 converted to that type on entry and back on exit (``reduced.at_edges``)."""
     compute = layer.attrs.get("compute")
-    return run if compute is None else at_edges(run, compute, layer.attrs["output_dtypes"])
+    return run if compute is None else at_edges(run, compute, layer.attrs["output_dtypes"],
+                                                layer.attrs.get("source", "float32"))
 
 
 def _named(run: Callable[..., Any], route: str) -> Workload:
@@ -138,9 +139,9 @@ def _named(run: Callable[..., Any], route: str) -> Workload:
 
 
 def _sample(inputs: Sequence[TensorInfo], channels_last: Sequence[bool] | None = None,
-            compute: str | None = None) -> list[Any]:
-    """Random inputs of the boundary's shapes and types (float32 ones in ``compute`` where given),
-    channels-last where ``channels_last`` says."""
+            compute: str | None = None, source: str = "float32") -> list[Any]:
+    """Random inputs of the boundary's shapes and types (float32 ones, ``source`` ones where
+    given, in ``compute`` where given), channels-last where ``channels_last`` says."""
     import torch
 
     from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
@@ -148,7 +149,7 @@ def _sample(inputs: Sequence[TensorInfo], channels_last: Sequence[bool] | None =
     values = []
     for info, last in zip(inputs, channels_last or [False] * len(inputs)):
         dtype = NUMPY_TO_TORCH[info.dtype]  # type: ignore[index]
-        if compute and dtype == torch.float32:
+        if compute and dtype == named_type(source):
             dtype = named_type(compute)
         value = (torch.randn(info.shape, dtype=dtype) if dtype.is_floating_point  # type: ignore
                  else torch.zeros(info.shape, dtype=dtype))  # type: ignore[arg-type]
@@ -183,11 +184,12 @@ def layers_run(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
         else:
             workload = bind_kernel(backend.kernel_for(lay), lay.attrs, len(lay.outputs))
         steps.append((workload, lay.inputs, lay.outputs))
-    compute = layer.attrs.get("compute")
+    compute, source = layer.attrs.get("compute"), layer.attrs.get("source")
     dtype = None if compute is None else named_type(compute)
-    template = constants(inner, layer.attrs["constants"], dtype)
+    kind = None if source is None else named_type(source)  # what compute replaces: float32
+    template = constants(inner, layer.attrs["constants"], dtype, kind)
     run = sequence_workload(inner, steps, template, layer.attrs["inputs"], layer.attrs["outputs"],
-                            None if dtype is None else lambda t: lower(t, dtype))
+                            None if dtype is None else lambda t: lower(t, dtype, kind))
     run.inner = [(lay, workload) for lay, (workload, _, _) in zip(inner, steps)]  # type: ignore[attr-defined]
     return run
 

@@ -113,42 +113,43 @@ def reduced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo] = 
     return at_edges(layers_run(layer, backend), layer.attrs["compute"], layer.attrs["output_dtypes"])
 
 
-def constants(layers: Sequence[Layer], arrays: dict[str, np.ndarray], dtype: Any) -> dict[str, Any]:
-    """``arrays`` as torch tensors, float32 ones in ``dtype`` (None: as they are) but those a kernel
-    reads on the host (``HOST_INPUTS``: scales, bounds)."""
+def constants(layers: Sequence[Layer], arrays: dict[str, np.ndarray], dtype: Any,
+              source: Any = None) -> dict[str, Any]:
+    """``arrays`` as torch tensors, float32 ones (``source`` ones where given) in ``dtype`` (None:
+    as they are) but those a kernel reads on the host (``HOST_INPUTS``: scales, bounds)."""
     host = {lay.inputs[i] for lay in layers for i in HOST_INPUTS.get(lay.op_type, ())
             if i < len(lay.inputs)}
-    return {n: _numpy_to_torch(v) if n in host else lower(_numpy_to_torch(v), dtype)
+    return {n: _numpy_to_torch(v) if n in host else lower(_numpy_to_torch(v), dtype, source)
             for n, v in arrays.items()}
 
 
-def at_edges(run: Any, dtype: str, output_dtypes: Sequence[Any]) -> Workload:
-    """``run`` (which computes in ``dtype``) called on its float32 inputs converted to ``dtype``,
-    its outputs declared float32 converted back; its attributes (``route``, ``inner``, ...) kept,
-    its ``profiled`` (if any) converted alike."""
-    import torch
-
-    reduced = named_type(dtype)
-    raised = [d == np.float32 for d in output_dtypes]
+def at_edges(run: Any, dtype: str, output_dtypes: Sequence[Any], source: str = "float32",
+             ) -> Workload:
+    """``run`` (which computes in ``dtype``) called on its ``source`` (float32) inputs converted
+    to ``dtype``, its outputs declared ``source`` converted back; its attributes (``route``,
+    ``inner``, ...) kept, its ``profiled`` (if any) converted alike."""
+    computed, kind = named_type(dtype), named_type(source)
+    raised = [d == np.dtype(source) for d in output_dtypes]
 
     def call(*values: Any) -> tuple[Any, ...]:
-        outputs = run(*[lower(v, reduced) for v in values])
-        return tuple(o.float() if up else o for o, up in zip(outputs, raised))
+        outputs = run(*[lower(v, computed, kind) for v in values])
+        return tuple(o.to(kind) if up else o for o, up in zip(outputs, raised))
 
     call.__dict__.update(getattr(run, "__dict__", {}))
     if hasattr(run, "profiled"):
         def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float]]]:
-            outputs, spent = run.profiled(*[lower(v, reduced) for v in values])
-            return tuple(o.float() if up else o for o, up in zip(outputs, raised)), spent
+            outputs, spent = run.profiled(*[lower(v, computed, kind) for v in values])
+            return tuple(o.to(kind) if up else o for o, up in zip(outputs, raised)), spent
 
         call.profiled = profiled  # type: ignore[attr-defined]
-    call.precision = {"bfloat16": "bf16"}[dtype]  # type: ignore[attr-defined]
+    call.precision = {"bfloat16": "bf16", "float32": "fp32"}[dtype]  # type: ignore[attr-defined]
     return call
 
 
-def lower(tensor: Any, dtype: Any) -> Any:
-    """A float32 tensor in ``dtype``; anything else (and everything, for ``dtype`` None) as it is."""
+def lower(tensor: Any, dtype: Any, source: Any = None) -> Any:
+    """A float32 tensor (a ``source`` one where given) in ``dtype``; anything else (and everything,
+    for ``dtype`` None) as it is."""
     import torch
 
     return tensor.to(dtype) if dtype is not None and isinstance(tensor, torch.Tensor) \
-        and tensor.dtype == torch.float32 else tensor
+        and tensor.dtype == (source or torch.float32) else tensor
