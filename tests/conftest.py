@@ -19,6 +19,18 @@ from backplane.ir.graph import Layer, TensorInfo
 PARTIAL_OPS = ("Conv", "Relu", "Add", "MatMul", "Gemm", "Mul")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``python -m pytest`` with no paths and no ``-m`` leaves the tests marked ``slow`` (the long
+    conformance and fuzz sweeps) out; ``-m slow`` runs them, as .ci/run does after the README's
+    command. Naming a file or folder, or any ``-m``, selects as pytest always does."""
+    if config.option.markexpr or config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Caches the tests fill (CpuAcc's measured routes) go to a folder of the test session's."""

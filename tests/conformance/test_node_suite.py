@@ -26,6 +26,7 @@ from backplane.backends.registry import registry
 from backplane.session import BackendSpec
 from tests.backends.test_reference_kernels import _assert_same, _value
 
+pytestmark = pytest.mark.slow  # the node suite, twice: `python -m pytest -m slow` (.ci/run)
 KNOWN_FAILURES = Path(__file__).with_name("known_failures.txt")
 HALF_OF_CPUREF = sorted(CpuRef.KERNELS)[::2]
 

@@ -28,6 +28,7 @@ pytest.importorskip("torch")
 
 from tests.conformance.test_node_suite import cases, known_failures, run_case  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the node suite on CpuAcc: `python -m pytest -m slow` (.ci/run)
 TORCH_TOLERANCES = Path(__file__).with_name("torch_tolerances.txt")
 BACKENDS = [("CpuAcc", {"route_cache": False}), "CpuRef"]
 

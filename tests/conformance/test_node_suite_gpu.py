@@ -20,7 +20,8 @@ from tests.conformance.test_node_suite_cpuacc import (
 )
 
 AVAILABILITY = registry.create("GpuAcc").availability()
-pytestmark = pytest.mark.skipif(not AVAILABILITY.ok, reason=f"GpuAcc: {AVAILABILITY.reason}")
+pytestmark = [pytest.mark.skipif(not AVAILABILITY.ok, reason=f"GpuAcc: {AVAILABILITY.reason}"),
+              pytest.mark.slow]  # the node suite on GpuAcc: `python -m pytest -m slow`
 BACKENDS = ["GpuAcc", "CpuRef"]
 
 

@@ -1073,6 +1073,7 @@ def test_generation_is_deterministic() -> None:
     assert first == [(c.seed_name, c.mutations, c.blob) for c in generate(7, 20)]
 
 
+@pytest.mark.slow  # a few hundred mutants, a forked child each: `python -m pytest -m slow`
 def test_fuzz_slice() -> None:
     """A fixed seed and a few hundred mutants: every one an own error with a message or a right run."""
     results = fuzz(CI_SEED, CI_CASES, timeout=20)

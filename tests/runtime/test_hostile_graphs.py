@@ -22,6 +22,7 @@ from tests.runtime.hostile_graphs import CASES
 
 LEFT_OUT: dict[str, str] = {}  # cases that crash or hang the process today (none on CpuRef and
 # CpuAcc since the Slice steps of +-(2**63 - 1) and -2**63 are inferred without data propagation)
+pytestmark = pytest.mark.slow  # a spawned child per case: `python -m pytest -m slow` (.ci/run)
 CHILD_TIMEOUT = 120.0  # seconds for a load and a run on a busy machine
 RUN_TIMEOUT = 3.0  # RunOptions.timeout_s: stops the Loop of 2**62 trips
 

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 from tests.models.test_models import LIGHT_DIR  # noqa: E402
 from tests.runtime import split_fuzz as fuzz  # noqa: E402
 
+pytestmark = pytest.mark.slow  # random splits of whole models: `python -m pytest -m slow`
 SEED = 0
 
 CI_SLICE = {path.stem: path for path in fuzz.SMALL} | {

@@ -62,6 +62,7 @@ from backplane.backends.torch.backend import CpuAcc, GpuAcc  # noqa: E402
 from backplane.backends.torch.kernels import KERNELS  # noqa: E402
 from backplane.ir.graph import UNKNOWN, Layer, TensorInfo  # noqa: E402
 
+pytestmark = pytest.mark.slow  # hypothesis, 40 examples a case: `python -m pytest -m slow`
 CI_EXAMPLES = 40
 EXAMPLES = int(os.environ.get("BACKPLANE_HYPOTHESIS_EXAMPLES", "0") or 0)
 SETTINGS = settings(

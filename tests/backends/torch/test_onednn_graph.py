@@ -210,6 +210,7 @@ for name in sys.argv[1:]:
 ILL_CONDITIONED = frozenset({"light_squeezenet"})  # a softmax of tied logits of 9.5e9 (below)
 
 
+@pytest.mark.slow  # nine ImageNet-sized models in a child: `python -m pytest -m slow`
 def test_the_light_models_compile_or_fall_back_without_crashing() -> None:
     """Every light model of the onnx package through CpuAcc (its subgraphs compiled where they
     qualify) in a process of its own: an abort inside the fuser (light_bvlc_alexnet's Gemm with a
