@@ -364,3 +364,16 @@ def test_quantized_layers_inside_a_bf16_subgraph(case: str) -> None:
         np.testing.assert_array_equal(got, want)
     else:  # bfloat16's 8 bits: about 1e-2 of the scale
         assert float(np.max(np.abs(got - want))) <= 0.03 * float(np.max(np.abs(want)))
+
+
+def test_qlinear_conv_with_a_computed_scale_stays_as_it_is(compile_mode: str) -> None:
+    """x's scale fed at run time: no fusion (its multiplier is unknown at load), CpuRef's answer."""
+    model = qlinear_conv_model(False, 1, np.uint8)
+    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "xs"))
+    model.graph.input.append(float_input("xs", []))
+    feeds = {"xq": RNG.integers(0, 256, (1, 6, 7, 8)).astype(np.uint8),
+             "xs": np.array(1.0, np.float32)}
+    session, got, want = run_both(model, feeds, compile_mode)
+    assert "QLinearConv" in placed_types(session)
+    assert all(lay.domain == "" for lay in placed(session) if lay.op_type == "QLinearConv")
+    np.testing.assert_array_equal(got, want)

@@ -29,7 +29,8 @@ is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster. 
 ``CpuAcc.precision`` "bf16" it computes float32 in bfloat16, and every other subgraph becomes one
 ``Reduced`` layer (``reduced``): its layers, fused as above, computing float32 in bfloat16.
 
-One module per pattern (``conv``, ``linear``, ``squeeze_excite``); ``patterns`` holds what they share.
+One module per pattern (``conv``, ``linear``, ``squeeze_excite``, ``quantized``, ``qlinear``,
+``int8``); ``patterns`` holds what they share.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload,
-    "OneDnnGraph": onednn_graph.onednn_graph_workload, "Reduced": reduced_precision.reduced_workload,
+    "OneDnnGraph": onednn_graph.onednn_graph_workload,
+    "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload}

@@ -144,10 +144,12 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
             or len(info.shape) != 4 or (b_name and bias is None) \
             or (w_zero_name and ctx.const(w_zero_name) is None):
         return None
-    inside = _input_side(conv, ctx)
+    inside = _input_side(conv, ctx)  # None where x's scale is no constant
+    if inside is None:
+        return None
     x_scale = ctx.const(conv.inputs[1])
     requant = _requant(conv, ctx, x_scale, w_scale, [1, -1, 1, 1])  # type: ignore[arg-type]
-    if inside is None or requant is None:
+    if requant is None:
         return None
     before, x, side = inside
     bias = np.zeros(weight.shape[0], F32) if bias is None else bias.astype(np.float64)
@@ -181,10 +183,12 @@ def match_qlinear_matmul(matmul: Layer, ctx: Context) -> tuple[list[Layer], Laye
     if weight is None or weight.ndim != 2 or b_zero is None or b_scale is None \
             or not info.is_static or len(info.shape) < 2:
         return None
-    inside = _input_side(matmul, ctx)
+    inside = _input_side(matmul, ctx)  # None where a's scale is no constant
+    if inside is None:
+        return None
     a_scale = ctx.const(matmul.inputs[1])
     requant = _requant(matmul, ctx, a_scale, b_scale, [-1])  # type: ignore[arg-type]
-    if inside is None or requant is None:
+    if requant is None:
         return None
     before, x, side = inside
     if side["reach"] * float(np.abs(weight).sum(axis=0).max()) >= EXACT:
@@ -229,9 +233,9 @@ def _in_float32(layer: Layer) -> Layer:
 
 
 def _centring(a: dict[str, Any]) -> Any:
-    """The input minus its zero point, in float32: quantized first where the layer took the QuantizeLinear (with its zero point the layer's, the
-    clamp is moved by it: clamp(r + z, low, high) - z is clamp(r, low - z, high - z), and a NaN,
-    quantized to 0, centres to -z)."""
+    """The input minus its zero point, in float32: quantized first where the layer took the
+    QuantizeLinear (with its zero point the layer's, the clamp is moved by it: clamp(r + z, low,
+    high) - z is clamp(r, low - z, high - z), and a NaN, quantized to 0, centres to -z)."""
     import torch
 
     x_zero = a["x_zero"]
