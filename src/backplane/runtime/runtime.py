@@ -259,6 +259,8 @@ def _raise_names(specs: Sequence[tuple[str, TensorInfo]], inputs: Mapping[str, A
 
 
 def _check_one(name: str, info: TensorInfo, value: Any, bound: dict[str, tuple[int, str]]) -> Any:
+    if type(value) is np.ndarray and value.dtype == info.dtype and value.shape == info.shape:
+        return value  # the common case, checked at once: the declared type and static shape
     if info.dtype is None:  # sequences, optionals: passed as they are
         return value
     dtype: Any

@@ -175,6 +175,7 @@ def test_bfloat16_hardware_needs_a_flag_of_its_own(flags: str, native: bool, tmp
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
     monkeypatch.setattr(reduced, "Path", lambda _: cpuinfo)
+    monkeypatch.setattr(reduced, "cpu_flags", reduced.cpu_flags.__wrapped__)  # read, not cached
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
     assert reduced.hardware.__wrapped__() is native

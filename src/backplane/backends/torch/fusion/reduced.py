@@ -57,13 +57,20 @@ def hardware() -> bool:
 
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
+    return bool(cpu_flags() & NATIVE)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86's ``flags``, Arm's ``Features``); none
+    where it cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = {flag for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features")
-             for flag in line.partition(":")[2].split()}
-    return bool(flags & NATIVE)
+        return frozenset()
+    return frozenset(flag for line in text.splitlines()
+                     if line.split(":")[0].strip() in ("flags", "Features")
+                     for flag in line.partition(":")[2].split())
 
 
 def reduced_type(options: Any) -> str | None:

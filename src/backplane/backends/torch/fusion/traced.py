@@ -15,11 +15,11 @@ from data (``cuda.NOT_CAPTURABLE``), as for a CUDA graph; and, checked by runnin
 under ``HostReads`` before tracing, no kernel turns a value computed from the inputs into a Python
 number, list or bool (a branch on data would be frozen into the trace). A subgraph that fails any
 of this, fails to trace, or whose traced outputs differ from the layers' own on two samples, runs
-layer by layer. On a CPU without float16 arithmetic (``native_half``) a float16 subgraph is traced
-computing in float32 (its inputs and constants widened, each float16 result inside too, its float16
-outputs rounded once), as ONNX Runtime's CPU runs such models. With ``CpuAcc.compile`` "auto" the faster of the two on the sample is kept (and
-remembered in the route cache); "onednn_graph" keeps the trace whenever there is one; "layers"
-never traces. The trace uses the routes TorchScript can hold (``onednn_graph.TRACEABLE_ROUTES``:
+layer by layer. On a CPU without float16 arithmetic (``native_half``) a float16 subgraph is
+traced computing in float32 (its inputs and constants widened, each float16 result inside too, its
+float16 outputs rounded once), as ONNX Runtime's CPU runs such models. With ``CpuAcc.compile``
+"auto" the faster of the two on the sample is kept (and remembered in the route cache);
+"onednn_graph" keeps the trace whenever there is one; "layers" never traces. The trace uses the routes TorchScript can hold (``onednn_graph.TRACEABLE_ROUTES``:
 a prepacked oneDNN weight is no TorchScript constant), without oneDNN Graph's fuser.
 """
 
@@ -31,7 +31,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,7 @@ from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch.fusion import onednn_graph
 from backplane.backends.torch.fusion.patterns import fastest, remembered
-from backplane.backends.torch.fusion.reduced import mark
+from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 log = logging.getLogger("backplane.torch")
@@ -154,13 +153,7 @@ def native_half() -> bool:
     """Whether this CPU computes float16 itself (AVX512-FP16, AMX-FP16, Arm's FP16 arithmetic):
     elsewhere torch's float16 kernels convert each value, slower than float32 (a float16 CNN of the
     corpus 2.3 ms a run layer by layer on the project's AVX2 machine; its float32 twin 0.3)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = {flag for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features")
-             for flag in line.partition(":")[2].split()}
-    return bool(flags & {"avx512_fp16", "amx_fp16", "asimdhp"})
+    return bool(cpu_flags() & {"avx512_fp16", "amx_fp16", "asimdhp"})
 
 
 def _traceable(layer: Layer, graph: Graph) -> bool:
