@@ -184,3 +184,15 @@ def test_no_docstring_or_document_cites_the_seed_documents() -> None:
     citing = [p for p in tracked if p.endswith((".py", ".md"))
               and "seed 000" in (ROOT / p).read_text(encoding="utf-8")]
     assert citing == []
+
+
+def test_the_submodules_users_are_told_of_need_no_import_of_their_own() -> None:
+    """``backplane.placement_picture.write_html`` in a fresh interpreter (issue 31, item 6): it was
+    an AttributeError unless imported explicitly; an unknown name still is one."""
+    probe = ("import backplane; print(backplane.placement_picture.write_html.__name__); "
+             "print(backplane.profiling.__name__)\n"
+             "try:\n    backplane.no_such_thing\nexcept AttributeError as e:\n    print(e)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert done.stdout.splitlines() == ["write_html", "backplane.profiling",
+                                        "module 'backplane' has no attribute 'no_such_thing'"]

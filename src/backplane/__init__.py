@@ -12,6 +12,17 @@ from backplane.session import InferenceSession, ModelMetadata, RunOptions, Sessi
 
 __version__ = "0.1.0"
 
+_SUBMODULES = ("placement_picture", "debug", "profiling", "io_binding", "conformance")
+"""Modules reached as ``backplane.<name>`` without an import of their own, loaded at first use."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"backplane.{name}")
+    raise AttributeError(f"module 'backplane' has no attribute {name!r}")
+
 __all__ = [
     "ArtifactError", "Backend", "ExecutionError", "InferenceSession", "InvalidInputError",
     "ModelError",
