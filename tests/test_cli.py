@@ -42,6 +42,8 @@ def test_run_prints_each_layers_backend_and_time_and_the_outputs(model_path, cap
         assert layer in out
     assert "Where each layer ran" in out and "median of 2 runs" in out
     assert "output probs: float32[1, 5]" in out
+    # the per-layer tables hold each layer's fastest run: their sum is said beside the median
+    assert "the tables give each layer's fastest run" in " ".join(out.split())
 
 
 def test_run_reads_inputs_from_npy_files(model_path, tmp_path, capsys) -> None:
