@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,32 @@ def test_backends_lists_the_registered_backends(capsys) -> None:
     code, out = run_cli(["backends"], capsys)
     assert code == 0 and "CpuRef" in out and "builtin" in out and "built in" in out
     assert "CpuAcc.threads, CpuAcc.conv_route" in out  # the options each backend takes
+
+
+def test_backends_on_a_100_column_terminal_keeps_each_capability_whole() -> None:
+    """Issue 31, item 6: on a 100-column terminal 'AsyncExecution=Fa|lse' was folded across two
+    lines; each capability is a line of its own in its cell now, never cut (a real terminal: a
+    pseudo-terminal of 100 columns)."""
+    leader, follower = os.openpty()
+    env = {**os.environ, "COLUMNS": "100", "LINES": "50", "TERM": "xterm"}
+    with subprocess.Popen([sys.executable, "-m", "backplane", "backends"], stdout=follower,
+                          stderr=follower, env=env) as child:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert child.wait(timeout=120) == 0
+    os.close(leader)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())
+    assert "Registered backends" in out
+    for whole in ("AsyncExecution=False", "ProtectedContentAllocation=False", "HostThreads=blas"):
+        assert whole in out
 
 
 def test_backends_shows_where_each_came_from_and_what_was_skipped(tmp_path, capsys,

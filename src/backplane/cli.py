@@ -622,14 +622,14 @@ def cmd_backends(args: argparse.Namespace) -> Any:
         return 0, {"backends": entries, "skipped": skipped}
     rows = []
     for e in entries:
-        caps = ", ".join(f"{k}={v}" for k, v in e["capabilities"].items())
+        caps = "\n".join(f"{k}={v}" for k, v in e["capabilities"].items())  # one a line, whole
         status = "yes" if e["available"] else f"no: {e['reason']}"
         rows.append((e["id"], e["version"] or "?", e["origin"], status, caps, str(e["ops"]),
                      ", ".join(e["options"])))
     print_table(console, unfolded_table("Registered backends", ("id", "version", "from",
                                                                 "available", "capabilities", "ops",
                                                                 "options"),
-                                        rows, folding=("available", "capabilities", "options"),
+                                        rows, folding=("available", "options"),
                                         right=("ops",)))
     if skipped:
         print_table(console, unfolded_table("Skipped candidates", ("candidate", "reason"),

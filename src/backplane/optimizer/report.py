@@ -245,7 +245,7 @@ def unfolded_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, .
     ``folding`` columns instead (a path or a layer name stays whole, to copy and paste)."""
     table = Table(title=title)
     for index, column in enumerate(columns):
-        widest = max([len(column), *(len(row[index]) for row in rows)])
+        widest = max([len(column), *(len(line) for row in rows for line in row[index].split("\n"))])
         justify = "right" if column in right else "left"
         if column in folding:
             table.add_column(column, overflow="fold", justify=justify)
