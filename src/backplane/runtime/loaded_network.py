@@ -299,25 +299,9 @@ class LoadedNetwork:
         for manager in self.memory_managers:
             manager.acquire()
         try:
-            if stop is None:
-                for step in plan.steps:
-                    results = step.workload(*[env[i] for i in step.inputs])
-                    for i, value in zip(step.outputs, results):
-                        env[i] = value
-                    for i in step.frees:
-                        env[i] = None
-            else:  # the same loop, asking before each step whether to go on
-                for step in plan.steps:
-                    stop()
-                    results = step.workload(*[env[i] for i in step.inputs])
-                    for i, value in zip(step.outputs, results):
-                        env[i] = value
-                    for i in step.frees:
-                        env[i] = None
-        except RunTerminated:
-            raise
-        except Exception as exc:
-            raise self._failure(step, exc) from exc  # the loop variable names the failing step
+            run_steps(plan.steps, env, stop)
+        except StepFailure as failure:
+            raise self._failure(failure.step, failure.error) from failure.error
         finally:
             for manager in self.memory_managers:
                 manager.release()
@@ -485,6 +469,42 @@ class LoadedNetwork:
         layer = self._layer_of[id(step.workload)]
         return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
                               f"{type(exc).__name__}: {exc}")
+
+
+class StepFailure(Exception):
+    """A step's workload raised ``error`` (``run_steps``): the caller names the step's layer."""
+
+    def __init__(self, step: Step, error: Exception) -> None:
+        super().__init__(step, error)
+        self.step, self.error = step, error
+
+
+def run_steps(steps: Sequence[Step], env: list[Any], stop: Any = None) -> None:
+    """The run loop: each step's workload called on its slots of ``env``, its results written to
+    its output slots, the slots it was the last reader of cleared; ``stop`` (a run's ``STOP``)
+    asked before each step where given. A workload's error comes out as a ``StepFailure`` naming
+    the step (``RunTerminated`` as it is)."""
+    step = None
+    try:
+        if stop is None:
+            for step in steps:
+                results = step.workload(*[env[i] for i in step.inputs])
+                for i, value in zip(step.outputs, results):
+                    env[i] = value
+                for i in step.frees:
+                    env[i] = None
+        else:  # the same loop, asking before each step whether to go on
+            for step in steps:
+                stop()
+                results = step.workload(*[env[i] for i in step.inputs])
+                for i, value in zip(step.outputs, results):
+                    env[i] = value
+                for i in step.frees:
+                    env[i] = None
+    except RunTerminated:
+        raise
+    except Exception as exc:
+        raise StepFailure(step, exc) from exc  # type: ignore[arg-type]  # the loop named it
 
 
 _GLUE = ("MemCopy", "MemImport", fallback.FALLBACK_IMPORT)

@@ -33,8 +33,9 @@ from backplane.runtime.loaded_network import (
     STOP,
     ExecutionError,
     LoadedNetwork,
-    RunTerminated,
     Step,
+    StepFailure,
+    run_steps,
 )
 
 GLUE = ("MemCopy", "MemImport")
@@ -138,20 +139,11 @@ class IteratedBody:
     def execute(self, steps: Sequence[Step], env: list[Any], stop: Any = None) -> None:
         """Call ``steps`` over ``env`` (a loaded network's run loop, its errors named the same way);
         ``stop``: the run's check before each step, if any (``STOP``)."""
-        step = None
         try:
-            for step in steps:
-                if stop is not None:
-                    stop()
-                results = step.workload(*[env[i] for i in step.inputs])
-                for i, value in zip(step.outputs, results):
-                    env[i] = value
-                for i in step.frees:
-                    env[i] = None
-        except RunTerminated:
-            raise
-        except Exception as exc:
-            layer = self.layer_of[id(step.workload)] if step is not None else None
+            run_steps(steps, env, stop)
+        except StepFailure as failure:
+            exc = failure.error
+            layer = self.layer_of.get(id(failure.step.workload))
             where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
             raise ExecutionError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
