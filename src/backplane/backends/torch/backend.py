@@ -39,7 +39,7 @@ from backplane.backends.api.backend import (
     WorkloadFactory,
     unsupported,
 )
-from backplane.backends.api.memory import MemorySource, TensorHandleFactory
+from backplane.backends.api.memory import MemorySource, TensorHandleFactory, is_host_allocator
 from backplane.backends.api.optimization import OptimizationViews
 from backplane.install_hints import hint
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
@@ -110,7 +110,8 @@ class TorchBackend(Backend):
         if allowed and inputs and inputs[0].dtype is not None and inputs[0].dtype not in allowed:
             return unsupported(f"{layer.op_type} on {inputs[0].dtype.name} is not claimed "
                                f"(claimed: {', '.join(sorted(d.name for d in allowed))})")
-        return super().is_layer_supported(layer, inputs, outputs)
+        # named, not super(): its layer support (registry/support.py) runs this check, no backend
+        return Backend.is_layer_supported(self, layer, inputs, outputs)
 
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
         return TorchWorkloadFactory(self, memory_manager)
@@ -200,6 +201,10 @@ class CpuAcc(TorchBackend):
 
     def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
         return (TORCH_CPU_FACTORY,)
+
+    def use_custom_allocator(self, allocator: Any) -> bool:
+        """A host allocator: torch CPU tensors over its memory (the runtime allocates them)."""
+        return is_host_allocator(allocator)
 
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
         """Checks the runtime's ``CpuAcc.precision`` (an unknown one is an error at the first load,
