@@ -36,6 +36,7 @@ from backplane.backends.torch.fusion.patterns import (
     torch_post_op,
 )
 from backplane.backends.torch.fusion.quantized import RANGES, quant_params, to_grid, torch_params
+from backplane.backends.torch.kernels.contrib_quant import dynamic_grid
 from backplane.ir.graph import Layer
 
 EXACT = 2 ** 24
@@ -361,26 +362,9 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     dtype = compute_type(a)
 
     def run(x):
-        centred, scale = _dynamic_grid(x.float())
+        centred, scale = dynamic_grid(x.float())
         (acc,) = product(centred)
         y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
         y = y.add_(bias) if bias is not None else y
         return (y.to(dtype),)
     return run
-
-
-def _dynamic_grid(x: Any) -> tuple[Any, Any]:
-    """DynamicQuantizeLinear's uint8 x minus its zero point (float32 integers, a new tensor) and
-    its scale (a 0-d float32 tensor), as CpuRef computes them
-    (``reference/kernels/quant.dynamic_quantize_linear``: the range widened to hold 0, the scale
-    divided in float64 and rounded once, a NaN in x making the range NaN, the scale 1 and the zero
-    point 0), all on tensors: nothing read on the host, so a trace (``traced``) may hold it."""
-    import torch
-
-    lowest, highest = torch.aminmax(x)
-    low, high = lowest.clamp_max(0), highest.clamp_min(0)  # NaN stays NaN
-    spread = ((high.double() - low.double()) / 255).float()
-    scale = torch.where(high > low, spread, torch.ones_like(spread))
-    zero = torch.round(low.neg() / scale).clamp_(0, 255).nan_to_num_(0.0)
-    centred = torch.div(x, scale).round_().clamp_(zero.neg(), 255 - zero)
-    return torch.where(centred.isnan(), zero.neg(), centred), scale

@@ -5,7 +5,7 @@ on whichever device its tensors are on."""
 from __future__ import annotations
 
 from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
-from backplane.backends.torch.kernels import attention, ml, vision
+from backplane.backends.torch.kernels import attention, contrib_quant, ml, vision
 
 KERNELS = {
     **elementwise.KERNELS,
@@ -17,6 +17,7 @@ KERNELS = {
     **vision.KERNELS,
     **attention.KERNELS,
     **ml.KERNELS,
+    **contrib_quant.KERNELS,  # ONNX Runtime's com.microsoft quantized ops
 }
 
 CHECKS = {
@@ -29,6 +30,7 @@ CHECKS = {
     **vision.CHECKS,
     **attention.CHECKS,
     **ml.CHECKS,
+    **contrib_quant.CHECKS,
 }
 
 INPUT_DTYPES = {

@@ -1,0 +1,209 @@
+"""ONNX Runtime's quantized ops (com.microsoft domain: the QOperator format its quantizer writes)
+on torch tensors, computing CpuRef's values (``reference/kernels/contrib_quant.py``) step for step:
+dequantize ((x - z) * s in float32), compute in float32, quantize (rint(y / s) + z, saturated).
+
+Bit for bit with CpuRef wherever its steps are single float32 operations: QLinearAdd, QLinearMul,
+QLinearLeakyRelu, QLinearConcat, and the integer products (QGemm, MatMulIntegerToFloat,
+DynamicQuantizeMatMul), computed in float64, which holds every sum of 8-bit products exactly
+(float32 could not past 2^24). Where CpuRef calls NumPy's exp or sums in its own order
+(QLinearSigmoid, QLinearSoftmax, the average pools), torch's float32 rounding may put a value
+lying at a half step on the other side: one quantization step at most, as against ONNX Runtime.
+
+Nothing is read on the host: scales and zero points stay tensors, so a trace or a CUDA graph may
+hold these kernels. Table keys carry the domain ("com.microsoft::QLinearAdd").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from backplane.backends.api.kernels import KernelTable
+from backplane.backends.torch.kernels.nn import average_pool, check_average_pool, softmax
+from backplane.ir.graph import Layer, TensorInfo
+
+MS = "com.microsoft::"
+EIGHT_BIT = frozenset({np.dtype(np.uint8), np.dtype(np.int8)})
+
+
+def dequantize(x, scale, zero_point=None):
+    """(x - zero point) * scale in float32, as CpuRef: an exact integer times the scale."""
+    centred = x.int() if zero_point is None else x.int() - zero_point.int()
+    return centred.float() * scale.float()
+
+
+def quantize(y, scale, zero_point, dtype):
+    """rint(y / scale) + zero point, saturated to ``dtype``; torch.round rounds half to even."""
+    info = torch.iinfo(dtype)
+    q = torch.round(y / scale.float())
+    if zero_point is not None:
+        q = q.add_(zero_point.float())
+    return q.clamp_(info.min, info.max).to(dtype)
+
+
+# -- elementwise -------------------------------------------------------------------------------
+def q_linear_add(A, A_scale, A_zero_point, B, B_scale, B_zero_point, C_scale,  # noqa: N803
+                 C_zero_point=None):
+    real = dequantize(A, A_scale, A_zero_point) + dequantize(B, B_scale, B_zero_point)
+    return (quantize(real, C_scale, C_zero_point, A.dtype),)
+
+
+def q_linear_mul(A, A_scale, A_zero_point, B, B_scale, B_zero_point, C_scale,  # noqa: N803
+                 C_zero_point=None):
+    real = dequantize(A, A_scale, A_zero_point) * dequantize(B, B_scale, B_zero_point)
+    return (quantize(real, C_scale, C_zero_point, A.dtype),)
+
+
+def q_linear_sigmoid(X, X_scale, X_zero_point, Y_scale, Y_zero_point=None):  # noqa: N803
+    # CpuRef's formula, 1 / (1 + exp(-x)), rather than torch.sigmoid's
+    y = torch.exp(dequantize(X, X_scale, X_zero_point).neg_()).add_(1).reciprocal_()
+    return (quantize(y, Y_scale, Y_zero_point, X.dtype),)
+
+
+def q_linear_leaky_relu(X, X_scale, X_zero_point, Y_scale, Y_zero_point=None,  # noqa: N803
+                        alpha=0.01):
+    x = dequantize(X, X_scale, X_zero_point)
+    y = torch.where(x >= 0, x, x * torch.tensor(alpha, dtype=torch.float32, device=x.device))
+    return (quantize(y, Y_scale, Y_zero_point, X.dtype),)
+
+
+def q_linear_concat(Y_scale, Y_zero_point, *inputs, axis):  # noqa: N803
+    # inputs: (tensor, scale, zero point) triples, each requantized to Y's scale and zero point
+    parts = [quantize(dequantize(x, s, z), Y_scale, Y_zero_point, Y_zero_point.dtype)
+             for x, s, z in zip(inputs[0::3], inputs[1::3], inputs[2::3])]
+    return (torch.cat(parts, dim=axis),)
+
+
+# -- pooling and softmax -----------------------------------------------------------------------
+def q_linear_global_average_pool(X, x_scale, x_zero_point, y_scale, y_zero_point,  # noqa: N803
+                                 channels_last=0):
+    x = dequantize(X, x_scale, x_zero_point)
+    spatial = tuple(range(1, X.dim() - 1)) if channels_last else tuple(range(2, X.dim()))
+    return (quantize(x.mean(dim=spatial, keepdim=True), y_scale, y_zero_point, X.dtype),)
+
+
+def q_linear_average_pool(X, x_scale, x_zero_point, y_scale, y_zero_point=None,  # noqa: N803
+                          auto_pad="NOTSET", ceil_mode=0, channels_last=0, count_include_pad=0,
+                          kernel_shape=None, pads=None, strides=None):
+    x = dequantize(X, x_scale, x_zero_point)
+    if channels_last:  # (N, *spatial, C) -> (N, C, *spatial) and back
+        x = torch.movedim(x, -1, 1)
+    (y,) = average_pool(x, auto_pad=auto_pad, ceil_mode=ceil_mode,
+                        count_include_pad=count_include_pad, kernel_shape=kernel_shape, pads=pads,
+                        strides=strides)
+    if channels_last:
+        y = torch.movedim(y, 1, -1)
+    return (quantize(y, y_scale, y_zero_point, X.dtype),)
+
+
+def q_linear_softmax(X, X_scale, x_zero_point, y_scale, y_zero_point, *, opset,  # noqa: N803
+                     axis=None):
+    x = dequantize(X, X_scale, x_zero_point)
+    if opset >= 13:  # along one axis, as Softmax-13
+        y = softmax(x, -1 if axis is None else axis)[0]
+    else:  # over the trailing dimensions from axis on, as Softmax-1 and -11
+        axis = (1 if axis is None else axis) % X.dim()
+        y = softmax(x.reshape(int(np.prod(X.shape[:axis])), -1), -1)[0].reshape(X.shape)
+    return (quantize(y, y_scale, y_zero_point, X.dtype),)
+
+
+# -- matrix products ---------------------------------------------------------------------------
+def _centred(x, zero_point):
+    """An integer operand less its zero point (scalar, or per column of a matrix B), float64."""
+    return x.double() if zero_point is None else x.double() - zero_point.double()
+
+
+def q_gemm(A, a_scale, a_zero_point, B, b_scale, b_zero_point, C=None, y_scale=None,  # noqa: N803
+           y_zero_point=None, alpha=1.0, transA=0, transB=0):  # noqa: N803
+    a = _centred(A, a_zero_point)
+    b = _centred(B.t(), b_zero_point) if transB else _centred(B, b_zero_point)  # (K, N)
+    acc = (a.t() if transA else a) @ b  # exact: float64 holds the integer sums
+    if C is not None:  # int32, quantized at the product's scale with zero point 0
+        acc = acc.add_(C.double())
+    multiplier = torch.tensor(alpha, dtype=torch.float32, device=acc.device) \
+        * a_scale.float() * b_scale.float()
+    y = acc.float().mul_(multiplier)
+    if y_scale is None:
+        return (y,)
+    dtype = A.dtype if y_zero_point is None else y_zero_point.dtype
+    return (quantize(y, y_scale, y_zero_point, dtype),)
+
+
+def mat_mul_integer_to_float(A, B, a_scale, b_scale, a_zero_point=None,  # noqa: N803
+                             b_zero_point=None, bias=None):
+    acc = torch.matmul(_centred(A, a_zero_point), _centred(B, b_zero_point))
+    y = acc.float().mul_(a_scale.float() * b_scale.float()).to(a_scale.dtype)
+    return (y if bias is None else y + bias,)
+
+
+def dynamic_quantize_mat_mul(A, B, b_scale, b_zero_point=None, bias=None):  # noqa: N803
+    # A quantized to uint8 over its range (DynamicQuantizeLinear), then MatMulIntegerToFloat
+    centred, a_scale = dynamic_grid(A.float())
+    acc = torch.matmul(centred.double(), _centred(B, b_zero_point))
+    y = acc.float().mul_(a_scale * b_scale.float())
+    return (y if bias is None else y + bias,)
+
+
+def dynamic_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DynamicQuantizeLinear's uint8 x minus its zero point (float32 integers, a new tensor) and
+    its scale (a 0-d float32 tensor), as CpuRef computes them
+    (``reference/kernels/quant.dynamic_quantize_linear``: the range widened to hold 0, the scale
+    divided in float64 and rounded once, a NaN in x making the range NaN, the scale 1 and the zero
+    point 0, and x's NaN quantized to the zero point), all on tensors: nothing read on the host,
+    so a trace (``traced``) may hold it."""
+    lowest, highest = torch.aminmax(x)
+    low, high = lowest.clamp_max(0), highest.clamp_min(0)  # NaN stays NaN
+    spread = ((high.double() - low.double()) / 255).float()
+    scale = torch.where(high > low, spread, torch.ones_like(spread))
+    zero = torch.round(low.neg() / scale).clamp_(0, 255).nan_to_num_(0.0)
+    centred = torch.div(x, scale).round_().clamp_(zero.neg(), 255 - zero)
+    return torch.where(centred.isnan(), zero.neg(), centred), scale
+
+
+# -- checks ------------------------------------------------------------------------------------
+def check_eight_bit(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    """The quantized tensors are uint8 or int8 (ONNX Runtime's kernels take no other)."""
+    dtype = inputs[_QUANTIZED_INPUT.get(layer.op_type, 0)].dtype if inputs else None
+    if dtype is not None and dtype not in EIGHT_BIT:
+        return f"{layer.op_type} of {dtype} (takes uint8, int8)"
+    return None
+
+
+_QUANTIZED_INPUT = {"QLinearConcat": 2}  # the first tensor after Y's scale and zero point
+
+
+def check_q_linear_average_pool(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    if layer.attrs.get("channels_last", 0):  # the window check reads (N, C, *spatial) shapes
+        nchw = [TensorInfo(None, info.dtype) for info in inputs]
+        return check_eight_bit(layer, inputs) or check_average_pool(layer, nchw)
+    return check_eight_bit(layer, inputs) or check_average_pool(layer, inputs)
+
+
+def check_dynamic_quantize_mat_mul(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    dtype = inputs[1].dtype if len(inputs) > 1 else None
+    if dtype is not None and dtype not in EIGHT_BIT:
+        return f"DynamicQuantizeMatMul of a {dtype} B (takes uint8, int8)"
+    return None
+
+
+KERNELS: KernelTable = {
+    MS + "QLinearAdd": {1: q_linear_add},
+    MS + "QLinearMul": {1: q_linear_mul},
+    MS + "QLinearSigmoid": {1: q_linear_sigmoid},
+    MS + "QLinearLeakyRelu": {1: q_linear_leaky_relu},
+    MS + "QLinearConcat": {1: q_linear_concat},
+    MS + "QLinearGlobalAveragePool": {1: q_linear_global_average_pool},
+    MS + "QLinearAveragePool": {1: q_linear_average_pool},
+    MS + "QLinearSoftmax": {1: q_linear_softmax},
+    MS + "QGemm": {1: q_gemm},
+    MS + "MatMulIntegerToFloat": {1: mat_mul_integer_to_float},
+    MS + "DynamicQuantizeMatMul": {1: dynamic_quantize_mat_mul},
+}
+
+CHECKS = {
+    **{key: check_eight_bit for key in KERNELS},
+    MS + "QLinearAveragePool": check_q_linear_average_pool,
+    MS + "DynamicQuantizeMatMul": check_dynamic_quantize_mat_mul,
+}

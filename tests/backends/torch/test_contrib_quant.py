@@ -1,0 +1,150 @@
+"""ONNX Runtime's quantized com.microsoft ops on the torch backends (kernels/contrib_quant.py): one
+node against CpuRef (bit for bit where CpuRef's steps are single float32 operations, one step at
+most where it calls NumPy's exp or sums in its own order) and against ONNX Runtime (one step), and
+whole models made at test time by ONNX Runtime's static quantizer (QOperator) in one partition.
+
+The hard cases hold what a wrong kernel gets wrong: power-of-two scales, so that real values lie
+exactly half way between two steps (rint rounds them to even) and past both ends of the type."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+
+from backplane import InferenceSession  # noqa: E402
+from tests.backends.test_contrib_ops import (  # noqa: E402
+    Case,
+    _model,
+    _quantized,
+    assert_matches_ort,
+    ort_run,
+)
+
+ROUNDED_ELSEWHERE = {"QLinearSigmoid", "QLinearSoftmax", "QLinearGlobalAveragePool",
+                     "QLinearAveragePool"}
+"""Ops whose CpuRef kernel calls NumPy's exp or sums in NumPy's order: one step at most."""
+DEVICES = ["CpuAcc", pytest.param("GpuAcc", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+U8, I8 = onnx.TensorProto.UINT8, onnx.TensorProto.INT8
+F32 = onnx.TensorProto.FLOAT
+
+
+def _u8(values) -> np.ndarray:
+    return np.asarray(values, np.uint8)
+
+
+def _s(value: float) -> np.ndarray:
+    return np.array(value, np.float32)
+
+
+def _hard() -> dict[str, Case]:
+    """Every pair of 8-bit values (or every value) with scales that make half steps real."""
+    a, b = (np.repeat(np.arange(256), 256).reshape(256, 256).astype(np.uint8),
+            np.tile(np.arange(256), 256).reshape(256, 256).astype(np.uint8))
+    signed = a.view(np.int8)
+    # (a + 2b) / 2 and a * b / 2: a tie at every odd a and product, saturated at both ends
+    add = [a, _s(0.25), _u8(128), b, _s(0.5), _u8(100), _s(0.5), _u8(128)]
+    mul = [a, _s(0.5), _u8(120), b, _s(0.5), _u8(130), _s(0.5), _u8(128)]
+    leaky = [signed, _s(1.0), np.array(3, np.int8), _s(1.0), np.array(-5, np.int8)]
+    concat = [_s(0.5), _u8(128), a, _s(0.25), _u8(128), b, _s(0.75), _u8(7)]
+    k = np.arange(-128, 128, dtype=np.int32)
+    gemm = [a[:, :16].copy(), _s(0.5), _u8(131), b[:16, :].copy(),
+            np.where(np.arange(256) % 2, 1.0, 0.5).astype(np.float32),
+            _u8(np.arange(256) % 7 + 125), k * 3, _s(1.0), _u8(128)]
+    return {
+        "QLinearAdd-ties": Case("QLinearAdd", add, [U8], fed=4),
+        "QLinearMul-ties": Case("QLinearMul", mul, [U8], fed=4),
+        "QLinearLeakyRelu-ties": Case("QLinearLeakyRelu", leaky, [I8], {"alpha": 0.5}),
+        "QLinearConcat-ties": Case("QLinearConcat", concat, [U8], {"axis": 0}, fed=0),
+        "QGemm-ties": Case("QGemm", gemm, [U8]),
+        "QGemm-float": Case("QGemm", gemm[:7], [F32], {"alpha": 0.375}),
+        "DynamicQuantizeMatMul-nan": Case(
+            "DynamicQuantizeMatMul", [np.where(np.eye(4, 16, dtype=bool), np.nan,
+                                               np.linspace(-3, 5, 64, dtype=np.float32)
+                                               .reshape(4, 16)).astype(np.float32),
+                                      b[:16, :8].copy(), _s(0.01), _u8(128)], [F32]),
+    }
+
+
+CASES = {**_quantized(), **_hard()}
+CASES = {name: case for name, case in CASES.items() if case.op != "QLinearWhere"}  # CpuRef only
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], backend: str,
+         compile_mode: str) -> tuple[list[np.ndarray], InferenceSession]:
+    session = InferenceSession(model, backends=[(backend, {"compile": compile_mode})])
+    return session.run(None, feeds), session
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "layers"])
+@pytest.mark.parametrize("backend", DEVICES)
+@pytest.mark.parametrize("name", CASES)
+def test_one_node_against_cpuref_and_onnx_runtime(name: str, backend: str,
+                                                  compile_mode: str) -> None:
+    case = CASES[name]
+    model, feeds = _model(case)
+    got, session = _run(model, feeds, backend, compile_mode)
+    assert {p.backend for p in session.report.layers.values()} == {backend}
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        if case.op in ROUNDED_ELSEWHERE:
+            assert np.max(np.abs(g.astype(np.int32) - w.astype(np.int32)), initial=0) <= 1
+        else:
+            np.testing.assert_array_equal(g, w)
+    if "nan" not in name:
+        assert_matches_ort(got, ort_run(model, feeds))
+
+
+def test_the_tie_cases_round_half_to_even_and_saturate() -> None:
+    """The hard cases hold what they promise: ties and both ends of the type in CpuRef's
+    output (so that the bit-for-bit comparison above tests rounding and saturation)."""
+    case = CASES["QLinearAdd-ties"]
+    model, feeds = _model(case)
+    (y,) = InferenceSession(model, backends=["CpuAcc"]).run(None, feeds)
+    total = (feeds["in0"].astype(np.int32) - 128) + 2 * (feeds["in3"].astype(np.int32) - 100)
+    assert np.array_equal(y, np.clip(np.rint(total / 2) + 128, 0, 255).astype(np.uint8))
+    assert (total % 2 == 1).any() and y.min() == 0 and y.max() == 255
+
+
+def test_an_int16_input_stays_on_cpuref() -> None:
+    """The kernels take 8-bit tensors (as ONNX Runtime's): another type is refused with the
+    reason, and the layer falls back."""
+    case = Case("QLinearSigmoid", [np.arange(12, dtype=np.int16).reshape(3, 4), _s(0.1),
+                                   np.array(0, np.int16), _s(1 / 256), np.array(0, np.int16)],
+                [onnx.TensorProto.INT16])
+    model, feeds = _model(case)
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"])
+    (placed,) = session.report.layers.values()
+    assert placed.backend == "CpuRef"
+    assert ("CpuAcc", "QLinearSigmoid of int16 (takes uint8, int8)") in placed.refusals
+
+
+# -- whole models from ONNX Runtime's quantizer ------------------------------------------------
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_qoperator_cnn_is_one_cpuacc_partition(per_channel: bool, tmp_path) -> None:
+    from onnxruntime import quantization
+
+    from tests.models.test_ort_tools import RandomReader, contrib_ops, small_cnn
+
+    path = tmp_path / "q.onnx"
+    quantization.quantize_static(small_cnn(tmp_path / "cnn.onnx"), path,
+                                 RandomReader("x", (1, 3, 16, 16)),
+                                 quant_format=quantization.QuantFormat.QOperator,
+                                 per_channel=per_channel)
+    assert len(contrib_ops(path)) == 9
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
+    assert set(session.report.counts()) == {"CpuAcc"}
+    layers = [lay for lay in session.optimized.graph.layers
+              if lay.op_type not in ("MemImport", "MemCopy")]
+    assert [lay.op_type for lay in layers] == ["Traced"]
+    (got,) = session.run(None, feeds)
+    (want,) = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
+    step = 1 / 256  # QLinearSoftmax's output scale
+    assert float(np.max(np.abs(got - want))) <= step * 1.001
+    assert float(np.max(np.abs(got - ort_run(onnx.load(str(path)), feeds)[0]))) <= step * 1.001
