@@ -75,7 +75,8 @@ def conv(X, W, B=None, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=
         windows = sliding_windows(pad_spatial(X, begins, ends), kernel, strides, dilations)
         grouped = windows.reshape(n, g, c // g, *out, *kernel)
         order = (0, 1, 2, *range(3 + rank, 3 + 2 * rank), *range(3, 3 + rank))
-        columns = grouped.transpose(order).reshape(n, g, -1, math.prod(out))
+        fields = c // g * math.prod(kernel)  # sizes, not -1: a batch of 0 has no -1
+        columns = grouped.transpose(order).reshape(n, g, fields, math.prod(out))
         y = np.matmul(W.reshape(g, m // g, -1), columns).reshape(n, m, *out)  # (N, G, M/G, out)
     if B is not None:
         y += B.reshape(-1, *[1] * rank)
@@ -120,7 +121,8 @@ def conv_transpose(X, W, B=None, auto_pad="NOTSET", dilations=None, group=1, ker
     kernel, ins, rank = W.shape[2:], X.shape[2:], X.ndim - 2
     m = W.shape[1] * g
     # Every input pixel times the whole kernel: (G, N * in, C/G) @ (G, C/G, M/G * k)
-    pixels = X.reshape(n, g, c // g, -1).transpose(1, 0, 3, 2).reshape(g, -1, c // g)
+    pixels = X.reshape(n, g, c // g, math.prod(ins)).transpose(1, 0, 3, 2) \
+        .reshape(g, n * math.prod(ins), c // g)  # sizes, not -1: a batch of 0 has no -1
     products = np.matmul(pixels, W.reshape(g, c // g, -1)).reshape(g, n, *ins, m // g, *kernel)
     products = products.transpose(1, 0, 2 + rank, *range(2, 2 + rank), *range(3 + rank, 3 + 2 * rank))
     products = products.reshape(n, m, *ins, *kernel)

@@ -119,7 +119,11 @@ def _arg(fn, data, axis, keepdims, select_last_index):
 
 
 # -- Softmax family ----------------------------------------------------------------------------
+# An empty input has nothing to normalize: its empty result, as ONNX Runtime gives (np.max of an
+# empty axis raises).
 def softmax(input, axis=-1):  # noqa: A002
+    if input.size == 0:
+        return (np.empty_like(input),)
     shifted = input - np.max(input, axis=axis, keepdims=True)
     np.exp(shifted, out=shifted)
     shifted /= np.sum(shifted, axis=axis, keepdims=True)
@@ -127,12 +131,16 @@ def softmax(input, axis=-1):  # noqa: A002
 
 
 def log_softmax(input, axis=-1):  # noqa: A002
+    if input.size == 0:
+        return (np.empty_like(input),)
     shifted = input - np.max(input, axis=axis, keepdims=True)
     return (shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True)),)
 
 
 def hardmax(input, axis=-1):  # noqa: A002
     # One-hot of the first maximum along the axis.
+    if input.size == 0:
+        return (np.empty_like(input),)
     first = np.argmax(input, axis=axis, keepdims=True)
     index = np.arange(input.shape[axis]).reshape([-1 if d == axis % input.ndim else 1
                                                   for d in range(input.ndim)])
