@@ -6,6 +6,7 @@ from backplane.backends.api.backend import Backend, Support
 from backplane.backends.registry import registry
 from backplane.frontends.onnx import ModelError, import_onnx
 from backplane.optimizer.optimize import OptimizationError, OptimizedNetwork, OptimizerOptions, optimize
+from backplane.optimizer.partitioner import PartitionResult, partition
 from backplane.runtime.loaded_network import ExecutionError, RunTerminated
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions
 from backplane.session import InferenceSession, ModelMetadata, RunOptions, SessionOptions
@@ -26,8 +27,9 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ArtifactError", "Backend", "ExecutionError", "InferenceSession", "InvalidInputError",
     "ModelError",
-    "ModelMetadata", "OptimizationError", "OptimizedNetwork", "OptimizerOptions", "RunOptions",
+    "ModelMetadata", "OptimizationError", "OptimizedNetwork", "OptimizerOptions", "PartitionResult",
+    "RunOptions",
     "RunTerminated", "Runtime", "RuntimeOptions", "SessionOptions", "Support", "compile",
-    "import_onnx", "optimize",
+    "import_onnx", "optimize", "partition",
     "registry",
 ]

@@ -5,6 +5,7 @@
 3. split per backend into acyclic subgraphs
 4. backend.optimize_subgraph(view): substitutions applied, failed layers reassigned, untouched kept
 5-6. tensor-handle strategy per edge; MemCopy layers where a copy is needed
+7. a delegation tag per partition (ExecuTorch's partitioner), in the report
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from backplane.backends.registry import registry as default_registry
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer import measured, passes
 from backplane.optimizer.edges import BUILTIN, insert_compatibility_layers
-from backplane.optimizer.partition import partition
+from backplane.optimizer.partition import delegation_tags, partition
 from backplane.optimizer.report import LayerPlacement, PlacementReport, SubgraphRecord
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
     report.copies += insert_compatibility_layers(  # after the bodies' own
         graph, factories, {b for b, c in capabilities.items() if c.get("AsyncExecution")},
         {b for b, c in capabilities.items() if c.get("ProtectedContentAllocation")})
+    _tag(graph, report, backend_options)
     chosen = {bid: available[bid] for bid in used}
     if any(layer.backend == BUILTIN for layer in graph.layers):  # copies, imports, syncs
         chosen[BUILTIN] = available[BUILTIN]
@@ -372,12 +374,26 @@ def _optimize_bodies(layer: Layer, graph: Graph, backends: Sequence[str], pins: 
         net = _optimize(body, backends, pins=pins, options=options, registry=registry,
                        backend_options=backend_options)
         attrs[name] = net
+        path = f"{layer.name}/{name}/"
         for inner, placement in net.report.layers.items():
-            placement.name = f"{layer.name}/{name}/{inner}"
+            placement.name = f"{path}{inner}"
+            placement.tag = placement.tag and f"{path}{placement.tag}"
             report.layers[placement.name] = placement
+        report.delegations.update((f"{path}{t}", d) for t, d in net.report.delegations.items())
         report.copies += net.report.copies
         report.warnings += net.report.warnings
     layer.attrs = attrs
+
+
+def _tag(graph: Graph, report: PlacementReport, backend_options: Mapping[str, object]) -> None:
+    """Each partition's delegation tag on the report's layers it runs (a substituted layer's
+    tag is its substitution's); a body's layers have theirs already, under the body's path."""
+    tags, specs = delegation_tags(graph, backend_options)
+    report.delegations.update(specs)
+    for placement in report.layers.values():
+        runs = placement.substituted_by or placement.name
+        if runs in tags:
+            placement.tag = tags[runs]
 
 
 def _check_strict(report: PlacementReport) -> None:

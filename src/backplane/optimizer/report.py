@@ -10,6 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from backplane.backends.api.backend import CompileSpec
+from backplane.optimizer.partition import DelegationSpec
+
 
 @dataclass
 class LayerPlacement:
@@ -19,6 +22,9 @@ class LayerPlacement:
     refusals: list[tuple[str, str]] = field(default_factory=list)  # (backend id, reason)
     pinned: str | None = None
     substituted_by: str | None = None  # the layer of a backend's substitution that now runs it
+    tag: str | None = None
+    """The delegation tag of the partition that runs it (``PlacementReport.delegations``); None
+    for builtin's layers, which stay with the runtime."""
 
 
 @dataclass
@@ -78,6 +84,9 @@ class PlacementReport:
     fallback_bytes: int = 0
     """The bytes of fallback memory the network holds (FallbackImport layers' buffers, allocated
     once at load and reused by every run), set at load."""
+    delegations: dict[str, DelegationSpec] = field(default_factory=dict)
+    """Each delegation tag's backend and compile specs (ExecuTorch's partition_tags): a tag is one
+    partition, the unit a backend's ``preprocess`` compiles (``optimizer/partition.py``)."""
 
     def crossings(self) -> dict[str, int]:
         """Tensors a run hands from one backend to another, by strategy ("copy", "import")."""
@@ -129,9 +138,9 @@ class PlacementReport:
         for p in self.layers.values():
             refused = "; ".join(f"{b}: {r}" for b, r in p.refusals)
             backend = p.backend + (f" (in {p.substituted_by})" if p.substituted_by else "")
-            rows.append((p.name, p.op_type, backend, refused))
-        return unfolded_table("Placement", ("layer", "op", "backend", "refused by (reason)"), rows,
-                              folding=("backend", "refused by (reason)"))
+            rows.append((p.name, p.op_type, backend, p.tag or "", refused))
+        return unfolded_table("Placement", ("layer", "op", "backend", "tag", "refused by (reason)"),
+                              rows, folding=("backend", "refused by (reason)"))
 
     def copies_table(self) -> Table:
         def size(nbytes: int | None) -> str:
@@ -163,8 +172,11 @@ class PlacementReport:
                 "counts": self.counts(),
                 "layers": [{"name": p.name, "op_type": p.op_type, "backend": p.backend,
                             "refusals": [{"backend": b, "reason": r} for b, r in p.refusals],
-                            "pinned": p.pinned, "substituted_by": p.substituted_by}
+                            "pinned": p.pinned, "substituted_by": p.substituted_by, "tag": p.tag}
                            for p in self.layers.values()],
+                "delegations": {tag: {"backend_id": d.backend_id, "compile_specs":
+                                      [[c.key, c.value] for c in d.compile_specs]}
+                                for tag, d in self.delegations.items()},
                 "copies": [asdict(c) for c in self.copies],
                 "subgraphs": [asdict(s) for s in self.subgraphs],
                 "unavailable": dict(self.unavailable),
@@ -183,7 +195,7 @@ class PlacementReport:
             report.layers[p["name"]] = LayerPlacement(
                 p["name"], p["op_type"], p["backend"],
                 [(r["backend"], r["reason"]) for r in p["refusals"]], p["pinned"],
-                p["substituted_by"])
+                p["substituted_by"], p.get("tag"))
         report.copies = [CopyRecord(**c) for c in data["copies"]]
         report.subgraphs = [SubgraphRecord(**s) for s in data["subgraphs"]]
         report.peak_bytes = dict(data.get("peak_bytes", {}))
@@ -191,6 +203,9 @@ class PlacementReport:
         report.partitions = list(data.get("partitions", []))
         report.fallback_bytes = int(data.get("fallback_bytes", 0))
         report.measurements = [MeasurementRecord(**m) for m in data.get("measurements", [])]
+        report.delegations = {tag: DelegationSpec(d["backend_id"], tuple(
+            CompileSpec(key, value) for key, value in d["compile_specs"]))
+            for tag, d in data.get("delegations", {}).items()}
         return report
 
     def render(self, console: Console) -> None:
@@ -204,7 +219,7 @@ class PlacementReport:
             console.print(Text(f"backend {backend} unavailable: {reason}"))
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
         console.print(f"{len(self.layers)} layers ({counts}); {len(self.copies)} copies; "
-                      f"{len(self.subgraphs)} subgraphs")
+                      f"{len(self.subgraphs)} subgraphs; {len(self.delegations)} delegation tags")
         if self.partitions:
             crossing = self.crossings()
             fallback = crossing.get("fallback_import", 0)

@@ -1,4 +1,4 @@
-"""SupportRegistry: layer-support objects by backend id (Arm NN's LayerSupportRegistry, seed 001).
+"""SupportRegistry: layer-support objects by backend id (Arm NN's LayerSupportRegistry).
 
 "When ArmNN needs to decide if a layer is supported on a backend, it looks up the factory function
 through the registry. Then it creates an ILayerSupport object for the given backend and calls the
@@ -22,7 +22,7 @@ from backplane.ir.graph import Layer, TensorInfo
 
 
 class LayerSupport(Protocol):
-    """Seed 001's ILayerSupport: whether one backend takes a layer, and why not."""
+    """Arm NN's ILayerSupport: whether one backend takes a layer, and why not."""
 
     id: str
 
@@ -48,6 +48,7 @@ class ClassSupport:
         self.KERNELS: Any = backend_class.KERNELS
         self.CHECKS: Any = backend_class.CHECKS
         self.ANY_DTYPE_OPS = backend_class.ANY_DTYPE_OPS
+        self.OPTIONS = backend_class.OPTIONS  # the options its partitions' specs may name
         self._check = backend_class.is_layer_supported
 
     def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
