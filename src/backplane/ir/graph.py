@@ -65,9 +65,28 @@ class Layer:
         return f"{', '.join(self.outputs)} = {self.op_type}[{attrs}]({ins}){on}  # {self.name}"
 
     def describe(self) -> str:
-        """How error messages name a layer: its name, op and opset."""
+        """How error messages name a layer: its name, op and opset, and for a delegate the
+        model's nodes it runs (its debug handles), so that a failure inside one names them."""
         domain = f"{self.domain}::" if self.domain else ""
-        return f"layer '{self.name}' ({domain}{self.op_type}, opset {self.opset})"
+        nodes = self.model_nodes()
+        shown = ", ".join(nodes[:SHOWN_NODES]) + (f" and {len(nodes) - SHOWN_NODES} more"
+                                                  if len(nodes) > SHOWN_NODES else "")
+        runs = f", running model nodes {shown}" if nodes else ""
+        return f"layer '{self.name}' ({domain}{self.op_type}, opset {self.opset}{runs})"
+
+    def model_nodes(self) -> list[str]:
+        """The model's nodes a delegate layer runs, read back from the ``debug_handle_map`` its
+        backend's ``preprocess`` gave (each handle inside the blob -> the nodes it holds), else
+        its partition's layers; [] for any other layer (its name is the node's)."""
+        handles = self.attrs.get("debug_handle_map")
+        if handles:
+            return list(dict.fromkeys(n for nodes in handles.values() for n in nodes))
+        part = self.attrs.get("graph") if handles is not None else None
+        return [layer.name for layer in part.layers] if isinstance(part, Graph) else []
+
+
+SHOWN_NODES = 12
+"""The model nodes an error names for a delegate before "and N more"."""
 
 
 def _short(value: Any) -> str:
