@@ -345,6 +345,16 @@ class InferenceSession:
     def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
              run_options: RunOptions | None, timed: bool = False,
              ) -> tuple[list[Any], list[LayerTiming] | None]:
+        results, timings = self._execute(input_feed, run_options, None, timed)
+        return self._select(output_names, results), timings
+
+    def _execute(self, input_feed: Mapping[str, Any], run_options: RunOptions | None,
+                 outputs_on: Sequence[str | None] | None, timed: bool,
+                 ) -> tuple[list[Any], list[LayerTiming] | None]:
+        """One run under its log scope (the severity and logid of its RunOptions), its stop and
+        the cache folder; profiled where ``timed`` or where the session profiles (then in the
+        trace). ``run`` (but its fast path), ``run_profiled`` and ``run_with_iobinding`` come
+        here."""
         if run_options is not None and not isinstance(run_options, RunOptions):
             raise TypeError(f"run_options must be a backplane.RunOptions or None, got "
                             f"{type(run_options).__name__}")
@@ -359,12 +369,13 @@ class InferenceSession:
                 cache_scope(self._cache_dir if self._builds_at_run else None):
             start = time.perf_counter()
             if trace is None and not timed:
-                results = self.runtime.run(self.network_id, input_feed)
+                results = self.runtime.run(self.network_id, input_feed, outputs_on)
             else:
-                results, timings = self.runtime.run_profiled(self.network_id, input_feed)
+                results, timings = self.runtime.run_profiled(self.network_id, input_feed,
+                                                             outputs_on)
             if trace is not None:
                 trace.add_run(timings or [], start, time.perf_counter(), tag)
-        return self._select(output_names, results), timings
+        return results, timings
 
     def _update_fast_path(self) -> None:
         self._fast = (self._trace is None and self._severity == 2 and not self._closed
@@ -401,18 +412,7 @@ class InferenceSession:
                 run_options: RunOptions | None) -> list[Any]:
         """All outputs, each in the memory ``outputs_on`` names (None: the host)."""
         self._check_open()
-        severity, tag = self._severity, ""
-        if run_options is not None:
-            tag = run_options.logid
-            if run_options.log_severity_level is not None:
-                severity = run_options.log_severity_level
-        with log_scope(severity, tag), stop_scope(run_options):
-            start = time.perf_counter()
-            if self._trace is None:
-                return self.runtime.run(self.network_id, input_feed, outputs_on)
-            results, timings = self.runtime.run_profiled(self.network_id, input_feed, outputs_on)
-            self._trace.add_run(timings, start, time.perf_counter(), tag)
-            return results
+        return self._execute(input_feed, run_options, outputs_on, timed=False)[0]
 
     def close(self) -> None:
         """Unload the network and release what its backends hold; running after is an error, and
