@@ -7,12 +7,12 @@ Usage:
     python bench/bench_torch.py m.onnx --backends CpuAcc,CpuRef --backends CpuRef --rounds 3
     python bench/bench_torch.py m.onnx --device cuda        # GpuAcc, and a CUDA-graph torch column
 
-The code lives in backplane.backends.torch.bench, so that ``backplane bench`` runs the same.
+The code lives in backplane.bench_engine, so that ``backplane bench`` runs the same.
 """
 
 import sys
 
-from backplane.backends.torch.bench import main
+from backplane.bench_engine import main
 
 if __name__ == "__main__":
     sys.exit(main())

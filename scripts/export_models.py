@@ -194,9 +194,20 @@ def gpt2_decode(past: int, live: bool = False, **config: Any) -> Builder:
     return build
 
 
+class _TorchVision:
+    """torchvision.models, imported when one of its models is built: listing the models, and
+    building transformers' ones, needs no torchvision (``backplane bench``'s eager column)."""
+
+    def __getattr__(self, name: str) -> Callable[..., torch.nn.Module]:
+        def ctor(**kwargs: Any) -> torch.nn.Module:
+            import torchvision.models
+            return getattr(torchvision.models, name)(**kwargs)
+        return ctor
+
+
 def anchors(batch: int = 1) -> dict[str, Builder]:
     """The yardstick's models, in its order, with its settings (at another batch where asked)."""
-    import torchvision.models as tvm
+    tvm = _TorchVision()
     return {
         "resnet50": cnn(tvm.resnet50, batch=batch),
         "resnet50_b8": cnn(tvm.resnet50, batch=8),
@@ -211,7 +222,7 @@ def anchors(batch: int = 1) -> dict[str, Builder]:
 
 def small() -> dict[str, tuple[Path, Builder]]:
     """The committed models: name -> (directory, builder). Those in tests/data get an .npz."""
-    import torchvision.models as tvm
+    tvm = _TorchVision()
     return {
         # The README's demo: MobileNetV2 at 0.2 width, 10 classes, one 224x224 image (< 1 MB).
         "mobilenet_v2_w020_c10": (DEMO_DIR, cnn(tvm.mobilenet_v2, live=True, width_mult=0.2,

@@ -72,12 +72,14 @@ def test_unknown_backend_is_a_clear_error(model_path, capsys) -> None:
 def test_backends_lists_the_registered_backends(capsys) -> None:
     code, out = run_cli(["backends"], capsys)
     assert code == 0 and "CpuRef" in out and "builtin" in out and "built in" in out
-    assert "CpuAcc.threads, CpuAcc.conv_route" in out  # the options each backend takes
+    # the options each backend takes, each with what it takes, in a table of their own
+    assert re.search(r"CpuAcc\.conv_route +│ auto \(measured\), onednn", out)
 
 
-def test_backends_on_a_100_column_terminal_keeps_each_capability_whole() -> None:
+def test_backends_on_a_100_column_terminal_keeps_each_capability_and_option_whole() -> None:
     """Issue 31, item 6: on a 100-column terminal 'AsyncExecution=Fa|lse' was folded across two
-    lines; each capability is a line of its own in its cell now, never cut (a real terminal: a
+    lines; each capability is a line of its own in its cell now, never cut, and the options are a
+    table of their own, each whole, every line within the 100 columns (a real terminal: a
     pseudo-terminal of 100 columns)."""
     leader, follower = os.openpty()
     env = {**os.environ, "COLUMNS": "100", "LINES": "50", "TERM": "xterm"}
@@ -96,9 +98,13 @@ def test_backends_on_a_100_column_terminal_keeps_each_capability_whole() -> None
         assert child.wait(timeout=120) == 0
     os.close(leader)
     out = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())
-    assert "Registered backends" in out
-    for whole in ("AsyncExecution=False", "ProtectedContentAllocation=False", "HostThreads=blas"):
+    assert "Registered backends" in out and "Backend options" in out
+    for whole in ("AsyncExecution=False", "ProtectedContentAllocation=False", "HostThreads=blas",
+                  "CpuAcc.conv_route", "CpuAcc.route_cache", "OpenVINO.performance_hint"):
         assert whole in out
+    # every line fits the terminal: none is wrapped by it (the options column made the table
+    # 112 columns wide, its names cut: 'CpuAcc.conv_rout|e')
+    assert max(len(line.rstrip("\r")) for line in out.split("\n")) <= 100
 
 
 def test_backends_shows_where_each_came_from_and_what_was_skipped(tmp_path, capsys,
@@ -221,7 +227,7 @@ def test_bench_shows_the_plans_partitions_and_crossings(tmp_path, capfd) -> None
     rows = {row["runtime"]: row for row in doc["results"]}
     assert (rows["CpuAcc,CpuRef"]["partitions"], rows["CpuAcc,CpuRef"]["crossings"]) == (3, 2)
     assert "partitions" not in rows["onnxruntime"]
-    from backplane.backends.torch.bench import plan_text
+    from backplane.bench_engine import plan_text
 
     assert plan_text({"partitions": 3, "crossings": 2}) == "3 parts, 2 crossings"
     assert plan_text({"partitions": 1, "crossings": 0}) == "1 part, 0 crossings"

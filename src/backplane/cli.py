@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     _output_arguments(backends)
     backends.set_defaults(command=cmd_backends)
     bench = sub.add_parser("bench", help="time a model on backplane, ONNX Runtime and eager PyTorch, "
-                                         "each in processes of its own (bench/bench_torch.py)")
+                                         "each in processes of its own (backplane.bench_engine)")
     bench.add_argument("model", help="an ONNX model file")
     bench.add_argument("--backends", action="append", default=[],
                        help="a backend list, most preferred first, options after @ "
@@ -519,7 +519,7 @@ def _summary(value: Any) -> str:
 
 # -- bench ----------------------------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> Any:
-    from backplane.backends.torch.bench import main as bench_main
+    from backplane.bench_engine import main as bench_main
 
     argv = [args.model, "--device", args.device, "--rounds", str(args.rounds), "--runs", str(args.runs),
             "--warmup", str(args.warmup)]
@@ -535,28 +535,17 @@ def cmd_bench(args: argparse.Namespace) -> Any:
 def _bench_document(cli_args: argparse.Namespace, argv: list[str],
                     measure_peak: bool) -> tuple[int, dict[str, Any]]:
     """What ``bench`` prints as tables, as one JSON document (the same processes, rounds, runs)."""
-    import subprocess
     import tempfile
 
-    from backplane.backends.torch import bench
+    from backplane import bench_engine as bench
 
     args = bench.parse_args(argv)
     model = args.models[0]
     if not model.is_file():
         raise ModelError(f"'{model}' is a directory: give the model's .onnx file" if model.is_dir()
                          else f"model file '{model}' does not exist")
-    default = "GpuAcc,CpuAcc,CpuRef" if args.device == "cuda" else "CpuAcc,CpuRef"
-    runtimes = [b.replace(" ", "") for b in args.backends] or [default]
-    runtimes += [] if args.no_ort else [bench.ORT]
-    runtimes += [] if args.no_torch else [bench.EAGER] + (
-        [bench.CUDA_GRAPH] if args.device == "cuda" else [])
-    peak = None
-    if measure_peak:
-        reply = subprocess.run([sys.executable, "-m", "backplane.backends.torch.bench", "--worker",
-                                "peak", "--threads", str(args.threads), "--device", args.device],
-                               capture_output=True, text=True)
-        if reply.returncode == 0 and reply.stdout.strip():
-            peak = json.loads(reply.stdout.strip().splitlines()[-1])["gflops"]
+    runtimes = bench.runtimes_of(args)
+    peak = bench.measure_peak(args.threads, args.device) if measure_peak else None
     with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, \
             _working(cli_args, "starting", total=len(runtimes) * args.rounds) as step:
         started = False
@@ -576,8 +565,7 @@ def _bench_document(cli_args: argparse.Namespace, argv: list[str],
             bench.ORT, bench.EAGER, bench.CUDA_GRAPH)}
         if r.error or not r.times:
             row["error"] = r.error or "no timed runs"
-            row["skipped"] = runtime in (bench.EAGER, bench.CUDA_GRAPH) and \
-                "no torch module" in (r.error or "")
+            row["skipped"] = bench.is_skip(runtime, r.error)
         else:
             ms = statistics.median(r.times) * 1e3
             rate = flops / (ms / 1e3) / 1e9
@@ -587,7 +575,7 @@ def _bench_document(cli_args: argparse.Namespace, argv: list[str],
                         "share_of_peak": rate / peak if peak else None,
                         "load_s": statistics.median(r.loads), **r.plan})
             if runtime != bench.ORT and ort is not None:
-                row["diff_vs_ort"] = bench._diff(r.outputs, ort.outputs)
+                row["diff_vs_ort"] = bench.output_diff(r.outputs, ort.outputs)
         rows.append(row)
     failed = any("error" in row for row in rows if row["runtime"] not in (bench.EAGER,
                                                                           bench.CUDA_GRAPH))
@@ -624,13 +612,16 @@ def cmd_backends(args: argparse.Namespace) -> Any:
     for e in entries:
         caps = "\n".join(f"{k}={v}" for k, v in e["capabilities"].items())  # one a line, whole
         status = "yes" if e["available"] else f"no: {e['reason']}"
-        rows.append((e["id"], e["version"] or "?", e["origin"], status, caps, str(e["ops"]),
-                     ", ".join(e["options"])))
+        rows.append((e["id"], e["version"] or "?", e["origin"], status, caps, str(e["ops"])))
     print_table(console, unfolded_table("Registered backends", ("id", "version", "from",
-                                                                "available", "capabilities", "ops",
-                                                                "options"),
-                                        rows, folding=("available", "options"),
-                                        right=("ops",)))
+                                                                "available", "capabilities", "ops"),
+                                        rows, folding=("available",), right=("ops",)))
+    # the options in a table of their own, each whole on its line with what it takes: as a column
+    # of the table above they need 121 columns, and folded at 100 they were cut inside their names
+    options = [(name, what) for e in entries for name, what in e["options"].items()]
+    if options:
+        print_table(console, unfolded_table("Backend options (--backends A,B@A.option=value)",
+                                            ("option", "takes"), options, folding=("takes",)))
     if skipped:
         print_table(console, unfolded_table("Skipped candidates", ("candidate", "reason"),
                                             [(s["candidate"], s["reason"]) for s in skipped],

@@ -141,9 +141,11 @@ def _clusters(network: OptimizedNetwork, ids: dict[str, str], picture: Placement
     for record in report.subgraphs:
         if record.outcome == "substituted":
             replaced = set(record.layers)
-            members = [p.name for p in report.layers.values() if p.substituted_by in replaced]
+            members = [p.name for p in report.layers.values() if p.substituted_by in replaced
+                       or (p.name in replaced and p.substituted_by is None)]  # same name: a
+            # layer rewritten in place (a Gemm become CpuAcc's Linear) is its own substitution
             kinds = sorted({op_of.get(name, "substitution") for name in record.layers})
-            what = f"{' + '.join(kinds)} ({len(members)} model layers)"
+            what = f"{' + '.join(kinds)} ({_n(len(members), 'model layer')})"
         elif record.outcome == "untouched":
             members = [n for n in record.layers if n in report.layers
                        and report.layers[n].substituted_by is None]
@@ -271,13 +273,38 @@ def _n(count: int, one: str, many: str | None = None) -> str:
     return f"{count} {one if count == 1 else many or one + 's'}"
 
 
+def crossing_summary(report: PlacementReport) -> str:
+    """The tensors a run hands across memory, in the words of the report's "a run:" line
+    (``PlacementReport.render``): those between backends by strategy, with the bytes copied, then
+    the caller's inputs and outputs, which ``report.copies`` holds too (from or to "user")
+    ("0 tensors copied and 18 imported between backends (0 bytes copied); to and from the
+    caller: 2 imported")."""
+    between = report.crossings()
+    fallback = between.get("fallback_import", 0)
+    through = f" and {fallback} through fallback memory" if fallback else ""
+    text = (f"{between.get('copy', 0)} tensors copied and {between.get('import', 0)} imported"
+            f"{through} between backends ({report.bytes_copied():,} bytes copied)")
+    caller: dict[str, int] = {}
+    for c in report.copies:
+        if USER in (c.source, c.target):
+            caller[c.strategy] = caller.get(c.strategy, 0) + 1
+    words = {"copy": "copied", "import": "imported", "fallback_import": "through fallback memory"}
+    if caller:
+        text += "; to and from the caller: " + " and ".join(
+            f"{n} {words.get(strategy, strategy)}" for strategy, n in caller.items())
+    return text
+
+
+def summary(report: PlacementReport) -> str:
+    """The placement in one line: layers per backend, a run's partitions and its crossings
+    (``crossing_summary``)."""
+    counts = ", ".join(f"{b}: {n}" for b, n in report.counts().items())
+    run = (f"a run: {_n(len(report.partitions), 'partition')}, " if report.partitions else "")
+    return f"{_n(len(report.layers), 'layer')} ({counts}); {run}{crossing_summary(report)}"
+
+
 def to_dot(picture: Placement, report: PlacementReport) -> str:
-    counts = report.counts()
-    summary = ", ".join(f"{b}: {n}" for b, n in counts.items())
-    crossings = {s: sum(1 for c in report.copies if c.strategy == s) for s in ("copy", "import")}
-    label = (f"{picture.title}: {_n(len(report.layers), 'layer')} ({summary}); "
-             f"{_n(crossings['copy'], 'copy', 'copies')}, {_n(crossings['import'], 'import')}; "
-             f"{_n(len(picture.clusters), 'partition')}")
+    label = f"{picture.title}: {summary(report)}"
     lines = ["digraph placement {",
              f"  graph [{_attrs({'rankdir': 'TB', 'fontname': 'Helvetica', 'fontsize': '14', 'labelloc': 't', 'label': label, 'nodesep': '0.25', 'ranksep': '0.3'})}];",
              f"  node [{_attrs({'shape': 'box', 'style': 'rounded,filled', 'fontname': 'Helvetica', 'fontsize': '10', 'penwidth': '1.2'})}];",
@@ -357,6 +384,34 @@ def write_html(path: str | os.PathLike, network: OptimizedNetwork, source: Graph
     return "<svg" in page
 
 
+NAMED = 8
+"""The layers a refusal's banner names; the table below the drawing has them all."""
+
+
+def banners(report: PlacementReport) -> list[str]:
+    """The page's notes, as HTML: each unavailable backend; each refusal, once per (backend,
+    reason) with the layers it sent elsewhere named; then the report's other warnings. A layer's
+    own fallback warning and a backend's unavailability are in the report's warnings too, in the
+    optimizer's words: they are said once, here, by the layers and backends themselves."""
+    e = html.escape
+    notes = [f"backend {e(b)} unavailable: {e(reason)}" for b, reason in report.unavailable.items()]
+    said = {f"backend {b} is not available: {reason}" for b, reason in report.unavailable.items()}
+    refused: dict[tuple[str, str], list[LayerPlacement]] = {}
+    for p in report.layers.values():
+        for backend, reason in p.refusals:
+            refused.setdefault((backend, reason), []).append(p)
+            said.add(f"Layer of type {p.op_type} is not supported on requested backend {backend} "
+                     f"(reason: {reason}), falling back to the next backend")
+    for (backend, reason), layers in refused.items():
+        names = ", ".join(f"<code>{e(p.name)}</code> ({e(p.op_type)}, on {e(p.backend)})"
+                          for p in layers[:NAMED])
+        more = f" and {len(layers) - NAMED} more" if len(layers) > NAMED else ""
+        notes.append(f"{e(backend)} refused {_n(len(layers), 'layer')}: {names}{more}. "
+                     f"Reason: {e(reason)}")
+    notes += [e(warning) for warning in dict.fromkeys(report.warnings) if warning not in said]
+    return notes
+
+
 def _page(picture: Placement, report: PlacementReport, dot: str, svg: str | None) -> str:
     e = html.escape
     counts = report.counts()
@@ -364,11 +419,7 @@ def _page(picture: Placement, report: PlacementReport, dot: str, svg: str | None
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>placement: {e(picture.title)}</title><style>{STYLE}</style></head><body>",
              f"<h1>{e(picture.title)}: placement on {e(', '.join(report.preferences))}</h1>",
-             f'<p class="summary">{_n(len(report.layers), "layer")} ('
-             + e(", ".join(f"{b}: {n}" for b, n in counts.items())) + f"); "
-             f"{_n(sum(c.strategy == 'copy' for c in report.copies), 'copy', 'copies')} and "
-             f"{_n(sum(c.strategy == 'import' for c in report.copies), 'import')} between "
-             f"backends; {_n(len(picture.clusters), 'partition')}; "
+             f'<p class="summary">{e(summary(report))}; '
              f"{_n(len(refused), 'layer')} refused by a backend</p>",
              '<div class="legend">']
     for backend in picture.backends:
@@ -383,10 +434,7 @@ def _page(picture: Placement, report: PlacementReport, dot: str, svg: str | None
                  f'{BUILTIN_LINE}"></i>copy</span>')
     parts.append("<span>outlined: a partition (what one backend was given as one subgraph)</span>")
     parts.append("</div>")
-    for backend, reason in report.unavailable.items():
-        parts.append(f'<p class="note">backend {e(backend)} unavailable: {e(reason)}</p>')
-    for warning in report.warnings:
-        parts.append(f'<p class="note">{e(warning)}</p>')
+    parts += [f'<p class="note">{note}</p>' for note in banners(report)]
     if svg is not None:
         parts.append(f'<div class="drawing">{svg}</div>')
     else:
@@ -404,7 +452,8 @@ def _page(picture: Placement, report: PlacementReport, dot: str, svg: str | None
         parts.append("</table>")
     else:
         parts.append("<p>No backend refused a layer.</p>")
-    parts.append(f"<h2>Tensors crossing backends ({len(report.copies)})</h2>")
+    parts.append(f"<h2>Tensors crossing memory ({len(report.copies)})</h2>")
+    parts.append(f"<p>{e(crossing_summary(report))}</p>")
     if report.copies:
         parts.append("<table><tr><th>tensor</th><th>from</th><th>to</th><th>how</th>"
                      "<th>bytes</th></tr>")
