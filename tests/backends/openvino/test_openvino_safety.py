@@ -86,20 +86,21 @@ def test_gather_indices_out_of_range_are_refused_as_cpuref_refuses() -> None:
 
 def test_indices_computed_inside_the_partition_are_checked_after_the_run() -> None:
     """i + 1 is computed by OpenVINO: it is an extra output of the compiled model, checked before
-    the outputs are returned; the axis is a free dimension, read from an extra Shape output."""
+    the outputs are returned; the axis is a free dimension, read from an extra Shape output.
+    (int32 indices: an Add of the user's int64 values goes to CpuRef, test_openvino_int64.)"""
     model = model_of(
         [helper.make_node("Add", ["i", "one"], ["j"], name="add"),
          helper.make_node("Relu", ["x"], ["r"], name="relu"),
          helper.make_node("Gather", ["r", "j"], ["y"], name="g", axis=1)],
-        [vi("x", [2, "n"]), vi("i", [2], TensorProto.INT64)], [vi("y", None)],
-        [numpy_helper.from_array(np.array(1, np.int64), "one")])
+        [vi("x", [2, "n"]), vi("i", [2], TensorProto.INT32)], [vi("y", None)],
+        [numpy_helper.from_array(np.array(1, np.int32), "one")])
     session = InferenceSession(model, backends=["OpenVINO", "CpuRef"])
     assert session.report.counts() == {"OpenVINO": 3}
     x = np.arange(10, dtype=np.float32).reshape(2, 5)
-    np.testing.assert_array_equal(session.run(None, {"x": x, "i": np.array([0, 3])})[0],
+    np.testing.assert_array_equal(session.run(None, {"x": x, "i": np.array([0, 3], np.int32)})[0],
                                   x[:, [1, 4]])
     with pytest.raises(ExecutionError, match="index 5 is out of range for an axis of size 5"):
-        session.run(None, {"x": x, "i": np.array([0, 4])})
+        session.run(None, {"x": x, "i": np.array([0, 4], np.int32)})
 
 
 def test_gathernd_with_indices_computed_inside_goes_to_cpuref() -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.memory import AllocationError, check_allocation
+from backplane.backends.openvino.int64 import checked_inputs, int64_reason
 from backplane.ir.graph import Graph, Layer
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -44,6 +45,8 @@ SHAPE_ARITHMETIC = frozenset({
     "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Add", "Sub", "Mul", "Div",
     "Reshape", "Identity", "Max", "Min", "ReduceProd", "Where", "Equal", "Constant", "Abs", "Neg"})
 
+REDUCTIONS = ("ReduceMax", "ReduceMin", "ArgMax", "ArgMin")
+"""Reductions without an identity OpenVINO answers wrongly over an empty axis."""
 SAME_VALUES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose",
                          "Expand"})
 """Ops whose output holds its first input's values, no other: the indices of GPT-2's embedding
@@ -60,8 +63,9 @@ Bound = int | tuple[str, int, int]
 @dataclass(frozen=True)
 class Check:
     """A check of a layer's indices (Gather, GatherND), size input (SIZE_INPUT, Resize) or Range
-    arguments, made before the infer call, or after it where it reads added outputs (``after``):
-    the run is refused then, its outputs never returned."""
+    arguments, or ("Int32") that an int64 input of the partition fits in 32 bits (``layer``: the
+    input's name; ``int64.py``), made before the infer call, or after it where it reads added
+    outputs (``after``): the run is refused then, its outputs never returned."""
 
     layer: str
     op: str
@@ -77,7 +81,12 @@ class Check:
 
     def __call__(self, inputs: Sequence[Any], added: Sequence[Any] = ()) -> None:
         values = [np.asarray(_value(v, inputs, added)) for v in self.values]
-        if self.op == "Range":
+        if self.op == "Int32":
+            _check_int32(self.layer, values[0])
+        elif self.op in REDUCTIONS:
+            _check_nonempty(self.layer, self.op, [_dim(d, inputs, added) for d in self.dims
+                                                  if d is not None])
+        elif self.op == "Range":
             _check_range(self.layer, *(float(v.reshape(-1)[0]) for v in values), self.dtype)
         elif self.bounds:
             _check_indices(self.layer, self.op, values[0],
@@ -134,6 +143,9 @@ def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | Non
     is wrong already (constants), or what nothing could check before OpenVINO uses it."""
     if layer.op_type in GATES:
         return _recurrent_reason(layer, graph)
+    wide = int64_reason(layer, graph)
+    if wide:
+        return wide
     if layer.op_type in ("Squeeze", "Compress", "Reshape") and len(layer.inputs) > 1 \
             and _traced(layer.inputs[1], graph, produced) in graph.inputs:  # the user's values
         what = {"Compress": "condition", "Reshape": "shape"}.get(layer.op_type, "axes")
@@ -145,7 +157,7 @@ def refusal(layer: Layer, graph: Graph, produced: dict[str, Layer]) -> str | Non
         return _compress_reason(layer, graph)
     if layer.op_type in ("Div", "Mod") and len(layer.inputs) > 1:
         return _integer_division_reason(layer, graph)
-    if layer.op_type in ("ReduceMax", "ReduceMin", "ArgMax", "ArgMin"):
+    if layer.op_type in REDUCTIONS:
         return _empty_reduction_reason(layer, graph)
     if layer.op_type == "Slice" and len(layer.inputs) > 4 and layer.inputs[4]:
         return _slice_reason(layer, graph, produced)
@@ -163,11 +175,20 @@ def plan(layers: Sequence[Layer], inputs: Sequence[str], graph: Graph) -> Plan:
     made = Plan()
     for layer in layers:
         _plan_layer(made, layer, graph, produced, position)
+        if layer.op_type in REDUCTIONS:
+            _plan_reduction(made, layer, graph, position)
+    made.checks += [Check(name, "Int32", (("in", position[name]),))
+                    for name in checked_inputs(layers, inputs, graph)]
     shapes_at = len(made.added)  # the Shape outputs come after the added tensors
-    made.checks = [replace(check, bounds=tuple(
-        ("out", shapes_at - 1 - b[1], b[2]) if _is_ref(b) and b[1] < 0 else b  # type: ignore
-        for b in check.bounds)) for check in made.checks]
+    made.checks = [replace(check, bounds=_absolute(check.bounds, shapes_at),
+                           dims=_absolute(check.dims, shapes_at)) for check in made.checks]
     return made
+
+
+def _absolute(bounds: tuple[Any, ...], shapes_at: int) -> tuple[Any, ...]:
+    """``_shape_ref``'s refs (negative) as the index of their Shape output, after ``shapes_at``."""
+    return tuple(("out", shapes_at - 1 - b[1], b[2]) if _is_ref(b) and b[1] < 0 else b
+                 for b in bounds)
 
 
 def _plan_layer(made: Plan, layer: Layer, graph: Graph, produced: dict[str, Layer],
@@ -343,6 +364,18 @@ def _check_size(layer: str, op: str, shape: list[int], dtype: str) -> None:
     check_allocation([max(s, 0) for s in shape], np.dtype(dtype), f"the output of {op} '{layer}'")
 
 
+def _check_int32(name: str, values: np.ndarray) -> None:
+    """An int64 input OpenVINO computes with must fit in 32 bits: it computes int64 as int32."""
+    if values.size == 0:
+        return
+    low, high = int(values.min()), int(values.max())
+    bad = low if low < np.iinfo(np.int32).min else high if high > np.iinfo(np.int32).max else None
+    if bad is not None:
+        raise ValueError(f"'{name}' holds {bad}, past 32 bits: OpenVINO's CPU plugin computes "
+                         f"int64 as int32 and would answer it silently wrong (int64 values from "
+                         f"-2**31 to 2**31 - 1 run on OpenVINO; CpuRef computes any)")
+
+
 def _check_range(layer: str, start: float, limit: float, delta: float, dtype: str) -> None:
     """OpenVINO makes |limit - start| / |delta| elements where delta points away from limit, where
     ONNX makes none: such a Range is refused, as is a delta of 0."""
@@ -399,14 +432,55 @@ def _integer_division_reason(layer: Layer, graph: Graph) -> str | None:
 
 
 def _empty_reduction_reason(layer: Layer, graph: Graph) -> str | None:
-    """OpenVINO's ReduceMax over an empty input gives float32's lowest where ONNX gives -inf (and
-    ArgMax of an empty axis answers 0, where there is no element): an input known to be empty
-    goes to CpuRef. (One empty only at run time, through a free dimension, still reaches OpenVINO.)"""
+    """OpenVINO's ReduceMax over an empty axis gives float32's lowest where ONNX gives -inf (and
+    ArgMax of an empty axis answers 0, where there is no element): a reduction of an axis of size
+    0, or of axes or a shape not known before the run, goes to CpuRef (which answers -inf, or
+    refuses ArgMax's); an axis of a free dimension is checked at run time."""
     shape = graph.info(layer.inputs[0]).shape
-    if shape is None or 0 not in shape:
+    axes = _reduced_axes(layer, graph, shape)
+    if shape is not None and axes is not None and all(
+            not isinstance(shape[axis], int) or shape[axis] > 0 for axis in axes):
+        return None  # free dimensions: checked at run time (``_plan_reduction``)
+    given = "an input of unknown shape" if shape is None else list(shape)
+    over = "known only at run time" if axes is None else axes
+    return (f"{layer.op_type} '{layer.name}' of {given} over axes {over}: one may be empty, where "
+            f"OpenVINO answers float32's lowest (ONNX: -inf) or an index where there is no "
+            f"element")
+
+
+def _plan_reduction(made: Plan, layer: Layer, graph: Graph, position: dict[str, int]) -> None:
+    """A check that each reduced axis of a free dimension holds an element at run time."""
+    data = layer.inputs[0]
+    shape = graph.info(data).shape
+    axes = [a for a in _reduced_axes(layer, graph, shape) or () if not isinstance(shape[a], int)]
+    if axes:
+        dims = tuple(("in", position[data], a) if data in position else _shape_ref(made, data, a)
+                     for a in axes)
+        made.checks.append(Check(layer.name, layer.op_type, (), dims=dims))
+
+
+def _check_nonempty(layer: str, op: str, dims: list[int]) -> None:
+    if 0 in dims:
+        raise ValueError(f"{op} '{layer}' over an empty axis (sizes {dims}): OpenVINO answers "
+                         f"float32's lowest (ONNX: -inf) or an index where there is no element; "
+                         f"CpuRef runs it")
+
+
+def _reduced_axes(layer: Layer, graph: Graph, shape: tuple[Any, ...] | None) -> list[int] | None:
+    """The axes ``layer`` reduces (ArgMax/Min, ReduceMax/Min), or None where not known now."""
+    if shape is None:
         return None
-    return (f"{layer.op_type} '{layer.name}' of an empty input {list(shape)}: OpenVINO answers "
-            f"float32's lowest (ONNX: -inf) or an index where there is no element")
+    rank = max(len(shape), 1)
+    if layer.op_type in ("ArgMax", "ArgMin"):
+        return [int(layer.attrs.get("axis", 0)) % rank]
+    axes: Any = layer.attrs.get("axes")
+    if len(layer.inputs) > 1 and layer.inputs[1]:
+        if layer.inputs[1] not in graph.constants:
+            return None
+        axes = np.asarray(graph.constants[layer.inputs[1]]).reshape(-1).tolist()
+    if not axes:
+        return [] if layer.attrs.get("noop_with_empty_axes", 0) else list(range(len(shape)))
+    return sorted({int(axis) % rank for axis in axes})
 
 
 def _recurrent_reason(layer: Layer, graph: Graph) -> str | None:
