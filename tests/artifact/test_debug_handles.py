@@ -14,7 +14,8 @@ from onnx import TensorProto, helper
 
 import backplane
 from backplane import ExecutionError, InferenceSession
-from backplane.backends.api.backend import PreprocessResult
+from backplane.backends.api.backend import PreprocessResult, WorkloadFactory
+from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.reference.backend import CpuRef
 from backplane.backends.registry import BackendRegistry
 from backplane.ir.graph import Graph, Layer
@@ -118,3 +119,38 @@ def test_a_plain_layer_is_described_as_before() -> None:
     big = Layer("d", "Delegate", [], [], {"debug_handle_map": {
         f"h{i}": [f"n{i}"] for i in range(20)}}, "backplane.delegate")
     assert big.describe().endswith("n10, n11 and 8 more)")
+
+
+class Fuser(CpuRef):
+    """A plugin that substitutes its whole partition by one layer holding the nodes' names
+    (``attrs["layers"]``, as OpenVINO's compiled partitions keep them); its workload raises."""
+
+    id = "Fuser"
+
+    def optimize_subgraph(self, view: Any) -> OptimizationViews:
+        fused = Layer("fused", "Fused", list(view.inputs), list(view.outputs),
+                      {"layers": [layer.name for layer in view.layers]}, "fuser", 1)
+        return OptimizationViews(substitutions=[Substitution(view, [fused])])
+
+    def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
+        return FuserFactory(self, memory_manager)
+
+
+class FuserFactory(WorkloadFactory):
+    def create_workload(self, layer: Layer, inputs: Any, outputs: Any) -> Any:
+        def run(*values: Any) -> tuple[Any, ...]:
+            raise RuntimeError("the fused kernel overflowed")
+
+        return run if layer.domain == "fuser" else super().create_workload(layer, inputs, outputs)
+
+
+def test_a_substituted_layer_that_fails_at_run_names_its_nodes(
+        artifact: tuple[Path, BackendRegistry]) -> None:
+    registry = BackendRegistry()
+    registry.register(Fuser.id, Fuser)
+    model = artifact[0].with_suffix(".onnx")
+    session = InferenceSession(model, [Fuser.id], runtime=backplane.Runtime(registry=registry))
+    with pytest.raises(ExecutionError, match="the fused kernel overflowed") as caught:
+        session.run(None, {"x": np.ones((2, 3), np.float32)})
+    assert "layer 'fused' (fuser::Fused, opset 1, running model nodes first_relu, the_add, " \
+           "last_mul) failed on Fuser" in str(caught.value)

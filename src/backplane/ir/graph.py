@@ -75,14 +75,24 @@ class Layer:
         return f"layer '{self.name}' ({domain}{self.op_type}, opset {self.opset}{runs})"
 
     def model_nodes(self) -> list[str]:
-        """The model's nodes a delegate layer runs, read back from the ``debug_handle_map`` its
-        backend's ``preprocess`` gave (each handle inside the blob -> the nodes it holds), else
-        its partition's layers; [] for any other layer (its name is the node's)."""
+        """The model's nodes a layer runs where it runs others: a delegate's, read back from the
+        ``debug_handle_map`` its backend's ``preprocess`` gave (each handle inside the blob -> the
+        nodes it holds), else its partition's layers; a substituted layer's, from the layers it
+        holds (``attrs["layers"]``: names or layers, as OpenVINO's and CpuAcc's keep them).
+        [] for any other layer (its name is the node's)."""
         handles = self.attrs.get("debug_handle_map")
         if handles:
             return list(dict.fromkeys(n for nodes in handles.values() for n in nodes))
-        part = self.attrs.get("graph") if handles is not None else None
-        return [layer.name for layer in part.layers] if isinstance(part, Graph) else []
+        held = self.attrs.get("layers")
+        part = self.attrs.get("graph")
+        if handles is not None and isinstance(part, Graph):
+            held = part.layers
+        if not isinstance(held, list):
+            return []
+        names = [n for item in held for n in (
+            [item] if isinstance(item, str) else
+            (item.model_nodes() or [item.name]) if isinstance(item, Layer) else [])]
+        return list(dict.fromkeys(names))
 
 
 SHOWN_NODES = 12
