@@ -344,13 +344,8 @@ class InferenceSession:
 
     def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
              run_options: RunOptions | None, timed: bool = False,
+             outputs_on: Sequence[str | None] | None = None,
              ) -> tuple[list[Any], list[LayerTiming] | None]:
-        results, timings = self._execute(input_feed, run_options, None, timed)
-        return self._select(output_names, results), timings
-
-    def _execute(self, input_feed: Mapping[str, Any], run_options: RunOptions | None,
-                 outputs_on: Sequence[str | None] | None, timed: bool,
-                 ) -> tuple[list[Any], list[LayerTiming] | None]:
         """One run under its log scope (the severity and logid of its RunOptions), its stop and
         the cache folder; profiled where ``timed`` or where the session profiles (then in the
         trace). ``run`` (but its fast path), ``run_profiled`` and ``run_with_iobinding`` come
@@ -375,7 +370,7 @@ class InferenceSession:
                                                              outputs_on)
             if trace is not None:
                 trace.add_run(timings or [], start, time.perf_counter(), tag)
-        return results, timings
+        return self._select(output_names, results), timings
 
     def _update_fast_path(self) -> None:
         self._fast = (self._trace is None and self._severity == 2 and not self._closed
@@ -412,7 +407,7 @@ class InferenceSession:
                 run_options: RunOptions | None) -> list[Any]:
         """All outputs, each in the memory ``outputs_on`` names (None: the host)."""
         self._check_open()
-        return self._execute(input_feed, run_options, outputs_on, timed=False)[0]
+        return self._run(None, input_feed, run_options, outputs_on=outputs_on)[0]
 
     def close(self) -> None:
         """Unload the network and release what its backends hold; running after is an error, and
