@@ -166,7 +166,7 @@ def test_the_bench_engine_lives_beside_the_command_line_and_the_old_name_still_i
 
 
 def test_an_io_binding_run_checks_its_run_options_as_run_does() -> None:
-    """One run path (``InferenceSession._execute``) for run and run_with_iobinding: a wrong
+    """One run path (``InferenceSession._run``) for run and run_with_iobinding: a wrong
     run_options was an AttributeError ('str' object has no attribute 'logid') from the binding."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
