@@ -31,6 +31,7 @@ from backplane.ir.graph import Graph, Layer, TensorInfo
 from backplane.optimizer.optimize import OptimizedNetwork, OptimizerOptions, optimize
 from backplane.optimizer.release import FileWeights, released_graph
 from backplane.optimizer.report import PlacementReport
+from backplane.overriding import Overrides, overridable
 from backplane.profiling import Trace, profile_file
 from backplane.runtime.loaded_network import LayerTiming
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions, within
@@ -159,6 +160,7 @@ class InferenceSession:
                  input_shapes: Mapping[str, Sequence[int]] | None = None,
                  cache_dir: str | os.PathLike | None = None, repreprocess: bool = False) -> None:
         start = time.perf_counter()
+        self._overrides: Overrides | None = None  # a network per set of defaults fed (overriding)
         given = _by_kind(positional, sess_options=sess_options, providers=providers,
                          provider_options=provider_options, backends=backends)
         sess_options, providers = given["sess_options"], given["providers"]
@@ -191,7 +193,8 @@ class InferenceSession:
                                   "threads): give it in the RuntimeOptions of the runtime passed, or "
                                   "pass no runtime")
             chosen = merge(("the runtime's RuntimeOptions", mine), ("this session", chosen))
-        self.runtime = runtime or Runtime(RuntimeOptions(backend_options=dict(chosen)))
+        self.runtime = runtime or Runtime(RuntimeOptions(backend_options=dict(chosen),
+                                                         backends=list(ids)))  # contexts now
         self.backend_options: dict[str, Any] = chosen
         """The backend options this session's backends were given ("CpuAcc.threads": 2, ...)."""
         all_pins = merge(("SessionOptions.pins", options.pins), ("pins=", pins or {}))
@@ -210,6 +213,7 @@ class InferenceSession:
             else:
                 read = read_model(model)
                 self._meta = metadata_of(read.proto)
+                defaults = overridable(read.proto)  # inputs with an initializer: fed or not
                 self.graph = import_onnx(read, input_shapes)
                 check_pins(self.graph, all_pins)
                 optimized = time.perf_counter()
@@ -222,6 +226,10 @@ class InferenceSession:
                         graph, ids, pins=all_pins, options=optimizer_options, registry=registry,
                         backend_options=chosen, exclude=exclude), input_shapes)
                 del read  # the proto: the graph holds the weights
+                if defaults:
+                    self._overrides = Overrides(defaults, self.graph, lambda graph: optimize(
+                        graph, ids, pins=all_pins, options=optimizer_options,
+                        registry=self.runtime.registry, backend_options=chosen))
             loading = time.perf_counter()
             self.network_id = self.runtime.load(self.optimized)
             loaded = time.perf_counter()
@@ -319,6 +327,11 @@ class InferenceSession:
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Outputs named in ``output_names`` (all when None), in that order."""
+        if self._overrides is not None and not self._overrides.names.isdisjoint(input_feed):
+            self._check_open()  # an input's default given: the network that reads it as an input
+            with stop_scope(run_options):
+                network_id = self._overrides.network_for(input_feed, self.runtime)
+                return self._select(output_names, self.runtime.run(network_id, input_feed))
         if self._fast and run_options is None:
             return self._select(output_names, self.runtime.run(self.network_id, input_feed))
         self._check_open()
@@ -415,6 +428,8 @@ class InferenceSession:
         if self._closed:
             return
         self.runtime.unload(self.network_id)
+        if self._overrides is not None:
+            self._overrides.unload(self.runtime)
         self._closed = True
         self._update_fast_path()
 

@@ -924,7 +924,8 @@ def _ort_work(blob: bytes, feeds: dict[str, Any] | None) -> Callable[[Callable[[
             if feeds is None:
                 return {"ran": False}
             names = [o.name for o in session.get_outputs()]
-            given = {i.name for i in session.get_inputs()}
+            given = {i.name for i in (*session.get_inputs(),  # and inputs' defaults, fed
+                                      *session.get_overridable_initializers())}
             outputs = session.run(names, {k: v for k, v in feeds.items() if k in given})
         except Exception as exc:  # noqa: BLE001 - ORT refusing is an answer
             return {"refused": f"{type(exc).__name__}: {str(exc)[:300]}"}
