@@ -47,6 +47,18 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
         os.environ[CACHE_VARIABLE] = before
 
 
+@pytest.fixture(autouse=True, scope="session")
+def gpu_placements_untimed() -> Iterator[None]:
+    """GpuAcc keeps what it is given: the GPU tests test GpuAcc where they place it, not the
+    CPU's placement that ``backplane.against_cpu`` keeps for a small model where it is faster
+    (tests/runtime/test_against_cpu.py gives ``GpuAcc.against_cpu`` itself)."""
+    from backplane import against_cpu
+
+    before, against_cpu.DEFAULT = against_cpu.DEFAULT, "off"
+    yield
+    against_cpu.DEFAULT = before
+
+
 class PartialBackend(Backend):
     """A backend with CpuRef's kernels for a few ops only, sharing host memory with CpuRef."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import onnx
 
-from backplane import artifact
+from backplane import against_cpu, artifact
 from backplane.artifact import cache as _artifact_cache  # noqa: F401  # artifact.cache, loaded
 from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx
@@ -203,6 +203,7 @@ class InferenceSession:
         compiled = artifact.cache.folder(cache_dir) if stored is None else None
         self._cache_dir = options.cache_dir if options.cache_dir or not compiled else compiled
         with log_scope(self._severity), cache_scope(self._cache_dir):
+            without_gpu = None
             if stored is not None or compiled is not None:
                 found = self._load_artifact(model, stored, compiled, ids, chosen, all_pins,
                                             optimizer_options, input_shapes, repreprocess)
@@ -220,7 +221,9 @@ class InferenceSession:
                 self.optimized = optimize(
                     self.graph, ids, pins=all_pins, options=optimizer_options,
                     registry=self.runtime.registry, backend_options=chosen)
-                if read.weights is not None and not options.keep_initializers:
+                without_gpu = against_cpu.applies(ids, self.optimized, chosen, all_pins)
+                if read.weights is not None and not options.keep_initializers \
+                        and without_gpu is None:
                     registry = self.runtime.registry
                     self._give_up_weights(read.weights, lambda graph, exclude: optimize(
                         graph, ids, pins=all_pins, options=optimizer_options, registry=registry,
@@ -232,6 +235,11 @@ class InferenceSession:
                         registry=self.runtime.registry, backend_options=chosen))
             loading = time.perf_counter()
             self.network_id = self.runtime.load(self.optimized)
+            if without_gpu is not None:  # timed against the CPU: see backplane.against_cpu
+                self.optimized, self.network_id = against_cpu.choose(
+                    self.runtime, self.optimized, self.network_id, lambda: optimize(
+                        self.graph, without_gpu, pins=all_pins, options=optimizer_options,
+                        registry=self.runtime.registry, backend_options=chosen))
             loaded = time.perf_counter()
         self.optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
         self._outputs = list(self.optimized.output_names)

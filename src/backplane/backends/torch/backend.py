@@ -279,6 +279,8 @@ class GpuAcc(TorchBackend):
         "GpuAcc.compile": "none, or inductor: each captured subgraph compiled by TorchInductor",
         "GpuAcc.channels_last": "convolutions' tensors in NHWC memory (auto: with fp16, bf16 or "
                                 "tf32)",
+        "GpuAcc.against_cpu": "auto: a model the GPU runs in under 10 ms is timed against its "
+                              "placement without GpuAcc, the faster kept; off",
     }
 
     def _missing(self) -> str | None:

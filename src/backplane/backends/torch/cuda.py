@@ -68,6 +68,10 @@ NOT_CAPTURABLE |= {"MelWeightMatrix"}  # made from values read on the host
 NOT_CAPTURABLE |= {"TreeEnsemble"}  # walks the trees until every row stands on a leaf (a data test)
 
 
+STAGED_BYTES = 4 << 20
+"""Host arrays up to this size reach the GPU through a page-locked staging block."""
+
+
 @functools.lru_cache(maxsize=None)
 def factory(device: str) -> TensorHandleFactory:
     import torch
@@ -80,9 +84,18 @@ def factory(device: str) -> TensorHandleFactory:
     def copy_in(value: Any) -> Any:
         if not isinstance(value, np.ndarray) and device_of(value) != "cpu":
             return to_device(value, name)  # a user's CUDA tensor, of this device or another
-        # From pageable memory the copy returns once the driver has read the array: it may be
-        # freed right after, so no staging buffer has to outlive the call.
-        return _numpy_to_torch(value).to(target, non_blocking=True)
+        source = _numpy_to_torch(value)
+        if source.nbytes > STAGED_BYTES:
+            # From pageable memory the copy returns once the driver has read the array: it may
+            # be freed right after, so no staging buffer has to outlive the call.
+            return source.to(target, non_blocking=True)
+        # Small arrays go through page-locked memory from torch's caching host allocator: a
+        # pageable copy costs 20-40 us of driver staging and a fresh device block (a GpuAcc run of
+        # a small CNN on the H100 machine: 62 us in aten::_to_copy). The block is not reused
+        # before the copy is done: torch records the copy's event on it.
+        staged = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        staged.copy_(source)
+        return staged.to(target, non_blocking=True)
 
     def import_(value: Any) -> Any:
         # Another library's (or backend's) CUDA memory through DLPack: torch asks the producer
@@ -253,27 +266,57 @@ def math_mode(tf32: bool) -> Iterator[None]:
     TF32 (strict mode) cuBLAS may not reduce fp16 and bf16 products in reduced precision either
     (torch allows it by default: split-K sums rounded to half, a few ulps off the ONNX reference on
     a model whose own tensors are fp16)."""
-    import torch
-
-    matmul = torch.backends.cuda.matmul
-    was = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-           matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
-    matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    matmul.allow_fp16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction = tf32
+    c, was = _switched(tf32)
     try:
         yield
     finally:
-        (matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-         matmul.allow_fp16_reduced_precision_reduction,
-         matmul.allow_bf16_reduced_precision_reduction) = was
+        _set(c, was, None)
+
+
+def _switched(tf32: bool) -> tuple[Any, tuple[Any, ...]]:
+    """torch's C module and the switches as they were, now set to ``tf32``: read and set through
+    torch's C functions, as the attributes of ``torch.backends.cuda.matmul`` parse their values in
+    Python (10-15 us a GpuAcc run for the four, cProfile on the H100 machine's Xeon)."""
+    c = _c()
+    was = (c._get_cublas_allow_tf32(), c._get_cudnn_allow_tf32(),
+           c._get_cublas_allow_fp16_reduced_precision_reduction(),
+           c._get_cublas_allow_bf16_reduced_precision_reduction())
+    _set(c, (tf32, tf32, (tf32, True) if isinstance(was[2], tuple) else tf32,
+             (tf32, True) if isinstance(was[3], tuple) else tf32), was)
+    return c, was
+
+
+def _c() -> Any:
+    import torch
+
+    return torch._C
+
+
+def _set(c: Any, values: tuple[Any, ...], now: tuple[Any, ...] | None) -> None:
+    """Each switch set where it differs from ``now`` (all where ``now`` is None). torch 2.10 and
+    later take and give the reduced-precision ones as (allow, allow split-K), earlier a bool."""
+    setters = (c._set_cublas_allow_tf32, c._set_cudnn_allow_tf32,
+               c._set_cublas_allow_fp16_reduced_precision_reduction,
+               c._set_cublas_allow_bf16_reduced_precision_reduction)
+    for i, (setter, value) in enumerate(zip(setters, values)):
+        if now is not None and now[i] == value:
+            continue
+        if isinstance(value, tuple):
+            setter(*value)
+        else:
+            setter(value)
 
 
 def in_math_mode(workload: Workload, tf32: bool) -> Workload:
-    """``workload`` run with torch's TF32 switches set to ``tf32``."""
+    """``workload`` run with torch's TF32 switches set to ``tf32`` (``math_mode`` without its
+    context manager, which costs a few microseconds a run)."""
 
     def run(*values: Any) -> tuple[Any, ...]:
-        with math_mode(tf32):
+        c, was = _switched(tf32)
+        try:
             return workload(*values)
+        finally:
+            _set(c, was, None)
 
     run.__dict__.update(getattr(workload, "__dict__", {}))  # exclusive, built, ...: kept
     return run

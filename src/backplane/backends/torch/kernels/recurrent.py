@@ -14,6 +14,7 @@ computed in float32 (``stash_type``), as CpuRef and ONNX Runtime do.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -47,6 +48,7 @@ multiply-adds a step) runs on one thread: its steps' parallel regions are too sm
 each waits for every thread. On this project's 2-core machine (load 3-5), a bidirectional LSTM of
 80 steps, batch 1, hidden 32 (crnn_paddle_ts12's) took 0.21 ms on one thread, 0.28-0.36 ms on two
 and, in minutes when other processes held a core, 22-124 ms."""
+log = logging.getLogger("backplane.torch")
 _PARAMS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 """W -> (R, B, the three's versions, torch's weight list): ``_params``'s, dropped with W."""
 
@@ -58,7 +60,8 @@ def _native(function, order, X, W, R, B, states, direction, layout):
     ``torch.rnn_tanh``, ``torch.rnn_relu``, what nn.LSTM / GRU / RNN call): Y and the final states,
     shaped as ONNX's."""
     hidden, bidirectional = R.shape[-1], direction == "bidirectional"
-    params = _params(W, R, B, order)  # W's directions: torch refuses a count other than 1 or 2
+    params = _params(W, R, B, order, CUDNN_MODES.get(function.__name__), layout)
+    # (W's directions: torch refuses a count other than 1 or 2)
     # torch runs backward only as a bidirectional's second half: reverse alone runs forward on
     # the flipped sequence (time is axis `layout`), and its Y is flipped back
     reverse = direction == "reverse"
@@ -87,10 +90,11 @@ def _on_one_thread_if(alone, function, *args):
         torch.set_num_threads(threads)
 
 
-def _params(W, R, B, order):
+def _params(W, R, B, order, mode=None, layout=0):
     """torch's flat weight list (per direction w_ih, w_hh[, b_ih, b_hh]), kept with W for the next
     call while W, R and B are the same tensors, unchanged (their version counters): reordering the
-    gates costs more than the kernel itself on a short sequence."""
+    gates costs more than the kernel itself on a short sequence. On the GPU a kept list is made
+    views of one buffer (``_in_one_buffer``)."""
     tensors = [t for t in (W, R, B) if t is not None]
     # an inference tensor has no version; a trace must compute the weights from W (a kept list
     # would become a constant of the trace where W may be an input)
@@ -105,8 +109,29 @@ def _params(W, R, B, order):
         if B is not None:  # ONNX's [Wb, Rb] are torch's b_ih, b_hh
             params += [_reordered(b, order) for b in B[d].chunk(2)]
     if cacheable:
+        if W.is_cuda and mode is not None:
+            _in_one_buffer(params, W, R, mode, layout)  # may count as a write to W's views
+            versions = [t._version for t in tensors]
         _PARAMS[W] = (R, B, versions, params)
     return params
+
+
+CUDNN_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
+"""cuDNN's RNN modes (torch.backends.cudnn.rnn.get_cudnn_mode) by torch's function name."""
+
+
+def _in_one_buffer(params, W, R, mode, layout):
+    """``params`` made views of one buffer, as ``nn.RNN.flatten_parameters`` does: cuDNN otherwise
+    copies them into one at every call (and warns "RNN module weights are not part of single
+    contiguous chunk of memory" each time). Where torch can't, they stay as they are."""
+    if not torch._use_cudnn_rnn_flatten_weight():
+        return
+    try:
+        with torch.no_grad():
+            torch._cudnn_rnn_flatten_weight(params, len(params) // W.shape[0], W.shape[-1], mode,
+                                            R.shape[-1], 0, 1, bool(layout), W.shape[0] == 2)
+    except RuntimeError as exc:
+        log.debug("recurrent weights not flattened for cuDNN (%s)", exc)
 
 
 def _tracing() -> bool:

@@ -1,0 +1,124 @@
+"""GpuAcc never slower than the CPU by default (issue 28, item 2).
+
+A GPU run of a small model costs a fixed price whatever its work: the upload, a graph's launch, the
+download and the wait, 0.13-0.2 ms on the H100 machine, where two cores of its Xeon run a small CNN
+on CpuAcc in 0.1-0.4 ms; and control flow and data-sized layers cost more on the GPU than on the
+CPU (a Loop's body per iteration, NonMaxSuppression's reads of its scores). So where the backends
+of a session put layers on GpuAcc and also list CpuAcc or OpenVINO, ``choose`` times the model both
+ways at load and keeps the faster:
+
+1. The network as placed (GpuAcc's) is loaded, run WARMUP times on seeded inputs (floats normal,
+   integers 0 or 1, free dimensions at 1: measured placement's), and timed. Where its median is
+   LIMIT_MS or more, the model has work enough for the GPU: it is kept, and nothing else is built.
+2. Otherwise the network placed without GpuAcc is optimized and loaded too, and both are timed in
+   turns (GPU, CPU, then CPU, GPU, ...), TURN runs a turn, each turn after a run of its own, until
+   each has RUNS or BUDGET_S is spent.
+3. The CPU's network is kept where its median is below the GPU's by MARGIN or more, and the other
+   one is unloaded; a warning then says so, with both medians and the layers GpuAcc would have run.
+
+``GpuAcc.against_cpu="off"`` keeps GpuAcc's placement untimed. Not timed: artifacts and compile-cache
+entries (placed when compiled), networks with a layer pinned to GpuAcc, and seeded runs that fail
+(GpuAcc's placement is kept). Weights of a model timed both ways stay in memory (the graph is not
+released to its file, ``InferenceSession._give_up_weights``): this happens only for models a GPU
+runs in under LIMIT_MS.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from backplane.backends.api.backend import OptionError
+from backplane.optimizer.measured import _seeded_inputs
+from backplane.optimizer.optimize import OptimizedNetwork
+from backplane.runtime.runtime import Runtime
+
+log = logging.getLogger("backplane")
+
+OPTION = "GpuAcc.against_cpu"
+CHOICES = ("auto", "off")
+DEFAULT = "auto"
+"""Where the option is not given (the test suite's conftest sets "off": its GPU tests test GpuAcc
+where they place it; tests/runtime/test_against_cpu.py gives "auto")."""
+CPU_BACKENDS = frozenset({"CpuAcc", "OpenVINO"})
+WARMUP = 3
+LIMIT_MS = 10.0
+TURN, RUNS, BUDGET_S = 5, 25, 0.5
+MARGIN = 0.10
+
+
+def applies(ids: Sequence[str], network: OptimizedNetwork, options: Mapping[str, Any],
+            pins: Mapping[str, str]) -> list[str] | None:
+    """The backend list to try without GpuAcc, or None where the model is not timed both ways."""
+    choice = options.get(OPTION, DEFAULT)
+    if choice not in CHOICES:
+        raise OptionError(f"{OPTION}={choice!r}: expected one of {', '.join(CHOICES)}")
+    if choice == "off" or "GpuAcc" not in network.report.counts():
+        return None
+    rest = [i for i in ids if i != "GpuAcc"]
+    if not CPU_BACKENDS & set(rest) or "GpuAcc" in pins.values():
+        return None
+    return rest
+
+
+def choose(runtime: Runtime, gpu: OptimizedNetwork, gpu_id: int,
+           make_cpu: Callable[[], OptimizedNetwork]) -> tuple[OptimizedNetwork, int]:
+    """The network to keep, loaded, and its id: ``gpu`` (loaded as ``gpu_id``) or the one
+    ``make_cpu`` places without GpuAcc, whichever runs the model faster (see above)."""
+    feeds = _seeded_inputs(gpu.graph)
+    try:
+        first = _warm(runtime, gpu_id, feeds)
+    except Exception as exc:  # noqa: BLE001  # a seeded run may fail where real inputs would not
+        log.debug("GpuAcc against the CPU: not timed (%s: %s)", type(exc).__name__, exc)
+        return gpu, gpu_id
+    if first >= LIMIT_MS:
+        return gpu, gpu_id
+    cpu = make_cpu()
+    cpu_id = runtime.load(cpu)
+    try:
+        _warm(runtime, cpu_id, feeds)
+        ms = _turns(runtime, {"gpu": gpu_id, "cpu": cpu_id}, feeds)
+    except Exception as exc:  # noqa: BLE001
+        log.debug("GpuAcc against the CPU: not timed (%s: %s)", type(exc).__name__, exc)
+        runtime.unload(cpu_id)
+        return gpu, gpu_id
+    if ms["cpu"] > ms["gpu"] * (1 - MARGIN):
+        runtime.unload(cpu_id)
+        return gpu, gpu_id
+    runtime.unload(gpu_id)
+    placed = ", ".join(f"{b}: {n} layers" for b, n in cpu.report.counts().items())
+    log.warning("GpuAcc: this model runs faster without the GPU, %.3f ms a run against %.3f ms "
+                "with GpuAcc's %d layers (seeded inputs, medians); placed on %s. "
+                "%s='off' keeps GpuAcc's placement", ms["cpu"], ms["gpu"],
+                gpu.report.counts().get("GpuAcc", 0), placed, OPTION)
+    cpu.report.warnings.append(
+        f"GpuAcc's placement ran {ms['gpu']:.3f} ms a run, this one {ms['cpu']:.3f} ms: the model "
+        f"was placed without GpuAcc ({OPTION}='off' keeps GpuAcc's)")
+    return cpu, cpu_id
+
+
+def _warm(runtime: Runtime, network_id: int, feeds: Mapping[str, Any]) -> float:
+    """The time of the last of WARMUP runs, in ms (the first ones build what runs build)."""
+    for _ in range(WARMUP):
+        start = time.perf_counter()
+        runtime.run(network_id, feeds)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _turns(runtime: Runtime, ids: Mapping[str, int], feeds: Mapping[str, Any]) -> dict[str, float]:
+    """Each network's median run in ms, timed in turns of TURN runs, the order turning."""
+    times: dict[str, list[float]] = {name: [] for name in ids}
+    order = list(ids)
+    deadline = time.perf_counter() + BUDGET_S
+    while min(len(t) for t in times.values()) < RUNS and time.perf_counter() < deadline:
+        for name in order:
+            runtime.run(ids[name], feeds)  # each timed run follows a run of its own
+            for _ in range(TURN):
+                start = time.perf_counter()
+                runtime.run(ids[name], feeds)
+                times[name].append((time.perf_counter() - start) * 1e3)
+        order.reverse()
+    return {name: statistics.median(t) for name, t in times.items()}

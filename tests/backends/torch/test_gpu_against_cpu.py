@@ -1,0 +1,40 @@
+"""GpuAcc against the CPU on the GPU machine (``backplane.against_cpu``, issue 28 item 2): a model
+with next to no work runs faster on CpuAcc than its GPU run's fixed cost (upload, launch,
+download, wait), so the default keeps the CPU's placement and says so; "off" keeps GpuAcc's."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+torch = pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _add_model() -> bytes:
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "c"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+        "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 8))],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, (1, 8))],
+        [helper.make_tensor("c", TensorProto.FLOAT, (8,), np.arange(8, dtype=np.float32))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("choice", ["auto", "off"])
+def test_a_model_without_work_is_kept_on_the_cpu_unless_asked(choice, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="backplane"):
+        session = InferenceSession(_add_model(), providers=[
+            ("GpuAcc", {"against_cpu": choice}), "CpuAcc", "CpuRef"])
+    x = np.linspace(-4, 4, 8, dtype=np.float32).reshape(1, 8)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.maximum(x + np.arange(8), 0))
+    moved = any("runs faster without the GPU" in r.getMessage() for r in caplog.records)
+    if choice == "auto":
+        assert "GpuAcc" not in session.report.counts() and moved
+    else:
+        assert session.report.counts() == {"GpuAcc": 2} and not moved

@@ -1,0 +1,120 @@
+"""GpuAcc never slower than the CPU by default (``backplane.against_cpu``, issue 28 item 2).
+
+Timed choices are tested here between two CPU placements whose speeds differ by far more than a
+shared machine's noise (CpuRef's NumPy convolutions against CpuAcc's oneDNN ones), standing in the
+GPU's and the CPU's places; tests/backends/torch/test_gpu_against_cpu.py tests the real GpuAcc on
+the GPU machine."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from backplane import InferenceSession, against_cpu
+from backplane.backends.api.backend import OptionError
+from backplane.optimizer.optimize import optimize
+from backplane.frontends.onnx import import_onnx
+from backplane.runtime.runtime import Runtime
+
+
+def _conv_model() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(3):
+        w = helper.make_tensor(f"w{i}", TensorProto.FLOAT, (16, 16 if i else 3, 3, 3),
+                               rng.standard_normal((16, 16 if i else 3, 3, 3)).astype(np.float32).ravel())
+        inits.append(w)
+        nodes += [helper.make_node("Conv", [x, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 3, 32, 32))],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture(scope="module")
+def graph():
+    from backplane.frontends.onnx_file import read_model
+
+    return import_onnx(read_model(_conv_model()))
+
+
+def test_the_faster_placement_is_kept_and_said(graph, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(against_cpu, "LIMIT_MS", 1e6)  # CpuRef, in the GPU's place, is slow
+    runtime = Runtime()
+    slow = optimize(graph, ["CpuRef"], registry=runtime.registry)
+    slow_id = runtime.load(slow)
+    with caplog.at_level(logging.WARNING, logger="backplane"):
+        kept, kept_id = against_cpu.choose(
+            runtime, slow, slow_id, lambda: optimize(graph, ["CpuAcc", "CpuRef"],
+                                                     registry=runtime.registry))
+    assert kept is not slow and kept.report.counts() == {"CpuAcc": 6}
+    assert any("runs faster without the GPU" in r.getMessage() for r in caplog.records)
+    assert any("placed without GpuAcc" in w for w in kept.report.warnings)
+    with pytest.raises(Exception):
+        runtime.network(slow_id)  # the slower one was unloaded
+    x = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    assert runtime.run(kept_id, {"x": x})[0].shape == (1, 16, 32, 32)
+
+
+def test_a_faster_first_placement_stays(graph, monkeypatch) -> None:
+    monkeypatch.setattr(against_cpu, "LIMIT_MS", 1e6)
+    runtime = Runtime()
+    fast = optimize(graph, ["CpuAcc", "CpuRef"], registry=runtime.registry)
+    fast_id = runtime.load(fast)
+    made = []
+
+    def slow():
+        made.append(optimize(graph, ["CpuRef"], registry=runtime.registry))
+        return made[-1]
+
+    kept, kept_id = against_cpu.choose(runtime, fast, fast_id, slow)
+    assert (kept, kept_id) == (fast, fast_id)
+    assert len(made) == 1 and not any("GpuAcc" in w for w in fast.report.warnings)
+
+
+def test_a_placement_slow_enough_is_kept_without_building_another(graph, monkeypatch) -> None:
+    monkeypatch.setattr(against_cpu, "LIMIT_MS", 0.0)  # every run counts as work enough
+    runtime = Runtime()
+    first = optimize(graph, ["CpuRef"], registry=runtime.registry)
+    first_id = runtime.load(first)
+
+    def never():
+        raise AssertionError("the other placement was built")
+
+    assert against_cpu.choose(runtime, first, first_id, never) == (first, first_id)
+
+
+def _placed(counts):
+    return SimpleNamespace(report=SimpleNamespace(counts=lambda: counts))
+
+
+@pytest.mark.parametrize("ids, counts, options, pins, expected", [
+    (["GpuAcc", "CpuAcc", "CpuRef"], {"GpuAcc": 5}, {"GpuAcc.against_cpu": "auto"}, {},
+     ["CpuAcc", "CpuRef"]),
+    (["GpuAcc", "OpenVINO"], {"GpuAcc": 5}, {"GpuAcc.against_cpu": "auto"}, {}, ["OpenVINO"]),
+    (["GpuAcc", "CpuAcc", "CpuRef"], {"GpuAcc": 5}, {"GpuAcc.against_cpu": "off"}, {}, None),
+    (["GpuAcc", "CpuRef"], {"GpuAcc": 5}, {"GpuAcc.against_cpu": "auto"}, {}, None),
+    (["GpuAcc", "CpuAcc"], {"CpuAcc": 5}, {"GpuAcc.against_cpu": "auto"}, {}, None),
+    (["GpuAcc", "CpuAcc"], {"GpuAcc": 5}, {"GpuAcc.against_cpu": "auto"}, {"conv": "GpuAcc"}, None),
+])
+def test_which_sessions_are_timed_both_ways(ids, counts, options, pins, expected) -> None:
+    assert against_cpu.applies(ids, _placed(counts), options, pins) == expected
+
+
+def test_an_unknown_choice_is_refused_with_the_choices() -> None:
+    with pytest.raises(OptionError, match="'sometimes'.*auto, off"):
+        against_cpu.applies(["GpuAcc", "CpuAcc"], _placed({"GpuAcc": 1}),
+                            {"GpuAcc.against_cpu": "sometimes"}, {})
+
+
+def test_cpu_sessions_are_not_timed(monkeypatch) -> None:
+    monkeypatch.setattr(against_cpu, "DEFAULT", "auto")
+    monkeypatch.setattr(against_cpu, "choose", lambda *a: pytest.fail("timed"))
+    session = InferenceSession(_conv_model().SerializeToString(), providers=["CpuAcc", "CpuRef"])
+    assert session.report.counts() == {"CpuAcc": 6}
