@@ -85,7 +85,10 @@ def test_every_combination_of_two_backends_capabilities_follows_the_seed(
     """8 export sets x 8 import sets x the two map flags x FallbackImportMemoryRequired, the
     consumer's factory alone or second in its preferences behind one that maps and imports nothing
     (1024 cases). The seed: "auto tensorHandleFactoryIds = backend->GetHandleFactoryPreferences();
-    ... for (auto preference : tensorHandleFactoryIds)"."""
+    ... for (auto preference : tensorHandleFactoryIds)", a copy where
+    "(strategy == EdgeStrategy::CopyToTarget && factory->SupportsMapUnmap())", and where it finds
+    none, "Undefined memory strategy found while adding copy layers for" compatibility (here a copy
+    through copy_out/copy_in)."""
     source = TensorHandleFactory("src", M.BACKEND, export_flags=export, supports_mapping=src_maps,
                                  fallback_import=fallback)
     target = TensorHandleFactory("dst", M.BACKEND, import_flags=import_, supports_mapping=dst_maps)

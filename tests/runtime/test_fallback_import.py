@@ -102,9 +102,10 @@ def test_the_producer_writes_into_one_buffer_the_consumer_reads_reused_run_to_ru
 
 def test_the_fallback_import_is_the_source_backends_so_an_asynchronous_source_syncs(
         fallback_backends: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TestNpu runs its queue when flushed: the FallbackImport made by its workload factory
-    flushes it before TestGpu reads the buffer. Made by any factory that does not (the consumer's,
-    or the default), TestGpu reads what the buffer held before."""
+    """003: "When creating workload, FallbackImportWorkload is a special case to create the
+    workload from source backend." TestNpu runs its queue when flushed: the FallbackImport made by
+    its workload factory flushes it before TestGpu reads the buffer. Made by any factory that does
+    not (the consumer's, or the default), TestGpu reads what the buffer held before."""
     x = _x()
     expected = _expected(x)[0]
     (got,) = _session(NPU_TO_GPU).run(None, {"x": x})
@@ -156,6 +157,8 @@ def test_the_report_names_the_layer_and_keeps_the_bytes(fallback_backends: None)
 
 
 def test_unload_frees_the_fallback_memory(fallback_backends: None) -> None:
+    """003: "On network unload, we have to deallocate fallback memory by calling
+    FallbackMemoryManager and pass the network ld." """
     session = _session(NPU_TO_GPU)
     loaded = session.runtime.network(session.network_id)
     assert loaded.fallback_memory.buffers

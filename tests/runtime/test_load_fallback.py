@@ -39,6 +39,9 @@ class Brittle(CpuRef):
 
 
 def test_the_layer_falls_back_to_the_next_backend_with_the_reason() -> None:
+    """000, of the sub-graphs a backend fails: "Arm NN will try to re-allocate these parts on
+    other backends if available." Here also a layer whose workload its backend cannot create at
+    load."""
     with registry.temporarily(Brittle.id, Brittle):
         session = InferenceSession(small_cnn_model(), backends=["TestBrittle", "CpuRef"])
     report = session.report
