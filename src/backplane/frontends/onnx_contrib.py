@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import onnx
 from onnx import ModelProto, TensorProto, helper
 
 CONTRIB_DOMAIN = "com.microsoft"
@@ -95,25 +96,75 @@ weights come first, so that one pass of inference types a whole chain of these o
 
 def annotate_ort_types(proto: ModelProto) -> int:
     """Declare, in ``proto`` (an inferred copy, the importer's own), the element types of the
-    outputs of ONNX Runtime's ops where their sources are typed; onnx's shape inference cannot,
-    and the ops after them would stay untyped. Returns how many outputs it typed."""
+    outputs of ONNX Runtime's ops where their sources are typed, and the shapes of those that
+    keep an input's shape or broadcast two (``OUTPUT_SHAPES``) where their inputs' are known;
+    onnx's shape inference cannot, and the ops after them would stay untyped (or unshaped: a
+    QOperator ResNet's convolutions after its first QLinearAdd). Returns how many it declared."""
     graph = proto.graph
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in (*graph.input, *graph.value_info,
-                                                                *graph.output)}
+    infos = {vi.name: vi for vi in (*graph.input, *graph.value_info, *graph.output)}
+    types = {name: vi.type.tensor_type.elem_type for name, vi in infos.items()}
     types.update((init.name, init.data_type) for init in graph.initializer)
+    shapes = {name: _dims(vi) for name, vi in infos.items()}
+    shapes.update((init.name, list(init.dims)) for init in graph.initializer)
+    outputs = {vi.name for vi in graph.output}
     added = 0
     for node in graph.node:
         domain = "" if node.domain == "ai.onnx" else node.domain
         if ort_arity(domain, node.op_type) is None or node.op_type not in OUTPUT_TYPES:
             continue
-        for name, sources in zip(node.output, OUTPUT_TYPES[node.op_type]):
-            if not name or types.get(name):
+        for k, (name, sources) in enumerate(zip(node.output, OUTPUT_TYPES[node.op_type])):
+            shaped = OUTPUT_SHAPES.get(node.op_type) if k == 0 and name not in outputs else None
+            shape = shaped(node, [shapes.get(i) for i in node.input]) if shaped else None
+            if not name or types.get(name) and (shape is None or shapes.get(name) is not None):
                 continue
-            elem = _source_type(list(node.input), sources, types)
+            elem = types.get(name) or _source_type(list(node.input), sources, types)
             if elem:
-                graph.value_info.append(helper.make_tensor_value_info(name, elem, None))
-                types[name], added = elem, added + 1
+                if name in infos:  # typed before, its shape found now
+                    graph.value_info.remove(infos[name])
+                infos[name] = helper.make_tensor_value_info(name, elem, shape)
+                graph.value_info.append(infos[name])
+                types[name], shapes[name], added = elem, shape, added + 1
     return added
+
+
+Shape = list[int | str | None]
+
+
+def _dims(info: onnx.ValueInfoProto) -> Shape | None:
+    tensor = info.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in tensor.shape.dim]
+
+
+def _broadcast(a: Shape | None, b: Shape | None) -> Shape | None:
+    """Two shapes broadcast, where each pair of dimensions is known to agree."""
+    if a is None or b is None:
+        return None
+    rank = max(len(a), len(b))
+    a, b = [1] * (rank - len(a)) + a, [1] * (rank - len(b)) + b
+    if any(x != y and x != 1 and y != 1 or x is None or y is None for x, y in zip(a, b)):
+        return None
+    return [y if x == 1 else x for x, y in zip(a, b)]
+
+
+def _pooled(node: onnx.NodeProto, shapes: list[Shape | None]) -> Shape | None:
+    x = shapes[0]
+    if x is None or len(x) < 3:
+        return None
+    last = any(a.name == "channels_last" and a.i for a in node.attribute)
+    return [x[0], *[1] * (len(x) - 2), x[-1]] if last else [*x[:2], *[1] * (len(x) - 2)]
+
+
+OUTPUT_SHAPES = {
+    "QLinearAdd": lambda node, shapes: _broadcast(shapes[0], shapes[3]),
+    "QLinearMul": lambda node, shapes: _broadcast(shapes[0], shapes[3]),
+    **{op: lambda node, shapes: shapes[0] for op in ("QLinearSigmoid", "QLinearLeakyRelu",
+                                                     "QLinearSoftmax")},
+    "QLinearGlobalAveragePool": _pooled,
+}
+"""op -> its first output's shape from its node and its inputs' shapes (None: unknown)."""
 
 
 def _source_type(inputs: Sequence[str], sources: tuple[int, ...], types: dict[str, int]) -> int:

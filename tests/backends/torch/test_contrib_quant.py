@@ -148,3 +148,76 @@ def test_qoperator_cnn_is_one_cpuacc_partition(per_channel: bool, tmp_path) -> N
     step = 1 / 256  # QLinearSoftmax's output scale
     assert float(np.max(np.abs(got - want))) <= step * 1.001
     assert float(np.max(np.abs(got - ort_run(onnx.load(str(path)), feeds)[0]))) <= step * 1.001
+
+
+# -- QLinearConv -> QLinearAdd: one layer --------------------------------------------------------
+def residual_blocks(split: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Two QOperator residual blocks: x -> QLinearConv -> QLinearAdd(x) -> QLinearConv ->
+    QLinearAdd(the first sum), as ONNX Runtime's quantizer writes a ResNet's. The second
+    convolution reads a QLinearAdd's output, whose shape onnx's inference cannot give. With
+    ``split``, weights whose float32 sums could pass 2^24 (split in two halves)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+    channels = 128 if split else 16
+    w_scale = rng.uniform(0.001, 0.004, channels) / (50 if split else 1)
+    inits = {"xs": _s(0.05), "xz": _u8(3), "ws": w_scale.astype(np.float32),
+             "wz": np.zeros(channels, np.int8), "ys": _s(0.125), "yz": _u8(100),
+             "ss": _s(0.0625), "sz": _u8(120), "b": rng.integers(-999, 999, channels)}
+    inits["b"] = inits["b"].astype(np.int32)
+    for k in (1, 2):  # split: |w| of 100 to 127, 1152 to a sum, times up to 252: past 2^24
+        shape = (channels, channels, 3, 3)
+        w = rng.integers(100, 128, shape) * rng.choice([-1, 1], shape) if split \
+            else rng.integers(-127, 128, shape)
+        inits[f"w{k}"] = w.astype(np.int8)
+    node = helper.make_node
+    conv = ["xs", "xz", "w{k}", "ws", "wz", "ys", "yz", "b"]
+    nodes = [node("QLinearConv", [src, *[c.format(k=k) for c in conv]], [f"c{k}"], pads=[1] * 4)
+             for k, src in ((1, "x"), (2, "s1"))]
+    nodes.insert(1, node("QLinearAdd", ["c1", "ys", "yz", "x", "xs", "xz", "xs", "xz"], ["s1"],
+                         domain="com.microsoft"))
+    nodes.append(node("QLinearAdd", ["s1", "xs", "xz", "c2", "ys", "yz", "ss", "sz"], ["y"],
+                      domain="com.microsoft"))
+    shape = [1, channels, 6, 7]
+    graph = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", U8, shape)],
+                              [helper.make_tensor_value_info("y", U8, None)],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    return model, {"x": rng.integers(0, 256, shape).astype(np.uint8)}
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "layers"])
+@pytest.mark.parametrize("split", [False, True], ids=["exact", "split-weight"])
+def test_qlinear_conv_and_its_residual_add_are_one_layer(split: bool, compile_mode: str) -> None:
+    from tests.backends.torch.test_quantized_fusion import placed
+
+    model, feeds = residual_blocks(split)
+    got, session = _run(model, feeds, "CpuAcc", compile_mode)
+    fused = placed(session)
+    assert [(lay.op_type, lay.domain) for lay in fused] == [("QLinearConv", "backplane.torch")] * 2
+    assert all(lay.attrs["residual"] is not None for lay in fused)
+    assert {lay.attrs["split"] for lay in fused} == ({128} if split else {None})
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    np.testing.assert_array_equal(got[0], want)
+    assert 10 < len(np.unique(want)) and want.max() == 255  # a spread of values, saturated
+    # ONNX Runtime requantizes in fixed point: a convolution's value at a tie may round the
+    # other way, one step of its scale, two of the last sum's, carried on by the next convolution
+    # (3 steps at most here, on 1 value in 10 to 1 in 4)
+    assert np.max(np.abs(got[0].astype(np.int32) - ort_run(model, feeds)[0])) <= 4
+
+
+def test_the_residual_layer_survives_an_artifact(tmp_path) -> None:
+    """The fused layer's residual parameters and split weight are stored in a compiled artifact
+    and give the session's outputs when loaded."""
+    import backplane
+    from tests.backends.torch.test_quantized_fusion import placed
+
+    model, feeds = residual_blocks(split=True)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    backplane.compile(path, [("CpuAcc", {"compile": "layers"})], tmp_path / "model.bpl")
+    loaded = InferenceSession(tmp_path / "model.bpl")
+    assert [lay.attrs["split"] for lay in placed(loaded)] == [128, 128]
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    np.testing.assert_array_equal(loaded.run(None, feeds)[0], want)

@@ -1,13 +1,19 @@
 """The QOperator format's integer layers as float products of exact integers, one layer each.
 
-[QuantizeLinear ->] QLinearConv [-> DequantizeLinear [-> activation]] becomes one ``QLinearConv``
-and [QuantizeLinear ->] QLinearMatMul [-> DequantizeLinear [-> Add(constant)] [-> activation]] one
-``QLinearMatMul`` (both in CpuAcc's domain), with constant weights, scales and zero points.
+[QuantizeLinear ->] QLinearConv [-> DequantizeLinear [-> activation] | -> QLinearAdd(residual)]
+becomes one ``QLinearConv`` and [QuantizeLinear ->] QLinearMatMul [-> DequantizeLinear
+[-> Add(constant)] [-> activation]] one ``QLinearMatMul`` (both in CpuAcc's domain), with constant
+weights, scales and zero points. The QLinearAdd is ONNX Runtime's (com.microsoft), a residual
+block's sum in the QOperator format: the convolution's requantized output and the other operand
+are dequantized, added and quantized as its kernel does it (``kernels/contrib_quant.py``).
 
 How: the operands centred on their zero points are small integers, held exactly in float32; their
 product is computed by the float convolution or matrix product (FusedConv's and Linear's routes,
 measured at load: oneDNN with a prepacked weight, torch's, MKL's), which is exact where no sum can
-pass 2^24 (checked at match time from the weights: otherwise the layers stay as they are). The
+pass 2^24 (checked at match time from the weights; a convolution's weight that could pass it is
+split as 16 * high + low, the halves stacked as one convolution of twice the output channels, each
+exact, joined in float64; otherwise the layers stay as they are: ResNet-18's 256- and 512-channel
+3x3 convolutions on uint8 activations need the split). The
 result is then requantized as CpuRef does it, rint(acc * (s_x * s_w / s_y)) + z_y in float64 with
 the multiplier rounded to float32 first, saturated, and, where a DequantizeLinear follows, brought
 back to float32. So the outputs are CpuRef's, bit for bit, at the cost of a float product and a few
@@ -104,6 +110,31 @@ def _output_side(layer: Layer, ctx: Context, bias_add: bool = False,
     return group, out, side
 
 
+def _residual_add(layer: Layer, ctx: Context) -> tuple[Layer, str, dict[str, Any]] | None:
+    """ONNX Runtime's QLinearAdd that the layer's integer output alone feeds (a residual block's
+    sum, the QOperator format's): with its scales and zero points constant scalars, the layer's
+    output is dequantized, added to the other operand's and quantized again in the same layer.
+    Returns the QLinearAdd, the other operand and their parameters."""
+    y = layer.outputs[0]
+    add = ctx.sole(y)
+    if add is None or add.op_type != "QLinearAdd" or add.domain != "com.microsoft" \
+            or len(add.inputs) != 8 or add.inputs.count(y) != 1 \
+            or y not in (add.inputs[0], add.inputs[3]):
+        return None  # a C zero point left out defaults to uint8's 0: not matched here
+    mine = 0 if add.inputs[0] == y else 3
+    names = add.inputs[mine + 1:mine + 3] + add.inputs[4 - mine:6 - mine] + add.inputs[6:8]
+    values = [ctx.const(name) for name in names]
+    zero_dtypes = {v.dtype for v in values[1::2] if v is not None}
+    operands = {ctx.graph.info(name).dtype for name in (y, add.inputs[3 - mine])}
+    if any(v is None or v.size != 1 for v in values) or len(zero_dtypes | operands) != 1 \
+            or any(v.dtype != F32 for v in values[0::2]):  # type: ignore[union-attr]
+        return None
+    scalars = [np.array(v, F32).reshape(()) if k % 2 == 0 else int(v.reshape(()))  # type: ignore
+               for k, v in enumerate(values)]
+    keys = ("mine_scale", "mine_zero", "other_scale", "other_zero", "sum_scale", "sum_zero")
+    return add, add.inputs[3 - mine], dict(zip(keys, scalars))
+
+
 def _requant(layer: Layer, ctx: Context, x_scale: np.ndarray, w_scale: np.ndarray,
              shape: list[int]) -> dict[str, Any] | None:
     """The output's quantization: the multiplier s_x * s_w / s_y in float32 (as CpuRef and the
@@ -154,24 +185,55 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
         return None
     before, x, side = inside
     bias = np.zeros(weight.shape[0], F32) if bias is None else bias.astype(np.float64)
-    largest = float(np.abs(weight).sum(axis=(1, 2, 3)).max())
-    if side["reach"] * largest + float(np.abs(bias).max()) >= EXACT:
+    split = _exact_split(weight, bias, side["reach"], int(conv.attrs.get("group", 1)))
+    if split is None:
         return None
+    weight, bias, halves = split
     after, out, out_side = _output_side(conv, ctx)
+    other, residual = [], None
+    if not after:
+        found = _residual_add(conv, ctx)
+        if found is not None:
+            after, out, other, residual = [found[0]], found[0].outputs[0], [found[1]], found[2]
     strides = list(conv.attrs.get("strides") or [1, 1])
     dilations = list(conv.attrs.get("dilations") or [1, 1])
     begins, ends = spatial_pads(info.shape[2:], weight.shape[2:], strides, dilations,
                                 conv.attrs.get("auto_pad", "NOTSET"), conv.attrs.get("pads"))
     # The FusedConv attributes conv_workload reads: its routes compute the integer product.
-    attrs = {"weight": weight, "bias": bias.astype(F32), "strides": strides, "dilations": dilations,
+    attrs = {"weight": weight, "bias": bias, "strides": strides, "dilations": dilations,
              "group": int(conv.attrs.get("group", 1)), "begins": begins, "ends": ends,
              "input_shape": list(info.shape),
              "output_shape": list(ctx.graph.info(conv.outputs[0]).shape or []),
-             "binary": False, "unary": None, **side, **requant, **out_side}
+             "binary": False, "unary": None, **side, **requant, **out_side, "residual": residual,
+             "split": halves}
     group = [*before, conv, *after]
-    fused = Layer("+".join(lay.name for lay in group), "QLinearConv", [x], [out], attrs,
+    fused = Layer("+".join(lay.name for lay in group), "QLinearConv", [x, *other], [out], attrs,
                   FUSED_DOMAIN, 1)
     return group, fused
+
+
+def _exact_split(weight: np.ndarray, bias: np.ndarray, reach: float, group: int,
+                 ) -> tuple[np.ndarray, np.ndarray, int | None] | None:
+    """The convolution's weight and bias as float32 products can compute them exactly: as they
+    are where every sum stays below 2^24; else (one group) the weight split as 16 * high + low
+    (low in [0, 15]), the two stacked as 2M output channels of one convolution (the bias with the
+    low half), each half's sums exact, combined in float64 (``split``: M); None where even the
+    halves' sums could pass 2^24."""
+    def exact(w: np.ndarray, b: np.ndarray) -> bool:
+        return reach * float(np.abs(w).sum(axis=(1, 2, 3)).max()) + float(np.abs(b).max()) < EXACT
+
+    if exact(weight, bias):
+        return weight, bias.astype(F32), None
+    low = np.mod(weight, SPLIT)
+    high = (weight - low) / SPLIT
+    if group != 1 or not exact(high, np.zeros(1)) or not exact(low, bias):
+        return None
+    stacked = np.concatenate([high, low]).astype(F32)
+    return stacked, np.concatenate([np.zeros_like(bias), bias]).astype(F32), weight.shape[0]
+
+
+SPLIT = 16
+"""The base of a split weight (``_exact_split``): high and low parts of 8-bit weights below 16."""
 
 
 def match_qlinear_matmul(matmul: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
@@ -212,12 +274,34 @@ def qlinear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
 
     a, exact = layer.attrs, _in_float32(layer)
     product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(exact, backend)
+    product = _joined(product, a.get("split"))
     centre, finish, dtype = _centring(a), _finisher(a), compute_type(a)
+
+    if a.get("residual") is not None:
+        grid, add = _on_grid(a), _residual_finisher(a)
+
+        def run_residual(x, other):
+            (acc,) = product(centre(x.float() if x.is_floating_point() else x))
+            return (add(grid(acc), other),)
+        run_residual.route = getattr(product, "route", None)  # type: ignore[attr-defined]
+        return run_residual
 
     def run(x):
         (acc,) = product(centre(x.float() if x.is_floating_point() else x))
         out = finish(acc)
         return (out.to(dtype) if out.is_floating_point() else out,)
+    run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
+    return run
+
+
+def _joined(product: Workload, halves: int | None) -> Workload:
+    """A split weight's product (``_exact_split``): 16 * high + low, in float64 (exact)."""
+    if halves is None:
+        return product
+
+    def run(x):
+        (acc,) = product(x)
+        return (acc[:, :halves].double().mul_(SPLIT).add_(acc[:, halves:]),)
     run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
     return run
 
@@ -285,6 +369,35 @@ def _finisher(a: dict[str, Any]) -> Any:
         out = out.add_(add) if add is not None else out
         return post(out) if post else out
     return finish
+
+
+def _on_grid(a: dict[str, Any]) -> Any:
+    """The integer product requantized to the layer's output, rint(acc * multiplier) + z
+    saturated, as float64 integers (``_finisher``'s first steps)."""
+    import torch
+
+    multiplier, zero, low, high = _double(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
+    return lambda acc: torch.round(acc.double().mul_(multiplier)).add_(zero).clamp_(low, high)
+
+
+def _residual_finisher(a: dict[str, Any]) -> Any:
+    """QLinearAdd of the layer's output (integers on its grid) and the other operand, as the
+    kernel (``kernels/contrib_quant.q_linear_add``) computes it: each dequantized in float32,
+    added, divided by the sum's scale, rounded half to even, offset and saturated."""
+    import torch
+
+    r = a["residual"]
+    mine_scale, other_scale, sum_scale = (torch.from_numpy(np.array(r[k], F32)) for k in
+                                          ("mine_scale", "other_scale", "sum_scale"))
+    mine_zero, other_zero, sum_zero = r["mine_zero"], r["other_zero"], r["sum_zero"]
+    dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (a["y_low"], a["y_high"]))
+    low, high = a["y_low"], a["y_high"]
+
+    def add(y, other):
+        real = y.sub_(mine_zero).float().mul_(mine_scale)
+        real = real.add_(other.int().sub_(other_zero).float().mul_(other_scale))
+        return torch.round(real.div_(sum_scale)).add_(sum_zero).clamp_(low, high).to(dtype)
+    return add
 
 
 def _TORCH_RANGES() -> dict[Any, tuple[int, int]]:  # noqa: N802
