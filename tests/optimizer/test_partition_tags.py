@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,15 @@ def test_one_backend_is_one_tag_in_the_models_order() -> None:
     producers = {out: lay for lay in result.graph.layers for out in lay.outputs}
     assert topological_order(result.graph.layers, producers) == result.graph.layers
     assert list(result.partition_tags) == ["CpuRef_0"]
+
+
+def test_the_reports_data_holds_any_option_value_as_json() -> None:
+    """An option's value JSON has no type for is kept by its repr (an artifact stores the report
+    as JSON; the options themselves are kept apart, as they are)."""
+    report = PlacementReport(["CpuAcc"])
+    report.delegations["CpuAcc_0"] = DelegationSpec("CpuAcc", (
+        CompileSpec("CpuAcc.threads", 2), CompileSpec("CpuAcc.odd", {1, 2}),
+        CompileSpec("CpuAcc.pair", (1, "a"))))
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["delegations"]["CpuAcc_0"]["compile_specs"] == [
+        ["CpuAcc.threads", 2], ["CpuAcc.odd", "{1, 2}"], ["CpuAcc.pair", [1, "a"]]]

@@ -175,7 +175,7 @@ class PlacementReport:
                             "pinned": p.pinned, "substituted_by": p.substituted_by, "tag": p.tag}
                            for p in self.layers.values()],
                 "delegations": {tag: {"backend_id": d.backend_id, "compile_specs":
-                                      [[c.key, c.value] for c in d.compile_specs]}
+                                      [[c.key, _plain(c.value)] for c in d.compile_specs]}
                                 for tag, d in self.delegations.items()},
                 "copies": [asdict(c) for c in self.copies],
                 "subgraphs": [asdict(s) for s in self.subgraphs],
@@ -239,6 +239,16 @@ class PlacementReport:
         buffer = io.StringIO()
         self.render(Console(file=buffer, width=160, color_system=None))
         return buffer.getvalue()
+
+
+def _plain(value: Any) -> Any:
+    """An option's value as JSON holds it: its repr where JSON has no such type (the report
+    describes; the artifact keeps the options themselves)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
 
 
 def _runs(partitions: list[str], shown: int = 8) -> list[str]:
