@@ -52,6 +52,11 @@ class Handles(CpuRef):
 @pytest.fixture
 def artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, BackendRegistry]:
     monkeypatch.setattr(Handles, "FAIL", {"init": False, "execute": False})
+    return _compiled(tmp_path)
+
+
+def _compiled(tmp_path: Path) -> tuple[Path, BackendRegistry]:
+    """x -> first_relu -> the_add -> last_mul -> y, compiled for Handles into one delegate."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
     one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
@@ -104,13 +109,12 @@ def test_a_delegate_that_fails_at_load_names_its_nodes(
 
 def test_without_a_map_the_partitions_layers_are_named(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preprocess that gives no debug handles: the delegate's stored partition names them."""
     monkeypatch.setattr(Handles, "MAP", False)
-    delegate = Layer("Delegate[Handles][a..b](2 layers)", "Delegate", ["x"], ["y"],
-                     {"debug_handle_map": {}, "graph": Graph("p", [Layer("a", "Relu", ["x"], ["t"]),
-                                                                    Layer("b", "Relu", ["t"], ["y"])],
-                                                             ["x"], ["y"], {})}, "backplane.delegate")
-    assert delegate.model_nodes() == ["a", "b"]
-    assert "running model nodes a, b)" in delegate.describe()
+    monkeypatch.setattr(Handles, "FAIL", {"init": True, "execute": False})
+    with pytest.raises(Exception, match="the driver refused the blob") as caught:
+        _session(_compiled(tmp_path))
+    assert "running model nodes first_relu, the_add, last_mul)" in str(caught.value)
 
 
 def test_a_plain_layer_is_described_as_before() -> None:

@@ -1,4 +1,4 @@
-"""``backplane.partition`` and the delegation tags of the placement report (seed 004's partitioner)."""
+"""``backplane.partition`` and the placement report's delegation tags (seed 004's partitioner)."""
 
 from __future__ import annotations
 

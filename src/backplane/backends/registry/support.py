@@ -107,7 +107,7 @@ class SupportRegistry:
         return self._backends.create(backend_id)
 
 
-# -- the bundled backends' layer supports -----------------------------------------------------------
+# -- the bundled backends' layer supports ----------------------------------------------------------
 def _cpuref() -> LayerSupport:
     from backplane.backends.reference.backend import CpuRef
 
