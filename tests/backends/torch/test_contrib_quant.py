@@ -221,3 +221,30 @@ def test_the_residual_layer_survives_an_artifact(tmp_path) -> None:
     assert [lay.attrs["split"] for lay in placed(loaded)] == [128, 128]
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
     np.testing.assert_array_equal(loaded.run(None, feeds)[0], want)
+
+
+PREPACKED = {"QGemm-float-uint8": "QGemm", "QGemm-quantized-int8": "QGemm", "QGemm-ties": "QGemm",
+             "QGemm-float": "QGemm", "DynamicQuantizeMatMul": "DynamicQuantMatMul",
+             "DynamicQuantizeMatMul-uint8": "DynamicQuantMatMul",
+             "DynamicQuantizeMatMul-nan": "DynamicQuantMatMul"}
+
+
+@pytest.mark.parametrize("name", PREPACKED)
+def test_products_by_a_constant_weight_are_prepacked_layers(name: str) -> None:
+    """QGemm and DynamicQuantizeMatMul by constant weights: one CpuAcc layer each, its product
+    by Linear's route (fusion/contrib_quant.py), CpuRef's values bit for bit."""
+    from tests.backends.torch.test_quantized_fusion import placed
+
+    model, feeds = _model(CASES[name])
+    got, session = _run(model, feeds, "CpuAcc", "layers")
+    assert [(lay.op_type, lay.domain) for lay in placed(session)] == [(PREPACKED[name],
+                                                                      "backplane.torch")]
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    np.testing.assert_array_equal(got[0], want)
+
+
+def test_a_transposed_a_stays_with_the_kernel() -> None:
+    model, feeds = _model(CASES["QGemm-transA-no-C"])
+    _, session = _run(model, feeds, "CpuAcc", "layers")
+    (layer,) = session.optimized.graph.layers[1:-1]
+    assert (layer.op_type, layer.domain) == ("QGemm", "com.microsoft")

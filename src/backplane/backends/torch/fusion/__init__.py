@@ -22,7 +22,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
 - Quantized patterns (``quantized``, ``qlinear``, ``int8``): QuantizeLinear -> DequantizeLinear
   as one ``QuantDequant`` (also after a FusedConv or Linear, holding it); [Q ->] QLinearConv /
   QLinearMatMul [-> DQ ...] as one layer computing exact integer products in float32;
-  DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] as one ``DynamicQuantMatMul``.
+  DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] as one ``DynamicQuantMatMul``;
+  ONNX Runtime's QGemm and DynamicQuantizeMatMul by constant weights (``contrib_quant``).
 
 Then a subgraph with convolutions becomes one ``OneDnnGraph`` layer (``onednn_graph``): at load it
 is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster. With
@@ -41,6 +42,11 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.fusion import onednn_graph
 from backplane.backends.torch.fusion import reduced as reduced_precision
+from backplane.backends.torch.fusion.contrib_quant import (
+    match_dynamic_quantize_matmul,
+    match_qgemm,
+    qgemm_workload,
+)
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import Context
@@ -71,9 +77,10 @@ def fuse(view: SubgraphView, reduced: str | None = None) -> OptimizationViews:
     ctx = Context(view, graph, graph.consumers(), set(map(id, view.layers)))
     views = OptimizationViews()
     for layer in view.layers:
-        if id(layer) in ctx.taken or layer.domain:
+        key = f"{layer.domain}::{layer.op_type}" if layer.domain else layer.op_type
+        matcher = MATCHERS.get(key, None if layer.domain else match_linear)
+        if id(layer) in ctx.taken or matcher is None:
             continue
-        matcher = MATCHERS.get(layer.op_type, match_linear)
         match = matcher(layer, ctx)
         if match is None:
             continue
@@ -114,8 +121,11 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "Conv": then_quant_dequant(match_conv), "GlobalAveragePool": match_squeeze_excite,
     "Gemm": then_quant_dequant(match_linear), "MatMul": then_quant_dequant(match_linear),
     "QuantizeLinear": match_quant_dequant, "QLinearConv": match_qlinear_conv,
-    "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul}
-"""The first layer of a pattern -> its matcher (any other layer may start a Linear)."""
+    "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul,
+    "com.microsoft::QGemm": match_qgemm,
+    "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul}
+"""The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
+other layer of the default domain may start a Linear)."""
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -123,4 +133,5 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "OneDnnGraph": onednn_graph.onednn_graph_workload,
     "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
-    "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload}
+    "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
+    "QGemm": qgemm_workload}

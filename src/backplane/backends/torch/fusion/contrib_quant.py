@@ -1,0 +1,145 @@
+"""ONNX Runtime's quantized matrix products (com.microsoft) by a constant weight, as one CpuAcc
+layer computing their integer products as exact float32 products (``qlinear``'s way):
+
+- QGemm (transA 0) becomes one ``QGemm``: A less its zero point, times the centred weight by
+  Linear's measured route (MKL or oneDNN, the weight prepacked), C added as the bias, then
+  times alpha * s_a * s_b in float32 and, with y's scale, quantized: the kernel's steps
+  (``kernels/contrib_quant.q_gemm``), so CpuRef's values bit for bit.
+- DynamicQuantizeMatMul becomes ``qlinear``'s ``DynamicQuantMatMul``: the same computation as
+  the DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] it is ORT's fusion of.
+
+Each is taken only where every sum stays below 2^24 (checked from the weight): otherwise the
+kernel runs it, in float64. The kernels convert a constant weight at every call; these prepack it
+once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.fusion.patterns import F32, Context, compute_type
+from backplane.backends.torch.fusion.qlinear import (
+    EXACT,
+    _centred_weight,
+    _in_float32,
+    _zero_point,
+)
+from backplane.backends.torch.fusion.quantized import RANGES
+from backplane.ir.graph import Layer
+
+CONTRIB = "com.microsoft"
+
+
+def _weight(layer: Layer, ctx: Context, at: int, zero_at: int,
+            transposed: bool) -> np.ndarray | None:
+    """The constant 2-D weight (input ``at``) less its constant zero point (input ``zero_at``,
+    per tensor or per column), as an (N, K) float32 matrix; None where it is not one."""
+    zero_name = layer.inputs[zero_at] if zero_at < len(layer.inputs) else ""
+    b, zero = ctx.const(layer.inputs[at]), ctx.const(zero_name)
+    if b is None or b.ndim != 2 or (zero_name and zero is None):
+        return None
+    centred = _centred_weight(b, zero, per_row=transposed)  # (N, K) where transposed, else (K, N)
+    if centred is None:
+        return None
+    return np.ascontiguousarray(centred if transposed else centred.T)
+
+
+def match_qgemm(gemm: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    """QGemm of a static 2-D A by a constant B (constant scales, zero points and C)."""
+    if gemm.domain != CONTRIB or gemm.attrs.get("transA", 0) or len(gemm.inputs) < 6:
+        return None
+    weight = _weight(gemm, ctx, 3, 5, bool(gemm.attrs.get("transB", 0)))
+    a_scale, b_scale = ctx.const(gemm.inputs[1]), ctx.const(gemm.inputs[4])
+    x_zero, info = _zero_point(gemm.inputs[2], ctx), ctx.graph.info(gemm.inputs[0])
+    names = [*gemm.inputs[6:], "", "", ""][:3]
+    c, y_scale, y_zero = (ctx.const(name) for name in names)
+    if weight is None or a_scale is None or a_scale.size != 1 or x_zero is None \
+            or b_scale is None or b_scale.size not in (1, weight.shape[0]) \
+            or not info.is_static or len(info.shape) != 2 \
+            or any(name and value is None for name, value in zip(names, (c, y_scale, y_zero))):
+        return None
+    if c is not None and (c.dtype != np.int32 or c.size != weight.shape[0]):
+        return None  # C: int32, one per column (a full (M, N) C is left to the kernel)
+    (zero, (low, high)) = x_zero
+    bias = None if c is None else c.astype(np.float64).reshape(-1)
+    reach = max(high - zero, zero - low)
+    largest = float(np.abs(weight).sum(axis=1).max()) * reach
+    if largest + (0.0 if bias is None else float(np.abs(bias).max())) >= EXACT:
+        return None
+    multiplier = np.float32(gemm.attrs.get("alpha", 1.0)) * a_scale.astype(F32).reshape(()) \
+        * b_scale.astype(F32).reshape(-1 if b_scale.size > 1 else ())
+    attrs = {"weight": weight, "bias": None if bias is None else bias.astype(F32),
+             "input_shape": list(info.shape), "unary": None, "binary": False,
+             "output_shape": None, "x_zero": zero, "multiplier": np.array(multiplier, F32),
+             "y": _output_grid(y_scale, y_zero, gemm, ctx)}
+    if names[1] and attrs["y"] is None:
+        return None
+    return [gemm], Layer(gemm.name, "QGemm", [gemm.inputs[0]], list(gemm.outputs), attrs,
+                         FUSED_DOMAIN, 1)
+
+
+def _output_grid(scale: np.ndarray | None, zero: np.ndarray | None, gemm: Layer,
+                 ctx: Context) -> dict[str, Any] | None:
+    """y's scale, zero point and range, where QGemm quantizes its output (else None)."""
+    if scale is None or scale.size != 1 or scale.dtype != F32:
+        return None
+    dtype = zero.dtype if zero is not None else ctx.graph.info(gemm.inputs[0]).dtype
+    if dtype not in RANGES or (zero is not None and zero.size != 1):
+        return None
+    return {"scale": np.array(scale.reshape(()), F32), "zero": 0 if zero is None
+            else int(zero.reshape(())), "range": RANGES[dtype]}
+
+
+def qgemm_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """A centred, the product by Linear's measured route (C as its bias), the scales, and the
+    quantization where the layer has y's scale."""
+    import torch
+
+    from backplane.backends.torch.fusion.linear import linear_workload
+
+    a = layer.attrs
+    product = linear_workload(_in_float32(layer), backend)
+    x_zero, multiplier = a["x_zero"], torch.from_numpy(np.array(a["multiplier"], F32))
+    dtype, grid = compute_type(a), a["y"]
+    if grid is None:
+        def run(x):
+            (acc,) = product(x.float().sub_(x_zero))
+            return (acc.mul_(multiplier).to(dtype),)
+        return run
+    scale, zero, (low, high) = torch.from_numpy(grid["scale"]), grid["zero"], grid["range"]
+    integer = {RANGES[np.dtype(t)]: getattr(torch, t) for t in ("uint8", "int8")}[(low, high)]
+
+    def run_quantized(x):
+        (acc,) = product(x.float().sub_(x_zero))
+        y = acc.mul_(multiplier).div_(scale)
+        return (torch.round(y).add_(zero).clamp_(low, high).to(integer),)
+    return run_quantized
+
+
+def match_dynamic_quantize_matmul(matmul: Layer, ctx: Context,
+                                  ) -> tuple[list[Layer], Layer] | None:
+    """DynamicQuantizeMatMul of a static float32 A by a constant B (constant scale and zero
+    point, per tensor or per column; a constant float32 bias)."""
+    if matmul.domain != CONTRIB:
+        return None
+    weight = _weight(matmul, ctx, 1, 3, transposed=False)
+    names = [*matmul.inputs[2:], "", ""][:3]  # b_scale, b_zero_point, bias
+    scale, _, bias = (ctx.const(name) for name in names)
+    info = ctx.graph.info(matmul.inputs[0])
+    if weight is None or scale is None or scale.dtype != F32 \
+            or scale.size not in (1, weight.shape[0]) or (names[2] and bias is None) \
+            or (bias is not None and (bias.dtype != F32 or bias.shape != (weight.shape[0],))) \
+            or info.dtype != F32 or not info.is_static or len(info.shape) < 2:
+        return None
+    if 255 * float(np.abs(weight).sum(axis=1).max()) >= EXACT:
+        return None
+    attrs = {"weight": weight, "bias": None, "input_shape": list(info.shape), "unary": None,
+             "binary": False, "output_shape": None,
+             "w_scale": np.array(scale.reshape(-1) if scale.size > 1 else scale.reshape(()), F32),
+             "add": bias}
+    return [matmul], Layer(matmul.name, "DynamicQuantMatMul", [matmul.inputs[0]],
+                           list(matmul.outputs), attrs, FUSED_DOMAIN, 1)
