@@ -227,8 +227,10 @@ def test_a_runtime_option_path_replaces_the_environment(tmp_path: Path, monkeypa
     write(tmp_path / "opt", "Opt_Two_backend.py", source("OptTwo"))
     monkeypatch.setenv(PATHS_VARIABLE, str(tmp_path / "env"))
     registry = BackendRegistry()
-    Runtime(RuntimeOptions(dynamic_backends_path=str(tmp_path / "opt")), registry=registry)
+    runtime = Runtime(RuntimeOptions(dynamic_backends_path=str(tmp_path / "opt")),
+                      registry=registry)  # held while the runtime lives
     assert "OptTwo" in registry.ids() and "EnvOne" not in registry.ids()
+    runtime.close()
 
 
 def test_a_preference_for_an_unregistered_id_is_looked_up_on_the_paths(tmp_path: Path,

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 from backplane import (ExecutionError, InferenceSession, InvalidInputError, Runtime, RuntimeOptions,
                        import_onnx, optimize)
 from backplane.backends.api.backend import BackendContext, ProfilingContext
-from backplane.backends.api.memory import MemoryManager
+from backplane.backends.api.memory import CustomAllocator, MemoryManager, MemorySource
 from backplane.backends.registry import registry
 from backplane.backends.reference.backend import CpuRef
 from tests.conftest import float_input, make_model, small_cnn_model
@@ -56,7 +56,7 @@ class Hooked(CpuRef):
         return ProfilingContext()
 
 
-def test_contexts_hear_load_and_unload_and_memory_is_acquired_around_runs() -> None:
+def test_contexts_hear_load_and_unload_and_memory_is_held_from_load_to_unload() -> None:
     RECORDER.calls.clear()
     with registry.temporarily(Hooked.id, Hooked):
         runtime = Runtime(RuntimeOptions(profiling=True))
@@ -64,9 +64,10 @@ def test_contexts_hear_load_and_unload_and_memory_is_acquired_around_runs() -> N
         runtime.run(network_id, {"x": X})
         _, timings = runtime.run_profiled(network_id, {"x": X})
         runtime.unload(network_id)
-    assert RECORDER.calls == [f"before_load {network_id}", f"after_load {network_id}", "acquire",
-                              "release", "acquire", "release",  # the profiled run too
-                              f"before_unload {network_id}", f"after_unload {network_id}"]
+    # seed 000: Acquire() before the network executes, Release() in the LoadedNetwork's destructor
+    assert RECORDER.calls == [f"before_load {network_id}", "acquire", f"after_load {network_id}",
+                              f"before_unload {network_id}", "release",
+                              f"after_unload {network_id}"]
     recorded = [name for name, _ in runtime.profiling["TestHooked"].events]
     assert recorded == [t.layer for t in timings] * 2  # RuntimeOptions.profiling: plain runs too
     with pytest.raises(KeyError, match=f"no network loaded under id {network_id}"):
@@ -134,8 +135,8 @@ def test_onnx_backend_api() -> None:
 
 
 def test_a_custom_allocator_a_backend_refuses_is_an_error() -> None:
-    class Allocator:
-        pass
+    class Allocator(CustomAllocator):
+        memory = MemorySource.CUDA  # CpuRef takes host allocators only
 
     runtime = Runtime(RuntimeOptions(custom_allocators={"CpuRef": Allocator()}))
     with pytest.raises(ValueError, match="backend CpuRef does not accept the custom allocator"):
@@ -184,7 +185,13 @@ def test_a_networks_own_options_win_over_its_runtimes() -> None:
 
 def test_a_custom_allocator_reaches_the_backend_of_every_network_loaded() -> None:
     class Allocator:
-        pass
+        def allocate(self, nbytes: int, alignment: int) -> np.ndarray:
+            raw = np.empty(nbytes + alignment, np.uint8)
+            start = -raw.ctypes.data % alignment
+            return raw[start:start + nbytes]
+
+        def free(self, buffer) -> None:
+            pass
 
     class Accepting(CpuRef):
         id = "TestAccepting"

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from backplane.backends.api.backend import Workload
-from backplane.backends.api.memory import MemorySource, host_view
+from backplane.backends.api.memory import MemorySource, allocate_with, host_view
 from backplane.ir.graph import Graph, Layer, TensorInfo
 
 FALLBACK_IMPORT = "FallbackImport"
@@ -64,22 +64,33 @@ def allocate(kind: MemorySource, nbytes: int, alignment: int) -> np.ndarray:
 
 class FallbackMemoryManager:
     """The fallback memory of one network (the seed's FallbackMemoryManager, per network id): one
-    buffer per tensor and kind, allocated at load, reused by every run, freed at unload."""
+    buffer per tensor and kind, allocated at load, reused by every run, freed at unload. Where the
+    source backend (which owns the fallback memory: the seed registers the manager with it) has a
+    custom allocator of that kind of memory (``allocators``, by backend id), its buffers come
+    from that allocator, and go back to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, allocators: Mapping[str, Any] | None = None) -> None:
         self.buffers: dict[tuple[str, MemorySource], np.ndarray] = {}
+        self.allocators = dict(allocators or {})
+        self._given: list[tuple[Any, Any]] = []  # (allocator, what it returned), for its free
 
     def buffer(self, tensor: str, kind: MemorySource, info: TensorInfo, alignment: int,
-               ) -> tuple[np.ndarray, bool]:
+               owner: str = "") -> tuple[np.ndarray, bool]:
         """The buffer of ``tensor`` in memory of ``kind``, typed and shaped as ``info`` says, and
-        whether it was allocated by this call."""
+        whether it was allocated by this call (from ``owner``'s allocator where it has one)."""
         if info.shape is None or info.dtype is None or info.nbytes is None:
             raise ValueError(f"fallback memory for {tensor} ({info}): its size must be known at "
                              f"load")
         key = (tensor, kind)
         fresh = key not in self.buffers
         if fresh:
-            self.buffers[key] = allocate(kind, info.nbytes, alignment)
+            allocator = self.allocators.get(owner)
+            if allocator is not None and getattr(allocator, "memory", MemorySource.MALLOC) & kind:
+                given, self.buffers[key] = allocate_with(
+                    allocator, owner, f"the fallback memory of '{tensor}'", info.nbytes, alignment)
+                self._given.append((allocator, given))
+            else:
+                self.buffers[key] = allocate(kind, info.nbytes, alignment)
         return self.buffers[key].view(info.dtype).reshape(info.shape), fresh
 
     @property
@@ -103,6 +114,9 @@ class FallbackMemoryManager:
 
     def release(self) -> None:
         self.buffers.clear()
+        for allocator, given in self._given:
+            allocator.free(given)
+        self._given.clear()
 
 
 def bind(layers: Sequence[Layer], workloads: Sequence[Workload], graph: Graph,
@@ -126,7 +140,8 @@ def bind(layers: Sequence[Layer], workloads: Sequence[Workload], graph: Graph,
         name, source, target = layer.inputs[0], layer.attrs["source"], layer.attrs["target"]
         kind = MemorySource[layer.attrs["memory"]]
         info = graph.info(name)
-        buffer, fresh = manager.buffer(name, kind, info, alignment[name])
+        buffer, fresh = manager.buffer(name, kind, info, alignment[name],
+                                       layer.attrs.get("source_backend", ""))
         producer, position = made[name]
         if fresh:
             writes = (getattr(workloads[producer], "write_into", None) is not None

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.release import FileWeights, ReleasedConstants, released_layer
-from backplane.runtime import edge_checks, fallback, host_threads, ownership
+from backplane.runtime import edge_checks, fallback, host_threads, ownership, tensors
 
 NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
 
@@ -108,6 +109,10 @@ class LoadedNetwork:
         self._template: list[Any] = [None]
         self._constant_slots: dict[tuple[int, str], str] = {}  # (layer, constant) -> its slot's key
         self.layers: list[Layer] = list(graph.layers)
+        self.tensors = tensors.registries(network.backends, graph, self.layers)
+        """Per backend that has them, the tensors of its partition (``runtime/tensors.py``)."""
+        for backend_id, registry in self.tensors.items():
+            factories[backend_id].tensors = registry
         release = network.weights
         if release is not None:  # what no layer reads as an input is left to the file already
             graph.constants = ReleasedConstants(  # type: ignore[assignment]
@@ -116,14 +121,22 @@ class LoadedNetwork:
         memory: list[list[tuple[int, int]]] = []  # each layer's constants, for the report
         for factory in factories.values():  # for the load only: builtin folds those bodies read
             factory.constants = graph.constants
-        for index, layer in enumerate(self.layers):
-            workloads.append(self._create(factories, layer, graph, network.backends))
-            memory.append(_constant_memory(layer, graph))
-            if release is not None:  # its workload holds what it reads: the layer holds nothing
-                self.layers[index] = graph.layers[index] = self._released(layer, release)
+        try:
+            for index, layer in enumerate(self.layers):
+                workloads.append(self._create(factories, layer, graph, network.backends))
+                memory.append(_constant_memory(layer, graph))
+                if release is not None:  # its workload holds what it reads: the layer holds nothing
+                    self.layers[index] = graph.layers[index] = self._released(layer, release)
+        except BaseException:
+            _release([], None, self.tensors, [])
+            raise
         for factory in factories.values():
             factory.constants = {}
-        self.fallback_memory = fallback.FallbackMemoryManager()
+        destroys = [w.destroy for w in workloads if getattr(w, "destroy", None) is not None]
+        workloads = tensors.placed(self.layers, workloads, self.tensors, graph)
+        self.fallback_memory = fallback.FallbackMemoryManager(
+            {b: backend.custom_allocator for b, backend in network.backends.items()
+             if backend.custom_allocator is not None})
         workloads, copied = fallback.bind(self.layers, workloads, graph, self.fallback_memory)
         workloads = host_threads.share(self.layers, workloads, network.backends)
         workloads = edge_checks.checked(self.layers, workloads, graph, network.backends)
@@ -154,19 +167,29 @@ class LoadedNetwork:
         self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
         self._planning = threading.Lock()
         self.profiling = profiling or {}
-        # Fallback memory is the network's, shared by its runs: one run at a time, and no output
-        # of a run may alias it.
+        # Fallback memory and the backends' tensors are the network's, shared by its runs: one
+        # run at a time, and no output of a run may alias them.
         self.exclusive = any(getattr(w, "exclusive", False) for w in workloads) \
-            or bool(self.fallback_memory.buffers)
+            or bool(self.fallback_memory.buffers) or bool(self.tensors)
         if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
             self.execute = self._execute_traced  # type: ignore[method-assign]
-        if self.fallback_memory.buffers:
+        if self.fallback_memory.buffers or self.tensors:
             self._detach_outputs()
         if self.exclusive:
             self._lock = threading.RLock()  # the traced run holds it and calls the profiled one
             self.execute = self._one_at_a_time(self.execute)  # type: ignore[method-assign]
             self.execute_profiled = self._one_at_a_time(self.execute_profiled)  # type: ignore[method-assign]
             self.execute_plan = self._one_at_a_time(self.execute_plan)  # type: ignore[method-assign]
+        for manager in self.memory_managers:  # held from here to the unload (seed 000)
+            manager.acquire()
+        self._finalizer = weakref.finalize(self, _release, self.memory_managers,
+                                           self.fallback_memory, self.tensors, destroys)
+
+    def close(self) -> None:
+        """Release what the network holds (the runtime's unload; its finalizer where it is
+        dropped without one): its memory managers, fallback memory and backends' tensors, and what
+        its delegates' ``init`` took. Closing again does nothing."""
+        self._finalizer()
 
     # -- load ----------------------------------------------------------------------------------------
     def _slot(self, name: str) -> int:
@@ -195,7 +218,16 @@ class LoadedNetwork:
 
     def _bind_constant(self, name: str, value: np.ndarray, backend: Backend) -> str:
         """The key of the slot holding ``name`` in ``backend``'s memory: constants live in host
-        memory, and each other kind of memory that reads one gets its own copy, made here once."""
+        memory, and each other kind of memory that reads one gets its own copy, made here once (a
+        backend with a custom allocator: in memory from it)."""
+        registry = self.tensors.get(backend.id)
+        if isinstance(registry, tensors.AllocatedTensors) and isinstance(value, np.ndarray) \
+                and value.dtype.kind not in "OSU":
+            key = f"{name}@{backend.id}"
+            slot = self._slot(key)
+            if self._template[slot] is None:
+                self._template[slot] = registry.constant(name, value)
+            return key
         factory = backend.tensor_handle_factories()[0]
         host = factory.id == HOST_FACTORY.id
         key = name if host else f"{name}@{factory.id}"
@@ -251,7 +283,11 @@ class LoadedNetwork:
         return peak, constants
 
     def _detach_outputs(self) -> None:
-        detach = self.fallback_memory.detach
+        fallback_detach, registries = self.fallback_memory.detach, self.tensors
+
+        def detach(value: Any) -> Any:
+            return tensors.detach(registries, fallback_detach(value))
+
         run, profiled = self.execute, self.execute_profiled
         planned = self.execute_plan
 
@@ -295,16 +331,10 @@ class LoadedNetwork:
         env = list(self._template)
         for slot, value in zip(self.input_slots, inputs):
             env[slot] = value
-        stop = STOP.get()
-        for manager in self.memory_managers:
-            manager.acquire()
         try:
-            run_steps(plan.steps, env, stop)
+            run_steps(plan.steps, env, STOP.get())
         except StepFailure as failure:
             raise self._failure(failure.step, failure.error) from failure.error
-        finally:
-            for manager in self.memory_managers:
-                manager.release()
         return [_array(env[i]) for i in plan.output_slots]
 
     def execute_profiled(self, inputs: Sequence[Any], plan: Plan | None = None,
@@ -316,16 +346,10 @@ class LoadedNetwork:
             env[slot] = value
         timings: list[LayerTiming] = []
         stop = STOP.get()
-        for manager in self.memory_managers:
-            manager.acquire()
-        try:
-            for step, layer in zip(plan.steps, plan.layers):
-                if stop is not None:
-                    stop()
-                self._profile_step(step, layer, env, timings)
-        finally:
-            for manager in self.memory_managers:
-                manager.release()
+        for step, layer in zip(plan.steps, plan.layers):
+            if stop is not None:
+                stop()
+            self._profile_step(step, layer, env, timings)
         return [_array(env[i]) for i in plan.output_slots], timings
 
     # -- the user's tensors in device memory ---------------------------------------------------------
@@ -469,6 +493,20 @@ class LoadedNetwork:
         layer = self._layer_of[id(step.workload)]
         return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
                               f"{type(exc).__name__}: {exc}")
+
+
+def _release(managers: Sequence[MemoryManager], fallback_memory: Any,
+             registries: dict[str, Any], destroys: Sequence[Callable[[], Any]]) -> None:
+    """What a network holds, let go (``LoadedNetwork.close``; no reference to the network, so
+    that its finalizer may call it)."""
+    for manager in managers:
+        manager.release()
+    if fallback_memory is not None:
+        fallback_memory.release()
+    for registry in registries.values():
+        registry.release()
+    for destroy in destroys:  # delegates release what their init took (Backend.destroy)
+        destroy()
 
 
 class StepFailure(Exception):

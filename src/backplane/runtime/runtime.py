@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from backplane.backends.api.backend import (Backend, BackendContext, BackendOpti
 from backplane.backends.registry import BackendRegistry
 from backplane.backends.registry import registry as default_registry
 from backplane.backends.registry.dynamic import backend_paths
+from backplane.backends.registry.registry import UnknownBackendError
 from backplane.backends.api.memory import device_of, host_view
 from backplane.ir.graph import TensorInfo
 from backplane.install_hints import hint
@@ -33,8 +35,8 @@ class InvalidInputError(ValueError):
 class RuntimeOptions:
     """``backend_options`` go to every backend context, and to the backends of every network loaded
     here where the network's own (``optimize(backend_options=...)``) do not set them;
-    ``custom_allocators`` maps a backend id to the allocator it must use for its tensors (Arm NN's
-    m_CustomAllocatorMap); ``profiling`` profiles every run: each backend's profiling context (a
+    ``custom_allocators`` maps a backend id to the allocator its tensors are allocated from (Arm
+    NN's m_CustomAllocatorMap; a ``CustomAllocator``, ``runtime/tensors.py``); ``profiling`` profiles every run: each backend's profiling context (a
     plain ``ProfilingContext`` where the backend makes none), in ``Runtime.profiling`` by backend
     id, records the time of each layer it ran."""
 
@@ -43,10 +45,19 @@ class RuntimeOptions:
     profiling: bool = False
     dynamic_backends_path: str | None = None
     """One directory of dynamic backends that replaces BACKPLANE_DYNAMIC_BACKEND_PATHS entirely."""
+    backends: list[str] | None = None
+    """The backends this runtime will use (an InferenceSession names its list): their contexts
+    are made when it is created. None: each backend's context is made at its first load (making
+    every registered backend's would import torch and OpenVINO; see docs/architecture.md)."""
 
 
 class Runtime:
-    """Loads networks and runs them (Arm NN's IRuntime). Backend contexts live as long as it does."""
+    """Loads networks and runs them (Arm NN's IRuntime). Backend contexts live as long as it does.
+
+    Created, it registers the dynamic backends on its paths and makes the contexts of the backends
+    it will use (``RuntimeOptions.backends``, and those dynamic ones); it holds each backend it
+    uses in the registry until it goes (``close``, or its finalizer): the last Runtime to go calls
+    a backend's ``destroy`` hook and unregisters a dynamic backend it loaded."""
 
     def __init__(self, options: RuntimeOptions | None = None,
                  registry: BackendRegistry | None = None) -> None:
@@ -56,12 +67,40 @@ class Runtime:
         self.profiling: dict[str, ProfilingContext] = {}
         self._networks: dict[int, LoadedNetwork] = {}
         self._ids = itertools.count(1)
+        self._held: set[str] = set()
+        self._finalizer = weakref.finalize(self, self.registry.let_go, self._held)
         paths = backend_paths(self.options.dynamic_backends_path)
-        if paths:
-            self.registry.load_dynamic_backends(paths)
+        dynamic = self.registry.hold_dynamic_backends(paths) if paths else []
+        self._held.update(dynamic)
+        for backend_id in ["builtin", *(self.options.backends or ()), *dynamic]:
+            self._context_at_creation(backend_id, named=backend_id not in dynamic)
+
+    def _context_at_creation(self, backend_id: str, named: bool) -> None:
+        """Make ``backend_id``'s context now, where it is registered and available here; a
+        failure is raised for a backend the options name, logged for a dynamic one (its first
+        load raises it again)."""
+        if backend_id in self.contexts:
+            return
+        try:
+            backend = self.registry.create(backend_id)
+        except UnknownBackendError:
+            return  # optimize names it, with the known ones
+        if not backend.availability():
+            return
+        try:
+            self._context_for(backend)
+        except Exception as exc:
+            if named:
+                raise
+            log.warning("backend %s: no context at the runtime's creation: %s: %s", backend_id,
+                        type(exc).__name__, exc)
 
     def _context_for(self, backend: Backend) -> BackendContext | None:
-        """The backend's context in this runtime, made by the first backend of its id to load."""
+        """The backend's context in this runtime, made at the runtime's creation or by the first
+        backend of its id to load; the runtime holds the backend from then on."""
+        if backend.id not in self._held:
+            self._held.add(backend.id)
+            self.registry.hold(backend.id)
         if backend.id not in self.contexts:
             options = BackendOptions(self.options.backend_options)
             context = backend.create_backend_context(options)
@@ -82,9 +121,16 @@ class Runtime:
                 check_options(backend, options.values)
                 backend.options = options
                 allocator = self.options.custom_allocators.get(backend_id)
-                if allocator is not None and not backend.use_custom_allocator(allocator):
-                    raise ValueError(f"backend {backend_id} does not accept the custom allocator "
-                                     f"{allocator!r} given for it in RuntimeOptions.custom_allocators")
+                if allocator is not None:
+                    if not callable(getattr(allocator, "allocate", None)):
+                        raise TypeError(f"the custom allocator {allocator!r} given for backend "
+                                        f"{backend_id} has no allocate(nbytes, alignment) "
+                                        f"(see backplane.backends.api.memory.CustomAllocator)")
+                    if not backend.use_custom_allocator(allocator):
+                        raise ValueError(f"backend {backend_id} does not accept the custom "
+                                         f"allocator {allocator!r} given for it in "
+                                         f"RuntimeOptions.custom_allocators")
+                    backend.custom_allocator = allocator
                 if backend_id not in ids:
                     ids.append(backend_id)
                     self._context_for(backend)
@@ -109,6 +155,8 @@ class Runtime:
                                  "no model file to be made again from: load the model again "
                                  "(SessionOptions.keep_initializers keeps them)")
             network = network.remake(dict(network.exclusions))  # released as it loads
+        if not self._finalizer.alive:
+            raise RuntimeError("this Runtime is closed: create another to load networks")
         network_id = next(self._ids)
         told: list[BackendContext] = []
         while True:  # each retry keeps one more backend from a layer: it ends
@@ -134,13 +182,24 @@ class Runtime:
         for context in contexts:
             context.before_unload_network(network_id)
         del self._networks[network_id]
-        loaded.fallback_memory.release()
-        for step in loaded.steps:  # delegates release what their init took (Backend.destroy)
-            release = getattr(step.workload, "destroy", None)
-            if release is not None:
-                release()
+        loaded.close()  # memory managers, fallback memory, tensors, delegates' handles
         for context in contexts:
             context.after_unload_network(network_id)
+
+    def close(self) -> None:
+        """Unload every network still loaded and let go of the backends this runtime holds (the
+        last Runtime to go calls a backend's ``destroy`` hook and unregisters the dynamic backends
+        it loaded). Loading after is an error; closing again does nothing. A runtime dropped
+        without ``close`` lets go of its backends when it is collected."""
+        for network_id in list(self._networks):
+            self.unload(network_id)
+        self._finalizer()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def network(self, network_id: int) -> LoadedNetwork:
         return self._loaded(network_id)

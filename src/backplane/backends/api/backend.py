@@ -27,7 +27,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from backplane.backends.api.kernels import Kernel, UnsupportedError, bind_kernel, select_kernel
-from backplane.backends.api.memory import HOST_FACTORY, MemoryManager, TensorHandleFactory
+from backplane.backends.api.memory import (HOST_FACTORY, MemoryManager, TensorHandleFactory,
+                                           TensorRegistry)
 from backplane.backends.api.optimization import OptimizationViews
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -124,6 +125,10 @@ class WorkloadFactory:
     memory_manager: MemoryManager | None = None
     network_id: int = 0
     """The id of the network being loaded (set by the runtime; builtin loads bodies under it)."""
+    tensors: TensorRegistry | None = None
+    """The tensors of the backend's partition, where it has its own (``Backend.gen_tensors``) or
+    a custom allocator's: set by the runtime before any workload is made, so that a workload may
+    write its outputs into them (the runtime copies an output there where it did not)."""
 
     def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
                         outputs: Sequence[TensorInfo]) -> Workload:
@@ -210,6 +215,9 @@ class Backend:
     OPTIONS: ClassVar[Mapping[str, str]] = {}
     """The options this backend takes ("<id>.<name>" -> what it does): any other option named
     after the backend's id is an error that lists these (``check_options``)."""
+    custom_allocator: Any = None
+    """The allocator of ``RuntimeOptions.custom_allocators`` this backend accepted (set by the
+    runtime at load): its tensors are allocated from it."""
     options: BackendOptions = BackendOptions()
     """The options of the network this backend belongs to: ``optimize`` creates a backend for each
     network and sets them before asking it anything; ``Runtime.load`` adds the runtime's options
@@ -265,8 +273,20 @@ class Backend:
         return (HOST_FACTORY,)
 
     def use_custom_allocator(self, allocator: Any) -> bool:
-        """Whether the backend accepts a custom allocator for its tensors. Default: no."""
+        """Whether the backend accepts ``allocator`` (a ``CustomAllocator``) for its tensors; where
+        it does, the runtime sets ``custom_allocator`` and allocates the backend's tensors from it
+        (``runtime/tensors.py``). Default: no (CpuRef and CpuAcc take a host allocator)."""
         return False
+
+    def gen_tensors(self, tensors: Mapping[str, TensorInfo]) -> TensorRegistry | None:
+        """Make the tensors of this backend's partition of a network being loaded (onert's
+        BackendContext::genTensors): given every tensor its layers read or write but the constants,
+        by name, return those it makes, owned by it until the network is unloaded (the registry's
+        ``release``). The runtime hands them to the workload factory, copies each foreign input
+        into its tensor before a layer reads it and each output its workload did not write there
+        into it. Default: None, the backend's kernels allocate their outputs (or the runtime
+        allocates them from ``custom_allocator``)."""
+        return None
 
     # -- description ----------------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:

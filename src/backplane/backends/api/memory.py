@@ -1,5 +1,6 @@
-"""Tensor memory: which memory a backend's tensors live in, what it can import and export, and the
-memory manager acquired around execution (Arm NN's ITensorHandleFactory, MemorySource, IMemoryManager).
+"""Tensor memory: which memory a backend's tensors live in, what it can import and export, the
+memory manager held while a network is loaded, custom allocators and tensor registries (Arm NN's
+ITensorHandleFactory, MemorySource, IMemoryManager, ICustomAllocator; onert's ITensorRegistry).
 """
 
 from __future__ import annotations
@@ -161,11 +162,110 @@ def to_device(value: Any, device: str) -> Any:
 
 
 class MemoryManager:
-    """Backend memory acquired before a network's runs and released after (IMemoryManager)."""
+    """A backend's memory for one loaded network (IMemoryManager): acquired when the network is
+    loaded, before its first run, and released when it is unloaded (``LoadedNetwork.close``, or
+    its finalizer), as seed 000 has it ("Acquire() ... before it starts executing the network and
+    ... Release() in its destructor")."""
 
     def acquire(self) -> None: ...
 
     def release(self) -> None: ...
+
+
+class CustomAllocator:
+    """Memory for one backend's tensors (Arm NN's ICustomAllocator), registered for it by id in
+    ``RuntimeOptions.custom_allocators``: where the backend accepts it (``use_custom_allocator``),
+    the runtime allocates that backend's tensors from it at load (its inputs, outputs,
+    intermediates and constants, and the fallback memory it owns) and frees them at unload.
+
+    ``allocate`` returns writable memory of at least ``nbytes`` bytes aligned to ``alignment``:
+    anything with the buffer protocol (a NumPy array, a bytearray, an mmap)."""
+
+    memory: MemorySource = MemorySource.MALLOC
+    """The kind of memory it allocates (Arm NN's GetMemorySourceType)."""
+
+    def allocate(self, nbytes: int, alignment: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} has no allocate(nbytes, alignment)")
+
+    def free(self, buffer: Any) -> None:
+        """Give back what ``allocate`` returned. Default: nothing (the garbage collector)."""
+
+
+def is_host_allocator(allocator: Any) -> bool:
+    """Whether ``allocator`` allocates host memory: an ``allocate`` method and a ``memory`` kind
+    (MALLOC where it says none) that holds MALLOC."""
+    memory = getattr(allocator, "memory", MemorySource.MALLOC)
+    return callable(getattr(allocator, "allocate", None)) and isinstance(memory, MemorySource) \
+        and bool(memory & MemorySource.MALLOC)
+
+
+class AllocatorError(ValueError):
+    """A custom allocator returned memory its backend cannot hold a tensor in."""
+
+
+def allocate_with(allocator: Any, backend_id: str, what: str, nbytes: int,
+                  alignment: int = 64) -> tuple[Any, np.ndarray]:
+    """``nbytes`` bytes from ``backend_id``'s custom allocator: what it returned (for its
+    ``free``) and a flat uint8 array over that memory; AllocatorError, naming the backend, the
+    tensor and the sizes, where it returns too little, read-only, scattered or misaligned memory,
+    or something that is not memory."""
+    buffer = allocator.allocate(nbytes, alignment)
+    given = f"the custom allocator of backend {backend_id} ({type(allocator).__name__})"
+    try:
+        view = memoryview(buffer)
+    except TypeError as exc:
+        raise AllocatorError(f"{given} returned a {type(buffer).__name__} for {what}, not memory: "
+                             f"allocate must return a writable buffer (a NumPy array, a "
+                             f"bytearray, an mmap)") from exc
+    if view.readonly or not view.c_contiguous:
+        state = "read-only" if view.readonly else "not contiguous"
+        raise AllocatorError(f"{given} returned {state} memory ({type(buffer).__name__}) for "
+                             f"{what}: allocate must return writable, contiguous memory")
+    if view.nbytes < nbytes:
+        raise AllocatorError(f"{given} returned {view.nbytes} bytes for {what}, which takes "
+                             f"{nbytes} bytes")
+    flat = np.frombuffer(view.cast("B"), np.uint8)[:nbytes]
+    if alignment > 1 and flat.ctypes.data % alignment:
+        raise AllocatorError(f"{given} returned memory at address {flat.ctypes.data:#x} for "
+                             f"{what}, not aligned to {alignment} bytes")
+    return buffer, flat
+
+
+class TensorRegistry:
+    """The tensors of one backend's partition of a network, by tensor name (onert's
+    ITensorRegistry, filled by BackendContext::genTensors): made at load, before the workloads,
+    and released at unload. ``Backend.gen_tensors`` makes one where the backend owns its tensors;
+    the runtime makes one from a custom allocator otherwise (``runtime/tensors.py``).
+
+    ``write`` copies a value of the backend's memory into one of its tensors (default: host
+    memory, ``np.copyto``); a tensor the backend does not make is None and its workload's result
+    is taken as it is."""
+
+    def __init__(self, tensors: dict[str, Any] | None = None,
+                 write: Callable[[Any, Any], None] | None = None) -> None:
+        self.tensors: dict[str, Any] = dict(tensors or {})
+        self.write = write or _copy_host
+
+    def get(self, name: str) -> Any | None:
+        return self.tensors.get(name)
+
+    def place(self, name: str, value: Any) -> Any:
+        """``value`` as this registry's tensor of ``name``: ``value`` itself where it is that
+        tensor or there is none (or it is not a tensor: None, a sequence), else the tensor, with
+        ``value`` copied into it."""
+        tensor = self.tensors.get(name)
+        if tensor is None or tensor is value or value is None or isinstance(value, (list, tuple)):
+            return value
+        self.write(value, tensor)
+        return tensor
+
+    def release(self) -> None:
+        """Let go of every tensor (the network is unloaded)."""
+        self.tensors.clear()
+
+
+def _copy_host(value: Any, tensor: Any) -> None:
+    np.copyto(host_view(tensor), host_view(value))
 
 
 LIMIT_VARIABLE = "BACKPLANE_MAX_TENSOR_BYTES"

@@ -10,7 +10,7 @@ Two things are decided here, before any run:
   (captured values) run once per call, not per iteration; a carried value whose body leaves it in a
   backend's memory and whose next iteration would import it back there stays there (the two copies
   or imports are skipped; the one to the host runs once, after the last iteration); and the
-  per-run setup of a loaded network (a slot list, memory managers, output conversion) happens once
+  per-run setup of a loaded network (a slot list, output conversion) happens once
   per call.
 
 A body that runs one run at a time (``exclusive``: fallback memory, captured CUDA graphs) or under
@@ -157,8 +157,8 @@ class IteratedBody:
 
 
 class Iterations:
-    """One call's iterations over one list of slots (see ``IteratedBody``); a context manager that
-    holds the body's memory managers for the call."""
+    """One call's iterations over one list of slots (see ``IteratedBody``); a context manager
+    around them (the body's memory managers are held from its load to its unload, not per call)."""
 
     def __init__(self, body: IteratedBody, carried: Sequence[Any], captured: Sequence[Any]) -> None:
         self.body, self.count, self.stop = body, 0, STOP.get()
@@ -170,18 +170,12 @@ class Iterations:
             env[slot] = value
 
     def __enter__(self) -> Iterations:
-        for manager in self.body.net.memory_managers:
-            manager.acquire()
-        try:
-            self.body.execute(self.body.hoisted, self.env, self.stop)
-        except BaseException:
-            self.__exit__()  # a failing __enter__ gets no __exit__
-            raise
+        # the body's memory managers are held from its load to its unload (LoadedNetwork)
+        self.body.execute(self.body.hoisted, self.env, self.stop)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for manager in self.body.net.memory_managers:
-            manager.release()
+        pass
 
     def run(self, varying: Sequence[Any]) -> list[Any]:
         """One iteration on the formal inputs that are not carried; the watched outputs."""

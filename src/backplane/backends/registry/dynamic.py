@@ -8,10 +8,17 @@ directory ``<vendor>_<name>_backend/`` with an ``__init__.py``. It exposes::
     def get_backend_id() -> str: ...
     def get_version() -> tuple[int, int]: ...       # the backend API version it was written against
     def backend_factory() -> Backend: ...
+    def backend_destroy() -> None: ...              # optional: onert's onert_backend_destroy
 
 Paths come from ``BACKPLANE_DYNAMIC_BACKEND_PATHS`` (os.pathsep-separated, processed in order), or
 from one path given to the Runtime that replaces that list. No path: no dynamic backends, and nothing
 is ever loaded from the working directory. Every failure is a warning and a skip, never a crash.
+
+A Runtime that reads the paths as it is created holds the backends it found there (one count per
+Runtime, in the registry); when the last Runtime holding one goes (``Runtime.close``, or its
+finalizer), the backend's ``backend_destroy()`` is called, the backend is unregistered and its
+module dropped (Arm NN: "the dynamic backend instance is automatically destroyed, and the handle to
+the shared object is closed"), so a later Runtime without the path no longer sees it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class DynamicBackend:
     version: tuple[int, int]
     factory: Callable[[], Backend]
     path: str
+    destroy: Callable[[], None] | None = None
+    """The file's ``backend_destroy``, called when the last Runtime holding the backend goes."""
 
 
 def is_compatible(backend: tuple[int, int], api: tuple[int, int] = BACKEND_API_VERSION) -> bool:
@@ -139,10 +148,18 @@ def load_backend_file(path: str, skipped: list[Skipped],
     except Exception as exc:
         return _skip(skipped, path, f"its entry function raised {type(exc).__name__}: {exc}")
     problem = id_problem(backend_id) or version_problem(version, api_version)
+    destroy = getattr(module, "backend_destroy", None)
+    if not problem and destroy is not None and not callable(destroy):
+        problem = f"its backend_destroy is a {type(destroy).__name__}, not a function"
     if problem:
         return _skip(skipped, path, problem)
     return DynamicBackend(backend_id, (int(version[0]), int(version[1])),
-                          functions["backend_factory"], path)
+                          functions["backend_factory"], path, destroy)
+
+
+def forget_module(path: str) -> None:
+    """Drop the module imported from ``path`` (a later load imports the file anew)."""
+    sys.modules.pop(_module_name(path), None)
 
 
 def id_problem(backend_id: Any) -> str | None:
@@ -163,10 +180,14 @@ def version_problem(version: Any, api_version: tuple[int, int]) -> str | None:
     return None
 
 
+def _module_name(path: str) -> str:
+    digest = hashlib.sha1(os.path.realpath(path).encode()).hexdigest()[:12]
+    return f"backplane_dynamic_{digest}"
+
+
 def _import(path: str) -> ModuleType:
     real = os.path.realpath(path)
-    digest = hashlib.sha1(real.encode()).hexdigest()[:12]
-    module_name = f"backplane_dynamic_{digest}"
+    module_name = _module_name(path)
     if module_name in sys.modules:
         return sys.modules[module_name]
     if os.path.isdir(real):
