@@ -3,18 +3,20 @@
     python bench/hostile.py [--fuzz 300] [--seed 1] [--jobs 2] [--timeout 60] [--run-timeout 5]
                             [--ort-timeout 15]
                             [--only NAME ...] [--no-hostile] [--out /tmp/hostile_findings]
+                            [--lists GpuAcc,CpuAcc,CpuRef ...]
 
 The cases: every hand-written hostile graph of tests/runtime/hostile_graphs.py (with its inputs),
 then ``--fuzz`` mutants of tests/frontends/test_fuzz_loader.py's generator (``--seed``; run on zeros
 of their declared inputs). Each case runs on each backend list of tests/runtime/verdicts.py this
 machine has (["CpuRef"], ["CpuAcc", "CpuRef"], ["OpenVINO", "CpuRef"], ["GpuAcc", "CpuRef"] where
-CUDA is) in a forked process of its own, with ``RunOptions(timeout_s=--run-timeout)`` and killed
-after ``--timeout`` seconds, and then on ONNX Runtime; every run but CpuRef's is judged against
-CpuRef's (verdicts.verdict). Prints the machine, the versions, a table of verdicts per backend for
-each set, and each finding (a crash, a hang, a foreign exception, an empty message, an output
-sharing memory, a silent difference; ONNX Runtime's are listed, not counted); each finding's model
-is saved as OUT/<case>.onnx with OUT/<case>.<backend>.txt (the verdict, the traceback, the command
-that repeats it). Exit status 1 when a backplane backend has a finding.
+CUDA is; or those ``--lists`` names) in a forked process of its own, with
+``RunOptions(timeout_s=--run-timeout)`` and killed after ``--timeout`` seconds, and then on ONNX
+Runtime; every run but CpuRef's is judged against CpuRef's (verdicts.verdict). Prints the machine,
+the versions, a table of verdicts per backend for each set, and each finding (a crash, a hang, a
+foreign exception, an empty message, an output sharing memory, a silent difference; ONNX Runtime's
+are listed, not counted); each finding's model is saved as OUT/<case>.onnx with
+OUT/<case>.<backend>.txt (the verdict, the traceback, the command that repeats it). Exit status 1
+when a backplane backend has a finding.
 
 This is a new file rather than more of bench/fuzz_loader.py: that one holds CpuRef to ONNX Runtime
 with its own outcome classes (memory growth, mismatches with ORT), this one holds every backend to
@@ -135,7 +137,7 @@ def table(results: list[Result], columns: list[str]) -> str:
     shown.sort(key=v.VERDICTS.index)
     lines = ["| backend | cases | " + " | ".join(shown) + " |", "|---|---:|" + "---:|" * len(shown)]
     for c in columns:
-        label = c if c in ("CpuRef", ORT) else f"{c}, CpuRef"
+        label = ", ".join(_lists[c]) if c in _lists else c
         lines.append(f"| {label} | {sum(counts[c].values())} | "
                      + " | ".join(str(counts[c][k]) for k in shown) + " |")
     return "\n".join(lines)
@@ -190,13 +192,20 @@ def main() -> int:
                         help="case names (fuzz-SEED-INDEX for a mutant)")
     parser.add_argument("--no-hostile", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("/tmp/hostile_findings"))
+    parser.add_argument("--lists", nargs="*", default=[],
+                        help="backend lists to hold to CpuRef, each comma-separated "
+                             "(GpuAcc,CpuAcc,CpuRef); default: every list this machine has")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("BACKPLANE_CACHE_DIR", tempfile.mkdtemp(prefix="hostile_cache_"))
+    from backplane import against_cpu
+    against_cpu.DEFAULT = "off"  # GpuAcc held to CpuRef where it is placed, not CPU's placement
     only = set(options.only)
     cases = [] if options.no_hostile else hostile_cases(only)
     cases += fuzz_cases(options.seed, options.fuzz, only)
-    lists = v.available_lists()
+    lists = v.available_lists() if not options.lists else \
+        {"CpuRef": ["CpuRef"], **{given: given.split(",") for given in options.lists}}
+    _init(options, lists)  # the table's labels read them here too
     v.warm_imports()
     print(f"{' '.join(sys.argv)}\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n{machine()}")
     print(f"backend lists: {lists}; {len(cases)} cases, {options.jobs} jobs")
