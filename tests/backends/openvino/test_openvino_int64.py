@@ -31,8 +31,8 @@ def vi(name: str, shape: list | None, kind: int = F) -> object:
 
 def both(model: bytes, feeds: dict) -> tuple[list, list, InferenceSession]:
     session = InferenceSession(model, backends=BACKENDS)
-    return session.run(None, feeds), InferenceSession(model, backends=["CpuRef"]).run(None, feeds), \
-        session
+    reference = InferenceSession(model, backends=["CpuRef"])
+    return session.run(None, feeds), reference.run(None, feeds), session
 
 
 def test_int64_arithmetic_on_given_values_runs_on_cpuref_and_wraps_as_onnx() -> None:
@@ -54,7 +54,7 @@ def test_int64_arithmetic_on_given_values_runs_on_cpuref_and_wraps_as_onnx() -> 
 
 
 def test_shape_arithmetic_in_int64_stays_on_openvino() -> None:
-    """Sizes computed from shapes fit in 32 bits: Shape -> Gather -> Mul -> Concat -> Reshape stay."""
+    """Sizes computed from shapes fit in 32 bits: Shape, Gather, Mul, Concat, Reshape stay."""
     nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
              helper.make_node("Gather", ["s", "zero"], ["n"], name="first"),
              helper.make_node("Mul", ["n", "three"], ["n3"], name="mul"),

@@ -4,7 +4,8 @@ OpenVINO 2026.4's CPU plugin has no int64 arithmetic: it converts every int64 (a
 to int32 on the way in, truncating (measured, ``bench/hostile.py``'s ``int64_mul_overflow``):
 INT64_MIN * -1 gives 0 where ONNX wraps to INT64_MIN, 2**40 + 1 gives 1, an Identity of 2**40 + 5
 gives 5, ``Equal(2**40 + 5, 5)`` is true and a Cast of 2**40 to bool is false. Its Cast from int64
-to a float or a narrower integer is right. So OpenVINO computes with int64 only what is known to fit in 32 bits:
+to a float or a narrower integer is right. So OpenVINO computes with int64 only what is known to
+fit in 32 bits:
 
 - ``int64_reason``, when the partition is made: a layer that makes int64 values (Add, Mul, CumSum,
   a Cast from float, any op not in KEEPS) from values not known to fit (``narrow``: constants
@@ -60,7 +61,8 @@ SHAPE_ARITHMETIC = frozenset({
     "Reshape", "Identity", "Max", "Min", "ReduceProd", "Where", "Equal", "Abs", "Neg", "Range",
     "Expand", "Flatten", "Transpose", "Mod", "ConstantOfShape", "Tile", "Floor", "Ceil", "Round",
     "Sqrt"})
-"""Ops of exporters' shape arithmetic: narrow where what they read is (ConstantOfShape: its value)."""
+"""Ops of exporters' shape arithmetic: narrow where what they read is (ConstantOfShape: where its
+value is)."""
 
 
 def is_wide(dtype: np.dtype | None) -> bool:
@@ -68,8 +70,8 @@ def is_wide(dtype: np.dtype | None) -> bool:
     return dtype is not None and dtype.kind in "iu" and dtype.itemsize == 8
 
 
-_EDGES: weakref.WeakKeyDictionary[Graph, tuple[tuple[int, int], dict[str, Layer],
-                                                dict[str, list[Layer]]]] = weakref.WeakKeyDictionary()
+Edges = tuple[tuple[int, int], dict[str, Layer], dict[str, list[Layer]]]
+_EDGES: weakref.WeakKeyDictionary[Graph, Edges] = weakref.WeakKeyDictionary()
 
 
 def _edges(graph: Graph) -> tuple[dict[str, Layer], dict[str, list[Layer]]]:
@@ -120,6 +122,18 @@ def checked_inputs(layers: Sequence[Layer], inputs: Sequence[str], graph: Graph)
             if not (layer.op_type in MOVES and _only_indices(layer, graph, consumers))
             for name in data_inputs(layer, graph)}
     return [name for name in inputs if name in read and not narrow(name, graph, produced, set())]
+
+
+def check_int32(name: str, values: np.ndarray) -> None:
+    """An int64 input OpenVINO computes with must fit in 32 bits: it computes int64 as int32."""
+    if values.size == 0:
+        return
+    low, high = int(values.min()), int(values.max())
+    bad = low if low < INT32.min else high if high > INT32.max else None
+    if bad is not None:
+        raise ValueError(f"'{name}' holds {bad}, past 32 bits: OpenVINO's CPU plugin computes "
+                         f"int64 as int32 and would answer it silently wrong (int64 values from "
+                         f"-2**31 to 2**31 - 1 run on OpenVINO; CpuRef computes any)")
 
 
 def _only_indices(layer: Layer, graph: Graph, consumers: dict[str, list[Layer]]) -> bool:
