@@ -90,8 +90,38 @@ def test_a_placement_slow_enough_is_kept_without_building_another(graph, monkeyp
     assert against_cpu.choose(runtime, first, first_id, never) == (first, first_id)
 
 
-def _placed(counts):
-    return SimpleNamespace(report=SimpleNamespace(counts=lambda: counts))
+def _placed(counts, graph=None):
+    return SimpleNamespace(report=SimpleNamespace(counts=lambda: counts),
+                           graph=graph if graph is not None else _static_graph())
+
+
+def _static_graph():
+    from backplane.frontends.onnx_file import read_model
+
+    return import_onnx(read_model(_conv_model()))
+
+
+def _input_dims(dims):
+    model = _conv_model()
+    shape = model.graph.input[0].type.tensor_type.shape
+    for dim, value in zip(shape.dim, dims):
+        dim.Clear()
+        if isinstance(value, int):
+            dim.dim_value = value
+        else:
+            dim.dim_param = value
+    from backplane.frontends.onnx_file import read_model
+
+    return import_onnx(read_model(model))
+
+
+@pytest.mark.parametrize("dims, timed", [((1, 3, 32, 32), True), (("N", 3, 32, 32), True),
+                                         (("N", 3, "H", "W"), False), ((1, 3, "H", 32), False)])
+def test_only_models_free_in_their_batch_alone_are_timed(dims, timed) -> None:
+    placed = _placed({"GpuAcc": 6}, _input_dims(dims))
+    expected = ["CpuAcc", "CpuRef"] if timed else None
+    assert against_cpu.applies(["GpuAcc", "CpuAcc", "CpuRef"], placed,
+                               {"GpuAcc.against_cpu": "auto"}, {}) == expected
 
 
 @pytest.mark.parametrize("ids, counts, options, pins, expected", [
