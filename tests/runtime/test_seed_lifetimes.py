@@ -4,6 +4,7 @@ backend's destroy hook. Each test quotes the seed's sentence it checks."""
 
 from __future__ import annotations
 
+import builtins
 import gc
 import subprocess
 import sys
@@ -134,6 +135,10 @@ class Dyn(Backend):
     id = "AcmeLife"
     KERNELS = {"Relu": {6: lambda x: (np.maximum(x, 0),)}}
 
+    def create_backend_context(self, options):
+        import builtins
+        builtins.ACME_LIFE_CONTEXTS += 1
+
 def get_backend_id():
     return "AcmeLife"
 
@@ -156,6 +161,7 @@ def dynamic_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "Acme_Life_backend.py").write_text(DYNAMIC)
     monkeypatch.delenv("BACKPLANE_DYNAMIC_BACKEND_PATHS", raising=False)
     monkeypatch.setattr(builtins, "ACME_LIFE_DESTROYED", 0, raising=False)
+    monkeypatch.setattr(builtins, "ACME_LIFE_CONTEXTS", 0, raising=False)
     return tmp_path
 
 
@@ -179,7 +185,9 @@ def test_dynamic_backends_are_counted_per_runtime_and_go_with_the_last(dynamic_p
     options = RuntimeOptions(dynamic_backends_path=str(dynamic_path))
     first, second = Runtime(options, registry=fresh), Runtime(options, registry=fresh)
     assert fresh.held("AcmeLife") == 2
+    assert builtins.ACME_LIFE_CONTEXTS == 2  # type: ignore[attr-defined]  # one per runtime, now
     session = InferenceSession(small_cnn_model(), ["AcmeLife", "CpuRef"], runtime=second)
+    assert builtins.ACME_LIFE_CONTEXTS == 2  # type: ignore[attr-defined]  # not again at load
     expected = InferenceSession(small_cnn_model(), ["CpuRef"]).run(None, {"x": X})[0]
     first.close()
     assert fresh.is_registered("AcmeLife") and _destroyed() == 0  # the second still holds it

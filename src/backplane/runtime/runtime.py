@@ -67,7 +67,8 @@ class Runtime:
         self.profiling: dict[str, ProfilingContext] = {}
         self._networks: dict[int, LoadedNetwork] = {}
         self._ids = itertools.count(1)
-        self._held: set[str] = set()
+        self._held: set[str] = set()  # the backend ids this runtime holds in the registry
+        self._asked: set[str] = set()  # those whose context was made (or is None)
         self._finalizer = weakref.finalize(self, self.registry.let_go, self._held)
         paths = backend_paths(self.options.dynamic_backends_path)
         dynamic = self.registry.hold_dynamic_backends(paths) if paths else []
@@ -79,7 +80,7 @@ class Runtime:
         """Make ``backend_id``'s context now, where it is registered and available here; a
         failure is raised for a backend the options name, logged for a dynamic one (its first
         load raises it again)."""
-        if backend_id in self.contexts:
+        if backend_id in self._asked:
             return
         try:
             backend = self.registry.create(backend_id)
@@ -101,7 +102,7 @@ class Runtime:
         if backend.id not in self._held:
             self._held.add(backend.id)
             self.registry.hold(backend.id)
-        if backend.id not in self.contexts:
+        if backend.id not in self._asked:  # once per id, None (no context) included
             options = BackendOptions(self.options.backend_options)
             context = backend.create_backend_context(options)
             if context is not None:
@@ -109,6 +110,7 @@ class Runtime:
             if self.options.profiling:
                 self.profiling[backend.id] = backend.create_profiling_context(options) \
                     or ProfilingContext()
+            self._asked.add(backend.id)
         return self.contexts.get(backend.id)
 
     def _configure(self, network: OptimizedNetwork) -> list[str]:
