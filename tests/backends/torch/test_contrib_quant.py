@@ -75,8 +75,10 @@ CASES = {name: case for name, case in CASES.items() if case.op != "QLinearWhere"
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], backend: str,
-         compile_mode: str) -> tuple[list[np.ndarray], InferenceSession]:
-    session = InferenceSession(model, backends=[(backend, {"compile": compile_mode})])
+         compile_mode: str, int8: str = "exact") -> tuple[list[np.ndarray], InferenceSession]:
+    """The outputs and the session; ``int8`` "exact" (the default here): no int8 convolution."""
+    options = {"compile": compile_mode, **({"int8": int8} if backend == "CpuAcc" else {})}
+    session = InferenceSession(model, backends=[(backend, options)])
     return session.run(None, feeds), session
 
 
@@ -138,7 +140,7 @@ def test_qoperator_cnn_is_one_cpuacc_partition(per_channel: bool, tmp_path) -> N
                                  per_channel=per_channel)
     assert len(contrib_ops(path)) == 9
     feeds = {"x": np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)}
-    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
+    session = InferenceSession(path, backends=[("CpuAcc", {"int8": "exact"}), "CpuRef"])
     assert set(session.report.counts()) == {"CpuAcc"}
     layers = [lay for lay in session.optimized.graph.layers
               if lay.op_type not in ("MemImport", "MemCopy")]
@@ -248,3 +250,44 @@ def test_a_transposed_a_stays_with_the_kernel() -> None:
     _, session = _run(model, feeds, "CpuAcc", "layers")
     (layer,) = session.optimized.graph.layers[1:-1]
     assert (layer.op_type, layer.domain) == ("QGemm", "com.microsoft")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["exact", "split-weight"])
+def test_qlinear_convs_on_int8_kernels(split: bool) -> None:
+    """``CpuAcc.int8`` "kernels": a QLinearConv between int8 or uint8 tensors with an int8 weight
+    runs on torch's int8 convolution (its residual QLinearAdd after it, as on the float route):
+    its requantization rounds its own way, as ONNX Runtime's does, so a value at a tie may be a
+    step off, which the next block carries on, as against ONNX Runtime above."""
+    from tests.conftest import inner_workloads
+
+    model, feeds = residual_blocks(split)
+    got, session = _run(model, feeds, "CpuAcc", "layers", int8="kernels")
+    assert [getattr(w, "route", None) for w in inner_workloads(session, "QLinearConv")] \
+        == ["int8", "int8"]
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    off = np.abs(got[0].astype(np.int32) - want)
+    assert off.max() <= 4 and np.mean(off == 0) > 0.5
+    assert np.max(np.abs(got[0].astype(np.int32) - ort_run(model, feeds)[0])) <= 4
+
+
+def test_an_int8_qoperator_cnn_on_int8_kernels_is_within_a_step_or_two(tmp_path) -> None:
+    """The QOperator CNN with int8 activations (ONNX Runtime's default) on the int8 route:
+    its convolutions int8 ones, the output within 2 steps of CpuRef's and ONNX Runtime's."""
+    from onnxruntime import quantization
+
+    from tests.conftest import inner_workloads
+    from tests.models.test_ort_tools import RandomReader, small_cnn
+
+    path = tmp_path / "q.onnx"
+    quantization.quantize_static(small_cnn(tmp_path / "cnn.onnx"), path,
+                                 RandomReader("x", (1, 3, 16, 16)),
+                                 quant_format=quantization.QuantFormat.QOperator, per_channel=True)
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)}
+    session = InferenceSession(path, backends=[("CpuAcc", {"int8": "kernels",
+                                                           "compile": "layers"})])
+    assert "int8" in [getattr(w, "route", None) for w in inner_workloads(session, "QLinearConv")]
+    (got,) = session.run(None, feeds)
+    (want,) = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
+    step = 1 / 256
+    assert float(np.max(np.abs(got - want))) <= 2 * step * 1.001
+    assert float(np.max(np.abs(got - ort_run(onnx.load(str(path)), feeds)[0]))) <= 2 * step * 1.001

@@ -118,14 +118,15 @@ def test_quantize_dequantize_pair_is_one_exact_layer(dtype: type, per_channel: b
     np.testing.assert_array_equal(got[finite], ort_output(model, feeds)[finite])
 
 
-def qdq_conv_model(activation: str | None) -> tuple[onnx.ModelProto, float]:
+def qdq_conv_model(activation: str | None, rng: np.random.Generator = RNG,
+                   ) -> tuple[onnx.ModelProto, float]:
     """QDQ as ONNX Runtime writes it: x -> Q -> DQ -> Conv(DQ(int8 per-channel weight), bias)
     [-> activation] -> Q -> DQ -> Gemm(DQ(weight)) -> Q -> DQ; and the last step's scale."""
-    w = RNG.integers(-127, 128, (8, 4, 3, 3)).astype(np.int8)
-    fc = RNG.integers(-127, 128, (5, 8 * 6 * 6)).astype(np.int8)
+    w = rng.integers(-127, 128, (8, 4, 3, 3)).astype(np.int8)
+    fc = rng.integers(-127, 128, (5, 8 * 6 * 6)).astype(np.int8)
     inits = [_init("xs", 0.02), _init("xz", 131, np.uint8), _init("w", w, np.int8),
-             _init("ws", RNG.uniform(0.002, 0.01, 8)), _init("wz", np.zeros(8), np.int8),
-             _init("b", RNG.standard_normal(8) * 0.1), _init("cs", 0.05), _init("cz", 17, np.uint8),
+             _init("ws", rng.uniform(0.002, 0.01, 8)), _init("wz", np.zeros(8), np.int8),
+             _init("b", rng.standard_normal(8) * 0.1), _init("cs", 0.05), _init("cz", 17, np.uint8),
              _init("fc", fc, np.int8), _init("fs", 0.001), _init("fz", 0, np.int8),
              _init("shape", [1, -1], np.int64), _init("ys", 0.01), _init("yz", 120, np.uint8)]
     node = helper.make_node
@@ -341,6 +342,9 @@ def test_quantized_layers_survive_an_artifact(case: str, tmp_path) -> None:
     np.testing.assert_array_equal(loaded.run(None, feeds)[0], expected)
 
 
+SEED = 29
+
+
 @pytest.mark.parametrize("case", ["qdq", "qlinear", "dynamic"])
 def test_quantized_layers_inside_a_bf16_subgraph(case: str) -> None:
     """``CpuAcc.precision`` "bf16": a QDQ convolution computes in bfloat16 with its neighbours,
@@ -352,10 +356,13 @@ def test_quantized_layers_inside_a_bf16_subgraph(case: str) -> None:
 
     if not reduced.hardware():
         pytest.skip("no bfloat16 instructions for oneDNN on this CPU")
-    model, shape = {"qdq": (qdq_conv_model("Relu")[0], (1, 4, 6, 6)),
-                    "qlinear": (qlinear_conv_model(True, 1, np.uint8), (1, 6, 7, 8)),
-                    "dynamic": (dynamic_model(32), (3, 4, 32))}[case]
-    x = torch.from_numpy(RNG.standard_normal(shape).astype(np.float32)).bfloat16().float()
+    # a generator of its own: the weights drawn from the shared one depended on the tests run
+    # before (under xdist, a Gemm output 5 steps off one time in a few)
+    rng = np.random.default_rng(SEED)
+    model, shape = {"qdq": lambda: (qdq_conv_model("Relu", rng)[0], (1, 4, 6, 6)),
+                    "qlinear": lambda: (qlinear_conv_model(True, 1, np.uint8), (1, 6, 7, 8)),
+                    "dynamic": lambda: (dynamic_model(32), (3, 4, 32))}[case]()
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16().float()
     feeds = {"x": x.numpy()}
     session = InferenceSession(model, backends=[("CpuAcc", {"precision": "bf16"})])
     assert [lay.op_type for lay in session.optimized.graph.layers
@@ -364,8 +371,9 @@ def test_quantized_layers_inside_a_bf16_subgraph(case: str) -> None:
     want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     if case == "qlinear":
         np.testing.assert_array_equal(got, want)
-    else:  # bfloat16's 8 bits: about 1e-2 of the scale
-        assert float(np.max(np.abs(got - want))) <= 0.03 * float(np.max(np.abs(want)))
+    else:  # bfloat16's 8 bits through the QDQ steps and a 288-term Gemm: 0.2% to 5.3% of the
+        # largest value over 20 seeds of the qdq model (3% was passed one time in four)
+        assert float(np.max(np.abs(got - want))) <= 0.06 * float(np.max(np.abs(want)))
 
 
 def test_qlinear_conv_with_a_computed_scale_stays_as_it_is(compile_mode: str) -> None:

@@ -169,3 +169,116 @@ def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
     def sample() -> list[Any]:
         return [torch.rand(conv["input_shape"]).contiguous(memory_format=torch.channels_last)]
     return fastest("qdq_conv", described, {"float": float_route, "int8": made}, sample, backend)
+
+
+# -- ONNX Runtime's QOperator format: QLinearConv between 8-bit integer tensors -------------------
+def qlinear_int8(conv: Layer, ctx: Context, attrs: dict[str, Any]) -> dict[str, Any] | None:
+    """What a fused QLinearConv (``qlinear``) needs to run on torch's int8 convolution: an 8-bit
+    integer input and output (no QuantizeLinear or DequantizeLinear taken), an int8 weight with
+    zero points 0 and a float32 scale per tensor or channel, symmetric padding; else None. int8
+    tensors are torch's quint8 ones shifted by 128 (``_as_uint8``)."""
+    weight, w_zero = ctx.const(conv.inputs[3]), ctx.const(conv.inputs[5])
+    x_scale, w_scale = ctx.const(conv.inputs[1]), ctx.const(conv.inputs[4])
+    y_scale = ctx.const(conv.inputs[6])
+    x_type = ctx.graph.info(conv.inputs[0]).dtype
+    if attrs["into"] is not None or attrs["back"] is not None or attrs["begins"] != attrs["ends"] \
+            or weight is None or weight.dtype != np.int8 or (w_zero is not None and w_zero.any()) \
+            or x_type not in SHIFTS or x_scale is None or y_scale is None \
+            or w_scale is None or w_scale.dtype != F32:
+        return None
+    bias = ctx.const(conv.inputs[8]) if len(conv.inputs) > 8 else None
+    scales = np.broadcast_to(w_scale.astype(np.float64).reshape(-1), (weight.shape[0],))
+    x_step, y_step = float(x_scale.reshape(())), float(y_scale.reshape(()))
+    real_bias = np.zeros(weight.shape[0]) if bias is None else bias * x_step * scales
+    return {"weight": weight, "scales": np.array(scales),
+            "bias": real_bias.astype(F32), "x_scale": x_step,
+            "x_zero": int(attrs["x_zero"]) + SHIFTS[x_type], "x_shift": SHIFTS[x_type],
+            "y_scale": y_step, "y_zero": int(attrs["y_zero"]) - int(attrs["y_low"]),
+            "y_shift": -int(attrs["y_low"])}
+
+
+SHIFTS = {np.dtype(np.uint8): 0, np.dtype(np.int8): 128}
+"""What an 8-bit type's values add to become quint8's."""
+
+
+def qlinear_int8_route(layer: Layer) -> Any:
+    """The layer's QLinearConv as torch's int8 convolution requantizing to y's step, its integer
+    output, or (a residual QLinearAdd taken) y's values handed to the add (``qlinear``)."""
+    import torch
+
+    warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_")
+    a, q = layer.attrs, layer.attrs["int8"]
+    weight = torch._make_per_channel_quantized_tensor(
+        torch.from_numpy(np.array(q["weight"], np.int8)),
+        torch.from_numpy(np.array(q["scales"], np.float64)),
+        torch.zeros(len(q["scales"]), dtype=torch.long), 0)
+    bias = torch.from_numpy(np.array(q["bias"], F32))
+    packed = torch.ops.quantized.conv2d_prepack(weight, bias, a["strides"],
+                                                a["begins"], a["dilations"], a["group"])
+    x_scale, x_zero, x_shift = q["x_scale"], q["x_zero"], q["x_shift"]
+    y_scale, y_zero, y_shift = q["y_scale"], q["y_zero"], q["y_shift"]
+    cl, conv = torch.channels_last, torch.ops.quantized.conv2d
+
+    def integers(x):
+        u8 = x.view(torch.uint8).bitwise_xor(128) if x_shift else x
+        qx = torch._make_per_tensor_quantized_tensor(u8.contiguous(memory_format=cl), x_scale,
+                                                     x_zero)
+        return conv(qx, packed, y_scale, y_zero).int_repr()  # quint8's: y + y_shift
+
+    if a.get("residual") is not None:
+        from backplane.backends.torch.fusion.qlinear import _residual_finisher
+
+        add = _residual_finisher(a)
+        return lambda x, other: (add(integers(x).double().sub_(y_shift), other),)
+    if y_shift:
+        return lambda x: (integers(x).bitwise_xor_(128).view(torch.int8),)
+    return lambda x: (integers(x),)
+
+
+def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
+    """The int8 route of a fused QLinearConv or ``float_route()`` (bit for bit CpuRef's), as
+    ``CpuAcc.int8`` says: "auto" the faster measured once per shape, "kernels" the int8 one,
+    "exact" the float one."""
+    import torch
+
+    from backplane.backends.torch.fusion.patterns import fastest
+
+    mode = _mode(backend)
+    if mode == "exact" or "x86" not in torch.backends.quantized.supported_engines:
+        return float_route()
+
+    def made() -> Any:
+        try:
+            run = qlinear_int8_route(layer)
+        except (RuntimeError, AttributeError) as exc:  # a torch without quantized tensors
+            log.debug("%s: no int8 route (%s); the float one", layer.name, exc)
+            return float_route()
+        run.route = "int8"  # type: ignore[attr-defined]
+        return run
+    if mode == "kernels":
+        return made()
+    a = layer.attrs
+    described = {k: a[k] for k in ("input_shape", "strides", "dilations", "group", "begins")}
+    described.update(weight=list(a["weight"].shape), residual=a.get("residual") is not None)
+    x_type = torch.int8 if a["int8"]["x_shift"] else torch.uint8
+    y_type = torch.int8 if a["int8"]["y_shift"] else torch.uint8
+
+    def sample() -> list[Any]:
+        x = torch.randint(-128 if x_type == torch.int8 else 0, 128 if x_type == torch.int8
+                          else 256, a["input_shape"], dtype=x_type)
+        if a.get("residual") is None:
+            return [x]
+        shape = a["output_shape"]
+        return [x, torch.randint(-128 if y_type == torch.int8 else 0, 128 if y_type ==
+                                 torch.int8 else 256, shape, dtype=y_type)]
+    return fastest("qlinear_conv", described, {"float": float_route, "int8": made}, sample,
+                   backend)
+
+
+def _mode(backend: Any) -> str:
+    from backplane.backends.api.backend import OptionError
+
+    mode = backend.options.get("CpuAcc.int8", "auto")
+    if mode not in MODES:
+        raise OptionError(f"CpuAcc.int8 {mode!r} is not one of {', '.join(MODES)}")
+    return mode

@@ -206,6 +206,9 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
              "output_shape": list(ctx.graph.info(conv.outputs[0]).shape or []),
              "binary": False, "unary": None, **side, **requant, **out_side, "residual": residual,
              "split": halves}
+    from backplane.backends.torch.fusion.int8 import qlinear_int8
+
+    attrs["int8"] = qlinear_int8(conv, ctx, attrs)
     group = [*before, conv, *after]
     fused = Layer("+".join(lay.name for lay in group), "QLinearConv", [x, *other], [out], attrs,
                   FUSED_DOMAIN, 1)
@@ -267,6 +270,16 @@ def match_qlinear_matmul(matmul: Layer, ctx: Context) -> tuple[list[Layer], Laye
 
 
 def qlinear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """The float route below, or for a QLinearConv between 8-bit integer tensors, torch's int8
+    convolution where ``CpuAcc.int8`` lets it and it measures faster (``int8.qlinear_int8``)."""
+    if layer.attrs.get("int8") and not layer.attrs.get("compute"):
+        from backplane.backends.torch.fusion import int8
+
+        return int8.fastest_qlinear(layer, backend, lambda: _float_route(layer, backend))
+    return _float_route(layer, backend)
+
+
+def _float_route(layer: Layer, backend: Any) -> Workload:
     """Centre (or quantize) the input, the product by the measured route, requantize, and
     dequantize, add and activate where the layer took those."""
     from backplane.backends.torch.fusion.conv import conv_workload
