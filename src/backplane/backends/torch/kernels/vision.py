@@ -14,10 +14,11 @@ offsets on the device.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -60,26 +61,57 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
     outside = np.zeros((), dtype=bool)  # tf_crop_and_resize: positions sampled outside the input
     for i, (axis, n_in, n_out, factor) in enumerate(zip(axes, in_sizes, out_sizes, factors)):
         box = None if roi is None else (float(roi[i]), float(roi[i + len(axes)]))
-        coords = spec._source_coordinates(coordinate_transformation_mode, n_in, n_out, factor, box)
-        weights = _weights(coords, n_in, mode, nearest_mode, cubic_coeff_a, antialias, factor,
-                           exclude_outside)
-        y = _resized(y, axis, *spec.taps_of(weights))
+        taps = _taps(coordinate_transformation_mode, n_in, n_out, factor, box, mode, nearest_mode,
+                     cubic_coeff_a, antialias, exclude_outside)
+        y = _resized(y, axis, taps)
         if coordinate_transformation_mode == "tf_crop_and_resize":
-            outside = outside | spec._along(axis, X.dim(), (coords < 0) | (coords > n_in - 1))
+            outside = outside | spec._along(axis, X.dim(), taps.outside)
     if outside.any():
         y = y.masked_fill(_on_device(np.ascontiguousarray(outside), y.device), extrapolation_value)
     return (_round_like(y, X.dtype),)
 
 
-def _resized(y, axis: int, index: np.ndarray, weights: np.ndarray):
+class _Taps(NamedTuple):
+    """One axis's taps: (out, k) input indices and weights (CpuRef's ``taps_of``), whether each
+    weighs (``nonzero``), the indices flat, and the positions sampled outside the input."""
+
+    index: np.ndarray
+    weights: np.ndarray
+    nonzero: np.ndarray
+    flat: np.ndarray
+    outside: np.ndarray
+    on_cpu: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # flat, weights, nonzero as tensors
+
+
+@functools.lru_cache(maxsize=256)
+def _taps(transformation, n_in, n_out, factor, box, mode, nearest_mode, cubic_coeff_a, antialias,
+          exclude_outside) -> _Taps:
+    """An axis's taps, made once per sizes and attributes: they depend on no value of the data,
+    and making them (CpuRef's weights, a dense (out, in) matrix) costs more than the resize."""
+    coords = spec._source_coordinates(transformation, n_in, n_out, factor, box)
+    weights = _weights(coords, n_in, mode, nearest_mode, cubic_coeff_a, antialias, factor,
+                       exclude_outside)
+    index, weighs = spec.taps_of(weights)
+    nonzero, flat = weighs != 0, np.ascontiguousarray(index.reshape(-1))
+    return _Taps(index, weighs, nonzero, flat, (coords < 0) | (coords > n_in - 1),
+                 (torch.from_numpy(flat), torch.from_numpy(weighs), torch.from_numpy(nonzero)))
+
+
+def _resized(y, axis: int, taps: _Taps):
     """``y`` resized along ``axis``, each output the weighed sum of its taps alone (CpuRef's
-    ``taps_of``: a NaN or Inf reaches only the outputs that read it)."""
+    ``taps_of``: a NaN or Inf reaches only the outputs that read it), summed in CpuRef's order.
+    All taps are read in one gather, weighed in one product."""
     moved = y.movedim(axis, -1)
-    taps, weighs = _on_device(index, y.device), _on_device(weights, y.device)
-    out = moved.new_zeros((*moved.shape[:-1], index.shape[0]))
-    for tap in range(index.shape[1]):
-        w = weighs[:, tap]
-        out += torch.where(w != 0, moved.index_select(-1, taps[:, tap]) * w, 0.0)
+    if y.device.type == "cpu":
+        flat, weights, nonzero = taps.on_cpu
+    else:
+        flat, weights, nonzero = (_on_device(a, y.device)
+                                  for a in (taps.flat, taps.weights, taps.nonzero))
+    read = moved.index_select(-1, flat).unflatten(-1, tuple(taps.index.shape))
+    weighed = torch.where(nonzero, read * weights, 0.0)
+    out = moved.new_zeros((*moved.shape[:-1], taps.index.shape[0]))
+    for tap in range(taps.index.shape[1]):
+        out += weighed[..., tap]
     return out.movedim(-1, axis)
 
 
