@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch.cuda.is_available in the
+# parent without starting CUDA there (a forked child could not start it again)
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402

@@ -787,9 +787,9 @@ def _vsize() -> int:
 
 
 def _in_child(work: Callable[[Callable[[Any], None]], Any], timeout: float,
-              memory: int) -> tuple[str, Any, int, Any]:
+              memory: int | None) -> tuple[str, Any, int, Any]:
     """Run ``work(post)`` in a forked child under an address-space limit of ``memory`` bytes past the
-    parent's, killed after ``timeout`` seconds. Returns (status, result, growth, posted): status
+    parent's (None: none), killed after ``timeout`` seconds. Returns (status, result, growth, posted): status
     'ok' (``result`` what ``work`` returned, ``growth`` the resident bytes it added), 'crash'
     (``result`` the signal or exit status) or 'hang'; ``posted``: the last value ``work`` posted on
     the way (None if none), which survives a crash or hang."""
@@ -812,8 +812,9 @@ def _in_child(work: Callable[[Callable[[Any], None]], Any], timeout: float,
                 out.flush()
 
             start = _rss()
-            limit = _vsize() + memory
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            if memory is not None:
+                limit = _vsize() + memory
+                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
             result = work(lambda value: send(b"P", value))
             growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start
             send(b"R", (result, growth))
