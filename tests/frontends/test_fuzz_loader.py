@@ -788,11 +788,11 @@ def _vsize() -> int:
 
 def _in_child(work: Callable[[Callable[[Any], None]], Any], timeout: float,
               memory: int | None) -> tuple[str, Any, int, Any]:
-    """Run ``work(post)`` in a forked child under an address-space limit of ``memory`` bytes past the
-    parent's (None: none), killed after ``timeout`` seconds. Returns (status, result, growth, posted): status
-    'ok' (``result`` what ``work`` returned, ``growth`` the resident bytes it added), 'crash'
-    (``result`` the signal or exit status) or 'hang'; ``posted``: the last value ``work`` posted on
-    the way (None if none), which survives a crash or hang."""
+    """Run ``work(post)`` in a forked child under an address-space limit of ``memory`` bytes past
+    the parent's (None: none), killed after ``timeout`` seconds. Returns (status, result, growth,
+    posted): status 'ok' (``result`` what ``work`` returned, ``growth`` the resident bytes it
+    added), 'crash' (``result`` the signal or exit status) or 'hang'; ``posted``: the last value
+    ``work`` posted on the way (None if none), which survives a crash or hang."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
