@@ -89,6 +89,9 @@ def owning():
 
 def test_the_backend_makes_the_tensors_of_its_partition_and_its_layers_use_them(
         owning: None) -> None:
+    """Seed 002: "BackendContext::genTensors : Creates tensor objects" and "ITensorRegistry : A
+    set of tensor (ITensor) objects that are used by the current backend": the backend is asked
+    once for the tensors its layers read and write, and its kernels write into them."""
     session = InferenceSession(_model(), [Owning.id])
     (asked,), (made,) = Owning.asked, Owning.made
     assert sorted(asked) == ["n", "r", "x", "y"]  # what its layers read and write; no constant
