@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -115,3 +117,27 @@ def test_a_support_object_that_raises_is_a_refusal_naming_it() -> None:
     supports.deregister("Broken")
     with pytest.raises(KeyError, match="no layer support registered for backend id 'Broken'"):
         supports.deregister("Broken")
+
+
+@pytest.mark.parametrize("backend_id", ["CpuRef", "CpuAcc", "GpuAcc", "OpenVINO"])
+def test_the_layer_support_answers_as_the_backend_over_real_models(backend_id: str) -> None:
+    """Every layer of tiny_bert and tiny_mobilenet_v3, and again with its float32 inputs as
+    float64: the registered layer support and the backend give the same answer."""
+    from backplane.backends.api.backend import support_of
+    from backplane.backends.registry import registry
+    from backplane.frontends.onnx import import_onnx
+
+    supports, backend = bundled(BackendRegistry()), registry.create(backend_id)
+    asked = 0
+    for name in ("tiny_bert", "tiny_mobilenet_v3"):
+        graph = import_onnx(Path(__file__).parents[1] / "data" / f"{name}.onnx")
+        for layer in graph.layers:
+            ins = [graph.info(n) for n in layer.inputs if n]
+            outs = [graph.info(n) for n in layer.outputs if n]
+            wide = [TensorInfo(i.shape, np.dtype("float64")) if i.dtype == np.float32 else i
+                    for i in ins]
+            for case in (ins, wide):
+                answer = supports.is_layer_supported(backend_id, layer, case, outs)
+                assert answer == support_of(backend, layer, case, outs), layer.describe()
+                asked += 1
+    assert asked > 300
