@@ -214,3 +214,31 @@ def test_the_fallback_memory_a_backend_owns_comes_from_its_allocator(
     session.close()
     assert allocator.freed == 1
 
+
+
+def test_control_flow_bodies_allocate_from_it_and_give_everything_back() -> None:
+    """A Loop (carried values, scans, a stop on its condition) and an If nested in a Loop: the
+    bodies' tensors on CpuRef come from its allocator too; closed, all is freed."""
+    from tests.backends.test_control_flow_fast import loop_feeds, loop_model, nested_if_loop_model
+
+    x = np.array([0.5, 2, -1, 3], np.float32)
+    cases = [(loop_model(), [loop_feeds(3, True, 1.0, 1), loop_feeds(20, True, 2.0, 3),
+                             loop_feeds(0, True, 1.0, 1), loop_feeds(7, False, 1.0, 1)]),
+             (nested_if_loop_model(), [{"M": np.array(m, np.int64),
+                                        "h0": np.arange(4, dtype=np.float32), "x": x * m}
+                                       for m in (5, 4, 0)])]
+    for model, feeds_list in cases:
+        allocator = Counting()
+        runtime = Runtime(RuntimeOptions(custom_allocators={"CpuRef": allocator}))
+        session = InferenceSession(model, ["CpuRef"], runtime=runtime)
+        reference = InferenceSession(model, ["CpuRef"])
+        for feeds in feeds_list:
+            for got, want in zip(session.run(None, feeds), reference.run(None, feeds)):
+                assert got.shape == want.shape and got.dtype == want.dtype
+                np.testing.assert_array_equal(got, want)
+        outer = session.runtime.network(session.network_id)
+        if all(layer.op_type == "Loop" for layer in outer.layers):  # the If in a Loop: all inside
+            assert not outer.tensors
+        assert allocator.calls > 0
+        session.close()  # the bodies' networks with the network
+        assert allocator.freed == allocator.calls and not allocator.live

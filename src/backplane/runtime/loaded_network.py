@@ -133,6 +133,7 @@ class LoadedNetwork:
         for factory in factories.values():
             factory.constants = {}
         destroys = [w.destroy for w in workloads if getattr(w, "destroy", None) is not None]
+        destroys += [body.close for w in workloads for body in getattr(w, "bodies", ())]
         workloads = tensors.placed(self.layers, workloads, self.tensors, graph)
         self.fallback_memory = fallback.FallbackMemoryManager(
             {b: backend.custom_allocator for b, backend in network.backends.items()
@@ -180,15 +181,16 @@ class LoadedNetwork:
             self.execute = self._one_at_a_time(self.execute)  # type: ignore[method-assign]
             self.execute_profiled = self._one_at_a_time(self.execute_profiled)  # type: ignore[method-assign]
             self.execute_plan = self._one_at_a_time(self.execute_plan)  # type: ignore[method-assign]
-        for manager in self.memory_managers:  # held from here to the unload (seed 000)
+        for manager in self.memory_managers:  # held from here to the unload (Arm NN's rule)
             manager.acquire()
         self._finalizer = weakref.finalize(self, _release, self.memory_managers,
                                            self.fallback_memory, self.tensors, destroys)
 
     def close(self) -> None:
         """Release what the network holds (the runtime's unload; its finalizer where it is
-        dropped without one): its memory managers, fallback memory and backends' tensors, and what
-        its delegates' ``init`` took. Closing again does nothing."""
+        dropped without one): its memory managers, fallback memory and backends' tensors, what
+        its delegates' ``init`` took, and its control-flow bodies' networks. Closing again does
+        nothing."""
         self._finalizer()
 
     # -- load ----------------------------------------------------------------------------------------
@@ -505,7 +507,7 @@ def _release(managers: Sequence[MemoryManager], fallback_memory: Any,
         fallback_memory.release()
     for registry in registries.values():
         registry.release()
-    for destroy in destroys:  # delegates release what their init took (Backend.destroy)
+    for destroy in destroys:  # delegates' Backend.destroy, control-flow bodies' close
         destroy()
 
 

@@ -36,9 +36,10 @@ class RuntimeOptions:
     """``backend_options`` go to every backend context, and to the backends of every network loaded
     here where the network's own (``optimize(backend_options=...)``) do not set them;
     ``custom_allocators`` maps a backend id to the allocator its tensors are allocated from (Arm
-    NN's m_CustomAllocatorMap; a ``CustomAllocator``, ``runtime/tensors.py``); ``profiling`` profiles every run: each backend's profiling context (a
-    plain ``ProfilingContext`` where the backend makes none), in ``Runtime.profiling`` by backend
-    id, records the time of each layer it ran."""
+    NN's m_CustomAllocatorMap; a ``CustomAllocator``, ``runtime/tensors.py``); ``profiling``
+    profiles every run: each backend's profiling context (a plain ``ProfilingContext`` where the
+    backend makes none), in ``Runtime.profiling`` by backend id, records the time of each layer
+    it ran."""
 
     backend_options: dict[str, Any] = field(default_factory=dict)
     custom_allocators: dict[str, Any] = field(default_factory=dict)

@@ -164,8 +164,8 @@ def to_device(value: Any, device: str) -> Any:
 class MemoryManager:
     """A backend's memory for one loaded network (IMemoryManager): acquired when the network is
     loaded, before its first run, and released when it is unloaded (``LoadedNetwork.close``, or
-    its finalizer), as seed 000 has it ("Acquire() ... before it starts executing the network and
-    ... Release() in its destructor")."""
+    its finalizer), as Arm NN's backend guide has it ("Acquire() ... before it starts executing
+    the network and ... Release() in its destructor")."""
 
     def acquire(self) -> None: ...
 

@@ -79,6 +79,7 @@ class BuiltinWorkloadFactory(WorkloadFactory):
                       for name in CONTROL_FLOW_OPS[layer.op_type]]
             workload = _control_flow(layer, bodies)
             workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
+            workload.bodies = bodies  # type: ignore[attr-defined]  # closed with the network
             return workload
         return super().create_workload(layer, inputs, outputs)
 
