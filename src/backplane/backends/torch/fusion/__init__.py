@@ -24,6 +24,9 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   QLinearMatMul [-> DQ ...] as one layer computing exact integer products in float32;
   DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] as one ``DynamicQuantMatMul``;
   ONNX Runtime's QGemm and DynamicQuantizeMatMul by constant weights (``contrib_quant``).
+- Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
+  else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
+  for bit.
 
 Then a subgraph with convolutions becomes one ``OneDnnGraph`` layer (``onednn_graph``): at load it
 is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster. With
@@ -48,6 +51,7 @@ from backplane.backends.torch.fusion.contrib_quant import (
     qgemm_workload,
 )
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
+from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import Context
 from backplane.backends.torch.fusion.qlinear import (
@@ -123,7 +127,8 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "QuantizeLinear": match_quant_dequant, "QLinearConv": match_qlinear_conv,
     "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul,
     "com.microsoft::QGemm": match_qgemm,
-    "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul}
+    "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul,
+    "Add": match_hardswish}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
 
@@ -134,4 +139,4 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
-    "QGemm": qgemm_workload}
+    "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload}

@@ -20,6 +20,7 @@ from backplane.backends.torch.fusion.patterns import (
     holding,
     onednn_post_ops,
     post_op,
+    hardswish_layers,
     swish_layers,
     torch_post_op,
     weight_of,
@@ -58,9 +59,13 @@ def match_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
             nxt = ctx.sole(out)
     unary: PostOp | None = None
     swish = None if binary else swish_layers(out, ctx)
+    hard = None if binary or swish is not None else hardswish_layers(out, ctx)
     if swish is not None:
         unary, out = ("swish", [], None), swish[1].outputs[0]
         group += swish
+    elif hard is not None:  # x * Clip(x + 3, 0, 6) / 6
+        unary, out = ("hardswish", [], None), hard[-1].outputs[0]
+        group += hard
     elif nxt is not None and (unary := post_op(nxt, ctx)) is not None:
         group.append(nxt)
         out = nxt.outputs[0]

@@ -48,7 +48,7 @@ from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 MODES = ("auto", "onednn_graph", "layers")
 TRACED_OPS = frozenset({
-    "FusedConv", "SqueezeExcite", "Linear", "MaxPool", "AveragePool", "GlobalAveragePool",
+    "FusedConv", "SqueezeExcite", "Linear", "HardSwishChain", "MaxPool", "AveragePool", "GlobalAveragePool",
     "GlobalMaxPool", "BatchNormalization", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid",
     "HardSwish", "Clip", "Elu", "Add", "Sub", "Mul", "Div", "Flatten", "Reshape", "Squeeze",
     "Unsqueeze", "Concat", "Transpose", "Split", "Slice", "Softmax", "Identity"})

@@ -48,7 +48,7 @@ log = logging.getLogger("backplane.torch")
 HALF = np.dtype(np.float16)
 MIN_LAYERS = 3  # fewer: the trace saves less than its call costs
 FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "SqueezeExcite", "QuantDequant", "QLinearConv",
-                             "QLinearMatMul", "DynamicQuantMatMul", "QGemm"})
+                             "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain"})
 """The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
 NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
                                "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
