@@ -134,10 +134,12 @@ def qdq_conv_model(activation: str | None, rng: np.random.Generator = RNG,
              node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
              node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0),
              node("Conv", ["xd", "wd", "b"], ["c"], pads=[1, 1, 1, 1])]
-    last = "c"
-    if activation:
+    last = "a" if activation else "c"
+    if activation == "Clip":  # ReLU6's form, with a bound the convolution's values pass
+        inits += [_init("lo", 0.0), _init("hi", 1.5)]
+        nodes.append(node("Clip", ["c", "lo", "hi"], ["a"]))
+    elif activation:
         nodes.append(node(activation, ["c"], ["a"]))
-        last = "a"
     nodes += [node("QuantizeLinear", [last, "cs", "cz"], ["cq"]),
               node("DequantizeLinear", ["cq", "cs", "cz"], ["cd"]),
               node("Reshape", ["cd", "shape"], ["flat"]),
@@ -149,7 +151,7 @@ def qdq_conv_model(activation: str | None, rng: np.random.Generator = RNG,
     return model, 0.01
 
 
-@pytest.mark.parametrize("activation", [None, "Relu"])
+@pytest.mark.parametrize("activation", [None, "Relu", "Clip"])
 def test_qdq_conv_and_gemm_take_their_quantize_dequantize(activation: str | None,
                                                           compile_mode: str) -> None:
     model, step = qdq_conv_model(activation)
@@ -287,7 +289,7 @@ def test_products_that_float32_cannot_hold_exactly_stay_integer_layers(compile_m
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("activation", [None, "Relu"])
+@pytest.mark.parametrize("activation", [None, "Relu", "Clip"])
 def test_qdq_conv_on_int8_kernels_is_within_one_step(activation: str | None) -> None:
     """``CpuAcc.int8`` "kernels": the convolution runs on torch's int8 kernel (quantize, integer
     convolution requantizing to the output's step, dequantize): within one step of CpuRef."""

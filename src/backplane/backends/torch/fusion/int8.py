@@ -36,12 +36,12 @@ MODES = ("auto", "kernels", "exact")
 def int8_conv(fused: Layer, ctx: Context, out_params: dict[str, Any]) -> dict[str, Any] | None:
     """What the int8 route needs of a FusedConv followed by a uint8 round trip (``out_params``):
     its input's step and zero point, the integer weight and its scales; None where it does not
-    apply (another layout of quantization, a residual, an activation other than Relu, padding
-    oneDNN does not take, a weight that is not int8 times a scale per channel)."""
+    apply (another layout of quantization, a residual, an activation other than Relu or
+    Clip(0, bound), padding oneDNN does not take, a weight that is not int8 times a scale per
+    channel)."""
     a = fused.attrs
     if fused.op_type != "FusedConv" or a["binary"] or a["begins"] != a["ends"] \
-            or (a["unary"] is not None and a["unary"][0] != "relu") \
-            or _as_uint8(out_params) is None:
+            or _ceiling(a["unary"]) is False or _as_uint8(out_params) is None:
         return None
     made = ctx.graph.producers().get(fused.inputs[0])
     if made is None or made.op_type != "DequantizeLinear" or made.domain:
@@ -55,6 +55,17 @@ def int8_conv(fused: Layer, ctx: Context, out_params: dict[str, Any]) -> dict[st
         return None
     (x_scale, x_zero), (weight, scales) = x_step, found
     return {"x_scale": x_scale, "x_zero": x_zero, "weight": weight, "scales": scales}
+
+
+def _ceiling(unary: Any) -> float | None | bool:
+    """The upper bound of a FusedConv's activation the int8 route runs: None for none or Relu,
+    the bound of a Clip(0, bound) (ReLU6: Relu, then the quantized result clamped at the bound,
+    which gives the bound's step as rounding keeps order); False for any other activation."""
+    if unary is None or unary[0] == "relu":
+        return None
+    if unary[0] == "hardtanh" and unary[1][0] == 0 and 0 < unary[1][1] < float("inf"):
+        return float(unary[1][1])
+    return False
 
 
 def _as_uint8(params: dict[str, Any]) -> tuple[float, int] | None:
@@ -128,12 +139,13 @@ def int8_route(layer: Layer) -> Any:
     run_conv = torch.ops.quantized.conv2d_relu if conv["unary"] else torch.ops.quantized.conv2d
     out_scale, out_zero = _as_uint8(a["back"])  # type: ignore[misc]
     x_scale, x_zero = q["x_scale"], q["x_zero"]
-    cl = torch.channels_last
+    cl, ceiling = torch.channels_last, _ceiling(conv["unary"])
 
     def run(x):
         qx = torch.quantize_per_tensor(x.contiguous(memory_format=cl), x_scale, x_zero,
                                        torch.quint8)
-        return (run_conv(qx, packed, out_scale, out_zero).dequantize(),)
+        y = run_conv(qx, packed, out_scale, out_zero)
+        return ((y if ceiling is None else torch.clamp(y, max=ceiling)).dequantize(),)
     return run
 
 
