@@ -389,3 +389,46 @@ def test_qlinear_conv_with_a_computed_scale_stays_as_it_is(compile_mode: str) ->
     assert "QLinearConv" in placed_types(session)
     assert all(lay.domain == "" for lay in placed(session) if lay.op_type == "QLinearConv")
     np.testing.assert_array_equal(got, want)
+
+
+def qdq_matmul_model(k: int = 32, n: int = 16) -> tuple[onnx.ModelProto, float]:
+    """A QDQ MatMul as ONNX Runtime's quantizer writes a transformer's: x -> Q(uint8) -> DQ ->
+    MatMul(DQ(int8 weight, a scale per column)) -> Add(bias) -> Q -> DQ; and the last step."""
+    rng = np.random.default_rng(3)
+    w = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    w[0] = 127  # each column's peak at 127, as the symmetric quantizer puts it
+    inits = [_init("xs", 0.03), _init("xz", 120, np.uint8), _init("w", w, np.int8),
+             _init("ws", rng.uniform(0.001, 0.004, n)), _init("wz", np.zeros(n), np.int8),
+             _init("bias", rng.standard_normal(n) * 0.1), _init("ys", 0.02),
+             _init("yz", 128, np.uint8)]
+    node = helper.make_node
+    nodes = [node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=1),
+             node("MatMul", ["xd", "wd"], ["m"]), node("Add", ["m", "bias"], ["a"]),
+             node("QuantizeLinear", ["a", "ys", "yz"], ["yq"]),
+             node("DequantizeLinear", ["yq", "ys", "yz"], ["y"])]
+    model = make_model(nodes, [float_input("x", [2, 3, k])], [float_input("y", [2, 3, n])], inits)
+    return model, 0.02
+
+
+@pytest.mark.parametrize("mode", ["kernels", "exact"])
+def test_qdq_matmul_on_int8_kernels_is_within_one_step(mode: str) -> None:
+    """``CpuAcc.int8`` "kernels": a QDQ MatMul's integer product by ``torch._int_mm`` (int32,
+    exact), then the scales: within one step of CpuRef and ONNX Runtime (the float route sums
+    dequantized products in float32); "exact" keeps the float route, bit for bit."""
+    from tests.conftest import inner_workloads
+
+    model, step = qdq_matmul_model()
+    session = InferenceSession(model, backends=[("CpuAcc", {"int8": mode, "compile": "layers"})])
+    routes = [getattr(w, "route", None) for w in inner_workloads(session, "QuantDequant")]
+    assert ("int8" in routes) == (mode == "kernels"), routes
+    for seed in range(3):
+        feeds = {"x": (np.random.default_rng(seed).standard_normal((2, 3, 32)) * 2)
+                 .astype(np.float32)}
+        got = session.run(None, feeds)[0]
+        want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+        if mode == "exact":
+            np.testing.assert_array_equal(got, want)
+        assert float(np.max(np.abs(got - want))) <= step * 1.001
+        assert float(np.max(np.abs(got - ort_output(model, feeds)))) <= step * 1.001

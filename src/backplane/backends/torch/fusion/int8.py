@@ -157,15 +157,17 @@ def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
     from backplane.backends.api.backend import OptionError
     from backplane.backends.torch.fusion.patterns import fastest
 
+    inner = layer.attrs["layers"][0]
+    linear = inner.op_type == "Linear"
     mode = backend.options.get("CpuAcc.int8", "auto")
     if mode not in MODES:
         raise OptionError(f"CpuAcc.int8 {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "exact" or "x86" not in torch.backends.quantized.supported_engines:
+    if mode == "exact" or not linear and "x86" not in torch.backends.quantized.supported_engines:
         return float_route()
 
     def made() -> Any:
         try:
-            run = int8_route(layer)
+            run = int8_linear_route(layer) if linear else int8_route(layer)
         except (RuntimeError, AttributeError) as exc:  # a torch without quantized tensors
             log.debug("%s: no int8 route (%s); the float one", layer.name, exc)
             return float_route()
@@ -173,14 +175,79 @@ def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
         return run
     if mode == "kernels":
         return made()
-    conv = layer.attrs["layers"][0].attrs
-    described = {k: conv[k] for k in ("input_shape", "strides", "dilations", "group", "begins",
-                                      "unary")}
+    conv = inner.attrs
+    keys = ("input_shape", "unary") if linear else ("input_shape", "strides", "dilations",
+                                                    "group", "begins", "unary")
+    described = {k: conv[k] for k in keys}
     described["weight"] = list(conv["weight"].shape)
 
     def sample() -> list[Any]:
-        return [torch.rand(conv["input_shape"]).contiguous(memory_format=torch.channels_last)]
-    return fastest("qdq_conv", described, {"float": float_route, "int8": made}, sample, backend)
+        x = torch.rand(conv["input_shape"])
+        return [x if linear else x.contiguous(memory_format=torch.channels_last)]
+    return fastest("qdq_linear" if linear else "qdq_conv", described,
+                   {"float": float_route, "int8": made}, sample, backend)
+
+
+# -- QDQ matrix products: torch._int_mm ---------------------------------------------------------
+def int8_linear(fused: Layer, ctx: Context, out_params: dict[str, Any]) -> dict[str, Any] | None:
+    """What the int8 route needs of a Linear (a QDQ Gemm or MatMul, its weight's DequantizeLinear
+    folded) followed by a round trip: its input the DequantizeLinear of an 8-bit tensor per
+    tensor, its weight int8 times a scale per output (found again bit for bit), no post-op but
+    Relu, no residual and no Reshape taken; else None."""
+    a = fused.attrs
+    if fused.op_type != "Linear" or a.get("binary") or a.get("output_shape") \
+            or (a["unary"] is not None and a["unary"][0] != "relu") \
+            or _as_uint8(out_params) is None:
+        return None
+    producers = ctx.graph.producers()
+    made = producers.get(fused.inputs[0])
+    while made is not None and made.op_type in RESHAPES and not made.domain:
+        made = producers.get(made.inputs[0])  # values as they are (Flatten before a Gemm)
+    if made is None or made.op_type != "DequantizeLinear" or made.domain:
+        return None
+    from backplane.backends.torch.fusion.quantized import quant_params
+
+    x_params = quant_params(made, ctx, 1, None)
+    x_step = _as_uint8(x_params) if x_params is not None else None
+    found = integer_weight(a["weight"])  # (N, K): a scale per output
+    if x_step is None or found is None:
+        return None
+    (x_scale, x_zero), (weight, scales) = x_step, found
+    return {"x_scale": x_scale, "x_zero": x_zero, "weight": weight, "scales": scales}
+
+
+RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+
+
+def int8_linear_route(layer: Layer) -> Any:
+    """The input back on its 8-bit grid (x is its DequantizeLinear's output: exact), shifted to
+    int8, its integer product with the int8 weight by ``torch._int_mm`` (int32, exact; VNNI),
+    less the shift's share, times the scales, plus the bias, Relu, then the layer's round trip.
+    The float route sums the dequantized products in float32 instead: the two differ by float32
+    roundings, so a result near a halfway point may land one step away."""
+    import torch
+
+    from backplane.backends.torch.fusion.quantized import _round_trip
+
+    a, lin = layer.attrs, layer.attrs["layers"][0].attrs
+    q = a["int8"]
+    weight = torch.from_numpy(np.ascontiguousarray(np.array(q["weight"], np.int8).T))  # (K, N)
+    shift = int(q["x_zero"]) - 128  # quint8's zero point, as int8's
+    correction = weight.sum(0, dtype=torch.int32).mul_(shift)
+    multiplier = torch.from_numpy((np.float32(q["x_scale"]) * np.array(q["scales"], F32)))
+    bias = None if lin["bias"] is None else torch.from_numpy(np.array(lin["bias"], F32))
+    relu, x_scale = lin["unary"] is not None, q["x_scale"]
+    round_trip = _round_trip(a["into"], a["back"])
+    k, n = weight.shape
+
+    def run(x):
+        rows = torch.round(x.reshape(-1, k) / x_scale).add_(shift).clamp_(-128, 127)
+        acc = torch._int_mm(rows.to(torch.int8), weight).sub_(correction)
+        y = acc.float().mul_(multiplier)
+        y = y.add_(bias) if bias is not None else y
+        y = y.relu_() if relu else y
+        return (round_trip(y.reshape(*x.shape[:-1], n), True),)
+    return run
 
 
 # -- ONNX Runtime's QOperator format: QLinearConv between 8-bit integer tensors -------------------

@@ -103,9 +103,10 @@ def then_quant_dequant(matcher: Matcher) -> Matcher:
             return found
         taken, attrs = pair
         if all(np.array_equal(attrs["into"][k], attrs["back"][k]) for k in ("scale", "zero")):
-            from backplane.backends.torch.fusion.int8 import int8_conv
+            from backplane.backends.torch.fusion.int8 import int8_conv, int8_linear
 
-            attrs["int8"] = int8_conv(fused, ctx, attrs["back"])
+            found_int8 = int8_conv if fused.op_type == "FusedConv" else int8_linear
+            attrs["int8"] = found_int8(fused, ctx, attrs["back"])
         wrapped = Layer("+".join(lay.name for lay in [fused, *taken]), "QuantDequant",
                         list(fused.inputs), [taken[-1].outputs[0]], {**attrs, "layers": [fused]},
                         FUSED_DOMAIN, 1)
