@@ -32,7 +32,8 @@ def test_a_model_without_work_is_kept_on_the_cpu_unless_asked(choice, caplog) ->
         session = InferenceSession(_add_model(), providers=[
             ("GpuAcc", {"against_cpu": choice}), "CpuAcc", "CpuRef"])
     x = np.linspace(-4, 4, 8, dtype=np.float32).reshape(1, 8)
-    np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.maximum(x + np.arange(8), 0))
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0],
+                                  np.maximum(x + np.arange(8, dtype=np.float32), 0))
     moved = any("runs faster without the GPU" in r.getMessage() for r in caplog.records)
     if choice == "auto":
         assert "GpuAcc" not in session.report.counts() and moved
