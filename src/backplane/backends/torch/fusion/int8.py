@@ -1,5 +1,8 @@
-"""The QDQ format's convolutions on torch's int8 kernels (FBGEMM / oneDNN through
-``torch.ops.quantized``), where they measure faster than the float convolution.
+"""Quantized convolutions and matrix products on torch's int8 kernels, where they measure faster
+than the float route: the QDQ format's convolutions (FBGEMM / oneDNN through
+``torch.ops.quantized``, a Relu or Clip(0, bound) after them), its Gemm / MatMul
+(``torch._int_mm``, int32 products), and ONNX Runtime's QLinearConv between 8-bit tensors (the
+QOperator format, ``qlinear``). Below, the QDQ convolution's case; the others follow it.
 
 A ``QuantDequant`` layer holding a FusedConv (``quantized.then_quant_dequant``) whose input is the
 DequantizeLinear of a uint8 tensor and whose weight is an int8 tensor times a per-channel scale
