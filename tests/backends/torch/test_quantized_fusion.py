@@ -432,3 +432,46 @@ def test_qdq_matmul_on_int8_kernels_is_within_one_step(mode: str) -> None:
             np.testing.assert_array_equal(got, want)
         assert float(np.max(np.abs(got - want))) <= step * 1.001
         assert float(np.max(np.abs(got - ort_output(model, feeds)))) <= step * 1.001
+
+
+def shared_dynamic_model() -> onnx.ModelProto:
+    """quantize_dynamic's Q, K and V projections of one input: one DynamicQuantizeLinear, three
+    MatMulInteger -> Cast -> Mul(scales) -> Add(bias) branches (per-column and per-tensor weight
+    scales), a layer reading the first branch's result before the second branch starts."""
+    rng = np.random.default_rng(4)
+    k, node = 24, helper.make_node
+    nodes = [node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"])]
+    inits = []
+    for name, n in (("q", 8), ("k", 8), ("v", 6)):
+        per_column = name != "v"
+        inits += [_init(f"w{name}", rng.integers(-127, 128, (k, n)), np.int8),
+                  _init(f"z{name}", 0, np.int8),
+                  _init(f"s{name}", rng.uniform(0.001, 0.01, n if per_column else ())),
+                  _init(f"b{name}", rng.standard_normal(n))]
+        nodes += [node("Mul", ["xs", f"s{name}"], [f"scales_{name}"]),
+                  node("MatMulInteger", ["xq", f"w{name}", "xz", f"z{name}"], [f"acc_{name}"]),
+                  node("Cast", [f"acc_{name}"], [f"accf_{name}"], to=TensorProto.FLOAT),
+                  node("Mul", [f"accf_{name}", f"scales_{name}"], [f"m_{name}"]),
+                  node("Add", [f"m_{name}", f"b{name}"], [f"y_{name}"])]
+        if name == "q":
+            nodes.append(node("Relu", ["y_q"], ["out_q"]))
+    nodes.append(node("Sub", ["y_k", "out_q"], ["out_k"]))
+    outputs = [float_input(name, [2, 5, n]) for name, n in (("out_q", 8), ("out_k", 8),
+                                                            ("y_v", 6))]
+    return make_model(nodes, [float_input("x", [2, 5, k])], outputs, inits)
+
+
+def test_a_dynamic_quantization_shared_by_three_products_is_one_layer(compile_mode: str) -> None:
+    """One DynamicQuantizeLinear, three projections: x quantized once, one product by the three
+    weights stacked, split into three outputs, CpuRef's values bit for bit."""
+    model = shared_dynamic_model()
+    feeds = {"x": (RNG.standard_normal((2, 5, 24)) * 2).astype(np.float32)}
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": compile_mode})])
+    fused = [lay for lay in placed(session) if lay.op_type == "DynamicQuantMatMul"]
+    assert len(fused) == 1 and len(fused[0].outputs) == 3
+    assert "MatMulInteger" not in placed_types(session)
+    got = session.run(None, feeds)
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    for g, w, o in zip(got, want, ort.InferenceSession(model.SerializeToString()).run(None, feeds)):
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(g, o, rtol=1e-6, atol=2 * np.spacing(np.max(np.abs(w))))

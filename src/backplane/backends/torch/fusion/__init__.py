@@ -22,7 +22,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
 - Quantized patterns (``quantized``, ``qlinear``, ``int8``): QuantizeLinear -> DequantizeLinear
   as one ``QuantDequant`` (also after a FusedConv or Linear, holding it); [Q ->] QLinearConv /
   QLinearMatMul [-> DQ ...] as one layer computing exact integer products in float32;
-  DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] as one ``DynamicQuantMatMul``;
+  DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] as one ``DynamicQuantMatMul``
+  (several such branches of one DynamicQuantizeLinear as one, ``dynamic_quant``);
   ONNX Runtime's QGemm and DynamicQuantizeMatMul by constant weights (``contrib_quant``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
@@ -34,7 +35,7 @@ is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster. 
 ``Reduced`` layer (``reduced``): its layers, fused as above, computing float32 in bfloat16.
 
 One module per pattern (``conv``, ``linear``, ``squeeze_excite``, ``quantized``, ``qlinear``,
-``int8``); ``patterns`` holds what they share.
+``dynamic_quant``, ``contrib_quant``, ``int8``); ``patterns`` holds what they share.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import Context
-from backplane.backends.torch.fusion.qlinear import (
+from backplane.backends.torch.fusion.dynamic_quant import (
     dynamic_matmul_workload,
     match_dynamic_matmul,
+)
+from backplane.backends.torch.fusion.qlinear import (
     match_qlinear_conv,
     match_qlinear_matmul,
     qlinear_workload,

@@ -19,10 +19,7 @@ the multiplier rounded to float32 first, saturated, and, where a DequantizeLinea
 back to float32. So the outputs are CpuRef's, bit for bit, at the cost of a float product and a few
 elementwise calls, in one layer instead of three or four that each made an integer tensor.
 
-Also: DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul(x's scale * the weight's)
-[-> Add(bias)], what ``onnxruntime.quantization.quantize_dynamic`` writes for each MatMul,
-becomes one ``DynamicQuantMatMul``: x quantized over its range as CpuRef does it, centred, times
-the centred weight in float32 (exact as above), times the scales, plus the bias.
+``dynamic_quant`` does the same for ``quantize_dynamic``'s DynamicQuantizeLinear -> MatMulInteger.
 """
 
 from __future__ import annotations
@@ -42,7 +39,6 @@ from backplane.backends.torch.fusion.patterns import (
     torch_post_op,
 )
 from backplane.backends.torch.fusion.quantized import RANGES, quant_params, to_grid, torch_params
-from backplane.backends.torch.kernels.contrib_quant import dynamic_grid
 from backplane.ir.graph import Layer
 
 EXACT = 2 ** 24
@@ -418,79 +414,3 @@ def _TORCH_RANGES() -> dict[Any, tuple[int, int]]:  # noqa: N802
 
     return {torch.uint8: RANGES[np.dtype(np.uint8)], torch.int8: RANGES[np.dtype(np.int8)],
             torch.int16: RANGES[np.dtype(np.int16)], torch.uint16: RANGES[np.dtype(np.uint16)]}
-
-
-def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
-    """DynamicQuantizeLinear -> MatMulInteger(constant 2-D weight, constant zero point) -> Cast to
-    float -> Mul by Mul(x's scale, the weight's constant scale) [-> Add(constant bias)]: each
-    intermediate read by the next layer alone."""
-    x, q, x_scale, x_zero = quantize.inputs[0], *quantize.outputs
-    matmul, scales = ctx.sole(q), ctx.sole(x_scale)
-    info = ctx.graph.info(x)
-    if matmul is None or matmul.op_type != "MatMulInteger" or matmul.domain or scales is None \
-            or matmul.inputs[:1] + matmul.inputs[2:3] != [q, x_zero] \
-            or ctx.sole(x_zero) is not matmul \
-            or info.dtype != F32 or not info.is_static or len(info.shape) < 2:
-        return None
-    w_zero_name = matmul.inputs[3] if len(matmul.inputs) > 3 else ""
-    w_zero = ctx.const(w_zero_name)
-    weight = _centred_weight(ctx.const(matmul.inputs[1]), w_zero, per_row=False)
-    w_scale = _other_constant(scales, x_scale, "Mul", ctx)
-    if weight is None or weight.ndim != 2 or (w_zero_name and w_zero is None) or w_scale is None \
-            or w_scale.dtype != F32 or w_scale.size not in (1, weight.shape[1]):
-        return None
-    if 255 * float(np.abs(weight).sum(axis=0).max()) >= EXACT:
-        return None
-    cast = ctx.sole(matmul.outputs[0])
-    if cast is None or cast.op_type != "Cast" or cast.domain or cast.attrs.get("to") != 1:
-        return None
-    scaled = ctx.sole(cast.outputs[0])
-    if scaled is None or scaled.op_type != "Mul" or scaled.domain \
-            or sorted(scaled.inputs) != sorted([cast.outputs[0], scales.outputs[0]]) \
-            or ctx.sole(scales.outputs[0]) is not scaled:
-        return None
-    group, out, bias = [quantize, scales, matmul, cast, scaled], scaled.outputs[0], None
-    add = ctx.sole(out)
-    constant = _other_constant(add, out, "Add", ctx) if add is not None else None
-    if constant is not None and constant.dtype == F32 and constant.shape == (weight.shape[1],):
-        group.append(add)  # type: ignore[arg-type]
-        bias, out = np.ascontiguousarray(constant), add.outputs[0]  # type: ignore[union-attr]
-    w_scale = w_scale.reshape(-1) if w_scale.size > 1 else w_scale.reshape(())
-    attrs = {"weight": np.ascontiguousarray(weight.T), "bias": None,
-             "input_shape": list(info.shape), "unary": None, "binary": False,
-             "output_shape": None, "w_scale": np.array(w_scale, F32),
-             "add": bias}
-    fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x], [out], attrs,
-                  FUSED_DOMAIN, 1)
-    return group, fused
-
-
-def _other_constant(layer: Layer, operand: str, op: str, ctx: Context) -> np.ndarray | None:
-    """The constant ``layer`` (an ``op`` of two inputs) combines ``operand`` with, or None."""
-    if layer.op_type != op or layer.domain or len(layer.inputs) != 2 or operand not in layer.inputs:
-        return None
-    return ctx.const(layer.inputs[1 - layer.inputs.index(operand)])
-
-
-def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
-    """x quantized over its range as DynamicQuantizeLinear does, centred, the product with the
-    centred weight by the measured route (exact), then times x's scale times the weight's, plus
-    the bias: the float32 steps of the layers it replaces, in their order."""
-    import torch
-
-    from backplane.backends.torch.backend import _numpy_to_torch
-    from backplane.backends.torch.fusion.linear import linear_workload
-
-    a = layer.attrs
-    product = linear_workload(_in_float32(layer), backend)
-    bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
-    w_scale = torch.from_numpy(np.array(a["w_scale"], F32))
-    dtype = compute_type(a)
-
-    def run(x):
-        centred, scale = dynamic_grid(x.float())
-        (acc,) = product(centred)
-        y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
-        y = y.add_(bias) if bias is not None else y
-        return (y.to(dtype),)
-    return run

@@ -1,0 +1,127 @@
+"""What ``onnxruntime.quantization.quantize_dynamic`` writes for each MatMul, as one CpuAcc layer:
+DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul(x's scale * the weight's) [-> Add(bias)]
+becomes one ``DynamicQuantMatMul``: x quantized over its range as CpuRef does it, centred, times
+the centred weight in float32 (exact: every sum below 2^24, checked from the weight), times the
+scales, plus the bias.
+
+Where one DynamicQuantizeLinear feeds several such branches (a layer's Q, K and V projections of
+one input), they are one layer too: x quantized once, one product by the weights stacked, its
+columns split into the branches' outputs. Each column is computed as its branch computes it, so
+the outputs are CpuRef's, bit for bit, either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.fusion.patterns import F32, Context, compute_type
+from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight, _in_float32
+from backplane.backends.torch.kernels.contrib_quant import dynamic_grid
+from backplane.ir.graph import Layer
+
+Branch = tuple[list[Layer], str, np.ndarray, np.ndarray, np.ndarray | None]
+"""A branch's layers, its output, its centred (K, N) weight, its weight scale (N,) and bias."""
+
+
+def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    """DynamicQuantizeLinear of a static float32 x whose three outputs are read by MatMulInteger
+    branches alone (their Mul of the scales each read by its branch alone): one layer."""
+    x, q, x_scale, x_zero = quantize.inputs[0], *quantize.outputs
+    info = ctx.graph.info(x)
+    matmuls = ctx.consumers.get(q, [])
+    if info.dtype != F32 or not info.is_static or len(info.shape) < 2 or not matmuls \
+            or any(name in ctx.graph.outputs for name in (q, x_scale, x_zero)) \
+            or {id(m) for m in ctx.consumers.get(x_zero, [])} != {id(m) for m in matmuls} \
+            or len(ctx.consumers.get(x_scale, [])) != len(matmuls):
+        return None
+    branches = [_branch(matmul, quantize, ctx) for matmul in matmuls]
+    if any(b is None for b in branches) or len({b[4] is None for b in branches}) != 1:  # type: ignore
+        return None  # every branch with its bias, or none: a zero added would change -0.0
+    order = {id(layer): k for k, layer in enumerate(ctx.view.layers)}
+    # the earliest branch's output first: the layer runs where that one was made
+    found: list[Branch] = sorted(branches, key=lambda b: order[id(b[0][-1])])  # type: ignore
+    scales = [np.broadcast_to(b[3].reshape(-1), (b[2].shape[1],)) for b in found]
+    attrs = {"weight": np.ascontiguousarray(np.concatenate([b[2] for b in found], 1).T),
+             "bias": None, "input_shape": list(info.shape), "unary": None, "binary": False,
+             "output_shape": None,
+             "w_scale": np.concatenate(scales).astype(F32) if len(found) > 1 else found[0][3],
+             "add": None if found[0][4] is None else np.concatenate([b[4] for b in found]),
+             "splits": [b[2].shape[1] for b in found] if len(found) > 1 else None}
+    group = [quantize, *(layer for b in found for layer in b[0])]
+    fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x],
+                  [b[1] for b in found], attrs, FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _branch(matmul: Layer, quantize: Layer, ctx: Context) -> Branch | None:
+    """MatMulInteger(q, constant 2-D weight, x's zero point, constant zero point) -> Cast to
+    float -> Mul by Mul(x's scale, the weight's constant scale) [-> Add(constant bias)], each
+    intermediate read by the next layer alone."""
+    _, q, x_scale, x_zero = quantize.inputs[0], *quantize.outputs
+    if matmul.op_type != "MatMulInteger" or matmul.domain or id(matmul) not in ctx.inside \
+            or id(matmul) in ctx.taken or matmul.inputs[:1] + matmul.inputs[2:3] != [q, x_zero]:
+        return None
+    w_zero_name = matmul.inputs[3] if len(matmul.inputs) > 3 else ""
+    w_zero = ctx.const(w_zero_name)
+    weight = _centred_weight(ctx.const(matmul.inputs[1]), w_zero, per_row=False)
+    if weight is None or weight.ndim != 2 or (w_zero_name and w_zero is None) \
+            or 255 * float(np.abs(weight).sum(axis=0).max()) >= EXACT:
+        return None
+    cast = ctx.sole(matmul.outputs[0])
+    if cast is None or cast.op_type != "Cast" or cast.domain or cast.attrs.get("to") != 1:
+        return None
+    scaled = ctx.sole(cast.outputs[0])
+    if scaled is None or scaled.op_type != "Mul" or scaled.domain or len(scaled.inputs) != 2:
+        return None
+    scales = ctx.graph.producers().get(scaled.inputs[1 - scaled.inputs.index(cast.outputs[0])])
+    w_scale = _other_constant(scales, x_scale, "Mul", ctx) if scales is not None else None
+    if w_scale is None or w_scale.dtype != F32 or w_scale.size not in (1, weight.shape[1]) \
+            or ctx.sole(scales.outputs[0]) is not scaled \
+            or id(scales) not in ctx.inside or id(scales) in ctx.taken:  # type: ignore
+        return None
+    layers, out, bias = [scales, matmul, cast, scaled], scaled.outputs[0], None  # type: ignore
+    add = ctx.sole(out)
+    constant = _other_constant(add, out, "Add", ctx) if add is not None else None
+    if constant is not None and constant.dtype == F32 and constant.shape == (weight.shape[1],):
+        layers.append(add)  # type: ignore[arg-type]
+        bias, out = np.ascontiguousarray(constant), add.outputs[0]  # type: ignore[union-attr]
+    w_scale = w_scale.reshape(-1) if w_scale.size > 1 else w_scale.reshape(())
+    return layers, out, weight, np.array(w_scale, F32), bias
+
+
+def _other_constant(layer: Layer, operand: str, op: str, ctx: Context) -> np.ndarray | None:
+    """The constant ``layer`` (an ``op`` of two inputs) combines ``operand`` with, or None."""
+    if layer.op_type != op or layer.domain or len(layer.inputs) != 2 or operand not in layer.inputs:
+        return None
+    return ctx.const(layer.inputs[1 - layer.inputs.index(operand)])
+
+
+def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """x quantized over its range as DynamicQuantizeLinear does, centred, the product with the
+    centred weight by the measured route (exact), then times x's scale times the weight's, plus
+    the bias: the float32 steps of the layers it replaces, in their order; split into the
+    branches' outputs where it holds several."""
+    import torch
+
+    from backplane.backends.torch.backend import _numpy_to_torch
+    from backplane.backends.torch.fusion.linear import linear_workload
+
+    a = layer.attrs
+    product = linear_workload(_in_float32(layer), backend)
+    bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
+    w_scale = torch.from_numpy(np.array(a["w_scale"], F32))
+    dtype, splits = compute_type(a), a.get("splits")
+
+    def run(x):
+        centred, scale = dynamic_grid(x.float())
+        (acc,) = product(centred)
+        y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
+        y = y.add_(bias) if bias is not None else y
+        if splits is None:
+            return (y.to(dtype),)
+        return tuple(part.to(dtype).contiguous() for part in y.split(splits, dim=-1))
+    return run
