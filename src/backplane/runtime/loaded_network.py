@@ -472,8 +472,9 @@ class LoadedNetwork:
         backend = layer.backend or ""
         context = self.profiling.get(backend)
         nbytes = None if parts else _nbytes(results)
-        for name, op_type, spent in parts or [(layer.name, layer.op_type, seconds)]:
-            timings.append(LayerTiming(name, op_type, backend, spent, start, nbytes))
+        for name, op_type, spent, *size in parts or [(layer.name, layer.op_type, seconds)]:
+            timings.append(LayerTiming(name, op_type, backend, spent, start,
+                                       size[0] if size else nbytes))
             start += spent
             if context is not None:
                 context.record(name, spent)

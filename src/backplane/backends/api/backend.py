@@ -45,8 +45,8 @@ Workload = Callable[..., tuple[Any, ...]]
 """A prepared call: inputs positional, a tuple of outputs back. Created once at load, run many times.
 
 A workload that runs several layers of its own may also have ``profiled(*inputs) -> (outputs,
-[(layer name, op type, seconds), ...])``: a profiled run then times its layers one by one (CpuAcc's
-OneDnnGraph when it runs its layers one by one).
+[(layer name, op type, seconds[, output bytes]), ...])``: a profiled run then times its layers one by
+one (CpuAcc's OneDnnGraph when it runs its layers one by one).
 
 A workload that can write its outputs into memory it is given may have ``write_into(memory,
 *inputs) -> outputs``, ``memory`` holding per output a tensor of its backend's memory to write that

@@ -215,13 +215,16 @@ def sequence_workload(layers: Sequence[Layer], steps: Sequence[Any], template: d
                 del env[name]
         return tuple(env[n] for n in names_out)
 
-    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float]]]:
+    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float, int]]]:
         env, spent = dict(template), []
         env.update(zip(names_in, values))
         for lay, (workload, reads, writes), drop in zip(layers, steps, dead):
             start = time.perf_counter()
-            env.update(zip(writes, workload(*[env[n] if n else None for n in reads])))
-            spent.append((lay.name, lay.op_type, time.perf_counter() - start))
+            results = workload(*[env[n] if n else None for n in reads])
+            seconds = time.perf_counter() - start
+            env.update(zip(writes, results))
+            spent.append((lay.name, lay.op_type, seconds,
+                          sum(int(getattr(r, "nbytes", 0) or 0) for r in results)))
             for name in drop:
                 del env[name]
         return tuple(env[n] for n in names_out), spent
