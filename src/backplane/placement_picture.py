@@ -274,25 +274,8 @@ def _n(count: int, one: str, many: str | None = None) -> str:
 
 
 def crossing_summary(report: PlacementReport) -> str:
-    """The tensors a run hands across memory, in the words of the report's "a run:" line
-    (``PlacementReport.render``): those between backends by strategy, with the bytes copied, then
-    the caller's inputs and outputs, which ``report.copies`` holds too (from or to "user")
-    ("0 tensors copied and 18 imported between backends (0 bytes copied); to and from the
-    caller: 2 imported")."""
-    between = report.crossings()
-    fallback = between.get("fallback_import", 0)
-    through = f" and {fallback} through fallback memory" if fallback else ""
-    text = (f"{between.get('copy', 0)} tensors copied and {between.get('import', 0)} imported"
-            f"{through} between backends ({report.bytes_copied():,} bytes copied)")
-    caller: dict[str, int] = {}
-    for c in report.copies:
-        if USER in (c.source, c.target):
-            caller[c.strategy] = caller.get(c.strategy, 0) + 1
-    words = {"copy": "copied", "import": "imported", "fallback_import": "through fallback memory"}
-    if caller:
-        text += "; to and from the caller: " + " and ".join(
-            f"{n} {words.get(strategy, strategy)}" for strategy, n in caller.items())
-    return text
+    """``report.crossing_summary()``: the crossings in the report's words."""
+    return report.crossing_summary()
 
 
 def summary(report: PlacementReport) -> str:

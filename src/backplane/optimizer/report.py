@@ -96,6 +96,27 @@ class PlacementReport:
                 found[c.strategy] = found.get(c.strategy, 0) + 1
         return found
 
+    def crossing_summary(self) -> str:
+        """The tensors a run hands across memory, said the same way wherever the report is shown
+        (``render``, ``backplane.placement_picture``'s page and drawing): those between backends
+        by strategy, with the bytes copied, then the caller's inputs and outputs ("0 tensors
+        copied and 18 imported between backends (0 bytes copied); to and from the caller: 2
+        imported")."""
+        between = self.crossings()
+        fallback = between.get("fallback_import", 0)
+        through = f" and {fallback} through fallback memory" if fallback else ""
+        text = (f"{between.get('copy', 0)} tensors copied and {between.get('import', 0)} imported"
+                f"{through} between backends ({self.bytes_copied():,} bytes copied)")
+        caller: dict[str, int] = {}
+        for c in self.copies:
+            if "user" in (c.source, c.target):
+                caller[c.strategy] = caller.get(c.strategy, 0) + 1
+        words = {"copy": "copied", "import": "imported", "fallback_import": "through fallback memory"}
+        if caller:
+            text += "; to and from the caller: " + " and ".join(
+                f"{n} {words.get(strategy, strategy)}" for strategy, n in caller.items())
+        return text
+
     def bytes_copied(self) -> int:
         """The bytes a run copies from one backend to another (the user's tensors aside)."""
         total = 0
@@ -218,17 +239,11 @@ class PlacementReport:
         for backend, reason in self.unavailable.items():
             console.print(Text(f"backend {backend} unavailable: {reason}"))
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
-        console.print(f"{len(self.layers)} layers ({counts}); {len(self.copies)} copies; "
+        console.print(f"{len(self.layers)} layers ({counts}); "
                       f"{len(self.subgraphs)} subgraphs; {len(self.delegations)} delegation tags")
-        if self.partitions:
-            crossing = self.crossings()
-            fallback = crossing.get("fallback_import", 0)
-            through = f" and {fallback} through fallback memory" if fallback else ""
-            console.print(f"a run: {len(self.partitions)} partitions "
-                          f"({' -> '.join(_runs(self.partitions))}), "
-                          f"{crossing.get('copy', 0)} tensors copied and {crossing.get('import', 0)} "
-                          f"imported{through} between backends ({self.bytes_copied():,} bytes "
-                          f"copied)")
+        run = (f"a run: {len(self.partitions)} partitions "
+               f"({' -> '.join(_runs(self.partitions))}), " if self.partitions else "")
+        console.print(Text(run + self.crossing_summary()))
         if self.peak_bytes:
             memory = ", ".join(f"{b}: {_mib(n)} peak + {_mib(self.constant_bytes.get(b, 0))} "
                                f"constants" for b, n in self.peak_bytes.items())
