@@ -293,3 +293,20 @@ def test_an_int8_qoperator_cnn_on_int8_kernels_is_within_a_step_or_two(tmp_path)
     step = 1 / 256
     assert float(np.max(np.abs(got - want))) <= 2 * step * 1.001
     assert float(np.max(np.abs(got - ort_run(onnx.load(str(path)), feeds)[0]))) <= 2 * step * 1.001
+
+
+@pytest.mark.parametrize("name", ["QGemm-quantized-int8", "DynamicQuantizeMatMul"])
+def test_prepacked_products_survive_an_artifact(name: str, tmp_path) -> None:
+    """The fused QGemm's and DynamicQuantMatMul's attributes (weights, scales, y's grid) are
+    stored in a compiled artifact and give CpuRef's outputs when loaded."""
+    import backplane
+    from tests.backends.torch.test_quantized_fusion import placed
+
+    model, feeds = _model(CASES[name])
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    backplane.compile(path, [("CpuAcc", {"compile": "layers"})], tmp_path / "model.bpl")
+    loaded = InferenceSession(tmp_path / "model.bpl")
+    assert [lay.op_type for lay in placed(loaded)] == [PREPACKED[name]]
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    np.testing.assert_array_equal(loaded.run(None, feeds)[0], want)

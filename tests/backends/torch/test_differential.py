@@ -1062,7 +1062,8 @@ def test_every_kernel_is_covered() -> None:
     from backplane.backends.torch.kernels import numeric  # test_kernels_numeric.py covers these
     from backplane.backends.torch.kernels import indexing, recurrent  # test_kernels_<name>.py
     from backplane.backends.torch.kernels import attention, ml, vision  # test_kernels_vision.py
+    from backplane.backends.torch.kernels import contrib_quant  # test_contrib_quant.py
 
     others = {*numeric.KERNELS, *indexing.KERNELS, *recurrent.KERNELS, *vision.KERNELS,
-              *attention.KERNELS, *ml.KERNELS}
+              *attention.KERNELS, *ml.KERNELS, *contrib_quant.KERNELS}
     assert sorted(set(KERNELS) - COVERED - others) == []

@@ -277,6 +277,13 @@ NO_CASE = {
     "QLinearConv": "its float inputs are quantization scales; its data are integers",
     "QLinearMatMul": "its float inputs are quantization scales; its data are integers",
     "ai.onnx.ml::Binarizer": "ONNX Runtime refuses NaN input ('Input data with index: 0 is NaN')",
+    **{f"com.microsoft::{op}": "its float inputs are quantization scales; its data are integers "
+       "(test_contrib_quant.py)" for op in ("QLinearAdd", "QLinearMul", "QLinearSigmoid",
+                                            "QLinearLeakyRelu", "QLinearConcat", "QLinearSoftmax",
+                                            "QLinearGlobalAveragePool", "QLinearAveragePool",
+                                            "QGemm", "MatMulIntegerToFloat")},
+    "com.microsoft::DynamicQuantizeMatMul": "its input is quantized as by DynamicQuantizeLinear "
+                                            "(NaN or Inf: undefined, as there)",
 }
 """Float ops without a case here, and why."""
 
