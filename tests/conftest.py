@@ -59,6 +59,18 @@ def gpu_placements_untimed() -> Iterator[None]:
     against_cpu.DEFAULT = before
 
 
+@pytest.fixture(autouse=True, scope="session")
+def loads_measure_on_busy_machines() -> Iterator[None]:
+    """CpuAcc measures its routes and compiles its subgraphs whatever the load average (the tests
+    test those; xdist's workers alone keep a 2-core machine busy); tests/backends/torch/
+    test_crowded.py tests the busy machine's defaults."""
+    from backplane.backends.torch import threads
+
+    before, threads.CROWDED_CHECK = threads.CROWDED_CHECK, False
+    yield
+    threads.CROWDED_CHECK = before
+
+
 class PartialBackend(Backend):
     """A backend with CpuRef's kernels for a few ops only, sharing host memory with CpuRef."""
 

@@ -27,6 +27,8 @@ with, so each count gets its own copy of the module, compiled at its first use
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,36 @@ from typing import Any
 from backplane.backends.api.backend import OptionError, Workload
 
 AUTO = "auto"
+log = logging.getLogger("backplane.torch")
+CROWDED_CHECK = True
+"""Whether ``crowded`` reads the load average (the test suite's conftest turns it off: its tests
+test what a load measures and compiles, whatever else the machine runs)."""
+_told_crowded = threading.Event()
+
+
+def crowded() -> bool:
+    """Whether more tasks were runnable than this process has CPUs over the last minute (the load
+    average). A load then takes CpuAcc's defaults instead of measuring routes and compiling
+    subgraphs to time them (``fusion.patterns.fastest``, ``onednn_graph``, ``traced``): on a busy
+    machine those took 10-30 s a session and measured the neighbours (the demo model: 18.6 s at
+    load average 3.7 on this 2-core AMD EPYC, 0.38 s without; issue 27, item 5), and nothing so
+    chosen is kept in the route cache: a quiet load measures and compiles them."""
+    if not CROWDED_CHECK:
+        return False
+    try:
+        load = os.getloadavg()[0]
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    except OSError:
+        return False
+    busy = load > (cpus or 1)
+    if busy and not _told_crowded.is_set():
+        _told_crowded.set()
+        log.info("CpuAcc: the machine is busy (load average %.1f on %d CPUs): this process's loads "
+                 "take the default routes and run their subgraphs layer by layer, unmeasured and "
+                 "not kept (a load on a quiet machine measures and compiles them)", load, cpus)
+    return busy
+
+
 PERIOD = 0.25
 """Seconds between two readings of the CPUs' use (a reading costs about 0.1 ms)."""
 SLACK = 0.25

@@ -42,6 +42,7 @@ from backplane.backends.api.backend import BackendOptions, OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
+from backplane.backends.torch import threads
 from backplane.backends.torch.fusion.patterns import fastest, named_type, remembered, seconds
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
@@ -110,7 +111,9 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
         raise OptionError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
     compute = layer.attrs.get("compute")
     description = {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {})}
-    if mode == "layers" or (mode == "auto" and remembered("graph", description, backend) == "layers"):
+    known = remembered("graph", description, backend) if mode == "auto" else None
+    if mode == "layers" or known == "layers" or (mode == "auto" and known is None
+                                                 and threads.crowded()):
         return edges(layer, _named(layers_run(layer, backend), "layers"))  # nothing traced
     progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
     sample = _sample(inputs, layer.attrs.get("channels_last"), compute)

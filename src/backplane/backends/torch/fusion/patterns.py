@@ -201,12 +201,15 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     """The route measured fastest on a sample input, or the one the disk cache remembers for this
     layer on this machine and library (``route_cache``; ``CpuAcc.route_cache`` False skips it).
     ``routes`` are makers: where the route is remembered only that one is made (a route not taken
-    would copy and pack its weights at every load for nothing)."""
-    from backplane.backends.torch import route_cache
+    would copy and pack its weights at every load for nothing). On a busy machine
+    (``threads.crowded``) the first of ``routes`` is taken without measuring, and not kept."""
+    from backplane.backends.torch import route_cache, threads
 
     known = remembered(kind, description, backend)
     if known in routes:
         return routes[known]()  # type: ignore[index]
+    if threads.crowded():  # a busy machine: the first route, unmeasured and not kept
+        return next(iter(routes.values()))()
     progress.count("CpuAcc: routes measured")
     made = {name: make() for name, make in routes.items()}
     sample = make_sample()

@@ -40,6 +40,7 @@ from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch.fusion import onednn_graph
+from backplane.backends.torch import threads
 from backplane.backends.torch.fusion.patterns import fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
@@ -180,8 +181,9 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
 
     def chosen() -> Workload:
         known = remembered("traced", description, backend) if mode == "auto" else None
-        if mode == "layers" or known == "layers":
-            return layers()
+        if mode == "layers" or known == "layers" or (mode == "auto" and known is None
+                                                     and threads.crowded()):
+            return layers()  # a busy machine: not traced, not timed, not kept
         if known == "traced":  # an artifact's load, or measured before: traced at the first run
             return _deferred(layer, backend, inputs, layers)
         sample = _sample(layer, inputs)

@@ -1,0 +1,48 @@
+"""A load on a busy machine (``threads.crowded``: the load average above this process's CPUs)
+takes CpuAcc's defaults: the first route of each layer unmeasured, subgraphs layer by layer, nothing
+kept in the route cache; a route kept by an earlier load is still taken (issue 27, item 5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backplane.backends.torch import route_cache, threads  # noqa: E402
+from backplane.backends.torch.fusion import patterns  # noqa: E402
+from tests.backends.torch.test_onednn_graph import MODEL, _graph_workload, _session  # noqa: E402
+from tests.models.test_models import DATA, assert_close, ort_outputs  # noqa: E402
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(route_cache.CACHE_VARIABLE, str(tmp_path))
+    return tmp_path / route_cache.FILE_NAME
+
+
+@pytest.mark.parametrize("load, cpus, expected", [(3.7, 2, True), (2.0, 2, False), (0.4, 2, False),
+                                                  (9.0, 16, False)])
+def test_busy_is_more_runnable_tasks_than_cpus(load, cpus, expected, monkeypatch) -> None:
+    monkeypatch.setattr(threads, "CROWDED_CHECK", True)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert threads.crowded() is expected
+
+
+def test_a_busy_load_measures_nothing_compiles_nothing_and_keeps_nothing(cache, monkeypatch) -> None:
+    monkeypatch.setattr(threads, "crowded", lambda: True)
+    monkeypatch.setattr(patterns, "seconds", lambda *a, **k: pytest.fail("a route was timed"))
+    session = _session(MODEL)
+    assert _graph_workload(session).route == "layers"
+    assert not cache.exists()  # no route kept
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    assert_close(session.run(None, feeds), ort_outputs(MODEL, feeds))
+
+
+def test_a_route_kept_by_a_quiet_load_is_taken_when_busy(cache, monkeypatch) -> None:
+    quiet = _graph_workload(_session(MODEL)).route  # measured and kept
+    assert cache.exists()
+    monkeypatch.setattr(threads, "crowded", lambda: True)
+    monkeypatch.setattr(patterns, "seconds", lambda *a, **k: pytest.fail("a route was timed"))
+    assert _graph_workload(_session(MODEL)).route == quiet
