@@ -46,3 +46,15 @@ def test_a_route_kept_by_a_quiet_load_is_taken_when_busy(cache, monkeypatch) -> 
     monkeypatch.setattr(threads, "crowded", lambda: True)
     monkeypatch.setattr(patterns, "seconds", lambda *a, **k: pytest.fail("a route was timed"))
     assert _graph_workload(_session(MODEL)).route == quiet
+
+
+def test_the_cli_says_how_each_compiled_subgraph_runs_and_why(cache, monkeypatch) -> None:
+    from backplane.cli import compiled_routes
+
+    (measured,) = compiled_routes(_session(MODEL))
+    assert measured.startswith("OneDnnGraph[") and "measured fastest at load" in measured
+    (kept,) = compiled_routes(_session(MODEL))
+    assert "kept in the route cache" in kept
+    monkeypatch.setattr(threads, "crowded", lambda: True)
+    (forced,) = compiled_routes(_session(MODEL, "layers"))
+    assert forced.endswith("layers, CpuAcc.compile=layers")

@@ -43,7 +43,8 @@ from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
 from backplane.backends.torch import threads
-from backplane.backends.torch.fusion.patterns import fastest, named_type, remembered, seconds
+from backplane.backends.torch.fusion.patterns import (because, fastest, named_type, remembered,
+                                                      seconds)
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -112,16 +113,19 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     compute = layer.attrs.get("compute")
     description = {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {})}
     known = remembered("graph", description, backend) if mode == "auto" else None
-    if mode == "layers" or known == "layers" or (mode == "auto" and known is None
-                                                 and threads.crowded()):
-        return edges(layer, _named(layers_run(layer, backend), "layers"))  # nothing traced
+    busy = mode == "auto" and known is None and threads.crowded()
+    if mode == "layers" or known == "layers" or busy:  # nothing traced
+        why = ("CpuAcc.compile=layers" if mode == "layers" else "kept in the route cache"
+               if known == "layers" else "a busy machine: not compiled, unmeasured")
+        return edges(layer, because(_named(layers_run(layer, backend), "layers"), why))
     progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
     sample = _sample(inputs, layer.attrs.get("channels_last"), compute)
     compiled = _compiled(layer, backend, sample)
     if compiled is None:
-        return edges(layer, _named(layers_run(layer, backend), "layers"))
+        return edges(layer, because(_named(layers_run(layer, backend), "layers"),
+                                    "oneDNN Graph could not compile it"))
     if mode == "onednn_graph":
-        return edges(layer, compiled)
+        return edges(layer, because(compiled, "CpuAcc.compile=onednn_graph"))
     return edges(layer, fastest("graph", description,
                                 {"onednn_graph": lambda: compiled,
                                  "layers": lambda: _named(layers_run(layer, backend), "layers")},

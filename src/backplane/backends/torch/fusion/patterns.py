@@ -207,16 +207,30 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
 
     known = remembered(kind, description, backend)
     if known in routes:
-        return routes[known]()  # type: ignore[index]
+        return because(routes[known](), f"{known}: kept in the route cache")  # type: ignore[index]
     if threads.crowded():  # a busy machine: the first route, unmeasured and not kept
-        return next(iter(routes.values()))()
+        first = next(iter(routes))
+        return because(routes[first](), f"{first}: the default on a busy machine, unmeasured")
     progress.count("CpuAcc: routes measured")
     made = {name: make() for name, make in routes.items()}
     sample = make_sample()
-    name = min(made, key=lambda n: seconds(made[n], *sample))
+    times = {n: seconds(made[n], *sample) for n in made}
+    name = min(made, key=times.__getitem__)
     if backend.options.get("CpuAcc.route_cache", True):
         route_cache.store(route_cache.key(kind, description), name)
-    return made[name]
+    others = ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items() if n != name)
+    return because(made[name], f"{name}: measured fastest at load, {times[name] * 1e3:.3f} ms "
+                               f"({others})")
+
+
+def because(run: Any, why: str) -> Any:
+    """``run`` with ``why`` it was chosen (``run.why``: the CLI's and the debug knob's "why this
+    route"), where it takes attributes."""
+    try:
+        run.why = why
+    except AttributeError:  # a callable without a __dict__
+        pass
+    return run
 
 
 COMPUTE_TYPES = ("float32", "bfloat16", "float16")

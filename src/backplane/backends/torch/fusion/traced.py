@@ -41,7 +41,7 @@ from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch.fusion import onednn_graph
 from backplane.backends.torch import threads
-from backplane.backends.torch.fusion.patterns import fastest, remembered
+from backplane.backends.torch.fusion.patterns import because, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -181,17 +181,20 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
 
     def chosen() -> Workload:
         known = remembered("traced", description, backend) if mode == "auto" else None
-        if mode == "layers" or known == "layers" or (mode == "auto" and known is None
-                                                     and threads.crowded()):
-            return layers()  # a busy machine: not traced, not timed, not kept
+        busy = mode == "auto" and known is None and threads.crowded()
+        if mode == "layers" or known == "layers" or busy:  # busy: not traced, timed nor kept
+            return because(layers(), "CpuAcc.compile=layers" if mode == "layers" else
+                           "kept in the route cache" if known == "layers" else
+                           "a busy machine: not traced, unmeasured")
         if known == "traced":  # an artifact's load, or measured before: traced at the first run
-            return _deferred(layer, backend, inputs, layers)
+            return because(_deferred(layer, backend, inputs, layers),
+                           "kept in the route cache: traced at the first run")
         sample = _sample(layer, inputs)
         compiled = compile_traced(layer, backend, sample)
         if compiled is None:
-            return layers()
+            return because(layers(), "could not be traced")
         if mode == "onednn_graph":
-            return compiled
+            return because(compiled, "CpuAcc.compile=onednn_graph")
         return fastest("traced", description, {"traced": lambda: compiled, "layers": layers},
                        lambda: sample, backend)
 
