@@ -89,7 +89,8 @@ def small_cnn(path: Path) -> Path:
         nodes, "small_cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
         [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, 10])],
         [numpy_helper.from_array(v, k) for k, v in weights.items()])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)],
+                                ir_version=8), str(path))  # ONNX Runtime 1.30 reads IR 13 at most
     return path
 
 
