@@ -16,10 +16,14 @@ ways at load and keeps the faster:
 3. The CPU's network is kept where its median is below the GPU's by MARGIN or more, and the other
    one is unloaded; a warning then says so, with both medians and the layers GpuAcc would have run.
 
+A model with a free dimension other than the first of an input (an image's height and width, a
+sequence's length: seeded at 1 they make inputs the model refuses, or whose time says nothing of
+the real ones) is timed the same way at its first ``InferenceSession.run``, on the caller's
+inputs, which that run then pays for (building the CPU's network and the turns).
+
 ``GpuAcc.against_cpu="off"`` keeps GpuAcc's placement untimed. Not timed (GpuAcc's placement kept):
-models with a free dimension other than the first of an input (``_seedable``), artifacts and
-compile-cache entries (placed when compiled), networks with a layer pinned to GpuAcc, and seeded
-runs that fail. It adds 0.1-0.8 s to the load of a small model (the corpus on the H100 machine). Weights of a model timed both ways stay in memory (the graph is not
+artifacts and compile-cache entries (placed when compiled), networks with a layer pinned to GpuAcc,
+and runs that fail. It adds 0.1-0.8 s to the load of a small model (the corpus on the H100 machine). Weights of a model timed both ways stay in memory (the graph is not
 released to its file, ``InferenceSession._give_up_weights``): this happens only for models a GPU
 runs in under LIMIT_MS.
 """
@@ -62,7 +66,13 @@ def applies(ids: Sequence[str], network: OptimizedNetwork, options: Mapping[str,
     rest = [i for i in ids if i != "GpuAcc"]
     if not CPU_BACKENDS & set(rest) or "GpuAcc" in pins.values():
         return None
-    return rest if _seedable(network.graph) else None
+    return rest
+
+
+def at_load(graph: Any) -> bool:
+    """Whether the model is timed both ways at load, on seeded inputs (``seedable``), or at its
+    first run, on the caller's."""
+    return _seedable(graph)
 
 
 def _seedable(graph: Any) -> bool:
@@ -80,10 +90,13 @@ def _seedable(graph: Any) -> bool:
 
 
 def choose(runtime: Runtime, gpu: OptimizedNetwork, gpu_id: int,
-           make_cpu: Callable[[], OptimizedNetwork]) -> tuple[OptimizedNetwork, int]:
+           make_cpu: Callable[[], OptimizedNetwork],
+           feeds: Mapping[str, Any] | None = None) -> tuple[OptimizedNetwork, int]:
     """The network to keep, loaded, and its id: ``gpu`` (loaded as ``gpu_id``) or the one
-    ``make_cpu`` places without GpuAcc, whichever runs the model faster (see above)."""
-    feeds = _seeded_inputs(gpu.graph)
+    ``make_cpu`` places without GpuAcc, whichever runs the model faster on ``feeds`` (seeded
+    inputs where None; see above)."""
+    inputs = "seeded inputs" if feeds is None else "the first run's inputs"
+    feeds = _seeded_inputs(gpu.graph) if feeds is None else feeds
     try:
         first = _warm(runtime, gpu_id, feeds)
     except Exception as exc:  # noqa: BLE001  # a seeded run may fail where real inputs would not
@@ -106,9 +119,9 @@ def choose(runtime: Runtime, gpu: OptimizedNetwork, gpu_id: int,
     runtime.unload(gpu_id)
     placed = ", ".join(f"{b}: {n} layers" for b, n in cpu.report.counts().items())
     log.warning("GpuAcc: this model runs faster without the GPU, %.3f ms a run against %.3f ms "
-                "with GpuAcc's %d layers (seeded inputs, medians); placed on %s. "
+                "with GpuAcc's %d layers (%s, medians); placed on %s. "
                 "%s='off' keeps GpuAcc's placement", ms["cpu"], ms["gpu"],
-                gpu.report.counts().get("GpuAcc", 0), placed, OPTION)
+                gpu.report.counts().get("GpuAcc", 0), inputs, placed, OPTION)
     cpu.report.warnings.append(
         f"GpuAcc's placement ran {ms['gpu']:.3f} ms a run, this one {ms['cpu']:.3f} ms: the model "
         f"was placed without GpuAcc ({OPTION}='off' keeps GpuAcc's)")

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -235,11 +236,15 @@ class InferenceSession:
                         registry=self.runtime.registry, backend_options=chosen))
             loading = time.perf_counter()
             self.network_id = self.runtime.load(self.optimized)
+            self._against_cpu: Callable[[], OptimizedNetwork] | None = None
             if without_gpu is not None:  # timed against the CPU: see backplane.against_cpu
-                self.optimized, self.network_id = against_cpu.choose(
-                    self.runtime, self.optimized, self.network_id, lambda: optimize(
-                        self.graph, without_gpu, pins=all_pins, options=optimizer_options,
-                        registry=self.runtime.registry, backend_options=chosen))
+                self._against_cpu = lambda: optimize(
+                    self.graph, without_gpu, pins=all_pins, options=optimizer_options,
+                    registry=self.runtime.registry, backend_options=chosen)
+                if against_cpu.at_load(self.graph):
+                    self.optimized, self.network_id = against_cpu.choose(
+                        self.runtime, self.optimized, self.network_id, self._against_cpu)
+                    self._against_cpu = None
             loaded = time.perf_counter()
         self.optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
         self._outputs = list(self.optimized.output_names)
@@ -247,6 +252,7 @@ class InferenceSession:
                                   for layer in net.graph.layers)
         self._trace: Trace | None = None
         self._closed = False
+        self._choosing = threading.Lock()  # the first run's choice against the CPU, made once
         _log.info("imported in %.3f s, placed in %.3f s (%s), loaded in %.3f s",
                   optimized - start, loading - optimized,
                   ", ".join(f"{b}: {n} layers" for b, n in self.optimized.report.counts().items()),
@@ -343,7 +349,25 @@ class InferenceSession:
         if self._fast and run_options is None:
             return self._select(output_names, self.runtime.run(self.network_id, input_feed))
         self._check_open()
+        if self._against_cpu is not None:
+            self._time_against_cpu(input_feed)
         return self._run(output_names, input_feed, run_options)[0]
+
+    def _time_against_cpu(self, input_feed: Mapping[str, Any]) -> None:
+        """At the first run of a model free in more than its batch, GpuAcc's placement timed
+        against the CPU's on these inputs, the faster kept (``backplane.against_cpu``)."""
+        with self._choosing:
+            make_cpu, self._against_cpu = self._against_cpu, None
+            if make_cpu is not None:
+                with log_scope(self._severity):
+                    _, self.network_id = against_cpu.choose(
+                        self.runtime, self.optimized, self.network_id, make_cpu, dict(input_feed))
+                self.optimized = self.runtime.network(self.network_id).network  # as loaded
+                self._outputs = list(self.optimized.output_names)
+                self._builds_at_run = any(layer.op_type == "Specialized"
+                                          for net in within(self.optimized)
+                                          for layer in net.graph.layers)
+                self._update_fast_path()
 
     def run_profiled(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
                      run_options: RunOptions | None = None,
@@ -395,7 +419,8 @@ class InferenceSession:
 
     def _update_fast_path(self) -> None:
         self._fast = (self._trace is None and self._severity == 2 and not self._closed
-                      and not (self._cache_dir and self._builds_at_run))
+                      and not (self._cache_dir and self._builds_at_run)
+                      and self._against_cpu is None)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -39,3 +39,25 @@ def test_a_model_without_work_is_kept_on_the_cpu_unless_asked(choice, caplog) ->
         assert "GpuAcc" not in session.report.counts() and moved
     else:
         assert session.report.counts() == {"GpuAcc": 2} and not moved
+
+
+def _free_length_model() -> bytes:
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "c"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+        "tiny_free", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, "L", 8))],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, (1, "L", 8))],
+        [helper.make_tensor("c", TensorProto.FLOAT, (8,), np.arange(8, dtype=np.float32))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_a_model_free_in_its_length_is_timed_at_its_first_run(caplog) -> None:
+    session = InferenceSession(_free_length_model(), providers=[
+        ("GpuAcc", {"against_cpu": "auto"}), "CpuAcc", "CpuRef"])
+    assert "GpuAcc" in session.report.counts()  # not timed at load: its length is free
+    x = np.linspace(-4, 4, 40, dtype=np.float32).reshape(1, 5, 8)
+    with caplog.at_level(logging.WARNING, logger="backplane"):
+        out = session.run(None, {"x": x})[0]
+    np.testing.assert_array_equal(out, np.maximum(x + np.arange(8, dtype=np.float32), 0))
+    assert "GpuAcc" not in session.report.counts()
+    assert any("the first run's inputs" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], out)  # the fast path after
