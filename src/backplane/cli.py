@@ -38,6 +38,7 @@ from backplane.optimizer.report import print_table, unfolded_table
 from backplane.runtime.loaded_network import ExecutionError, LayerTiming
 from backplane.runtime.runtime import InvalidInputError
 from backplane import run_inputs
+from backplane.bench_worker import option_value
 from backplane.run_inputs import key_value as _key_value
 from backplane.run_inputs import random_input  # noqa: F401  # backplane.cli.random_input, as before
 from backplane.session import InferenceSession, SessionOptions, default_backends
@@ -272,16 +273,6 @@ def _backends_line(args: argparse.Namespace, session: InferenceSession) -> Text:
     how = " (the fastest available: --backends to choose)" \
         if getattr(args, "default_backends", False) else ""
     return Text(f"backends: {', '.join(session.get_providers())}{how}")
-
-
-def option_value(text: str) -> Any:
-    """An option's value as written: true / false, a number, or the text itself."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        return json.loads(text) if text[:1].isdigit() or text[:1] == "-" else text
-    except ValueError:
-        return text
 
 
 def _session(args: argparse.Namespace, profiling: bool = False) -> InferenceSession:
