@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -169,13 +170,8 @@ def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
         return float_route()
 
     def made() -> Any:
-        try:
-            run = int8_linear_route(layer) if linear else int8_route(layer)
-        except (RuntimeError, AttributeError) as exc:  # a torch without quantized tensors
-            log.debug("%s: no int8 route (%s); the float one", layer.name, exc)
-            return float_route()
-        run.route = "int8"  # type: ignore[attr-defined]
-        return run
+        return _int8_or_float(lambda: int8_linear_route(layer) if linear else int8_route(layer),
+                              float_route, layer.name)
     if mode == "kernels":
         return made()
     conv = inner.attrs
@@ -330,13 +326,7 @@ def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
         return float_route()
 
     def made() -> Any:
-        try:
-            run = qlinear_int8_route(layer)
-        except (RuntimeError, AttributeError) as exc:  # a torch without quantized tensors
-            log.debug("%s: no int8 route (%s); the float one", layer.name, exc)
-            return float_route()
-        run.route = "int8"  # type: ignore[attr-defined]
-        return run
+        return _int8_or_float(lambda: qlinear_int8_route(layer), float_route, layer.name)
     if mode == "kernels":
         return made()
     a = layer.attrs
@@ -364,3 +354,15 @@ def _mode(backend: Any) -> str:
     if mode not in MODES:
         raise OptionError(f"CpuAcc.int8 {mode!r} is not one of {', '.join(MODES)}")
     return mode
+
+
+def _int8_or_float(make: Callable[[], Any], float_route: Callable[[], Any], name: str) -> Any:
+    """The int8 route ``make`` makes, named so; the float one where torch has no quantized
+    tensors (a build without them)."""
+    try:
+        run = make()
+    except (RuntimeError, AttributeError) as exc:
+        log.debug("%s: no int8 route (%s); the float one", name, exc)
+        return float_route()
+    run.route = "int8"
+    return run
