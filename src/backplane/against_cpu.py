@@ -8,7 +8,7 @@ of a session put layers on GpuAcc and also list CpuAcc or OpenVINO, ``choose`` t
 ways at load and keeps the faster:
 
 1. The network as placed (GpuAcc's) is loaded, run WARMUP times on seeded inputs (floats normal,
-   integers 0 or 1, free dimensions at 1: measured placement's), and timed. Where its median is
+   integers 0 or 1, a free batch at 1: measured placement's), and timed. Where its median is
    LIMIT_MS or more, the model has work enough for the GPU: it is kept, and nothing else is built.
 2. Otherwise the network placed without GpuAcc is optimized and loaded too, and both are timed in
    turns (GPU, CPU, then CPU, GPU, ...), TURN runs a turn, each turn after a run of its own, until
@@ -23,9 +23,10 @@ inputs, which that run then pays for (building the CPU's network and the turns).
 
 ``GpuAcc.against_cpu="off"`` keeps GpuAcc's placement untimed. Not timed (GpuAcc's placement kept):
 artifacts and compile-cache entries (placed when compiled), networks with a layer pinned to GpuAcc,
-and runs that fail. It adds 0.1-0.8 s to the load of a small model (the corpus on the H100 machine). Weights of a model timed both ways stay in memory (the graph is not
-released to its file, ``InferenceSession._give_up_weights``): this happens only for models a GPU
-runs in under LIMIT_MS.
+and runs that fail. It adds 0.1-0.8 s to the load (or the first run) of a small model (the corpus
+on the H100 machine). The weights of a session that may time both ways stay in memory (its graph is
+not released to the model file, ``InferenceSession._give_up_weights``): the CPU's network is made
+from it.
 """
 
 from __future__ import annotations
