@@ -22,7 +22,7 @@ the real ones) is timed the same way at its first ``InferenceSession.run``, on t
 inputs, which that run then pays for (building the CPU's network and the turns).
 
 ``GpuAcc.against_cpu="off"`` keeps GpuAcc's placement untimed. Not timed (GpuAcc's placement kept):
-artifacts and compile-cache entries (placed when compiled), networks with a layer pinned to GpuAcc,
+models of more than MAX_WEIGHT_BYTES of weights, artifacts and compile-cache entries (placed when compiled), networks with a layer pinned to GpuAcc,
 and runs that fail. It adds 0.1-0.8 s to the load (or the first run) of a small model (the corpus
 on the H100 machine). The weights of a session that may time both ways stay in memory (its graph is
 not released to the model file, ``InferenceSession._give_up_weights``): the CPU's network is made
@@ -54,6 +54,9 @@ WARMUP = 3
 LIMIT_MS = 10.0
 TURN, RUNS, BUDGET_S = 5, 25, 0.5
 MARGIN = 0.10
+MAX_WEIGHT_BYTES = 64 << 20
+"""Models with more weights are not timed both ways: the CPU's network would cost seconds of load
+and its weights' memory for a model whose size gives the GPU work enough (BERT-base: 440 MB)."""
 
 
 def applies(ids: Sequence[str], network: OptimizedNetwork, options: Mapping[str, Any],
@@ -67,7 +70,8 @@ def applies(ids: Sequence[str], network: OptimizedNetwork, options: Mapping[str,
     rest = [i for i in ids if i != "GpuAcc"]
     if not CPU_BACKENDS & set(rest) or "GpuAcc" in pins.values():
         return None
-    return rest
+    weights = sum(getattr(v, "nbytes", 0) for v in network.graph.constants.values())
+    return rest if weights <= MAX_WEIGHT_BYTES else None
 
 
 def at_load(graph: Any) -> bool:

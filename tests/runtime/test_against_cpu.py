@@ -197,3 +197,14 @@ def test_a_model_free_in_its_image_is_timed_on_the_first_runs_inputs(caplog, mon
     assert kept is not slow and "CpuRef" not in kept.report.counts()
     assert any("the first run's inputs" in r.getMessage() for r in caplog.records)
     assert runtime.run(kept_id, {"x": x})[0].shape == (1, 16, 24, 40)
+
+
+def test_a_model_with_many_weights_is_not_timed(monkeypatch) -> None:
+    """Its CPU network would cost seconds of load and its weights' memory again."""
+    placed = _placed({"GpuAcc": 6})
+    weights = sum(v.nbytes for v in placed.graph.constants.values())
+    ids, options = ["GpuAcc", "CpuAcc", "CpuRef"], {"GpuAcc.against_cpu": "auto"}
+    monkeypatch.setattr(against_cpu, "MAX_WEIGHT_BYTES", weights)
+    assert against_cpu.applies(ids, placed, options, {}) == ["CpuAcc", "CpuRef"]
+    monkeypatch.setattr(against_cpu, "MAX_WEIGHT_BYTES", weights - 1)
+    assert against_cpu.applies(ids, placed, options, {}) is None
