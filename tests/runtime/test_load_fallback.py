@@ -98,3 +98,45 @@ def test_a_fused_layer_gives_up_every_model_layer_inside_it() -> None:
     want = InferenceSession(small_cnn_model(), backends=["CpuRef"]).run(None, {"x": X})[0]
     got = runtime.run(runtime.network(1).network_id, {"x": X})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _loop_model(inner: str = "body_relu"):
+    """y = Loop(3 times) { v = Relu(v + 1) } over x, the body's Relu named ``inner``."""
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [helper.make_node("Add", ["v_in", "one"], ["s"], name="body_add"),
+         helper.make_node("Relu", ["s"], ["v_out"], name=inner),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond")],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["n", "", "x"], ["y"], name="loop", body=body)], "loop",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor("n", TensorProto.INT64, [], [3])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+class BrittleInBodies(Brittle):
+    id = "TestBrittleBody"
+    breaks = ("body_relu",)
+
+
+def test_a_layer_inside_a_loop_body_falls_back_too() -> None:
+    """000: "Arm NN will try to re-allocate these parts on other backends if available." A layer
+    of a Loop's body whose workload its backend cannot create goes to the next backend, and the
+    report names it by its path."""
+    x = np.array([[-5.0, -1.5, 0.5, 2.0]], np.float32)
+    with registry.temporarily(BrittleInBodies.id, BrittleInBodies):
+        session = InferenceSession(_loop_model(), backends=["TestBrittleBody", "CpuRef"])
+    placed = session.report.layers["loop/body/body_relu"]
+    assert placed.backend == "CpuRef"
+    assert placed.refusals[0][0] == "TestBrittleBody"
+    assert session.report.layers["loop/body/body_add"].backend == "TestBrittleBody"
+    want = InferenceSession(_loop_model(), backends=["CpuRef"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], want)

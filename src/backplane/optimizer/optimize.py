@@ -166,7 +166,8 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
     _assign(graph, available, pins, report, excluded=exclusions)
     for layer in graph.layers:
         if layer.backend == BUILTIN and layer.op_type in CONTROL_FLOW_OPS:
-            _optimize_bodies(layer, graph, backends, pins, options, registry, report, backend_options)
+            _optimize_bodies(layer, graph, backends, pins, options, registry, report, backend_options,
+                             exclusions)
     if options.placement == "measured":
         measured.place(graph, available, pins, report, exclusions, registry, backend_options)
     _optimize_subgraphs(graph, available, pins, report, exclusions)
@@ -363,18 +364,23 @@ def _free_names(graph: Graph) -> list[str]:
 
 def _optimize_bodies(layer: Layer, graph: Graph, backends: Sequence[str], pins: Mapping[str, str],
                      options: OptimizerOptions, registry: BackendRegistry,
-                     report: PlacementReport, backend_options: Mapping[str, object]) -> None:
-    """Place the layers of a control-flow layer's bodies like any others; their report joins ours."""
+                     report: PlacementReport, backend_options: Mapping[str, object],
+                     exclusions: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    """Place the layers of a control-flow layer's bodies like any others; their report joins ours.
+    ``exclusions`` of a body's layers are named by their path ("loop/body/conv", as the report
+    names them)."""
     attrs = dict(layer.attrs)
     for name in CONTROL_FLOW_OPS[layer.op_type]:
         body: Graph = attrs[name]
         for outer in body.inputs:
             if outer not in body.tensors:
                 body.tensors[outer] = graph.info(outer)
-        net = _optimize(body, backends, pins=pins, options=options, registry=registry,
-                       backend_options=backend_options)
-        attrs[name] = net
         path = f"{layer.name}/{name}/"
+        mine = {key[len(path):]: reasons for key, reasons in (exclusions or {}).items()
+                if key.startswith(path)}
+        net = _optimize(body, backends, pins=pins, options=options, registry=registry,
+                       backend_options=backend_options, exclude=mine)
+        attrs[name] = net
         for inner, placement in net.report.layers.items():
             placement.name = f"{path}{inner}"
             placement.tag = placement.tag and f"{path}{placement.tag}"

@@ -256,7 +256,10 @@ class Runtime:
 def _without(network: OptimizedNetwork, failure: WorkloadError) -> OptimizedNetwork:
     """``network`` optimized again with ``failure``'s backend kept from its layer's model layers,
     or ``failure`` raised where that cannot be (strict mode, a builtin layer, nothing to remake)."""
-    names = network.layers_behind(failure.layer)
+    failure = _innermost(failure)
+    path = getattr(failure, "body_path", "")  # a layer of a control-flow body, at any depth
+    inner = getattr(failure, "body_network", network)
+    names = [f"{path}{name}" for name in inner.layers_behind(failure.layer)]
     known = [name for name in names if failure.backend in network.exclusions.get(name, {})]
     if network.options.strict or network.remake is None or not names or known \
             or failure.backend == "builtin" or isinstance(failure.__cause__, OptionError):
@@ -271,6 +274,15 @@ def _without(network: OptimizedNetwork, failure: WorkloadError) -> OptimizedNetw
     remade = network.remake(exclusions)
     remade.report.warnings.append(message)
     return remade
+
+
+def _innermost(failure: WorkloadError) -> WorkloadError:
+    """The failure of a body's layer where ``failure`` is its control-flow layer's (builtin's,
+    raised from loading the body), else ``failure``."""
+    while failure.backend == "builtin" and isinstance(failure.__cause__, WorkloadError) \
+            and hasattr(failure.__cause__, "body_path"):
+        failure = failure.__cause__
+    return failure
 
 
 def within(network: OptimizedNetwork) -> list[OptimizedNetwork]:

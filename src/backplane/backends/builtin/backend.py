@@ -73,10 +73,8 @@ class BuiltinWorkloadFactory(WorkloadFactory):
         if layer.op_type == "MemImport":
             return make_mem_import(layer.attrs["source"], layer.attrs["target"])
         if layer.op_type in CONTROL_FLOW_OPS:
-            from backplane.runtime.loaded_network import LoadedNetwork  # the runtime loads bodies
-
-            bodies = [LoadedNetwork(self._folded(layer, layer.attrs[name]), self.network_id)
-                      for name in CONTROL_FLOW_OPS[layer.op_type]]
+            bodies = [_loaded_body(layer, name, self._folded(layer, layer.attrs[name]),
+                                   self.network_id) for name in CONTROL_FLOW_OPS[layer.op_type]]
             workload = _control_flow(layer, bodies)
             workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
             workload.bodies = bodies  # type: ignore[attr-defined]  # closed with the network
@@ -94,6 +92,26 @@ class BuiltinWorkloadFactory(WorkloadFactory):
         inner = body.input_names[len(body.input_names) - captured:]
         known = {name: constants[given] for name, given in zip(inner, outer) if given in constants}
         return fold_outer_constants(body, known)
+
+
+def _loaded_body(layer: Layer, name: str, body: OptimizedNetwork, network_id: int) -> LoadedNetwork:
+    """``layer``'s body ``name`` loaded. Where a backend cannot create the workload of one of its
+    layers, the error says where that layer is (``body_path``, "loop/body/", as the report names a
+    body's layers) and in which network (``body_network``): the runtime then makes the whole
+    network again without that backend for it (``runtime._without``), as for any other layer."""
+    from backplane.runtime.loaded_network import LoadedNetwork, WorkloadError
+
+    try:
+        return LoadedNetwork(body, network_id)
+    except WorkloadError as exc:
+        failed = exc  # a body inside this one failed: its layer's error, under its own path
+        while failed.backend == "builtin" and isinstance(failed.__cause__, WorkloadError) \
+                and hasattr(failed.__cause__, "body_path"):
+            failed = failed.__cause__
+        if not hasattr(failed, "body_path"):
+            failed.body_path, failed.body_network = "", body  # type: ignore[attr-defined]
+        failed.body_path = f"{layer.name}/{name}/{failed.body_path}"  # type: ignore[attr-defined]
+        raise
 
 
 def _control_flow(layer: Layer, bodies: list[LoadedNetwork]) -> Workload:
