@@ -1063,7 +1063,8 @@ def test_every_kernel_is_covered() -> None:
     from backplane.backends.torch.kernels import indexing, recurrent  # test_kernels_<name>.py
     from backplane.backends.torch.kernels import attention, ml, vision  # test_kernels_vision.py
     from backplane.backends.torch.kernels import contrib_quant  # test_contrib_quant.py
+    from backplane.backends.torch.kernels import contrib_transformer  # test_contrib_transformer
 
     others = {*numeric.KERNELS, *indexing.KERNELS, *recurrent.KERNELS, *vision.KERNELS,
-              *attention.KERNELS, *ml.KERNELS, *contrib_quant.KERNELS}
+              *attention.KERNELS, *ml.KERNELS, *contrib_quant.KERNELS, *contrib_transformer.KERNELS}
     assert sorted(set(KERNELS) - COVERED - others) == []

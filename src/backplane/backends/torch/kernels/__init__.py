@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
 from backplane.backends.torch.kernels import attention, contrib_quant, ml, vision
+from backplane.backends.torch.kernels import contrib_transformer
 
 KERNELS = {
     **elementwise.KERNELS,
@@ -18,6 +19,7 @@ KERNELS = {
     **attention.KERNELS,
     **ml.KERNELS,
     **contrib_quant.KERNELS,  # ONNX Runtime's com.microsoft quantized ops
+    **contrib_transformer.KERNELS,  # its transformer fusions (normalizations, GELUs)
 }
 
 CHECKS = {

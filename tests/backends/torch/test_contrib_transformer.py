@@ -1,0 +1,81 @@
+"""ONNX Runtime's transformer fusions on CpuAcc (``torch/kernels/contrib_transformer.py``): each one
+node against CpuRef (finite inputs, then NaN and +-Inf ones: the same positions NaN), and an
+optimized BERT from ONNX Runtime's transformer optimizer with them on CpuAcc, against ONNX Runtime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+torch = pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from tests.conftest import make_model  # noqa: E402
+
+MS = "com.microsoft"
+RNG = np.random.default_rng(7)
+SHAPE = (2, 3, 8)
+
+
+def _vec() -> np.ndarray:
+    return RNG.standard_normal(SHAPE[-1]).astype(np.float32)
+
+
+# op, domain, float inputs (name -> value: None for a data input of SHAPE), attributes, outputs
+CASES = {
+    "SkipLayerNormalization": (MS, {"input": None, "skip": None, "gamma": _vec(), "beta": _vec(),
+                                    "bias": _vec()}, {"epsilon": 1e-5}, 4),
+    "SkipSimplifiedLayerNormalization": (MS, {"input": None, "skip": None, "gamma": _vec()},
+                                         {"epsilon": 1e-6}, 4),
+    "SimplifiedLayerNormalization": ("", {"X": None, "scale": _vec()}, {"epsilon": 1e-6}, 2),
+    "Gelu": (MS, {"X": None}, {}, 1),
+    "BiasGelu": (MS, {"A": None, "B": _vec()}, {}, 1),
+    "FastGelu": (MS, {"X": None, "bias": _vec()}, {}, 1),
+    "QuickGelu": (MS, {"X": None}, {"alpha": 1.5}, 1),
+    "BiasAdd": (MS, {"X": None, "bias": _vec(), "skip": None}, {}, 1),
+}
+
+
+def _model(op: str):
+    domain, inputs, attrs, n_out = CASES[op]
+    data = [n for n, v in inputs.items() if v is None]
+    node = helper.make_node(op, list(inputs), [f"y{i}" for i in range(n_out)], domain=domain, **attrs)
+    model = make_model([node], [helper.make_tensor_value_info(n, TensorProto.FLOAT, SHAPE) for n in data],
+                       [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None)
+                        for i in range(n_out)],
+                       [helper.make_tensor(n, TensorProto.FLOAT, v.shape, v) for n, v in inputs.items()
+                        if v is not None])
+    if domain:
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+    return model, data
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan_inf"])
+@pytest.mark.parametrize("op", CASES)
+def test_each_fusion_on_cpuacc_is_cpurefs(op: str, special: bool) -> None:
+    model, data = _model(op)
+    feeds = {n: (RNG.standard_normal(SHAPE) * 2).astype(np.float32) for n in data}
+    if special:
+        feeds[data[0]].reshape(-1)[[0, 5, 9]] = [np.nan, np.inf, -np.inf]
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "layers"})])
+    assert set(session.report.counts()) == {"CpuAcc"}
+    got = session.run(None, feeds)
+    for have, want in zip(got, InferenceSession(model, backends=["CpuRef"]).run(None, feeds)):
+        np.testing.assert_array_equal(np.isnan(have), np.isnan(want))
+        np.testing.assert_allclose(have, want, rtol=2e-5, atol=2e-6)
+
+
+def test_an_optimized_bert_runs_its_fusions_on_cpuacc(tmp_path) -> None:
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    from tests.models.test_models import DATA, assert_close, ort_outputs
+
+    path = tmp_path / "opt.onnx"
+    optimizer.optimize_model(str(DATA / "tiny_bert.onnx"), model_type="bert", num_heads=2,
+                             hidden_size=32, opt_level=0).save_model_to_file(str(path))
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
+    on = {p.op_type: p.backend for p in session.report.layers.values()}
+    assert on.get("SkipLayerNormalization") == "CpuAcc" and on.get("BiasGelu") == "CpuAcc"
+    feeds = dict(np.load(DATA / "tiny_bert.npz"))
+    feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+    assert_close(session.run(None, feeds), ort_outputs(path, feeds))
