@@ -454,9 +454,8 @@ def test_modes_cpuref_does_not_run_are_refused_with_their_reason(reason: str) ->
         InferenceSession(model, backends=["CpuRef"])
 
 
-TORCH_CASES = ["QLinearWhere-uint8", "Attention-raw-mask", "FusedConv-Relu",
-               "MatMulNBits-4bit"]  # the quantized ops but QLinearWhere, and the normalizations
-# and GELUs (test_contrib_transformer.py): CpuAcc's
+TORCH_CASES = ["QLinearWhere-uint8", "FusedConv-Relu", "MatMulNBits-4bit"]  # the quantized ops
+# but QLinearWhere, the normalizations, GELUs and Attention (test_contrib_transformer.py): CpuAcc's
 
 
 @pytest.mark.parametrize("name", TORCH_CASES)

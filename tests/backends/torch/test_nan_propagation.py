@@ -286,7 +286,8 @@ NO_CASE = {
        for op in ("com.microsoft::SkipLayerNormalization",
                   "com.microsoft::SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization",
                   "com.microsoft::Gelu", "com.microsoft::BiasGelu", "com.microsoft::FastGelu",
-                  "com.microsoft::QuickGelu", "com.microsoft::BiasAdd")},
+                  "com.microsoft::QuickGelu", "com.microsoft::BiasAdd",
+                  "com.microsoft::Attention")},
     "com.microsoft::DynamicQuantizeMatMul": "its input is quantized as by DynamicQuantizeLinear "
                                             "(NaN or Inf: undefined, as there)",
 }

@@ -33,6 +33,7 @@ CHECKS = {
     **attention.CHECKS,
     **ml.CHECKS,
     **contrib_quant.CHECKS,
+    **contrib_transformer.CHECKS,
 }
 
 INPUT_DTYPES = {
