@@ -52,15 +52,21 @@ def _model(op: str):
     return model, data
 
 
+BACKENDS = {"CpuAcc": [("CpuAcc", {"compile": "layers"})], "GpuAcc": ["GpuAcc"]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan_inf"])
 @pytest.mark.parametrize("op", CASES)
-def test_each_fusion_on_cpuacc_is_cpurefs(op: str, special: bool) -> None:
+def test_each_fusion_on_cpuacc_is_cpurefs(op: str, special: bool, backend: str) -> None:
+    if backend == "GpuAcc" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     model, data = _model(op)
     feeds = {n: (RNG.standard_normal(SHAPE) * 2).astype(np.float32) for n in data}
     if special:
         feeds[data[0]].reshape(-1)[[0, 5, 9]] = [np.nan, np.inf, -np.inf]
-    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "layers"})])
-    assert set(session.report.counts()) == {"CpuAcc"}
+    session = InferenceSession(model, backends=BACKENDS[backend])
+    assert set(session.report.counts()) == {backend}
     got = session.run(None, feeds)
     for have, want in zip(got, InferenceSession(model, backends=["CpuRef"]).run(None, feeds)):
         np.testing.assert_array_equal(np.isnan(have), np.isnan(want))
@@ -71,15 +77,18 @@ ATTENTION = ["Attention", "Attention-raw-mask", "Attention-lengths", "Attention-
              "Attention-causal-past", "Attention-bias-scale", "Attention-qkv-sizes"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ATTENTION)
-def test_attention_on_cpuacc_matches_onnx_runtime(name: str) -> None:
+def test_attention_on_cpuacc_matches_onnx_runtime(name: str, backend: str) -> None:
     from tests.backends.test_contrib_ops import CASES as ORT_CASES
     from tests.backends.test_contrib_ops import _model as ort_model
     from tests.backends.test_contrib_ops import assert_matches_ort, ort_run
 
+    if backend == "GpuAcc" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     model, feeds = ort_model(ORT_CASES[name])
-    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "layers"}), "CpuRef"])
-    assert set(session.report.counts()) == {"CpuAcc"}
+    session = InferenceSession(model, backends=[*BACKENDS[backend], "CpuRef"])
+    assert set(session.report.counts()) == {backend}
     assert_matches_ort(session.run(None, feeds), ort_run(model, feeds))
     want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
     for have, expected in zip(session.run(None, feeds), want):
