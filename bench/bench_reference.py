@@ -42,7 +42,6 @@ RUNTIMES = ["CpuRef", "ReferenceEvaluator"]
 SEED = 0
 BLOCK_PAUSE_S = 0.5  # longer than OpenBLAS keeps its threads spinning after a call
 # Ops an id can flow through, unchanged in value, on its way to the embedding Gather.
-_SHAPE_ONLY = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"}
 
 Run = Callable[[dict[str, np.ndarray]], tuple[list[str], list[np.ndarray]]]
 
@@ -110,47 +109,11 @@ def reply(out: TextIO, **fields: Any) -> None:
 # ---------------------------------------------------------------- inputs
 
 def make_feeds(path: Path, seed: int = SEED) -> dict[str, np.ndarray]:
-    """Seeded inputs for every graph input that is not an initializer (static shapes required)."""
-    import onnx
-    import onnx.helper
-    graph = onnx.load(str(path), load_external_data=False).graph
-    inits = {t.name for t in graph.initializer}
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for value in graph.input:
-        if value.name in inits:
-            continue
-        tensor_type = value.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor_type.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
-        feeds[value.name] = make_input(graph, value.name, shape, dtype, rng)
-    return feeds
+    """Seeded inputs for every graph input that is not an initializer: ``backplane bench``'s own
+    (floats normal, masks ones, token types zeros, ids below their embedding table's rows)."""
+    from backplane.bench_engine import make_feeds as seeded
 
-
-def make_input(graph: Any, name: str, shape: list[int], dtype: np.dtype,
-               rng: np.random.Generator) -> np.ndarray:
-    if np.issubdtype(dtype, np.floating):
-        return rng.standard_normal(shape).astype(dtype)
-    if "mask" in name:
-        return np.ones(shape, dtype)
-    if "token_type" in name:
-        return np.zeros(shape, dtype)
-    return rng.integers(0, table_rows(graph, name), shape).astype(dtype)
-
-
-def table_rows(graph: Any, name: str) -> int:
-    """Rows of the embedding table the ids in `name` index (through shape-only ops)."""
-    rows = {t.name: t.dims[0] for t in graph.initializer if t.dims}
-    names = {name}
-    for node in graph.node:  # nodes are in topological order
-        if not names.intersection(node.input):
-            continue
-        if node.op_type in _SHAPE_ONLY:
-            names.update(node.output)
-        elif node.op_type == "Gather" and node.input[1] in names and node.input[0] in rows:
-            return int(rows[node.input[0]])
-    raise ValueError(f"input {name!r}: found no embedding Gather on an initializer that it indexes, "
-                     "so no valid id range")
+    return seeded(path, seed)
 
 
 # ---------------------------------------------------------------- the parent side
