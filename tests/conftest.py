@@ -71,6 +71,17 @@ def loads_measure_on_busy_machines() -> Iterator[None]:
     threads.CROWDED_CHECK = before
 
 
+@pytest.fixture(autouse=True, scope="session")
+def loads_measure_at_load() -> Iterator[None]:
+    """CpuAcc measures and compiles at load, not in the background (``CpuAcc.background``): the
+    tests check what a load chose; tests/backends/torch/test_background.py tests the background."""
+    from backplane.backends.torch import background  # imports no torch
+
+    before, background.DEFAULT = background.DEFAULT, False
+    yield
+    background.DEFAULT = before
+
+
 class PartialBackend(Backend):
     """A backend with CpuRef's kernels for a few ops only, sharing host memory with CpuRef."""
 

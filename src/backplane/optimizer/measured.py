@@ -346,8 +346,8 @@ def _prepare(alone: Graph, backend_id: str, inputs: Sequence[np.ndarray], signat
                              remove_dead_layers=False, strict=True)
     try:
         network = optimize(alone, [backend_id], options=plain, registry=registry,
-                           backend_options=backend_options)
-        loaded = LoadedNetwork(network, 0)
+                           backend_options={**backend_options, "CpuAcc.background": False})
+        loaded = LoadedNetwork(network, 0)  # compiled at load: timed as it will run
         device = network.backends[backend_id].tensor_handle_factories()[0].device
         on = device if device != "cpu" else None
         plan = loaded.plan([device] * len(inputs), [on] * len(alone.outputs))

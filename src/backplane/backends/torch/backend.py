@@ -175,9 +175,14 @@ class CpuWorkloadFactory(TorchWorkloadFactory):
 
     def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
                         outputs: Sequence[TensorInfo]) -> Workload:
-        from backplane.backends.torch import threads as policy
+        from backplane.backends.torch import background, threads as policy
 
-        workload = super().create_workload(layer, inputs, outputs)
+        if layer.domain == FUSED_DOMAIN and background.wanted(self.backend):
+            workload = background.deferred(
+                lambda: TorchWorkloadFactory.create_workload(self, layer, inputs, outputs),
+                layer.name)
+        else:
+            workload = super().create_workload(layer, inputs, outputs)
         if policy.thread_setting(self.backend.options.get("CpuAcc.threads")) is not None:
             return workload
         return policy.Governed(workload, policy.governor())
@@ -192,6 +197,8 @@ class CpuAcc(TorchBackend):
         "CpuAcc.conv_route": "auto (measured), onednn, torch or gemm (1x1 only)",
         "CpuAcc.linear_route": "auto (measured), mkl or onednn",
         "CpuAcc.compile": "auto, onednn_graph or layers",
+        "CpuAcc.background": "True (a load takes its routes at once; they are measured and "
+                             "compiled in a background thread and swapped in) or False (at load)",
         "CpuAcc.route_cache": "keep measured routes on disk (True)",
         "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
         "CpuAcc.precision": "fp32, or bf16 on CPUs with bfloat16 instructions (AVX512-BF16, AMX)",

@@ -10,6 +10,7 @@ True) turns it off. A missing, unreadable or corrupt file is an empty cache, nev
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import hashlib
@@ -17,6 +18,8 @@ import json
 import os
 import platform
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +63,12 @@ def lookup(cache_key: str) -> str | None:
 
 
 def store(cache_key: str, route: str) -> None:
-    """Record a route; a cache that cannot be written is left as it is."""
+    """Record a route; a cache that cannot be written is left as it is. Inside ``held`` (this
+    thread), the route is only added to the held ones."""
+    pending = getattr(_held, "routes", None)
+    if pending is not None:
+        pending[cache_key] = route
+        return
     kept = KEPT.get()
     if kept is not None:
         kept[cache_key] = route
@@ -74,6 +82,21 @@ def store(cache_key: str, route: str) -> None:
         os.replace(tmp.name, path)  # whole or not at all, also with other processes writing
     except OSError:
         pass
+
+
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def held() -> Iterator[dict[str, str]]:
+    """The routes this thread stores in the block, held in the dict it yields instead of written:
+    the background's measurements (``background.py``) are written only where no run of the
+    network shared the CPUs with them (``store`` each afterwards)."""
+    was, _held.routes = getattr(_held, "routes", None), {}
+    try:
+        yield _held.routes
+    finally:
+        _held.routes = was
 
 
 def _entries(path: Path) -> dict[str, str]:

@@ -26,12 +26,13 @@ with, so each count gets its own copy of the module, compiled at its first use
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ def crowded() -> bool:
     machine those took 10-30 s a session and measured the neighbours (the demo model: 18.6 s at
     load average 3.7 on this 2-core AMD EPYC, 0.38 s without; issue 27, item 5), and nothing so
     chosen is kept in the route cache: a quiet load measures and compiles them."""
+    if deferring():  # a load that leaves its measuring to the background (``background.py``)
+        return True
     if not CROWDED_CHECK:
         return False
     try:
@@ -66,6 +69,25 @@ def crowded() -> bool:
                  "take the default routes and run their subgraphs layer by layer, unmeasured and "
                  "not kept (a load on a quiet machine measures and compiles them)", load, cpus)
     return busy
+
+
+_deferral = threading.local()
+
+
+def deferring() -> bool:
+    """Whether this thread is making workloads whose measuring and compiling is left to the
+    background (``background.deferred``): they take the routes a busy machine takes, and say so."""
+    return getattr(_deferral, "on", False)
+
+
+@contextlib.contextmanager
+def deferred_scope() -> Iterator[None]:
+    """``deferring`` true in this thread for the block."""
+    was, _deferral.on = deferring(), True
+    try:
+        yield
+    finally:
+        _deferral.on = was
 
 
 PERIOD = 0.25

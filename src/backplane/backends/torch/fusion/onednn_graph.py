@@ -43,8 +43,8 @@ from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
 from backplane.backends.torch import threads
-from backplane.backends.torch.fusion.patterns import (because, fastest, named_type, remembered,
-                                                      seconds)
+from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferred, fastest,
+                                                      named_type, remembered, seconds)
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -113,11 +113,14 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     compute = layer.attrs.get("compute")
     description = {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {})}
     known = remembered("graph", description, backend) if mode == "auto" else None
+    later = mode == "auto" and known != "layers" and threads.deferring()
     busy = mode == "auto" and known is None and threads.crowded()
-    if mode == "layers" or known == "layers" or busy:  # nothing traced
+    if mode == "layers" or known == "layers" or busy or later:  # nothing traced
         why = ("CpuAcc.compile=layers" if mode == "layers" else "kept in the route cache"
-               if known == "layers" else "a busy machine: not compiled, unmeasured")
-        return edges(layer, because(_named(layers_run(layer, backend), "layers"), why))
+               if known == "layers" else DEFERRED if later
+               else "a busy machine: not compiled, unmeasured")
+        return deferred(edges(layer, because(_named(layers_run(layer, backend), "layers"), why)),
+                        later)
     progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
     sample = _sample(inputs, layer.attrs.get("channels_last"), compute)
     compiled = _compiled(layer, backend, sample)

@@ -210,6 +210,8 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
         return because(routes[known](), f"{known}: kept in the route cache")  # type: ignore[index]
     if threads.crowded():  # a busy machine: the first route, unmeasured and not kept
         first = next(iter(routes))
+        if threads.deferring():  # measured in the background (``background.py``)
+            return deferred(because(routes[first](), f"{first}: {DEFERRED}"))
         return because(routes[first](), f"{first}: the default on a busy machine, unmeasured")
     progress.count("CpuAcc: routes measured")
     made = {name: make() for name, make in routes.items()}
@@ -221,6 +223,21 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     others = ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items() if n != name)
     return because(made[name], f"{name}: measured fastest at load, {times[name] * 1e3:.3f} ms "
                                f"({others})")
+
+
+DEFERRED = "measured and compiled in the background, swapped in when done"
+"""The ``why`` of a stand-in workload a load made at once (``background.py``)."""
+
+
+def deferred(run: Any, later: bool = True) -> Any:
+    """``run``, marked (``run.deferred``) as a stand-in that ``background.deferred`` replaces with
+    the workload a load that measures makes, where ``later``."""
+    if later:
+        try:
+            run.deferred = True
+        except AttributeError:  # a callable without a __dict__: not replaced
+            pass
+    return run
 
 
 def because(run: Any, why: str) -> Any:

@@ -41,7 +41,7 @@ from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch.fusion import onednn_graph
 from backplane.backends.torch import threads
-from backplane.backends.torch.fusion.patterns import because, fastest, remembered
+from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -181,11 +181,13 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
 
     def chosen() -> Workload:
         known = remembered("traced", description, backend) if mode == "auto" else None
+        later = mode == "auto" and known != "layers" and threads.deferring()
         busy = mode == "auto" and known is None and threads.crowded()
-        if mode == "layers" or known == "layers" or busy:  # busy: not traced, timed nor kept
-            return because(layers(), "CpuAcc.compile=layers" if mode == "layers" else
-                           "kept in the route cache" if known == "layers" else
-                           "a busy machine: not traced, unmeasured")
+        if mode == "layers" or known == "layers" or busy or later:  # not traced, timed nor kept
+            return deferred(because(layers(), "CpuAcc.compile=layers" if mode == "layers" else
+                                    "kept in the route cache" if known == "layers" else
+                                    DEFERRED if later else
+                                    "a busy machine: not traced, unmeasured"), later)
         if known == "traced":  # an artifact's load, or measured before: traced at the first run
             return because(_deferred(layer, backend, inputs, layers),
                            "kept in the route cache: traced at the first run")
@@ -198,7 +200,8 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
         return fastest("traced", description, {"traced": lambda: compiled, "layers": layers},
                        lambda: sample, backend)
 
-    return onednn_graph.edges(layer, chosen())
+    run = chosen()
+    return deferred(onednn_graph.edges(layer, run), getattr(run, "deferred", False))
 
 
 def _sample(layer: Layer, inputs: Sequence[TensorInfo]) -> list[Any]:
