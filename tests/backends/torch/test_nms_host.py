@@ -1,0 +1,59 @@
+"""CpuAcc's NonMaxSuppression (its greedy walk on the host, its overlaps in NumPy for CPU tensors)
+against CpuRef's, box for box: many boxes and classes, both box encodings, thresholds given or not,
+and NaN scores, which both sort last."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backplane.backends.reference.kernels import nms as reference  # noqa: E402
+from backplane.backends.torch.kernels import indexing  # noqa: E402
+
+
+def _boxes(rng: np.random.Generator, batch: int, count: int) -> np.ndarray:
+    corner = rng.uniform(0, 32, (batch, count, 2))
+    size = rng.uniform(0.5, 12, (batch, count, 2))
+    return np.concatenate([corner, corner + size], axis=-1).astype(np.float32)
+
+
+def _both(boxes: np.ndarray, scores: np.ndarray, *extra: np.ndarray | None, center: int = 0,
+          ) -> tuple[np.ndarray, np.ndarray]:
+    expected = reference.non_max_suppression(boxes, scores, *extra, center_point_box=center)[0]
+    given = [None if e is None else torch.from_numpy(e) for e in extra]
+    got = indexing.non_max_suppression(torch.from_numpy(boxes), torch.from_numpy(scores), *given,
+                                       center_point_box=center)[0]
+    assert got.dtype == torch.int64
+    return expected, got.numpy()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("center", [0, 1])
+def test_many_boxes_match_cpuref(seed: int, center: int) -> None:
+    rng = np.random.default_rng(seed)
+    boxes, scores = _boxes(rng, 2, 40), rng.uniform(0, 1, (2, 3, 40)).astype(np.float32)
+    scores[0, 1, 5:9] = scores[0, 1, 4]  # equal scores: the lower box index first
+    limit = np.array([int(rng.integers(1, 50))], np.int64)
+    iou = np.array([rng.uniform(0.1, 0.7)], np.float32)
+    threshold = np.array([rng.uniform(0.0, 0.5)], np.float32) if seed % 2 else None
+    expected, got = _both(boxes, scores, limit, iou, threshold, center=center)
+    assert len(expected) > 0
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_nan_scores_sort_last_as_on_cpuref() -> None:
+    rng = np.random.default_rng(7)
+    boxes = _boxes(rng, 1, 12)
+    scores = rng.uniform(0, 1, (1, 2, 12)).astype(np.float32)
+    scores[0, 0, [2, 7]] = np.nan
+    expected, got = _both(boxes, scores, np.array([12], np.int64), np.array([0.3], np.float32))
+    assert (expected[:, 2] == 2).any()  # the NaN boxes are kept, after the others
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_no_limit_no_boxes() -> None:
+    rng = np.random.default_rng(3)
+    expected, got = _both(_boxes(rng, 1, 5), rng.uniform(0, 1, (1, 1, 5)).astype(np.float32))
+    assert expected.shape == got.shape == (0, 3)
