@@ -13,6 +13,11 @@ partition) and leaves the output in device memory, so the data never touches the
 Inputs may be anything that speaks DLPack; a bound output is either a device (the output is made
 there) or a buffer the user allocated (the output is written into it, on its device). Outputs not
 bound come back in host memory, as NumPy arrays, as ``run`` returns them.
+
+A host buffer of the output's static shape and type, writable, C-contiguous and apart from the
+bound inputs is written by the layer that makes the output (``runtime/user_buffers.py``: NumPy's
+and torch's ``out=``), not copied into after the run; another buffer (a free shape, a CUDA tensor,
+strided memory) is filled by one copy when the run is done.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from backplane.backends.api.memory import device_of, host_view, to_host
+from backplane.ir.graph import TensorInfo
+from backplane.runtime.user_buffers import mismatch
 
 if TYPE_CHECKING:
     from backplane.session import InferenceSession, RunOptions
@@ -116,9 +123,11 @@ class IOBinding:
             raise ValueError(f"input(s) {missing} not bound; bind every input of the model: "
                              f"{', '.join(names)}")
         outputs = [arg.name for arg in session.get_outputs()]
-        wanted = [self._outputs.get(name, ("cpu", None))[0] for name in outputs]
-        results = session._run_on(self._inputs, [None if d == "cpu" else d for d in wanted],
-                                  run_options)
+        wanted = [self._outputs.get(name, ("cpu", None)) for name in outputs]
+        into = [self._into(name, device, buffer) for name, (device, buffer) in zip(outputs, wanted)]
+        results = session._run_on(self._inputs, [None if d == "cpu" else d for d, _ in wanted],
+                                  run_options, into if any(b is not None for b in into) else None)
+        written = {name for name, b in zip(outputs, into) if b is not None}
         by_name = dict(zip(outputs, results))
         chosen = list(self._outputs) or outputs
         filled = []
@@ -126,10 +135,33 @@ class IOBinding:
             value = by_name[name]
             buffer = self._outputs.get(name, ("cpu", None))[1]
             if buffer is not None:
-                value = _write(name, buffer, value)
+                value = buffer if name in written else _write(name, buffer, value)
             filled.append(value)
         self._results = filled
         self.synchronize_outputs()
+
+    def _into(self, name: str, device: str, buffer: Any) -> np.ndarray | None:
+        """The host array the output ``name`` is written into by its producer, or None where the
+        buffer is filled after the run (no buffer, device memory, a free shape, strided or
+        read-only memory, memory of a bound input). A buffer that does not fit the output's
+        static shape and type is an error, before the run."""
+        if buffer is None or device != "cpu":
+            return None
+        try:
+            host = host_view(buffer)
+        except (TypeError, ValueError, RuntimeError, BufferError):
+            return None  # filled after the run, as any other
+        info: TensorInfo = self._session.graph.info(name)
+        if not info.is_static or info.dtype is None:
+            return None
+        if host.shape != tuple(info.shape) or host.dtype != info.dtype:  # type: ignore[arg-type]
+            raise ValueError(mismatch(name, info.shape, info.dtype,  # type: ignore[arg-type]
+                                      host.shape, host.dtype))
+        flags = host.flags
+        if not (flags.writeable and flags.c_contiguous and flags.aligned) \
+                or any(_shares(host, value) for value in self._inputs.values()):
+            return None
+        return host
 
     def _session_input(self, name: str) -> None:
         names = [arg.name for arg in self._session.get_inputs()]
@@ -147,9 +179,9 @@ class IOBinding:
 def _write(name: str, buffer: Any, value: Any) -> Any:
     """``value`` copied into the caller's ``buffer`` (same shape and type), on the buffer's device."""
     shape = tuple(int(s) for s in buffer.shape)
-    if shape != tuple(int(s) for s in value.shape):
-        raise ValueError(f"the buffer bound to output '{name}' has shape {shape}; the output has "
-                         f"{tuple(value.shape)}")
+    if shape != tuple(int(s) for s in value.shape) or \
+            (isinstance(buffer, np.ndarray) and buffer.dtype != to_host(value).dtype):
+        raise ValueError(mismatch(name, tuple(value.shape), value.dtype, shape, buffer.dtype))
     if isinstance(buffer, np.ndarray):
         np.copyto(buffer, to_host(value), casting="no")
         return buffer
@@ -158,7 +190,16 @@ def _write(name: str, buffer: Any, value: Any) -> Any:
     target = buffer if isinstance(buffer, torch.Tensor) else torch.from_dlpack(buffer)
     source = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
     if target.dtype != source.dtype:
-        raise ValueError(f"the buffer bound to output '{name}' has type {target.dtype}; the "
-                         f"output has {source.dtype}")
+        raise ValueError(mismatch(name, tuple(source.shape), source.dtype, shape, target.dtype))
     target.copy_(source)
     return buffer
+
+
+def _shares(host: np.ndarray, value: Any) -> bool:
+    """Whether ``value``, a bound input, may share memory with the host array ``host``."""
+    if device_of(value) != "cpu":
+        return False
+    try:
+        return bool(np.may_share_memory(host, host_view(value)))
+    except (TypeError, ValueError, RuntimeError, BufferError):
+        return True  # unknown: the buffer is filled after the run

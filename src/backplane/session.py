@@ -390,11 +390,11 @@ class InferenceSession:
     def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
              run_options: RunOptions | None, timed: bool = False,
              outputs_on: Sequence[str | None] | None = None,
-             ) -> tuple[list[Any], list[LayerTiming] | None]:
+             into: Sequence[Any] | None = None) -> tuple[list[Any], list[LayerTiming] | None]:
         """One run under its log scope (the severity and logid of its RunOptions), its stop and
         the cache folder; profiled where ``timed`` or where the session profiles (then in the
         trace). ``run`` (but its fast path), ``run_profiled`` and ``run_with_iobinding`` come
-        here."""
+        here; ``outputs_on`` and ``into`` are ``Runtime.run``'s."""
         if run_options is not None and not isinstance(run_options, RunOptions):
             raise TypeError(f"run_options must be a backplane.RunOptions or None, got "
                             f"{type(run_options).__name__}")
@@ -409,10 +409,10 @@ class InferenceSession:
                 cache_scope(self._cache_dir if self._builds_at_run else None):
             start = time.perf_counter()
             if trace is None and not timed:
-                results = self.runtime.run(self.network_id, input_feed, outputs_on)
+                results = self.runtime.run(self.network_id, input_feed, outputs_on, into)
             else:
                 results, timings = self.runtime.run_profiled(self.network_id, input_feed,
-                                                             outputs_on)
+                                                             outputs_on, into)
             if trace is not None:
                 trace.add_run(timings or [], start, time.perf_counter(), tag)
         return self._select(output_names, results), timings
@@ -450,10 +450,11 @@ class InferenceSession:
         binding._run(run_options)
 
     def _run_on(self, input_feed: Mapping[str, Any], outputs_on: Sequence[str | None],
-                run_options: RunOptions | None) -> list[Any]:
-        """All outputs, each in the memory ``outputs_on`` names (None: the host)."""
+                run_options: RunOptions | None, into: Sequence[Any] | None = None) -> list[Any]:
+        """All outputs, each in the memory ``outputs_on`` names (None: the host), or written into
+        the host array ``into`` gives for it (``Runtime.run``)."""
         self._check_open()
-        return self._run(None, input_feed, run_options, outputs_on=outputs_on)[0]
+        return self._run(None, input_feed, run_options, outputs_on=outputs_on, into=into)[0]
 
     def close(self) -> None:
         """Unload the network and release what its backends hold; running after is an error, and

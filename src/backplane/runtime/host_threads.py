@@ -60,8 +60,8 @@ def blas_libraries() -> tuple[Any, ...]:
 
 
 class OneBlasThread:
-    """A workload called with the BLAS libraries on one thread, their counts put back after it;
-    its other attributes are the wrapped workload's."""
+    """A workload called with the BLAS libraries on one thread, their counts put back after it
+    (its ``profiled`` and ``write_into`` too); its other attributes are the wrapped workload's."""
 
     def __init__(self, workload: Workload, libraries: Sequence[Any]) -> None:
         self.workload, self.libraries = workload, libraries
@@ -75,6 +75,8 @@ class OneBlasThread:
         value = getattr(self.workload, name)
         if name == "profiled":
             return lambda *inputs: self._limited(value, inputs)
+        if name == "write_into":
+            return lambda memory, *inputs: self._limited(value, (memory, *inputs))
         return value
 
     def _limited(self, call: Any, inputs: Sequence[Any]) -> Any:

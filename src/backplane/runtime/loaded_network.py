@@ -31,7 +31,7 @@ from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.release import FileWeights, ReleasedConstants, released_layer
-from backplane.runtime import edge_checks, fallback, host_threads, ownership, tensors
+from backplane.runtime import edge_checks, fallback, host_threads, ownership, tensors, user_buffers
 
 NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
 
@@ -68,13 +68,15 @@ class Step:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a run calls: the steps, the layers they run (for profiles and errors), the output slots.
+    """What a run calls: the steps, the layers they run (for profiles and errors), the output slots
+    and the slots a run's values go in (its inputs, then the buffers its outputs are written into).
     A network has its own plan for host inputs and outputs, and one per placement of the user's
-    tensors in device memory (``LoadedNetwork.plan``)."""
+    tensors in device memory or in buffers (``LoadedNetwork.plan``)."""
 
     steps: tuple[Step, ...]
     layers: tuple[Layer, ...]
     output_slots: tuple[int, ...]
+    input_slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ class LoadedNetwork:
         self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots),
                            self._constant_slots)
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
-        self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots)
+        self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots,
+                              self.input_slots)
         network.report.peak_bytes, network.report.constant_bytes = self._planned_memory(memory)
         self.held = ownership.Held([*(span for spans in memory for span in spans),
                                     *_body_constant_memory(self.layers)])
@@ -326,12 +329,13 @@ class LoadedNetwork:
         return self._run(self.host_plan, inputs)
 
     def execute_plan(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
-        """``execute`` with another plan (user tensors in device memory: ``plan``)."""
+        """``execute`` with another plan (user tensors in device memory or buffers: ``plan``);
+        ``inputs`` are then followed by the buffers its outputs are written into."""
         return self._run(plan, inputs)
 
     def _run(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
         env = list(self._template)
-        for slot, value in zip(self.input_slots, inputs):
+        for slot, value in zip(plan.input_slots, inputs):
             env[slot] = value
         try:
             run_steps(plan.steps, env, STOP.get())
@@ -344,7 +348,7 @@ class LoadedNetwork:
         """Like ``execute``, timing every layer (for the CLI and the debug knob, not the hot path)."""
         plan = plan or self.host_plan
         env = list(self._template)
-        for slot, value in zip(self.input_slots, inputs):
+        for slot, value in zip(plan.input_slots, inputs):
             env[slot] = value
         timings: list[LayerTiming] = []
         stop = STOP.get()
@@ -358,7 +362,8 @@ class LoadedNetwork:
     def plan(self, inputs_on: Sequence[str], outputs_on: Sequence[str | None]) -> Plan:
         """The plan for inputs in the memory of ``inputs_on`` (a device per input: "cpu",
         "cuda:0") and outputs wanted in ``outputs_on`` (a device per output; None: where the host
-        plan puts it, host memory). Made once per placement, at its first run.
+        plan puts it, host memory; ``user_buffers.INTO``: written into a host buffer given at each
+        run, after the inputs). Made once per placement, at its first run.
 
         An input in device memory is imported (a MemImport, no copy) by each copy layer that would
         have moved it into that memory; every other reader gets one host copy of it. An output
@@ -411,7 +416,7 @@ class LoadedNetwork:
         back: list[tuple[Layer, Workload]] = []
         producer = {o: i for i, layer in enumerate(layers) for o in layer.outputs}
         for position, (name, device) in enumerate(zip(graph.outputs, outputs_on)):
-            if device is None or device == "cpu":
+            if device is None or device == "cpu" or device == user_buffers.INTO:
                 continue
             index = producer.get(name)
             layer = layers[index] if index is not None else None
@@ -441,6 +446,10 @@ class LoadedNetwork:
                              backend="builtin")
                 back.append((copy, functools.partial(_moved, to_device, device)))
             outputs[position] = copy.outputs[0]
+        buffers, copies = user_buffers.bind(
+            layers, workloads, outputs, [i for i, d in enumerate(outputs_on) if d == user_buffers.INTO],
+            self.network.output_names, graph, self.network.backends, self._constant_slots)
+        back += copies
         read = {n for layer in layers for n in layer.inputs} | {n for c, _ in back for n in c.inputs}
         kept = [(layer, w) for layer, w in zip(layers, workloads)
                 if layer.op_type not in _GLUE or any(o in read or o in outputs for o in layer.outputs)]
@@ -452,7 +461,8 @@ class LoadedNetwork:
         output_slots = tuple(self._slot(name) for name in outputs)
         steps = _plan([layer for layer, _ in placed], [w for _, w in placed], self._slots,
                       set(output_slots), self._constant_slots)
-        return Plan(tuple(steps), tuple(layer for layer, _ in placed), output_slots)
+        return Plan(tuple(steps), tuple(layer for layer, _ in placed), output_slots,
+                    (*self.input_slots, *(self._slot(name) for name in buffers)))
 
     def _profile_step(self, step: Step, layer: Layer, env: list[Any],
                       timings: list[LayerTiming]) -> None:

@@ -23,6 +23,7 @@ from backplane.install_hints import hint
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork, Plan, WorkloadError
 from backplane.runtime.ownership import owned
+from backplane.runtime.user_buffers import INTO
 
 log = logging.getLogger("backplane.runtime")
 
@@ -211,17 +212,21 @@ class Runtime:
         return self._loaded(network_id)
 
     def run(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any],
-            outputs_on: Sequence[str | None] | None = None) -> list[Any]:
+            outputs_on: Sequence[str | None] | None = None,
+            into: Sequence[np.ndarray | None] | None = None) -> list[Any]:
         """Run a loaded network; inputs by name (or in the model's order), outputs in the model's order.
 
         Inputs may be NumPy arrays or anything that speaks DLPack (torch, CuPy, JAX), on the host or
         a CUDA device: each is read where it is, without a copy where its first readers can import
-        that memory. ``outputs_on`` names a device per output (None: host memory, as NumPy)."""
+        that memory. ``outputs_on`` names a device per output (None: host memory, as NumPy).
+        ``into`` gives per output a host array to write it into, or None: the
+        layer that makes the output writes it there where it can (``user_buffers``), and the
+        array itself is that output's result."""
         if self.options.profiling:
-            return self.run_profiled(network_id, inputs, outputs_on)[0]
+            return self.run_profiled(network_id, inputs, outputs_on, into)[0]
         loaded = self._loaded(network_id)
         static = self._static_inputs.get(network_id)
-        if static is not None and outputs_on is None and type(inputs) is dict \
+        if static is not None and outputs_on is None and into is None and type(inputs) is dict \
                 and len(inputs) == len(static):  # the common case, checked at once (below)
             values = []
             for name, dtype, shape in static:
@@ -232,18 +237,24 @@ class Runtime:
             else:
                 return owned(loaded.execute(values), values, loaded.held)
         values = check_inputs(_input_specs(loaded), inputs)
-        if outputs_on is None and not any(_on_device(v) for v in values):
+        if outputs_on is None and into is None and not any(_on_device(v) for v in values):
             return owned(loaded.execute(values), values, loaded.held)
+        if into is not None:
+            plan, given = _placement(loaded, values, outputs_on, into), _given(into)
+            return _owned_into(loaded.execute_plan(plan, [*values, *given]), into, values,
+                               loaded.held)
         return owned(loaded.execute_plan(_placement(loaded, values, outputs_on), values), values,
                      loaded.held)
 
     def run_profiled(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any],
                      outputs_on: Sequence[str | None] | None = None,
+                     into: Sequence[np.ndarray | None] | None = None,
                      ) -> tuple[list[Any], list[LayerTiming]]:
         loaded = self._loaded(network_id)
         values = check_inputs(_input_specs(loaded), inputs)
-        outputs, timings = loaded.execute_profiled(values, _placement(loaded, values, outputs_on))
-        return owned(outputs, values, loaded.held), timings
+        plan = _placement(loaded, values, outputs_on, into)
+        outputs, timings = loaded.execute_profiled([*values, *_given(into)], plan)
+        return _owned_into(outputs, into, values, loaded.held), timings
 
     def _loaded(self, network_id: int) -> LoadedNetwork:
         try:
@@ -300,14 +311,33 @@ def _on_device(value: Any) -> bool:
 
 
 def _placement(loaded: LoadedNetwork, values: Sequence[Any],
-               outputs_on: Sequence[str | None] | None) -> Plan:
+               outputs_on: Sequence[str | None] | None,
+               into: Sequence[np.ndarray | None] | None = None) -> Plan:
     count = len(loaded.output_slots)
     if outputs_on is None:
         outputs_on = (None,) * count
-    elif len(outputs_on) != count:
-        raise InvalidInputError(f"{len(outputs_on)} output devices given; the model has {count} "
-                                f"outputs")
+    for what, given in (("output devices", outputs_on), ("output buffers", into or ())):
+        if given and len(given) != count:
+            raise InvalidInputError(f"{len(given)} {what} given; the model has {count} outputs")
+    if into is not None:
+        outputs_on = [INTO if b is not None else d for d, b in zip(outputs_on, into)]
     return loaded.plan([device_of(v) if _on_device(v) else "cpu" for v in values], outputs_on)
+
+
+def _given(into: Sequence[np.ndarray | None] | None) -> list[np.ndarray]:
+    """The buffers of ``into``, in the order of the outputs: the run's values after its inputs."""
+    return [b for b in into if b is not None] if into else []
+
+
+def _owned_into(outputs: list[Any], into: Sequence[np.ndarray | None] | None,
+                inputs: Sequence[Any], held: Any) -> list[Any]:
+    """``owned`` for a run whose outputs may be written into the caller's buffers (``into``): those
+    are the caller's results as they are; any other output that views a buffer is copied."""
+    if not into:
+        return owned(outputs, inputs, held)
+    mine = owned([None if b is not None else o for o, b in zip(outputs, into)],
+                 [*inputs, *_given(into)], held)
+    return [o if b is None else b for o, b in zip(mine, into)]
 
 
 def _static_inputs(loaded: LoadedNetwork) -> list[tuple[str, np.dtype, tuple[int, ...]]] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,6 +62,34 @@ def bind_kernel(kernel: Kernel, attrs: Mapping[str, Any], n_outputs: int) -> Cal
     if "n_outputs" in params:
         kwargs["n_outputs"] = n_outputs
     return functools.partial(kernel, **kwargs) if kwargs else kernel
+
+
+def with_write_into(workload: Callable[..., tuple[Any, ...]],
+                    out_kernel: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
+    """``workload`` (a bound kernel) with a ``write_into(memory, *inputs)``: where ``memory[0]`` is
+    given, ``out_kernel(out, *inputs)`` writes the one output into it (NumPy's or torch's ``out=``);
+    else the workload runs as it is. The workload returned is a new object (a kernel bound without
+    attributes is the table's own function, which the attribute must not reach), called as fast
+    as before: a function is copied, not wrapped."""
+    if isinstance(workload, types.FunctionType):
+        made: Any = types.FunctionType(workload.__code__, workload.__globals__, workload.__name__,
+                                       workload.__defaults__, workload.__closure__)
+        made.__kwdefaults__ = workload.__kwdefaults__
+        made.__dict__.update(workload.__dict__)
+    elif isinstance(workload, functools.partial):
+        made = functools.partial(workload.func, *workload.args, **workload.keywords)
+    else:
+        made = functools.partial(workload)
+
+    def write_into(memory: Any, *inputs: Any) -> tuple[Any, ...]:
+        out = memory[0]
+        if out is None:
+            return made(*inputs)  # type: ignore[no-any-return]
+        out_kernel(out, *inputs)
+        return (out,)
+
+    made.write_into = write_into
+    return made  # type: ignore[no-any-return]
 
 
 def as_tuple(value: Any) -> tuple[Any, ...]:

@@ -23,6 +23,7 @@ float32 computed in that type inside GpuAcc's captured subgraphs, Arm NN's Reduc
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -178,14 +179,63 @@ class CpuWorkloadFactory(TorchWorkloadFactory):
         from backplane.backends.torch import background, threads as policy
 
         if layer.domain == FUSED_DOMAIN and background.wanted(self.backend):
-            workload = background.deferred(
+            made = background.deferred(
                 lambda: TorchWorkloadFactory.create_workload(self, layer, inputs, outputs),
                 layer.name)
         else:
-            workload = super().create_workload(layer, inputs, outputs)
+            made = super().create_workload(layer, inputs, outputs)
+        workload = _writing_into(made, layer, inputs, outputs)
         if policy.thread_setting(self.backend.options.get("CpuAcc.threads")) is not None:
             return workload
         return policy.Governed(workload, policy.governor())
+
+
+@functools.cache
+def _out_kernels() -> dict[str, tuple[str, Callable[..., Any]]]:
+    """Op type -> (the element kinds it writes in place, ``kernel(out, *inputs)``): torch's
+    ``out=``, computing what the kernel in KERNELS does (clamp_min is torch.relu's values, -0.0
+    and NaN included)."""
+    import torch
+
+    return {"Relu": ("fi", lambda out, X: torch.clamp_min(X, 0, out=out)),
+            "Add": ("fi", lambda out, A, B: torch.add(A, B, out=out)),
+            "Sub": ("fi", lambda out, A, B: torch.sub(A, B, out=out)),
+            "Mul": ("fi", lambda out, A, B: torch.mul(A, B, out=out)),
+            "Div": ("f", lambda out, A, B: torch.div(A, B, out=out)),
+            "Abs": ("fi", lambda out, X: torch.abs(X, out=out)),
+            "Neg": ("f", lambda out, X: torch.neg(X, out=out)),
+            "Sqrt": ("f", lambda out, X: torch.sqrt(X, out=out)),
+            "Exp": ("f", lambda out, X: torch.exp(X, out=out)),
+            "Tanh": ("f", lambda out, X: torch.tanh(X, out=out)),
+            "Sigmoid": ("f", lambda out, X: torch.sigmoid(X, out=out))}
+
+
+def _writing_into(workload: Workload, layer: Layer, inputs: Sequence[TensorInfo],
+                  outputs: Sequence[TensorInfo]) -> Workload:
+    """CpuAcc's ``workload`` with a ``write_into`` (an output the caller bound to a buffer, the
+    runtime's ``user_buffers``): torch's ``out=`` for the common elementwise ops of one element
+    type; a fused or compiled layer copies its last result into the memory given (still the
+    producer writing it, in its step); anything else as it is."""
+    from backplane.backends.api.kernels import with_write_into
+
+    if layer.domain == FUSED_DOMAIN and layer.op_type != "Specialized":
+        try:
+            workload.write_into = functools.partial(_copied_into, workload)  # type: ignore[attr-defined]
+        except AttributeError:  # a callable without a __dict__
+            pass
+        return workload
+    found = _out_kernels().get(layer.op_type)
+    dtypes = {info.dtype for info in (*inputs, *outputs)}
+    dtype = next(iter(dtypes))
+    if found is None or layer.attrs or layer.domain not in ("", "ai.onnx") or len(dtypes) != 1 \
+            or dtype is None or dtype.isbuiltin != 1 or dtype.kind not in found[0]:
+        return workload
+    return with_write_into(workload, found[1])
+
+
+def _copied_into(workload: Workload, memory: Sequence[Any], *inputs: Any) -> tuple[Any, ...]:
+    results = workload(*inputs)
+    return tuple(r if m is None else m.copy_(r) for m, r in zip(memory, results))
 
 
 class CpuAcc(TorchBackend):
@@ -249,6 +299,13 @@ class CpuAcc(TorchBackend):
 
         return {**fusion.WORKLOADS, "Specialized": specialize.specialized_workload,
                 "Traced": traced.traced_workload}
+
+    def flat_layers(self, layer: Layer, workload: Workload, constants: Any) -> Any:
+        """A Specialized layer of a control-flow body as plain kernel calls, for builtin's flat
+        bodies (``flat.py``); None: it runs as it is."""
+        from backplane.backends.torch import flat
+
+        return None if self.missing else flat.flat_layers(layer, self, workload, constants)
 
     # -- ahead of time: the routes and compiled partitions of a load, kept in a blob (delegate.py)
     def machine_facts(self) -> dict[str, str]:
