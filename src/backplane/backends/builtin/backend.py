@@ -31,6 +31,7 @@ from backplane.backends.builtin.control_flow import (
 from backplane.ir.graph import Layer, TensorInfo
 
 if TYPE_CHECKING:
+    from backplane.backends.builtin.flat import FlatBody
     from backplane.optimizer.optimize import OptimizedNetwork
     from backplane.runtime.loaded_network import LoadedNetwork
 
@@ -75,9 +76,13 @@ class BuiltinWorkloadFactory(WorkloadFactory):
         if layer.op_type in CONTROL_FLOW_OPS:
             bodies = [_loaded_body(layer, name, self._folded(layer, layer.attrs[name]),
                                    self.network_id) for name in CONTROL_FLOW_OPS[layer.op_type]]
-            workload = _control_flow(layer, bodies)
+            from backplane.backends.builtin.flat import flatten  # imports the runtime
+
+            runs = [flatten(body) for body in bodies]
+            workload = _control_flow(layer, runs)
             workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
             workload.bodies = bodies  # type: ignore[attr-defined]  # closed with the network
+            workload.runs = runs  # type: ignore[attr-defined]  # what runs: flat where it can be
             return workload
         return super().create_workload(layer, inputs, outputs)
 
@@ -114,8 +119,9 @@ def _loaded_body(layer: Layer, name: str, body: OptimizedNetwork, network_id: in
         raise
 
 
-def _control_flow(layer: Layer, bodies: list[LoadedNetwork]) -> Workload:
-    """The workload of a control-flow layer over its bodies, loaded (then and else for If)."""
+def _control_flow(layer: Layer, bodies: list[LoadedNetwork | FlatBody]) -> Workload:
+    """The workload of a control-flow layer over its bodies, loaded and flattened (then and else
+    for If)."""
     from backplane.backends.builtin.bodies import IteratedBody  # imports the runtime
 
     attrs, captured = layer.attrs, layer.attrs["captured"]

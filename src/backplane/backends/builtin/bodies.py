@@ -28,6 +28,7 @@ import numpy as np
 from backplane import debug
 from backplane.ir.graph import Layer
 from backplane.optimizer.optimize import OptimizedNetwork
+from backplane.optimizer.passes import NONDETERMINISTIC
 from backplane.runtime.loaded_network import (
     NONE_SLOT,
     STOP,
@@ -38,6 +39,8 @@ from backplane.runtime.loaded_network import (
     run_steps,
 )
 
+VARYING = NONDETERMINISTIC | {"If", "Loop", "Scan", "SequenceMap"}
+"""Ops whose calls on the same inputs may differ (random draws) or hold a body that may."""
 GLUE = ("MemCopy", "MemImport")
 """The layers that only move a tensor between memories (a FallbackImport or Sync is not one: it
 waits for its source backend, and its network runs the plain way)."""
@@ -108,19 +111,21 @@ class IteratedBody:
         self.captured_slots = tuple(slots[n_formal:])
         self.watched_slots = tuple(outs[p] for p in self.watched)
         steps, layers = list(net.host_plan.steps), list(net.host_plan.layers)
-        hoisted = [i for i, (step, layer) in enumerate(zip(steps, layers))
-                   if _is_glue(step, layer) and step.inputs[0] in self.captured_slots]
+        template = net.slots()
+        given = {*self.captured_slots, NONE_SLOT,
+                 *(slot for slot, value in enumerate(template) if value is not None)}
+        hoisted = _invariant(steps, layers, given)
         self.state = [_carried(steps, layers, slots[i], outs[o], set(hoisted), outs)
                       for i, o in carried]
         bridged_out = {i for c in self.state for i, step in enumerate(steps)
                        if step is c.to_host and not c.host_read}
         bridged_in = {i for c, (p, _) in zip(self.state, carried) if c.to_host is not None
                       for i, step in enumerate(steps) if slots[p] in step.inputs}
-        keep = {*outs, *(c.source for c in self.state)}
-        self.hoisted = _with_frees([steps[i] for i in hoisted], set())
-        first = [s for i, s in enumerate(steps) if i not in {*hoisted, *bridged_out}]
-        self.first = _with_frees(first, keep)
-        self.rest = _with_frees([s for i, s in enumerate(steps)
+        keep = {*outs, *(c.source for c in self.state),
+                *(slot for i in hoisted for slot in steps[i].outputs)}
+        self.hoisted = tuple(steps[i] for i in hoisted)  # run in the first iteration only
+        self.first = with_frees([s for i, s in enumerate(steps) if i not in bridged_out], keep)
+        self.rest = with_frees([s for i, s in enumerate(steps)
                                  if i not in {*hoisted, *bridged_out, *bridged_in}], keep)
         self.layer_of = {id(step.workload): layer for step, layer in zip(steps, layers)}
 
@@ -171,7 +176,6 @@ class Iterations:
 
     def __enter__(self) -> Iterations:
         # the body's memory managers are held from its load to its unload (LoadedNetwork)
-        self.body.execute(self.body.hoisted, self.env, self.stop)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -232,6 +236,21 @@ class PlainIterations(Iterations):
         return self.values
 
 
+def _invariant(steps: Sequence[Step], layers: Sequence[Layer], given: set[int]) -> list[int]:
+    """The steps whose inputs are the same at every iteration of a call: those reading only
+    ``given`` slots (captured values, constants) or what such steps make. They run in the first
+    iteration only (an import of a captured value; a Slice of one by constant bounds), but for a
+    draw of random numbers and nested control flow, which may hold one."""
+    known, found = set(given), []
+    for index, (step, layer) in enumerate(zip(steps, layers)):
+        if layer.op_type in VARYING:
+            continue
+        if all(slot in known for slot in step.inputs):
+            found.append(index)
+            known.update(step.outputs)
+    return found
+
+
 def _is_glue(step: Step, layer: Layer) -> bool:
     return layer.op_type in GLUE and len(step.inputs) == 1 and len(step.outputs) == 1
 
@@ -263,8 +282,10 @@ def _carried(steps: Sequence[Step], layers: Sequence[Layer], given: int, made: i
                    dataclasses.replace(out, inputs=(1,), outputs=(1,), frees=()))
 
 
-def _with_frees(steps: Sequence[Step], keep: set[int]) -> tuple[Step, ...]:
-    """``steps`` with each slot they make freed after its last reader among them, but ``keep``."""
+def with_frees(steps: Sequence[Step], keep: set[int]) -> tuple[Step, ...]:
+    """``steps`` with each slot they make freed after its last reader among them, but ``keep``
+    (what they do not make, inputs and constants, is never freed: the slots may live across
+    iterations)."""
     made = {slot for step in steps for slot in step.outputs if slot != NONE_SLOT}
     last: dict[int, int] = {}
     for index, step in enumerate(steps):

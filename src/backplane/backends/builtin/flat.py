@@ -1,0 +1,118 @@
+"""Control-flow bodies as flat call lists: an If branch or a Loop/Scan body costs its kernels.
+
+A body is loaded as a network of its own (``LoadedNetwork``); a layer of it that its backend can
+also run as plain kernel calls (CpuAcc's Specialized layers, whose build per input signature and
+nested network cost more than their few small layers: ``CpuAcc.flat_layers``) is expanded here, at
+load, into those calls, over slots of the body's slot list. The body then runs as one flat list of
+steps (``FlatBody``), through the runtime's own run loop: no nested network per call or iteration,
+whatever the shapes of an iteration.
+
+Nothing is expanded in a body that runs one run at a time (``exclusive``) or under the debug
+trace: those run their loaded network as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane import debug
+from backplane.backends.builtin.bodies import with_frees
+from backplane.ir.graph import Layer
+from backplane.runtime.loaded_network import (
+    NONE_SLOT,
+    STOP,
+    ExecutionError,
+    LoadedNetwork,
+    Step,
+    StepFailure,
+    run_steps,
+)
+
+
+class FlatBody:
+    """A loaded body with its expandable layers expanded: what ``IteratedBody`` and builtin's If
+    read of a loaded network (``host_plan``, ``slots``, ``input_slots``, ``output_slots``,
+    ``exclusive``, ``execute``), over a longer slot list holding the folded constants too."""
+
+    exclusive = False
+
+    def __init__(self, net: LoadedNetwork, steps: Sequence[Step], layers: Sequence[Layer],
+                 template: list[Any]) -> None:
+        self.net, self.input_slots, self.output_slots = net, net.input_slots, net.output_slots
+        keep = set(self.output_slots)
+        self.host_plan = dataclasses.replace(net.host_plan, steps=with_frees(steps, keep),
+                                             layers=tuple(layers))
+        self.template = template
+        self.layer_of = {id(step.workload): layer for step, layer in zip(steps, layers)}
+
+    def slots(self) -> list[Any]:
+        """The slots a call starts from: constants bound, all else None."""
+        return list(self.template)
+
+    def execute(self, inputs: Sequence[Any]) -> list[Any]:
+        """One call; ``inputs`` in the order of the body's inputs."""
+        env = list(self.template)
+        for slot, value in zip(self.input_slots, inputs):
+            env[slot] = value
+        try:
+            run_steps(self.host_plan.steps, env, STOP.get())
+        except StepFailure as failure:
+            raise self.failure(failure) from failure.error
+        return [_array(env[slot]) for slot in self.output_slots]
+
+    def failure(self, failure: StepFailure) -> ExecutionError:
+        """The error of a failed step, naming its layer as a loaded network does."""
+        exc, layer = failure.error, self.layer_of.get(id(failure.step.workload))
+        where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
+        return ExecutionError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def flatten(net: LoadedNetwork) -> LoadedNetwork | FlatBody:
+    """``net`` (a loaded body) with each layer its backend can run flat expanded into its calls;
+    ``net`` itself where there is none, or where it runs one run at a time or traced."""
+    if net.exclusive or debug.level() >= 2:
+        return net
+    template, constants = net.slots(), net.network.graph.constants
+    steps: list[Step] = []
+    layers: list[Layer] = []
+    expanded = False
+    for step, layer in zip(net.host_plan.steps, net.host_plan.layers):
+        backend = net.network.backends.get(layer.backend or "")
+        flat_layers = getattr(backend, "flat_layers", None)
+        flat = None if flat_layers is None else flat_layers(layer, step.workload, constants)
+        if flat is None:
+            steps.append(step)
+            layers.append(layer)
+            continue
+        expanded = True
+        for call in _calls(step, flat, template):
+            steps.append(call)
+        layers += [inner for _, _, _, inner in flat.calls]
+    return FlatBody(net, steps, layers, template) if expanded else net
+
+
+def _calls(step: Step, flat: Any, template: list[Any]) -> list[Step]:
+    """``flat``'s calls as steps: the layer's inputs and outputs in ``step``'s slots, its folded
+    constants and inner tensors in new slots at the end of ``template``."""
+    slots = dict(zip(flat.inputs, step.inputs))
+    slots.update(zip(flat.outputs, step.outputs))
+
+    def slot(name: str) -> int:
+        if not name:
+            return NONE_SLOT
+        if name not in slots:
+            slots[name] = len(template)
+            template.append(flat.constants.get(name))
+        return slots[name]
+
+    return [Step(call, tuple(map(slot, reads)), tuple(map(slot, writes)), ())
+            for call, reads, writes, _ in flat.calls]
+
+
+def _array(value: Any) -> Any:
+    """NumPy turns 0-d results into scalars (np.float32); outputs are always arrays."""
+    return np.asarray(value) if isinstance(value, np.generic) else value
