@@ -113,8 +113,12 @@ def unsqueeze(data, axes):
 def gather(data, indices, axis=0):
     axis = axis % data.dim()
     size = data.shape[axis]
+    on_cpu = indices.device.type == "cpu"
+    if indices.dim() == 0 and on_cpu:  # one index (a column of NMS's selected rows): a view, one
+        return (data.select(axis, int(indices)),)  # call (select counts negatives from the end)
     flat = indices.reshape(-1).long()
-    flat = torch.where(flat < 0, flat + size, flat)
+    if not on_cpu or (flat.numel() and int(flat.min()) < 0):  # where() costs 10 us on the CPU
+        flat = torch.where(flat < 0, flat + size, flat)
     picked = torch.index_select(data, axis, flat)
     # one tuple: a 0-d index into a 1-D tensor gives a 0-d result, and reshape() of no sizes at all
     # is a TypeError
