@@ -5,13 +5,14 @@ Two things are decided here, before any run:
 - ``fold_outer_constants``: an outer constant a body reads (a weight of the model read inside an
   If branch or a Loop body) becomes a constant of the body, bound in the memory of each backend that
   reads it once at load, where it was an input imported into that memory at every call.
-- ``IteratedBody``: a Loop, Scan or SequenceMap body as three lists of calls over one list of slots
-  that lives across the iterations of a call: the imports of what the enclosing scope gives
-  (captured values) run once per call, not per iteration; a carried value whose body leaves it in a
-  backend's memory and whose next iteration would import it back there stays there (the two copies
-  or imports are skipped; the one to the host runs once, after the last iteration); and the
-  per-run setup of a loaded network (a slot list, output conversion) happens once
-  per call.
+- ``IteratedBody``: a Loop, Scan or SequenceMap body as two lists of calls (the first iteration's,
+  the others') over one list of slots that lives across the iterations of a call: the steps that
+  read only what the enclosing scope gives (captured values) and constants run in the first
+  iteration only (``_invariant``: the imports of captured values, a Slice of one by constant
+  bounds); a carried value whose body leaves it in a backend's memory and whose next iteration
+  would import it back there stays there (the two copies or imports are skipped; the one to the
+  host runs once, after the last iteration); and the per-run setup of a loaded network (a slot
+  list, output conversion) happens once per call.
 
 A body that runs one run at a time (``exclusive``: fallback memory, captured CUDA graphs) or under
 the debug trace runs as before, through its loaded network's ``execute`` per iteration.
