@@ -310,3 +310,91 @@ def test_prepacked_products_survive_an_artifact(name: str, tmp_path) -> None:
     assert [lay.op_type for lay in placed(loaded)] == [PREPACKED[name]]
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
     np.testing.assert_array_equal(loaded.run(None, feeds)[0], want)
+
+
+# -- MatMulNBits: 2-, 4- and 8-bit block-quantized weights ---------------------------------------
+def _nbits_cases() -> dict[str, Case]:
+    from tests.backends.test_contrib_ops import QUANT_CASES
+
+    return {name: case for name, case in QUANT_CASES.items() if case.op == "MatMulNBits"}
+
+
+NBITS = _nbits_cases()
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "layers"])
+@pytest.mark.parametrize("backend", DEVICES)
+@pytest.mark.parametrize("name", NBITS)
+def test_mat_mul_n_bits_against_cpuref_and_onnx_runtime(name: str, backend: str,
+                                                        compile_mode: str) -> None:
+    """On CpuAcc a constant weight is dequantized once at load into one Linear layer
+    (fusion/contrib_quant.py); GpuAcc runs the kernel, dequantizing the blocks at each call."""
+    from tests.backends.torch.test_quantized_fusion import placed
+
+    model, feeds = _model(NBITS[name])
+    got, session = _run(model, feeds, backend, compile_mode)
+    assert {p.backend for p in session.report.layers.values()} == {backend}
+    if backend == "CpuAcc":
+        assert [(lay.op_type, lay.domain) for lay in placed(session)] == [("Linear",
+                                                                          "backplane.torch")]
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+    assert_matches_ort(got, ort_run(model, feeds))
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_mat_mul_n_bits_of_fed_blocks_runs_the_kernel(backend: str) -> None:
+    """Blocks that are no constant (fed at run time) are dequantized by the kernel at each call."""
+    from tests.backends.torch.test_quantized_fusion import placed
+
+    case = NBITS["MatMulNBits-4bit"]
+    model, feeds = _model(Case(case.op, case.inputs, case.outputs, case.attrs, fed=3))
+    got, session = _run(model, feeds, backend, "layers")
+    assert {p.backend for p in session.report.layers.values()} == {backend}
+    assert [layer.op_type for layer in placed(session)] == ["MatMulNBits"]
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_decoder_from_the_4bit_quantizer_is_wholly_on_the_device(bits: int, backend: str,
+                                                                  tmp_path) -> None:
+    """tiny_gpt2 through ONNX Runtime's MatMulNBitsQuantizer: every layer on the torch backend,
+    each MatMulNBits a Linear on CpuAcc, the outputs ONNX Runtime's."""
+    pytest.importorskip("onnx_ir")  # the quantizer's own dependency
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from tests.backends.torch.test_quantized_fusion import placed
+    from tests.models.test_models import DATA, assert_close, ort_outputs
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(DATA / "tiny_gpt2.onnx")), block_size=16,
+                                     is_symmetric=False, bits=bits)
+    quantizer.process()
+    path = tmp_path / "nbits.onnx"
+    quantizer.model.save_model_to_file(str(path))
+    nbits = [n.name for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
+    assert nbits
+    session = InferenceSession(path, backends=[backend, "CpuRef"])
+    assert set(session.report.counts()) == {backend}
+    if backend == "CpuAcc":
+        linear = {lay.name for lay in placed(session) if lay.op_type == "Linear"}
+        assert set(nbits) <= linear
+    feeds = dict(np.load(DATA / "tiny_gpt2.npz"))
+    feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+    assert_close(session.run(None, feeds), ort_outputs(path, feeds))
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "layers"])
+@pytest.mark.parametrize("backend", DEVICES)
+def test_mat_mul_n_bits_propagates_nan(backend: str, compile_mode: str) -> None:
+    """A NaN or an Inf in A: CpuRef's rows NaN (an Inf times weights of both signs), the rest
+    close."""
+    model, feeds = _model(NBITS["MatMulNBits-4bit"])
+    feeds = {"in0": feeds["in0"].copy()}
+    feeds["in0"][0, 3], feeds["in0"][2, 5] = np.nan, np.inf
+    got, _ = _run(model, feeds, backend, compile_mode)
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    assert np.isnan(want[0]).all() and not np.isnan(want[1]).any()
+    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want))
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,9 @@
-"""ONNX Runtime's transformer fusions on CpuAcc (``torch/kernels/contrib_transformer.py``): each one
-node against CpuRef (finite inputs, then NaN and +-Inf ones: the same positions NaN), every
-Attention case of test_contrib_ops against ONNX Runtime, and an optimized BERT from ONNX Runtime's
-transformer optimizer wholly on CpuAcc, against ONNX Runtime."""
+"""ONNX Runtime's transformer fusions on CpuAcc (``torch/kernels/contrib_transformer.py`` and
+``contrib_attention.py``): each one node against CpuRef (finite inputs, then NaN and +-Inf ones:
+the same positions NaN), every attention case of test_contrib_ops (Attention, QAttention,
+MultiHeadAttention, GroupQueryAttention, RotaryEmbedding, EmbedLayerNormalization) against ONNX
+Runtime and CpuRef, and an optimized BERT from ONNX Runtime's transformer optimizer wholly on
+CpuAcc, against ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -73,8 +75,18 @@ def test_each_fusion_on_cpuacc_is_cpurefs(op: str, special: bool, backend: str) 
         np.testing.assert_allclose(have, want, rtol=2e-5, atol=2e-6)
 
 
-ATTENTION = ["Attention", "Attention-raw-mask", "Attention-lengths", "Attention-3d-mask",
-             "Attention-causal-past", "Attention-bias-scale", "Attention-qkv-sizes"]
+ATTENTION = ["EmbedLayerNormalization", "EmbedLayerNormalization-no-segment", "Attention",
+             "Attention-raw-mask", "Attention-lengths", "Attention-3d-mask", "Attention-causal-past",
+             "Attention-bias-scale", "Attention-qkv-sizes", "QAttention",
+             "QAttention-per-column-causal-past", "MultiHeadAttention",
+             "MultiHeadAttention-mask-past", "MultiHeadAttention-cross-cached", "RotaryEmbedding",
+             "RotaryEmbedding-offset-interleaved", "RotaryEmbedding-partial",
+             "GroupQueryAttention-prompt", "GroupQueryAttention-decode-rotary",
+             "GroupQueryAttention-shared-buffer", "GroupQueryAttention-packed-window",
+             "GroupQueryAttention-softcap", "GroupQueryAttention-head-sink",
+             "GroupQueryAttention-smooth-softmax-scale"]
+"""test_contrib_ops' cases of the ops kernels/contrib_attention.py (and EmbedLayerNormalization)
+run on the torch backends."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -93,6 +105,49 @@ def test_attention_on_cpuacc_matches_onnx_runtime(name: str, backend: str) -> No
     want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
     for have, expected in zip(session.run(None, feeds), want):
         np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-5)
+
+
+NAN_CASES = ["Attention-lengths", "Attention-causal-past", "MultiHeadAttention-mask-past",
+             "RotaryEmbedding", "GroupQueryAttention-prompt", "GroupQueryAttention-softcap"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", NAN_CASES)
+def test_attention_propagates_nan_as_cpuref(name: str, backend: str) -> None:
+    """A NaN in one query token's input: the same outputs NaN as CpuRef's, the rest close."""
+    from tests.backends.test_contrib_ops import CASES as ORT_CASES
+    from tests.backends.test_contrib_ops import _model as ort_model
+
+    if backend == "GpuAcc" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model, feeds = ort_model(ORT_CASES[name])
+    first = next(iter(feeds))
+    feeds[first] = feeds[first].copy()
+    feeds[first][0, 1, :2] = np.nan  # (B, S, d): the second token of the first sequence
+    got = InferenceSession(model, backends=BACKENDS[backend]).run(None, feeds)
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    assert np.isnan(want[0]).any()
+    for have, expected in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(have), np.isnan(expected))
+        np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_reads_no_sizes_in_a_trace() -> None:
+    """The optimized BERT's Attention (a lengths mask) traced reads one size (the keys' count, for
+    the mask's positions): each ``aten::size`` node, with its NumToTensor and Int, runs at every
+    call; it was 16 such reads (of 175 nodes), the optimized model slower than the plain one
+    (issue 29)."""
+    from backplane.backends.torch.kernels.contrib_attention import attention
+
+    x, weights, bias = torch.randn(1, 16, 32), torch.randn(32, 96), torch.randn(96)
+    lengths = torch.tensor([12], dtype=torch.int32)
+    traced = torch.jit.trace(lambda x, m: attention(x, weights, bias, m, num_heads=2)[0],
+                             (x, lengths), check_trace=False)
+    kinds = [node.kind() for node in traced.graph.nodes()]
+    assert kinds.count("aten::size") <= 1 and "aten::scaled_dot_product_attention" in kinds
+    torch.testing.assert_close(traced(x, torch.tensor([5], dtype=torch.int32)),
+                               attention(x, weights, bias, torch.tensor([5], dtype=torch.int32),
+                                         num_heads=2)[0])
 
 
 def test_an_optimized_bert_runs_its_fusions_on_cpuacc(tmp_path) -> None:

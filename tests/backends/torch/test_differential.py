@@ -1064,7 +1064,9 @@ def test_every_kernel_is_covered() -> None:
     from backplane.backends.torch.kernels import attention, ml, vision  # test_kernels_vision.py
     from backplane.backends.torch.kernels import contrib_quant  # test_contrib_quant.py
     from backplane.backends.torch.kernels import contrib_transformer  # test_contrib_transformer
+    from backplane.backends.torch.kernels import contrib_attention  # test_contrib_transformer
 
     others = {*numeric.KERNELS, *indexing.KERNELS, *recurrent.KERNELS, *vision.KERNELS,
-              *attention.KERNELS, *ml.KERNELS, *contrib_quant.KERNELS, *contrib_transformer.KERNELS}
+              *attention.KERNELS, *ml.KERNELS, *contrib_quant.KERNELS, *contrib_transformer.KERNELS,
+              *contrib_attention.KERNELS}
     assert sorted(set(KERNELS) - COVERED - others) == []

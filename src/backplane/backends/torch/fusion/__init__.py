@@ -48,6 +48,7 @@ from backplane.backends.torch.fusion import onednn_graph
 from backplane.backends.torch.fusion import reduced as reduced_precision
 from backplane.backends.torch.fusion.contrib_quant import (
     match_dynamic_quantize_matmul,
+    match_mat_mul_n_bits,
     match_qgemm,
     qgemm_workload,
 )
@@ -131,6 +132,7 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul,
     "com.microsoft::QGemm": match_qgemm,
     "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul,
+    "com.microsoft::MatMulNBits": match_mat_mul_n_bits,
     "Add": match_hardswish}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""

@@ -143,3 +143,35 @@ def match_dynamic_quantize_matmul(matmul: Layer, ctx: Context,
              "add": bias}
     return [matmul], Layer(matmul.name, "DynamicQuantMatMul", [matmul.inputs[0]],
                            list(matmul.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+def match_mat_mul_n_bits(matmul: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    """MatMulNBits of a float32 A by constant blocks (constant scales, zero points and bias) as
+    one ``Linear`` whose float32 weight is the blocks dequantized once here: at these models'
+    sizes MKL's float product beats unpacking the blocks at every call (see docs/torch-backends.md,
+    Quantized models)."""
+    import torch
+
+    from backplane.backends.torch.kernels.contrib_quant import n_bits_weight
+
+    if matmul.domain != CONTRIB or len(matmul.inputs) < 3:
+        return None
+    names = [*matmul.inputs[1:], "", "", "", ""][:5]  # B, scales, zero_points, g_idx, bias
+    b, scales, zero, _, bias = (ctx.const(name) for name in names)
+    if b is None or scales is None or (names[2] and zero is None) or names[3] \
+            or (names[4] and (bias is None or bias.dtype != F32)) \
+            or ctx.graph.info(matmul.inputs[0]).dtype != F32:
+        return None
+    a = matmul.attrs
+    try:
+        weight = n_bits_weight(torch.from_numpy(b), torch.from_numpy(scales),
+                               None if zero is None else torch.from_numpy(zero), K=a["K"],
+                               N=a["N"], block_size=a["block_size"], bits=a.get("bits", 4))
+    except (RuntimeError, KeyError):  # blocks of other sizes than K, N say: the kernel's error
+        return None
+    attrs = {"weight": np.ascontiguousarray(weight.numpy()),
+             "bias": None if bias is None else np.ascontiguousarray(bias.reshape(-1)),
+             "input_shape": list(ctx.shape(matmul.inputs[0]) or []), "unary": None,
+             "binary": False, "output_shape": None}
+    return [matmul], Layer(matmul.name, "Linear", [matmul.inputs[0]], list(matmul.outputs), attrs,
+                           FUSED_DOMAIN, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
 from backplane.backends.torch.kernels import attention, contrib_quant, ml, vision
-from backplane.backends.torch.kernels import contrib_transformer
+from backplane.backends.torch.kernels import contrib_attention, contrib_transformer
 
 KERNELS = {
     **elementwise.KERNELS,
@@ -20,6 +20,7 @@ KERNELS = {
     **ml.KERNELS,
     **contrib_quant.KERNELS,  # ONNX Runtime's com.microsoft quantized ops
     **contrib_transformer.KERNELS,  # its transformer fusions (normalizations, GELUs)
+    **contrib_attention.KERNELS,  # its attention fusions
 }
 
 CHECKS = {
@@ -33,7 +34,7 @@ CHECKS = {
     **attention.CHECKS,
     **ml.CHECKS,
     **contrib_quant.CHECKS,
-    **contrib_transformer.CHECKS,
+    **contrib_attention.CHECKS,
 }
 
 INPUT_DTYPES = {

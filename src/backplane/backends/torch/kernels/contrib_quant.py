@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.reference.kernels.contrib_quant import check_mat_mul_n_bits
 from backplane.backends.torch.kernels.nn import average_pool, check_average_pool, softmax
 from backplane.ir.graph import Layer, TensorInfo
 
@@ -162,6 +163,40 @@ def dynamic_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(centred.isnan(), zero.neg(), centred), scale
 
 
+def mat_mul_n_bits(A, B, scales, zero_points=None, g_idx=None, bias=None, *, K, N,  # noqa: N803
+                   block_size, bits=4, accuracy_level=0, weight_prepacked=0):
+    # The blocks dequantized, then a float32 product; CpuAcc's fusion (``fusion/contrib_quant``)
+    # dequantizes a constant weight once at load instead of at every call.
+    weight = n_bits_weight(B, scales, zero_points, K=K, N=N, block_size=block_size, bits=bits)
+    y = torch.matmul(A.float(), weight.t())
+    if bias is not None:
+        y = y + bias
+    return (y.to(A.dtype),)
+
+
+def n_bits_weight(B, scales, zero_points=None, *, K, N, block_size, bits):  # noqa: N803
+    """MatMulNBits' (N, K) float32 weight from its (N, k_blocks, blob) bytes (8 / bits values a
+    byte, low bits first, along K), per block scales and zero points (packed like B, unpacked in
+    A's type, or absent: 2^(bits - 1)), as CpuRef dequantizes it."""
+    k_blocks = -(-K // block_size)
+    q = _unpack(B.reshape(N, -1), bits)[:, :k_blocks * block_size].reshape(N, k_blocks, -1)
+    if zero_points is None:
+        zero = torch.tensor(2.0 ** (bits - 1), device=B.device)
+    elif zero_points.dtype == torch.uint8:
+        zero = _unpack(zero_points.reshape(N, -1), bits)[:, :k_blocks, None].float()
+    else:
+        zero = zero_points.reshape(N, k_blocks, 1).float()
+    weight = (q.float() - zero) * scales.reshape(N, k_blocks, 1).float()
+    return weight.reshape(N, -1)[:, :K]
+
+
+def _unpack(packed, bits):
+    """(rows, bytes) uint8 -> (rows, bytes * 8 / bits) values, the low bits of each byte first."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    values = torch.bitwise_and(packed[..., None] >> shifts, 2 ** bits - 1)
+    return values.reshape(packed.shape[0], -1)
+
+
 # -- checks ------------------------------------------------------------------------------------
 def check_eight_bit(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     """The quantized tensors are uint8 or int8 (ONNX Runtime's kernels take no other)."""
@@ -200,10 +235,12 @@ KERNELS: KernelTable = {
     MS + "QGemm": {1: q_gemm},
     MS + "MatMulIntegerToFloat": {1: mat_mul_integer_to_float},
     MS + "DynamicQuantizeMatMul": {1: dynamic_quantize_mat_mul},
+    MS + "MatMulNBits": {1: mat_mul_n_bits},
 }
 
 CHECKS = {
-    **{key: check_eight_bit for key in KERNELS},
+    **{key: check_eight_bit for key in KERNELS if key != MS + "MatMulNBits"},
+    MS + "MatMulNBits": check_mat_mul_n_bits,
     MS + "QLinearAveragePool": check_q_linear_average_pool,
     MS + "DynamicQuantizeMatMul": check_dynamic_quantize_mat_mul,
 }

@@ -2,22 +2,17 @@
 on torch tensors, computing CpuRef's values (``reference/kernels/contrib_transformer.py``) step for
 step: the normalizations with a residual (SkipLayerNormalization, SkipSimplifiedLayerNormalization,
 and SimplifiedLayerNormalization of the default domain) and the GELU family (Gelu, BiasGelu,
-FastGelu, QuickGelu), BiasAdd and Attention (the packed-projection one its optimizer writes for
-BERT, with its masks, past and bias; not rotary or shared buffers, refused as on CpuRef). An
-optimized BERT ran these on CpuRef, between CpuAcc's partitions (issue 29). Masks are made on the
-device from the mask tensor (no host read), so a trace or a CUDA graph may hold them. Table keys
-carry the domain ("com.microsoft::BiasGelu").
+FastGelu, QuickGelu), BiasAdd and BERT's EmbedLayerNormalization. An optimized BERT ran these on
+CpuRef, between CpuAcc's partitions (issue 29). The attention ops are in ``contrib_attention.py``.
+Table keys carry the domain ("com.microsoft::BiasGelu").
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.torch.kernels.common import gelu
-from backplane.backends.reference.kernels.contrib_attention import check_attention
 from backplane.backends.torch.kernels.nn import layer_normalization
 
 MS = "com.microsoft::"
@@ -73,54 +68,19 @@ def bias_add(X, bias, skip):  # noqa: N803
     return (X + bias + skip,)
 
 
-def attention(input, weights, bias=None, mask_index=None, past=None,  # noqa: A002
-              attention_bias=None, past_sequence_length=None, *, num_heads, do_rotary=0,
-              mask_filter_value=-10000.0, past_present_share_buffer=0, qkv_hidden_sizes=None,
-              rotary_embedding_dim=0, scale=None, unidirectional=0, n_outputs=1):
-    """CpuRef's Attention: the packed projection, split into heads, masked and scaled scores, a
-    float32 softmax, and the present (past and new keys and values) where asked."""
-    sizes = list(qkv_hidden_sizes) if qkv_hidden_sizes else [weights.shape[1] // 3] * 3
-    qkv = torch.matmul(input, weights)
-    qkv = qkv if bias is None else qkv + bias
-    q, k, v = (_heads(t, num_heads) for t in torch.split(qkv, sizes, dim=-1))
-    if past is not None:  # (2, B, n, P, h)
-        k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
-    batch, seq, total = qkv.shape[0], qkv.shape[1], k.shape[2]
-    score_bias = _mask_bias(mask_index, batch, seq, total, mask_filter_value, qkv.device)
-    if unidirectional:
-        later = torch.arange(total, device=qkv.device)[None, :] > \
-            (total - seq) + torch.arange(seq, device=qkv.device)[:, None]
-        score_bias = score_bias + torch.where(later, mask_filter_value, 0.0).float()
-    if attention_bias is not None:
-        score_bias = score_bias + attention_bias
-    head_scale = 1 / math.sqrt(sizes[0] // num_heads) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-1, -2)) * torch.tensor(head_scale, dtype=torch.float32) \
-        + score_bias
-    out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)  # (B, n, S, hv)
-    b, n, s, hv = out.shape
-    out = out.transpose(1, 2).reshape(b, s, n * hv).to(qkv.dtype)
-    return (out, torch.stack((k, v))) if n_outputs > 1 else (out,)
-
-
-def _heads(x, num_heads):
-    """(B, S, n * h) -> (B, n, S, h)."""
-    b, s, d = x.shape
-    return x.reshape(b, s, num_heads, d // num_heads).transpose(1, 2)
-
-
-def _mask_bias(mask, batch, seq, total, filter_value, device):
-    """CpuRef's additive (B, 1, S, T) bias from a key mask: raw 0/1 (B, T) or (B, S, T), each
-    sequence's length (B,), or exclusive ends then inclusive starts (2B,)."""
-    if mask is None:
-        return torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device)
-    if mask.dim() == 1:
-        positions = torch.arange(total, device=device)
-        keep = positions[None, :] < mask[:batch, None]
-        if mask.shape[0] == 2 * batch:
-            keep = keep & (positions[None, :] >= mask[batch:, None])
-        mask = keep
-    keep = (mask > 0).reshape(batch, 1, -1, total)
-    return torch.where(keep, 0.0, float(filter_value)).float()
+def embed_layer_normalization(input_ids, segment_ids, word_embedding, position_embedding,
+                              segment_embedding, gamma, beta, mask=None, position_ids=None,
+                              epsilon=1e-12, mask_index_type=1):
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device) \
+        if position_ids is None else position_ids.long()
+    total = word_embedding[input_ids.long()] + position_embedding[positions]
+    if segment_embedding is not None:
+        total = total + segment_embedding[segment_ids.long()]
+    (y,) = layer_normalization(total, gamma, beta, epsilon=epsilon)
+    # mask_index: each sequence's count of unmasked tokens (zeros without a mask)
+    count = torch.zeros(input_ids.shape[0], dtype=torch.int32, device=input_ids.device) \
+        if mask is None else (mask != 0).sum(dim=1, dtype=torch.int32)
+    return y, count, total
 
 
 KERNELS: KernelTable = {
@@ -132,7 +92,5 @@ KERNELS: KernelTable = {
     MS + "FastGelu": {1: fast_gelu},
     MS + "QuickGelu": {1: quick_gelu},
     MS + "BiasAdd": {1: bias_add},
-    MS + "Attention": {1: attention},
+    MS + "EmbedLayerNormalization": {1: embed_layer_normalization},
 }
-
-CHECKS = {MS + "Attention": check_attention}
