@@ -194,6 +194,7 @@ class InferenceSession:
                                   "threads): give it in the RuntimeOptions of the runtime passed, or "
                                   "pass no runtime")
             chosen = merge(("the runtime's RuntimeOptions", mine), ("this session", chosen))
+        self._own_runtime = runtime is None  # made here: closed with the session
         self.runtime = runtime or Runtime(RuntimeOptions(backend_options=dict(chosen),
                                                          backends=list(ids)))  # contexts now
         self.backend_options: dict[str, Any] = chosen
@@ -457,13 +458,16 @@ class InferenceSession:
         return self._run(None, input_feed, run_options, outputs_on=outputs_on, into=into)[0]
 
     def close(self) -> None:
-        """Unload the network and release what its backends hold; running after is an error, and
-        closing again does nothing."""
+        """Unload the network and release what its backends hold, and close the session's
+        Runtime where the session made it (one given to it stays open); running after is an
+        error, and closing again does nothing."""
         if self._closed:
             return
         self.runtime.unload(self.network_id)
         if self._overrides is not None:
             self._overrides.unload(self.runtime)
+        if self._own_runtime:
+            self.runtime.close()  # its contexts, and the backends it holds (destroy hooks)
         self._closed = True
         self._update_fast_path()
 

@@ -9,6 +9,7 @@ aligned between source and destination backends."
 
 from __future__ import annotations
 
+import gc
 import mmap
 from typing import Any
 
@@ -242,3 +243,25 @@ def test_control_flow_bodies_allocate_from_it_and_give_everything_back() -> None
         assert allocator.calls > 0
         session.close()  # the bodies' networks with the network
         assert allocator.freed == allocator.calls and not allocator.live
+
+
+def test_subgraphs_built_at_run_time_give_their_memory_back_at_the_unload() -> None:
+    """Seed 000: the LoadedNetwork "calls ... on the memory manager before it starts executing the
+    network and it calls ... in its destructor": the subgraphs CpuAcc's Specialized layer builds
+    per input signature allocate from the allocator and give it all back when the network is
+    unloaded, not when the garbage collector reaches them (gc is off here)."""
+    pytest.importorskip("torch")
+    allocator = Counting()
+    runtime = Runtime(RuntimeOptions(custom_allocators={"CpuAcc": allocator}))
+    session = InferenceSession(_free_batch_model(), ["CpuAcc"], runtime=runtime)
+    assert "Specialized" in [layer.op_type for layer in runtime.network(session.network_id).layers]
+    gc.disable()
+    try:
+        for n in (2, 3, 2, 5):
+            x = np.arange(4 * n, dtype=np.float32).reshape(n, 4) - 3
+            np.testing.assert_array_equal(session.run(None, {"x": x})[0], -np.maximum(x, 0))
+        assert allocator.calls > 3  # the three signatures' subgraphs allocated too
+        session.close()
+        assert allocator.freed == allocator.calls and not allocator.live
+    finally:
+        gc.enable()

@@ -229,3 +229,29 @@ def test_a_destroy_hook_is_called_when_the_last_runtime_using_the_backend_goes(l
     assert destroyed == []
     second.close()
     assert destroyed == ["TestLived"]
+
+
+def test_a_session_closes_the_runtime_it_made_and_leaves_a_given_one_open() -> None:
+    """Seed 000: "the runtime object goes out of scope and the dynamic backend instance is
+    automatically destroyed": a session that made its Runtime closes it with itself (the
+    backends it held let go: the last one's destroy hook called), one given to it stays open."""
+    destroyed: list[str] = []
+    registry.register("TestLived", Lived, destroy=lambda: destroyed.append("TestLived"))
+    try:
+        model = small_cnn_model().SerializeToString()
+        given = Runtime(RuntimeOptions(backends=["TestLived"]))
+        InferenceSession(model, ["TestLived"], runtime=given).close()
+        network_id = given.load(optimize(import_onnx(small_cnn_model()), ["TestLived"]))
+        given.run(network_id, {"x": X})  # still open
+        session = InferenceSession(model, ["TestLived"])
+        session.close()
+        with pytest.raises(RuntimeError, match="this Runtime is closed"):
+            session.runtime.load(optimize(import_onnx(small_cnn_model()), ["TestLived"]))
+        assert destroyed == []  # the given runtime still holds TestLived
+        given.close()
+        assert destroyed == ["TestLived"]
+        session = InferenceSession(model, ["TestLived"])
+        session.close()
+        assert destroyed == ["TestLived", "TestLived"]  # the session's runtime was the last
+    finally:
+        registry.deregister("TestLived")

@@ -82,8 +82,19 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
                     built.popitem(last=False)
         return runner(*values)
 
+    def close() -> None:
+        """The built subgraphs' networks closed with the network that holds this layer (their
+        buffers from a custom allocator go back at its unload, not when collected)."""
+        with lock:
+            runners = [*built.values(), *generic]
+            built.clear()
+            generic.clear()
+        for runner in runners:
+            runner.close()  # type: ignore[attr-defined]
+
     run.built = built  # type: ignore[attr-defined]  # for tests and debugging
     run.exclusive = bool(backend.capabilities().get("CudaGraphs"))  # type: ignore[attr-defined]
+    run.destroy = close  # type: ignore[attr-defined]  # called by LoadedNetwork.close
     return run
 
 
@@ -153,4 +164,5 @@ def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
         return tuple(outputs)
 
     run.graph = graph  # type: ignore[attr-defined]  # what was built, for tests and debugging
+    run.close = loaded.close  # type: ignore[attr-defined]
     return run
