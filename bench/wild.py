@@ -5,11 +5,13 @@ Usage:
     python bench/wild.py --models yolo_v8_ts17,vad_lstm_if_ts16 --rounds 3
     python bench/wild.py --neighbour                      # the same beside a CPU-burning process
     python bench/wild.py --profile --json wild.json       # where backplane's time goes on the slow ones
+    python bench/wild.py --tier full                      # the models at users' sizes (see --tier)
 
-For every model of tests/data/corpus/manifest.json, at batch 1 and the model's first size (its
-``.s0.npz``), three runtimes, each in processes of its own, alternating A B C A B C over ``--rounds``
-rounds (ONNX Runtime's spinning threads slow whatever shares its process; drift of a shared machine
-touches all three alike):
+For every model of tests/data/corpus/manifest.json (``--tier full``: the full tier's manifest, in
+~/.cache/backplane/corpus-full or ``--corpus DIR``, the models at the sizes users run), at batch 1
+and the model's first size (its ``.s0.npz``), three runtimes, each in processes of its own,
+alternating A B C A B C over ``--rounds`` rounds (ONNX Runtime's spinning threads slow whatever
+shares its process; drift of a shared machine touches all three alike):
 
 - ``onnxruntime``: CPUExecutionProvider, ORT_ENABLE_ALL, intra_op ``--threads``, inter_op 1;
 - ``openvino``: OpenVINO's own runtime, ``Core().compile_model`` on the ONNX file for the CPU,
@@ -60,6 +62,7 @@ from bench_openvino import load as load_peer  # noqa: E402
 from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E402
 
 CORPUS = ROOT / "tests" / "data" / "corpus"
+FULL_CORPUS = Path.home() / ".cache" / "backplane" / "corpus-full"  # scripts/export_corpus.py --tier full
 RUNTIMES = ("onnxruntime", "openvino", "backplane")
 LOW = 0.8  # issue 27: no model below this ORT / backplane ratio
 BURN = "while True: pass"
@@ -187,10 +190,15 @@ def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save
         return {"error": f"timed out after {args.timeout:.0f} s"}
 
 
+def corpus_files(args: argparse.Namespace, name: str) -> tuple[dict[str, Any], Path, Path]:
+    """A model's manifest entry, its file and its first size's inputs, beside the manifest."""
+    entry = json.loads((args.corpus / "manifest.json").read_text())[name]
+    return entry, args.corpus / entry["file"], args.corpus / entry["inputs_files"][0]
+
+
 def bench_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
     """The three runtimes on one model, alternating over the rounds; outputs saved in round 1."""
-    entry = json.loads((CORPUS / "manifest.json").read_text())[name]
-    model, feeds = CORPUS / entry["file"], CORPUS / entry["inputs_files"][0]
+    entry, model, feeds = corpus_files(args, name)
     rows: dict[str, dict[str, Any]] = {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "error": None,
                                             "outputs": None, "plan": {}} for rt in RUNTIMES}
     for round_ in range(args.rounds):
@@ -290,6 +298,10 @@ def profile_lines(name: str, reply: dict[str, Any]) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", help="comma-separated corpus model names (default: all of them)")
+    ap.add_argument("--tier", choices=("small", "full"), default="small",
+                    help="small: tests/data/corpus (default); full: the models at users' sizes, in "
+                         f"{FULL_CORPUS} (scripts/export_corpus.py --tier full)")
+    ap.add_argument("--corpus", type=Path, help="the folder of the corpus's manifest.json (default: the tier's)")
     ap.add_argument("--rounds", type=int, default=2, help="processes per runtime, alternating (default 2)")
     ap.add_argument("--seconds", type=float, default=0.5, help="timed calls per process, in seconds (0.5)")
     ap.add_argument("--warmup-seconds", type=float, default=1.0, help="untimed calls first, in seconds (1)")
@@ -324,6 +336,7 @@ def run_all(args: argparse.Namespace, names: list[str]) -> tuple[list[str], dict
               f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
               *(line.replace(", backplane absent", "") for line in environment(args.threads)),
               f"backplane {backplane_version()}",
+              f"corpus: {args.tier} tier, {args.corpus}",
               f"neighbour: {'one CPU-burning process (' + BURN + ')' if args.neighbour else 'none'}; "
               f"{args.rounds} rounds, best of the rounds' medians, batch 1 at each model's .s0.npz"]
     burner = subprocess.Popen([sys.executable, "-c", BURN]) if args.neighbour else None
@@ -334,9 +347,8 @@ def run_all(args: argparse.Namespace, names: list[str]) -> tuple[list[str], dict
             profiles = {}
             if args.profile:
                 for below in summary["below"]:
-                    entry = json.loads((CORPUS / "manifest.json").read_text())[below["model"]]
-                    profiles[below["model"]] = spawn(args, "backplane", CORPUS / entry["file"],
-                                                     CORPUS / entry["inputs_files"][0], None, "--profile-worker")
+                    _, model, feeds = corpus_files(args, below["model"])
+                    profiles[below["model"]] = spawn(args, "backplane", model, feeds, None, "--profile-worker")
     finally:
         if burner is not None:
             burner.kill()
@@ -357,7 +369,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile_worker:
         profile_worker(args)
         return 0
-    manifest = json.loads((CORPUS / "manifest.json").read_text())
+    args.corpus = (args.corpus or (FULL_CORPUS if args.tier == "full" else CORPUS)).expanduser()
+    if not (args.corpus / "manifest.json").exists():
+        build = " (python scripts/export_corpus.py --tier full builds it)" if args.tier == "full" else ""
+        print(f"no manifest.json in {args.corpus}{build}", file=sys.stderr)
+        return 2
+    manifest = json.loads((args.corpus / "manifest.json").read_text())
     names = args.models.split(",") if args.models else list(manifest)
     unknown = [n for n in names if n not in manifest]
     if unknown:

@@ -5,6 +5,8 @@ at all: a Paddle-style text recognizer at an old opset, a character-level transf
 small layers, a voice-activity LSTM whose graph holds an If, a YOLOv8-style head, a hard-swish
 layout detector at opset 11, a plain 4-layer nn.TransformerEncoder and a byte classifier over int32
 ids. scripts/export_corpus.py exports them (their Spec entries say with which exporter and opset).
+Their defaults are the small tier's sizes (tests/data/corpus); the size parameters give the full
+tier (`export_corpus.py --tier full`) the widths of the models issue 27 timed.
 """
 from __future__ import annotations
 
@@ -28,16 +30,19 @@ class CRNNRecognizer(nn.Module):
     """PP-OCR's recognizer shape: a CNN that takes a 32-pixel-high text line down to height 1
     (strides (2, 1) keep the width), Im2Seq written as Paddle2ONNX leaves it (the sizes read with
     Shape and Gather, Unsqueeze, Concat and Reshape), a 2-layer bidirectional LSTM, a CTC head
-    (Linear, Softmax over 40 classes). Free batch and width."""
+    (Linear, Softmax over `classes`). Free batch and width. `widths`: the CNN's four channel
+    counts; `hidden`: the LSTM's."""
 
-    def __init__(self, classes: int = 40):
+    def __init__(self, classes: int = 40, widths: tuple[int, int, int, int] = (16, 32, 48, 64),
+                 hidden: int = 32):
         super().__init__()
-        self.cnn = nn.Sequential(conv_act(3, 16, 3, 2), conv_act(16, 32, 3, (2, 1)),
-                                 conv_act(32, 32, 3, 1, groups=32), conv_act(32, 48, 1),
-                                 conv_act(48, 48, 3, (2, 1)), nn.MaxPool2d((2, 1), (2, 1)),
-                                 conv_act(48, 64, 3, (2, 1)))
-        self.rnn = nn.LSTM(64, 32, num_layers=2, bidirectional=True, batch_first=True)
-        self.head = nn.Linear(64, classes)
+        c1, c2, c3, c4 = widths
+        self.cnn = nn.Sequential(conv_act(3, c1, 3, 2), conv_act(c1, c2, 3, (2, 1)),
+                                 conv_act(c2, c2, 3, 1, groups=c2), conv_act(c2, c3, 1),
+                                 conv_act(c3, c3, 3, (2, 1)), nn.MaxPool2d((2, 1), (2, 1)),
+                                 conv_act(c3, c4, 3, (2, 1)))
+        self.rnn = nn.LSTM(c4, hidden, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(2 * hidden, classes)
 
     def forward(self, x):
         f = self.cnn(x)                                       # (N, C, 1, W/2)
@@ -73,10 +78,11 @@ class CharTagger(nn.Module):
     """A character-level sequence tagger: character and position embeddings, 4 tiny encoder
     layers (d 32, 4 heads), padding from id 0, a per-token classifier with log-softmax."""
 
-    def __init__(self, vocab: int = 96, d: int = 32, layers: int = 4, tags: int = 9, max_len: int = 256):
+    def __init__(self, vocab: int = 96, d: int = 32, layers: int = 4, tags: int = 9, max_len: int = 256,
+                 heads: int = 4):
         super().__init__()
         self.chars, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(TinyBlock(d, 4) for _ in range(layers))
+        self.blocks = nn.ModuleList(TinyBlock(d, heads) for _ in range(layers))
         self.cls = nn.Linear(d, tags)
 
     def forward(self, chars):
@@ -93,14 +99,17 @@ class CharTagger(nn.Module):
 class LstmVad(nn.Module):
     """Silero-VAD's shape, one chunk per call: the sample rate picks the front end in an If (a
     scripted `if` on the `sr` input: strided Conv1d filters for 16 kHz or for 8 kHz), a mean over
-    frames, one LSTMCell step from the state input, a sigmoid speech probability and the new state."""
+    frames, one LSTMCell step from the state input, a sigmoid speech probability and the new state.
+    `front`: the front end's channels and its 16 kHz kernel (the 8 kHz one is half as long, stride a
+    half and padding a quarter of its kernel); `enc`: the encoder's channels."""
 
-    def __init__(self, hidden: int = 64):
+    def __init__(self, hidden: int = 64, front: tuple[int, int] = (32, 64), enc: int = 48):
         super().__init__()
-        self.front16 = nn.Conv1d(1, 32, 64, stride=32, padding=16)
-        self.front8 = nn.Conv1d(1, 32, 32, stride=16, padding=8)
-        self.enc = nn.Conv1d(32, 48, 3, padding=1)
-        self.cell = nn.LSTMCell(48, hidden)
+        channels, k = front
+        self.front16 = nn.Conv1d(1, channels, k, stride=k // 2, padding=k // 4)
+        self.front8 = nn.Conv1d(1, channels, k // 2, stride=k // 4, padding=k // 8)
+        self.enc = nn.Conv1d(channels, enc, 3, padding=1)
+        self.cell = nn.LSTMCell(enc, hidden)
         self.out = nn.Linear(hidden, 1)
 
     def forward(self, x, state, sr):
@@ -132,17 +141,24 @@ class YoloV8ish(nn.Module):
     """A YOLOv8 detector in small: SiLU convs and C2f blocks to strides 8 and 16, a decoupled head
     per level (box distributions of 8 bins, class logits), Concat of the levels, Split, DFL
     (Softmax over bins, a 1x1 conv with weights 0..7), anchors from Range over each level's free
-    height and width, dist2bbox, Sigmoid of the classes: (1, 4 + classes, anchors)."""
+    height and width, dist2bbox, Sigmoid of the classes: (1, 4 + classes, anchors). `widths`: the
+    stem's, stride 4's, stride 8's and stride 16's channels, and a fifth adds a level at stride 32;
+    `head`: the box and class branches' channels."""
 
-    def __init__(self, classes: int = 4, bins: int = 8):
+    def __init__(self, classes: int = 4, bins: int = 8, widths: tuple[int, ...] = (16, 32, 48, 64),
+                 head: tuple[int, int] = (32, 32)):
         super().__init__()
-        self.body = nn.Sequential(conv_act(3, 16, 3, 2, act=nn.SiLU), conv_act(16, 32, 3, 2, act=nn.SiLU),
-                                  C2f(32), conv_act(32, 48, 3, 2, act=nn.SiLU), C2f(48))
-        self.down = nn.Sequential(conv_act(48, 64, 3, 2, act=nn.SiLU), C2f(64))
-        self.box = nn.ModuleList(nn.Sequential(conv_act(c, 32, 3, act=nn.SiLU), nn.Conv2d(32, 4 * bins, 1))
-                                 for c in (48, 64))
-        self.cls = nn.ModuleList(nn.Sequential(conv_act(c, 32, 3, act=nn.SiLU), nn.Conv2d(32, classes, 1))
-                                 for c in (48, 64))
+        c1, c2, c3, c4 = widths[:4]
+        self.body = nn.Sequential(conv_act(3, c1, 3, 2, act=nn.SiLU), conv_act(c1, c2, 3, 2, act=nn.SiLU),
+                                  C2f(c2), conv_act(c2, c3, 3, 2, act=nn.SiLU), C2f(c3))
+        self.down = nn.Sequential(conv_act(c3, c4, 3, 2, act=nn.SiLU), C2f(c4))
+        if len(widths) > 4:  # the stride-32 level (registered here: liven draws in this order)
+            self.down32 = nn.Sequential(conv_act(c4, widths[4], 3, 2, act=nn.SiLU), C2f(widths[4]))
+        levels = widths[2:]
+        self.box = nn.ModuleList(nn.Sequential(conv_act(c, head[0], 3, act=nn.SiLU),
+                                               nn.Conv2d(head[0], 4 * bins, 1)) for c in levels)
+        self.cls = nn.ModuleList(nn.Sequential(conv_act(c, head[1], 3, act=nn.SiLU),
+                                               nn.Conv2d(head[1], classes, 1)) for c in levels)
         self.dfl = nn.Conv2d(bins, 1, 1, bias=False).requires_grad_(False)
         self.dfl.weight.data[:] = torch.arange(bins, dtype=torch.float32).view(1, bins, 1, 1)
         self.bins, self.classes = bins, classes
@@ -150,6 +166,8 @@ class YoloV8ish(nn.Module):
     def forward(self, x):
         p3 = self.body(x)
         levels = [(p3, 8.0), (self.down(p3), 16.0)]
+        if hasattr(self, "down32"):
+            levels.append((self.down32(levels[1][0]), 32.0))
         outs, anchors, strides = [], [], []
         for i, (f, stride) in enumerate(levels):
             n, _, h, w = f.shape
@@ -188,21 +206,23 @@ class HSConv(nn.Module):
 class LayoutDetector(nn.Module):
     """A PicoDet-style layout detector: depthwise-separable hard-swish backbone to strides 8, 16
     and 32, an FPN (1x1 lateral convs, nearest 2x Resize, Add), a shared-weight head per level
-    (classes through Sigmoid, 4 box distances through ReLU), the levels flattened and Concat'ed."""
+    (classes through Sigmoid, 4 box distances through ReLU), the levels flattened and Concat'ed.
+    `width` multiplies every channel count; `depth16`: the stride-16 stage's blocks after its first."""
 
-    def __init__(self, classes: int = 5):
+    def __init__(self, classes: int = 5, width: int = 1, depth16: int = 2):
         super().__init__()
 
         def sep(cin: int, cout: int, stride: int) -> nn.Sequential:
             return nn.Sequential(HSConv(cin, cin, 3, stride, groups=cin), HSConv(cin, cout, 1))
 
-        self.stem = HSConv(3, 16, 3, 2)
-        self.s8 = nn.Sequential(sep(16, 24, 2), sep(24, 24, 1), sep(24, 32, 2), sep(32, 32, 1))
-        self.s16 = nn.Sequential(sep(32, 48, 2), sep(48, 48, 1), sep(48, 48, 1))
-        self.s32 = nn.Sequential(sep(48, 64, 2), sep(64, 64, 1))
-        self.lat = nn.ModuleList(nn.Conv2d(c, 32, 1) for c in (32, 48, 64))
-        self.head = nn.Sequential(sep(32, 32, 1), sep(32, 32, 1))
-        self.cls, self.reg = nn.Conv2d(32, classes, 1), nn.Conv2d(32, 4, 1)
+        c16, c24, c32, c48, c64 = (c * width for c in (16, 24, 32, 48, 64))
+        self.stem = HSConv(3, c16, 3, 2)
+        self.s8 = nn.Sequential(sep(c16, c24, 2), sep(c24, c24, 1), sep(c24, c32, 2), sep(c32, c32, 1))
+        self.s16 = nn.Sequential(sep(c32, c48, 2), *(sep(c48, c48, 1) for _ in range(depth16)))
+        self.s32 = nn.Sequential(sep(c48, c64, 2), sep(c64, c64, 1))
+        self.lat = nn.ModuleList(nn.Conv2d(c, c32, 1) for c in (c32, c48, c64))
+        self.head = nn.Sequential(sep(c32, c32, 1), sep(c32, c32, 1))
+        self.cls, self.reg = nn.Conv2d(c32, classes, 1), nn.Conv2d(c32, 4, 1)
 
     def forward(self, x):
         c3 = self.s8(self.stem(x))
@@ -224,11 +244,11 @@ class LayoutDetector(nn.Module):
 class PlainEncoder(nn.Module):
     """nn.TransformerEncoder as users instantiate it: 4 layers, 4 heads, batch_first, ReLU, over
     (batch, seq, d) features. d is 64 (not 256): 4 layers at d 256 hold 4 MB of float32 weights at
-    the least, over the corpus's 1 MB a file."""
+    the least, over the corpus's 1 MB a file (the full tier's is at d 256)."""
 
-    def __init__(self, d: int = 64, ff: int = 128):
+    def __init__(self, d: int = 64, ff: int = 128, heads: int = 4):
         super().__init__()
-        layer = nn.TransformerEncoderLayer(d, 4, ff, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
 
     def forward(self, x):
@@ -237,13 +257,15 @@ class PlainEncoder(nn.Module):
 
 class ByteClassifier(nn.Module):
     """A MalConv-style file classifier: an Embedding over int32 bytes, a bool validity mask, a
-    gated strided Conv1d (Conv * Sigmoid(Conv)), a masked global max pool and a 2-layer MLP."""
+    gated strided Conv1d (Conv * Sigmoid(Conv)), a masked global max pool and a 2-layer MLP.
+    `window`: the convolutions' kernel (their stride is half of it); `hidden`: the MLP's width."""
 
-    def __init__(self, d: int = 16, channels: int = 64, classes: int = 6):
+    def __init__(self, d: int = 16, channels: int = 64, classes: int = 6, window: int = 16, hidden: int = 32):
         super().__init__()
         self.embed = nn.Embedding(256, d)
-        self.conv, self.gate = nn.Conv1d(d, channels, 16, 8), nn.Conv1d(d, channels, 16, 8)
-        self.fc1, self.fc2 = nn.Linear(channels, 32), nn.Linear(32, classes)
+        self.conv = nn.Conv1d(d, channels, window, window // 2)
+        self.gate = nn.Conv1d(d, channels, window, window // 2)
+        self.fc1, self.fc2 = nn.Linear(channels, hidden), nn.Linear(hidden, classes)
 
     def forward(self, data, valid):
         x = (self.embed(data) * valid.unsqueeze(-1).to(torch.float32)).transpose(1, 2)   # (N, d, L)
