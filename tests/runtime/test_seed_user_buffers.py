@@ -20,10 +20,10 @@ ONES = {"Add": 2, "Sub": 2, "Mul": 2, "Div": 2, "MatMul": 2}
 
 def _model(nodes: list[onnx.NodeProto], inputs: dict[str, list[int]],
            outputs: dict[str, list[int]], initializers: list[onnx.TensorProto] = ()) -> bytes:
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs.items()],
-        list(initializers))
+    def infos(tensors: dict[str, list[int]]) -> list[onnx.ValueInfoProto]:
+        return [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in tensors.items()]
+
+    graph = helper.make_graph(nodes, "g", infos(inputs), infos(outputs), list(initializers))
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
@@ -135,7 +135,8 @@ def test_each_common_kernel_writes_in_place_as_it_computes(backends: list[str], 
 
 
 @pytest.mark.parametrize("backends", BACKENDS, ids=",".join)
-def test_a_second_run_with_another_binding_leaves_the_first_buffer_alone(backends: list[str]) -> None:
+def test_a_second_run_with_another_binding_leaves_the_first_buffer_alone(
+        backends: list[str]) -> None:
     """No run holds a buffer past its end: another binding's run, and a plain run, write
     elsewhere; an output that views the buffer (a Reshape of it) is the caller's own copy."""
     model = _model([helper.make_node("Relu", ["a"], ["y"], name="op"),

@@ -446,9 +446,10 @@ class LoadedNetwork:
                              backend="builtin")
                 back.append((copy, functools.partial(_moved, to_device, device)))
             outputs[position] = copy.outputs[0]
-        buffers, copies = user_buffers.bind(
-            layers, workloads, outputs, [i for i, d in enumerate(outputs_on) if d == user_buffers.INTO],
-            self.network.output_names, graph, self.network.backends, self._constant_slots)
+        into = [i for i, device in enumerate(outputs_on) if device == user_buffers.INTO]
+        buffers, copies = user_buffers.bind(layers, workloads, outputs, into,
+                                            self.network.output_names, graph,
+                                            self.network.backends, self._constant_slots)
         back += copies
         read = {n for layer in layers for n in layer.inputs} | {n for c, _ in back for n in c.inputs}
         kept = [(layer, w) for layer, w in zip(layers, workloads)
