@@ -192,6 +192,8 @@ def gemm(A, B, C=None, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa: N803
     if C is None or beta == 0:
         y = a @ b
         return (y * alpha if alpha != 1.0 else y,)
+    if alpha == 1.0 and beta == 1.0:  # addmm broadcasts C as Gemm does; the expand and the
+        return (torch.addmm(C, a, b),)  # scalars cost more than the product of a small Gemm
     return (torch.addmm(C.expand(a.shape[0], b.shape[1]), a, b, beta=beta, alpha=alpha),)
 
 
