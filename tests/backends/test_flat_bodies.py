@@ -160,3 +160,18 @@ def test_a_loop_body_with_iteration_dependent_slices_runs_flat_and_hoists() -> N
     assert not {"body_slice", "body_tanh"} & hoisted
     rest = {iterated.layer_of[id(step.workload)].name for step in iterated.rest}
     assert "body_scale" not in rest and {"body_slice", "body_tanh"} <= rest
+
+
+def test_of_layers_of_one_kernel_the_failing_one_is_named() -> None:
+    # Add binds no attribute: each flat call is still an object of its own, named by its layer
+    model = if_model([helper.make_node("Add", ["x", "x"], ["a"], name="first_add"),
+                      helper.make_node("Add", ["a", "k"], ["b"], name="middle_add"),
+                      helper.make_node("Add", ["b", "x"], ["t"], name="last_add")], ["t"],
+                     [helper.make_node("Neg", ["x"], ["nx"]), helper.make_node("Relu", ["nx"], ["e"])],
+                     ["e"])
+    model.graph.input.append(free("k", "m"))
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"])
+    assert isinstance(runs_of(session, "If")[0], FlatBody)
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(ExecutionError, match="middle_add"):
+        session.run(None, {"x": x, "c": np.array(True), "k": np.ones(3, np.float32)})

@@ -15,6 +15,7 @@ included).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -67,11 +68,13 @@ def flat_layers(layer: Layer, backend: Any, workload: Workload,
         copy_in = backend.tensor_handle_factories()[0].copy_in
         calls = [(_made(copy_in(graph.constants[name])), (), (name,), layer)
                  for name in graph.outputs if name in graph.constants]  # outputs folded
-        calls += [(bind_kernel(_kernel(lay, backend), lay.attrs, len(lay.outputs)),
-                   tuple(lay.inputs), tuple(lay.outputs), lay) for lay in graph.layers]
+        # each call an object of its own (a kernel bound to no attributes is the table's
+        # function): errors and profiles find a call's layer by the call
+        calls += [(functools.partial(_bound(lay, backend)), tuple(lay.inputs), tuple(lay.outputs),
+                   lay) for lay in graph.layers]
         read = {name for lay in graph.layers for name in lay.inputs}
-        constants = {name: copy_in(value) for name, value in graph.constants.items()
-                     if name in read and name not in passed}
+        folded = {name: copy_in(value) for name, value in graph.constants.items()
+                  if name in read and name not in passed}
     except Exception as exc:  # noqa: BLE001  # any failure: the Specialized layer runs as it is
         log.info("%s: not flattened in its body (%s: %s)", layer.name, type(exc).__name__, exc)
         return None
@@ -80,14 +83,15 @@ def flat_layers(layer: Layer, backend: Any, workload: Workload,
     if isinstance(workload, Governed):  # the thread governor's tick, once per call as before
         first, reads, writes, lay = calls[0]
         calls[0] = (Governed(first, workload.governor), reads, writes, lay)
-    return FlatLayers(tuple(calls), tuple(graph.inputs), tuple(graph.outputs), constants)
+    return FlatLayers(tuple(calls), tuple(graph.inputs), tuple(graph.outputs), folded)
 
 
-def _kernel(layer: Layer, backend: Any) -> Any:
+def _bound(layer: Layer, backend: Any) -> Workload:
+    """``layer``'s shape-generic kernel on ``backend`` bound to its attributes."""
     kernel = None if layer.domain == FUSED_DOMAIN else backend.kernel_for(layer)
     if kernel is None:
         raise LookupError(f"no shape-generic kernel for {layer.describe()} on {backend.id}")
-    return kernel
+    return bind_kernel(kernel, layer.attrs, len(layer.outputs))
 
 
 def _made(value: Any) -> Workload:
