@@ -374,10 +374,24 @@ def _gqa() -> dict[str, Case]:
 
 
 CASES = {**QUANT_CASES, **_transformer(), **_attention(), **_rotary(), **_gqa()}
+OLD_ORT = tuple(int(part) for part in ort.__version__.split(".")[:2]) < (1, 32)
+"""ONNX Runtime before 1.32 (1.30 on the GPU machine): its contrib kernels differ on a few cases."""
+ORT_CRASHES = {"Attention-bias-scale"} if OLD_ORT else set()
+"""Cases whose ONNX Runtime kernel kills its process: 1.30's Attention with an attention_bias
+(a segmentation fault in its CPU provider's run); 1.32 runs them."""
+ORT_REFUSES = {"GatherBlockQuantized-out-of-range"} if OLD_ORT else set()
+"""Cases ONNX Runtime 1.30 refuses ('indices element out of data bounds'; 1.32 gives zeros, as
+the documentation and CpuRef)."""
+
+
+def skip_where_ort_crashes(name: str) -> None:
+    if name in ORT_CRASHES or name in ORT_REFUSES:
+        pytest.skip(f"ONNX Runtime {ort.__version__} crashes on or refuses {name}")
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_cpuref_matches_onnx_runtime(name: str) -> None:
+    skip_where_ort_crashes(name)
     model, feeds = _model(CASES[name])
     session = InferenceSession(model, backends=["CpuRef"])
     assert_matches_ort(session.run(None, feeds), ort_run(model, feeds))
@@ -408,8 +422,13 @@ def test_arity_matches_onnx_runtime_schemas() -> None:
     for domain, ops in ORT_OPS.items():
         for op, arity in ops.items():
             schema = schemas[(domain, op)]
-            assert (schema.since_version, schema.min_input, schema.max_input, schema.min_output,
-                    schema.max_output) == tuple(arity), op
+            got = (schema.since_version, schema.min_input, schema.max_input, schema.min_output,
+                   schema.max_output)
+            if OLD_ORT:  # later versions added optional inputs (GroupQueryAttention: 16 -> 17)
+                assert got[2] <= arity[2] and got[:2] + got[3:] == tuple(arity)[:2] + \
+                    tuple(arity)[3:], op
+            else:
+                assert got == tuple(arity), op
 
 
 def _unknown_op_model(op: str, domain: str = MS) -> onnx.ModelProto:

@@ -1,8 +1,9 @@
 """Models made at test time by ONNX Runtime's own tools (its quantizer: dynamic, static QOperator
 and QDQ, per tensor and per channel; its transformer optimizer; its 4-bit / 8-bit weight
 quantizer; its saved optimized models) load and match ONNX Runtime, graph optimizations off, on
-CpuRef and on CpuAcc with CpuRef behind it (the com.microsoft ops fall back to CpuRef layer by
-layer)."""
+CpuRef and on CpuAcc with CpuRef behind it (the com.microsoft ops CpuAcc has kernels for run there,
+the others fall back to CpuRef layer by layer). The fused-op sets ONNX Runtime 1.32's transformer
+optimizer writes are asserted on 1.32 and later only (``FUSES_ATTENTION``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ quantization = pytest.importorskip("onnxruntime.quantization")
 DATA = Path(__file__).resolve().parent.parent / "data"
 TOLERANCE = 1e-5  # max |diff| relative to the output's max |value|
 BACKEND_LISTS = {"cpuref": ["CpuRef"], "cpuacc+cpuref": ["CpuAcc", "CpuRef"]}
+FUSES_ATTENTION = tuple(int(part) for part in ort.__version__.split(".")[:2]) >= (1, 32)
+"""Whether ONNX Runtime's transformer optimizer writes Attention for tiny_bert (1.32 does; 1.30,
+the GPU machine's, leaves its attention unfused): the fused-op sets are asserted only there."""
 QOPERATOR_OPS = {"QLinearLeakyRelu", "QLinearSigmoid", "QLinearMul", "QLinearConcat",
                  "QLinearAveragePool", "QLinearAdd", "QLinearGlobalAveragePool", "QGemm",
                  "QLinearSoftmax"}
@@ -192,7 +196,9 @@ def test_transformer_optimizer(name: str, backends: list[str], tmp_path) -> None
                                hidden_size=32, opt_level=0)
     path = tmp_path / "opt.onnx"
     optimized.save_model_to_file(str(path))
-    assert contrib_ops(path) == expected_ops
+    assert contrib_ops(path)  # something fused; every op it wrote loads and matches below
+    if FUSES_ATTENTION or "Attention" not in expected_ops:
+        assert contrib_ops(path) == expected_ops
     assert_matches_ort(path, dict(np.load(DATA / f"{name}.npz")), backends)
 
 
@@ -208,7 +214,9 @@ def test_dynamic_quantization_of_the_optimized_bert(backends: list[str], tmp_pat
     # the quantizer's shape inference cannot type the com.microsoft ops' outputs: they are float
     quantization.quantize_dynamic(optimized, path,
                                   extra_options={"DefaultTensorType": TensorProto.FLOAT})
-    assert contrib_ops(path) == {"QAttention", "SkipLayerNormalization", "BiasGelu"}
+    assert contrib_ops(path)  # every op written loads and matches below
+    if FUSES_ATTENTION:
+        assert contrib_ops(path) == {"QAttention", "SkipLayerNormalization", "BiasGelu"}
     assert_matches_ort(path, dict(np.load(DATA / "tiny_bert.npz")), backends)
 
 

@@ -76,8 +76,8 @@ def test_each_fusion_on_cpuacc_is_cpurefs(op: str, special: bool, backend: str) 
 
 
 ATTENTION = ["EmbedLayerNormalization", "EmbedLayerNormalization-no-segment", "Attention",
-             "Attention-raw-mask", "Attention-lengths", "Attention-3d-mask", "Attention-causal-past",
-             "Attention-bias-scale", "Attention-qkv-sizes", "QAttention",
+             "Attention-raw-mask", "Attention-lengths", "Attention-3d-mask",
+             "Attention-causal-past", "Attention-bias-scale", "Attention-qkv-sizes", "QAttention",
              "QAttention-per-column-causal-past", "MultiHeadAttention",
              "MultiHeadAttention-mask-past", "MultiHeadAttention-cross-cached", "RotaryEmbedding",
              "RotaryEmbedding-offset-interleaved", "RotaryEmbedding-partial",
@@ -94,14 +94,15 @@ run on the torch backends."""
 def test_attention_on_cpuacc_matches_onnx_runtime(name: str, backend: str) -> None:
     from tests.backends.test_contrib_ops import CASES as ORT_CASES
     from tests.backends.test_contrib_ops import _model as ort_model
-    from tests.backends.test_contrib_ops import assert_matches_ort, ort_run
+    from tests.backends.test_contrib_ops import ORT_CRASHES, assert_matches_ort, ort_run
 
     if backend == "GpuAcc" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, feeds = ort_model(ORT_CASES[name])
     session = InferenceSession(model, backends=[*BACKENDS[backend], "CpuRef"])
     assert set(session.report.counts()) == {backend}
-    assert_matches_ort(session.run(None, feeds), ort_run(model, feeds))
+    if name not in ORT_CRASHES:  # else against CpuRef alone, below
+        assert_matches_ort(session.run(None, feeds), ort_run(model, feeds))
     want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
     for have, expected in zip(session.run(None, feeds), want):
         np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-5)

@@ -3,13 +3,13 @@
 optimizer writes for BERT and GPT-2), QAttention (the same, its projection quantized),
 MultiHeadAttention, GroupQueryAttention and RotaryEmbedding.
 
-The product of queries and keys, the softmax and the product by the values are one
+On the CPU the product of queries and keys, the softmax and the product by the values are one
 ``scaled_dot_product_attention`` call, the masks made into one additive bias (ONNX Runtime's
 ``mask_filter_value`` where a key is masked; -inf for GroupQueryAttention), except where
-GroupQueryAttention caps its scores or has a sink, which SDPA has no form for. SDPA's softmax runs
-in float32 for float16 inputs on the CPU and the GPU, as CpuRef's. Written out instead, the mask
-making, the scores, their scaling, the float32 softmax and the casts were a dozen kernels per
-layer: the optimized tiny_bert ran slower than the plain one (issue 29).
+GroupQueryAttention caps its scores or has a sink, which SDPA has no form for; its softmax runs in
+float32 for float16 inputs, as CpuRef's. On the GPU the three steps are written out (a float32
+softmax): torch 2.11's memory-efficient SDPA kernel was 1e-4 off CpuRef on a (B, S, T) mask and
+crashed its process on a (1, n, 5, 5) attention bias (the H100 machine).
 
 Masks are made on the device from the mask tensors (no host read), so a trace or a CUDA graph may
 hold Attention, QAttention and MultiHeadAttention. GroupQueryAttention reads its total sequence
@@ -47,7 +47,12 @@ def _heads(x, num_heads):
 def _attend(q, k, v, bias, scale):
     """(B, n, S, h) queries over (B, n, T, h) keys and values, ``bias`` (or None) added to the
     scaled scores; returns (B, S, n * hv)."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # (B, n, S, hv)
+    if q.device.type == "cuda":  # see the module's docstring
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = scores if bias is None else scores + bias
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # (B, n, S, hv)
     return out.transpose(1, 2).flatten(2)
 
 

@@ -9,6 +9,10 @@ DynamicQuantizeMatMul), computed in float64, which holds every sum of 8-bit prod
 (QLinearSigmoid, QLinearSoftmax, the average pools), torch's float32 rounding may put a value
 lying at a half step on the other side: one quantization step at most, as against ONNX Runtime.
 
+MatMulNBits (2-, 4- and 8-bit blocks) dequantizes its blocks as CpuRef does, then a float32
+product: the same values up to the product's summation order. CpuAcc's fusion dequantizes
+constant blocks once at load instead (``fusion/contrib_quant.match_mat_mul_n_bits``).
+
 Nothing is read on the host: scales and zero points stay tensors, so a trace or a CUDA graph may
 hold these kernels. Table keys carry the domain ("com.microsoft::QLinearAdd").
 """
