@@ -32,7 +32,8 @@ of backplane's that is importing backplane and torch), backplane's first call, i
 (layers per backend) and the worst difference of its outputs from ONNX Runtime's (relative to the
 output's scale). Then the geometric mean of ORT / backplane over the models and the models below
 0.8. ``--profile`` runs backplane's ``run_profiled`` on each model below 0.8 and prints where its
-time goes (the layers that take most, by median). ``--json FILE`` writes the whole document.
+time goes (the layers that take most, by median, and the torch operators that take most inside
+them). ``--json FILE`` writes the whole document.
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ def profile_worker(args: argparse.Namespace) -> None:
 
     feeds = dict(np.load(args.feeds))
     session = InferenceSession(args.model, SessionOptions(intra_op_num_threads=args.threads))
+    session.run(None, feeds)
+    settled("backplane")  # what the timed runs ran: the background's compiled workloads swapped in
     for _ in range(3):
         session.run(None, feeds)
     per_layer: dict[tuple[str, str, str], list[float]] = defaultdict(list)
@@ -174,7 +177,22 @@ def profile_worker(args: argparse.Namespace) -> None:
     layers = sorted(((statistics.median(v), *k) for k, v in per_layer.items()), reverse=True)
     replies.write(json.dumps({"total_s": statistics.median(totals), "layers": len(layers),
                               "top": [{"s": s, "layer": n[:90], "op": o, "backend": b}
-                                      for s, n, o, b in layers[:8]]}) + "\n")
+                                      for s, n, o, b in layers[:8]],
+                              "torch_ops": torch_ops(lambda: session.run(None, feeds), args.profile_runs)}) + "\n")
+
+
+def torch_ops(run: Run, runs: int) -> list[dict[str, Any]]:
+    """The torch operators of `runs` runs by self CPU time, per run (torch.profiler): run_profiled
+    times a compiled or Specialized partition as one layer, which says nothing of what costs in it."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(runs):
+            run()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    return [{"op": e.key, "ms": e.self_cpu_time_total / 1e3 / runs, "calls": e.count / runs} for e in ops]
 
 
 # -- the parent side ------------------------------------------------------------------------------
@@ -292,6 +310,9 @@ def profile_lines(name: str, reply: dict[str, Any]) -> list[str]:
     lines = [f"{name}: run_profiled {reply['total_s'] * 1e3:.3g} ms over {reply['layers']} timed layers; "
              f"the largest:"]
     lines += [f"    {t['s'] * 1e3:8.3f} ms  {t['backend']:8s} {t['op']:18s} {t['layer']}" for t in reply["top"]]
+    if reply.get("torch_ops"):
+        lines.append("  torch operators, self CPU time per run (torch.profiler):")
+        lines += [f"    {t['ms']:8.3f} ms  {t['calls']:5.0f} calls  {t['op']}" for t in reply["torch_ops"]]
     return lines
 
 
