@@ -1,7 +1,7 @@
 """The corpus's full tier (scripts/export_corpus.py --tier full) is built by script and matches ONNX
 Runtime on backplane's CpuAcc,CpuRef.
 
-The full tier is not in the repository (1-15 MB a file): this test builds its cheapest model, the
+The full tier is not in the repository (51 MB): this test builds its cheapest model, the
 VAD at Silero's widths (a TorchScript export, about a second), into tmp_path with the script's own
 export and checks (ONNX Runtime against eager torch at both sizes), then runs it on CpuAcc before
 CpuRef at both sizes (16 kHz and 8 kHz: both branches of its If) against ONNX Runtime, as
