@@ -56,7 +56,11 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
     shape = list(X.shape)
     for axis, n_out in zip(axes, out_sizes):
         shape[axis] = n_out
-    check_allocation(shape, torch.float64, "Resize's output")  # computed in float64
+    check_allocation(shape, torch.float64, "Resize's output")  # computed in float64 (taps)
+    fast = _interpolated(X, axes, in_sizes, out_sizes, factors, coordinate_transformation_mode, mode,
+                         nearest_mode, antialias, cubic_coeff_a, exclude_outside)
+    if fast is not None:
+        return (fast,)
     y = X.to(torch.float64)
     outside = np.zeros((), dtype=bool)  # tf_crop_and_resize: positions sampled outside the input
     for i, (axis, n_in, n_out, factor) in enumerate(zip(axes, in_sizes, out_sizes, factors)):
@@ -113,6 +117,106 @@ def _resized(y, axis: int, taps: _Taps):
     for tap in range(taps.index.shape[1]):
         out += weighed[..., tap]
     return out.movedim(-1, axis)
+
+
+# torch's own upsampling kernels (float32 arithmetic, one pass, channels-last aware) compute what
+# CpuRef does where ONNX's mode and coordinate transformation are theirs: (mode, transformation,
+# nearest_mode) -> (torch's kernel family, align_corners). pytorch_half_pixel differs on a size-1
+# output, the probe below finds it.
+_TORCH_MODES = {
+    ("nearest", "asymmetric", "floor"): ("nearest", None),
+    ("nearest", "half_pixel", "round_prefer_ceil"): ("nearest_exact", None),
+    ("nearest", "pytorch_half_pixel", "round_prefer_ceil"): ("nearest_exact", None),
+    ("linear", "half_pixel", None): ("linear", False),
+    ("linear", "pytorch_half_pixel", None): ("linear", False),
+    ("linear", "align_corners", None): ("linear", True),
+}
+_TORCH_OPS = {("nearest", 1): "upsample_nearest1d", ("nearest", 2): "upsample_nearest2d",
+              ("nearest", 3): "upsample_nearest3d", ("nearest_exact", 1): "_upsample_nearest_exact1d",
+              ("nearest_exact", 2): "_upsample_nearest_exact2d",
+              ("nearest_exact", 3): "_upsample_nearest_exact3d", ("linear", 1): "upsample_linear1d",
+              ("linear", 2): "upsample_bilinear2d", ("linear", 3): "upsample_trilinear3d"}
+_MOST_MENDED = 8  # outputs per axis: past one in this many mended, the taps path is cheaper
+
+
+def _interpolated(X, axes, in_sizes, out_sizes, factors, transformation, mode, nearest_mode,
+                  antialias, cubic_coeff_a, exclude_outside):
+    """X resized by torch's upsampling kernel, or None where that computes other than CpuRef.
+
+    Each axis is probed once (``_probe``): torch's weights within float32 rounding of CpuRef's, the
+    inputs each output reads a superset of CpuRef's taps. Where torch also reads an input at weight
+    0 (linear at a clamped border or an exact input position: 0 * NaN would spread a NaN pixel, the
+    issue test_resize_nan guards), those outputs are recomputed by the taps path and copied in."""
+    family = _TORCH_MODES.get((mode, transformation, nearest_mode if mode == "nearest" else None))
+    rank = X.dim() - 2
+    if (family is None or antialias or X.dtype not in (torch.float32, torch.float64)
+            or not 1 <= rank <= 3 or X.numel() == 0):
+        return None
+    plan = dict(zip(axes, zip(in_sizes, out_sizes, factors)))
+    if any(plan.get(a, (0, X.shape[a], 1.0))[1:] != (X.shape[a], 1.0) for a in (0, 1)):
+        return None  # batch or channels resized: not torch's
+    spatial = [plan.get(a) for a in range(2, X.dim())]
+    if any(p is None or p[1] == 0 for p in spatial):
+        return None  # an axis not resized (torch resizes all), or an empty output
+    kind, align = family
+    dtype = str(X.dtype)
+    mended = [_probe(kind, align, n_in, n_out, factor, dtype, transformation, mode, nearest_mode,
+                     cubic_coeff_a, exclude_outside) for n_in, n_out, factor in spatial]
+    if any(m is None for m in mended):
+        return None
+    op = getattr(torch._C._nn, _TORCH_OPS[kind, rank])
+    size = [n_out for _, n_out, _ in spatial]
+    scales = [factor for _, _, factor in spatial]
+    y = op(X, size, align, *scales) if align is not None else op(X, size, *scales)
+    for axis, rows in enumerate(mended, start=2):
+        if len(rows):
+            y.index_copy_(axis, torch.from_numpy(rows).to(y.device),
+                          _mend(X, axis, rows, spatial, transformation, mode, nearest_mode,
+                                cubic_coeff_a, exclude_outside))
+    return y
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(kind, align, n_in, n_out, factor, dtype, transformation, mode, nearest_mode,
+           cubic_coeff_a, exclude_outside) -> np.ndarray | None:
+    """One axis run through torch's 1-d kernel on probes: the outputs torch reads an input of at
+    weight 0 that CpuRef does not read (to mend), or None where its weights or reads differ."""
+    coords = spec._source_coordinates(transformation, n_in, n_out, factor, None)
+    want = _weights(coords, n_in, mode, nearest_mode, cubic_coeff_a, 0, factor, exclude_outside)
+    op = getattr(torch._C._nn, _TORCH_OPS[kind, 1])
+    eye = torch.eye(n_in, dtype=getattr(torch, dtype.removeprefix("torch."))).unsqueeze(0)
+    poisoned = eye.masked_fill(eye.bool(), float("nan"))  # input j is NaN in channel j
+    args = (align,) if align is not None else ()
+    with torch.no_grad():
+        got = op(eye, [n_out], *args, factor)[0].T.double().numpy()
+        reads = op(poisoned, [n_out], *args, factor)[0].T.isnan().numpy()
+    taps = want != 0
+    tolerance = 8 * n_in * float(torch.finfo(eye.dtype).eps)
+    if (taps & ~reads).any() or not np.allclose(got, want, rtol=0, atol=tolerance):
+        return None
+    rows = np.flatnonzero((reads & ~taps).any(axis=1))
+    return rows if len(rows) * _MOST_MENDED <= n_out else None
+
+
+def _mend(X, axis, rows, spatial, transformation, mode, nearest_mode, cubic_coeff_a,
+          exclude_outside):
+    """The outputs at ``rows`` along ``axis``, by the taps path (rows first: the fewest outputs)."""
+    taps = [_taps(transformation, n_in, n_out, factor, None, mode, nearest_mode, cubic_coeff_a, 0,
+                  exclude_outside) for n_in, n_out, factor in spatial]
+    some = taps[axis - 2]
+    read = np.unique(some.index[rows])  # the inputs those rows read, renumbered from 0
+    index = np.searchsorted(read, some.index[rows])
+    weights, nonzero = some.weights[rows], some.nonzero[rows]
+    flat = np.ascontiguousarray(index.reshape(-1))
+    picked = _Taps(index, weights, nonzero, flat, some.outside[rows],
+                   (torch.from_numpy(flat), torch.from_numpy(np.ascontiguousarray(weights)),
+                    torch.from_numpy(np.ascontiguousarray(nonzero))))
+    sub = X.index_select(axis, torch.from_numpy(read).to(X.device))
+    y = _resized(sub.to(torch.float64), axis, picked)
+    for other, axis_taps in enumerate(taps, start=2):
+        if other != axis:
+            y = _resized(y, other, axis_taps)
+    return y.to(X.dtype)
 
 
 _UPLOADED: dict[tuple[str, str, tuple[int, ...], bytes], torch.Tensor] = {}
