@@ -25,9 +25,7 @@ from backplane.ir.graph import Layer, TensorInfo
 
 def _wrap(indices, size):
     """int64 indices, negative ones counted from the end (as in ONNX)."""
-    indices = indices.long()
-    if indices.device.type == "cpu" and (not indices.numel() or int(indices.min()) >= 0):
-        return indices  # none negative: where() costs 10 us on the CPU, min() 1
+    indices = indices.long()  # where() always: a kernel a trace holds reads no value on the host
     return torch.where(indices < 0, indices + size, indices)
 
 
