@@ -54,6 +54,7 @@ from backplane.backends.torch.fusion.contrib_quant import (
 )
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
+from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import Context
 from backplane.backends.torch.fusion.dynamic_quant import (
@@ -133,7 +134,7 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::QGemm": match_qgemm,
     "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul,
     "com.microsoft::MatMulNBits": match_mat_mul_n_bits,
-    "Add": match_hardswish}
+    "Add": match_hardswish, "ReduceMean": match_layer_norm}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
 
