@@ -45,6 +45,7 @@ from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
 from backplane.backends.torch import threads
 from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferred, fastest,
                                                       named_type, remembered, seconds)
+from backplane.backends.torch.fusion import quantized
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -67,10 +68,11 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer],
     """``layers`` (the view's layers after fusion, in order) as one OneDnnGraph layer, or None where
     the subgraph has no convolution or tracing could get it wrong; computing float32 in ``compute``
     where given (``CpuAcc.precision``, ``reduced``)."""
-    if not any(layer.op_type == "FusedConv" and layer.domain == FUSED_DOMAIN for layer in layers):
+    if not any(_convolution(layer) for layer in layers):
         return None
-    if any(layer.op_type not in TRACED_OPS or (layer.domain and layer.domain != FUSED_DOMAIN)
-           for layer in layers):
+    quantized_ops = {"QuantDequant"} if compute is None else set()  # reduced: a Reduced layer
+    if any(layer.op_type not in TRACED_OPS | quantized_ops
+           or (layer.domain and layer.domain != FUSED_DOMAIN) for layer in layers):
         return None
     if not view.inputs or not all(graph.info(n).is_static for n in view.inputs):
         return None
@@ -82,6 +84,7 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer],
             return None
     constants = {n: graph.constants[n] for layer in layers for n in layer.inputs
                  if n in graph.constants}
+    layers = quantized.fusable(list(layers), constants)  # QDQ round trips as the fuser takes them
     shapes = [[layer.op_type, *(list(graph.info(n).shape or ()) for n in layer.inputs[:1])]
               for layer in layers]
     attrs = {"layers": list(layers), "constants": constants, "inputs": list(view.inputs),
@@ -93,6 +96,14 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer],
     first, last = layers[0].name.split("+")[0], layers[-1].name.split("+")[-1]  # model node names
     name = f"OneDnnGraph{f'[{compute}]' if compute else ''}[{first}..{last}]({len(layers)} layers)"
     return Layer(name, "OneDnnGraph", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+def _convolution(layer: Layer) -> bool:
+    """A FusedConv, or a QDQ round trip holding one (``quantized.then_quant_dequant``)."""
+    if layer.domain != FUSED_DOMAIN:
+        return False
+    held = layer.attrs.get("layers") or [] if layer.op_type == "QuantDequant" else [layer]
+    return any(lay.op_type == "FusedConv" for lay in held)
 
 
 def _channels_last_inputs(view: SubgraphView, graph: Graph, backend: str | None) -> list[bool]:

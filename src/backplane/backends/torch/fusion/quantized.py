@@ -152,9 +152,43 @@ def to_grid(x: Any, params: tuple[Any, Any, int, int]) -> Any:
     return q.add_(zero).clamp_(low, high).nan_to_num_(0.0)
 
 
+FINITE = frozenset({"QuantDequant", "FusedConv", "Linear", "Relu", "MaxPool", "AveragePool",
+                    "GlobalAveragePool", "GlobalMaxPool", "Add", "Flatten", "Reshape", "Squeeze",
+                    "Unsqueeze", "Concat", "Identity", "Clip"})
+"""Ops whose results are finite where their inputs and constants are (a float32 sum of 8-bit steps
+times finite weights does not reach 3.4e38)."""
+
+
+def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer]:
+    """``layers`` (a subgraph to compile with oneDNN Graph, in order) with each QuantDequant a copy
+    marked ``fusable``: its round trip as out-of-place torch calls that oneDNN Graph's fuser takes
+    into the convolution's partition as post-ops (in place, or with a NaN step between, they stay
+    outside it: 14 calls a run each), on the float route (torch's int8 kernels are opaque to the
+    fuser). The NaN step is left out (``finite``) where its input can hold no NaN: computed only
+    by ``FINITE`` ops from other round trips' results and finite constants."""
+    finite = {n for n, v in constants.items() if v.dtype.kind != "f" or np.isfinite(v).all()}
+    marked = []
+    for layer in layers:
+        if layer.op_type == "QuantDequant":
+            safe = all(n in finite for n in layer.inputs[:1])
+            layer = Layer(layer.name, layer.op_type, layer.inputs, layer.outputs,
+                          {**layer.attrs, "fusable": True, "finite": safe}, layer.domain,
+                          layer.opset, layer.backend)
+            finite.update(layer.outputs)
+        elif layer.op_type in FINITE and all(n in finite for n in layer.inputs if n):
+            finite.update(layer.outputs)
+        marked.append(layer)
+    return marked
+
+
 def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
-    """The round trip (on the result of the layer it holds, in place, where it holds one)."""
-    round_trip = _round_trip(layer.attrs["into"], layer.attrs["back"])
+    """The round trip (on the result of the layer it holds, in place, where it holds one; as
+    oneDNN Graph fuses it where ``fusable`` marks it)."""
+    if layer.attrs.get("fusable"):
+        round_trip = _fusable_round_trip(layer.attrs["into"], layer.attrs["back"],
+                                         layer.attrs["finite"])
+    else:
+        round_trip = _round_trip(layer.attrs["into"], layer.attrs["back"])
     if not layer.attrs["layers"]:
         return lambda x: (round_trip(x, False),)
     (inner,) = layer.attrs["layers"]
@@ -173,8 +207,9 @@ def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Work
         run.weights = getattr(first, "weights", ())  # type: ignore[attr-defined]
         return run
 
-    if not layer.attrs.get("int8") or layer.attrs.get("compute"):
-        return float_route()
+    in_graph = layer.attrs.get("fusable") and backend.options.get("CpuAcc.int8") != "kernels"
+    if not layer.attrs.get("int8") or layer.attrs.get("compute") or in_graph:
+        return float_route()  # in a OneDnnGraph: what its fuser takes, unless int8 is forced
     from backplane.backends.torch.fusion import int8
 
     return int8.fastest_route(layer, backend, float_route)
@@ -203,3 +238,27 @@ def _round_trip(into: dict[str, Any], back: dict[str, Any]) -> Callable[[Any, bo
         t = t.round_().add_(zero).clamp_(low, high).nan_to_num_(0.0)
         return t.sub_(out_zero).mul_(out_scale)
     return general
+
+
+def _fusable_round_trip(into: dict[str, Any], back: dict[str, Any],
+                        finite: bool) -> Callable[[Any, bool], Any]:
+    """The round trip as ``_round_trip`` computes it, out of place, as oneDNN Graph's fuser takes
+    it (a division, rounding, a clamp and a product after a convolution are its post-ops); a NaN
+    (quantized to 0) replaced before, by what comes back as -z * s, unless the input is ``finite``."""
+    import torch
+
+    scale, zero, low, high = torch_params(into)
+    out_scale, out_zero, _, _ = torch_params(back)
+    same = scale.__class__ is float and all(
+        np.array_equal(into[k], back[k]) for k in ("scale", "zero"))
+    if not same:
+        general = _round_trip(into, back)
+        return lambda t, fresh: general(t, False)
+    nan = -zero * scale  # (-z * s) / s rounds back to -z: the step NaN's 0 dequantizes to
+
+    def run(t: Any, fresh: bool) -> Any:
+        if not finite:
+            t = torch.nan_to_num(t, nan=nan, posinf=float("inf"), neginf=float("-inf"))
+        return torch.mul(torch.clamp(torch.round(torch.div(t, scale)), low - zero, high - zero),
+                         scale)
+    return run

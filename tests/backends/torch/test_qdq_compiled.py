@@ -1,0 +1,69 @@
+"""A QDQ CNN compiled whole by oneDNN Graph (issue 29, item 1): its QuantDequant layers, each
+holding a FusedConv or a Linear, go into one OneDnnGraph with their round trips written as the
+fuser takes them (``quantized.fusable``), and the results stay within one step of CpuRef's, NaN
+and infinities in the input included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from tests.backends.torch.test_quantized_fusion import qdq_conv_model  # noqa: E402
+
+
+def _graph_layer(session: InferenceSession):
+    (layer,) = [lay for lay in session.optimized.graph.layers
+                if lay.op_type not in ("MemImport", "MemCopy")]
+    return layer
+
+
+def _workload(session: InferenceSession):
+    loaded = session.runtime.network(session.network_id)
+    (step,) = [s for s, lay in zip(loaded.steps, loaded.layers) if lay.op_type == "OneDnnGraph"]
+    return step.workload
+
+
+@pytest.mark.parametrize("activation", [None, "Relu", "Clip"])
+def test_a_qdq_cnn_is_one_compiled_onednn_graph(activation: str | None) -> None:
+    model, step = qdq_conv_model(activation, np.random.default_rng(3))
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "onednn_graph"})])
+    layer = _graph_layer(session)
+    assert layer.op_type == "OneDnnGraph", layer
+    trips = [lay for lay in layer.attrs["layers"] if lay.op_type == "QuantDequant"]
+    assert [lay.attrs["layers"][0].op_type for lay in trips if lay.attrs["layers"]] \
+        == ["FusedConv", "Linear"]
+    assert all(lay.attrs["fusable"] for lay in trips)
+    # only the model input's round trip can meet a NaN: the others read finite values
+    assert [lay.attrs["finite"] for lay in trips] == [False, True, True]
+    assert _workload(session).route == "onednn_graph"
+    reference = InferenceSession(model, backends=["CpuRef"])
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((1, 4, 6, 6)).astype(np.float32)
+        x[0, seed, 1, 2:4] = (np.nan, np.inf)
+        x[0, 3, 5, seed] = -np.inf
+        got = session.run(None, {"x": x})[0]
+        want = reference.run(None, {"x": x})[0]
+        assert not np.isnan(got).any()
+        assert float(np.max(np.abs(got - want))) <= step * 1.001
+
+
+def test_the_fusable_round_trip_computes_the_in_place_ones_values() -> None:
+    """Ties (rint: half to even), saturation at both ends, NaN (quantized to 0), infinities."""
+    import torch
+
+    from backplane.backends.torch.fusion.quantized import _fusable_round_trip, _round_trip
+
+    scale = np.float32(0.05)
+    for low, high, zero in ((0, 255, 131), (-128, 127, -3)):
+        params = {"scale": np.array(scale), "zero": np.array(np.float32(zero)), "low": low,
+                  "high": high}
+        steps = np.arange(low - zero - 4, high - zero + 4, dtype=np.float64)
+        ties = ((steps + 0.5) * np.float64(scale)).astype(np.float32)
+        x = np.concatenate([ties, np.random.default_rng(0).normal(0, 5, 500).astype(np.float32),
+                            np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)])
+        want = _round_trip(params, params)(torch.from_numpy(x), False)
+        got = _fusable_round_trip(params, params, False)(torch.from_numpy(x), False)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
