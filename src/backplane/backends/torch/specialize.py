@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from backplane import debug
 from backplane.backends.api.backend import Workload
+from backplane.backends.torch import small
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -69,11 +71,12 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
         return generic[0]
 
     def run(*values: Any) -> tuple[Any, ...]:
-        key = tuple((tuple(v.shape), v.dtype) for v in values)
-        with lock:
-            runner = built.get(key)
-            if runner is not None:
-                built.move_to_end(key)
+        key = tuple([(v.shape, v.dtype) for v in values])  # torch.Size is a hashable tuple
+        runner = built.get(key)  # one dict read, atomic: no lock for a signature built already
+        if runner is not None and len(built) > 1:
+            with lock:  # the order of use matters only where one may be evicted
+                if key in built:
+                    built.move_to_end(key)
         if runner is None:
             runner = _build(layer, backend, values) or layers_one_by_one()
             with lock:
@@ -137,7 +140,10 @@ def _build(layer: Layer, backend: Any, values: Sequence[Any]) -> Callable[..., A
             for sub in views.substitutions:
                 _substitute(graph, sub.substitutable.layers, sub.replacement, backend.id,
                             PlacementReport([backend.id]))
-        return _loaded(graph, backend)
+        run = _loaded(graph, backend)
+        if backend.capabilities().get("HostThreads") == "openmp":  # CpuAcc
+            run = small.fewer_threads(run, values)
+        return run
     except Exception as exc:  # noqa: BLE001  # any failure: these shapes run the layers one by one
         shapes = [tuple(v.shape) for v in values]
         log.warning("%s: no build for input shapes %s (%s: %s); its layers run one by one",
@@ -156,8 +162,14 @@ def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
     loaded = LoadedNetwork(network, 0)
     to_backend = backend.tensor_handle_factories()[0].copy_in
     folded = [name in graph.constants for name in graph.outputs]  # outputs folded to NumPy
+    alone = _one_step(loaded) if not any(folded) else None
 
     def run(*values: Any) -> tuple[Any, ...]:
+        if alone is not None:
+            try:
+                return tuple(alone(*values))
+            except Exception:  # noqa: BLE001  # again through the network: its error names the layer
+                pass
         outputs = loaded.execute(values)
         if any(folded):
             outputs = [to_backend(o) if f else o for o, f in zip(outputs, folded)]
@@ -166,3 +178,16 @@ def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
     run.graph = graph  # type: ignore[attr-defined]  # what was built, for tests and debugging
     run.close = loaded.close  # type: ignore[attr-defined]
     return run
+
+
+def _one_step(loaded: Any) -> Callable[..., Any] | None:
+    """The workload of a network that is one layer reading its inputs and writing its outputs, in
+    order (most builds: one OneDnnGraph or Traced layer), to be called without the network's run
+    loop (about 5 us a call); None where the network is more, or shares anything between runs
+    (``exclusive``: its buffers, a lock)."""
+    if len(loaded.steps) != 1 or loaded.exclusive or debug.level() >= 2:  # 2: each layer shown
+        return None
+    (step,) = loaded.steps
+    if step.inputs != loaded.input_slots or step.outputs != loaded.output_slots:
+        return None
+    return step.workload  # type: ignore[no-any-return]
