@@ -255,10 +255,13 @@ def _fusable_round_trip(into: dict[str, Any], back: dict[str, Any],
         general = _round_trip(into, back)
         return lambda t, fresh: general(t, False)
     nan = -zero * scale  # (-z * s) / s rounds back to -z: the step NaN's 0 dequantizes to
+    # a 1-element tensor is a constant of the frozen graph; a Python float became a tensor at
+    # each call (aten::as_tensor and unsqueeze before each partition that reads it)
+    step = torch.full((1,), scale)
 
     def run(t: Any, fresh: bool) -> Any:
         if not finite:
             t = torch.nan_to_num(t, nan=nan, posinf=float("inf"), neginf=float("-inf"))
-        return torch.mul(torch.clamp(torch.round(torch.div(t, scale)), low - zero, high - zero),
-                         scale)
+        s = step if t.dim() else scale  # a 0-d t stays 0-d
+        return torch.mul(torch.clamp(torch.round(torch.div(t, s)), low - zero, high - zero), s)
     return run
