@@ -17,19 +17,21 @@ ort = pytest.importorskip("onnxruntime")
 
 # (mode, coordinate transformation, nearest_mode, input shape, scales): torch's kernel takes them
 TORCH_CASES = [
-    ("linear", "half_pixel", "floor", (1, 3, 8, 8), (1, 1, 2, 2)),  # the U-Net's decoder
-    ("linear", "pytorch_half_pixel", "floor", (1, 2, 5, 7), (1, 1, 0.5, 1.7)),
-    ("linear", "align_corners", "floor", (2, 2, 6), (1, 1, 3.0)),
-    ("linear", "half_pixel", "floor", (1, 2, 4, 6, 4), (1, 1, 2, 1.5, 2)),
+    ("linear", "half_pixel", "floor", (1, 16, 32, 32), (1, 1, 2, 2)),  # the U-Net's decoder
+    ("linear", "pytorch_half_pixel", "floor", (1, 1024, 5, 7), (1, 1, 0.5, 1.7)),
+    ("linear", "align_corners", "floor", (2, 512, 6), (1, 1, 3.0)),
+    ("linear", "half_pixel", "floor", (1, 32, 4, 6, 4), (1, 1, 2, 1.5, 2)),
     ("nearest", "asymmetric", "floor", (1, 3, 5, 7), (1, 1, 2, 3)),
     ("nearest", "half_pixel", "round_prefer_ceil", (1, 2, 9, 9), (1, 1, 1 / 3, 2)),
 ]
+"""Linear ones with outputs to mend have ``vision._MEND_FROM`` outputs or more."""
 # ... and where it does not: the taps path
 TAPS_CASES = [
     ("linear", "asymmetric", "floor", (1, 2, 4, 4), (1, 1, 2, 2)),  # no torch form
     ("nearest", "half_pixel", "round_prefer_floor", (1, 2, 4, 4), (1, 1, 2, 2)),  # ONNX's default
     ("linear", "half_pixel", "floor", (1, 2, 9, 9), (1, 1, 1 / 3, 1 / 3)),  # every output mended
     ("nearest", "asymmetric", "floor", (2, 4, 4, 4), (1, 0.5, 2, 2)),  # channels resized
+    ("linear", "half_pixel", "floor", (1, 3, 8, 8), (1, 1, 2, 2)),  # too few outputs to mend
 ]
 
 
