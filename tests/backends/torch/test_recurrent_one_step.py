@@ -58,7 +58,8 @@ def _cases() -> list[Any]:
     return [pytest.param(op, attrs, d, layout, states,
                          id=f"{op}{'-relu' if attrs.get('activations') else ''}-{d}-layout{layout}"
                             f"-{'states' if states else 'zeros'}")
-            for op, attrs in ops for d in DIRECTIONS for layout in (0, 1) for states in (True, False)]
+            for op, attrs in ops for d in DIRECTIONS for layout in (0, 1)
+            for states in (True, False)]
 
 
 @pytest.mark.parametrize("op, attrs, direction, layout, states", _cases())
