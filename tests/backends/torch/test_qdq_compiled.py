@@ -5,6 +5,8 @@ and infinities in the input included."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -51,7 +53,8 @@ def test_a_qdq_cnn_is_one_compiled_onednn_graph(activation: str | None) -> None:
 
 
 def test_the_fusable_round_trip_computes_the_in_place_ones_values() -> None:
-    """Ties (rint: half to even), saturation at both ends, NaN (quantized to 0), infinities."""
+    """Traced (out of place) and run (in place): ties (rint: half to even), saturation at both
+    ends, NaN (quantized to 0), infinities."""
     import torch
 
     from backplane.backends.torch.fusion.quantized import _fusable_round_trip, _round_trip
@@ -65,5 +68,10 @@ def test_the_fusable_round_trip_computes_the_in_place_ones_values() -> None:
         x = np.concatenate([ties, np.random.default_rng(0).normal(0, 5, 500).astype(np.float32),
                             np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)])
         want = _round_trip(params, params)(torch.from_numpy(x), False)
-        got = _fusable_round_trip(params, params, False)(torch.from_numpy(x), False)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        fusable = _fusable_round_trip(params, params, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation
+            traced = torch.jit.trace(lambda t: fusable(t, False), (torch.from_numpy(x),))
+        assert "aten::round_" not in str(traced.graph)  # out of place, as the fuser takes it
+        torch.testing.assert_close(traced(torch.from_numpy(x)), want, rtol=0, atol=0)
+        torch.testing.assert_close(fusable(torch.from_numpy(x), False), want, rtol=0, atol=0)

@@ -207,12 +207,23 @@ def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Work
         run.weights = getattr(first, "weights", ())  # type: ignore[attr-defined]
         return run
 
-    in_graph = layer.attrs.get("fusable") and backend.options.get("CpuAcc.int8") != "kernels"
-    if not layer.attrs.get("int8") or layer.attrs.get("compute") or in_graph:
-        return float_route()  # in a OneDnnGraph: what its fuser takes, unless int8 is forced
+    in_trace = layer.attrs.get("fusable") and _for_a_trace(backend) \
+        and backend.options.get("CpuAcc.int8") != "kernels"
+    if not layer.attrs.get("int8") or layer.attrs.get("compute") or in_trace:
+        return float_route()  # traced for oneDNN Graph: what its fuser takes, unless forced
     from backplane.backends.torch.fusion import int8
 
     return int8.fastest_route(layer, backend, float_route)
+
+
+def _for_a_trace(backend: Any) -> bool:
+    """Whether ``backend`` makes the workloads of a trace: it has the routes TorchScript holds
+    forced (``onednn_graph.TRACEABLE_ROUTES``). The same layers run one by one (a OneDnnGraph
+    whose compile failed or measured slower) keep their int8 routes: at 224x224 the QDQ mobilenet
+    of the full tier ran 13-18 ms with them, 15-26 without (1 thread)."""
+    from backplane.backends.torch.fusion.onednn_graph import TRACEABLE_ROUTES
+
+    return all(backend.options.get(k) == v for k, v in TRACEABLE_ROUTES.items())
 
 
 def _round_trip(into: dict[str, Any], back: dict[str, Any]) -> Callable[[Any, bool], Any]:
@@ -242,9 +253,11 @@ def _round_trip(into: dict[str, Any], back: dict[str, Any]) -> Callable[[Any, bo
 
 def _fusable_round_trip(into: dict[str, Any], back: dict[str, Any],
                         finite: bool) -> Callable[[Any, bool], Any]:
-    """The round trip as ``_round_trip`` computes it, out of place, as oneDNN Graph's fuser takes
-    it (a division, rounding, a clamp and a product after a convolution are its post-ops); a NaN
-    (quantized to 0) replaced before, by what comes back as -z * s, unless the input is ``finite``."""
+    """The round trip as ``_round_trip`` computes it; in a trace out of place, as oneDNN Graph's
+    fuser takes it (a division, rounding, a clamp and a product after a convolution are its
+    post-ops), a NaN (quantized to 0) replaced before by what comes back as -z * s unless the
+    input is ``finite``; run layer by layer, in place (at 224x224 each new tensor of a round trip
+    costs more than the convolution it follows)."""
     import torch
 
     scale, zero, low, high = torch_params(into)
@@ -258,8 +271,11 @@ def _fusable_round_trip(into: dict[str, Any], back: dict[str, Any],
     # a 1-element tensor is a constant of the frozen graph; a Python float became a tensor at
     # each call (aten::as_tensor and unsqueeze before each partition that reads it)
     step = torch.full((1,), scale)
+    in_place = _round_trip(into, back)
 
     def run(t: Any, fresh: bool) -> Any:
+        if not torch.jit.is_tracing():  # run layer by layer: in place, no new tensors
+            return in_place(t, fresh)
         if not finite:
             t = torch.nan_to_num(t, nan=nan, posinf=float("inf"), neginf=float("-inf"))
         s = step if t.dim() else scale  # a 0-d t stays 0-d
