@@ -148,3 +148,29 @@ def test_the_option_takes_a_boolean_only(cache) -> None:
         background.wanted(SimpleNamespace(options={"CpuAcc.background": "yes"}))
     with pytest.raises(WorkloadError, match=r"CpuAcc.background 'yes' is not one of True, False"):
         _session(**{"CpuAcc.background": "yes"})
+
+
+def test_a_small_builds_threads_are_chosen_after_the_background_swapped_its_workloads_in(
+        cache, held_back) -> None:
+    """small.fewer_threads times a build: on stand-ins (the layers one by one) it would choose by
+    what will not run, so the choice waits for the background (``small.Undecided``)."""
+    from backplane.backends.torch import small
+
+    path = DATA / "corpus" / "resnet_basic_ts16.onnx"  # free H and W: a Specialized build per size
+    feeds = dict(np.load(DATA / "corpus" / "resnet_basic_ts16.s0.npz"))
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"],
+                               runtime=Runtime(RuntimeOptions(backend_options={
+                                   "CpuAcc.background": True, "CpuAcc.threads": 2})))
+    expected = ort_outputs(path, feeds)
+    assert_close(session.run(None, feeds), expected)  # builds the signature, behind the gate
+    loaded = session.runtime.network(session.network_id)
+    (built,) = [s.workload.built for s in loaded.steps if hasattr(s.workload, "built")]
+    (undecided,) = built.values()
+    assert isinstance(undecided, small.Undecided) and undecided.decided is None
+    assert_close(session.run(None, feeds), expected)
+    assert undecided.decided is None  # still behind the gate: the caller's threads
+    held_back.set()
+    assert background.wait(120)
+    assert_close(session.run(None, feeds), expected)
+    assert undecided.decided is not None  # chosen once, on the swapped-in workloads
+    assert isinstance(undecided.decided, small.OneThread) or undecided.decided is undecided.work

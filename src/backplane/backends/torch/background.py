@@ -96,6 +96,12 @@ def deferred(make: Callable[[], Workload], name: str) -> Workload:
     return swapped
 
 
+def pending() -> int:
+    """How many queued jobs are not done yet (0: the background is idle)."""
+    worker = _WORKER
+    return 0 if worker is None else worker.pending
+
+
 def wait(timeout: float | None = None) -> bool:
     """Block until every queued measuring and compiling is done (True), or ``timeout`` seconds
     pass (False)."""

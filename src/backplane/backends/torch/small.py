@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from backplane.backends.torch import background
+
 SMALL_SECONDS = 1e-3
 """A partition that runs slower than this on one thread keeps the caller's threads, untimed."""
 MARGIN = 1.1
@@ -63,6 +65,40 @@ def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
             one = min(one, _seconds(run, values))
         many = min(many, _seconds(run, values))
     return OneThread(run) if one <= many * MARGIN else run
+
+
+def deciding(run: Any, values: Sequence[Any]) -> Any:
+    """``fewer_threads``' choice for ``run``, made now; or, where CpuAcc's background is still
+    making workloads (``background.py``: ``run`` is then made of stand-ins, whose time says
+    nothing of what will run: mobilenet_fp16_ts17 kept two threads by its layers' 1.4 ms, then ran
+    traced at 2.4 ms a run against 0.7 at one thread), an ``Undecided`` that chooses at its first
+    call after the background is done."""
+    if background.pending() == 0:
+        return fewer_threads(run, values)
+    return Undecided(run)
+
+
+class Undecided:
+    """A build called at the caller's threads until CpuAcc's background is done, then as
+    ``fewer_threads`` chooses on that call's values; its other attributes are the build's."""
+
+    __slots__ = ("work", "decided")
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.decided = work, None
+
+    def __call__(self, *inputs: Any) -> tuple[Any, ...]:
+        decided = self.decided
+        if decided is None:
+            if background.pending():
+                return self.work(*inputs)
+            decided = self.decided = fewer_threads(self.work, inputs)
+        return decided(*inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Undecided.__slots__:  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.work, name)
 
 
 def _seconds(run: Any, values: Sequence[Any]) -> float:

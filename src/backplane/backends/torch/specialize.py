@@ -142,7 +142,7 @@ def _build(layer: Layer, backend: Any, values: Sequence[Any]) -> Callable[..., A
                             PlacementReport([backend.id]))
         run = _loaded(graph, backend)
         if backend.capabilities().get("HostThreads") == "openmp":  # CpuAcc
-            run = small.fewer_threads(run, values)
+            run = small.deciding(run, values)
         return run
     except Exception as exc:  # noqa: BLE001  # any failure: these shapes run the layers one by one
         shapes = [tuple(v.shape) for v in values]
