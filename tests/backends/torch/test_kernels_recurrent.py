@@ -9,6 +9,7 @@ CpuAcc, CpuRef.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -317,7 +318,19 @@ def _grid_sample(op: str, data: Any) -> None:
     # coordinates past [-1, 1], but never on a pixel's edge (nearest rounds half to even there,
     # and one ulp of difference picks the other neighbour)
     grid = tensor(draw, dtype, (1, *out, rank), low=-1.6, high=1.6, special=False)
+    if attrs["mode"] == "nearest":
+        assume(not _on_a_pixel_edge(grid.ref, x.ref.shape[2:], attrs["align_corners"]))
     differential(op, [x, grid], attrs, opset=opset, tol=64, atol=0.02 if dtype == F16 else 1e-5)
+
+
+def _on_a_pixel_edge(grid: np.ndarray, spatial: Sequence[int], align_corners: int) -> bool:
+    """Whether a grid point lands within float16's rounding of a half-pixel: there nearest's
+    neighbour depends on the precision the coordinate is computed in (CpuRef: the input's type;
+    torch: float32), and either is right (a tie). Reflection maps half-pixels to half-pixels."""
+    sizes = np.array(spatial[::-1], dtype=np.float64)  # the grid's last axis is x, y[, z]
+    g = grid.astype(np.float64)
+    pixel = (g + 1) / 2 * (sizes - 1) if align_corners else ((g + 1) * sizes - 1) / 2
+    return bool(np.any(np.abs(pixel - np.floor(pixel) - 0.5) < 0.01))
 
 
 @SETTINGS
