@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -105,25 +104,9 @@ def bench(args: argparse.Namespace, names: list[str], tmp: Path) -> dict[str, di
                       flush=True)
                 save = tmp / f"{name}.{rt}.npz" if round_ == 0 else None
                 reply = wild.spawn(args, rt, model, feeds, save)
-                _record(row, reply, save)
+                wild.record(row, reply, save)
     return {name: wild.summarize(name, wild.corpus_files(args, name)[0], rows[name])
             for name in names}
-
-
-def _record(row: dict[str, Any], reply: dict[str, Any], save: Path | None) -> None:
-    import numpy as np
-
-    if "error" in reply:
-        row["error"] = reply["error"]
-        return
-    row["medians"].append(statistics.median(reply["times"]))
-    row["loads"].append(reply["load_s"])
-    row["imports"].append(reply["import_s"])
-    row["firsts"].append(reply["first_s"])
-    row["plan"] = reply["plan"] or row["plan"]
-    if save:
-        with np.load(save) as saved:
-            row["outputs"] = [saved[k] for k in saved.files]
 
 
 def pair_lines(results: dict[str, dict[str, Any]], pairs: dict[str, str | None]) -> list[str]:

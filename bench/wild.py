@@ -226,19 +226,24 @@ def bench_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any
             print(f"{name}: {rt} (round {round_ + 1}/{args.rounds}), load average "
                   f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
             save = tmp / f"{name}.{rt}.npz" if round_ == 0 else None
-            reply = spawn(args, rt, model, feeds, save)
-            if "error" in reply:
-                row["error"] = reply["error"]
-                continue
-            row["medians"].append(statistics.median(reply["times"]))
-            row["loads"].append(reply["load_s"])
-            row["imports"].append(reply["import_s"])
-            row["firsts"].append(reply["first_s"])
-            row["plan"] = reply["plan"] or row["plan"]
-            if save:
-                with np.load(save) as saved:
-                    row["outputs"] = [saved[k] for k in saved.files]
+            record(row, spawn(args, rt, model, feeds, save), save)
     return summarize(name, entry, rows)
+
+
+def record(row: dict[str, Any], reply: dict[str, Any], save: Path | None) -> None:
+    """One worker's reply added to its runtime's row (its error instead, where it failed; the
+    outputs it saved, where it saved them)."""
+    if "error" in reply:
+        row["error"] = reply["error"]
+        return
+    row["medians"].append(statistics.median(reply["times"]))
+    row["loads"].append(reply["load_s"])
+    row["imports"].append(reply["import_s"])
+    row["firsts"].append(reply["first_s"])
+    row["plan"] = reply["plan"] or row["plan"]
+    if save:
+        with np.load(save) as saved:
+            row["outputs"] = [saved[k] for k in saved.files]
 
 
 def summarize(name: str, entry: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
