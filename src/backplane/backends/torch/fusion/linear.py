@@ -1,8 +1,10 @@
 """Gemm / MatMul with constant weights [-> bias] [-> Reshape] [-> activation, GELU or residual Add]:
-one Linear, MKL or oneDNN measured at load."""
+one Linear, MKL or oneDNN measured at load, or oneDNN without measuring where its weight is large
+(``ONEDNN_FROM``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -14,6 +16,7 @@ from backplane.backends.torch.fusion.patterns import (
     F32,
     Context,
     PostOp,
+    because,
     compute_type,
     fastest,
     holding,
@@ -194,6 +197,11 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         return _mkl_linear(a)
     if route == "onednn":
         return _onednn_linear(a, layer.name)
+    if _onednn_known_faster(a):
+        rows, (n, k) = math.prod(a["input_shape"][:-1]), a["weight"].shape
+        return because(_onednn_linear(a, layer.name),
+                       f"onednn: a {n}x{k} weight over {rows} rows, where oneDNN's product is "
+                       f"the faster (ONEDNN_FROM), unmeasured")
     result_shape = a.get("output_shape") or [*a["input_shape"][:-1], a["weight"].shape[0]]
 
     def sample() -> list[Any]:
@@ -209,21 +217,67 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     return fastest("linear", described, routes, sample, backend)
 
 
+ONEDNN_FROM = 1 << 20
+"""The weights (N x K values) from which oneDNN's product is taken without measuring, over 2
+rows or more: MKL's sgemm on this AMD EPYC (MKL's AVX-512 paths are Intel's) was 1.1-3x slower
+than oneDNN's packed product at every such shape timed (13 shapes, rows x K x N from 2x1024x1024
+to 400x256x4096, 1 and 2 threads, one at 0.94 under load), where measuring at load under others' load picked
+MKL for the CRNN's 192 -> 6625 head (8.4-12.5 ms against 4.8). Below it each wins somewhere
+(MKL at one row and at small weights), so it is measured."""
+
+
+def _onednn_known_faster(a: dict[str, Any]) -> bool:
+    rows = math.prod(a["input_shape"][:-1])
+    return rows >= 2 and a["weight"].size >= ONEDNN_FROM and not a.get("compute")
+
+
 def _mkl_linear(a: dict[str, Any]) -> Workload:
-    import torch
     import torch.nn.functional as F
 
     weight = weight_of(a, "weight")  # the constant's memory where it is (N, K) contiguous fp32
     bias = weight_of(a, "bias")
     post = torch_post_op(a["unary"])
     shape = a.get("output_shape")  # a Reshape folded in: the result viewed in its shape
+    # A trace holds torch's linear (TorchScript takes no packed oneDNN weight): where oneDNN is
+    # known faster it holds oneDNN's product on the plain weight instead (4.6 against MKL's 6.2
+    # and packed 4.1 ms for the CRNN's head, 1 thread).
+    product = _traceable_onednn if a["input_shape"] and _onednn_known_faster(a) else F.linear
 
     def mkl(x, residual=None):
-        y = F.linear(x, weight, bias)
+        y = product(x, weight, bias)
         y = post(y) if post else y
         y = y.view(shape) if shape else y
         return (y if residual is None else y.add_(residual),)
     return holding(mkl, weight, bias)
+
+
+def _traceable_onednn(x: Any, weight: Any, bias: Any) -> Any:
+    """oneDNN's product of ``x`` and the plain (N, K) ``weight`` inside a trace, torch's linear
+    elsewhere: layer by layer (CpuAcc.linear_route "mkl" is MKL's) and in a trace for oneDNN
+    Graph's fuser (``aten::linear`` is what it takes into its partitions)."""
+    import torch
+    import torch.nn.functional as F
+
+    if torch.jit.is_tracing() and not torch.jit.onednn_fusion_enabled():
+        return _scripted_onednn()(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _scripted_onednn() -> Any:
+    """``mkldnn::_linear_pointwise`` as a TorchScript function (the tracer takes no ``Scalar?[]``
+    argument, a scripted call holds one, and freezing inlines it), in a compilation unit of its
+    own, from source: TorchScript reads no annotations of this lazily importing module."""
+    import torch
+
+    return torch.jit.CompilationUnit(_ONEDNN_PRODUCT).product
+
+
+_ONEDNN_PRODUCT = """
+def product(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    scalars: List[Optional[Union[int, float, complex]]] = []
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", scalars, None)
+"""
 
 
 def _onednn_linear(a: dict[str, Any], name: str) -> Workload:
