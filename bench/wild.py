@@ -28,7 +28,10 @@ then warm-up calls for ``--warmup-seconds`` (5 at the least: with empty caches b
 calls of a model still measure and build), then timed calls for about ``--seconds`` (10 at the least). A runtime's figure is the best of
 its rounds' medians. The table per model: the three times, ORT / backplane and OpenVINO / backplane
 (above 1: backplane is faster), the load seconds of each (import and session; in brackets the part
-of backplane's that is importing backplane and torch), backplane's first call, its placement
+of backplane's that is importing backplane and torch), the seconds from backplane's session until
+its background is done ("bp done s": its builds swapped in and their routes chosen by runs of the
+model, which the worker makes; 0 where the load left nothing to it, inf where not within 60 s;
+``--background off`` measures at load instead), backplane's first call, its placement
 (layers per backend) and the worst difference of its outputs from ONNX Runtime's (relative to the
 output's scale). Then the geometric mean of ORT / backplane over the models and the models below
 0.8. ``--profile`` runs backplane's ``run_profiled`` on each model below 0.8 and prints where its
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -107,16 +111,28 @@ def imported(runtime: str) -> None:
             pass
 
 
-def settled(runtime: str) -> float:
-    """Seconds waited for backplane's background measuring and compiling (CpuAcc.background) to
-    end after the first call; 0 for the other runtimes."""
+def until_settled(runtime: str, run: Run, loaded: float, most: float = 60.0) -> float | None:
+    """Seconds from the session's return until backplane's background (CpuAcc.background) is done:
+    its builds swapped in (``background.wait``) and their routes chosen by runs of the model, made
+    here (``background.settled``); None where not within ``most`` seconds; 0 for the others."""
     if runtime in ("onnxruntime", "openvino"):
         return 0.0
     from backplane.backends.torch import background
 
-    start = time.perf_counter()
     background.wait()
-    return time.perf_counter() - start
+    while not background.settled():
+        if time.perf_counter() > loaded + most:
+            return None
+        run()
+    return time.perf_counter() - loaded
+
+
+def background_setting(value: str) -> None:
+    """``--background``: CpuAcc.background's default in this worker ("default": as it is)."""
+    if value != "default":
+        from backplane.backends.torch import background
+
+        background.DEFAULT = value == "on"
 
 
 def empty_caches() -> None:
@@ -136,10 +152,11 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         imported(args.worker)
         import_s = time.perf_counter() - start
+        background_setting(args.background)
         run, plan = load(args.worker, args.model, feeds, args.threads)
         load_s = time.perf_counter() - start
         outputs, first = timed_runs(run, 0, 1)
-        ready_s = settled(args.worker)
+        ready_s = until_settled(args.worker, run, start + load_s)
         warm, end = [], time.perf_counter() + args.warmup_seconds
         while len(warm) < 5 or time.perf_counter() < end:  # past a runtime's settling runs
             warm += timed_runs(run, 0, 1)[1]
@@ -162,9 +179,11 @@ def profile_worker(args: argparse.Namespace) -> None:
     from backplane import InferenceSession, SessionOptions
 
     feeds = dict(np.load(args.feeds))
+    background_setting(args.background)
     session = InferenceSession(args.model, SessionOptions(intra_op_num_threads=args.threads))
     session.run(None, feeds)
-    settled("backplane")  # what the timed runs ran: the background's compiled workloads swapped in
+    run = lambda: session.run(None, feeds)  # noqa: E731
+    until_settled("backplane", run, time.perf_counter())  # profiled: what the background chose
     for _ in range(3):
         session.run(None, feeds)
     per_layer: dict[tuple[str, str, str], list[float]] = defaultdict(list)
@@ -201,7 +220,9 @@ def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save
     command = [sys.executable, __file__, mode, runtime, "--model", str(model), "--feeds", str(feeds),
                "--threads", str(args.threads), "--seconds", str(args.seconds),
                "--warmup-seconds", str(args.warmup_seconds),
-               "--profile-runs", str(args.profile_runs)] + (["--save", str(save)] if save else [])
+               "--profile-runs", str(args.profile_runs),
+               "--background", getattr(args, "background", "default")]  # int8.py's args: none
+    command += ["--save", str(save)] if save else []
     try:
         return worker_report(command, args.threads, args.timeout)
     except subprocess.TimeoutExpired:
@@ -217,7 +238,8 @@ def corpus_files(args: argparse.Namespace, name: str) -> tuple[dict[str, Any], P
 def bench_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
     """The three runtimes on one model, alternating over the rounds; outputs saved in round 1."""
     entry, model, feeds = corpus_files(args, name)
-    rows: dict[str, dict[str, Any]] = {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "error": None,
+    rows: dict[str, dict[str, Any]] = {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "readies": [],
+                                            "error": None,
                                             "outputs": None, "plan": {}} for rt in RUNTIMES}
     for round_ in range(args.rounds):
         for rt, row in rows.items():
@@ -240,6 +262,8 @@ def record(row: dict[str, Any], reply: dict[str, Any], save: Path | None) -> Non
     row["loads"].append(reply["load_s"])
     row["imports"].append(reply["import_s"])
     row["firsts"].append(reply["first_s"])
+    ready = reply.get("ready_s", 0.0)  # None: the background not done within 60 s
+    row.setdefault("readies", []).append(math.inf if ready is None else ready)
     row["plan"] = reply["plan"] or row["plan"]
     if save:
         with np.load(save) as saved:
@@ -254,7 +278,8 @@ def summarize(name: str, entry: dict[str, Any], rows: dict[str, dict[str, Any]])
         result[rt] = {"error": row["error"]} if row["error"] else {
             "ms": min(row["medians"]) * 1e3, "round_ms": [m * 1e3 for m in row["medians"]],
             "load_s": statistics.median(row["loads"]),
-            "import_s": statistics.median(row["imports"]), "first_ms": statistics.median(row["firsts"]) * 1e3}
+            "import_s": statistics.median(row["imports"]), "first_ms": statistics.median(row["firsts"]) * 1e3,
+            "ready_s": statistics.median(row.get("readies") or [0.0])}
     result["backplane_plan"] = rows["backplane"]["plan"]
     result["diff"] = difference(rows["backplane"]["outputs"], rows["onnxruntime"]["outputs"])
     bp = result["backplane"].get("ms")
@@ -271,8 +296,8 @@ def cell(result: dict[str, Any], key: str, fmt: str) -> str:
 
 def table(results: list[dict[str, Any]]) -> list[str]:
     lines = ["| model | ORT ms | OpenVINO ms | backplane ms | ORT / bp | OV / bp | load s ORT / OV / bp (import) "
-             "| bp 1st call ms | bp layers per backend | diff |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "| bp done s | bp 1st call ms | bp layers per backend | diff |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
         ms = ["-" if rt == "openvino" and "error" in r[rt] else cell(r[rt], "ms", ".3g") for rt in RUNTIMES]
         loads = " / ".join(cell(r[rt], "load_s", ".2f") if "error" not in r[rt] else "-" for rt in RUNTIMES)
@@ -281,6 +306,7 @@ def table(results: list[dict[str, Any]]) -> list[str]:
         ratios = [f"{r[k]:.2f}" if r[k] else "-" for k in ("ort_over_bp", "ov_over_bp")]
         plan = " ".join(f"{b}:{n}" for b, n in r["backplane_plan"].get("placement", {}).items()) or "-"
         lines.append(f"| {r['model']} | {' | '.join(ms)} | {' | '.join(ratios)} | {loads} | "
+                     f"{cell(r['backplane'], 'ready_s', '.2f')} | "
                      f"{cell(r['backplane'], 'first_ms', '.3g')} | {plan} | {r['diff']} |")
     return lines
 
@@ -333,6 +359,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-seconds", type=float, default=1.0, help="untimed calls first, in seconds (1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--neighbour", action="store_true", help="run beside a CPU-burning process")
+    ap.add_argument("--background", choices=("default", "on", "off"), default="default",
+                    help="backplane's CpuAcc.background: its default, or on or off (default: default)")
     ap.add_argument("--profile", action="store_true", help="profile backplane on the models below 0.8")
     ap.add_argument("--profile-runs", type=int, default=20, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help="write the results as a JSON document to this file")
@@ -363,6 +391,7 @@ def run_all(args: argparse.Namespace, names: list[str]) -> tuple[list[str], dict
               *(line.replace(", backplane absent", "") for line in environment(args.threads)),
               f"backplane {backplane_version()}",
               f"corpus: {args.tier} tier, {args.corpus}",
+              f"CpuAcc.background: {args.background}",
               f"neighbour: {'one CPU-burning process (' + BURN + ')' if args.neighbour else 'none'}; "
               f"{args.rounds} rounds, best of the rounds' medians, batch 1 at each model's .s0.npz"]
     burner = subprocess.Popen([sys.executable, "-c", BURN]) if args.neighbour else None

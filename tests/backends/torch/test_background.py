@@ -1,7 +1,8 @@
-"""CpuAcc's loads leave their measuring and compiling to a background thread
-(``CpuAcc.background``, ``backends/torch/background.py``; issue 27, item 5): the load takes the
-unmeasured routes and the layers one by one at once, the background makes what a quiet load would
-and swaps it in; routes measured while the network ran are used, not kept."""
+"""CpuAcc's loads leave their building to a background thread (``CpuAcc.background``,
+``backends/torch/background.py``; issue 27, item 5): the load takes the unmeasured routes and the
+layers one by one at once, the background builds every candidate and swaps them in, and the
+network's runs time them in their own thread (``trials.py``); a time taken beside the background's
+work does not count, and a busy machine's background compiles untimed and keeps nothing."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession, Runtime, RuntimeOptions  # noqa: E402
 from backplane.backends.api.backend import OptionError  # noqa: E402
-from backplane.backends.torch import background, route_cache  # noqa: E402
+from backplane.backends.torch import background, route_cache, trials  # noqa: E402
 from backplane.backends.torch.fusion import patterns  # noqa: E402
 from backplane.runtime.loaded_network import WorkloadError  # noqa: E402
 from tests.backends.torch.test_onednn_graph import MODEL, _graph_workload  # noqa: E402
@@ -28,6 +29,12 @@ from tests.models.test_models import DATA, assert_close, ort_outputs  # noqa: E4
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(route_cache.CACHE_VARIABLE, str(tmp_path))
     return tmp_path / route_cache.FILE_NAME
+
+
+@pytest.fixture(autouse=True)
+def no_sessions_before():
+    """Sessions of earlier tests gone: ``background.settled`` waits for every live Trial."""
+    gc.collect()
 
 
 @pytest.fixture
@@ -42,6 +49,7 @@ def held_back():
     release.set()
     assert background.wait(120)
     del gate
+    gc.collect()  # a test's sessions and their Trials go (``background.settled`` waits for none)
 
 
 def _session(**options) -> InferenceSession:
@@ -49,58 +57,147 @@ def _session(**options) -> InferenceSession:
         backend_options={"CpuAcc.background": True, **options})))
 
 
-def test_a_load_takes_the_layers_at_once_and_the_background_swaps_the_compiled_graph_in(
+def _feeds() -> dict[str, np.ndarray]:
+    return dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+
+
+def _trials_in(workload) -> list:
+    """Every Trial of a swapped-in workload, nested ones included (a OneDnnGraph's layers)."""
+    found, todo = [], [workload]
+    while todo:
+        item = todo.pop()
+        while not isinstance(item, trials.Trial) and hasattr(item, "work"):
+            item = item.work  # Governed, Swapped
+        if isinstance(item, trials.Trial):
+            found.append(item)
+            todo += [t for kids in item.children.values() for t in kids]
+    return found
+
+
+def _run_until_settled(session, feeds, expected, most: int = 400) -> int:
+    """Runs until the background is done and every route is chosen; each run's outputs checked."""
+    assert background.wait(120)
+    runs = 0
+    while not background.settled():
+        assert_close(session.run(None, feeds), expected)
+        runs += 1
+        assert runs < most
+    return runs
+
+
+def test_a_load_takes_the_layers_at_once_and_the_runs_time_the_candidates(
         cache, held_back, monkeypatch) -> None:
-    timed = []
-    real_seconds = patterns.seconds
-    monkeypatch.setattr(patterns, "seconds",
-                        lambda *a, **k: timed.append(threading.current_thread().name)
-                        or real_seconds(*a, **k))
+    measured = []
+    monkeypatch.setattr(patterns, "seconds", lambda *a, **k: measured.append(1))
+    counted = []
+    real_record = trials.Trial._record
+    monkeypatch.setattr(trials.Trial, "_record", lambda self, name, elapsed, count: counted.append(
+        (threading.current_thread().name, elapsed is not None)) or real_record(self, name,
+                                                                               elapsed, count))
     session = _session()
     workload = _graph_workload(session)
     assert workload.route == "layers" and workload.why.endswith(patterns.DEFERRED)
-    assert timed == []  # nothing measured by the load itself
-    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    convolutions = [w for lay, w in workload.inner if lay.op_type == "FusedConv"]
+    assert convolutions and all(w.why.startswith("torch: ") for w in convolutions)  # no packing
+    feeds = _feeds()
     expected = ort_outputs(MODEL, feeds)
     assert_close(session.run(None, feeds), expected)  # the stand-in's run
     held_back.set()
     assert background.wait(120)
-    workload = _graph_workload(session)
-    assert workload.route in ("onednn_graph", "layers")
-    assert patterns.DEFERRED not in workload.why and "measured fastest" in workload.why
-    assert set(timed) == {"backplane-background"}  # measured there, not in the loading thread
-    assert_close(session.run(None, feeds), expected)  # the swapped-in workload's run
+    (trial,) = [t for t in _trials_in(_graph_workload(session)) if "onednn_graph" in t.candidates]
+    assert trial.chosen is None and "being timed in the running thread" in trial.why
+    assert _run_until_settled(session, feeds, expected) > 0
+    assert measured == []  # nothing timed by `fastest`: neither at load nor in the background
+    assert {name for name, timed in counted if timed} == {"MainThread"}  # only the runs' times
+    assert "timed fastest in the running thread" in _graph_workload(session).why
+    assert _graph_workload(session).route in ("onednn_graph", "layers")
+    assert set(route_cache._entries(cache).values()) & {"onednn_graph", "layers"}  # kept
+    assert_close(session.run(None, feeds), expected)
 
 
-def test_routes_measured_while_the_network_ran_are_not_kept(cache, held_back) -> None:
+def test_a_run_beside_the_backgrounds_work_is_not_timed(cache, monkeypatch) -> None:
+    """The runs made while the background thread builds count for nothing; after MOST_CALLS runs
+    so, the Trial takes what it has and keeps nothing in the route cache."""
+    monkeypatch.setattr(trials, "MOST_CALLS", 12)
     session = _session()
-    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
-    workload = _graph_workload(session)
-
-    def run_meanwhile(make):
-        def made():
-            session.run(None, feeds)  # a run while the background measures
-            return make()
-        return made
-
-    job = background._worker().jobs.queue[-1]  # the load's job, behind the gate
-    background._worker().jobs.queue[-1] = (job[0], run_meanwhile(job[1]), *job[2:])
-    held_back.set()
+    feeds = _feeds()
+    expected = ort_outputs(MODEL, feeds)
     assert background.wait(120)
-    assert patterns.DEFERRED not in _graph_workload(session).why
-    assert not cache.exists()  # measured under its own runs: used, not kept
-    assert workload is _graph_workload(session)  # the same Swapped, its work replaced
+    release = threading.Event()
+    gate = background.Swapped(lambda: ())
+    background._worker().put(weakref.ref(gate), lambda: release.wait(30) and gate.work,
+                             "a job beside the runs", torch.get_num_threads())
+    try:
+        while background.epoch() is not None:  # the job has begun
+            threading.Event().wait(0.01)
+        for _ in range(14):
+            assert_close(session.run(None, feeds), expected)
+    finally:
+        release.set()
+        assert background.wait(120)
+    found = _trials_in(_graph_workload(session))
+    assert found and all(t.chosen is not None for t in found)
+    assert all(s == [] for t in found for s in t.samples.values())
+    assert "no call could be timed; not kept" in _graph_workload(session).why
+    assert not cache.exists()
 
 
-def test_routes_measured_on_a_quiet_process_are_kept_and_the_next_load_takes_them(
-        cache, held_back) -> None:
+def test_a_trial_takes_the_fastest_by_median_and_waits_for_its_nested_trials() -> None:
+    def pause(seconds):
+        def run(*values):
+            threading.Event().wait(seconds)
+            return values
+        return run
+
+    quick = pause(0.0005)
+    inner = trials.Trial({"slow": pause(0.004), "quick": quick}, {}, None)
+    outer = trials.Trial({"nested": inner, "plain": pause(0.003)}, {"nested": [inner]}, None)
+    calls = 0
+    while not outer.settled():
+        assert outer(1, 2) == (1, 2)  # every call's output is one candidate's
+        calls += 1
+        assert calls < 100
+    assert inner.chosen is quick and "quick: timed fastest" in quick.why
+    assert "nested: timed fastest" in outer.why  # 0.5 ms once its inner Trial chose, against 3
+    assert len(outer.samples["nested"]) == trials.SAMPLES  # none taken while inner chose
+
+
+def test_a_trial_begins_its_samples_again_at_another_thread_count() -> None:
+    trial = trials.Trial({"a": lambda: (), "b": lambda: ()}, {}, None)
+    for _ in range(3):
+        trial._record("a", 0.001, 2)
+    trial._record("b", 0.001, 1)  # the thread policy went to one thread
+    assert trial.at == 1 and trial.samples == {"a": [], "b": []} and trial.chosen is None
+
+
+def test_on_a_busy_machine_the_background_compiles_untimed_and_keeps_nothing(
+        cache, monkeypatch) -> None:
+    from backplane.backends.torch import threads
+
+    monkeypatch.setattr(threads, "CROWDED_CHECK", True)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     session = _session()
-    held_back.set()
     assert background.wait(120)
-    assert cache.exists()
-    assert "onednn_graph" in route_cache._entries(cache).values() or \
-        "layers" in route_cache._entries(cache).values()  # the graph's route among them
-    del session
+    workload = _graph_workload(session)
+    assert _trials_in(workload) == [] and background.settled()
+    assert workload.route == "onednn_graph" and "busy machine, untimed" in workload.why
+    feeds = _feeds()
+    assert_close(session.run(None, feeds), ort_outputs(MODEL, feeds))
+    assert not cache.exists()
+
+
+def test_routes_kept_by_the_runs_are_taken_by_the_next_load(cache) -> None:
+    """(At a given thread count: the policy's count may change between the runs, and a route is
+    kept under the count it was timed at.)"""
+    session = _session(**{"CpuAcc.threads": 2})
+    feeds = _feeds()
+    _run_until_settled(session, feeds, ort_outputs(MODEL, feeds))
+    assert route_cache._entries(cache)
+    again = _session(**{"CpuAcc.threads": 2})
+    assert background.wait(120)
+    assert "kept in the route cache" in _graph_workload(again).why
+    assert background.settled()
+    del session, again
 
 
 def test_a_network_unloaded_before_its_turn_is_not_compiled(cache, held_back) -> None:
@@ -171,6 +268,7 @@ def test_a_small_builds_threads_are_chosen_after_the_background_swapped_its_work
     assert undecided.decided is None  # still behind the gate: the caller's threads
     held_back.set()
     assert background.wait(120)
+    _run_until_settled(session, feeds, expected)
     assert_close(session.run(None, feeds), expected)
-    assert undecided.decided is not None  # chosen once, on the swapped-in workloads
+    assert undecided.decided is not None  # chosen once, on the swapped-in workloads, timed
     assert isinstance(undecided.decided, small.OneThread) or undecided.decided is undecided.work

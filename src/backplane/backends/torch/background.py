@@ -1,23 +1,27 @@
-"""CpuAcc's loads without waiting: measured and compiled in a background thread, swapped in.
+"""CpuAcc's loads without waiting: built in a background thread, swapped in, timed by the runs.
 
 What makes a CpuAcc load slow is what makes its runs fast: each convolution's and linear's route
 timed on a sample (``fusion.patterns.fastest``), and each subgraph traced and compiled by oneDNN
 Graph or TorchScript, then timed against its layers (``onednn_graph``, ``traced``). The demo model's
 session took 0.3-0.5 s so on a quiet 2-core machine and 5-9 s while other jobs kept it busy, where
-ONNX Runtime's takes 0.02-0.03 s; a compile whose route the cache remembers still compiled at load
-(issue 27, item 5).
+ONNX Runtime's takes 0.02-0.03 s (issue 27, item 5).
 
-So a load with ``CpuAcc.background`` True (off by default: see ``DEFAULT``) makes each such workload as a busy machine
+So a CpuAcc load (``CpuAcc.background``, on by default) makes each such workload as a busy machine
 would, at once: the first route, the layers one by one (``threads.deferring``). Each of those
 stand-ins is marked ``deferred``; ``deferred`` wraps it in a ``Swapped`` and queues the real make
-for one background thread per process, which measures and compiles as a quiet load would and
-swaps the result in between two runs. A run reads the workload once per call, so a run is whole:
-all stand-in or all compiled. Where a run of that network shared the CPUs with the measuring, the
-routes measured are used but not written to the route cache (``route_cache.held``): a route measured
-under noise is not kept for good.
+for one background thread per process. That thread builds every candidate (packs weights, traces,
+compiles, checks a compile against the layers: none of it depends on the thread) and swaps the
+result in between two runs; a run reads the workload once per call, so a run is whole. It times
+nothing: a route timed there is not the one that runs (OpenMP gives each thread its own team; see
+``trials``), so where a layer has candidates the swapped-in workload is a ``trials.Trial`` that the
+network's own calls time, in the thread that runs them, and that writes its choice to the route
+cache only where it timed it alone on a quiet machine. On a busy machine (``threads.crowded``) the
+thread builds each layer's first route, a subgraph compiled where it compiles (oneDNN Graph's CNN
+partitions, traced transformers: what pays without timing), untimed and kept nowhere.
 
-``wait`` blocks until the queue is done (the CLI and the bench call it before they time runs).
-A process that exits stops the thread between two jobs (``atexit``), never inside torch.
+``wait`` blocks until the queue is done (the CLI and the bench call it before they time runs);
+``settled`` says whether the runs have chosen too. A process that exits stops the thread between
+two jobs (``atexit``), never inside torch.
 """
 
 from __future__ import annotations
@@ -35,27 +39,21 @@ from backplane.backends.api.backend import Workload
 
 log = logging.getLogger("backplane.torch")
 
-DEFAULT = False
-"""``CpuAcc.background``'s default. Off: what the background thread measures is not what the
-loading thread will run. OpenMP gives each thread its own team, and the background's runs beside
-the loading thread's spinning one: on the corpus's layout_hswish_ts11 it measured oneDNN's
-convolution route faster (0.047 against torch's 0.059 ms) where the loading thread runs torch's
-in 0.011 against 0.031, and the model then ran at 4.64 ms against 2.38 measured at load (yolo_v8_ts17
-4.18 against 1.72; 2 threads, this 2-core AMD EPYC at load 1.4). Until the timing is done in the
-loading thread, a load that does not wait is an option (True), for a busy machine's first
-seconds."""
+DEFAULT = True
+"""``CpuAcc.background``'s default: a load that does not wait. Off (False), a load measures and
+compiles in the loading thread before it returns (what an artifact's compile does, and what the
+tests' conftest sets: a test checks what a load chose)."""
 
 
 class Swapped:
     """A workload whose work the background replaces; its other attributes are the work's."""
 
-    __slots__ = ("work", "calls", "__weakref__", "__dict__")  # attributes set on it stay its own
+    __slots__ = ("work", "__weakref__", "__dict__")  # attributes set on it stay its own
 
     def __init__(self, work: Workload) -> None:
-        self.work, self.calls = work, 0
+        self.work = work
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
-        self.calls += 1
         return self.work(*inputs)
 
     def __getattr__(self, name: str) -> Any:
@@ -88,7 +86,7 @@ def raise_option(value: Any) -> None:
 def deferred(make: Callable[[], Workload], name: str) -> Workload:
     """``make()`` made as a busy machine would; where that left something to measure or compile
     (the workload says ``deferred``), a ``Swapped`` of it, whose work the background replaces with
-    ``make()`` made as a quiet load would."""
+    ``make()`` built with every candidate (``_swap``)."""
     import torch
 
     from backplane.backends.torch import threads
@@ -108,9 +106,27 @@ def pending() -> int:
     return 0 if worker is None else worker.pending
 
 
+def epoch() -> int | None:
+    """A number that changes whenever the background thread starts or ends a job, or None while
+    one runs (what a ``trials.Trial`` times beside it is not what the network runs alone)."""
+    worker = _WORKER
+    if worker is None:
+        return 0
+    now = worker.epoch
+    return None if now % 2 else now
+
+
+def settled() -> bool:
+    """Whether the background is idle and every route it left to the runs is chosen
+    (``trials.undecided``): what runs now is what will run."""
+    from backplane.backends.torch import trials
+
+    return pending() == 0 and trials.undecided() == 0
+
+
 def wait(timeout: float | None = None) -> bool:
-    """Block until every queued measuring and compiling is done (True), or ``timeout`` seconds
-    pass (False)."""
+    """Block until every queued build is done and swapped in (True), or ``timeout`` seconds pass
+    (False). The routes those builds left to the runs are chosen by the runs (``settled``)."""
     worker = _WORKER
     return True if worker is None else worker.idle(timeout)
 
@@ -121,6 +137,7 @@ class _Worker:
     def __init__(self) -> None:
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.pending = 0
+        self.epoch = 0  # odd while a job runs: a Trial's timing spans no job (``epoch``)
         self.done = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="backplane-background",
@@ -150,6 +167,7 @@ class _Worker:
             job = self.jobs.get()
             if job is None:
                 return
+            self.epoch += 1
             try:
                 if not self.stopping:
                     _swap(*job)
@@ -157,6 +175,7 @@ class _Worker:
                 log.warning("CpuAcc: measuring and compiling %s in the background failed (%s: "
                             "%s); its layers run as loaded", job[2], type(exc).__name__, exc)
             finally:
+                self.epoch += 1
                 with self.done:
                     self.pending -= 1
                     self.done.notify_all()
@@ -164,34 +183,28 @@ class _Worker:
 
 def _swap(target: weakref.ref[Swapped], make: Callable[[], Workload], name: str,
           count: int) -> None:
-    """The job: ``make()`` as a quiet load, swapped into the target if it is still loaded; the
-    routes measured written to the cache only where the target ran no call meanwhile."""
+    """The job: ``make()`` with every candidate built and none timed, swapped into the target if
+    it is still loaded. Its layers' routes are then timed by the network's own calls
+    (``trials``); on a busy machine each layer takes its first route, a subgraph compiled where
+    it compiles, untimed and kept nowhere."""
     import torch
 
-    from backplane.backends.torch import route_cache, threads
+    from backplane.backends.torch import threads
 
-    swapped = target()
-    if swapped is None:  # its network was unloaded
+    if target() is None:  # its network was unloaded
         return
-    if threads.crowded():  # a quiet load's make would make the same stand-in
-        log.info("CpuAcc: %s not measured nor compiled in the background: a busy machine", name)
-        return
-    calls, start = swapped.calls, time.perf_counter()
-    del swapped  # not held while compiling: an unloaded network goes
+    mode = threads.UNTIMED if threads.crowded() else threads.TRIALS
+    start = time.perf_counter()
     torch.set_num_threads(count)  # the loading thread's count: the cache keys routes by it
-    with route_cache.held() as routes:
+    with threads.making_scope(mode):
         work = make()
     swapped = target()
     if swapped is None:
         return
     swapped.work = work
-    quiet = swapped.calls == calls
-    if quiet:
-        for key, route in routes.items():
-            route_cache.store(key, route)
-    log.info("CpuAcc: %s measured and compiled in the background in %.2f s (%s)", name,
-             time.perf_counter() - start, "routes kept" if quiet else
-             "its runs meanwhile: routes not kept")
+    log.info("CpuAcc: %s built in the background in %.2f s (%s)", name,
+             time.perf_counter() - start, "a busy machine: first routes, untimed, not kept"
+             if mode == threads.UNTIMED else "its routes timed by its runs")
 
 
 _WORKER: _Worker | None = None

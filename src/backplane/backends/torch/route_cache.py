@@ -10,7 +10,6 @@ True) turns it off. A missing, unreadable or corrupt file is an empty cache, nev
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import hashlib
@@ -18,8 +17,6 @@ import json
 import os
 import platform
 import tempfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +36,16 @@ def cache_file() -> Path:
     return Path(root) / FILE_NAME
 
 
-def key(kind: str, description: dict[str, Any]) -> str:
-    """The cache key of one layer's measurement: what it is, and where and with what it ran."""
+def key(kind: str, description: dict[str, Any], threads: int | None = None) -> str:
+    """The cache key of one layer's measurement: what it is, and where and with what it ran (at
+    ``threads``, by default the calling thread's torch count)."""
     import torch
 
     from backplane.backends.torch.backend import TorchBackend
 
     identity = {"kind": kind, "layer": description, "cache": CACHE_VERSION,
                 "backend": TorchBackend.version, "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "cpu": _processor()}
+                "threads": threads or torch.get_num_threads(), "cpu": _processor()}
     text = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -63,12 +61,7 @@ def lookup(cache_key: str) -> str | None:
 
 
 def store(cache_key: str, route: str) -> None:
-    """Record a route; a cache that cannot be written is left as it is. Inside ``held`` (this
-    thread), the route is only added to the held ones."""
-    pending = getattr(_held, "routes", None)
-    if pending is not None:
-        pending[cache_key] = route
-        return
+    """Record a route; a cache that cannot be written is left as it is."""
     kept = KEPT.get()
     if kept is not None:
         kept[cache_key] = route
@@ -82,21 +75,6 @@ def store(cache_key: str, route: str) -> None:
         os.replace(tmp.name, path)  # whole or not at all, also with other processes writing
     except OSError:
         pass
-
-
-_held = threading.local()
-
-
-@contextlib.contextmanager
-def held() -> Iterator[dict[str, str]]:
-    """The routes this thread stores in the block, held in the dict it yields instead of written:
-    the background's measurements (``background.py``) are written only where no run of the
-    network shared the CPUs with them (``store`` each afterwards)."""
-    was, _held.routes = getattr(_held, "routes", None), {}
-    try:
-        yield _held.routes
-    finally:
-        _held.routes = was
 
 
 def _entries(path: Path) -> dict[str, str]:

@@ -69,18 +69,19 @@ def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
 
 def deciding(run: Any, values: Sequence[Any]) -> Any:
     """``fewer_threads``' choice for ``run``, made now; or, where CpuAcc's background is still
-    making workloads (``background.py``: ``run`` is then made of stand-ins, whose time says
-    nothing of what will run: mobilenet_fp16_ts17 kept two threads by its layers' 1.4 ms, then ran
-    traced at 2.4 ms a run against 0.7 at one thread), an ``Undecided`` that chooses at its first
-    call after the background is done."""
-    if background.pending() == 0:
+    making workloads or its runs still time their routes (``background.settled``: ``run`` is then
+    made of stand-ins or candidates, whose time says nothing of what will run: mobilenet_fp16_ts17
+    kept two threads by its layers' 1.4 ms, then ran traced at 2.4 ms a run against 0.7 at one
+    thread), an ``Undecided`` that chooses at its first call after that."""
+    if background.settled():
         return fewer_threads(run, values)
     return Undecided(run)
 
 
 class Undecided:
-    """A build called at the caller's threads until CpuAcc's background is done, then as
-    ``fewer_threads`` chooses on that call's values; its other attributes are the build's."""
+    """A build called at the caller's threads until CpuAcc's background is done and its routes
+    chosen (``background.settled``), then as ``fewer_threads`` chooses on that call's values; its
+    other attributes are the build's."""
 
     __slots__ = ("work", "decided")
 
@@ -90,7 +91,7 @@ class Undecided:
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         decided = self.decided
         if decided is None:
-            if background.pending():
+            if not background.settled():
                 return self.work(*inputs)
             decided = self.decided = fewer_threads(self.work, inputs)
         return decided(*inputs)

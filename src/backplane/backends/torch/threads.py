@@ -55,6 +55,8 @@ def crowded() -> bool:
     chosen is kept in the route cache: a quiet load measures and compiles them."""
     if deferring():  # a load that leaves its measuring to the background (``background.py``)
         return True
+    if making() is not None:  # the background's job, which read the load average when it began
+        return False
     if not CROWDED_CHECK:
         return False
     try:
@@ -88,6 +90,29 @@ def deferred_scope() -> Iterator[None]:
         yield
     finally:
         _deferral.on = was
+
+
+TRIALS = "trials"
+"""``making``: each layer's candidates all built, timed later in the running thread (``trials``)."""
+UNTIMED = "untimed"
+"""``making``: on a busy machine, each layer's first candidate (the compiled one, for a subgraph
+that compiles), untimed and not kept."""
+
+
+def making() -> str | None:
+    """How this thread (CpuAcc's background thread, in a job) decides among a layer's routes:
+    ``TRIALS``, ``UNTIMED``, or None (measured now, or a busy machine's defaults)."""
+    return getattr(_deferral, "making", None)
+
+
+@contextlib.contextmanager
+def making_scope(mode: str) -> Iterator[None]:
+    """``making`` is ``mode`` in this thread for the block."""
+    was, _deferral.making = making(), mode
+    try:
+        yield
+    finally:
+        _deferral.making = was
 
 
 PERIOD = 0.25

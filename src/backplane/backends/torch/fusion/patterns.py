@@ -202,16 +202,25 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     layer on this machine and library (``route_cache``; ``CpuAcc.route_cache`` False skips it).
     ``routes`` are makers: where the route is remembered only that one is made (a route not taken
     would copy and pack its weights at every load for nothing). On a busy machine
-    (``threads.crowded``) the first of ``routes`` is taken without measuring, and not kept."""
-    from backplane.backends.torch import route_cache, threads
+    (``threads.crowded``) the first of ``routes`` is taken without measuring, and not kept. In
+    CpuAcc's background thread (``threads.making``), a ``trials.Trial`` of them all, timed in the
+    thread that runs the network; or, busy, the first, made (a subgraph compiled) but untimed."""
+    from backplane.backends.torch import route_cache, threads, trials
 
     known = remembered(kind, description, backend)
     if known in routes:
         return because(routes[known](), f"{known}: kept in the route cache")  # type: ignore[index]
+    making = threads.making()
+    if making == threads.TRIALS:  # CpuAcc's background: timed where the network runs
+        return trials.trial(kind, description, routes, make_sample, backend)
+    if making == threads.UNTIMED:  # the background on a busy machine: compiled where it compiles
+        first = next(iter(routes))
+        return because(routes[first](), f"{first}: the first route on a busy machine, untimed")
+    if threads.deferring():  # a stand-in, replaced by the background (``background.py``)
+        quick = next((n for n in QUICK_ROUTES if n in routes), next(iter(routes)))
+        return deferred(because(routes[quick](), f"{quick}: {DEFERRED}"))
     if threads.crowded():  # a busy machine: the first route, unmeasured and not kept
         first = next(iter(routes))
-        if threads.deferring():  # measured in the background (``background.py``)
-            return deferred(because(routes[first](), f"{first}: {DEFERRED}"))
         return because(routes[first](), f"{first}: the default on a busy machine, unmeasured")
     progress.count("CpuAcc: routes measured")
     made = {name: make() for name, make in routes.items()}
@@ -225,6 +234,9 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
                                f"({others})")
 
 
+QUICK_ROUTES = ("torch", "mkl", "float")
+"""The routes a stand-in takes where a layer has one: made without packing a weight (oneDNN's
+reorder of the demo model's 52 convolution weights was 0.8 of its 1.6 s load at load average 3)."""
 DEFERRED = "measured and compiled in the background, swapped in when done"
 """The ``why`` of a stand-in workload a load made at once (``background.py``)."""
 

@@ -1,0 +1,223 @@
+"""CpuAcc's routes timed where they run: in the thread that runs the network, over its calls.
+
+Why: a route timed in another thread is not the route that will run. OpenMP gives each thread its
+own team of workers, and a measurement made in CpuAcc's background thread (``background.py``) ran
+beside the loading thread's spinning team: on the corpus's layout_hswish_ts11 it measured oneDNN's
+convolution route faster (0.047 against torch's 0.059 ms) where the loading thread runs torch's in
+0.011 against 0.031, and the model then ran at 4.64 ms against 2.38 (issue 27, item 5).
+
+So the background builds (packs, traces, compiles and checks) every candidate of a layer, and
+``fastest`` hands back a ``Trial`` of them instead of timing them. The network's own calls then
+time them: each call of a Trial runs one candidate, its output is that call's (every candidate
+computes the same values: the compiled ones were checked against the layers when compiled), after
+one untimed call of each the candidates alternate until each has ``SAMPLES`` timed calls, and the
+fastest by median is kept for every call after that. A timing counts only where nothing else of
+backplane's was working: not while the background thread makes a workload (``background.epoch``),
+not across a nested Trial still choosing (a OneDnnGraph's layers holding convolutions' Trials: the
+parent times its layers once they have chosen), and all at one thread count (the thread policy's
+change of the count begins the samples again). The choice is written to the route cache, under
+that count, only where every candidate got its samples so and the machine was not busy
+(``threads.crowded``) when it chose; after ``MOST_CALLS`` calls without that, it chooses from
+what it has and keeps nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from backplane.backends.api.backend import Workload
+
+SAMPLES = 7
+"""Timed calls of each candidate before the choice (the median of them is compared)."""
+MOST_CALLS = 400
+"""Calls of a Trial after which it chooses from the samples it has, and keeps nothing."""
+
+_local = threading.local()  # .choosing: undecided Trial calls in this thread; .made: a collector
+_roots: weakref.WeakSet[Trial] = weakref.WeakSet()
+_roots_lock = threading.Lock()
+
+
+class Trial:
+    """A layer's candidate workloads, timed over the network's calls; then the fastest one."""
+
+    __slots__ = ("candidates", "children", "key", "at", "samples", "calls", "total", "chosen",
+                 "lock", "__weakref__", "__dict__")  # attributes set on it stay its own
+
+    def __init__(self, candidates: dict[str, Workload], children: dict[str, list[Trial]],
+                 key: tuple[str, dict[str, Any]] | None) -> None:
+        self.candidates, self.children, self.key = candidates, children, key
+        self.at = 0  # the thread count the samples were taken at
+        self.samples: dict[str, list[float]] = {name: [] for name in candidates}
+        self.calls = dict.fromkeys(candidates, 0)  # since the samples began
+        self.total = 0
+        self.chosen: Workload | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, *inputs: Any) -> tuple[Any, ...]:
+        chosen = self.chosen
+        if chosen is not None:
+            return chosen(*inputs)
+        return self._timed(inputs)
+
+    def _timed(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        import torch
+
+        from backplane.backends.torch import background
+
+        if torch.jit.is_tracing():  # a trace keeps one candidate's calls: the first, untimed
+            return self.candidates[next(iter(self.candidates))](*inputs)
+        name = self._next()
+        _local.choosing = getattr(_local, "choosing", 0) + 1
+        nested, epoch, count = _local.choosing, background.epoch(), torch.get_num_threads()
+        start = time.perf_counter()
+        outputs = self.candidates[name](*inputs)
+        elapsed = time.perf_counter() - start
+        alone = _local.choosing == nested and epoch is not None and epoch == background.epoch()
+        self._record(name, elapsed if alone else None, count)
+        return outputs
+
+    def _next(self) -> str:
+        """The candidate short of samples that was called least (one whose calls never count,
+        its nested Trials still choosing, is called until they have chosen)."""
+        with self.lock:
+            short = [n for n in self.candidates if len(self.samples[n]) < SAMPLES]
+            return min(short or self.candidates, key=self.calls.__getitem__)
+
+    def _record(self, name: str, elapsed: float | None, count: int) -> None:
+        """One call's time (None: it does not count), taken at ``count`` threads: another count
+        than the samples' begins them again (the thread policy changed it; a compiled partition
+        compiles again at its first call at a new count)."""
+        with self.lock:
+            if self.chosen is not None:
+                return
+            self.total += 1
+            if count != self.at:
+                self.at, self.calls = count, dict.fromkeys(self.candidates, 0)
+                self.samples = {n: [] for n in self.candidates}
+            self.calls[name] += 1
+            if elapsed is not None and self.calls[name] > 1:  # a candidate's first call: untimed
+                self.samples[name].append(elapsed)
+            full = all(len(s) >= SAMPLES for s in self.samples.values())
+            if full or self.total >= MOST_CALLS:
+                self._choose(full)
+
+    def _choose(self, full: bool) -> None:
+        from backplane.backends.torch import route_cache, threads
+        from backplane.backends.torch.fusion.patterns import because
+
+        medians = {n: statistics.median(s) for n, s in self.samples.items() if s}
+        name = min(medians, key=medians.__getitem__) if medians else next(iter(self.candidates))
+        keep = full and self.key is not None and not threads.crowded()
+        if keep:
+            kind, description = self.key  # type: ignore[misc]
+            route_cache.store(route_cache.key(kind, description, self.at), name)
+        others = ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in medians.items() if n != name)
+        how = (f"median {medians[name] * 1e3:.3f} ms ({others})" if name in medians
+               else "no call could be timed")
+        why = f"{name}: timed fastest in the running thread, {how}"
+        chosen = because(self.candidates[name], why if keep else f"{why}; not kept")
+        for loser, trials in self.children.items():  # never called again: not waited for
+            if loser != name:
+                for trial in trials:
+                    trial.abandon()
+        self.candidates, self.chosen = {name: chosen}, chosen
+
+    def abandon(self) -> None:
+        """This Trial's network part will not run: it and its nested Trials are not waited for."""
+        with self.lock:
+            if self.chosen is None:
+                name = next(iter(self.candidates))
+                self.candidates, self.chosen = {name: self.candidates[name]}, self.candidates[name]
+        for trials in self.children.values():
+            for trial in trials:
+                trial.abandon()
+
+    def settled(self) -> bool:
+        """Whether this Trial and every Trial of its chosen candidate have chosen."""
+        chosen = self.chosen
+        if chosen is None:
+            return False
+        name = next(iter(self.candidates))
+        return all(trial.settled() for trial in self.children.get(name, ()))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Trial.__slots__:  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        if name == "why" and self.chosen is None:
+            return "being timed in the running thread: " + ", ".join(self.candidates)
+        return getattr(self.chosen or next(iter(self.candidates.values())), name)
+
+    def __repr__(self) -> str:
+        return f"Trial({', '.join(self.candidates)}{'' if self.chosen is None else ': chosen'})"
+
+
+def trial(kind: str, description: dict[str, Any], routes: dict[str, Callable[[], Workload]],
+          make_sample: Callable[[], list[Any]], backend: Any) -> Workload:
+    """``routes`` all made, each run once on a sample (one that fails there is dropped), as one
+    ``Trial``; where one route is left, that route."""
+    from backplane.backends.torch.fusion.patterns import because
+
+    made, children = {}, {}
+    for name, make in routes.items():
+        with _collecting() as nested:
+            made[name] = make()
+        children[name] = nested
+    sample = make_sample()
+    working = {name: run for name, run in made.items() if _runs(run, sample)}
+    if len(working) <= 1:
+        name = next(iter(working or made))
+        _adopt(children[name])
+        return because(made[name], f"{name}: the only route that ran on a sample")
+    keep = backend.options.get("CpuAcc.route_cache", True)
+    made_trial = Trial(working, {n: children[n] for n in working},
+                       (kind, description) if keep else None)
+    _adopt([made_trial])
+    return made_trial
+
+
+def _adopt(trials: list[Trial]) -> None:
+    """``trials`` waited for by the Trial whose candidate is being made, or by ``undecided``."""
+    collector = getattr(_local, "made", None)
+    if collector is not None:
+        collector.extend(trials)
+    else:
+        with _roots_lock:
+            _roots.update(trials)
+
+
+def undecided() -> int:
+    """How many Trials not made inside another are still choosing (theirs or a nested one)."""
+    with _roots_lock:
+        roots = list(_roots)
+    waiting = [t for t in roots if not t.settled()]
+    with _roots_lock:
+        for t in roots:
+            if t not in waiting:
+                _roots.discard(t)
+    return len(waiting)
+
+
+@contextlib.contextmanager
+def _collecting() -> Iterator[list[Trial]]:
+    """The Trials made in the block, gathered in the list it yields (not made roots)."""
+    was, _local.made = getattr(_local, "made", None), []
+    try:
+        yield _local.made
+    finally:
+        _local.made = was
+
+
+def _runs(run: Workload, sample: list[Any]) -> bool:
+    """Whether ``run`` runs on ``sample`` (its first call, made here: packing, a compile's first
+    partitions; a route that fails never wins)."""
+    try:
+        run(*sample)
+    except RuntimeError:
+        return False
+    return True
