@@ -245,6 +245,53 @@ def test_gemm_reshape_tanh_gelu_becomes_one_layer(route: str) -> None:
     assert_matches_cpuref(session, model)
 
 
+def _gelu_tanh_cubed_nodes(x: str, y: str, square_first: bool) -> list[onnx.NodeProto]:
+    """GELU's tanh form with the cube as x * (x * x), constants first: torch.onnx's export of
+    ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x * x * x)))`` (gpt_causal_ts15)."""
+    cube = ["xx", x] if square_first else [x, "xx"]
+    return [helper.make_node("Mul", [x, x], ["xx"], name="square"),
+            helper.make_node("Mul", cube, ["c"], name="cube"),
+            helper.make_node("Mul", ["k", "c"], ["ck"], name="cubic"),
+            helper.make_node("Add", [x, "ck"], ["i"], name="inner"),
+            helper.make_node("Mul", ["s", "i"], ["si"], name="scaled"),
+            helper.make_node("Tanh", ["si"], ["t"], name="tanh"),
+            helper.make_node("Add", ["one", "t"], ["p"], name="plus_one"),
+            helper.make_node("Mul", [x, "p"], ["h"], name="times"),
+            helper.make_node("Mul", ["half", "h"], [y], name="gelu")]
+
+
+@pytest.mark.parametrize("square_first", [False, True])
+@pytest.mark.parametrize("route", ["mkl", "onednn"])
+def test_matmul_tanh_gelu_with_the_cube_as_products_becomes_one_layer(route: str,
+                                                                      square_first: bool) -> None:
+    constants = [numpy_helper.from_array(np.float32(v), n) for n, v in
+                 (("half", 0.5), ("k", 0.044715), ("s", np.sqrt(2 / np.pi)), ("one", 1.0))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+             helper.make_node("Add", ["bias", "m"], ["a"], name="add"),
+             *_gelu_tanh_cubed_nodes("a", "y", square_first)]
+    model = make_model(nodes, [float_input("x", [1, 6, 16])], [float_input("y", [1, 6, 24])],
+                       [_const("w", 16, 24), _const("bias", 24), *constants])
+    session = _on_cpuacc(model, **{"CpuAcc.linear_route": route})
+    (linear,) = placed(session)
+    assert linear.op_type == "Linear" and linear.attrs["unary"] == ("gelu", [], "tanh")
+    assert_matches_cpuref(session, model)
+
+
+def test_a_square_read_elsewhere_keeps_the_gelu_apart() -> None:
+    """x * x also a graph output: the chain's layers stay, computing what CpuRef does."""
+    constants = [numpy_helper.from_array(np.float32(v), n) for n, v in
+                 (("half", 0.5), ("k", 0.044715), ("s", np.sqrt(2 / np.pi)), ("one", 1.0))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="matmul"),
+             *_gelu_tanh_cubed_nodes("a", "y", False)]
+    model = make_model(nodes, [float_input("x", [1, 6, 16])],
+                       [float_input("y", [1, 6, 24]), float_input("xx", [1, 6, 24])],
+                       [_const("w", 16, 24), *constants])
+    session = _on_cpuacc(model)
+    ops = [layer.op_type for layer in placed(session)]
+    assert "Tanh" in ops and ops.count("Mul") >= 5
+    assert_matches_cpuref(session, model)
+
+
 @pytest.mark.parametrize("route", ["mkl", "onednn"])
 def test_gemm_reshape_residual_becomes_one_layer(route: str) -> None:
     shape = numpy_helper.from_array(np.array([1, 6, 16], np.int64), "shape")

@@ -84,14 +84,14 @@ def _residual(add: Layer | None, out: str, ctx: Context) -> str | None:
 def _gelu(out: str, ctx: Context) -> tuple[list[Layer], str] | None:
     """GELU written out by an exporter, read from ``out``: its layers (the last one writes the
     result) and torch's name for its form ("none": with Erf, "tanh": the tanh approximation)."""
-    users = ctx.consumers.get(out, [])
+    users = list({id(u): u for u in ctx.consumers.get(out, [])}.values())  # x * x reads it twice
     if out in ctx.graph.outputs or any(
             id(u) not in ctx.inside or id(u) in ctx.taken or u.domain for u in users):
         return None
     if len(users) == 2:
         layers = _gelu_erf(out, users, ctx)
         return (layers, "none") if layers else None
-    if len(users) == 3:
+    if len(users) in (3, 4):  # the cube as Pow 3, or as x * (x * x)
         layers = _gelu_tanh(out, users, ctx)
         return (layers, "tanh") if layers else None
     return None
@@ -110,10 +110,14 @@ def _gelu_erf(out: str, users: list[Layer], ctx: Context) -> list[Layer] | None:
 
 
 def _gelu_tanh(out: str, users: list[Layer], ctx: Context) -> list[Layer] | None:
-    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), as GPT-2's exports write it."""
-    cube = next((u for u in users if scalar_op(u, out, ctx, "Pow", 3.0)), None)
-    cubic = ctx.sole(cube.outputs[0]) if cube is not None else None
-    if cubic is None or not scalar_op(cubic, cube.outputs[0], ctx, "Mul", 0.044715):  # type: ignore[union-attr]
+    """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), as GPT-2's exports write it, the
+    cube as Pow 3 or as x * (x * x) (torch.onnx's export of ``x * x * x``)."""
+    cubed = _cube(out, users, ctx)
+    if cubed is None:
+        return None
+    powers, cube = cubed, cubed[-1]
+    cubic = ctx.sole(cube.outputs[0])
+    if cubic is None or not scalar_op(cubic, cube.outputs[0], ctx, "Mul", 0.044715):
         return None
     inner = ctx.sole(cubic.outputs[0])
     if inner is None or inner.op_type != "Add" or set(inner.inputs) != {out, cubic.outputs[0]} \
@@ -126,8 +130,26 @@ def _gelu_tanh(out: str, users: list[Layer], ctx: Context) -> list[Layer] | None
     one = ctx.sole(tanh.outputs[0]) if tanh is not None and tanh.op_type == "Tanh" else None
     if one is None or not scalar_op(one, tanh.outputs[0], ctx, "Add", 1.0):  # type: ignore[union-attr]
         return None
-    first = next(u for u in users if u is not cube and u is not inner)
-    return _times_half(out, first, one.outputs[0], ctx, [cube, cubic, inner, scaled, tanh, one])  # type: ignore[list-item]
+    rest = [u for u in users if all(u is not p for p in powers) and u is not inner]
+    if len(rest) != 1:
+        return None
+    return _times_half(out, rest[0], one.outputs[0], ctx,
+                       [*powers, cubic, inner, scaled, tanh, one])  # type: ignore[list-item]
+
+
+def _cube(out: str, users: list[Layer], ctx: Context) -> list[Layer] | None:
+    """The layers computing ``out`` cubed among its ``users``: Pow(x, 3), or Mul(x, x) then
+    Mul(x, x * x) (either operand order); the last one's output is the cube."""
+    power = next((u for u in users if scalar_op(u, out, ctx, "Pow", 3.0)), None)
+    if power is not None:
+        return [power]
+    square = next((u for u in users if u.op_type == "Mul" and not u.domain
+                   and list(u.inputs) == [out, out]), None)
+    cube = ctx.sole(square.outputs[0]) if square is not None else None
+    if cube is None or cube.op_type != "Mul" or cube.domain or cube not in users \
+            or sorted(cube.inputs) != sorted([out, square.outputs[0]]):  # type: ignore[union-attr]
+        return None
+    return [square, cube]  # type: ignore[list-item]
 
 
 def _times_half(out: str, first: Layer, factor: str, ctx: Context, body: list[Layer],
