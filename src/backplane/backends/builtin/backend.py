@@ -19,6 +19,7 @@ from backplane.backends.api.backend import (
     unsupported,
 )
 from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory
+from backplane.backends.api.optimization import OptimizationViews
 from backplane.backends.builtin import sequence
 from backplane.backends.builtin.control_flow import (
     CONTROL_FLOW_OPS,
@@ -28,7 +29,8 @@ from backplane.backends.builtin.control_flow import (
     make_scan,
     make_sequence_map,
 )
-from backplane.ir.graph import Layer, TensorInfo
+from backplane.backends.builtin.device import DEVICE_OUTPUTS, mark_device_outputs, on_device
+from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
 if TYPE_CHECKING:
     from backplane.backends.builtin.flat import FlatBody
@@ -79,6 +81,8 @@ class BuiltinWorkloadFactory(WorkloadFactory):
             from backplane.backends.builtin.flat import flatten  # imports the runtime
 
             runs = [flatten(body) for body in bodies]
+            if layer.attrs.get(DEVICE_OUTPUTS):  # its readers take GPU tensors as they are
+                runs = [on_device(run) for run in runs]
             workload = _control_flow(layer, runs)
             workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
             workload.bodies = bodies  # type: ignore[attr-defined]  # closed with the network
@@ -172,3 +176,8 @@ class Builtin(Backend):
 
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
         return BuiltinWorkloadFactory(self, memory_manager)
+
+    def optimize_subgraph(self, view: SubgraphView) -> OptimizationViews:
+        """Each If whose outputs only GpuAcc reads marked to hand them over in GPU memory
+        (``device.py``); the other layers untouched."""
+        return mark_device_outputs(view)

@@ -14,8 +14,10 @@ Two things are decided here, before any run:
   host runs once, after the last iteration); and the per-run setup of a loaded network (a slot
   list, output conversion) happens once per call.
 
-A body that runs one run at a time (``exclusive``: fallback memory, captured CUDA graphs) or under
-the debug trace runs as before, through its loaded network's ``execute`` per iteration.
+A body whose runs share memory (fallback memory, a host backend's exclusive workload) or under the
+debug trace runs as before, through its loaded network's ``execute`` per iteration; a GPU body with
+captured CUDA graphs iterates like the others, its carried values kept on the GPU copied at each
+iteration (a graph's outputs are overwritten at its next replay).
 """
 
 from __future__ import annotations
@@ -67,8 +69,18 @@ def fold_outer_constants(net: OptimizedNetwork, known: Mapping[str, np.ndarray])
         kept.append(layer)
     layers = [dataclasses.replace(layer, inputs=[renamed.get(n, n) for n in layer.inputs])
               if any(n in renamed for n in layer.inputs) else layer for layer in kept]
+    layers = [_own_constants(layer, known, net.backends) for layer in layers]
     body = dataclasses.replace(graph, layers=layers, constants={**graph.constants, **known})
     return dataclasses.replace(net, graph=body)
+
+
+def _own_constants(layer: Layer, known: Mapping[str, np.ndarray],
+                   backends: Mapping[str, Any]) -> Layer:
+    """``layer`` with the outer constants it reads made its own, where its backend folds them
+    into a layer (``constant_inputs``: GpuAcc's Specialized layers, so that a body is captured)."""
+    fold = getattr(backends.get(layer.backend or ""), "constant_inputs", None)
+    reads = {name: known[name] for name in layer.inputs if name in known}
+    return fold(layer, reads) if fold is not None and reads else layer
 
 
 def _moves_constant(layer: Layer, known: Mapping[str, np.ndarray]) -> bool:
@@ -105,7 +117,8 @@ class IteratedBody:
         self.carried_outputs = tuple(position for _, position in carried)
         self.varying = tuple(p for p in range(n_formal) if p not in self.carried_inputs)
         self.watched = tuple(watched)
-        self.plain = net.exclusive or debug.level() >= 2
+        self.plain = not iterable(net) or debug.level() >= 2
+        self.renew = net.exclusive  # carried GPU values copied: a graph changes its outputs
         slots, outs = net.input_slots, net.output_slots
         self.varying_slots = tuple(slots[p] for p in self.varying)
         self.carried_slots = tuple(slots[p] for p in self.carried_inputs)
@@ -191,6 +204,9 @@ class Iterations:
         body.execute(body.rest if self.count else body.first, env, self.stop)
         watched = [env[slot] for slot in body.watched_slots]
         self.values = [env[c.source] for c in body.state]  # all read before any is written
+        if body.renew:  # a value kept on the GPU may be a captured graph's output: copied
+            self.values = [v if c.to_host is None else v.clone()
+                           for c, v in zip(body.state, self.values)]
         for carried, value in zip(body.state, self.values):
             for slot in carried.targets:
                 env[slot] = value
@@ -235,6 +251,28 @@ class PlainIterations(Iterations):
 
     def carried(self) -> list[Any]:
         return self.values
+
+
+def iterable(net: Any) -> bool:
+    """Whether ``net`` (a loaded body) can run its iterations over one slot list (``Iterations``):
+    not where a run writes memory every run shares (fallback memory, a backend's tensors) or a
+    host backend's workload runs one run at a time; a GPU partition's captured CUDA graphs may
+    (``exclusive``: the values they give are overwritten at their next replay, so a carried value
+    kept on the GPU is copied at each iteration, and the others reach the host through glue)."""
+    fallback = getattr(net, "fallback_memory", None)
+    if getattr(fallback, "buffers", None) or getattr(net, "tensors", None):
+        return False
+    if not net.exclusive:
+        return True
+    from backplane.backends.builtin.device import keeps_on_device
+
+    for step, layer in zip(net.host_plan.steps, net.host_plan.layers):
+        if not getattr(step.workload, "exclusive", False) or keeps_on_device(layer.backend):
+            continue
+        bodies = getattr(step.workload, "bodies", None)  # nested control flow: its bodies decide
+        if layer.backend != "builtin" or not bodies or not all(map(iterable, bodies)):
+            return False
+    return True
 
 
 def _invariant(steps: Sequence[Step], layers: Sequence[Layer], given: set[int]) -> list[int]:

@@ -59,6 +59,7 @@ def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInf
             carried = iterations.carried()
         return (*carried, *(_stack(values, info) for values, info in zip(scans, scan_infos)))
 
+    loop.iterated = body  # type: ignore[attr-defined]  # how it iterates, for the tests
     return loop
 
 

@@ -391,12 +391,20 @@ class GpuAcc(TorchBackend):
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import cuda
 
-        return _specialized(view, self) or cuda.capture_views(view, self)
+        return cuda.with_host_predicates(  # an If's predicate from the inputs stays on the host
+            view, lambda rest: _specialized(rest, self) or cuda.capture_views(rest, self))
 
     def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
         from backplane.backends.torch import cuda, specialize
 
         return {**cuda.WORKLOADS, "Specialized": specialize.specialized_workload}
+
+    def constant_inputs(self, layer: Layer, known: Any) -> Layer:
+        """``layer`` of a control-flow body with the outer constants it reads (``known``) made
+        its own (``flat.folded_inputs``: a Loop body captured whole)."""
+        from backplane.backends.torch import flat
+
+        return flat.folded_inputs(layer, known)
 
 
 def _specialized(view: SubgraphView, backend: TorchBackend) -> OptimizationViews | None:

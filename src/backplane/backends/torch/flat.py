@@ -15,6 +15,7 @@ included).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -84,6 +85,24 @@ def flat_layers(layer: Layer, backend: Any, workload: Workload,
         first, reads, writes, lay = calls[0]
         calls[0] = (Governed(first, workload.governor), reads, writes, lay)
     return FlatLayers(tuple(calls), tuple(graph.inputs), tuple(graph.outputs), folded)
+
+
+def folded_inputs(layer: Layer, known: Mapping[str, np.ndarray]) -> Layer:
+    """``layer`` (a Specialized layer of a control-flow body) with its inputs among ``known``
+    (outer constants the body reads) made its own constants, folded with its layers at each
+    signature's build: a Loop body's Slice bounds then are constants and the body is captured as
+    one CUDA graph, where as inputs they came as tensors at every call, read on the host (its
+    layers ran one by one: loop_scripted_ts16's recurrence on GpuAcc). ``layer`` itself where it is
+    no Specialized layer or reads none of them."""
+    positions = [i for i, name in enumerate(layer.inputs) if name in known]
+    if layer.domain != FUSED_DOMAIN or layer.op_type != "Specialized" or not positions:
+        return layer
+    inner = layer.attrs["inputs"]
+    constants = {**layer.attrs["constants"],
+                 **{inner[i]: np.asarray(known[layer.inputs[i]]) for i in positions}}
+    kept = [i for i in range(len(layer.inputs)) if i not in positions]
+    attrs = {**layer.attrs, "inputs": [inner[i] for i in kept], "constants": constants}
+    return dataclasses.replace(layer, inputs=[layer.inputs[i] for i in kept], attrs=attrs)
 
 
 def _bound(layer: Layer, backend: Any) -> Workload:

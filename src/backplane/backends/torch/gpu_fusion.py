@@ -4,6 +4,8 @@
   residual and ReLU in the convolution's epilogue, in float32, float16 or bfloat16.
 - An attention block as one ``scaled_dot_product_attention`` call (``GpuAcc.fuse_attention``), where
   fp16, bf16 or TF32 is allowed.
+- A small Conv1d (few output positions) as one matrix product over its unfolded input
+  (``SMALL_CONV_COLUMNS``), where cuDNN's kernels are slow.
 
 Each fused call keeps its layers' own kernels to fall back on, for good, where the fused kernel
 refuses the shapes or types it is given (that shows in the warm-up runs, before any capture).
@@ -52,6 +54,11 @@ def inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = 
 
     if _fuses_attention(backend):
         _fuse_attention(layers, steps, sole, constants or {})
+    for index, layer in enumerate(layers):  # before the Conv -> Relu fusion: that takes 2-d only
+        step = steps[index]
+        if step is not None and layer.op_type == "Conv" and not layer.domain \
+                and _conv1d_attrs(layer) is not None:
+            steps[index] = (_small_conv1d(layer, step[0]), step[1], step[2])
     if not backend.options.get("GpuAcc.fuse_conv_relu", FUSE_CONV_RELU):
         return [s for s in steps if s is not None]
     for index, layer in enumerate(layers):
@@ -223,6 +230,62 @@ def _sdpa_shapes(Q: Any, Kt: Any, V: Any, M: Any) -> bool:
         return M.dtype == Q.dtype and tuple(torch.broadcast_shapes(M.shape, scores)) == scores
     except RuntimeError:
         return False
+
+
+SMALL_CONV_COLUMNS = 64
+SMALL_CONV_WEIGHTS = 4096
+"""A Conv1d whose output has at most ``SMALL_CONV_COLUMNS`` positions (batch x length) and whose
+weight at least ``SMALL_CONV_WEIGHTS`` elements runs as one matrix product over its unfolded input
+(``_small_conv1d``). cuDNN's implicit-GEMM kernels are made for many positions: inside a captured
+graph on an H100, the full-tier VAD's two Conv1d (1 -> 258 channels, kernel 256 stride 128 on 576
+samples; 258 -> 128 channels, kernel 3, 4 positions) took 12.8-25.9 and 18.9-20.9 us of a run's
+82-126 us of kernels, the first 7.4 us as unfold and addmm (the run's kernels: 68 us with both and
+the LSTM step by its cell). audio_conv1d_dyn19's 16-channel ones (768 weights and fewer) stay on
+cuDNN: not measured faster so."""
+
+
+def _conv1d_attrs(layer: Layer) -> tuple[int, int, int, int, int] | None:
+    """(kernel, stride, dilation, pad begin, pad end) of a 1-d Conv of one group with explicit or
+    VALID padding, else None."""
+    kernel = layer.attrs.get("kernel_shape")
+    pads = list(layer.attrs.get("pads") or [0, 0])
+    if kernel is None or len(kernel) != 1 or int(layer.attrs.get("group", 1)) != 1 \
+            or layer.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or len(pads) != 2:
+        return None
+    if layer.attrs.get("auto_pad", "NOTSET") == "VALID":
+        pads = [0, 0]
+    strides, dilations = layer.attrs.get("strides") or [1], layer.attrs.get("dilations") or [1]
+    return int(kernel[0]), int(strides[0]), int(dilations[0]), int(pads[0]), int(pads[1])
+
+
+def _small_conv1d(conv: Layer, kernel: Workload) -> Workload:
+    """``conv`` (a 1-d Conv, ``_conv1d_attrs``) as W (C_out, C_in*k) @ unfold(X) (+ B) where it
+    is small (``SMALL_CONV_WEIGHTS``) on CUDA, in one floating type; else its own kernel. The same
+    sums in another order: within float rounding of cuDNN's."""
+    import torch
+    import torch.nn.functional as F
+
+    attrs = _conv1d_attrs(conv)
+    assert attrs is not None, "only 1-d Convs come here"
+    k, stride, dilation, begin, end = attrs
+
+    def workload(X: Any, W: Any, B: Any = None) -> tuple[Any, ...]:
+        length = (X.shape[-1] + begin + end - dilation * (k - 1) - 1) // stride + 1 \
+            if X.dim() == 3 else 0
+        if not (X.is_cuda and X.dim() == 3 and W.dim() == 3 and W.shape[2] == k
+                and W.shape[1] == X.shape[1] and X.is_floating_point() and W.dtype == X.dtype
+                and (B is None or B.dtype == X.dtype) and W.numel() >= SMALL_CONV_WEIGHTS
+                and 0 < X.shape[0] * length <= SMALL_CONV_COLUMNS):
+            return kernel(X, W, B)
+        padded = F.pad(X, (begin, end)) if begin or end else X
+        cols = padded.unfold(2, dilation * (k - 1) + 1, stride)[..., ::dilation]  # (N, C, L, k)
+        cols = cols.permute(0, 2, 1, 3).reshape(X.shape[0], length, -1)  # (N, L, C*k)
+        out = torch.matmul(cols, W.reshape(W.shape[0], -1).t())  # (N, L, C_out)
+        if B is not None:
+            out = out + B
+        return (out.transpose(1, 2).contiguous(),)
+
+    return workload
 
 
 def _fusable_conv(layer: Layer) -> bool:

@@ -42,12 +42,15 @@ LSTM_ORDER, GRU_ORDER = [0, 2, 3, 1], [1, 0, 2]
 """torch's gates (LSTM i, f, g, o; GRU r, z, n) as indices into ONNX's (LSTM i, o, f, c; GRU z, r,
 h)."""
 RNN_NATIVE = {"Tanh": torch.rnn_tanh, "Relu": torch.rnn_relu}
-ONE_THREAD_BELOW = 1 << 16
+ONE_THREAD_BELOW = 1 << 19
 """A fused kernel whose recurrent product is smaller than this (batch x gates * hidden x hidden
-multiply-adds a step) runs on one thread: its steps' parallel regions are too small to share, and
-each waits for every thread. On this project's 2-core machine (load 3-5), a bidirectional LSTM of
-80 steps, batch 1, hidden 32 (crnn_paddle_ts12's) took 0.21 ms on one thread, 0.28-0.36 ms on two
-and, in minutes when other processes held a core, 22-124 ms."""
+multiply-adds a step: hidden 256 at batch 1) runs on one thread: its steps' parallel regions are
+too small to share, and each waits for every thread. On this project's 2-core machine (load 3-5), a
+bidirectional LSTM of 80 steps, batch 1, hidden 32 (crnn_paddle_ts12's) took 0.21 ms on one thread,
+0.28-0.36 ms on two and, in minutes when other processes held a core, 22-124 ms; at load 5, one
+thread / two, wall ms: 100 steps hidden 128 1.9-4.3 / 8.5-147, 64 steps hidden 256 4.9-8.7 /
+16-136, 160 steps hidden 96 1.3-3.9 / 10-125. A trace would not keep the count: such a layer is
+not traced (``runs_alone``, ``fusion/traced.py``)."""
 log = logging.getLogger("backplane.torch")
 _PARAMS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 """W -> (R, B, the three's versions, torch's weight list): ``_params``'s, dropped with W."""
@@ -61,7 +64,7 @@ def _native(function, order, X, W, R, B, states, direction, layout):
     shaped as ONNX's."""
     hidden, bidirectional = R.shape[-1], direction == "bidirectional"
     params = _params(W, R, B, order, CUDNN_MODES.get(function.__name__), layout)
-    if X.shape[layout] == 1 and X.device.type == "cpu":
+    if X.shape[layout] == 1:
         return _one_step(STEP_CELLS[function.__name__], X, params, B is not None, states, layout)
     # (W's directions: torch refuses a count other than 1 or 2)
     # torch runs backward only as a bidirectional's second half: reverse alone runs forward on
@@ -70,7 +73,7 @@ def _native(function, order, X, W, R, B, states, direction, layout):
     x = X.flip(layout) if reverse else X
     # torch's states are (dirs, batch, hidden) in both layouts
     hx = [(s.transpose(0, 1) if layout else s).contiguous() for s in states]
-    small = X.shape[1 - layout] * R.shape[1] * R.shape[2] < ONE_THREAD_BELOW
+    small = runs_alone(X.shape[1 - layout], R.shape[1], R.shape[2])
     out, *final = _on_one_thread_if(small and X.device.type == "cpu", function, x,
                                     hx if len(hx) > 1 else hx[0], params, B is not None, 1, 0.0,
                                     False, bidirectional, bool(layout))
@@ -84,7 +87,9 @@ STEP_CELLS = {"lstm": torch.lstm_cell, "gru": torch.gru_cell, "rnn_tanh": torch.
 """torch's one-step cell per fused kernel: the same gates, the two products by addmm. On a
 one-step sequence (a streaming model's chunk, the corpus's VAD) the fused CPU kernel (oneDNN's
 ``mkldnn_rnn_layer``) pays its setup per call: an LSTM step, batch 1, hidden 128, 1 thread on this
-project's 2-core AMD EPYC at load 5: torch.lstm 203 us, torch.lstm_cell 61-69 us."""
+project's 2-core AMD EPYC at load 5: torch.lstm 203 us, torch.lstm_cell 61-69 us. On the GPU too:
+cuDNN's persistent LSTM kernel (``RNN_blockPersist_fp_LSTM``) was 37.6 us of the full-tier VAD's
+126 us of kernels a run on an H100, for that one step."""
 
 
 def _one_step(cell, X, params, has_bias, states, layout):
@@ -104,6 +109,12 @@ def _one_step(cell, X, params, has_bias, states, layout):
     # Y (1, dirs, batch, hidden), or (batch, 1, dirs, hidden): a copy, not a view of Y_h (each
     # output is the caller's alone)
     return final[0].unsqueeze(layout).clone(), final
+
+
+def runs_alone(batch: int, gate_rows: int, hidden: int) -> bool:
+    """Whether a fused kernel of this batch and recurrent weight (gates * hidden, hidden) runs on
+    one thread (``ONE_THREAD_BELOW``)."""
+    return batch * gate_rows * hidden < ONE_THREAD_BELOW
 
 
 def _on_one_thread_if(alone, function, *args):
