@@ -269,7 +269,7 @@ def test_a_trace_reads_the_weights_it_is_given(tracer: str) -> None:
     torch.testing.assert_close(traced(X, other, R, B), layer(X, other, R, B))
 
 
-@pytest.mark.parametrize("hidden, inside", [(HIDDEN, 1), (128, 2)])
+@pytest.mark.parametrize("hidden, inside", [(HIDDEN, 1), (256, 1), (384, 2)])
 def test_a_small_recurrence_runs_on_one_thread(hidden: int, inside: int,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A fused kernel with a small recurrent product (``ONE_THREAD_BELOW``) runs on one thread, a

@@ -49,7 +49,8 @@ log = logging.getLogger("backplane.torch")
 HALF = np.dtype(np.float16)
 MIN_LAYERS = 3  # fewer: the trace saves less than its call costs
 FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "SqueezeExcite", "QuantDequant", "QLinearConv",
-                             "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain"})
+                             "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
+                             "Lookup"})
 """The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
 NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
                                "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
@@ -164,9 +165,32 @@ def _traceable(layer: Layer, graph: Graph) -> bool:
         return False
     if layer.op_type in NOT_TRACED or any(isinstance(v, Graph) for v in layer.attrs.values()):
         return False
+    if layer.op_type in RECURRENT and not layer.domain and _alone(layer, graph):
+        return False
     host = HOST_INPUTS.get(layer.op_type, ())
     return not any(i < len(layer.inputs) and layer.inputs[i] and layer.inputs[i] not in graph.constants
                    for i in host)
+
+
+RECURRENT = frozenset({"RNN", "GRU", "LSTM"})
+
+
+def _alone(layer: Layer, graph: Graph) -> bool:
+    """Whether a recurrent layer runs its steps on one thread (``recurrent.runs_alone``): a trace
+    holds its ops but not the thread count its kernel sets around them, and at two threads each
+    step waits for both (crnn_paddle_ts12's and lstm_bi2_ts14's traced LSTMs, 2 threads, load 5:
+    2.7 ms a layer against 0.6-1.2 on one). Unknown shapes count as alone; one step (a cell, no
+    thread change) does not."""
+    from backplane.backends.torch.kernels.recurrent import runs_alone
+
+    shape = graph.info(layer.inputs[0]).shape
+    weight = graph.constants.get(layer.inputs[2]) if len(layer.inputs) > 2 else None
+    if shape is None or weight is None or any(not isinstance(d, int) for d in shape):
+        return True
+    layout = int(layer.attrs.get("layout", 0))
+    if shape[layout] == 1:
+        return False
+    return runs_alone(shape[1 - layout], weight.shape[1], weight.shape[2])
 
 
 def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
