@@ -100,6 +100,15 @@ def test_if_read_on_the_gpu_hands_its_branch_over_on_the_gpu(batch: int) -> None
                                    rtol=1e-4, atol=1e-5)
 
 
+def test_predicate_stays_on_the_gpu_where_no_host_backend_is_listed() -> None:
+    session, reference = InferenceSession(if_model(), backends=["GpuAcc"]), \
+        InferenceSession(if_model(), backends=["CpuRef"])
+    assert {lay.backend for lay in session.optimized.graph.layers} <= {"GpuAcc", "builtin"}
+    x = np.random.default_rng(5).standard_normal((2, 16)).astype(np.float32)
+    for sr in (16000, 8000):
+        _assert_matches(session, reference, {"x": x, "sr": np.array([sr])})
+
+
 def test_if_whose_output_the_user_reads_brings_it_to_the_host() -> None:
     model = if_model(output_of_if=True)
     session, reference = InferenceSession(model, backends=GPU), \

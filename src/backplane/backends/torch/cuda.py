@@ -133,6 +133,8 @@ def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
 
 PREDICATE_ELEMENTS = 64
 """The most elements a tensor of a host predicate (``host_predicates``) may have."""
+HOST_BACKENDS = ("CpuAcc", "CpuRef")
+"""The backends that take a predicate back: one of them must be in the list (and available)."""
 HOST_PREDICATE = ("an If's predicate, from the model's inputs and constants: computed on the host, "
                   "where the If reads it, not waited for and copied from the GPU")
 
@@ -177,10 +179,20 @@ def host_predicates(view: SubgraphView) -> list[Layer]:
         if len(kept) == len(found):
             break
         found = kept
-    if not any(reader.op_type == "If" for layer in found.values() for name in layer.outputs
-               for reader, _ in readers.get(name, ())):
+    ifs = [reader for layer in found.values() for name in layer.outputs
+           for reader, _ in readers.get(name, ()) if reader.op_type == "If"]
+    if not ifs or not all(map(_host_listed, ifs)):
         return []
     return [layer for layer in view.layers if id(layer) in found]
+
+
+def _host_listed(layer: Layer) -> bool:
+    """Whether the list ``layer``'s bodies were placed with (the model's: an If's bodies are
+    optimized before its graph's partitions) holds an available CpuAcc or CpuRef, which takes
+    the predicate back; with GpuAcc alone it stays on the GPU."""
+    report = getattr(layer.attrs.get("then_branch"), "report", None)
+    gone = getattr(report, "unavailable", {})
+    return any(b in HOST_BACKENDS and b not in gone for b in getattr(report, "preferences", ()))
 
 
 def _feeds_predicates(layer: Layer, graph: Any, readers: dict[str, list[tuple[Layer, int]]],
