@@ -20,7 +20,10 @@ MAX_DATA_ELEMENTS = 1024  # constants passed to inference as values (shapes, axe
 
 def refine(layer: Layer, graph: Graph) -> None:
     """Give ``layer``'s outputs static shapes where its inputs have them and ONNX can infer them."""
-    if layer.domain or all(graph.info(o).is_static for o in layer.outputs if o):
+    if all(graph.info(o).is_static for o in layer.outputs if o):
+        return
+    if layer.domain:
+        _refine_ort(layer, graph)
         return
     infos = [graph.info(n) for n in layer.inputs if n]
     if not all(info.is_static and info.dtype is not None for info in infos):
@@ -40,6 +43,26 @@ def refine(layer: Layer, graph: Graph) -> None:
         better = _static_info(type_proto)
         if better is not None and not graph.info(name).is_static:
             graph.tensors[name] = better
+
+
+def _refine_ort(layer: Layer, graph: Graph) -> None:
+    """ONNX Runtime's ops that keep or broadcast an input's shape (``onnx_contrib.OUTPUT_SHAPES``,
+    which ONNX cannot infer): a free-dimension QOperator model's QLinearAdd outputs stayed free in
+    each ``specialize`` build, and the QLinearConvs after them ran unfused, in float64."""
+    from backplane.frontends.onnx_contrib import OUTPUT_SHAPES
+
+    shaped = OUTPUT_SHAPES.get(layer.op_type) if layer.domain == "com.microsoft" else None
+    if shaped is None or not layer.outputs or not layer.outputs[0]:
+        return
+    infos = [graph.info(n) if n else None for n in layer.inputs]
+    known = [list(i.shape) if i is not None and i.is_static else None for i in infos]
+    try:
+        shape = shaped(_node(layer), known)
+    except Exception:  # noqa: BLE001 - no better shape is not an error; the run will tell
+        return
+    out = layer.outputs[0]
+    if shape is not None and all(isinstance(d, int) for d in shape):
+        graph.tensors[out] = TensorInfo(tuple(shape), graph.info(out).dtype)  # type: ignore[arg-type]
 
 
 def _node(layer: Layer) -> onnx.NodeProto:

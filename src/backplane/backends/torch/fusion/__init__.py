@@ -24,7 +24,9 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   QLinearMatMul [-> DQ ...] as one layer computing exact integer products in float32;
   DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul [-> Add] as one ``DynamicQuantMatMul``
   (several such branches of one DynamicQuantizeLinear as one, ``dynamic_quant``);
-  ONNX Runtime's QGemm and DynamicQuantizeMatMul by constant weights (``contrib_quant``).
+  ONNX Runtime's QGemm and DynamicQuantizeMatMul by constant weights (``contrib_quant``);
+  elementwise layers of one 8-bit tensor (a QOperator hard-swish, QLinearSigmoid) as one
+  ``Lookup``, a table of its 256 values (``lookup``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
@@ -56,6 +58,7 @@ from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
 from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
+from backplane.backends.torch.fusion.lookup import lookup_workload, match_lookup
 from backplane.backends.torch.fusion.patterns import Context
 from backplane.backends.torch.fusion.dynamic_quant import (
     dynamic_matmul_workload,
@@ -134,7 +137,8 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::QGemm": match_qgemm,
     "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul,
     "com.microsoft::MatMulNBits": match_mat_mul_n_bits,
-    "Add": match_hardswish, "ReduceMean": match_layer_norm}
+    "Add": match_hardswish, "ReduceMean": match_layer_norm, "DequantizeLinear": match_lookup,
+    "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
 
@@ -145,4 +149,4 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
-    "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload}
+    "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "Lookup": lookup_workload}

@@ -14,9 +14,11 @@ arithmetic instead of the graph's float convolution, so a value within a float32
 halfway point may land one step away: the result is within one quantization step of CpuRef's and
 ONNX Runtime's (ONNX Runtime's own optimized graph runs these as QLinearConv, the same way).
 
-At load the int8 route and the float one (``quantized.quant_dequant_workload``) are timed on the
-layer's shape and the faster kept (``CpuAcc.int8``: "auto", the default; "kernels" forces the int8
-route where it applies; "exact" never takes it, for results bit for bit CpuRef's). On the tiny
+A convolution of one group with at least ``KNOWN_MACS`` multiply-adds takes the int8 route without
+timing, on a busy machine too; for the others the int8 route and the float one
+(``quantized.quant_dequant_workload``) are timed at load on the layer's shape and the faster kept
+(``CpuAcc.int8``: "auto", the default; "kernels" forces the int8 route where it applies; "exact"
+never takes it, for results bit for bit CpuRef's). On the tiny
 corpus CNNs the float route often wins (quantizing and dequantizing cost a pass each); on a
 224x224 ResNet-18 the int8 convolutions are several times faster.
 """
@@ -153,13 +155,47 @@ def int8_route(layer: Layer) -> Any:
     return run
 
 
+KNOWN_MACS = 1 << 20
+"""The multiply-adds a run from which torch's int8 convolution of one group (quantizing its
+input and dequantizing its output included) is taken without timing it against the float
+route: 1 thread, this 2-core AMD EPYC (AVX512-VNNI), float / int8 us: 16ch 16x16 3x3 (0.6 M)
+31 / 30, 16ch 32x32 3x3 (2.4 M) 110 / 43, 64ch 7x7 3x3 (1.8 M) 74 / 34, 64ch 56x56 3x3
+2113 / 603, ResNet's 7x7 stem at 224x224 2384 / 920. Below it, and for grouped (depthwise)
+convolutions (32ch 112x112 3x3 depthwise: 120 / 221), the routes are timed at load, and a busy
+machine takes the float route."""
+KNOWN_FASTER = "int8: known faster than float at this size (int8.known_faster), not timed"
+
+
+QOPERATOR_MACS = 1 << 16
+"""The same for a QLinearConv of any group: its float route centres, convolves and requantizes
+in float64 (five passes where the int8 route makes one call): 1 thread, this AMD EPYC, float
+route / int8 us: depthwise 16ch 28x28 3x3 (0.11 M) 82 / 28, 96ch 56x112 6954 / 271, 4 groups
+64ch 56x112 1726 / 343, dense 64ch 56x56 3x3: see ``KNOWN_MACS``."""
+
+
+def known_faster(conv: dict[str, Any], least: int = KNOWN_MACS, grouped: bool = False) -> bool:
+    """Whether a convolution's int8 route is taken without timing: at least ``least``
+    multiply-adds a run, of one group unless ``grouped`` (``conv``: FusedConv's or QLinearConv's
+    attributes)."""
+    weight, shape = conv["weight"].shape, conv["input_shape"]
+    if conv["group"] != 1 and not grouped or len(weight) != 4 or len(shape) != 4:
+        return False
+    outputs = 1
+    for size, kernel, stride, dilation, begin, end in zip(
+            shape[2:], weight[2:], conv["strides"], conv["dilations"], conv["begins"],
+            conv["ends"]):
+        outputs *= max((size + begin + end - dilation * (kernel - 1) - 1) // stride + 1, 0)
+    halves = 2 if conv.get("split") else 1  # a split QLinearConv weight: twice the channels
+    return weight[0] // halves * weight[1] * weight[2] * weight[3] * outputs >= least
+
+
 def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
     """The int8 route or ``float_route()``, as ``CpuAcc.int8`` says (see above): measured once
     per shape and kept in the route cache."""
     import torch
 
     from backplane.backends.api.backend import OptionError
-    from backplane.backends.torch.fusion.patterns import fastest
+    from backplane.backends.torch.fusion.patterns import because, fastest
 
     inner = layer.attrs["layers"][0]
     linear = inner.op_type == "Linear"
@@ -172,9 +208,9 @@ def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
     def made() -> Any:
         return _int8_or_float(lambda: int8_linear_route(layer) if linear else int8_route(layer),
                               float_route, layer.name)
-    if mode == "kernels":
-        return made()
     conv = inner.attrs
+    if mode == "kernels" or not linear and known_faster(conv):
+        return because(made(), KNOWN_FASTER if mode == "auto" else "CpuAcc.int8=kernels")
     keys = ("input_shape", "unary") if linear else ("input_shape", "strides", "dilations",
                                                     "group", "begins", "unary")
     described = {k: conv[k] for k in keys}
@@ -252,14 +288,16 @@ def int8_linear_route(layer: Layer) -> Any:
 # -- ONNX Runtime's QOperator format: QLinearConv between 8-bit integer tensors -------------------
 def qlinear_int8(conv: Layer, ctx: Context, attrs: dict[str, Any]) -> dict[str, Any] | None:
     """What a fused QLinearConv (``qlinear``) needs to run on torch's int8 convolution: an 8-bit
-    integer input and output (no QuantizeLinear or DequantizeLinear taken), an int8 weight with
-    zero points 0 and a float32 scale per tensor or channel, symmetric padding; else None. int8
-    tensors are torch's quint8 ones shifted by 128 (``_as_uint8``)."""
+    integer input (or a float one and the QuantizeLinear taken, per tensor) and output (or its
+    DequantizeLinear taken, per tensor, then a constant added or an activation), an int8 weight
+    with zero points 0 and a float32 scale per tensor or channel, symmetric padding; else None.
+    int8 tensors are torch's quint8 ones shifted by 128 (``_as_uint8``)."""
     weight, w_zero = ctx.const(conv.inputs[3]), ctx.const(conv.inputs[5])
     x_scale, w_scale = ctx.const(conv.inputs[1]), ctx.const(conv.inputs[4])
     y_scale = ctx.const(conv.inputs[6])
     x_type = ctx.graph.info(conv.inputs[0]).dtype
-    if attrs["into"] is not None or attrs["back"] is not None or attrs["begins"] != attrs["ends"] \
+    if any(attrs[k] is not None and attrs[k]["scale"].ndim for k in ("into", "back")) \
+            or attrs["begins"] != attrs["ends"] \
             or weight is None or weight.dtype != np.int8 or (w_zero is not None and w_zero.any()) \
             or x_type not in SHIFTS or x_scale is None or y_scale is None \
             or w_scale is None or w_scale.dtype != F32:
@@ -284,6 +322,8 @@ def qlinear_int8_route(layer: Layer) -> Any:
     output, or (a residual QLinearAdd taken) y's values handed to the add (``qlinear``)."""
     import torch
 
+    from backplane.backends.torch.fusion.qlinear import max_pooled
+
     warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_")
     a, q = layer.attrs, layer.attrs["int8"]
     weight = torch._make_per_channel_quantized_tensor(
@@ -296,21 +336,76 @@ def qlinear_int8_route(layer: Layer) -> Any:
     x_scale, x_zero, x_shift = q["x_scale"], q["x_zero"], q["x_shift"]
     y_scale, y_zero, y_shift = q["y_scale"], q["y_zero"], q["y_shift"]
     cl, conv = torch.channels_last, torch.ops.quantized.conv2d
+    into = _quantizer(a["into"], x_shift)
 
-    def integers(x):
-        u8 = x.view(torch.uint8).bitwise_xor(128) if x_shift else x
+    def quantized(x):
+        u8 = into(x) if into else x.view(torch.uint8).bitwise_xor(128) if x_shift else x
         qx = torch._make_per_tensor_quantized_tensor(u8.contiguous(memory_format=cl), x_scale,
                                                      x_zero)
-        return conv(qx, packed, y_scale, y_zero).int_repr()  # quint8's: y + y_shift
+        return conv(qx, packed, y_scale, y_zero)
 
+    def integers(x):
+        return _raw(quantized(x))  # quint8's: y + y_shift
+
+    pool = max_pooled(a.get("pool"))
+    if pool is not None:
+        convolved = quantized
+        quantized = lambda x: pool(convolved(x))  # noqa: E731  # on quint8: integers, exact
+    if a["back"] is not None:
+        return _dequantized(a, quantized, y_shift)
     if a.get("residual") is not None:
         from backplane.backends.torch.fusion.qlinear import _residual_finisher
 
         add = _residual_finisher(a)
-        return lambda x, other: (add(integers(x).double().sub_(y_shift), other),)
+        return lambda x, other: (add(integers(x).float().sub_(y_shift), other),)
     if y_shift:
         return lambda x: (integers(x).bitwise_xor_(128).view(torch.int8),)
     return lambda x: (integers(x),)
+
+
+def _raw(q: Any) -> Any:
+    """A quint8 tensor's integers as a uint8 tensor sharing its memory: ``int_repr`` copies them
+    one by one (112 us for (1, 64, 56, 56), 1 thread, this AMD EPYC; this 2 us)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(),
+                                                  q.shape, q.stride())
+
+
+def _quantizer(into: dict[str, Any] | None, shift: int) -> Callable[[Any], Any] | None:
+    """A taken QuantizeLinear (per tensor) as CpuRef computes it (``quantized.to_grid``), shifted
+    into quint8's range, as uint8; None where none was taken."""
+    import torch
+
+    from backplane.backends.torch.fusion.quantized import to_grid, torch_params
+
+    if into is None:
+        return None
+    params = torch_params(into)
+    return lambda x: to_grid(x, params).add_(shift).to(torch.uint8)
+
+
+def _dequantized(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) -> Any:
+    """The route of a QLinearConv that took its DequantizeLinear (per tensor): the quantized
+    result less the DequantizeLinear's zero point (in quint8's range), times its scale in float32
+    (an integer times a float32 scale, rounded once: CpuRef's, torch's ``dequantize`` where the
+    step is the convolution's own), then the constant added and the activation."""
+    import torch
+
+    from backplane.backends.torch.backend import _numpy_to_torch
+    from backplane.backends.torch.fusion.patterns import torch_post_op
+
+    scale, zero = float(a["back"]["scale"]), float(a["back"]["zero"]) + y_shift
+    own = scale == a["int8"]["y_scale"] and zero == a["int8"]["y_zero"]
+    add = _numpy_to_torch(a["add"]) if a["add"] is not None else None
+    post = torch_post_op(a["activation"])
+
+    def run(x):
+        y = quantized(x)
+        out = y.dequantize() if own else _raw(y).float().sub_(zero).mul_(scale)
+        out = out.add_(add) if add is not None else out
+        return (post(out) if post else out,)
+    return run
 
 
 def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
@@ -319,7 +414,7 @@ def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
     "exact" the float one."""
     import torch
 
-    from backplane.backends.torch.fusion.patterns import fastest
+    from backplane.backends.torch.fusion.patterns import because, fastest
 
     mode = _mode(backend)
     if mode == "exact" or "x86" not in torch.backends.quantized.supported_engines:
@@ -327,17 +422,19 @@ def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
 
     def made() -> Any:
         return _int8_or_float(lambda: qlinear_int8_route(layer), float_route, layer.name)
-    if mode == "kernels":
-        return made()
     a = layer.attrs
+    if mode == "kernels" or known_faster(a, QOPERATOR_MACS, grouped=True):
+        return because(made(), KNOWN_FASTER if mode == "auto" else "CpuAcc.int8=kernels")
     described = {k: a[k] for k in ("input_shape", "strides", "dilations", "group", "begins")}
-    described.update(weight=list(a["weight"].shape), residual=a.get("residual") is not None)
+    described.update(weight=list(a["weight"].shape), residual=a.get("residual") is not None,
+                     pool=a.get("pool"))
     x_type = torch.int8 if a["int8"]["x_shift"] else torch.uint8
     y_type = torch.int8 if a["int8"]["y_shift"] else torch.uint8
 
     def sample() -> list[Any]:
-        x = torch.randint(-128 if x_type == torch.int8 else 0, 128 if x_type == torch.int8
-                          else 256, a["input_shape"], dtype=x_type)
+        x = torch.randn(a["input_shape"]) if a["into"] is not None else torch.randint(
+            -128 if x_type == torch.int8 else 0, 128 if x_type == torch.int8 else 256,
+            a["input_shape"], dtype=x_type)
         if a.get("residual") is None:
             return [x]
         shape = a["output_shape"]

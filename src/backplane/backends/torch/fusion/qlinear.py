@@ -1,7 +1,7 @@
 """The QOperator format's integer layers as float products of exact integers, one layer each.
 
-[QuantizeLinear ->] QLinearConv [-> DequantizeLinear [-> activation] | -> QLinearAdd(residual)]
-becomes one ``QLinearConv`` and [QuantizeLinear ->] QLinearMatMul [-> DequantizeLinear
+[QuantizeLinear ->] QLinearConv [-> DequantizeLinear [-> activation] | -> QLinearAdd(residual)
+| -> MaxPool] becomes one ``QLinearConv`` and [QuantizeLinear ->] QLinearMatMul [-> DequantizeLinear
 [-> Add(constant)] [-> activation]] one ``QLinearMatMul`` (both in CpuAcc's domain), with constant
 weights, scales and zero points. The QLinearAdd is ONNX Runtime's (com.microsoft), a residual
 block's sum in the QOperator format: the convolution's requantized output and the other operand
@@ -186,11 +186,15 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
         return None
     weight, bias, halves = split
     after, out, out_side = _output_side(conv, ctx)
-    other, residual = [], None
+    other, residual, pool = [], None, None
     if not after:
         found = _residual_add(conv, ctx)
         if found is not None:
             after, out, other, residual = [found[0]], found[0].outputs[0], [found[1]], found[2]
+        else:
+            pooled = _max_pool_after(conv, ctx)
+            if pooled is not None:
+                after, out, pool = [pooled[0]], pooled[0].outputs[0], pooled[1]
     strides = list(conv.attrs.get("strides") or [1, 1])
     dilations = list(conv.attrs.get("dilations") or [1, 1])
     begins, ends = spatial_pads(info.shape[2:], weight.shape[2:], strides, dilations,
@@ -201,7 +205,7 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
              "input_shape": list(info.shape),
              "output_shape": list(ctx.graph.info(conv.outputs[0]).shape or []),
              "binary": False, "unary": None, **side, **requant, **out_side, "residual": residual,
-             "split": halves}
+             "split": halves, "pool": pool}
     from backplane.backends.torch.fusion.int8 import qlinear_int8
 
     attrs["int8"] = qlinear_int8(conv, ctx, attrs)
@@ -209,6 +213,40 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
     fused = Layer("+".join(lay.name for lay in group), "QLinearConv", [x, *other], [out], attrs,
                   FUSED_DOMAIN, 1)
     return group, fused
+
+
+def _max_pool_after(conv: Layer, ctx: Context) -> tuple[Layer, dict[str, Any]] | None:
+    """A 2-D MaxPool (one output, explicit pads torch takes: equal at both ends, at most half a
+    window) that the QLinearConv's integer output alone feeds, and its window (the stem of a
+    QOperator ResNet: pooled as integers, it was a float copy of the largest activation)."""
+    pool = ctx.sole(conv.outputs[0])
+    if pool is None or pool.op_type != "MaxPool" or pool.domain or len(pool.outputs) != 1 \
+            or pool.attrs.get("auto_pad", "NOTSET") != "NOTSET" \
+            or pool.attrs.get("storage_order", 0) or len(pool.attrs.get("kernel_shape", ())) != 2:
+        return None
+    kernel = list(pool.attrs["kernel_shape"])
+    pads = list(pool.attrs.get("pads") or [0] * 4)
+    if pads[:2] != pads[2:] or any(2 * p > k for p, k in zip(pads, kernel)):
+        return None
+    return pool, {"kernel": kernel, "strides": list(pool.attrs.get("strides") or kernel),
+                  "pads": pads[:2], "dilations": list(pool.attrs.get("dilations") or [1, 1]),
+                  "ceil_mode": bool(pool.attrs.get("ceil_mode", 0))}
+
+
+def max_pooled(pool: dict[str, Any] | None) -> Any:
+    """The fused MaxPool (``_max_pool_after``) as a torch call (None where none was fused); on
+    integer tensors through float32, which holds 8- and 16-bit integers exactly."""
+    import torch
+
+    if pool is None:
+        return None
+    window = (pool["kernel"], pool["strides"], pool["pads"], pool["dilations"], pool["ceil_mode"])
+
+    def run(y):
+        if y.is_floating_point() or y.is_quantized:
+            return torch.max_pool2d(y, *window)
+        return torch.max_pool2d(y.float(), *window).to(y.dtype)
+    return run
 
 
 def _exact_split(weight: np.ndarray, bias: np.ndarray, reach: float, group: int,
@@ -295,9 +333,12 @@ def _float_route(layer: Layer, backend: Any) -> Workload:
         run_residual.route = getattr(product, "route", None)  # type: ignore[attr-defined]
         return run_residual
 
+    pool = max_pooled(a.get("pool"))
+
     def run(x):
         (acc,) = product(centre(x.float() if x.is_floating_point() else x))
         out = finish(acc)
+        out = pool(out) if pool is not None else out
         return (out.to(dtype) if out.is_floating_point() else out,)
     run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
     return run
@@ -402,9 +443,9 @@ def _residual_finisher(a: dict[str, Any]) -> Any:
     dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (a["y_low"], a["y_high"]))
     low, high = a["y_low"], a["y_high"]
 
-    def add(y, other):
+    def add(y, other):  # y: a float tensor of integers, ours to change; integers are exact
         real = y.sub_(mine_zero).float().mul_(mine_scale)
-        real = real.add_(other.int().sub_(other_zero).float().mul_(other_scale))
+        real = real.add_(other.float().sub_(other_zero).mul_(other_scale))
         return torch.round(real.div_(sum_scale)).add_(sum_zero).clamp_(low, high).to(dtype)
     return add
 
