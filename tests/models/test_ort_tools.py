@@ -1,9 +1,10 @@
 """Models made at test time by ONNX Runtime's own tools (its quantizer: dynamic, static QOperator
 and QDQ, per tensor and per channel; its transformer optimizer; its 4-bit / 8-bit weight
 quantizer; its saved optimized models) load and match ONNX Runtime, graph optimizations off, on
-CpuRef and on CpuAcc with CpuRef behind it (the com.microsoft ops CpuAcc has kernels for run there,
-the others fall back to CpuRef layer by layer). The fused-op sets ONNX Runtime 1.32's transformer
-optimizer writes are asserted on 1.32 and later only (``FUSES_ATTENTION``)."""
+CpuRef, on CpuAcc with CpuRef behind it and, where CUDA is, on GpuAcc with CpuRef behind it (the
+com.microsoft ops the first backend has kernels for run there, the others fall back to CpuRef layer
+by layer). The fused-op sets ONNX Runtime 1.32's transformer optimizer writes are asserted on 1.32
+and later only (``FUSES_ATTENTION``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,21 @@ ort = pytest.importorskip("onnxruntime")
 quantization = pytest.importorskip("onnxruntime.quantization")
 
 DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 TOLERANCE = 1e-5  # max |diff| relative to the output's max |value|
-BACKEND_LISTS = {"cpuref": ["CpuRef"], "cpuacc+cpuref": ["CpuAcc", "CpuRef"]}
+BACKEND_LISTS = {"cpuref": ["CpuRef"], "cpuacc+cpuref": ["CpuAcc", "CpuRef"],
+                 # issue 29's done-when: GpuAcc, CpuRef on the GPU machine (skipped without CUDA)
+                 "gpuacc+cpuref": pytest.param(["GpuAcc", "CpuRef"], marks=pytest.mark.skipif(
+                     not _cuda(), reason="no CUDA device"))}
 FUSES_ATTENTION = tuple(int(part) for part in ort.__version__.split(".")[:2]) >= (1, 32)
 """Whether ONNX Runtime's transformer optimizer writes Attention for tiny_bert (1.32 does; 1.30,
 the GPU machine's, leaves its attention unfused): the fused-op sets are asserted only there."""
