@@ -101,6 +101,38 @@ def test_an_intermediate_read_elsewhere_is_not_fused() -> None:
     assert ops == ["FusedConv", "Relu"]
 
 
+def _hard_sigmoid_gated_conv(alpha: float, gate_first: bool) -> onnx.ModelProto:
+    """x -> Conv -> x * HardSigmoid(x): torch.onnx's hard-swish below opset 14."""
+    mul = ["g", "c"] if gate_first else ["c", "g"]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("HardSigmoid", ["c"], ["g"], name="gate", alpha=alpha),
+             helper.make_node("Mul", mul, ["y"], name="mul")]
+    return make_model(nodes, [float_input("x", [1, 4, 6, 6])], [float_input("y", [1, 8, 6, 6])],
+                      [_const("w", 8, 4, 3, 3), _const("b", 8)])
+
+
+@pytest.mark.parametrize("gate_first", [False, True])
+@pytest.mark.parametrize("route", ["onednn", "torch"])
+def test_conv_times_its_hard_sigmoid_is_one_hardswish_conv(route: str, gate_first: bool) -> None:
+    model = _hard_sigmoid_gated_conv(1 / 6, gate_first)
+    session = _on_cpuacc(model, **{"CpuAcc.conv_route": route})
+    (conv,) = placed(session)
+    assert conv.op_type == "FusedConv" and conv.attrs["unary"] == ("hardswish", [], None)
+    assert_matches_cpuref(session, model)
+    x = _feeds(model)["x"]
+    x[0, 1, 2, 3] = np.nan
+    got = session.run(None, {"x": x})[0]
+    expected = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})[0]
+    assert np.array_equal(np.isnan(got), np.isnan(expected)) and np.isnan(got).any()
+
+
+def test_another_hard_sigmoid_slope_stays_apart() -> None:
+    model = _hard_sigmoid_gated_conv(0.2, False)  # ONNX's default alpha: not hard-swish
+    session = _on_cpuacc(model)
+    assert [layer.op_type for layer in placed(session)] == ["FusedConv", "HardSigmoid", "Mul"]
+    assert_matches_cpuref(session, model)
+
+
 @pytest.mark.parametrize("route", ["mkl", "onednn", "auto"])
 def test_matmul_add_gelu_becomes_one_linear(route: str) -> None:
     inits = [_const("w", 16, 24), _const("bias", 24)]

@@ -59,11 +59,12 @@ def match_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
             nxt = ctx.sole(out)
     unary: PostOp | None = None
     swish = None if binary else swish_layers(out, ctx)
-    hard = None if binary or swish is not None else hardswish_layers(out, ctx)
+    hard = None if binary or swish is not None else (hardswish_layers(out, ctx)
+                                                     or hard_sigmoid_gate(out, ctx))
     if swish is not None:
         unary, out = ("swish", [], None), swish[1].outputs[0]
         group += swish
-    elif hard is not None:  # x * Clip(x + 3, 0, 6) / 6
+    elif hard is not None:  # x * Clip(x + 3, 0, 6) / 6, or x * HardSigmoid(x)
         unary, out = ("hardswish", [], None), hard[-1].outputs[0]
         group += hard
     elif nxt is not None and (unary := post_op(nxt, ctx)) is not None:
@@ -77,6 +78,24 @@ def match_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
     fused = Layer("+".join(lay.name for lay in group), "FusedConv", inputs, [out], attrs,
                   FUSED_DOMAIN, 1)
     return group, fused
+
+
+def hard_sigmoid_gate(out: str, ctx: Context) -> list[Layer] | None:
+    """x * HardSigmoid(x) with alpha 1/6 and beta 1/2, read from ``out`` (torch.onnx's hard-swish
+    below opset 14): the HardSigmoid and the Mul, or None. torch's hardswish is the same function
+    (x * clamp(x + 3, 0, 6) / 6 against x * clamp(x / 6 + 1/2, 0, 1): within a float32 rounding),
+    NaN kept."""
+    users = ctx.consumers.get(out, [])
+    if len(users) != 2 or out in ctx.graph.outputs:
+        return None
+    gate = next((u for u in users if u.op_type == "HardSigmoid" and not u.domain), None)
+    mul = next((u for u in users if u.op_type == "Mul" and not u.domain), None)
+    if gate is None or mul is None or post_op(gate, ctx) != ("hardsigmoid", [], None) \
+            or ctx.sole(gate.outputs[0]) is not mul or sorted(mul.inputs) != sorted([out, gate.outputs[0]]):
+        return None
+    if any(id(u) not in ctx.inside or id(u) in ctx.taken for u in users):
+        return None
+    return [gate, mul]
 
 
 def _fold_batch_norm(bn: Layer, weight: np.ndarray, bias: np.ndarray, ctx: Context,
