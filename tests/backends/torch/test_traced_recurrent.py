@@ -1,6 +1,6 @@
 """A recurrent layer whose kernel runs its steps on one thread (``recurrent.runs_alone``) is kept
-out of a trace, which would hold its ops but not the thread count; the layers around it are
-traced in runs of their own, and the whole computes what CpuRef computes."""
+out of a trace loaded at more threads, which would hold its ops but not the thread count; the
+layers around it are traced in runs of their own, and the whole computes what CpuRef computes."""
 
 from __future__ import annotations
 
@@ -57,13 +57,19 @@ def _where_lstm_runs(session: InferenceSession) -> str:
     raise AssertionError("no LSTM layer")
 
 
-@pytest.mark.parametrize("hidden, steps, where", [(32, SEQ, "alone"), (256, SEQ, "alone"),
-                                                  (384, SEQ, "traced"), (32, 1, "traced")])
+@pytest.mark.parametrize("hidden, steps, count, where", [
+    (32, SEQ, 2, "alone"), (256, SEQ, 2, "alone"), (384, SEQ, 2, "traced"), (32, 1, 2, "traced"),
+    (32, SEQ, 1, "traced")])
 def test_a_recurrence_on_one_thread_is_not_traced(monkeypatch, hidden: int, steps: int,
-                                                  where: str) -> None:
+                                                  count: int, where: str) -> None:
     monkeypatch.setattr(threads, "crowded", lambda: False)
     model = _tagger(hidden, steps)
-    session = _session(model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        session = _session(model)
+    finally:
+        torch.set_num_threads(before)
     assert _where_lstm_runs(session) == where
     if where == "alone":  # the layers before and after it traced on their own
         traced = [lay for lay in session.optimized.graph.layers if lay.op_type == "Traced"]
