@@ -9,7 +9,8 @@ convolution route faster (0.047 against torch's 0.059 ms) where the loading thre
 So the background builds (packs, traces, compiles and checks) every candidate of a layer, and
 ``fastest`` hands back a ``Trial`` of them instead of timing them. The network's own calls then
 time them: each call of a Trial runs one candidate, its output is that call's (every candidate
-computes the same values: the compiled ones were checked against the layers when compiled), after
+computes the layer: the routes are kernels the tests hold to CpuRef, and a compile was checked
+against the layers when it was made), after
 one untimed call of each the candidates alternate until each has ``SAMPLES`` timed calls, and the
 fastest by median is kept for every call after that. A timing counts only where nothing else of
 backplane's was working: not while the background thread makes a workload (``background.epoch``),
@@ -72,22 +73,23 @@ class Trial:
 
         if torch.jit.is_tracing():  # a trace keeps one candidate's calls: the first, untimed
             return self.candidates[next(iter(self.candidates))](*inputs)
-        name = self._next()
+        name, run = self._next()
         _local.choosing = getattr(_local, "choosing", 0) + 1
         nested, epoch, count = _local.choosing, background.epoch(), torch.get_num_threads()
         start = time.perf_counter()
-        outputs = self.candidates[name](*inputs)
+        outputs = run(*inputs)
         elapsed = time.perf_counter() - start
         alone = _local.choosing == nested and epoch is not None and epoch == background.epoch()
         self._record(name, elapsed if alone else None, count)
         return outputs
 
-    def _next(self) -> str:
+    def _next(self) -> tuple[str, Workload]:
         """The candidate short of samples that was called least (one whose calls never count,
-        its nested Trials still choosing, is called until they have chosen)."""
+        its nested Trials still choosing, is called until they have chosen), and its workload."""
         with self.lock:
             short = [n for n in self.candidates if len(self.samples[n]) < SAMPLES]
-            return min(short or self.candidates, key=self.calls.__getitem__)
+            name = min(short or self.candidates, key=lambda n: self.calls.get(n, 0))
+            return name, self.candidates[name]
 
     def _record(self, name: str, elapsed: float | None, count: int) -> None:
         """One call's time (None: it does not count), taken at ``count`` threads: another count
@@ -126,6 +128,8 @@ class Trial:
             if loser != name:
                 for trial in trials:
                     trial.abandon()
+        # the others dropped: their packed weights and compiled modules go with them
+        self.children = {name: self.children.get(name, [])}
         self.candidates, self.chosen = {name: chosen}, chosen
 
     def abandon(self) -> None:
@@ -137,6 +141,7 @@ class Trial:
         for trials in self.children.values():
             for trial in trials:
                 trial.abandon()
+        self.children = {}
 
     def settled(self) -> bool:
         """Whether this Trial and every Trial of its chosen candidate have chosen."""
