@@ -86,3 +86,25 @@ def test_a_trace_holds_onednn_on_the_plain_weight(monkeypatch) -> None:
 def test_the_traced_product_is_torch_s_linear_outside_a_trace() -> None:
     x, w, b = torch.randn(3, 5, 16), torch.randn(24, 16), torch.randn(24)
     assert torch.equal(linear._traceable_onednn(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("rows, first", [(64, "onednn"), (8, "mkl")])
+def test_a_busy_machine_takes_onednn_first_for_a_projection(monkeypatch, rows: int,
+                                                            first: str) -> None:
+    """2^17 weights or more over 16 rows or more (``ONEDNN_FIRST_FROM``): oneDNN is the route a
+    busy machine takes unmeasured; fewer rows keep MKL first."""
+    monkeypatch.setattr(threads, "crowded", lambda: True)
+    model = _head(rows, 256, 768)
+    session = _session(model, **{"CpuAcc.compile": "layers"})
+    (workload,) = inner_workloads(session, "Linear")
+    assert workload.why.startswith(f"{first}: the default on a busy machine"), workload.why
+    _matches_cpuref(session, model, _feeds(rows, 256))
+
+
+def test_a_trace_holds_onednn_for_a_projection(monkeypatch) -> None:
+    monkeypatch.setattr(threads, "crowded", lambda: False)
+    model = _head(64, 256, 768, tail=True)
+    session = _session(model, **{"CpuAcc.compile": "onednn_graph"})
+    (workload,) = inner_workloads(session, "Traced")
+    assert "mkldnn::_linear_pointwise" in str(workload.module.graph)
+    _matches_cpuref(session, model, _feeds(64, 256))

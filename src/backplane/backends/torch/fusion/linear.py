@@ -236,6 +236,8 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     if a.get("compute"):  # a reduced-precision layer's routes are measured and kept apart
         described["compute"] = a["compute"]
     routes = {"mkl": lambda: _mkl_linear(a), "onednn": lambda: _onednn_linear(a, layer.name)}
+    if _onednn_first(a):  # what a busy machine takes unmeasured (``fastest``: the first route)
+        routes = {"onednn": routes["onednn"], "mkl": routes["mkl"]}
     return fastest("linear", described, routes, sample, backend)
 
 
@@ -253,6 +255,22 @@ def _onednn_known_faster(a: dict[str, Any]) -> bool:
     return rows >= 2 and a["weight"].size >= ONEDNN_FROM and not a.get("compute")
 
 
+ONEDNN_FIRST_FROM, ONEDNN_FIRST_ROWS = 1 << 17, 16
+"""From 2^17 weights over 16 rows or more, oneDNN's product is the route a busy machine takes
+unmeasured (the first of the routes; a quiet load still measures both) and the one a trace holds
+on the plain weight: a transformer's projections, CPU time, 1 thread / 2, MKL against oneDNN
+packed (and plain), this AMD EPYC at load 5: 64x256x768 271-300 / 239-243 (266-298) us and
+218+ / 135-144 (176-219), 64x1024x256 388-407 / 312-320 (349-351) and 251-292 / 179-218
+(211-252), 50x768x768 675-726 / 553-567 (617-634) and 1907-2123 / 309-329 (426-466); below it
+MKL wins (128x128x64 26 against 34-38 us)."""
+
+
+def _onednn_first(a: dict[str, Any]) -> bool:
+    rows = math.prod(a["input_shape"][:-1])
+    return rows >= ONEDNN_FIRST_ROWS and a["weight"].size >= ONEDNN_FIRST_FROM \
+        and not a.get("compute")
+
+
 def _mkl_linear(a: dict[str, Any]) -> Workload:
     import torch.nn.functional as F
 
@@ -261,9 +279,10 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
     post = torch_post_op(a["unary"])
     shape = a.get("output_shape")  # a Reshape folded in: the result viewed in its shape
     # A trace holds torch's linear (TorchScript takes no packed oneDNN weight): where oneDNN is
-    # known faster it holds oneDNN's product on the plain weight instead (4.6 against MKL's 6.2
-    # and packed 4.1 ms for the CRNN's head, 1 thread).
-    product = _traceable_onednn if a["input_shape"] and _onednn_known_faster(a) else F.linear
+    # known faster, or first, it holds oneDNN's product on the plain weight instead (4.6 against
+    # MKL's 6.2 and packed 4.1 ms for the CRNN's head, 1 thread).
+    product = _traceable_onednn if a["input_shape"] and (
+        _onednn_known_faster(a) or _onednn_first(a)) else F.linear
 
     def mkl(x, residual=None):
         y = product(x, weight, bias)
