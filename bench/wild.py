@@ -119,12 +119,8 @@ def until_settled(runtime: str, run: Run, loaded: float, most: float = 60.0) -> 
         return 0.0
     from backplane.backends.torch import background
 
-    background.wait()
-    while not background.settled():
-        if time.perf_counter() > loaded + most:
-            return None
-        run()
-    return time.perf_counter() - loaded
+    done = background.settle(run, loaded + most - time.perf_counter())
+    return time.perf_counter() - loaded if done else None
 
 
 def background_setting(value: str) -> None:

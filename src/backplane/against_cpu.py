@@ -112,7 +112,7 @@ def choose(runtime: Runtime, gpu: OptimizedNetwork, gpu_id: int,
         return gpu, gpu_id
     cpu = make_cpu()
     cpu_id = runtime.load(cpu)
-    background.wait()  # CpuAcc's routes measured and compiled: the CPU timed as it will run
+    background.settle(lambda: runtime.run(cpu_id, feeds))  # CpuAcc's routes chosen: timed as final
     try:
         _warm(runtime, cpu_id, feeds)
         ms = _turns(runtime, {"gpu": gpu_id, "cpu": cpu_id}, feeds)

@@ -115,6 +115,15 @@ def test_a_load_takes_the_layers_at_once_and_the_runs_time_the_candidates(
     assert_close(session.run(None, feeds), expected)
 
 
+def test_settle_runs_the_network_until_its_routes_are_chosen(cache) -> None:
+    session = _session()
+    feeds = _feeds()
+    runs = []
+    assert background.settle(lambda: runs.append(session.run(None, feeds)), timeout=120)
+    assert background.settled() and runs  # the Trials chose, over these runs
+    assert "timed fastest in the running thread" in _graph_workload(session).why
+
+
 def test_a_run_beside_the_backgrounds_work_is_not_timed(cache, monkeypatch) -> None:
     """The runs made while the background thread builds count for nothing; after MOST_CALLS runs
     so, the Trial takes what it has and keeps nothing in the route cache."""

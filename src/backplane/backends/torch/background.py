@@ -131,6 +131,20 @@ def wait(timeout: float | None = None) -> bool:
     return True if worker is None else worker.idle(timeout)
 
 
+def settle(run: Callable[[], Any], timeout: float = 60.0) -> bool:
+    """``wait``, then ``run()`` (a run of the network: the routes left to the runs are timed by
+    them) until ``settled`` (True) or ``timeout`` seconds have passed (False): what a caller that
+    times runs calls first, so that it times what will run."""
+    end = time.perf_counter() + timeout
+    if not wait(timeout):
+        return False
+    while not settled():
+        if time.perf_counter() > end:
+            return False
+        run()
+    return True
+
+
 class _Worker:
     """One thread that makes the queued workloads one after the other."""
 
@@ -172,8 +186,8 @@ class _Worker:
                 if not self.stopping:
                     _swap(*job)
             except Exception as exc:  # noqa: BLE001  # the stand-in keeps running: say why
-                log.warning("CpuAcc: measuring and compiling %s in the background failed (%s: "
-                            "%s); its layers run as loaded", job[2], type(exc).__name__, exc)
+                log.warning("CpuAcc: building %s in the background failed (%s: %s); "
+                            "its layers run as loaded", job[2], type(exc).__name__, exc)
             finally:
                 self.epoch += 1
                 with self.done:
