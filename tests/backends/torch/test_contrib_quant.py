@@ -220,7 +220,9 @@ def test_the_residual_layer_survives_an_artifact(tmp_path) -> None:
     model, feeds = residual_blocks(split=True)
     path = tmp_path / "model.onnx"
     onnx.save(model, str(path))
-    backplane.compile(path, [("CpuAcc", {"compile": "layers"})], tmp_path / "model.bpl")
+    # "exact": the float route, which reads the split weight (the int8 one takes the int8 weight)
+    backplane.compile(path, [("CpuAcc", {"compile": "layers", "int8": "exact"})],
+                      tmp_path / "model.bpl")
     loaded = InferenceSession(tmp_path / "model.bpl")
     assert [lay.attrs["split"] for lay in placed(loaded)] == [128, 128]
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
@@ -305,7 +307,9 @@ def test_prepacked_products_survive_an_artifact(name: str, tmp_path) -> None:
     model, feeds = _model(CASES[name])
     path = tmp_path / "model.onnx"
     onnx.save(model, str(path))
-    backplane.compile(path, [("CpuAcc", {"compile": "layers"})], tmp_path / "model.bpl")
+    # "exact": the float route, which reads the split weight (the int8 one takes the int8 weight)
+    backplane.compile(path, [("CpuAcc", {"compile": "layers", "int8": "exact"})],
+                      tmp_path / "model.bpl")
     loaded = InferenceSession(tmp_path / "model.bpl")
     assert [lay.op_type for lay in placed(loaded)] == [PREPACKED[name]]
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)

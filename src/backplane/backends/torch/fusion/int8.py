@@ -166,6 +166,11 @@ machine takes the float route."""
 KNOWN_FASTER = "int8: known faster than float at this size (int8.known_faster), not timed"
 
 
+GROUP_CHANNELS = 8
+"""A grouped QDQ convolution with this many input channels a group is taken as a dense one: 4
+groups of 12 channels, 64 outputs at 56x112, float route and round trip / int8 us 1421 / 441 (1
+thread, this AMD EPYC); a depthwise one measured even (64ch 112x112 550 / 502, 128ch 56x56
+297 / 313) and stays timed."""
 QOPERATOR_MACS = 1 << 16
 """The same for a QLinearConv of any group: its float route centres, convolves and requantizes
 in float64 (five passes where the int8 route makes one call): 1 thread, this AMD EPYC, float
@@ -175,10 +180,11 @@ route / int8 us: depthwise 16ch 28x28 3x3 (0.11 M) 82 / 28, 96ch 56x112 6954 / 2
 
 def known_faster(conv: dict[str, Any], least: int = KNOWN_MACS, grouped: bool = False) -> bool:
     """Whether a convolution's int8 route is taken without timing: at least ``least``
-    multiply-adds a run, of one group unless ``grouped`` (``conv``: FusedConv's or QLinearConv's
-    attributes)."""
+    multiply-adds a run, and (unless ``grouped``) one group or at least ``GROUP_CHANNELS`` input
+    channels a group (``conv``: FusedConv's or QLinearConv's attributes)."""
     weight, shape = conv["weight"].shape, conv["input_shape"]
-    if conv["group"] != 1 and not grouped or len(weight) != 4 or len(shape) != 4:
+    if conv["group"] != 1 and weight[1] < GROUP_CHANNELS and not grouped \
+            or len(weight) != 4 or len(shape) != 4:
         return False
     outputs = 1
     for size, kernel, stride, dilation, begin, end in zip(
@@ -354,10 +360,7 @@ def qlinear_int8_route(layer: Layer) -> Any:
     if a["back"] is not None:
         return _dequantized(a, quantized, y_shift)
     if a.get("residual") is not None:
-        from backplane.backends.torch.fusion.qlinear import _residual_finisher
-
-        add = _residual_finisher(a)
-        return lambda x, other: (add(integers(x).float().sub_(y_shift), other),)
+        return _residual(a, quantized, y_shift)
     if y_shift:
         return lambda x: (integers(x).bitwise_xor_(128).view(torch.int8),)
     return lambda x: (integers(x),)
@@ -370,6 +373,33 @@ def _raw(q: Any) -> Any:
 
     return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(),
                                                   q.shape, q.stride())
+
+
+def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) -> Any:
+    """The route of a QLinearConv that took its residual QLinearAdd: ``torch.ops.quantized.add``
+    of the convolution's quint8 result and the other operand (its integers as quint8, shifted by
+    128 where int8), requantizing to the sum's step: one pass where dequantizing both, adding and
+    quantizing were seven (1 thread, this AMD EPYC: (1, 32, 112, 112) about 0.6 -> 0.1 ms). Its
+    float arithmetic may round a value at a half step the other way (within one step, as the
+    convolution's own requantization). Where the add reads the convolution's output on another
+    step than the convolution's own, the kernel's arithmetic (``qlinear._residual_finisher``)."""
+    import torch
+
+    from backplane.backends.torch.fusion.qlinear import _residual_finisher
+
+    r, q = a["residual"], a["int8"]
+    if float(r["mine_scale"]) != q["y_scale"] or r["mine_zero"] + y_shift != q["y_zero"]:
+        add = _residual_finisher(a)
+        return lambda x, other: (add(_raw(quantized(x)).float().sub_(y_shift), other),)
+    other_scale, other_zero = float(r["other_scale"]), r["other_zero"] + y_shift
+    sum_scale, sum_zero = float(r["sum_scale"]), r["sum_zero"] + y_shift
+
+    def run(x, other):
+        u8 = other.view(torch.uint8).bitwise_xor(128) if y_shift else other
+        q_other = torch._make_per_tensor_quantized_tensor(u8, other_scale, other_zero)
+        total = _raw(torch.ops.quantized.add(quantized(x), q_other, sum_scale, sum_zero))
+        return (total.bitwise_xor_(128).view(torch.int8) if y_shift else total,)
+    return run
 
 
 def _quantizer(into: dict[str, Any] | None, shift: int) -> Callable[[Any], Any] | None:
