@@ -307,9 +307,7 @@ def test_prepacked_products_survive_an_artifact(name: str, tmp_path) -> None:
     model, feeds = _model(CASES[name])
     path = tmp_path / "model.onnx"
     onnx.save(model, str(path))
-    # "exact": the float route, which reads the split weight (the int8 one takes the int8 weight)
-    backplane.compile(path, [("CpuAcc", {"compile": "layers", "int8": "exact"})],
-                      tmp_path / "model.bpl")
+    backplane.compile(path, [("CpuAcc", {"compile": "layers"})], tmp_path / "model.bpl")
     loaded = InferenceSession(tmp_path / "model.bpl")
     assert [lay.op_type for lay in placed(loaded)] == [PREPACKED[name]]
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
