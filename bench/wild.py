@@ -30,7 +30,7 @@ its rounds' medians. The table per model: the three times, ORT / backplane and O
 (above 1: backplane is faster), the load seconds of each (import and session; in brackets the part
 of backplane's that is importing backplane and torch), the seconds from backplane's session until
 its background is done ("bp done s": its builds swapped in and their routes chosen by runs of the
-model, which the worker makes; 0 where the load left nothing to it, inf where not within 60 s;
+model, which the worker makes, the first call included; inf where not within 60 s;
 ``--background off`` measures at load instead), backplane's first call, its placement
 (layers per backend) and the worst difference of its outputs from ONNX Runtime's (relative to the
 output's scale). Then the geometric mean of ORT / backplane over the models and the models below
@@ -114,7 +114,7 @@ def imported(runtime: str) -> None:
 def until_settled(runtime: str, run: Run, loaded: float, most: float = 60.0) -> float | None:
     """Seconds from the session's return until backplane's background (CpuAcc.background) is done:
     its builds swapped in (``background.wait``) and their routes chosen by runs of the model, made
-    here (``background.settled``); None where not within ``most`` seconds; 0 for the others."""
+    here (``background.settle``); None where not within ``most`` seconds; 0 for the others."""
     if runtime in ("onnxruntime", "openvino"):
         return 0.0
     from backplane.backends.torch import background

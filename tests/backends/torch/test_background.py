@@ -116,12 +116,16 @@ def test_a_load_takes_the_layers_at_once_and_the_runs_time_the_candidates(
 
 
 def test_settle_runs_the_network_until_its_routes_are_chosen(cache) -> None:
+    """Its own network's: another session, loaded and never run, does not hold it back."""
+    idle = _session()
     session = _session()
     feeds = _feeds()
     runs = []
     assert background.settle(lambda: runs.append(session.run(None, feeds)), timeout=120)
-    assert background.settled() and runs  # the Trials chose, over these runs
-    assert "timed fastest in the running thread" in _graph_workload(session).why
+    assert runs and "timed fastest in the running thread" in _graph_workload(session).why
+    assert not background.settled()  # the idle session's Trials have not chosen
+    assert background.settle(lambda: idle.run(None, feeds), timeout=120)
+    assert background.settled()
 
 
 def test_a_run_beside_the_backgrounds_work_is_not_timed(cache, monkeypatch) -> None:
@@ -276,8 +280,8 @@ def test_a_small_builds_threads_are_chosen_after_the_background_swapped_its_work
     assert_close(session.run(None, feeds), expected)
     assert undecided.decided is None  # still behind the gate: the caller's threads
     held_back.set()
-    assert background.wait(120)
-    _run_until_settled(session, feeds, expected)
+    assert background.settle(lambda: assert_close(session.run(None, feeds), expected), 120)
+    assert undecided.decided is None  # its last call found its routes chosen: the next chooses
     assert_close(session.run(None, feeds), expected)
     assert undecided.decided is not None  # chosen once, on the swapped-in workloads, timed
     assert isinstance(undecided.decided, small.OneThread) or undecided.decided is undecided.work

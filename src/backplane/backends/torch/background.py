@@ -19,9 +19,10 @@ cache only where it timed it alone on a quiet machine. On a busy machine (``thre
 thread builds each layer's first route, a subgraph compiled where it compiles (oneDNN Graph's CNN
 partitions, traced transformers: what pays without timing), untimed and kept nowhere.
 
-``wait`` blocks until the queue is done (the CLI and the bench call it before they time runs);
-``settled`` says whether the runs have chosen too. A process that exits stops the thread between
-two jobs (``atexit``), never inside torch.
+``wait`` blocks until the queue is done; ``settle`` also runs a network until its routes are
+chosen (the CLI and the benches call it before they time runs); ``settled`` says whether every
+network's are. A process that exits stops the thread between two jobs (``atexit``), never inside
+torch.
 """
 
 from __future__ import annotations
@@ -132,17 +133,23 @@ def wait(timeout: float | None = None) -> bool:
 
 
 def settle(run: Callable[[], Any], timeout: float = 60.0) -> bool:
-    """``wait``, then ``run()`` (a run of the network: the routes left to the runs are timed by
-    them) until ``settled`` (True) or ``timeout`` seconds have passed (False): what a caller that
-    times runs calls first, so that it times what will run."""
+    """``wait``, then, unless ``settled``, ``run()`` (a run of one network: the routes left to
+    its runs are timed by them) until a run calls no ``trials.Trial`` still choosing (True: its
+    routes are chosen, whatever other networks left to theirs), or ``timeout`` seconds have passed
+    (False). What a caller that times runs calls first, so that it times what will run."""
+    from backplane.backends.torch import trials
+
     end = time.perf_counter() + timeout
-    if not wait(timeout):
-        return False
-    while not settled():
+    while wait(max(0.0, end - time.perf_counter())):
+        if settled():  # every network's chosen (or none left any): no run needed
+            return True
+        before = trials.choosing()
+        run()
+        if trials.choosing() == before and pending() == 0:
+            return True
         if time.perf_counter() > end:
             return False
-        run()
-    return True
+    return False
 
 
 class _Worker:

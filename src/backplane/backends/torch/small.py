@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from backplane.backends.torch import background
+from backplane.backends.torch import background, trials
 
 SMALL_SECONDS = 1e-3
 """A partition that runs slower than this on one thread keeps the caller's threads, untimed."""
@@ -79,20 +79,24 @@ def deciding(run: Any, values: Sequence[Any]) -> Any:
 
 
 class Undecided:
-    """A build called at the caller's threads until CpuAcc's background is done and its routes
-    chosen (``background.settled``), then as ``fewer_threads`` chooses on that call's values; its
+    """A build called at the caller's threads until a call of it finds CpuAcc's background idle
+    and calls no route still choosing (``trials.choosing``), or every network's routes are chosen
+    (``background.settled``), then as ``fewer_threads`` chooses on the next call's values; its
     other attributes are the build's."""
 
-    __slots__ = ("work", "decided")
+    __slots__ = ("work", "decided", "ready")
 
     def __init__(self, work: Any) -> None:
-        self.work, self.decided = work, None
+        self.work, self.decided, self.ready = work, None, False
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         decided = self.decided
         if decided is None:
-            if not background.settled():
-                return self.work(*inputs)
+            if not (self.ready or background.settled()):
+                idle, before = background.pending() == 0, trials.choosing()
+                outputs = self.work(*inputs)
+                self.ready = idle and trials.choosing() == before
+                return outputs
             decided = self.decided = fewer_threads(self.work, inputs)
         return decided(*inputs)
 

@@ -196,6 +196,12 @@ def _adopt(trials: list[Trial]) -> None:
             _roots.update(trials)
 
 
+def choosing() -> int:
+    """How many calls of a Trial still choosing this thread has made: unchanged over a run of a
+    network, its routes are all chosen (``background.settle``, ``small.Undecided``)."""
+    return getattr(_local, "choosing", 0)
+
+
 def undecided() -> int:
     """How many Trials not made inside another are still choosing (theirs or a nested one)."""
     with _roots_lock:
