@@ -199,6 +199,28 @@ def test_on_a_busy_machine_the_background_compiles_untimed_and_keeps_nothing(
     assert not cache.exists()
 
 
+def test_on_a_busy_machine_a_few_layers_are_not_traced_untimed(cache, monkeypatch) -> None:
+    """cond_nested_dyn18's 4-layer Linear partition ran slower traced than layer by layer: fewer
+    than traced.UNTIMED_LAYERS layers stay layers on a busy machine."""
+    from backplane.backends.torch import threads
+
+    monkeypatch.setattr(threads, "CROWDED_CHECK", True)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    path = DATA / "corpus" / "cond_nested_dyn18.onnx"
+    feeds = dict(np.load(DATA / "corpus" / "cond_nested_dyn18.s0.npz"))
+    session = InferenceSession(path, runtime=Runtime(RuntimeOptions(backend_options={
+        "CpuAcc.background": True})))  # the default backends: the If on builtin's
+    expected = ort_outputs(path, feeds)
+    assert_close(session.run(None, feeds), expected)  # builds the signature
+    assert background.settle(lambda: assert_close(session.run(None, feeds), expected), 120)
+    loaded = session.runtime.network(session.network_id)
+    (built,) = [s.workload.built for s in loaded.steps if hasattr(s.workload, "built")]
+    (build,) = built.values()
+    inner = build.work.close.__self__
+    (traced,) = [s.workload for s, lay in zip(inner.steps, inner.layers) if lay.op_type == "Traced"]
+    assert traced.route == "layers" and "busy machine: not traced" in traced.why
+
+
 def test_routes_kept_by_the_runs_are_taken_by_the_next_load(cache) -> None:
     """(At a given thread count: the policy's count may change between the runs, and a route is
     kept under the count it was timed at.)"""

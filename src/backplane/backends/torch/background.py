@@ -17,7 +17,8 @@ nothing: a route timed there is not the one that runs (OpenMP gives each thread 
 network's own calls time, in the thread that runs them, and that writes its choice to the route
 cache only where it timed it alone on a quiet machine. On a busy machine (``threads.crowded``) the
 thread builds each layer's first route, a subgraph compiled where it compiles (oneDNN Graph's CNN
-partitions, traced transformers: what pays without timing), untimed and kept nowhere.
+partitions, traced transformers: what pays without timing; ``traced.UNTIMED_LAYERS``), untimed and
+kept nowhere.
 
 ``wait`` blocks until the queue is done; ``settle`` also runs a network until its routes are
 chosen (the CLI and the benches call it before they time runs); ``settled`` says whether every
