@@ -13,7 +13,8 @@ blocks of calls over ``--rounds`` rounds (best block median of each):
 - ``session.run``: backplane's default session (CpuAcc, CpuRef; empty route cache, measured at
   load, ``CpuAcc.background`` off so that what is timed is what a quiet load builds);
 - then the same call one level down at a time: the loaded network's ``execute`` (no input checks,
-  no output ownership), the ``Specialized`` layer's workload (no MemImport steps around it), the
+  no output ownership; for one partition, ``steps.one_call``), the ``Specialized`` layer's
+  workload on tensors made once (no handovers of the inputs and outputs around it), the
   signature's build (no signature lookup), and the compiled partitions inside it (no nested
   network): each difference is what that level costs per call;
 - ``ORT``: ONNX Runtime's ``session.run`` (intra-op threads as given), timed last in the process
@@ -80,7 +81,7 @@ def levels(session: Any, feeds: dict[str, np.ndarray]) -> tuple[dict[str, Callab
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # gc's walk touches torch's deprecated names
         networks = [o for o in gc.get_objects() if isinstance(o, LoadedNetwork)]
-    outer = next(n for n in networks if any(lay.op_type == "MemImport" for lay in n.layers))
+    outer = session.runtime.network(session.network_id)  # not another model's, still alive
     values = [feeds[n] for n in outer.network.input_names]
     calls: dict[str, Callable[[], Any]] = {"outer.execute": lambda: outer.execute(values)}
     routes = []

@@ -348,7 +348,8 @@ class InferenceSession:
                 network_id = self._overrides.network_for(input_feed, self.runtime)
                 return self._select(output_names, self.runtime.run(network_id, input_feed))
         if self._fast and run_options is None:
-            return self._select(output_names, self.runtime.run(self.network_id, input_feed))
+            results = self.runtime.run(self.network_id, input_feed)
+            return results if output_names is None else self._select(output_names, results)
         self._check_open()
         if self._against_cpu is not None:
             self._time_against_cpu(input_feed)

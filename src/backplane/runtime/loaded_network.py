@@ -13,7 +13,6 @@ taken for the whole run, so that no run overwrites another's tensors before it h
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import threading
@@ -32,23 +31,13 @@ from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.release import FileWeights, ReleasedConstants, released_layer
 from backplane.runtime import edge_checks, fallback, host_threads, ownership, tensors, user_buffers
+from backplane.runtime.memory_plan import (GLUE, body_constant_memory, constant_memory,
+                                           partitions, planned_memory)
+from backplane.runtime.steps import (NONE_SLOT, STOP, ExecutionError, Plan, RunTerminated, Step,
+                                     StepFailure, handover, one_call, plan_steps, run_steps)
 
-NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
-
-
-class ExecutionError(RuntimeError):
-    """A workload failed at run time; the message names its layer."""
-
-
-class RunTerminated(ExecutionError):
-    """A run stopped between two layers: ``RunOptions.terminate`` was set, or its time ran out."""
-
-
-STOP: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
-    "backplane_stop", default=None)
-"""The running run's check, called before each layer (control-flow bodies' included): raises
-``RunTerminated`` to stop it. None (the hot path's case): nothing is checked."""
-
+__all__ = ["NONE_SLOT", "STOP", "ExecutionError", "LayerTiming", "LoadedNetwork", "Plan",
+           "RunTerminated", "Step", "StepFailure", "WorkloadError", "run_steps"]
 
 class WorkloadError(ExecutionError):
     """A backend could not create the workload of a layer it took, at load; names both."""
@@ -56,27 +45,6 @@ class WorkloadError(ExecutionError):
     def __init__(self, message: str, layer: Layer, backend: str) -> None:
         super().__init__(message)
         self.layer, self.backend = layer, backend
-
-
-@dataclass(frozen=True)
-class Step:
-    workload: Workload
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    frees: tuple[int, ...]  # slots read for the last time by this step
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a run calls: the steps, the layers they run (for profiles and errors), the output slots
-    and the slots a run's values go in (its inputs, then the buffers its outputs are written into).
-    A network has its own plan for host inputs and outputs, and one per placement of the user's
-    tensors in device memory or in buffers (``LoadedNetwork.plan``)."""
-
-    steps: tuple[Step, ...]
-    layers: tuple[Layer, ...]
-    output_slots: tuple[int, ...]
-    input_slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -126,7 +94,7 @@ class LoadedNetwork:
         try:
             for index, layer in enumerate(self.layers):
                 workloads.append(self._create(factories, layer, graph, network.backends))
-                memory.append(_constant_memory(layer, graph))
+                memory.append(constant_memory(layer, graph))
                 if release is not None:  # its workload holds what it reads: the layer holds nothing
                     self.layers[index] = graph.layers[index] = self._released(layer, release)
         except BaseException:
@@ -136,6 +104,7 @@ class LoadedNetwork:
             factory.constants = {}
         destroys = [w.destroy for w in workloads if getattr(w, "destroy", None) is not None]
         destroys += [body.close for w in workloads for body in getattr(w, "bodies", ())]
+        created = list(workloads)  # before the runtime's wrappers: see steps.handover
         workloads = tensors.placed(self.layers, workloads, self.tensors, graph)
         self.fallback_memory = fallback.FallbackMemoryManager(
             {b: backend.custom_allocator for b, backend in network.backends.items()
@@ -155,18 +124,20 @@ class LoadedNetwork:
                 self._template[self._slots[name]] = graph.constants[name]
         self.input_slots = tuple(self._slot(name) for name in network.input_names)
         self.output_slots = tuple(self._slot(name) for name in graph.outputs)
-        self.steps = _plan(self.layers, workloads, self._slots, set(self.output_slots),
-                           self._constant_slots)
+        converts = [handover(layer, w, c) for layer, w, c in zip(self.layers, workloads, created)]
+        self.steps = plan_steps(self.layers, workloads, self._slots, set(self.output_slots),
+                                self._constant_slots, converts)
         self._layer_of = {id(step.workload): layer for step, layer in zip(self.steps, self.layers)}
         self.host_plan = Plan(tuple(self.steps), tuple(self.layers), self.output_slots,
                               self.input_slots)
-        network.report.peak_bytes, network.report.constant_bytes = self._planned_memory(memory)
+        network.report.peak_bytes, network.report.constant_bytes = planned_memory(
+            network, self.steps, self.layers, self._slots, memory)
         self.held = ownership.Held([*(span for spans in memory for span in spans),
-                                    *_body_constant_memory(self.layers)])
+                                    *body_constant_memory(self.layers)])
         if release is not None:
             graph.constants.let_go()  # type: ignore[attr-defined]
             network.released = True
-        network.report.partitions = _partitions(self.layers)
+        network.report.partitions = partitions(self.layers)
         network.report.fallback_bytes = self.fallback_memory.nbytes
         self._plans: dict[tuple[tuple[str, ...], tuple[str | None, ...]], Plan] = {}
         self._planning = threading.Lock()
@@ -177,6 +148,12 @@ class LoadedNetwork:
             or bool(self.fallback_memory.buffers) or bool(self.tensors)
         if debug.level() >= 2:  # chosen once, at load: the plain loop stays free of checks
             self.execute = self._execute_traced  # type: ignore[method-assign]
+        else:  # one partition: one call between its handovers, no slots (steps.one_call)
+            failure = functools.partial(_failure, self._layer_of)  # no cycle through self
+            loop = functools.partial(_run, self._template, failure, self.host_plan)
+            single = one_call(self.host_plan, self._template, loop, failure)
+            if single is not None:
+                self.execute = single  # type: ignore[method-assign]
         if self.fallback_memory.buffers or self.tensors:
             self._detach_outputs()
         if self.exclusive:
@@ -250,43 +227,6 @@ class LoadedNetwork:
                 self._constant_slots[id(light), name] = bound
         return light
 
-    def _planned_memory(self, memory: Sequence[Sequence[tuple[int, int]]],
-                        ) -> tuple[dict[str, int], dict[str, int]]:
-        """Per backend: the peak bytes of the intermediate tensors of a run of the host plan, and
-        the bytes of its constants (``PlacementReport.peak_bytes``, ``constant_bytes``), from the
-        memory (address, bytes) of each layer's constants."""
-        graph = self.network.graph
-        copied_to = {c.layer: c.target for c in self.network.report.copies if c.strategy == "copy"}
-        names = {slot: name for name, slot in self._slots.items()}
-        live: dict[str, int] = {}
-        peak: dict[str, int] = {}
-        held: dict[int, tuple[str, int]] = {}  # slot -> (backend, bytes)
-        for step, layer in zip(self.steps, self.layers):
-            owner = copied_to.get(layer.name) if layer.op_type in _GLUE else layer.backend
-            inner = _inner_peak(graph, layer)  # a compiled partition's own intermediates
-            if owner and inner:
-                peak[owner] = max(peak.get(owner, 0), live.get(owner, 0) + inner)
-            for slot in step.outputs:
-                nbytes = _bytes(graph, names.get(slot))
-                if owner and nbytes and slot != NONE_SLOT:
-                    held[slot] = (owner, nbytes)
-                    live[owner] = live.get(owner, 0) + nbytes
-                    peak[owner] = max(peak.get(owner, 0), live[owner])
-            for slot in step.frees:
-                if slot in held:
-                    owner_of, nbytes = held.pop(slot)
-                    live[owner_of] -= nbytes
-        constants: dict[str, int] = {}
-        seen: set[tuple[str, int, int]] = set()
-        for layer, spans in zip(self.layers, memory):
-            backend = layer.backend or ""
-            for address, nbytes in spans:
-                # once per memory: a fused layer's weight may be a (transposed) view of a constant
-                if (backend, address, nbytes) not in seen:
-                    seen.add((backend, address, nbytes))
-                    constants[backend] = constants.get(backend, 0) + nbytes
-        return peak, constants
-
     def _detach_outputs(self) -> None:
         fallback_detach, registries = self.fallback_memory.detach, self.tensors
 
@@ -334,14 +274,7 @@ class LoadedNetwork:
         return self._run(plan, inputs)
 
     def _run(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
-        env = list(self._template)
-        for slot, value in zip(plan.input_slots, inputs):
-            env[slot] = value
-        try:
-            run_steps(plan.steps, env, STOP.get())
-        except StepFailure as failure:
-            raise self._failure(failure.step, failure.error) from failure.error
-        return [_array(env[i]) for i in plan.output_slots]
+        return _run(self._template, self._failure, plan, inputs)
 
     def execute_profiled(self, inputs: Sequence[Any], plan: Plan | None = None,
                          ) -> tuple[list[Any], list[LayerTiming]]:
@@ -395,7 +328,7 @@ class LoadedNetwork:
                 if name not in layer.inputs:
                     continue
                 target = layer.attrs.get("target")
-                if layer.op_type in _GLUE and getattr(target, "device", None) == device:
+                if layer.op_type in GLUE and getattr(target, "device", None) == device:
                     layers[index] = Layer(f"MemImport[{name}](user {device}->{layer.outputs[0]})",
                                           "MemImport", [name], list(layer.outputs),
                                           {"source": device, "target": target}, backend="builtin")
@@ -420,7 +353,7 @@ class LoadedNetwork:
                 continue
             index = producer.get(name)
             layer = layers[index] if index is not None else None
-            if layer is not None and layer.op_type in _GLUE \
+            if layer is not None and layer.op_type in GLUE \
                     and getattr(layer.attrs.get("source"), "device", None) == device:
                 name = layer.inputs[0]  # the value before it was brought to the host
                 made_by = producer.get(name)
@@ -453,15 +386,15 @@ class LoadedNetwork:
         back += copies
         read = {n for layer in layers for n in layer.inputs} | {n for c, _ in back for n in c.inputs}
         kept = [(layer, w) for layer, w in zip(layers, workloads)
-                if layer.op_type not in _GLUE or any(o in read or o in outputs for o in layer.outputs)]
+                if layer.op_type not in GLUE or any(o in read or o in outputs for o in layer.outputs)]
         placed = [*front, *kept, *back]
         for layer, workload in placed:
             for value in (*layer.inputs, *layer.outputs):
                 self._slot(value)
             self._layer_of.setdefault(id(workload), layer)
         output_slots = tuple(self._slot(name) for name in outputs)
-        steps = _plan([layer for layer, _ in placed], [w for _, w in placed], self._slots,
-                      set(output_slots), self._constant_slots)
+        steps = plan_steps([layer for layer, _ in placed], [w for _, w in placed], self._slots,
+                           set(output_slots), self._constant_slots)
         return Plan(tuple(steps), tuple(layer for layer, _ in placed), output_slots,
                     (*self.input_slots, *(self._slot(name) for name in buffers)))
 
@@ -504,9 +437,27 @@ class LoadedNetwork:
         return outputs
 
     def _failure(self, step: Step, exc: Exception) -> ExecutionError:
-        layer = self._layer_of[id(step.workload)]
-        return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
-                              f"{type(exc).__name__}: {exc}")
+        return _failure(self._layer_of, step, exc)
+
+
+def _run(template: list[Any], failure: Callable[[Step, Exception], ExecutionError], plan: Plan,
+         inputs: Sequence[Any]) -> list[Any]:
+    """One run of ``plan`` over a new list of slots (``template``'s copy), its inputs put in;
+    a failed step's error is ``failure``'s, naming its layer."""
+    env = list(template)
+    for slot, value in zip(plan.input_slots, inputs):
+        env[slot] = value
+    try:
+        run_steps(plan.steps, env, STOP.get())
+    except StepFailure as failed:
+        raise failure(failed.step, failed.error) from failed.error
+    return [_array(env[i]) for i in plan.output_slots]
+
+
+def _failure(layer_of: dict[int, Layer], step: Step, exc: Exception) -> ExecutionError:
+    layer = layer_of[id(step.workload)]
+    return ExecutionError(f"{layer.describe()} failed on {layer.backend}: "
+                          f"{type(exc).__name__}: {exc}")
 
 
 def _release(managers: Sequence[MemoryManager], fallback_memory: Any,
@@ -523,128 +474,10 @@ def _release(managers: Sequence[MemoryManager], fallback_memory: Any,
         destroy()
 
 
-class StepFailure(Exception):
-    """A step's workload raised ``error`` (``run_steps``): the caller names the step's layer."""
-
-    def __init__(self, step: Step, error: Exception) -> None:
-        super().__init__(step, error)
-        self.step, self.error = step, error
-
-
-def run_steps(steps: Sequence[Step], env: list[Any], stop: Any = None) -> None:
-    """The run loop: each step's workload called on its slots of ``env``, its results written to
-    its output slots, the slots it was the last reader of cleared; ``stop`` (a run's ``STOP``)
-    asked before each step where given. A workload's error comes out as a ``StepFailure`` naming
-    the step (``RunTerminated`` as it is)."""
-    step = None
-    try:
-        if stop is None:
-            for step in steps:
-                results = step.workload(*[env[i] for i in step.inputs])
-                for i, value in zip(step.outputs, results):
-                    env[i] = value
-                for i in step.frees:
-                    env[i] = None
-        else:  # the same loop, asking before each step whether to go on
-            for step in steps:
-                stop()
-                results = step.workload(*[env[i] for i in step.inputs])
-                for i, value in zip(step.outputs, results):
-                    env[i] = value
-                for i in step.frees:
-                    env[i] = None
-    except RunTerminated:
-        raise
-    except Exception as exc:
-        raise StepFailure(step, exc) from exc  # type: ignore[arg-type]  # the loop named it
-
-
-_GLUE = ("MemCopy", "MemImport", fallback.FALLBACK_IMPORT)
-
-
-def _partitions(layers: Sequence[Layer]) -> list[str]:
-    """The backend of each run of consecutive layers of one backend (copy and import layers aside)."""
-    found: list[str] = []
-    for layer in layers:
-        if layer.op_type in _GLUE or not layer.backend:
-            continue
-        if not found or found[-1] != layer.backend:
-            found.append(layer.backend)
-    return found
-
-
-def _constant_memory(layer: Layer, graph: Graph) -> list[tuple[int, int]]:
-    """The memory (address, bytes) of the constants a layer reads: its inputs' and the arrays its
-    attributes hold."""
-    held = [graph.constants[n] for n in layer.inputs if n in graph.constants]
-    return [(value.__array_interface__["data"][0], int(value.nbytes))
-            for value in [*held, *_attr_arrays(layer)]]
-
-
-def _body_constant_memory(layers: Sequence[Layer]) -> list[tuple[int, int]]:
-    """The memory of the constants of the control-flow bodies ``layers`` hold, at any depth."""
-    spans = []
-    for layer in layers:
-        for body in layer.attrs.values():
-            if isinstance(body, OptimizedNetwork):
-                graph = body.graph
-                spans += [span for inner in graph.layers for span in _constant_memory(inner, graph)]
-                spans += _body_constant_memory(graph.layers)
-    return spans
-
-
 def _read_constants(graph: Graph) -> frozenset[str]:
     """The constants a layer reads as an input, or that are outputs: bound at load."""
     return frozenset(n for layer in graph.layers for n in layer.inputs if n in graph.constants) \
         | frozenset(n for n in graph.outputs if n in graph.constants)
-
-
-def _attr_arrays(layer: Layer) -> list[np.ndarray]:
-    """The arrays a layer holds in its attributes: a fused layer's weights, a captured subgraph's
-    constants (``attrs["constants"]``), and those of the layers it holds (``attrs["layers"]``)."""
-    found = []
-    for value in layer.attrs.values():
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) \
-            else [value]
-        for item in items:
-            if isinstance(item, np.ndarray):
-                found.append(item)
-            elif isinstance(item, Layer):
-                found += _attr_arrays(item)
-    return found
-
-
-def _inner_peak(graph: Graph, layer: Layer) -> int:
-    """The peak bytes of the tensors made inside a layer that holds its layers (a OneDnnGraph:
-    ``attrs["layers"]``), as its layers one by one hold them (each dropped after its last reader
-    inside, its outputs kept): its memory while it runs, on top of what the plan holds. A compiled
-    partition that fuses layers may hold less; 0 for any other layer."""
-    inner = layer.attrs.get("layers")
-    if not isinstance(inner, list) or not all(isinstance(lay, Layer) for lay in inner):
-        return 0
-    made = {name: index for index, lay in enumerate(inner) for name in lay.outputs if name}
-    last = dict(made)  # each made tensor's last reader inside (its maker where none reads it)
-    for index, lay in enumerate(inner):
-        last.update((name, index) for name in lay.inputs if name in made)
-    freed: dict[int, list[str]] = {}
-    for name, index in last.items():
-        if name not in layer.outputs:
-            freed.setdefault(index, []).append(name)
-    live = peak = 0
-    for index, lay in enumerate(inner):
-        live += sum(_bytes(graph, name) for name in lay.outputs)
-        peak = max(peak, live)
-        live -= sum(_bytes(graph, name) for name in freed.get(index, ()))
-    return peak
-
-
-def _bytes(graph: Graph, name: str | None) -> int:
-    if not name:
-        return 0
-    try:
-        return graph.info(name).nbytes or 0
-    except (KeyError, TypeError, ValueError):
-        return 0
 
 
 def _importer(target: Any) -> Workload:
@@ -675,25 +508,3 @@ def _nbytes(values: Any) -> int | None:
 def _array(value: Any) -> Any:
     """NumPy turns 0-d results into scalars (np.float32); outputs are always arrays."""
     return np.asarray(value) if isinstance(value, np.generic) else value
-
-
-def _plan(layers: Sequence[Layer], workloads: Sequence[Workload], slots: dict[str, int],
-          keep: set[int], constant_slots: dict[tuple[int, str], str]) -> list[Step]:
-    """The steps, with every slot freed after its last reader (graph outputs and constants kept)."""
-    last_read: dict[int, int] = {}
-    for index, layer in enumerate(layers):
-        for name in layer.inputs:
-            if name:
-                last_read[slots[name]] = index
-    produced = {slots[o] for layer in layers for o in layer.outputs if o}
-    frees: dict[int, list[int]] = {}
-    for slot, index in last_read.items():
-        if slot in produced and slot not in keep:
-            frees.setdefault(index, []).append(slot)
-    steps = []
-    for index, (layer, workload) in enumerate(zip(layers, workloads)):
-        ins = tuple(slots[constant_slots.get((id(layer), n), n)] if n else NONE_SLOT
-                    for n in layer.inputs)
-        outs = tuple(slots[o] if o else NONE_SLOT for o in layer.outputs)
-        steps.append(Step(workload, ins, outs, tuple(frees.get(index, ()))))
-    return steps

@@ -13,7 +13,11 @@ memory may be held elsewhere, which is decided once per run and per output from 
 - a NumPy view of a torch CPU tensor (what CpuAcc and GpuAcc hand back) is fresh when that tensor
   is held by the view alone, its storage by that tensor alone (torch's own use count) and the
   storage's memory is neither an input's nor a constant's (``torch.from_numpy`` of an input or a
-  constant makes a storage of its own over their memory; ``Held`` keeps the constants' spans);
+  constant makes a storage of its own over their memory; ``Held`` keeps the constants' spans).
+  Memory is looked at only where the storage may be over another's: a storage torch's allocator
+  made (``resizable``; ``from_numpy`` and DLPack make storages that are not) held by this tensor
+  alone is memory no one else can reach, so a kernel's fresh result costs no search of the inputs
+  and constants;
 - anything else (memory of a library that says nothing of its owners, an mmap) is copied.
 
 A copy where none was needed costs a memcpy of the output; a missed copy is a silent wrong answer.
@@ -55,21 +59,58 @@ NOTHING = Held()
 
 
 def owned(outputs: list[Any], inputs: Sequence[Any] = (), held: Held = NOTHING,
-          _measured: list[list[int]] | None = None) -> list[Any]:
+          _measured: list[list[int]] | None = None,
+          _probed: list[tuple[int, int]] | None = None) -> list[Any]:
     """``outputs`` with every host array that is not the run's own replaced by a copy of it.
 
     ``outputs`` must hold the only references the run kept (the network's slots already dropped),
     ``inputs`` the run's inputs and ``held`` the session's constants. Lists (ONNX sequences) are
     looked into; device tensors are returned as they are."""
     result = []
-    for index in range(len(outputs)):
-        value = outputs[index]
-        if isinstance(value, list):
-            value = owned(value, inputs, held, _measured)
+    for value in outputs:
+        if type(value) is np.ndarray:
+            # The two common cases first, in line (after a kernel has run, each call of a check
+            # costs more than the check): an array of its own, or a view of a tensor whose
+            # storage torch's allocator made, each held by the output alone (``_fresh``'s tests).
+            base = value.base
+            if _probed is not None:  # calibrating: the counts a fresh output has here
+                _probed.append((sys.getrefcount(value), sys.getrefcount(base)))
+                result.append(value)
+                continue
+            if base is None:
+                if sys.getrefcount(value) == _ALONE and value.flags.owndata:
+                    result.append(value)
+                    continue
+            elif type(base) is _TENSOR and sys.getrefcount(value) == _VIEW_ALONE \
+                    and sys.getrefcount(base) == _TENSOR_ALONE:
+                storage = base.untyped_storage()
+                if _STORAGE_USE(storage._cdata) == _STORAGE_USES and (
+                        storage.resizable() or _own_memory(value, storage, inputs, held)):
+                    result.append(value)
+                    continue
+            if not _fresh(value, inputs, held, _measured):
+                value = np.array(value, copy=True, order="K")
+        elif isinstance(value, list):
+            value = owned(value, inputs, held, _measured, _probed)
         elif isinstance(value, np.ndarray) and not _fresh(value, inputs, held, _measured):
-            value = np.array(value, copy=True, order="K")
+            value = np.array(value, copy=True, order="K")  # a subclass of ndarray
         result.append(value)
     return result
+
+
+def _own_memory(value: np.ndarray, storage: Any, inputs: Sequence[Any], held: Held) -> bool:
+    """Whether a storage not made by torch's allocator is over memory of no constant and no input
+    (``_fresh_tensor``'s last tests)."""
+    low = storage.data_ptr()
+    if held.starts and held.overlaps(low, low + storage.nbytes()):
+        return False
+    for given in inputs:
+        if type(given) is np.ndarray:
+            if np.may_share_memory(value, given):
+                return False
+        elif _is_cpu_tensor(given) and given.untyped_storage().data_ptr() == low:
+            return False
+    return True
 
 
 def _fresh(value: np.ndarray, inputs: Sequence[Any], held: Held,
@@ -97,6 +138,8 @@ def _fresh_tensor(value: np.ndarray, root: Any, counts: list[int], inputs: Seque
         _calibrate_torch()
     if counts != [_TENSOR_HEAD] or sys.getrefcount(root) != _TENSOR_REFS or uses != _STORAGE_USES:
         return False
+    if storage.resizable():
+        return True  # torch's allocator made it (see the module's docstring): no one else's memory
     low = storage.data_ptr()
     if held.overlaps(low, low + storage.nbytes()):
         return False
@@ -135,25 +178,37 @@ def _use_count(storage: Any) -> int:
     return sys.modules["torch"]._C._storage_Use_Count(storage)  # type: ignore[no-any-return]
 
 
-def _calibrate() -> tuple[int, int]:
+def _calibrate() -> tuple[int, int, int]:
     """The counts ``_chain`` sees on a fresh output array (the head) and on a fresh view's base (a
-    link), measured through the calls a run makes: the interpreter's own references count alike."""
+    link), and those ``owned`` sees on a fresh array at once, measured through the calls a run
+    makes: the interpreter's own references count alike."""
     measured: list[list[int]] = []
     owned([np.empty(2)], _measured=measured)
     owned([np.empty(4)[1:3]], _measured=measured)
     (head,), (_, link) = measured
-    return head, link
+    probed: list[tuple[int, int]] = []
+    owned([np.empty(2)], _probed=probed)
+    return head, link, probed[0][0]
 
 
 def _calibrate_torch() -> None:
-    """The same for a fresh torch-made output: the tensor's references and its storage's uses."""
-    global _TENSOR_HEAD, _TENSOR_REFS, _STORAGE_USES
+    """The same for a fresh torch-made output: the tensor's references and its storage's uses
+    (``_fresh_tensor``'s), then the view's and the tensor's references ``owned`` sees at once."""
+    global _TENSOR_HEAD, _TENSOR_REFS, _STORAGE_USES, _TENSOR, _STORAGE_USE
+    global _VIEW_ALONE, _TENSOR_ALONE
     import torch
 
     measured: list[list[int]] = []
     owned([torch.empty(4).numpy()], _measured=measured)
     _TENSOR_HEAD, _TENSOR_REFS, _STORAGE_USES = measured[0]
+    probed: list[tuple[int, int]] = []
+    owned([torch.empty(4).numpy()], _probed=probed)
+    (_VIEW_ALONE, _TENSOR_ALONE), = probed
+    _TENSOR, _STORAGE_USE = torch.Tensor, torch._C._storage_Use_Count
 
 
-_HEAD, _LINK = _calibrate()
+_TENSOR: Any = None  # torch.Tensor, once a torch-made output was calibrated
+_STORAGE_USE: Any = None
+_VIEW_ALONE = _TENSOR_ALONE = _ALONE = -1  # no output taken at once before they are measured
+_HEAD, _LINK, _ALONE = _calibrate()
 _TENSOR_HEAD = _TENSOR_REFS = _STORAGE_USES = -1  # measured at the first torch-made output

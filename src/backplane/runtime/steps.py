@@ -1,0 +1,217 @@
+"""A run's steps over numbered slots, and the loop that calls them (onnx.reference's "step 2").
+
+A loaded network (``loaded_network.py``) decides everything at load: each layer's workload, the
+slot each tensor lives in, when a slot can be dropped. What it hands a run is a ``Plan``: a tuple
+of ``Step``s, each a workload with the slots it reads and writes and the slots it was the last
+reader of. ``run_steps`` is then the whole hot path: call each step on its slots, write its
+results, clear what is dead.
+
+A MemImport between two kinds of host memory (the user's NumPy arrays and CpuAcc's torch tensors:
+``torch.from_numpy`` one way, ``.numpy()`` the other) hands one value over without a copy. Its step
+carries that handover as a plain function (``Step.convert``: value in, value out), prepared at
+load, which the loop calls in place of the workload: no argument list, no result tuple. The step
+keeps its workload for profiles and error messages.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory
+from backplane.ir.graph import Layer
+
+NONE_SLOT = 0  # always holds None: absent optional inputs read it, absent outputs write it
+
+
+class ExecutionError(RuntimeError):
+    """A workload failed at run time; the message names its layer."""
+
+
+class RunTerminated(ExecutionError):
+    """A run stopped between two layers: ``RunOptions.terminate`` was set, or its time ran out."""
+
+
+STOP: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "backplane_stop", default=None)
+"""The running run's check, called before each layer (control-flow bodies' included): raises
+``RunTerminated`` to stop it. None (the hot path's case): nothing is checked."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    workload: Workload
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    frees: tuple[int, ...]  # slots read for the last time by this step
+    convert: Callable[[Any], Any] | None = None
+    """A MemImport's handover as one function of its one input (``handover``), which the loop
+    calls instead of ``workload``; None for every other step."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run calls: the steps, the layers they run (for profiles and errors), the output slots
+    and the slots a run's values go in (its inputs, then the buffers its outputs are written into).
+    A network has its own plan for host inputs and outputs, and one per placement of the user's
+    tensors in device memory or in buffers (``LoadedNetwork.plan``)."""
+
+    steps: tuple[Step, ...]
+    layers: tuple[Layer, ...]
+    output_slots: tuple[int, ...]
+    input_slots: tuple[int, ...]
+
+
+class StepFailure(Exception):
+    """A step's workload raised ``error`` (``run_steps``): the caller names the step's layer."""
+
+    def __init__(self, step: Step, error: Exception) -> None:
+        super().__init__(step, error)
+        self.step, self.error = step, error
+
+
+def run_steps(steps: Sequence[Step], env: list[Any], stop: Any = None) -> None:
+    """The run loop: each step's workload called on its slots of ``env``, its results written to
+    its output slots, the slots it was the last reader of cleared; ``stop`` (a run's ``STOP``)
+    asked before each step where given. A workload's error comes out as a ``StepFailure`` naming
+    the step (``RunTerminated``, which ``stop`` raises, as it is)."""
+    step = None
+    try:
+        for step in steps:
+            if stop is not None:
+                stop()
+            convert = step.convert
+            if convert is not None:
+                env[step.outputs[0]] = convert(env[step.inputs[0]])
+            else:
+                reads = step.inputs
+                # one input read as it is: a list built per call costs more than the branch
+                results = step.workload(env[reads[0]]) if len(reads) == 1 \
+                    else step.workload(*[env[i] for i in reads])
+                for i, value in zip(step.outputs, results):
+                    env[i] = value
+            for i in step.frees:
+                env[i] = None
+    except RunTerminated:
+        raise
+    except Exception as exc:
+        raise StepFailure(step, exc) from exc  # type: ignore[arg-type]  # the loop named it
+
+
+def handover(layer: Layer, workload: Workload, created: Workload) -> Callable[[Any], Any] | None:
+    """The function a MemImport step runs (``Step.convert``): ``layer``'s source's ``export``
+    then its target's ``import_`` (what builtin's MemImport workload calls), with the host's
+    identity left out; None where ``layer`` is not a MemImport of builtin's or where the runtime
+    wrapped its workload (``created`` is the workload before: a wrapper must run)."""
+    if layer.op_type != "MemImport" or layer.backend != "builtin" or workload is not created:
+        return None
+    source, target = layer.attrs.get("source"), layer.attrs.get("target")
+    if not isinstance(source, TensorHandleFactory) or not isinstance(target, TensorHandleFactory):
+        return None
+    export, import_ = source.export, target.import_
+    if export is HOST_FACTORY.export:
+        return import_
+    if import_ is HOST_FACTORY.import_:
+        return export
+
+    def both(value: Any) -> Any:
+        return import_(export(value))
+
+    return both
+
+
+def plan_steps(layers: Sequence[Layer], workloads: Sequence[Workload], slots: dict[str, int],
+               keep: set[int], constant_slots: dict[tuple[int, str], str],
+               converts: Sequence[Callable[[Any], Any] | None] = ()) -> list[Step]:
+    """The steps, with every slot freed after its last reader (graph outputs and constants kept);
+    ``converts``, where given, the MemImport handovers of the layers (``handover``)."""
+    last_read: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for name in layer.inputs:
+            if name:
+                last_read[slots[name]] = index
+    produced = {slots[o] for layer in layers for o in layer.outputs if o}
+    frees: dict[int, list[int]] = {}
+    for slot, index in last_read.items():
+        if slot in produced and slot not in keep:
+            frees.setdefault(index, []).append(slot)
+    steps = []
+    for index, (layer, workload) in enumerate(zip(layers, workloads)):
+        ins = tuple(slots[constant_slots.get((id(layer), n), n)] if n else NONE_SLOT
+                    for n in layer.inputs)
+        outs = tuple(slots[o] if o else NONE_SLOT for o in layer.outputs)
+        convert = converts[index] if index < len(converts) else None
+        if convert is not None and (len(ins) != 1 or len(outs) != 1):
+            convert = None
+        steps.append(Step(workload, ins, outs, tuple(frees.get(index, ())), convert))
+    return steps
+
+
+def one_call(plan: Plan, template: Sequence[Any], loop: Callable[[Sequence[Any]], list[Any]],
+             failure: Callable[[Step, Exception], Exception],
+             ) -> Callable[[Sequence[Any]], list[Any]] | None:
+    """The plan of a network that is one partition (one step between the handovers of its inputs
+    and of its outputs: CpuAcc's compiled partition between ``torch.from_numpy`` and ``.numpy()``)
+    as one function of the run's inputs: each handover called on its value, the step on those,
+    the outputs' handovers on its results; no slots. None for any other plan. Under a stop
+    (``STOP`` set) it runs ``loop`` (the slots' loop, which asks before each step); a failure is
+    ``failure(step, error)``, as the loop's."""
+    work = [step for step in plan.steps if step.convert is None]
+    if len(work) != 1 or not plan.input_slots:
+        return None
+    (step,) = work
+    made = {slot: (k, s) for s in plan.steps if s.convert is not None for k, slot in
+            enumerate(s.outputs)}
+    position = {slot: p for p, slot in enumerate(plan.input_slots)}
+    reads = []  # per argument of the step: (input position or -1, handover, its step, constant)
+    for slot in step.inputs:
+        _, before = made.get(slot, (0, None))
+        source = before.inputs[0] if before is not None else slot
+        if source in position:
+            reads.append((position[source], before.convert if before else None, before or step,
+                          None))
+        elif before is None and slot not in position and template[slot] is not None \
+                or slot == NONE_SLOT:
+            reads.append((-1, None, step, template[slot]))
+        else:
+            return None
+    outs = []  # per output: (the step's output index, handover or None, its step)
+    for slot in plan.output_slots:
+        _, after = made.get(slot, (0, None))
+        source = after.inputs[0] if after is not None else slot
+        if source not in step.outputs or slot in position:
+            return None
+        outs.append((step.outputs.index(source), after.convert if after else None, after or step))
+    used = {id(step)} | {id(s) for _, _, s, _ in reads} | {id(s) for _, _, s in outs}
+    if any(id(s) not in used for s in plan.steps):  # a handover of something else: the loop
+        return None
+    workload = step.workload
+
+    def call(values: Sequence[Any]) -> list[Any]:
+        if STOP.get() is not None:
+            return loop(values)
+        at = step
+        try:
+            args = []
+            for index, convert, at, constant in reads:
+                args.append(constant if index < 0 else values[index] if convert is None
+                            else convert(values[index]))
+            at = step
+            results = workload(*args)
+            outputs = []
+            for index, convert, at in outs:
+                value = results[index]
+                outputs.append(convert(value) if convert is not None else
+                               np.asarray(value) if isinstance(value, np.generic) else value)
+            return outputs
+        except RunTerminated:
+            raise
+        except Exception as exc:
+            raise failure(at, exc) from exc
+
+    return call
