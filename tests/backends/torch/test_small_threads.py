@@ -1,6 +1,7 @@
-"""A small CpuAcc partition runs on one thread where that is as fast (issue 27, item 4): each
-Specialized signature's build is timed at one thread and at the caller's count (``small.py``); a
-busy machine takes one thread for a small build without comparing; a large one keeps the count."""
+"""A small CpuAcc partition runs on the fewest threads that are as fast (issue 27, item 4): each
+Specialized signature's build, and each static partition the background compiles, is timed at one
+thread and at the caller's count halved down to 2 (``small.py``); a busy machine takes one thread
+for a small build without comparing; a large one keeps the count."""
 
 from __future__ import annotations
 
@@ -115,3 +116,52 @@ def test_a_free_batch_cnn_on_a_busy_machine_runs_each_signature_on_one_thread(
         assert torch.get_num_threads() == 2
     built = list(_specialized(session).built.values())
     assert len(built) == 2 and all(isinstance(runner, small.OneThread) for runner in built)
+
+
+def test_the_fewest_threads_within_the_margin_of_the_fastest_are_kept(monkeypatch) -> None:
+    """On 16 CPUs the counts are 16, 8, 4, 2 and 1: 2 threads within MARGIN of 4's best is kept."""
+    assert small.counts(16) == [16, 8, 4, 2, 1] and small.counts(2) == [2, 1]
+    assert small.counts(6) == [6, 3, 1] and small.counts(1) == [1]
+    monkeypatch.setattr(threads, "crowded", lambda: False)
+    seconds = {16: 1.0e-4, 8: 0.5e-4, 4: 0.42e-4, 2: 0.45e-4, 1: 0.9e-4}
+    monkeypatch.setattr(small, "_seconds", lambda run, values: seconds[torch.get_num_threads()])
+    before = torch.get_num_threads()
+    torch.set_num_threads(16)
+    try:
+        seen, run = _recording()
+        chosen = small.fewer_threads(run, [torch.zeros(1)])
+        assert {8, 4, 2, 1} <= set(seen)  # each new count warmed up in this thread
+        assert type(chosen) is small.AtThreads and chosen.count == 2 and chosen.work is run
+        seen.clear()
+        chosen(torch.zeros(1))
+        assert seen == [2] and torch.get_num_threads() == 16
+        torch.set_num_threads(1)  # a caller at fewer threads than chosen keeps its own count
+        chosen(torch.zeros(1))
+        assert seen == [2, 1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_static_compiled_partition_given_two_threads_runs_on_one_where_that_is_not_slower(
+        two_threads, monkeypatch) -> None:
+    """A static partition that CpuAcc's background compiles (a OneDnnGraph layer) chooses its
+    threads as a Specialized build does, at a call once its routes are chosen (``small.static``)."""
+    from backplane.backends.torch import background
+
+    from tests.backends.torch.test_onednn_graph import MODEL, _graph_workload
+    from tests.models.test_models import DATA, assert_close, ort_outputs
+
+    monkeypatch.setattr(threads, "crowded", lambda: False)
+    session = InferenceSession(MODEL, backends=["CpuAcc", "CpuRef"], runtime=Runtime(RuntimeOptions(
+        backend_options={"CpuAcc.background": True, "CpuAcc.threads": 2})))
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    expected = ort_outputs(MODEL, feeds)
+    assert background.settle(lambda: assert_close(session.run(None, feeds), expected), 120)
+    undecided = _graph_workload(session).work  # Swapped -> the background's build
+    assert isinstance(undecided, small.Undecided)
+    # one thread as fast as two: kept (timed on the running thread, whatever the test's neighbours)
+    monkeypatch.setattr(small, "_seconds", lambda run, values: 1e-4)
+    for _ in range(3):
+        assert_close(session.run(None, feeds), expected)
+        assert torch.get_num_threads() == 2
+    assert isinstance(undecided.decided, small.OneThread)

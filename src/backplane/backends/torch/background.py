@@ -91,14 +91,15 @@ def deferred(make: Callable[[], Workload], name: str) -> Workload:
     ``make()`` built with every candidate (``_swap``)."""
     import torch
 
-    from backplane.backends.torch import threads
+    from backplane.backends.torch import small, threads
 
     with threads.deferred_scope():
         quick = make()
     if not getattr(quick, "deferred", False):
         return quick
     swapped = Swapped(quick)
-    _worker().put(weakref.ref(swapped), make, name, torch.get_num_threads())
+    # its threads chosen by its runs too, as a Specialized build's (``small.static``)
+    _worker().put(weakref.ref(swapped), small.static(make), name, torch.get_num_threads())
     return swapped
 
 

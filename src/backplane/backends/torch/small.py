@@ -10,10 +10,17 @@ that shares it is preempted in every region (that convolution: 79 us at 1 thread
 beside two busy neighbours). ONNX Runtime's pool likewise runs small operators on the calling
 thread.
 
+On a many-core machine the same holds between one thread and all: on a 16-CPU Xeon at torch's
+16 threads the full tier's lstm_bi2_ts14 ran in 18.3 ms and char_tagger_ts14 in 9.8, where ONNX
+Runtime on 2 cores takes 2.6 and 2.0 (issue 27).
+
 So when a Specialized layer builds a signature (``specialize``), ``fewer_threads`` times the build
-on the signature's values at one thread; under ``SMALL_SECONDS`` it times it at the calling
-thread's count too, alternating, and keeps one thread unless the count is ``MARGIN`` times faster
-(on a busy machine, ``threads.crowded``, one thread without comparing). A count given by
+on the signature's values at one thread; under ``SMALL_SECONDS`` it times it at each of
+``counts`` (the calling thread's count halved down to 2, and 1; on 16 CPUs 16, 8, 4, 2, 1),
+alternating, and keeps the fewest threads within ``MARGIN`` of the fastest (on a busy machine,
+``threads.crowded``, one thread without comparing). A static partition that CpuAcc's background
+builds (a compiled subgraph, ``background.deferred``) gets the same choice (``static``), made at
+a call once its routes are chosen (``Undecided``). A count given by
 ``CpuAcc.threads`` is then the most threads a partition may use, as ONNX Runtime's
 ``intra_op_num_threads`` is. ``torch.set_num_threads`` sets the calling thread's count for about
 0.2 us, so each call of a ``OneThread`` sets it and puts the caller's back (a oneDNN Graph keeps a
@@ -25,25 +32,36 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from backplane.backends.torch import background, trials
 
-SMALL_SECONDS = 1e-3
-"""A partition that runs slower than this on one thread keeps the caller's threads, untimed."""
+SMALL_SECONDS = 10e-3
+"""A partition that runs slower than this on one thread keeps the caller's threads, untimed (the
+comparison costs about 30 calls, once per build)."""
 MARGIN = 1.1
-"""One thread is kept unless the caller's count runs the partition this many times faster: one
-thread is what a busy machine wants, and it leaves the other CPUs to the caller."""
+"""The fewest threads are kept unless more run the partition this many times faster: fewer
+threads are what a busy machine wants, and they leave the other CPUs to the caller."""
 REPEAT = 5
 
 
+def counts(most: int) -> list[int]:
+    """The thread counts ``fewer_threads`` compares: ``most``, halved down to 2, and 1 (16: 16, 8,
+    4, 2, 1; 2: 2, 1)."""
+    found = [most]
+    while found[-1] // 2 >= 2:
+        found.append(found[-1] // 2)
+    return found + [1] if most > 1 else found
+
+
 def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
-    """``run`` (a partition built for the shapes of ``values``), or ``OneThread(run)`` where one
-    thread runs it in under ``SMALL_SECONDS`` and not ``MARGIN`` times slower than the calling
-    thread's count (timed on ``values``, the calls alternating; on a busy machine, ``crowded``,
-    one thread without the comparison)."""
+    """``run`` (a partition built for the shapes of ``values``), or ``AtThreads(run, count)`` for
+    the fewest of ``counts`` (the calling thread's count halved) that runs it within ``MARGIN`` of
+    the fastest, where one thread runs it in under ``SMALL_SECONDS`` (timed on ``values``, the
+    counts alternating; on a busy machine, ``crowded``, one thread without the comparison)."""
     import torch
 
     from backplane.backends.torch import threads
@@ -51,7 +69,7 @@ def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
     most = torch.get_num_threads()
     if most == 1:
         return run
-    with one_thread():
+    with at_threads(1):
         for _ in range(2):  # a oneDNN Graph compiles its partitions for this count at its first calls
             run(*values)
         alone = min(_seconds(run, values) for _ in range(2))
@@ -59,12 +77,27 @@ def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
         return run
     if threads.crowded():
         return OneThread(run)
-    one = many = math.inf
+    times = _timed(run, values, counts(most))
+    fastest = min(times.values())
+    count = min(n for n, t in times.items() if t <= fastest * MARGIN)
+    if count == most:
+        return run
+    return OneThread(run) if count == 1 else AtThreads(run, count)
+
+
+def _timed(run: Any, values: Sequence[Any], candidates: list[int]) -> dict[int, float]:
+    """Each count's best of ``REPEAT`` calls, the counts alternating (each called twice untimed
+    first: a oneDNN Graph compiles for a count at its first call)."""
+    for count in candidates[1:-1]:  # the caller's count and one thread ran already
+        with at_threads(count):
+            for _ in range(2):
+                run(*values)
+    best = dict.fromkeys(candidates, math.inf)
     for _ in range(REPEAT):
-        with one_thread():
-            one = min(one, _seconds(run, values))
-        many = min(many, _seconds(run, values))
-    return OneThread(run) if one <= many * MARGIN else run
+        for count in candidates:
+            with at_threads(count):
+                best[count] = min(best[count], _seconds(run, values))
+    return best
 
 
 def deciding(run: Any, values: Sequence[Any]) -> Any:
@@ -76,6 +109,29 @@ def deciding(run: Any, values: Sequence[Any]) -> Any:
     if background.settled():
         return fewer_threads(run, values)
     return Undecided(run)
+
+
+_building = threading.local()  # .on: making the workloads of a build that ``deciding`` wraps
+
+
+@contextlib.contextmanager
+def whole() -> Iterator[None]:
+    """The workloads made in the block are parts of a build whose threads are chosen whole
+    (``deciding``, a Specialized signature's): ``static`` leaves theirs as they are."""
+    was, _building.on = getattr(_building, "on", False), True
+    try:
+        yield
+    finally:
+        _building.on = was
+
+
+def static(make: Callable[[], Any]) -> Callable[[], Any]:
+    """``make`` (of a static partition's workload, which CpuAcc's background builds), its workload
+    an ``Undecided`` (its threads chosen as a Specialized build's are, once its routes are) unless
+    it is made as part of a build chosen ``whole``."""
+    if getattr(_building, "on", False):
+        return make
+    return lambda: Undecided(make())
 
 
 class Undecided:
@@ -113,53 +169,67 @@ def _seconds(run: Any, values: Sequence[Any]) -> float:
 
 
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """The calling thread at one torch thread, its own count back after."""
+def at_threads(count: int) -> Iterator[None]:
+    """The calling thread at ``count`` torch threads, its own count back after."""
     import torch
 
     before = torch.get_num_threads()
-    if before != 1:
-        torch.set_num_threads(1)
+    if before != count:
+        torch.set_num_threads(count)
     try:
         yield
     finally:
-        if before != 1:
+        if before != count:
             torch.set_num_threads(before)
 
 
-class OneThread:
-    """A workload called at one torch thread (the caller's count back after each call); its other
-    attributes (``route``, ``why``, ``profiled``, ...) are the workload's."""
+class AtThreads:
+    """A workload called at ``count`` torch threads, or the caller's count where that is fewer
+    (the caller's count back after each call); its other attributes (``route``, ``why``,
+    ``profiled``, ...) are the workload's."""
 
-    __slots__ = ("work", "_get", "_set")
+    __slots__ = ("work", "count", "_get", "_set")
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, count: int) -> None:
         import torch
 
-        self.work, self._get, self._set = work, torch.get_num_threads, torch.set_num_threads
+        self.work, self.count = work, count
+        self._get, self._set = torch.get_num_threads, torch.set_num_threads
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         before = self._get()
-        if before == 1:
+        if before <= self.count:
             return self.work(*inputs)
-        self._set(1)
+        self._set(self.count)
         try:
             return self.work(*inputs)
         finally:
             self._set(before)
 
     def __getattr__(self, name: str) -> Any:
-        if name in OneThread.__slots__:  # not set yet (copy, pickle): no recursion
+        if name in AtThreads.__slots__:  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         found = getattr(self.work, name)
         if name == "profiled":
-            return functools.partial(_at_one_thread, found)
+            return functools.partial(_at, self.count, found)
         return found
+
+    def __repr__(self) -> str:
+        return f"AtThreads({self.work!r}, {self.count})"
+
+
+class OneThread(AtThreads):
+    """``AtThreads`` at one thread."""
+
+    __slots__ = ()
+
+    def __init__(self, work: Any) -> None:
+        super().__init__(work, 1)
 
     def __repr__(self) -> str:
         return f"OneThread({self.work!r})"
 
 
-def _at_one_thread(call: Any, *inputs: Any) -> Any:
-    with one_thread():
+def _at(count: int, call: Any, *inputs: Any) -> Any:
+    with at_threads(count):
         return call(*inputs)

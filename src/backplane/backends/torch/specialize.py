@@ -140,7 +140,8 @@ def _build(layer: Layer, backend: Any, values: Sequence[Any]) -> Callable[..., A
             for sub in views.substitutions:
                 _substitute(graph, sub.substitutable.layers, sub.replacement, backend.id,
                             PlacementReport([backend.id]))
-        run = _loaded(graph, backend)
+        with small.whole():  # its threads chosen for the whole build, not per compiled part
+            run = _loaded(graph, backend)
         if backend.capabilities().get("HostThreads") == "openmp":  # CpuAcc
             run = small.deciding(run, values)
         return run
