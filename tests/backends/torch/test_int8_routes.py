@@ -277,3 +277,22 @@ def test_a_traced_qoperator_graph_keeps_the_float_route(tmp_path: Path) -> None:
     step = output_step(path)
     got = session.run(None, feeds(0))[0]
     assert float(np.max(np.abs(got - ort_run(path, feeds(0))[0]))) <= step * 1.001
+
+
+def test_a_round_trip_of_a_fresh_tensor_runs_in_its_memory(tmp_path: Path) -> None:
+    """A QDQ hard-swish's round trips after HardSigmoid and Mul (kernels that always return a
+    new tensor, read by the round trip alone) run in place; one whose input others read too
+    does not; the outputs are CpuRef's within one step either way."""
+    path = tmp_path / "q.onnx"
+    quantization.quantize_static(hard_swish_cnn(tmp_path / "cnn.onnx"), path,
+                                 RandomReader("x", SHAPE),
+                                 quant_format=quantization.QuantFormat.QDQ)
+    session = InferenceSession(path, backends=[("CpuAcc", {"compile": "layers"}), "CpuRef"])
+    trips = {lay.name.split("_QuantizeLinear")[0]: lay.attrs["fresh"]
+             for lay in _all_layers(session)
+             if lay.op_type == "QuantDequant" and not lay.attrs["layers"]}
+    assert trips["h0"] and trips["s0"], trips
+    assert not any(fresh for name, fresh in trips.items() if name not in ("h0", "s0")), trips
+    step = output_step(path)
+    want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds(0))[0]
+    assert float(np.max(np.abs(session.run(None, feeds(0))[0] - want))) <= step * 1.001

@@ -83,9 +83,18 @@ def match_quant_dequant(quantize: Layer, ctx: Context) -> tuple[list[Layer], Lay
     if found is None:
         return None
     group, attrs = found
+    made = ctx.graph.producers().get(quantize.inputs[0])
+    fresh = made is not None and not made.domain and made.op_type in FRESH_OPS \
+        and ctx.sole(quantize.inputs[0]) is quantize
     fused = Layer("+".join(lay.name for lay in group), "QuantDequant", [quantize.inputs[0]],
-                  [group[-1].outputs[0]], {**attrs, "layers": []}, FUSED_DOMAIN, 1)
+                  [group[-1].outputs[0]], {**attrs, "layers": [], "fresh": fresh}, FUSED_DOMAIN, 1)
     return group, fused
+
+
+FRESH_OPS = frozenset({"Add", "Sub", "Mul", "HardSigmoid"})
+"""Ops whose CpuAcc kernels always return a new tensor: a round trip that alone reads one's
+output runs in its memory (a QDQ hard-swish's HardSigmoid and Mul: a new tensor each was one
+more pass and, at 224x224, fresh pages)."""
 
 
 def then_quant_dequant(matcher: Matcher) -> Matcher:
@@ -190,7 +199,8 @@ def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Work
     else:
         round_trip = _round_trip(layer.attrs["into"], layer.attrs["back"])
     if not layer.attrs["layers"]:
-        return lambda x: (round_trip(x, False),)
+        fresh = bool(layer.attrs.get("fresh"))  # x is ours to change (``FRESH_OPS``)
+        return lambda x: (round_trip(x, fresh),)
     (inner,) = layer.attrs["layers"]
     if layer.attrs.get("compute"):  # inside a Reduced layer: what it holds computes alike
         inner = Layer(inner.name, inner.op_type, inner.inputs, inner.outputs,
