@@ -442,8 +442,10 @@ def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
     """The int8 route of a fused QLinearConv or ``float_route()`` (bit for bit CpuRef's), as
     ``CpuAcc.int8`` says: "auto" the int8 one where known faster, else the faster measured once
     per shape, "kernels" the int8 one, "exact" the float one. In a trace (``Traced``) "auto"
-    takes the float route, which TorchScript holds: the small tier's QOperator ResNet ran its
-    int8 layers one by one, untraced, 0.36 -> 0.78 ms a run (2 threads)."""
+    takes the float route, which TorchScript holds, below ``KNOWN_MACS``: the small tier's
+    QOperator ResNet ran its int8 layers one by one, untraced, 0.36 -> 0.78 ms a run (2 threads);
+    from it the int8 route, which no trace holds (the full tier's QOperator ResNet traced on the
+    float route ran 20.3 ms, its int8 layers one by one 4.0, 1 thread)."""
     import torch
 
     from backplane.backends.torch.fusion.patterns import because, fastest
@@ -451,7 +453,8 @@ def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
 
     mode = _mode(backend)
     if mode == "exact" or "x86" not in torch.backends.quantized.supported_engines \
-            or mode == "auto" and _for_a_trace(backend):
+            or mode == "auto" and _for_a_trace(backend) \
+            and not known_faster(layer.attrs, KNOWN_MACS, grouped=True):
         return float_route()
 
     def made() -> Any:
