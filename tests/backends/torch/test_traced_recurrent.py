@@ -1,6 +1,7 @@
 """A recurrent layer whose kernel runs its steps on one thread (``recurrent.runs_alone``) is kept
-out of a trace loaded at more threads, which would hold its ops but not the thread count; the
-layers around it are traced in runs of their own, and the whole computes what CpuRef computes."""
+out of a trace loaded at more threads on a busy machine, which would hold its ops but not the
+thread count; the layers around it are traced in runs of their own, and the whole computes what
+CpuRef computes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import threads  # noqa: E402
+from backplane.backends.torch.fusion import traced as traced_module  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
 
@@ -57,12 +59,15 @@ def _where_lstm_runs(session: InferenceSession) -> str:
     raise AssertionError("no LSTM layer")
 
 
-@pytest.mark.parametrize("hidden, steps, count, where", [
-    (32, SEQ, 2, "alone"), (256, SEQ, 2, "alone"), (384, SEQ, 2, "traced"), (32, 1, 2, "traced"),
-    (32, SEQ, 1, "traced")])
+@pytest.mark.parametrize("hidden, steps, count, busy, where", [
+    (32, SEQ, 2, True, "alone"), (256, SEQ, 2, True, "alone"), (384, SEQ, 2, True, "traced"),
+    (32, 1, 2, True, "traced"), (32, SEQ, 1, True, "traced"), (32, SEQ, 2, False, "traced")])
 def test_a_recurrence_on_one_thread_is_not_traced(monkeypatch, hidden: int, steps: int,
-                                                  count: int, where: str) -> None:
-    monkeypatch.setattr(threads, "crowded", lambda: False)
+                                                  count: int, busy: bool, where: str) -> None:
+    """On a busy machine only: on a quiet one the partner thread is not preempted and the trace
+    is faster (lstm_bi2_ts14 at 2 threads: 0.37 ms a run traced whole, 0.55-0.60 apart)."""
+    monkeypatch.setattr(threads, "crowded", lambda: False)  # a load that compiles
+    monkeypatch.setattr(traced_module, "_busy", lambda: busy)  # the load average it reads for the LSTM
     model = _tagger(hidden, steps)
     before = torch.get_num_threads()
     torch.set_num_threads(count)

@@ -21,14 +21,15 @@ float16 outputs rounded once), as ONNX Runtime's CPU runs such models. With ``Cp
 "auto" the faster of the two on the sample is kept (and remembered in the route cache);
 "onednn_graph" keeps the trace whenever there is one; "layers" never traces. The trace uses the routes TorchScript can hold (``onednn_graph.TRACEABLE_ROUTES``:
 a prepacked oneDNN weight is no TorchScript constant), without oneDNN Graph's fuser. A recurrent
-layer whose kernel runs on one thread (``recurrent.runs_alone``) is left out of traces: a trace
-keeps its ops, not the thread count its kernel sets around them.
+layer whose kernel runs on one thread (``recurrent.runs_alone``) is left out of traces on a busy
+machine: a trace keeps its ops, not the thread count its kernel sets around them.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -182,6 +183,21 @@ def _traceable(layer: Layer, graph: Graph) -> bool:
 RECURRENT = frozenset({"RNN", "GRU", "LSTM"})
 
 
+def _busy() -> bool:
+    """Whether more tasks are runnable than this process has CPUs (the load average), read
+    whatever path this load takes (a background build on a busy machine reads False from
+    ``threads.crowded``); never where ``threads.CROWDED_CHECK`` is off (the tests' conftest)."""
+    from backplane.backends.torch import threads
+
+    if not threads.CROWDED_CHECK:
+        return False
+    try:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return os.getloadavg()[0] > (cpus or 1)
+    except OSError:
+        return False
+
+
 def _alone(layer: Layer, graph: Graph) -> bool:
     """Whether a recurrent layer runs its steps on one thread (``recurrent.runs_alone``): a trace
     holds its ops but not the thread count its kernel sets around them, and at two threads each
@@ -189,12 +205,14 @@ def _alone(layer: Layer, graph: Graph) -> bool:
     2.7 ms a layer against 0.6-1.2 on one). Unknown shapes count as alone; one step (a cell, no
     thread change) does not, nor any where this thread runs one (the kernel changes nothing there,
     and the trace saves a call: the small tier's CRNN 1.25-1.34 ms a run traced whole, 1.49-1.50
-    with its LSTM apart, 1 thread)."""
+    with its LSTM apart, 1 thread), nor on a machine not busy (``_busy``), where the partner thread
+    is not preempted and the trace is faster: lstm_bi2_ts14 at 2 threads, load 1.4, small tier
+    0.37 ms a run traced whole against 0.55-0.60 apart, full tier 2.32 against 3.05)."""
     import torch
 
     from backplane.backends.torch.kernels.recurrent import runs_alone
 
-    if torch.get_num_threads() == 1:
+    if torch.get_num_threads() == 1 or not _busy():
         return False
     shape = graph.info(layer.inputs[0]).shape
     weight = graph.constants.get(layer.inputs[2]) if len(layer.inputs) > 2 else None
