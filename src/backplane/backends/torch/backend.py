@@ -247,9 +247,9 @@ class CpuAcc(TorchBackend):
         "CpuAcc.conv_route": "auto (measured), onednn, torch or gemm (1x1 only)",
         "CpuAcc.linear_route": "auto (measured), mkl or onednn",
         "CpuAcc.compile": "auto, onednn_graph or layers",
-        "CpuAcc.background": "True (the default: a load takes its routes at once; a background "
-                             "thread builds and compiles, swaps them in, the runs time them) or "
-                             "False (measured and compiled at load)",
+        "CpuAcc.background": "False (the default: measured and compiled at load) or True (a load "
+                             "takes its routes at once; a background thread builds and compiles, "
+                             "swaps them in, the runs time them)",
         "CpuAcc.route_cache": "keep measured routes on disk (True)",
         "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
         "CpuAcc.precision": "fp32, or bf16 on CPUs with bfloat16 instructions (AVX512-BF16, AMX)",

@@ -6,19 +6,19 @@ Graph or TorchScript, then timed against its layers (``onednn_graph``, ``traced`
 session took 0.3-0.5 s so on a quiet 2-core machine and 5-9 s while other jobs kept it busy, where
 ONNX Runtime's takes 0.02-0.03 s (issue 27, item 5).
 
-So a CpuAcc load (``CpuAcc.background``, on by default) makes each such workload as a busy machine
-would, at once: the first route, the layers one by one (``threads.deferring``). Each of those
-stand-ins is marked ``deferred``; ``deferred`` wraps it in a ``Swapped`` and queues the real make
-for one background thread per process. That thread builds every candidate (packs weights, traces,
-compiles, checks a compile against the layers: none of it depends on the thread) and swaps the
-result in between two runs; a run reads the workload once per call, so a run is whole. It times
-nothing: a route timed there is not the one that runs (OpenMP gives each thread its own team; see
-``trials``), so where a layer has candidates the swapped-in workload is a ``trials.Trial`` that the
-network's own calls time, in the thread that runs them, and that writes its choice to the route
-cache only where it timed it alone on a quiet machine. On a busy machine (``threads.crowded``) the
-thread builds each layer's first route, a subgraph compiled where it compiles (oneDNN Graph's CNN
-partitions, traced transformers: what pays without timing; ``traced.UNTIMED_LAYERS``), untimed and
-kept nowhere.
+So a CpuAcc load with ``CpuAcc.background`` True (off by default: see ``DEFAULT``) makes each such
+workload as a busy machine would, at once: the first route, the layers one by one
+(``threads.deferring``). Each of those stand-ins is marked ``deferred``; ``deferred`` wraps it in a
+``Swapped`` and queues the real make for one background thread per process. That thread builds every
+candidate (packs weights, traces, compiles, checks a compile against the layers: none of it depends
+on the thread) and swaps the result in between two runs; a run reads the workload once per call, so
+a run is whole. It times nothing: a route timed there is not the one that runs (OpenMP gives each
+thread its own team; see ``trials``), so where a layer has candidates the swapped-in workload is a
+``trials.Trial`` that the network's own calls time, in the thread that runs them, and that writes
+its choice to the route cache only where it timed it alone on a quiet machine. On a busy machine
+(``threads.crowded``) the thread builds each layer's first route, a subgraph compiled where it
+compiles (oneDNN Graph's CNN partitions, traced transformers: what pays without timing;
+``traced.UNTIMED_LAYERS``), untimed and kept nowhere.
 
 ``wait`` blocks until the queue is done; ``settle`` also runs a network until its routes are
 chosen (the CLI and the benches call it before they time runs); ``settled`` says whether every
@@ -41,10 +41,14 @@ from backplane.backends.api.backend import Workload
 
 log = logging.getLogger("backplane.torch")
 
-DEFAULT = True
-"""``CpuAcc.background``'s default: a load that does not wait. Off (False), a load measures and
-compiles in the loading thread before it returns (what an artifact's compile does, and what the
-tests' conftest sets: a test checks what a load chose)."""
+DEFAULT = False
+"""``CpuAcc.background``'s default. Off: a load measures and compiles in the loading thread before
+it returns (what an artifact's compile does, and what the tests' conftest sets: a test checks what a
+load chose). On (True), a load does not wait, but what its runs choose is not yet as fast: the
+corpus's full tier on a quiet machine (this 2-core AMD EPYC, load 1.3, 2 threads, `bench/wild.py
+--tier full --rounds 1`, ms a run, on / off): gpt_causal_ts15 7.7 / 4.47, encoder4_plain_dyn18 4.75
+/ 2.97, bytes_int32_dyn20 2.07 / 1.95; the small tier's lstm_bi2_ts14 0.505 / 0.338. Where the
+choices go wrong is not found yet (the Trials' timing or the thread choice after them)."""
 
 
 class Swapped:
