@@ -108,13 +108,12 @@ def test_large_convolutions_take_int8_untimed_on_a_busy_machine(fmt: str, busy: 
     path = quantized(tmp_path, fmt)
     session = InferenceSession(path, backends=[("CpuAcc", {"compile": "layers",
                                                            "route_cache": False}), "CpuRef"])
-    op = "QuantDequant" if fmt == "QDQ" else "QLinearConv"
-    routes = [(getattr(w, "route", None), getattr(w, "why", "")) for w in
-              inner_workloads(session, op) if getattr(w, "route", None) in ("int8", "float")
-              or op == "QLinearConv"]
+    routes = [(getattr(w, "route", None), getattr(w, "why", ""))
+              for w in inner_workloads(session, "QLinearConv")]
     known = [why == int8.KNOWN_FASTER for _, why in routes]
-    # the stem (QOperator: its QuantizeLinear and MaxPool taken) and both 3x3 convolutions; the
-    # depthwise one as a QLinearConv (int8.QOPERATOR_MACS), not as a QDQ convolution
+    # the stem (its QuantizeLinear and MaxPool taken) and both 3x3 convolutions (QDQ: chained in
+    # integers, qdq_chain); the depthwise one too as a QLinearConv (int8.QOPERATOR_MACS), not as a
+    # QDQ convolution (below qdq_chain.CHAIN_MACS: a QuantDequant timed, float on a busy machine)
     assert known == [True] * (3 if fmt == "QDQ" else 4), routes
     step = output_step(path)
     for seed in range(3):
@@ -143,13 +142,17 @@ def test_a_free_batch_qoperator_cnn_is_fused_in_its_build(busy: None, tmp_path: 
     assert convs[2].attrs["residual"] is not None
 
 
-def test_a_compiled_qdq_cnn_is_checked_in_quantization_steps(tmp_path: Path) -> None:
+def test_a_compiled_qdq_cnn_is_checked_in_quantization_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compile's check takes a QDQ subgraph whose outputs differ from its layers' by one
     step in a few values (as ONNX Runtime's differ from CpuRef's): ONNX Runtime's QDQ model
     here is one OneDnnGraph, compiled, within one step of ONNX Runtime (its float convolutions'
-    sums flip ties against CpuRef's and ONNX Runtime's)."""
+    sums flip ties against CpuRef's and ONNX Runtime's). Its convolutions taken as small ones
+    (below ``qdq_chain.CHAIN_MACS``, not chained in integers), as the small tier's are."""
+    from backplane.backends.torch.fusion import qdq_chain
     from tests.backends.torch.test_qdq_compiled import _graph_layer, _workload
 
+    monkeypatch.setattr(qdq_chain, "CHAIN_MACS", 1 << 40)
     path = quantized(tmp_path, "QDQ")
     session = InferenceSession(path, backends=[("CpuAcc", {"compile": "onednn_graph",
                                                            "route_cache": False})])

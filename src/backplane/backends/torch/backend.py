@@ -289,7 +289,7 @@ class CpuAcc(TorchBackend):
         if specialized is not None:
             return specialized
         compute = reduced.reduced_type(self.options)
-        views = fusion.fuse(view, compute)
+        views = fusion.fuse(view, compute, self.options.get("CpuAcc.int8", "auto"))
         if compute is not None or self.options.get("CpuAcc.compile") == "layers":
             return views
         return traced.whole(view, views)

@@ -26,7 +26,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   (several such branches of one DynamicQuantizeLinear as one, ``dynamic_quant``);
   ONNX Runtime's QGemm and DynamicQuantizeMatMul by constant weights (``contrib_quant``);
   elementwise layers of one 8-bit tensor (a QOperator hard-swish, QLinearSigmoid) as one
-  ``Lookup``, a table of its 256 values (``lookup``).
+  ``Lookup``, a table of its 256 values (``lookup``); large QDQ convolutions as QLinearConvs
+  passing 8-bit integers from one to the next (``qdq_chain``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
@@ -46,7 +47,7 @@ from collections.abc import Callable
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
-from backplane.backends.torch.fusion import onednn_graph
+from backplane.backends.torch.fusion import onednn_graph, qdq_chain
 from backplane.backends.torch.fusion import reduced as reduced_precision
 from backplane.backends.torch.fusion.contrib_quant import (
     match_dynamic_quantize_matmul,
@@ -64,6 +65,7 @@ from backplane.backends.torch.fusion.dynamic_quant import (
     dynamic_matmul_workload,
     match_dynamic_matmul,
 )
+from backplane.backends.torch.fusion.qdq_chain import match_qdq_conv
 from backplane.backends.torch.fusion.qlinear import (
     match_qlinear_conv,
     match_qlinear_matmul,
@@ -81,16 +83,19 @@ from backplane.backends.torch.fusion.squeeze_excite import (
 from backplane.ir.graph import Layer, SubgraphView
 
 
-def fuse(view: SubgraphView, reduced: str | None = None) -> OptimizationViews:
+def fuse(view: SubgraphView, reduced: str | None = None,
+         int8: str = "auto") -> OptimizationViews:
     """The view's patterns fused; then the whole view as one OneDnnGraph where it can be, else,
-    computing in ``reduced`` (``CpuAcc.precision``), as one Reduced layer."""
+    computing in ``reduced`` (``CpuAcc.precision``), as one Reduced layer. Large QDQ convolutions
+    are chained in integers (``qdq_chain``) unless ``int8`` (``CpuAcc.int8``) is "exact"."""
     graph = view.graph
     assert graph is not None, "the optimizer always gives views of a graph"
     ctx = Context(view, graph, graph.consumers(), set(map(id, view.layers)))
     views = OptimizationViews()
+    matchers = MATCHERS if int8 == "exact" or reduced is not None else INT8_MATCHERS
     for layer in view.layers:
         key = f"{layer.domain}::{layer.op_type}" if layer.domain else layer.op_type
-        matcher = MATCHERS.get(key, None if layer.domain else match_linear)
+        matcher = matchers.get(key, None if layer.domain else match_linear)
         if id(layer) in ctx.taken or matcher is None:
             continue
         match = matcher(layer, ctx)
@@ -126,7 +131,27 @@ def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[La
             ordered += fused_at[id(layer)]
         elif id(layer) not in taken:
             ordered.append(layer)
-    return ordered
+    return _unread_dequantizes_dropped(ordered, layers, substitutions)
+
+
+def _unread_dequantizes_dropped(ordered: list[Layer], layers: list[Layer],
+                                substitutions: list[Substitution]) -> list[Layer]:
+    """``ordered`` less the DequantizeLinears whose output no layer of it reads and nothing
+    outside the subgraph (``layers``, before fusion) reads: each of their readers took the
+    integers instead (``qdq_chain``)."""
+    graph = substitutions[0].substitutable.graph if substitutions else None
+    if graph is None:
+        return ordered
+    read = {name for layer in ordered for name in layer.inputs}
+    inside = {id(layer) for layer in layers}
+    consumers = graph.consumers()
+
+    def unread(layer: Layer) -> bool:
+        return layer.op_type == "DequantizeLinear" and not layer.domain and all(
+            name not in read and name not in graph.outputs
+            and all(id(user) in inside for user in consumers.get(name, []))
+            for name in layer.outputs)
+    return [layer for layer in ordered if not unread(layer)]
 
 
 MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {
@@ -141,6 +166,9 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
+INT8_MATCHERS = {**MATCHERS, "Conv": qdq_chain.first_of(match_qdq_conv, MATCHERS["Conv"]),
+                 "QuantizeLinear": qdq_chain.unless_chained(match_quant_dequant)}
+"""``MATCHERS`` with large QDQ convolutions chained in integers (not with ``CpuAcc.int8`` exact)."""
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {

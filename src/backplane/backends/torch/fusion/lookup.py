@@ -69,6 +69,8 @@ def _region(first: Layer, x: str, ctx: Context) -> list[Layer]:
         if id(layer) not in ctx.inside or id(layer) in ctx.taken \
                 or (layer.domain, layer.op_type) not in OPS:
             continue
+        if layer is not first and _feeds_others(layer, ctx):
+            continue  # its integers leave instead (a QDQ convolution after it reads them)
         names = [n for n in layer.inputs if n]
         scalars = all(n in made or (ctx.const(n) is not None and ctx.const(n).size == 1)
                       for n in names)
@@ -78,6 +80,13 @@ def _region(first: Layer, x: str, ctx: Context) -> list[Layer]:
         elif layer is first:
             break
     return group
+
+
+def _feeds_others(layer: Layer, ctx: Context) -> bool:
+    """A DequantizeLinear read by a layer no table takes (a QDQ convolution, ``qdq_chain``)."""
+    return layer.op_type == "DequantizeLinear" and not layer.domain and any(
+        (user.domain, user.op_type) not in OPS for name in layer.outputs
+        for user in ctx.consumers.get(name, []))
 
 
 def lookup_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
