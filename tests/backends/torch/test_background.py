@@ -74,6 +74,21 @@ def _trials_in(workload) -> list:
     return found
 
 
+def _chosen_trials(workload) -> list:
+    """The Trials a run calls now: each chosen Trial's nested ones of its chosen candidate only
+    (a candidate not chosen keeps its own undecided while its Trial watches the thread count)."""
+    found, todo = [], [workload]
+    while todo:
+        item = todo.pop()
+        while not isinstance(item, trials.Trial) and hasattr(item, "work"):
+            item = item.work  # Governed, Swapped
+        if isinstance(item, trials.Trial):
+            found.append(item)
+            names = [n for n, run in item.candidates.items() if run is item.chosen]
+            todo += [t for n in (names or item.children) for t in item.children.get(n, [])]
+    return found
+
+
 def _run_until_settled(session, feeds, expected, most: int = 400) -> int:
     """Runs until the background is done and every route is chosen; each run's outputs checked."""
     assert background.wait(120)
@@ -148,7 +163,7 @@ def test_a_run_beside_the_backgrounds_work_is_not_timed(cache, monkeypatch) -> N
     finally:
         release.set()
         assert background.wait(120)
-    found = _trials_in(_graph_workload(session))
+    found = _chosen_trials(_graph_workload(session))
     assert found and all(t.chosen is not None for t in found)
     assert all(s == [] for t in found for s in t.samples.values())
     assert "no call could be timed; not kept" in _graph_workload(session).why
@@ -169,7 +184,7 @@ def test_a_trial_takes_the_fastest_by_median_and_waits_for_its_nested_trials() -
     while not outer.settled():
         assert outer(1, 2) == (1, 2)  # every call's output is one candidate's
         calls += 1
-        assert calls < 100
+        assert calls < 100 + 2 * trials.WATCH  # each watches the thread count after its choice
     assert inner.chosen is quick and "quick: timed fastest" in quick.why
     assert "nested: timed fastest" in outer.why  # 0.5 ms once its inner Trial chose, against 3
     assert len(outer.samples["nested"]) == trials.SAMPLES  # none taken while inner chose
@@ -181,6 +196,38 @@ def test_a_trial_begins_its_samples_again_at_another_thread_count() -> None:
         trial._record("a", 0.001, 2)
     trial._record("b", 0.001, 1)  # the thread policy went to one thread
     assert trial.at == 1 and trial.samples == {"a": [], "b": []} and trial.chosen is None
+
+
+def test_a_choice_is_timed_again_at_the_thread_count_its_partition_then_runs_at() -> None:
+    """Chosen at 2 threads, then run at one (``small.fewer_threads``' choice for its partition):
+    the candidates are timed again there; a comparison of counts (4 calls in a row at one, then
+    alternating) does not begin them again."""
+    from backplane.backends.torch.small import at_threads
+
+    def at(seconds: dict[int, float]):
+        def run(*values):
+            threading.Event().wait(seconds[torch.get_num_threads()])
+            return values
+        return run
+
+    wide, narrow = at({2: 0.0005, 1: 0.004}), at({2: 0.004, 1: 0.0005})
+    trial = trials.Trial({"wide": wide, "narrow": narrow}, {}, None)
+    with at_threads(2):
+        while trial.chosen is None:
+            trial(1)
+    assert trial.chosen is wide and trial.at == 2
+    for count in [1, 1, 1, 1] + [2, 1] * 5:  # what fewer_threads' comparison calls
+        with at_threads(count):
+            trial(1)
+    assert trial.chosen is wide and not trial.final
+    calls = 0
+    with at_threads(1):
+        while not trial.settled():
+            assert trial(1) == (1,)
+            calls += 1
+            assert calls < 100 + trials.WATCH
+    assert trial.chosen is narrow and trial.at == 1 and list(trial.candidates) == ["narrow"]
+    assert "narrow: timed fastest" in narrow.why
 
 
 def test_on_a_busy_machine_the_background_compiles_untimed_and_keeps_nothing(
@@ -303,7 +350,8 @@ def test_a_small_builds_threads_are_chosen_after_the_background_swapped_its_work
     assert undecided.decided is None  # still behind the gate: the caller's threads
     held_back.set()
     assert background.settle(lambda: assert_close(session.run(None, feeds), expected), 120)
-    assert undecided.decided is None  # its last call found its routes chosen: the next chooses
+    # chosen once its routes were, on the swapped-in workloads, timed; its routes then watched
+    # the thread count it chose (``trials.WATCH``) before settling
+    assert undecided.decided is not None
     assert_close(session.run(None, feeds), expected)
-    assert undecided.decided is not None  # chosen once, on the swapped-in workloads, timed
     assert isinstance(undecided.decided, small.OneThread) or undecided.decided is undecided.work

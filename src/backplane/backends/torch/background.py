@@ -140,18 +140,18 @@ def wait(timeout: float | None = None) -> bool:
 
 def settle(run: Callable[[], Any], timeout: float = 60.0) -> bool:
     """``wait``, then, unless ``settled``, ``run()`` (a run of one network: the routes left to
-    its runs are timed by them) until a run calls no ``trials.Trial`` still choosing (True: its
-    routes are chosen, whatever other networks left to theirs), or ``timeout`` seconds have passed
-    (False). What a caller that times runs calls first, so that it times what will run."""
+    its runs are timed by them) until a run calls no ``trials.Trial`` still choosing or watching
+    the thread count after its choice (True: its routes are chosen, whatever other networks left
+    to theirs), or ``timeout`` seconds have passed (False). What a caller that times runs calls first, so that it times what will run."""
     from backplane.backends.torch import trials
 
     end = time.perf_counter() + timeout
     while wait(max(0.0, end - time.perf_counter())):
         if settled():  # every network's chosen (or none left any): no run needed
             return True
-        before = trials.choosing()
+        before = trials.choosing(), trials.watching()
         run()
-        if trials.choosing() == before and pending() == 0:
+        if (trials.choosing(), trials.watching()) == before and pending() == 0:
             return True
         if time.perf_counter() > end:
             return False

@@ -20,6 +20,14 @@ change of the count begins the samples again). The choice is written to the rout
 that count, only where every candidate got its samples so and the machine was not busy
 (``threads.crowded``) when it chose; after ``MOST_CALLS`` calls without that, it chooses from
 what it has and keeps nothing.
+
+A choice holds at the thread count it was timed at. A partition's own thread count is chosen after
+its routes (``small.Undecided``), and often goes from the caller's two threads to one: the full
+tier's lstm_bi2_ts14 chose its layers over its trace at 2 threads (5.4 against 9.6 ms), then ran
+those layers at one thread (3.3 ms) where the trace runs in 2.7 (an Intel Xeon, 2 CPUs, quiet). So
+a chosen Trial keeps its candidates for ``WATCH`` more calls; where ``MOVED`` calls in a row run
+at another count (the partition's choice, not the comparison of counts, whose calls alternate),
+it times its candidates again at that count.
 """
 
 from __future__ import annotations
@@ -38,8 +46,15 @@ SAMPLES = 7
 """Timed calls of each candidate before the choice (the median of them is compared)."""
 MOST_CALLS = 400
 """Calls of a Trial after which it chooses from the samples it has, and keeps nothing."""
+WATCH = 100
+"""Calls after a choice during which another thread count times the candidates again; then the
+others are dropped (their packed weights and compiled modules with them)."""
+MOVED = 8
+"""Calls in a row at another thread count than the samples' that begin them again at that count
+(``small.fewer_threads`` runs at most 4 in a row at one count while it compares counts)."""
 
-_local = threading.local()  # .choosing: undecided Trial calls in this thread; .made: a collector
+_local = threading.local()  # .choosing: undecided Trial calls in this thread; .watching: chosen
+# ones still watching the thread count (``watching``); .made: a collector
 _roots: weakref.WeakSet[Trial] = weakref.WeakSet()
 _roots_lock = threading.Lock()
 
@@ -48,7 +63,7 @@ class Trial:
     """A layer's candidate workloads, timed over the network's calls; then the fastest one."""
 
     __slots__ = ("candidates", "children", "key", "at", "samples", "calls", "total", "chosen",
-                 "lock", "__weakref__", "__dict__")  # attributes set on it stay its own
+                 "run", "watched", "away", "final", "lock", "__weakref__", "__dict__")
 
     def __init__(self, candidates: dict[str, Workload], children: dict[str, list[Trial]],
                  key: tuple[str, dict[str, Any]] | None) -> None:
@@ -58,13 +73,35 @@ class Trial:
         self.calls = dict.fromkeys(candidates, 0)  # since the samples began
         self.total = 0
         self.chosen: Workload | None = None
+        self.run: Callable[..., tuple[Any, ...]] = self._timing  # what a call calls
+        self.watched = self.away = 0  # calls since the choice; of them, in a row at another count
+        self.final = False  # chosen for good: the other candidates dropped
         self.lock = threading.Lock()
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
-        chosen = self.chosen
-        if chosen is not None:
-            return chosen(*inputs)
+        return self.run(*inputs)
+
+    def _timing(self, *inputs: Any) -> tuple[Any, ...]:
         return self._timed(inputs)
+
+    def _watch(self, *inputs: Any) -> tuple[Any, ...]:
+        """A call of the chosen candidate, counting the calls at another thread count than the
+        samples' (``MOVED`` in a row: the samples begin again there) up to ``WATCH``."""
+        import torch
+
+        chosen = self.chosen
+        if chosen is None:  # another thread began the samples again
+            return self._timed(inputs)
+        _local.watching = getattr(_local, "watching", 0) + 1
+        if torch.get_num_threads() == self.at:
+            self.away, self.watched = 0, self.watched + 1
+            if self.watched >= WATCH:
+                self._keep()
+        else:
+            self.away += 1
+            if self.away >= MOVED:
+                self._again()
+        return chosen(*inputs)
 
     def _timed(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         import torch
@@ -123,30 +160,48 @@ class Trial:
         how = (f"median {medians[name] * 1e3:.3f} ms ({others})" if name in medians
                else "no call could be timed")
         why = f"{name}: timed fastest in the running thread, {how}"
-        chosen = because(self.candidates[name], why if keep else f"{why}; not kept")
-        for loser, trials in self.children.items():  # never called again: not waited for
-            if loser != name:
-                for trial in trials:
-                    trial.abandon()
-        # the others dropped: their packed weights and compiled modules go with them
-        self.children = {name: self.children.get(name, [])}
-        self.candidates, self.chosen = {name: chosen}, chosen
+        self.chosen = because(self.candidates[name], why if keep else f"{why}; not kept")
+        self.watched = self.away = 0
+        self.run = self._watch
+
+    def _again(self) -> None:
+        """The samples begun again at the calling thread's count (``_record`` sees it changed)."""
+        with self.lock:
+            if self.final or self.chosen is None:
+                return
+            self.chosen, self.total, self.run = None, 0, self._timing
+
+    def _keep(self) -> None:
+        """The choice kept for good: the other candidates and their nested Trials dropped."""
+        with self.lock:
+            chosen = self.chosen
+            if self.final or chosen is None:
+                return
+            name = next(n for n, run in self.candidates.items() if run is chosen)
+            for loser, trials in self.children.items():  # never called again: not waited for
+                if loser != name:
+                    for trial in trials:
+                        trial.abandon()
+            # the others dropped: their packed weights and compiled modules go with them
+            self.children = {name: self.children.get(name, [])}
+            self.candidates, self.run, self.final = {name: chosen}, chosen, True
 
     def abandon(self) -> None:
         """This Trial's network part will not run: it and its nested Trials are not waited for."""
         with self.lock:
-            if self.chosen is None:
-                name = next(iter(self.candidates))
-                self.candidates, self.chosen = {name: self.candidates[name]}, self.candidates[name]
+            if not self.final:
+                chosen = self.chosen or next(iter(self.candidates.values()))
+                name = next(n for n, run in self.candidates.items() if run is chosen)
+                self.candidates, self.chosen, self.run = {name: chosen}, chosen, chosen
+                self.final = True
         for trials in self.children.values():
             for trial in trials:
                 trial.abandon()
         self.children = {}
 
     def settled(self) -> bool:
-        """Whether this Trial and every Trial of its chosen candidate have chosen."""
-        chosen = self.chosen
-        if chosen is None:
+        """Whether this Trial has chosen for good and every Trial of its candidate has too."""
+        if not self.final:
             return False
         name = next(iter(self.candidates))
         return all(trial.settled() for trial in self.children.get(name, ()))
@@ -200,6 +255,12 @@ def choosing() -> int:
     """How many calls of a Trial still choosing this thread has made: unchanged over a run of a
     network, its routes are all chosen (``background.settle``, ``small.Undecided``)."""
     return getattr(_local, "choosing", 0)
+
+
+def watching() -> int:
+    """How many calls of a chosen Trial still watching the thread count this thread has made:
+    unchanged over a run, its routes are chosen for good (``background.settle``)."""
+    return getattr(_local, "watching", 0)
 
 
 def undecided() -> int:
