@@ -61,9 +61,16 @@ def if_model(then_nodes: list, then_outputs: list[str], else_nodes: list,
     other = helper.make_graph(else_nodes, "else", [],
                               [free(n, *d) for n, d in zip(else_outputs, shapes)])
     outputs = [f"y{i}" for i in range(len(then_outputs))]
-    node = helper.make_node("If", ["c"], outputs, then_branch=then, else_branch=other, name="cond")
-    return make_model([node], [free("x", "n", 4), free("c", elem=TensorProto.BOOL)],
-                      [free(n, *d) for n, d in zip(outputs, shapes)], list(initializers))
+    # c or (x has more than 2**40 elements): c, but read from data (x), so that the If runs its
+    # nested branches (an input alone decides it before the run: test_decided_if)
+    nodes = [helper.make_node("Size", ["x"], ["size"]),
+             helper.make_node("Greater", ["size", "huge"], ["too_big"]),
+             helper.make_node("Or", ["c", "too_big"], ["c_or"]),
+             helper.make_node("If", ["c_or"], outputs, then_branch=then, else_branch=other,
+                              name="cond")]
+    return make_model(nodes, [free("x", "n", 4), free("c", elem=TensorProto.BOOL)],
+                      [free(n, *d) for n, d in zip(outputs, shapes)],
+                      [*initializers, const("huge", np.int64(2**40))])
 
 
 def test_an_if_branch_on_cpuacc_runs_its_kernels_flat() -> None:

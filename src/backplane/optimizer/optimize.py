@@ -25,7 +25,7 @@ from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
 from backplane.backends.registry import registry as default_registry
 from backplane.ir.graph import Graph, Layer
-from backplane.optimizer import measured, passes
+from backplane.optimizer import decided, measured, passes
 from backplane.optimizer.edges import BUILTIN, insert_compatibility_layers
 from backplane.optimizer.partition import delegation_tags, partition
 from backplane.optimizer.report import LayerPlacement, PlacementReport, SubgraphRecord
@@ -140,8 +140,10 @@ def first_choice_refusals(report: PlacementReport, registry: BackendRegistry,
 def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] | None = None,
               options: OptimizerOptions | None = None, registry: BackendRegistry | None = None,
               backend_options: Mapping[str, object] | None = None,
-              exclude: Mapping[str, Mapping[str, str]] | None = None) -> OptimizedNetwork:
-    """``optimize`` without the summary in the log (bodies and remakes: their parent logs)."""
+              exclude: Mapping[str, Mapping[str, str]] | None = None,
+              decide: int = decided.MAX_DECIDED) -> OptimizedNetwork:
+    """``optimize`` without the summary in the log (bodies and remakes: their parent logs).
+    ``decide``: how many Ifs deep the model's inputs may decide (``decided.py``; 0 in bodies)."""
     options = options or OptimizerOptions()
     registry = registry or default_registry
     pins = dict(pins or {})
@@ -152,12 +154,24 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
 
     def remake(more: dict[str, dict[str, str]]) -> OptimizedNetwork:
         return _optimize(source, backends, pins=pins, options=options, registry=registry,
-                        backend_options=backend_options, exclude=more)
+                        backend_options=backend_options, exclude=more, decide=decide)
 
     graph = _private_copy(graph)
     expose_captures(graph)
     output_names = list(graph.outputs)
     _run_passes(graph, options)
+    if options.fold_constants and decided.inline_constant_ifs(graph):
+        _run_passes(graph, options)
+    decision = _decision(graph, registry, output_names) if decide > 0 else None
+    if decision is not None:
+        def version(body: Graph, path: str) -> OptimizedNetwork:
+            mine = {key[len(path):]: reasons for key, reasons in exclusions.items()
+                    if key.startswith(path)}
+            return _optimize(body, backends, pins=pins, options=options, registry=registry,
+                             backend_options=backend_options, exclude=mine, decide=decide - 1)
+
+        return _decided(graph, decision, version, options, registry, backend_options,
+                        exclusions, remake, output_names)
     report = PlacementReport(list(backends))
     available = _available_backends(backends, pins, registry, report, backend_options)
     if BUILTIN not in available:
@@ -168,6 +182,8 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
         if layer.backend == BUILTIN and layer.op_type in CONTROL_FLOW_OPS:
             _optimize_bodies(layer, graph, backends, pins, options, registry, report, backend_options,
                              exclusions)
+            if layer.op_type == "If":
+                report.layers[layer.name].note = decided.why_nested(decide > 0)
     if options.placement == "measured":
         measured.place(graph, available, pins, report, exclusions, registry, backend_options)
     _optimize_subgraphs(graph, available, pins, report, exclusions)
@@ -187,6 +203,34 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
         report.render(debug.console())
     return OptimizedNetwork(graph, chosen, report, list(graph.inputs), output_names, options,
                             backend_options, exclusions, remake)
+
+
+def _decision(graph: Graph, registry: BackendRegistry,
+              output_names: Sequence[str]) -> decided.Decision | None:
+    """The If of ``graph`` its small inputs decide (``decided.find``), where its predicate's
+    layers have CpuRef kernels (builtin computes it with them)."""
+    if list(graph.outputs) != list(output_names) or not any(
+            layer.op_type == "If" for layer in graph.layers):
+        return None
+    reference = registry.create("CpuRef")
+    return decided.find(graph, lambda layer: reference.kernel_for(layer) is not None)
+
+
+def _decided(graph: Graph, decision: decided.Decision,
+             version: Callable[[Graph, str], OptimizedNetwork], options: OptimizerOptions,
+             registry: BackendRegistry, backend_options: Mapping[str, object],
+             exclusions: dict[str, dict[str, str]],
+             remake: Callable[[dict[str, dict[str, str]]], OptimizedNetwork],
+             output_names: list[str]) -> OptimizedNetwork:
+    """``graph`` as builtin's one DecidedIf layer over its versions (``decided.py``)."""
+    outer, report, _ = decided.decided_network(graph, decision, version)
+    builtin = registry.create(BUILTIN)
+    builtin.options = BackendOptions(backend_options)
+    outer.layers[0].backend = BUILTIN
+    if debug.level() >= 1:
+        report.render(debug.console())
+    return OptimizedNetwork(outer, {BUILTIN: builtin}, report, list(outer.inputs), output_names,
+                            options, dict(backend_options), exclusions, remake)
 
 
 def _private_copy(graph: Graph) -> Graph:
@@ -379,7 +423,7 @@ def _optimize_bodies(layer: Layer, graph: Graph, backends: Sequence[str], pins: 
         mine = {key[len(path):]: reasons for key, reasons in (exclusions or {}).items()
                 if key.startswith(path)}
         net = _optimize(body, backends, pins=pins, options=options, registry=registry,
-                       backend_options=backend_options, exclude=mine)
+                       backend_options=backend_options, exclude=mine, decide=0)
         attrs[name] = net
         for inner, placement in net.report.layers.items():
             placement.name = f"{path}{inner}"

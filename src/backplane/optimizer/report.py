@@ -25,6 +25,8 @@ class LayerPlacement:
     tag: str | None = None
     """The delegation tag of the partition that runs it (``PlacementReport.delegations``); None
     for builtin's layers, which stay with the runtime."""
+    note: str = ""
+    """How builtin runs it, where it chose (an If decided by the model's inputs, ``decided.py``)."""
 
 
 @dataclass
@@ -158,7 +160,8 @@ class PlacementReport:
         rows = []
         for p in self.layers.values():
             refused = "; ".join(f"{b}: {r}" for b, r in p.refusals)
-            backend = p.backend + (f" (in {p.substituted_by})" if p.substituted_by else "")
+            backend = p.backend + (f" (in {p.substituted_by})" if p.substituted_by else "") \
+                + (f": {p.note}" if p.note else "")
             rows.append((p.name, p.op_type, backend, p.tag or "", refused))
         return unfolded_table("Placement", ("layer", "op", "backend", "tag", "refused by (reason)"),
                               rows, folding=("backend", "refused by (reason)"))
@@ -193,7 +196,8 @@ class PlacementReport:
                 "counts": self.counts(),
                 "layers": [{"name": p.name, "op_type": p.op_type, "backend": p.backend,
                             "refusals": [{"backend": b, "reason": r} for b, r in p.refusals],
-                            "pinned": p.pinned, "substituted_by": p.substituted_by, "tag": p.tag}
+                            "pinned": p.pinned, "substituted_by": p.substituted_by, "tag": p.tag,
+                            "note": p.note}
                            for p in self.layers.values()],
                 "delegations": {tag: {"backend_id": d.backend_id, "compile_specs":
                                       [[c.key, _plain(c.value)] for c in d.compile_specs]}
@@ -216,7 +220,7 @@ class PlacementReport:
             report.layers[p["name"]] = LayerPlacement(
                 p["name"], p["op_type"], p["backend"],
                 [(r["backend"], r["reason"]) for r in p["refusals"]], p["pinned"],
-                p["substituted_by"], p.get("tag"))
+                p["substituted_by"], p.get("tag"), p.get("note", ""))
         report.copies = [CopyRecord(**c) for c in data["copies"]]
         report.subgraphs = [SubgraphRecord(**s) for s in data["subgraphs"]]
         report.peak_bytes = dict(data.get("peak_bytes", {}))

@@ -35,10 +35,12 @@ def _branch(name: str, kernel: int) -> onnx.GraphProto:
         helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, None)])
 
 
-def if_model(output_of_if: bool = False) -> onnx.ModelProto:
+def if_model(output_of_if: bool = False, from_data: bool = False) -> onnx.ModelProto:
     """sr -> Gather -> Equal 16000 -> If (kernel 4 / kernel 2 front end) -> Conv -> Relu ->
     ReduceMean: the corpus VAD's shape in small; ``output_of_if``: the If's output is also a graph
-    output (then it must reach the host)."""
+    output (then it must reach the host). ``from_data``: the predicate also reads x (Or with
+    Size(x) > 2**40, always false), so that the input alone does not decide the If before the run
+    (optimizer/decided.py) and its branches run as nested networks."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(v, n) for n, v in (
         ("axis1", np.array([1], np.int64)), ("zero", np.array(0, np.int64)),
@@ -48,10 +50,14 @@ def if_model(output_of_if: bool = False) -> onnx.ModelProto:
         ("w2", rng.standard_normal((4, 1, 2)).astype(np.float32)),
         ("b2", rng.standard_normal(4).astype(np.float32)),
         ("we", rng.standard_normal((3, 4, 3)).astype(np.float32)),
-        ("be", rng.standard_normal(3).astype(np.float32)))]
+        ("be", rng.standard_normal(3).astype(np.float32)), ("huge", np.array(2**40)))]
     nodes = [helper.make_node("Gather", ["sr", "zero"], ["sr0"], axis=0),
-             helper.make_node("Equal", ["sr0", "rate"], ["is16"]),
-             helper.make_node("If", ["is16"], ["front"], then_branch=_branch("then", 4),
+             helper.make_node("Equal", ["sr0", "rate"], ["is16" if not from_data else "eq"])]
+    if from_data:
+        nodes += [helper.make_node("Size", ["x"], ["size"]),
+                  helper.make_node("Greater", ["size", "huge"], ["too_big"]),
+                  helper.make_node("Or", ["eq", "too_big"], ["is16"])]
+    nodes += [helper.make_node("If", ["is16"], ["front"], then_branch=_branch("then", 4),
                               else_branch=_branch("else", 2)),
              helper.make_node("Conv", ["front", "we", "be"], ["enc"], kernel_shape=[3],
                               pads=[1, 1]),
@@ -83,13 +89,12 @@ def _assert_matches(session: InferenceSession, reference: InferenceSession,
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_if_read_on_the_gpu_hands_its_branch_over_on_the_gpu(batch: int) -> None:
-    session, reference = InferenceSession(if_model(), backends=GPU), \
-        InferenceSession(if_model(), backends=["CpuRef"])
+    model = if_model(from_data=True)
+    session, reference = InferenceSession(model, backends=GPU), \
+        InferenceSession(model, backends=["CpuRef"])
     ((layer, workload),) = _ifs(session)
     assert layer.attrs.get("device_outputs") is True
     assert [type(run) for run in workload.runs] == [DeviceBranch, DeviceBranch]
-    placed = {lay.name: lay.backend for lay in session.optimized.graph.layers}
-    assert [placed[n] for n in ("Gather_0", "Equal_1")] == ["CpuRef", "CpuRef"]  # the predicate
     rng = np.random.default_rng(batch)
     seen = []
     for sr in (16000, 8000, 16000, 8000):  # both branches, each twice: their graphs replayed
@@ -100,9 +105,26 @@ def test_if_read_on_the_gpu_hands_its_branch_over_on_the_gpu(batch: int) -> None
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_predicate_stays_on_the_gpu_where_no_host_backend_is_listed() -> None:
-    session, reference = InferenceSession(if_model(), backends=["GpuAcc"]), \
+def test_input_predicate_decided_on_the_host() -> None:
+    """The predicate from sr alone: the network's versions, each its branch inlined and whole on
+    GpuAcc, the predicate computed by builtin on the host (optimizer/decided.py)."""
+    session, reference = InferenceSession(if_model(), backends=GPU), \
         InferenceSession(if_model(), backends=["CpuRef"])
+    (outer,) = session.optimized.graph.layers
+    assert outer.op_type == "DecidedIf"
+    for branch in ("then_branch", "else_branch"):
+        layers = outer.attrs[branch].graph.layers
+        assert "If" not in {lay.op_type for lay in layers}
+        assert any(lay.backend == "GpuAcc" for lay in layers)
+    x = np.random.default_rng(4).standard_normal((2, 16)).astype(np.float32)
+    for sr in (16000, 8000, 16000):
+        _assert_matches(session, reference, {"x": x, "sr": np.array([sr])})
+
+
+def test_predicate_stays_on_the_gpu_where_no_host_backend_is_listed() -> None:
+    model = if_model(from_data=True)
+    session, reference = InferenceSession(model, backends=["GpuAcc"]), \
+        InferenceSession(model, backends=["CpuRef"])
     assert {lay.backend for lay in session.optimized.graph.layers} <= {"GpuAcc", "builtin"}
     x = np.random.default_rng(5).standard_normal((2, 16)).astype(np.float32)
     for sr in (16000, 8000):
@@ -110,7 +132,7 @@ def test_predicate_stays_on_the_gpu_where_no_host_backend_is_listed() -> None:
 
 
 def test_if_whose_output_the_user_reads_brings_it_to_the_host() -> None:
-    model = if_model(output_of_if=True)
+    model = if_model(output_of_if=True, from_data=True)
     session, reference = InferenceSession(model, backends=GPU), \
         InferenceSession(model, backends=["CpuRef"])
     ((layer, workload),) = _ifs(session)
@@ -125,8 +147,11 @@ def test_corpus_vad_on_both_rates() -> None:
     path = CORPUS / "vad_lstm_if_ts16.onnx"
     session, reference = InferenceSession(path, backends=GPU), \
         InferenceSession(path, backends=["CpuRef"])
-    ((layer, workload),) = _ifs(session)
-    assert [type(run) for run in workload.runs] == [DeviceBranch, DeviceBranch]
+    (outer,) = session.optimized.graph.layers  # decided by sr: a version per branch, whole
+    assert outer.op_type == "DecidedIf"
+    for branch in ("then_branch", "else_branch"):
+        assert {lay.backend for lay in outer.attrs[branch].graph.layers} - {"builtin"} \
+            == {"GpuAcc"}
     for sample in ("s0", "s1"):
         feeds = dict(np.load(CORPUS / f"vad_lstm_if_ts16.{sample}.npz"))
         for sr in (16000, 8000):

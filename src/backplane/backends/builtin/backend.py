@@ -37,8 +37,10 @@ if TYPE_CHECKING:
     from backplane.optimizer.optimize import OptimizedNetwork
     from backplane.runtime.loaded_network import LoadedNetwork
 
-BUILTIN_OPS = ("MemCopy", "MemImport", *CONTROL_FLOW_OPS, *sequence.KERNELS)
-OWNED_OPS = frozenset((*CONTROL_FLOW_OPS, *sequence.KERNELS))
+DECIDED_IF = "DecidedIf"
+"""A network whose If its small inputs decide, as its versions (``decided.py``)."""
+BUILTIN_OPS = ("MemCopy", "MemImport", *CONTROL_FLOW_OPS, DECIDED_IF, *sequence.KERNELS)
+OWNED_OPS = frozenset((*CONTROL_FLOW_OPS, DECIDED_IF, *sequence.KERNELS))
 """Ops the optimizer gives to builtin whatever the preferences (onert: kernels never taken elsewhere)."""
 
 
@@ -75,6 +77,8 @@ class BuiltinWorkloadFactory(WorkloadFactory):
             return make_mem_copy(layer.attrs["source"], layer.attrs["target"])
         if layer.op_type == "MemImport":
             return make_mem_import(layer.attrs["source"], layer.attrs["target"])
+        if layer.op_type == DECIDED_IF:
+            return _decided(layer, self.network_id)
         if layer.op_type in CONTROL_FLOW_OPS:
             bodies = [_loaded_body(layer, name, self._folded(layer, layer.attrs[name]),
                                    self.network_id) for name in CONTROL_FLOW_OPS[layer.op_type]]
@@ -121,6 +125,18 @@ def _loaded_body(layer: Layer, name: str, body: OptimizedNetwork, network_id: in
             failed.body_path, failed.body_network = "", body  # type: ignore[attr-defined]
         failed.body_path = f"{layer.name}/{name}/{failed.body_path}"  # type: ignore[attr-defined]
         raise
+
+
+def _decided(layer: Layer, network_id: int) -> Workload:
+    """A DecidedIf's workload over its versions, loaded (``decided.py``)."""
+    from backplane.backends.builtin.decided import make_decided
+
+    nets = {name: _loaded_body(layer, name, layer.attrs[name], network_id)
+            for name in ("then_branch", "else_branch")}
+    workload = make_decided(layer, nets)
+    workload.exclusive = any(net.exclusive for net in nets.values())
+    workload.bodies = list(nets.values())  # closed with the network
+    return workload  # type: ignore[no-any-return]
 
 
 def _control_flow(layer: Layer, bodies: list[LoadedNetwork | FlatBody]) -> Workload:
@@ -170,7 +186,7 @@ class Builtin(Backend):
                            outputs: Sequence[TensorInfo]) -> Support:
         if layer.domain or layer.op_type not in OWNED_OPS:
             return unsupported(f"builtin runs only {', '.join(BUILTIN_OPS)}")
-        if layer.op_type in CONTROL_FLOW_OPS:
+        if layer.op_type in CONTROL_FLOW_OPS or layer.op_type == DECIDED_IF:
             return SUPPORTED
         return super().is_layer_supported(layer, inputs, outputs)
 

@@ -1,0 +1,84 @@
+"""builtin's ``DecidedIf``: a network whose If the model's small inputs decide, run as the version
+the predicate picks (``optimizer/decided.py`` makes the versions, each the network with one
+branch inlined and optimized whole).
+
+A call reads the inputs the predicate is computed from (``sr``), looks their bytes up among the
+values seen (the first call with a value computes the predicate with CpuRef's kernels, a few
+microseconds), and runs the version's loaded network: for the VAD one compiled CpuAcc partition
+between its handovers (``steps.one_call``), where the If cut it into three and a nested network.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.kernels import bind_kernel
+from backplane.ir.graph import Graph, Layer
+
+KNOWN_VALUES = 256
+"""The predicate's input values remembered (past this many, each new one is computed per call)."""
+
+
+def host_predicate(graph: Graph) -> Callable[[Sequence[Any]], bool]:
+    """``graph`` (the layers computing an If's predicate) as one function of its inputs' values,
+    on CpuRef's kernels (NumPy: the inputs are small host arrays)."""
+    from backplane.backends.registry import registry
+
+    reference = registry.create("CpuRef")
+    calls = []
+    for layer in graph.layers:
+        kernel = reference.kernel_for(layer)
+        if kernel is None:  # the optimizer decides only what CpuRef computes
+            raise NotImplementedError(f"no CpuRef kernel for {layer.describe()}, which computes "
+                                      f"the predicate of '{graph.name}'")
+        calls.append((bind_kernel(kernel, layer.attrs, len(layer.outputs)), layer.inputs,
+                      layer.outputs))
+    constants, inputs, (cond,) = dict(graph.constants), list(graph.inputs), graph.outputs
+
+    def predicate(values: Sequence[Any]) -> bool:
+        env: dict[str, Any] = {**constants, **dict(zip(inputs, values))}
+        for call, reads, writes in calls:
+            env.update(zip(writes, call(*[env.get(n) if n else None for n in reads])))
+        return bool(np.asarray(env[cond]).reshape(-1)[0])
+
+    return predicate
+
+
+def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
+    """The workload of ``layer`` (a DecidedIf) over its versions' loaded networks (``nets``, by
+    branch: ``then_branch``, ``else_branch``)."""
+    graph: Graph = layer.attrs["predicate"]
+    positions = [layer.inputs.index(name) for name in graph.inputs]
+    compute = host_predicate(graph)
+    then_net, else_net = nets["then_branch"], nets["else_branch"]
+    known: dict[tuple[Any, ...], bool] = {}
+
+    def taken(values: Sequence[Any]) -> bool:
+        read = [np.asarray(values[p]) for p in positions]
+        key = tuple([(v.dtype.char, v.shape, v.tobytes()) for v in read])
+        found = known.get(key)
+        if found is None:
+            found = compute(read)
+            if len(known) < KNOWN_VALUES:
+                known[key] = found
+        return found
+
+    def decided_if(*values: Any) -> list[Any]:
+        return (then_net if taken(values) else else_net).execute(values)
+
+    def profiled(*values: Any) -> tuple[list[Any], list[tuple[str, str, float]]]:
+        start = time.perf_counter()
+        branch = "then_branch" if taken(values) else "else_branch"
+        spent = time.perf_counter() - start
+        outputs, timings = nets[branch].execute_profiled(values)
+        path = f"{layer.name}/{branch}/"
+        return outputs, [(f"{layer.name} ({branch} taken)", "If", spent),
+                         *((f"{path}{t.layer}", t.op_type, t.seconds) for t in timings)]
+
+    decided_if.profiled = profiled  # type: ignore[attr-defined]
+    decided_if.taken = taken  # type: ignore[attr-defined]  # for tests
+    return decided_if
