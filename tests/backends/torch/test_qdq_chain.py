@@ -112,6 +112,10 @@ def test_large_qdq_convolutions_pass_integers(activations: str, tmp_path: Path) 
     assert [lay.op_type for lay in layers].count("Lookup") == 1
     assert [c.attrs["residual"] is not None for c in convs] == [False, False, False, True, False]
     assert [c.attrs["pool"] is not None for c in convs] == [True, False, False, False, False]
+    # the residual block's input: its first convolution and its sum read the integers
+    read = {name for lay in graph.layers for name in lay.inputs}
+    assert not [lay.name for lay in graph.layers if lay.op_type == "DequantizeLinear"
+                and not any(out in read for out in lay.outputs)]
     step = output_step(path)
     reference = InferenceSession(path, backends=["CpuRef"])
     for seed in range(2):
@@ -130,8 +134,7 @@ def test_exact_keeps_the_round_trips(tmp_path: Path) -> None:
 
 
 def test_a_compiled_chain_drops_the_dequantizes_nothing_reads(tmp_path: Path) -> None:
-    """Traced whole, the subgraph holds no DequantizeLinear whose output no layer reads (the
-    residual block's input: the expand convolution and the sum read its integers)."""
+    """Traced whole, the subgraph holds no DequantizeLinear whose output no layer reads either."""
     path = quantized(tmp_path, "QUInt8")
     session = InferenceSession(path, backends=[("CpuAcc", {"route_cache": False}), "CpuRef"])
     (whole,) = [lay for lay in session.optimized.graph.layers if lay.attrs.get("layers")]

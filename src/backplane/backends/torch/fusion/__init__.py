@@ -104,6 +104,7 @@ def fuse(view: SubgraphView, reduced: str | None = None,
         group, fused = match
         ctx.taken.update(map(id, group))
         views.substitutions.append(Substitution(SubgraphView.of(graph, group), [fused]))
+    views.substitutions = qdq_chain.without_unread(views.substitutions, ctx)
     rest = [layer for layer in view.layers if id(layer) not in ctx.taken]
     ordered = _in_order(view.layers, views.substitutions)
     whole = onednn_graph.wrap(view, graph, ordered, reduced)
@@ -119,11 +120,12 @@ def fuse(view: SubgraphView, reduced: str | None = None,
 def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[Layer]:
     """The subgraph after fusion, in order: each fused layer where its group's output was made (that
     layer reads, through the group, everything the group reads; only later layers read its output)."""
-    fused_at = {}
+    fused_at: dict[int, list[Layer]] = {}
     for sub in substitutions:
-        made = sub.replacement[-1].outputs[0]
-        (last,) = [lay for lay in sub.substitutable.layers if made in lay.outputs]
-        fused_at[id(last)] = sub.replacement
+        made = {out: lay for lay in sub.substitutable.layers for out in lay.outputs if out}
+        last = made[sub.replacement[-1].outputs[0]]
+        for new in sub.replacement:  # several (qdq_chain's merged groups): each at its own
+            fused_at.setdefault(id(made.get(new.outputs[0], last)), []).append(new)
     taken = {id(layer) for sub in substitutions for layer in sub.substitutable.layers}
     ordered: list[Layer] = []
     for layer in layers:
@@ -131,27 +133,7 @@ def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[La
             ordered += fused_at[id(layer)]
         elif id(layer) not in taken:
             ordered.append(layer)
-    return _unread_dequantizes_dropped(ordered, layers, substitutions)
-
-
-def _unread_dequantizes_dropped(ordered: list[Layer], layers: list[Layer],
-                                substitutions: list[Substitution]) -> list[Layer]:
-    """``ordered`` less the DequantizeLinears whose output no layer of it reads and nothing
-    outside the subgraph (``layers``, before fusion) reads: each of their readers took the
-    integers instead (``qdq_chain``)."""
-    graph = substitutions[0].substitutable.graph if substitutions else None
-    if graph is None:
-        return ordered
-    read = {name for layer in ordered for name in layer.inputs}
-    inside = {id(layer) for layer in layers}
-    consumers = graph.consumers()
-
-    def unread(layer: Layer) -> bool:
-        return layer.op_type == "DequantizeLinear" and not layer.domain and all(
-            name not in read and name not in graph.outputs
-            and all(id(user) in inside for user in consumers.get(name, []))
-            for name in layer.outputs)
-    return [layer for layer in ordered if not unread(layer)]
+    return ordered
 
 
 MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {

@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from backplane.backends.api.optimization import Substitution
 from backplane.backends.reference.kernels.conv import spatial_pads
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import F32, Context
-from backplane.ir.graph import Layer
+from backplane.ir.graph import Layer, SubgraphView
 
 CHAIN_MACS = 1 << 20
 """The multiply-adds an image from which a QDQ convolution is chained in integers:
@@ -60,14 +61,8 @@ def match_qdq_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | Non
     y_params = _step(quantize, ctx, "QuantizeLinear")
     if y_params is None:
         return None
-    from backplane.backends.torch.fusion.qlinear import _exact_split
-
     y_scale, y_zero, (y_low, y_high) = y_params
     multiplier = (np.float32(attrs["x_scale"]) * attrs["w_scale"] / np.float32(y_scale))
-    split = _exact_split(attrs["weight"], attrs["bias"], attrs["reach"], attrs["group"])
-    if split is None:
-        return None
-    attrs["weight"], attrs["bias"], attrs["split"] = split
     attrs.update(multiplier=np.array(multiplier.reshape(1, -1, 1, 1), F32), y_zero=float(y_zero),
                  y_low=y_low, y_high=y_high, back=None, add=None, activation=None,
                  residual=None, pool=None)
@@ -83,6 +78,7 @@ def _convolution(conv: Layer, ctx: Context) -> tuple[list[Layer], str, dict[str,
     """The convolution's side: the DequantizeLinear it reads (and the QuantizeLinear before that,
     of a float tensor), the integer weight and bias, the FusedConv attributes ``qlinear`` reads."""
     from backplane.backends.torch.fusion.int8 import integer_weight
+    from backplane.backends.torch.fusion.qlinear import _exact_split
 
     if not chains(conv, ctx):
         return None
@@ -116,6 +112,10 @@ def _convolution(conv: Layer, ctx: Context) -> tuple[list[Layer], str, dict[str,
              "x_scale": x_scale, "w_scale": w_scale, "int_weight": ints, "float_bias": bias}
     if x == x_q and ctx.graph.info(x_q).dtype not in (np.dtype(np.uint8), np.dtype(np.int8)):
         return None
+    split = _exact_split(attrs["weight"], units, attrs["reach"], attrs["group"])
+    if split is None:  # the float route's sums could pass 2^24 even split
+        return None
+    attrs["weight"], attrs["bias"], attrs["split"] = split
     return before, x, attrs
 
 
@@ -305,7 +305,38 @@ def unless_chained(matcher: Matcher) -> Matcher:
     def match(quantize: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
         dequantize = ctx.sole(quantize.outputs[0])
         readers = ctx.consumers.get(dequantize.outputs[0], []) if dequantize is not None else []
-        if readers and all(chains(reader, ctx) for reader in readers):
+        if readers and all(_convolution(reader, ctx) is not None and _step(
+                ctx.sole(reader.outputs[0]), ctx, "QuantizeLinear") is not None
+                for reader in readers):
             return None
         return matcher(quantize, ctx)
     return match
+
+
+def without_unread(substitutions: list[Substitution], ctx: Context) -> list[Substitution]:
+    """``substitutions`` with each DequantizeLinear left that no layer reads any more (each of its
+    readers took the integers instead: a residual block's input, which its first convolution and
+    its sum read) dropped: merged, with the substitutions of its readers, into one substitution
+    that replaces them all by their fused layers (a run of the layer was a dequantize of the
+    whole activation, 0.7-13 ms at 224x224)."""
+    subs = list(substitutions)
+    for layer in ctx.view.layers:
+        if layer.op_type != "DequantizeLinear" or layer.domain or id(layer) in ctx.taken:
+            continue
+        users = [user for name in layer.outputs for user in ctx.consumers.get(name, [])]
+        if not users or any(name in ctx.graph.outputs for name in layer.outputs) \
+                or any(id(user) not in ctx.inside or id(user) not in ctx.taken for user in users):
+            continue
+        readers = {id(user) for user in users}
+        merged = [sub for sub in subs if any(id(lay) in readers
+                                             for lay in sub.substitutable.layers)]
+        if any(name in new.inputs for sub in merged for new in sub.replacement
+               for name in layer.outputs):
+            continue  # a fused layer still reads it
+        group = {id(lay) for sub in merged for lay in sub.substitutable.layers} | {id(layer)}
+        layers = [lay for lay in ctx.view.layers if id(lay) in group]
+        replacement = [new for sub in merged for new in sub.replacement]
+        subs = [sub for sub in subs if sub not in merged]
+        subs.append(Substitution(SubgraphView.of(ctx.graph, layers), replacement))
+        ctx.taken.add(id(layer))
+    return subs
