@@ -47,8 +47,12 @@ it returns (what an artifact's compile does, and what the tests' conftest sets: 
 load chose). On (True), a load does not wait, but what its runs choose is not yet as fast: the
 corpus's full tier on a quiet machine (this 2-core AMD EPYC, load 1.3, 2 threads, `bench/wild.py
 --tier full --rounds 1`, ms a run, on / off): gpt_causal_ts15 7.7 / 4.47, encoder4_plain_dyn18 4.75
-/ 2.97, bytes_int32_dyn20 2.07 / 1.95; the small tier's lstm_bi2_ts14 0.505 / 0.338. Where the
-choices go wrong is not found yet (the Trials' timing or the thread choice after them)."""
+/ 2.97, bytes_int32_dyn20 2.07 / 1.95; the small tier's lstm_bi2_ts14 0.505 / 0.338. One cause
+found and mended (``trials.WATCH``): routes timed at 2 threads, then run at the one thread the
+partition chose. Still slower on (the GPU machine's Intel Xeon, 2 CPUs by taskset, quiet, 2
+processes each, ms a run on / off): resnet_basic_dyn21 8.2-9.2 / 4.5-5.0, gpt_causal_ts15 4.7-5.5
+/ 3.4-4.7, encoder4_plain_dyn18 3.6-3.8 / 2.8-3.4; even: lstm_bi2_ts14 2.6-3.0 / 2.6-3.7,
+unet_resize_dyn20 8.9 / 7.9-9.1, char_tagger_ts14 2.1 / 2.1 (.gpurun/lead/onoff.py)."""
 
 
 class Swapped:
