@@ -187,6 +187,24 @@ def test_run_json_and_a_trace(model_path, tmp_path, capfd) -> None:
     assert "timed runs" not in err  # no progress bar when stderr is not a terminal
 
 
+def test_run_is_not_run_again_for_another_sessions_routes(model_path, tmp_path, capfd) -> None:
+    """A CpuAcc Trial of another session in the process, still choosing, is not this run's to
+    wait for: the trace holds the warm-up and the timed runs only (it once held one more)."""
+    import json
+
+    pytest.importorskip("torch")
+    from backplane.backends.torch import trials
+
+    other = trials.Trial({"a": lambda: (), "b": lambda: ()}, {}, None)
+    trials._adopt([other])  # a root, as the background makes them
+    trace = tmp_path / "run.json"
+    code, _, _ = run_json(["run", str(model_path), "--backends", "CpuRef", "--repeat", "2",
+                           "--trace", str(trace)], capfd)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert code == 0 and len([e for e in events if e.get("name") == "run"]) == 3
+    assert not other.settled()
+
+
 def test_backends_json_lists_ids_origins_and_options(capfd) -> None:
     code, doc, _ = run_json(["backends"], capfd)
     by_id = {b["id"]: b for b in doc["backends"]}

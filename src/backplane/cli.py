@@ -410,7 +410,8 @@ def cmd_run(args: argparse.Namespace) -> Any:
         for line in made:
             console.print(Text(line), highlight=False, soft_wrap=True)
     outputs, timings = session.run_profiled(None, feeds)  # warm-up, and the per-layer profile
-    background.settle(lambda: session.run(None, feeds))  # CpuAcc's routes chosen: timed as final
+    if "CpuAcc" in session.get_providers():  # its routes chosen (another session's Trials in
+        background.settle(lambda: session.run(None, feeds))  # this process are not its own)
     totals: list[float] = []
     with _working(args, "timed runs", total=args.repeat) as step:
         for _ in range(args.repeat):
