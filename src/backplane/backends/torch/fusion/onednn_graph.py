@@ -54,9 +54,11 @@ TRACED_OPS = frozenset({
     "FusedConv", "SqueezeExcite", "Linear", "HardSwishChain", "MaxPool", "AveragePool", "GlobalAveragePool",
     "GlobalMaxPool", "BatchNormalization", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid",
     "HardSwish", "Clip", "Elu", "Add", "Sub", "Mul", "Div", "Flatten", "Reshape", "Squeeze",
-    "Unsqueeze", "Concat", "Transpose", "Split", "Slice", "Softmax", "Identity"})
+    "Unsqueeze", "Concat", "Transpose", "Split", "Slice", "Softmax", "Identity", "ConvTranspose",
+    "Resize", "ReduceMean"})
 """The ops a OneDnnGraph may hold: those of the CNNs it was measured and tested on (torchvision's,
-the onnx package's light models). A matrix product whose weights are not constants is not among
+the onnx package's light models, the corpus's U-Nets and dynamo-exported MobileNet: ConvTranspose,
+Resize and ReduceMean, which the fuser leaves to TorchScript's interpreter). A matrix product whose weights are not constants is not among
 them: oneDNN Graph's fuser aborted the process on light_bvlc_alexnet's Gemm with a computed
 weight (double free), where no exception can be caught."""
 TRACEABLE_ROUTES = {"CpuAcc.conv_route": "torch", "CpuAcc.linear_route": "mkl"}

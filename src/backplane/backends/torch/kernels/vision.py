@@ -45,7 +45,7 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
            extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", mode="nearest",
            nearest_mode="round_prefer_floor"):
     axes = list(range(X.dim())) if axes is None else [a % X.dim() for a in axes]
-    in_sizes = [X.shape[a] for a in axes]
+    in_sizes = [int(X.shape[a]) for a in axes]  # a trace's sizes are tensors: the taps need ints
     sizes, scales, roi = _host(sizes), _host(scales), _host(roi)
     if sizes is not None:
         out_sizes, factors = spec._from_sizes(in_sizes, [int(s) for s in sizes],
@@ -114,8 +114,8 @@ def _resized(y, axis: int, taps: _Taps):
     read = moved.index_select(-1, flat).unflatten(-1, tuple(taps.index.shape))
     weighed = torch.where(nonzero, read * weights, 0.0)
     out = moved.new_zeros((*moved.shape[:-1], taps.index.shape[0]))
-    for tap in range(taps.index.shape[1]):
-        out += weighed[..., tap]
+    for tap in range(taps.index.shape[1]):  # not in place: oneDNN Graph's fuser fails on add_
+        out = out + weighed[..., tap]  # ("bad optional access", a OneDnnGraph holding a Resize)
     return out.movedim(-1, axis)
 
 
