@@ -7,7 +7,9 @@ Usage:
     python bench/control_flow.py --before /tmp/before/src   # and backplane from an earlier tree
 
 Tiny models whose work is one Add, so that what is timed is the construct: ``add`` (the Add alone:
-the floor of a run), ``if_add`` (an If whose branches are one Add each, reading an outer constant),
+the floor of a run), ``if_add`` (an If whose branches are one Add each, reading an outer constant; its predicate an
+input, so decided before the run: optimizer/decided.py), ``if_data`` (the same If, its predicate
+ReduceSum(x) > 0 read from data: the branch runs as a nested network),
 ``loop_10`` and ``loop_100`` (a Loop of 10 and 100 iterations carrying a [4] tensor through a
 one-Add body), ``scan_100`` (a Scan over 100 rows with a one-Add state update). Each runtime runs
 in processes of its own, alternating over ``--rounds`` (bench/wild.py's way); a process loads every
@@ -44,7 +46,7 @@ from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E4
 
 RUNTIMES = {"onnxruntime": None, "backplane": None, "backplane-CpuRef": ["CpuRef"],
             "backplane-before": None}
-MODELS = ("add", "if_add", "loop_10", "loop_100", "scan_100")
+MODELS = ("add", "if_add", "if_data", "loop_10", "loop_100", "scan_100")
 OPSET = 17
 
 
@@ -70,12 +72,17 @@ def build(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     if name == "add":
         return _model([helper.make_node("Add", ["x", "one"], ["y"])], [_tensor("x", [4])],
                       [_tensor("y", [4])], one), {"x": x}
-    if name == "if_add":
+    if name in ("if_add", "if_data"):
         then = helper.make_graph([helper.make_node("Add", ["x", "one"], ["t"])], "then", [],
                                  [_tensor("t", [4])])
         other = helper.make_graph([helper.make_node("Add", ["x", "x"], ["e"])], "else", [],
                                   [_tensor("e", [4])])
         node = helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)
+        if name == "if_data":  # c = ReduceSum(x) > 0
+            nodes = [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+                     helper.make_node("Greater", ["total", "zero"], ["c"]), node]
+            return _model(nodes, [_tensor("x", [4])], [_tensor("y", [4])],
+                          {**one, "zero": np.array(0, np.float32)}), {"x": x}
         return _model([node], [_tensor("c", [], TensorProto.BOOL), _tensor("x", [4])],
                       [_tensor("y", [4])], one), {"c": np.array(True), "x": x}
     if name.startswith("loop_"):
@@ -167,7 +174,8 @@ def report(best: dict[str, dict[str, float]]) -> list[str]:
         lines.append(f"| {model} | {' | '.join(cells)} | {ratio:.2f} |")
     for rt in names:
         t = {m: best[rt][m] * 1e6 for m in MODELS}
-        lines.append(f"{rt}: If {t['if_add'] - t['add']:.1f} us over the Add alone; Loop "
+        lines.append(f"{rt}: If {t['if_add'] - t['add']:.1f} us over the Add alone (decided), "
+                     f"{t['if_data'] - t['add']:.1f} (from data, with its ReduceSum and Greater); Loop "
                      f"{(t['loop_100'] - t['loop_10']) / 90:.2f} us per iteration, "
                      f"{t['loop_10'] - t['add'] - (t['loop_100'] - t['loop_10']) / 9:.1f} us per call; "
                      f"Scan {(t['scan_100'] - t['add']) / 100:.2f} us per row")

@@ -115,7 +115,7 @@ def test_data_predicate_keeps_nested_branches(backends):
     layers = session.optimized.graph.layers
     assert any(layer.op_type == "If" for layer in layers)
     assert not any(layer.op_type == "DecidedIf" for layer in layers)
-    assert "computed from data" in session.optimized.report.layers[_if_name(session)].note
+    assert "not computed from small inputs" in session.optimized.report.layers[_if_name(session)].note
 
 
 @pytest.mark.parametrize("backends", host_backend_lists(), ids=",".join)
@@ -214,3 +214,14 @@ def test_profile_names_the_branch_taken():
         names = [t.layer for t in timings]
         assert names[0].endswith(f"({branch_name} taken)")
         assert all(name.startswith(f"{_if_name(session)}/{branch_name}/") for name in names[1:])
+
+
+def test_weights_too_large_for_versions_stay_nested(monkeypatch):
+    """Past ``MAX_BYTES`` of weights the network is not loaded once per branch: the If runs its
+    nested branches, and the report says why."""
+    from backplane.optimizer import decided
+
+    monkeypatch.setattr(decided, "MAX_BYTES", 64)
+    session = check(sr_model(), [feeds(16000), feeds(8000)], ["CpuAcc", "CpuRef"])
+    assert any(layer.op_type == "If" for layer in session.optimized.graph.layers)
+    assert "too large" in session.optimized.report.layers[_if_name(session)].note

@@ -36,6 +36,9 @@ from backplane.optimizer.report import LayerPlacement, PlacementReport
 
 MAX_DECIDED = 3
 """Ifs decided one inside another's version: each doubles the networks loaded."""
+MAX_BYTES = 64 << 20
+"""A network whose weights take more is not made versions (each version's backends hold its own
+prepacked or copied weights)."""
 PREDICATE_ELEMENTS = 64
 """The most elements an input that decides an If may have (``sr``: 1)."""
 BRANCHES = ("then_branch", "else_branch")
@@ -58,11 +61,26 @@ class Decision:
                 f"value: each value runs its own network, the branch taken inlined")
 
 
-def why_nested(could: bool) -> str:
-    """The report's note on an If left to its nested branch networks: ``could`` where the
-    network's inputs might have decided it (not inside a body)."""
-    why = "its predicate is computed from data" if could else "inside a body"
+def why_nested(decide: int, graph: Graph) -> str:
+    """The report's note on an If of ``graph`` left to its nested branch networks; ``decide``:
+    how many Ifs deep the optimizer could still decide (0 inside a body)."""
+    if decide <= 0:
+        why = f"not decided inside a body or past {MAX_DECIDED} decided Ifs"
+    elif too_large(graph):
+        why = (f"the network's weights, {constant_bytes(graph) / 2**20:.0f} MiB, too large to "
+               f"load a version per branch")
+    else:
+        why = "its predicate is not computed from small inputs and constants alone"
     return f"the branch taken runs as a nested network at each run ({why})"
+
+
+def constant_bytes(graph: Graph) -> int:
+    return sum(int(getattr(value, "nbytes", 0)) for value in graph.constants.values())
+
+
+def too_large(graph: Graph) -> bool:
+    """Whether ``graph``'s weights are too large to hold once per version (``MAX_BYTES``)."""
+    return constant_bytes(graph) > MAX_BYTES
 
 
 def inline_constant_ifs(graph: Graph) -> bool:
@@ -86,7 +104,8 @@ def find(graph: Graph, computable: Callable[[Layer], bool]) -> Decision | None:
     """The first If of ``graph`` whose predicate is computed from its small static inputs and
     constants only (see above), by layers ``computable`` on the host; None where there is none."""
     made = {out: layer for layer in graph.layers for out in layer.outputs if out}
-    if len(set(graph.outputs)) != len(graph.outputs) or set(graph.outputs) & set(graph.inputs):
+    if len(set(graph.outputs)) != len(graph.outputs) or set(graph.outputs) & set(graph.inputs) \
+            or too_large(graph):
         return None  # an output given twice or an input given back: a layer cannot write it
     for layer in graph.layers:
         if layer.op_type == "If" and not layer.domain and layer.inputs and layer.inputs[0]:

@@ -183,7 +183,7 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
             _optimize_bodies(layer, graph, backends, pins, options, registry, report, backend_options,
                              exclusions)
             if layer.op_type == "If":
-                report.layers[layer.name].note = decided.why_nested(decide > 0)
+                report.layers[layer.name].note = decided.why_nested(decide, graph)
     if options.placement == "measured":
         measured.place(graph, available, pins, report, exclusions, registry, backend_options)
     _optimize_subgraphs(graph, available, pins, report, exclusions)
