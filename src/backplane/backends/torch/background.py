@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backplane.backends.api.backend import Workload
+from backplane.backends.torch.wrapped import Wrapper
 
 log = logging.getLogger("backplane.torch")
 
@@ -55,7 +56,7 @@ processes each, ms a run on / off): resnet_basic_dyn21 8.2-9.2 / 4.5-5.0, gpt_ca
 unet_resize_dyn20 8.9 / 7.9-9.1, char_tagger_ts14 2.1 / 2.1 (.gpurun/lead/onoff.py)."""
 
 
-class Swapped:
+class Swapped(Wrapper):
     """A workload whose work the background replaces; its other attributes are the work's."""
 
     __slots__ = ("work", "__weakref__", "__dict__")  # attributes set on it stay its own
@@ -65,14 +66,6 @@ class Swapped:
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         return self.work(*inputs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in Swapped.__slots__:  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.work, name)
-
-    def __repr__(self) -> str:
-        return f"Swapped({self.work!r})"
 
 
 def wanted(backend: Any) -> bool:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backplane.backends.api.backend import OptionError, Workload
+from backplane.backends.torch.wrapped import Wrapper
 
 AUTO = "auto"
 log = logging.getLogger("backplane.torch")
@@ -248,7 +249,7 @@ def governor() -> ThreadGovernor:
         return _GOVERNOR
 
 
-class Governed:
+class Governed(Wrapper):
     """A CpuAcc workload whose calls (and profiled calls) tick the governor first; its other
     attributes (``exclusive``, ``destroy``, ``relayouts``, ...) are the workload's."""
 
@@ -262,15 +263,10 @@ class Governed:
         return self.work(*inputs)
 
     def __getattr__(self, name: str) -> Any:
-        if name in Governed.__slots__:  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        found = getattr(self.work, name)
+        found = super().__getattr__(name)
         if name == "profiled":
             return functools.partial(_ticked, self.governor, found)
         return found
-
-    def __repr__(self) -> str:
-        return f"Governed({self.work!r})"
 
 
 def _ticked(governor: ThreadGovernor, call: Callable[..., Any], *inputs: Any) -> Any:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from backplane.backends.api.backend import Workload
+from backplane.backends.torch.wrapped import Wrapper
 
 SAMPLES = 7
 """Timed calls of each candidate before the choice (the median of them is compared)."""
@@ -59,7 +60,7 @@ _roots: weakref.WeakSet[Trial] = weakref.WeakSet()
 _roots_lock = threading.Lock()
 
 
-class Trial:
+class Trial(Wrapper):
     """A layer's candidate workloads, timed over the network's calls; then the fastest one."""
 
     __slots__ = ("candidates", "children", "key", "at", "samples", "calls", "total", "chosen",
@@ -206,12 +207,14 @@ class Trial:
         name = next(iter(self.candidates))
         return all(trial.settled() for trial in self.children.get(name, ()))
 
+    def _target(self) -> Workload:
+        """The chosen candidate, or the first while none is."""
+        return self.chosen or next(iter(self.candidates.values()))
+
     def __getattr__(self, name: str) -> Any:
-        if name in Trial.__slots__:  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
         if name == "why" and self.chosen is None:
             return "being timed in the running thread: " + ", ".join(self.candidates)
-        return getattr(self.chosen or next(iter(self.candidates.values())), name)
+        return super().__getattr__(name)
 
     def __repr__(self) -> str:
         return f"Trial({', '.join(self.candidates)}{'' if self.chosen is None else ': chosen'})"
