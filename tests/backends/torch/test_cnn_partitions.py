@@ -112,3 +112,18 @@ def test_the_corpus_cnns_compile_and_match_cpuref(name: str) -> None:
     want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * max(float(np.abs(w).max()), 1.0))
+
+
+def test_a_graph_onednn_cannot_compile_is_traced_instead(monkeypatch) -> None:
+    """Where the fuser fails (as it did on the Resize's in-place sum), the layers are traced
+    without it rather than run one by one."""
+    from backplane.backends.torch.fusion import onednn_graph
+
+    monkeypatch.setattr(onednn_graph, "_compiled", lambda *args: None)
+    model = _decoder()
+    feeds = {"x": np.random.default_rng(3).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    session = _session(model, "onednn_graph")
+    assert _graphs(session) == ["traced"]
+    (got,) = session.run(None, feeds)
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -138,14 +138,36 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     sample = _sample(inputs, layer.attrs.get("channels_last"), compute)
     compiled = _compiled(layer, backend, sample)
     if compiled is None:
-        return edges(layer, because(_named(layers_run(layer, backend), "layers"),
-                                    "oneDNN Graph could not compile it"))
+        return edges(layer, _uncompiled(layer, backend, sample, mode, description))
     if mode == "onednn_graph":
         return edges(layer, because(compiled, "CpuAcc.compile=onednn_graph"))
     return edges(layer, fastest("graph", description,
                                 {"onednn_graph": lambda: compiled,
                                  "layers": lambda: _named(layers_run(layer, backend), "layers")},
                                 lambda: sample, backend))
+
+
+def _uncompiled(layer: Layer, backend: Any, sample: list[Any], mode: str,
+                description: dict[str, Any]) -> Workload:
+    """Where oneDNN Graph cannot compile the subgraph: its layers traced without the fuser
+    (``traced.compile_traced``), kept where "auto" measures the trace faster or the mode is
+    "onednn_graph", else the layers one by one. A U-Net's Resize once made the fuser fail, and its
+    partition then ran layer by layer, slower than the trace that the same layers make elsewhere."""
+    from backplane.backends.torch.fusion import traced
+
+    def layers() -> Workload:
+        return _named(layers_run(layer, backend), "layers")
+
+    trace = traced.compile_traced(layer, backend, sample)
+    if trace is None:
+        return because(layers(), "oneDNN Graph could not compile it, nor could it be traced")
+    why = "oneDNN Graph could not compile it: traced"
+    if mode == "onednn_graph":
+        return because(trace, why)
+    run = fastest("graph", description, {"traced": lambda: trace, "layers": layers},
+                  lambda: sample, backend)
+    run.why = f"{why}; {getattr(run, 'why', '')}"  # type: ignore[attr-defined]
+    return run
 
 
 def edges(layer: Layer, run: Workload) -> Workload:
