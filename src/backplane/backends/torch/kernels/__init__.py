@@ -5,7 +5,7 @@ on whichever device its tensors are on."""
 from __future__ import annotations
 
 from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
-from backplane.backends.torch.kernels import attention, contrib_quant, ml, vision
+from backplane.backends.torch.kernels import attention, contrib_quant, ml, network, vision
 from backplane.backends.torch.kernels import contrib_attention, contrib_transformer
 
 KERNELS = {
@@ -15,6 +15,7 @@ KERNELS = {
     **numeric.KERNELS,
     **indexing.KERNELS,
     **recurrent.KERNELS,
+    **network.KERNELS,
     **vision.KERNELS,
     **attention.KERNELS,
     **ml.KERNELS,
@@ -30,6 +31,7 @@ CHECKS = {
     **numeric.CHECKS,
     **indexing.CHECKS,
     **recurrent.CHECKS,
+    **network.CHECKS,
     **vision.CHECKS,
     **attention.CHECKS,
     **ml.CHECKS,
@@ -44,6 +46,7 @@ INPUT_DTYPES = {
     **numeric.INPUT_DTYPES,
     **indexing.INPUT_DTYPES,
     **recurrent.INPUT_DTYPES,
+    **network.INPUT_DTYPES,
     **vision.INPUT_DTYPES,
     **attention.INPUT_DTYPES,
     **ml.INPUT_DTYPES,
