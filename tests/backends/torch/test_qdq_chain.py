@@ -1,7 +1,7 @@
 """Large QDQ convolutions chained in 8-bit integers on CpuAcc (``fusion/qdq_chain.py``, issue 29):
-ONNX Runtime's static quantizer writes a MobileNet-like CNN in the QDQ format (a stem, an
-max pool, an inverted residual block with a hard-swish, a 3x3 convolution, a Gemm head); CpuAcc
-runs each large DequantizeLinear -> Conv -> QuantizeLinear as a QLinearConv reading the integers
+ONNX Runtime's static quantizer writes a MobileNet-like CNN in the QDQ format (a stem, a max
+pool, an inverted residual block with a hard-swish, a residual 3x3 convolution, a Gemm head);
+CpuAcc runs each large DequantizeLinear -> Conv -> QuantizeLinear as a QLinearConv reading the integers
 the one before wrote, the residual sum and the max pool taken in, the hard-swish a Lookup, and
 its outputs stay within one quantization step of ONNX Runtime's and CpuRef's."""
 
@@ -27,8 +27,8 @@ EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 def mobile_cnn(path: Path) -> Path:
     """Stem 3 -> 16 (3x3 at 128x128, 7 M multiply-adds), MaxPool 2/2, expand 1x1 16 -> 64 at
     64x64 (4.2 M), hard-swish, depthwise 3x3 (2.4 M), project 1x1 64 -> 16 (4.2 M), the residual
-    sum with the pool's output, 3x3 16 -> 32 stride 2 (4.7 M), GlobalAveragePool, Gemm: every
-    convolution above ``qdq_chain.CHAIN_MACS``."""
+    sum with the pool's output, 3x3 16 -> 16 (9.4 M) and its sum with that, GlobalAveragePool,
+    Gemm: every convolution above ``qdq_chain.CHAIN_MACS``."""
     rng = np.random.default_rng(29)
 
     def w(*shape: int, scale: float = 0.3) -> np.ndarray:
@@ -36,7 +36,7 @@ def mobile_cnn(path: Path) -> Path:
 
     weights = {"w0": w(16, 3, 3, 3), "b0": w(16), "we": w(64, 16, 1, 1), "be": w(64),
                "wd": w(64, 1, 3, 3), "bd": w(64), "wp": w(16, 64, 1, 1, scale=0.1),
-               "bp": w(16), "w3": w(32, 16, 3, 3, scale=0.1), "b3": w(32), "wg": w(10, 32),
+               "bp": w(16), "w3": w(16, 16, 3, 3, scale=0.1), "b3": w(16), "wg": w(10, 16),
                "bg": w(10)}
     node = helper.make_node
     nodes = [node("Conv", ["x", "w0", "b0"], ["c0"], pads=[1, 1, 1, 1]),
@@ -49,8 +49,9 @@ def mobile_cnn(path: Path) -> Path:
              node("Relu", ["cd"], ["rd"]),
              node("Conv", ["rd", "wp", "bp"], ["cp"]),
              node("Add", ["cp", "r0"], ["sp"]),
-             node("Conv", ["sp", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1], strides=[2, 2]),
-             node("Relu", ["c3"], ["r3"]),
+             node("Conv", ["sp", "w3", "b3"], ["c3"], pads=[1, 1, 1, 1]),
+             node("Add", ["c3", "sp"], ["s3"]),
+             node("Relu", ["s3"], ["r3"]),
              node("GlobalAveragePool", ["r3"], ["gap"]),
              node("Flatten", ["gap"], ["flat"]),
              node("Gemm", ["flat", "wg", "bg"], ["y"], transB=1)]
@@ -110,7 +111,9 @@ def test_large_qdq_convolutions_pass_integers(activations: str, tmp_path: Path) 
         assert graph.info(conv.inputs[0]).dtype in EIGHT_BIT, conv.name
         assert made[conv.inputs[0]].op_type in ("QLinearConv", "Lookup"), conv.name
     assert [lay.op_type for lay in layers].count("Lookup") == 1
-    assert [c.attrs["residual"] is not None for c in convs] == [False, False, False, True, False]
+    assert [c.attrs["residual"] is not None for c in convs] == [False, False, False, True, True]
+    # the last sum's DequantizeLinear taken (a GlobalAveragePool reads it), the other's not
+    assert [c.attrs["residual"].get("dequantized", False) for c in convs[3:]] == [False, True]
     assert [c.attrs["pool"] is not None for c in convs] == [True, False, False, False, False]
     # the residual block's input: its first convolution and its sum read the integers
     read = {name for lay in graph.layers for name in lay.inputs}

@@ -385,19 +385,23 @@ def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) 
     step than the convolution's own, the kernel's arithmetic (``qlinear._residual_finisher``)."""
     import torch
 
-    from backplane.backends.torch.fusion.qlinear import _residual_finisher
+    from backplane.backends.torch.fusion.qlinear import _residual_finisher, sum_dequantizer
 
     r, q = a["residual"], a["int8"]
+    back = sum_dequantizer(r)
     if float(r["mine_scale"]) != q["y_scale"] or r["mine_zero"] + y_shift != q["y_zero"]:
         add = _residual_finisher(a)
-        return lambda x, other: (add(_raw(quantized(x)).float().sub_(y_shift), other),)
+        return lambda x, other: (back(add(_raw(quantized(x)).float().sub_(y_shift), other)),)
     other_scale, other_zero = float(r["other_scale"]), r["other_zero"] + y_shift
     sum_scale, sum_zero = float(r["sum_scale"]), r["sum_zero"] + y_shift
 
     def run(x, other):
         u8 = other.view(torch.uint8).bitwise_xor(128) if y_shift else other
         q_other = torch._make_per_tensor_quantized_tensor(u8, other_scale, other_zero)
-        total = _raw(torch.ops.quantized.add(quantized(x), q_other, sum_scale, sum_zero))
+        total = torch.ops.quantized.add(quantized(x), q_other, sum_scale, sum_zero)
+        if r.get("dequantized"):  # a QDQ sum's DequantizeLinear taken (qdq_chain)
+            return (total.dequantize(),)
+        total = _raw(total)
         return (total.bitwise_xor_(128).view(torch.int8) if y_shift else total,)
     return run
 

@@ -325,11 +325,11 @@ def _float_route(layer: Layer, backend: Any) -> Workload:
     centre, finish, dtype = _centring(a), _finisher(a), compute_type(a)
 
     if a.get("residual") is not None:
-        grid, add = _on_grid(a), _residual_finisher(a)
+        grid, add, back = _on_grid(a), _residual_finisher(a), sum_dequantizer(a["residual"])
 
         def run_residual(x, other):
             (acc,) = product(centre(x.float() if x.is_floating_point() else x))
-            return (add(grid(acc), other),)
+            return (back(add(grid(acc), other)),)
         run_residual.route = getattr(product, "route", None)  # type: ignore[attr-defined]
         return run_residual
 
@@ -448,6 +448,18 @@ def _residual_finisher(a: dict[str, Any]) -> Any:
         real = real.add_(other.float().sub_(other_zero).mul_(other_scale))
         return torch.round(real.div_(sum_scale)).add_(sum_zero).clamp_(low, high).to(dtype)
     return add
+
+
+def sum_dequantizer(residual: dict[str, Any]) -> Any:
+    """The residual sum's integers as they are, or dequantized (``(q - z) * s`` in float32, as
+    CpuRef) where the layer took the DequantizeLinear after the sum (``qdq_chain``)."""
+    import torch
+
+    if not residual.get("dequantized"):
+        return lambda total: total
+    scale = torch.from_numpy(np.array(residual["sum_scale"], F32))
+    zero = residual["sum_zero"]
+    return lambda total: total.float().sub_(zero).mul_(scale)
 
 
 def _TORCH_RANGES() -> dict[Any, tuple[int, int]]:  # noqa: N802
