@@ -1,9 +1,9 @@
 """Large QDQ convolutions chained in 8-bit integers on CpuAcc (``fusion/qdq_chain.py``, issue 29):
 ONNX Runtime's static quantizer writes a MobileNet-like CNN in the QDQ format (a stem, a max
 pool, an inverted residual block with a hard-swish, a residual 3x3 convolution, a Gemm head);
-CpuAcc runs each large DequantizeLinear -> Conv -> QuantizeLinear as a QLinearConv reading the integers
-the one before wrote, the residual sum and the max pool taken in, the hard-swish a Lookup, and
-its outputs stay within one quantization step of ONNX Runtime's and CpuRef's."""
+CpuAcc runs each large DequantizeLinear -> Conv -> QuantizeLinear as a QLinearConv reading the
+integers the one before wrote, the residual sums and the max pool taken in, the hard-swish a
+Lookup, and its outputs stay within one quantization step of ONNX Runtime's and CpuRef's."""
 
 from __future__ import annotations
 
