@@ -1,6 +1,6 @@
 """CpuAcc's Linear route where oneDNN's product is known faster (``linear.ONEDNN_FROM``): taken
 without measuring, on a quiet machine or a busy one, and held by a trace as oneDNN's product on
-the plain weight; below it the routes are measured as before."""
+the packed weight (an input of the traced graph); below it the routes are measured as before."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_one_row_and_a_smaller_weight_are_measured() -> None:
         assert "measured fastest at load" in workload.why, (rows, k, n, workload.why)
 
 
-def test_a_trace_holds_onednn_on_the_plain_weight(monkeypatch) -> None:
+def test_a_trace_holds_onednn_on_the_packed_weight(monkeypatch) -> None:
     monkeypatch.setattr(threads, "crowded", lambda: False)
     model = _head(8, 512, 2048, tail=True)
     session = _session(model, **{"CpuAcc.compile": "onednn_graph"})
@@ -80,12 +80,13 @@ def test_a_trace_holds_onednn_on_the_plain_weight(monkeypatch) -> None:
     (workload,) = inner_workloads(session, "Traced")
     graph = str(workload.module.graph)
     assert "mkldnn::_linear_pointwise" in graph and "aten::linear" not in graph, traced.name
+    assert [w.is_mkldnn for w in workload.weights] == [True]  # packed, an input of the graph
     _matches_cpuref(session, model, _feeds(8, 512))
 
 
 def test_the_traced_product_is_torch_s_linear_outside_a_trace() -> None:
     x, w, b = torch.randn(3, 5, 16), torch.randn(24, 16), torch.randn(24)
-    assert torch.equal(linear._traceable_onednn(x, w, b), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(linear._traceable_onednn(15)(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
 @pytest.mark.parametrize("rows, first", [(64, "onednn"), (8, "mkl")])

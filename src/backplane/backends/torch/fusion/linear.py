@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -281,7 +282,7 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
     # A trace holds torch's linear (TorchScript takes no packed oneDNN weight): where oneDNN is
     # known faster, or first, it holds oneDNN's product on the plain weight instead (4.6 against
     # MKL's 6.2 and packed 4.1 ms for the CRNN's head, 1 thread).
-    product = _traceable_onednn if a["input_shape"] and (
+    product = _traceable_onednn(math.prod(a["input_shape"][:-1])) if a["input_shape"] and (
         _onednn_known_faster(a) or _onednn_first(a)) else F.linear
 
     def mkl(x, residual=None):
@@ -292,16 +293,28 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
     return holding(mkl, weight, bias)
 
 
-def _traceable_onednn(x: Any, weight: Any, bias: Any) -> Any:
-    """oneDNN's product of ``x`` and the plain (N, K) ``weight`` inside a trace, torch's linear
+def _traceable_onednn(rows: int) -> Callable[[Any, Any, Any], Any]:
+    """oneDNN's product of ``x`` and the (N, K) ``weight`` inside a trace, torch's linear
     elsewhere: layer by layer (CpuAcc.linear_route "mkl" is MKL's) and in a trace for oneDNN
-    Graph's fuser (``aten::linear`` is what it takes into its partitions)."""
+    Graph's fuser (``aten::linear`` is what it takes into its partitions). A ``Traced`` layer
+    hands it the weight packed for ``rows`` rows as one of its inputs (``prepacked.TRACED``);
+    elsewhere it reads the plain weight, reordered at each call."""
     import torch
     import torch.nn.functional as F
 
-    if torch.jit.is_tracing() and not torch.jit.onednn_fusion_enabled():
-        return _scripted_onednn()(x, weight, bias)
-    return F.linear(x, weight, bias)
+    from backplane.backends.torch import prepacked
+
+    def product(x: Any, weight: Any, bias: Any) -> Any:
+        inputs = prepacked.TRACED.get()
+        if inputs is not None:
+            packed = inputs.weight(weight, rows)  # made on the untraced run, an input traced
+            if not torch.jit.is_tracing():
+                return F.linear(x, weight, bias)
+            return _scripted_onednn()(x, packed, bias)
+        if torch.jit.is_tracing() and not torch.jit.onednn_fusion_enabled():
+            return _scripted_onednn()(x, weight, bias)
+        return F.linear(x, weight, bias)
+    return product
 
 
 @functools.cache

@@ -19,21 +19,24 @@ layer by layer. On a CPU without float16 arithmetic (``native_half``) a float16 
 traced computing in float32 (its inputs and constants widened, each float16 result inside too, its
 float16 outputs rounded once), as ONNX Runtime's CPU runs such models. With ``CpuAcc.compile``
 "auto" the faster of the two on the sample is kept (and remembered in the route cache);
-"onednn_graph" keeps the trace whenever there is one; "layers" never traces. The trace uses the routes TorchScript can hold (``onednn_graph.TRACEABLE_ROUTES``:
-a prepacked oneDNN weight is no TorchScript constant), without oneDNN Graph's fuser. A recurrent
+"onednn_graph" keeps the trace whenever there is one; "layers" never traces. The trace uses the
+routes TorchScript can hold (``onednn_graph.TRACEABLE_ROUTES``), without oneDNN Graph's fuser; a
+packed oneDNN weight is no TorchScript constant, so the linears that take oneDNN's product get
+theirs as inputs of the frozen graph (``prepacked.TraceInputs``). A recurrent
 layer whose kernel runs on one thread (``recurrent.runs_alone``) is left out of traces on a busy
 machine: a trace keeps its ops, not the thread count its kernel sets around them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +46,7 @@ from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch.fusion import onednn_graph
-from backplane.backends.torch import threads
+from backplane.backends.torch import prepacked, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
@@ -273,23 +276,26 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
 
     traceable = onednn_graph.layers_run(layer, onednn_graph._Forced(backend,
                                                                      onednn_graph.TRACEABLE_ROUTES))
+    packing = prepacked.TraceInputs()
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), _packing(packing):
             warnings.simplefilter("ignore")  # TorchScript's deprecation, the tracer's warnings
             reads = HostReads(sample)
             with reads:
-                expected = traceable(*sample)
+                expected = traceable(*sample)  # packs the weights the trace takes as inputs
             if reads.found:
                 log.debug("%s runs layer by layer: a kernel reads %s of a computed value on the "
                           "host", layer.name, reads.found[0])
                 return None
-            module = onednn_graph._freeze(onednn_graph._trace(traceable, sample, fusion=False),
-                                          fusion=False)
+            packed, count = packing.packed, len(sample)
+            module = onednn_graph._freeze(onednn_graph._trace(
+                lambda *values: traceable(*values[:count]), [*sample, *packed], fusion=False),
+                fusion=False)
             other = onednn_graph._sample([TensorInfo(tuple(v.shape), _numpy(v.dtype))
                                           for v in sample])
             checks = [(sample, expected), (other, traceable(*other))]
             for values, wanted in checks:
-                got = module(*values)
+                got = module(*values, *packed)
                 got = got if isinstance(got, tuple) else (got,)
                 if len(got) != len(wanted) or not all(map(onednn_graph._close, got, wanted)):
                     log.debug("%s runs layer by layer: its trace computes otherwise", layer.name)
@@ -297,21 +303,33 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
     except Exception as exc:  # noqa: BLE001  # any failure to trace: the layers run instead
         log.debug("%s runs layer by layer: no trace (%s: %s)", layer.name, type(exc).__name__, exc)
         return None
-    return _named(_traced_run(module, sample), "traced")
+    return _named(_traced_run(module, sample, packed), "traced")
 
 
-def _traced_run(module: Any, sample: Sequence[Any]) -> Workload:
+@contextlib.contextmanager
+def _packing(inputs: prepacked.TraceInputs) -> Iterator[None]:
+    token = prepacked.TRACED.set(inputs)
+    try:
+        yield
+    finally:
+        prepacked.TRACED.reset(token)
+
+
+def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) -> Workload:
+    """The frozen ``module``'s call: the inputs in their sample's layout, then the packed weights
+    it takes as inputs (``prepacked.TraceInputs``)."""
     import torch
 
     conform = onednn_graph._layout_guard(sample)
 
     def run(*values: Any) -> tuple[Any, ...]:
         with torch.no_grad():
-            outputs = module(*conform(values))
+            outputs = module(*conform(values), *packed)
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
     run.module = module  # type: ignore[attr-defined]  # for tests and debugging
+    run.weights = tuple(packed)  # type: ignore[attr-defined]  # the packed ones it keeps
     return run
 
 

@@ -9,7 +9,8 @@ compiled subgraphs run on (``fusion/onednn_graph.py``), fuses a ReLU or a clamp 
 convolution before it as max / min against the bound, and x86's max returns its second operand (the
 bound) where the first is NaN: an all-NaN image gave finite logits. So ``relu`` and ``clamp``
 spell their op differently while TorchScript traces them for oneDNN Graph
-(``torch.jit.is_tracing()``); eagerly they are torch's own.
+(``for_onednn_graph``); eagerly, and in a trace without oneDNN Graph's fuser (a ``Traced`` layer),
+they are torch's own.
 """
 
 from __future__ import annotations
@@ -69,13 +70,20 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
     return NUMPY_TO_TORCH[np.dtype(onnx_to_numpy_dtype(onnx_type))]
 
 
+def for_onednn_graph() -> bool:
+    """Whether TorchScript is tracing for oneDNN Graph's fuser (``onednn_graph._fusion``): a
+    ``Traced`` layer traces with the fuser off, and its ReLU stays torch's (the ELU below, run by
+    TorchScript's interpreter, computes an exp per value: 90 against 4 us on 32x1024, 1 thread)."""
+    return torch.jit.is_tracing() and torch.jit.onednn_fusion_enabled()
+
+
 def relu(x: torch.Tensor) -> torch.Tensor:
-    """ReLU that keeps NaN also where oneDNN Graph compiles it. Traced, ELU with alpha 0: the same
-    values (0 * (exp(x) - 1) is a zero, -0.0, for x < 0; +Inf stays, -Inf gives 0), a post-op
+    """ReLU that keeps NaN also where oneDNN Graph compiles it. Traced for it, ELU with alpha 0: the
+    same values (0 * (exp(x) - 1) is a zero, -0.0, for x < 0; +Inf stays, -Inf gives 0), a post-op
     oneDNN Graph fuses into the convolution as it fuses ReLU, but one it computes by comparison
     and blend, so NaN stays NaN (its cost is within a busy machine's noise:
     ``bench/nan_propagation.py``, docs/torch-backends.md)."""
-    if torch.jit.is_tracing() and x.is_floating_point():
+    if for_onednn_graph() and x.is_floating_point():
         return F.elu(x, 0.0)
     return torch.relu(x)
 
@@ -86,7 +94,7 @@ def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) 
     other bounds as torch's clamp_min and clamp_max after the compiled partition."""
     if low is None and high is None:
         return x
-    if not torch.jit.is_tracing() or not x.is_floating_point():
+    if not for_onednn_graph() or not x.is_floating_point():
         return torch.clamp(x, low, high)
     y = x if low is None else relu(x) if low == 0 else torch.clamp_min(x, low)
     if high is None:
