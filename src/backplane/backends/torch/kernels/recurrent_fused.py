@@ -3,11 +3,11 @@ asks: the weights in torch's gate order, kept per weight tensor; one call of ``t
 / ``rnn_tanh`` / ``rnn_relu`` for every step; the one-thread rule for a small recurrent product; a
 small bidirectional layer's two directions as one direction of twice the width (``paired``).
 
-Why the pairing: on the CPU each call of the fused kernel has a fixed cost that its steps do not
-amortize on short sequences. oneDNN's LSTM (``mkldnn_rnn_layer``: a primitive descriptor made and
-the weights reordered at every call, ideep's ``lstm_forward_inference::compute``) and torch's own
-GRU / RNN loop (a dozen ATen calls a step, about 10 us a step at hidden 20) run a bidirectional
-layer as two such calls; paired, one call of block-diagonal weights does both directions.
+Why the pairing: torch's own GRU / RNN loop on the CPU costs a dozen ATen calls a step (about 10
+us a step at hidden 20), each direction its own; paired, one loop of block-diagonal weights does
+both directions. (oneDNN's LSTM costs about 50 us a call at hidden 24, 1 us a step: a primitive
+descriptor made and the weights reordered at every call, ideep's
+``lstm_forward_inference::compute``; paired, it was no faster.)
 """
 
 from __future__ import annotations
@@ -131,14 +131,17 @@ def _reordered(weights, order):
 
 
 # -- a bidirectional layer as one direction of twice the width ---------------------------------------
-PAIRED_HIDDEN = {"lstm": 32, "gru": 64, "rnn_tanh": 64, "rnn_relu": 64}
+PAIRED_HIDDEN = {"gru": 64, "rnn_tanh": 64, "rnn_relu": 64}
 """The widest hidden size at which a bidirectional layer runs paired (``paired``), per fused kernel.
 The pair's products are twice the work (block-diagonal weights), so it pays where the fixed cost per
-call is most of the layer's. Measured, CPU us a layer, 1 thread, this project's 2-core AMD EPYC at
-load 6-7, two calls / paired (sequence, input, hidden): LSTM 8,16,24 107 / 80; 8,32,32 118 / 102;
-32,32,32 164 / 165; 8,64,64 163 / 185; 100,64,128 2814 / 9107. GRU 8,16,24 158 / 102; 32,32,32
-694 / 398; 32,64,64 916 / 683; 80,64,48 1759 / 1153; 8,96,96 303 / 325."""
-GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+call or per step is most of the layer's: torch's GRU and RNN loops (ATen calls a step). Measured,
+CPU us a layer, 1 thread, this project's 2-core AMD EPYC at load 6-9, two directions / paired
+(sequence, input, hidden): GRU 8,16,24 158 / 102; 32,32,32 694 / 398; 32,64,64 916 / 683;
+80,64,48 1759 / 1153; 8,96,96 303 / 325; traced and frozen 8,12,20 166-187 / 113-118. Not oneDNN's
+LSTM: its cost per call grows with the weights it reorders, and paired it was no faster (8,16,24
+107 / 80 alone, 119 / 108 traced, but a whole model run layer by layer, 2 threads, load 5: the small
+tier's lstm_bi2_dyn18 0.44-0.50 -> 0.55-0.64 ms, lstm_bi2_ts14 even)."""
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}  # (gates a step)
 _PAIRS = WeakIdKeyDictionary()
 """W -> (torch's weight list, its pair): ``pair_of``'s, dropped with W."""
 
