@@ -9,7 +9,7 @@ Usage:
 Tiny models whose work is one Add, so that what is timed is the construct: ``add`` (the Add alone:
 the floor of a run), ``if_add`` (an If whose branches are one Add each, reading an outer constant; its predicate an
 input, so decided before the run: optimizer/decided.py), ``if_data`` (the same If, its predicate
-ReduceSum(x) > 0 read from data: the branch runs as a nested network),
+ReduceSum(x) > 0 of an x of free size: not decided, the branch runs as a nested network),
 ``loop_10`` and ``loop_100`` (a Loop of 10 and 100 iterations carrying a [4] tensor through a
 one-Add body), ``scan_100`` (a Scan over 100 rows with a one-Add state update). Each runtime runs
 in processes of its own, alternating over ``--rounds`` (bench/wild.py's way); a process loads every
@@ -78,10 +78,10 @@ def build(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         other = helper.make_graph([helper.make_node("Add", ["x", "x"], ["e"])], "else", [],
                                   [_tensor("e", [4])])
         node = helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)
-        if name == "if_data":  # c = ReduceSum(x) > 0
+        if name == "if_data":  # c = ReduceSum(x) > 0, x of a free size (4): not decided
             nodes = [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
                      helper.make_node("Greater", ["total", "zero"], ["c"]), node]
-            return _model(nodes, [_tensor("x", [4])], [_tensor("y", [4])],
+            return _model(nodes, [_tensor("x", ["n"])], [_tensor("y", ["n"])],
                           {**one, "zero": np.array(0, np.float32)}), {"x": x}
         return _model([node], [_tensor("c", [], TensorProto.BOOL), _tensor("x", [4])],
                       [_tensor("y", [4])], one), {"c": np.array(True), "x": x}

@@ -225,3 +225,19 @@ def test_weights_too_large_for_versions_stay_nested(monkeypatch):
     session = check(sr_model(), [feeds(16000), feeds(8000)], ["CpuAcc", "CpuRef"])
     assert any(layer.op_type == "If" for layer in session.optimized.graph.layers)
     assert "too large" in session.optimized.report.layers[_if_name(session)].note
+
+
+def test_runs_from_several_threads_take_their_own_branch():
+    """Runs of both predicate values at once, from four threads: each gets its own version's
+    answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    session = InferenceSession(sr_model(), backends=["CpuAcc", "CpuRef"])
+    reference = InferenceSession(sr_model(), backends=["CpuRef"])
+    cases = [feeds(16000 if i % 2 else 8000, batch=1 + i % 3) for i in range(40)]
+    wanted = [reference.run(None, case) for case in cases]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda case: session.run(None, case), cases))
+    for answer, want in zip(got, wanted):
+        for a, b in zip(answer, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
