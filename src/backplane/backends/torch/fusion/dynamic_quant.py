@@ -117,7 +117,7 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     dtype, splits = compute_type(a), a.get("splits")
 
     def run(x):
-        centred, scale = dynamic_grid(x.float())
+        centred, scale = grid_on_host(x.float())
         (acc,) = product(centred)
         y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
         y = y.add_(bias) if bias is not None else y
@@ -125,3 +125,24 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
             return (y.to(dtype),)
         return tuple(part.to(dtype).contiguous() for part in y.split(splits, dim=-1))
     return run
+
+
+def grid_on_host(x: Any) -> tuple[Any, Any]:
+    """``dynamic_grid`` with the range read on the host and the scale and zero point computed in
+    Python floats, as CpuRef computes them (float64, the scale rounded once to float32; 0 - low
+    and its division by the scale in float32): four tensor calls where ``dynamic_grid`` (which a
+    trace or a CUDA graph can hold) makes seventeen; on the small tier's quantized GPT, 8 x 64
+    inputs, its nine products were 0.75 of 1.18 ms a run (1 thread, this AMD EPYC at load 6).
+    In a trace, on a GPU, or with a NaN in x (its range NaN), ``dynamic_grid``."""
+    import torch
+
+    if x.is_cuda or torch.jit.is_tracing() or not x.numel():
+        return dynamic_grid(x)
+    lowest, highest = (float(v) for v in torch.aminmax(x))
+    if lowest != lowest or highest != highest:  # NaN
+        return dynamic_grid(x)
+    low, high = min(lowest, 0.0), max(highest, 0.0)
+    scale = np.float32((high - low) / 255) if high > low else np.float32(1.0)
+    zero = min(max(float(np.rint(np.float32(0.0 - low) / scale)), 0.0), 255.0)
+    centred = torch.div(x, float(scale)).round_().clamp_(-zero, 255 - zero)
+    return centred, float(scale)

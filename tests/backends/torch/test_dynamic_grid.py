@@ -1,0 +1,49 @@
+"""DynamicQuantizeLinear's grid computed on the host (``dynamic_quant.grid_on_host``, CpuAcc's
+``DynamicQuantMatMul`` layer by layer) against the tensor form a trace holds
+(``kernels.contrib_quant.dynamic_grid``) and CpuRef's kernel: the same integers and scale, bit for
+bit; in a trace the tensor form, so a traced run follows each input's own range."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backplane.backends.reference.kernels.quant import dynamic_quantize_linear  # noqa: E402
+from backplane.backends.torch.fusion.dynamic_quant import grid_on_host  # noqa: E402
+from backplane.backends.torch.kernels.contrib_quant import dynamic_grid  # noqa: E402
+
+
+def cases() -> list[np.ndarray]:
+    rng = np.random.default_rng(29)
+    found = [np.zeros((2, 3), np.float32), np.full((1, 4), 3.5, np.float32),
+             np.full((1, 4), -0.25, np.float32), np.array([[1e-30, -1e-30]], np.float32)]
+    for k in range(60):
+        x = (rng.standard_normal((3, 17)) * 10 ** rng.uniform(-4, 4)).astype(np.float32)
+        found.append(np.abs(x) if k % 3 == 0 else -np.abs(x) if k % 3 == 1 else x)
+    return found
+
+
+def test_the_host_grid_is_cpurefs() -> None:
+    for x in cases():
+        centred, scale = grid_on_host(torch.from_numpy(x))
+        want, want_scale = dynamic_grid(torch.from_numpy(x))
+        y, ref_scale, ref_zero = dynamic_quantize_linear(x)
+        assert torch.equal(centred, want) and np.float32(scale) == np.float32(want_scale)
+        assert np.array_equal(centred.numpy(), y.astype(np.float32) - np.float32(ref_zero))
+        assert np.float32(scale) == ref_scale
+
+
+def test_a_nan_takes_the_tensor_form() -> None:
+    x = np.array([[1.0, np.nan, -2.0]], np.float32)
+    centred, scale = grid_on_host(torch.from_numpy(x))
+    want, want_scale = dynamic_grid(torch.from_numpy(x))
+    assert torch.equal(centred, want) and float(scale) == float(want_scale) == 1.0
+
+
+def test_a_trace_follows_each_inputs_range() -> None:
+    small = torch.linspace(-1, 1, 12).reshape(3, 4)
+    traced = torch.jit.trace(lambda x: grid_on_host(x)[0] * grid_on_host(x)[1], small)
+    large = small * 40 + 3
+    assert torch.equal(traced(large), dynamic_grid(large)[0] * dynamic_grid(large)[1])
