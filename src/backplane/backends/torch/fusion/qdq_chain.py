@@ -230,10 +230,17 @@ def _takes_integers(reader: Layer, ctx: Context) -> bool:
     before keeps its integer output."""
     from backplane.backends.torch.fusion.lookup import OPS
 
-    if reader.op_type == "Conv" and not reader.domain:
+    if reader.domain:
+        return (reader.domain, reader.op_type) in OPS
+    if reader.op_type == "Conv":
         return chains(reader, ctx)
-    return not reader.domain and reader.op_type in ADDS_AND_POOLS \
-        or (reader.domain, reader.op_type) in OPS
+    if reader.op_type in ADDS_AND_POOLS:  # a QDQ one: its result quantized, its inputs integers
+        after = ctx.sole(reader.outputs[0])
+        producers = ctx.graph.producers()
+        return after is not None and after.op_type == "QuantizeLinear" and not after.domain \
+            and all(getattr(producers.get(name), "op_type", None) == "DequantizeLinear"
+                    for name in reader.inputs if name)
+    return ("", reader.op_type) in OPS
 
 
 def _residual(dequantize: Layer, ctx: Context, y_step: tuple[float, int, tuple[int, int]],
