@@ -16,6 +16,7 @@ from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch.kernels.vision import resize  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.backends.torch.test_traced import _inner_layers  # noqa: E402
+from tests.models.test_corpus import tolerance  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 
@@ -101,9 +102,11 @@ def test_nan_through_the_compiled_resize_stays_where_cpuref_puts_it() -> None:
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
 
 
-@pytest.mark.parametrize("name", ["unet_resize_ts13", "unet_resize_dyn20", "mobilenet_dw_dyn18"])
+@pytest.mark.parametrize("name", ["unet_resize_ts13", "unet_resize_dyn20", "mobilenet_dw_dyn18",
+                                  "mobilenet_fp16_ts17"])
 def test_the_corpus_cnns_compile_and_match_cpuref(name: str) -> None:
-    """Each signature's build of these free-size CNNs is one OneDnnGraph, compiled."""
+    """Each signature's build of these free-size CNNs is one OneDnnGraph, compiled (the float16
+    MobileNet's in float32, its unfused Conv and Gemm layers inside, as Traced ones compute)."""
     path = str(CORPUS / f"{name}.onnx")
     feeds = dict(np.load(CORPUS / f"{name}.s0.npz"))
     session = _session(path, "onednn_graph")
@@ -111,7 +114,8 @@ def test_the_corpus_cnns_compile_and_match_cpuref(name: str) -> None:
     assert _graphs(session) == ["onednn_graph"]
     want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * max(float(np.abs(w).max()), 1.0))
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=0, atol=tolerance(w))
 
 
 def test_a_graph_onednn_cannot_compile_is_traced_instead(monkeypatch) -> None:
@@ -127,3 +131,19 @@ def test_a_graph_onednn_cannot_compile_is_traced_instead(monkeypatch) -> None:
     (got,) = session.run(None, feeds)
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("attrs", [{"transB": 1}, {"transB": 1, "alpha": 0.5}, {"transA": 1},
+                                   {"transB": 1, "beta": 2.0}, {}])
+def test_the_traced_gemm_computes_what_cpuacc_gemm_does(attrs: dict) -> None:
+    from backplane.backends.torch.fusion.onednn_graph import TRACEABLE_KERNELS
+    from backplane.backends.torch.kernels.nn import gemm
+
+    rng = np.random.default_rng(4)
+    a = torch.from_numpy(rng.standard_normal((3, 5) if not attrs.get("transA") else (5, 3)))
+    b = torch.from_numpy(rng.standard_normal((4, 5) if attrs.get("transB") else (5, 4)))
+    c = torch.from_numpy(rng.standard_normal(4))
+    a[0, 1] = np.nan
+    (got,) = TRACEABLE_KERNELS["Gemm"](a, b, c, **attrs)
+    (want,) = gemm(a, b, c, **attrs)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, equal_nan=True)

@@ -70,12 +70,17 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer],
     """``layers`` (the view's layers after fusion, in order) as one OneDnnGraph layer, or None where
     the subgraph has no convolution or tracing could get it wrong; computing float32 in ``compute``
     where given (``CpuAcc.precision``, ``reduced``)."""
-    if not any(_convolution(layer) for layer in layers):
+    half = compute is None and _widened_half(graph, layers)
+    allowed = TRACED_OPS | (HALF_OPS if half else set())
+    if not any(_convolution(layer) or half and layer.op_type == "Conv" for layer in layers):
         return None
     quantized_ops = {"QuantDequant"} if compute is None else set()  # reduced: a Reduced layer
-    if any(layer.op_type not in TRACED_OPS | quantized_ops
+    if any(layer.op_type not in allowed | quantized_ops
            or (layer.domain and layer.domain != FUSED_DOMAIN) for layer in layers):
         return None
+    if half and any(lay.op_type in HALF_OPS and lay.inputs[1] not in graph.constants
+                    for lay in layers):
+        return None  # a product of computed weights: see TRACED_OPS
     if not view.inputs or not all(graph.info(n).is_static for n in view.inputs):
         return None
     for layer in layers:
@@ -92,12 +97,32 @@ def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer],
     attrs = {"layers": list(layers), "constants": constants, "inputs": list(view.inputs),
              "outputs": list(view.outputs), "shapes": shapes,
              "channels_last": _channels_last_inputs(view, graph, layers[0].backend)}
+    if half:  # float16 computed in float32, rounded to float16 at the outputs
+        compute = "float32"
+        attrs.update(source="float16")
     if compute is not None:
         attrs.update(layers=mark(layers, compute), compute=compute,
                      output_dtypes=[graph.info(n).dtype for n in view.outputs])
     first, last = layers[0].name.split("+")[0], layers[-1].name.split("+")[-1]  # model node names
     name = f"OneDnnGraph{f'[{compute}]' if compute else ''}[{first}..{last}]({len(layers)} layers)"
     return Layer(name, "OneDnnGraph", list(view.inputs), list(view.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+HALF_OPS = frozenset({"Conv", "Gemm"})
+"""Unfused ops a float16 OneDnnGraph may hold (the fusions take float32 weights only): the
+subgraph's constants are widened to float32 at load, so their weights are float32 constants of
+the trace, which the fuser takes as it takes FusedConv's and Linear's; their weights must be
+constants (``TRACED_OPS``)."""
+
+
+def _widened_half(graph: Graph, layers: Sequence[Layer]) -> bool:
+    """Whether the subgraph holds float16 tensors on a CPU without float16 arithmetic: it is then
+    computed in float32, as a Traced one is (``traced.native_half``), where oneDNN Graph's
+    float32 partitions can take its convolutions (mobilenet_fp16_ts17 was a Traced partition)."""
+    from backplane.backends.torch.fusion.traced import HALF, native_half
+
+    names = {n for layer in layers for n in (*layer.inputs, *layer.outputs) if n}
+    return any(graph.info(n).dtype == HALF for n in names) and not native_half()
 
 
 def _convolution(layer: Layer) -> bool:
@@ -123,8 +148,9 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     mode = backend.options.get("CpuAcc.compile", "auto")
     if mode not in MODES:
         raise OptionError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
-    compute = layer.attrs.get("compute")
-    description = {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {})}
+    compute, source = layer.attrs.get("compute"), layer.attrs.get("source", "float32")
+    description = {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {}),
+                   **({"source": source} if source != "float32" else {})}
     known = remembered("graph", description, backend) if mode == "auto" else None
     later = mode == "auto" and known != "layers" and threads.deferring()
     busy = mode == "auto" and known is None and threads.crowded()
@@ -135,7 +161,7 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
         return deferred(edges(layer, because(_named(layers_run(layer, backend), "layers"), why)),
                         later)
     progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
-    sample = _sample(inputs, layer.attrs.get("channels_last"), compute)
+    sample = _sample(inputs, layer.attrs.get("channels_last"), compute, source)
     compiled = _compiled(layer, backend, sample)
     if compiled is None:
         return edges(layer, _uncompiled(layer, backend, sample, mode, description))
@@ -233,9 +259,25 @@ def _gather(data: Any, indices: Any, axis: int = 0) -> tuple[Any, ...]:
     return (picked.reshape((*data.shape[:axis], *indices.shape, *data.shape[axis + 1:])),)
 
 
-TRACEABLE_KERNELS = {"Gather": _gather}
-"""ONNX ops whose CpuAcc kernel reads a computed value on the host, and the kernel a trace takes
-instead (the same values, no host read)."""
+def _gemm(A: Any, B: Any, C: Any = None, alpha: float = 1.0, beta: float = 1.0, transA: int = 0,
+          transB: int = 0) -> tuple[Any, ...]:  # noqa: N803
+    """ONNX Gemm as ``F.linear`` where it is one (B transposed, no scaling, C absent or a bias of
+    the outputs), else CpuAcc's own: oneDNN Graph's fuser failed on the ``addmm`` of a frozen
+    transposed weight ("vector::_M_range_check", mobilenet_fp16_ts17's head in float32) and takes
+    ``aten::linear``."""
+    import torch.nn.functional as F
+
+    from backplane.backends.torch.kernels.nn import gemm
+
+    if (transB and not transA and alpha == 1.0 and A.dim() == 2
+            and (C is None or beta == 1.0 and C.dim() == 1 and C.shape[0] == B.shape[0])):
+        return (F.linear(A, B, C),)
+    return gemm(A, B, C, alpha, beta, transA, transB)
+
+
+TRACEABLE_KERNELS = {"Gather": _gather, "Gemm": _gemm}
+"""ONNX ops whose CpuAcc kernel reads a computed value on the host, or that oneDNN Graph's fuser
+fails on, and the kernel a trace takes instead (the same values)."""
 
 
 def layers_run(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
