@@ -34,15 +34,15 @@ PAIRED = ["RNN", "GRU"]
 
 @pytest.fixture
 def pairs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The fused kernels that ran paired (``recurrent.paired``'s calls)."""
+    """The fused kernels that ran paired (``recurrent_fused.paired``'s calls)."""
     calls: list[str] = []
-    paired = recurrent.paired
+    paired = recurrent_fused.paired
 
     def spy(name: str, *args: Any) -> Any:
         calls.append(name)
         return paired(name, *args)
 
-    monkeypatch.setattr(recurrent, "paired", spy)
+    monkeypatch.setattr(recurrent_fused, "paired", spy)
     return calls
 
 

@@ -21,10 +21,9 @@ from backplane.backends.reference.kernels.rnn import weights_contradiction
 from backplane.backends.torch.kernels.common import FLOATS
 from backplane.backends.torch.kernels.recurrent_fused import (
     CUDNN_MODES,
-    on_one_thread_if,
+    fused,
     one_step,
     pair_of,
-    paired,
     params_of,
     runs_alone,
 )
@@ -63,13 +62,10 @@ def _native(function, order, X, W, R, B, states, direction, layout):
     hx = [(s.transpose(0, 1) if layout else s).contiguous() for s in states]
     cpu, batch = X.device.type == "cpu", X.shape[1 - layout]
     pair = pair_of(name, W, params, B is not None) if bidirectional and cpu else None
-    if pair is not None:  # both directions in one call of twice the width
-        out, *final = on_one_thread_if(runs_alone(batch, 2 * R.shape[1], 2 * hidden), paired, name,
-                                       x, hx, pair, params, B is not None, bool(layout))
-    else:
-        out, *final = on_one_thread_if(cpu and runs_alone(batch, R.shape[1], hidden), function, x,
-                                       hx if len(hx) > 1 else hx[0], params, B is not None, 1,
-                                       0.0, False, bidirectional, bool(layout))
+    wide = 1 if pair is None else 2  # paired: both directions in one call of twice the width
+    alone = cpu and runs_alone(batch, wide * R.shape[1], wide * hidden)
+    out, *final = fused(function, x, hx, pair, params, B is not None, bidirectional, bool(layout),
+                        alone)
     y = out.unflatten(2, (1 + bidirectional, hidden))  # (seq, batch, dirs, hidden), or batch first
     y = y.flip(layout) if reverse else y
     return (y if layout else y.transpose(1, 2)), [f.transpose(0, 1) if layout else f for f in final]

@@ -73,6 +73,22 @@ def on_one_thread_if(alone, function, *args):
         torch.set_num_threads(threads)
 
 
+def fused(function, x, hx, pair, params, has_bias, bidirectional, batch_first, alone):
+    """torch's fused kernel ``function`` (``torch.lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``) over
+    every step of ``x``: ``paired`` where ``pair`` (``pair_of``) is given, on one thread where
+    ``alone`` (``runs_alone``; a trace keeps the call, not the count). torch's outputs (Y, the
+    final states)."""
+    return on_one_thread_if(alone, _call, function, x, hx, pair, params, has_bias, bidirectional,
+                            batch_first)
+
+
+def _call(function, x, hx, pair, params, has_bias, bidirectional, batch_first):
+    if pair:
+        return paired(function.__name__, x, hx, pair, params, has_bias, batch_first)
+    return function(x, hx if len(hx) > 1 else hx[0], params, has_bias, 1, 0.0, False,
+                    bidirectional, batch_first)
+
+
 def params_of(W, R, B, order, mode=None, layout=0):
     """torch's flat weight list (per direction w_ih, w_hh[, b_ih, b_hh]), kept with W for the next
     call while W, R and B are the same tensors, unchanged (their version counters): reordering the
