@@ -31,6 +31,9 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
+- Attention written out, MatMul(Q, Kt) [-> Mul / Div by a scalar] [-> Add(mask) | Where(condition,
+  fill)] -> Softmax -> MatMul(V), becomes one ``ScaledDotAttention`` on torch's
+  scaled_dot_product_attention (``attention``).
 
 Then a subgraph with convolutions becomes one ``OneDnnGraph`` layer (``onednn_graph``): at load it
 is compiled by oneDNN Graph, or runs layer by layer, whichever measures faster. With
@@ -49,6 +52,7 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.fusion import onednn_graph, qdq_chain
 from backplane.backends.torch.fusion import reduced as reduced_precision
+from backplane.backends.torch.fusion.attention import attention_workload, match_attention
 from backplane.backends.torch.fusion.contrib_quant import (
     match_dynamic_quantize_matmul,
     match_mat_mul_n_bits,
@@ -145,7 +149,8 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul,
     "com.microsoft::MatMulNBits": match_mat_mul_n_bits,
     "Add": match_hardswish, "ReduceMean": match_layer_norm, "DequantizeLinear": match_lookup,
-    "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup}
+    "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup,
+    "Softmax": match_attention}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
 INT8_MATCHERS = {**MATCHERS, "Conv": qdq_chain.first_of(match_qdq_conv, MATCHERS["Conv"]),
@@ -159,4 +164,5 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
-    "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "Lookup": lookup_workload}
+    "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "Lookup": lookup_workload,
+    "ScaledDotAttention": attention_workload}

@@ -61,7 +61,7 @@ against 0.052 layer by layer (this 2-core AMD EPYC, load 4.4); the corpus's tran
 of layers, run faster traced."""
 FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "SqueezeExcite", "QuantDequant", "QLinearConv",
                              "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
-                             "Lookup"})
+                             "Lookup", "ScaledDotAttention"})
 """The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
 NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
                                "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
