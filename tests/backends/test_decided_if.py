@@ -101,6 +101,7 @@ def test_both_branches_in_one_session(backends):
         assert "If" not in ops and "Equal" not in ops
     if backends[0] == "CpuAcc":  # the whole network one CpuAcc partition
         assert all(v.report.partitions == ["CpuAcc"] for v in versions)
+        assert "then_branch: 1 partitions (CpuAcc)" in str(session.optimized.report)
 
 
 def _if_name(session: InferenceSession) -> str:

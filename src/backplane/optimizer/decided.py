@@ -186,6 +186,7 @@ def decided_network(graph: Graph, decision: Decision, optimize: Callable[[Graph,
     report.layers[layer.name] = LayerPlacement(layer.name, "If", "builtin", note=decision.why())
     for branch, net in nets.items():
         _join(report, net.report, f"{layer.name}/{branch}/")  # type: ignore[attr-defined]
+        report.versions[f"{layer.name}/{branch}"] = net.report  # type: ignore[attr-defined]
     return outer, report, nets
 
 

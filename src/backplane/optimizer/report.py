@@ -86,6 +86,9 @@ class PlacementReport:
     fallback_bytes: int = 0
     """The bytes of fallback memory the network holds (FallbackImport layers' buffers, allocated
     once at load and reused by every run), set at load."""
+    versions: dict[str, PlacementReport] = field(default_factory=dict)
+    """A network decided by its inputs (``optimizer/decided.py``): each version's own report, by
+    its path ("/If/then_branch"); a run goes through the partitions of the one its predicate picks."""
     delegations: dict[str, DelegationSpec] = field(default_factory=dict)
     """Each delegation tag's backend and compile specs (ExecuTorch's partition_tags): a tag is one
     partition, the unit a backend's ``preprocess`` compiles (``optimizer/partition.py``)."""
@@ -245,14 +248,23 @@ class PlacementReport:
         counts = ", ".join(f"{b}: {n}" for b, n in self.counts().items())
         console.print(f"{len(self.layers)} layers ({counts}); "
                       f"{len(self.subgraphs)} subgraphs; {len(self.delegations)} delegation tags")
-        run = (f"a run: {len(self.partitions)} partitions "
-               f"({' -> '.join(_runs(self.partitions))}), " if self.partitions else "")
-        console.print(Text(run + self.crossing_summary()))
+        console.print(Text(self._run_line() + self.crossing_summary()))
         if self.peak_bytes:
             memory = ", ".join(f"{b}: {_mib(n)} peak + {_mib(self.constant_bytes.get(b, 0))} "
                                f"constants" for b, n in self.peak_bytes.items())
             fallback = f"; fallback memory {_mib(self.fallback_bytes)}" if self.fallback_bytes else ""
             console.print(f"memory planned ({memory}{fallback})")
+
+    def _run_line(self) -> str:
+        """"a run: 3 partitions (CpuAcc -> builtin -> CpuAcc), "; for a decided network, those of
+        each version."""
+        if self.versions:
+            return "a run: one version's, " + "; ".join(
+                f"{path}: {report._run_line()[len('a run: '):].rstrip(', ')}"
+                for path, report in self.versions.items()) + "; "
+        if not self.partitions:
+            return ""
+        return f"a run: {len(self.partitions)} partitions ({' -> '.join(_runs(self.partitions))}), "
 
     def __str__(self) -> str:
         buffer = io.StringIO()
