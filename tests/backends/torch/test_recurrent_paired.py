@@ -135,6 +135,18 @@ def test_a_trace_keeps_the_check() -> None:
     assert torch.isfinite(got[:2, 0]).all() and torch.isfinite(got[3:, 1]).all()
 
 
+def test_no_host_read_before_a_trace(pairs: list[str]) -> None:
+    """CpuAcc's Traced layers run the layers once under ``HostReads`` before tracing them: the
+    paired kernel's NaN check must not read there (else gru_bi2_dyn19's partition runs layer by
+    layer: "could not be traced")."""
+    from backplane.backends.torch.fusion.traced import HostReads
+
+    X, W, R, B = _layer("GRU", hidden=8)
+    with HostReads([X]) as reads:
+        recurrent.gru(X, W, R, B, direction="bidirectional", linear_before_reset=1)
+    assert pairs and reads.found == []
+
+
 def _layer(op: str, hidden: int, seq: int = 9, width: int = 5) -> list[Any]:
     gates = GATES[op] * hidden
     generator = torch.Generator().manual_seed(hidden)

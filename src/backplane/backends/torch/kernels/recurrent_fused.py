@@ -206,10 +206,12 @@ def paired(name: str, x: torch.Tensor, hx: list[torch.Tensor], pair: list[torch.
     the input, a state or a weight), the other's steps from there on would be NaN too, and so
     would its final hidden state (NaN stays in a recurrence). Where that final state holds a NaN,
     the layer runs again as two directions on ``params``, so that NaN stays in its direction. A
-    TorchScript function in a trace, so that the trace keeps that check (``_scripted``); the same
-    source as Python elsewhere (``_python``: a TorchScript call from Python costs more than the
-    pairing saves)."""
-    function = _scripted() if torch.jit.is_tracing() else _python()
+    TorchScript function in a trace, so that the trace keeps that check (``_scripted``), and under
+    a torch function mode (``fusion/traced.py``'s ``HostReads``, run before a trace, would take
+    the check for a value of the inputs read on the host); the same source as Python elsewhere
+    (``_python``: a TorchScript call from Python costs more than the pairing saves)."""
+    scripted = torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled()
+    function = _scripted() if scripted else _python()
     return function(name, x, hx, pair, params, has_bias, batch_first)
 
 
