@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from backplane import progress
-from backplane.backends.api.backend import BackendOptions, OptionError, Workload
+from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
@@ -46,6 +46,7 @@ from backplane.backends.torch import threads
 from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferred, fastest,
                                                       named_type, remembered, seconds)
 from backplane.backends.torch.fusion import quantized
+from backplane.backends.torch.fusion.traceable import TRACEABLE_KERNELS, Forced as _Forced  # noqa: F401
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -226,58 +227,6 @@ def _sample(inputs: Sequence[TensorInfo], channels_last: Sequence[bool] | None =
                  else torch.zeros(info.shape, dtype=dtype))  # type: ignore[arg-type]
         values.append(value.contiguous(memory_format=torch.channels_last) if last else value)
     return values
-
-
-class _Forced:
-    """``backend`` with some options replaced (the routes a trace can use), and the kernels a
-    trace can hold (``TRACEABLE_KERNELS``) in place of its own."""
-
-    def __init__(self, backend: Any, forced: dict[str, Any]) -> None:
-        self._backend = backend
-        self.options = BackendOptions({**backend.options.values, **forced})
-
-    def kernel_for(self, layer: Layer) -> Any:
-        if not layer.domain and layer.op_type in TRACEABLE_KERNELS:
-            return TRACEABLE_KERNELS[layer.op_type]
-        return self._backend.kernel_for(layer)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
-
-def _gather(data: Any, indices: Any, axis: int = 0) -> tuple[Any, ...]:
-    """ONNX Gather without reading the indices on the host: negative ones counted from the end by
-    ``torch.where`` always (CpuAcc's own Gather reads the smallest index to skip that, a value
-    a trace would keep: an embedding's Gather of token ids kept every transformer of the corpus
-    layer by layer)."""
-    import torch
-
-    axis = axis % data.dim()
-    flat = indices.reshape(-1).long()
-    flat = torch.where(flat < 0, flat + data.shape[axis], flat)
-    picked = torch.index_select(data, axis, flat)
-    return (picked.reshape((*data.shape[:axis], *indices.shape, *data.shape[axis + 1:])),)
-
-
-def _gemm(A: Any, B: Any, C: Any = None, alpha: float = 1.0, beta: float = 1.0, transA: int = 0,
-          transB: int = 0) -> tuple[Any, ...]:  # noqa: N803
-    """ONNX Gemm as ``F.linear`` where it is one (B transposed, no scaling, C absent or a bias of
-    the outputs), else CpuAcc's own: oneDNN Graph's fuser failed on the ``addmm`` of a frozen
-    transposed weight ("vector::_M_range_check", mobilenet_fp16_ts17's head in float32) and takes
-    ``aten::linear``."""
-    import torch.nn.functional as F
-
-    from backplane.backends.torch.kernels.nn import gemm
-
-    if (transB and not transA and alpha == 1.0 and A.dim() == 2
-            and (C is None or beta == 1.0 and C.dim() == 1 and C.shape[0] == B.shape[0])):
-        return (F.linear(A, B, C),)
-    return gemm(A, B, C, alpha, beta, transA, transB)
-
-
-TRACEABLE_KERNELS = {"Gather": _gather, "Gemm": _gemm}
-"""ONNX ops whose CpuAcc kernel reads a computed value on the host, or that oneDNN Graph's fuser
-fails on, and the kernel a trace takes instead (the same values)."""
 
 
 def layers_run(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
