@@ -162,3 +162,39 @@ def test_a_nan_quantizes_as_cpuref_does(tmp_path: Path) -> None:
     want = InferenceSession(path, backends=["CpuRef"]).run(None, x)[0]
     assert np.isfinite(want).all()
     assert float(np.max(np.abs(got - want))) <= output_step(path) * 1.001
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_lookup_gathers_two_bytes_at_a_time(signed: bool) -> None:
+    """``lookup``'s table of byte pairs gives the byte table's values, for an even and an odd
+    number of elements (the odd one gathered byte by byte), channels-last and plain."""
+    import torch
+
+    from backplane.backends.torch.backend import FUSED_DOMAIN
+    from backplane.backends.torch.fusion.lookup import lookup_workload
+    from backplane.backends.torch.kernels.numeric import quantize_linear
+    from backplane.ir.graph import Layer
+
+    dtype, zero = (np.int8, -5) if signed else (np.uint8, 7)
+    constants = {"s": np.array(0.37, np.float32), "z": np.array(zero, dtype)}
+    quantize = Layer("q", "QuantizeLinear", ["x", "s", "z"], ["y"], {}, "", 13)
+    lookup = Layer("q", "Lookup", ["x"], ["y"], {"layers": [quantize], "x": "x", "y": "y",
+                                                 "signed": signed, "constants": constants},
+                   FUSED_DOMAIN, 1)
+
+    class Backend:
+        @staticmethod
+        def kernel_for(layer: Layer):
+            return lambda x, s, z: quantize_linear(x.float() * 3 - 40, s, z)
+
+    run = lookup_workload(lookup, Backend())
+    torch_type = torch.int8 if signed else torch.uint8
+    low = -128 if signed else 0
+    x = torch.randint(low, low + 256, (2, 6, 5, 3), dtype=torch_type)
+    cases = [x.contiguous(memory_format=torch.channels_last), x[:1, :1, :, :1].contiguous()]
+    assert [case.numel() % 2 for case in cases] == [0, 1]
+    for case in cases:
+        (got,) = run(case)
+        (want,) = quantize_linear(case.float() * 3 - 40, *(torch.from_numpy(constants[k])
+                                                            for k in ("s", "z")))
+        assert got.dtype == want.dtype and torch.equal(got, want)

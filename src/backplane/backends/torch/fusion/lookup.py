@@ -105,6 +105,7 @@ def lookup_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         env.update(zip(lay.outputs, kernel(*[env[n] if n else None for n in lay.inputs])))
     table = env[a["y"]].contiguous()
     numbers = table.numpy()
+    pairs = _pairs(numbers)
 
     def run(x):
         if torch.jit.is_tracing():  # a trace holds torch's indexing, not NumPy
@@ -113,7 +114,25 @@ def lookup_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
                 and x.is_contiguous(memory_format=torch.channels_last)):
             x = x.contiguous()
         memory = x.view(torch.uint8).numpy().ravel(order="K")  # a view: dense, in memory order
-        flat = torch.from_numpy(np.take(numbers, memory))
+        if pairs is not None and memory.size % 2 == 0:  # two bytes a gather
+            flat = torch.from_numpy(np.take(pairs, memory.view(np.uint16)).view(numbers.dtype))
+        else:
+            flat = torch.from_numpy(np.take(numbers, memory))
         return (flat.as_strided(x.shape, x.stride()),)
     run.route = "lookup"  # type: ignore[attr-defined]
     return run
+
+
+def _pairs(numbers: np.ndarray) -> np.ndarray | None:
+    """A table of one-byte values as a table of two-byte pairs (65536 entries, 128 KiB): entry
+    b0 + 256 * b1 holds the values of b0 and b1 as they lie in memory, so a gather by x's bytes
+    taken two at a time (uint16) gives the same bytes in half the gathers (NumPy widens each index
+    to 8 bytes first): (1, 96, 56, 112), 1 thread, this AMD EPYC at load 7: 3.7 -> 1.8 ms. None
+    for wider values (a table ending in a DequantizeLinear: float32)."""
+    if numbers.dtype.itemsize != 1 or numbers.size != 256:
+        return None
+    raw = numbers.view(np.uint8).astype(np.uint16)
+    index = np.arange(1 << 16)
+    # the first byte in memory is the low one of a little-endian uint16, the high one of a
+    # big-endian one: either way its value's table entry lands where it came from
+    return (raw[index & 0xFF] | (raw[index >> 8] << 8)).astype(np.uint16)
