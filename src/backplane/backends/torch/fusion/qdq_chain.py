@@ -292,7 +292,7 @@ def _pool(dequantize: Layer, ctx: Context, y_step: tuple[float, int, tuple[int, 
 
 
 def _int8(attrs: dict[str, Any], x_type: np.dtype, y_scale: float, y_zero: int,
-          y_low: int) -> dict[str, Any] | None:
+          y_low: int) -> dict[str, Any]:
     """What ``int8.qlinear_int8_route`` reads: the int8 weight and its scales, the float bias, x's
     and y's steps in quint8's range (int8 shifted by 128, ``int8.SHIFTS``)."""
     from backplane.backends.torch.fusion.int8 import SHIFTS
@@ -361,7 +361,7 @@ def without_unread(substitutions: list[Substitution], ctx: Context) -> list[Subs
         group = {id(lay) for sub in merged for lay in sub.substitutable.layers} | {id(layer)}
         layers = [lay for lay in ctx.view.layers if id(lay) in group]
         replacement = [new for sub in merged for new in sub.replacement]
-        subs = [sub for sub in subs if sub not in merged]
+        subs = [sub for sub in subs if all(sub is not other for other in merged)]
         subs.append(Substitution(SubgraphView.of(ctx.graph, layers), replacement))
         ctx.taken.add(id(layer))
     return subs
