@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,9 @@ _PARAMS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 """W -> (R, B, the three's versions, torch's weight list): ``params_of``'s, dropped with W."""
 
 
-def one_step(cell, X, params, has_bias, states, layout):
+def one_step(cell: Callable[..., Any], X: torch.Tensor, params: list[torch.Tensor],  # noqa: N803
+             has_bias: bool, states: list[torch.Tensor],
+             layout: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One time step of every direction by ``cell`` (forward and backward are the same step):
     Y and the final states, shaped as ``recurrent._native``'s."""
     x = X.select(layout, 0)  # (batch, input)
@@ -60,7 +64,7 @@ def runs_alone(batch: int, gate_rows: int, hidden: int) -> bool:
     return batch * gate_rows * hidden < ONE_THREAD_BELOW
 
 
-def on_one_thread_if(alone, function, *args):
+def on_one_thread_if(alone: bool, function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)``, on one thread where ``alone`` (this thread's count: OpenMP's are per
     thread), the count put back after."""
     threads = torch.get_num_threads()
@@ -73,7 +77,9 @@ def on_one_thread_if(alone, function, *args):
         torch.set_num_threads(threads)
 
 
-def fused(function, x, hx, pair, params, has_bias, bidirectional, batch_first, alone):
+def fused(function: Callable[..., Any], x: torch.Tensor, hx: list[torch.Tensor],
+          pair: list[torch.Tensor] | None, params: list[torch.Tensor], has_bias: bool,
+          bidirectional: bool, batch_first: bool, alone: bool) -> Sequence[torch.Tensor]:
     """torch's fused kernel ``function`` (``torch.lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``) over
     every step of ``x``: ``paired`` where ``pair`` (``pair_of``) is given, on one thread where
     ``alone`` (``runs_alone``; a trace keeps the call, not the count). torch's outputs (Y, the
@@ -89,7 +95,8 @@ def _call(function, x, hx, pair, params, has_bias, bidirectional, batch_first):
                     bidirectional, batch_first)
 
 
-def params_of(W, R, B, order, mode=None, layout=0):
+def params_of(W: torch.Tensor, R: torch.Tensor, B: torch.Tensor | None,  # noqa: N803
+              order: list[int], mode: int | None = None, layout: int = 0) -> list[torch.Tensor]:
     """torch's flat weight list (per direction w_ih, w_hh[, b_ih, b_hh]), kept with W for the next
     call while W, R and B are the same tensors, unchanged (their version counters): reordering the
     gates costs more than the kernel itself on a short sequence. On the GPU a kept list is made
