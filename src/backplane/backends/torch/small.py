@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from backplane.backends.torch import background, trials
+from backplane.backends.torch.wrapped import Wrapper
 
 SMALL_SECONDS = 10e-3
 """A partition that runs slower than this on one thread keeps the caller's threads, untimed (the
@@ -134,7 +135,7 @@ def static(make: Callable[[], Any]) -> Callable[[], Any]:
     return lambda: Undecided(make())
 
 
-class Undecided:
+class Undecided(Wrapper):
     """A build called at the caller's threads until a call of it finds CpuAcc's background idle
     and calls no route still choosing (``trials.choosing``), or every network's routes are chosen
     (``background.settled``), then as ``fewer_threads`` chooses on the next call's values; its
@@ -156,10 +157,6 @@ class Undecided:
             decided = self.decided = fewer_threads(self.work, inputs)
         return decided(*inputs)
 
-    def __getattr__(self, name: str) -> Any:
-        if name in Undecided.__slots__:  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.work, name)
 
 
 def _seconds(run: Any, values: Sequence[Any]) -> float:
@@ -183,7 +180,7 @@ def at_threads(count: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-class AtThreads:
+class AtThreads(Wrapper):
     """A workload called at ``count`` torch threads, or the caller's count where that is fewer
     (the caller's count back after each call); its other attributes (``route``, ``why``,
     ``profiled``, ...) are the workload's."""
@@ -207,9 +204,7 @@ class AtThreads:
             self._set(before)
 
     def __getattr__(self, name: str) -> Any:
-        if name in AtThreads.__slots__:  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        found = getattr(self.work, name)
+        found = super().__getattr__(name)
         if name == "profiled":
             return functools.partial(_at, self.count, found)
         return found
