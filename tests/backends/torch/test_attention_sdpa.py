@@ -1,6 +1,6 @@
 """CpuAcc's attention fusion (``fusion/attention.py``): each spelling the exporters write becomes
-one ScaledDotAttention layer run by torch's scaled_dot_product_attention, layer by layer and in a
-trace, with CpuRef's values, NaN where a row is masked throughout (ONNX's softmax of -inf)."""
+one ScaledDotAttention layer, layer by layer and in a trace, with CpuRef's and ONNX Runtime's
+values, NaN where a row is masked throughout (ONNX's softmax of -inf)."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_each_spelling_is_one_attention(spelling: str, mode: str, monkeypatch) -
 
 @pytest.mark.parametrize("mode", ["layers", "onednn_graph"])
 def test_a_row_masked_throughout_is_nan(mode: str, monkeypatch) -> None:
-    """ONNX Runtime and CpuRef give NaN there; torch's kernel alone gives zeros."""
+    """ONNX Runtime and CpuRef give NaN there (torch's scaled_dot_product_attention gives zeros)."""
     model = div_add_mask()
     session = _session(model, mode, monkeypatch)
     feeds = _feeds(model, masked_row=True)
