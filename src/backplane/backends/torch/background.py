@@ -53,7 +53,7 @@ found and mended (``trials.WATCH``): routes timed at 2 threads, then run at the 
 partition chose. Still slower on (the GPU machine's Intel Xeon, 2 CPUs by taskset, quiet, 2
 processes each, ms a run on / off): resnet_basic_dyn21 8.2-9.2 / 4.5-5.0, gpt_causal_ts15 4.7-5.5
 / 3.4-4.7, encoder4_plain_dyn18 3.6-3.8 / 2.8-3.4; even: lstm_bi2_ts14 2.6-3.0 / 2.6-3.7,
-unet_resize_dyn20 8.9 / 7.9-9.1, char_tagger_ts14 2.1 / 2.1 (.gpurun/lead/onoff.py)."""
+unet_resize_dyn20 8.9 / 7.9-9.1, char_tagger_ts14 2.1 / 2.1 (a fresh process per figure)."""
 
 
 class Swapped(Wrapper):
