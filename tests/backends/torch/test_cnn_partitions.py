@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
+from backplane.backends.torch.fusion.traced import native_half  # noqa: E402
 from backplane.backends.torch.kernels.vision import resize  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.backends.torch.test_traced import _inner_layers  # noqa: E402
@@ -111,7 +112,8 @@ def test_the_corpus_cnns_compile_and_match_cpuref(name: str) -> None:
     feeds = dict(np.load(CORPUS / f"{name}.s0.npz"))
     session = _session(path, "onednn_graph")
     got = session.run(None, feeds)
-    assert _graphs(session) == ["onednn_graph"]
+    if not (name == "mobilenet_fp16_ts17" and native_half()):  # a CPU computing float16 itself
+        assert _graphs(session) == ["onednn_graph"]  # (the GPU machine's Xeon) keeps it float16
     want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
