@@ -43,7 +43,8 @@ def _model(nodes, inputs, inits, opset: int = 17) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "attention", [_f("q", [1, H, L, E]), _f("kt", [1, H, E, L]),
                                                    _f("v", [1, H, L, E]), *inputs],
                               [_f("y", [1, L, H * E])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=8)  # one every ONNX Runtime reads (1.30 reads up to 13)
 
 
 def div_add_mask() -> onnx.ModelProto:
