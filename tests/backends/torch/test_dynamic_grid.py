@@ -47,3 +47,16 @@ def test_a_trace_follows_each_inputs_range() -> None:
     traced = torch.jit.trace(lambda x: grid_on_host(x)[0] * grid_on_host(x)[1], small)
     large = small * 40 + 3
     assert torch.equal(traced(large), dynamic_grid(large)[0] * dynamic_grid(large)[1])
+
+
+def test_the_check_before_a_trace_finds_no_host_read() -> None:
+    """traced.HostReads runs the layers before a trace to find reads of the inputs' values on
+    the host: the range read there made the quantized GPT's partition run layer by layer."""
+    from backplane.backends.torch.fusion.traced import HostReads
+
+    x = torch.linspace(-1, 1, 12).reshape(3, 4)
+    reads = HostReads([x])
+    with reads:
+        centred, scale = grid_on_host(x * 2.0)
+    assert reads.found == []
+    assert torch.equal(centred * scale, dynamic_grid(x * 2.0)[0] * dynamic_grid(x * 2.0)[1])

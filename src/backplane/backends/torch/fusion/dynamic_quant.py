@@ -133,10 +133,14 @@ def grid_on_host(x: Any) -> tuple[Any, Any]:
     and its division by the scale in float32): four tensor calls where ``dynamic_grid`` (which a
     trace or a CUDA graph can hold) makes seventeen; on the small tier's quantized GPT, 8 x 64
     inputs, its nine products were 0.75 of 1.18 ms a run (1 thread, this AMD EPYC at load 6).
-    In a trace, on a GPU, or with a NaN in x (its range NaN), ``dynamic_grid``."""
+    In a trace, under a torch function mode (``fusion/traced.py``'s ``HostReads``, which runs the
+    layers before a trace and would take the read for a value of the inputs read on the host: the
+    quantized GPT then ran layer by layer, 0.50 -> 0.73 ms), on a GPU, or with a NaN in x (its
+    range NaN), ``dynamic_grid``."""
     import torch
 
-    if x.is_cuda or torch.jit.is_tracing() or not x.numel():
+    if x.is_cuda or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled() \
+            or not x.numel():
         return dynamic_grid(x)
     lowest, highest = (float(v) for v in torch.aminmax(x))
     if lowest != lowest or highest != highest:  # NaN
