@@ -61,22 +61,11 @@ def _feeds() -> dict[str, np.ndarray]:
     return dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
 
 
-def _trials_in(workload) -> list:
-    """Every Trial of a swapped-in workload, nested ones included (a OneDnnGraph's layers)."""
-    found, todo = [], [workload]
-    while todo:
-        item = todo.pop()
-        while not isinstance(item, trials.Trial) and hasattr(item, "work"):
-            item = item.work  # Governed, Swapped
-        if isinstance(item, trials.Trial):
-            found.append(item)
-            todo += [t for kids in item.children.values() for t in kids]
-    return found
-
-
-def _chosen_trials(workload) -> list:
-    """The Trials a run calls now: each chosen Trial's nested ones of its chosen candidate only
-    (a candidate not chosen keeps its own undecided while its Trial watches the thread count)."""
+def _trials_in(workload, chosen_only: bool = False) -> list:
+    """Every Trial of a swapped-in workload, nested ones included (a OneDnnGraph's layers); with
+    ``chosen_only``, the Trials a run calls now: of a chosen Trial, the nested ones of its chosen
+    candidate only (a candidate not chosen keeps its own undecided while its Trial watches the
+    thread count)."""
     found, todo = [], [workload]
     while todo:
         item = todo.pop()
@@ -85,7 +74,8 @@ def _chosen_trials(workload) -> list:
         if isinstance(item, trials.Trial):
             found.append(item)
             names = [n for n, run in item.candidates.items() if run is item.chosen]
-            todo += [t for n in (names or item.children) for t in item.children.get(n, [])]
+            todo += [t for n in (names if chosen_only and names else item.children)
+                     for t in item.children.get(n, [])]
     return found
 
 
@@ -163,7 +153,7 @@ def test_a_run_beside_the_backgrounds_work_is_not_timed(cache, monkeypatch) -> N
     finally:
         release.set()
         assert background.wait(120)
-    found = _chosen_trials(_graph_workload(session))
+    found = _trials_in(_graph_workload(session), chosen_only=True)
     assert found and all(t.chosen is not None for t in found)
     assert all(s == [] for t in found for s in t.samples.values())
     assert "no call could be timed; not kept" in _graph_workload(session).why
