@@ -91,6 +91,21 @@ def test_one_thread_is_kept_unless_the_count_is_faster_by_the_margin(two_threads
         assert isinstance(chosen, small.OneThread) is kept, (alone, many)
 
 
+def test_fewer_threads_are_taken_only_where_a_second_comparison_agrees(two_threads,
+                                                                       monkeypatch) -> None:
+    """A burst of load during one comparison (2 threads timed slow) keeps the caller's count."""
+    monkeypatch.setattr(threads, "crowded", lambda: False)
+    for comparisons, expected in (([{2: 3.0e-3, 1: 2.96e-3}, {2: 2.0e-3, 1: 2.6e-3}], "caller's"),
+                                  ([{2: 3.0e-3, 1: 2.96e-3}, {2: 2.9e-3, 1: 2.8e-3}], "one"),
+                                  ([{2: 2.0e-3, 1: 2.6e-3}], "caller's")):
+        made = iter(comparisons)
+        monkeypatch.setattr(small, "_timed", lambda run, values, candidates: next(made))
+        run = lambda *v: v  # noqa: E731
+        chosen = small.fewer_threads(run, [torch.zeros(1)])
+        assert (chosen is run) if expected == "caller's" else isinstance(chosen, small.OneThread)
+        assert next(made, None) is None  # a second comparison only where the first took fewer
+
+
 def test_one_thread_profiles_at_one_thread_and_passes_attributes(two_threads) -> None:
     seen, run = _recording()
     run.route = "traced"

@@ -17,8 +17,11 @@ Runtime on 2 cores takes 2.6 and 2.0 (issue 27).
 So when a Specialized layer builds a signature (``specialize``), ``fewer_threads`` times the build
 on the signature's values at one thread; under ``SMALL_SECONDS`` it times it at each of
 ``counts`` (the calling thread's count halved down to 2, and 1; on 16 CPUs 16, 8, 4, 2, 1),
-alternating, and keeps the fewest threads within ``MARGIN`` of the fastest (on a busy machine,
-``threads.crowded``, one thread without comparing). A static partition that CpuAcc's background
+alternating, and keeps the fewest threads within ``MARGIN`` of the fastest where a second
+comparison agrees, else the caller's count (on a busy machine, ``threads.crowded``, one thread
+without comparing). One comparison alone, disturbed, kept the full tier's lstm_bi2_ts14 at one
+thread for its process ({2: 3.0, 1: 2.96} ms; undisturbed {2: 2.0-2.25, 1: 2.5-2.8}: 3.84 ms a
+run in the bench against 2.16 in the next process). A static partition that CpuAcc's background
 builds (a compiled subgraph, ``background.deferred``) gets the same choice (``static``), made at
 a call once its routes are chosen (``Undecided``). A count given by
 ``CpuAcc.threads`` is then the most threads a partition may use, as ONNX Runtime's
@@ -62,7 +65,8 @@ def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
     """``run`` (a partition built for the shapes of ``values``), or ``AtThreads(run, count)`` for
     the fewest of ``counts`` (the calling thread's count halved) that runs it within ``MARGIN`` of
     the fastest, where one thread runs it in under ``SMALL_SECONDS`` (timed on ``values``, the
-    counts alternating; on a busy machine, ``crowded``, one thread without the comparison)."""
+    counts alternating, twice where the first would take fewer threads than the caller's: where
+    the two disagree, ``run``; on a busy machine, ``crowded``, one thread without comparing)."""
     import torch
 
     from backplane.backends.torch import threads
@@ -78,12 +82,18 @@ def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
         return run
     if threads.crowded():
         return OneThread(run)
-    times = _timed(run, values, counts(most))
-    fastest = min(times.values())
-    count = min(n for n, t in times.items() if t <= fastest * MARGIN)
+    count = _fewest(_timed(run, values, counts(most)))
+    if count != most and _fewest(_timed(run, values, counts(most))) != count:
+        return run  # the two comparisons disagree: a burst of load, not the partition
     if count == most:
         return run
     return OneThread(run) if count == 1 else AtThreads(run, count)
+
+
+def _fewest(times: dict[int, float]) -> int:
+    """The fewest threads within ``MARGIN`` of the fastest of ``times`` (count -> seconds)."""
+    fastest = min(times.values())
+    return min(n for n, t in times.items() if t <= fastest * MARGIN)
 
 
 def _timed(run: Any, values: Sequence[Any], candidates: list[int]) -> dict[int, float]:
