@@ -38,9 +38,10 @@ def const(name: str, value) -> onnx.TensorProto:
     return numpy_helper.from_array(np.asarray(value), name)
 
 
-def check(model: onnx.ModelProto, feeds_list: list[dict], backends: list[str]) -> None:
+def check(model: onnx.ModelProto, feeds_list: list[dict], backends: list[str],
+          rtol: float = 1e-6, atol: float = 0.0) -> InferenceSession:
     """Every feed through one session (the order matters: runs must not leak into each other),
-    against ONNX Runtime and CpuRef."""
+    against ONNX Runtime and CpuRef (NaN where they have it); the session."""
     session = InferenceSession(model, backends=backends)
     reference = InferenceSession(model, backends=["CpuRef"])
     peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -50,7 +51,8 @@ def check(model: onnx.ModelProto, feeds_list: list[dict], backends: list[str]) -
             assert len(got) == len(want)
             for a, b in zip(got, want):
                 assert a.shape == b.shape and a.dtype == b.dtype
-                np.testing.assert_allclose(a, b, rtol=1e-6)
+                np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+    return session
 
 
 def loop_model() -> onnx.ModelProto:

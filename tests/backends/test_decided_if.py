@@ -13,9 +13,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from backplane import InferenceSession
 from backplane.runtime.runtime import within
+from tests.backends.test_control_flow_fast import check as checked
 from tests.conftest import float_input, host_backend_lists, make_model
 
-ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime")  # the reference of check()
 RNG = np.random.default_rng(7)
 W_THEN = RNG.standard_normal((4, 3)).astype(np.float32)
 W_ELSE = RNG.standard_normal((4, 5)).astype(np.float32)
@@ -69,17 +70,7 @@ def data_model() -> onnx.ModelProto:
 
 def check(model: onnx.ModelProto, feeds_list: list[dict], backends: list[str]) -> InferenceSession:
     """Every feed through one session, against ONNX Runtime and CpuRef (NaN where they have it)."""
-    session = InferenceSession(model, backends=backends)
-    reference = InferenceSession(model, backends=["CpuRef"])
-    peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    for feeds in feeds_list:
-        got = session.run(None, feeds)
-        for want in (peer.run(None, feeds), reference.run(None, feeds)):
-            assert len(got) == len(want)
-            for a, b in zip(got, want):
-                assert a.shape == b.shape and a.dtype == b.dtype
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    return session
+    return checked(model, feeds_list, backends, rtol=1e-5, atol=1e-6)
 
 
 def feeds(rate: int, batch: int = 2, x: np.ndarray | None = None) -> dict:

@@ -8,6 +8,7 @@ its output slot ``j`` writes ``layer.outputs[j]``. Every tensor has a TensorInfo
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -155,6 +156,15 @@ class Graph:
                 if name:
                     users.setdefault(name, []).append(layer)
         return users
+
+    def private_copy(self) -> Graph:
+        """A copy whose layers (and their input and output lists) and dicts are its own, so that
+        a pass may rewrite it; the constants' arrays and the layers' attributes are shared."""
+        layers = [copy.copy(layer) for layer in self.layers]
+        for layer in layers:
+            layer.inputs, layer.outputs = list(layer.inputs), list(layer.outputs)
+        return Graph(self.name, layers, list(self.inputs), list(self.outputs), dict(self.tensors),
+                     dict(self.constants), dict(self.opsets))
 
     def toposort(self, reads: Callable[[Layer], Iterable[str]] | None = None) -> None:
         """Reorder ``layers`` so that every layer comes after the producers of its inputs (of the

@@ -149,7 +149,7 @@ def versions(graph: Graph, decision: Decision) -> dict[str, Graph]:
     """Per branch, a copy of ``graph`` with ``decision``'s If replaced by that branch."""
     made = {}
     for branch in BRANCHES:
-        version = _copy(graph)
+        version = graph.private_copy()
         layer = next(lay for lay in version.layers if lay.name == decision.layer.name)
         _inline_into(version, layer, branch)
         made[branch] = version
@@ -204,14 +204,6 @@ def _join(report: PlacementReport, inner: PlacementReport, path: str) -> None:
 
 
 # -- inlining --------------------------------------------------------------------------------------
-def _copy(graph: Graph) -> Graph:
-    layers = [copy.copy(layer) for layer in graph.layers]
-    for layer in layers:
-        layer.inputs, layer.outputs = list(layer.inputs), list(layer.outputs)
-    return Graph(graph.name, layers, list(graph.inputs), list(graph.outputs), dict(graph.tensors),
-                 dict(graph.constants), dict(graph.opsets))
-
-
 def _inline_into(graph: Graph, layer: Layer, branch: str) -> None:
     """``layer`` (an If of ``graph``) replaced in place by the layers of its ``branch``: each
     branch output the If's output of the same position (an Identity where the branch gives a

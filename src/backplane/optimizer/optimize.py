@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -156,7 +155,7 @@ def _optimize(graph: Graph, backends: Sequence[str], *, pins: Mapping[str, str] 
         return _optimize(source, backends, pins=pins, options=options, registry=registry,
                         backend_options=backend_options, exclude=more, decide=decide)
 
-    graph = _private_copy(graph)
+    graph = graph.private_copy()
     expose_captures(graph)
     output_names = list(graph.outputs)
     _run_passes(graph, options)
@@ -231,14 +230,6 @@ def _decided(graph: Graph, decision: decided.Decision,
         report.render(debug.console())
     return OptimizedNetwork(outer, {BUILTIN: builtin}, report, list(outer.inputs), output_names,
                             options, dict(backend_options), exclusions, remake)
-
-
-def _private_copy(graph: Graph) -> Graph:
-    layers = [copy.copy(layer) for layer in graph.layers]
-    for layer in layers:
-        layer.inputs, layer.outputs = list(layer.inputs), list(layer.outputs)
-    return Graph(graph.name, layers, list(graph.inputs), list(graph.outputs), dict(graph.tensors),
-                 dict(graph.constants), dict(graph.opsets))
 
 
 def _run_passes(graph: Graph, options: OptimizerOptions) -> None:
@@ -385,7 +376,7 @@ def expose_captures(graph: Graph) -> None:
     for layer in graph.layers:
         if layer.op_type not in CONTROL_FLOW_OPS or layer.domain or "captured" in layer.attrs:
             continue
-        bodies = {name: _private_copy(layer.attrs[name]) for name in CONTROL_FLOW_OPS[layer.op_type]}
+        bodies = {name: layer.attrs[name].private_copy() for name in CONTROL_FLOW_OPS[layer.op_type]}
         captured: list[str] = []
         for body in bodies.values():
             expose_captures(body)

@@ -22,7 +22,7 @@ from backplane.backends.registry.support import SupportRegistry
 from backplane.backends.registry.support import supports as default_supports
 from backplane.ir.graph import Graph
 from backplane.optimizer.optimize import (OptimizationError, OptimizerOptions, _assign,
-                                          _private_copy, _run_passes)
+                                          _run_passes)
 from backplane.optimizer.partition import BUILTIN, DelegationSpec, delegation_tags
 from backplane.optimizer.report import PlacementReport
 
@@ -61,7 +61,7 @@ def partition(model: Graph | str | os.PathLike | bytes | Any, backends: Sequence
     backend unavailable here refuses every layer with its reason; an option named after a backend
     that it does not take is an OptionError, as in ``optimize``."""
     graph = model if isinstance(model, Graph) else _imported(model)
-    graph = _private_copy(graph)
+    graph = graph.private_copy()
     _run_passes(graph, options or OptimizerOptions())
     supports = supports or default_supports
     pins = dict(pins or {})
