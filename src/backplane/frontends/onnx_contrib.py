@@ -157,12 +157,42 @@ def _pooled(node: onnx.NodeProto, shapes: list[Shape | None]) -> Shape | None:
     return [x[0], *[1] * (len(x) - 2), x[-1]] if last else [*x[:2], *[1] * (len(x) - 2)]
 
 
+def _attended(node: onnx.NodeProto, shapes: list[Shape | None]) -> Shape | None:
+    """Attention's output: (B, S, the values' width), from its input and packed weights."""
+    x, w = shapes[0], shapes[1]
+    sizes = next((list(a.ints) for a in node.attribute if a.name == "qkv_hidden_sizes"), [])
+    width = sizes[2] if len(sizes) == 3 else \
+        w[1] // 3 if w is not None and len(w) == 2 and isinstance(w[1], int) else None
+    return None if x is None or len(x) != 3 or width is None else [*x[:2], width]
+
+
+def _product(node: onnx.NodeProto, a: Shape | None, b: Shape | None) -> Shape | None:
+    """FusedMatMul's and FusedGemm's output: MatMul's of the operands transposed as told."""
+    flags = {x.name: x.i for x in node.attribute}
+    if a is None or b is None or len(a) < 2 or len(b) < 2 or \
+            flags.get("transBatchA") or flags.get("transBatchB"):
+        return None
+    a = [*a[:-2], a[-1], a[-2]] if flags.get("transA") else a
+    b = [*b[:-2], b[-1], b[-2]] if flags.get("transB") else b
+    batch = _broadcast(a[:-2], b[:-2]) if len(a) > 2 or len(b) > 2 else []
+    return None if batch is None else [*batch, a[-2], b[-1]]
+
+
 OUTPUT_SHAPES = {
     "QLinearAdd": lambda node, shapes: _broadcast(shapes[0], shapes[3]),
     "QLinearMul": lambda node, shapes: _broadcast(shapes[0], shapes[3]),
     **{op: lambda node, shapes: shapes[0] for op in ("QLinearSigmoid", "QLinearLeakyRelu",
                                                      "QLinearSoftmax")},
     "QLinearGlobalAveragePool": _pooled,
+    # the transformer fusions: a free-dimension model's MatMuls after them stayed unfused (no
+    # static input shape in its Specialized build) and ran as plain products
+    **{op: lambda node, shapes: shapes[0] for op in (
+        "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "Gelu", "FastGelu",
+        "QuickGelu", "BiasAdd")},
+    "BiasGelu": lambda node, shapes: _broadcast(shapes[0], shapes[1]),
+    "Attention": lambda node, shapes: _attended(node, shapes),
+    "FusedMatMul": lambda node, shapes: _product(node, shapes[0], shapes[1]),
+    "FusedGemm": lambda node, shapes: _product(node, shapes[0], shapes[1]),
 }
 """op -> its first output's shape from its node and its inputs' shapes (None: unknown)."""
 

@@ -36,6 +36,7 @@ CHECKS = {
     **attention.CHECKS,
     **ml.CHECKS,
     **contrib_quant.CHECKS,
+    **contrib_transformer.CHECKS,
     **contrib_attention.CHECKS,
 }
 

@@ -2,18 +2,29 @@
 on torch tensors, computing CpuRef's values (``reference/kernels/contrib_transformer.py``) step for
 step: the normalizations with a residual (SkipLayerNormalization, SkipSimplifiedLayerNormalization,
 and SimplifiedLayerNormalization of the default domain) and the GELU family (Gelu, BiasGelu,
-FastGelu, QuickGelu), BiasAdd and BERT's EmbedLayerNormalization. An optimized BERT ran these on
-CpuRef, between CpuAcc's partitions (issue 29). The attention ops are in ``contrib_attention.py``.
-Table keys carry the domain ("com.microsoft::BiasGelu").
+FastGelu, QuickGelu), BiasAdd, BERT's EmbedLayerNormalization, and the fusions ONNX Runtime writes
+into the optimized models it saves (FusedMatMul, FusedGemm, FusedConv: a product or convolution and
+its activation). An optimized BERT ran these on CpuRef, between CpuAcc's partitions (issue 29); each
+is a few torch ops a trace holds (no value read on the host). The attention ops are in
+``contrib_attention.py``. Table keys carry the domain ("com.microsoft::BiasGelu").
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 
 from backplane.backends.api.kernels import KernelTable
+from backplane.backends.reference.kernels.contrib_transformer import (
+    check_activation,
+    check_fused_mat_mul,
+)
 from backplane.backends.torch.kernels.common import gelu
-from backplane.backends.torch.kernels.nn import layer_normalization
+from backplane.backends.torch.kernels.nn import check_conv, conv, gemm, layer_normalization
+from backplane.ir.graph import Layer, TensorInfo
 
 MS = "com.microsoft::"
 
@@ -83,6 +94,50 @@ def embed_layer_normalization(input_ids, segment_ids, word_embedding, position_e
     return y, count, total
 
 
+# -- ONNX Runtime's saved fusions: a product or a convolution, then an activation ------------------
+ACTIVATIONS = {
+    "Relu": torch.relu,
+    "Tanh": torch.tanh,
+    "Sigmoid": torch.sigmoid,
+    "LeakyRelu": lambda x, alpha=0.01: F.leaky_relu(x, alpha),
+    "Clip": lambda x, low=-math.inf, high=math.inf: torch.clamp(x, low, high),
+    "HardSigmoid": lambda x, alpha=0.2, beta=0.5: torch.clamp(x * alpha + beta, 0, 1),
+}
+"""CpuRef's activations (``reference/kernels/contrib_transformer.ACTIVATIONS``), their parameters
+in the order ONNX Runtime lists them."""
+
+
+def fused_conv(X, W, B=None, Z=None, activation="", activation_params=None,  # noqa: N803
+               auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None,
+               strides=None):
+    # Conv, plus Z (a residual), then the activation.
+    (y,) = conv(X, W, B, auto_pad, dilations, group, kernel_shape, pads, strides)
+    y = y if Z is None else y + Z
+    return (ACTIVATIONS[activation](y, *(activation_params or ())) if activation else y,)
+
+
+def fused_gemm(A, B, C=None, activation="", activation_alpha=None,  # noqa: N803
+               activation_beta=None, activation_gamma=None, alpha=1.0, beta=1.0, transA=0,
+               transB=0):  # noqa: N803
+    # Gemm (as one linear where it is one: a frozen trace's addmm of a transposed weight is what
+    # oneDNN Graph's fuser failed on, fusion/traceable._gemm), then the activation.
+    if transB and not transA and alpha == 1.0 and (C is None or beta == 1.0 and C.dim() == 1):
+        y = F.linear(A, B, C)
+    else:
+        (y,) = gemm(A, B, C, alpha, beta, transA, transB)
+    if not activation:
+        return (y,)
+    params = [p for p in (activation_alpha, activation_beta, activation_gamma) if p is not None]
+    return (ACTIVATIONS[activation](y, *params),)
+
+
+def fused_mat_mul(A, B, alpha=1.0, transA=0, transB=0, transBatchA=0,  # noqa: N803
+                  transBatchB=0):  # noqa: N803
+    # transBatch* are refused by check_fused_mat_mul
+    y = torch.matmul(A.transpose(-1, -2) if transA else A, B.transpose(-1, -2) if transB else B)
+    return (y if alpha == 1.0 else y * alpha,)
+
+
 KERNELS: KernelTable = {
     MS + "SkipLayerNormalization": {1: skip_layer_normalization},
     MS + "SkipSimplifiedLayerNormalization": {1: skip_simplified_layer_normalization},
@@ -93,4 +148,18 @@ KERNELS: KernelTable = {
     MS + "QuickGelu": {1: quick_gelu},
     MS + "BiasAdd": {1: bias_add},
     MS + "EmbedLayerNormalization": {1: embed_layer_normalization},
+    MS + "FusedConv": {1: fused_conv},
+    MS + "FusedGemm": {1: fused_gemm},
+    MS + "FusedMatMul": {1: fused_mat_mul},
+}
+
+
+def _check_fused_conv(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
+    return check_activation(layer, inputs) or check_conv(layer, inputs)
+
+
+CHECKS = {
+    MS + "FusedConv": _check_fused_conv,
+    MS + "FusedGemm": check_activation,
+    MS + "FusedMatMul": check_fused_mat_mul,
 }
