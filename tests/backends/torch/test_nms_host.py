@@ -57,3 +57,28 @@ def test_no_limit_no_boxes() -> None:
     rng = np.random.default_rng(3)
     expected, got = _both(_boxes(rng, 1, 5), rng.uniform(0, 1, (1, 1, 5)).astype(np.float32))
     assert expected.shape == got.shape == (0, 3)
+
+
+@pytest.mark.parametrize("count", [63, 64, 65, 200])
+def test_overlap_rows_past_one_word_match_cpuref(count: int) -> None:
+    """The walk's overlap rows are Python ints: one uint64 up to 64 boxes, several words past."""
+    rng = np.random.default_rng(count)
+    boxes = _boxes(rng, 2, count)
+    scores = rng.uniform(0, 1, (2, 2, count)).astype(np.float32)
+    expected, got = _both(boxes, scores, np.array([count], np.int64), np.array([0.2], np.float32),
+                          np.array([0.3], np.float32))
+    assert len(expected) > 2
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_score_threshold_with_nan_and_ties_matches_cpuref() -> None:
+    """Below the threshold or NaN ends a class's walk: the scores after are not above it."""
+    rng = np.random.default_rng(11)
+    boxes = _boxes(rng, 1, 20)
+    scores = rng.uniform(0, 1, (1, 2, 20)).astype(np.float32)
+    scores[0, 0, [1, 4]] = np.nan
+    scores[0, 1, 3:8] = 0.5  # ties at the threshold's side
+    for threshold in (0.5, 0.49, 0.0):
+        expected, got = _both(boxes, scores, np.array([20], np.int64), np.array([0.4], np.float32),
+                              np.array([threshold], np.float32))
+        np.testing.assert_array_equal(got, expected)

@@ -365,40 +365,59 @@ def check_dropout(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
 def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
                         score_threshold=None, center_point_box=0):
     # boxes (B, N, 4), scores (B, C, N) -> selected_indices (K, 3): [batch, class, box] rows
-    limit = 0 if max_output_boxes_per_class is None else max(int(scalar(max_output_boxes_per_class)), 0)
-    iou_limit = 0.0 if iou_threshold is None else scalar(iou_threshold)
-    threshold = None if score_threshold is None else scalar(score_threshold)
+    limit = 0 if max_output_boxes_per_class is None else max(int(_one(max_output_boxes_per_class)), 0)
+    iou_limit = 0.0 if iou_threshold is None else _one(iou_threshold)
+    threshold = None if score_threshold is None else float(_one(score_threshold))
     # CPU tensors in NumPy: a handful of small NumPy calls cost less than torch's (a 32-box
     # detector's NMS: 4x less); elsewhere the (N, N) overlaps are made where the boxes are
     on_host = boxes.device.type == "cpu" and boxes.dtype != torch.bfloat16
     xp = np if on_host else torch
     corners = _corners(boxes.numpy() if on_host else boxes, center_point_box, xp)
+    overlaps = _iou(corners, xp) > iou_limit  # (B, N, N): the greedy walk is on the host
+    masks = _bit_rows(overlaps if on_host else overlaps.cpu().numpy())
     host_scores = scores.cpu().float().numpy() if scores.dtype == torch.bfloat16 else scores.cpu().numpy()
-    selected: list[tuple[int, int, int]] = []
-    for b in range(host_scores.shape[0]):
-        overlaps = _iou(corners[b], xp) > iou_limit  # (N, N): the greedy walk is on the host
-        columns = np.ascontiguousarray((overlaps if on_host else overlaps.cpu().numpy()).T)
-        for c in range(host_scores.shape[1]):
-            kept = _greedy(host_scores[b, c], columns, limit, threshold)
-            selected += [(b, c, box) for box in kept]
-    rows = np.array(selected, dtype=np.int64).reshape(-1, 3)
-    return (torch.from_numpy(rows).to(boxes.device),)
+    # best first; equal scores: the lower box index first; NaN last (CpuRef's order)
+    orders = np.argsort(-host_scores, axis=-1, kind="stable").tolist()
+    values = host_scores.tolist()
+    selected: list[int] = []  # the rows' values one after the other
+    for b, per_class in enumerate(orders):
+        for c, order in enumerate(per_class):
+            for box in _greedy(order, values[b][c], threshold, masks[b], limit):
+                selected += (b, c, box)
+    found = np.array(selected, dtype=np.int64).reshape(-1, 3)
+    return (torch.from_numpy(found).to(boxes.device),)
 
 
-def _greedy(row, columns, limit, threshold):
-    """The boxes kept from one class's scores ``row``, best first (equal scores: the lower box
-    index first; NaN last, as CpuRef's sort), each kept box suppressing those its column of
-    ``columns`` marks (IoU above the threshold with it)."""
-    candidates = np.arange(row.shape[0]) if threshold is None else np.flatnonzero(row > threshold)
-    order = candidates[np.argsort(-row[candidates], kind="stable")]
+def _one(value):
+    """A one-element tensor's value in one call (``scalar`` makes three)."""
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else scalar(value)
+
+
+def _bit_rows(overlaps):
+    """(B, N, N) booleans as (B, N) Python ints, bit j of row i set where box j overlaps box i:
+    the greedy walk then suppresses with one ``|`` per kept box instead of a NumPy call."""
+    batch, count = overlaps.shape[:2]
+    packed = np.packbits(np.swapaxes(overlaps, -1, -2), axis=-1, bitorder="little")
+    words = -(-packed.shape[-1] // 8)
+    if words == 1:  # up to 64 boxes: each row one uint64, all converted in one call
+        padded = np.zeros((batch, count, 8), np.uint8)
+        padded[..., :packed.shape[-1]] = packed
+        return padded.view("<u8")[..., 0].tolist()
+    return [[int.from_bytes(row.tobytes(), "little") for row in rows] for rows in packed]
+
+
+def _greedy(order, scores, threshold, rows, limit):
+    """The boxes kept from one class's boxes in ``order`` (best first) whose ``scores`` are above
+    ``threshold`` where there is one, each kept box suppressing those its row of ``rows`` marks
+    (IoU above the threshold with it)."""
     kept: list[int] = []
-    suppressed = np.zeros(row.shape[0], dtype=bool)
-    for box in order.tolist():
-        if len(kept) == limit:
-            break
-        if not suppressed[box]:  # no kept box overlaps it
+    suppressed = 0
+    for box in order:
+        if len(kept) == limit or threshold is not None and not scores[box] > threshold:
+            break  # the scores after it are not above it either: lower, or NaN (sorted last)
+        if not suppressed >> box & 1:  # no kept box overlaps it
             kept.append(box)
-            suppressed |= columns[box]
+            suppressed |= rows[box]
     return kept
 
 
@@ -413,8 +432,9 @@ def _corners(boxes, center_point_box, xp):
 
 
 def _iou(corners, xp):
-    """(N, N) intersections over unions, in the order of CpuRef's arithmetic (the same roundings)."""
-    a, b = corners[:, None, :], corners[None, :, :]
+    """(..., N, N) intersections over unions, in the order of CpuRef's arithmetic (the same
+    roundings)."""
+    a, b = corners[..., :, None, :], corners[..., None, :, :]
     height = xp.minimum(a[..., 2], b[..., 2]) - xp.maximum(a[..., 0], b[..., 0])
     width = xp.minimum(a[..., 3], b[..., 3]) - xp.maximum(a[..., 1], b[..., 1])
     intersection = height * width
