@@ -24,7 +24,7 @@ from onnx import GraphProto, ModelProto, NodeProto
 from backplane.frontends.onnx_file import (  # noqa: F401  # ModelError, load_model: from here too
     ModelError, ReadModel, load_model, read_model)
 from backplane.frontends.onnx_contrib import (
-    CONTRIB_DOMAIN, annotate_ort_types, check_ort_node, known_ops, ort_arity)
+    CONTRIB_DOMAIN, annotate_ort_types, check_ort_node, is_ort_op, known_ops)
 from backplane.frontends.onnx_shapes import copy_model, infer_shapes
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
 from backplane.ir.graph import Dim, Graph, Layer, TensorInfo
@@ -275,7 +275,7 @@ class _Importer:
             raise ModelError(f"{where}: calls local function '{node.domain}::{node.op_type}', which "
                              f"could not be inlined, its opsets differing from the model's "
                              f"({'; '.join(differ) or 'none differ'})")
-        if _is_ort_op(node.op_type, domain):  # no onnx schema: arity from onnx_contrib's data
+        if is_ort_op(domain, node.op_type, opset):  # no onnx schema: onnx_contrib's arity
             refusal = check_ort_node(domain, node.op_type, opset, len(node.input), len(node.output))
             if refusal:
                 raise ModelError(f"{where}: {refusal}")
@@ -403,7 +403,7 @@ def _check_input_types(layer: Layer, graph: Graph) -> None:
     """The element types of a layer's inputs, where known, are those its op takes, and the inputs
     of one type parameter share one type (ONNX Runtime refuses the model otherwise; NumPy would
     promote the mixture and run)."""
-    if _is_ort_op(layer.op_type, layer.domain):
+    if is_ort_op(layer.domain, layer.op_type, layer.opset):
         return  # no onnx schema; the kernels take the types ONNX Runtime's documentation gives
     schema = onnx.defs.get_schema(layer.op_type, layer.opset, layer.domain)
     formals = schema.inputs
@@ -433,11 +433,6 @@ def _check_input_types(layer: Layer, graph: Graph) -> None:
             raise ModelError(f"{layer.describe()}: type parameter {formal.type_str} of {op} is "
                              f"bound to {first[0]} by input {first[1]} '{first[2]}' and to "
                              f"{type_str} by input {k} '{name}'")
-
-
-def _is_ort_op(op_type: str, domain: str) -> bool:
-    """One of the ops ONNX Runtime adds to ONNX that backplane knows (``onnx_contrib``)."""
-    return ort_arity(domain, op_type) is not None and not onnx.defs.has(op_type, domain)
 
 
 def _check_attributes(node: NodeProto, schema: onnx.defs.OpSchema, where: str, op: str) -> None:

@@ -64,7 +64,10 @@ ORT_OPS: dict[str, dict[str, Arity]] = {
         "FusedConv": Arity(1, 2, 4, 1, 1),
         "FusedGemm": Arity(1, 2, 3, 1, 1),
     },
-    "": {"SimplifiedLayerNormalization": Arity(1, 2, 2, 1, 2)},
+    "": {"SimplifiedLayerNormalization": Arity(1, 2, 2, 1, 2),
+         # ONNX's from opset 17; ONNX Runtime's own before it (its optimizer writes it into an
+         # opset-15 GPT-2 export, fusing the layer norm written out)
+         "LayerNormalization": Arity(1, 2, 3, 1, 3)},
 }
 """domain -> op -> its since-version and how many inputs and outputs it takes."""
 
@@ -82,6 +85,7 @@ OUTPUT_TYPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "SkipLayerNormalization": ((2, 0), (-FLOAT,), (-FLOAT,), (2, 0)),
     "SkipSimplifiedLayerNormalization": ((2, 0), (-FLOAT,), (-FLOAT,), (2, 0)),
     "SimplifiedLayerNormalization": ((1, 0), (-FLOAT,)),
+    "LayerNormalization": ((0,), (-FLOAT,), (-FLOAT,)),
     "EmbedLayerNormalization": ((2,), (-INT32,), (2,)),
     "Gelu": ((0,),), "BiasGelu": ((1, 0),), "FastGelu": ((1, 0),), "QuickGelu": ((0,),),
     "BiasAdd": ((1, 0),), "Attention": ((1, 0), (1, 0)), "QAttention": ((2,), (2,)),
@@ -107,10 +111,12 @@ def annotate_ort_types(proto: ModelProto) -> int:
     shapes = {name: _dims(vi) for name, vi in infos.items()}
     shapes.update((init.name, list(init.dims)) for init in graph.initializer)
     outputs = {vi.name for vi in graph.output}
+    opsets = {"" if o.domain == "ai.onnx" else o.domain: o.version for o in proto.opset_import}
     added = 0
     for node in graph.node:
         domain = "" if node.domain == "ai.onnx" else node.domain
-        if ort_arity(domain, node.op_type) is None or node.op_type not in OUTPUT_TYPES:
+        if node.op_type not in OUTPUT_TYPES or not is_ort_op(domain, node.op_type,
+                                                             opsets.get(domain, 1)):
             continue
         for k, (name, sources) in enumerate(zip(node.output, OUTPUT_TYPES[node.op_type])):
             shaped = OUTPUT_SHAPES.get(node.op_type) if k == 0 and name not in outputs else None
@@ -187,8 +193,8 @@ OUTPUT_SHAPES = {
     # the transformer fusions: a free-dimension model's MatMuls after them stayed unfused (no
     # static input shape in its Specialized build) and ran as plain products
     **{op: lambda node, shapes: shapes[0] for op in (
-        "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "Gelu", "FastGelu",
-        "QuickGelu", "BiasAdd")},
+        "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
+        "Gelu", "FastGelu", "QuickGelu", "BiasAdd")},
     "BiasGelu": lambda node, shapes: _broadcast(shapes[0], shapes[1]),
     "Attention": lambda node, shapes: _attended(node, shapes),
     "FusedMatMul": lambda node, shapes: _product(node, shapes[0], shapes[1]),
@@ -209,6 +215,19 @@ def _source_type(inputs: Sequence[str], sources: tuple[int, ...], types: dict[st
 def ort_arity(domain: str, op_type: str) -> Arity | None:
     """The arity of an op ONNX Runtime adds that backplane knows, or None."""
     return ORT_OPS.get(domain, {}).get(op_type)
+
+
+def is_ort_op(domain: str, op_type: str, opset: int) -> bool:
+    """Whether a node is one of the ops ONNX Runtime adds to ONNX that backplane knows, where ONNX
+    has none of that name at ``opset`` (ONNX Runtime's LayerNormalization, in the models it
+    optimizes below opset 17; from 17 it is ONNX's, its schema's)."""
+    if ort_arity(domain, op_type) is None:
+        return False
+    try:
+        onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return True
+    return False
 
 
 def check_ort_node(domain: str, op_type: str, opset: int, n_inputs: int, n_outputs: int,

@@ -19,6 +19,9 @@ pytest.importorskip("onnxruntime")
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch.backend import FUSED_DOMAIN  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.backends.test_contrib_ops import CASES as CONTRIB_CASES  # noqa: E402
+from tests.backends.test_contrib_ops import _model as one_node  # noqa: E402
+from tests.backends.test_contrib_ops import ort_run as ort_run_model  # noqa: E402
 from tests.models.test_ort_tools import DATA, contrib_ops, ort_run, ort_saved  # noqa: E402
 
 TOLERANCE = 1e-5  # max |diff| relative to the output's max |value|
@@ -127,3 +130,44 @@ def test_a_free_batch_optimized_encoder_fuses_its_products_in_each_build(tmp_pat
         linears = [lay for lay in layers if lay.op_type == "Linear" and lay.domain == FUSED_DOMAIN]
         assert not [lay for lay in layers if lay.op_type == "MatMul"]
         assert len(linears) == 3, [lay.op_type for lay in layers]
+
+
+@pytest.mark.parametrize("how", ["optimize_model", "saved"])
+def test_an_opset_15_gpt_optimized_by_onnx_runtime_loads(how: str, tmp_path: Path) -> None:
+    """ONNX Runtime fuses the corpus GPT's written-out layer norms into LayerNormalization in its
+    opset-15 file (its own op there; ONNX's from 17): the file failed at import ("the op does not
+    exist at opset 15"); it runs on CpuAcc, one partition, as ONNX Runtime and CpuRef compute it."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    source = DATA / "corpus" / "gpt_causal_ts15.onnx"
+    path = tmp_path / "opt.onnx"
+    if how == "saved":
+        ort_saved(source, path)
+    else:
+        optimize_model(str(source), model_type="gpt2", num_heads=4, hidden_size=32,
+                       opt_level=0).save_model_to_file(str(path))
+    model = onnx.load(str(path))
+    assert {o.domain: o.version for o in model.opset_import}[""] == 15
+    assert "LayerNormalization" in {n.op_type for n in model.graph.node if not n.domain}
+    feeds = dict(np.load(DATA / "corpus" / "gpt_causal_ts15.s0.npz"))
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
+    assert set(session.report.counts()) == {"CpuAcc"} and len(session.report.partitions) == 1
+    got = session.run(None, feeds)
+    assert_close(got, ort_run(path, feeds))
+    assert_close(got, InferenceSession(path, backends=["CpuRef"]).run(None, feeds))
+
+
+FUSED_CASES = [name for name in CONTRIB_CASES
+               if name.startswith(("FusedMatMul", "FusedGemm", "FusedConv"))]
+
+
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_saved_fusions_one_node_on_cpuacc(name: str) -> None:
+    """Each of test_contrib_ops' FusedMatMul, FusedGemm and FusedConv cases (every activation,
+    a residual, broadcasting, transposes, alpha) runs on CpuAcc as ONNX Runtime and CpuRef do."""
+    model, feeds = one_node(CONTRIB_CASES[name])
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"])
+    assert set(session.report.counts()) == {"CpuAcc"}
+    got = session.run(None, feeds)
+    assert_close(got, ort_run_model(model, feeds))
+    assert_close(got, InferenceSession(model, backends=["CpuRef"]).run(None, feeds))

@@ -126,7 +126,8 @@ def mean_variance_normalization(X, axes=(0, 2, 3)):
 
 KERNELS: KernelTable = {
     "BatchNormalization": {7: batch_normalization_v7, 9: batch_normalization},
-    "LayerNormalization": {17: layer_normalization},
+    # ONNX's from opset 17; ONNX Runtime's own, the same op, before it (frontends/onnx_contrib.py)
+    "LayerNormalization": {1: layer_normalization},
     "RMSNormalization": {23: rms_normalization},
     "InstanceNormalization": {6: instance_normalization},
     "GroupNormalization": {18: group_normalization_v18, 21: group_normalization},

@@ -380,7 +380,8 @@ KERNELS: KernelTable = {
     "Gemm": {7: gemm},
     "MatMul": {1: matmul},
     "BatchNormalization": {7: batch_normalization_v7, 9: batch_normalization},
-    "LayerNormalization": {17: layer_normalization},
+    # ONNX's from opset 17; ONNX Runtime's own, the same op, before it (frontends/onnx_contrib.py)
+    "LayerNormalization": {1: layer_normalization},
     "Softmax": {1: _coerced(softmax), 13: softmax},
     "LogSoftmax": {1: _coerced(log_softmax), 13: log_softmax},
 }
