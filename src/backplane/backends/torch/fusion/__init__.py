@@ -60,6 +60,7 @@ from backplane.backends.torch.fusion.contrib_quant import (
     qgemm_workload,
 )
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
+from backplane.backends.torch.fusion.host_chain import host_chain_workload
 from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
 from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
@@ -165,4 +166,4 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
     "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "Lookup": lookup_workload,
-    "ScaledDotAttention": attention_workload}
+    "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload}

@@ -45,7 +45,7 @@ from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
-from backplane.backends.torch.fusion import onednn_graph
+from backplane.backends.torch.fusion import host_chain, onednn_graph
 from backplane.backends.torch import prepacked, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
@@ -86,7 +86,7 @@ def whole(view: SubgraphView, views: OptimizationViews) -> OptimizationViews:
     layer = wrap(view, graph, ordered)
     if layer is not None:
         return OptimizationViews(substitutions=[Substitution(view, [layer])])
-    return _segments(view, views, ordered)
+    return host_chain.chained(view, _segments(view, views, ordered))  # post-NMS: one step
 
 
 def _segments(view: SubgraphView, views: OptimizationViews,

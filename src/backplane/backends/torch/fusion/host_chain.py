@@ -1,0 +1,183 @@
+"""The small layers after a NonMaxSuppression, as one CpuAcc ``HostChain`` layer run in NumPy.
+
+Why: a detector's post-process gathers boxes, scores and labels by the selected indices: a dozen
+layers (Gather, Mul, Add, Reshape, Slice, GatherND ...) whose sizes come from the data, so no
+trace holds them (``traced``), each a torch call of a few microseconds on a few dozen values. In a
+run they ran one by one, each a step of the network (its Python call, the thread governor's
+tick, torch's dispatch): on the corpus's detect_nms_ts14, 15 layers, 110 us of a 0.6 ms run
+(1 thread, this 2-core AMD EPYC at load 9). As one layer they run CpuRef's NumPy kernels (the
+executable specification: the values are CpuRef's) one after the other on NumPy views of the
+tensors (``Tensor.numpy()``, no copy), one step of the network.
+
+Only where the chain stays small: it starts at a NonMaxSuppression's selected indices (at most
+its scores' size), every other tensor it reads is a constant or a static tensor of at most
+``MOST`` values made before the NonMaxSuppression, and its layers are ``LIGHT`` ops (indexing,
+shapes, elementwise arithmetic: no product, no expansion of a size read from data).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.api.kernels import bind_kernel, select_kernel
+from backplane.backends.api.optimization import OptimizationViews, Substitution
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+
+STARTS = frozenset({"NonMaxSuppression"})
+"""The layers whose outputs start a chain: sizes from data, bounded by their inputs'."""
+LIGHT = frozenset({"Gather", "GatherElements", "GatherND", "Add", "Sub", "Mul", "Div", "Neg",
+                   "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Transpose", "Concat",
+                   "Cast", "Identity", "Equal", "Less", "Greater", "Not", "And", "Or", "Where"})
+MOST = 1 << 16
+"""The most values a static tensor a chain reads may hold (a detector's boxes: 32 x 4)."""
+MIN_LAYERS = 2  # one layer: the same one step as before
+PLAIN = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.int16,
+                                        np.int32, np.int64, np.uint8, np.bool_))
+"""The types a chain's tensors may have (NumPy's own: no bfloat16)."""
+
+
+def chained(view: SubgraphView, views: OptimizationViews) -> OptimizationViews:
+    """``views`` with each chain of its untouched layers after a NonMaxSuppression (see above) as
+    one HostChain layer; as it is where there is none."""
+    graph = view.graph
+    assert graph is not None, "the optimizer always gives views of a graph"
+    untouched = [lay for part in views.untouched for lay in part.layers]
+    found = []
+    for start in untouched:
+        if start.op_type in STARTS and not start.domain:
+            chain = _chain(start, untouched, graph)
+            if len(chain) >= MIN_LAYERS:
+                found.append(chain)
+    if not found:
+        return views
+    taken = {id(lay) for chain in found for lay in chain}
+    result = OptimizationViews(substitutions=list(views.substitutions), failed=list(views.failed),
+                               reasons=dict(views.reasons))
+    for chain in found:
+        part = SubgraphView.of(graph, chain)
+        result.substitutions.append(Substitution(part, [_layer(part, graph)]))
+    rest = [lay for lay in untouched if id(lay) not in taken]
+    if rest:
+        result.untouched.append(SubgraphView.of(graph, rest))
+    return result
+
+
+def _chain(start: Layer, layers: Sequence[Layer], graph: Graph) -> list[Layer]:
+    """The layers after ``start`` (``layers`` in order) that read what it or the chain made, and
+    else only constants and small static tensors that do not depend on ``start`` (so nothing
+    outside the chain reads its values and feeds it again)."""
+    position = next(k for k, lay in enumerate(layers) if lay is start)
+    made = {n for n in start.outputs if n}
+    after = _downstream(start, graph)
+    chain: list[Layer] = []
+    for lay in layers[position + 1:]:
+        reads = [n for n in lay.inputs if n]
+        if lay.domain or lay.op_type not in LIGHT or not any(n in made for n in reads) \
+                or _ref_kernel(lay) is None \
+                or not all(_plain(n, graph) for n in (*reads, *lay.outputs) if n):
+            continue
+        if all(n in made or n in graph.constants or (n not in after and _small(n, graph))
+               for n in reads):
+            chain.append(lay)
+            made.update(n for n in lay.outputs if n)
+    return _with_feeders(chain, layers[position + 1:], after, graph) if chain else chain
+
+
+def _with_feeders(chain: list[Layer], later: Sequence[Layer], after: set[str],
+                  graph: Graph) -> list[Layer]:
+    """``chain`` with the light layers after its start that read only constants and small static
+    tensors not computed from the start and are read by the chain alone (a Reshape of the boxes
+    a trace made before the NonMaxSuppression: its own step else), all in ``later``'s order."""
+    inside = set(map(id, chain))
+    consumers = graph.consumers()
+    feeders = {id(lay) for lay in later if id(lay) not in inside and not lay.domain
+               and lay.op_type in LIGHT and _ref_kernel(lay) is not None
+               and all(n in graph.constants or (n not in after and _small(n, graph)
+                                                and _plain(n, graph)) for n in lay.inputs if n)
+               and all(n and n not in graph.outputs and consumers.get(n)
+                       and all(id(c) in inside for c in consumers[n]) for n in lay.outputs)}
+    return [lay for lay in later if id(lay) in inside or id(lay) in feeders]
+
+
+def _downstream(start: Layer, graph: Graph) -> set[str]:
+    """Every tensor computed from ``start``'s outputs."""
+    consumers = graph.consumers()
+    found: set[str] = set()
+    pending = [n for n in start.outputs if n]
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found.add(name)
+        pending += [n for lay in consumers.get(name, []) for n in lay.outputs if n]
+    return found
+
+
+def _small(name: str, graph: Graph) -> bool:
+    shape = graph.info(name).shape
+    return shape is not None and all(isinstance(d, int) for d in shape) \
+        and math.prod(shape) <= MOST  # type: ignore[arg-type]
+
+
+def _plain(name: str, graph: Graph) -> bool:
+    dtype = graph.info(name).dtype
+    return dtype is not None and np.dtype(dtype) in PLAIN
+
+
+def _layer(part: SubgraphView, graph: Graph) -> Layer:
+    constants = {n: graph.constants[n] for lay in part.layers for n in lay.inputs
+                 if n in graph.constants}
+    attrs = {"layers": list(part.layers), "constants": constants, "inputs": list(part.inputs),
+             "outputs": list(part.outputs)}
+    first, last = part.layers[0].name, part.layers[-1].name
+    name = f"HostChain[{first}..{last}]({len(part.layers)} layers)"
+    return Layer(name, "HostChain", list(part.inputs), list(part.outputs), attrs, FUSED_DOMAIN, 1)
+
+
+def _gather(data, indices, axis=0):
+    # np.take counts negative indices from the end itself (CpuRef's Gather first makes a copy
+    # with them wrapped: 4.5 against 1.2 us on a detector's 44 selected rows)
+    return (np.take(data, indices, axis=axis),)
+
+
+HOST_KERNELS = {"Gather": {1: _gather}}
+"""Kernels of the chain in place of CpuRef's where they cost less (the same values)."""
+
+
+def _ref_kernel(layer: Layer) -> Any:
+    """The chain's kernel of ``layer``: ``HOST_KERNELS``' where it has one, else CpuRef's."""
+    from backplane.backends.reference.kernels import KERNELS
+
+    return select_kernel(HOST_KERNELS, layer.op_type, layer.opset) \
+        or select_kernel(KERNELS, layer.op_type, layer.opset)
+
+
+def host_chain_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo] = ()) -> Workload:
+    """CpuRef's kernels of the layers one after the other on NumPy views of the inputs (each
+    value dropped after its last reader); the outputs as torch tensors again (a copy only where
+    a kernel's result is read-only or not C-contiguous: ``torch.from_numpy`` takes neither)."""
+    from backplane.backends.torch.backend import _numpy_to_torch
+    from backplane.backends.torch.fusion.onednn_graph import sequence_workload
+
+    inner: list[Layer] = layer.attrs["layers"]
+    steps = [(bind_kernel(_ref_kernel(lay), lay.attrs, len(lay.outputs)), lay.inputs, lay.outputs)
+             for lay in inner]
+    template = {n: np.asarray(v) for n, v in layer.attrs["constants"].items()}
+    sequence = sequence_workload(inner, steps, template, layer.attrs["inputs"],
+                                 layer.attrs["outputs"])
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        return tuple(map(_numpy_to_torch, sequence(*[v.numpy() for v in values])))
+
+    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float, int]]]:
+        outputs, spent = sequence.profiled(*[v.numpy() for v in values])
+        return tuple(map(_numpy_to_torch, outputs)), spent
+
+    run.profiled = profiled  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,149 @@
+"""A detector's post-process after its NonMaxSuppression (the gathers of the selected rows) runs as
+one CpuAcc HostChain layer of NumPy kernels (fusion/host_chain.py): the same values as CpuRef and
+ONNX Runtime, NaN kept, outputs the caller's; the corpus's two detectors take it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.backends.torch.fusion import host_chain  # noqa: E402
+from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+
+from tests.backends.torch.test_traced import _inner_layers  # noqa: E402
+
+BOXES, CLASSES = 24, 3
+
+
+def detector(batch: int | str = 1) -> bytes:
+    """Boxes and scores from a few traceable layers, NonMaxSuppression, then the selected rows'
+    boxes (flat index batch * N + box through a Reshape of the boxes) and scores gathered, as
+    the TorchScript exporter writes a YOLO post-process."""
+    f32 = TensorProto.FLOAT
+    inits = [numpy_helper.from_array(v, n) for n, v in {
+        "scale": np.float32([[[1.5, 1.5, 2.0, 2.0]]]), "shift": np.float32([[[0.0, 0.0, 4, 4]]]),
+        "limit": np.int64([6]), "iou": np.float32([0.3]), "floor": np.float32([0.2]),
+        "zero": np.int64(0), "one": np.int64(1), "two": np.int64(2),
+        "count": np.int64(BOXES), "flat": np.int64([-1, 4]), "all": np.int64([-1])}.items()]
+    nodes = [
+        helper.make_node("Mul", ["x", "scale"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "shift"], ["boxes"]),
+        helper.make_node("Sigmoid", ["logits"], ["probs"]),
+        helper.make_node("Mul", ["probs", "probs"], ["scores"]),
+        helper.make_node("NonMaxSuppression", ["boxes", "scores", "limit", "iou", "floor"],
+                         ["selected"]),
+        helper.make_node("Gather", ["selected", "zero"], ["batch_index"], axis=1),
+        helper.make_node("Gather", ["selected", "one"], ["class_index"], axis=1),
+        helper.make_node("Gather", ["selected", "two"], ["box_index"], axis=1),
+        helper.make_node("Mul", ["batch_index", "count"], ["row"]),
+        helper.make_node("Add", ["row", "box_index"], ["flat_index"]),
+        helper.make_node("Reshape", ["boxes", "flat"], ["flat_boxes"]),
+        helper.make_node("Gather", ["flat_boxes", "flat_index"], ["det_boxes"], axis=0),
+        helper.make_node("Mul", ["row", "three"], ["row3"]),
+        helper.make_node("Mul", ["class_index", "count"], ["column"]),
+        helper.make_node("Add", ["row3", "column"], ["base"]),
+        helper.make_node("Add", ["base", "box_index"], ["score_index"]),
+        helper.make_node("Reshape", ["scores", "all"], ["flat_scores"]),
+        helper.make_node("Gather", ["flat_scores", "score_index"], ["det_scores"], axis=0),
+    ]
+    inits.append(numpy_helper.from_array(np.int64(CLASSES), "three"))
+    graph = helper.make_graph(
+        nodes, "detector",
+        [helper.make_tensor_value_info("x", f32, [batch, BOXES, 4]),
+         helper.make_tensor_value_info("logits", f32, [batch, CLASSES, BOXES])],
+        [helper.make_tensor_value_info("selected", TensorProto.INT64, ["K", 3]),
+         helper.make_tensor_value_info("det_boxes", f32, ["K", 4]),
+         helper.make_tensor_value_info("det_scores", f32, ["K"])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)],
+                             ir_version=8).SerializeToString()
+
+
+def _feeds(batch: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    corner = rng.uniform(0, 16, (batch, BOXES, 2))
+    x = np.concatenate([corner, corner + rng.uniform(1, 6, (batch, BOXES, 2))], -1)
+    return {"x": x.astype(np.float32),
+            "logits": rng.standard_normal((batch, CLASSES, BOXES)).astype(np.float32)}
+
+
+def _session(model: bytes) -> InferenceSession:
+    return InferenceSession(model, backends=["CpuAcc", "CpuRef"], runtime=Runtime(RuntimeOptions(
+        backend_options={"CpuAcc.compile": "onednn_graph"})))  # the trace before it whatever
+
+
+@pytest.mark.parametrize(("batch", "declared"), [(1, 1), (2, "N")])
+def test_post_nms_layers_are_one_chain_matching_cpuref_and_ort(batch, declared) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    model = detector(declared)
+    session = _session(model)
+    reference = InferenceSession(model, backends=["CpuRef"])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    theirs = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    for seed in range(3):  # another count of selected rows each time
+        feeds = _feeds(batch, seed)
+        got = session.run(None, feeds)
+        for want in (reference.run(None, feeds), theirs.run(None, feeds)):
+            for g, w in zip(got, want):  # torch's Sigmoid may differ from NumPy's by an ulp
+                assert g.dtype == w.dtype
+                np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
+    ops = [lay.op_type for lay, _ in _inner_layers(session)]
+    assert ops.count("HostChain") == 1 and "Gather" not in ops and "Reshape" not in ops, ops
+    (chain,) = [lay for lay, _ in _inner_layers(session) if lay.op_type == "HostChain"]
+    assert len(chain.attrs["layers"]) == 13  # every layer after the NonMaxSuppression
+
+
+def test_nan_scores_and_outputs_the_callers() -> None:
+    model = detector()
+    session = _session(model)
+    feeds = _feeds(1, 5)
+    feeds["logits"][0, 1, 3] = np.nan  # sorts last, not above the threshold: never selected
+    feeds["x"][0, 7, 0] = np.nan  # a NaN box: kept where its score is, its NaN gathered
+    feeds["logits"][0, :, 7] = 4.0
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    first = session.run(None, feeds)
+    for g, w in zip(first, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)  # NaN where CpuRef has it
+    assert np.isnan(first[1]).any()
+    kept = [value.copy() for value in first]
+    for value in first:
+        value[...] = 0  # the caller's to change: the next run's outputs are its own
+    for g, k in zip(session.run(None, feeds), kept):
+        np.testing.assert_array_equal(g, k)
+
+
+def test_a_layer_reading_what_depends_on_the_chain_is_left_out() -> None:
+    """A chain takes only what reads it or constants and small tensors made before its start:
+    a layer after it reading an output of a layer left out (a TopK of the selected rows) would
+    make a cycle through the chain, and stays out."""
+    from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+
+    i64, f32 = np.dtype(np.int64), np.dtype(np.float32)
+    layers = [Layer("nms", "NonMaxSuppression", ["b", "s"], ["sel"], {}, "", 13),
+              Layer("g", "Gather", ["sel", "c0"], ["col"], {"axis": 1}, "", 13),
+              Layer("t", "TopK", ["col", "k"], ["top", "at"], {}, "", 13),
+              Layer("m", "Mul", ["col", "top"], ["mixed"], {}, "", 13),
+              Layer("a", "Add", ["col", "c1"], ["plus"], {}, "", 13)]
+    tensors = {"b": TensorInfo((1, 8, 4), f32), "s": TensorInfo((1, 2, 8), f32),
+               "sel": TensorInfo(("K", 3), i64), "col": TensorInfo(("K",), i64),
+               "top": TensorInfo((2,), i64), "at": TensorInfo((2,), i64),
+               "mixed": TensorInfo(("K",), i64), "plus": TensorInfo(("K",), i64),
+               "k": TensorInfo((1,), i64), "c0": TensorInfo((), i64), "c1": TensorInfo((), i64)}
+    graph = Graph("g", layers, ["b", "s"], ["mixed", "plus", "at"], tensors,
+                  {"c0": np.int64(0), "c1": np.int64(1), "k": np.int64([2])}, {"": 13})
+    chain = host_chain._chain(layers[0], layers, graph)
+    assert [lay.name for lay in chain] == ["g", "a"]
+    views = host_chain.chained(SubgraphView.of(graph, layers), _untouched(graph, layers))
+    assert [sub.replacement[0].op_type for sub in views.substitutions] == ["HostChain"]
+    assert {lay.name for part in views.untouched for lay in part.layers} == {"nms", "t", "m"}
+
+
+def _untouched(graph, layers):
+    from backplane.backends.api.optimization import OptimizationViews
+    from backplane.ir.graph import SubgraphView
+
+    return OptimizationViews(untouched=[SubgraphView.of(graph, layers)])
