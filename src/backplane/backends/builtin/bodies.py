@@ -41,6 +41,7 @@ from backplane.runtime.loaded_network import (
     StepFailure,
     run_steps,
 )
+from backplane.runtime.steps import compiled
 
 VARYING = NONDETERMINISTIC | {"If", "Loop", "Scan", "SequenceMap"}
 """Ops whose calls on the same inputs may differ (random draws) or hold a body that may."""
@@ -141,6 +142,12 @@ class IteratedBody:
         self.first = with_frees([s for i, s in enumerate(steps) if i not in bridged_out], keep)
         self.rest = with_frees([s for i, s in enumerate(steps)
                                  if i not in {*hoisted, *bridged_out, *bridged_in}], keep)
+        # each as straight code, run where no stop is asked (``steps.compiled``): the iteration's
+        # steps, its carried values handed to the next, its watched outputs returned
+        moves = [(c.source, c.targets) for c in self.state]
+        returns = [*self.watched_slots, *(c.source for c in self.state)]
+        self.first_call = compiled(self.first, moves, returns)
+        self.rest_call = compiled(self.rest, moves, returns)
         self.layer_of = {id(step.workload): layer for step, layer in zip(steps, layers)}
 
     def start(self, carried: Sequence[Any], captured: Sequence[Any]) -> Iterations:
@@ -161,10 +168,14 @@ class IteratedBody:
         try:
             run_steps(steps, env, stop)
         except StepFailure as failure:
-            exc = failure.error
-            layer = self.layer_of.get(id(failure.step.workload))
-            where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
-            raise ExecutionError(f"{where}: {type(exc).__name__}: {exc}") from exc
+            raise self.failure(failure) from failure.error
+
+    def failure(self, failure: StepFailure) -> ExecutionError:
+        """The error of a failed step, naming its layer as a loaded network does."""
+        exc, step = failure.error, failure.step
+        layer = self.layer_of.get(id(step.workload)) if step is not None else None
+        where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
+        return ExecutionError(f"{where}: {type(exc).__name__}: {exc}")
 
     def to_host(self, carried: Carried, value: Any, stop: Any) -> Any:
         """A kept carried value brought to the host by its output glue (after the last iteration)."""
@@ -201,6 +212,15 @@ class Iterations:
         env[NONE_SLOT] = None  # an absent output of the last iteration may have written it
         for slot, value in zip(body.varying_slots, varying):
             env[slot] = value
+        if self.stop is None and not body.renew:  # straight code: steps, handover, watched
+            try:
+                values = (body.rest_call if self.count else body.first_call)(env)
+            except StepFailure as failure:
+                raise body.failure(failure) from failure.error
+            self.count += 1
+            watching = len(body.watched_slots)
+            self.values = values[watching:]
+            return values[:watching]
         body.execute(body.rest if self.count else body.first, env, self.stop)
         watched = [env[slot] for slot in body.watched_slots]
         self.values = [env[c.source] for c in body.state]  # all read before any is written

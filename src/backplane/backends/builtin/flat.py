@@ -31,6 +31,7 @@ from backplane.runtime.loaded_network import (
     StepFailure,
     run_steps,
 )
+from backplane.runtime.steps import compiled
 
 
 class FlatBody:
@@ -48,6 +49,7 @@ class FlatBody:
                                              layers=tuple(layers))
         self.template = template
         self.layer_of = {id(step.workload): layer for step, layer in zip(steps, layers)}
+        self.call = compiled(self.host_plan.steps)  # where no stop is asked
 
     def slots(self) -> list[Any]:
         """The slots a call starts from: constants bound, all else None."""
@@ -58,28 +60,32 @@ class FlatBody:
         env = list(self.template)
         for slot, value in zip(self.input_slots, inputs):
             env[slot] = value
+        stop = STOP.get()
         try:
-            run_steps(self.host_plan.steps, env, STOP.get())
+            if stop is None:
+                self.call(env)
+            else:
+                run_steps(self.host_plan.steps, env, stop)
         except StepFailure as failure:
             raise self.failure(failure) from failure.error
         return [_array(env[slot]) for slot in self.output_slots]
 
     def failure(self, failure: StepFailure) -> ExecutionError:
         """The error of a failed step, naming its layer as a loaded network does."""
-        exc, layer = failure.error, self.layer_of.get(id(failure.step.workload))
+        exc, step = failure.error, failure.step
+        layer = self.layer_of.get(id(step.workload)) if step is not None else None
         where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
         return ExecutionError(f"{where}: {type(exc).__name__}: {exc}")
 
 
 def flatten(net: LoadedNetwork) -> LoadedNetwork | FlatBody:
-    """``net`` (a loaded body) with each layer its backend can run flat expanded into its calls;
-    ``net`` itself where there is none, or where it runs one run at a time or traced."""
+    """``net`` (a loaded body) with each layer its backend can run flat expanded into its calls,
+    run as straight code (``FlatBody``); ``net`` itself where it runs one run at a time or traced."""
     if net.exclusive or debug.level() >= 2:
         return net
     template, constants = net.slots(), net.network.graph.constants
     steps: list[Step] = []
     layers: list[Layer] = []
-    expanded = False
     for step, layer in zip(net.host_plan.steps, net.host_plan.layers):
         backend = net.network.backends.get(layer.backend or "")
         flat_layers = getattr(backend, "flat_layers", None)
@@ -88,11 +94,10 @@ def flatten(net: LoadedNetwork) -> LoadedNetwork | FlatBody:
             steps.append(step)
             layers.append(layer)
             continue
-        expanded = True
         for call in _calls(step, flat, template):
             steps.append(call)
         layers += [inner for _, _, _, inner in flat.calls]
-    return FlatBody(net, steps, layers, template) if expanded else net
+    return FlatBody(net, steps, layers, template)  # straight code, expanded or not
 
 
 def _calls(step: Step, flat: Any, template: list[Any]) -> list[Step]:
