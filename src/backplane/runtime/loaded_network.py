@@ -34,7 +34,8 @@ from backplane.runtime import edge_checks, fallback, host_threads, ownership, te
 from backplane.runtime.memory_plan import (GLUE, body_constant_memory, constant_memory,
                                            partitions, planned_memory)
 from backplane.runtime.steps import (NONE_SLOT, STOP, ExecutionError, Plan, RunTerminated, Step,
-                                     StepFailure, handover, one_call, plan_steps, run_steps)
+                                     StepFailure, handover, one_call, plan_steps, run_steps,
+                                     straight_run)
 
 __all__ = ["NONE_SLOT", "STOP", "ExecutionError", "LayerTiming", "LoadedNetwork", "Plan",
            "RunTerminated", "Step", "StepFailure", "WorkloadError", "run_steps"]
@@ -151,7 +152,8 @@ class LoadedNetwork:
         else:  # one partition: one call between its handovers, no slots (steps.one_call)
             failure = functools.partial(_failure, self._layer_of)  # no cycle through self
             loop = functools.partial(_run, self._template, failure, self.host_plan)
-            single = one_call(self.host_plan, self._template, loop, failure)
+            single = one_call(self.host_plan, self._template, loop, failure) \
+                or straight_run(self.host_plan, self._template, failure)  # steps as code
             if single is not None:
                 self.execute = single  # type: ignore[method-assign]
         if self.fallback_memory.buffers or self.tensors:

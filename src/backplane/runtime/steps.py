@@ -234,7 +234,7 @@ def compiled(steps: Sequence[Step], moves: Sequence[tuple[int, Sequence[int]]] =
     loads: dict[int, str] = {}
     body: list[str] = []
     made: set[int] = set()
-    live: list[int] = []  # made and not freed since, in order
+    live: dict[int, None] = {}  # made and not freed since, in order
     namespace: dict[str, Any] = {"StepFailure": StepFailure, "RunTerminated": RunTerminated,
                                  "_outputs": _outputs}
     line_of_step: dict[int, Step] = {}
@@ -262,11 +262,12 @@ def compiled(steps: Sequence[Step], moves: Sequence[tuple[int, Sequence[int]]] =
         for slot in step.outputs:
             if slot != NONE_SLOT:
                 made.add(slot)
-                live = [s for s in live if s != slot] + [slot]
+                live.pop(slot, None)
+                live[slot] = None
         for slot in step.frees:
             if slot in made:
                 body.append(f"        v{slot} = None")
-                live = [s for s in live if s != slot]
+                live.pop(slot, None)
     writes = [f"    env[{slot}] = v{slot}" for slot in live]
     moved = [f"    m{k} = {read(slot)}" for k, (slot, _) in enumerate(moves)]
     moved += [f"    env[{target}] = m{k}" for k, (_, targets) in enumerate(moves) for target in targets]
@@ -297,3 +298,38 @@ def _step_at(exc: BaseException, steps_at: dict[int, Step]) -> Step | None:
             return steps_at.get(trace.tb_lineno)
         trace = trace.tb_next
     return None
+
+
+STRAIGHT_STEPS = 256
+"""The most steps a network's plan may have to run as straight code (``straight_run``): the code
+costs about 1 ms to make per 100 steps at load; a plan of more runs by ``run_steps``."""
+
+
+def straight_run(plan: Plan, template: Sequence[Any],
+                 failure: Callable[[Step, Exception], Exception],
+                 ) -> Callable[[Sequence[Any]], list[Any]] | None:
+    """A network's run of ``plan`` (what ``loaded_network._run`` does: a new list of slots from
+    ``template``, the inputs put in, the steps, the outputs as arrays) with its steps as straight
+    code (``compiled``); ``run_steps`` under a stop (``STOP`` set). None for a plan of more than
+    ``STRAIGHT_STEPS`` steps."""
+    if len(plan.steps) > STRAIGHT_STEPS:
+        return None
+    steps, inputs_at, outputs_at = plan.steps, plan.input_slots, plan.output_slots
+    call = compiled(steps, returns=outputs_at)
+
+    def run(inputs: Sequence[Any]) -> list[Any]:
+        env = list(template)
+        for slot, value in zip(inputs_at, inputs):
+            env[slot] = value
+        stop = STOP.get()
+        try:
+            if stop is None:
+                outputs = call(env)
+            else:
+                run_steps(steps, env, stop)
+                outputs = [env[slot] for slot in outputs_at]
+        except StepFailure as failed:
+            raise failure(failed.step, failed.error) from failed.error
+        return [np.asarray(v) if isinstance(v, np.generic) else v for v in outputs]
+
+    return run
