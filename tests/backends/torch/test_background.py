@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from backplane import InferenceSession, Runtime, RuntimeOptions  # noqa: E402
 from backplane.backends.api.backend import OptionError  # noqa: E402
 from backplane.backends.torch import background, route_cache, trials  # noqa: E402
-from backplane.backends.torch.fusion import patterns  # noqa: E402
+from backplane.backends.torch.fusion import onednn_graph, patterns  # noqa: E402
 from backplane.runtime.loaded_network import WorkloadError  # noqa: E402
 from tests.backends.torch.test_onednn_graph import MODEL, _graph_workload  # noqa: E402
 from tests.models.test_models import DATA, assert_close, ort_outputs  # noqa: E402
@@ -304,7 +304,7 @@ def test_a_background_failure_leaves_the_stand_in_running(cache, held_back, capl
 
 def test_off_the_load_measures_and_compiles_itself(cache) -> None:
     session = _session(**{"CpuAcc.background": False})
-    assert "measured fastest at load" in _graph_workload(session).why
+    assert _graph_workload(session).why == f"onednn_graph: {onednn_graph.RULE}"  # by rule
     assert not isinstance(_graph_workload(session), background.Swapped)
 
 

@@ -30,8 +30,6 @@ tracing fails and the layers run one by one.
 from __future__ import annotations
 
 import contextlib
-import math
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -44,8 +42,10 @@ from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
 from backplane.backends.torch import threads
 from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferred, fastest,
-                                                      named_type, remembered, seconds)
+                                                      named_type, remembered)
 from backplane.backends.torch.fusion import quantized
+from backplane.backends.torch.fusion.compiled import (  # noqa: F401  # importable from here too
+    CompiledPerThreads, _close, _layout_guard, compiled_run)
 from backplane.backends.torch.fusion.traceable import TRACEABLE_KERNELS, Forced as _Forced  # noqa: F401
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
@@ -168,10 +168,48 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
         return edges(layer, _uncompiled(layer, backend, sample, mode, description))
     if mode == "onednn_graph":
         return edges(layer, because(compiled, "CpuAcc.compile=onednn_graph"))
+    if by_rule(layer) and threads.making() is None:  # the background's Trials time them all
+        return edges(layer, because(compiled, _kept_by_rule(description, backend, known)))
     return edges(layer, fastest("graph", description,
                                 {"onednn_graph": lambda: compiled,
                                  "layers": lambda: _named(layers_run(layer, backend), "layers")},
                                 lambda: sample, backend))
+
+
+RULE = "compiled and checked, taken without timing it against its layers (by_rule)"
+"""The ``why`` of a OneDnnGraph ``by_rule`` takes."""
+
+
+def by_rule(layer: Layer) -> bool:
+    """Whether "auto" takes the OneDnnGraph ``layer`` compiled, once it compiles and its outputs
+    match its layers', without timing it against them: a float32 subgraph, also one widened from
+    float16 (one in reduced precision, ``CpuAcc.precision``, is timed).
+
+    Timing it cost a build of the layers (each convolution's routes timed) and six calls of each:
+    most of the demo model's load. And it always chose the same: run in one process, the two
+    alternating in blocks (the best block medians; this 2-core AMD EPYC at load 6-14, 2 threads),
+    the layers took 1.23-14.6 times the compiled graph's time on every model of the corpus with a
+    OneDnnGraph (small tier: mobilenet_dw_ts13 2.52, mobilenet_dw_dyn18 2.85, mobilenet_fp16_ts17
+    3.95, resnet_basic_ts16 2.47, resnet_basic_dyn21 2.44, unet_resize_dyn20 1.96, unet_resize_ts13
+    2.32, fakequant_qdq_ts13 3.24, resnet_qdq_ort17 1.81, yolo_v8_ts17 1.23, layout_hswish_ts11
+    14.6; full tier: mobilenet_dw_ts13 1.83, resnet_basic_dyn21 1.51, unet_resize_dyn20 1.65,
+    yolo_v8_ts17 1.27), on the demo (1.30) and on a 2-convolution 16x16 CNN (1.68-1.90). Timed at
+    load on that busy machine, the layers had won on yolo_v8_ts17, unet_resize_ts13,
+    mobilenet_fp16_ts17 and that CNN: the load's bursts, not the routes."""
+    return layer.attrs.get("compute") in (None, "float32")
+
+
+def _kept_by_rule(description: dict[str, Any], backend: Any, known: str | None) -> str:
+    """The ``why`` of a compiled graph ``by_rule`` takes; the choice written to the route cache
+    where it is not there yet, as a measured one was (a later load on a busy machine then compiles
+    it: ``known`` is not None there)."""
+    from backplane.backends.torch import route_cache
+
+    if known == "onednn_graph":
+        return "onednn_graph: kept in the route cache"
+    if backend.options.get("CpuAcc.route_cache", True):
+        route_cache.store(route_cache.key("graph", description), "onednn_graph")
+    return f"onednn_graph: {RULE}"
 
 
 def _uncompiled(layer: Layer, backend: Any, sample: list[Any], mode: str,
@@ -301,52 +339,41 @@ def _converted(workload: Callable[..., Any], convert: Callable[[Any], Any]) -> C
 def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
     """The subgraph traced, frozen and compiled by oneDNN Graph, or None where that fails or its
     outputs on ``sample`` differ from the traced layers' own (by more than ``_close`` allows; an
-    output of a QDQ round trip, by more than a quantized model does: ``quantized.within_steps``)."""
+    output of a QDQ round trip, by more than a quantized model does: ``quantized.within_steps``).
+
+    The layers' own outputs are those the trace computed (a trace runs the layers on the sample),
+    not a run of their own; the module is called twice: the profiling executor's profiled run
+    (``torch._C._jit_get_num_profiled_runs()`` is 1), then the run that hands its partitions to
+    oneDNN Graph, compiles and runs them, whose outputs are checked. It was a run of the layers
+    and the trace's, then five calls of the module (two to warm it for a timing, which
+    ``taking_turns`` warms itself)."""
     import torch
 
     traceable = layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))
+    seen: list[Any] = []
+
+    def recorded(*values: Any) -> Any:
+        outputs = traceable(*values)
+        seen.append(outputs)
+        return outputs
+
     try:
         with _fusion(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation and tracer warnings: checked just below
-            expected = traceable(*sample)
-            traced = _trace(traceable, sample)
+            traced = _trace(recorded, sample)
             module = _freeze(traced)
-            for _ in range(3):  # the profiling executor hands partitions to oneDNN Graph by now
-                got = module(*sample)
+            module(*sample)  # profiled: the types the fuser needs
+            got = module(*sample)  # the partitions compiled by oneDNN Graph, then run
     except Exception:  # noqa: BLE001  # any failure to trace or compile: the layers run instead
         return None
-    got = got if isinstance(got, tuple) else (got,)
+    got, expected = got if isinstance(got, tuple) else (got,), seen[0]
     steps = quantized.output_steps(layer.attrs["layers"], layer.attrs["outputs"])
     if len(got) != len(expected) or not all(
             _close(g, e) or step is not None and quantized.within_steps(g, e, step)
             for g, e, step in zip(got, expected, steps)):
         return None
     modules = CompiledPerThreads(lambda: _freeze(traced), {torch.get_num_threads(): module})
-    run = compiled_run(modules, sample)
-    seconds(run, *sample, repeat=1)  # the first calls after a freeze are the slow ones
-    return _named(run, "onednn_graph")
-
-
-def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload:
-    """The call of a compiled OneDnnGraph: its inputs in the layout it was traced for
-    (``_layout_guard``), oneDNN Graph fusion on for the call and put back after, no autograd."""
-    import torch
-
-    conform = _layout_guard(sample)
-
-    def run(*values: Any) -> tuple[Any, ...]:
-        was = torch.jit.onednn_fusion_enabled()
-        torch.jit.enable_onednn_fusion(True)
-        try:
-            with torch.no_grad():
-                outputs = modules(*conform(values))
-        finally:
-            torch.jit.enable_onednn_fusion(was)
-        return outputs if isinstance(outputs, tuple) else (outputs,)
-
-    run.relayouts = conform.relayouts  # type: ignore[attr-defined]
-    run.modules = modules  # type: ignore[attr-defined]
-    return run
+    return _named(compiled_run(modules, sample), "onednn_graph")
 
 
 @contextlib.contextmanager
@@ -425,95 +452,3 @@ def retraced(layer: Layer, backend: Any, sample: Sequence[Any]) -> Callable[[], 
             traced.append(_trace(pending.pop(), sample))
         return _freeze(traced[0])
     return make
-
-
-class CompiledPerThreads:
-    """A frozen module per torch thread count, each compiled by oneDNN Graph at its first call at
-    that count, on that call's inputs: oneDNN Graph's partitions keep running on the threads they
-    were compiled with (a module compiled at 2 threads kept 2 busy after
-    ``torch.set_num_threads(1)``, 27 times slower on a loaded 2-core machine: ``threads.py``).
-
-    ``modules`` holds those compiled already; ``make()`` makes a fresh frozen module for another
-    count. Its first call is the profiling executor's profiled run (its result is not returned:
-    it runs the layers as traced, not oneDNN Graph's partitions); the second compiles the
-    partitions and runs them, and its result is the call's, as every later call's."""
-
-    def __init__(self, make: Callable[[], Any], modules: dict[int, Any] | None = None) -> None:
-        import torch
-
-        self.make, self.modules = make, dict(modules or {})
-        self._count = torch.get_num_threads
-        self._lock = threading.Lock()
-
-    def __call__(self, *values: Any) -> Any:
-        module = self.modules.get(self._count())
-        return module(*values) if module is not None else self._first(values)
-
-    def _first(self, values: Sequence[Any]) -> Any:
-        with self._lock:  # one compile per count, also with threads running the network at once
-            count = self._count()
-            module = self.modules.get(count)
-            if module is not None:
-                return module(*values)
-            module = self.make()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # TorchScript's deprecation
-                module(*values)  # profiled: records the types the fuser needs
-                outputs = module(*values)  # the partitions compiled, then run
-            self.modules[count] = module
-            return outputs
-
-
-def _layout_guard(sample: Sequence[Any]) -> Callable[[Sequence[Any]], Sequence[Any]]:
-    """Inputs as the compiled graph was built for them: each with the strides of its sample, copied
-    into those strides where it comes in another layout.
-
-    A compiled graph is built for the memory layout of the sample it was traced on, and computes
-    something else on another one: a partition after a split (a layer pinned elsewhere, a fallback)
-    is handed the channels-last outputs of the partition before it, and gave answers up to 0.89
-    apart from the layers' own on tiny_mobilenet_v3 before this guard. The check is one comparison
-    of strides per input; ``relayouts`` counts the inputs copied (for tests and debugging)."""
-    import torch
-
-    expected = [tuple(value.stride()) for value in sample]
-    relayouts = [0]
-
-    def conform(values: Sequence[Any]) -> Sequence[Any]:
-        if all(v.stride() == s for v, s in zip(values, expected)):
-            return values
-        conformed = []
-        for value, strides in zip(values, expected):
-            if value.stride() != strides:
-                relayouts[0] += 1
-                value = torch.empty_strided(value.shape, strides, dtype=value.dtype).copy_(value)
-            conformed.append(value)
-        return conformed
-
-    conform.relayouts = relayouts  # type: ignore[attr-defined]
-    return conform
-
-
-def _close(got: Any, expected: Any) -> bool:
-    """Equal dtypes and shapes, NaN and infinities in the same places (a sample may make them: an
-    all-padding attention mask, whose softmax is NaN), the finite values within 1e-4 of the largest
-    finite magnitude (fusion reorders sums; in bfloat16 or float16, 3e-2: each rounding there is up
-    to 4e-3)."""
-    import torch
-
-    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)):
-        return False
-    if got.dtype != expected.dtype or got.shape != expected.shape:
-        return False
-    if not got.dtype.is_floating_point:
-        return bool(torch.equal(got, expected))
-    finite = torch.isfinite(expected)
-    if not bool(finite.all()):
-        same = (got == expected) | (torch.isnan(got) & torch.isnan(expected))
-        if not bool((same | finite).all()):
-            return False
-        got, expected = got[finite], expected[finite]
-    scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-6)
-    difference = float((got - expected).abs().max()) if got.numel() else 0.0
-    tolerance = 1e-4 if got.dtype in (torch.float32, torch.float64) else 3e-2
-    return math.isfinite(difference) and difference <= tolerance * scale
-

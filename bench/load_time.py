@@ -1,0 +1,209 @@
+"""Session creation against ONNX Runtime's: load, first call and steady state, cold (issue 27, item 5).
+
+Usage:
+    python bench/load_time.py                                  # the demo and a few corpus models
+    python bench/load_time.py --models demo,gpt_causal_ts15 --rounds 5
+    python bench/load_time.py --tier full --models mobilenet_dw_ts13
+    python bench/load_time.py --src before=/tmp/old/src        # another backplane tree beside this one
+    python bench/load_time.py --quiet-path                     # a busy machine's load measured as a quiet one's
+
+Each figure comes from a fresh process (imports timed apart from the session), the runtimes
+alternating within a round (backplane, each ``--src`` tree, ONNX Runtime), ``--rounds`` rounds:
+
+- ONNX Runtime: ``InferenceSession(path)`` on the CPU provider, ORT_ENABLE_ALL, ``--threads`` intra-op;
+- backplane: ``InferenceSession(path, SessionOptions(intra_op_num_threads=threads))``, its default
+  backends, with an empty route cache (``$BACKPLANE_CACHE_DIR``, ``$BACKPLANE_COMPILE_CACHE`` and
+  ``$XDG_CACHE_HOME`` a new temporary folder per process).
+
+A process loads, makes one first call (timed apart: what a load leaves to the first run is paid
+there), then ``--calls`` calls whose median is its steady state. Per model and runtime: the best
+load of the rounds (and the median), the median first call, the best steady median; and whether
+backplane's load found the machine busy (``threads.crowded``: routes then taken by rule, nothing
+timed nor compiled). ``--quiet-path`` makes backplane's workers take the quiet machine's path
+whatever the load average (``threads.CROWDED_CHECK`` off, as the test suite does): on a shared
+machine that is the only way to time it, and its figures then carry the others' load. The CPU,
+the versions and the load average (start, end and per process) are printed beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "models" / "mobilenet_v2_w020_c10.onnx"
+CORPUS = {"small": ROOT / "tests" / "data" / "corpus",
+          "full": Path("~/.cache/backplane/corpus-full").expanduser()}
+DEFAULT_MODELS = "demo,mobilenet_dw_ts13,resnet_basic_dyn21,unet_resize_dyn20,gpt_causal_ts15"
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of one runtime: import, load, first call, ``--calls`` calls; one JSON line."""
+    for variable in ("BACKPLANE_CACHE_DIR", "BACKPLANE_COMPILE_CACHE", "XDG_CACHE_HOME"):
+        os.environ[variable] = tempfile.mkdtemp(prefix="load_time_")
+    start = time.perf_counter()
+    run, crowded = _loader(args)
+    imported = time.perf_counter() - start
+    feeds = _feeds(args.model, args.feeds)
+    start = time.perf_counter()
+    call = run(feeds)
+    load = time.perf_counter() - start
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(args.calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"import_s": imported, "load_s": load, "first_ms": first * 1e3,
+                      "steady_ms": statistics.median(times) * 1e3, "crowded": crowded(),
+                      "loadavg": os.getloadavg()[0]}))
+
+
+def _loader(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The runtime imported: a function from feeds to a call of a new session, and one saying
+    whether backplane found the machine busy (always False for ONNX Runtime)."""
+    if args.runtime == "onnxruntime":
+        import onnxruntime as ort
+
+        def load(feeds: dict[str, np.ndarray]) -> Any:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
+            session = ort.InferenceSession(args.model, options, providers=["CPUExecutionProvider"])
+            return lambda: session.run(None, feeds)
+        return load, lambda: False
+    import torch  # noqa: F401  # imported apart from the session, as ONNX Runtime's module is
+
+    from backplane import InferenceSession, SessionOptions
+    from backplane.backends.torch import threads
+
+    if args.quiet_path:
+        threads.CROWDED_CHECK = False
+    said = []
+
+    def load(feeds: dict[str, np.ndarray]) -> Any:
+        said.append(threads.crowded())
+        session = InferenceSession(args.model, SessionOptions(intra_op_num_threads=args.threads))
+        return lambda: session.run(None, feeds)
+    return load, lambda: said[0]
+
+
+def _feeds(model: str, feeds: str) -> dict[str, np.ndarray]:
+    """The model's feeds: its corpus ``.s0.npz``, or random values of its static input shapes."""
+    if feeds:
+        return dict(np.load(feeds))
+    import onnx
+
+    values = {}
+    for value in onnx.load(model, load_external_data=False).graph.input:
+        shape = [d.dim_value or 1 for d in value.type.tensor_type.shape.dim]
+        values[value.name] = np.random.default_rng(0).random(shape, dtype=np.float32)
+    return values
+
+
+def _model(name: str, tier: str) -> tuple[str, str]:
+    """A name's model path and feeds file ("" for random feeds): "demo", a corpus name, a path."""
+    if name == "demo":
+        return str(DEMO), ""
+    if name.endswith(".onnx"):
+        return name, ""
+    corpus = CORPUS[tier]
+    path = corpus / f"{name}.onnx"
+    if not path.exists():
+        known = sorted(p.stem for p in corpus.glob("*.onnx"))
+        raise SystemExit(f"no model {name!r} in {corpus}; known: demo, {', '.join(known)}")
+    return str(path), str(corpus / f"{name}.s0.npz")
+
+
+def _one(runtime: str, src: str, model: str, feeds: str, args: argparse.Namespace) -> dict:
+    """One fresh process's figures (``error`` where it failed)."""
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, __file__, "--worker", runtime, "--model", model, "--feeds", feeds,
+               "--threads", str(args.threads), "--calls", str(args.calls)]
+    command += ["--quiet-path"] if args.quiet_path else []
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1])
+
+
+def _row(model: str, label: str, replies: list[dict]) -> str:
+    good = [r for r in replies if "error" not in r]
+    if not good:
+        return f"| {model} | {label} | failed: {replies[0]['error']} | | | | |"
+    loads = [r["load_s"] for r in good]
+    busy = sum(r["crowded"] for r in good)
+    return (f"| {model} | {label} | {min(loads):.3f} ({statistics.median(loads):.3f}) | "
+            f"{statistics.median(r['first_ms'] for r in good):.2f} | "
+            f"{min(r['steady_ms'] for r in good):.3f} | {statistics.median(r['import_s'] for r in good):.2f} | "
+            f"{busy}/{len(good)} | {min(r['loadavg'] for r in good):.1f}-{max(r['loadavg'] for r in good):.1f} |")
+
+
+def _header(args: argparse.Namespace) -> list[str]:
+    import onnxruntime
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip()
+    return [f"CPU: {cpu}, {len(os.sched_getaffinity(0))} CPUs; torch {torch.__version__}, "
+            f"onnxruntime {onnxruntime.__version__}, backplane {revision}; {args.threads} threads, "
+            f"best of {args.rounds} rounds, {args.calls} steady calls"
+            + ("; backplane on the quiet path (--quiet-path)" if args.quiet_path else ""),
+            f"load average at the start {os.getloadavg()[0]:.2f}", "",
+            "| model | runtime | load s best (median) | first call ms | steady ms | import s | "
+            "busy loads | load avg |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=DEFAULT_MODELS)
+    parser.add_argument("--tier", choices=sorted(CORPUS), default="small")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--src", action="append", default=[],
+                        help="LABEL=PATH: another backplane source tree (its src/) timed beside this one")
+    parser.add_argument("--quiet-path", action="store_true")
+    parser.add_argument("--worker", choices=["backplane", "onnxruntime"])
+    parser.add_argument("--model")
+    parser.add_argument("--feeds", default="")
+    args = parser.parse_args()
+    if args.worker:
+        args.runtime = args.worker
+        worker(args)
+        return 0
+    trees = [("backplane", "")] + [tuple(s.split("=", 1)) for s in args.src]  # type: ignore[misc]
+    lines = _header(args)
+    print("\n".join(lines), flush=True)
+    for name in args.models.split(","):
+        model, feeds = _model(name, args.tier)
+        replies: dict[str, list[dict]] = {label: [] for label, _ in trees}
+        replies["onnxruntime"] = []
+        for _ in range(args.rounds):
+            for label, src in trees:
+                replies[label].append(_one("backplane", src, model, feeds, args))
+            replies["onnxruntime"].append(_one("onnxruntime", "", model, feeds, args))
+        for label, got in replies.items():
+            print(_row(name, label, got), flush=True)
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

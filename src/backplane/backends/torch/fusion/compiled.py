@@ -1,0 +1,127 @@
+"""A compiled OneDnnGraph's call: its frozen modules per thread count (``CompiledPerThreads``), its
+inputs in the layout it was traced for (``_layout_guard``), and the check of a compile's outputs
+against the layers' (``_close``). Used by ``onednn_graph``, ``traced`` and an artifact's load
+(``delegate``); importable from ``onednn_graph`` as before."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from backplane.backends.api.backend import Workload
+
+
+def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload:
+    """The call of a compiled OneDnnGraph: its inputs in the layout it was traced for
+    (``_layout_guard``), oneDNN Graph fusion on for the call and put back after, no autograd."""
+    import torch
+
+    conform = _layout_guard(sample)
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        was = torch.jit.onednn_fusion_enabled()
+        torch.jit.enable_onednn_fusion(True)
+        try:
+            with torch.no_grad():
+                outputs = modules(*conform(values))
+        finally:
+            torch.jit.enable_onednn_fusion(was)
+        return outputs if isinstance(outputs, tuple) else (outputs,)
+
+    run.relayouts = conform.relayouts  # type: ignore[attr-defined]
+    run.modules = modules  # type: ignore[attr-defined]
+    return run
+
+
+class CompiledPerThreads:
+    """A frozen module per torch thread count, each compiled by oneDNN Graph at its first call at
+    that count, on that call's inputs: oneDNN Graph's partitions keep running on the threads they
+    were compiled with (a module compiled at 2 threads kept 2 busy after
+    ``torch.set_num_threads(1)``, 27 times slower on a loaded 2-core machine: ``threads.py``).
+
+    ``modules`` holds those compiled already; ``make()`` makes a fresh frozen module for another
+    count. Its first call is the profiling executor's profiled run (its result is not returned:
+    it runs the layers as traced, not oneDNN Graph's partitions); the second compiles the
+    partitions and runs them, and its result is the call's, as every later call's."""
+
+    def __init__(self, make: Callable[[], Any], modules: dict[int, Any] | None = None) -> None:
+        import torch
+
+        self.make, self.modules = make, dict(modules or {})
+        self._count = torch.get_num_threads
+        self._lock = threading.Lock()
+
+    def __call__(self, *values: Any) -> Any:
+        module = self.modules.get(self._count())
+        return module(*values) if module is not None else self._first(values)
+
+    def _first(self, values: Sequence[Any]) -> Any:
+        with self._lock:  # one compile per count, also with threads running the network at once
+            count = self._count()
+            module = self.modules.get(count)
+            if module is not None:
+                return module(*values)
+            module = self.make()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript's deprecation
+                module(*values)  # profiled: records the types the fuser needs
+                outputs = module(*values)  # the partitions compiled, then run
+            self.modules[count] = module
+            return outputs
+
+
+def _layout_guard(sample: Sequence[Any]) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """Inputs as the compiled graph was built for them: each with the strides of its sample, copied
+    into those strides where it comes in another layout.
+
+    A compiled graph is built for the memory layout of the sample it was traced on, and computes
+    something else on another one: a partition after a split (a layer pinned elsewhere, a fallback)
+    is handed the channels-last outputs of the partition before it, and gave answers up to 0.89
+    apart from the layers' own on tiny_mobilenet_v3 before this guard. The check is one comparison
+    of strides per input; ``relayouts`` counts the inputs copied (for tests and debugging)."""
+    import torch
+
+    expected = [tuple(value.stride()) for value in sample]
+    relayouts = [0]
+
+    def conform(values: Sequence[Any]) -> Sequence[Any]:
+        if all(v.stride() == s for v, s in zip(values, expected)):
+            return values
+        conformed = []
+        for value, strides in zip(values, expected):
+            if value.stride() != strides:
+                relayouts[0] += 1
+                value = torch.empty_strided(value.shape, strides, dtype=value.dtype).copy_(value)
+            conformed.append(value)
+        return conformed
+
+    conform.relayouts = relayouts  # type: ignore[attr-defined]
+    return conform
+
+
+def _close(got: Any, expected: Any) -> bool:
+    """Equal dtypes and shapes, NaN and infinities in the same places (a sample may make them: an
+    all-padding attention mask, whose softmax is NaN), the finite values within 1e-4 of the largest
+    finite magnitude (fusion reorders sums; in bfloat16 or float16, 3e-2: each rounding there is up
+    to 4e-3)."""
+    import torch
+
+    if not (isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor)):
+        return False
+    if got.dtype != expected.dtype or got.shape != expected.shape:
+        return False
+    if not got.dtype.is_floating_point:
+        return bool(torch.equal(got, expected))
+    finite = torch.isfinite(expected)
+    if not bool(finite.all()):
+        same = (got == expected) | (torch.isnan(got) & torch.isnan(expected))
+        if not bool((same | finite).all()):
+            return False
+        got, expected = got[finite], expected[finite]
+    scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-6)
+    difference = float((got - expected).abs().max()) if got.numel() else 0.0
+    tolerance = 1e-4 if got.dtype in (torch.float32, torch.float64) else 3e-2
+    return math.isfinite(difference) and difference <= tolerance * scale
