@@ -1,0 +1,210 @@
+"""Control flow whose predicate and trip count come from data, run as straight code
+(runtime/steps.py's ``compiled``; backends/builtin/bodies.py, flat.py): a Loop iteration (its
+steps, the carried values' handover, the watched outputs) and an If branch are one function each,
+made at load; under a stop (``RunOptions``) they run through ``run_steps`` as before. Each model is
+built with onnx.helper and held to ONNX Runtime and CpuRef, on CpuRef alone and CpuAcc before
+CpuRef: zero, one and many trips, a nested If on computed predicates, NaN in the predicate's
+input, a failing kernel named, outputs that are the caller's alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from backplane import InferenceSession, RunOptions
+from backplane.backends.builtin.flat import FlatBody
+from backplane.runtime.loaded_network import ExecutionError
+from tests.conftest import host_backend_lists, make_model
+
+ort = pytest.importorskip("onnxruntime")
+
+STRAIGHT = "<backplane steps>"  # the file name of the code steps.compiled makes
+RNG = np.random.default_rng(27)
+
+
+def value(name: str, elem: int, *dims: int | str) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, list(dims))
+
+
+def const(name: str, array) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(array), name)
+
+
+def agrees(model: onnx.ModelProto, feeds_list: list[dict], backends: list[str],
+           options: RunOptions | None = None) -> InferenceSession:
+    """A session of ``model`` on ``backends`` whose outputs on each feed (one session, in order)
+    equal ONNX Runtime's and CpuRef's, NaN where theirs are NaN."""
+    session = InferenceSession(model, backends=backends)
+    reference = InferenceSession(model, backends=["CpuRef"])
+    peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feeds in feeds_list:
+        got = session.run(None, feeds, options)
+        for want in (peer.run(None, feeds), reference.run(None, feeds)):
+            for a, b in zip(got, want, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return session
+
+
+def workload_of(session: InferenceSession, op_type: str):
+    net = session.runtime.network(session.network_id)
+    (workload,) = [step.workload for step, layer in zip(net.host_plan.steps, net.host_plan.layers)
+                   if layer.op_type == op_type]
+    return workload
+
+
+# -- a Loop: trip count and condition from data, a sequence and a scan output -------------------------
+def loop_model() -> onnx.ModelProto:
+    """h = tanh(h @ W + x[i]) for i < trips while sum(|h|) > limit (computed each iteration);
+    each h appended to a sequence (SequenceInsert) and given as a scan output (h * 2). Outputs:
+    the last h, the sequence's length and the scan outputs; ``concat``: the sequence concatenated
+    along a new axis 1 (ConcatFromSequence), in a model of its own (an empty sequence has none)."""
+    body = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["row"], axis=0, name="row"),
+         helper.make_node("MatMul", ["h_in", "W"], ["hw"]),
+         helper.make_node("Add", ["hw", "row"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["h_out"]),
+         helper.make_node("SequenceInsert", ["seq_in", "h_out"], ["seq_out"]),
+         helper.make_node("Abs", ["h_out"], ["mag"]),
+         helper.make_node("ReduceSum", ["mag"], ["total"], keepdims=0),
+         helper.make_node("Greater", ["total", "limit"], ["cond_out"]),
+         helper.make_node("Mul", ["h_out", "two"], ["scan"])],
+        "body",
+        [value("i", TensorProto.INT64), value("cond_in", TensorProto.BOOL),
+         value("h_in", TensorProto.FLOAT, "n", 4),
+         helper.make_tensor_sequence_value_info("seq_in", TensorProto.FLOAT, None)],
+        [value("cond_out", TensorProto.BOOL), value("h_out", TensorProto.FLOAT, "n", 4),
+         helper.make_tensor_sequence_value_info("seq_out", TensorProto.FLOAT, None),
+         value("scan", TensorProto.FLOAT, "n", 4)])
+    nodes = [helper.make_node("SequenceEmpty", [], ["empty"], dtype=TensorProto.FLOAT),
+             helper.make_node("Loop", ["trips", "go", "h0", "empty"], ["h", "seq", "scans"],
+                              body=body, name="loop"),
+             helper.make_node("SequenceLength", ["seq"], ["steps"])]
+    return make_model(
+        nodes,
+        [value("x", TensorProto.FLOAT, "t", "n", 4), value("h0", TensorProto.FLOAT, "n", 4),
+         value("trips", TensorProto.INT64), value("go", TensorProto.BOOL),
+         value("limit", TensorProto.FLOAT)],
+        [value("h", TensorProto.FLOAT, "n", 4), value("steps", TensorProto.INT64),
+         value("scans", TensorProto.FLOAT, "s", "n", 4)],
+        [const("W", RNG.standard_normal((4, 4)).astype(np.float32)),
+         const("two", np.float32(2.0))])
+
+
+def concat_model() -> onnx.ModelProto:
+    """``loop_model`` with its sequence concatenated along a new axis 1 as its output."""
+    model = loop_model()
+    graph = model.graph
+    graph.node.append(helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=1, new_axis=1))
+    del graph.output[1:]
+    graph.output.append(value("y", TensorProto.FLOAT, "n", "s", 4))
+    return model
+
+
+def loop_feeds(trips: int, limit: float, go: bool = True, t: int = 6, n: int = 3) -> dict:
+    return {"x": RNG.standard_normal((t, n, 4)).astype(np.float32),
+            "h0": RNG.standard_normal((n, 4)).astype(np.float32),
+            "trips": np.array(trips, np.int64), "go": np.array(go),
+            "limit": np.array(limit, np.float32)}
+
+
+# zero trips (a count of 0, and a false condition), one trip (a count of 1, and a condition false
+# after the first), many (all 6, and stopped by the data when the limit is reached)
+LOOP_FEEDS = [loop_feeds(0, 0.0), loop_feeds(5, 0.0, go=False), loop_feeds(1, 0.0),
+              loop_feeds(6, 1e9), loop_feeds(6, 0.0), loop_feeds(6, 7.5, t=6, n=3)]
+
+
+@pytest.mark.parametrize("backends", host_backend_lists())
+def test_a_loop_on_data_runs_its_iterations_as_straight_code(backends: list[str]) -> None:
+    session = agrees(loop_model(), LOOP_FEEDS, backends)
+    agrees(concat_model(), [f for f in LOOP_FEEDS if f["trips"] > 0 and f["go"]], backends)
+    iterated = workload_of(session, "Loop").iterated
+    for call in (iterated.first_call, iterated.rest_call):
+        assert call.__code__.co_filename == STRAIGHT
+
+
+@pytest.mark.parametrize("backends", host_backend_lists())
+def test_under_a_stop_the_same_loop_runs_through_the_run_loop(backends: list[str]) -> None:
+    """A run with a time limit asks before each step: the steps run by ``run_steps``, with the
+    same results."""
+    agrees(loop_model(), LOOP_FEEDS, backends, RunOptions(timeout_s=600))
+
+
+def test_a_failing_kernel_in_an_iteration_is_named() -> None:
+    """x has 2 rows and the count asks for 4: the third iteration's Gather fails; the error
+    names it (the line of the straight code it failed on), as the run loop's does."""
+    session = InferenceSession(loop_model(), backends=["CpuRef"])
+    with pytest.raises(ExecutionError, match="row"):
+        session.run(None, loop_feeds(4, 0.0, t=2))
+    out = session.run(None, loop_feeds(2, 0.0, t=2))  # and the session still runs
+    assert out[1] == 2
+
+
+def test_loop_outputs_are_the_callers_alone() -> None:
+    session = InferenceSession(loop_model(), backends=["CpuAcc", "CpuRef"])
+    feeds = loop_feeds(6, 0.0)
+    first = session.run(None, feeds)
+    want = [a.copy() for a in first]
+    for array in first:
+        array[...] = 0
+    for got, expected in zip(session.run(None, feeds), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+# -- a nested If on computed predicates ---------------------------------------------------------------
+def nested_if_model() -> onnx.ModelProto:
+    """h = x @ P; if mean(h) > 0: (if max(h) > 2: relu(h) @ A else sigmoid(h) - 0.5)
+    else tanh(h) * 2 (cond_nested_dyn18's shape, its predicates computed from data)."""
+    inner_then = helper.make_graph(
+        [helper.make_node("Relu", ["h"], ["r"]), helper.make_node("MatMul", ["r", "A"], ["a"])],
+        "inner_then", [], [value("a", TensorProto.FLOAT, "n", 4)])
+    inner_else = helper.make_graph(
+        [helper.make_node("Sigmoid", ["h"], ["s"]), helper.make_node("Sub", ["s", "half"], ["b"])],
+        "inner_else", [], [value("b", TensorProto.FLOAT, "n", 4)])
+    then = helper.make_graph(
+        [helper.make_node("ReduceMax", ["h"], ["peak"], keepdims=0),
+         helper.make_node("Greater", ["peak", "two"], ["big"]),
+         helper.make_node("If", ["big"], ["inner"], then_branch=inner_then,
+                          else_branch=inner_else, name="inner")],
+        "then", [], [value("inner", TensorProto.FLOAT, "n", 4)])
+    other = helper.make_graph(
+        [helper.make_node("Tanh", ["h"], ["th"]), helper.make_node("Mul", ["th", "two"], ["c"])],
+        "else", [], [value("c", TensorProto.FLOAT, "n", 4)])
+    nodes = [helper.make_node("MatMul", ["x", "P"], ["h"]),
+             helper.make_node("ReduceMean", ["h"], ["mean"], keepdims=0),
+             helper.make_node("Greater", ["mean", "zero"], ["positive"]),
+             helper.make_node("If", ["positive"], ["y"], then_branch=then, else_branch=other,
+                              name="outer")]
+    return make_model(nodes, [value("x", TensorProto.FLOAT, "n", 4)],
+                      [value("y", TensorProto.FLOAT, "n", 4)],
+                      [const("P", np.eye(4, dtype=np.float32)),
+                       const("A", RNG.standard_normal((4, 4)).astype(np.float32)),
+                       const("zero", np.float32(0)), const("half", np.float32(0.5)),
+                       const("two", np.float32(2))])
+
+
+def if_feeds() -> list[dict]:
+    """Every branch: mean <= 0 (outer else), mean > 0 with max > 2 (inner then) and with
+    max <= 2 (inner else); then NaN in x: the mean is NaN, NaN > 0 is false, the outer else runs
+    and gives NaN where x had it."""
+    small = np.full((2, 4), 0.25, np.float32)
+    large = small.copy()
+    large[1, 2] = 3.0
+    nan = small.copy()
+    nan[0, 1] = np.nan
+    return [{"x": -small}, {"x": large}, {"x": small}, {"x": nan}, {"x": large}]
+
+
+@pytest.mark.parametrize("backends", host_backend_lists())
+def test_a_nested_if_on_computed_predicates_runs_its_branches_as_straight_code(
+        backends: list[str]) -> None:
+    session = agrees(nested_if_model(), if_feeds(), backends)
+    out = session.run(None, if_feeds()[3])[0]
+    assert np.isnan(out[0, 1]) and np.isfinite(out[1]).all()  # NaN in, NaN out, only there
+    runs = workload_of(session, "If").runs
+    assert all(isinstance(run, FlatBody) for run in runs)  # flat even where nothing expands
+    assert all(run.call.__code__.co_filename == STRAIGHT for run in runs)
+    net = session.runtime.network(session.network_id)  # the network around it: straight too
+    assert net.execute.__qualname__ == "straight_run.<locals>.run"
