@@ -20,9 +20,11 @@ MAX_DATA_ELEMENTS = 1024  # constants passed to inference as values (shapes, axe
 
 def refine(layer: Layer, graph: Graph) -> None:
     """Give ``layer``'s outputs static shapes where its inputs have them and ONNX can infer them."""
+    from backplane.frontends.onnx_contrib import is_ort_op
+
     if all(graph.info(o).is_static for o in layer.outputs if o):
         return
-    if layer.domain:
+    if layer.domain or is_ort_op(layer.domain, layer.op_type, layer.opset):  # LayerNormalization < 17
         _refine_ort(layer, graph)
         return
     infos = [graph.info(n) for n in layer.inputs if n]
@@ -49,9 +51,10 @@ def _refine_ort(layer: Layer, graph: Graph) -> None:
     """ONNX Runtime's ops that keep or broadcast an input's shape (``onnx_contrib.OUTPUT_SHAPES``,
     which ONNX cannot infer): a free-dimension QOperator model's QLinearAdd outputs stayed free in
     each ``specialize`` build, and the QLinearConvs after them ran unfused, in float64."""
-    from backplane.frontends.onnx_contrib import OUTPUT_SHAPES
+    from backplane.frontends.onnx_contrib import OUTPUT_SHAPES, is_ort_op
 
-    shaped = OUTPUT_SHAPES.get(layer.op_type) if layer.domain == "com.microsoft" else None
+    shaped = OUTPUT_SHAPES.get(layer.op_type) if is_ort_op(layer.domain, layer.op_type,
+                                                           layer.opset) else None
     if shaped is None or not layer.outputs or not layer.outputs[0]:
         return
     infos = [graph.info(n) if n else None for n in layer.inputs]

@@ -155,6 +155,13 @@ def test_an_opset_15_gpt_optimized_by_onnx_runtime_loads(how: str, tmp_path: Pat
     got = session.run(None, feeds)
     assert_close(got, ort_run(path, feeds))
     assert_close(got, InferenceSession(path, backends=["CpuRef"]).run(None, feeds))
+    # its free sequence: each shape's build gives LayerNormalization's output a static shape
+    # (optimizer/shapes.py), so the products after it are Linears too
+    (graph,) = built_graphs(session)
+    layers = [lay for outer in graph.layers for lay in [outer, *outer.attrs.get("layers", [])]]
+    assert not [lay for lay in layers if lay.op_type in ("MatMul", "FusedMatMul")
+                and lay.inputs[1] in graph.constants]
+    assert len([lay for lay in layers if lay.op_type == "Linear"]) >= 8
 
 
 FUSED_CASES = [name for name in CONTRIB_CASES
@@ -171,3 +178,25 @@ def test_saved_fusions_one_node_on_cpuacc(name: str) -> None:
     got = session.run(None, feeds)
     assert_close(got, ort_run_model(model, feeds))
     assert_close(got, InferenceSession(model, backends=["CpuRef"]).run(None, feeds))
+
+
+def test_unread_statistics_of_skip_layer_normalization_are_not_computed(tmp_path: Path) -> None:
+    """ONNX Runtime's optimized GPT-2: each SkipLayerNormalization also writes its sum (the next
+    residual), its mean and inverse deviation left empty; CpuAcc's layer computes neither
+    (``statistics`` 0: torch's one-pass layer_norm), in the trace, as ONNX Runtime and CpuRef."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    path = tmp_path / "opt.onnx"
+    optimize_model(str(DATA / "tiny_gpt2.onnx"), model_type="gpt2", num_heads=2, hidden_size=32,
+                   opt_level=0).save_model_to_file(str(path))
+    skips = [n for n in onnx.load(str(path)).graph.node if n.op_type == "SkipLayerNormalization"]
+    assert any(len(n.output) == 4 and not any(n.output[1:3]) and n.output[3] for n in skips)
+    session = traced_session(path)
+    (traced,) = [lay for lay in run_layers(session) if lay.op_type == "Traced"]
+    held = [lay for lay in traced.attrs["layers"] if lay.op_type == "SkipLayerNormalization"]
+    assert len(held) == len(skips)
+    assert all(lay.attrs.get("statistics", 1) == 0 for lay in held if len(lay.outputs) > 1)
+    feeds = dict(np.load(DATA / "tiny_gpt2.npz"))
+    got = session.run(None, feeds)
+    assert_close(got, ort_run(path, feeds))
+    assert_close(got, InferenceSession(path, backends=["CpuRef"]).run(None, feeds))

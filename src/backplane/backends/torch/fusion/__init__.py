@@ -65,6 +65,7 @@ from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_
 from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.lookup import lookup_workload, match_lookup
+from backplane.backends.torch.fusion.ort_fused import match_fused_matmul, match_skip_layer_norm
 from backplane.backends.torch.fusion.patterns import Context
 from backplane.backends.torch.fusion.dynamic_quant import (
     dynamic_matmul_workload,
@@ -151,7 +152,8 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::MatMulNBits": match_mat_mul_n_bits,
     "Add": match_hardswish, "ReduceMean": match_layer_norm, "DequantizeLinear": match_lookup,
     "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup,
-    "Softmax": match_attention}
+    "Softmax": match_attention, "com.microsoft::SkipLayerNormalization": match_skip_layer_norm,
+    "com.microsoft::FusedMatMul": then_quant_dequant(match_fused_matmul)}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
 INT8_MATCHERS = {**MATCHERS, "Conv": qdq_chain.first_of(match_qdq_conv, MATCHERS["Conv"]),

@@ -30,11 +30,14 @@ MS = "com.microsoft::"
 
 
 def skip_layer_normalization(input, skip, gamma, beta=None, bias=None, epsilon=1e-12,  # noqa: A002
-                             *, n_outputs=1):
-    """LayerNormalization of input + skip (+ bias); also its mean, inverse deviation and sum."""
+                             *, statistics=1, n_outputs=1):
+    """LayerNormalization of input + skip (+ bias); also its mean, inverse deviation and sum.
+    ``statistics`` 0 (set by CpuAcc's fusion, ``fusion/ort_fused.py``, where no layer reads them):
+    None in their places, y by torch's one-pass layer_norm."""
     total = input + skip if bias is None else input + skip + bias
-    if n_outputs == 1:
-        return layer_normalization(total, gamma, beta, epsilon=epsilon)
+    if n_outputs == 1 or not statistics:
+        (y,) = layer_normalization(total, gamma, beta, epsilon=epsilon)
+        return (y,) if n_outputs == 1 else (y, None, None, total)[:n_outputs]
     y, mean, inv_std = layer_normalization(total, gamma, beta, epsilon=epsilon, n_outputs=3)
     return (y, mean, inv_std, total)[:n_outputs]
 
