@@ -206,5 +206,9 @@ def test_a_nested_if_on_computed_predicates_runs_its_branches_as_straight_code(
     runs = workload_of(session, "If").runs
     assert all(isinstance(run, FlatBody) for run in runs)  # flat even where nothing expands
     assert all(run.call.__code__.co_filename == STRAIGHT for run in runs)
+    then = runs[0].host_plan  # the inner If reads its predicate where Greater made it
+    made_by = {slot: layer for step, layer in zip(then.steps, then.layers) for slot in step.outputs}
+    (inner,) = [step for step, layer in zip(then.steps, then.layers) if layer.op_type == "If"]
+    assert made_by[inner.inputs[0]].op_type == "Greater"
     net = session.runtime.network(session.network_id)  # the network around it: straight too
     assert net.execute.__qualname__ == "straight_run.<locals>.run"

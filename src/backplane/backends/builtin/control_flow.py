@@ -24,9 +24,14 @@ CONTROL_FLOW_OPS = {"If": ("then_branch", "else_branch"), "Loop": ("body",), "Sc
 
 
 def _bool(value: Any) -> bool:
+    """A predicate or condition read on the host: one ``.item()`` (a NumPy array, or a tensor of a
+    backend's memory that a body hands over as it is: ``flat.direct_predicates``)."""
     if type(value) is np.ndarray and value.size == 1:
         return bool(value.item())
-    return bool(np.asarray(value).reshape(-1)[0])
+    try:
+        return bool(value.item())
+    except (AttributeError, ValueError, RuntimeError):  # not one element: the first, as before
+        return bool(np.asarray(value).reshape(-1)[0])
 
 
 def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:

@@ -97,7 +97,36 @@ def flatten(net: LoadedNetwork) -> LoadedNetwork | FlatBody:
         for call in _calls(step, flat, template):
             steps.append(call)
         layers += [inner for _, _, _, inner in flat.calls]
+    steps, layers = direct_predicates(steps, layers, set(net.output_slots))
     return FlatBody(net, steps, layers, template)  # straight code, expanded or not
+
+
+def direct_predicates(steps: Sequence[Step], layers: Sequence[Layer], keep: set[int],
+                      ) -> tuple[list[Step], list[Layer]]:
+    """``steps`` with each If reading its predicate where it was made: the host handover
+    (MemImport: CpuAcc's ``.numpy()``) that brought it to builtin, read by that If alone, is left
+    out; the If reads the value once on the host (``control_flow._bool``: one ``.item()``)."""
+    readers: dict[int, int] = {}
+    for step in steps:
+        for slot in step.inputs:
+            readers[slot] = readers.get(slot, 0) + 1
+    producer = {slot: i for i, step in enumerate(steps) for slot in step.outputs}
+    dropped: dict[int, int] = {}  # a handover's index -> the slot it read
+    for step, layer in zip(steps, layers):
+        if layer.op_type != "If" or layer.backend != "builtin" or not step.inputs:
+            continue
+        made = producer.get(step.inputs[0])
+        if made is None or step.inputs[0] in keep or readers.get(step.inputs[0]) != 1:
+            continue
+        before, glue = steps[made], layers[made]
+        if glue.op_type == "MemImport" and before.convert is not None:
+            dropped[made] = before.inputs[0]
+    if not dropped:
+        return list(steps), list(layers)
+    renamed = {steps[i].outputs[0]: slot for i, slot in dropped.items()}
+    kept = [i for i in range(len(steps)) if i not in dropped]
+    return ([dataclasses.replace(steps[i], inputs=tuple(renamed.get(s, s) for s in steps[i].inputs))
+             for i in kept], [layers[i] for i in kept])
 
 
 def _calls(step: Step, flat: Any, template: list[Any]) -> list[Step]:
