@@ -212,3 +212,21 @@ def test_a_nested_if_on_computed_predicates_runs_its_branches_as_straight_code(
     assert made_by[inner.inputs[0]].op_type == "Greater"
     net = session.runtime.network(session.network_id)  # the network around it: straight too
     assert net.execute.__qualname__ == "straight_run.<locals>.run"
+
+
+def test_a_body_from_the_compile_cache_runs_its_kernels_flat(tmp_path) -> None:
+    """A session loaded from its compile cache holds a body's CpuAcc partition as a Delegate of
+    its blob (artifact/compiler.py): the body still runs as its kernels, each a line of its
+    straight code, not as the Delegate's per-signature build (2.2x the run of loop_scripted_ts16
+    where the bench empties its caches)."""
+    model = loop_model()
+    for _ in range(2):  # the first session writes the cache, the second loads from it too
+        session = InferenceSession(model, backends=["CpuAcc", "CpuRef"], cache_dir=tmp_path)
+    assert any(tmp_path.iterdir())
+    peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feeds in LOOP_FEEDS:
+        for a, b in zip(session.run(None, feeds), peer.run(None, feeds), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    (body,) = workload_of(session, "Loop").runs
+    ops = [layer.op_type for layer in body.host_plan.layers]
+    assert "Delegate" not in ops and "Specialized" not in ops and "MatMul" in ops, ops

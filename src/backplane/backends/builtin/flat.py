@@ -14,7 +14,7 @@ trace: those run their loaded network as before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,16 +89,48 @@ def flatten(net: LoadedNetwork) -> LoadedNetwork | FlatBody:
     for step, layer in zip(net.host_plan.steps, net.host_plan.layers):
         backend = net.network.backends.get(layer.backend or "")
         flat_layers = getattr(backend, "flat_layers", None)
-        flat = None if flat_layers is None else flat_layers(layer, step.workload, constants)
+        inner, at, known = undelegated(layer, step, template, backend, constants)
+        flat = None if flat_layers is None else flat_layers(inner, at.workload, known)
         if flat is None:
             steps.append(step)
             layers.append(layer)
             continue
-        for call in _calls(step, flat, template):
+        for call in _calls(at, flat, template):
             steps.append(call)
         layers += [inner for _, _, _, inner in flat.calls]
     steps, layers = direct_predicates(steps, layers, set(net.output_slots))
     return FlatBody(net, steps, layers, template)  # straight code, expanded or not
+
+
+def undelegated(layer: Layer, step: Step, template: list[Any], backend: Any,
+                constants: Mapping[str, Any]) -> tuple[Layer, Step, Mapping[str, Any]]:
+    """The layer a Delegate layer of one layer stands for (a session loaded from its compile
+    cache holds a body's Specialized layer as a Delegate of its backend's blob), with a step over
+    the Delegate's slots in that layer's order, its constants (the partition's own, put in new
+    slots of ``template`` in the backend's memory) known; ``layer``, ``step`` and ``constants`` as
+    they are for any other layer, or where that layer reads or makes a value the Delegate does
+    not have."""
+    part = layer.attrs.get("graph") if layer.op_type == "Delegate" else None
+    if part is None or len(part.layers) != 1 or backend is None:
+        return layer, step, constants
+    (inner,) = part.layers
+    slots = {**dict(zip(layer.inputs, step.inputs)), **dict(zip(layer.outputs, step.outputs))}
+    suffix = f"@{layer.backend}"  # a constant in the backend's memory: its name, so marked
+    slots.update({name: slots[name.removesuffix(suffix)] for name in inner.inputs
+                  if name.endswith(suffix) and name.removesuffix(suffix) in slots})
+    if any(name and name not in slots and name not in part.constants for name in inner.inputs):
+        return layer, step, constants
+    copy_in = backend.tensor_handle_factories()[0].copy_in
+    for name in inner.inputs:
+        if name and name not in slots:
+            slots[name] = len(template)
+            template.append(copy_in(part.constants[name]))
+    reads = tuple(slots[name] if name else NONE_SLOT for name in inner.inputs)
+    writes = tuple(slots.get(name, NONE_SLOT) if name else NONE_SLOT for name in inner.outputs)
+    known = {**constants, **part.constants,
+             **{name: constants[name.removesuffix(suffix)] for name in inner.inputs
+                if name.endswith(suffix) and name.removesuffix(suffix) in constants}}
+    return inner, Step(step.workload, reads, writes, ()), known
 
 
 def direct_predicates(steps: Sequence[Step], layers: Sequence[Layer], keep: set[int],
