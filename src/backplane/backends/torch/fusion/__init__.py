@@ -31,6 +31,9 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
+- ONNX Runtime's transformer fusions as the plain ops they replace (``ort_fused``): a Linear
+  takes a FastGelu / BiasGelu / Gelu after it as a post-op; a FusedMatMul by a constant is a
+  Linear; a SkipLayerNormalization computes no statistics no layer reads.
 - Attention written out, MatMul(Q, Kt) [-> Mul / Div by a scalar] [-> Add(mask) | Where(condition,
   fill)] -> Softmax -> MatMul(V), becomes one ``ScaledDotAttention`` on torch's
   scaled_dot_product_attention (``attention``).
@@ -65,7 +68,11 @@ from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_
 from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.lookup import lookup_workload, match_lookup
-from backplane.backends.torch.fusion.ort_fused import match_fused_matmul, match_skip_layer_norm
+from backplane.backends.torch.fusion.ort_fused import (
+    match_fused_matmul,
+    match_skip_layer_norm,
+    with_ort_gelu,
+)
 from backplane.backends.torch.fusion.patterns import Context
 from backplane.backends.torch.fusion.dynamic_quant import (
     dynamic_matmul_workload,
@@ -144,7 +151,8 @@ def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[La
 
 MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {
     "Conv": then_quant_dequant(match_conv), "GlobalAveragePool": match_squeeze_excite,
-    "Gemm": then_quant_dequant(match_linear), "MatMul": then_quant_dequant(match_linear),
+    "Gemm": then_quant_dequant(with_ort_gelu(match_linear)),
+    "MatMul": then_quant_dequant(with_ort_gelu(match_linear)),
     "QuantizeLinear": match_quant_dequant, "QLinearConv": match_qlinear_conv,
     "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul,
     "com.microsoft::QGemm": match_qgemm,
@@ -153,7 +161,7 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "Add": match_hardswish, "ReduceMean": match_layer_norm, "DequantizeLinear": match_lookup,
     "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup,
     "Softmax": match_attention, "com.microsoft::SkipLayerNormalization": match_skip_layer_norm,
-    "com.microsoft::FusedMatMul": then_quant_dequant(match_fused_matmul)}
+    "com.microsoft::FusedMatMul": then_quant_dequant(with_ort_gelu(match_fused_matmul))}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
 INT8_MATCHERS = {**MATCHERS, "Conv": qdq_chain.first_of(match_qdq_conv, MATCHERS["Conv"]),

@@ -8,6 +8,11 @@
 - FusedMatMul by a constant 2-D weight (ONNX Runtime's saved models fold a scale into it: alpha)
   is one Linear as a MatMul is (``linear.match_linear``: prepacked, its bias, activation or
   residual after it), the weight scaled at load; it ran as a plain product.
+- A Linear (MatMul, Gemm, FusedMatMul by a constant) followed by FastGelu, BiasGelu or Gelu takes
+  it as the plain model's Linear takes the GELU written out: its bias added to the Linear's, the
+  GELU a post-op (oneDNN's, or torch's gelu after the product), where the optimized model ran the
+  product without a bias, then the bias add and the GELU (two more passes over the widest
+  activations: 4 FastGelus a run in the ORT-optimized gpt_causal_ts15).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 
 from backplane.backends.torch.fusion.linear import match_linear
 from backplane.backends.torch.fusion.patterns import F32, Context
+from backplane.backends.torch.fusion.quantized import Matcher
 from backplane.ir.graph import Layer
 
 MS = "com.microsoft"
@@ -50,3 +56,32 @@ def match_fused_matmul(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] 
     if alpha != 1.0:
         fused.attrs["weight"] = np.ascontiguousarray(weight.T * np.float32(alpha))
     return [layer, *group[1:]], fused
+
+
+GELUS = {"FastGelu": "tanh", "BiasGelu": "none", "Gelu": "none"}
+"""ONNX Runtime's GELUs -> torch's form of each (``approximate``)."""
+
+
+def with_ort_gelu(matcher: Matcher) -> Matcher:
+    """``matcher`` (a Linear's), its Linear taking the FastGelu, BiasGelu or Gelu that alone reads
+    its output, where it has no post-op yet and the GELU's bias is a constant of its width."""
+    def match(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+        found = matcher(layer, ctx)
+        if found is None or found[1].op_type != "Linear":
+            return found
+        group, fused = found
+        a, out = fused.attrs, fused.outputs[0]
+        gelu = ctx.sole(out)
+        if a.get("unary") or a.get("binary") or gelu is None or gelu.domain != MS \
+                or gelu.op_type not in GELUS or gelu.inputs[0] != out:
+            return found
+        extra = ctx.const(gelu.inputs[1]) if len(gelu.inputs) > 1 and gelu.inputs[1] else None
+        if len(gelu.inputs) > 1 and gelu.inputs[1] and (
+                extra is None or extra.dtype != F32 or extra.shape != (a["weight"].shape[0],)):
+            return found
+        bias = a["bias"] if extra is None else extra if a["bias"] is None else a["bias"] + extra
+        attrs = {**a, "bias": None if bias is None else np.ascontiguousarray(bias, F32),
+                 "unary": ("gelu", [], GELUS[gelu.op_type])}
+        return [*group, gelu], Layer(f"{fused.name}+{gelu.name}", "Linear", list(fused.inputs),
+                                     [gelu.outputs[0]], attrs, fused.domain, fused.opset)
+    return match
