@@ -147,3 +147,28 @@ def _untouched(graph, layers):
     from backplane.ir.graph import SubgraphView
 
     return OptimizationViews(untouched=[SubgraphView.of(graph, layers)])
+
+
+@pytest.mark.parametrize(("op", "data_shape", "index_shape", "attrs"), [
+    ("Gather", (6, 4), (5,), {"axis": 0}), ("Gather", (3, 6), (), {"axis": 1}),
+    ("Gather", (2, 6, 3), (2, 2), {"axis": 1}), ("GatherND", (6, 4), (5, 1), {}),
+    ("GatherND", (6, 4, 3), (2, 5, 2), {}), ("GatherND", (2, 6, 4), (2, 3, 1), {"batch_dims": 1})])
+def test_host_kernels_are_cpurefs(op, data_shape, index_shape, attrs) -> None:
+    """The chain's own kernels (``HOST_KERNELS``) give CpuRef's values, negative indices too."""
+    from backplane.backends.api.kernels import select_kernel
+    from backplane.backends.reference.kernels import KERNELS
+
+    rng = np.random.default_rng(2)
+    data = rng.standard_normal(data_shape).astype(np.float32)
+    data.reshape(-1)[1] = np.nan
+    if op == "Gather":
+        size = data_shape[attrs["axis"]]
+        indices = rng.integers(-size, size, index_shape).astype(np.int64)
+    else:  # column j indexes axis batch_dims + j
+        first = attrs.get("batch_dims", 0)
+        sizes = np.array(data_shape[first:first + index_shape[-1]])
+        indices = (rng.uniform(-1, 1, index_shape) * sizes).astype(np.int64)
+    mine = select_kernel(host_chain.HOST_KERNELS, op, 13)(data, indices, **attrs)[0]
+    want = select_kernel(KERNELS, op, 13)(data, indices, **attrs)[0]
+    assert mine.shape == want.shape
+    np.testing.assert_array_equal(mine, want)

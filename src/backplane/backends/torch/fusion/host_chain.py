@@ -146,7 +146,17 @@ def _gather(data, indices, axis=0):
     return (np.take(data, indices, axis=axis),)
 
 
-HOST_KERNELS = {"Gather": {1: _gather}}
+def _gather_nd(data, indices, batch_dims=0):
+    # one fancy index of the index columns (NumPy counts negative ones from the end itself);
+    # CpuRef's flattens and wraps each column first: 7.5-10 against 2.6-4.7 us on 20 rows
+    if batch_dims or not indices.shape[-1]:
+        from backplane.backends.reference.kernels.indexing import gather_nd
+
+        return gather_nd(data, indices, batch_dims)
+    return (data[tuple(indices[..., j] for j in range(indices.shape[-1]))],)
+
+
+HOST_KERNELS = {"Gather": {1: _gather}, "GatherND": {11: _gather_nd}}
 """Kernels of the chain in place of CpuRef's where they cost less (the same values)."""
 
 
