@@ -64,8 +64,12 @@ def test_saved_optimized_models_run_in_one_trace_on_cpuacc(name: str, tmp_path: 
     assert set(session.report.counts()) == {"CpuAcc"}  # none fell to CpuRef: no partition cut
     assert len(session.report.partitions) == 1
     (traced,) = [lay for lay in run_layers(session) if lay.op_type == "Traced"]
+    ops = [lay.op_type for lay in traced.attrs["layers"]]
     held = {lay.op_type for lay in traced.attrs["layers"] if lay.domain == "com.microsoft"}
-    assert held == fused - {"Gelu", "FastGelu"}  # those after a product: its post-op (below)
+    # a GELU after a product is its post-op (below); FusedMatMul(Q, K) with its scale, the mask,
+    # the softmax and the product by V are one ScaledDotAttention, as the plain model's
+    assert held == fused - {"Gelu", "FastGelu", "FusedMatMul"}
+    assert ops.count("ScaledDotAttention") == 2
     got = session.run(None, feeds)
     assert_close(got, ort_run(path, feeds))
     assert_close(got, InferenceSession(path, backends=["CpuRef"]).run(None, feeds))

@@ -7,6 +7,7 @@ The spellings the corpus has, each ending Softmax(last axis) -> MatMul(probabili
     MatMul(Q, Kt) -> Mul(c) -> Where(condition, fill, .)     the same, a boolean causal mask
     Mul(Q, c) ; Mul(Kt, c) -> MatMul -> [Add(mask)]          dynamo's export (the scale on Q and K
                                                               stays outside: its Muls are left)
+    FusedMatMul(Q, K, transB, alpha) -> Add(mask)            ONNX Runtime's saved models
 
 Q (..., L, E), Kt (..., E, S) (K transposed, as the product reads it), V (..., S, Ev), of one
 batch shape; the scale a constant scalar, the mask any tensor added to the scores (a constant
@@ -61,21 +62,44 @@ def match_attention(softmax: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
         scale = (layer.op_type, factor)
         group.insert(0, layer)
         layer = _free(made.get(value), ctx, value)
-    if layer is None or layer.op_type != "MatMul" or layer.domain:
+    product = _scores_product(layer, scale)
+    if product is None:
         return None
     group.insert(0, layer)
-    return _fused(group, [*layer.inputs, out.inputs[1]], mask, scale, ctx)
+    scale, transposed = product
+    return _fused(group, [*layer.inputs, out.inputs[1]], mask, scale, ctx, transposed)
+
+
+def _scores_product(layer: Layer | None, scale: tuple[str, float] | None,
+                    ) -> tuple[tuple[str, float] | None, bool] | None:
+    """The scale and whether K comes untransposed, of the layer making the scores: a MatMul, or
+    ONNX Runtime's FusedMatMul(Q, K, transB, alpha) as its saved models write Q Kt times the scale
+    (no Mul / Div of its own after it); None where it is neither."""
+    if layer is None:
+        return None
+    if layer.op_type == "MatMul" and not layer.domain:
+        return scale, False
+    a = layer.attrs
+    if layer.op_type != "FusedMatMul" or layer.domain != "com.microsoft" or scale is not None \
+            or any(a.get(flag, 0) for flag in ("transA", "transBatchA", "transBatchB")):
+        return None
+    alpha = float(a.get("alpha", 1.0))
+    return (None if alpha == 1.0 else ("Mul", alpha)), bool(a.get("transB", 0))
 
 
 def _fused(group: list[Layer], qkv: list[str], mask: tuple[str, ...] | None,
-           scale: tuple[str, float] | None, ctx: Context) -> tuple[list[Layer], Layer] | None:
+           scale: tuple[str, float] | None, ctx: Context,
+           transposed: bool = False) -> tuple[list[Layer], Layer] | None:
     shapes = [_shape(name, ctx) for name in qkv]
     if any(s is None or len(s) < 3 for s in shapes):
         return None
     q, kt, v = shapes  # (..., L, E), (..., E, S), (..., S, Ev): one batch shape, no broadcast
+    if transposed:  # K as (..., S, E)
+        kt = (*kt[:-2], kt[-1], kt[-2])  # type: ignore[index]
     if not q[:-2] == kt[:-2] == v[:-2] or q[-1] != kt[-2] or kt[-1] != v[-2]:  # type: ignore
         return None
-    inputs, attrs = list(qkv), {"scale": scale, "mask": None, "fill": None}
+    inputs, attrs = list(qkv), {"scale": scale, "mask": None, "fill": None,
+                                "transposed": transposed}
     if mask is not None:
         kind, name, fill = mask
         inputs.append(name)
@@ -111,14 +135,16 @@ def _mask(layer: Layer, ctx: Context) -> tuple[str, tuple[str, str, float | None
 
 
 def _made_before(name: str, ctx: Context) -> bool:
-    """Whether ``name`` is the scores (not the mask): a MatMul's product in the view, or that
-    product times or over a constant scalar."""
+    """Whether ``name`` is the scores (not the mask): a MatMul's (or FusedMatMul's) product in the
+    view, or that product times or over a constant scalar."""
     made = ctx.graph.producers()
     layer = made.get(name)
     if layer is not None and layer.op_type in ("Mul", "Div") and not layer.domain \
             and _scalar(layer, next((i for i in layer.inputs if ctx.const(i) is None), ""), ctx):
         layer = made.get(next(i for i in layer.inputs if ctx.const(i) is None))
-    return layer is not None and layer.op_type == "MatMul" and id(layer) in ctx.inside
+    return layer is not None and id(layer) in ctx.inside and (
+        layer.op_type == "MatMul" and not layer.domain
+        or layer.op_type == "FusedMatMul" and layer.domain == "com.microsoft")
 
 
 def _free(layer: Layer | None, ctx: Context, out: str) -> Layer | None:
@@ -153,9 +179,10 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
     import torch
 
     a = layer.attrs
-    kind, fill, scale = a["mask"], a["fill"], a["scale"]
+    kind, fill, scale, transposed = a["mask"], a["fill"], a["scale"], a.get("transposed", False)
 
     def run(q: Any, kt: Any, v: Any, mask: Any = None) -> tuple[Any]:
+        kt = kt.transpose(-1, -2) if transposed else kt
         scores = torch.matmul(q, kt)  # a new tensor of the scores' shape: scaled, masked in place
         if scale is not None:
             scores = scores.mul_(scale[1]) if scale[0] == "Mul" else scores.div_(scale[1])
