@@ -124,7 +124,10 @@ def annotate_ort_types(proto: ModelProto) -> int:
             if not name or types.get(name) and (shape is None or shapes.get(name) is not None):
                 continue
             elem = types.get(name) or _source_type(list(node.input), sources, types)
-            if elem:
+            if elem and name in outputs:  # a graph output declared untyped: its type given
+                infos[name].type.tensor_type.elem_type = elem
+                types[name], added = elem, added + 1
+            elif elem:
                 if name in infos:  # typed before, its shape found now
                     graph.value_info.remove(infos[name])
                 infos[name] = helper.make_tensor_value_info(name, elem, shape)

@@ -185,19 +185,21 @@ def _node_cases() -> dict[str, list[Any]]:
 
 
 def _own_case(op: str, inputs: list[np.ndarray], opset: int, n_outputs: int = 1,
-              **attrs: Any) -> Any:
-    """A one-node case of ``op`` at ``opset`` made here, where the node suite has none with float
-    data: the shape of the suite's cases (``name``, ``model``, ``data_sets``)."""
+              domain: str = "", **attrs: Any) -> Any:
+    """A one-node case of ``op`` (of ``domain``, version 1 there) at ``opset`` made here, where
+    the node suite has none with float data: the shape of the suite's cases (``name``, ``model``,
+    ``data_sets``)."""
     from types import SimpleNamespace
 
     names = [f"x{i}" for i in range(len(inputs))]
     outputs = [f"y{i}" for i in range(n_outputs)]
     graph = helper.make_graph(
-        [helper.make_node(op, names, outputs, **attrs)], op,
+        [helper.make_node(op, names, outputs, domain=domain or None, **attrs)], op,
         [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
          for n, v in zip(names, inputs)],
         [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    imports = [helper.make_opsetid("", opset), *([helper.make_opsetid(domain, 1)] if domain else [])]
+    model = helper.make_model(graph, opset_imports=imports)
     return SimpleNamespace(name=f"own_{op.lower()}", model=model, data_sets=[(inputs, None)])
 
 
@@ -212,6 +214,16 @@ OWN_CASES = {
     "GlobalLpPool": lambda: _own_case("GlobalLpPool", [_floats(1, 3, 4, 5)], 22),
     "AffineGrid": lambda: _own_case("AffineGrid", [_floats(2, 2, 3),
                                                    np.array([2, 3, 4, 5], np.int64)], 20),
+    # ONNX Runtime's saved fusions (its optimizer writes them): a product and its activation
+    "com.microsoft::FusedMatMul": lambda: _own_case(
+        "FusedMatMul", [_floats(2, 3, 4), _floats(5, 4)], 17, domain="com.microsoft",
+        transB=1, alpha=0.5),
+    "com.microsoft::FusedGemm": lambda: _own_case(
+        "FusedGemm", [_floats(3, 4), _floats(4, 5), _floats(5)], 17, domain="com.microsoft",
+        activation="Relu"),
+    "com.microsoft::FusedConv": lambda: _own_case(
+        "FusedConv", [_floats(1, 3, 6, 6), _floats(4, 3, 3, 3), _floats(4)], 17,
+        domain="com.microsoft", activation="Relu", pads=[1, 1, 1, 1]),
 }
 """Float ops the node suite has no case with float data for: one-node models made here."""
 
