@@ -92,21 +92,7 @@ def quantized_full_tier(corpus: Path, tmp: Path) -> Path:
 
 def bench(args: argparse.Namespace, names: list[str], tmp: Path) -> dict[str, dict[str, Any]]:
     """Every model on every runtime, alternating over all of them in each round."""
-    rows = {name: {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "error": None,
-                        "outputs": None, "plan": {}} for rt in wild.RUNTIMES} for name in names}
-    for round_ in range(args.rounds):
-        for name in names:
-            _, model, feeds = wild.corpus_files(args, name)
-            for rt, row in rows[name].items():
-                if row["error"]:
-                    continue
-                print(f"{name}: {rt} (round {round_ + 1}/{args.rounds})", file=sys.stderr,
-                      flush=True)
-                save = tmp / f"{name}.{rt}.npz" if round_ == 0 else None
-                reply = wild.spawn(args, rt, model, feeds, save)
-                wild.record(row, reply, save)
-    return {name: wild.summarize(name, wild.corpus_files(args, name)[0], rows[name])
-            for name in names}
+    return wild.bench_models(args, names, tmp)
 
 
 def pair_lines(results: dict[str, dict[str, Any]], pairs: dict[str, str | None]) -> list[str]:

@@ -88,21 +88,8 @@ def optimized_corpus(args: argparse.Namespace, names: list[str], tmp: Path) -> P
 
 
 def bench(args: argparse.Namespace, files: list[str], tmp: Path) -> dict[str, dict[str, Any]]:
-    """Every file on each runtime, alternating over all of them in each round."""
-    rows = {name: {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "error": None,
-                        "outputs": None, "plan": {}} for rt in wild.RUNTIMES} for name in files}
-    for row in rows.values():
-        row["openvino"]["error"] = "not run (no com.microsoft ops)"
-    for round_ in range(args.rounds):
-        for name in files:
-            _, model, feeds = wild.corpus_files(args, name)
-            for rt in RUNTIMES:
-                print(f"{name}: {rt} (round {round_ + 1}/{args.rounds}), load average "
-                      f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-                save = tmp / f"{name}.{rt}.npz" if round_ == 0 else None
-                wild.record(rows[name][rt], wild.spawn(args, rt, model, feeds, save), save)
-    return {name: wild.summarize(name, wild.corpus_files(args, name)[0], rows[name])
-            for name in files}
+    """Every file on ONNX Runtime and backplane, alternating over all of them in each round."""
+    return wild.bench_models(args, files, tmp, skipped={"openvino": "not run (no com.microsoft ops)"})
 
 
 def ratio_lines(results: dict[str, dict[str, Any]], names: list[str]) -> list[str]:

@@ -231,21 +231,43 @@ def corpus_files(args: argparse.Namespace, name: str) -> tuple[dict[str, Any], P
     return entry, args.corpus / entry["file"], args.corpus / entry["inputs_files"][0]
 
 
+def new_rows(skipped: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """A model's rows, one per runtime (those ``skipped`` names, with that reason as their error)."""
+    return {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "readies": [],
+                 "error": (skipped or {}).get(rt), "outputs": None, "plan": {}} for rt in RUNTIMES}
+
+
+def run_round(args: argparse.Namespace, name: str, rows: dict[str, dict[str, Any]], round_: int,
+              tmp: Path) -> None:
+    """One round of a model: each runtime that has not failed in a process of its own, in turn;
+    outputs saved in round 1."""
+    _, model, feeds = corpus_files(args, name)
+    for rt, row in rows.items():
+        if row["error"]:
+            continue
+        print(f"{name}: {rt} (round {round_ + 1}/{args.rounds}), load average "
+              f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+        save = tmp / f"{name}.{rt}.npz" if round_ == 0 else None
+        record(row, spawn(args, rt, model, feeds, save), save)
+
+
 def bench_model(args: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
     """The three runtimes on one model, alternating over the rounds; outputs saved in round 1."""
-    entry, model, feeds = corpus_files(args, name)
-    rows: dict[str, dict[str, Any]] = {rt: {"medians": [], "loads": [], "imports": [], "firsts": [], "readies": [],
-                                            "error": None,
-                                            "outputs": None, "plan": {}} for rt in RUNTIMES}
+    rows = new_rows()
     for round_ in range(args.rounds):
-        for rt, row in rows.items():
-            if row["error"]:
-                continue
-            print(f"{name}: {rt} (round {round_ + 1}/{args.rounds}), load average "
-                  f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-            save = tmp / f"{name}.{rt}.npz" if round_ == 0 else None
-            record(row, spawn(args, rt, model, feeds, save), save)
-    return summarize(name, entry, rows)
+        run_round(args, name, rows, round_, tmp)
+    return summarize(name, corpus_files(args, name)[0], rows)
+
+
+def bench_models(args: argparse.Namespace, names: list[str], tmp: Path,
+                 skipped: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every model on each runtime, alternating over all of them in each round (bench/int8.py's
+    and bench/ort_optimized.py's pairs of files timed in the same rounds)."""
+    rows = {name: new_rows(skipped) for name in names}
+    for round_ in range(args.rounds):
+        for name in names:
+            run_round(args, name, rows[name], round_, tmp)
+    return {name: summarize(name, corpus_files(args, name)[0], rows[name]) for name in names}
 
 
 def record(row: dict[str, Any], reply: dict[str, Any], save: Path | None) -> None:
