@@ -283,13 +283,14 @@ class CpuAcc(TorchBackend):
         if self.missing:
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import fusion
-        from backplane.backends.torch.fusion import reduced, traced
+        from backplane.backends.torch.fusion import int8_exact, reduced, traced
 
         specialized = _specialized(view, self)
         if specialized is not None:
             return specialized
         compute = reduced.reduced_type(self.options)
-        views = fusion.fuse(view, compute, self.options.get("CpuAcc.int8", "auto"))
+        int8 = int8_exact.mode(self.options.get("CpuAcc.int8", "auto"))
+        views = fusion.fuse(view, compute, int8)
         if compute is not None or self.options.get("CpuAcc.compile") == "layers":
             return views
         return traced.whole(view, views)

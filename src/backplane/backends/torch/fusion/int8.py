@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from backplane.backends.torch.fusion import int8_exact
 from backplane.backends.torch.fusion.patterns import F32, Context
 from backplane.ir.graph import Layer
 
@@ -208,6 +209,7 @@ def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
     mode = backend.options.get("CpuAcc.int8", "auto")
     if mode not in MODES:
         raise OptionError(f"CpuAcc.int8 {mode!r} is not one of {', '.join(MODES)}")
+    mode = int8_exact.mode(mode)
     if mode == "exact" or not linear and "x86" not in torch.backends.quantized.supported_engines:
         return float_route()
 
@@ -491,7 +493,7 @@ def _mode(backend: Any) -> str:
     mode = backend.options.get("CpuAcc.int8", "auto")
     if mode not in MODES:
         raise OptionError(f"CpuAcc.int8 {mode!r} is not one of {', '.join(MODES)}")
-    return mode
+    return int8_exact.mode(mode)
 
 
 def _int8_or_float(make: Callable[[], Any], float_route: Callable[[], Any], name: str) -> Any:

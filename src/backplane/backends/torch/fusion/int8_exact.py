@@ -1,0 +1,52 @@
+"""Whether torch's int8 kernels are exact on this CPU, and the ``CpuAcc.int8`` mode that follows.
+
+With VNNI (AVX512-VNNI, AVX-VNNI) or AMX, a u8 x s8 product's sums are exact in 32 bits. Without
+them (AVX2, AVX-512 without VNNI) oneDNN adds pairs of products in 16 bits and saturates: with
+``ONEDNN_MAX_CPU_ISA=AVX2`` on this AMD EPYC a QDQ convolution on CpuAcc's int8 route was up to 26
+quantization steps off CpuRef's, silently. So where a probe finds the kernels inexact, "auto"
+takes the float routes, as "exact" does (CpuRef's values bit for bit); "kernels" stays the
+caller's explicit choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+log = logging.getLogger("backplane.torch")
+
+
+@functools.cache
+def exact_kernels() -> bool:
+    """Whether torch's quantized convolution and product give the exact sums of u8 x s8 products
+    whose pairs overflow 16 bits (255 x 127 x 2 > 32767), probed once per process; False where
+    they saturate or torch has no quantized kernels."""
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's deprecation of its quantized tensors
+            x = torch.quantize_per_tensor(torch.full((1, 64, 4, 4), 255.0), 1.0, 0, torch.quint8)
+            w = torch.quantize_per_tensor(torch.full((8, 64, 1, 1), 127.0), 1.0, 0, torch.qint8)
+            packed = torch.ops.quantized.conv2d_prepack(w, None, [1, 1], [0, 0], [1, 1], 1)
+            conv = torch.ops.quantized.conv2d(x.contiguous(memory_format=torch.channels_last),
+                                              packed, 1e4, 0)
+            rows = torch.quantize_per_tensor(torch.full((2, 64), 255.0), 1.0, 0, torch.quint8)
+            weights = torch.quantize_per_tensor(torch.full((8, 64), 127.0), 1.0, 0, torch.qint8)
+            linear = torch.ops.quantized.linear(
+                rows, torch.ops.quantized.linear_prepack(weights, None), 1e4, 0)
+    except (RuntimeError, AttributeError) as exc:
+        log.debug("no int8 kernels to probe (%s)", exc)
+        return False
+    want = round(64 * 255 * 127 / 1e4)  # 207: the exact sum, requantized
+    exact = all(bool((y.int_repr() == want).all()) for y in (conv, linear))
+    if not exact:
+        log.info("CpuAcc: this CPU's int8 kernels saturate (no VNNI): QDQ and QOperator layers "
+                 "take their float routes (CpuAcc.int8=kernels forces the int8 ones)")
+    return exact
+
+
+def mode(asked: str) -> str:
+    """The ``CpuAcc.int8`` mode to follow: "exact" for "auto" where the kernels are not."""
+    return "exact" if asked == "auto" and not exact_kernels() else asked
