@@ -29,12 +29,14 @@ def ort_outputs(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     return session.run(None, feeds)
 
 
-def assert_close(actual: list[np.ndarray], expected: list[np.ndarray]) -> None:
+def assert_close(actual: list[np.ndarray], expected: list[np.ndarray],
+                 tolerance: float = TOLERANCE) -> None:
+    """Same shapes and types; the max |difference| within ``tolerance`` of the max |value|."""
     assert len(actual) == len(expected)
     for got, want in zip(actual, expected):
         assert got.shape == want.shape and got.dtype == want.dtype
         scale = max(float(np.max(np.abs(want))), 1e-12)
-        assert float(np.max(np.abs(got.astype(np.float64) - want))) / scale <= TOLERANCE
+        assert float(np.max(np.abs(got.astype(np.float64) - want))) / scale <= tolerance
 
 
 @pytest.mark.parametrize("backends", BACKEND_LISTS.values(), ids=BACKEND_LISTS.keys())

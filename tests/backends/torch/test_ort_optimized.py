@@ -23,6 +23,7 @@ from tests.backends.test_contrib_ops import CASES as CONTRIB_CASES  # noqa: E402
 from tests.backends.test_contrib_ops import _model as one_node  # noqa: E402
 from tests.backends.test_contrib_ops import ort_run as ort_run_model  # noqa: E402
 from tests.models.test_ort_tools import DATA, contrib_ops, ort_run, ort_saved  # noqa: E402
+from tests.models.test_models import assert_close as models_assert_close  # noqa: E402
 
 TOLERANCE = 1e-5  # max |diff| relative to the output's max |value|
 
@@ -35,11 +36,7 @@ def traced_session(path: Path) -> InferenceSession:
 
 
 def assert_close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        scale = max(float(np.max(np.abs(w))), 1e-12)
-        assert float(np.max(np.abs(g.astype(np.float64) - w))) / scale <= TOLERANCE
+    models_assert_close(got, want, TOLERANCE)
 
 
 def built_graphs(session: InferenceSession) -> list:
