@@ -253,6 +253,8 @@ class CpuAcc(TorchBackend):
         "CpuAcc.route_cache": "keep measured routes on disk (True)",
         "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
         "CpuAcc.precision": "fp32, or bf16 on CPUs with bfloat16 instructions (AVX512-BF16, AMX)",
+        "CpuAcc.keep_memory": "True (the default: freed tensor memory kept in the process for the "
+                              "next run, memory.py) or False",
         "CpuAcc.int8": "auto (QDQ convolutions on int8 kernels where measured faster), kernels "
                        "or exact (never: CpuRef's values bit for bit)",
     }
@@ -267,9 +269,11 @@ class CpuAcc(TorchBackend):
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
         """Checks the runtime's ``CpuAcc.precision`` (an unknown one is an error at the first load,
         listing the choices); a network's own is checked as it is optimized."""
+        from backplane.backends.torch import memory
         from backplane.backends.torch.fusion import reduced
 
         reduced.precision_of(options)
+        memory.keep_freed_memory(options.get("CpuAcc.keep_memory", True))
         return TorchContext(options.get("CpuAcc.threads"))
 
     def create_workload_factory(self, memory_manager: Any = None) -> WorkloadFactory:
@@ -399,6 +403,14 @@ class GpuAcc(TorchBackend):
         from backplane.backends.torch import cuda, specialize
 
         return {**cuda.WORKLOADS, "Specialized": specialize.specialized_workload}
+
+    def host_run(self, network: Any) -> Callable[[Sequence[Any]], list[Any]] | None:
+        """``network`` (loaded) as one function of its NumPy inputs where it is one GpuAcc
+        partition between them and its outputs: one CUDA graph with its copies per signature
+        (``cuda_host``); None for any other network."""
+        from backplane.backends.torch import cuda_host
+
+        return None if self.missing else cuda_host.host_run(network)
 
     def constant_inputs(self, layer: Layer, known: Any) -> Layer:
         """``layer`` of a control-flow body with the outer constants it reads (``known``) made

@@ -470,6 +470,22 @@ def frees(steps: Sequence[Step], kept: set[str]) -> list[list[str]]:
 
 def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
     """Capture at load, with the static inputs the boundary's tensor infos describe."""
+    run_layers, static = graph_parts(layer, backend, inputs)
+    if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
+        return lambda *values: tuple(run_layers(*values))
+    try:
+        return CapturedGraph(run_layers, static, backend.device())
+    except CaptureError as exc:  # the layers run (the warm-up did): on the GPU, uncaptured
+        log.warning("%s: not captured as a CUDA graph (%s); its layers run one by one on %s",
+                    layer.name, exc, backend.device())
+        return lambda *values: tuple(run_layers(*values))
+
+
+def graph_parts(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
+                ) -> tuple[Callable[..., list[Any]], list[Any]]:
+    """A CudaGraph layer's function of its inputs (its layers' kernels, fused, in the precision
+    and compiled as the options say) and its static input tensors, zeros of the boundary's shapes:
+    what a capture records (``CapturedGraph``; ``cuda_host.HostGraph`` with its copies)."""
     import torch
 
     device = backend.device()
@@ -504,15 +520,7 @@ def cuda_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
 
     static = [torch.zeros(info.shape, dtype=NUMPY_TO_TORCH[info.dtype], device=device)  # type: ignore
               for info in inputs]  # capture_views took only static inputs
-    run_layers = compiled(run_layers, static, compiler_of(backend.options), layer.name)
-    if not backend.options.get("GpuAcc.cuda_graphs", True):  # decided at load, with the options
-        return lambda *values: tuple(run_layers(*values))
-    try:
-        return CapturedGraph(run_layers, static, device)
-    except CaptureError as exc:  # the layers run (the warm-up did): on the GPU, uncaptured
-        log.warning("%s: not captured as a CUDA graph (%s); its layers run one by one on %s",
-                    layer.name, exc, device)
-        return lambda *values: tuple(run_layers(*values))
+    return compiled(run_layers, static, compiler_of(backend.options), layer.name), static
 
 
 class CaptureError(RuntimeError):

@@ -125,21 +125,10 @@ def _numpy_dtype(dtype: Any) -> np.dtype:
 def _build(layer: Layer, backend: Any, values: Sequence[Any]) -> Callable[..., Any] | None:
     """The subgraph for the shapes of ``values``: folded, optimized by the backend, its workloads
     made; None where any of that fails (the layers then run one by one)."""
-    from backplane.optimizer import passes
-    from backplane.optimizer.optimize import _substitute
-    from backplane.optimizer.report import PlacementReport
-
     try:
-        graph = passes.remove_dead_layers(passes.fold_constants(_graph(layer, values)))
-        for lay in graph.layers:
-            lay.backend = backend.id
-        if graph.layers:
-            views = backend.optimize_subgraph(SubgraphView.of(graph, graph.layers))
-            if views.failed:
-                return None
-            for sub in views.substitutions:
-                _substitute(graph, sub.substitutable.layers, sub.replacement, backend.id,
-                            PlacementReport([backend.id]))
+        graph = built_graph(layer, backend, values)
+        if graph is None:
+            return None
         with small.whole():  # its threads chosen for the whole build, not per compiled part
             run = _loaded(graph, backend)
         if backend.capabilities().get("HostThreads") == "openmp":  # CpuAcc
@@ -150,6 +139,27 @@ def _build(layer: Layer, backend: Any, values: Sequence[Any]) -> Callable[..., A
         log.warning("%s: no build for input shapes %s (%s: %s); its layers run one by one",
                     layer.name, shapes, type(exc).__name__, exc)
         return None
+
+
+def built_graph(layer: Layer, backend: Any, values: Sequence[Any]) -> Graph | None:
+    """The layers of ``layer`` (a Specialized layer) for the shapes and types of ``values``:
+    folded, optimized by ``backend`` and its substitutions made (a CudaGraph layer, a compiled
+    partition); None where the backend gives any part back."""
+    from backplane.optimizer import passes
+    from backplane.optimizer.optimize import _substitute
+    from backplane.optimizer.report import PlacementReport
+
+    graph = passes.remove_dead_layers(passes.fold_constants(_graph(layer, values)))
+    for lay in graph.layers:
+        lay.backend = backend.id
+    if graph.layers:
+        views = backend.optimize_subgraph(SubgraphView.of(graph, graph.layers))
+        if views.failed:
+            return None
+        for sub in views.substitutions:
+            _substitute(graph, sub.substitutable.layers, sub.replacement, backend.id,
+                        PlacementReport([backend.id]))
+    return graph
 
 
 def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
