@@ -18,7 +18,7 @@ from onnx import helper
 from backplane import InferenceSession
 from backplane.backends.reference.backend import CpuRef
 from backplane.frontends.onnx import ModelError, import_onnx
-from backplane.frontends.onnx_contrib import CONTRIB_DOMAIN, ORT_OPS
+from backplane.frontends.onnx_contrib import CONTRIB_DOMAIN, ONNX_EQUIVALENTS, ORT_OPS
 from backplane.optimizer.optimize import OptimizationError
 
 ort = pytest.importorskip("onnxruntime")
@@ -410,11 +410,13 @@ def test_every_op_backplane_knows_is_tested_and_has_a_cpuref_kernel() -> None:
     known = {(domain, op) for domain, ops in ORT_OPS.items() for op in ops}
     # BiasAdd: test_contrib_transformer.py; LayerNormalization below opset 17 (ONNX Runtime's):
     # torch/test_ort_optimized.py, the files its optimizer writes
+    # its Q/DQ, imported as ONNX's (ONNX_EQUIVALENTS): models/test_ort_contrib_qdq.py
     tested = {(case.domain, case.op) for case in CASES.values()} | {(MS, "BiasAdd"),
                                                                     ("", "LayerNormalization")}
-    assert known == tested
+    assert known == tested | set(ONNX_EQUIVALENTS)
     kernels = {key for key in CpuRef.KERNELS}
-    assert {f"{d}::{op}" if d else op for d, op in known} <= kernels
+    assert {f"{d}::{op}" if d else op for d, op in known - set(ONNX_EQUIVALENTS)} <= kernels
+    assert {op for _, op in ONNX_EQUIVALENTS} <= kernels
 
 
 def _onnx_own(schema: Any) -> bool:

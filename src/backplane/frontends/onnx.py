@@ -24,7 +24,7 @@ from onnx import GraphProto, ModelProto, NodeProto
 from backplane.frontends.onnx_file import (  # noqa: F401  # ModelError, load_model: from here too
     ModelError, ReadModel, load_model, read_model)
 from backplane.frontends.onnx_contrib import (
-    CONTRIB_DOMAIN, annotate_ort_types, check_ort_node, is_ort_op, known_ops)
+    CONTRIB_DOMAIN, ONNX_EQUIVALENTS, annotate_ort_types, check_ort_node, is_ort_op, known_ops)
 from backplane.frontends.onnx_shapes import copy_model, infer_shapes
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
 from backplane.ir.graph import Dim, Graph, Layer, TensorInfo
@@ -279,6 +279,10 @@ class _Importer:
             refusal = check_ort_node(domain, node.op_type, opset, len(node.input), len(node.output))
             if refusal:
                 raise ModelError(f"{where}: {refusal}")
+            if (domain, node.op_type) in ONNX_EQUIVALENTS:  # imported as ONNX's op
+                domain, opset = "", ONNX_EQUIVALENTS[domain, node.op_type]
+                _check_attributes(node, onnx.defs.get_schema(node.op_type, opset), where,
+                                  f"{node.op_type}-{opset}")
         elif not node.op_type or not onnx.defs.has(node.op_type, domain):
             known = f"; backplane knows these: {known_ops(domain)}" if domain == CONTRIB_DOMAIN else ""
             raise ModelError(f"{where}: unknown op '{node.op_type}' in domain "

@@ -63,6 +63,10 @@ ORT_OPS: dict[str, dict[str, Arity]] = {
         "FusedMatMul": Arity(1, 2, 2, 1, 1),
         "FusedConv": Arity(1, 2, 4, 1, 1),
         "FusedGemm": Arity(1, 2, 3, 1, 1),
+        # its quantizer's Q/DQ where ONNX's opset has not the type (int4 weights, 16-bit
+        # activations below opset 21) or where asked (``UseQDQContribOps``): ONNX's at 21
+        "QuantizeLinear": Arity(1, 2, 3, 1, 1),
+        "DequantizeLinear": Arity(1, 2, 3, 1, 1),
     },
     "": {"SimplifiedLayerNormalization": Arity(1, 2, 2, 1, 2),
          # ONNX's from opset 17; ONNX Runtime's own before it (its optimizer writes it into an
@@ -70,6 +74,15 @@ ORT_OPS: dict[str, dict[str, Arity]] = {
          "LayerNormalization": Arity(1, 2, 3, 1, 3)},
 }
 """domain -> op -> its since-version and how many inputs and outputs it takes."""
+
+ONNX_EQUIVALENTS: dict[tuple[str, str], int] = {
+    (CONTRIB_DOMAIN, "QuantizeLinear"): 21,
+    (CONTRIB_DOMAIN, "DequantizeLinear"): 21,
+}
+"""ONNX Runtime's ops that compute what ONNX's op of the same name computes at this opset (its
+contrib Q/DQ: per tensor or per axis, ``axis`` their one attribute; ONNX's from opset 21 take the
+same types, int4 to int16), imported as that op of the default domain: every backend's QDQ
+kernels and fusions then take them."""
 
 
 FLOAT, INT32 = TensorProto.FLOAT, TensorProto.INT32
@@ -92,6 +105,7 @@ OUTPUT_TYPES: dict[str, tuple[tuple[int, ...], ...]] = {
     "MultiHeadAttention": ((3, 0, 1),) * 3, "RotaryEmbedding": ((2, 0),),
     "GroupQueryAttention": ((7, 3, 0), (3, 0), (3, 0)),
     "FusedMatMul": ((1, 0),), "FusedConv": ((1, 0),), "FusedGemm": ((1, 0),),
+    "DequantizeLinear": ((1,),), "QuantizeLinear": ((2, -TensorProto.UINT8),),
 }
 """op -> per output, where its element type comes from: the type of the first of these inputs
 that is present and typed, or (a negative number) that TensorProto type. Inputs that are mostly
@@ -197,7 +211,7 @@ OUTPUT_SHAPES = {
     # static input shape in its Specialized build) and ran as plain products
     **{op: lambda node, shapes: shapes[0] for op in (
         "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
-        "Gelu", "FastGelu", "QuickGelu", "BiasAdd")},
+        "Gelu", "FastGelu", "QuickGelu", "BiasAdd", "QuantizeLinear", "DequantizeLinear")},
     "BiasGelu": lambda node, shapes: _broadcast(shapes[0], shapes[1]),
     "Attention": lambda node, shapes: _attended(node, shapes),
     "FusedMatMul": lambda node, shapes: _product(node, shapes[0], shapes[1]),
