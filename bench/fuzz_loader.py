@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.frontends.test_fuzz_loader import Case, Outcome, describe, generate, run_case, summarize  # noqa: E402
+from tests.frontends.fuzz_cases import Case, Outcome, describe, generate, run_case, summarize  # noqa: E402
 
 _options: argparse.Namespace
 

@@ -6,7 +6,7 @@
                             [--lists GpuAcc,CpuAcc,CpuRef ...]
 
 The cases: every hand-written hostile graph of tests/runtime/hostile_graphs.py (with its inputs),
-then ``--fuzz`` mutants of tests/frontends/test_fuzz_loader.py's generator (``--seed``; run on zeros
+then ``--fuzz`` mutants of tests/frontends/fuzz_cases.py's generator (``--seed``; run on zeros
 of their declared inputs). Each case runs on each backend list of tests/runtime/verdicts.py this
 machine has (["CpuRef"], ["CpuAcc", "CpuRef"], ["OpenVINO", "CpuRef"], ["GpuAcc", "CpuRef"] where
 CUDA is; or those ``--lists`` names) in a forked process of its own, with
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from tests.frontends.test_fuzz_loader import generate  # noqa: E402
+from tests.frontends.fuzz_cases import generate  # noqa: E402
 from tests.runtime import verdicts as v  # noqa: E402
 from tests.runtime.hostile_graphs import CASES  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Shared by bench/hostile.py (fuzzed mutants and hostile graphs on every backend list, with ONNX
 Runtime beside them) and tests/runtime/test_hostile_graphs.py. The child is
-tests/frontends/test_fuzz_loader.py's ``_in_child``: forked from a parent that has imported
+tests/frontends/fuzz_cases.py's ``_in_child``: forked from a parent that has imported
 everything, under an address-space limit, killed past its time limit, so a crash or a hang is seen
 as one and never takes the caller with it.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.frontends.test_fuzz_loader import MAX_SENT_BYTES, _in_child, _nbytes, _ort_work, feeds_for
+from tests.frontends.fuzz_cases import MAX_SENT_BYTES, _in_child, _nbytes, _ort_work, feeds_for
 
 Feeds = dict[str, np.ndarray]
 BACKEND_LISTS: dict[str, list[str]] = {
