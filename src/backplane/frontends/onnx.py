@@ -25,6 +25,7 @@ from backplane.frontends.onnx_file import (  # noqa: F401  # ModelError, load_mo
     ModelError, ReadModel, load_model, read_model)
 from backplane.frontends.onnx_contrib import (
     CONTRIB_DOMAIN, ONNX_EQUIVALENTS, annotate_ort_types, check_ort_node, is_ort_op, known_ops)
+from backplane.frontends.onnx_layouts import unfold_layouts
 from backplane.frontends.onnx_shapes import copy_model, infer_shapes
 from backplane.frontends.onnx_types import attribute_value, onnx_to_numpy_dtype, tensor_to_array
 from backplane.ir.graph import Dim, Graph, Layer, TensorInfo
@@ -48,6 +49,7 @@ def import_onnx(model: str | os.PathLike | bytes | ModelProto | ReadModel,
     _check_messages(proto, from_path=read.base_dir is not None)
     if proto.functions:
         proto = _inline_functions(proto)
+    proto = unfold_layouts(proto)  # ONNX Runtime's channels-last ops, as ONNX's
     if input_shapes:
         proto = _bind_input_shapes(proto, input_shapes)
     proto, weights, refusal = infer_shapes(proto)
