@@ -304,7 +304,8 @@ def test_a_background_failure_leaves_the_stand_in_running(cache, held_back, capl
 
 def test_off_the_load_measures_and_compiles_itself(cache) -> None:
     session = _session(**{"CpuAcc.background": False})
-    assert _graph_workload(session).why == f"onednn_graph: {onednn_graph.RULE}"  # by rule
+    assert _graph_workload(session).why == (f"onednn_graph: {onednn_graph.RULE}; "
+                                            f"{onednn_graph.AT_FIRST_RUN}")  # by rule
     assert not isinstance(_graph_workload(session), background.Swapped)
 
 

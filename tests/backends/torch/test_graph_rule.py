@@ -1,4 +1,4 @@
-"""A float32 OneDnnGraph taken compiled by rule at load, untimed (onednn_graph.by_rule; issue 27,
+"""A float32 OneDnnGraph taken compiled by rule, untimed (onednn_graph.by_rule; issue 27,
 item 5): no build of its layers, no route timed, its outputs CpuRef's."""
 
 from __future__ import annotations
@@ -74,13 +74,14 @@ def test_a_float32_graph_is_taken_compiled_untimed(model: str, timed: list[list[
     data = _cnn() if model == "cnn" else str(DEMO)
     session = InferenceSession(data, backends=["CpuAcc", "CpuRef"])  # "auto", the default
     work = _graph_work(session)
-    assert work.route == "onednn_graph"
-    assert work.why == f"onednn_graph: {onednn_graph.RULE}"
-    assert timed == []  # neither the graph against its layers nor a convolution's routes
+    assert work.route == "onednn_graph"  # planned: compiled at the first run (at_first_run)
     shape = [1, 3, 16, 16] if model == "cnn" else [1, 3, 224, 224]
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     name = session.get_inputs()[0].name
     got = session.run(None, {name: x})
+    assert work.route == "onednn_graph"
+    assert work.why == f"onednn_graph: {onednn_graph.RULE}"
+    assert timed == []  # neither the graph against its layers nor a convolution's routes
     want = InferenceSession(data, backends=["CpuRef"]).run(None, {name: x})
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()))

@@ -7,10 +7,10 @@ OneDnnGraph layers it compiled, and each weight a kept oneDNN route packed, as i
 oneDNN memory descriptor (``prepacked``). ``init`` creates the workloads with the routes known
 (nothing is measured, no weight packed), each compiled OneDnnGraph's layers among them, from the
 layer the artifact's network stores as data, its weights mapped from the file. At its first run
-such a OneDnnGraph is traced with the kept routes (its layers run once on a sample) and frozen
-(``onednn_graph.retraced``), then compiled by oneDNN Graph on that run's inputs and at that run's
-thread count (``onednn_graph.CompiledPerThreads``): the first run costs the trace and what the
-profiling executor needs (a profiled run, then the partitions compiled and run).
+such a OneDnnGraph is traced with the kept routes (its layers run once on a sample), frozen,
+compiled by oneDNN Graph at that run's thread count and checked against its layers, as a load
+makes it (``onednn_graph.at_first_run``): the compile's load does not compile it either (its
+"compiled" is what that load planned), so the model is compiled once, at its first run.
 
 The blob is data: no TorchScript archive, no pickle, no name from the file looked up in a module
 (a type is read through ``prepacked.DTYPES``). Every offset, size and descriptor is checked against
@@ -204,19 +204,11 @@ def _workloads(backend: Any, graph: Graph, compiled: set[str]) -> list[Workload]
 
 
 def _compiled_again(layer: Layer, backend: Any, graph: Graph) -> Workload:
-    """A compiled OneDnnGraph made again from its layer: traced, frozen and compiled by oneDNN
-    Graph at its first run (per thread count, ``onednn_graph.CompiledPerThreads``), then run as
-    ``onednn_graph._compiled`` runs it after its load."""
-    sample = _sample(layer, graph)
-    modules = onednn_graph.CompiledPerThreads(onednn_graph.retraced(layer, backend, sample))
-    run = onednn_graph.compiled_run(modules, sample)
-    run.route = "onednn_graph"  # type: ignore[attr-defined]
-    return onednn_graph.edges(layer, run)
-
-
-def _sample(layer: Layer, graph: Graph) -> list[Any]:
-    return onednn_graph._sample([graph.info(n) for n in layer.inputs],
-                                layer.attrs.get("channels_last"), layer.attrs.get("compute"))
+    """A compiled OneDnnGraph made again from its layer: traced, frozen, compiled by oneDNN Graph
+    and checked against its layers at its first run, as a load makes it
+    (``onednn_graph.at_first_run``; per thread count, ``onednn_graph.CompiledPerThreads``)."""
+    inputs = [graph.info(n) for n in layer.inputs]
+    return onednn_graph.at_first_run(layer, backend, inputs, "onednn_graph", None)
 
 
 def _append(payload: bytearray, data: bytes) -> list[int]:

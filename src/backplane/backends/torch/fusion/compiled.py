@@ -1,17 +1,20 @@
 """A compiled OneDnnGraph's call: its frozen modules per thread count (``CompiledPerThreads``), its
-inputs in the layout it was traced for (``_layout_guard``), and the check of a compile's outputs
-against the layers' (``_close``). Used by ``onednn_graph``, ``traced`` and an artifact's load
-(``delegate``); importable from ``onednn_graph`` as before."""
+inputs in the layout it was traced for (``_layout_guard``), the check of a compile's outputs
+against the layers' (``_close``), and a workload made at its first call (``AtFirstRun``: a load
+compiles nothing). Used by ``onednn_graph``, ``traced`` and an artifact's load (``delegate``);
+importable from ``onednn_graph`` as before."""
 
 from __future__ import annotations
 
 import math
 import threading
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from backplane.backends.api.backend import Workload
+from backplane.backends.torch.wrapped import Wrapper
 
 
 def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload:
@@ -71,6 +74,40 @@ class CompiledPerThreads:
                 outputs = module(*values)  # the partitions compiled, then run
             self.modules[count] = module
             return outputs
+
+
+class AtFirstRun(Wrapper):
+    """A workload that ``make()`` makes at its first call, in the thread and at the thread count
+    that runs it, then calls; until then its attributes are ``planned`` (``route``, ``why``), after
+    that the made workload's (``built``). Why: compiling a OneDnnGraph was most of a load (the demo
+    model's 0.25-0.31 of 0.29-0.36 CPU s at one thread), and its first run compiled again where the
+    thread policy ran it at another count than the load's; made at the first run, it is compiled
+    once, at the count it runs at. A second caller waits for the first one's make (one compile)."""
+
+    __slots__ = ("make", "built", "planned", "lock", "__dict__")
+
+    def __init__(self, make: Callable[[], Workload], **planned: Any) -> None:
+        self.make: Callable[[], Workload] | None = make
+        self.built: Workload | None = None
+        self.planned = types.SimpleNamespace(**planned)
+        self.lock = threading.Lock()
+
+    def _target(self) -> Any:
+        built = self.built
+        return self.planned if built is None else built
+
+    def __call__(self, *values: Any) -> tuple[Any, ...]:
+        built = self.built
+        if built is None:
+            built = self._made()
+        return built(*values)
+
+    def _made(self) -> Workload:
+        with self.lock:
+            if self.built is None:
+                self.built = self.make()  # type: ignore[misc]  # a failure: the next call tries again
+                self.make = None  # its captures (the layers to trace) go with it
+            return self.built
 
 
 def _layout_guard(sample: Sequence[Any]) -> Callable[[Sequence[Any]], Sequence[Any]]:

@@ -10,15 +10,17 @@ are traced into one frozen graph, and its fuser hands the partitions to oneDNN G
 third call. Same process, this machine (2 threads, batch 1), layer by layer against compiled:
 mobilenet_v3_large 7.3 -> 4.6 ms, efficientnet_b0 10.4 -> 8.2 ms, resnet50 43.6 -> 39.2 ms.
 
-At load (``CpuAcc.compile``): "auto" (the default) builds both, checks that the compiled outputs
-match the layers' own on a sample, and keeps whichever runs the sample faster (the choice kept in
-the route cache, ``route_cache``); "onednn_graph" keeps the compiled one whenever it compiles;
-"layers" runs the layers one by one. A subgraph that fails to trace or compile, or whose outputs do
-not match, runs layer by layer. oneDNN Graph fusion is a process-wide TorchScript switch: it is on
-only for the duration of a call, and put back as it was. Each other thread count compiles its own
-module at its first call (``CompiledPerThreads``). An artifact keeps which OneDnnGraphs were
-compiled, not the modules: each is traced and frozen again from its layer at its first run, which
-oneDNN Graph compiles (``retraced``, ``backends/torch/delegate.py``).
+``CpuAcc.compile``: "auto" (the default) takes a float32 subgraph compiled by rule (``by_rule``)
+and one in reduced precision where it runs a sample faster than its layers (the choice kept in the
+route cache, ``route_cache``); "onednn_graph" keeps the compiled one whenever it compiles;
+"layers" runs the layers one by one. A compile taken untimed (by rule, or "onednn_graph") happens
+at the subgraph's first run, not at load (``at_first_run``): traced on a sample, frozen, compiled
+and checked there, so a load compiles nothing. A subgraph that fails to trace or compile, or whose
+outputs do not match its layers', runs traced without the fuser or layer by layer. oneDNN Graph
+fusion is a process-wide TorchScript switch: it is on only for the duration of a call, and put
+back as it was. Each other thread count compiles its own module at its first call
+(``CompiledPerThreads``). An artifact keeps which OneDnnGraphs its load planned to compile, not
+the modules: each is compiled at its first run in the same way (``backends/torch/delegate.py``).
 
 Only subgraphs that tracing cannot get wrong are taken: static boundary shapes, no kernel that reads
 a tensor's values on the host unless that tensor is a constant (a traced graph keeps the values it
@@ -45,7 +47,7 @@ from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferre
                                                       named_type, remembered)
 from backplane.backends.torch.fusion import quantized
 from backplane.backends.torch.fusion.compiled import (  # noqa: F401  # importable from here too
-    CompiledPerThreads, _close, _layout_guard, compiled_run)
+    AtFirstRun, CompiledPerThreads, _close, _layout_guard, compiled_run)
 from backplane.backends.torch.fusion.traceable import TRACEABLE_KERNELS, Forced as _Forced  # noqa: F401
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
@@ -150,8 +152,7 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     if mode not in MODES:
         raise OptionError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
     compute, source = layer.attrs.get("compute"), layer.attrs.get("source", "float32")
-    description = {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {}),
-                   **({"source": source} if source != "float32" else {})}
+    description = _description(layer)
     known = remembered("graph", description, backend) if mode == "auto" else None
     later = mode == "auto" and known != "layers" and threads.deferring()
     busy = mode == "auto" and known is None and threads.crowded()
@@ -161,23 +162,61 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
                else "a busy machine: not compiled, unmeasured")
         return deferred(edges(layer, because(_named(layers_run(layer, backend), "layers"), why)),
                         later)
-    progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
+    if threads.making() is None and (mode == "onednn_graph" or by_rule(layer)):
+        return at_first_run(layer, backend, inputs, mode, known)
+    progress.count("CpuAcc: subgraphs traced for oneDNN Graph")  # the background's Trials, or timed
     sample = _sample(inputs, layer.attrs.get("channels_last"), compute, source)
     compiled = _compiled(layer, backend, sample)
     if compiled is None:
         return edges(layer, _uncompiled(layer, backend, sample, mode, description))
     if mode == "onednn_graph":
         return edges(layer, because(compiled, "CpuAcc.compile=onednn_graph"))
-    if by_rule(layer) and threads.making() is None:  # the background's Trials time them all
-        return edges(layer, because(compiled, _kept_by_rule(description, backend, known)))
     return edges(layer, fastest("graph", description,
                                 {"onednn_graph": lambda: compiled,
                                  "layers": lambda: _named(layers_run(layer, backend), "layers")},
                                 lambda: sample, backend))
 
 
+def _description(layer: Layer) -> dict[str, Any]:
+    """What the route cache keys a OneDnnGraph's choice by: its layers' ops and input shapes, and
+    its compute and source types where not float32."""
+    compute, source = layer.attrs.get("compute"), layer.attrs.get("source", "float32")
+    return {"layers": layer.attrs["shapes"], **({"compute": compute} if compute else {}),
+            **({"source": source} if source != "float32" else {})}
+
+
 RULE = "compiled and checked, taken without timing it against its layers (by_rule)"
 """The ``why`` of a OneDnnGraph ``by_rule`` takes."""
+AT_FIRST_RUN = "to be traced, compiled and checked at its first run"
+"""The ``why`` of a OneDnnGraph before its first run (``at_first_run``), after the rule's."""
+
+
+def at_first_run(layer: Layer, backend: Any, inputs: Sequence[TensorInfo], mode: str,
+                 known: str | None) -> Workload:
+    """The OneDnnGraph ``layer`` compiled at its first run (``AtFirstRun``): then traced on a
+    sample, frozen, compiled by oneDNN Graph at that run's thread count and checked against its
+    layers (``_compiled``), where that fails or differs, traced without the fuser or its layers
+    (``_uncompiled``); in reduced precision, converted at its edges (``edges``). Its route until
+    then is the one planned, "onednn_graph" (what an artifact's blob keeps: ``delegate``). "auto"
+    writes its choice to the route cache once compiled, under the load's thread count (a later
+    load looks it up there)."""
+    from backplane.backends.torch import route_cache
+
+    compute, source = layer.attrs.get("compute"), layer.attrs.get("source", "float32")
+    description = _description(layer)
+    key = route_cache.key("graph", description) if mode == "auto" else None
+
+    def make() -> Workload:
+        progress.count("CpuAcc: subgraphs traced for oneDNN Graph")
+        sample = _sample(inputs, layer.attrs.get("channels_last"), compute, source)
+        compiled = _compiled(layer, backend, sample)
+        if compiled is None:
+            return edges(layer, _uncompiled(layer, backend, sample, mode, description))
+        why = "CpuAcc.compile=onednn_graph" if key is None else _kept_by_rule(key, backend, known)
+        return edges(layer, because(compiled, why))
+    why = ("CpuAcc.compile=onednn_graph" if key is None else "kept in the route cache"
+           if known == "onednn_graph" else RULE)
+    return AtFirstRun(make, route="onednn_graph", why=f"onednn_graph: {why}; {AT_FIRST_RUN}")
 
 
 def by_rule(layer: Layer) -> bool:
@@ -199,16 +238,16 @@ def by_rule(layer: Layer) -> bool:
     return layer.attrs.get("compute") in (None, "float32")
 
 
-def _kept_by_rule(description: dict[str, Any], backend: Any, known: str | None) -> str:
+def _kept_by_rule(key: str, backend: Any, known: str | None) -> str:
     """The ``why`` of a compiled graph ``by_rule`` takes; the choice written to the route cache
-    where it is not there yet, as a measured one was (a later load on a busy machine then compiles
-    it: ``known`` is not None there)."""
+    under ``key`` where it is not there yet, as a measured one was (a later load on a busy machine
+    then compiles it: ``known`` is not None there)."""
     from backplane.backends.torch import route_cache
 
     if known == "onednn_graph":
         return "onednn_graph: kept in the route cache"
     if backend.options.get("CpuAcc.route_cache", True):
-        route_cache.store(route_cache.key("graph", description), "onednn_graph")
+        route_cache.store(key, "onednn_graph")
     return f"onednn_graph: {RULE}"
 
 
@@ -432,23 +471,3 @@ def _freeze(module: Any, fusion: bool = True) -> Any:
             return torch.jit.freeze(module)
     finally:
         torch.set_num_threads(threads)
-
-
-def retraced(layer: Layer, backend: Any, sample: Sequence[Any]) -> Callable[[], Any]:
-    """The maker of the OneDnnGraph ``layer``'s frozen module for an artifact's load
-    (``backends/torch/delegate.py``): nothing of the module is read from the file. The layer,
-    which the artifact keeps as data, becomes its traceable layers here, with the routes the blob
-    keeps; its first call traces them on ``sample`` as ``_compiled`` does and freezes the trace,
-    each later call freezes that trace again (``CompiledPerThreads``: another thread count).
-
-    The trace runs the layers once (with oneDNN's kernels generated for each shape: resnet50 about
-    0.3 s on two cores of a Xeon), so it waits for the first run, which compiles the module anyway,
-    and the load stays as fast as it was."""
-    pending = [layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))]
-    traced: list[Any] = []
-
-    def make() -> Any:
-        if not traced:
-            traced.append(_trace(pending.pop(), sample))
-        return _freeze(traced[0])
-    return make
