@@ -180,6 +180,22 @@ def _pooled(node: onnx.NodeProto, shapes: list[Shape | None]) -> Shape | None:
     return [x[0], *[1] * (len(x) - 2), x[-1]] if last else [*x[:2], *[1] * (len(x) - 2)]
 
 
+def _average_pooled(node: onnx.NodeProto, shapes: list[Shape | None]) -> Shape | None:
+    """QLinearAveragePool's output (NCHW): AveragePool's, by ONNX's inference on X's known shape
+    (its free-batch QOperator ResNet's pooled features, then the Reshape and QGemm after them,
+    stayed unshaped in each Specialized build, and the QGemm ran unfused, its weight converted at
+    every call)."""
+    x = shapes[0]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if x is None or not all(isinstance(d, int) for d in x) or attrs.pop("channels_last", 0):
+        return None
+    pool = helper.make_node("AveragePool", ["x"], ["y"], **attrs)
+    schema = onnx.defs.get_schema("AveragePool", 19)
+    typed = {"x": helper.make_tensor_type_proto(TensorProto.FLOAT, x)}
+    dims = onnx.shape_inference.infer_node_outputs(schema, pool, typed)["y"].tensor_type.shape.dim
+    return [d.dim_value for d in dims] if all(d.HasField("dim_value") for d in dims) else None
+
+
 def _attended(node: onnx.NodeProto, shapes: list[Shape | None]) -> Shape | None:
     """Attention's output: (B, S, the values' width), from its input and packed weights."""
     x, w = shapes[0], shapes[1]
@@ -206,7 +222,7 @@ OUTPUT_SHAPES = {
     "QLinearMul": lambda node, shapes: _broadcast(shapes[0], shapes[3]),
     **{op: lambda node, shapes: shapes[0] for op in ("QLinearSigmoid", "QLinearLeakyRelu",
                                                      "QLinearSoftmax")},
-    "QLinearGlobalAveragePool": _pooled,
+    "QLinearGlobalAveragePool": _pooled, "QLinearAveragePool": _average_pooled,
     # the transformer fusions: a free-dimension model's MatMuls after them stayed unfused (no
     # static input shape in its Specialized build) and ran as plain products
     **{op: lambda node, shapes: shapes[0] for op in (

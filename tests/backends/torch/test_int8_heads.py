@@ -1,0 +1,71 @@
+"""The layers around an int8 CNN's convolutions on CpuAcc (issue 29): a free-batch QOperator model's
+pooled head keeps static shapes in its Specialized build, so its QGemm is one fused layer (it ran
+as the kernel, converting its weight at every call: 0.8 of the full tier's QOperator ResNet's 4 ms);
+the quantized pools and the dequantization of 8-bit tensors in one float32 pass, CpuRef's values.
+Models from ONNX Runtime's own quantizer, outputs within one step of ONNX Runtime's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+quantization = pytest.importorskip("onnxruntime.quantization")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.backends.torch.backend import FUSED_DOMAIN  # noqa: E402
+from tests.backends.torch.test_int8_routes import built_graphs, output_step  # noqa: E402
+from tests.models.test_ort_tools import RandomReader, ort_run  # noqa: E402
+
+SHAPE = (1, 3, 32, 32)
+
+
+def pooled_cnn(path: Path) -> Path:
+    """Conv 3 -> 16, Relu, AveragePool 2/2, GlobalAveragePool, Flatten, Gemm (ResNet's head after
+    an average pool), a free batch dimension."""
+    rng = np.random.default_rng(29)
+    weights = {"w0": rng.standard_normal((16, 3, 3, 3)) * 0.2, "b0": rng.standard_normal(16) * 0.1,
+               "wg": rng.standard_normal((10, 16)) * 0.3, "bg": rng.standard_normal(10) * 0.1}
+    node = helper.make_node
+    nodes = [node("Conv", ["x", "w0", "b0"], ["c0"], pads=[1, 1, 1, 1]),
+             node("Relu", ["c0"], ["r0"]),
+             node("AveragePool", ["r0"], ["a0"], kernel_shape=[2, 2], strides=[2, 2]),
+             node("GlobalAveragePool", ["a0"], ["gap"]),
+             node("Flatten", ["gap"], ["flat"]),
+             node("Gemm", ["flat", "wg", "bg"], ["y"], transB=1)]
+    graph = helper.make_graph(
+        nodes, "pooled_cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                            ["N", *SHAPE[1:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)],
+                                ir_version=8), str(path))
+    return path
+
+
+def feeds(seed: int) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)}
+
+
+def test_a_free_batch_qoperator_head_is_fused_after_an_average_pool(tmp_path: Path) -> None:
+    path = tmp_path / "qop.onnx"
+    quantization.quantize_static(pooled_cnn(tmp_path / "cnn.onnx"), path,
+                                 RandomReader("x", SHAPE),
+                                 quant_format=quantization.QuantFormat.QOperator,
+                                 per_channel=True, activation_type=quantization.QuantType.QUInt8,
+                                 weight_type=quantization.QuantType.QInt8)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "QLinearAveragePool" in ops and "QGemm" in ops, ops
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
+    step = output_step(path)
+    for seed in range(2):
+        got = session.run(None, feeds(seed))[0]
+        assert float(np.max(np.abs(got - ort_run(path, feeds(seed))[0]))) <= step * 1.001
+    (graph,) = built_graphs(session)
+    layers = [lay for outer in graph.layers for lay in [outer, *outer.attrs.get("layers", [])]]
+    gemms = [lay for lay in layers if lay.op_type == "QGemm"]
+    assert len(gemms) == 1 and gemms[0].domain == FUSED_DOMAIN, gemms
