@@ -129,3 +129,28 @@ def test_nan_in_nan_out_and_device_inputs_through_the_network() -> None:
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g.cpu() if hasattr(g, "cpu") else g), w,
                                    rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+@cuda
+def test_static_versions_capture_their_partition_again_with_copies() -> None:
+    """A model of static shapes: each version's partition is captured at load (a CudaGraph
+    layer); its whole run captures those layers again with the copies, from the workload (the
+    network's graph holds released weights)."""
+    from backplane import InferenceSession
+    from backplane.backends.torch.cuda_host import HostGraph, HostRuns
+
+    from .test_gpu_control_flow import if_model
+
+    model = if_model()
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2  # x: (2, 16)
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 2
+    session = InferenceSession(model, providers=[("GpuAcc", {"against_cpu": "off"}), "CpuRef"])
+    reference = InferenceSession(model, providers=["CpuRef"])
+    runs = _runs(session)
+    assert all(isinstance(run, HostRuns) for run in runs.values())
+    rng = np.random.default_rng(3)
+    for sr in (16000, 8000, 16000):
+        feeds = {"x": rng.standard_normal((2, 16)).astype(np.float32), "sr": np.array([sr])}
+        np.testing.assert_allclose(session.run(None, feeds)[0], reference.run(None, feeds)[0],
+                                   rtol=1e-4, atol=1e-5)
+    assert all(isinstance(g, HostGraph) for run in runs.values() for g in run.built.values())

@@ -71,22 +71,33 @@ def io_map(graph: Graph, input_names: Sequence[str]) -> tuple[Layer, list[int], 
 def host_run(network: Any) -> Callable[[Sequence[Any]], list[Any]] | None:
     """``network`` (a LoadedNetwork) as one function of its inputs, each signature one CUDA graph
     with its copies (see above); None where its form is another or GpuAcc does not capture."""
+    from backplane.backends.torch.cuda import CapturedGraph
+
     found = io_map(network.network.graph, network.network.input_names)
     backend = network.network.backends.get("GpuAcc")
     if found is None or backend is None or not backend.options.get("GpuAcc.cuda_graphs", True):
         return None
-    return HostRuns(network.execute, backend, network.network.graph, *found)
+    partition, positions, outputs = found
+    # The partition's workload, made from the layer before the network released its weights
+    # (the network's graph holds placeholders for them now): a Specialized layer's workload gives
+    # that layer, a static partition's its capture, whose layers are captured again with copies.
+    workload = next(s.workload for s, lay in zip(network.steps, network.layers) if lay is partition)
+    source = getattr(workload, "layer", None) if partition.op_type == "Specialized" else \
+        workload if isinstance(workload, CapturedGraph) else None
+    if source is None:
+        return None
+    return HostRuns(network.execute, backend, source, positions, outputs)
 
 
 class HostRuns:
     """A network's runs from host memory, one ``HostGraph`` per input signature (see above)."""
 
     def __init__(self, through_network: Callable[[Sequence[Any]], list[Any]], backend: Any,
-                 graph: Graph, partition: Layer, positions: list[int], outputs: list[int]) -> None:
+                 source: Any, positions: list[int], outputs: list[int]) -> None:
         from backplane.backends.torch import specialize
 
         self.through_network = through_network
-        self.backend, self.graph, self.partition = backend, graph, partition
+        self.backend, self.source = backend, source  # a Specialized layer or a CapturedGraph
         self.positions, self.outputs = positions, outputs
         self.limit = specialize.signatures(backend)
         self.built: OrderedDict[tuple[Any, ...], HostGraph | None] = OrderedDict()
@@ -117,10 +128,11 @@ class HostRuns:
 
         try:
             with cuda.math_mode(bool(self.backend.options.get("GpuAcc.tf32", False))):
-                graph = _host_graph(self.partition, self.backend, self.graph, args)
+                graph = _host_graph(self.source, self.backend, args)
         except Exception as exc:  # noqa: BLE001  # any failure: the network runs these shapes
             log.warning("%s: no whole-run capture for input shapes %s (%s: %s); it runs through "
-                        "its network", self.partition.name, [a.shape for a in args],
+                        "its network", getattr(self.source, "name", "GpuAcc's partition"),
+                        [a.shape for a in args],
                         type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
             graph = None
         self.built[key] = graph
@@ -132,20 +144,19 @@ class HostRuns:
 _UNBUILT = object()
 
 
-def _host_graph(partition: Layer, backend: Any, network: Graph, args: list[np.ndarray],
-                ) -> HostGraph | None:
-    """``partition`` (a layer of ``network``) for the shapes of ``args`` as one HostGraph; None
-    where it is not one CudaGraph layer reading those inputs and writing every output."""
+def _host_graph(source: Any, backend: Any, args: list[np.ndarray]) -> HostGraph | None:
+    """``source`` (a Specialized layer, or a static partition's CapturedGraph) for the shapes of
+    ``args`` as one HostGraph; None where the layer's build is not one CudaGraph layer reading
+    those inputs and writing every output."""
     from backplane.backends.torch import cuda, specialize
 
-    graph: Graph | None = network
-    names_in, names_out = partition.inputs, partition.outputs
-    if partition.op_type == "Specialized":
-        graph = specialize.built_graph(partition, backend, args)
-        names_in, names_out = partition.attrs["inputs"], partition.attrs["outputs"]
-        layer = graph.layers[0] if graph is not None and len(graph.layers) == 1 else None
-    else:
-        layer = partition
+    if isinstance(source, cuda.CapturedGraph):
+        if [tuple(s.shape) for s in source.static_inputs] != [a.shape for a in args]:
+            return None
+        return HostGraph(source.run_layers, source.static_inputs, backend.device(), args)
+    graph = specialize.built_graph(source, backend, args)
+    names_in, names_out = source.attrs["inputs"], source.attrs["outputs"]
+    layer = graph.layers[0] if graph is not None and len(graph.layers) == 1 else None
     if graph is None or layer is None or layer.op_type != "CudaGraph" \
             or not set(layer.outputs) >= set(names_out):
         return None

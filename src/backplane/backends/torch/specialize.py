@@ -96,6 +96,7 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
             runner.close()  # type: ignore[attr-defined]
 
     run.built = built  # type: ignore[attr-defined]  # for tests and debugging
+    run.layer = layer  # type: ignore[attr-defined]  # with its weights (cuda_host builds from it)
     run.exclusive = bool(backend.capabilities().get("CudaGraphs"))  # type: ignore[attr-defined]
     run.destroy = close  # type: ignore[attr-defined]  # called by LoadedNetwork.close
     return run
