@@ -71,6 +71,28 @@ def test_io_map_refuses_other_networks(case: str) -> None:
     assert io_map(graph, ["x", "state", "sr"]) is None
 
 
+def _gathers() -> tuple[list[Layer], dict[str, np.ndarray]]:
+    """Two Gathers of a constant index (the VAD's state[0], state[1]), one index also added."""
+    layers = [Layer("g0", "Gather", ["state", "zero"], ["h"], {"axis": 0}, "", 13),
+              Layer("g1", "Gather", ["state", "one"], ["c"], {"axis": 0}, "", 13),
+              Layer("g2", "Gather", ["x", "rows"], ["xr"], {"axis": 0}, "", 13),
+              Layer("add", "Add", ["h", "one_f"], ["y"], {}, "", 13),
+              Layer("g3", "Gather", ["x", "two"], ["x2"], {"axis": 1}, "", 13),
+              Layer("mul", "Mul", ["x2", "two"], ["z"], {}, "", 13)]
+    constants = {"zero": np.array(0, np.int64), "one": np.array(-1, np.int64),
+                 "rows": np.array([0, 1], np.int64), "one_f": np.array(1.0, np.float32),
+                 "two": np.array(2, np.int64)}
+    return layers, constants
+
+
+def test_constant_gather_indices_stay_on_the_host() -> None:
+    from backplane.backends.torch.cuda import _select_indices
+
+    layers, constants = _gathers()
+    # "rows" is 1-D (index_select on the device); "two" is also read by a Mul (on the device)
+    assert _select_indices(layers, constants) == {"zero", "one"}
+
+
 torch = pytest.importorskip("torch")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -154,3 +176,28 @@ def test_static_versions_capture_their_partition_again_with_copies() -> None:
         np.testing.assert_allclose(session.run(None, feeds)[0], reference.run(None, feeds)[0],
                                    rtol=1e-4, atol=1e-5)
     assert all(isinstance(g, HostGraph) for run in runs.values() for g in run.built.values())
+
+
+@cuda
+def test_captured_gather_of_a_constant_index_is_a_view() -> None:
+    """Inside a CudaGraph layer, state[0] and state[-1] are views of the state (no kernel), the
+    values CpuRef's."""
+    from backplane.backends.registry import registry
+    from backplane.backends.torch import cuda as gpu
+
+    layers, constants = _gathers()
+    layer = Layer("cg", "CudaGraph", ["state", "x"], ["h", "c", "xr", "y", "z"],
+                  {"layers": layers, "constants": constants, "inputs": ["state", "x"],
+                   "outputs": ["h", "c", "xr", "y", "z"]}, FUSED, 1)
+    infos = [TensorInfo((2, 3, 4), np.dtype(np.float32)), TensorInfo((3, 4), np.dtype(np.float32))]
+    run_layers, static = gpu.graph_parts(layer, registry.create("GpuAcc"), infos)
+    state = torch.arange(24, dtype=torch.float32, device="cuda").reshape(2, 3, 4)
+    x = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    h, c, xr, y, z = run_layers(state, x)
+    assert h.untyped_storage().data_ptr() == state.untyped_storage().data_ptr()
+    assert c.untyped_storage().data_ptr() == state.untyped_storage().data_ptr()
+    np.testing.assert_array_equal(h.cpu().numpy(), state[0].cpu().numpy())
+    np.testing.assert_array_equal(c.cpu().numpy(), state[1].cpu().numpy())
+    np.testing.assert_array_equal(xr.cpu().numpy(), x[[0, 1]].cpu().numpy())
+    np.testing.assert_array_equal(y.cpu().numpy(), state[0].cpu().numpy() + 1)
+    np.testing.assert_array_equal(z.cpu().numpy(), x[:, 2].cpu().numpy() * 2)

@@ -36,9 +36,10 @@ from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory, device_of, to_device
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.cuda_predicates import with_host_predicates  # noqa: F401  # GpuAcc's
 from backplane.backends.torch.gpu_fusion import Step, inner_steps
 from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
-from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
 HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Split": (1,), "Slice": (1, 2, 3, 4),
@@ -129,94 +130,6 @@ def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
                      for part in (SubgraphView.of(graph, run) for run in runs)]
     return OptimizationViews(substitutions=substitutions,
                              untouched=[SubgraphView.of(graph, rest)] if rest else [])
-
-
-PREDICATE_ELEMENTS = 64
-"""The most elements a tensor of a host predicate (``host_predicates``) may have."""
-HOST_BACKENDS = ("CpuAcc", "CpuRef")
-"""The backends that take a predicate back: one of them must be in the list (and available)."""
-HOST_PREDICATE = ("an If's predicate, from the model's inputs and constants: computed on the host, "
-                  "where the If reads it, not waited for and copied from the GPU")
-
-
-def with_host_predicates(view: SubgraphView, optimize: Callable[[SubgraphView], OptimizationViews],
-                         ) -> OptimizationViews:
-    """``optimize`` (GpuAcc's) of the view but its host predicates (``host_predicates``), which it
-    gives back as failed, for the next backend in the list: an If reads its predicate on the host,
-    so one made on the GPU costs a wait for the GPU and a copy in the middle of the run (the
-    corpus VAD's sampling-rate test: ``sr`` uploaded, compared on the GPU and copied back)."""
-    graph = view.graph
-    assert graph is not None, "the optimizer always gives views of a graph"
-    host = host_predicates(view)
-    if not host:
-        return optimize(view)
-    taken = {id(layer) for layer in host}
-    rest = [layer for layer in view.layers if id(layer) not in taken]
-    views = optimize(SubgraphView.of(graph, rest)) if rest else OptimizationViews()
-    views.failed.append(SubgraphView.of(graph, host))
-    views.reasons.update({layer.name: HOST_PREDICATE for layer in host})
-    return views
-
-
-def host_predicates(view: SubgraphView) -> list[Layer]:
-    """The view's layers that compute nothing but If predicates (an If's first input) from the
-    graph's inputs and constants, every tensor of them static and of at most
-    ``PREDICATE_ELEMENTS`` elements: a Gather, an Equal and a Cast of an input's value."""
-    graph = view.graph
-    assert graph is not None, "the optimizer always gives views of a graph"
-    readers: dict[str, list[tuple[Layer, int]]] = {}
-    for layer in graph.layers:
-        for position, name in enumerate(layer.inputs):
-            if name:
-                readers.setdefault(name, []).append((layer, position))
-    found = {id(layer): layer for layer in view.layers if _tiny(layer, graph)}
-    made = {name: layer for layer in view.layers for name in layer.outputs if name}
-    while True:
-        kept = {key: layer for key, layer in found.items() if _feeds_predicates(
-            layer, graph, readers, found) and all(
-            name in graph.inputs or name in graph.constants or id(made.get(name)) in found
-            for name in layer.inputs if name)}
-        if len(kept) == len(found):
-            break
-        found = kept
-    ifs = [reader for layer in found.values() for name in layer.outputs
-           for reader, _ in readers.get(name, ()) if reader.op_type == "If"]
-    if not ifs or not all(map(_host_listed, ifs)):
-        return []
-    return [layer for layer in view.layers if id(layer) in found]
-
-
-def _host_listed(layer: Layer) -> bool:
-    """Whether the list ``layer``'s bodies were placed with (the model's: an If's bodies are
-    optimized before its graph's partitions) holds an available CpuAcc or CpuRef, which takes
-    the predicate back; with GpuAcc alone it stays on the GPU."""
-    report = getattr(layer.attrs.get("then_branch"), "report", None)
-    gone = getattr(report, "unavailable", {})
-    return any(b in HOST_BACKENDS and b not in gone for b in getattr(report, "preferences", ()))
-
-
-def _feeds_predicates(layer: Layer, graph: Any, readers: dict[str, list[tuple[Layer, int]]],
-                      found: dict[int, Layer]) -> bool:
-    """Whether each output of ``layer`` is read, and only as an If's predicate or by ``found``."""
-    for name in layer.outputs:
-        uses = readers.get(name, ()) if name else ()
-        if name and (name in graph.outputs or not uses or not all(
-                (reader.op_type == "If" and not reader.domain and position == 0)
-                or id(reader) in found for reader, position in uses)):
-            return False
-    return True
-
-
-def _tiny(layer: Layer, graph: Any) -> bool:
-    """A layer of the default domain, no body, every tensor static and small."""
-    if layer.domain or any(isinstance(v, Graph) for v in layer.attrs.values()):
-        return False
-    for name in (*layer.inputs, *layer.outputs):
-        info = graph.info(name) if name else None
-        if info is not None and (not info.is_static or info.shape is None
-                                 or int(np.prod(info.shape)) > PREDICATE_ELEMENTS):
-            return False
-    return True
 
 
 def capturable(layer: Layer, graph: Any) -> bool:
@@ -418,10 +331,14 @@ def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: A
             if i < len(layer.inputs)}
     weights = {layer.inputs[1] for layer in layers
                if nhwc and layer.op_type == "Conv" and len(layer.inputs) > 1}
+    selects = _select_indices(layers, constants)
     uploaded = {}
     for name, value in constants.items():
         if name in host:
             uploaded[name] = value
+            continue
+        if name in selects:  # the Gather kernel selects a view by a host index: no kernel
+            uploaded[name] = torch.from_numpy(np.array(value))
             continue
         tensor = torch.from_numpy(np.array(value)).to(device)
         if reduced is not None and tensor.dtype == torch.float32:  # -3.4e38 masks stay finite
@@ -430,6 +347,22 @@ def _upload(layers: Sequence[Layer], constants: dict[str, np.ndarray], device: A
         tensor = _lower(tensor, reduced)
         uploaded[name] = _nhwc(tensor) if name in weights else tensor
     return uploaded
+
+
+def _select_indices(layers: Sequence[Layer], constants: dict[str, np.ndarray]) -> set[str]:
+    """The constants read only as a Gather's one index (a 0-d integer): kept on the host, where
+    torch's Gather kernel takes them as a view of the data (``select``). Uploaded, each Gather
+    of one constant index ran five kernels a run in a captured graph (the index's bounds and
+    negatives on the device, then index_select): ten of the 41 in the corpus VAD's replay, for
+    its state's two Gathers (H100, the full tier)."""
+    readers: dict[str, list[tuple[Layer, int]]] = {}
+    for layer in layers:
+        for position, name in enumerate(layer.inputs):
+            if name in constants:
+                readers.setdefault(name, []).append((layer, position))
+    return {name for name, uses in readers.items()
+            if np.ndim(constants[name]) == 0 and np.asarray(constants[name]).dtype.kind in "iu"
+            and all(lay.op_type == "Gather" and not lay.domain and at == 1 for lay, at in uses)}
 
 
 def _nhwc(tensor: Any) -> Any:
