@@ -351,7 +351,18 @@ def quantize_linear(x, y_scale, y_zero_point=None, axis=1, block_size=0, output_
     return (_saturated(y, dtype),)
 
 
+SMALL_INTS = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16})
+"""Integer types whose values less a zero point are exact in float32."""
+
+
 def dequantize_linear(x, x_scale, x_zero_point=None, axis=1, block_size=0, output_dtype=0):
+    if x.dtype in SMALL_INTS and x_scale.dtype == torch.float32 and output_dtype in (0, 1):
+        # one float32 tensor, computed in place: x - z is exact and the product rounds once, as
+        # in float64 then rounded (an 8-bit tensor at 56x56x64 took 0.3 ms in int64 and float64)
+        centred = x.float()
+        if x_zero_point is not None:
+            centred = centred.sub_(_broadcastable(x_zero_point, x, axis, block_size))
+        return (centred.mul_(_broadcastable(x_scale, x, axis, block_size)),)
     centred = x.long()
     if x_zero_point is not None:
         centred = centred - _broadcastable(x_zero_point, x, axis, block_size).long()
