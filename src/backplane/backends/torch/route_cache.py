@@ -6,10 +6,16 @@ attributes, the library doing the work, the thread count and the processor, so t
 changed key measures again by itself. The cache is one JSON file in ``$BACKPLANE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/backplane`` or ``~/.cache/backplane``); the option ``CpuAcc.route_cache`` (default
 True) turns it off. A missing, unreadable or corrupt file is an empty cache, never an error.
+
+A route is kept for good, so one measured under noise must not be: a busy machine (the load
+average, ``threads.crowded``) measures nothing, and a measurement made is kept only where it ran
+alone (``watched``: the process's threads waited for a CPU less than ``QUIET_WAIT`` of its time),
+since a neighbour that began within the last minute does not show in the load average.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import hashlib
@@ -17,6 +23,8 @@ import json
 import os
 import platform
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,30 @@ KEPT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
     "backplane_kept_routes", default=None)
 """Routes by key kept outside the disk cache while set: looked up first, and every route looked
 up or stored is added (CpuAcc's artifact blob: ``delegate``)."""
+
+
+QUIET_WAIT = 0.1
+"""A measurement ran alone where this process's threads waited for a CPU (another task on it)
+less than this share of its wall time: 0.0-0.01 alone, 1.4 and more beside a busy neighbour
+(``threads.waited_for_cpus``)."""
+
+
+@contextlib.contextmanager
+def watched() -> Iterator[Callable[[], str]]:
+    """A measurement's block, and after it a function that says why its result must not be kept
+    ("" where it may: it ran alone, or the kernel does not say how long the threads waited)."""
+    from backplane.backends.torch import threads
+
+    if not threads.CROWDED_CHECK:  # the tests' and --quiet-path's: whatever else runs
+        yield lambda: ""
+        return
+    before, start = threads.waited_for_cpus(), time.perf_counter()
+    verdict: list[str] = []
+    yield lambda: verdict[0]
+    after, wall = threads.waited_for_cpus(), time.perf_counter() - start
+    waited = 0.0 if before is None or after is None else max(0.0, after - before)
+    verdict.append(f"measured beside other work (its threads waited {waited * 1e3:.1f} ms for a "
+                   f"CPU in {wall * 1e3:.1f} ms)" if waited > QUIET_WAIT * wall else "")
 
 
 def cache_file() -> Path:

@@ -202,7 +202,9 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     layer on this machine and library (``route_cache``; ``CpuAcc.route_cache`` False skips it).
     ``routes`` are makers: where the route is remembered only that one is made (a route not taken
     would copy and pack its weights at every load for nothing). On a busy machine
-    (``threads.crowded``) the first of ``routes`` is taken without measuring, and not kept. In
+    (``threads.crowded``) the first of ``routes`` is taken without measuring, and not kept; one
+    measured while this process's threads waited for CPUs others held is not kept either
+    (``route_cache.watched``). In
     CpuAcc's background thread (``threads.making``), a ``trials.Trial`` of them all, timed in the
     thread that runs the network; or, busy, the first, made (a subgraph compiled) but untimed."""
     from backplane.backends.torch import route_cache, threads, trials
@@ -225,13 +227,15 @@ def fastest(kind: str, description: dict[str, Any], routes: dict[str, Callable[[
     progress.count("CpuAcc: routes measured")
     made = {name: make() for name, make in routes.items()}
     sample = make_sample()
-    times = taking_turns(made, sample)
+    with route_cache.watched() as noise:  # a route timed beside other work is not kept
+        times = taking_turns(made, sample)
     name = min(made, key=times.__getitem__)
-    if backend.options.get("CpuAcc.route_cache", True):
+    if backend.options.get("CpuAcc.route_cache", True) and not noise():
         route_cache.store(route_cache.key(kind, description), name)
     others = ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items() if n != name)
+    unkept = f"; not kept: {noise()}" if noise() else ""
     return because(made[name], f"{name}: measured fastest at load, {times[name] * 1e3:.3f} ms "
-                               f"({others})")
+                               f"({others}){unkept}")
 
 
 QUICK_ROUTES = ("torch", "mkl", "float")
