@@ -24,7 +24,7 @@ from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.registry import BackendRegistry, UnknownBackendError
 from backplane.backends.registry import registry as default_registry
 from backplane.ir.graph import Graph, Layer
-from backplane.optimizer import decided, measured, passes
+from backplane.optimizer import decided, measured, ort_patterns, passes
 from backplane.optimizer.edges import BUILTIN, insert_compatibility_layers
 from backplane.optimizer.partition import delegation_tags, partition
 from backplane.optimizer.report import LayerPlacement, PlacementReport, SubgraphRecord
@@ -237,6 +237,7 @@ def _run_passes(graph: Graph, options: OptimizerOptions) -> None:
         passes.remove_identities(graph)
     if options.fold_constants:
         passes.fold_constants(graph)
+        ort_patterns.unfold_gemm_reshapes(graph)  # static shapes and constants known now
     if options.remove_dead_layers:
         passes.remove_dead_layers(graph)
 

@@ -1,0 +1,101 @@
+"""Patterns ONNX Runtime's graph optimizer writes into the models it saves, undone where the plain
+form runs better on every backend.
+
+ONNX Runtime's MatMul + Add fusion turns a product of a 3-D (or higher) activation by a constant
+weight into a Gemm between two Reshapes: (B, S, K) -> (B*S, K), Gemm, (B*S, N) -> (B, S, N). Its own
+Gemm kernel wants 2-D operands; backplane's product kernels take the N-D activation (CpuAcc packs
+the MatMul + Add into one Linear), and each Reshape is one more call a run (an ORT-saved tiny BERT:
+24 of them, 21 views and reshapes more a run than the plain export). ``unfold_gemm_reshapes``
+rewrites the sandwich as the MatMul and Add it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backplane.ir.graph import Graph, Layer, TensorInfo
+
+
+def unfold_gemm_reshapes(graph: Graph) -> Graph:
+    """Reshape(X, (M, K)) -> Gemm(W, bias) -> Reshape to X's leading dimensions and N, for an X of
+    rank 3 or more with a static shape, a constant W and bias, transA 0 and alpha and beta 1, the
+    two intermediate tensors read by nothing else: MatMul(X, W) and Add(bias), writing the second
+    Reshape's output. Returns ``graph``, rewritten in place."""
+    producers, consumers = graph.producers(), graph.consumers()
+    outputs, names = set(graph.outputs), {layer.name for layer in graph.layers}
+    replaced: dict[int, list[Layer]] = {}
+    dropped: set[int] = set()
+    for gemm in graph.layers:
+        match = _sandwich(gemm, graph, producers, consumers, outputs)
+        if match is None:
+            continue
+        first, last, x, weight, bias = match
+        replaced[id(last)] = _unfolded(gemm, last, x, weight, bias, graph, names)
+        dropped.update((id(first), id(gemm)))
+    if replaced:
+        graph.layers = [new for layer in graph.layers if id(layer) not in dropped
+                        for new in replaced.get(id(layer), [layer])]
+    return graph
+
+
+def _sandwich(gemm, graph, producers, consumers, outputs):
+    if gemm.op_type != "Gemm" or gemm.domain or len(gemm.inputs) < 2:
+        return None
+    attrs = gemm.attrs
+    if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+        return None
+    first, readers = producers.get(gemm.inputs[0]), consumers.get(gemm.outputs[0], [])
+    if first is None or first.op_type != "Reshape" or first.domain or len(readers) != 1:
+        return None
+    last = readers[0]
+    if last.op_type != "Reshape" or last.domain or last.inputs[0] != gemm.outputs[0]:
+        return None
+    if len(consumers.get(first.outputs[0], [])) != 1 or \
+            {first.outputs[0], gemm.outputs[0]} & outputs:
+        return None
+    x, weight = first.inputs[0], graph.constants.get(gemm.inputs[1])
+    bias = graph.constants.get(gemm.inputs[2]) if len(gemm.inputs) > 2 and gemm.inputs[2] else None
+    info = graph.info(x)
+    if weight is None or weight.ndim != 2 or not info.is_static or len(info.shape) < 3:
+        return None
+    if len(gemm.inputs) > 2 and gemm.inputs[2] and bias is None:
+        return None  # a bias computed at run time
+    weight = weight.T if attrs.get("transB", 0) else weight
+    k, n = weight.shape
+    rows = int(np.prod(info.shape[:-1]))
+    if info.shape[-1] != k or graph.info(first.outputs[0]).shape != (rows, k):
+        return None
+    if bias is not None and (bias.size != n or bias.ndim > 2 or bias.ndim == 2 and bias.shape[0] != 1):
+        return None
+    if graph.info(last.outputs[0]).shape != (*info.shape[:-1], n):
+        return None
+    return first, last, x, weight, bias
+
+
+def _unfolded(gemm: Layer, last: Layer, x: str, weight: np.ndarray, bias: np.ndarray | None,
+              graph: Graph, names: set[str]) -> list[Layer]:
+    """MatMul (and Add) writing ``last``'s output, their constants and the product's info added."""
+    out, info = last.outputs[0], graph.info(last.outputs[0])
+    w_name = _fresh(f"{gemm.name}/weight", graph)
+    graph.constants[w_name] = np.ascontiguousarray(weight)
+    graph.tensors[w_name] = TensorInfo(weight.shape, weight.dtype)
+    if bias is None:
+        return [Layer(gemm.name, "MatMul", [x, w_name], [out], {}, "", gemm.opset)]
+    product = _fresh(f"{gemm.name}/product", graph)
+    graph.tensors[product] = info
+    b_name = _fresh(f"{gemm.name}/bias", graph)
+    graph.constants[b_name] = bias.reshape(-1)
+    graph.tensors[b_name] = TensorInfo((bias.size,), bias.dtype)
+    add = _fresh(f"{gemm.name}/bias", graph, names)
+    return [Layer(gemm.name, "MatMul", [x, w_name], [product], {}, "", gemm.opset),
+            Layer(add, "Add", [product, b_name], [out], {}, "", gemm.opset)]
+
+
+def _fresh(name: str, graph: Graph, taken: set[str] = frozenset()) -> str:
+    """A name no tensor, constant nor (in ``taken``, then added to it) layer has."""
+    unique, k = name, 1
+    while unique in graph.tensors or unique in graph.constants or unique in taken:
+        unique, k = f"{name}_{k}", k + 1
+    if isinstance(taken, set):
+        taken.add(unique)
+    return unique

@@ -1,0 +1,96 @@
+"""ONNX Runtime's Reshape -> Gemm -> Reshape (its MatMul + Add fusion on a 3-D activation, in the
+models it saves) runs as the MatMul and Add it was (optimizer/ort_patterns.py), with the Gemm's
+values, and only where that is the same computation."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from backplane import InferenceSession
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+RNG = np.random.default_rng(11)
+X = RNG.standard_normal((2, 5, 8)).astype(np.float32)
+
+
+def sandwich(trans_b: int = 1, alpha: float = 1.0, bias_shape=(1, 6), bias_input: bool = False,
+             read_twice: bool = False, free: bool = False) -> bytes:
+    weight = RNG.standard_normal((6, 8) if trans_b else (8, 6)).astype(np.float32)
+    inits = [numpy_helper.from_array(weight, "w"),
+             numpy_helper.from_array(np.array([10, 8], np.int64), "flat"),
+             numpy_helper.from_array(np.array([2, 5, 6], np.int64), "back")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                           ["b", 5, 8] if free else [2, 5, 8])]
+    if bias_input:
+        inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, [6]))
+    else:
+        inits.append(numpy_helper.from_array(
+            RNG.standard_normal(bias_shape).astype(np.float32), "bias"))
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+             helper.make_node("Gemm", ["x2", "w", "bias"], ["g"], transB=trans_b, alpha=alpha),
+             helper.make_node("Reshape", ["g", "back"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if read_twice:
+        nodes.append(helper.make_node("Relu", ["x2"], ["r"]))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "sandwich", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def reference(model: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def placed_ops(session) -> collections.Counter:
+    return collections.Counter(p.op_type for p in session.report.layers.values())
+
+
+@pytest.mark.parametrize("trans_b,bias_shape", [(1, (1, 6)), (0, (6,)), (1, (6,))])
+def test_sandwich_runs_as_matmul_and_add(trans_b, bias_shape) -> None:
+    model = sandwich(trans_b=trans_b, bias_shape=bias_shape)
+    session = InferenceSession(model, backends=["CpuRef"])
+    assert placed_ops(session) == {"MatMul": 1, "Add": 1}
+    (got,), (want,) = session.run(None, {"x": X}), reference(model, {"x": X})
+    assert got.shape == (2, 5, 6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [dict(alpha=0.5), dict(bias_input=True), dict(read_twice=True),
+                                  dict(free=True), dict(bias_shape=(10, 6))])
+def test_other_sandwiches_stay_as_they_are(case) -> None:
+    model = sandwich(**case)
+    feeds = {"x": X} | ({"bias": np.ones(6, np.float32)} if case.get("bias_input") else {})
+    session = InferenceSession(model, backends=["CpuRef"])  # a (10, 6) bias: one per row
+    assert placed_ops(session)["Gemm"] == 1
+    for got, want in zip(session.run(None, feeds), reference(model, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backends", [["CpuRef"], ["CpuAcc", "CpuRef"]], ids=["cpuref", "cpuacc"])
+def test_onnx_runtime_saved_bert_has_its_products_back(backends, tmp_path) -> None:
+    if "CpuAcc" in backends:
+        pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "saved.onnx")
+    ort.InferenceSession(str(DATA / "tiny_bert.onnx"), options, providers=["CPUExecutionProvider"])
+    import onnx
+
+    saved = onnx.load(options.optimized_model_filepath)
+    written = collections.Counter(n.op_type for n in saved.graph.node)
+    assert written["Gemm"] >= 8 and written["Reshape"] >= 2 * 8  # ONNX Runtime's sandwiches
+    feeds = dict(np.load(DATA / "tiny_bert.npz"))
+    session = InferenceSession(options.optimized_model_filepath, backends=backends)
+    ops = placed_ops(session)
+    assert ops["Gemm"] == written["Gemm"] - 12 and ops["Reshape"] == written["Reshape"] - 24
+    for got, want in zip(session.run(None, feeds), reference(options.optimized_model_filepath, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
