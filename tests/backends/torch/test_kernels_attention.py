@@ -1,6 +1,6 @@
 """Differential tests of the attention torch kernels (``kernels/attention.py``: Attention,
 RotaryEmbedding, LinearAttention, CausalConvWithState) against CpuRef, over cases that hypothesis
-generates, in the harness of ``test_differential.py``; then the node suite's single-op cases of each
+generates, in the harness of ``differential.py``; then the node suite's single-op cases of each
 op through CpuAcc, CpuRef. Float results agree within a tolerance of their type scaled by the
 length of the products.
 """
@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from backplane.backends.torch.kernels import attention  # noqa: E402
 from tests.backends.torch.node_cases import case_names, check_case  # noqa: E402
-from tests.backends.torch.test_differential import (  # noqa: E402
+from tests.backends.torch.differential import (  # noqa: E402
     BOOL,
     F16,
     F32,

@@ -1,5 +1,5 @@
 """The torch indexing and layout kernels (``kernels/indexing.py``) against CpuRef: hypothesis cases
-in the style of ``test_differential.py`` (its harness: CpuAcc must match CpuRef wherever it claims a
+in the style of ``test_differential.py`` (its harness, ``differential.py``: CpuAcc must match CpuRef wherever it claims a
 case, and claim some), and the node suite's single-op cases of these ops on CpuAcc, CpuRef.
 
     python -m pytest tests/backends/torch/test_kernels_indexing.py -q -p no:cacheprovider
@@ -18,7 +18,7 @@ from hypothesis import assume, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.backends.torch.node_cases import case_names, check_case  # noqa: E402
-from tests.backends.torch.test_differential import (  # noqa: E402
+from tests.backends.torch.differential import (  # noqa: E402
     BOOL,
     F32,
     I32,

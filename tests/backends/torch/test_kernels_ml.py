@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from backplane.backends.torch.kernels import ml  # noqa: E402
 from tests.backends.torch.node_cases import case_names, check_case  # noqa: E402
-from tests.backends.torch.test_differential import (  # noqa: E402
+from tests.backends.torch.differential import (  # noqa: E402
     F16,
     F32,
     F64,

@@ -1,5 +1,5 @@
 """Differential tests of the numeric torch kernels (``kernels/numeric.py``) against CpuRef, over
-cases that hypothesis generates, in the harness of ``test_differential.py`` (its rules, layouts,
+cases that hypothesis generates, in the harness of ``differential.py`` (its rules, layouts,
 settings and environment variables hold here too).
 
 Selections, bit operations, integer arithmetic, casts and quantization must equal CpuRef exactly;
@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
 from backplane.backends.torch.kernels import numeric  # noqa: E402
-from tests.backends.torch.test_differential import (  # noqa: E402
+from tests.backends.torch.differential import (  # noqa: E402
     F16,
     F32,
     F64,

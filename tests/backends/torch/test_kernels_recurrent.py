@@ -1,6 +1,6 @@
 """The torch network kernels of ``kernels/recurrent.py`` (RNN / GRU / LSTM, ConvTranspose, Col2Im,
 the normalizations, LRN, LpPool, GlobalLpPool, MaxUnpool) against CpuRef: hypothesis cases in the
-style of ``test_differential.py`` (its harness), and the node suite's single-op cases of these ops on
+style of ``test_differential.py`` (its harness, ``differential.py``), and the node suite's single-op cases of these ops on
 CpuAcc, CpuRef.
 
     python -m pytest tests/backends/torch/test_kernels_recurrent.py -q -p no:cacheprovider
@@ -21,7 +21,7 @@ from hypothesis import assume, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.backends.torch.node_cases import case_names, check_case  # noqa: E402
-from tests.backends.torch.test_differential import (  # noqa: E402
+from tests.backends.torch.differential import (  # noqa: E402
     F16,
     SETTINGS,
     axis_of,

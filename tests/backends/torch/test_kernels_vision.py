@@ -1,7 +1,7 @@
 """Differential tests of the vision torch kernels (``kernels/vision.py``: Resize, Upsample, RoiAlign,
 DeformConv) and of what issue 17's last stretch added elsewhere (AveragePool with dilations or
 uncounted padding, MaxPool on 8-bit integers, Pow on integers, ReduceMax / ReduceMin on bool),
-against CpuRef, over cases that hypothesis generates, in the harness of ``test_differential.py``;
+against CpuRef, over cases that hypothesis generates, in the harness of ``differential.py``;
 then the node suite's single-op cases of each op through CpuAcc, CpuRef.
 
 Integer results (Resize of integers rounds and saturates, pools and reductions select) must equal
@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from backplane.backends.torch.kernels import vision  # noqa: E402
 from tests.backends.torch.node_cases import case_names, check_case  # noqa: E402
-from tests.backends.torch.test_differential import (  # noqa: E402
+from tests.backends.torch.differential import (  # noqa: E402
     BOOL,
     F16,
     F32,
@@ -32,8 +32,8 @@ from tests.backends.torch.test_differential import (  # noqa: E402
     SETTINGS,
     U8,
     Arg,
-    _spatial,
-    _window_attrs,
+    spatial_sizes,
+    window_attrs,
     array,
     differential,
     ints_input,
@@ -173,9 +173,9 @@ def _deform_conv(op: str, data: Any) -> None:
     group, offset_group = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     channels = group * offset_group * draw(st.integers(1, 2))
     c_out = group * draw(st.integers(1, 2))
-    kernel, attrs = _window_attrs(draw, rank, max_kernel=2)
+    kernel, attrs = window_attrs(draw, rank, max_kernel=2)
     attrs.pop("auto_pad", None)
-    spatial = _spatial(draw, kernel, attrs)
+    spatial = spatial_sizes(draw, kernel, attrs)
     dilations = attrs.get("dilations", [1] * rank)
     strides = attrs.get("strides", [1] * rank)
     pads = attrs.get("pads", [0] * 2 * rank)
@@ -214,7 +214,7 @@ def _pool(op: str, data: Any) -> None:
     opset = 19 if op == "AveragePool" else draw(st.sampled_from([12, OPSET]))
     dtype = draw(st.sampled_from([F32, F64] if op == "AveragePool" else [I8, U8, F32]))
     rank = draw(st.sampled_from([1, 2, 3]))
-    kernel, attrs = _window_attrs(draw, rank)
+    kernel, attrs = window_attrs(draw, rank)
     attrs["kernel_shape"] = kernel
     attrs["ceil_mode"] = draw(st.sampled_from([0, 1]))
     n_outputs = 1
@@ -223,7 +223,7 @@ def _pool(op: str, data: Any) -> None:
     else:
         attrs["storage_order"] = draw(st.sampled_from([0, 1]))
         n_outputs = draw(st.sampled_from([1, 2]))
-    spatial = _spatial(draw, kernel, attrs)
+    spatial = spatial_sizes(draw, kernel, attrs)
     x = tensor(draw, dtype, [draw(st.integers(1, 2)), draw(st.integers(1, 2)), *spatial],
                low=-5, high=5, special=False)
     differential(op, [x], attrs, opset=opset, n_outputs=n_outputs, exact=op == "MaxPool", tol=4)
