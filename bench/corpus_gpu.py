@@ -235,6 +235,18 @@ def gpu_name() -> str:
     return "GPU: none found"
 
 
+def version() -> str:
+    """backplane's version and commit where this tree is a checkout's root; a tree unpacked
+    elsewhere (a device call's archive inside another checkout) says so, or $BACKPLANE_REV."""
+    import subprocess
+
+    top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"],
+                         capture_output=True, text=True).stdout.strip()
+    if top and Path(top).resolve() == ROOT.resolve():
+        return wild.backplane_version()
+    return f"at {os.environ.get('BACKPLANE_REV', 'an unknown commit (not a checkout)')}"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", help="comma-separated corpus model names (default: all of them)")
@@ -275,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     header = [f"command: python bench/corpus_gpu.py {' '.join(sys.argv[1:])}".rstrip(),
               f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", gpu_name(),
-              *environment(len(ORT_CPUS)), f"backplane {wild.backplane_version()}",
+              *environment(len(ORT_CPUS)), f"backplane {version()}",
               f"corpus: {args.tier} tier, {args.corpus}; {args.rounds} rounds, best of the "
               f"rounds' medians, NumPy in and out; ORT pinned to CPUs {sorted(ORT_CPUS)}"]
     with tempfile.NamedTemporaryFile(prefix="corpus_gpu.", suffix=".lock") as lock:
