@@ -344,10 +344,12 @@ def qlinear_int8_route(layer: Layer) -> Any:
     x_scale, x_zero, x_shift = q["x_scale"], q["x_zero"], q["x_shift"]
     y_scale, y_zero, y_shift = q["y_scale"], q["y_zero"], q["y_shift"]
     cl, conv = torch.channels_last, torch.ops.quantized.conv2d
-    into = _quantizer(a["into"], x_shift)
+    into = _quantizer(a["into"], x_shift, x_scale, x_zero)
 
     def quantized(x):
-        u8 = into(x) if into else x.view(torch.uint8).bitwise_xor(128) if x_shift else x
+        if into is not None:
+            return conv(into(x), packed, y_scale, y_zero)
+        u8 = x.view(torch.uint8).bitwise_xor(128) if x_shift else x
         qx = torch._make_per_tensor_quantized_tensor(u8.contiguous(memory_format=cl), x_scale,
                                                      x_zero)
         return conv(qx, packed, y_scale, y_zero)
@@ -408,9 +410,19 @@ def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) 
     return run
 
 
-def _quantizer(into: dict[str, Any] | None, shift: int) -> Callable[[Any], Any] | None:
-    """A taken QuantizeLinear (per tensor) as CpuRef computes it (``quantized.to_grid``), shifted
-    into quint8's range, as uint8; None where none was taken."""
+def _quantizer(into: dict[str, Any] | None, shift: int, x_scale: float,
+               x_zero: int) -> Callable[[Any], Any] | None:
+    """A taken QuantizeLinear (per tensor) as a function of the float input giving the quint8
+    tensor, channels-last, that the convolution reads; None where none was taken.
+
+    Where its step is the convolution's own: x / s rounded half to even (CpuRef's rounding: a
+    NaN replaced by -z, which quantizes to 0 as CpuRef's cast makes it), times s, then torch's
+    ``quantize_per_tensor``, whose product by 1 / s gives those integers back exactly (|k| * 2^-22
+    is far from a half) and adds z, clamped: CpuRef's values in five passes where its steps and
+    the copies to channels-last and into a quint8 tensor were eight (ResNet's 224x224 input
+    271-316 -> 141 us, 1 thread, this AMD EPYC). Else ``quantized.to_grid``, shifted into
+    quint8's range.
+    """
     import torch
 
     from backplane.backends.torch.fusion.quantized import to_grid, torch_params
@@ -418,7 +430,21 @@ def _quantizer(into: dict[str, Any] | None, shift: int) -> Callable[[Any], Any] 
     if into is None:
         return None
     params = torch_params(into)
-    return lambda x: to_grid(x, params).add_(shift).to(torch.uint8)
+    scale, zero, low, high = params
+    cl = torch.channels_last
+    if scale.__class__ is float and scale == x_scale and zero + shift == x_zero \
+            and high - low == 255:
+        def per_tensor(x):
+            k = torch.div(x, scale).round_().nan_to_num_(-zero).mul_(scale)
+            return torch.quantize_per_tensor(k, x_scale, x_zero, torch.quint8).contiguous(
+                memory_format=cl)
+        return per_tensor
+
+    def on_grid(x):
+        u8 = to_grid(x, params).add_(shift).to(torch.uint8)
+        return torch._make_per_tensor_quantized_tensor(u8.contiguous(memory_format=cl), x_scale,
+                                                       x_zero)
+    return on_grid
 
 
 def _dequantized(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) -> Any:
