@@ -99,11 +99,31 @@ def test_fewer_threads_are_taken_only_where_a_second_comparison_agrees(two_threa
                                   ([{2: 3.0e-3, 1: 2.96e-3}, {2: 2.9e-3, 1: 2.8e-3}], "one"),
                                   ([{2: 2.0e-3, 1: 2.6e-3}], "caller's")):
         made = iter(comparisons)
-        monkeypatch.setattr(small, "_timed", lambda run, values, candidates: next(made))
+        monkeypatch.setattr(small, "_timed", lambda run, values, candidates, alone: next(made))
         run = lambda *v: v  # noqa: E731
         chosen = small.fewer_threads(run, [torch.zeros(1)])
         assert (chosen is run) if expected == "caller's" else isinstance(chosen, small.OneThread)
         assert next(made, None) is None  # a second comparison only where the first took fewer
+
+
+def test_a_count_far_slower_than_one_thread_is_timed_once_per_comparison(two_threads,
+                                                                         monkeypatch) -> None:
+    """On a busy machine each call at two threads took 135-145 CPU ms where the partition runs in
+    0.26 at one (every parallel region waiting for its second thread to get a CPU): such a count
+    is timed once per comparison, in a block after one untimed call, not five times alternating
+    with one thread; one thread is chosen."""
+    monkeypatch.setattr(threads, "crowded", lambda: False)
+    timed: list[int] = []
+
+    def fake(run, values) -> float:  # the time a call would take at this count
+        timed.append(torch.get_num_threads())
+        return 0.14 if timed[-1] == 2 else 2.6e-4
+
+    monkeypatch.setattr(small, "_seconds", fake)
+    calls: list[int] = []
+    run = lambda *v: calls.append(torch.get_num_threads()) or v  # noqa: E731
+    assert isinstance(small.fewer_threads(run, [torch.zeros(1)]), small.OneThread)
+    assert timed.count(2) == 2 and calls.count(2) == 2  # two comparisons, each 1 untimed + 1 timed
 
 
 def test_one_thread_profiles_at_one_thread_and_passes_attributes(two_threads) -> None:

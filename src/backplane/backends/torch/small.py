@@ -17,7 +17,7 @@ Runtime on 2 cores takes 2.6 and 2.0 (issue 27).
 So when a Specialized layer builds a signature (``specialize``), ``fewer_threads`` times the build
 on the signature's values at one thread; under ``SMALL_SECONDS`` it times it at each of
 ``counts`` (the calling thread's count halved down to 2, and 1; on 16 CPUs 16, 8, 4, 2, 1),
-alternating, and keeps the fewest threads within ``MARGIN`` of the fastest where a second
+in a block of calls each (cut short where a count is far slower than one thread), and keeps the fewest threads within ``MARGIN`` of the fastest where a second
 comparison agrees, else the caller's count (on a busy machine, ``threads.crowded``, one thread
 without comparing). One comparison alone, disturbed, kept the full tier's lstm_bi2_ts14 at one
 thread for its process ({2: 3.0, 1: 2.96} ms; undisturbed {2: 2.0-2.25, 1: 2.5-2.8}: 3.84 ms a
@@ -50,6 +50,8 @@ MARGIN = 1.1
 """The fewest threads are kept unless more run the partition this many times faster: fewer
 threads are what a busy machine wants, and they leave the other CPUs to the caller."""
 REPEAT = 5
+GIVE_UP = 4.0
+"""A count whose best call is this many times one thread's stops being timed (``_timed``)."""
 
 
 def counts(most: int) -> list[int]:
@@ -64,9 +66,10 @@ def counts(most: int) -> list[int]:
 def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
     """``run`` (a partition built for the shapes of ``values``), or ``AtThreads(run, count)`` for
     the fewest of ``counts`` (the calling thread's count halved) that runs it within ``MARGIN`` of
-    the fastest, where one thread runs it in under ``SMALL_SECONDS`` (timed on ``values``, the
-    counts alternating, twice where the first would take fewer threads than the caller's: where
-    the two disagree, ``run``; on a busy machine, ``crowded``, one thread without comparing)."""
+    the fastest, where one thread runs it in under ``SMALL_SECONDS`` (timed on ``values``, a
+    block of calls per count, twice where the first would take fewer threads than the caller's:
+    where the two disagree, ``run``; on a busy machine, ``crowded``, one thread without
+    comparing)."""
     import torch
 
     from backplane.backends.torch import threads
@@ -82,8 +85,8 @@ def fewer_threads(run: Any, values: Sequence[Any]) -> Any:
         return run
     if threads.crowded():
         return OneThread(run)
-    count = _fewest(_timed(run, values, counts(most)))
-    if count != most and _fewest(_timed(run, values, counts(most))) != count:
+    count = _fewest(_timed(run, values, counts(most), alone))
+    if count != most and _fewest(_timed(run, values, counts(most), alone)) != count:
         return run  # the two comparisons disagree: a burst of load, not the partition
     if count == most:
         return run
@@ -96,18 +99,26 @@ def _fewest(times: dict[int, float]) -> int:
     return min(n for n, t in times.items() if t <= fastest * MARGIN)
 
 
-def _timed(run: Any, values: Sequence[Any], candidates: list[int]) -> dict[int, float]:
-    """Each count's best of ``REPEAT`` calls, the counts alternating (each called twice untimed
-    first: a oneDNN Graph compiles for a count at its first call)."""
-    for count in candidates[1:-1]:  # the caller's count and one thread ran already
+def _timed(run: Any, values: Sequence[Any], candidates: list[int],
+           alone: float) -> dict[int, float]:
+    """Each count's best of ``REPEAT`` calls, in a block per count after one untimed call (a
+    oneDNN Graph compiles for a count at its first call; the count's sleeping OpenMP workers wake),
+    the block cut short where its best is over ``GIVE_UP`` times one thread's time ``alone``.
+
+    Why: the counts alternated every call, and on a busy machine each call at two threads took
+    135-145 CPU ms where the partition runs in 0.26 ms (mobilenet_dw_ts13 at load average 6-7 on
+    this 2-core AMD EPYC: every parallel region waited for its second thread to get a CPU, its
+    first spinning at the barrier meanwhile), ten and more of them: 1.4-3.7 s of its first call.
+    Such a count cannot be the fastest by ``MARGIN``; its block stops at its first timed call."""
+    best = {}
+    for count in candidates:
         with at_threads(count):
-            for _ in range(2):
-                run(*values)
-    best = dict.fromkeys(candidates, math.inf)
-    for _ in range(REPEAT):
-        for count in candidates:
-            with at_threads(count):
+            run(*values)
+            best[count] = math.inf
+            for _ in range(REPEAT):
                 best[count] = min(best[count], _seconds(run, values))
+                if best[count] > GIVE_UP * alone:
+                    break
     return best
 
 
