@@ -139,3 +139,30 @@ def test_a_quantized_global_average_pool_reads_its_integers_once() -> None:
     assert got.dtype == torch.uint8 and got.shape == want.shape
     assert int(np.max(np.abs(got.numpy().astype(int) - want.astype(int)))) <= 1
     assert not WIDE & set(made), made
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16])
+@pytest.mark.parametrize("per_axis", [False, True])
+def test_quantize_linear_to_small_integers_stays_float32(dtype: type, per_axis: bool) -> None:
+    """CpuAcc's QuantizeLinear of float32 to 8- and 16-bit integers: CpuRef's integers (ties of
+    either zero-point parity, NaN, infinities, values far outside the range) without a float64
+    tensor."""
+    from backplane.backends.reference.kernels.quant import quantize_linear as reference
+    from backplane.backends.torch.kernels.numeric import quantize_linear
+
+    rng = np.random.default_rng(11)
+    info = np.iinfo(dtype)
+    scale = (rng.random(4 if per_axis else ()) * 0.05 + 1e-3).astype(np.float32)
+    zero = rng.integers(info.min, info.max, scale.shape, endpoint=True).astype(dtype)
+    steps = np.broadcast_to(scale.reshape(-1, 1, 1) if per_axis else scale, (4, 6, 25))
+    halves = (rng.integers(-300, 300, (4, 6, 25)) + 0.5).astype(np.float32) * steps
+    x = np.where(rng.random((4, 6, 25)) < 0.5, halves,
+                 rng.standard_normal((4, 6, 25)).astype(np.float32) * 4).astype(np.float32)
+    x[0, 0, :6] = [np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0]
+    x = x[None]
+    want = reference(x, scale, zero)[0]
+    with Made() as made:
+        (got,) = quantize_linear(torch.from_numpy(x), torch.from_numpy(np.array(scale)),
+                                 torch.from_numpy(np.array(zero)))
+    assert got.numpy().dtype == want.dtype and np.array_equal(got.numpy(), want)
+    assert torch.float64 not in made, made

@@ -339,20 +339,28 @@ def _saturated(x, dtype):
     return torch.clamp(x, info.min, info.max).to(dtype)
 
 
+SMALL_INTS = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16})
+"""Integer types whose values less a zero point are exact in float32."""
+
+
 def quantize_linear(x, y_scale, y_zero_point=None, axis=1, block_size=0, output_dtype=0,
                     saturate=1, precision=0):
     dtype = y_zero_point.dtype if y_zero_point is not None else \
         (torch_dtype(output_dtype) if output_dtype else torch.uint8)
+    if x.dtype == torch.float32 and y_scale.dtype == torch.float32 and dtype in SMALL_INTS:
+        # in float32, in place: rint(x / s) is exact there, and so is adding an 8- or 16-bit z
+        # below 2^24; above it the clamp saturates either way (it was widened to float64)
+        q = torch.div(x, _broadcastable(y_scale, x, axis, block_size)).round_()
+        if y_zero_point is not None:
+            q = q.add_(_broadcastable(y_zero_point, x, axis, block_size))
+        info = torch.iinfo(dtype)
+        return (q.clamp_(info.min, info.max).to(dtype),)
     wide = torch.promote_types(x.dtype, y_scale.dtype)  # as NumPy: a 0-d scale widens x too
     scale = _broadcastable(y_scale, x, axis, block_size).to(wide)
     y = torch.round(x.to(wide) / scale).double()  # round half to even, as NumPy's rint
     if y_zero_point is not None:
         y = y + _broadcastable(y_zero_point, x, axis, block_size)
     return (_saturated(y, dtype),)
-
-
-SMALL_INTS = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16})
-"""Integer types whose values less a zero point are exact in float32."""
 
 
 def dequantize_linear(x, x_scale, x_zero_point=None, axis=1, block_size=0, output_dtype=0):
