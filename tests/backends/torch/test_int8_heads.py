@@ -166,3 +166,44 @@ def test_quantize_linear_to_small_integers_stays_float32(dtype: type, per_axis: 
                                  torch.from_numpy(np.array(zero)))
     assert got.numpy().dtype == want.dtype and np.array_equal(got.numpy(), want)
     assert torch.float64 not in made, made
+
+
+@pytest.mark.parametrize("a_type", [np.uint8, np.int8])
+@pytest.mark.parametrize(("with_c", "with_y", "trans_b"),
+                         [(True, True, 1), (False, True, 0), (True, False, 1)])
+def test_a_qgemm_by_int8_weights_is_an_integer_product(a_type: type, with_c: bool, with_y: bool,
+                                                       trans_b: int) -> None:
+    """QGemm by a constant int8 B (zero points 0, scales per column) of an 8-bit A: one fused
+    layer whose product is torch._int_mm's (a quarter of the float weight's memory), CpuRef's
+    values bit for bit (C as int32, y quantized or float, A's zero point at either end)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = np.random.default_rng(13)
+    info = np.iinfo(a_type)
+    m, k, n = 3, 64, 40
+    a = rng.integers(info.min, info.max, (m, k), endpoint=True).astype(a_type)
+    b = rng.integers(-127, 127, (n, k) if trans_b else (k, n), endpoint=True).astype(np.int8)
+    inits = {"a_scale": np.array(0.02, np.float32), "a_zero": np.array(info.max - 3, a_type),
+             "B": b, "b_scale": (rng.random(n) * 0.01 + 1e-3).astype(np.float32),
+             "b_zero": np.zeros(n, np.int8), "C": rng.integers(-5000, 5000, n).astype(np.int32),
+             "y_scale": np.array(0.7, np.float32), "y_zero": np.array(info.min + 9, a_type)}
+    names = ["A", "a_scale", "a_zero", "B", "b_scale", "b_zero", "C" if with_c else "",
+             *(["y_scale", "y_zero"] if with_y else [])]
+    node = helper.make_node("QGemm", names, ["Y"], domain="com.microsoft", transB=trans_b)
+    out_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(a_type)) if with_y \
+        else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node], "qgemm", [helper.make_tensor_value_info(
+            "A", onnx.helper.np_dtype_to_tensor_dtype(np.dtype(a_type)), [m, k])],
+        [helper.make_tensor_value_info("Y", out_type, [m, n])],
+        [numpy_helper.from_array(v, name) for name, v in inits.items() if name in names])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "layers"}), "CpuRef"])
+    fused = [lay for lay in session.optimized.graph.layers if lay.op_type == "QGemm"]
+    assert [lay.domain for lay in fused] == [FUSED_DOMAIN]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (got,) = session.run(None, {"A": a})
+    assert "aten::_int_mm" in {event.key for event in prof.key_averages()}
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"A": a})
+    assert got.dtype == want.dtype and np.array_equal(got, want)
