@@ -21,7 +21,8 @@ alternating within a round (backplane, each ``--src`` tree, ONNX Runtime), ``--r
 A process loads, makes one first call (timed apart: what a load leaves to the first run is paid
 there), then ``--calls`` calls whose median is its steady state. Per model and runtime: the best
 load of the rounds (and the median), the least CPU seconds a load took (all its threads: less
-touched by neighbours than the wall time, but ONNX Runtime's and torch's spinning threads count), the median first call and its least CPU milliseconds, the best steady median; and whether
+touched by neighbours than the wall time, but ONNX Runtime's and torch's spinning threads count), the
+median first call and its least CPU milliseconds, the best steady median; and whether
 backplane's load found the machine busy (``threads.crowded``: routes then taken by rule, nothing
 timed nor compiled). ``--quiet-path`` makes backplane's workers take the quiet machine's path
 whatever the load average (``threads.CROWDED_CHECK`` off, as the test suite does): on a shared
@@ -151,7 +152,8 @@ def _one(runtime: str, src: str, model: str, feeds: str, args: argparse.Namespac
     command = [sys.executable, __file__, "--worker", runtime, "--model", model, "--feeds", feeds,
                "--threads", str(args.threads), "--calls", str(args.calls)]
     command += ["--quiet-path"] if args.quiet_path else []
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burn)]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(args.burn)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     finally:

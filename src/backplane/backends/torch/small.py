@@ -17,9 +17,10 @@ Runtime on 2 cores takes 2.6 and 2.0 (issue 27).
 So when a Specialized layer builds a signature (``specialize``), ``fewer_threads`` times the build
 on the signature's values at one thread; under ``SMALL_SECONDS`` it times it at each of
 ``counts`` (the calling thread's count halved down to 2, and 1; on 16 CPUs 16, 8, 4, 2, 1),
-in a block of calls each (cut short where a count is far slower than one thread), and keeps the fewest threads within ``MARGIN`` of the fastest where a second
-comparison agrees, else the caller's count (on a busy machine, ``threads.crowded``, one thread
-without comparing). One comparison alone, disturbed, kept the full tier's lstm_bi2_ts14 at one
+in a block of calls each (cut short where a count is far slower than one thread), and keeps
+the fewest threads within ``MARGIN`` of the fastest where a second comparison agrees, else the
+caller's count (on a busy machine, ``threads.crowded``, one thread without comparing). One
+comparison alone, disturbed, kept the full tier's lstm_bi2_ts14 at one
 thread for its process ({2: 3.0, 1: 2.96} ms; undisturbed {2: 2.0-2.25, 1: 2.5-2.8}: 3.84 ms a
 run in the bench against 2.16 in the next process). A static partition that CpuAcc's background
 builds (a compiled subgraph, ``background.deferred``) gets the same choice (``static``), made at
