@@ -32,12 +32,20 @@ def _gather(data: Any, indices: Any, axis: int = 0) -> tuple[Any, ...]:
     """ONNX Gather without reading the indices on the host: negative ones counted from the end by
     ``torch.where`` always (CpuAcc's own Gather reads the smallest index to skip that, a value
     a trace would keep: an embedding's Gather of token ids kept every transformer of the corpus
-    layer by layer)."""
+    layer by layer). Indices that are constants of the trace are counted from the end outside
+    it, and one such index is a ``select``."""
     import torch
 
+    from backplane.backends.torch.kernels.recurrent_fused import trace_constants, untraced
+
     axis = axis % data.dim()
-    flat = indices.reshape(-1).long()
-    flat = torch.where(flat < 0, flat + data.shape[axis], flat)
+    constant = trace_constants([indices])  # the trace's own (a state's row): known now
+    with untraced(constant):  # computed once, outside the trace, where the indices are constant
+        flat = indices.reshape(-1).long()
+        flat = torch.where(flat < 0, flat + data.shape[axis], flat)
+        one = int(flat[0]) if constant and indices.dim() == 0 else None
+    if one is not None:  # a view: no call a run (the VAD's state rows: 8 calls a run before)
+        return (data.select(axis, one),)
     picked = torch.index_select(data, axis, flat)
     return (picked.reshape((*data.shape[:axis], *indices.shape, *data.shape[axis + 1:])),)
 

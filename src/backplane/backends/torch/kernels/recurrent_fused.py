@@ -111,7 +111,7 @@ def params_of(W: torch.Tensor, R: torch.Tensor, B: torch.Tensor | None,  # noqa:
     kept = _PARAMS.get(W) if cacheable else None
     if kept is not None and kept[0] is R and kept[1] is B and kept[2] == versions:
         return kept[3]
-    with _untraced(constant):
+    with untraced(constant):
         params = []
         for d in range(W.shape[0]):
             params += [_reordered(W[d], order), _reordered(R[d], order)]
@@ -164,7 +164,7 @@ def trace_constants(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 @contextlib.contextmanager
-def _untraced(pause: bool) -> Iterator[None]:
+def untraced(pause: bool) -> Iterator[None]:
     """The tracer paused for the block where ``pause``: what it computes is a trace's constant."""
     state = torch._C._get_tracing_state() if pause else None
     if state is not None:
