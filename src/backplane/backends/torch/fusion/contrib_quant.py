@@ -110,12 +110,13 @@ def _int8_product(a: dict[str, Any]) -> Any:
     weight, unsigned = torch.from_numpy(a["int8"]["weight"]), a["int8"]["unsigned"]  # (K, N)
     bias = torch.zeros(weight.shape[1], dtype=torch.int32) if a["bias"] is None else \
         torch.from_numpy(np.rint(a["bias"]).astype(np.int32))
-    # uint8 A: A ^ 128 is A - 128 as int8, so A - z is that plus (128 - z)
+    # uint8 A less 128 is int8, so A - z is that plus (128 - z); through int16, which a trace
+    # holds (TorchScript has no view as another dtype)
     offset = int(128 - a["x_zero"]) if unsigned else -int(a["x_zero"])
     correction = weight.sum(0, dtype=torch.int32).mul_(offset).add_(bias)
 
     def product(x):
-        rows = x.view(torch.int8).bitwise_xor(-128) if unsigned else x
+        rows = x.to(torch.int16).sub_(128).to(torch.int8) if unsigned else x
         return (torch._int_mm(rows, weight).add_(correction).float(),)
     try:
         product(torch.zeros(a["input_shape"], dtype=torch.uint8 if unsigned else torch.int8))
