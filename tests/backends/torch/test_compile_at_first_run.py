@@ -22,10 +22,12 @@ X = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype(np.float32)
 
 @pytest.fixture
 def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry per subgraph traced for oneDNN Graph (``onednn_graph._trace``)."""
+    """One entry per subgraph traced for oneDNN Graph (``onednn_graph._trace``): the torch thread
+    count it was traced at."""
     made: list[int] = []
     real = onednn_graph._trace
-    monkeypatch.setattr(onednn_graph, "_trace", lambda *a, **k: made.append(1) or real(*a, **k))
+    monkeypatch.setattr(onednn_graph, "_trace",
+                        lambda *a, **k: made.append(torch.get_num_threads()) or real(*a, **k))
     return made
 
 
@@ -58,7 +60,7 @@ def test_a_load_compiles_nothing_and_the_first_run_compiles_once(mode: str,
         work.modules  # noqa: B018  # no module yet
     want = _reference()
     _close(session.run(None, {"x": X}), want)
-    assert traces == [1] and work.built is not None
+    assert traces == [1] and work.built is not None  # traced once, at one thread
     assert work.route == "onednn_graph" and onednn_graph.AT_FIRST_RUN not in work.why
     assert set(work.modules.modules) == {torch.get_num_threads()}  # compiled at the run's count
     _close(session.run(None, {"x": X}), want)

@@ -385,7 +385,14 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
     (``torch._C._jit_get_num_profiled_runs()`` is 1), then the run that hands its partitions to
     oneDNN Graph, compiles and runs them, whose outputs are checked. It was a run of the layers
     and the trace's, then five calls of the module (two to warm it for a timing, which
-    ``taking_turns`` warms itself)."""
+    ``taking_turns`` warms itself).
+
+    The trace, the freeze and the profiled call run the layers uncompiled, at one thread; only the
+    compiling call runs at the caller's count, which the partitions keep. At two threads on a
+    busy machine each of the layers' parallel regions waited for the second thread to get a CPU:
+    the demo model's first run (its compile) took 0.27-3.3 s, median 2.9; at one thread
+    0.20-0.85, median 0.31 (5 processes each, alternating, load 2.4-3.3, this 2-core AMD EPYC;
+    its runs after that as fast)."""
     import torch
 
     traceable = layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))
@@ -396,13 +403,18 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
         seen.append(outputs)
         return outputs
 
+    count = torch.get_num_threads()
     try:
         with _fusion(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecation and tracer warnings: checked just below
-            traced = _trace(recorded, sample)
-            module = _freeze(traced)
-            module(*sample)  # profiled: the types the fuser needs
-            got = module(*sample)  # the partitions compiled by oneDNN Graph, then run
+            torch.set_num_threads(1)  # what follows runs the layers, uncompiled: see above
+            try:
+                traced = _trace(recorded, sample)
+                module = _freeze(traced)
+                module(*sample)  # profiled: the types the fuser needs
+            finally:
+                torch.set_num_threads(count)
+            got = module(*sample)  # the partitions compiled by oneDNN Graph at count, then run
     except Exception:  # noqa: BLE001  # any failure to trace or compile: the layers run instead
         return None
     got, expected = got if isinstance(got, tuple) else (got,), seen[0]
@@ -411,7 +423,7 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
             _close(g, e) or step is not None and quantized.within_steps(g, e, step)
             for g, e, step in zip(got, expected, steps)):
         return None
-    modules = CompiledPerThreads(lambda: _freeze(traced), {torch.get_num_threads(): module})
+    modules = CompiledPerThreads(lambda: _freeze(traced), {count: module})
     return _named(compiled_run(modules, sample), "onednn_graph")
 
 
