@@ -418,9 +418,9 @@ def _quantizer(into: dict[str, Any] | None, shift: int, x_scale: float,
     Where its step is the convolution's own: x / s rounded half to even (CpuRef's rounding: a
     NaN replaced by -z, which quantizes to 0 as CpuRef's cast makes it), times s, then torch's
     ``quantize_per_tensor``, whose product by 1 / s gives those integers back exactly (|k| * 2^-22
-    is far from a half) and adds z, clamped: CpuRef's values in five passes where its steps and
-    the copies to channels-last and into a quint8 tensor were eight (ResNet's 224x224 input
-    271-316 -> 141 us, 1 thread, this AMD EPYC). Else ``quantized.to_grid``, shifted into
+    is far from a half) and adds z: CpuRef's values in six passes where its steps and the copies to
+    channels-last and into a quint8 tensor were eight (ResNet's 224x224 input 271-316 -> 141 us
+    in five, 1 thread, this AMD EPYC, before the clamp). Else ``quantized.to_grid``, shifted into
     quint8's range.
     """
     import torch
@@ -435,7 +435,11 @@ def _quantizer(into: dict[str, Any] | None, shift: int, x_scale: float,
     if scale.__class__ is float and scale == x_scale and zero + shift == x_zero \
             and high - low == 255:
         def per_tensor(x):
-            k = torch.div(x, scale).round_().nan_to_num_(-zero).mul_(scale)
+            # clamped before the product: torch 2.11's quantize_per_tensor on an Intel Xeon
+            # (the GPU machine's) gave +inf the grid's lowest integer, not its highest, silently
+            # (test_int8_stem); the clamp leaves it only values on the grid
+            k = torch.div(x, scale).round_().nan_to_num_(-zero).clamp_(low - zero, high - zero)
+            k = k.mul_(scale)
             return torch.quantize_per_tensor(k, x_scale, x_zero, torch.quint8).contiguous(
                 memory_format=cl)
         return per_tensor
