@@ -94,6 +94,17 @@ def feeds(seed: int) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)}
 
 
+def built_layers_within_a_step(session: InferenceSession, path: Path, feeds=feeds) -> list:
+    """The layers of the session's one build (its layers and those they hold), after two runs
+    within one output step of ONNX Runtime's."""
+    step = output_step(path)
+    for seed in range(2):
+        got = session.run(None, feeds(seed))[0]
+        assert float(np.max(np.abs(got - ort_run(path, feeds(seed))[0]))) <= step * 1.001
+    (graph,) = built_graphs(session)
+    return [lay for outer in graph.layers for lay in [outer, *outer.attrs.get("layers", [])]]
+
+
 @pytest.fixture
 def busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A busy machine: nothing is timed, each layer takes its first route or a known one."""
@@ -130,12 +141,7 @@ def test_a_free_batch_qoperator_cnn_is_fused_in_its_build(busy: None, tmp_path: 
 
     path = quantized(tmp_path, "QOperator", batch="N")
     session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
-    step = output_step(path)
-    for seed in range(2):
-        got = session.run(None, feeds(seed))[0]
-        assert float(np.max(np.abs(got - ort_run(path, feeds(seed))[0]))) <= step * 1.001
-    (graph,) = built_graphs(session)
-    layers = [lay for outer in graph.layers for lay in [outer, *outer.attrs.get("layers", [])]]
+    layers = built_layers_within_a_step(session, path)
     convs = [lay for lay in layers if lay.op_type == "QLinearConv"]
     assert len(convs) == 4 and all(lay.domain == FUSED_DOMAIN for lay in convs), convs
     assert convs[0].attrs["into"] is not None and convs[0].attrs["pool"] is not None
