@@ -6,15 +6,70 @@ importable from ``onednn_graph`` as before."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.torch.wrapped import Wrapper
+
+
+_SWITCH = threading.Condition()
+_HELD: dict[int, list[bool]] = {}
+"""The threads inside ``fusion_switch`` and the modes each asked for, innermost last."""
+_BEFORE: list[bool] = []
+"""The switch as it was before the first of them (put back after the last)."""
+_WAITING: list[tuple[int, bool]] = []
+"""The threads waiting to enter and the mode each wants, in the order they came."""
+
+
+@contextlib.contextmanager
+def fusion_switch(on: bool) -> Iterator[None]:
+    """oneDNN Graph fusion, a process-wide TorchScript switch, ``on`` (or off) for the block, and
+    put back as it was after the last block that holds it. Blocks that want it the same way run
+    at once; one that wants it the other way waits until the other threads' blocks end (a trace
+    reads the switch too: ``kernels.common``). Saved and restored by each call instead, two
+    threads' first runs of one session left it on for the process, and every later trace was
+    fused by oneDNN Graph (NaN lost, routes changed; test_fusion_switch.py)."""
+    import torch
+
+    me = threading.get_ident()
+    with _SWITCH:
+        _WAITING.append((me, on))
+        while _blocked(on, me):
+            _SWITCH.wait()
+        _WAITING.remove((me, on))
+        if not _HELD:
+            _BEFORE[:] = [torch.jit.onednn_fusion_enabled()]
+        _HELD.setdefault(me, []).append(on)
+        torch.jit.enable_onednn_fusion(on)
+    try:
+        yield
+    finally:
+        with _SWITCH:
+            mine = _HELD[me]
+            mine.pop()
+            if not mine:
+                del _HELD[me]
+            held = mine or next(iter(_HELD.values()), None)
+            torch.jit.enable_onednn_fusion(held[-1] if held else _BEFORE[0])
+            _SWITCH.notify_all()
+
+
+def _blocked(on: bool, me: int) -> bool:
+    """Whether a block that wants the switch ``on`` waits: another thread holds it the other way,
+    or (not to starve a thread that waits for the other way under a stream of calls) a thread
+    that came before it waits for the other way and this one holds it not at all."""
+    if any(mode != on for thread, modes in _HELD.items() if thread != me for mode in modes):
+        return True
+    if me in _HELD:
+        return False
+    ahead = _WAITING[:_WAITING.index((me, on))]
+    return any(mode != on for _, mode in ahead)
 
 
 def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload:
@@ -25,13 +80,8 @@ def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload
     conform = _layout_guard(sample)
 
     def run(*values: Any) -> tuple[Any, ...]:
-        was = torch.jit.onednn_fusion_enabled()
-        torch.jit.enable_onednn_fusion(True)
-        try:
-            with torch.no_grad():
-                outputs = modules(*conform(values))
-        finally:
-            torch.jit.enable_onednn_fusion(was)
+        with fusion_switch(True), torch.no_grad():
+            outputs = modules(*conform(values))
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]

@@ -47,7 +47,7 @@ from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferre
                                                       named_type, remembered)
 from backplane.backends.torch.fusion import quantized
 from backplane.backends.torch.fusion.compiled import (  # noqa: F401  # importable from here too
-    AtFirstRun, CompiledPerThreads, _close, _layout_guard, compiled_run)
+    AtFirstRun, CompiledPerThreads, _close, _layout_guard, compiled_run, fusion_switch)
 from backplane.backends.torch.fusion.traceable import TRACEABLE_KERNELS, Forced as _Forced  # noqa: F401
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
@@ -433,13 +433,8 @@ def _fusion(on: bool = True) -> Iterator[None]:
     autograd, for a trace, a freeze or a call; the switch put back as it was."""
     import torch
 
-    was = torch.jit.onednn_fusion_enabled()
-    torch.jit.enable_onednn_fusion(on)
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        torch.jit.enable_onednn_fusion(was)
+    with fusion_switch(on), torch.no_grad():
+        yield
 
 
 def _trace(traceable: Callable[..., Any], sample: Sequence[Any], fusion: bool = True) -> Any:
