@@ -318,14 +318,15 @@ COVERED = {*UNARY, *BINARY, *VARIADIC, "Where", "Clip", "Cast", *REDUCTIONS, "So
 
 def test_every_kernel_is_covered() -> None:
     """A kernel added to the table without a property here fails this, until it gets one."""
-    from backplane.backends.torch.kernels import numeric  # test_kernels_numeric.py covers these
+    from backplane.backends.torch.kernels import numeric, quantization  # test_kernels_numeric.py
     from backplane.backends.torch.kernels import indexing, network, recurrent  # test_kernels_<name>
     from backplane.backends.torch.kernels import attention, ml, vision  # test_kernels_vision.py
     from backplane.backends.torch.kernels import contrib_quant  # test_contrib_quant.py
     from backplane.backends.torch.kernels import contrib_transformer  # test_contrib_transformer
     from backplane.backends.torch.kernels import contrib_attention  # test_contrib_transformer
 
-    others = {*numeric.KERNELS, *indexing.KERNELS, *recurrent.KERNELS, *network.KERNELS,
+    others = {*numeric.KERNELS, *quantization.KERNELS, *indexing.KERNELS, *recurrent.KERNELS,
+              *network.KERNELS,
               *vision.KERNELS, *attention.KERNELS, *ml.KERNELS, *contrib_quant.KERNELS,
               *contrib_transformer.KERNELS, *contrib_attention.KERNELS}
     assert sorted(set(KERNELS) - COVERED - others) == []

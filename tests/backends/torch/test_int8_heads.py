@@ -99,7 +99,7 @@ def test_dequantize_linear_of_small_integers_is_one_float32_pass(dtype: type,
     cannot arise), computed in float32 without int64 or float64 tensors (a channels-last 8-bit
     activation at 56x56x64 took 0.3 ms in those)."""
     from backplane.backends.reference.kernels.quant import dequantize_linear as reference
-    from backplane.backends.torch.kernels.numeric import dequantize_linear
+    from backplane.backends.torch.kernels.quantization import dequantize_linear
 
     rng = np.random.default_rng(3)
     info = np.iinfo(dtype)
@@ -143,7 +143,7 @@ def test_quantize_linear_to_small_integers_stays_float32(dtype: type, per_axis: 
     either zero-point parity, NaN, infinities, values far outside the range) without a float64
     tensor."""
     from backplane.backends.reference.kernels.quant import quantize_linear as reference
-    from backplane.backends.torch.kernels.numeric import quantize_linear
+    from backplane.backends.torch.kernels.quantization import quantize_linear
 
     rng = np.random.default_rng(11)
     info = np.iinfo(dtype)

@@ -1,6 +1,6 @@
-"""Differential tests of the numeric torch kernels (``kernels/numeric.py``) against CpuRef, over
-cases that hypothesis generates, in the harness of ``differential.py`` (its rules, layouts,
-settings and environment variables hold here too).
+"""Differential tests of the numeric torch kernels (``kernels/numeric.py`` and ``quantization.py``)
+against CpuRef, over cases that hypothesis generates, in the harness of ``differential.py`` (its
+rules, layouts, settings and environment variables hold here too).
 
 Selections, bit operations, integer arithmetic, casts and quantization must equal CpuRef exactly;
 float arithmetic within a tolerance scaled by the length of its sums and products.
@@ -21,7 +21,7 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
-from backplane.backends.torch.kernels import numeric  # noqa: E402
+from backplane.backends.torch.kernels import numeric, quantization  # noqa: E402
 from tests.backends.torch.differential import (  # noqa: E402
     F16,
     F32,
@@ -602,4 +602,4 @@ def test_every_numeric_kernel_is_covered() -> None:
                "STFT", "CastLike", "BitCast", "QuantizeLinear", "DequantizeLinear",
                "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul", "ConvInteger",
                "QLinearConv"}
-    assert sorted(set(numeric.KERNELS) - covered) == []
+    assert sorted({*numeric.KERNELS, *quantization.KERNELS} - covered) == []

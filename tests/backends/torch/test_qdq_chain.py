@@ -172,7 +172,7 @@ def test_a_lookup_gathers_two_bytes_at_a_time(signed: bool) -> None:
 
     from backplane.backends.torch.backend import FUSED_DOMAIN
     from backplane.backends.torch.fusion.lookup import lookup_workload
-    from backplane.backends.torch.kernels.numeric import quantize_linear
+    from backplane.backends.torch.kernels.quantization import quantize_linear
     from backplane.ir.graph import Layer
 
     dtype, zero = (np.int8, -5) if signed else (np.uint8, 7)

@@ -5,7 +5,7 @@ on whichever device its tensors are on."""
 from __future__ import annotations
 
 from backplane.backends.torch.kernels import elementwise, indexing, numeric, nn, recurrent, shape
-from backplane.backends.torch.kernels import attention, contrib_quant, ml, network, vision
+from backplane.backends.torch.kernels import attention, contrib_quant, ml, network, quantization, vision
 from backplane.backends.torch.kernels import contrib_attention, contrib_transformer
 
 KERNELS = {
@@ -13,6 +13,7 @@ KERNELS = {
     **nn.KERNELS,
     **shape.KERNELS,
     **numeric.KERNELS,
+    **quantization.KERNELS,
     **indexing.KERNELS,
     **recurrent.KERNELS,
     **network.KERNELS,
@@ -29,6 +30,7 @@ CHECKS = {
     **nn.CHECKS,
     **shape.CHECKS,
     **numeric.CHECKS,
+    **quantization.CHECKS,
     **indexing.CHECKS,
     **recurrent.CHECKS,
     **network.CHECKS,
@@ -45,6 +47,7 @@ INPUT_DTYPES = {
     **nn.INPUT_DTYPES,
     **shape.INPUT_DTYPES,
     **numeric.INPUT_DTYPES,
+    **quantization.INPUT_DTYPES,
     **indexing.INPUT_DTYPES,
     **recurrent.INPUT_DTYPES,
     **network.INPUT_DTYPES,
