@@ -30,8 +30,26 @@ def test_busy_is_more_runnable_tasks_than_cpus(load, cpus, expected, monkeypatch
     assert threads.crowded() is expected
 
 
-def test_a_busy_load_measures_nothing_compiles_nothing_and_keeps_nothing(cache, monkeypatch) -> None:
+def test_a_busy_load_measures_nothing_and_compiles_by_rule_at_the_first_run(cache, monkeypatch) -> None:
+    """A float32 subgraph is compiled by rule (``onednn_graph.by_rule``), untimed, at its first run
+    on a busy machine too: run layer by layer there, the small tier's CNNs took 2-3x as long a run
+    for the whole session (mobilenet_dw_ts13 0.727 against 0.270 ms, load 3.6)."""
     monkeypatch.setattr(threads, "crowded", lambda: True)
+    monkeypatch.setattr(patterns, "seconds", lambda *a, **k: pytest.fail("a route was timed"))
+    session = _session(MODEL)
+    planned = _graph_workload(session)
+    assert planned.route == "onednn_graph" and onednn_graph.AT_FIRST_RUN in planned.why
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    assert_close(session.run(None, feeds), ort_outputs(MODEL, feeds))
+    assert _graph_workload(session).route == "onednn_graph"  # compiled, not its layers
+    assert _graph_workload(session).why.endswith(onednn_graph.RULE)
+
+
+def test_a_busy_load_runs_a_timed_subgraph_layer_by_layer_and_keeps_nothing(cache, monkeypatch) -> None:
+    """What "auto" would time (a subgraph in reduced precision) is neither timed nor compiled on a
+    busy machine, and nothing is kept in the route cache."""
+    monkeypatch.setattr(threads, "crowded", lambda: True)
+    monkeypatch.setattr(onednn_graph, "by_rule", lambda layer: False)
     monkeypatch.setattr(patterns, "seconds", lambda *a, **k: pytest.fail("a route was timed"))
     session = _session(MODEL)
     assert _graph_workload(session).route == "layers"

@@ -155,7 +155,8 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     description = _description(layer)
     known = remembered("graph", description, backend) if mode == "auto" else None
     later = mode == "auto" and known != "layers" and threads.deferring()
-    busy = mode == "auto" and known is None and threads.crowded()
+    busy = mode == "auto" and known is None and threads.crowded() and not (
+        by_rule(layer) and threads.making() is None)  # compiled by rule at its first run, untimed
     if mode == "layers" or known == "layers" or busy or later:  # nothing traced
         why = ("CpuAcc.compile=layers" if mode == "layers" else "kept in the route cache"
                if known == "layers" else DEFERRED if later
