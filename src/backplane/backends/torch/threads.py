@@ -52,7 +52,8 @@ _told_crowded = threading.Event()
 def crowded() -> bool:
     """Whether more tasks were runnable than this process has CPUs over the last minute (the load
     average). A load then takes CpuAcc's defaults instead of measuring routes and compiling
-    subgraphs to time them (``fusion.patterns.fastest``, ``onednn_graph``, ``traced``): on a busy
+    subgraphs to time them (``fusion.patterns.fastest``, ``onednn_graph``, ``traced``; a float32
+    OneDnnGraph, taken by rule, is compiled at its first run all the same): on a busy
     machine those took 10-30 s a session and measured the neighbours (the demo model: 18.6 s at
     load average 3.7 on this 2-core AMD EPYC, 0.38 s without; issue 27, item 5), and nothing so
     chosen is kept in the route cache: a quiet load measures and compiles them."""
@@ -71,8 +72,8 @@ def crowded() -> bool:
     if busy and not _told_crowded.is_set():
         _told_crowded.set()
         log.info("CpuAcc: the machine is busy (load average %.1f on %d CPUs): this process's loads "
-                 "take the default routes and run their subgraphs layer by layer, unmeasured and "
-                 "not kept (a load on a quiet machine measures and compiles them)", load, cpus)
+                 "take the default routes unmeasured, compile only what a rule takes, and keep "
+                 "no measurement (a load on a quiet machine measures and compiles them)", load, cpus)
     return busy
 
 
