@@ -6,19 +6,18 @@ importable from ``onednn_graph`` as before."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.torch.wrapped import Wrapper
 
 
-_SWITCH = threading.Condition()
+_SWITCH = threading.Condition(threading.Lock())  # never held across a block: no re-entry
 _HELD: dict[int, list[bool]] = {}
 """The threads inside ``fusion_switch`` and the modes each asked for, innermost last."""
 _BEFORE: list[bool] = []
@@ -27,29 +26,35 @@ _WAITING: list[tuple[int, bool]] = []
 """The threads waiting to enter and the mode each wants, in the order they came."""
 
 
-@contextlib.contextmanager
-def fusion_switch(on: bool) -> Iterator[None]:
-    """oneDNN Graph fusion, a process-wide TorchScript switch, ``on`` (or off) for the block, and
-    put back as it was after the last block that holds it. Blocks that want it the same way run
-    at once; one that wants it the other way waits until the other threads' blocks end (a trace
-    reads the switch too: ``kernels.common``). Saved and restored by each call instead, two
-    threads' first runs of one session left it on for the process, and every later trace was
-    fused by oneDNN Graph (NaN lost, routes changed; test_fusion_switch.py)."""
-    import torch
+class _Switch:
+    """``fusion_switch``'s block for one mode: a class, not a generator, and a plain lock, because
+    a compiled partition enters it on every call (the generator and a reentrant lock cost about 20
+    us of resnet_basic_ts16's 190 us run, load 3.8)."""
 
-    me = threading.get_ident()
-    with _SWITCH:
-        _WAITING.append((me, on))
-        while _blocked(on, me):
-            _SWITCH.wait()
-        _WAITING.remove((me, on))
-        if not _HELD:
-            _BEFORE[:] = [torch.jit.onednn_fusion_enabled()]
-        _HELD.setdefault(me, []).append(on)
-        torch.jit.enable_onednn_fusion(on)
-    try:
-        yield
-    finally:
+    __slots__ = ("on",)
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        import torch
+
+        on, me = self.on, threading.get_ident()
+        with _SWITCH:
+            if _WAITING or any(mode != on for modes in _HELD.values() for mode in modes):
+                _WAITING.append((me, on))
+                while _blocked(on, me):
+                    _SWITCH.wait()
+                _WAITING.remove((me, on))
+            if not _HELD:
+                _BEFORE[:] = [torch.jit.onednn_fusion_enabled()]
+            _HELD.setdefault(me, []).append(on)
+            torch.jit.enable_onednn_fusion(on)
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        me = threading.get_ident()
         with _SWITCH:
             mine = _HELD[me]
             mine.pop()
@@ -57,7 +62,21 @@ def fusion_switch(on: bool) -> Iterator[None]:
                 del _HELD[me]
             held = mine or next(iter(_HELD.values()), None)
             torch.jit.enable_onednn_fusion(held[-1] if held else _BEFORE[0])
-            _SWITCH.notify_all()
+            if _WAITING:
+                _SWITCH.notify_all()
+
+
+_SWITCHES = {True: _Switch(True), False: _Switch(False)}
+
+
+def fusion_switch(on: bool) -> _Switch:
+    """oneDNN Graph fusion, a process-wide TorchScript switch, ``on`` (or off) for the block, and
+    put back as it was after the last block that holds it. Blocks that want it the same way run
+    at once; one that wants it the other way waits until the other threads' blocks end (a trace
+    reads the switch too: ``kernels.common``). Saved and restored by each call instead, two
+    threads' first runs of one session left it on for the process, and every later trace was
+    fused by oneDNN Graph (NaN lost, routes changed; test_fusion_switch.py)."""
+    return _SWITCHES[bool(on)]
 
 
 def _blocked(on: bool, me: int) -> bool:
