@@ -33,14 +33,24 @@ def match_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
     weight, in_shape = ctx.const(w_name), ctx.shape(x)
     b_name = conv.inputs[2] if len(conv.inputs) > 2 else ""
     bias = ctx.const(b_name)
-    if weight is None or weight.dtype != F32 or weight.ndim != 4 or in_shape is None or len(in_shape) != 4:
+    if weight is None or weight.dtype != F32 or in_shape is None or (weight.ndim, len(in_shape)) \
+            not in ((4, 4), (3, 3)):
         return None
     if b_name and bias is None:
         return None
-    strides = list(conv.attrs.get("strides") or [1, 1])
-    dilations = list(conv.attrs.get("dilations") or [1, 1])
+    line = weight.ndim == 3  # a 1-d convolution: fused as a 2-d one of height 1 (``_on_line``)
+    rank = weight.ndim - 2
+    strides = list(conv.attrs.get("strides") or [1] * rank)
+    dilations = list(conv.attrs.get("dilations") or [1] * rank)
     begins, ends = spatial_pads(in_shape[2:], weight.shape[2:], strides, dilations,
                                 conv.attrs.get("auto_pad", "NOTSET"), conv.attrs.get("pads"))
+    if line:
+        product = int(conv.attrs.get("group", 1)) == 1 and _a_product(
+            in_shape, weight, strides[0], begins[0] + ends[0], dilations[0])
+        if product or _quantized_after(conv.outputs[0], ctx):
+            return None  # the int8 routes take 2-d convolutions only; the kernel's product
+        weight, in_shape = weight[:, :, None, :], [*in_shape[:2], 1, in_shape[2]]
+        strides, dilations, begins, ends = [1, *strides], [1, *dilations], [0, *begins], [0, *ends]
     group, out = [conv], conv.outputs[0]
     bias = np.zeros(weight.shape[0], F32) if bias is None else bias
     nxt = ctx.sole(out)
@@ -73,11 +83,41 @@ def match_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
     attrs = {"weight": np.ascontiguousarray(weight, F32), "bias": np.ascontiguousarray(bias, F32),
              "strides": strides, "dilations": dilations, "group": int(conv.attrs.get("group", 1)),
              "begins": begins, "ends": ends, "input_shape": list(in_shape),
-             "output_shape": list(ctx.shape(conv.outputs[0]) or []), "binary": binary,
-             "unary": unary}
+             "output_shape": _unit_height(list(ctx.shape(conv.outputs[0]) or []), line),
+             "binary": binary, "unary": unary, **({"line": True} if line else {})}
     fused = Layer("+".join(lay.name for lay in group), "FusedConv", inputs, [out], attrs,
                   FUSED_DOMAIN, 1)
     return group, fused
+
+
+def _quantized_after(out: str, ctx: Context) -> bool:
+    """Whether a QuantizeLinear reads ``out`` or what an elementwise layer makes of it (the
+    activation a FusedConv would take): ``quantized.then_quant_dequant`` would hand the fused
+    layer to the int8 routes."""
+    for _ in range(3):  # the convolution, its batch norm, its activation
+        users = ctx.consumers.get(out, [])
+        if any(u.op_type == "QuantizeLinear" for u in users):
+            return True
+        if len(users) != 1 or not users[0].outputs:
+            return False
+        out = users[0].outputs[0]
+    return False
+
+
+def _a_product(in_shape: list[int], weight: np.ndarray, stride: int, pads: int,
+               dilation: int) -> bool:
+    """Whether the 1-d convolution has so few outputs that CpuAcc's kernel runs it as one matrix
+    product of its windows, faster there than any convolution (``kernels.nn.PRODUCT_ROWS``)."""
+    from backplane.backends.torch.kernels.nn import PRODUCT_ROWS, PRODUCT_WEIGHTS
+
+    span = (weight.shape[2] - 1) * dilation + 1
+    rows = in_shape[0] * ((in_shape[2] + pads - span) // stride + 1)
+    return 0 < rows <= PRODUCT_ROWS and weight.size >= PRODUCT_WEIGHTS
+
+
+def _unit_height(shape: list[int], line: bool) -> list[int]:
+    """A 1-d convolution's (N, C, L) shape as the 2-d one it runs as, (N, C, 1, L)."""
+    return [*shape[:2], 1, *shape[2:]] if line and len(shape) == 3 else shape
 
 
 def hard_sigmoid_gate(out: str, ctx: Context) -> list[Layer] | None:
@@ -131,7 +171,7 @@ def conv_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         values = [torch.randn(a["input_shape"], dtype=dtype).contiguous(memory_format=cl)]
         if a["binary"]:
             values.append(torch.randn(a["output_shape"], dtype=dtype).contiguous(memory_format=cl))
-        return values
+        return [v.squeeze(2) for v in values] if a.get("line") else values  # (N, L, C) transposed
 
     described = {k: a[k] for k in ("input_shape", "strides", "dilations", "group", "begins", "ends",
                                    "binary", "unary")}
@@ -146,9 +186,27 @@ def _route(name: str, make: Callable[[dict[str, Any]], Workload],
     measured, not at every load for the routes not taken."""
     def made() -> Workload:
         run = make(a)
+        if a.get("line"):
+            run = _on_line(run)
         run.route = name  # type: ignore[attr-defined]  # which one was kept, for tests and debugging
         return run
     return made
+
+
+def _on_line(run: Workload) -> Workload:
+    """``run`` (a 2-d route) on a 1-d convolution's (N, C, L) tensors, viewed as (N, C, 1, L).
+
+    Why: torch's conv1d makes its input contiguous (N, C, L) first, and the usual input of a 1-d
+    convolution by an exporter, an embedding or a previous layer's (N, L, C) transposed, is not:
+    bytes_int32_dyn20's two sibling convolutions each copied theirs. The same view of height 1 is
+    channels-last, the layout the 2-d routes read, with no copy; and the 2-d route brings what a
+    2-d convolution has, a prepacked weight, fused post-ops, the folded batch norm."""
+    def line(x: Any, *other: Any) -> tuple[Any]:
+        (y,) = run(x.unsqueeze(2), *[o.unsqueeze(2) for o in other])
+        return (y.squeeze(2),)
+
+    line.__dict__.update(run.__dict__)  # its weights and the like, for tests and debugging
+    return line
 
 
 def _is_pointwise(a: dict[str, Any]) -> bool:
