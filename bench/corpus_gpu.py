@@ -17,7 +17,9 @@ out, each runtime in a process of its own, alternating over the models and runti
   TorchInductor at load);
 - ``torch_compile``: the model's source module (scripts/export_corpus.py's spec, its weights as
   the export's), on the GPU, ``torch.compile(mode="reduce-overhead")``, its inputs uploaded and its
-  outputs downloaded at each call; "-" for a model without one (a quantized export).
+  outputs downloaded at each call; "-" for a model without one (a quantized export);
+- ``cpuacc``: backplane with ``providers=["CpuAcc", "CpuRef"]`` on the CPUs the GPU runtimes
+  have (issue 28: no model slower with GpuAcc first than on these alone).
 
 A process loads, calls once (the first call, timed apart), calls for ``--warmup-seconds``, then
 times calls for ``--seconds``; a figure is the best of the rounds' medians. ``--jobs N`` runs N
@@ -56,11 +58,12 @@ from bench_openvino import environment  # noqa: E402
 
 from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E402
 
-RUNTIMES = ("ort", "gpuacc", "inductor", "torch_compile")
+RUNTIMES = ("ort", "gpuacc", "inductor", "torch_compile", "cpuacc")
 ORT_CPUS = {0, 1}
 PROVIDERS: dict[str, list[Any]] = {
     "gpuacc": ["GpuAcc", "CpuAcc", "CpuRef"],
-    "inductor": [("GpuAcc", {"compile": "inductor"}), "CpuAcc", "CpuRef"]}
+    "inductor": [("GpuAcc", {"compile": "inductor"}), "CpuAcc", "CpuRef"],
+    "cpuacc": ["CpuAcc", "CpuRef"]}
 
 
 # -- the worker side ------------------------------------------------------------------------------
@@ -220,8 +223,14 @@ def table(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> tuple[lis
                      + f" | {'-' if ratio is None else f'{ratio:.2f}'} | {load} | {plan} |")
     errors = [f"{name} on {rt}: {row[rt]['error']}" for name, row in rows.items()
               for rt in runtimes if "error" in row[rt]]
+    behind = [f"{name} {min(row['gpuacc']['ms']):.3f} / {min(row['cpuacc']['ms']):.3f}"
+              for name, row in rows.items() if row.get("gpuacc", {}).get("ms")
+              and row.get("cpuacc", {}).get("ms")
+              and min(row["gpuacc"]["ms"]) > min(row["cpuacc"]["ms"])]
     closing = [f"geomean ORT / GpuAcc {wild.geomean(ratios):.2f} over {len(ratios)} models; "
                f"GpuAcc slower than ORT on {len(slower)}: {', '.join(slower) or 'none'}",
+               *([f"GpuAcc,CpuAcc,CpuRef slower than CpuAcc,CpuRef on {len(behind)} (ms): "
+                  f"{', '.join(behind) or 'none'}"] if "cpuacc" in runtimes else []),
                *(f"not timed: {e}" for e in errors)]
     return lines, closing
 

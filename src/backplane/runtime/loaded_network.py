@@ -158,6 +158,10 @@ class LoadedNetwork:
                 self.execute = single  # type: ignore[method-assign]
         if self.fallback_memory.buffers or self.tensors:
             self._detach_outputs()
+        self.host_runs = whole_run(self) if debug.level() < 2 else None
+        if self.host_runs is not None:  # before the lock: a whole run holds it too
+            self.execute = self.host_runs  # type: ignore[method-assign]
+            destroys.append(self.host_runs.kept.close)  # the graphs' holder: nothing of self
         if self.exclusive:
             self._lock = threading.RLock()  # the traced run holds it and calls the profiled one
             self.execute = self._one_at_a_time(self.execute)  # type: ignore[method-assign]
@@ -440,6 +444,21 @@ class LoadedNetwork:
 
     def _failure(self, step: Step, exc: Exception) -> ExecutionError:
         return _failure(self._layer_of, step, exc)
+
+
+def whole_run(loaded: LoadedNetwork) -> Any:
+    """A backend's whole run of ``loaded`` where one offers it (``Backend.host_run``: GpuAcc's
+    one CUDA graph per input signature, its copies in and out captured, for a network of one
+    GpuAcc partition between the user's NumPy inputs and outputs; ``torch/cuda_host.py``), else
+    None. It is the network's ``execute``: any run it does not take (device tensors, a time
+    limit) goes through the network's steps. Its ``kept.close`` is called at the network's
+    close."""
+    for backend in loaded.network.backends.values():
+        make = getattr(backend, "host_run", None)
+        run = make(loaded) if make is not None else None
+        if run is not None:
+            return run
+    return None
 
 
 def _run(template: list[Any], failure: Callable[[Step, Exception], ExecutionError], plan: Plan,

@@ -6,7 +6,8 @@ A call reads the inputs the predicate is computed from (``sr``), looks their byt
 values seen (the first call with a value computes the predicate with CpuRef's kernels, a few
 microseconds), and runs the version's loaded network: for the VAD one compiled CpuAcc partition
 between its handovers (``steps.one_call``), where the If cut it into three and a nested network;
-on GpuAcc one CUDA graph with its copies in and out per input signature (``_whole``).
+on GpuAcc one CUDA graph with its copies in and out per input signature (the version's
+network runs so: ``loaded_network.whole_run``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
     graph: Graph = layer.attrs["predicate"]
     positions = [layer.inputs.index(name) for name in graph.inputs]
     compute = host_predicate(graph)
-    then_run, else_run = _whole(nets["then_branch"]), _whole(nets["else_branch"])
+    then_run, else_run = nets["then_branch"].execute, nets["else_branch"].execute
     known: dict[tuple[bytes, ...], bool] = {}
 
     def taken(values: Sequence[Any]) -> bool:
@@ -82,19 +83,9 @@ def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
 
     decided_if.profiled = profiled  # type: ignore[attr-defined]
     decided_if.taken = taken  # type: ignore[attr-defined]  # for tests
-    decided_if.runs = {"then_branch": then_run, "else_branch": else_run}  # type: ignore[attr-defined]
+    decided_if.runs = {b: getattr(n, "host_runs", None) or n.execute  # type: ignore[attr-defined]
+                       for b, n in nets.items()}  # for tests: the whole runs where there are
     return decided_if
-
-
-def _whole(net: Any) -> Callable[[Sequence[Any]], list[Any]]:
-    """The version's run: a backend's whole run of it where one offers it (``host_run``: GpuAcc's
-    one CUDA graph with its copies in and out, ``torch/cuda_host.py``), else its network's."""
-    for backend in net.network.backends.values():
-        make = getattr(backend, "host_run", None)
-        run = make(net) if make is not None else None
-        if run is not None:
-            return run  # type: ignore[no-any-return]
-    return net.execute  # type: ignore[no-any-return]
 
 
 def _bytes(value: Any) -> bytes:

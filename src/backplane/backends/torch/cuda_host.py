@@ -62,8 +62,10 @@ def io_map(graph: Graph, input_names: Sequence[str]) -> tuple[Layer, list[int], 
     inputs = [source(name) for name in partition.inputs]
     outputs = [source(name) for name in graph.outputs]
     if not all(name in input_names for name in inputs) \
-            or not all(name in partition.outputs for name in outputs):
-        return None  # a constant read, or an output not the partition's (an input given back)
+            or not all(name in partition.outputs for name in outputs) \
+            or not all(name in moved for name in graph.outputs):
+        return None  # a constant read, an output not the partition's (an input given back) or
+    #                  left on the device (an If's branch handing its result to GpuAcc layers)
     return (partition, [list(input_names).index(n) for n in inputs],
             [partition.outputs.index(n) for n in outputs])
 
@@ -71,12 +73,14 @@ def io_map(graph: Graph, input_names: Sequence[str]) -> tuple[Layer, list[int], 
 def host_run(network: Any) -> Callable[[Sequence[Any]], list[Any]] | None:
     """``network`` (a LoadedNetwork) as one function of its inputs, each signature one CUDA graph
     with its copies (see above); None where its form is another or GpuAcc does not capture."""
+    backend = network.network.backends.get("GpuAcc")
+    if backend is None or not backend.options.get("GpuAcc.cuda_graphs", True):
+        return None
+    found = io_map(network.network.graph, network.network.input_names)
+    if found is None:
+        return None
     from backplane.backends.torch.cuda import CapturedGraph
 
-    found = io_map(network.network.graph, network.network.input_names)
-    backend = network.network.backends.get("GpuAcc")
-    if found is None or backend is None or not backend.options.get("GpuAcc.cuda_graphs", True):
-        return None
     partition, positions, outputs = found
     # The partition's workload, made from the layer before the network released its weights
     # (the network's graph holds placeholders for them now): a Specialized layer's workload gives
@@ -87,6 +91,45 @@ def host_run(network: Any) -> Callable[[Sequence[Any]], list[Any]] | None:
     if source is None:
         return None
     return HostRuns(network.execute, backend, source, positions, outputs)
+
+
+class Built:
+    """A network's HostGraphs by input signature (None: the signature did not build as one),
+    closed with the network (``close``: the graphs and their page-locked buffers let go, not
+    when the garbage collector finds them). Holds nothing of the network: its finalizer may
+    hold it."""
+
+    def __init__(self) -> None:
+        self.graphs: OrderedDict[tuple[Any, ...], HostGraph | None] = OrderedDict()
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        """Every graph released (``release``); a run after this goes through the network.
+        Again: nothing."""
+        with self.lock:
+            self.closed = True
+            graphs = [graph for graph in self.graphs.values() if graph is not None]
+            self.graphs.clear()
+        release(graphs)
+
+
+LATER: list[HostGraph] = []
+"""Graphs closed while this thread captured a CUDA graph, released at the next ``release``."""
+
+
+def release(graphs: Sequence[HostGraph]) -> None:
+    """``graphs`` closed, and those left in ``LATER``; during a capture on this thread they wait
+    in ``LATER``: the garbage collector may close a network in the middle of another's capture
+    (its finalizer), where destroying a graph aborts the process (seen on the H100 machine)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        LATER.extend(graphs)
+        return
+    waiting = [LATER.pop() for _ in range(len(LATER))]
+    for graph in (*waiting, *graphs):
+        graph.close()
 
 
 class HostRuns:
@@ -100,14 +143,19 @@ class HostRuns:
         self.backend, self.source = backend, source  # a Specialized layer or a CapturedGraph
         self.positions, self.outputs = positions, outputs
         self.limit = specialize.signatures(backend)
-        self.built: OrderedDict[tuple[Any, ...], HostGraph | None] = OrderedDict()
-        self.lock = threading.Lock()
+        self.kept = Built()
+        self.built, self.lock = self.kept.graphs, self.kept.lock
+
+    def close(self) -> None:
+        """The graphs let go (``Built.close``); the network's own close calls it."""
+        self.kept.close()
 
     def __call__(self, values: Sequence[Any]) -> list[Any]:
         from backplane.runtime.steps import STOP
 
         args = [values[p] for p in self.positions]
-        if STOP.get() is not None or not all(type(a) is np.ndarray for a in args):
+        if STOP.get() is not None or self.kept.closed \
+                or not all(type(a) is np.ndarray for a in args):
             return self.through_network(values)  # a time limit asks between steps; device tensors
         key = tuple([(a.shape, a.dtype) for a in args])
         with self.lock:
@@ -137,7 +185,8 @@ class HostRuns:
             graph = None
         self.built[key] = graph
         while len(self.built) > max(self.limit, 1):
-            self.built.popitem(last=False)
+            _, dropped = self.built.popitem(last=False)
+            release([dropped] if dropped is not None else [])
         return graph
 
 
@@ -168,10 +217,11 @@ def _host_graph(source: Any, backend: Any, args: list[np.ndarray]) -> HostGraph 
 
 
 class HostGraph:
-    """Layers captured once into a CUDA graph with their copies: from page-locked input buffers
-    into the graph's static inputs, and from its outputs into page-locked output buffers. A call
-    fills the input buffers, replays, waits for the stream and gives the output buffers (NumPy
-    views, overwritten by the next call: the caller copies them)."""
+    """Layers captured once into a CUDA graph with their copies: from one page-locked block of
+    every input into one device block (one copy, each static input a view of it) and from its
+    outputs into page-locked output buffers. A call fills the input buffers, replays, waits for
+    the stream and gives the output buffers (NumPy views, overwritten by the next call: the
+    caller copies them)."""
 
     def __init__(self, run_layers: Callable[..., list[Any]], static: list[Any], device: Any,
                  first: Sequence[np.ndarray]) -> None:
@@ -179,8 +229,7 @@ class HostGraph:
 
         self.reads = list(range(len(static)))  # per static input, the argument it is filled from
         self.run_layers = run_layers  # holds the uploaded constants the graph reads
-        self.static = static
-        self.pinned_in = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in static]
+        self.blocks, (self.pinned_in, self.static) = packed(static, device)
         for pinned, value in zip(self.pinned_in, first):  # the warm-up runs on real values
             np.copyto(pinned.numpy(), value, casting="no")  # (indices in range, ...)
         self.pinned_out: list[Any] = []
@@ -191,7 +240,7 @@ class HostGraph:
                 self._copies_and_layers()
         torch.cuda.current_stream(device).wait_stream(side)
         side.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: Any = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._copies_and_layers()
         self.host_in = [p.numpy() for p in self.pinned_in]
@@ -201,8 +250,8 @@ class HostGraph:
     def _copies_and_layers(self) -> None:
         import torch
 
-        for target, pinned in zip(self.static, self.pinned_in):
-            target.copy_(pinned, non_blocking=True)
+        host_block, device_block = self.blocks
+        device_block.copy_(host_block, non_blocking=True)
         outputs = self.run_layers(*self.static)
         if not self.pinned_out:
             self.pinned_out = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
@@ -223,3 +272,39 @@ class HostGraph:
         self.graph.replay()
         torch.cuda.current_stream(self.device).synchronize()
         return self.host_out
+
+    def close(self) -> None:
+        """The graph and its buffers released (``Built.close``)."""
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.reset()
+        self.host_in, self.host_out, self.pinned_in, self.pinned_out = [], [], [], []
+        self.static, self.blocks, self.run_layers = [], (), _closed
+
+
+def _closed(*_: Any) -> list[Any]:
+    raise RuntimeError("this whole-run graph was closed with its network")
+
+
+ALIGN = 256
+"""Each input's offset in the packed blocks (cudaMalloc's alignment: what kernels may assume)."""
+
+
+def packed(static: Sequence[Any], device: Any) -> tuple[tuple[Any, Any], tuple[list[Any], list[Any]]]:
+    """One page-locked host block and one device block holding a tensor of each static input's
+    shape and type at ``ALIGN``-ed offsets, and those tensors (host, device): the inputs go up
+    in one copy, where a copy each cost a node of the graph (2-3 us of GPU time each)."""
+    import torch
+
+    offsets, end = [], 0
+    for tensor in static:
+        offsets.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    blocks = (torch.empty(max(end, ALIGN), dtype=torch.uint8, pin_memory=True),
+              torch.empty(max(end, ALIGN), dtype=torch.uint8, device=device))
+    views: tuple[list[Any], list[Any]] = ([], [])
+    for tensor, offset in zip(static, offsets):
+        size = tensor.numel() * tensor.element_size()
+        for block, kept in zip(blocks, views):
+            kept.append(block[offset:offset + size].view(tensor.dtype).view(tensor.shape))
+    return blocks, views
