@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import route_cache, threads  # noqa: E402
 from backplane.backends.torch.fusion import onednn_graph, patterns  # noqa: E402
 from tests.backends.torch.test_onednn_graph import MODEL, _graph_workload, _session  # noqa: E402
@@ -82,3 +83,29 @@ def test_the_cli_says_how_each_compiled_subgraph_runs_and_why(cache, monkeypatch
     monkeypatch.setattr(threads, "crowded", lambda: True)
     (forced,) = compiled_routes(_session(MODEL, "layers"))
     assert forced.endswith("layers, CpuAcc.compile=layers")
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_a_busy_load_traces_a_long_subgraph_at_its_first_run_untimed(cache, monkeypatch, static) -> None:
+    """A subgraph "auto" would trace and time (a transformer block, no convolution) is traced
+    untimed at its first run on a busy machine where it holds ``traced.UNTIMED_LAYERS`` layers or
+    more (left layer by layer, encoder4_plain_dyn18 ran 1.73 ms a run against 0.35 traced, load 4),
+    and nothing is kept in the route cache."""
+    from backplane.backends.torch.fusion import traced
+    from tests.backends.torch.test_traced import _inner_layers, _session as traced_session, \
+        _x, attention_block
+
+    monkeypatch.setattr(threads, "crowded", lambda: True)
+    monkeypatch.setattr(patterns, "seconds", lambda *a, **k: pytest.fail("a route was timed"))
+    model = attention_block(2, 5) if static else attention_block()
+    x = _x((2, 5, 16))
+    x[1, 2, 3] = np.nan
+    session = traced_session(model)
+    (got,) = session.run(None, {"x": x})
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    found = [(lay, work) for lay, work in _inner_layers(session) if lay.op_type == "Traced"]
+    assert len(found) == 1 and len(found[0][0].attrs["layers"]) >= traced.UNTIMED_LAYERS
+    assert found[0][1].route == "traced" and "untimed" in found[0][1].why
+    assert not cache.exists()

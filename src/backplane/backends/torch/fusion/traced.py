@@ -56,10 +56,12 @@ log = logging.getLogger("backplane.torch")
 HALF = np.dtype(np.float16)
 MIN_LAYERS = 3  # fewer: the trace saves less than its call costs
 UNTIMED_LAYERS = 8
-"""On a busy machine CpuAcc's background traces a subgraph without timing it (``threads.UNTIMED``)
-only from this many layers: cond_nested_dyn18's 4-layer Linear partition ran 0.064 ms a run traced
-against 0.052 layer by layer (this 2-core AMD EPYC, load 4.4); the corpus's transformers, hundreds
-of layers, run faster traced."""
+"""On a busy machine a load (at the first run: ``_deferred``) and CpuAcc's background
+(``threads.UNTIMED``) trace a subgraph without timing it only from this many layers:
+cond_nested_dyn18's 4-layer Linear partition ran 0.064 ms a run traced against 0.052 layer by layer
+(this 2-core AMD EPYC, load 4.4); the corpus's transformers, hundreds of layers, run faster traced
+(left layer by layer on a busy machine, encoder_padmask_ts17 0.763 ms a run against 0.308 traced,
+encoder4_plain_dyn18 1.05 against 0.52, load 4-5)."""
 FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "SqueezeExcite", "QuantDequant", "QLinearConv",
                              "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
                              "Lookup", "ScaledDotAttention"})
@@ -241,8 +243,13 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
     def chosen() -> Workload:
         known = remembered("traced", description, backend) if mode == "auto" else None
         later = mode == "auto" and known != "layers" and threads.deferring()
-        busy = mode == "auto" and known is None and (threads.crowded() or (
-            threads.making() == threads.UNTIMED and len(layer.attrs["layers"]) < UNTIMED_LAYERS))
+        many = len(layer.attrs["layers"]) >= UNTIMED_LAYERS
+        crowded = mode == "auto" and known is None and threads.crowded()
+        if crowded and many and threads.making() is None and not later:
+            return because(_deferred(layer, backend, inputs, layers),
+                           "a busy machine: traced at the first run, untimed")
+        busy = crowded or (mode == "auto" and known is None and
+                           threads.making() == threads.UNTIMED and not many)
         if mode == "layers" or known == "layers" or busy or later:  # not traced, timed nor kept
             return deferred(because(layers(), "CpuAcc.compile=layers" if mode == "layers" else
                                     "kept in the route cache" if known == "layers" else
@@ -317,16 +324,30 @@ def _packing(inputs: prepacked.TraceInputs) -> Iterator[None]:
         prepacked.TRACED.reset(token)
 
 
-def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) -> Workload:
-    """The frozen ``module``'s call: the inputs in their sample's layout, then the packed weights
-    it takes as inputs (``prepacked.TraceInputs``)."""
+def below_autograd() -> Any:
+    """The context a frozen trace runs in: dispatched below autograd and ``ADInplaceOrView``
+    (torch's ``AutoDispatchBelowADInplaceOrView``, what its own inference-only kernels run under;
+    ``no_grad`` where a torch lacks it). Under ``no_grad`` each op still passes both keys, which
+    track views and bump the version counters of in-place results, and a trace is all small ops,
+    most of them views and in-place activations (the full-tier VAD's: 151 -> 121 us a call at 1
+    thread, this 2-core AMD EPYC, load 4.5). The values are the same ops' on the same tensors;
+    nothing a run returns requires grad, and the runtime tells an output's memory by its storage,
+    not by view metadata (``runtime/ownership.py``)."""
     import torch
 
+    guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+    return guard() if guard is not None else torch.no_grad()
+
+
+def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) -> Workload:
+    """The frozen ``module``'s call: the inputs in their sample's layout, then the packed weights
+    it takes as inputs (``prepacked.TraceInputs``), below autograd (``below_autograd``)."""
     conform = onednn_graph._layout_guard(sample)
+    forward = module._c._get_method("forward")  # its C++ method: no nn.Module call in between
 
     def run(*values: Any) -> tuple[Any, ...]:
-        with torch.no_grad():
-            outputs = module(*conform(values), *packed)
+        with below_autograd():
+            outputs = forward(*conform(values), *packed)
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
