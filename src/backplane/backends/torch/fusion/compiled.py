@@ -93,13 +93,14 @@ def _blocked(on: bool, me: int) -> bool:
 
 def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload:
     """The call of a compiled OneDnnGraph: its inputs in the layout it was traced for
-    (``_layout_guard``), oneDNN Graph fusion on for the call and put back after, no autograd."""
-    import torch
+    (``_layout_guard``), oneDNN Graph fusion on for the call and put back after, below autograd
+    (``traced.below_autograd``: the same ops, less dispatch per op)."""
+    from backplane.backends.torch.fusion.traced import below_autograd
 
     conform = _layout_guard(sample)
 
     def run(*values: Any) -> tuple[Any, ...]:
-        with fusion_switch(True), torch.no_grad():
+        with fusion_switch(True), below_autograd():
             outputs = modules(*conform(values))
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
@@ -123,12 +124,13 @@ class CompiledPerThreads:
         import torch
 
         self.make, self.modules = make, dict(modules or {})
+        self._forwards = {count: _forward(module) for count, module in self.modules.items()}
         self._count = torch.get_num_threads
         self._lock = threading.Lock()
 
     def __call__(self, *values: Any) -> Any:
-        module = self.modules.get(self._count())
-        return module(*values) if module is not None else self._first(values)
+        forward = self._forwards.get(self._count())
+        return forward(*values) if forward is not None else self._first(values)
 
     def _first(self, values: Sequence[Any]) -> Any:
         with self._lock:  # one compile per count, also with threads running the network at once
@@ -142,7 +144,15 @@ class CompiledPerThreads:
                 module(*values)  # profiled: records the types the fuser needs
                 outputs = module(*values)  # the partitions compiled, then run
             self.modules[count] = module
+            self._forwards[count] = _forward(module)
             return outputs
+
+
+def _forward(module: Any) -> Callable[..., Any]:
+    """A frozen module's TorchScript ``forward`` itself, where it has one: no ``nn.Module`` call
+    (hooks, its Python frames) in between on every run."""
+    scripted = getattr(module, "_c", None)
+    return scripted._get_method("forward") if scripted is not None else module
 
 
 class AtFirstRun(Wrapper):
