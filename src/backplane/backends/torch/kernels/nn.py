@@ -161,19 +161,24 @@ def _by_slices(X, kernel_shape, strides, begins, ends, dilations, ceil_mode) -> 
 
 
 def _strided_max(X, kernel_shape, strides):
-    """An unpadded max pool as the elementwise maximum of its window's strided views of X, one per
-    offset in the window: torch's pool walks each window apart (NCHW: 5-8 times slower; its pool
-    with indices, which a trace holds, likewise), where each maximum here is one vectorized pass
-    over the output, in X's layout. torch.maximum keeps NaN, as CpuRef's pool does."""
-    import itertools
-
+    """An unpadded max pool as elementwise maxima of strided views of X: torch's pool walks each
+    window apart (NCHW: 5-8 times slower; its pool with indices, which a trace holds, likewise),
+    where each maximum here is one vectorized pass in X's layout. The window's maximum is taken one
+    spatial axis after the other (a max over the rows, then over the columns of that): k - 1
+    maxima per axis of k, not k * k - 1, each of the first over the whole rows of the output's
+    strided rows. 1 thread, this project's 2-core AMD EPYC, ms, every view at once / axis by axis:
+    (1, 16, 256, 256) 2x2 stride 2 channels-last 0.58 / 0.41, NCHW 1.61 / 0.69; (1, 32, 112, 112)
+    3x3 stride 2 0.39 / 0.20 and 1.03 / 0.37; (1, 64, 56, 56) 3x3 stride 1 0.30 / 0.18 and 0.40 /
+    0.17 (a new input each call). torch.maximum keeps NaN, as CpuRef's pool does."""
     spatial = [int(n) for n in X.shape[2:]]  # ints: a trace's sizes are tensors
     outs = [(n - k) // s + 1 for n, k, s in zip(spatial, kernel_shape, strides)]
-    y = None
-    for offsets in itertools.product(*(range(k) for k in kernel_shape)):
-        view = X[(Ellipsis, *(slice(o, o + (m - 1) * s + 1, s)
-                              for o, m, s in zip(offsets, outs, strides)))]
-        y = view if y is None else torch.maximum(y, view)
+    y = X
+    for axis, (k, m, s) in enumerate(zip(kernel_shape, outs, strides), start=2):
+        along = None
+        for offset in range(k):
+            view = y[(slice(None),) * axis + (slice(offset, offset + (m - 1) * s + 1, s),)]
+            along = view if along is None else torch.maximum(along, view)
+        y = along
     return y.clone() if math.prod(kernel_shape) == 1 else y  # a view of X: the output is its own
 
 
