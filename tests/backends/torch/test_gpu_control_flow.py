@@ -235,7 +235,7 @@ def test_corpus_control_flow_on_the_gpu(name: str) -> None:
 def test_small_conv1d_is_one_matrix_product(case: tuple) -> None:
     import torch.nn.functional as F
 
-    from backplane.backends.torch.gpu_fusion import _small_conv1d
+    from backplane.backends.torch.gpu_small import _small_conv1d
     from backplane.ir.graph import Layer
 
     c_in, c_out, length, k, stride, dilation, pads, batch = case

@@ -1,9 +1,9 @@
 """Whole runs for every network a backend offers one for (``loaded_network.whole_run``, GpuAcc's
-``cuda_host.HostRuns``), and GpuAcc's small-step forms (``gpu_fusion``) checked on any machine:
-the hook takes the run and its graphs are closed with the session, explicitly or when it is
-collected; ``io_map`` leaves outputs kept on the device alone; the Conv1d product against torch's
-conv1d. On CUDA: a plain one-partition GpuAcc model runs whole and matches CpuRef, the one-step
-LSTM and the small Conv1d -> Relu take their few kernels."""
+``cuda_host.HostRuns``), and GpuAcc's small layers (``gpu_small``), checked on any machine: the
+hook takes the run and its graphs are closed with the session, explicitly or when it is
+collected; ``io_map`` leaves outputs kept on the device alone; the Conv1d and one-row Gemm forms
+against torch's conv1d and product. On CUDA: a one-partition GpuAcc model runs whole and matches
+CpuRef, the one-step LSTM runs torch's fused cell, graphs closed during a capture wait for it."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_io_map_leaves_an_output_kept_on_the_device_to_the_network() -> None:
 def test_conv1d_product_is_torch_s_conv1d(case: tuple, relu: bool, bias: bool) -> None:
     import torch.nn.functional as F
 
-    from backplane.backends.torch.gpu_fusion import conv1d_product
+    from backplane.backends.torch.gpu_small import conv1d_product
 
     c_in, c_out, length, k, stride, dilation, pads, batch = case
     x, w, b = (torch.from_numpy(RNG.standard_normal(shape).astype(np.float32))
@@ -234,3 +234,23 @@ def test_graphs_closed_during_a_capture_wait_for_its_end() -> None:
         assert _Graph.closes == 0 and kept.closed
     release([])
     assert _Graph.closes == 1
+
+
+@pytest.mark.parametrize("trans_b, c_shape", [(True, (1,)), (False, (1, 3)), (False, None),
+                                              (True, (3,))])
+def test_row_gemm_is_the_product(trans_b: bool, c_shape: tuple | None) -> None:
+    from backplane.backends.torch.gpu_small import row_gemm
+
+    columns = 1 if c_shape == (1,) else 3
+    a = torch.from_numpy(RNG.standard_normal((1, 128)).astype(np.float32))
+    b = torch.from_numpy(RNG.standard_normal((columns, 128) if trans_b else (128, columns))
+                         .astype(np.float32))
+    c = None if c_shape is None else torch.from_numpy(RNG.standard_normal(c_shape)
+                                                      .astype(np.float32))
+    a[0, 5] = float("nan") if columns == 3 else a[0, 5]
+    got = row_gemm(a, b, c, trans_b)
+    want = a.double() @ (b.double().t() if trans_b else b.double())
+    want = (want if c is None else want + c.double()).float()
+    assert got.shape == want.shape == (1, columns)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, equal_nan=True)
+    assert bool(got.isnan().all()) == (columns == 3)
