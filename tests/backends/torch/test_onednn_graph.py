@@ -255,3 +255,16 @@ def test_two_sessions_with_different_compile_options_each_get_theirs() -> None:
     routes = [_graph_workload(InferenceSession(MODEL, backends=["CpuAcc", "CpuRef"], runtime=r)).route
               for r in (layers, compiled, layers, compiled)]
     assert routes == ["layers", "onednn_graph", "layers", "onednn_graph"]
+
+
+def test_a_compiled_graph_reads_no_sizes_at_run_time() -> None:
+    """A OneDnnGraph's boundary is static: a Flatten's size arithmetic (``aten::size``,
+    ``NumToTensor``, ``mul``, ``Int``, a list) is done once at its compile
+    (``static_sizes.fold_sizes``), not by every run, and the values are the same."""
+    session = _session(MODEL, "onednn_graph")
+    feeds = dict(np.load(DATA / "tiny_mobilenet_v3.npz"))
+    assert_close(session.run(None, feeds), ort_outputs(MODEL, feeds))
+    (module,) = _graph_workload(session).modules.modules.values()
+    kinds = {node.kind() for node in module.graph.nodes()}
+    assert "aten::flatten" in kinds or "aten::reshape" in kinds or "aten::view" in kinds
+    assert not kinds & {"aten::size", "prim::NumToTensor"}, sorted(kinds)

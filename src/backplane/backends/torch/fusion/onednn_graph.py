@@ -396,6 +396,8 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
     its runs after that as fast)."""
     import torch
 
+    from backplane.backends.torch.fusion.static_sizes import fold_sizes
+
     traceable = layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))
     seen: list[Any] = []
 
@@ -411,6 +413,7 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
             torch.set_num_threads(1)  # what follows runs the layers, uncompiled: see above
             try:
                 traced = _trace(recorded, sample)
+                fold_sizes(traced.graph)  # static boundary: a Flatten's size arithmetic done once
                 module = _freeze(traced)
                 module(*sample)  # profiled: the types the fuser needs
             finally:
