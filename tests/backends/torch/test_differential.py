@@ -318,7 +318,7 @@ COVERED = {*UNARY, *BINARY, *VARIADIC, "Where", "Clip", "Cast", *REDUCTIONS, "So
 
 def test_every_kernel_is_covered() -> None:
     """A kernel added to the table without a property here fails this, until it gets one."""
-    from backplane.backends.torch.kernels import numeric, quantization  # test_kernels_numeric.py
+    from backplane.backends.torch.kernels import numeric, quantization  # test_kernels_<name>.py
     from backplane.backends.torch.kernels import indexing, network, recurrent  # test_kernels_<name>
     from backplane.backends.torch.kernels import attention, ml, vision  # test_kernels_vision.py
     from backplane.backends.torch.kernels import contrib_quant  # test_contrib_quant.py
