@@ -92,7 +92,8 @@ class TraceInputs:
     layers' first run (untraced) it is packed and kept here, in the order made; the trace then
     takes ``packed`` as its last inputs, and the same calls during the trace hand those very
     tensors back (the tracer knows them as inputs). 32x1024x256 at 1 thread, this AMD EPYC:
-    plain 401, packed 337 us (``fusion/linear.py``)."""
+    plain 401, packed 337 us (``fusion/linear.py``). A traced convolution's weight likewise
+    (``conv_weight``, ``fusion/conv.py``)."""
 
     def __init__(self) -> None:
         self._made: dict[int, tuple[Any, Any]] = {}  # id(weight) -> (weight, packed)
@@ -104,6 +105,19 @@ class TraceInputs:
         found = self._made.get(id(weight))
         if found is None or found[0] is not weight:
             found = (weight, torch.ops.mkldnn._reorder_linear_weight(weight, rows))
+            self._made[id(weight)] = found
+        return found[1]
+
+    def conv_weight(self, weight: Any, padding: list[int], strides: list[int],
+                    dilations: list[int], groups: int, input_shape: list[int]) -> Any:
+        """A convolution's ``weight`` packed for its geometry and input shape (made at the first
+        call for it), as ``weight`` packs a linear's."""
+        import torch
+
+        found = self._made.get(id(weight))
+        if found is None or found[0] is not weight:
+            found = (weight, torch.ops.mkldnn._reorder_convolution_weight(
+                weight, padding, strides, dilations, groups, input_shape))
             self._made[id(weight)] = found
         return found[1]
 

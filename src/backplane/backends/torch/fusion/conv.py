@@ -3,6 +3,7 @@ with post-ops, or torch's convolution) measured at load."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -275,9 +276,12 @@ def _onednn_conv(a: dict[str, Any], name: str) -> Workload:
 
 
 def _torch_conv(a: dict[str, Any]) -> Workload:
-    """torch's own convolution on channels-last tensors, the post-ops as separate torch calls."""
+    """torch's own convolution on channels-last tensors, the post-ops as separate torch calls; in a
+    ``Traced`` layer's trace, oneDNN's on the weight packed once (``_scripted_conv``)."""
     import torch
     import torch.nn.functional as F
+
+    from backplane.backends.torch import prepacked
 
     cl = torch.channels_last
     # A copy only where channels-last is another layout (not for 1x1 or depthwise kernels)
@@ -288,13 +292,45 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
                                            for p in (b, e)]
     padding = begins if pre_pad is None else [0, 0]
     strides, dilations, groups = a["strides"], a["dilations"], a["group"]
+    shape = list(a["input_shape"][:2]) + [n + b + e for n, b, e in
+                                          zip(a["input_shape"][2:], begins, ends)]
+    plain = weight_of(a, "weight")  # what oneDNN's packing reads, in a Traced layer
 
     def conv(x):
         x = F.pad(x, pre_pad) if pre_pad else x
-        return F.conv2d(x.contiguous(memory_format=cl), weight, bias, strides, padding, dilations,
-                        groups)
+        x = x.contiguous(memory_format=cl)
+        inputs = prepacked.TRACED.get()
+        if inputs is not None and x.dtype == torch.float32:  # a Traced layer (``_scripted_conv``)
+            packed = inputs.conv_weight(plain, padding, strides, dilations, groups, shape)
+            if torch.jit.is_tracing():
+                return _scripted_conv()(x, packed, bias, padding, strides, dilations, groups)
+        return F.conv2d(x, weight, bias, strides, padding, dilations, groups)
 
     return holding(_then_post_ops(conv, a), weight, bias)
+
+
+@functools.cache
+def _scripted_conv() -> Any:
+    """oneDNN's convolution (``mkldnn::_convolution_pointwise``) on a packed weight, as the
+    TorchScript function a ``Traced`` layer's trace holds (``prepacked.TraceInputs``).
+
+    Why: a trace holds torch's route (``onednn_graph.TRACEABLE_ROUTES``), torch's conv2d, which
+    reorders the plain weight into oneDNN's layout at every call, and a frozen graph holds no packed
+    weight as a constant; packed once, it is an input of the frozen graph, as a traced Linear's is.
+    oneDNN Graph's traces (the fuser on) keep conv2d, the call its fuser takes. The tracer takes no
+    ``Scalar?[]`` argument: a scripted call holds it, and freezing inlines it."""
+    import torch
+
+    return torch.jit.CompilationUnit(_ONEDNN_CONV).conv
+
+
+_ONEDNN_CONV = """
+def conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], padding: List[int], strides: List[int],
+         dilations: List[int], groups: int) -> Tensor:
+    scalars: List[Optional[Union[int, float, complex]]] = []
+    return torch.ops.mkldnn._convolution_pointwise(x, weight, bias, padding, strides, dilations,
+                                                   groups, "none", scalars, None)
+"""
 
 
 def _then_post_ops(compute: Callable[[Any], Any], a: dict[str, Any]) -> Workload:

@@ -1,0 +1,94 @@
+"""A Traced layer's convolutions (issue 27: crnn_paddle_ts12's CNN before its LSTMs,
+bytes_int32_dyn20's 1-d ones) read weights packed once: oneDNN's convolution on the packed weight,
+an input of the frozen graph (``prepacked.TraceInputs.conv_weight``, ``conv._scripted_conv``),
+where torch's conv2d reordered the plain weight at every call."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.backends.torch import prepacked, threads  # noqa: E402
+from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.conftest import float_input, make_model  # noqa: E402
+
+RNG = np.random.default_rng(13)
+
+
+def _weight(name: str, *shape: int) -> onnx.TensorProto:
+    return numpy_helper.from_array((RNG.standard_normal(shape) * 0.2).astype(np.float32), name)
+
+
+def _cnn() -> tuple[onnx.ModelProto, list[int]]:
+    """Conv 3x3 -> Relu -> Conv 3x3 stride 2, asymmetric pads -> depthwise Conv -> ReduceMax over
+    the image (no op oneDNN Graph takes: a Traced layer)."""
+    inits = [_weight("w1", 8, 4, 3, 3), _weight("b1", 8), _weight("w2", 8, 8, 3, 3),
+             _weight("w3", 8, 1, 3, 3), _weight("b3", 8)]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], strides=[2, 2], pads=[0, 1, 1, 0]),
+             helper.make_node("Conv", ["c2", "w3", "b3"], ["c3"], group=8, pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceMax", ["c3"], ["y"], axes=[2, 3], keepdims=0)]
+    model = make_model(nodes, [float_input("x", [1, 4, 16, 16])], [float_input("y", None)], inits,
+                       opset=13)
+    return model, [1, 4, 16, 16]
+
+
+def _gated_1d() -> tuple[onnx.ModelProto, list[int]]:
+    """(1, L, C) -> Transpose -> Conv1d and Conv1d -> Sigmoid -> Mul -> ReduceMax: the byte
+    classifier's gated convolution."""
+    inits = [_weight("w1", 16, 8, 8), _weight("b1", 16), _weight("w2", 16, 8, 8),
+             _weight("b2", 16)]
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("Conv", ["t", "w1", "b1"], ["a"], strides=[4]),
+             helper.make_node("Conv", ["t", "w2", "b2"], ["g"], strides=[4]),
+             helper.make_node("Sigmoid", ["g"], ["s"]), helper.make_node("Mul", ["a", "s"], ["m"]),
+             helper.make_node("ReduceMax", ["m"], ["y"], axes=[2], keepdims=0)]
+    model = make_model(nodes, [float_input("x", [1, 256, 8])], [float_input("y", None)], inits,
+                       opset=13)
+    return model, [1, 256, 8]
+
+
+def _traced(model: onnx.ModelProto, monkeypatch) -> tuple[InferenceSession, object]:
+    monkeypatch.setattr(threads, "crowded", lambda: False)
+    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(RuntimeOptions(
+        backend_options={"CpuAcc.route_cache": False, "CpuAcc.compile": "onednn_graph"})))
+    loaded = session.runtime.network(session.network_id)
+    (workload,) = [getattr(step.workload, "work", step.workload)
+                   for step, layer in zip(loaded.steps, loaded.layers) if layer.op_type == "Traced"]
+    return session, workload
+
+
+@pytest.mark.parametrize("make, convs", [(_cnn, 3), (_gated_1d, 2)])
+def test_a_traced_convolution_reads_its_packed_weight(make, convs, monkeypatch) -> None:
+    model, shape = make()
+    session, workload = _traced(model, monkeypatch)
+    graph = workload.module.graph
+    products = [n for n in graph.nodes() if n.kind() == "mkldnn::_convolution_pointwise"]
+    assert len(products) == convs and "aten::_convolution" not in str(graph)
+    assert all(p.inputsAt(1).node().kind() == "prim::Param" for p in products)  # not constants
+    assert sum(w.is_mkldnn for w in workload.weights) == convs
+    x = RNG.standard_normal(shape).astype(np.float32)
+    x.reshape(-1)[37] = np.nan  # the outputs whose windows read it NaN, through every layer
+    (got,) = session.run(None, {"x": x})
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    assert np.isnan(want).any() and np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_trace_inputs_pack_each_convolution_weight_once() -> None:
+    inputs = prepacked.TraceInputs()
+    w = torch.randn(8, 4, 3, 3)
+    first = inputs.conv_weight(w, [1, 1], [1, 1], [1, 1], 1, [1, 4, 10, 10])
+    assert first.is_mkldnn and inputs.packed == [first]
+    assert inputs.conv_weight(w, [1, 1], [1, 1], [1, 1], 1, [1, 4, 10, 10]) is first
+    x = torch.randn(1, 4, 10, 10).contiguous(memory_format=torch.channels_last)
+    got = torch.ops.mkldnn._convolution_pointwise(x, first, None, [1, 1], [1, 1], [1, 1], 1,
+                                                  "none", [], None)
+    torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 1, 1), rtol=1e-4,
+                               atol=1e-5)
