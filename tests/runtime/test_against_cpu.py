@@ -208,3 +208,29 @@ def test_a_model_with_many_weights_is_not_timed(monkeypatch) -> None:
     assert against_cpu.applies(ids, placed, options, {}) == ["CpuAcc", "CpuRef"]
     monkeypatch.setattr(against_cpu, "MAX_WEIGHT_BYTES", weights - 1)
     assert against_cpu.applies(ids, placed, options, {}) is None
+
+
+@pytest.mark.parametrize("gpu_ms, kept", [(2.0, {"CpuAcc": 6}), (0.5, {"CpuRef": 6})])
+def test_an_artifact_keeps_the_faster_placement_timed_when_compiled(tmp_path, monkeypatch,
+                                                                    gpu_ms, kept) -> None:
+    """``backplane.compile`` (and the compile cache, which builds the same way) times the placement
+    as a session's load does and stores the faster one: a session loading the artifact times
+    nothing (with ``$BACKPLANE_COMPILE_CACHE`` set, GpuAcc had kept small control-flow models 2-4x
+    slower than CpuAcc). CpuRef stands in for GpuAcc's placement, CpuAcc for the CPU's."""
+    import backplane
+
+    monkeypatch.setattr(against_cpu, "LIMIT_MS", 1e6)
+    given = _timed(monkeypatch, gpu_ms=gpu_ms, cpu_ms=1.0)
+    monkeypatch.setattr(against_cpu, "applies", lambda ids, network, options, pins:
+                        ["CpuAcc", "CpuRef"] if list(ids) == ["CpuRef"] else None)
+    model = tmp_path / "convs.onnx"
+    onnx.save(_conv_model(), model)
+    output = tmp_path / "convs.bpl"
+    backplane.compile(str(model), ["CpuRef"], output)
+    assert len(given) == 1  # timed once, when compiled
+    session = InferenceSession(str(output))
+    assert len(given) == 1  # not at the artifact's load
+    assert session.report.counts() == kept
+    x = np.random.default_rng(4).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    (want,) = InferenceSession(str(model), backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-4)

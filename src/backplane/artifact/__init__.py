@@ -65,6 +65,7 @@ def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Ma
           durable: bool = True) -> int:
     """Import, optimize, preprocess and write: ``compile`` with the options already resolved
     (``durable``: see ``container.write``; the compile cache writes without an fsync)."""
+    from backplane import against_cpu
     from backplane.frontends.onnx import import_onnx
     from backplane.frontends.onnx_file import read_model
     from backplane.optimizer.optimize import optimize
@@ -79,6 +80,10 @@ def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Ma
     del read
     network = optimize(graph, ids, pins=pins, options=optimizer_options, registry=runtime.registry,
                        backend_options=dict(options))
+    network = against_cpu.at_compile(
+        runtime, graph, network, ids, options, pins or {},
+        lambda without: optimize(graph, without, pins=pins, options=optimizer_options,
+                                 registry=runtime.registry, backend_options=dict(options)))
     runtime.prepare(network)
     blobs = delegate(network)
     manifest = manifest_of(network, blobs, model_sha256=digest, metadata=vars(meta),
