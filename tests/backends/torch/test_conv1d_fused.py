@@ -66,8 +66,8 @@ def test_sibling_1d_convolutions_become_fused_convs(route: str, compile_mode: st
 
 @pytest.mark.parametrize("route", ["onednn", "torch"])
 def test_a_transposed_input_is_read_without_a_copy(route: str) -> None:
-    """The (N, C, L) view of an (N, L, C) tensor is channels-last at height 1: no copy of it (torch's
-    conv1d made it contiguous first). 4096 x 8 values: torch's conv2d takes oneDNN's convolution
+    """The (N, C, L) view of an (N, L, C) tensor is channels-last at height 1: no copy of it
+    (torch's conv1d made it contiguous first). 4096 x 8 values: torch's conv2d takes oneDNN's convolution
     from 20480 values (its own, below, makes the input contiguous)."""
     session = _session(gated_model(length=4096), **{"CpuAcc.conv_route": route,
                                                     "CpuAcc.compile": "layers"})
@@ -77,7 +77,8 @@ def test_a_transposed_input_is_read_without_a_copy(route: str) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for workload in workloads:
             workload(x)
-    copies = {e.key: e.count for e in prof.key_averages() if e.key in ("aten::copy_", "aten::clone")}
+    copies = {e.key: e.count for e in prof.key_averages()
+              if e.key in ("aten::copy_", "aten::clone")}
     assert not copies, copies
     (y,) = workloads[1](x)  # the gate: conv -> sigmoid
     assert y.shape == (1, 16, 1023)
