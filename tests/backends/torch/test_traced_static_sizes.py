@@ -1,6 +1,7 @@
 """A Traced layer's shape reads are constants of its frozen graph (``fusion/static_sizes.py``): the
 size arithmetic a kernel does (a Conv1d's output length, a reshape of a constant weight by it) is
-done once at the build, not at every run, and the trace computes what the layers compute."""
+done once at the build, not at every run, each chain of views is one view, and the trace computes
+what the layers compute."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import threads  # noqa: E402
-from backplane.backends.torch.fusion.static_sizes import fold_sizes  # noqa: E402
+from backplane.backends.torch.fusion.static_sizes import VIEWS, fold_sizes, fold_views  # noqa: E402,E501
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
 
@@ -100,3 +101,33 @@ def test_a_traced_conv1d_front_end_reads_no_size(monkeypatch) -> None:
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).any()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _views(x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The VAD's views: a state row through an Unsqueeze and a Squeeze (back as it was), the other
+    row (at another offset), a transposed reshape (one view), one that copies, and an output that
+    is the input as it was."""
+    first = state.select(0, 0).reshape(1, 1, 8).select(0, 0)
+    second = state.select(0, 1).reshape(1, 1, 8).select(0, 0)
+    turned = x.t().reshape(8, 1)
+    copied = x.unsqueeze(0).expand(2, 1, 8).reshape(2, 8)
+    return first * second + x.unsqueeze(0).reshape(1, 8), turned * 2, copied + 1, \
+        x.unsqueeze(0).reshape(1, 8)
+
+
+def test_chains_of_views_fold_to_one() -> None:
+    sample = (torch.randn(1, 8), torch.randn(2, 1, 8))
+    traced = torch.jit.trace(_views, sample)
+    before = sum(node.kind() in VIEWS for node in traced.graph.nodes())
+    assert fold_views(traced.graph) >= 4
+    kinds = [node.kind() for node in traced.graph.nodes()]
+    # 14 -> 8: the second row's three and the copy's two stay
+    assert (before, sum(kind in VIEWS for kind in kinds)) == (14, 8)
+    assert kinds.count("aten::as_strided") == 3  # the first row, the turned one, the output
+    for _ in range(3):  # other values, NaN in one: the folded graph computes what the views did
+        x, state = torch.randn(1, 8), torch.randn(2, 1, 8)
+        state[1, 0, 3] = float("nan")
+        got, want = traced(x, state), _views(x, state)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+        assert got[3] is not x and got[3].data_ptr() == x.data_ptr()  # a view of its own

@@ -63,3 +63,105 @@ def _constant_of(node: Any) -> int | list[int] | None:
     if not isinstance(dim, int) or not -len(sizes) <= dim < len(sizes):
         return None
     return int(sizes[dim])
+
+
+VIEWS = frozenset({"aten::reshape", "aten::view", "aten::select", "aten::unsqueeze",
+                   "aten::squeeze", "aten::transpose", "aten::t", "aten::permute", "aten::narrow",
+                   "aten::slice", "aten::flatten", "aten::as_strided"})
+"""The ops ``fold_views`` composes: each a view of its first input (a reshape or a flatten where
+it is one), by arguments that are constants of the graph."""
+
+
+def fold_views(graph: Any) -> int:
+    """Each chain of views in ``graph`` (a traced TorchScript graph with static shapes, changed in
+    place) made one view of the chain's first input: the value itself where the chain gives it
+    back as it is (an unsqueeze then a reshape back, the VAD's ``(1, 128)`` state through a
+    Squeeze, an Unsqueeze and a Concat's reshape), else one ``as_strided`` of it. A chain is
+    composed on a meta tensor of its input's traced sizes and strides, and folded only where every
+    step is a view (not a reshape that copies), ends where its input's storage offset is (a view
+    at another offset keeps its ops) and has the sizes and strides the tracer saw. Returns how
+    many views were replaced."""
+    import torch
+
+    torch._C._jit_pass_constant_propagation(graph)  # the views' arguments as constants
+    replaced = 0
+    for node in list(graph.nodes()):
+        if not _view(node) or not _view(node.inputsAt(0).node()):
+            continue  # a chain's end, at least two views long
+        root, steps = node.inputsAt(0), [node]
+        while _view(root.node()):
+            steps.insert(0, root.node())
+            root = root.node().inputsAt(0)
+        composed = _composed(root, steps)
+        if composed is None:
+            continue
+        sizes, strides = composed
+        if _complete(root) == (sizes, strides) and not _returned(node.output()):
+            node.output().replaceAllUsesWith(root)
+        else:
+            node.output().replaceAllUsesWith(_as_strided(graph, node, root, sizes, strides))
+        replaced += 1
+    if replaced:
+        torch._C._jit_pass_dce(graph)
+    return replaced
+
+
+def _view(node: Any) -> bool:
+    return node.kind() in VIEWS and all(v.node().kind() == "prim::Constant"
+                                        for v in list(node.inputs())[1:])
+
+
+def _complete(value: Any) -> tuple[list[int], list[int]] | None:
+    """The traced sizes and strides of ``value``, where the tracer knew them all."""
+    import torch
+
+    typed = value.type()
+    if not isinstance(typed, torch._C.TensorType):
+        return None
+    sizes, strides = typed.sizes(), typed.strides()
+    if sizes is None or strides is None or None in sizes or None in strides:
+        return None
+    return list(sizes), list(strides)
+
+
+def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int]] | None:
+    """The sizes and strides ``steps`` make of ``root`` on a meta tensor, or None where one step
+    is not a view of it, the offset moves or the result is not what the tracer saw."""
+    import torch
+
+    layout, wanted = _complete(root), _complete(steps[-1].output())
+    typed = root.type()
+    if layout is None or wanted is None or typed.scalarType() is None:
+        return None
+    dtype = getattr(torch, typed.scalarType().lower(), None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    with torch.no_grad():
+        base = torch.empty_strided(*layout, dtype=dtype, device="meta")
+        value = base
+        try:
+            for step in steps:
+                op = getattr(torch.ops.aten, step.kind().split("::")[1])
+                value = op(value, *[v.toIValue() for v in list(step.inputs())[1:]])
+        except (RuntimeError, TypeError, ValueError):
+            return None
+    if value._base is not base or value.storage_offset() != 0:
+        return None
+    found = (list(value.shape), list(value.stride()))
+    return found if found == wanted else None
+
+
+def _returned(value: Any) -> bool:
+    """Whether ``value`` leaves the graph (an output stays a value of its own)."""
+    return any(use.user.kind() in ("prim::Return", "prim::TupleConstruct") for use in value.uses())
+
+
+def _as_strided(graph: Any, before: Any, root: Any, sizes: list[int], strides: list[int]) -> Any:
+    made = graph.create("aten::as_strided", [root, graph.insertConstant(sizes),
+                                             graph.insertConstant(strides),
+                                             graph.insertConstant(None)])
+    for constant in list(made.inputs())[1:]:
+        constant.node().moveBefore(before)
+    made.insertBefore(before)
+    made.output().setType(before.output().type())
+    return made.output()

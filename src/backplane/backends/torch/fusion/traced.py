@@ -49,7 +49,7 @@ from backplane.backends.torch.fusion import host_chain, onednn_graph
 from backplane.backends.torch import prepacked, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
-from backplane.backends.torch.fusion.static_sizes import fold_sizes
+from backplane.backends.torch.fusion.static_sizes import fold_sizes, fold_views
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 log = logging.getLogger("backplane.torch")
@@ -299,6 +299,7 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
             trace = onednn_graph._trace(lambda *values: traceable(*values[:count]),
                                         [*sample, *packed], fusion=False)
             fold_sizes(trace.graph)  # static shapes: the size arithmetic done once, here
+            fold_views(trace.graph)  # and each chain of views one view
             module = onednn_graph._freeze(trace, fusion=False)
             other = onednn_graph._sample([TensorInfo(tuple(v.shape), _numpy(v.dtype))
                                           for v in sample])
