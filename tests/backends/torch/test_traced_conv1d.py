@@ -49,6 +49,9 @@ def test_a_few_outputs_are_one_product_of_the_columns(case: str) -> None:
     module = _frozen(lambda x: traced_conv(x, W, B, **attrs)[0], [torch.randn(x_shape)])
     kinds = _kinds(module)
     assert "aten::im2col" in kinds and ("aten::addmm" if B is not None else "aten::mm") in kinds
+    (product,) = [n for n in module.graph.nodes() if n.kind() in ("aten::addmm", "aten::mm")]
+    weight = product.inputsAt(2 if B is not None else 1).node()  # transposed once, contiguous
+    assert weight.kind() == "prim::Constant" and weight.output().toIValue().is_contiguous()
     pads = attrs.get("pads", [0, 0])
     padded = {"aten::pad"} if pads[0] != pads[1] else set()  # uneven: padded first, as CpuAcc's
     assert {"aten::pad", "aten::contiguous", "aten::linear"} & kinds == padded

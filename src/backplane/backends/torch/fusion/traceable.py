@@ -81,6 +81,7 @@ def _conv(X: Any, W: Any, B: Any = None, auto_pad: str = "NOTSET", dilations: An
 
     from backplane.backends.reference.kernels.conv import spatial_pads
     from backplane.backends.torch.kernels.nn import _few_outputs, conv
+    from backplane.backends.torch.kernels.recurrent_fused import trace_constants, untraced
 
     if X.dim() != 3 or group != 1 or torch.jit.onednn_fusion_enabled():
         return conv(X, W, B, auto_pad, dilations, group, kernel_shape, pads, strides)
@@ -95,7 +96,10 @@ def _conv(X: Any, W: Any, B: Any = None, auto_pad: str = "NOTSET", dilations: An
                        stride=(1, stride))  # (N, C * k, L_out)
     out = columns.shape[2]
     rows = columns[0].t() if n == 1 else columns.transpose(1, 2).reshape(n * out, channels * k)
-    weight = W.reshape(W.shape[0], channels * k).t()  # (C * k, K): a view, folded in a frozen trace
+    constant = trace_constants([W])  # then transposed once, outside the trace: MKL's product reads
+    with untraced(constant):  # a contiguous (C * k, K) faster (the VAD's second: 20.8 -> 18.5 us)
+        weight = W.reshape(W.shape[0], channels * k).t()
+        weight = weight.contiguous() if constant else weight
     y = torch.mm(rows, weight) if B is None else torch.addmm(B, rows, weight)
     return (y.view(n, out, W.shape[0]).transpose(1, 2),)
 
