@@ -205,7 +205,7 @@ class InferenceSession:
         compiled = artifact.cache.folder(cache_dir) if stored is None else None
         self._cache_dir = options.cache_dir if options.cache_dir or not compiled else compiled
         with log_scope(self._severity), cache_scope(self._cache_dir):
-            without_gpu = None
+            timing, remade = None, None
             if stored is not None or compiled is not None:
                 found = self._load_artifact(model, stored, compiled, ids, chosen, all_pins,
                                             optimizer_options, input_shapes, repreprocess)
@@ -213,6 +213,9 @@ class InferenceSession:
                 self.graph = found.network.graph
                 self.optimized: OptimizedNetwork = found.network
                 optimized = time.perf_counter()
+                if compiled is not None and not against_cpu.at_load(self.graph):
+                    timing = against_cpu.applies(ids, self.optimized, chosen, all_pins)
+                    remade = lambda: import_onnx(read_model(model), input_shapes)  # noqa: E731
             else:
                 read = read_model(model)
                 self._meta = metadata_of(read.proto)
@@ -223,9 +226,9 @@ class InferenceSession:
                 self.optimized = optimize(
                     self.graph, ids, pins=all_pins, options=optimizer_options,
                     registry=self.runtime.registry, backend_options=chosen)
-                without_gpu = against_cpu.applies(ids, self.optimized, chosen, all_pins)
+                timing = against_cpu.applies(ids, self.optimized, chosen, all_pins)
                 if read.weights is not None and not options.keep_initializers \
-                        and without_gpu is None:
+                        and timing is None:
                     registry = self.runtime.registry
                     self._give_up_weights(read.weights, lambda graph, exclude: optimize(
                         graph, ids, pins=all_pins, options=optimizer_options, registry=registry,
@@ -237,14 +240,18 @@ class InferenceSession:
                         registry=self.runtime.registry, backend_options=chosen))
             loading = time.perf_counter()
             self.network_id = self.runtime.load(self.optimized)
-            self._against_cpu: Callable[[], OptimizedNetwork] | None = None
-            if without_gpu is not None:  # timed against the CPU: see backplane.against_cpu
-                self._against_cpu = lambda: optimize(
-                    self.graph, without_gpu, pins=all_pins, options=optimizer_options,
-                    registry=self.runtime.registry, backend_options=chosen)
+            self._against_cpu: tuple[against_cpu.Rule, Callable[[], OptimizedNetwork]] | None
+            self._against_cpu = None
+            if timing is not None:  # timed against another placement: see backplane.against_cpu
+                graph_of = remade or (lambda: self.graph)  # an artifact's: the model placed again
+                without = timing.without
+                self._against_cpu = (timing.rule, lambda: optimize(
+                    graph_of(), without, pins=all_pins, options=optimizer_options,
+                    registry=self.runtime.registry, backend_options=chosen))
                 if against_cpu.at_load(self.graph):
                     self.optimized, self.network_id = against_cpu.choose(
-                        self.runtime, self.optimized, self.network_id, self._against_cpu)
+                        self.runtime, timing.rule, self.optimized, self.network_id,
+                        self._against_cpu[1])
                     self._against_cpu = None
             loaded = time.perf_counter()
         self.optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
@@ -356,14 +363,17 @@ class InferenceSession:
         return self._run(output_names, input_feed, run_options)[0]
 
     def _time_against_cpu(self, input_feed: Mapping[str, Any]) -> None:
-        """At the first run of a model free in more than its batch, GpuAcc's placement timed
-        against the CPU's on these inputs, the faster kept (``backplane.against_cpu``)."""
+        """At the first run of a model free in more than its batch, its placement timed against
+        the one without GpuAcc (or CpuAcc) on these inputs, the faster kept
+        (``backplane.against_cpu``)."""
         with self._choosing:
-            make_cpu, self._against_cpu = self._against_cpu, None
-            if make_cpu is not None:
+            pending, self._against_cpu = self._against_cpu, None
+            if pending is not None:
+                rule, make_other = pending
                 with log_scope(self._severity):
                     _, self.network_id = against_cpu.choose(
-                        self.runtime, self.optimized, self.network_id, make_cpu, dict(input_feed))
+                        self.runtime, rule, self.optimized, self.network_id, make_other,
+                        dict(input_feed))
                 self.optimized = self.runtime.network(self.network_id).network  # as loaded
                 self._outputs = list(self.optimized.output_names)
                 self._builds_at_run = any(layer.op_type == "Specialized"

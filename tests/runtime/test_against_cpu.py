@@ -1,4 +1,6 @@
-"""GpuAcc never slower than the CPU by default (``backplane.against_cpu``, issue 28 item 2).
+"""GpuAcc never slower than the CPU by default (``backplane.against_cpu``'s GPU rule, issue 28
+item 2); CpuAcc's control flow against CpuRef (its CONTROL_FLOW rule): tests/runtime/
+test_against_cpuref.py.
 
 Timed choices are tested here between two CPU placements whose speeds differ by far more than a
 shared machine's noise (CpuRef's NumPy convolutions against CpuAcc's oneDNN ones), standing in the
@@ -7,6 +9,7 @@ the GPU machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -44,33 +47,37 @@ def graph():
     return import_onnx(read_model(_conv_model()))
 
 
+GPU = dataclasses.replace(against_cpu.GPU, limit_ms=1e6)  # every model small enough to time
+
+
 def _timed(monkeypatch, gpu_ms: float, cpu_ms: float) -> list[dict]:
     """``_turns`` answering these medians (the decision, apart from a machine's speeds: on the GPU
     machine's 16-core Xeon CpuRef's convolutions of this small model beat CpuAcc's); the networks
     it was given, recorded."""
     given: list[dict] = []
 
-    def turns(runtime, ids, feeds):
+    def turns(runtime, ids, feeds, budget_s):
         for network_id in ids.values():
             runtime.run(network_id, feeds)  # each network really runs these inputs
         given.append(dict(ids))
-        return {"gpu": gpu_ms, "cpu": cpu_ms}
+        return {"placed": gpu_ms, "other": cpu_ms}
 
     monkeypatch.setattr(against_cpu, "_turns", turns)
     return given
 
 
 def test_the_faster_placement_is_kept_and_said(graph, caplog, monkeypatch) -> None:
-    monkeypatch.setattr(against_cpu, "LIMIT_MS", 1e6)
     given = _timed(monkeypatch, gpu_ms=2.0, cpu_ms=1.0)
     runtime = Runtime()
     slow = optimize(graph, ["CpuRef"], registry=runtime.registry)
     slow_id = runtime.load(slow)
     with caplog.at_level(logging.WARNING, logger="backplane"):
         kept, kept_id = against_cpu.choose(
-            runtime, slow, slow_id, lambda: optimize(graph, ["CpuAcc", "CpuRef"],
-                                                     registry=runtime.registry))
+            runtime, GPU, slow, slow_id, lambda: optimize(graph, ["CpuAcc", "CpuRef"],
+                                                          registry=runtime.registry))
     assert given and kept is not slow and kept.report.counts() == {"CpuAcc": 6}
+    assert [(m.backend, m.ms, m.chosen) for m in kept.report.measurements] == [
+        ("CpuRef", 2.0, False), ("CpuAcc, CpuRef", 1.0, True)]
     assert any("runs faster without the GPU, 1.000 ms a run against 2.000 ms" in r.getMessage()
                for r in caplog.records)
     assert any("placed without GpuAcc" in w for w in kept.report.warnings)
@@ -82,7 +89,6 @@ def test_the_faster_placement_is_kept_and_said(graph, caplog, monkeypatch) -> No
 
 @pytest.mark.parametrize("gpu_ms, cpu_ms", [(1.0, 2.0), (1.0, 0.95)])  # slower, or within 10%
 def test_the_first_placement_stays_unless_clearly_slower(graph, monkeypatch, gpu_ms, cpu_ms) -> None:
-    monkeypatch.setattr(against_cpu, "LIMIT_MS", 1e6)
     _timed(monkeypatch, gpu_ms, cpu_ms)
     runtime = Runtime()
     first = optimize(graph, ["CpuAcc", "CpuRef"], registry=runtime.registry)
@@ -93,7 +99,7 @@ def test_the_first_placement_stays_unless_clearly_slower(graph, monkeypatch, gpu
         made.append(optimize(graph, ["CpuRef"], registry=runtime.registry))
         return made[-1]
 
-    kept, kept_id = against_cpu.choose(runtime, first, first_id, other)
+    kept, kept_id = against_cpu.choose(runtime, GPU, first, first_id, other)
     assert (kept, kept_id) == (first, first_id)
     assert len(made) == 1 and not any("GpuAcc" in w for w in first.report.warnings)
     assert len(runtime._networks) == 1  # the other one unloaded
@@ -102,14 +108,14 @@ def test_the_first_placement_stays_unless_clearly_slower(graph, monkeypatch, gpu
 def test_turns_time_each_network_on_its_inputs(graph) -> None:
     runtime = Runtime()
     ids = {name: runtime.load(optimize(graph, backends, registry=runtime.registry))
-           for name, backends in (("gpu", ["CpuRef"]), ("cpu", ["CpuAcc", "CpuRef"]))}
+           for name, backends in (("placed", ["CpuRef"]), ("other", ["CpuAcc", "CpuRef"]))}
     x = np.random.default_rng(2).standard_normal((1, 3, 32, 32)).astype(np.float32)
-    ms = against_cpu._turns(runtime, ids, {"x": x})
-    assert set(ms) == {"gpu", "cpu"} and all(0 < v < 1e4 for v in ms.values())
+    ms = against_cpu._turns(runtime, ids, {"x": x}, 0.5)
+    assert set(ms) == {"placed", "other"} and all(0 < v < 1e4 for v in ms.values())
 
 
-def test_a_placement_slow_enough_is_kept_without_building_another(graph, monkeypatch) -> None:
-    monkeypatch.setattr(against_cpu, "LIMIT_MS", 0.0)  # every run counts as work enough
+def test_a_placement_slow_enough_is_kept_without_building_another(graph) -> None:
+    every = dataclasses.replace(against_cpu.GPU, limit_ms=0.0)  # every run counts as work enough
     runtime = Runtime()
     first = optimize(graph, ["CpuRef"], registry=runtime.registry)
     first_id = runtime.load(first)
@@ -117,7 +123,7 @@ def test_a_placement_slow_enough_is_kept_without_building_another(graph, monkeyp
     def never():
         raise AssertionError("the other placement was built")
 
-    assert against_cpu.choose(runtime, first, first_id, never) == (first, first_id)
+    assert against_cpu.choose(runtime, every, first, first_id, never) == (first, first_id)
 
 
 def _placed(counts, graph=None):
@@ -150,7 +156,7 @@ def _input_dims(dims):
 def test_only_models_free_in_their_batch_alone_are_timed_at_load(dims, timed) -> None:
     placed = _placed({"GpuAcc": 6}, _input_dims(dims))
     assert against_cpu.applies(["GpuAcc", "CpuAcc", "CpuRef"], placed,
-                               {"GpuAcc.against_cpu": "auto"}, {}) == ["CpuAcc", "CpuRef"]
+                               {"GpuAcc.against_cpu": "auto"}, {}).without == ["CpuAcc", "CpuRef"]
     assert against_cpu.at_load(placed.graph) is timed  # else at the first run
 
 
@@ -164,7 +170,9 @@ def test_only_models_free_in_their_batch_alone_are_timed_at_load(dims, timed) ->
     (["GpuAcc", "CpuAcc"], {"GpuAcc": 5}, {"GpuAcc.against_cpu": "auto"}, {"conv": "GpuAcc"}, None),
 ])
 def test_which_sessions_are_timed_both_ways(ids, counts, options, pins, expected) -> None:
-    assert against_cpu.applies(ids, _placed(counts), options, pins) == expected
+    timing = against_cpu.applies(ids, _placed(counts), options, pins)
+    assert (timing and timing.without) == expected
+    assert timing is None or timing.rule is against_cpu.GPU
 
 
 def test_an_unknown_choice_is_refused_with_the_choices() -> None:
@@ -173,7 +181,7 @@ def test_an_unknown_choice_is_refused_with_the_choices() -> None:
                             {"GpuAcc.against_cpu": "sometimes"}, {})
 
 
-def test_cpu_sessions_are_not_timed(monkeypatch) -> None:
+def test_cpu_sessions_without_control_flow_are_not_timed(monkeypatch) -> None:
     monkeypatch.setattr(against_cpu, "DEFAULT", "auto")
     monkeypatch.setattr(against_cpu, "choose", lambda *a: pytest.fail("timed"))
     session = InferenceSession(_conv_model().SerializeToString(), providers=["CpuAcc", "CpuRef"])
@@ -182,7 +190,6 @@ def test_cpu_sessions_are_not_timed(monkeypatch) -> None:
 
 def test_a_model_free_in_its_image_is_timed_on_the_first_runs_inputs(caplog, monkeypatch) -> None:
     """Seeded at 1, a free height and width make a 1x1 image; the first run's inputs are real."""
-    monkeypatch.setattr(against_cpu, "LIMIT_MS", 1e6)
     _timed(monkeypatch, gpu_ms=2.0, cpu_ms=1.0)
     graph = _input_dims(("N", 3, "H", "W"))
     assert not against_cpu.at_load(graph)
@@ -192,8 +199,8 @@ def test_a_model_free_in_its_image_is_timed_on_the_first_runs_inputs(caplog, mon
     x = np.random.default_rng(3).standard_normal((1, 3, 24, 40)).astype(np.float32)
     with caplog.at_level(logging.WARNING, logger="backplane"):
         kept, kept_id = against_cpu.choose(
-            runtime, slow, slow_id, lambda: optimize(graph, ["CpuAcc", "CpuRef"],
-                                                     registry=runtime.registry), {"x": x})
+            runtime, GPU, slow, slow_id, lambda: optimize(graph, ["CpuAcc", "CpuRef"],
+                                                          registry=runtime.registry), {"x": x})
     assert kept is not slow and "CpuRef" not in kept.report.counts()
     assert any("the first run's inputs" in r.getMessage() for r in caplog.records)
     assert runtime.run(kept_id, {"x": x})[0].shape == (1, 16, 24, 40)
@@ -205,7 +212,7 @@ def test_a_model_with_many_weights_is_not_timed(monkeypatch) -> None:
     weights = sum(v.nbytes for v in placed.graph.constants.values())
     ids, options = ["GpuAcc", "CpuAcc", "CpuRef"], {"GpuAcc.against_cpu": "auto"}
     monkeypatch.setattr(against_cpu, "MAX_WEIGHT_BYTES", weights)
-    assert against_cpu.applies(ids, placed, options, {}) == ["CpuAcc", "CpuRef"]
+    assert against_cpu.applies(ids, placed, options, {}).without == ["CpuAcc", "CpuRef"]
     monkeypatch.setattr(against_cpu, "MAX_WEIGHT_BYTES", weights - 1)
     assert against_cpu.applies(ids, placed, options, {}) is None
 
@@ -219,10 +226,10 @@ def test_an_artifact_keeps_the_faster_placement_timed_when_compiled(tmp_path, mo
     slower than CpuAcc). CpuRef stands in for GpuAcc's placement, CpuAcc for the CPU's."""
     import backplane
 
-    monkeypatch.setattr(against_cpu, "LIMIT_MS", 1e6)
     given = _timed(monkeypatch, gpu_ms=gpu_ms, cpu_ms=1.0)
     monkeypatch.setattr(against_cpu, "applies", lambda ids, network, options, pins:
-                        ["CpuAcc", "CpuRef"] if list(ids) == ["CpuRef"] else None)
+                        against_cpu.Timing(GPU, ["CpuAcc", "CpuRef"]) if list(ids) == ["CpuRef"]
+                        else None)
     model = tmp_path / "convs.onnx"
     onnx.save(_conv_model(), model)
     output = tmp_path / "convs.bpl"

@@ -257,6 +257,9 @@ class CpuAcc(TorchBackend):
                               "next run, memory.py) or False",
         "CpuAcc.int8": "auto (QDQ convolutions on int8 kernels where measured faster), kernels "
                        "or exact (never: CpuRef's values bit for bit)",
+        "CpuAcc.against_cpuref": "auto: a model with If/Loop/Scan that CpuAcc runs in under 2 ms "
+                                 "is timed against its placement without CpuAcc (CpuRef), the "
+                                 "faster kept; off",
     }
 
     def tensor_handle_factories(self) -> Sequence[TensorHandleFactory]:
