@@ -130,16 +130,15 @@ def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int]] | None
     import torch
 
     layout, wanted = _complete(root), _complete(steps[-1].output())
-    typed = root.type()
-    if layout is None or wanted is None or typed.scalarType() is None:
-        return None
-    dtype = getattr(torch, typed.scalarType().lower(), None)
+    scalar = root.type().scalarType()
+    if layout is None or wanted is None or scalar is None or scalar.startswith("Q"):
+        return None  # (a quantized tensor's views keep their ops)
+    dtype = getattr(torch, scalar.lower(), None)
     if not isinstance(dtype, torch.dtype):
         return None
     with torch.no_grad():
-        base = torch.empty_strided(*layout, dtype=dtype, device="meta")
-        value = base
         try:
+            base = value = torch.empty_strided(*layout, dtype=dtype, device="meta")
             for step in steps:
                 op = getattr(torch.ops.aten, step.kind().split("::")[1])
                 value = op(value, *[v.toIValue() for v in list(step.inputs())[1:]])
