@@ -14,7 +14,11 @@ torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import threads  # noqa: E402
-from backplane.backends.torch.fusion.static_sizes import VIEWS, fold_sizes, fold_views  # noqa: E402,E501
+from backplane.backends.torch.fusion.static_sizes import (  # noqa: E402
+    VIEWS,
+    fold_sizes,
+    fold_views,
+)
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
 

@@ -65,7 +65,7 @@ def one_step(cell: Callable[..., Any], X: torch.Tensor, params: list[torch.Tenso
 _STEP_WEIGHTS = WeakIdKeyDictionary()
 """torch's first LSTM weight -> (its weight list, ``traced_lstm_weights``'s), dropped with it."""
 IFOG = [0, 1, 3, 2]
-"""torch's LSTM gates (i, f, g, o) in the order ``lstm_step`` takes them: the three sigmoids first."""
+"""torch's LSTM gates (i, f, g, o) in the order ``lstm_step`` takes them: the sigmoids first."""
 
 
 def traced_lstm_weights(params: list[torch.Tensor],
