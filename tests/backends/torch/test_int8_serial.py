@@ -80,3 +80,33 @@ def _pairs(session: InferenceSession) -> list:
 
 def _qlinear_layers(session: InferenceSession) -> list:
     return [lay for lay, _ in _pairs(session) if lay.op_type == "QLinearConv"]
+
+
+def test_each_thread_count_keeps_its_convolution_primitive(tmp_path: Path, capfd) -> None:
+    """After a call at one thread and one at two, calls at either count create no oneDNN
+    primitive: torch's int8 convolution keeps the primitive of a packed weight's first call, for
+    that call's thread count, and made it again at every call at another count, on the calling
+    thread (CpuAcc times a partition at one thread before it runs at two)."""
+    path = quantized(tmp_path, "QUInt8")
+    session = InferenceSession(path, backends=[("CpuAcc", {"compile": "layers", "int8": "kernels",
+                                                           "route_cache": False}), "CpuRef"])
+    layer, run = next((lay, w) for lay, w in _pairs(session) if lay.op_type == "QLinearConv"
+                      and lay.attrs["into"] is None and getattr(w, "route", None) == "int8")
+    x = torch.randint(0, 256, layer.attrs["input_shape"], dtype=torch.uint8).contiguous(
+        memory_format=torch.channels_last)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outputs.append(run(x)[0].clone())
+        capfd.readouterr()
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+            for count in (2, 1, 2):
+                torch.set_num_threads(count)
+                assert torch.equal(run(x)[0], outputs[count - 1])
+        printed = capfd.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+    assert "exec,cpu,convolution" in printed  # oneDNN's convolution ran, and said so
+    assert "create:" not in printed, printed

@@ -141,8 +141,8 @@ def int8_route(layer: Layer) -> Any:
         torch.from_numpy(q["scales"].astype(np.float64)),
         torch.zeros(len(q["scales"]), dtype=torch.long), 0)
     bias = torch.from_numpy(np.array(conv["bias"], F32))
-    packed = torch.ops.quantized.conv2d_prepack(weight, bias, conv["strides"], conv["begins"],
-                                                conv["dilations"], conv["group"])
+    packed = per_thread_count(lambda: torch.ops.quantized.conv2d_prepack(
+        weight, bias, conv["strides"], conv["begins"], conv["dilations"], conv["group"]))
     run_conv = torch.ops.quantized.conv2d_relu if conv["unary"] else torch.ops.quantized.conv2d
     out_scale, out_zero = _as_uint8(a["back"])  # type: ignore[misc]
     x_scale, x_zero = q["x_scale"], q["x_zero"]
@@ -151,9 +151,31 @@ def int8_route(layer: Layer) -> Any:
     def run(x):
         qx = torch.quantize_per_tensor(x.contiguous(memory_format=cl), x_scale, x_zero,
                                        torch.quint8)
-        y = run_conv(qx, packed, out_scale, out_zero)
+        y = run_conv(qx, packed(), out_scale, out_zero)
         return ((y if ceiling is None else torch.clamp(y, max=ceiling)).dequantize(),)
     return run
+
+
+def per_thread_count(prepack: Callable[[], Any]) -> Callable[[], Any]:
+    """A packed weight per intra-op thread count, each made by ``prepack`` (the first now, the
+    others at the first call at their count), the calling thread's returned.
+
+    Why: torch's oneDNN int8 convolution keeps the primitive of a packed weight's first call, for
+    that call's thread count; a call at another count makes its primitive again each time, on the
+    calling thread. CpuAcc times a partition at one thread before it runs at two
+    (``small.fewer_threads``), so at two threads every call paid that: (1, 64, 56, 56) 3x3 64 -> 64,
+    main thread's CPU a call 362 -> 323 us, 1x1 stride 2 to 128 channels 164 -> 117 (the other
+    thread's 281 / 38 either way; 2 threads, this AMD EPYC)."""
+    import torch
+
+    packs = {torch.get_num_threads(): prepack()}
+
+    def packed() -> Any:
+        count = torch.get_num_threads()
+        found = packs.get(count)
+        return found if found is not None else packs.setdefault(count, prepack())
+    packed.packs = packs  # type: ignore[attr-defined]  # for tests
+    return packed
 
 
 KNOWN_MACS = 1 << 20
@@ -339,8 +361,8 @@ def qlinear_int8_route(layer: Layer) -> Any:
         torch.from_numpy(np.array(q["scales"], np.float64)),
         torch.zeros(len(q["scales"]), dtype=torch.long), 0)
     bias = torch.from_numpy(np.array(q["bias"], F32))
-    packed = torch.ops.quantized.conv2d_prepack(weight, bias, a["strides"],
-                                                a["begins"], a["dilations"], a["group"])
+    packed = per_thread_count(lambda: torch.ops.quantized.conv2d_prepack(
+        weight, bias, a["strides"], a["begins"], a["dilations"], a["group"]))
     x_scale, x_zero, x_shift = q["x_scale"], q["x_zero"], q["x_shift"]
     y_scale, y_zero, y_shift = q["y_scale"], q["y_zero"], q["y_shift"]
     cl, conv = torch.channels_last, torch.ops.quantized.conv2d
@@ -348,9 +370,9 @@ def qlinear_int8_route(layer: Layer) -> Any:
 
     def quantized(x):
         if into is not None:
-            return conv(into(x), packed, y_scale, y_zero)
+            return conv(into(x), packed(), y_scale, y_zero)
         u8 = x.view(torch.uint8).bitwise_xor(128) if x_shift else x
-        return conv(quint8(u8.contiguous(memory_format=cl), x_scale, x_zero), packed, y_scale,
+        return conv(quint8(u8.contiguous(memory_format=cl), x_scale, x_zero), packed(), y_scale,
                     y_zero)
 
     def integers(x):
