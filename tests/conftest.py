@@ -49,9 +49,10 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 
 @pytest.fixture(autouse=True, scope="session")
 def gpu_placements_untimed() -> Iterator[None]:
-    """GpuAcc keeps what it is given: the GPU tests test GpuAcc where they place it, not the
-    CPU's placement that ``backplane.against_cpu`` keeps for a small model where it is faster
-    (tests/runtime/test_against_cpu.py gives ``GpuAcc.against_cpu`` itself)."""
+    """Placements are what the preferences give: the GPU tests test GpuAcc where they place it,
+    and the CpuAcc tests CpuAcc on control flow, not the placement without it that
+    ``backplane.against_cpu`` keeps for a small model where that is faster (both of its rules;
+    tests/runtime/test_against_cpu.py and test_against_cpuref.py give the options themselves)."""
     from backplane import against_cpu
 
     before, against_cpu.DEFAULT = against_cpu.DEFAULT, "off"
