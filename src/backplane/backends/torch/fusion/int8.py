@@ -163,9 +163,10 @@ def per_thread_count(prepack: Callable[[], Any]) -> Callable[[], Any]:
     Why: torch's oneDNN int8 convolution keeps the primitive of a packed weight's first call, for
     that call's thread count; a call at another count makes its primitive again each time, on the
     calling thread. CpuAcc times a partition at one thread before it runs at two
-    (``small.fewer_threads``), so at two threads every call paid that: (1, 64, 56, 56) 3x3 64 -> 64,
-    main thread's CPU a call 362 -> 323 us, 1x1 stride 2 to 128 channels 164 -> 117 (the other
-    thread's 281 / 38 either way; 2 threads, this AMD EPYC)."""
+    (``small.fewer_threads``), so at two threads every call paid that, about 40 us: the calling
+    thread's CPU a call (1, 64, 56, 56) 3x3 64 -> 64 361 -> 319 us, 1x1 stride 2 to 128 channels
+    96 -> 56, (1, 32, 112, 112) 1x1 to 64 190 -> 151 (the other thread's 280 / 28 / 111 either
+    way; 2 threads, 200 calls, this AMD EPYC)."""
     import torch
 
     packs = {torch.get_num_threads(): prepack()}
