@@ -240,18 +240,19 @@ class InferenceSession:
                         registry=self.runtime.registry, backend_options=chosen))
             loading = time.perf_counter()
             self.network_id = self.runtime.load(self.optimized)
-            self._against_cpu: tuple[against_cpu.Rule, Callable[[], OptimizedNetwork]] | None
-            self._against_cpu = None
-            if timing is not None:  # timed against another placement: see backplane.against_cpu
+            self._against_cpu: Callable[..., tuple[OptimizedNetwork, int]] | None = None
+            if timing is not None:  # timed against other placements: see backplane.against_cpu
                 graph_of = remade or (lambda: self.graph)  # an artifact's: the model placed again
-                without = timing.without
-                self._against_cpu = (timing.rule, lambda: optimize(
-                    graph_of(), without, pins=all_pins, options=optimizer_options,
-                    registry=self.runtime.registry, backend_options=chosen))
+
+                def place(backends: Sequence[str]) -> OptimizedNetwork:
+                    return optimize(graph_of(), backends, pins=all_pins, options=optimizer_options,
+                                    registry=self.runtime.registry, backend_options=chosen)
+
+                self._against_cpu = lambda feeds=None: against_cpu.settle(  # the network then
+                    self.runtime, ids, self.optimized, self.network_id, chosen, all_pins, place,
+                    feeds)
                 if against_cpu.at_load(self.graph):
-                    self.optimized, self.network_id = against_cpu.choose(
-                        self.runtime, timing.rule, self.optimized, self.network_id,
-                        self._against_cpu[1])
+                    self.optimized, self.network_id = self._against_cpu()
                     self._against_cpu = None
             loaded = time.perf_counter()
         self.optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
@@ -369,11 +370,8 @@ class InferenceSession:
         with self._choosing:
             pending, self._against_cpu = self._against_cpu, None
             if pending is not None:
-                rule, make_other = pending
                 with log_scope(self._severity):
-                    _, self.network_id = against_cpu.choose(
-                        self.runtime, rule, self.optimized, self.network_id, make_other,
-                        dict(input_feed))
+                    _, self.network_id = pending(dict(input_feed))
                 self.optimized = self.runtime.network(self.network_id).network  # as loaded
                 self._outputs = list(self.optimized.output_names)
                 self._builds_at_run = any(layer.op_type == "Specialized"
