@@ -50,24 +50,24 @@ def graph():
 GPU = dataclasses.replace(against_cpu.GPU, limit_ms=1e6)  # every model small enough to time
 
 
-def _timed(monkeypatch, gpu_ms: float, cpu_ms: float) -> list[dict]:
+def _timed(monkeypatch, placed_ms: float, other_ms: float) -> list[dict]:
     """``_turns`` answering these medians (the decision, apart from a machine's speeds: on the GPU
     machine's 16-core Xeon CpuRef's convolutions of this small model beat CpuAcc's); the networks
-    it was given, recorded."""
+    it was given, recorded (test_against_cpuref.py's too)."""
     given: list[dict] = []
 
     def turns(runtime, ids, feeds, budget_s):
         for network_id in ids.values():
             runtime.run(network_id, feeds)  # each network really runs these inputs
         given.append(dict(ids))
-        return {"placed": gpu_ms, "other": cpu_ms}
+        return {"placed": placed_ms, "other": other_ms}
 
     monkeypatch.setattr(against_cpu, "_turns", turns)
     return given
 
 
 def test_the_faster_placement_is_kept_and_said(graph, caplog, monkeypatch) -> None:
-    given = _timed(monkeypatch, gpu_ms=2.0, cpu_ms=1.0)
+    given = _timed(monkeypatch, placed_ms=2.0, other_ms=1.0)
     runtime = Runtime()
     slow = optimize(graph, ["CpuRef"], registry=runtime.registry)
     slow_id = runtime.load(slow)
@@ -190,7 +190,7 @@ def test_cpu_sessions_without_control_flow_are_not_timed(monkeypatch) -> None:
 
 def test_a_model_free_in_its_image_is_timed_on_the_first_runs_inputs(caplog, monkeypatch) -> None:
     """Seeded at 1, a free height and width make a 1x1 image; the first run's inputs are real."""
-    _timed(monkeypatch, gpu_ms=2.0, cpu_ms=1.0)
+    _timed(monkeypatch, placed_ms=2.0, other_ms=1.0)
     graph = _input_dims(("N", 3, "H", "W"))
     assert not against_cpu.at_load(graph)
     runtime = Runtime()
@@ -226,7 +226,7 @@ def test_an_artifact_keeps_the_faster_placement_timed_when_compiled(tmp_path, mo
     slower than CpuAcc). CpuRef stands in for GpuAcc's placement, CpuAcc for the CPU's."""
     import backplane
 
-    given = _timed(monkeypatch, gpu_ms=gpu_ms, cpu_ms=1.0)
+    given = _timed(monkeypatch, placed_ms=gpu_ms, other_ms=1.0)
     monkeypatch.setattr(against_cpu, "applies", lambda ids, network, options, pins, done=():
                         against_cpu.Timing(GPU, ["CpuAcc", "CpuRef"])
                         if list(ids) == ["CpuRef"] and GPU not in done else None)
@@ -256,7 +256,7 @@ def test_each_rule_times_the_placement_the_one_before_kept(graph, monkeypatch) -
                                  holds=lambda network: True)
     monkeypatch.setattr(against_cpu, "GPU", dataclasses.replace(first, limit_ms=1e6))
     monkeypatch.setattr(against_cpu, "CONTROL_FLOW", second)
-    given = _timed(monkeypatch, gpu_ms=2.0, cpu_ms=1.0)  # the other placement faster each time
+    given = _timed(monkeypatch, placed_ms=2.0, other_ms=1.0)  # the other placement faster each time
     runtime = Runtime()
     ids = ["CpuAcc", "OpenVINO", "CpuRef"]
 

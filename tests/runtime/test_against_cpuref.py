@@ -19,6 +19,7 @@ from onnx import TensorProto, helper
 
 from backplane import InferenceSession, against_cpu
 from backplane.backends.api.backend import OptionError
+from tests.runtime.test_against_cpu import _timed
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 COND, LOOP = CORPUS / "cond_nested_dyn18.onnx", CORPUS / "loop_scripted_ts16.onnx"
@@ -27,20 +28,6 @@ AUTO = [("CpuAcc", {"against_cpuref": "auto"}), "CpuRef"]
 
 def _feeds(model: Path) -> dict[str, np.ndarray]:
     return dict(np.load(model.with_suffix(".s0.npz")))
-
-
-def _timed(monkeypatch, placed_ms: float, other_ms: float) -> list[dict]:
-    """``_turns`` answering these medians; the networks it was given, recorded."""
-    given: list[dict] = []
-
-    def turns(runtime, ids, feeds, budget_s):
-        for network_id in ids.values():
-            runtime.run(network_id, feeds)  # each network really runs these inputs
-        given.append(dict(ids))
-        return {"placed": placed_ms, "other": other_ms}
-
-    monkeypatch.setattr(against_cpu, "_turns", turns)
-    return given
 
 
 def _same_as_cpuref(session: InferenceSession, model: Path) -> None:

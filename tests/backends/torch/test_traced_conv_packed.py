@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import prepacked, threads  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.backends.torch.test_traced_packed import _traced  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
 
 RNG = np.random.default_rng(13)
@@ -52,16 +53,6 @@ def _gated_1d() -> tuple[onnx.ModelProto, list[int]]:
     model = make_model(nodes, [float_input("x", [1, 256, 8])], [float_input("y", None)], inits,
                        opset=13)
     return model, [1, 256, 8]
-
-
-def _traced(model: onnx.ModelProto, monkeypatch) -> tuple[InferenceSession, object]:
-    monkeypatch.setattr(threads, "crowded", lambda: False)
-    session = InferenceSession(model, backends=["CpuAcc"], runtime=Runtime(RuntimeOptions(
-        backend_options={"CpuAcc.route_cache": False, "CpuAcc.compile": "onednn_graph"})))
-    loaded = session.runtime.network(session.network_id)
-    (workload,) = [getattr(step.workload, "work", step.workload)
-                   for step, layer in zip(loaded.steps, loaded.layers) if layer.op_type == "Traced"]
-    return session, workload
 
 
 @pytest.mark.parametrize("make, convs", [(_cnn, 3), (_gated_1d, 2)])
