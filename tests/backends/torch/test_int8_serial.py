@@ -19,7 +19,7 @@ from tests.conftest import inner_workloads  # noqa: E402
 
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous", "strided"])
 def test_quint8_views_the_integers(layout: str) -> None:
-    from backplane.backends.torch.fusion.int8 import _raw, quint8
+    from backplane.backends.torch.fusion.int8_qlinear import _raw, quint8
 
     u8 = torch.randint(0, 256, (2, 5, 7, 3), dtype=torch.uint8)
     if layout == "channels_last":

@@ -50,7 +50,7 @@ def test_the_stems_quantization_is_cpurefs(zero: int, low: int) -> None:
     outside the range quantize to CpuRef's integers (its division and half-to-even rounding; torch's
     own quantize_per_tensor multiplies by 1 / s and rounds after adding z)."""
     from backplane.backends.reference.kernels.quant import quantize_linear
-    from backplane.backends.torch.fusion.int8 import _quantizer
+    from backplane.backends.torch.fusion.int8_qlinear import _quantizer
 
     scale = np.float32(0.0183)
     halves = (np.arange(-300, 300, dtype=np.float32) + np.float32(0.5)) * scale

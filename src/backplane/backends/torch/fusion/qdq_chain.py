@@ -6,9 +6,9 @@ dequantized its output again (two passes over the activation a layer), and the r
 max pools and hard-swishes between them ran in float with a round trip each. But DequantizeLinear
 -> Conv (weight int8 times a scale) -> QuantizeLinear is a QLinearConv: x_q in, y_q out, the
 requantization the convolution's own. So a large one becomes the fused ``QLinearConv`` layer
-``qlinear`` makes of the QOperator format's (its int8 route, ``int8.qlinear_int8_route``; its
-float route, exact integer products requantized in float64), and the integer tensor passes from
-one to the next as in a QOperator model:
+``qlinear`` makes of the QOperator format's (its int8 route,
+``int8_qlinear.qlinear_int8_route``; its float route, exact integer products requantized in
+float64), and the integer tensor passes from one to the next as in a QOperator model:
 
 - DequantizeLinear(x_q) -> Conv -> QuantizeLinear reads x_q (taking the DequantizeLinear where
   the convolution alone reads it, and the QuantizeLinear of a float input before it: the stem);
@@ -293,9 +293,9 @@ def _pool(dequantize: Layer, ctx: Context, y_step: tuple[float, int, tuple[int, 
 
 def _int8(attrs: dict[str, Any], x_type: np.dtype, y_scale: float, y_zero: int,
           y_low: int) -> dict[str, Any]:
-    """What ``int8.qlinear_int8_route`` reads: the int8 weight and its scales, the float bias, x's
-    and y's steps in quint8's range (int8 shifted by 128, ``int8.SHIFTS``)."""
-    from backplane.backends.torch.fusion.int8 import SHIFTS
+    """What ``int8_qlinear.qlinear_int8_route`` reads: the int8 weight and its scales, the float
+    bias, x's and y's steps in quint8's range (int8 shifted by 128, ``int8_qlinear.SHIFTS``)."""
+    from backplane.backends.torch.fusion.int8_qlinear import SHIFTS
 
     into = attrs["into"]
     x_type = np.dtype(np.uint8) if into is not None and into["low"] == 0 else \

@@ -206,7 +206,7 @@ def match_qlinear_conv(conv: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
              "output_shape": list(ctx.graph.info(conv.outputs[0]).shape or []),
              "binary": False, "unary": None, **side, **requant, **out_side, "residual": residual,
              "split": halves, "pool": pool}
-    from backplane.backends.torch.fusion.int8 import qlinear_int8
+    from backplane.backends.torch.fusion.int8_qlinear import qlinear_int8
 
     attrs["int8"] = qlinear_int8(conv, ctx, attrs)
     group = [*before, conv, *after]
@@ -305,11 +305,12 @@ def match_qlinear_matmul(matmul: Layer, ctx: Context) -> tuple[list[Layer], Laye
 
 def qlinear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     """The float route below, or for a QLinearConv between 8-bit integer tensors, torch's int8
-    convolution where ``CpuAcc.int8`` lets it and it measures faster (``int8.qlinear_int8``)."""
+    convolution where ``CpuAcc.int8`` lets it and it measures faster
+    (``int8_qlinear.qlinear_int8``)."""
     if layer.attrs.get("int8") and not layer.attrs.get("compute"):
-        from backplane.backends.torch.fusion import int8
+        from backplane.backends.torch.fusion import int8_qlinear
 
-        return int8.fastest_qlinear(layer, backend, lambda: _float_route(layer, backend))
+        return int8_qlinear.fastest_qlinear(layer, backend, lambda: _float_route(layer, backend))
     return _float_route(layer, backend)
 
 
