@@ -109,6 +109,12 @@ def test_each_thread_count_keeps_its_convolution_primitive(tmp_path: Path, capfd
             torch.set_num_threads(count)
             outputs.append(run(x)[0].clone())
         capfd.readouterr()
+        torch.set_num_threads(1)  # the count of its first call, which torch's own pack keeps
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+            run(x)  # a torch that keeps its primitive makes none here
+        if "create:" in capfd.readouterr().out:  # torch 2.11 on the GPU machine's Xeon (AMX)
+            pytest.skip("this torch creates its int8 convolution primitive at every call, from "
+                        "oneDNN's cache, at one thread count too: there is no kept primitive")
         with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
             for count in (2, 1, 2):
                 torch.set_num_threads(count)
