@@ -64,6 +64,7 @@ from backplane.optimizer.measured import _seeded_inputs
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.report import MeasurementRecord
 from backplane.runtime.runtime import Runtime, within
+from backplane.session_options import RunOptions, stop_scope
 
 log = logging.getLogger("backplane")
 
@@ -74,6 +75,9 @@ backends where they place them; tests/runtime/test_against_cpu.py gives the opti
 WARMUP = 3
 TURN, RUNS = 5, 25
 MARGIN = 0.10
+FIRST_RUN_S = 5.0
+"""The most a timing's first run of a placement may take (``_first``): it builds what first runs
+build (a compile at the first run: 0.1-1.1 s on this 2-core machine, busy or not)."""
 MAX_WEIGHT_BYTES = 64 << 20
 """Models with more weights are not timed both ways: the other network would cost seconds of load
 and its weights' memory for a model whose size gives the backend work enough (BERT-base: 440 MB)."""
@@ -220,6 +224,7 @@ def choose(runtime: Runtime, rule: Rule, placed: OptimizedNetwork, placed_id: in
     other = make_other()
     other_id = runtime.load(other)
     try:
+        _first(runtime, other_id, feeds)
         for network_id in (placed_id, other_id):  # CpuAcc's routes chosen: timed as final
             background.settle(partial(runtime.run, network_id, feeds))
         _warm(runtime, other_id, feeds)
@@ -263,15 +268,27 @@ def _say(rule: Rule, placed: OptimizedNetwork, other: OptimizedNetwork,
 
 
 def _warm(runtime: Runtime, network_id: int, feeds: Mapping[str, Any]) -> float:
-    """The fastest of WARMUP runs but the first (which builds what runs build), in ms: one run
-    preempted on a busy machine (2 ms for a 0.05 ms model) does not pass for work enough."""
-    runtime.run(network_id, feeds)
+    """The fastest of WARMUP runs but the first (which builds what runs build, and may not end:
+    ``_first``), in ms: one run preempted on a busy machine (2 ms for a 0.05 ms model) does not
+    pass for work enough."""
+    _first(runtime, network_id, feeds)
     times = []
     for _ in range(WARMUP - 1):
         start = time.perf_counter()
         runtime.run(network_id, feeds)
         times.append(time.perf_counter() - start)
     return min(times) * 1e3
+
+
+def _first(runtime: Runtime, network_id: int, feeds: Mapping[str, Any]) -> None:
+    """A first run of the network, stopped (``RunTerminated``: the model is then not timed) after
+    FIRST_RUN_S: on seeded inputs a model may run for ever (a Loop of 2**62 trips: the CPU rule
+    made such a session's load hang until tests/runtime/test_hostile_graphs.py's 120 s child
+    timeout). Only the first run asks before each layer: a run under a stop takes the steps' loop,
+    not the one call or straight code of a plain run (``steps.one_call``), which the timed runs
+    are."""
+    with stop_scope(RunOptions(timeout_s=FIRST_RUN_S)):
+        runtime.run(network_id, feeds)
 
 
 def _turns(runtime: Runtime, ids: Mapping[str, int], feeds: Mapping[str, Any],

@@ -143,3 +143,24 @@ def test_an_unknown_choice_is_refused_with_the_choices() -> None:
     with pytest.raises(OptionError, match="against_cpuref='sometimes'.*auto, off"):
         InferenceSession(str(COND), providers=[("CpuAcc", {"against_cpuref": "sometimes"}),
                                                "CpuRef"])
+
+
+def test_a_model_whose_first_run_does_not_end_is_not_timed(monkeypatch) -> None:
+    """A Loop of 2**62 trips on seeded inputs: the timing's first run is stopped after
+    ``against_cpu.FIRST_RUN_S`` and the placement kept untimed, where the load hung (the hostile
+    graphs' child gave up after 120 s); the run then ends as its own RunOptions say."""
+    import time
+
+    from backplane import RunOptions
+    from backplane.runtime.steps import RunTerminated
+    from tests.runtime.hostile_graphs import CONTROL
+
+    monkeypatch.setattr(against_cpu, "FIRST_RUN_S", 0.3)
+    model, feeds = CONTROL["loop_huge_trip_count"]()
+    start = time.perf_counter()
+    session = InferenceSession(model, providers=AUTO)
+    assert time.perf_counter() - start < 60  # the stop, the build and the checks; not 2**62 trips
+    assert "CpuAcc" in session.report.counts()  # kept, untimed
+    assert not session.report.measurements
+    with pytest.raises(RunTerminated):
+        session.run(None, feeds, RunOptions(timeout_s=0.2))
