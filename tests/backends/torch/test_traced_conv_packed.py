@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import prepacked, threads  # noqa: E402
+from backplane.backends.torch.fusion import conv  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.backends.torch.test_traced_packed import _traced  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
@@ -58,6 +59,7 @@ def _gated_1d() -> tuple[onnx.ModelProto, list[int]]:
 @pytest.mark.parametrize("make, convs", [(_cnn, 3), (_gated_1d, 2)])
 def test_a_traced_convolution_reads_its_packed_weight(make, convs, monkeypatch) -> None:
     model, shape = make()
+    monkeypatch.setattr(conv, "TRACED_PACKED_MACS", 0)  # these small ones packed too
     session, workload = _traced(model, monkeypatch)
     graph = workload.module.graph
     products = [n for n in graph.nodes() if n.kind() == "mkldnn::_convolution_pointwise"]
@@ -70,6 +72,22 @@ def test_a_traced_convolution_reads_its_packed_weight(make, convs, monkeypatch) 
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
     assert np.isnan(want).any() and np.array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make, packed", [(_cnn, 1), (_gated_1d, 0)])
+def test_a_small_traced_convolution_keeps_torchs_call(make, packed, monkeypatch) -> None:
+    """Below ``conv.TRACED_PACKED_MACS`` a convolution of one group keeps torch's conv2d, which
+    takes its own kernel there (oneDNN's call costs about 25 us against 7-16: audio_conv1d_dyn19
+    ran 0.125 -> 0.229 ms a run packed); a grouped one (the depthwise) is packed whatever its size."""
+    model, shape = make()
+    session, workload = _traced(model, monkeypatch)
+    graph = workload.module.graph
+    kinds = [n.kind() for n in graph.nodes()]
+    assert kinds.count("mkldnn::_convolution_pointwise") == packed
+    assert kinds.count("aten::_convolution") == {_cnn: 2, _gated_1d: 2}[make]
+    x = RNG.standard_normal(shape).astype(np.float32)
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)
 
 
 def test_trace_inputs_pack_each_convolution_weight_once() -> None:

@@ -295,18 +295,42 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
     shape = list(a["input_shape"][:2]) + [n + b + e for n, b, e in
                                           zip(a["input_shape"][2:], begins, ends)]
     plain = weight_of(a, "weight")  # what oneDNN's packing reads, in a Traced layer
+    packs = groups > 1 or _macs(plain.shape, shape, strides, dilations) >= TRACED_PACKED_MACS
 
     def conv(x):
         x = F.pad(x, pre_pad) if pre_pad else x
         x = x.contiguous(memory_format=cl)
         inputs = prepacked.TRACED.get()
-        if inputs is not None and x.dtype == torch.float32:  # a Traced layer (``_scripted_conv``)
+        if inputs is not None and packs and x.dtype == torch.float32:  # a Traced layer's
             packed = inputs.conv_weight(plain, padding, strides, dilations, groups, shape)
             if torch.jit.is_tracing():
                 return _scripted_conv()(x, packed, bias, padding, strides, dilations, groups)
         return F.conv2d(x, weight, bias, strides, padding, dilations, groups)
 
     return holding(_then_post_ops(conv, a), weight, bias)
+
+
+TRACED_PACKED_MACS = 300_000
+"""A Traced layer's convolution of one group reads a packed weight (``_scripted_conv``) from this
+many multiply-adds; a grouped one always (torch's conv2d takes oneDNN for it, reordering the
+weight at every call). Below, torch's conv2d takes its own im2col kernel at batch 1 (input of at
+most 20480 elements, kernel up to 3x3), which costs 7-16 us where oneDNN's call costs about 25
+whatever its work (this 2-core AMD EPYC, 1 and 2 threads: (16, 16, 1x3) over 319 steps, 0.12 M,
+10 against 27 us; (24, 16, 3x3) at 16x16, 0.22 M, 14 against 30). Packed for every size,
+audio_conv1d_dyn19 ran 0.125 -> 0.229 ms a run; packed from 1 M, crnn_paddle_ts12's (16, 3, 3x3)
+at 32x160 (0.55 M) and (48, 32, 1x1) (0.98 M) on torch's kernel took it 0.865 -> 1.029."""
+
+
+def _macs(weight: Any, padded: list[int], strides: list[int], dilations: list[int]) -> int:
+    """A convolution's multiply-adds: ``weight``'s shape (out, in / groups, *kernel) over the
+    padded input's shape (batch, channels, *spatial)."""
+    out = 1
+    for size, kernel, stride, dilation in zip(padded[2:], weight[2:], strides, dilations):
+        out *= max(0, (size - dilation * (kernel - 1) - 1) // stride + 1)
+    count = padded[0] * out
+    for size in weight:
+        count *= size
+    return count
 
 
 @functools.cache
