@@ -60,7 +60,7 @@ from typing import Any
 from backplane.backends.api.backend import OptionError
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
 from backplane.backends.torch import background
-from backplane.optimizer.measured import _seeded_inputs
+from backplane.optimizer.samples import seeded_inputs
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.report import MeasurementRecord
 from backplane.runtime.runtime import Runtime, within
@@ -213,7 +213,7 @@ def choose(runtime: Runtime, rule: Rule, placed: OptimizedNetwork, placed_id: in
     ``make_other`` places without ``rule.backend``, whichever runs the model faster on ``feeds``
     (seeded inputs where None; see above)."""
     inputs = "seeded inputs" if feeds is None else "the first run's inputs"
-    feeds = _seeded_inputs(placed.graph) if feeds is None else feeds
+    feeds = seeded_inputs(placed.graph) if feeds is None else feeds
     try:
         first = _warm(runtime, placed_id, feeds)
     except Exception as exc:  # noqa: BLE001  # a seeded run may fail where real inputs would not

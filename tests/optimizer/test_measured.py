@@ -22,7 +22,7 @@ from backplane.backends.api.backend import OptionError
 from backplane.backends.reference.backend import CpuRef
 from backplane.backends.reference.kernels import KERNELS as REF_KERNELS
 from backplane.backends.registry import registry
-from backplane.optimizer import measured
+from backplane.optimizer import edge_cost, measured
 from backplane.optimizer.report import PlacementReport
 from tests.conftest import PartialBackend, small_cnn_model
 
@@ -61,8 +61,9 @@ class SlowPartial(PartialBackend):
 @pytest.fixture(autouse=True)
 def slow_backends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The slow backends registered, and measured placement's caches empty for each test."""
-    for cache in ("_TIMES", "_OUTPUTS", "_EDGES"):
+    for cache in ("_TIMES", "_OUTPUTS"):
         monkeypatch.setattr(measured, cache, {})
+    monkeypatch.setattr(edge_cost, "_EDGES", {})
     with registry.temporarily(SlowRef.id, SlowRef), \
             registry.temporarily(SlowPartial.id, SlowPartial):
         yield
@@ -183,7 +184,7 @@ def test_openvino_partitions_are_measured_against_cpuref() -> None:
 def test_the_compile_cache_keeps_the_measured_placement(tmp_path: Any) -> None:
     first = InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"],
                              optimizer_options=MEASURED, cache_dir=tmp_path)
-    for cache in (measured._TIMES, measured._OUTPUTS, measured._EDGES):
+    for cache in (measured._TIMES, measured._OUTPUTS, edge_cost._EDGES):
         cache.clear()  # a new process, as far as measurements go
     before = CALLS["relu"]
     again = InferenceSession(small_cnn_model(), backends=["TestSlowRef", "CpuRef"],

@@ -220,11 +220,11 @@ def test_a_runs_outputs_never_alias_fallback_memory() -> None:
 
 
 def test_measured_placement_prices_a_fallback_edge(fallback_backends: None) -> None:
-    from backplane.optimizer.measured import _edge_ms
+    from backplane.optimizer.edge_cost import edge_ms
 
     npu = InferenceSession(MODEL, ["TestNpu"]).optimized.backends["TestNpu"]
     value = _x()
-    ms = _edge_ms(value, npu.tensor_handle_factories()[0], GPU_FACTORY)
+    ms = edge_ms(value, npu.tensor_handle_factories()[0], GPU_FACTORY)
     assert 0 < ms < 1000
 
 

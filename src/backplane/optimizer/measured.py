@@ -47,7 +47,7 @@ at 1); a partition's other inputs are the outputs of its producer's run, so shap
 downstream are real. Partitions with a pinned layer are kept (and only timed where preference put
 them); builtin's (control flow) are neither timed nor moved.
 
-Measurements live as long as the process (``_TIMES``, ``_EDGES``), keyed by the partition's
+Measurements live as long as the process (``_TIMES``, ``edge_cost._EDGES``), keyed by the partition's
 signature (op types, attributes, shapes, element types, a hash of its constants), the backend's id
 and version, and the options. On disk, the compile cache keeps the placement itself: its key holds
 the optimizer options, and the artifact the report with its measurements.
@@ -56,9 +56,7 @@ the optimizer options, and the artifact the report with its measurements.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
-import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -69,21 +67,15 @@ import numpy as np
 
 from backplane import progress
 from backplane.backends.api.backend import Backend, OptionError, support_of
-from backplane.backends.api.memory import (
-    HOST_FACTORY,
-    TensorHandleFactory,
-    fallback_kind,
-    to_device,
-    to_host,
-)
-from backplane.backends.builtin.backend import make_mem_copy, make_mem_import
+from backplane.backends.api.memory import HOST_FACTORY, to_device, to_host
 from backplane.backends.registry import BackendRegistry
-from backplane.ir.graph import Graph, SubgraphView, TensorInfo
-from backplane.optimizer.edges import BUILTIN, USER, EdgeStrategy, edge_strategy
+from backplane.ir.graph import Graph, SubgraphView
+from backplane.optimizer import edge_cost, samples
+from backplane.optimizer.edges import BUILTIN, USER
 from backplane.optimizer.partition import partition
 from backplane.optimizer.report import MeasurementRecord, PlacementReport
+from backplane.optimizer.samples import seeded, seeded_inputs
 from backplane.runtime import host_threads
-from backplane.runtime.fallback import FallbackMemoryManager
 
 log = logging.getLogger("backplane.optimizer")
 
@@ -121,8 +113,6 @@ MARGIN = 0.02
 """The least a backend other than the reference must save (a fraction of the reference's median
 ms) to take a partition from it, however steady both were: the timing of a partition alone, at
 load, is not the run itself."""
-EDGE_RUNS, EDGE_BUDGET_S = 7, 0.3
-"""Timed runs of an edge's copy at most, and seconds of them (one run at least)."""
 PASSES = 4
 """Greedy passes over the partitions at most (each one that changes nothing ends it)."""
 _clock: Callable[[], float] = time.perf_counter
@@ -133,9 +123,6 @@ _TIMES: dict[tuple[str, str, str, str], _Runs | str] = {}
 """(signature, backend id, version, options) -> its timed runs, or why it could not be timed."""
 _OUTPUTS: dict[str, list[np.ndarray]] = {}
 """signature -> the outputs of its first run (host arrays): inputs of the partitions after it."""
-_EDGES: dict[tuple[str, str, tuple[int, ...], str, bool], float] = {}
-"""(source factory id, target factory id, shape, element type, to the user) -> median ms of that
-move."""
 
 
 def check_placement(value: str) -> None:
@@ -210,7 +197,7 @@ def place(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str
     the measurements go to ``report.measurements``."""
     parts = [_part(graph, backend_id, view, available, pins, exclusions)
              for backend_id, view in partition(graph, skip=frozenset({BUILTIN}))]
-    values = _seeded_inputs(graph)
+    values = seeded_inputs(graph)
     one_blas = host_threads.mixed(available.values())  # as a run that mixes them would be
     key = (repr(sorted((k, repr(v)) for k, v in backend_options.items()))
            + (" one BLAS thread" if one_blas else ""),
@@ -227,7 +214,7 @@ def place(graph: Graph, available: Mapping[str, Backend], pins: Mapping[str, str
     factories[USER] = HOST_FACTORY  # and builtin's tensors, read as the user's
 
     def edge_ms(name: str, source: str, target: str) -> float:
-        return _edge_ms(values.get(name), factories[source], factories[target], target == USER)
+        return edge_cost.edge_ms(values.get(name), factories[source], factories[target], target == USER)
 
     _choose(parts, edges, edge_ms)
     for part in parts:
@@ -252,30 +239,6 @@ def _part(graph: Graph, backend_id: str, view: SubgraphView, available: Mapping[
     return _Part(view, backend_id, candidates)
 
 
-def _seeded_inputs(graph: Graph) -> dict[str, np.ndarray]:
-    """Seeded values of the graph's inputs: floats normal, integers 0 or 1, booleans random; free
-    dimensions at 1; inputs of unknown type or rank left out (what reads them is not timed)."""
-    rng = np.random.default_rng(0)
-    values: dict[str, np.ndarray] = {}
-    for name in graph.inputs:
-        info = graph.info(name)
-        if info.shape is None or info.dtype is None:
-            continue
-        shape = tuple(d if isinstance(d, int) else 1 for d in info.shape)
-        values[name] = _seeded(rng, shape, info.dtype)
-    return values
-
-
-def _seeded(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    if dtype.kind in "iu":
-        return rng.integers(0, 2, shape).astype(dtype)
-    if dtype.kind == "b":
-        return rng.integers(0, 2, shape).astype(bool)
-    return np.zeros(shape, dtype)
-
-
 def _measure(part: _Part, graph: Graph, values: dict[str, np.ndarray],
              registry: BackendRegistry, backend_options: Mapping[str, object],
              key: tuple[str, Mapping[str, str]], step: progress.Step, one_blas: bool = False) -> None:
@@ -291,10 +254,10 @@ def _measure(part: _Part, graph: Graph, values: dict[str, np.ndarray],
     for name in part.view.inputs:  # the output of a partition not timed: seeded, of its shape
         if name not in values:
             info = graph.info(name)
-            values[name] = _seeded(np.random.default_rng(0), info.shape, info.dtype)  # type: ignore
+            values[name] = seeded(np.random.default_rng(0), info.shape, info.dtype)  # type: ignore
     alone = _alone(graph, part.view)
     inputs = [values[n] for n in alone.inputs]
-    signature = _signature(alone, inputs)
+    signature = samples.signature(alone, inputs)
     options, versions = key
     entries = {b: (signature, b, versions[b], options) for b in part.candidates}
     todo = [b for b in part.candidates if entries[b] not in _TIMES]
@@ -421,88 +384,6 @@ def _clearly_slower(times: Mapping[str, list[float]]) -> dict[str, str]:
                                   f"{other}'s median {medians[other]:.3g} ms")
     return slower
 
-
-def _median_ms(run: Callable[[], Any], warmup: int) -> float:
-    """Median ms of EDGE_RUNS runs of ``run`` (EDGE_BUDGET_S of them at most, one at least) after
-    ``warmup`` untimed ones: an edge's copy or import."""
-    for _ in range(warmup):
-        run()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < EDGE_RUNS and (not times or spent < EDGE_BUDGET_S):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return statistics.median(times) * 1e3
-
-
-def _signature(alone: Graph, inputs: Sequence[np.ndarray]) -> str:
-    """A hash of what a partition's time depends on: ops, attributes, wiring, shapes, element
-    types, constants (their bytes) and the inputs' shapes; never its layers' or tensors' names."""
-    local: dict[str, int] = {}
-
-    def number(name: str) -> int:
-        return local.setdefault(name, len(local)) if name else -1
-
-    text = [repr([(tuple(v.shape), v.dtype.str) for v in inputs])]
-    for name in alone.inputs:
-        number(name)
-    for layer in alone.layers:
-        attrs = sorted((k, _attr(v)) for k, v in layer.attrs.items())
-        text.append(repr((layer.domain, layer.op_type, layer.opset, attrs,
-                          [number(n) for n in layer.inputs], [number(n) for n in layer.outputs])))
-    for name, index in local.items():
-        constant = alone.constants.get(name)
-        digest = "" if constant is None else hashlib.sha256(
-            np.ascontiguousarray(constant).tobytes()).hexdigest()
-        text.append(f"{index}: {alone.info(name)} {digest}")
-    text.append(repr([number(n) for n in alone.outputs]))
-    return hashlib.sha256("\n".join(text).encode()).hexdigest()
-
-
-def _attr(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"array{value.shape}{value.dtype.str}:{hashlib.sha256(value.tobytes()).hexdigest()}"
-    return repr(value)
-
-
-def _edge_ms(value: np.ndarray | None, source: TensorHandleFactory,
-             target: TensorHandleFactory, to_user: bool = False) -> float:
-    """Median ms of moving ``value`` from ``source``'s memory to ``target``'s as the network would
-    (nothing, an import, a fallback import or a copy); 0 where the value is unknown."""
-    strategy = edge_strategy(source, target, to_user)
-    if strategy is EdgeStrategy.DIRECT_COMPATIBILITY or value is None:
-        return 0.0
-    key = (source.id, target.id, tuple(value.shape), value.dtype.str, to_user)
-    if key not in _EDGES:
-        if strategy is EdgeStrategy.FALLBACK_IMPORT:
-            glue = _fallback_import(value, source, target)
-        else:
-            make = make_mem_import if strategy is EdgeStrategy.EXPORT_TO_TARGET else make_mem_copy
-            glue = make(source, target)
-        held = value if source.id == HOST_FACTORY.id else source.copy_in(value)
-        _EDGES[key] = _median_ms(lambda: glue(held), 1)
-    return _EDGES[key]
-
-
-def _fallback_import(value: np.ndarray, source: TensorHandleFactory,
-                     target: TensorHandleFactory) -> Callable[[Any], Any]:
-    """A FallbackImport of ``value``'s size as it runs when the producer cannot write in place: one
-    copy into fallback memory. Which producers write in place is known only at load, so an edge is
-    priced at the most it costs: a placement is never slower than measured."""
-    kind = fallback_kind(source, target)
-    assert kind is not None  # edge_strategy chose FALLBACK_IMPORT
-    info = TensorInfo(tuple(value.shape), value.dtype)
-    buffer, _ = FallbackMemoryManager().buffer("edge", kind, info, math.lcm(source.alignment,
-                                                                             target.alignment))
-    consumer = target.import_(buffer)
-
-    def fallback_import(x: Any) -> tuple[Any]:
-        source.write_to(x, buffer)
-        return (consumer,)
-
-    return fallback_import
 
 
 Edge = tuple[str, int, int]  # (tensor, producing part or -1 for the user, reading part or -1)
