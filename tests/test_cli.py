@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
-from backplane import cli
+from backplane import cli, cli_tables
 from tests.conftest import small_cnn_model
 
 
@@ -116,7 +116,7 @@ def test_backends_shows_where_each_came_from_and_what_was_skipped(tmp_path, caps
     (tmp_path / "paths" / "Acme_File_backend.py").write_text(source("AcmeFile"))
     (tmp_path / "paths" / "Acme_Old_backend.py").write_text(source("AcmeOld", version="(0, 3)"))
     install_entry_point(tmp_path / "site", monkeypatch)
-    monkeypatch.setattr(cli, "registry", fresh_registry())
+    monkeypatch.setattr(cli_tables, "registry", fresh_registry())
     code, out = run_cli(["backends", "--dynamic-backends-path", str(tmp_path / "paths")], capsys)
     assert code == 0
     assert "built in" in out
@@ -139,7 +139,7 @@ def test_backends_prints_reasons_as_text_not_markup(capsys, monkeypatch) -> None
 
     registry = fresh_registry()
     registry.register(Absent.id, Absent)
-    monkeypatch.setattr(cli, "registry", registry)
+    monkeypatch.setattr(cli_tables, "registry", registry)
     monkeypatch.setenv("COLUMNS", "200")
     code, out = run_cli(["backends"], capsys)
     assert code == 0 and "pip install 'backplane[torch]'" in out

@@ -27,14 +27,13 @@ from rich.text import Text
 from backplane import progress
 from backplane.artifact import ArtifactError, SigningKey, is_artifact
 from backplane.artifact import compile as compile_artifact
-from backplane.backends.registry import registry
 from backplane.backends.torch import background
-from backplane.backends.registry.dynamic import PATHS_VARIABLE, backend_paths
+from backplane.backends.registry.dynamic import PATHS_VARIABLE
 from backplane.frontends.onnx import ModelError
 from backplane.ir.graph import TensorInfo
 from backplane.optimizer.measured import PLACEMENTS
 from backplane.optimizer.optimize import OptimizationError
-from backplane.optimizer.report import print_table, unfolded_table
+from backplane.optimizer.report import print_table
 from backplane.runtime.loaded_network import ExecutionError
 from backplane.runtime.runtime import InvalidInputError
 from backplane import run_inputs
@@ -42,6 +41,7 @@ from backplane.bench_worker import option_value
 from backplane.run_inputs import key_value as _key_value
 from backplane.run_inputs import random_input  # noqa: F401  # backplane.cli.random_input, as before
 from backplane.session import InferenceSession, SessionOptions, default_backends
+from backplane import cli_tables
 from backplane.cli_documents import (_backend_table, _keep_faster, _layer_table, _run_document,
                                       _summary, compiled_routes)
 
@@ -454,106 +454,14 @@ def cmd_bench(args: argparse.Namespace) -> Any:
     argv += ["--threads", str(args.threads)] if args.threads else []
     argv += (["--no-ort"] if args.no_ort else []) + (["--no-torch"] if args.no_torch else [])
     if args.json:
-        return _bench_document(args, argv, measure_peak=not args.no_peak)
+        return cli_tables.bench_document(args, argv, not args.no_peak, _working)
     with progress.shown(err_console, quiet=args.quiet):  # bench's own bar shows on it, or not
         return bench_main(argv)
 
 
-def _bench_document(cli_args: argparse.Namespace, argv: list[str],
-                    measure_peak: bool) -> tuple[int, dict[str, Any]]:
-    """What ``bench`` prints as tables, as one JSON document (the same processes, rounds, runs)."""
-    import tempfile
-
-    from backplane import bench_engine as bench
-
-    args = bench.parse_args(argv)
-    model = args.models[0]
-    if not model.is_file():
-        raise ModelError(f"'{model}' is a directory: give the model's .onnx file" if model.is_dir()
-                         else f"model file '{model}' does not exist")
-    runtimes = bench.runtimes_of(args)
-    peak = bench.measure_peak(args.threads, args.device) if measure_peak else None
-    with tempfile.TemporaryDirectory(prefix="bench_torch.") as tmp, \
-            _working(cli_args, "starting", total=len(runtimes) * args.rounds) as step:
-        started = False
-
-        def advance(text: str) -> None:
-            nonlocal started
-            step(text, advance=1 if started else 0)
-            started = True
-
-        results = bench.bench_model(args, model, runtimes, Path(tmp), advance)
-    flops = bench.model_flops(model)
-    ort = results.get(bench.ORT)
-    ort_ms = statistics.median(ort.times) * 1e3 if ort and ort.times else None
-    rows = []
-    for runtime, r in results.items():
-        row: dict[str, Any] = {"runtime": runtime, "backplane": runtime not in (
-            bench.ORT, bench.EAGER, bench.CUDA_GRAPH)}
-        if r.error or not r.times:
-            row["error"] = r.error or "no timed runs"
-            row["skipped"] = bench.is_skip(runtime, r.error)
-        else:
-            ms = statistics.median(r.times) * 1e3
-            rate = flops / (ms / 1e3) / 1e9
-            row.update({"median_ms": ms, "spread_ms": [min(r.medians) * 1e3, max(r.medians) * 1e3],
-                        "times_ms": [t * 1e3 for t in r.times],
-                        "vs_ort": ort_ms / ms if ort_ms else None, "gflops": rate,
-                        "share_of_peak": rate / peak if peak else None,
-                        "load_s": statistics.median(r.loads), **r.plan})
-            if runtime != bench.ORT and ort is not None:
-                row["diff_vs_ort"] = bench.output_diff(r.outputs, ort.outputs)
-        rows.append(row)
-    failed = any("error" in row for row in rows if row["runtime"] not in (bench.EAGER,
-                                                                          bench.CUDA_GRAPH))
-    return (1 if failed else 0), {
-        "model": str(model), "device": args.device, "threads": args.threads,
-        "rounds": args.rounds, "runs": args.runs, "warmup": args.warmup,
-        "gflop_per_run": flops / 1e9, "peak_gflops": peak, "results": rows}
-
-
 # -- backends -------------------------------------------------------------------------------------------------
 def cmd_backends(args: argparse.Namespace) -> Any:
-    registry.load_entry_points()
-    registry.load_dynamic_backends(backend_paths(args.dynamic_backends_path))
-    entries: list[dict[str, Any]] = []
-    for backend_id in registry.ids():
-        entry: dict[str, Any] = {"id": backend_id, "origin": registry.origin(backend_id)}
-        try:
-            backend = registry.create(backend_id)
-        except Exception as exc:  # a broken factory is shown, not fatal
-            entry.update({"version": None, "available": False, "reason": str(exc),
-                          "capabilities": {}, "ops": 0, "options": {}})
-            entries.append(entry)
-            continue
-        status = backend.availability()
-        entry.update({"version": backend.version, "available": status.ok,
-                      "reason": None if status.ok else status.reason,
-                      "capabilities": dict(backend.capabilities()), "ops": len(backend.KERNELS),
-                      "options": dict(backend.OPTIONS)})
-        entries.append(entry)
-    skipped = [{"candidate": s.candidate, "reason": s.reason} for s in registry.skipped]
-    if args.json:
-        return 0, {"backends": entries, "skipped": skipped}
-    rows = []
-    for e in entries:
-        caps = "\n".join(f"{k}={v}" for k, v in e["capabilities"].items())  # one a line, whole
-        status = "yes" if e["available"] else f"no: {e['reason']}"
-        rows.append((e["id"], e["version"] or "?", e["origin"], status, caps, str(e["ops"])))
-    print_table(console, unfolded_table("Registered backends", ("id", "version", "from",
-                                                                "available", "capabilities", "ops"),
-                                        rows, folding=("available",), right=("ops",)))
-    # the options in a table of their own, each whole on its line with what it takes: as a column
-    # of the table above they need 121 columns, and folded at 100 they were cut inside their names
-    options = [(name, what) for e in entries for name, what in e["options"].items()]
-    if options:
-        print_table(console, unfolded_table("Backend options (--backends A,B@A.option=value)",
-                                            ("option", "takes"), options, folding=("takes",)))
-    if skipped:
-        print_table(console, unfolded_table("Skipped candidates", ("candidate", "reason"),
-                                            [(s["candidate"], s["reason"]) for s in skipped],
-                                            folding=("reason",)))
-    return 0
+    return cli_tables.backends(args, console)
 
 
 if __name__ == "__main__":
