@@ -36,6 +36,7 @@ from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory, device_of, to_device
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.cuda_host import warm_up
 from backplane.backends.torch.cuda_predicates import with_host_predicates  # noqa: F401  # GpuAcc's
 from backplane.backends.torch.gpu_fusion import Step, inner_steps
 from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
@@ -476,12 +477,7 @@ class CapturedGraph:
 
         self.static_inputs = static_inputs
         self.run_layers = run_layers  # holds the uploaded constants the graph reads: keep them alive
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy initialisations (cuBLAS handles, ...) happen here
-                run_layers(*static_inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm_up(lambda: run_layers(*static_inputs), device)
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph):
