@@ -12,9 +12,10 @@ graph with its copies captured took 0.081.
 inputs; None for any other network. Per input signature (shapes and types; at most
 ``GpuAcc.specialize`` kept, the least recently used dropped), the first run builds what the
 partition's workload would for those shapes (``specialize.built_graph``: one CudaGraph layer) and
-captures it with page-locked host buffers for each input and output (``HostGraph``). A run copies
-the inputs into those buffers, replays the graph once, waits for the stream once and returns copies
-of the output buffers (the caller's alone). Anything else (tensors on a device, a run under a time
+captures it with page-locked host buffers for each input and output (``HostGraph``; the outputs
+written there by one kernel per type, ``download``). A run copies the inputs into those buffers,
+replays the graph once, waits for the stream once and returns copies of the output buffers (the
+caller's alone). Anything else (tensors on a device, a run under a time
 limit, a signature that does not build as one graph) runs through the network as before.
 """
 
@@ -224,7 +225,7 @@ it (``CapturedGraph``): the two graphs' activations share memory (see ``HostGrap
 class HostGraph:
     """Layers captured once into a CUDA graph with their copies: from one page-locked block of
     every input into one device block (one copy, each static input a view of it) and from its
-    outputs into page-locked output buffers. A call fills the input buffers, replays, waits for
+    outputs into page-locked output buffers (``download``). A call fills the input buffers, replays, waits for
     the stream and gives the output buffers (NumPy views, overwritten by the next call: the
     caller copies them).
 
