@@ -27,6 +27,7 @@ from backplane.backends.torch.kernels.recurrent_fused import (
     params_of,
     runs_alone,
 )
+from backplane.backends.torch.kernels.recurrent_parallel import at_once, directions
 from backplane.ir.graph import Layer, TensorInfo
 
 # -- RNN, GRU, LSTM --------------------------------------------------------------------------------
@@ -64,8 +65,13 @@ def _native(function, order, X, W, R, B, states, direction, layout):
     pair = pair_of(name, W, params, B is not None) if bidirectional and cpu else None
     wide = 1 if pair is None else 2  # paired: both directions in one call of twice the width
     alone = cpu and runs_alone(batch, wide * R.shape[1], wide * hidden)
-    out, *final = fused(function, x, hx, pair, params, B is not None, bidirectional, bool(layout),
-                        alone)
+    # a large layer's directions at once, each on one thread (recurrent_parallel.py)
+    steps = X.shape[layout]
+    if alone and pair is None and bidirectional and at_once(steps, batch, *W.shape[1:], hidden):
+        out, *final = directions(name, x, hx, params, B is not None, bool(layout))
+    else:
+        out, *final = fused(function, x, hx, pair, params, B is not None, bidirectional,
+                            bool(layout), alone)
     y = out.unflatten(2, (1 + bidirectional, hidden))  # (seq, batch, dirs, hidden), or batch first
     y = y.flip(layout) if reverse else y
     return (y if layout else y.transpose(1, 2)), [f.transpose(0, 1) if layout else f for f in final]

@@ -1,0 +1,146 @@
+"""A large bidirectional recurrent layer's two directions at once, on two threads.
+
+Why: torch's fused kernels run a bidirectional layer's directions one after the other, and a
+small recurrent product runs each on one thread (``recurrent_fused.ONE_THREAD_BELOW``: its steps'
+parallel regions are too small to share). The two directions are independent: here the forward
+one runs on the calling thread and the backward one, at the same time, on a worker thread, each on
+one thread, where the caller has two threads or more. The full tier's lstm_bi2_ts14 layer (100
+steps, input 64, hidden 128), thread pool handoff included, 2 threads, this project's 2-core AMD
+EPYC at load 5-7, best wall us: one call on one thread 1694-2134, directions at once 1024-1097
+(ONNX Runtime likewise runs the directions of a bidirectional layer at once). Below
+``PARALLEL_MACS`` the handoff (tens of us, more on a busy machine) costs more than it saves.
+
+A TorchScript trace keeps this as one op (``backplane::recurrent_directions``), whose body
+decides at each run by the calling thread's count; the ops the worker runs are not traced.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+PARALLEL_MACS = 1 << 21
+"""The least multiply-adds a direction (steps x gates * hidden x (input + hidden)) for the two
+directions to run at once: crnn_paddle_ts12's small-tier LSTM (40 steps, input 64, hidden 32,
+0.5 M) stays one call, the full tier's layers (6.9-19.7 M) run at once."""
+
+
+def at_once(steps: int, batch: int, gate_rows: int, inputs: int, hidden: int) -> bool:
+    """Whether a bidirectional layer of these sizes (W's gate rows and inputs) runs its directions
+    at once: enough work a direction (``PARALLEL_MACS``), and no trace but TorchScript's (make_fx
+    and torch.compile would not see the worker's ops, nor take this op without a fake kernel)."""
+    return (steps * batch * gate_rows * (inputs + hidden) >= PARALLEL_MACS
+            and not torch.compiler.is_compiling() and get_proxy_mode() is None)
+
+
+def directions(name: str, x: torch.Tensor, hx: list[torch.Tensor], params: list[torch.Tensor],
+               has_bias: bool, batch_first: bool) -> list[torch.Tensor]:
+    """torch's bidirectional fused kernel ``name`` (``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``)
+    over ``x``: its outputs (Y with both directions' hidden side by side, the final states
+    (2, batch, hidden)), each direction on one thread, at once where this thread has two or more.
+    In a TorchScript trace, one op of the trace."""
+    if torch.jit.is_tracing():
+        return torch.ops.backplane.recurrent_directions(name, x, hx, params, has_bias,
+                                                        batch_first)
+    return _directions(name, x, hx, params, has_bias, batch_first)
+
+
+def _directions(name, x, hx, params, has_bias, batch_first):
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return list(_kernel(name)(x, hx, params, has_bias, True, batch_first))
+    per, time = len(params) // 2, 1 if batch_first else 0
+    back = [s[1:] for s in hx]
+    pending = _submit(_kernel(name), x.flip(time), back, params[per:], has_bias, False,
+                      batch_first)
+    torch.set_num_threads(1)
+    try:
+        forward = _kernel(name)(x, [s[:1] for s in hx], params[:per], has_bias, False,
+                                batch_first)
+    finally:
+        torch.set_num_threads(threads)
+    backward = pending()
+    y = torch.cat([forward[0], backward[0].flip(time)], 2)
+    return [y] + [torch.cat([f, b]) for f, b in zip(forward[1:], backward[1:])]
+
+
+def _kernel(name: str) -> Callable[..., Sequence[torch.Tensor]]:
+    """torch's fused kernel ``name`` as ``kernel(x, hx, params, has_bias, bidirectional,
+    batch_first)``: its outputs (Y, the final states)."""
+    function = getattr(torch, name)
+
+    def kernel(x, hx, params, has_bias, bidirectional, batch_first):
+        state = hx if len(hx) > 1 else hx[0]
+        return function(x, state, params, has_bias, 1, 0.0, False, bidirectional, batch_first)
+
+    return kernel
+
+
+# -- the worker thread ------------------------------------------------------------------------------
+_JOBS: queue.SimpleQueue | None = None
+_STARTING = threading.Lock()
+
+
+def _submit(function: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """``function(*args)`` on the worker thread, under no_grad, on one thread: a call that waits
+    for its result (and raises what it raised)."""
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    _jobs().put((function, args, done))
+
+    def result() -> Any:
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    return result
+
+
+def _jobs() -> queue.SimpleQueue:
+    """The worker's queue, the worker started at the first call (and again in a forked child)."""
+    global _JOBS
+    if _JOBS is None:
+        with _STARTING:
+            if _JOBS is None:
+                jobs: queue.SimpleQueue = queue.SimpleQueue()
+                ready = threading.Event()
+                threading.Thread(target=_work, args=(jobs, ready), daemon=True,
+                                 name="backplane-recurrent").start()
+                ready.wait()
+                # set_num_threads(1) on the worker also set torch's count for threads started
+                # later (OpenMP's own counts are per thread): the caller's is put back
+                torch.set_num_threads(torch.get_num_threads())
+                _JOBS = jobs
+    return _JOBS
+
+
+def _work(jobs: queue.SimpleQueue, ready: threading.Event) -> None:
+    torch.set_num_threads(1)
+    ready.set()
+    while True:
+        function, args, done = jobs.get()
+        try:
+            with torch.no_grad():
+                done.put((True, function(*args)))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, raised there
+            done.put((False, exc))
+
+
+def _forget_worker() -> None:
+    global _JOBS
+    _JOBS = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_worker)
+
+_LIBRARY = torch.library.Library("backplane", "FRAGMENT")
+_LIBRARY.define("recurrent_directions(str name, Tensor x, Tensor[] hx, Tensor[] params, "
+                "bool has_bias, bool batch_first) -> Tensor[]")
+_LIBRARY.impl("recurrent_directions", _directions, "CPU")
