@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from backplane.backends.reference.kernels.quant import dynamic_quantize_linear  # noqa: E402
 from backplane.backends.torch.fusion.dynamic_quant import grid_on_host  # noqa: E402
-from backplane.backends.torch.kernels.contrib_quant import dynamic_grid  # noqa: E402
+from backplane.backends.torch.kernels.contrib_quant import dynamic_grid, product_grid  # noqa: E402, E501
 
 
 def cases() -> list[np.ndarray]:
@@ -60,3 +60,37 @@ def test_the_check_before_a_trace_finds_no_host_read() -> None:
         centred, scale = grid_on_host(x * 2.0)
     assert reads.found == []
     assert torch.equal(centred * scale, dynamic_grid(x * 2.0)[0] * dynamic_grid(x * 2.0)[1])
+
+
+def edge_cases() -> list[np.ndarray]:
+    """NaN, infinities, symmetric ranges (their ends at half steps) and all-zero rows."""
+    rng = np.random.default_rng(7)
+    found = [np.array([[1.0, np.nan, -2.0]], np.float32), np.array([[np.inf, 1, -2]], np.float32),
+             np.array([[-np.inf, 1, 2]], np.float32), np.array([[np.nan, np.nan]], np.float32),
+             np.array([[-0.0, 0.0]], np.float32), np.zeros((2, 3), np.float32)]
+    found += [np.array([[-a, a, a / 3]], np.float32) for a in rng.uniform(0, 100, 300)]
+    found += [(rng.standard_normal((4, 9)) * 10 ** rng.uniform(-6, 6)
+               + rng.uniform(-3, 3) * 10 ** rng.uniform(-6, 6)).astype(np.float32)
+              for _ in range(2000)]
+    return found
+
+
+def test_the_product_grid_is_the_tensor_grid() -> None:
+    """The same integers; the same scale but for an all-zero x (0 there: its product is 0)."""
+    for x in cases() + edge_cases():
+        centred, scale = product_grid(torch.from_numpy(x))
+        want, want_scale = dynamic_grid(torch.from_numpy(x))
+        assert torch.equal(centred, want), x
+        zeros = not np.any(x)
+        assert float(scale) == (0.0 if zeros else float(want_scale)), x
+
+
+def test_a_traced_grid_makes_few_calls() -> None:
+    """A trace pays about 1.4 us a call: the grid a traced product holds is 14 of them
+    (dynamic_grid's form made 25), and follows each input's range."""
+    x = torch.linspace(-1, 1, 12).reshape(3, 4)
+    traced = torch.jit.trace(lambda v: grid_on_host(v), x)
+    calls = [n for n in traced.graph.nodes() if n.kind().startswith("aten::")]
+    assert len(calls) <= 14, [n.kind() for n in calls]
+    large = x * 40 + 3
+    assert torch.equal(traced(large)[0], dynamic_grid(large)[0])

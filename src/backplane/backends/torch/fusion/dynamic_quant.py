@@ -20,7 +20,7 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import F32, Context, compute_type
 from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight, _in_float32
-from backplane.backends.torch.kernels.contrib_quant import dynamic_grid
+from backplane.backends.torch.kernels.contrib_quant import dynamic_grid, product_grid
 from backplane.ir.graph import Layer
 
 Branch = tuple[list[Layer], str, np.ndarray, np.ndarray, np.ndarray | None]
@@ -117,13 +117,15 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     dtype, splits = compute_type(a), a.get("splits")
 
     def run(x):
-        centred, scale = grid_on_host(x.float())
+        # no call where x and y are float32 already: a trace keeps each call, about 1 us
+        centred, scale = grid_on_host(x if x.dtype == torch.float32 else x.float())
         (acc,) = product(centred)
         y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
         y = y.add_(bias) if bias is not None else y
+        y = y if dtype == torch.float32 else y.to(dtype)
         if splits is None:
-            return (y.to(dtype),)
-        return tuple(part.to(dtype).contiguous() for part in y.split(splits, dim=-1))
+            return (y,)
+        return tuple(part.contiguous() for part in y.split(splits, dim=-1))
     return run
 
 
@@ -136,11 +138,12 @@ def grid_on_host(x: Any) -> tuple[Any, Any]:
     In a trace, under a torch function mode (``fusion/traced.py``'s ``HostReads``, which runs the
     layers before a trace and would take the read for a value of the inputs read on the host: the
     quantized GPT then ran layer by layer, 0.50 -> 0.73 ms), on a GPU, or with a NaN in x (its
-    range NaN), ``dynamic_grid``."""
+    range NaN), ``product_grid``."""
     import torch
 
-    if x.is_cuda or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled() \
-            or not x.numel():
+    if x.is_cuda or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
+        return product_grid(x) if x.shape.numel() else dynamic_grid(x)
+    if not x.numel():
         return dynamic_grid(x)
     lowest, highest = (float(v) for v in torch.aminmax(x))
     if lowest != lowest or highest != highest:  # NaN
@@ -150,3 +153,4 @@ def grid_on_host(x: Any) -> tuple[Any, Any]:
     zero = min(max(float(np.rint(np.float32(0.0 - low) / scale)), 0.0), 255.0)
     centred = torch.div(x, float(scale)).round_().clamp_(-zero, 255 - zero)
     return centred, float(scale)
+

@@ -31,6 +31,7 @@ from backplane.ir.graph import Layer, TensorInfo
 
 MS = "com.microsoft::"
 EIGHT_BIT = frozenset({np.dtype(np.uint8), np.dtype(np.int8)})
+_ZERO32, _ZERO64 = torch.zeros(()), torch.zeros((), dtype=torch.float64)
 
 
 def dequantize(x, scale, zero_point=None):
@@ -152,7 +153,7 @@ def mat_mul_integer_to_float(A, B, a_scale, b_scale, a_zero_point=None,  # noqa:
 
 def dynamic_quantize_mat_mul(A, B, b_scale, b_zero_point=None, bias=None):  # noqa: N803
     # A quantized to uint8 over its range (DynamicQuantizeLinear), then MatMulIntegerToFloat
-    centred, a_scale = dynamic_grid(A.float())
+    centred, a_scale = product_grid(A.float())
     acc = torch.matmul(centred.double(), _centred(B, b_zero_point))
     y = acc.float().mul_(a_scale * b_scale.float())
     return (y if bias is None else y + bias,)
@@ -172,6 +173,29 @@ def dynamic_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero = torch.round(low.neg() / scale).clamp_(0, 255).nan_to_num_(0.0)
     centred = torch.div(x, scale).round_().clamp_(zero.neg(), 255 - zero)
     return torch.where(centred.isnan(), zero.neg(), centred), scale
+
+
+def product_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dynamic_grid`` in 14 tensor calls where it makes 25 (a trace's cost is per call, about
+    1.4 us each on this AMD EPYC): the same integers, and the same scale but where x is all zeros
+    (then 0, not 1: every product by it is 0 all the same). For products only: its scale
+    multiplies an integer sum.
+
+    Why each step is the reference's: ``fmin`` maps a NaN low to 0 where ``maximum`` keeps a NaN
+    high, in float64 (``_ZERO64``); the range, high - low in float64 as CpuRef's Python floats,
+    is then NaN, taken to 255 (scale 1, zero point 0: CpuRef's NaN case). -zero is
+    round(low / scale) (float32 division and rounding half to even are odd functions: CpuRef's
+    rint(-low / scale), negated), within [-255, 0] without a clamp (low <= 0 <= high, the scale
+    rounded once); x's grid lies between -zero and 255 - zero. A NaN left in the grid (x's own
+    NaN, 0 / 0 where x is all zeros, inf / inf) is the zero point, 0 in each of those cases."""
+    lowest, highest = torch.aminmax(x)
+    # 0-d CPU tensors: operands of a CUDA tensor's op too, as scalars; a trace keeps them
+    low = torch.fmin(lowest, _ZERO32)  # NaN -> 0
+    high = torch.maximum(highest, _ZERO64)  # NaN stays NaN, float64
+    scale = (high - low).nan_to_num_(255.0, float("inf")).div_(255).float()
+    zero_neg = torch.div(low, scale).round_()
+    centred = torch.div(x, scale).round_()
+    return torch.clamp(centred, zero_neg, zero_neg + 255).nan_to_num_(0.0), scale
 
 
 def mat_mul_n_bits(A, B, scales, zero_points=None, g_idx=None, bias=None, *, K, N,  # noqa: N803
