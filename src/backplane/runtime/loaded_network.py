@@ -152,7 +152,8 @@ class LoadedNetwork:
         else:  # one partition: one call between its handovers, no slots (steps.one_call)
             failure = functools.partial(_failure, self._layer_of)  # no cycle through self
             loop = functools.partial(_run, self._template, failure, self.host_plan)
-            single = one_call(self.host_plan, self._template, loop, failure) \
+            single = one_call(self.host_plan, self._template, loop, failure,
+                              functools.partial(_owned, self.held)) \
                 or straight_run(self.host_plan, self._template, failure)  # steps as code
             if single is not None:
                 self.execute = single  # type: ignore[method-assign]
@@ -167,6 +168,9 @@ class LoadedNetwork:
             self.execute = self._one_at_a_time(self.execute)  # type: ignore[method-assign]
             self.execute_profiled = self._one_at_a_time(self.execute_profiled)  # type: ignore[method-assign]
             self.execute_plan = self._one_at_a_time(self.execute_plan)  # type: ignore[method-assign]
+        owning = getattr(self.execute, "owned", None)  # None where the run was wrapped above
+        if owning is not None:
+            self.execute_owned = owning  # type: ignore[method-assign]
         for manager in self.memory_managers:  # held from here to the unload (Arm NN's rule)
             manager.acquire()
         self._finalizer = weakref.finalize(self, _release, self.memory_managers,
@@ -273,6 +277,13 @@ class LoadedNetwork:
     def execute(self, inputs: Sequence[Any]) -> list[Any]:
         """Run once; ``inputs`` in the order of the network's inputs, already checked."""
         return self._run(self.host_plan, inputs)
+
+    def execute_owned(self, inputs: Sequence[Any]) -> list[Any]:
+        """``execute``, its outputs the caller's alone (``ownership.owned``: each copied where
+        anything else may hold its memory); ``inputs`` as ``execute`` takes them. A network that is
+        one call (``steps.one_call``) decides it where the outputs are made
+        (``steps.owning_call``)."""
+        return ownership.owned(self.execute(inputs), inputs, self.held)
 
     def execute_plan(self, plan: Plan, inputs: Sequence[Any]) -> list[Any]:
         """``execute`` with another plan (user tensors in device memory or buffers: ``plan``);
@@ -473,6 +484,10 @@ def _run(template: list[Any], failure: Callable[[Step, Exception], ExecutionErro
     except StepFailure as failed:
         raise failure(failed.step, failed.error) from failed.error
     return [_array(env[i]) for i in plan.output_slots]
+
+
+def _owned(held: ownership.Held, outputs: list[Any], inputs: Sequence[Any]) -> list[Any]:
+    return ownership.owned(outputs, inputs, held)
 
 
 def _failure(layer_of: dict[int, Layer], step: Step, exc: Exception) -> ExecutionError:

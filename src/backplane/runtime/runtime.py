@@ -342,13 +342,13 @@ def host_run(loaded: LoadedNetwork) -> Callable[[Any], list[Any] | None]:
     the caller's (``owned``). Returns None for anything else (another kind of feed, a wrong one):
     ``Runtime.run`` then checks it in full, which gives the value or the error (the check here
     only accepts what ``check_inputs`` accepts as it is)."""
-    check, execute, held = prepared_check(_input_specs(loaded)), loaded.execute, loaded.held
+    check, execute = prepared_check(_input_specs(loaded)), loaded.execute_owned
 
     def run(inputs: Any) -> list[Any] | None:
         values = check(inputs)
         if values is None:
             return None
-        return owned(execute(values), values, held)
+        return execute(values)  # owned: LoadedNetwork.execute_owned
 
     return run
 

@@ -154,13 +154,18 @@ def plan_steps(layers: Sequence[Layer], workloads: Sequence[Workload], slots: di
 
 def one_call(plan: Plan, template: Sequence[Any], loop: Callable[[Sequence[Any]], list[Any]],
              failure: Callable[[Step, Exception], Exception],
+             owned: Callable[[list[Any], Sequence[Any]], list[Any]] | None = None,
              ) -> Callable[[Sequence[Any]], list[Any]] | None:
     """The plan of a network that is one partition (one step between the handovers of its inputs
     and of its outputs: CpuAcc's compiled partition between ``torch.from_numpy`` and ``.numpy()``)
     as one function of the run's inputs: each handover called on its value, the step on those,
     the outputs' handovers on its results; no slots. None for any other plan. Under a stop
     (``STOP`` set) it runs ``loop`` (the slots' loop, which asks before each step); a failure is
-    ``failure(step, error)``, as the loop's."""
+    ``failure(step, error)``, as the loop's.
+
+    Given ``owned`` (the runtime's ``ownership.owned`` of a run's outputs and inputs), the function
+    has an ``owned`` attribute too: the same run, its outputs the caller's alone (see
+    ``owning_call``)."""
     work = [step for step in plan.steps if step.convert is None]
     if len(work) != 1 or not plan.input_slots:
         return None
@@ -214,7 +219,69 @@ def one_call(plan: Plan, template: Sequence[Any], loop: Callable[[Sequence[Any]]
         except Exception as exc:
             raise failure(at, exc) from exc
 
+    if owned is not None:
+        call.owned = owning_call(call, reads, workload, step, outs,  # type: ignore[attr-defined]
+                                 owned, failure)
     return call
+
+
+def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tuple[Any, ...]],
+                workload: Workload, step: Step,
+                outs: Sequence[tuple[int, Callable[[Any], Any] | None, Step]],
+                owned: Callable[[list[Any], Sequence[Any]], list[Any]],
+                failure: Callable[[Step, Exception], Exception],
+                ) -> Callable[[Sequence[Any]], list[Any]]:
+    """``one_call``'s ``call`` (of ``reads``, ``workload`` and ``outs``, as it has them) with its
+    outputs the caller's alone, decided where they are made: where every output has a handover,
+    each result is looked at before its handover (``fresh_outputs.fresh``: a tensor no one else
+    holds, in memory torch's allocator made) and handed over as it is, ``owned`` deciding for all
+    only where one is not; where none has one, the step reads the inputs as they are and the
+    workload offers such a run of its own (an ``owned`` attribute: builtin's DecidedIf), that
+    run; else ``owned`` after ``call``. Under a stop: ``owned`` after ``call``."""
+    from backplane.runtime.fresh_outputs import fresh
+
+    inner = getattr(workload, "owned", None)
+    plain = all(convert is None for _, convert, _, _ in reads) \
+        and all(convert is None for _, convert, _ in outs)
+    if inner is not None and plain and [i for i, _, _ in outs] == list(range(len(outs))):
+        as_given = [index for index, _, _, _ in reads] == list(range(len(reads)))
+
+        def vouched(values: Sequence[Any]) -> list[Any]:
+            if STOP.get() is not None:
+                return owned(call(values), values)
+            if as_given and len(values) == len(reads):  # its errors name their layers
+                return inner(*values)  # type: ignore[no-any-return]
+            return inner(*[constant if index < 0 else values[index]  # type: ignore[no-any-return]
+                           for index, _, _, constant in reads])
+
+        return vouched
+    if any(convert is None for _, convert, _ in outs):
+        return lambda values: owned(call(values), values)
+
+    def handed(values: Sequence[Any]) -> list[Any]:
+        if STOP.get() is not None:
+            return owned(call(values), values)
+        at = step
+        try:
+            args = []
+            for index, convert, at, constant in reads:
+                args.append(constant if index < 0 else values[index] if convert is None
+                            else convert(values[index]))
+            at = step
+            results = workload(*args)
+            outputs = []
+            mine = True
+            for index, convert, at in outs:
+                value = results[index]
+                mine = mine and fresh(value)
+                outputs.append(convert(value))  # type: ignore[misc]  # each has one (above)
+        except RunTerminated:
+            raise
+        except Exception as exc:
+            raise failure(at, exc) from exc
+        return outputs if mine else owned(outputs, values)
+
+    return handed
 
 
 # -- steps as straight code ------------------------------------------------------------------------

@@ -57,11 +57,16 @@ def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
     positions = [layer.inputs.index(name) for name in graph.inputs]
     compute = host_predicate(graph)
     then_run, else_run = nets["then_branch"].execute, nets["else_branch"].execute
-    known: dict[tuple[bytes, ...], bool] = {}
+    then_owned, else_owned = nets["then_branch"].execute_owned, nets["else_branch"].execute_owned
+    known: dict[Any, bool] = {}  # the predicate's inputs' bytes (a tuple of them) -> taken
 
     def taken(values: Sequence[Any]) -> bool:
         # the inputs were checked: each of its declared type and fixed sizes, so bytes tell them
-        key = tuple([_bytes(values[p]) for p in positions])
+        if len(positions) == 1:  # (a sample rate): no list, no tuple
+            value = values[positions[0]]
+            key: Any = value.tobytes() if type(value) is np.ndarray else _bytes(value)
+        else:
+            key = tuple([_bytes(values[p]) for p in positions])
         found = known.get(key)
         if found is None:
             found = compute([np.asarray(values[p]) for p in positions])
@@ -71,6 +76,9 @@ def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
 
     def decided_if(*values: Any) -> list[Any]:
         return (then_run if taken(values) else else_run)(values)
+
+    def owned(*values: Any) -> list[Any]:  # outputs the caller's alone (steps.owning_call)
+        return (then_owned if taken(values) else else_owned)(values)
 
     def profiled(*values: Any) -> tuple[list[Any], list[tuple[str, str, float]]]:
         start = time.perf_counter()
@@ -82,9 +90,11 @@ def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
                          *((f"{path}{t.layer}", t.op_type, t.seconds) for t in timings)]
 
     decided_if.profiled = profiled  # type: ignore[attr-defined]
+    decided_if.owned = owned  # type: ignore[attr-defined]
     decided_if.taken = taken  # type: ignore[attr-defined]  # for tests
     decided_if.runs = {b: getattr(n, "host_runs", None) or n.execute  # type: ignore[attr-defined]
                        for b, n in nets.items()}  # for tests: the whole runs where there are
+    decided_if.versions = dict(nets)  # type: ignore[attr-defined]  # for tests: the networks
     return decided_if
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 log = logging.getLogger("backplane.torch")
 DEFAULT_SIGNATURES = 8
+SIGNATURE = operator.attrgetter("shape", "dtype")
+"""An input's part of a signature, (shape, dtype): a C call, no comprehension's frame a run."""
 MIN_LAYERS = 2  # a single layer gains nothing from a build
 
 
@@ -71,7 +74,7 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
         return generic[0]
 
     def run(*values: Any) -> tuple[Any, ...]:
-        key = tuple([(v.shape, v.dtype) for v in values])  # torch.Size is a hashable tuple
+        key = tuple(map(SIGNATURE, values))  # torch.Size is a hashable tuple
         runner = built.get(key)  # one dict read, atomic: no lock for a signature built already
         if runner is not None and len(built) > 1:
             with lock:  # the order of use matters only where one may be evicted
@@ -126,12 +129,18 @@ def _numpy_dtype(dtype: Any) -> np.dtype:
 def _build(layer: Layer, backend: Any, values: Sequence[Any]) -> Callable[..., Any] | None:
     """The subgraph for the shapes of ``values``: folded, optimized by the backend, its workloads
     made; None where any of that fails (the layers then run one by one)."""
+    from backplane.backends.torch.fusion.traced import AT_RUN
+
     try:
         graph = built_graph(layer, backend, values)
         if graph is None:
             return None
-        with small.whole():  # its threads chosen for the whole build, not per compiled part
-            run = _loaded(graph, backend)
+        at_run = AT_RUN.set(True)  # this run is its traces' first: traced now, not at a later call
+        try:
+            with small.whole():  # its threads chosen for the whole build, not per compiled part
+                run = _loaded(graph, backend)
+        finally:
+            AT_RUN.reset(at_run)
         if backend.capabilities().get("HostThreads") == "openmp":  # CpuAcc
             run = small.deciding(run, values)
         return run
@@ -188,6 +197,7 @@ def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
         return tuple(outputs)
 
     run.graph = graph  # type: ignore[attr-defined]  # what was built, for tests and debugging
+    run.alone = alone  # type: ignore[attr-defined]  # the one step it calls, where it is one
     run.close = loaded.close  # type: ignore[attr-defined]
     return run
 

@@ -30,6 +30,7 @@ machine: a trace keeps its ops, not the thread count its kernel sets around them
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -344,12 +345,17 @@ def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) 
     """The frozen ``module``'s call: the inputs in their sample's layout, then the packed weights
     it takes as inputs (``prepacked.TraceInputs``), below autograd (``below_autograd``)."""
     conform = onednn_graph._layout_guard(sample)
+    strides = [tuple(value.stride()) for value in sample]
     forward = module._c._get_method("forward")  # its C++ method: no nn.Module call in between
 
     def run(*values: Any) -> tuple[Any, ...]:
+        for value, expected in zip(values, strides):  # conform's check, without its generator
+            if value.stride() != expected:
+                values = tuple(conform(values))
+                break
         with below_autograd():
-            outputs = forward(*conform(values), *packed)
-        return outputs if isinstance(outputs, tuple) else (outputs,)
+            outputs = forward(*values, *packed)
+        return outputs if type(outputs) is tuple else (outputs,)
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
     run.module = module  # type: ignore[attr-defined]  # for tests and debugging
@@ -357,10 +363,19 @@ def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) 
     return run
 
 
+AT_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("backplane_traced_at_run",
+                                                              default=False)
+"""Set while workloads are made at a run (a Specialized signature's build, ``specialize``): a
+Traced layer ``_deferred`` would trace at its first run is traced then, at once."""
+
+
 def _deferred(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
               layers: Callable[[], Workload]) -> Workload:
     """A Traced layer whose route is known: traced at its first run, which a load need not wait
-    for; the layers run where the trace fails there."""
+    for; the layers run where the trace fails there. Made at a run (``AT_RUN``), it is traced now:
+    the first run is this one, and its calls then reach the trace without this wrapper."""
+    if AT_RUN.get():
+        return compile_traced(layer, backend, _sample(layer, inputs)) or layers()
     made: list[Workload] = []
     lock = threading.Lock()
 

@@ -1,0 +1,114 @@
+"""A run's outputs made the caller's where they are handed over (runtime/fresh_outputs.py,
+steps.owning_call, LoadedNetwork.execute_owned): a CpuAcc partition's fresh tensors go to the
+caller without ``ownership.owned``'s search of the inputs and constants, through a decided If's
+version too; anything else still gets that search, and the outputs stay the caller's alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper, numpy_helper
+
+from backplane import InferenceSession
+from backplane.runtime import fresh_outputs, ownership
+from backplane.runtime import runtime as runtime_module
+from tests.backends.test_decided_if import sr_model
+from tests.conftest import float_input, make_model
+
+torch = pytest.importorskip("torch")
+RNG = np.random.default_rng(3)
+W = RNG.standard_normal((8, 6)).astype(np.float32)
+
+
+def _searches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts each call of ``ownership.owned`` (the search), wherever the runtime calls it."""
+    calls: list[int] = []
+    real = ownership.owned
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ownership, "owned", counted)
+    monkeypatch.setattr(runtime_module, "owned", counted)
+    return calls
+
+
+def _partition_model() -> bytes:
+    """x [2, 8] -> MatMul -> Relu -> Sigmoid -> Tanh -> Neg: one CpuAcc partition, traced."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Relu", ["m"], ["r"]),
+             helper.make_node("Sigmoid", ["r"], ["s"]),
+             helper.make_node("Tanh", ["s"], ["t"]),
+             helper.make_node("Neg", ["t"], ["y"])]
+    model = make_model(nodes, [float_input("x", [2, 8])], [float_input("y", [2, 6])],
+                       [numpy_helper.from_array(W, "w")])
+    return model.SerializeToString()
+
+
+def test_fresh_tensors_are_handed_over_without_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    session = InferenceSession(_partition_model(), providers=["CpuAcc", "CpuRef"])
+    reference = InferenceSession(_partition_model(), providers=["CpuRef"])
+    x = RNG.standard_normal((2, 8)).astype(np.float32)
+    session.run(None, {"x": x})
+    searches = _searches(monkeypatch)
+    (y,) = session.run(None, {"x": x})
+    assert searches == []  # fails before: every run searched
+    np.testing.assert_allclose(y, reference.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    expected = y.copy()
+    (again,) = session.run(None, {"x": x})
+    assert not np.shares_memory(y, again) and not np.shares_memory(y, x)
+    np.testing.assert_array_equal(y, expected)  # not written by the next run
+
+
+def test_a_decided_ifs_version_hands_its_outputs_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = sr_model().SerializeToString()
+    session = InferenceSession(model, providers=["CpuAcc", "CpuRef"])
+    reference = InferenceSession(model, providers=["CpuRef"])
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    for rate in (16000, 8000):
+        feeds = {"x": x, "sr": np.array([rate], np.int64)}
+        session.run(None, feeds)
+        searches = _searches(monkeypatch)
+        got = session.run(None, feeds)
+        assert searches == []  # fails before
+        for value, wanted in zip(got, reference.run(None, feeds)):
+            np.testing.assert_allclose(value, wanted, rtol=1e-5, atol=1e-5)
+            assert not np.shares_memory(value, x)
+        monkeypatch.undo()
+
+
+def test_only_a_tensor_no_one_else_holds_is_fresh() -> None:
+    def first(results: tuple) -> bool:  # as steps.owning_call holds a step's results
+        value = results[0]
+        return fresh_outputs.fresh(value)
+
+    assert first((torch.ones(3),))
+    twice = torch.ones(3)
+    assert not first((twice, twice))
+    kept = torch.ones(3)  # a workload that keeps what it returns
+    assert not first((kept,))
+    del kept
+    over_input = np.ones(3, np.float32)
+    assert not first((torch.from_numpy(over_input),))  # memory of a NumPy array
+    base = torch.ones(4)
+    assert not first((base[1:],))  # its storage held by another tensor too
+    exported = torch.ones(3)
+    exported.numpy()
+    assert not first((exported,)) and not first((np.ones(3),))
+
+
+def test_an_output_over_an_input_is_still_copied() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Sigmoid", ["r"], ["y"]),
+             helper.make_node("Reshape", ["x", "shape"], ["v"])]
+    model = make_model(nodes, [float_input("x", [2, 8])],
+                       [float_input("y", [2, 8]), float_input("v", [4, 4])],
+                       [numpy_helper.from_array(np.array([4, 4], np.int64), "shape")])
+    session = InferenceSession(model.SerializeToString(), providers=["CpuAcc", "CpuRef"])
+    x = RNG.standard_normal((2, 8)).astype(np.float32)
+    y, v = session.run(None, {"x": x})
+    assert not np.shares_memory(v, x) and not np.shares_memory(y, x)
+    expected = x.reshape(4, 4).copy()
+    np.testing.assert_array_equal(v, expected)
+    x[...] = 0.0  # the caller refills its input
+    np.testing.assert_array_equal(v, expected)
