@@ -118,6 +118,33 @@ def test_on_one_thread_one_call(threads: list[int]) -> None:
     assert threads == [threading.get_ident()]
 
 
+def test_on_a_busy_machine_one_call(threads: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where other processes left fewer than two CPUs since the last reading, each handoff would
+    wait for a CPU: one call on this thread, on one thread; at the next reading with the CPUs
+    free, at once again."""
+    from backplane.backends.torch import threads as policy
+
+    share, ticks = [0.0], {"all": 0, "idle": 0}
+
+    def reading(_: Any) -> policy.Sample:  # 1000 ticks a reading, `share` of them idle
+        ticks["all"] += 1000
+        ticks["idle"] += int(1000 * share[0])
+        return policy.Sample(ticks["all"] / 1000, 0.0, ticks["idle"], ticks["all"])
+
+    monkeypatch.setattr(policy, "CROWDED_CHECK", True)
+    monkeypatch.setattr(policy, "read_sample", reading)
+    monkeypatch.setattr(recurrent_parallel, "BUSY_EVERY", 0.0)
+    monkeypatch.setattr(recurrent_parallel, "_reading", [reading(None), False])
+    W, R, B = _weights("LSTM")
+    recurrent.lstm(torch.randn(5, 1, 4), W, R, B, direction="bidirectional")  # none idle
+    assert threads == [threading.get_ident()]
+    assert torch.get_num_threads() == 2
+    share[0], threads[:] = 1.0, []  # all idle from here
+    recurrent.lstm(torch.randn(5, 1, 4), W, R, B, direction="bidirectional")
+    if len(recurrent_parallel._cpus()) >= 2:  # (one CPU is never two free)
+        _at_once(threads)
+
+
 def test_below_the_threshold_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """A small layer (the small tier's, 8 steps, hidden 24) runs as one call: the handoff would
     cost more than it saves."""

@@ -4,14 +4,17 @@ Why: torch's fused kernels run a bidirectional layer's directions one after the 
 small recurrent product runs each on one thread (``recurrent_fused.ONE_THREAD_BELOW``: its steps'
 parallel regions are too small to share). The two directions are independent: here the forward
 one runs on the calling thread and the backward one, at the same time, on a worker thread, each on
-one thread, where the caller has two threads or more. The full tier's lstm_bi2_ts14 layer (100
-steps, input 64, hidden 128), thread pool handoff included, 2 threads, this project's 2-core AMD
-EPYC at load 5-7, best wall us: one call on one thread 1694-2134, directions at once 1024-1097
+one thread, where the caller has two threads or more and the machine is not busy. The full tier's
+lstm_bi2_ts14 layer (100 steps, input 64, hidden 128), the handoff included, 2 threads, this
+project's 2-core AMD EPYC at load 5-7, best wall us: one call on one thread 1694-2134, directions
+at once 1024-1097
 (ONNX Runtime likewise runs the directions of a bidirectional layer at once). Below
-``PARALLEL_MACS`` the handoff (tens of us, more on a busy machine) costs more than it saves.
+``PARALLEL_MACS`` the handoff (tens of us) costs more than it saves; and on a busy machine
+(``_busy``) each handoff waits for a CPU: that layer after a convolution, 2 threads, load 6-7, 200
+runs each, one call / at once: best 1132-1169 / 1350-1363 us, median 1618-1639 / 3585-4083.
 
 A TorchScript trace keeps this as one op (``backplane::recurrent_directions``), whose body
-decides at each run by the calling thread's count; the ops the worker runs are not traced.
+decides at each run by the calling thread's count and the load; the worker's ops are not traced.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from backplane.backends.torch.kernels.recurrent_fused import on_one_thread_if
 
 PARALLEL_MACS = 1 << 21
 """The least multiply-adds a direction (steps x gates * hidden x (input + hidden)) for the two
@@ -43,8 +49,8 @@ def directions(name: str, x: torch.Tensor, hx: list[torch.Tensor], params: list[
                has_bias: bool, batch_first: bool) -> list[torch.Tensor]:
     """torch's bidirectional fused kernel ``name`` (``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``)
     over ``x``: its outputs (Y with both directions' hidden side by side, the final states
-    (2, batch, hidden)), each direction on one thread, at once where this thread has two or more.
-    In a TorchScript trace, one op of the trace."""
+    (2, batch, hidden)), each direction on one thread, at once where this thread has two or more
+    and the machine is not busy (``_busy``). In a TorchScript trace, one op of the trace."""
     if torch.jit.is_tracing():
         return torch.ops.backplane.recurrent_directions(name, x, hx, params, has_bias,
                                                         batch_first)
@@ -53,11 +59,12 @@ def directions(name: str, x: torch.Tensor, hx: list[torch.Tensor], params: list[
 
 def _directions(name, x, hx, params, has_bias, batch_first):
     threads = torch.get_num_threads()
-    if threads < 2:
-        return list(_kernel(name)(x, hx, params, has_bias, True, batch_first))
-    per, time = len(params) // 2, 1 if batch_first else 0
+    if threads < 2 or _busy():
+        return list(on_one_thread_if(True, _kernel(name), x, hx, params, has_bias, True,
+                                     batch_first))
+    per, axis = len(params) // 2, 1 if batch_first else 0  # (axis: time's)
     back = [s[1:] for s in hx]
-    pending = _submit(_kernel(name), x.flip(time), back, params[per:], has_bias, False,
+    pending = _submit(_kernel(name), x.flip(axis), back, params[per:], has_bias, False,
                       batch_first)
     torch.set_num_threads(1)
     try:
@@ -66,7 +73,7 @@ def _directions(name, x, hx, params, has_bias, batch_first):
     finally:
         torch.set_num_threads(threads)
     backward = pending()
-    y = torch.cat([forward[0], backward[0].flip(time)], 2)
+    y = torch.cat([forward[0], backward[0].flip(axis)], 2)
     return [y] + [torch.cat([f, b]) for f, b in zip(forward[1:], backward[1:])]
 
 
@@ -82,7 +89,37 @@ def _kernel(name: str) -> Callable[..., Sequence[torch.Tensor]]:
     return kernel
 
 
-# -- the worker thread ------------------------------------------------------------------------------
+BUSY_EVERY = 1.0
+"""Seconds between two readings of the CPUs' use (``_busy``)."""
+_reading: list[Any] = [None, False]  # the last reading (threads.Sample), busy since
+
+
+def _busy() -> bool:
+    """Whether other processes left this one fewer than two CPUs since the last reading (the
+    thread governor's measure, ``threads.free_cpus``: the idle CPUs and this process's own use, so
+    the worker's and OpenMP's threads do not count), read at most every ``BUSY_EVERY`` seconds;
+    never where ``threads.CROWDED_CHECK`` is off (the tests)."""
+    from backplane.backends.torch import threads
+
+    if not threads.CROWDED_CHECK:
+        return False
+    last, busy = _reading
+    if last is not None and time.perf_counter() - last.wall < BUSY_EVERY:
+        return bool(busy)
+    cpus = _cpus()
+    now = threads.read_sample(cpus)
+    if now is not None and last is not None:
+        busy = threads.choose(threads.free_cpus(last, now, len(cpus)), 2) < 2
+    _reading[:] = [now, busy]
+    return bool(busy)
+
+
+def _cpus() -> frozenset[int]:
+    return frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                     else range(os.cpu_count() or 1))
+
+
+# -- the worker thread -----------------------------------------------------------------------------
 _JOBS: queue.SimpleQueue | None = None
 _STARTING = threading.Lock()
 
