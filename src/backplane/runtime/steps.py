@@ -221,7 +221,7 @@ def one_call(plan: Plan, template: Sequence[Any], loop: Callable[[Sequence[Any]]
 
     if owned is not None:
         call.owned = owning_call(call, reads, workload, step, outs,  # type: ignore[attr-defined]
-                                 owned, failure)
+                                 owned, failure, len(plan.input_slots))
     return call
 
 
@@ -229,32 +229,26 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
                 workload: Workload, step: Step,
                 outs: Sequence[tuple[int, Callable[[Any], Any] | None, Step]],
                 owned: Callable[[list[Any], Sequence[Any]], list[Any]],
-                failure: Callable[[Step, Exception], Exception],
+                failure: Callable[[Step, Exception], Exception], inputs: int = 0,
                 ) -> Callable[[Sequence[Any]], list[Any]]:
     """``one_call``'s ``call`` (of ``reads``, ``workload`` and ``outs``, as it has them) with its
     outputs the caller's alone, decided where they are made: where every output has a handover,
     each result is looked at before its handover (``fresh_outputs.fresh``: a tensor no one else
     holds, in memory torch's allocator made) and handed over as it is, ``owned`` deciding for all
-    only where one is not; where none has one, the step reads the inputs as they are and the
-    workload offers such a run of its own (an ``owned`` attribute: builtin's DecidedIf), that
-    run; else ``owned`` after ``call``. Under a stop: ``owned`` after ``call``."""
+    only where one is not; where none has one and the workload offers such a run of its own (an
+    ``owned`` attribute, a function of its inputs' sequence that asks the stop as its run does:
+    builtin's DecidedIf, whose versions do), that run, itself where the step reads the network's
+    ``inputs`` as they are; else ``owned`` after ``call``. Under a stop: ``owned`` after ``call``."""
     from backplane.runtime.fresh_outputs import fresh
 
     inner = getattr(workload, "owned", None)
     plain = all(convert is None for _, convert, _, _ in reads) \
         and all(convert is None for _, convert, _ in outs)
     if inner is not None and plain and [i for i, _, _ in outs] == list(range(len(outs))):
-        as_given = [index for index, _, _, _ in reads] == list(range(len(reads)))
-
-        def vouched(values: Sequence[Any]) -> list[Any]:
-            if STOP.get() is not None:
-                return owned(call(values), values)
-            if as_given and len(values) == len(reads):  # its errors name their layers
-                return inner(*values)  # type: ignore[no-any-return]
-            return inner(*[constant if index < 0 else values[index]  # type: ignore[no-any-return]
-                           for index, _, _, constant in reads])
-
-        return vouched
+        if [index for index, _, _, _ in reads] == list(range(inputs)):
+            return inner  # type: ignore[no-any-return]  # its errors name their layers
+        return lambda values: inner([constant if index < 0 else values[index]
+                                     for index, _, _, constant in reads])
     if any(convert is None for _, convert, _ in outs):
         return lambda values: owned(call(values), values)
 

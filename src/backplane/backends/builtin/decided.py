@@ -77,7 +77,7 @@ def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
     def decided_if(*values: Any) -> list[Any]:
         return (then_run if taken(values) else else_run)(values)
 
-    def owned(*values: Any) -> list[Any]:  # outputs the caller's alone (steps.owning_call)
+    def owned(values: Sequence[Any]) -> list[Any]:  # outputs the caller's (steps.owning_call)
         return (then_owned if taken(values) else else_owned)(values)
 
     def profiled(*values: Any) -> tuple[list[Any], list[tuple[str, str, float]]]:
