@@ -78,9 +78,11 @@ def fold_views(graph: Any) -> int:
     back as it is (an unsqueeze then a reshape back, the VAD's ``(1, 128)`` state through a
     Squeeze, an Unsqueeze and a Concat's reshape), else one ``as_strided`` of it. A chain is
     composed on a meta tensor of its input's traced sizes and strides, and folded only where every
-    step is a view (not a reshape that copies), ends where its input's storage offset is (a view
-    at another offset keeps its ops) and has the sizes and strides the tracer saw. Returns how
-    many views were replaced."""
+    step is a view (not a reshape that copies), ends where its input's storage offset is and has
+    the sizes and strides the tracer saw. A chain that ends at another offset (the VAD's second
+    state row: a select, a reshape, a select) is cut after its first step that made that view
+    already (an as_strided of the input would fix the offset the sample had). Returns how many
+    views were replaced."""
     import torch
 
     torch._C._jit_pass_constant_propagation(graph)  # the views' arguments as constants
@@ -92,10 +94,16 @@ def fold_views(graph: Any) -> int:
         while _view(root.node()):
             steps.insert(0, root.node())
             root = root.node().inputsAt(0)
-        composed = _composed(root, steps)
-        if composed is None:
+        layouts = _layouts(root, steps)
+        if layouts is None:
             continue
-        sizes, strides = composed
+        sizes, strides, offset = layouts[-1]
+        if offset != 0:  # at another offset: cut the chain where it was that view already
+            earliest = layouts.index(layouts[-1])
+            if earliest < len(steps) - 1 and not _returned(node.output()):
+                node.output().replaceAllUsesWith(steps[earliest].output())
+                replaced += 1
+            continue
         if _complete(root) == (sizes, strides) and not _returned(node.output()):
             node.output().replaceAllUsesWith(root)
         else:
@@ -124,9 +132,9 @@ def _complete(value: Any) -> tuple[list[int], list[int]] | None:
     return list(sizes), list(strides)
 
 
-def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int]] | None:
-    """The sizes and strides ``steps`` make of ``root`` on a meta tensor, or None where one step
-    is not a view of it, the offset moves or the result is not what the tracer saw."""
+def _layouts(root: Any, steps: list[Any]) -> list[tuple[list[int], list[int], int]] | None:
+    """The sizes, strides and storage offset each of ``steps`` makes of ``root`` on a meta tensor,
+    or None where one step is not a view of it or the chain's end is not what the tracer saw."""
     import torch
 
     layout, wanted = _complete(root), _complete(steps[-1].output())
@@ -136,18 +144,19 @@ def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int]] | None
     dtype = getattr(torch, scalar.lower(), None)
     if not isinstance(dtype, torch.dtype):
         return None
+    found = []
     with torch.no_grad():
         try:
             base = value = torch.empty_strided(*layout, dtype=dtype, device="meta")
             for step in steps:
                 op = getattr(torch.ops.aten, step.kind().split("::")[1])
                 value = op(value, *[v.toIValue() for v in list(step.inputs())[1:]])
+                if value._base is not base:
+                    return None  # a reshape that copies
+                found.append((list(value.shape), list(value.stride()), value.storage_offset()))
         except (RuntimeError, TypeError, ValueError):
             return None
-    if value._base is not base or value.storage_offset() != 0:
-        return None
-    found = (list(value.shape), list(value.stride()))
-    return found if found == wanted else None
+    return found if list(found[-1][:2]) == list(wanted) else None
 
 
 def _returned(value: Any) -> bool:
