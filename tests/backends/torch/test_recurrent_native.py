@@ -106,13 +106,18 @@ def onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np
 
 @pytest.fixture
 def paths(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """How many layers each path ran: "native" (one fused torch call) and "steps"."""
+    """How many layers each path ran: "native" (one fused torch call, or a GRU with
+    linear_before_reset=0 by ``recurrent._reset_first``) and "steps"."""
     calls: Counter = Counter()
-    native, steps = recurrent._native, recurrent._run
+    native, steps, reset_first = recurrent._native, recurrent._run, recurrent._reset_first
 
     def spy_native(*args: Any) -> Any:
         calls["native"] += 1
         return native(*args)
+
+    def spy_reset_first(*args: Any) -> Any:
+        calls["native"] += 1
+        return reset_first(*args)
 
     def spy_steps(*args: Any) -> Any:
         calls["steps"] += 1
@@ -120,6 +125,7 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
     monkeypatch.setattr(recurrent, "_native", spy_native)
     monkeypatch.setattr(recurrent, "_run", spy_steps)
+    monkeypatch.setattr(recurrent, "_reset_first", spy_reset_first)
     return calls
 
 
@@ -159,8 +165,8 @@ def test_against_cpuref_and_onnxruntime(op: str, lbr: int | None, direction: str
                                         states: bool, lengths: str, paths: Counter) -> None:
     attrs = {} if lbr is None else {"linear_before_reset": lbr}
     model, feeds = recurrent_model(op, direction, layout, states, LENGTHS[lengths], attrs)
-    # torch's GRU resets after the recurrent product: ONNX's linear_before_reset=1
-    check(model, feeds, paths, native=lengths != "short" and lbr != 0)
+    # torch's GRU resets after the recurrent product (linear_before_reset=1); 0: _reset_first
+    check(model, feeds, paths, native=lengths != "short")
 
 
 @pytest.mark.parametrize("attrs, native", [
@@ -195,6 +201,9 @@ def test_lstm_options(attrs: dict[str, Any], peepholes: str | None, native: bool
     ({"linear_before_reset": 1, "activations": ["Sigmoid", "Tanh"] * 2}, True),
     ({"linear_before_reset": 1, "activations": ["Sigmoid", "Softsign"] * 2}, False),
     ({"linear_before_reset": 1, "clip": 0.5}, False),
+    ({"activations": ["Sigmoid", "Tanh"] * 2}, True),
+    ({"activations": ["Sigmoid", "Softsign"] * 2}, False),
+    ({"clip": 0.5}, False),
 ])
 def test_gru_options(attrs: dict[str, Any], native: bool, paths: Counter) -> None:
     model, feeds = recurrent_model("GRU", "bidirectional", attrs=attrs)

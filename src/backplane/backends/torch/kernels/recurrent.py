@@ -4,10 +4,12 @@ They run as one call of torch's fused kernel (``torch.lstm``, ``torch.gru``, ``t
 ``rnn_relu``, what nn.LSTM / GRU / RNN call; oneDNN's LSTM on the CPU; ``recurrent_fused.py``) where
 ONNX's attributes are what it computes: the default activations (RNN's Tanh or Relu), no clip, full
 sequences, LSTM without peepholes (or all zero) and input_forget, GRU with linear_before_reset=1.
-Elsewhere they step through time as CpuRef does (every ONNX option: directions, the activations
-torch has, clip, sequence_lens, initial states, peepholes, layouts), every step's input projection
-in one matrix product before the loop, the recurrent one per step. (The other network kernels:
-``network.py``.)
+A GRU with linear_before_reset=0 and those attributes steps in a few ops, all directions at once
+(``_reset_first``). A large bidirectional layer's directions run at once on two threads
+(``recurrent_parallel.py``). Elsewhere they step through time as CpuRef does (every ONNX option:
+directions, the activations torch has, clip, sequence_lens, initial states, peepholes, layouts),
+every step's input projection in one matrix product before the loop, the recurrent one per step.
+(The other network kernels: ``network.py``.)
 """
 
 from __future__ import annotations
@@ -213,9 +215,11 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
     names = list(activations or ["Sigmoid", "Tanh"] * dirs)
     h0 = _initial(initial_h, X, dirs, hidden, layout)
     # torch's GRU applies the reset gate after the recurrent product: linear_before_reset=1 only
-    if linear_before_reset and _natively(X, sequence_lens, clip, layout, names,
-                                         ["Sigmoid", "Tanh"] * dirs):
-        y, (y_h,) = _native(torch.gru, GRU_ORDER, X, W, R, B, [h0], direction, layout)
+    if _natively(X, sequence_lens, clip, layout, names, ["Sigmoid", "Tanh"] * dirs):
+        if linear_before_reset:
+            y, (y_h,) = _native(torch.gru, GRU_ORDER, X, W, R, B, [h0], direction, layout)
+        else:
+            y, y_h = _reset_first(X, W, R, B, h0, direction, layout)
         return (y, y_h)[:n_outputs]
     bias = _biases(B, dirs, 3, hidden, X)
     funcs = _functions(names, 2, dirs)
@@ -234,6 +238,42 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
     projected = _projected(X, W, bias[:, :3 * hidden], layout)
     y, (y_h,) = _run(cell, projected, [h0], sequence_lens, direction, layout)
     return (y, y_h)[:n_outputs]
+
+
+def _reset_first(X, W, R, B, h0, direction, layout):
+    """A GRU with linear_before_reset=0 (ONNX's default, which torch's kernel does not compute)
+    and the default activations over full sequences: every direction's step in a few ops, the
+    directions side by side as a batch of products (``baddbmm``: no block of zeros that would
+    carry a NaN from one to the other), all steps' input projections and both biases of the z
+    and r gates and of h's input side in one product before the loop (Rb_h is added with them:
+    it is outside the reset). Y (seq, dirs, batch, hidden) and Y_h (dirs, batch, hidden), or
+    batch first with layout 1. (The step loop of ``_run`` costs about twice the ops a
+    direction.)"""
+    dirs, hidden = W.shape[0], W.shape[1] // 3
+    h = h0.transpose(0, 1) if layout else h0  # (dirs, batch, hidden)
+    bias = _biases(B, dirs, 3, hidden, X)
+    # (seq, dirs, batch, 3 hidden)
+    xw = _projected(X, W, bias[:, :3 * hidden] + bias[:, 3 * hidden:], layout).transpose(1, 2)
+    backward = [d for d in range(dirs) if direction == "reverse" or d == 1]
+    if backward:  # a backward direction reads the sequence from its end
+        xw = torch.stack([xw[:, d].flip(0) if d in backward else xw[:, d]
+                          for d in range(dirs)], 1)
+    r_zr = R[:, :2 * hidden].transpose(1, 2)  # (dirs, hidden, 2 hidden)
+    r_h = R[:, 2 * hidden:].transpose(1, 2)  # (dirs, hidden, hidden)
+    ys = []
+    for t in range(xw.shape[0]):
+        step = xw[t]  # (dirs, batch, 3 hidden): gates z, r, h
+        zr = torch.baddbmm(step[..., :2 * hidden], h, r_zr).sigmoid_()
+        z, r = zr[..., :hidden], zr[..., hidden:]
+        n = torch.baddbmm(step[..., 2 * hidden:], r * h, r_h).tanh_()
+        h = torch.addcmul(n, z, h - n)  # (1 - z) * n + z * h
+        ys.append(h)
+    y = torch.stack(ys)  # (seq, dirs, batch, hidden)
+    if backward:
+        y = torch.stack([y[:, d].flip(0) if d in backward else y[:, d] for d in range(dirs)], 1)
+    if layout:
+        return y.permute(2, 0, 1, 3), h.transpose(0, 1)
+    return y, h
 
 
 def lstm(X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=None,

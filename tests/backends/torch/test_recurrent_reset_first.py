@@ -1,0 +1,99 @@
+"""A GRU with linear_before_reset=0 (ONNX's default; torch's kernel computes 1 only) and the
+default activations runs its steps in a few ops, every direction at once as a batch of products
+(``recurrent._reset_first``), not by the general step loop: CpuRef's values, NaN only where
+CpuRef has it (in its batch row and direction), float64, in a trace.
+
+    python -m pytest tests/backends/torch/test_recurrent_reset_first.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+
+from backplane.backends.torch.kernels import recurrent  # noqa: E402
+from tests.backends.torch.test_recurrent_native import (  # noqa: E402
+    ACC,
+    DIRECTIONS,
+    recurrent_model,
+    run,
+)
+
+
+@pytest.fixture
+def reset_first(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The directions of each layer ``_reset_first`` ran; the general step loop refused."""
+    calls: list[str] = []
+    inner = recurrent._reset_first
+
+    def spy(*args: Any) -> Any:
+        calls.append(args[5])
+        return inner(*args)
+
+    def steps(*args: Any) -> Any:
+        raise AssertionError("the GRU ran by the general step loop")
+
+    monkeypatch.setattr(recurrent, "_reset_first", spy)
+    monkeypatch.setattr(recurrent, "_run", steps)
+    return calls
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_nan_stays_in_its_row_and_direction(direction: str, reset_first: list[str]) -> None:
+    model, feeds = recurrent_model("GRU", direction)
+    feeds["X"][2, 1, 0] = np.nan  # step 2 of sequence 1
+    got, want = run(model, feeds, ACC), run(model, feeds, ["CpuRef"])
+    assert reset_first == [direction]
+    for index, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"output {index}'s NaN")
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    y = got[0]  # (seq, dirs, batch, hidden): the other sequences finite
+    assert np.isnan(y[:, :, 1]).any() and np.isfinite(np.delete(y, 1, axis=2)).all()
+    if direction == "bidirectional":  # forward before step 2 and backward after it finite
+        assert np.isfinite(y[:2, 0, 1]).all() and np.isfinite(y[3:, 1, 1]).all()
+
+
+def test_float64_against_cpuref(reset_first: list[str]) -> None:
+    model, feeds = recurrent_model("GRU", "bidirectional", layout=1, dtype=np.float64)
+    got = run(model, feeds, ACC)
+    assert reset_first == ["bidirectional"]
+    for g, w in zip(got, run(model, feeds, ["CpuRef"])):
+        assert g.dtype == np.float64
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_no_bias_no_initial_state(reset_first: list[str]) -> None:
+    model, feeds = recurrent_model("GRU", "reverse", states=False)
+    del model.graph.initializer[2]  # B
+    model.graph.node[0].input[3] = ""
+    got = run(model, feeds, ACC)
+    assert reset_first == ["reverse"]
+    for g, w in zip(got, run(model, feeds, ["CpuRef"])):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tracer", ["jit.trace", "make_fx"])
+def test_traced(tracer: str) -> None:
+    """Traced (CpuAcc's Traced layers, GpuAcc's captures), with W an input of the trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    rng = np.random.default_rng(3)
+    X, W, R, B = (torch.from_numpy(rng.standard_normal(s).astype(np.float32) * 0.5) for s in
+                  ((5, 3, 4), (2, 18, 4), (2, 18, 6), (2, 36)))
+
+    def layer(x: Any, w: Any, r: Any, b: Any) -> Any:
+        return recurrent.gru(x, w, r, b, direction="bidirectional")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
+        traced = torch.jit.trace(layer, (X, W, R, B)) if tracer == "jit.trace" else \
+            make_fx(layer, tracing_mode="real")(X, W, R, B)
+    other = W * -1.5
+    for t, e in zip(traced(X, other, R, B), layer(X, other, R, B)):
+        torch.testing.assert_close(t, e, rtol=0, atol=0)
