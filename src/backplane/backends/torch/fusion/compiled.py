@@ -93,15 +93,25 @@ def _blocked(on: bool, me: int) -> bool:
 
 def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload:
     """The call of a compiled OneDnnGraph: its inputs in the layout it was traced for
-    (``_layout_guard``), oneDNN Graph fusion on for the call and put back after, below autograd
-    (``traced.below_autograd``: the same ops, less dispatch per op)."""
+    (``_layout_guard``), below autograd (``traced.below_autograd``: the same ops, less dispatch
+    per op); oneDNN Graph fusion on for a call that compiles (the first calls at a thread count)
+    and put back after. A module compiled runs its partitions whatever the switch says (the
+    switch is read where TorchScript optimizes a graph, at the call that compiles), and taking
+    the switch cost about 2.6 us a call (its lock, two writes of TorchScript's flag), of the 100
+    that resnet_basic_ts16's compiled module takes (1 thread, this 2-core AMD EPYC)."""
     from backplane.backends.torch.fusion.traced import below_autograd
 
     conform = _layout_guard(sample)
+    compiled = modules.compiled
 
     def run(*values: Any) -> tuple[Any, ...]:
-        with fusion_switch(True), below_autograd():
-            outputs = modules(*conform(values))
+        forward = compiled()
+        if forward is not None:
+            with below_autograd():
+                outputs = forward(*conform(values))
+        else:
+            with fusion_switch(True), below_autograd():
+                outputs = modules(*conform(values))
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
@@ -131,6 +141,10 @@ class CompiledPerThreads:
     def __call__(self, *values: Any) -> Any:
         forward = self._forwards.get(self._count())
         return forward(*values) if forward is not None else self._first(values)
+
+    def compiled(self) -> Callable[..., Any] | None:
+        """The forward compiled for the calling thread's count, None before its first call."""
+        return self._forwards.get(self._count())
 
     def _first(self, values: Sequence[Any]) -> Any:
         with self._lock:  # one compile per count, also with threads running the network at once

@@ -277,11 +277,23 @@ def _onednn_conv(a: dict[str, Any], name: str) -> Workload:
 
 def _torch_conv(a: dict[str, Any]) -> Workload:
     """torch's own convolution on channels-last tensors, the post-ops as separate torch calls; in a
-    ``Traced`` layer's trace, oneDNN's on the weight packed once (``_scripted_conv``)."""
+    ``Traced`` layer's trace, oneDNN's on the weight packed once (``_scripted_conv``).
+
+    Its input is made channels-last only where it is not: traced, ``contiguous`` is an op even
+    where it copies nothing, which oneDNN Graph's fuser leaves to TorchScript, and the partition
+    before it then wrote its output in torch's strides, not its own layout. Traced for the fuser,
+    a convolution whose weight alone makes its output channels-last (one group, a kernel over
+    1x1: torch's conv2d takes the weight's layout) takes its input as it comes, and oneDNN reads
+    NCHW inside the partition where torch copied it first (a model's image input). A 1x1 or
+    grouped kernel's channels-last weight has a plain one's strides, and its output would stay
+    NCHW: its input is copied. resnet_basic_ts16's trace, 1 thread, this 2-core AMD EPYC: its
+    input's copy 3-4 us of a (3, 32, 32) 5x5 convolution's 21, five of its eight partitions
+    writing their own layout."""
     import torch
     import torch.nn.functional as F
 
     from backplane.backends.torch import prepacked
+    from backplane.backends.torch.kernels.common import for_onednn_graph
 
     cl = torch.channels_last
     # A copy only where channels-last is another layout (not for 1x1 or depthwise kernels)
@@ -296,10 +308,12 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
                                           zip(a["input_shape"][2:], begins, ends)]
     plain = weight_of(a, "weight")  # what oneDNN's packing reads, in a Traced layer
     packs = groups > 1 or _macs(plain.shape, shape, strides, dilations) >= TRACED_PACKED_MACS
+    wide = groups == 1 and any(k > 1 for k in plain.shape[2:])  # channels-last output whatever x's
 
     def conv(x):
         x = F.pad(x, pre_pad) if pre_pad else x
-        x = x.contiguous(memory_format=cl)
+        if not (x.is_contiguous(memory_format=cl) or wide and for_onednn_graph()):
+            x = x.contiguous(memory_format=cl)
         inputs = prepacked.TRACED.get()
         if inputs is not None and packs and x.dtype == torch.float32:  # a Traced layer's
             packed = inputs.conv_weight(plain, padding, strides, dilations, groups, shape)

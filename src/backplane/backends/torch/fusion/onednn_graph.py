@@ -17,10 +17,11 @@ route cache, ``route_cache``); "onednn_graph" keeps the compiled one whenever it
 at the subgraph's first run, not at load (``at_first_run``): traced on a sample, frozen, compiled
 and checked there, so a load compiles nothing. A subgraph that fails to trace or compile, or whose
 outputs do not match its layers', runs traced without the fuser or layer by layer. oneDNN Graph
-fusion is a process-wide TorchScript switch: it is on only for the duration of a call, and put
-back as it was. Each other thread count compiles its own module at its first call
-(``CompiledPerThreads``). An artifact keeps which OneDnnGraphs its load planned to compile, not
-the modules: each is compiled at its first run in the same way (``backends/torch/delegate.py``).
+fusion is a process-wide TorchScript switch: it is on only for a trace or a call that compiles,
+and put back as it was (a compiled module runs its partitions whatever it says). Each other
+thread count compiles its own module at its first call (``CompiledPerThreads``). An artifact
+keeps which OneDnnGraphs its load planned to compile, not the modules: each is compiled at its
+first run in the same way (``backends/torch/delegate.py``).
 
 Only subgraphs that tracing cannot get wrong are taken: static boundary shapes, no kernel that reads
 a tensor's values on the host unless that tensor is a constant (a traced graph keeps the values it

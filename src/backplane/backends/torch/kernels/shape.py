@@ -15,6 +15,7 @@ import torch
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.api.memory import check_allocation
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints
+from backplane.backends.torch.kernels.nn import spatial_mean
 from backplane.ir.graph import Layer, TensorInfo
 
 BOOL = np.dtype(np.bool_)
@@ -172,7 +173,7 @@ def _sum(x, dims, keep):
 
 
 def _mean(x, dims, keep):
-    return torch.mean(x, dims, keep)
+    return spatial_mean(x, dims, keep)  # a pool where traced for oneDNN Graph
 
 
 def _max(x, dims, keep):
