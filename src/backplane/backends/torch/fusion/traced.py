@@ -50,6 +50,7 @@ from backplane.backends.torch.fusion import host_chain, onednn_graph
 from backplane.backends.torch import prepacked, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
+from backplane.backends.torch.fusion.index_glue import fold_index_glue
 from backplane.backends.torch.fusion.static_sizes import fold_sizes, fold_views
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -301,6 +302,7 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
                                         [*sample, *packed], fusion=False)
             fold_sizes(trace.graph)  # static shapes: the size arithmetic done once, here
             fold_views(trace.graph)  # and each chain of views one view
+            fold_index_glue(trace.graph)  # idle casts, wraps of indices never negative
             module = onednn_graph._freeze(trace, fusion=False)
             other = onednn_graph._sample([TensorInfo(tuple(v.shape), _numpy(v.dtype))
                                           for v in sample])
@@ -373,9 +375,15 @@ def _deferred(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
               layers: Callable[[], Workload]) -> Workload:
     """A Traced layer whose route is known: traced at its first run, which a load need not wait
     for; the layers run where the trace fails there. Made at a run (``AT_RUN``), it is traced now:
-    the first run is this one, and its calls then reach the trace without this wrapper."""
+    the first run is this one, and its calls then reach the trace without this wrapper. It is
+    traced on one thread, where the build's first calls ran it before (``small.fewer_threads``'
+    untimed calls): at two threads on a busy machine each op of the tracing waits for the second
+    (the full-tier VAD's first run 0.25-0.29 -> 0.66-0.77 s at load 5-6, bench/wild.py)."""
     if AT_RUN.get():
-        return compile_traced(layer, backend, _sample(layer, inputs)) or layers()
+        from backplane.backends.torch.small import at_threads
+
+        with at_threads(1):
+            return compile_traced(layer, backend, _sample(layer, inputs)) or layers()
     made: list[Workload] = []
     lock = threading.Lock()
 
