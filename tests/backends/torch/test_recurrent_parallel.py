@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 
+from backplane.backends.torch import small  # noqa: E402
 from backplane.backends.torch.kernels import (  # noqa: E402
     recurrent,
     recurrent_fused,
@@ -39,7 +40,8 @@ KERNEL = {"RNN": recurrent.rnn, "GRU": recurrent.gru, "LSTM": recurrent.lstm}
 @pytest.fixture
 def threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Every bidirectional layer at once (``PARALLEL_MACS`` 0, none paired), the caller on two
-    threads; the ids of the threads each direction's fused call ran on."""
+    threads held to one as a OneThread partition is; the ids of the threads each direction's
+    fused call ran on."""
     seen: list[int] = []
     kernel = recurrent_parallel._kernel
 
@@ -58,7 +60,8 @@ def threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        yield seen
+        with small.at_threads(1):  # a partition held to one thread (small.OneThread)
+            yield seen
     finally:
         torch.set_num_threads(before)
 
@@ -101,7 +104,7 @@ def test_at_once_is_one_calls_values(op: str, layout: int, threads: list[int],
     got = KERNEL[op](X, W, R, B, None, h0, direction="bidirectional", layout=layout, **extra,
                      **ATTRS[op])
     _at_once(threads)
-    assert torch.get_num_threads() == 2
+    assert (torch.get_num_threads(), small.caller_threads()) == (1, 2)
     monkeypatch.setattr(recurrent_parallel, "PARALLEL_MACS", 1 << 62)
     want = KERNEL[op](X, W, R, B, None, h0, direction="bidirectional", layout=layout, **extra,
                       **ATTRS[op])
@@ -110,11 +113,19 @@ def test_at_once_is_one_calls_values(op: str, layout: int, threads: list[int],
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def test_on_one_thread_one_call(threads: list[int]) -> None:
-    """A caller on one thread runs the layer as one bidirectional call on it (no worker)."""
+@pytest.mark.parametrize("caller", ["two threads", "one thread"])
+def test_not_held_one_call(caller: str, threads: list[int]) -> None:
+    """A caller at two threads runs the layer as one call on it (its OpenMP team would spin on
+    the worker's CPU), as does one at one thread not held from more (no second CPU to take)."""
     W, R, B = _weights("LSTM")
-    torch.set_num_threads(1)
-    recurrent.lstm(torch.randn(5, 1, 4), W, R, B, direction="bidirectional")
+    count = 2 if caller == "two threads" else 1
+    torch.set_num_threads(count)  # (outside at_threads' hold: as a caller at that count)
+    small._HELD.count = 0
+    try:
+        recurrent.lstm(torch.randn(5, 1, 4), W, R, B, direction="bidirectional")
+    finally:
+        small._HELD.count = 2
+        torch.set_num_threads(1)
     assert threads == [threading.get_ident()]
 
 
@@ -138,7 +149,7 @@ def test_on_a_busy_machine_one_call(threads: list[int], monkeypatch: pytest.Monk
     W, R, B = _weights("LSTM")
     recurrent.lstm(torch.randn(5, 1, 4), W, R, B, direction="bidirectional")  # none idle
     assert threads == [threading.get_ident()]
-    assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
     share[0], threads[:] = 1.0, []  # all idle from here
     recurrent.lstm(torch.randn(5, 1, 4), W, R, B, direction="bidirectional")
     if len(recurrent_parallel._cpus()) >= 2:  # (one CPU is never two free)
@@ -173,7 +184,8 @@ def test_nan_stays_in_its_direction(op: str, threads: list[int]) -> None:
 
 def test_a_trace_keeps_one_op_that_decides_at_each_run(threads: list[int]) -> None:
     """Traced and frozen (CpuAcc's Traced layers), the layer is one ``recurrent_directions`` op:
-    at two threads its directions run at once, at one as one call, the values the same."""
+    held to one thread from two its directions run at once, at two as one call, the values the
+    same."""
     W, R, B = _weights("LSTM", hidden=24, width=16)
     X = torch.randn(9, 1, 16)
 
@@ -187,14 +199,19 @@ def test_a_trace_keeps_one_op_that_decides_at_each_run(threads: list[int]) -> No
         kinds = [n.kind() for n in frozen.graph.nodes()]
         assert "backplane::recurrent_directions" in kinds and "aten::lstm" not in kinds, kinds
         threads.clear()
-        two = frozen(X)
+        held = frozen(X)
         _at_once(threads)
         threads.clear()
-        torch.set_num_threads(1)
-        one = frozen(X)
+        torch.set_num_threads(2)
+        small._HELD.count = 0
+        try:
+            two = frozen(X)
+        finally:
+            small._HELD.count = 2
+            torch.set_num_threads(1)
         assert threads == [threading.get_ident()]
         eager = Layer()(X)
-    for a, b, c in zip(two, one, eager):
+    for a, b, c in zip(held, two, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, c, rtol=0, atol=0)
 

@@ -195,11 +195,35 @@ def at_threads(count: int) -> Iterator[None]:
     before = torch.get_num_threads()
     if before != count:
         torch.set_num_threads(count)
+    held = _hold(before) if count < before else None
     try:
         yield
     finally:
         if before != count:
             torch.set_num_threads(before)
+        if held is not None:
+            _HELD.count = held
+
+
+_HELD = threading.local()
+""".count: the calling thread's torch threads before ``AtThreads`` or ``at_threads`` held it to
+fewer (``caller_threads``)."""
+
+
+def _hold(before: int) -> int:
+    """Records ``before`` as the caller's count; the count recorded until now (to put back)."""
+    held = getattr(_HELD, "count", 0)
+    _HELD.count = max(before, held)
+    return held
+
+
+def caller_threads() -> int:
+    """The threads the calling thread may use: its torch count, or the count it had before a
+    partition was held to fewer (a kernel may run work beside it on a thread of its own,
+    ``kernels/recurrent_parallel.py``: a second OpenMP thread spinning there would take its CPU)."""
+    import torch
+
+    return max(torch.get_num_threads(), getattr(_HELD, "count", 0))
 
 
 class AtThreads(Wrapper):
@@ -220,10 +244,12 @@ class AtThreads(Wrapper):
         if before <= self.count:
             return self.work(*inputs)
         self._set(self.count)
+        held = _hold(before)
         try:
             return self.work(*inputs)
         finally:
             self._set(before)
+            _HELD.count = held
 
     def __getattr__(self, name: str) -> Any:
         found = super().__getattr__(name)

@@ -4,17 +4,20 @@ Why: torch's fused kernels run a bidirectional layer's directions one after the 
 small recurrent product runs each on one thread (``recurrent_fused.ONE_THREAD_BELOW``: its steps'
 parallel regions are too small to share). The two directions are independent: here the forward
 one runs on the calling thread and the backward one, at the same time, on a worker thread, each on
-one thread, where the caller has two threads or more and the machine is not busy. The full tier's
-lstm_bi2_ts14 layer (100 steps, input 64, hidden 128), the handoff included, 2 threads, this
-project's 2-core AMD EPYC at load 5-7, best wall us: one call on one thread 1694-2134, directions
-at once 1024-1097
-(ONNX Runtime likewise runs the directions of a bidirectional layer at once). Below
-``PARALLEL_MACS`` the handoff (tens of us) costs more than it saves; and on a busy machine
-(``_busy``) each handoff waits for a CPU: that layer after a convolution, 2 threads, load 6-7, 200
-runs each, one call / at once: best 1132-1169 / 1350-1363 us, median 1618-1639 / 3585-4083.
+one thread (ONNX Runtime likewise runs a bidirectional layer's directions at once). The full
+tier's lstm_bi2_ts14 layer (100 steps, input 64, hidden 128), the handoff included, this project's
+2-core AMD EPYC at load 5-7: the calling thread's CPU 1017-1030 -> 587-621 us a call.
+
+Only where the partition runs on one thread held from two or more (``small.OneThread``,
+``small.caller_threads``) and other processes leave this one two CPUs (``_busy``). Not where the
+calling thread runs at two: after each parallel region its OpenMP team's other thread spins on the
+other CPU (libgomp's default, milliseconds) and the worker waits for that CPU: that layer after a
+2-thread convolution, load 5-6, median us, one call 1594-1623, at once 4773-5475 (with
+GOMP_SPINCOUNT=0: 1473 / 1496, 1090 / 1257). Below ``PARALLEL_MACS`` the handoff (tens of us)
+costs more than it saves.
 
 A TorchScript trace keeps this as one op (``backplane::recurrent_directions``), whose body
-decides at each run by the calling thread's count and the load; the worker's ops are not traced.
+decides at each run by the calling thread's counts and the load; the worker's ops are not traced.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ def directions(name: str, x: torch.Tensor, hx: list[torch.Tensor], params: list[
                has_bias: bool, batch_first: bool) -> list[torch.Tensor]:
     """torch's bidirectional fused kernel ``name`` (``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``)
     over ``x``: its outputs (Y with both directions' hidden side by side, the final states
-    (2, batch, hidden)), each direction on one thread, at once where this thread has two or more
-    and the machine is not busy (``_busy``). In a TorchScript trace, one op of the trace."""
+    (2, batch, hidden)), each direction on one thread, at once where this thread is held to one
+    from two or more and the machine is not busy (``_busy``). In a TorchScript trace, one op of
+    the trace."""
     if torch.jit.is_tracing():
         return torch.ops.backplane.recurrent_directions(name, x, hx, params, has_bias,
                                                         batch_first)
@@ -58,20 +62,19 @@ def directions(name: str, x: torch.Tensor, hx: list[torch.Tensor], params: list[
 
 
 def _directions(name, x, hx, params, has_bias, batch_first):
-    threads = torch.get_num_threads()
-    if threads < 2 or _busy():
+    from backplane.backends.torch.small import caller_threads
+
+    # at once only where the partition runs on one thread held from more: at more, an OpenMP
+    # thread of this one's team spins on the other CPU after each parallel region (libgomp's
+    # default, milliseconds) and the worker waits for it
+    if torch.get_num_threads() != 1 or caller_threads() < 2 or _busy():
         return list(on_one_thread_if(True, _kernel(name), x, hx, params, has_bias, True,
                                      batch_first))
     per, axis = len(params) // 2, 1 if batch_first else 0  # (axis: time's)
     back = [s[1:] for s in hx]
     pending = _submit(_kernel(name), x.flip(axis), back, params[per:], has_bias, False,
                       batch_first)
-    torch.set_num_threads(1)
-    try:
-        forward = _kernel(name)(x, [s[:1] for s in hx], params[:per], has_bias, False,
-                                batch_first)
-    finally:
-        torch.set_num_threads(threads)
+    forward = _kernel(name)(x, [s[:1] for s in hx], params[:per], has_bias, False, batch_first)
     backward = pending()
     y = torch.cat([forward[0], backward[0].flip(axis)], 2)
     return [y] + [torch.cat([f, b]) for f, b in zip(forward[1:], backward[1:])]
@@ -149,10 +152,8 @@ def _jobs() -> queue.SimpleQueue:
                 ready = threading.Event()
                 threading.Thread(target=_work, args=(jobs, ready), daemon=True,
                                  name="backplane-recurrent").start()
-                ready.wait()
-                # set_num_threads(1) on the worker also set torch's count for threads started
-                # later (OpenMP's own counts are per thread): the caller's is put back
-                torch.set_num_threads(torch.get_num_threads())
+                ready.wait()  # (its set_num_threads(1) set torch's count for threads started
+                # later too, as the caller's hold did: the hold puts the caller's back)
                 _JOBS = jobs
     return _JOBS
 
