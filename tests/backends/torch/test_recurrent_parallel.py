@@ -182,10 +182,24 @@ def test_nan_stays_in_its_direction(op: str, threads: list[int]) -> None:
     assert np.isnan(y[1:, 0, 0]).all() and np.isnan(y[:2, 1, 0]).all()
 
 
-def test_a_trace_keeps_one_op_that_decides_at_each_run(threads: list[int]) -> None:
+def test_a_trace_keeps_one_op_that_decides_at_each_run(threads: list[int],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Traced and frozen (CpuAcc's Traced layers), the layer is one ``recurrent_directions`` op:
-    held to one thread from two its directions run at once, at two as one call, the values the
-    same."""
+    held to one thread from two its directions run at once, at two as one call at two threads
+    (as a trace of that call ran), the values the same."""
+    counts: list[int] = []
+    kernel = recurrent_parallel._kernel
+
+    def counted(name: str) -> Any:
+        inner = kernel(name)
+
+        def call(*args: Any) -> Any:
+            counts.append(torch.get_num_threads())
+            return inner(*args)
+
+        return call
+
+    monkeypatch.setattr(recurrent_parallel, "_kernel", counted)
     W, R, B = _weights("LSTM", hidden=24, width=16)
     X = torch.randn(9, 1, 16)
 
@@ -200,8 +214,8 @@ def test_a_trace_keeps_one_op_that_decides_at_each_run(threads: list[int]) -> No
         assert "backplane::recurrent_directions" in kinds and "aten::lstm" not in kinds, kinds
         threads.clear()
         held = frozen(X)
-        _at_once(threads)
-        threads.clear()
+        assert len(threads) == 2 and len(set(threads)) == 2, threads
+        counts.clear()
         torch.set_num_threads(2)
         small._HELD.count = 0
         try:
@@ -209,7 +223,7 @@ def test_a_trace_keeps_one_op_that_decides_at_each_run(threads: list[int]) -> No
         finally:
             small._HELD.count = 2
             torch.set_num_threads(1)
-        assert threads == [threading.get_ident()]
+        assert counts == [2]
         eager = Layer()(X)
     for a, b, c in zip(held, two, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

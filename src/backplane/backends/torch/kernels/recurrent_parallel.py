@@ -61,14 +61,17 @@ def directions(name: str, x: torch.Tensor, hx: list[torch.Tensor], params: list[
     return _directions(name, x, hx, params, has_bias, batch_first)
 
 
-def _directions(name, x, hx, params, has_bias, batch_first):
+def _directions(name, x, hx, params, has_bias, batch_first, alone=True):
+    """Else one call, on one thread where ``alone`` (eager, as ``recurrent_fused.fused``), at the
+    caller's count in a trace (as a trace of that call ran: ``fusion/traced.py`` keeps such a
+    layer in a trace only on a machine not busy, where two threads ran it faster)."""
     from backplane.backends.torch.small import caller_threads
 
     # at once only where the partition runs on one thread held from more: at more, an OpenMP
     # thread of this one's team spins on the other CPU after each parallel region (libgomp's
     # default, milliseconds) and the worker waits for it
     if torch.get_num_threads() != 1 or caller_threads() < 2 or _busy():
-        return list(on_one_thread_if(True, _kernel(name), x, hx, params, has_bias, True,
+        return list(on_one_thread_if(alone, _kernel(name), x, hx, params, has_bias, True,
                                      batch_first))
     per, axis = len(params) // 2, 1 if batch_first else 0  # (axis: time's)
     back = [s[1:] for s in hx]
@@ -181,4 +184,11 @@ if hasattr(os, "register_at_fork"):
 _LIBRARY = torch.library.Library("backplane", "FRAGMENT")
 _LIBRARY.define("recurrent_directions(str name, Tensor x, Tensor[] hx, Tensor[] params, "
                 "bool has_bias, bool batch_first) -> Tensor[]")
-_LIBRARY.impl("recurrent_directions", _directions, "CPU")
+
+
+def _traced(name: str, x: torch.Tensor, hx: list[torch.Tensor], params: list[torch.Tensor],
+            has_bias: bool, batch_first: bool) -> list[torch.Tensor]:
+    return _directions(name, x, hx, params, has_bias, batch_first, alone=False)
+
+
+_LIBRARY.impl("recurrent_directions", _traced, "CPU")
