@@ -67,7 +67,8 @@ def resize(X, roi=None, scales=None, sizes=None, antialias=0, axes=None,
         box = None if roi is None else (float(roi[i]), float(roi[i + len(axes)]))
         taps = _taps(coordinate_transformation_mode, n_in, n_out, factor, box, mode, nearest_mode,
                      cubic_coeff_a, antialias, exclude_outside)
-        y = _resized(y, axis, taps)
+        if not taps.identity:
+            y = _resized(y, axis, taps)
         if coordinate_transformation_mode == "tf_crop_and_resize":
             outside = outside | spec._along(axis, X.dim(), taps.outside)
     if outside.any():
@@ -85,6 +86,11 @@ class _Taps(NamedTuple):
     flat: np.ndarray
     outside: np.ndarray
     on_cpu: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # flat, weights, nonzero as tensors
+    identity: bool
+    """Each output is its own input at weight 1, none sampled outside: the axis is left as it is
+    (a batch or channel axis of scales 1: half the passes of a U-Net's 2-d Resize, 20-45 us of
+    unet_resize_ts13's 340-370 a compiled run; a -0.0 stays -0.0, where a sum from zeros made it
+    0.0)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -97,8 +103,12 @@ def _taps(transformation, n_in, n_out, factor, box, mode, nearest_mode, cubic_co
                        exclude_outside)
     index, weighs = spec.taps_of(weights)
     nonzero, flat = weighs != 0, np.ascontiguousarray(index.reshape(-1))
-    return _Taps(index, weighs, nonzero, flat, (coords < 0) | (coords > n_in - 1),
-                 (torch.from_numpy(flat), torch.from_numpy(weighs), torch.from_numpy(nonzero)))
+    outside = (coords < 0) | (coords > n_in - 1)
+    identity = (n_out == n_in and index.shape[1] == 1 and bool((flat == np.arange(n_in)).all())
+                and bool((weighs == 1).all()) and not outside.any())
+    return _Taps(index, weighs, nonzero, flat, outside,
+                 (torch.from_numpy(flat), torch.from_numpy(weighs), torch.from_numpy(nonzero)),
+                 identity)
 
 
 def _resized(y, axis: int, taps: _Taps):
@@ -234,7 +244,7 @@ def _mend_plan(axis, rows, spatial, transformation, mode, nearest_mode, cubic_co
     flat = np.ascontiguousarray(index.reshape(-1))
     picked = _Taps(index, weights, nonzero, flat, some.outside[rows],
                    (torch.from_numpy(flat), torch.from_numpy(np.ascontiguousarray(weights)),
-                    torch.from_numpy(np.ascontiguousarray(nonzero))))
+                    torch.from_numpy(np.ascontiguousarray(nonzero))), False)
     return torch.from_numpy(rows), torch.from_numpy(read), picked, taps
 
 

@@ -1,0 +1,70 @@
+"""CpuAcc's Resize on the taps path (``kernels/vision.resize``) leaves an axis that each output
+reads at weight 1 from its own position as it is: a 2-d Resize's batch and channel axes (scales 1)
+were two gathers, products and sums of their own, a U-Net's decoder's in every run. Values, NaN
+and Inf stay where CpuRef puts them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch  # noqa: F401  # CpuAcc's kernels
+from onnx import TensorProto, helper
+
+from backplane import InferenceSession
+from backplane.backends.torch.kernels import vision
+
+# (mode, coordinate transformation, input shape, scales): taps path cases (too few outputs to
+# mend, or no torch kernel for the mode)
+CASES = [
+    ("linear", "half_pixel", (1, 8, 16, 16), (1, 1, 2, 2)),  # unet_resize_ts13's decoder
+    ("cubic", "half_pixel", (2, 3, 5, 6), (1, 1, 1.5, 2)),
+    ("nearest", "asymmetric", (1, 4, 6, 6), (1, 1, 1, 2)),  # a spatial axis left too
+]
+
+
+def _model(mode: str, transform: str, shape: tuple[int, ...], scales: tuple[float, ...]) -> bytes:
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode,
+                            coordinate_transformation_mode=transform)
+    graph = helper.make_graph(
+        [node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor("scales", TensorProto.FLOAT, [len(scales)], list(scales))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)],
+                             ir_version=8).SerializeToString()
+
+
+def _counted(monkeypatch) -> list[int]:
+    """The axes ``vision._resized`` resizes, in the order of its calls."""
+    axes: list[int] = []
+    resized = vision._resized
+
+    def counting(y, axis, taps):
+        axes.append(axis)
+        return resized(y, axis, taps)
+
+    monkeypatch.setattr(vision, "_resized", counting)
+    return axes
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2]}")
+def test_only_the_axes_that_change_are_resized(case, monkeypatch) -> None:
+    model = _model(*case)
+    x = np.random.default_rng(0).standard_normal(case[2]).astype(np.float32)
+    axes = _counted(monkeypatch)
+    (got,) = InferenceSession(model, backends=["CpuAcc"]).run(None, {"x": x})
+    assert axes == [a for a, s in enumerate(case[3]) if s != 1]
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2]}")
+def test_nan_and_inf_stay_where_cpuref_puts_them(case) -> None:
+    model = _model(*case)
+    x = np.random.default_rng(1).standard_normal(case[2]).astype(np.float32)
+    x.reshape(-1)[[3, 17]] = [np.nan, np.inf]
+    (got,) = InferenceSession(model, backends=["CpuAcc"]).run(None, {"x": x})
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)
