@@ -1,0 +1,96 @@
+"""The index glue of a trace (``traced``'s frozen graphs) folded where the trace shows it does
+nothing: the wrap of negative indices where the indices cannot be negative, and casts to the
+dtype a value already has.
+
+ONNX counts a negative index from the end, so the torch kernels of Gather, GatherElements,
+GatherND and the scatters wrap their indices without reading them on the host
+(``kernels.indexing._wrap``, ``traceable._gather``): ``aten::to`` int64, then
+``aten::where(aten::lt(i, 0), aten::add(i, size), i)``, four ops at every run. Where the indices
+are a sort's, a TopK's, an arg-max's or a NonZero's (through views and casts), none is negative
+and the ``where`` gives ``i`` back: a YOLO-style head's two GatherElements by its TopK's indices
+paid eight such ops a run. An index out of range still fails in the gather itself, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NON_NEGATIVE = {"aten::sort": 1, "aten::topk": 1, "aten::argsort": 0, "aten::argmax": 0,
+                "aten::argmin": 0, "aten::nonzero": 0}
+"""Ops whose output (at this position) holds indices, never negative."""
+
+SAME_VALUES = frozenset({"aten::to", "aten::expand", "aten::as_strided", "aten::slice",
+                         "aten::narrow", "aten::select", "aten::reshape", "aten::view",
+                         "aten::permute", "aten::transpose", "aten::t", "aten::unsqueeze",
+                         "aten::squeeze", "aten::flatten", "aten::contiguous", "aten::clone"})
+"""Ops whose output holds only values of their first input (an integer cast keeps a
+non-negative index non-negative)."""
+
+INTEGERS = frozenset({"Long", "Int", "Short", "Char", "Byte"})
+
+
+def fold_index_glue(graph: Any) -> int:
+    """``graph`` (a traced TorchScript graph, changed in place) without the casts that give a
+    value back as it is and the wraps of indices that cannot be negative; then dead code
+    elimination. Returns how many ops were folded."""
+    import torch
+
+    folded = 0
+    for node in list(graph.nodes()):
+        if node.kind() == "aten::to" and _same_dtype(node) or _idle_wrap(node):
+            node.output().replaceAllUsesWith(node.inputsAt(0 if node.kind() == "aten::to" else 2))
+            folded += 1
+    if folded:
+        torch._C._jit_pass_dce(graph)
+    return folded
+
+
+def _same_dtype(node: Any) -> bool:
+    """Whether ``node``, an ``aten::to(self, dtype, non_blocking, copy, memory_format)``, returns
+    ``self`` itself: the dtype ``self`` was traced with, no copy asked, no memory format."""
+    import torch
+
+    if node.inputsSize() != 5 or node.outputsSize() != 1:
+        return False
+    typed, dtype = node.inputsAt(0).type(), node.inputsAt(1).toIValue()
+    copy, layout = node.inputsAt(3).toIValue(), node.inputsAt(4).toIValue()
+    if not isinstance(typed, torch._C.TensorType) or not isinstance(dtype, int) or copy is not False \
+            or layout is not None or typed.scalarType() is None:
+        return False
+    return _DTYPES.get(dtype) == typed.scalarType()
+
+
+_DTYPES = {0: "Byte", 1: "Char", 2: "Short", 3: "Int", 4: "Long", 5: "Half", 6: "Float",
+           7: "Double", 11: "Bool", 15: "BFloat16"}  # torch's ScalarType numbers, as a trace has them
+
+
+def _idle_wrap(node: Any) -> bool:
+    """Whether ``node`` is ``where(lt(i, 0), add(i, n), i)`` with ``i`` never negative."""
+    if node.kind() != "aten::where" or node.inputsSize() != 3:
+        return False
+    condition, wrapped, indices = (node.inputsAt(k) for k in range(3))
+    test, shifted = condition.node(), wrapped.node()
+    if test.kind() != "aten::lt" or test.inputsAt(0).unique() != indices.unique() \
+            or test.inputsAt(1).toIValue() != 0 or shifted.kind() != "aten::add" \
+            or shifted.inputsAt(0).unique() != indices.unique():
+        return False
+    # the wrap's result is a new tensor, the indices may be read elsewhere: none written in place
+    if any(use.user.kind().endswith("_") for use in node.output().uses()):
+        return False
+    return _never_negative(indices)
+
+
+def _never_negative(value: Any) -> bool:
+    """Whether ``value`` holds indices of an op of ``NON_NEGATIVE``, through ``SAME_VALUES``."""
+    import torch
+
+    while True:
+        node = value.node()
+        typed = value.type()
+        if not isinstance(typed, torch._C.TensorType) or typed.scalarType() not in INTEGERS:
+            return False
+        if NON_NEGATIVE.get(node.kind()) == value.offset():
+            return True
+        if node.kind() not in SAME_VALUES:
+            return False
+        value = node.inputsAt(0)
