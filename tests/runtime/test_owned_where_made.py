@@ -112,3 +112,46 @@ def test_an_output_over_an_input_is_still_copied() -> None:
     np.testing.assert_array_equal(v, expected)
     x[...] = 0.0  # the caller refills its input
     np.testing.assert_array_equal(v, expected)
+
+
+def _frozen(function, *sample):
+    traced = torch.jit.trace(function, sample)
+    return traced.graph
+
+
+def test_a_trace_whose_outputs_are_its_ops_results_is_known_at_its_build() -> None:
+    from backplane.backends.torch.fusion.static_sizes import outputs_made
+
+    x = torch.randn(2, 3)
+    assert outputs_made(_frozen(lambda a: (torch.sigmoid(a), torch.cat([a, a])), x))
+    assert not outputs_made(_frozen(lambda a: (torch.sigmoid(a), a.reshape(3, 2)), x))  # a view
+    assert not outputs_made(_frozen(lambda a: (torch.sigmoid(a), a.contiguous()), x))  # itself
+    assert not outputs_made(_frozen(lambda a: (torch.relu(a), a.t()), x))
+
+
+def test_made_results_are_looked_at_by_their_references_only() -> None:
+    def first(results: tuple) -> bool:  # as steps.owning_call holds a step's results
+        value = results[0]
+        return fresh_outputs.made(value)
+
+    alone = first(fresh_outputs.Made((torch.ones(3),)))  # (outside the assert: pytest's
+    assert alone  # rewriting keeps what a call in it returns)
+    twice = torch.ones(3)
+    assert not first(fresh_outputs.Made((twice, twice)))  # the same tensor given twice
+
+
+def test_the_vads_trace_returns_made_results() -> None:
+    """The small tier's VAD: its version's trace returns ``Made`` results (sigmoid, cat), and its
+    outputs still reach the caller without the search."""
+    from tests.models.test_models import DATA
+
+    session = InferenceSession(str(DATA / "corpus" / "vad_lstm_if_ts16.onnx"),
+                               providers=["CpuAcc", "CpuRef"])
+    feeds = dict(np.load(DATA / "corpus" / "vad_lstm_if_ts16.s0.npz"))
+    session.run(None, feeds)
+    loaded = session.runtime.network(session.network_id)
+    runners = [runner for step in loaded.steps
+               for version in getattr(step.workload, "versions", {}).values()
+               for inner in version.steps for runner in getattr(inner.workload, "built", {}).values()]
+    values = [torch.from_numpy(feeds[name]) for name in ("x", "state")]
+    assert runners and all(type(runner(*values)) is fresh_outputs.Made for runner in runners)

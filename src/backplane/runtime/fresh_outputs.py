@@ -21,8 +21,20 @@ from typing import Any
 
 _TENSOR: Any = None  # torch.Tensor, once torch is imported (``fresh``'s first call)
 _STORAGE_USE: Any = None
-_REFS = -1  # a fresh result's references, seen from ``fresh`` (measured at its first call)
-_USES = -1  # its storage's uses while ``untyped_storage`` holds it
+_USES = -1  # a fresh tensor's storage's uses while ``untyped_storage`` holds it (measured then)
+
+
+class Made(tuple):  # type: ignore[type-arg]
+    """A step's results that the step made in this call, each in memory of its own (a frozen
+    trace whose every output is an op's result: ``static_sizes.outputs_made``, decided at its
+    build): ``made`` looks at their references only."""
+
+    __slots__ = ()
+
+
+def made(value: Any) -> bool:
+    """``fresh`` for one of ``Made`` results: held by the results and the caller alone."""
+    return sys.getrefcount(value) == _REFS
 
 
 def fresh(value: Any) -> bool:
@@ -41,19 +53,28 @@ def fresh(value: Any) -> bool:
 
 
 def _calibrate() -> None:
-    """The counts ``fresh`` sees on a fresh tensor held as a step's result is (a sequence and a
-    variable), measured through ``fresh`` itself: the interpreter's own references count alike."""
-    global _TENSOR, _STORAGE_USE, _REFS, _USES
+    """The uses ``fresh`` sees of a fresh tensor's storage, measured through ``fresh`` itself."""
+    global _TENSOR, _STORAGE_USE, _USES
     import torch
 
     _TENSOR, _STORAGE_USE = torch.Tensor, torch._C._storage_Use_Count
     results = (torch.empty(1),)
     value = results[0]
-    _REFS = _references(value)
     _USES = _STORAGE_USE(value.untyped_storage()._cdata)
     if not fresh(value):  # the interpreter counts otherwise: never vouch for anything
-        _REFS = -2
+        _USES = -2
 
 
 def _references(value: Any) -> int:
-    return sys.getrefcount(value)  # as ``fresh`` reads them: one argument deep
+    return sys.getrefcount(value)  # as ``fresh`` and ``made`` read them: one argument deep
+
+
+def _measured() -> int:
+    """The references of a result held as a step's are (a sequence and a variable), read as
+    ``fresh`` reads them: the interpreter's own references count alike."""
+    results = (object(),)
+    value = results[0]
+    return _references(value)
+
+
+_REFS = _measured()

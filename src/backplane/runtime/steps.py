@@ -239,7 +239,7 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
     ``owned`` attribute, a function of its inputs' sequence that asks the stop as its run does:
     builtin's DecidedIf, whose versions do), that run, itself where the step reads the network's
     ``inputs`` as they are; else ``owned`` after ``call``. Under a stop: ``owned`` after ``call``."""
-    from backplane.runtime.fresh_outputs import fresh
+    from backplane.runtime.fresh_outputs import Made, fresh, made
 
     inner = getattr(workload, "owned", None)
     plain = all(convert is None for _, convert, _, _ in reads) \
@@ -265,9 +265,10 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
             results = workload(*args)
             outputs = []
             mine = True
+            own = made if type(results) is Made else fresh  # Made: proven at its build
             for index, convert, at in outs:
                 value = results[index]
-                mine = mine and fresh(value)
+                mine = mine and own(value)
                 outputs.append(convert(value))  # type: ignore[misc]  # each has one (above)
         except RunTerminated:
             raise

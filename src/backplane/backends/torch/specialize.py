@@ -188,7 +188,8 @@ def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
     def run(*values: Any) -> tuple[Any, ...]:
         if alone is not None:
             try:
-                return tuple(alone(*values))
+                results = alone(*values)  # a tuple kept as it is (fresh_outputs.Made)
+                return results if isinstance(results, tuple) else tuple(results)
             except Exception:  # noqa: BLE001  # again through the network: its error names the layer
                 pass
         outputs = loaded.execute(values)

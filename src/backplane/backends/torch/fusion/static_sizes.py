@@ -173,3 +173,24 @@ def _as_strided(graph: Any, before: Any, root: Any, sizes: list[int], strides: l
     made.insertBefore(before)
     made.output().setType(before.output().type())
     return made.output()
+
+
+MADE = frozenset({"aten::cat", "aten::stack", "aten::sigmoid", "aten::tanh", "aten::relu",
+                  "aten::add", "aten::sub", "aten::mul", "aten::div", "aten::addmm", "aten::mm",
+                  "aten::bmm", "aten::linear", "aten::addcmul", "aten::softmax",
+                  "aten::log_softmax", "aten::clone", "aten::mean", "aten::sum", "aten::exp",
+                  "aten::neg", "aten::gelu", "aten::layer_norm", "aten::_convolution"})
+"""Ops whose result is a tensor each call makes in memory of its own: never an input, a view of
+one or a constant (not ``contiguous``, ``to`` or ``reshape``, which may give their input back)."""
+
+
+def outputs_made(graph: Any) -> bool:
+    """Whether each output of ``graph`` (a frozen trace) is the result of a ``MADE`` op: then each
+    run's outputs are tensors that run made, whose memory nothing else holds (the runtime then looks
+    at their references only: ``fresh_outputs.Made``)."""
+    (returned,) = list(graph.outputs()) or [None]
+    if returned is None:
+        return False
+    node = returned.node()
+    values = list(node.inputs()) if node.kind() == "prim::TupleConstruct" else [returned]
+    return all(value.node().kind() in MADE for value in values)

@@ -51,7 +51,7 @@ from backplane.backends.torch import prepacked, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.backends.torch.fusion.index_glue import fold_index_glue
-from backplane.backends.torch.fusion.static_sizes import fold_sizes, fold_views
+from backplane.backends.torch.fusion.static_sizes import fold_sizes, fold_views, outputs_made
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 log = logging.getLogger("backplane.torch")
@@ -346,9 +346,12 @@ def below_autograd() -> Any:
 def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) -> Workload:
     """The frozen ``module``'s call: the inputs in their sample's layout, then the packed weights
     it takes as inputs (``prepacked.TraceInputs``), below autograd (``below_autograd``)."""
+    from backplane.runtime.fresh_outputs import Made
+
     conform = onednn_graph._layout_guard(sample)
     strides = [tuple(value.stride()) for value in sample]
     forward = module._c._get_method("forward")  # its C++ method: no nn.Module call in between
+    made = Made if outputs_made(module.graph) else tuple  # each output an op's own result
 
     def run(*values: Any) -> tuple[Any, ...]:
         for value, expected in zip(values, strides):  # conform's check, without its generator
@@ -357,7 +360,7 @@ def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) 
                 break
         with below_autograd():
             outputs = forward(*values, *packed)
-        return outputs if type(outputs) is tuple else (outputs,)
+        return made(outputs) if type(outputs) is tuple else made((outputs,))
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
     run.module = module  # type: ignore[attr-defined]  # for tests and debugging
