@@ -128,6 +128,12 @@ def test_a_trace_whose_outputs_are_its_ops_results_is_known_at_its_build() -> No
     assert not outputs_made(_frozen(lambda a: (torch.sigmoid(a), a.contiguous()), x))  # itself
     assert not outputs_made(_frozen(lambda a: (torch.relu(a), a.t()), x))
 
+    def into(a, b):
+        torch.add(a, 1.0, out=b)  # written into a buffer given (out=): b itself
+        return torch.sigmoid(a), b
+
+    assert not outputs_made(_frozen(into, x, torch.empty(2, 3)))
+
 
 def test_made_results_are_looked_at_by_their_references_only() -> None:
     def first(results: tuple) -> bool:  # as steps.owning_call holds a step's results

@@ -193,4 +193,13 @@ def outputs_made(graph: Any) -> bool:
         return False
     node = returned.node()
     values = list(node.inputs()) if node.kind() == "prim::TupleConstruct" else [returned]
-    return all(value.node().kind() in MADE for value in values)
+    return all(value.node().kind() in MADE and _own_result(value.node()) for value in values)
+
+
+def _own_result(node: Any) -> bool:
+    """Whether ``node``'s schema returns a tensor of its own (not ``out=``'s: ``Tensor(a!)``)."""
+    try:
+        schema = node.schema()
+    except RuntimeError:  # no schema: nothing known
+        return False
+    return "->" in schema and "(" not in schema.rsplit("->", 1)[1]
