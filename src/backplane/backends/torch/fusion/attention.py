@@ -175,20 +175,47 @@ def _last_axis(softmax: Layer, rank: int) -> bool:
 
 
 def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
-    """The layers' ops in one call: Q Kt, scaled, masked, softmax, times V."""
+    """The layers' ops in one call: Q Kt, scaled, masked, softmax, times V. The products are
+    ``bmm`` of the batch dimensions flattened (views where the layout allows, as ``matmul``'s
+    own); the scale (a Div's as its reciprocal) and an additive mask that broadcasts over the
+    flattened batch are ``baddbmm``'s alpha and input. ``matmul`` of 4-d operands expands,
+    reshapes and views around its ``bmm``, and a ``mul_`` by a float is a double tensor in a
+    trace, cast at every run (Q Kt times the scale of 4 x 8 x 8, traced, 1 thread: 8.5 -> 5.4
+    us)."""
     import torch
+
+    from backplane.backends.torch.kernels.recurrent_fused import untraced
 
     a = layer.attrs
     kind, fill, scale, transposed = a["mask"], a["fill"], a["scale"], a.get("transposed", False)
+    alpha = 1.0 if scale is None else scale[1] if scale[0] == "Mul" else 1.0 / scale[1]
+    zeros: dict[Any, Any] = {}  # baddbmm's ignored input (beta 0), one per dtype and device
+
+    def scores_of(q: Any, kt: Any, mask: Any) -> tuple[Any, bool]:
+        """Q Kt times the scale, (..., L, S) flattened to (-1, L, S), and whether the mask
+        was added: where it broadcasts over the flattened batch (its own batch all ones)."""
+        q3, kt3 = q.reshape(-1, *q.shape[-2:]), kt.reshape(-1, *kt.shape[-2:])
+        if kind == "add" and mask.dtype == q.dtype and mask.dim() >= 2 \
+                and all(n == 1 for n in mask.shape[:-2]):
+            return torch.baddbmm(mask.reshape(-1, *mask.shape[-2:]), q3, kt3, alpha=alpha), True
+        if alpha == 1.0:
+            return torch.bmm(q3, kt3), False  # a new tensor: masked in place below
+        key = (q.dtype, q.device)
+        if key not in zeros:
+            with untraced(True):  # a constant of a trace, not an op of it
+                zeros[key] = torch.zeros((), dtype=q.dtype, device=q.device)
+        return torch.baddbmm(zeros[key], q3, kt3, beta=0, alpha=alpha), False
 
     def run(q: Any, kt: Any, v: Any, mask: Any = None) -> tuple[Any]:
         kt = kt.transpose(-1, -2) if transposed else kt
-        scores = torch.matmul(q, kt)  # a new tensor of the scores' shape: scaled, masked in place
-        if scale is not None:
-            scores = scores.mul_(scale[1]) if scale[0] == "Mul" else scores.div_(scale[1])
-        if kind == "add":
+        shape = (*q.shape[:-1], kt.shape[-1])  # (..., L, S)
+        scores, added = scores_of(q, kt, mask)
+        scores = scores.view(shape)
+        if kind == "add" and not added:
             scores = scores.add_(mask)
-        elif kind is not None:  # Where: the fill where the condition holds (or does not)
+        elif kind not in (None, "add"):  # Where: the fill where the condition holds (or not)
             scores = scores.masked_fill_(mask if kind == "where" else ~mask, fill)
-        return (torch.matmul(torch.softmax(scores, -1), v),)
+        probs = torch.softmax(scores, -1).view(-1, *shape[-2:])
+        out = torch.bmm(probs, v.reshape(-1, *v.shape[-2:]))
+        return (out.view(*shape[:-1], v.shape[-1]),)
     return run
