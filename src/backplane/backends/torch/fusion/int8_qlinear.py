@@ -48,15 +48,21 @@ def qlinear_int8(conv: Layer, ctx: Context, attrs: dict[str, Any]) -> dict[str, 
             "y_shift": -int(attrs["y_low"])}
 
 
+TRACED_FASTER = "int8: in a trace, the int8 call (int8_traced) where the float route is ~10"
+"""Why a small QLinearConv in a trace takes the int8 route (``fastest_qlinear``)."""
 SHIFTS = {np.dtype(np.uint8): 0, np.dtype(np.int8): 128}
 """What an 8-bit type's values add to become quint8's."""
 
 
-def qlinear_int8_route(layer: Layer) -> Any:
+def qlinear_int8_route(layer: Layer, traced: bool = False) -> Any:
     """The layer's QLinearConv as torch's int8 convolution requantizing to y's step, its integer
-    output, or (a residual QLinearAdd taken) y's values handed to the add (``qlinear``)."""
+    output, or (a residual QLinearAdd taken) y's values handed to the add (``qlinear``). Where
+    ``traced`` (for a trace, ``int8_traced``): one FBGEMM weight, the call written into the trace,
+    and the integer tensors copied into and out of quint8 ones (``int_repr``), which a trace
+    holds, where the views (``quint8``, ``_raw``) are storage calls it does not."""
     import torch
 
+    from backplane.backends.torch.fusion import int8_traced
     from backplane.backends.torch.fusion.qlinear import max_pooled
 
     warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_")
@@ -66,31 +72,37 @@ def qlinear_int8_route(layer: Layer) -> Any:
         torch.from_numpy(np.array(q["scales"], np.float64)),
         torch.zeros(len(q["scales"]), dtype=torch.long), 0)
     bias = torch.from_numpy(np.array(q["bias"], F32))
-    packed = per_thread_count(lambda: torch.ops.quantized.conv2d_prepack(
-        weight, bias, a["strides"], a["begins"], a["dilations"], a["group"]))
+    geometry = (a["strides"], a["begins"], a["dilations"], a["group"])
+    if traced:
+        one = int8_traced.prepack(weight, bias, *geometry)
+        packed, to_quint8, raw = (lambda: one), _copied_quint8, _int_repr
+    else:
+        packed = per_thread_count(lambda: torch.ops.quantized.conv2d_prepack(
+            weight, bias, *geometry))
+        to_quint8, raw = quint8, _raw
     x_scale, x_zero, x_shift = q["x_scale"], q["x_zero"], q["x_shift"]
     y_scale, y_zero, y_shift = q["y_scale"], q["y_zero"], q["y_shift"]
-    cl, conv = torch.channels_last, torch.ops.quantized.conv2d
-    into = _quantizer(a["into"], x_shift, x_scale, x_zero)
+    cl, conv = torch.channels_last, int8_traced.conv2d if traced else torch.ops.quantized.conv2d
+    into = _quantizer(a["into"], x_shift, x_scale, x_zero, to_quint8)
 
     def quantized(x):
         if into is not None:
             return conv(into(x), packed(), y_scale, y_zero)
         u8 = x.view(torch.uint8).bitwise_xor(128) if x_shift else x
-        return conv(quint8(u8.contiguous(memory_format=cl), x_scale, x_zero), packed(), y_scale,
-                    y_zero)
+        return conv(to_quint8(u8.contiguous(memory_format=cl), x_scale, x_zero), packed(),
+                    y_scale, y_zero)
 
     def integers(x):
-        return _raw(quantized(x))  # quint8's: y + y_shift
+        return raw(quantized(x))  # quint8's: y + y_shift
 
     pool = max_pooled(a.get("pool"))
     if pool is not None:
         convolved = quantized
         quantized = lambda x: pool(convolved(x))  # noqa: E731  # on quint8: integers, exact
     if a["back"] is not None:
-        return _dequantized(a, quantized, y_shift)
+        return _dequantized(a, quantized, y_shift, raw)
     if a.get("residual") is not None:
-        return _residual(a, quantized, y_shift)
+        return _residual(a, quantized, y_shift, to_quint8, raw)
     if y_shift:
         return lambda x: (integers(x).bitwise_xor_(128).view(torch.int8),)
     return lambda x: (integers(x),)
@@ -120,7 +132,20 @@ def quint8(u8: Any, scale: float, zero: int) -> Any:
     return empty.set_(u8.untyped_storage(), u8.storage_offset(), u8.shape, u8.stride())
 
 
-def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) -> Any:
+def _copied_quint8(u8: Any, scale: float, zero: int) -> Any:
+    """``quint8``'s tensor as a copy, which a trace holds."""
+    import torch
+
+    return torch._make_per_tensor_quantized_tensor(u8, scale, zero)
+
+
+def _int_repr(q: Any) -> Any:
+    """``_raw``'s integers as a copy, which a trace holds."""
+    return q.int_repr()
+
+
+def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int,
+              to_quint8: Callable[..., Any] = quint8, raw: Callable[[Any], Any] = _raw) -> Any:
     """The route of a QLinearConv that took its residual QLinearAdd: ``torch.ops.quantized.add``
     of the convolution's quint8 result and the other operand (its integers as quint8, shifted by
     128 where int8), requantizing to the sum's step: one pass where dequantizing both, adding and
@@ -136,23 +161,23 @@ def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) 
     back = sum_dequantizer(r)
     if float(r["mine_scale"]) != q["y_scale"] or r["mine_zero"] + y_shift != q["y_zero"]:
         add = _residual_finisher(a)
-        return lambda x, other: (back(add(_raw(quantized(x)).float().sub_(y_shift), other)),)
+        return lambda x, other: (back(add(raw(quantized(x)).float().sub_(y_shift), other)),)
     other_scale, other_zero = float(r["other_scale"]), r["other_zero"] + y_shift
     sum_scale, sum_zero = float(r["sum_scale"]), r["sum_zero"] + y_shift
 
     def run(x, other):
         u8 = other.view(torch.uint8).bitwise_xor(128) if y_shift else other
-        q_other = quint8(u8, other_scale, other_zero)
+        q_other = to_quint8(u8, other_scale, other_zero)
         total = torch.ops.quantized.add(quantized(x), q_other, sum_scale, sum_zero)
         if r.get("dequantized"):  # a QDQ sum's DequantizeLinear taken (qdq_chain)
             return (total.dequantize(),)
-        total = _raw(total)
+        total = raw(total)
         return (total.bitwise_xor_(128).view(torch.int8) if y_shift else total,)
     return run
 
 
-def _quantizer(into: dict[str, Any] | None, shift: int, x_scale: float,
-               x_zero: int) -> Callable[[Any], Any] | None:
+def _quantizer(into: dict[str, Any] | None, shift: int, x_scale: float, x_zero: int,
+               to_quint8: Callable[..., Any] = quint8) -> Callable[[Any], Any] | None:
     """A taken QuantizeLinear (per tensor) as a function of the float input giving the quint8
     tensor, channels-last, that the convolution reads; None where none was taken.
 
@@ -187,11 +212,12 @@ def _quantizer(into: dict[str, Any] | None, shift: int, x_scale: float,
 
     def on_grid(x):
         u8 = to_grid(x, params).add_(shift).to(torch.uint8)
-        return quint8(u8.contiguous(memory_format=cl), x_scale, x_zero)
+        return to_quint8(u8.contiguous(memory_format=cl), x_scale, x_zero)
     return on_grid
 
 
-def _dequantized(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int) -> Any:
+def _dequantized(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int,
+                 raw: Callable[[Any], Any] = _raw) -> Any:
     """The route of a QLinearConv that took its DequantizeLinear (per tensor): the quantized
     result less the DequantizeLinear's zero point (in quint8's range), times its scale in float32
     (an integer times a float32 scale, rounded once: CpuRef's, torch's ``dequantize`` where the
@@ -208,7 +234,7 @@ def _dequantized(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: in
 
     def run(x):
         y = quantized(x)
-        out = y.dequantize() if own else _raw(y).float().sub_(zero).mul_(scale)
+        out = y.dequantize() if own else raw(y).float().sub_(zero).mul_(scale)
         out = out.add_(add) if add is not None else out
         return (post(out) if post else out,)
     return run
@@ -218,20 +244,23 @@ def fastest_qlinear(layer: Layer, backend: Any, float_route: Any) -> Any:
     """The int8 route of a fused QLinearConv or ``float_route()`` (bit for bit CpuRef's), as
     ``CpuAcc.int8`` says: "auto" the int8 one where known faster, else the faster measured once
     per shape, "kernels" the int8 one, "exact" the float one. In a trace (``Traced``) "auto"
-    takes the float route, which TorchScript holds, below ``int8.KNOWN_MACS``: the small tier's
-    QOperator ResNet ran its int8 layers one by one, untraced, 0.36 -> 0.78 ms a run (2 threads);
-    from it the int8 route, which no trace holds (the full tier's QOperator ResNet traced on the
-    float route ran 20.3 ms, its int8 layers one by one 4.0, 1 thread)."""
+    takes the int8 route written into the trace (``int8_traced``) below ``int8.KNOWN_MACS``: the
+    float route there is about ten calls a layer (the small tier's QOperator ResNet, 1 thread:
+    see docs/torch-backends.md); from it the route with views, which no trace holds (the full
+    tier's QOperator ResNet traced on the float route ran 20.3 ms, its int8 layers one by one
+    4.0, 1 thread), so those layers run one by one."""
     import torch
 
     from backplane.backends.torch.fusion.patterns import because, fastest
     from backplane.backends.torch.fusion.quantized import _for_a_trace
 
     mode = _mode(backend)
-    if mode == "exact" or "x86" not in torch.backends.quantized.supported_engines \
-            or mode == "auto" and _for_a_trace(backend) \
-            and not known_faster(layer.attrs, int8.KNOWN_MACS, grouped=True):
+    if mode == "exact" or "x86" not in torch.backends.quantized.supported_engines:
         return float_route()
+    if mode == "auto" and _for_a_trace(backend) \
+            and not known_faster(layer.attrs, int8.KNOWN_MACS, grouped=True):
+        return because(_int8_or_float(lambda: qlinear_int8_route(layer, traced=True),
+                                      float_route, layer.name), TRACED_FASTER)
 
     def made() -> Any:
         return _int8_or_float(lambda: qlinear_int8_route(layer), float_route, layer.name)
