@@ -98,3 +98,21 @@ def _traced_runs() -> list:
 
     return [o for o in gc.get_objects() if callable(o) and hasattr(o, "relayouts")
             and hasattr(o, "module")]
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_a_gather_by_indices_given_to_the_trace_is_one_advanced_index(axis) -> None:
+    """traceable's Gather: (*data.shape[:axis], *indices.shape, *data.shape[axis + 1:]), negative
+    indices counted from the end, an index out of range an error."""
+    from backplane.backends.torch.fusion.traceable import TRACEABLE_KERNELS
+
+    gather = TRACEABLE_KERNELS["Gather"]
+    data = torch.randn(4, 5, 6)
+    indices = torch.tensor([[0, -1], [2, -3]], dtype=torch.int32)
+    traced = torch.jit.trace(lambda d, i: gather(d, i, axis)[0], (data, indices))
+    assert "aten::index" in kinds(traced.graph) and not GLUE & kinds(traced.graph)
+    size = data.shape[axis]
+    want = np.take(data.numpy(), (indices.numpy() + size) % size, axis=axis)
+    np.testing.assert_array_equal(traced(data, indices).numpy(), want)
+    with pytest.raises(Exception, match="out of bounds"):
+        traced(data, torch.tensor([[0, size], [1, 1]], dtype=torch.int32))
