@@ -116,3 +116,19 @@ def test_a_gather_by_indices_given_to_the_trace_is_one_advanced_index(axis) -> N
     np.testing.assert_array_equal(traced(data, indices).numpy(), want)
     with pytest.raises(Exception, match="out of bounds"):
         traced(data, torch.tensor([[0, size], [1, 1]], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("data_shape, index_shape, expands", [((2, 8), (2, 4), 0),
+                                                               ((1, 8), (3, 4), 1),
+                                                               ((3, 8), (1, 4), 1)])
+def test_gather_elements_expands_only_what_broadcasts(data_shape, index_shape, expands) -> None:
+    data = torch.randn(data_shape)
+    indices = torch.randint(-8, 8, index_shape)
+    traced = torch.jit.trace(lambda d, i: indexing.gather_elements(d, i, axis=1)[0],
+                             (data, indices))
+    assert [n.kind() for n in traced.graph.nodes()].count("aten::expand") == expands
+    rows = max(data_shape[0], index_shape[0])
+    full = np.broadcast_to(data.numpy(), (rows, 8))
+    wrapped = np.broadcast_to(indices.numpy() % 8, (rows, 4))
+    np.testing.assert_array_equal(traced(data, indices).numpy(),
+                                  np.take_along_axis(full, wrapped, axis=1))

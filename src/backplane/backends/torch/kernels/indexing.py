@@ -115,9 +115,16 @@ def gather_elements(data, indices, axis=0):
     axis = axis % data.dim()
     # NumPy's take_along_axis (CpuRef) broadcasts the other axes of data and indices
     others = [max(d, i) if 1 in (d, i) else d for d, i in zip(data.shape, indices.shape)]
-    data = data.expand([-1 if a == axis else n for a, n in enumerate(others)])
-    indices = indices.expand([-1 if a == axis else n for a, n in enumerate(others)])
+    data, indices = _broadcast(data, others, axis), _broadcast(indices, others, axis)
     return (torch.gather(data, axis, _wrap(indices, data.shape[axis])),)
+
+
+def _broadcast(value, sizes, axis):
+    """``value`` expanded to ``sizes`` but along ``axis``; itself where it has them (no op in a
+    trace: a YOLO head's two GatherElements expanded each operand to its own shape)."""
+    if all(a == axis or n == m for a, (n, m) in enumerate(zip(value.shape, sizes))):
+        return value
+    return value.expand([-1 if a == axis else n for a, n in enumerate(sizes)])
 
 
 def gather_nd(data, indices, batch_dims=0):
