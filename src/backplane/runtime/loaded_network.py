@@ -13,7 +13,6 @@ taken for the whole run, so that no run overwrites another's tensors before it h
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import time
@@ -30,9 +29,10 @@ from backplane.backends.api.memory import HOST_FACTORY, MemoryManager
 from backplane.ir.graph import Graph, Layer
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.optimizer.release import FileWeights, ReleasedConstants, released_layer
-from backplane.runtime import edge_checks, fallback, host_threads, ownership, tensors, user_buffers
-from backplane.runtime.memory_plan import (GLUE, body_constant_memory, constant_memory,
-                                           partitions, planned_memory)
+from backplane.runtime import edge_checks, fallback, host_threads, ownership, tensors
+from backplane.runtime.device_plans import placed_plan
+from backplane.runtime.memory_plan import (body_constant_memory, constant_memory, partitions,
+                                           planned_memory)
 from backplane.runtime.steps import (NONE_SLOT, STOP, ExecutionError, Plan, RunTerminated, Step,
                                      StepFailure, handover, one_call, plan_steps, run_steps,
                                      straight_run)
@@ -331,89 +331,7 @@ class LoadedNetwork:
         return plan
 
     def _placed(self, inputs_on: tuple[str, ...], outputs_on: tuple[str | None, ...]) -> Plan:
-        from backplane.backends.api.memory import to_device, to_host
-
-        graph = self.network.graph
-        layers = list(self.layers)
-        workloads = [step.workload for step in self.steps]
-        front: list[tuple[Layer, Workload]] = []
-        for name, device in zip(self.network.input_names, inputs_on):
-            if device == "cpu":
-                continue
-            host_copy = ""
-            for index, layer in enumerate(layers):
-                if name not in layer.inputs:
-                    continue
-                target = layer.attrs.get("target")
-                if layer.op_type in GLUE and getattr(target, "device", None) == device:
-                    layers[index] = Layer(f"MemImport[{name}](user {device}->{layer.outputs[0]})",
-                                          "MemImport", [name], list(layer.outputs),
-                                          {"source": device, "target": target}, backend="builtin")
-                    workloads[index] = _importer(target)
-                    continue
-                if not host_copy:
-                    host_copy = f"{name}@host"
-                    copy = Layer(f"MemCopy[{name}](user {device}->host)", "MemCopy", [name],
-                                 [host_copy], {"source": device, "target": HOST_FACTORY},
-                                 backend="builtin")
-                    front.append((copy, lambda x: (to_host(x),)))
-                layers[index] = _renamed(layer, name, host_copy)
-                for constant in layer.inputs:  # its constants stay bound where they were
-                    bound = self._constant_slots.get((id(layer), constant))
-                    if bound is not None:
-                        self._constant_slots[id(layers[index]), constant] = bound
-        outputs = list(graph.outputs)
-        back: list[tuple[Layer, Workload]] = []
-        producer = {o: i for i, layer in enumerate(layers) for o in layer.outputs}
-        for position, (name, device) in enumerate(zip(graph.outputs, outputs_on)):
-            if device is None or device == "cpu" or device == user_buffers.INTO:
-                continue
-            index = producer.get(name)
-            layer = layers[index] if index is not None else None
-            if layer is not None and layer.op_type in GLUE \
-                    and getattr(layer.attrs.get("source"), "device", None) == device:
-                name = layer.inputs[0]  # the value before it was brought to the host
-                made_by = producer.get(name)
-                if not str(getattr(layer.attrs["source"], "id", "")).startswith("torch-"):
-                    # another library's tensor handle: handed over as a torch tensor, no copy
-                    copy = Layer(f"MemImport[{name}]({device}->user {device})", "MemImport",
-                                 [name], [f"{name}@user {device}"],
-                                 {"source": layer.attrs["source"], "target": device},
-                                 backend="builtin")
-                    back.append((copy, functools.partial(_moved, to_device, device)))
-                    outputs[position] = copy.outputs[0]
-                    continue
-                if made_by is None or not getattr(workloads[made_by], "exclusive", False):
-                    outputs[position] = name
-                    continue
-                copy = Layer(f"MemCopy[{name}]({device}->user {device})", "MemCopy", [name],
-                             [f"{name}@user {device}"], {"source": device, "target": device},
-                             backend="builtin")
-                back.append((copy, lambda x: (x.clone(),)))
-            else:
-                copy = Layer(f"MemCopy[{name}](host->user {device})", "MemCopy", [name],
-                             [f"{name}@user {device}"], {"source": HOST_FACTORY, "target": device},
-                             backend="builtin")
-                back.append((copy, functools.partial(_moved, to_device, device)))
-            outputs[position] = copy.outputs[0]
-        into = [i for i, device in enumerate(outputs_on) if device == user_buffers.INTO]
-        buffers, copies = user_buffers.bind(layers, workloads, outputs, into,
-                                            self.network.output_names, graph,
-                                            self.network.backends, self._constant_slots)
-        back += copies
-        read = {n for layer in layers for n in layer.inputs} | {n for c, _ in back for n in c.inputs}
-        kept = [(layer, w) for layer, w in zip(layers, workloads)
-                if layer.op_type not in GLUE or any(o in read or o in outputs for o in layer.outputs)]
-        placed = [*front, *kept, *back]
-        for layer, workload in placed:
-            for value in (*layer.inputs, *layer.outputs):
-                self._slot(value)
-            self._layer_of.setdefault(id(workload), layer)
-        output_slots = tuple(self._slot(name) for name in outputs)
-        steps = plan_steps([layer for layer, _ in placed], [w for _, w in placed], self._slots,
-                           set(output_slots), self._constant_slots)
-        return Plan(tuple(steps), tuple(layer for layer, _ in placed), output_slots,
-                    (*self.input_slots, *(self._slot(name) for name in buffers)))
+        return placed_plan(self, inputs_on, outputs_on)
 
     def _profile_step(self, step: Step, layer: Layer, env: list[Any],
                       timings: list[LayerTiming]) -> None:
@@ -514,23 +432,6 @@ def _read_constants(graph: Graph) -> frozenset[str]:
     """The constants a layer reads as an input, or that are outputs: bound at load."""
     return frozenset(n for layer in graph.layers for n in layer.inputs if n in graph.constants) \
         | frozenset(n for n in graph.outputs if n in graph.constants)
-
-
-def _importer(target: Any) -> Workload:
-    import_ = target.import_
-
-    def mem_import(x: Any) -> tuple[Any]:
-        return (import_(x),)
-
-    return mem_import
-
-
-def _moved(to_device: Any, device: str, x: Any) -> tuple[Any]:
-    return (to_device(x, device),)
-
-
-def _renamed(layer: Layer, old: str, new: str) -> Layer:
-    return dataclasses.replace(layer, inputs=[new if n == old else n for n in layer.inputs])
 
 
 def _nbytes(values: Any) -> int | None:
