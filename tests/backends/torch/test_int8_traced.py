@@ -99,15 +99,17 @@ def trace_graphs(monkeypatch) -> list:
 
 @pytest.mark.skipif(not int8_exact.exact_kernels(), reason="this CPU's int8 kernels saturate")
 @pytest.mark.parametrize("size", [0, 1])
-def test_small_qoperator_resnet_traced_int8(monkeypatch, tmp_path, size):
-    """The small tier's QOperator ResNet (six QLinearConvs of 16-32 channels at 4x4 to 32x32,
-    below int8.KNOWN_MACS): its trace holds six int8 convolutions and no float one, and its
-    outputs are ONNX Runtime's within one step (0 here: the same integers)."""
+@pytest.mark.parametrize("model", ["resnet_qlinear_ort15", "resnet_qdq_ort17"])
+def test_small_int8_resnets_traced_int8(monkeypatch, tmp_path, size, model):
+    """The small tier's QOperator ResNet and its QDQ twin (six convolutions of 16-32 channels at
+    4x4 to 32x32, below int8.KNOWN_MACS; the QDQ one chained in integers, qdq_chain, where it
+    was a OneDnnGraph of float convolutions): each trace holds six int8 convolutions and no
+    float one, and the outputs are ONNX Runtime's within one step (0 here: the same integers)."""
     monkeypatch.setenv("BACKPLANE_CACHE_DIR", str(tmp_path / "routes"))
     monkeypatch.setenv("BACKPLANE_COMPILE_CACHE", str(tmp_path / "compiled"))
     graphs = trace_graphs(monkeypatch)
-    path = CORPUS / "resnet_qlinear_ort15.onnx"
-    feeds = dict(np.load(CORPUS / f"resnet_qlinear_ort15.s{size}.npz"))
+    path = CORPUS / f"{model}.onnx"
+    feeds = dict(np.load(CORPUS / f"{model}.s{size}.npz"))
     options = SessionOptions()
     options.intra_op_num_threads = 1
     session = InferenceSession(str(path), sess_options=options, providers=["CpuAcc", "CpuRef"])

@@ -29,7 +29,11 @@ def _workload(session: InferenceSession):
 
 
 @pytest.mark.parametrize("activation", [None, "Relu", "Clip"])
-def test_a_qdq_cnn_is_one_compiled_onednn_graph(activation: str | None) -> None:
+def test_a_qdq_cnn_is_one_compiled_onednn_graph(activation: str | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from backplane.backends.torch.fusion import qdq_chain
+
+    monkeypatch.setattr(qdq_chain, "CHAIN_MACS", 1 << 20)  # QuantDequant layers, not chained
     model, step = qdq_conv_model(activation, np.random.default_rng(3))
     session = InferenceSession(model, backends=[("CpuAcc", {"compile": "onednn_graph"})])
     layer = _graph_layer(session)

@@ -222,8 +222,6 @@ def _dequantized(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: in
     result less the DequantizeLinear's zero point (in quint8's range), times its scale in float32
     (an integer times a float32 scale, rounded once: CpuRef's, torch's ``dequantize`` where the
     step is the convolution's own), then the constant added and the activation."""
-    import torch
-
     from backplane.backends.torch.backend import _numpy_to_torch
     from backplane.backends.torch.fusion.patterns import torch_post_op
 

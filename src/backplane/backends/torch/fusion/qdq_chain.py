@@ -21,11 +21,13 @@ float64), and the integer tensor passes from one to the next as in a QOperator m
 - a DequantizeLinear that no layer reads any more (each reader took the integers) is dropped
   (``fusion._in_order``).
 
-Taken from ``CHAIN_MACS`` multiply-adds a run (any group), a rule by shape at load: there the
-int8 convolution is known faster than the float one with its round trip (``int8.KNOWN_MACS``),
-and more so without the quantize and dequantize passes. Below it (the small tier's 40x24 CNNs)
-the QDQ layers stay as they were: traced whole and compiled by oneDNN Graph, the round trips as
-post-ops. Never with ``CpuAcc.int8`` "exact" (the requantization is the kernel's: within one
+Taken from ``CHAIN_MACS`` multiply-adds a run (any group; now every size), a rule by shape at
+load. From ``int8.KNOWN_MACS`` the int8 convolution is known faster than the float one with its
+round trip, and more so without the quantize and dequantize passes. Below it (the small tier's
+CNNs) the QDQ layers were traced whole and compiled by oneDNN Graph, the round trips as
+post-ops, 7-11 partitions of 5-20 us each; chained, a trace holds the int8 convolutions
+themselves (``int8_traced``), and run layer by layer they measured even. Never with
+``CpuAcc.int8`` "exact" (the requantization is the kernel's: within one
 quantization step of CpuRef's, as ONNX Runtime's own QLinearConv is).
 """
 
@@ -42,10 +44,14 @@ from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import F32, Context
 from backplane.ir.graph import Layer, SubgraphView
 
-CHAIN_MACS = 1 << 20
-"""The multiply-adds an image from which a QDQ convolution is chained in integers:
-``int8.KNOWN_MACS``, where the int8 convolution with its quantize and dequantize passes was
-already faster than the float route (1 thread, this 2-core AMD EPYC: 16ch 32x32 3x3 110 / 43 us)."""
+CHAIN_MACS = 0
+"""The multiply-adds an image from which a QDQ convolution is chained in integers: every size.
+``int8.KNOWN_MACS`` (2^20) it was, where the int8 convolution with its quantize and dequantize
+passes was already faster than the float route (1 thread, this 2-core AMD EPYC: 16ch 32x32 3x3
+110 / 43 us); below it the small tier's resnet_qdq_ort17 ran even chained or not (575 against
+588 us, its int8 layers one by one). With the int8 convolution in the trace (``int8_traced``)
+it is faster chained: process CPU a run, alternating processes, load 6-8, 1 thread 194-204 ->
+156-173 us, 2 threads 186-215 -> 164-167 (outputs ONNX Runtime's)."""
 ADDS_AND_POOLS = frozenset({"Add", "MaxPool"})
 """Readers of a DequantizeLinear that may take the integer tensor instead (with ``lookup.OPS``)."""
 
