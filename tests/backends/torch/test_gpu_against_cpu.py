@@ -1,6 +1,7 @@
 """GpuAcc against the CPU on the GPU machine (``backplane.against_cpu``, issue 28 item 2): a model
-with next to no work runs faster on CpuAcc than its GPU run's fixed cost (upload, launch,
-download, wait), so the default keeps the CPU's placement and says so; "off" keeps GpuAcc's."""
+with next to no work may run faster on CpuAcc than its GPU run's fixed cost (upload, launch,
+download, wait), so the default times both and keeps the faster, saying so where it leaves the GPU
+out; "off" keeps GpuAcc's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,14 @@ def _add_model() -> bytes:
 
 
 @pytest.mark.parametrize("choice", ["auto", "off"])
-def test_a_model_without_work_is_kept_on_the_cpu_unless_asked(choice, caplog) -> None:
+def test_a_model_without_work_is_timed_at_load_unless_asked(choice, caplog) -> None:
+    """"auto" times the static model both ways at load, on seeded inputs, and keeps the faster by
+    the rule's margin, saying so where it leaves the GPU out; which one wins is the machine's
+    (since 8136906 a GPU run of two layers is about CpuAcc's on the H100 machine's Xeon: a test
+    that asserted the CPU failed there), so the test reads both medians from the report. "off"
+    keeps GpuAcc's placement untimed."""
+    from backplane.against_cpu import MARGIN
+
     with caplog.at_level(logging.WARNING, logger="backplane"):
         session = InferenceSession(_add_model(), providers=[
             ("GpuAcc", {"against_cpu": choice}), "CpuAcc", "CpuRef"])
@@ -35,10 +43,16 @@ def test_a_model_without_work_is_kept_on_the_cpu_unless_asked(choice, caplog) ->
     np.testing.assert_array_equal(session.run(None, {"x": x})[0],
                                   np.maximum(x + np.arange(8, dtype=np.float32), 0))
     moved = any("runs faster without the GPU" in r.getMessage() for r in caplog.records)
-    if choice == "auto":
-        assert "GpuAcc" not in session.report.counts() and moved
-    else:
+    if choice == "off":
         assert session.report.counts() == {"GpuAcc": 2} and not moved
+        assert not session.report.measurements
+        return
+    timed = {m.backend.split(",")[0]: m for m in session.report.measurements
+             if "seeded inputs" in m.note}
+    assert set(timed) == {"GpuAcc", "CpuAcc"}
+    cpu_kept = timed["CpuAcc"].ms <= timed["GpuAcc"].ms * (1 - MARGIN)
+    assert timed["CpuAcc"].chosen == cpu_kept and timed["GpuAcc"].chosen != cpu_kept
+    assert ("GpuAcc" not in session.report.counts()) == cpu_kept and moved == cpu_kept
 
 
 def _free_length_model() -> bytes:
