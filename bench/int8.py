@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # inherited by the workers: backplane on CpuAcc
     names = list(dict.fromkeys([*args.chosen, *(t for t in args.chosen.values() if t)]))
-    header = environment(args.threads)
+    header = [line.replace(", backplane absent", "") for line in environment(args.threads)]  # as wild.py
     print("\n".join(header), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tier == "full":
