@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch  # noqa: F401  # CpuAcc's kernels
-from onnx import TensorProto, helper
 
 from backplane import InferenceSession
 from backplane.backends.torch.kernels import vision
+from tests.backends.torch.test_resize_interpolate import _model as resize_model
 
 # (mode, coordinate transformation, input shape, scales): taps path cases (too few outputs to
 # mend, or no torch kernel for the mode)
@@ -23,14 +23,7 @@ CASES = [
 
 
 def _model(mode: str, transform: str, shape: tuple[int, ...], scales: tuple[float, ...]) -> bytes:
-    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode,
-                            coordinate_transformation_mode=transform)
-    graph = helper.make_graph(
-        [node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [helper.make_tensor("scales", TensorProto.FLOAT, [len(scales)], list(scales))])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)],
-                             ir_version=8).SerializeToString()
+    return resize_model(mode, transform, "round_prefer_floor", shape, scales)  # ONNX's default
 
 
 def _counted(monkeypatch) -> list[int]:
