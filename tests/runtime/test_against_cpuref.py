@@ -160,7 +160,8 @@ def test_a_model_whose_first_run_does_not_end_is_not_timed(monkeypatch) -> None:
     start = time.perf_counter()
     session = InferenceSession(model, providers=AUTO)
     assert time.perf_counter() - start < 60  # the stop, the build and the checks; not 2**62 trips
-    assert "CpuAcc" in session.report.counts()  # kept, untimed
-    assert not session.report.measurements
+    assert "CpuAcc" in session.report.counts()  # kept, untimed, and the report says why
+    assert [(m.ms, m.chosen, m.note) for m in session.report.measurements] == [
+        (None, True, "CpuAcc.against_cpuref: not timed: its run failed (RunTerminated)")]
     with pytest.raises(RunTerminated):
         session.run(None, feeds, RunOptions(timeout_s=0.2))
