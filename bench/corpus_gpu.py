@@ -68,8 +68,10 @@ PROVIDERS: dict[str, list[Any]] = {
 
 # -- the worker side ------------------------------------------------------------------------------
 def load(runtime: str, model: str, name: str, tier: str,
-         feeds: dict[str, np.ndarray]) -> tuple[Callable[[], Any], dict[str, Any]]:
-    """A call that runs the model once on ``runtime``, NumPy in and out, and its placement."""
+         feeds: dict[str, np.ndarray]) -> tuple[Callable[[], Any], Callable[[], dict[str, Any]]]:
+    """A call that runs the model once on ``runtime``, NumPy in and out, and one that gives its
+    placement, read after the calls: a model free in more than its batch is timed against the CPU
+    at its first run, which may place it again (read at load, the table showed GpuAcc's)."""
     if runtime == "ort":
         import onnxruntime as ort
 
@@ -77,13 +79,26 @@ def load(runtime: str, model: str, name: str, tier: str,
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads, options.inter_op_num_threads = len(ORT_CPUS), 1
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-        return (lambda: session.run(None, feeds)), {}
+        return (lambda: session.run(None, feeds)), dict
     if runtime == "torch_compile":
-        return compiled_module(name, tier, feeds), {}
+        return compiled_module(name, tier, feeds), dict
     from backplane import InferenceSession
 
     bp = InferenceSession(model, providers=PROVIDERS[runtime])
-    return (lambda: bp.run(None, feeds)), dict(sorted(bp.report.counts().items()))
+    return (lambda: bp.run(None, feeds)), lambda: placement(bp.report)
+
+
+def placement(report: Any) -> dict[str, Any]:
+    """Layers per backend, and the medians against_cpu timed the placements at ("timed": each
+    placement's backends, ms, "kept" where chosen), or why it did not time them."""
+    plan: dict[str, Any] = dict(sorted(report.counts().items()))
+    timed = [f"{m.backend}: {'-' if m.ms is None else f'{m.ms:.3f}'}"
+             + (f" ({m.note.split(': ', 1)[1]})" if "not timed" in m.note else "")
+             + (" kept" if m.chosen else "")
+             for m in report.measurements if m.partition == "(whole model)"]
+    if timed:
+        plan["timed"] = "; ".join(timed)
+    return plan
 
 
 def source_module(name: str, tier: str) -> tuple[Any, list[str]]:
@@ -142,7 +157,7 @@ def worker(args: argparse.Namespace) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one process's calls at a time (--jobs)
             first, times = calls(args, run)
         replies.write(json.dumps({"ms": statistics.median(times) * 1e3, "load_s": load_s,
-                                  "first_ms": first[0] * 1e3, "plan": plan}) + "\n")
+                                  "first_ms": first[0] * 1e3, "plan": plan()}) + "\n")
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
         text = " ".join(str(exc).split())
         replies.write(json.dumps({"error": f"{type(exc).__name__}: {text}"[:300]}) + "\n")
@@ -209,9 +224,15 @@ def table(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> tuple[lis
     def ms(row: dict[str, Any]) -> str:
         return "-" if "error" in row or not row["ms"] else f"{min(row['ms']):.3f}"
 
+    def described(plan: dict[str, Any]) -> str:
+        text = " ".join(f"{b}:{n}" for b, n in plan.items() if b != "timed")
+        return (text + (f" (timed {plan['timed']})" if "timed" in plan else "")) or "-"
+
+    cpu_plans = "cpuacc" in runtimes
     lines = ["| model | " + " | ".join(f"{rt} ms" for rt in runtimes)
-             + " | ORT / GpuAcc | GpuAcc load s (first call ms) | GpuAcc placement |",
-             "| --- |" + " ---: |" * (len(runtimes) + 2) + " --- |"]
+             + " | ORT / GpuAcc | GpuAcc load s (first call ms) | GpuAcc placement |"
+             + (" CpuAcc placement |" if cpu_plans else ""),
+             "| --- |" + " ---: |" * (len(runtimes) + 2) + " --- |" * (1 + cpu_plans)]
     ratios, slower = [], []
     for name, row in rows.items():
         ort, gpu = row.get("ort", {}), row.get("gpuacc", {})
@@ -220,10 +241,11 @@ def table(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> tuple[lis
             ratios.append(ratio)
             if ratio < 1:
                 slower.append(f"{name} {ratio:.2f}")
-        plan = " ".join(f"{b}:{n}" for b, n in gpu.get("plan", {}).items()) or "-"
         load = f"{gpu['load_s']:.2f} ({gpu['first_ms']:.1f})" if "load_s" in gpu else "-"
         lines.append(f"| {name} | " + " | ".join(ms(row[rt]) for rt in runtimes)
-                     + f" | {'-' if ratio is None else f'{ratio:.2f}'} | {load} | {plan} |")
+                     + f" | {'-' if ratio is None else f'{ratio:.2f}'} | {load} | "
+                     + f"{described(gpu.get('plan', {}))} |"
+                     + (f" {described(row['cpuacc'].get('plan', {}))} |" if cpu_plans else ""))
     errors = [f"{name} on {rt}: {row[rt]['error']}" for name, row in rows.items()
               for rt in runtimes if "error" in row[rt]]
     behind = [f"{name} {min(row['gpuacc']['ms']):.3f} / {min(row['cpuacc']['ms']):.3f}"
