@@ -74,12 +74,16 @@ def _conv(X: Any, W: Any, B: Any = None, auto_pad: str = "NOTSET", dilations: An
           group: int = 1, kernel_shape: Any = None, pads: Any = None,
           strides: Any = None) -> tuple[Any, ...]:  # noqa: N803
     """ONNX Conv as CpuAcc's own, but a 1-d one that CpuAcc computes as one product of its windows
-    (``nn.PRODUCT_ROWS``: a few outputs) as the product of its im2col columns (``F.unfold``, the
-    padding inside it), read transposed, by the weight transposed, its (N, K, L_out) result a
-    transposed view of the (N * L_out, K) product. CpuAcc's own pads the input, copies the windows
-    and copies its (N, L_out, K) product into (N, K, L_out): traced, 1 thread, the full-tier VAD's
-    two convolutions 34.9 -> 22.9 and 44.6 -> 31.7 us (this 2-core AMD EPYC, load 7). Not for
-    oneDNN Graph's fuser, which takes aten::linear (``_gemm``)."""
+    (``nn.PRODUCT_ROWS``: a few outputs) as one product of its windows read from the input padded
+    time-major: (N, L + pads, C), one copy, whose windows of ``k`` positions are ``k * C``
+    consecutive values, a strided view, by the weight ordered (tap, channel) to match, transposed
+    once outside the trace. Its (N, K, L_out) result is a transposed view of the (N * L_out, K)
+    product, so a convolution after it reads that view transposed back, contiguous, and pads it
+    without a transposing copy. Before, ``F.unfold`` (im2col) made the columns (C, k): for the
+    VAD's encoder a copy of its input made contiguous, then the columns (the full-tier VAD's trace
+    240 -> 2xx us at 1 thread, this 2-core AMD EPYC at load 7). CpuAcc's own pads the input,
+    copies the windows and copies its (N, L_out, K) product into (N, K, L_out). Not for oneDNN
+    Graph's fuser, which takes aten::linear (``_gemm``)."""
     import torch
     import torch.nn.functional as F
 
@@ -96,15 +100,20 @@ def _conv(X: Any, W: Any, B: Any = None, auto_pad: str = "NOTSET", dilations: An
     if not _few_outputs(X, W, stride, begin, dilation):
         return conv(X, W, B, "NOTSET", [dilation], group, kernel_shape, [begin, begin], [stride])
     n, channels, k = X.shape[0], X.shape[1], W.shape[2]
-    columns = F.unfold(X.unsqueeze(2), (1, k), dilation=(1, dilation), padding=(0, begin),
-                       stride=(1, stride))  # (N, C * k, L_out)
-    out = columns.shape[2]
-    rows = columns[0].t() if n == 1 else columns.transpose(1, 2).reshape(n * out, channels * k)
-    constant = trace_constants([W])  # then transposed once, outside the trace: MKL's product reads
-    with untraced(constant):  # a contiguous (C * k, K) faster (the VAD's second: 20.8 -> 18.5 us)
-        weight = W.reshape(W.shape[0], channels * k).t()
+    rows = X.transpose(1, 2)  # (N, L + pads, C): time-major, one copy (none where it is already)
+    rows = F.pad(rows, [0, 0, begin, begin]) if begin else rows.contiguous()
+    out = (rows.shape[1] - (k - 1) * dilation - 1) // stride + 1
+    if dilation == 1 and n == 1:  # k * C consecutive values a window
+        windows = rows.as_strided((out, k * channels), (stride * channels, 1))
+    else:
+        windows = rows.as_strided((n, out, k, channels), (rows.shape[1] * channels,
+                                                          stride * channels, dilation * channels,
+                                                          1)).reshape(n * out, k * channels)
+    constant = trace_constants([W])  # then ordered and transposed once, outside the trace
+    with untraced(constant):
+        weight = W.permute(2, 1, 0).reshape(k * channels, W.shape[0])  # (tap, channel) x K
         weight = weight.contiguous() if constant else weight
-    y = torch.mm(rows, weight) if B is None else torch.addmm(B, rows, weight)
+    y = torch.mm(windows, weight) if B is None else torch.addmm(B, windows, weight)
     return (y.view(n, out, W.shape[0]).transpose(1, 2),)
 
 
