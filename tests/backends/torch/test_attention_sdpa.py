@@ -159,6 +159,34 @@ def test_each_spelling_is_one_attention(spelling: str, mode: str, monkeypatch) -
 
 
 @pytest.mark.parametrize("mode", ["layers", "onednn_graph"])
+def test_dynamos_scales_on_q_and_k_are_the_products_alpha(mode: str, monkeypatch) -> None:
+    """Q and Kt each times E^-1/4: both Muls inside the one layer, E^-1/2 its scale."""
+    model = scaled_q_and_k()
+    session = _session(model, mode, monkeypatch)
+    layers = [lay for top in session.optimized.graph.layers
+              for lay in (top.attrs.get("layers", []) if top.op_type == "Traced" else [top])]
+    (fused,) = [lay for lay in layers if lay.op_type == "ScaledDotAttention"]
+    assert not [lay for lay in layers if lay.op_type == "Mul"]
+    assert [n.split("@")[0] for n in fused.inputs[:2]] == ["q", "kt"]  # "@CpuAcc": an import
+    assert fused.attrs["scale"][0] == "Mul"
+    assert fused.attrs["scale"][1] == pytest.approx(E ** -0.5, rel=1e-6)
+    _against_references(session, model, _feeds(model))
+
+
+@pytest.mark.parametrize("mode", ["layers", "onednn_graph"])
+def test_a_mask_of_the_scores_batch_is_added_by_the_product(mode: str, monkeypatch) -> None:
+    """A mask with Q's batch (1, H, L, L), not broadcast over the heads: baddbmm's input."""
+    model = div_add_mask()
+    model.graph.input[3].type.tensor_type.shape.dim[1].dim_value = H
+    session = _session(model, mode, monkeypatch)
+    feeds = _feeds(model)
+    feeds["mask"] = np.where(RNG.random((1, H, L, L)) < 0.3, -np.inf, 0).astype(np.float32)
+    feeds["mask"][..., 0] = 0
+    assert _fused(session, traced=mode == "onednn_graph") == 1
+    _against_references(session, model, feeds)
+
+
+@pytest.mark.parametrize("mode", ["layers", "onednn_graph"])
 def test_a_row_masked_throughout_is_nan(mode: str, monkeypatch) -> None:
     """ONNX Runtime and CpuRef give NaN there (torch's scaled_dot_product_attention gives zeros)."""
     model = div_add_mask()

@@ -5,8 +5,7 @@ The spellings the corpus has, each ending Softmax(last axis) -> MatMul(probabili
 
     MatMul(Q, Kt) -> Div(c) | Mul(c) -> Add(mask)            torch.onnx, TorchScript exporter
     MatMul(Q, Kt) -> Mul(c) -> Where(condition, fill, .)     the same, a boolean causal mask
-    Mul(Q, c) ; Mul(Kt, c) -> MatMul -> [Add(mask)]          dynamo's export (the scale on Q and K
-                                                              stays outside: its Muls are left)
+    Mul(Q, c) ; Mul(Kt, c) -> MatMul -> [Add(mask)]          dynamo's export (c * c the scale)
     FusedMatMul(Q, K, transB, alpha) -> Add(mask)            ONNX Runtime's saved models
 
 Q (..., L, E), Kt (..., E, S) (K transposed, as the product reads it), V (..., S, Ev), of one
@@ -68,7 +67,35 @@ def match_attention(softmax: Layer, ctx: Context) -> tuple[list[Layer], Layer] |
         return None
     group.insert(0, layer)
     scale, transposed = product
-    return _fused(group, [*layer.inputs, out.inputs[1]], mask, scale, ctx, transposed)
+    qk, scale = _scaled_operands(layer, scale, ctx, group)
+    return _fused(group, [*qk, out.inputs[1]], mask, scale, ctx, transposed)
+
+
+def _scaled_operands(product: Layer, scale: tuple[str, float] | None, ctx: Context,
+                     group: list[Layer]) -> tuple[list[str], tuple[str, float] | None]:
+    """Q and Kt as the scores' MatMul reads them, each taken from before a Mul by a constant
+    scalar where one makes it (dynamo's export: Q and Kt each times E^-1/4), that factor folded
+    into the scale and the Mul into ``group``: (c Q)(c Kt) is c^2 Q Kt, one alpha of the product
+    instead of two elementwise ops (and their copies of Q and Kt) a block. Only a Mul, only a
+    finite nonzero factor (``_scalar``), only where nothing else reads the scaled operand."""
+    made, names, factor = ctx.graph.producers(), list(product.inputs), 1.0
+    if product.op_type != "MatMul" or product.domain:
+        return names, scale
+    for i, name in enumerate(product.inputs):
+        mul = _free(made.get(name), ctx, name)
+        if mul is None or mul.op_type != "Mul" or mul.domain:
+            continue
+        value = next((n for n in mul.inputs if ctx.const(n) is None), "")
+        times = _scalar(mul, value, ctx) if value else None
+        if times is None or list(product.inputs).count(name) != 1 \
+                or _shape(value, ctx) != _shape(name, ctx):  # a constant of more axes broadcasts
+            continue
+        names[i], factor = value, factor * times
+        group.insert(0, mul)
+    if factor == 1.0:
+        return names, scale
+    alpha = 1.0 if scale is None else scale[1] if scale[0] == "Mul" else 1.0 / scale[1]
+    return names, ("Mul", alpha * factor)
 
 
 def _scores_product(layer: Layer | None, scale: tuple[str, float] | None,
@@ -194,10 +221,11 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
 
     def scores_of(q: Any, kt: Any, mask: Any) -> tuple[Any, bool]:
         """Q Kt times the scale, (..., L, S) flattened to (-1, L, S), and whether the mask
-        was added: where it broadcasts over the flattened batch (its own batch all ones)."""
+        was added: where it broadcasts over the flattened batch (its own batch all ones) or has
+        Q's batch (a padding mask expanded over the heads: a view, its batch strides 0)."""
         q3, kt3 = q.reshape(-1, *q.shape[-2:]), kt.reshape(-1, *kt.shape[-2:])
-        if kind == "add" and mask.dtype == q.dtype and mask.dim() >= 2 \
-                and all(n == 1 for n in mask.shape[:-2]):
+        if kind == "add" and mask.dtype == q.dtype and mask.dim() >= 2 and (
+                all(n == 1 for n in mask.shape[:-2]) or mask.shape[:-2] == q.shape[:-2]):
             return torch.baddbmm(mask.reshape(-1, *mask.shape[-2:]), q3, kt3, alpha=alpha), True
         if alpha == 1.0:
             return torch.bmm(q3, kt3), False  # a new tensor: masked in place below
