@@ -32,6 +32,7 @@ TAPS_CASES = [
     ("linear", "half_pixel", "floor", (1, 2, 9, 9), (1, 1, 1 / 3, 1 / 3)),  # every output mended
     ("nearest", "asymmetric", "floor", (2, 4, 4, 4), (1, 0.5, 2, 2)),  # channels resized
     ("linear", "half_pixel", "floor", (1, 3, 8, 8), (1, 1, 2, 2)),  # too few outputs to mend
+    ("linear", "half_pixel", "floor", (1, 16, 32, 32), (1, 1, 2, 1)),  # an axis of one size
 ]
 
 
@@ -91,3 +92,38 @@ def test_the_border_outputs_torch_reads_at_weight_0_are_mended() -> None:
     rows = vision._probe("linear", False, 8, 16, 2.0, "torch.float32", "half_pixel", "linear",
                          "floor", -0.75, 0)
     assert rows is not None and list(rows) == [0]
+
+
+def test_an_inf_column_of_an_axis_not_resized_stays_inf() -> None:
+    """H x2, W x1: torch's 2-d kernel weighs the unresized axis (its 1-d kernel, the probe, copies
+    it), and an Inf column came out NaN where CpuRef keeps Inf (ONNX Runtime reads at weight 0
+    too: its first column is NaN)."""
+    case = ("linear", "half_pixel", "floor", (1, 16, 32, 32), (1, 1, 2, 1))
+    x = np.random.default_rng(2).standard_normal(case[3]).astype(np.float32)
+    x[:, :, :, 1] = np.inf
+    acc, ref, _ = _runs(case, x)
+    assert np.isposinf(ref[:, :, :, 1]).all()
+    np.testing.assert_array_equal(acc, ref)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 32, 32), (2, 8, 40, 24)])
+def test_mended_borders_copy_an_input_and_their_crossings_too(shape) -> None:
+    """Bilinear x2, half_pixel: each mended border output copies one input (``vision._copies``), so
+    it is mended by torch's 1-d kernel along the other axis and, where a mended row crosses a
+    mended column, by the input itself: NaN and Inf in the second row and column (read at weight
+    0 by the first output row and column, and by their crossing) reach what CpuRef reads them."""
+    case = ("linear", "half_pixel", "floor", shape, (1, 1, 2, 2))
+    assert vision._copies(((0,), (0,)), ((shape[2], 2 * shape[2], 2.0),
+                                         (shape[3], 2 * shape[3], 2.0)),
+                          "half_pixel", "linear", "floor", -0.75, 0) is not None
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    x[:, 0, 1, 1] = np.nan  # the crossing's weight-0 read
+    x[:, 1, 1, 5] = np.inf  # the first output row's
+    x[:, 2, 7, 1] = -np.inf  # the first output column's
+    x[:, 3, 1, :] = np.nan
+    acc, ref, _ = _runs(case, x)
+    np.testing.assert_array_equal(np.isnan(acc), np.isnan(ref))
+    np.testing.assert_array_equal(np.isposinf(acc), np.isposinf(ref))
+    np.testing.assert_array_equal(np.isneginf(acc), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(acc[finite], ref[finite], rtol=1e-5, atol=1e-5)

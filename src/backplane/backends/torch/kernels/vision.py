@@ -175,6 +175,10 @@ def _interpolated(X, axes, in_sizes, out_sizes, factors, transformation, mode, n
     spatial = [plan.get(a) for a in range(2, X.dim())]
     if any(p is None or p[1] == 0 for p in spatial):
         return None  # an axis not resized (torch resizes all), or an empty output
+    if rank > 1 and any(n_in == n_out for n_in, n_out, _ in spatial):
+        # an axis of one size in and out: torch's 1-d kernel (the probe) copies it, its 2-d and
+        # 3-d kernels weigh it, and an Inf column came out NaN (H x2, W x1)
+        return None
     kind, align = family
     dtype = str(X.dtype)
     mended = [_probe(kind, align, n_in, n_out, factor, dtype, transformation, mode, nearest_mode,
@@ -187,10 +191,64 @@ def _interpolated(X, axes, in_sizes, out_sizes, factors, transformation, mode, n
     op = getattr(torch._C._nn, _TORCH_OPS[kind, rank])
     scales = [factor for _, _, factor in spatial]
     y = op(X, size, align, *scales) if align is not None else op(X, size, *scales)
+    if not any(len(rows) for rows in mended):
+        return y
+    copies = _copies(tuple(tuple(rows) for rows in mended), tuple(spatial), transformation, mode,
+                     nearest_mode, cubic_coeff_a, exclude_outside) if rank <= 2 else None
+    if copies is not None:
+        return _copied(X, y, kind, align, spatial, copies)
     for axis, rows in enumerate(mended, start=2):
         if len(rows):
             y.index_copy_(axis, *_mend(X, axis, tuple(rows), tuple(spatial), transformation,
                                        mode, nearest_mode, cubic_coeff_a, exclude_outside))
+    return y
+
+
+@functools.lru_cache(maxsize=256)
+def _copies(mended, spatial, transformation, mode, nearest_mode, cubic_coeff_a, exclude_outside):
+    """Per spatial axis, the outputs to mend and the one input each copies (CpuRef's taps: one,
+    at weight 1), None for an axis with none to mend; None where a mended output weighs two."""
+    copies = []
+    for rows, (n_in, n_out, factor) in zip(mended, spatial):
+        if not rows:
+            copies.append(None)
+            continue
+        taps = _taps(transformation, n_in, n_out, factor, None, mode, nearest_mode,
+                     cubic_coeff_a, 0, exclude_outside)
+        rows = np.asarray(rows, dtype=np.int64)
+        if not ((taps.nonzero[rows].sum(axis=1) == 1).all()
+                and (taps.weights[rows][taps.nonzero[rows]] == 1.0).all()):
+            return None
+        sources = taps.index[rows, taps.nonzero[rows].argmax(axis=1)]
+        copies.append((torch.from_numpy(rows), torch.from_numpy(sources)))
+    return tuple(copies)
+
+
+def _copied(X, y, kind, align, spatial, copies):
+    """``y`` (torch's resize of X, 1-d or 2-d) mended where its outputs copy one input (the
+    borders of a half-pixel upsampling): along one axis a mended output is that input line
+    resized along the other axis by torch's 1-d kernel, and where both axes' mended outputs cross,
+    the input itself. The 1-d kernel reads at weight 0 only at the other axis's mended outputs,
+    the crossings, which are written last. Where the taps path took 13 torch calls an axis in
+    float64 (a U-Net's (1, 64, 128, 128) x2: 5.4-6.2 ms with it, torch's kernel alone 2.6-2.8)."""
+    if X.dim() == 3:
+        rows, sources = copies[0]
+        return y.index_copy_(2, rows, X.index_select(2, sources))
+    line = getattr(torch._C._nn, _TORCH_OPS[kind, 1])
+    n, channels = X.shape[0], X.shape[1]
+    for axis, copy in enumerate(copies, start=2):
+        if copy is None:
+            continue
+        rows, sources = copy
+        n_in, n_out, factor = spatial[3 - axis]  # the other axis's
+        lines = X.index_select(axis, sources).movedim(axis, 2)  # (N, C, mended, other axis)
+        flat = lines.reshape(n, channels * len(rows), n_in)
+        out = line(flat, [n_out], align, factor) if align is not None else \
+            line(flat, [n_out], factor)
+        y.index_copy_(axis, rows, out.reshape(n, channels, len(rows), n_out).movedim(2, axis))
+    if copies[0] is not None and copies[1] is not None:
+        (rows_h, from_h), (rows_w, from_w) = copies
+        y[:, :, rows_h[:, None], rows_w[None, :]] = X[:, :, from_h[:, None], from_w[None, :]]
     return y
 
 
