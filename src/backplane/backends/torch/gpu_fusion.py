@@ -7,6 +7,8 @@
 - Small layers in few kernels (``gpu_small.py``): a Conv1d of few output positions as one
   matrix product over its windows, the Relu after it folded in; a one-step LSTM as two products
   and torch's fused cell; a Gemm of one row by few columns as a sum of products.
+- int8 layers in fewer kernels (``gpu_int8.py``): a QuantizeLinear -> DequantizeLinear round
+  trip in five; MatMulInteger and QLinearConv with their constant operands made once.
 
 Each fused call keeps its layers' own kernels to fall back on, for good, where the fused kernel
 refuses the shapes or types it is given (that shows in the warm-up runs, before any capture).
@@ -21,6 +23,7 @@ import numpy as np
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.kernels import bind_kernel
+from backplane.backends.torch.gpu_int8 import int8_steps
 from backplane.backends.torch.gpu_small import Step, small_steps
 from backplane.ir.graph import Layer
 
@@ -55,6 +58,7 @@ def inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = 
     if _fuses_attention(backend):
         _fuse_attention(layers, steps, sole, constants or {})
     small_steps(layers, steps, sole, uses, constants or {})  # 1-d first: the next takes 2-d
+    int8_steps(layers, steps, sole, constants or {})
     if not backend.options.get("GpuAcc.fuse_conv_relu", FUSE_CONV_RELU):
         return [s for s in steps if s is not None]
     for index, layer in enumerate(layers):

@@ -1,0 +1,150 @@
+"""GpuAcc's int8 layers in fewer kernels (``backends/torch/gpu_int8.py``): a QDQ round trip,
+MatMulInteger and QLinearConv with constant operands, their values bit for bit the layers' own.
+The forms' arithmetic is checked here on the CPU (the module's ``_on_gpu`` answered True); the
+corpus's int8 models on CUDA against CpuRef skip without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backplane.backends.torch import gpu_int8  # noqa: E402
+from backplane.backends.torch.kernels import quantization  # noqa: E402
+from backplane.ir.graph import Layer  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(gpu_int8, "_on_gpu", lambda tensor: True)
+
+
+def _mmi(b: np.ndarray, b_zero: np.ndarray | None, cast: bool):
+    constants = {"B": b, **({"zb": b_zero} if b_zero is not None else {})}
+    layer = Layer("m", "MatMulInteger", ["A", "B", "za", "zb" if b_zero is not None else ""], ["p"])
+    layers = [layer] + ([Layer("c", "Cast", ["p"], ["f"], {"to": 1})] if cast else [])
+    steps = [(lambda *v: quantization.mat_mul_integer(*v), layer.inputs, layer.outputs)]
+    if cast:
+        steps.append((lambda p: (p.float(),), ["p"], ["f"]))
+    gpu_int8.int8_steps(layers, steps, lambda name: 1 if cast and name == "p" else None,
+                            constants)
+    return [s for s in steps if s is not None]
+
+
+@pytest.mark.parametrize("cast", [False, True])
+@pytest.mark.parametrize("a_type, per_row", [(np.uint8, False), (np.int8, True)])
+def test_matmul_integer_in_float32_is_the_kernel_s(on_cpu, cast, a_type, per_row) -> None:
+    rng = np.random.default_rng(0)
+    info = np.iinfo(a_type)
+    a = rng.integers(info.min, info.max + 1, (2, 5, 64), dtype=a_type)
+    a[0, 0] = info.max  # the extremes: within +-255 once the zero point is taken
+    b = rng.integers(-128, 128, (64, 24), dtype=np.int8)
+    b[:, 0] = -128
+    zb = rng.integers(-8, 8, (24,), dtype=np.int8)
+    za = rng.integers(info.min, info.max + 1, (5,) if per_row else (), dtype=a_type)
+    steps = _mmi(b, zb, cast)
+    assert len(steps) == 1  # the product, and the Cast read by it alone
+    inputs = [torch.from_numpy(v) for v in (a, b, za, zb)]
+    (want,) = quantization.mat_mul_integer(*inputs)
+    (got,) = steps[0][0](*inputs)
+    assert got.dtype == (torch.float32 if cast else torch.int32)
+    torch.testing.assert_close(got, want.float() if cast else want, rtol=0, atol=0)
+
+
+def test_matmul_integer_not_exact_in_float32_keeps_the_kernel() -> None:
+    b = np.full((1100, 4), -128, dtype=np.int8)  # 255 * 128 * 1100 >= 2^24
+    steps = _mmi(b, None, cast=False)
+    assert steps[0][0] is not None and gpu_int8._integer_columns(
+        Layer("m", "MatMulInteger", ["A", "B"], ["p"]), {"B": b}) is None
+
+
+@pytest.mark.parametrize("per_channel, bias, pads", [(False, True, [1, 1, 1, 1]),
+                                                     (True, False, [0, 0, 0, 0])])
+def test_qlinear_conv_with_constants_made_once_is_the_kernel_s(on_cpu, per_channel, bias,
+                                                                pads) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (1, 8, 9, 9), dtype=np.uint8)
+    w = rng.integers(-128, 128, (6, 8, 3, 3), dtype=np.int8)
+    f32 = np.float32
+    consts = {"xs": f32(0.02), "xz": np.uint8(128), "w": w,
+              "ws": (rng.random(6 if per_channel else ()) * 0.01 + 1e-3).astype(f32),
+              "wz": np.zeros(6 if per_channel else (), np.int8), "ys": f32(0.05),
+              "yz": np.uint8(120)}
+    if bias:
+        consts["B"] = rng.integers(-5000, 5000, (6,), dtype=np.int32)
+    consts = {k: np.asarray(v) for k, v in consts.items()}
+    names = ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz"] + (["B"] if bias else [])
+    attrs = {"pads": pads, "kernel_shape": [3, 3], "strides": [1, 1]}
+    layer = Layer("c", "QLinearConv", names, ["y"], attrs)
+    kernel = lambda *v: quantization.q_linear_conv(*v, **attrs)  # noqa: E731
+    steps = [(kernel, names, ["y"])]
+    gpu_int8.int8_steps([layer], steps, lambda name: None, consts)
+    assert steps[0][0] is not kernel
+    inputs = [torch.from_numpy(x)] + [torch.from_numpy(consts[n]) for n in names[1:]]
+    (want,) = kernel(*inputs)
+    (got,) = steps[0][0](*inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("zero_type", [np.uint8, np.int8, None])
+def test_a_round_trip_in_five_kernels_is_the_two_layers(on_cpu, zero_type) -> None:
+    scale = np.asarray(np.float32(0.037))
+    consts = {"s": scale, **({"z": np.asarray(zero_type(3))} if zero_type else {})}
+    zp = ["z"] if zero_type else []
+    layers = [Layer("q", "QuantizeLinear", ["x", "s", *zp], ["q"]),
+              Layer("d", "DequantizeLinear", ["q", "s", *zp], ["y"])]
+    steps = [(lambda *v: quantization.quantize_linear(*v), layers[0].inputs, ["q"]),
+             (lambda *v: quantization.dequantize_linear(*v), layers[1].inputs, ["y"])]
+    gpu_int8.int8_steps(layers, steps, lambda name: 1 if name == "q" else None, consts)
+    assert steps[0] is None and steps[1][1] == ["x", "s", *zp, "s", *zp]
+    ties = (np.arange(-300, 300, dtype=np.float32) + 0.5) * scale  # rint's ties, both ends
+    x = np.concatenate([ties, np.float32([0, 1e30, -np.inf, np.inf, 7.3, -0.0])])
+    inputs = [torch.from_numpy(x)] + [torch.from_numpy(consts[n]) for n in steps[1][1][1:]]
+    (got,) = steps[1][0](*inputs)
+    (q,) = quantization.quantize_linear(*inputs[:len(layers[0].inputs)])
+    (want,) = quantization.dequantize_linear(q, *inputs[len(layers[0].inputs):])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    z = float(consts["z"]) if zero_type else 0.0
+    (nan,) = steps[1][0](torch.tensor([np.nan]), *inputs[1:])
+    assert nan.item() == np.float32(-z * scale)  # quantized to 0, as NumPy's cast (CpuRef)
+
+
+def test_a_round_trip_of_two_scales_stays_two_layers() -> None:
+    consts = {"s": np.asarray(np.float32(0.5)), "t": np.asarray(np.float32(0.25))}
+    layers = [Layer("q", "QuantizeLinear", ["x", "s"], ["q"]),
+              Layer("d", "DequantizeLinear", ["q", "t"], ["y"])]
+    steps = [(None, layers[0].inputs, ["q"]), (None, layers[1].inputs, ["y"])]
+    gpu_int8.int8_steps(layers, steps, lambda name: 1 if name == "q" else None, consts)
+    assert steps == [(None, ["x", "s"], ["q"]), (None, ["q", "t"], ["y"])]
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("model", ["resnet_qlinear_ort15", "gpt_dynquant_ort15",
+                                   "resnet_qdq_ort17", "fakequant_qdq_ts13"])
+def test_int8_corpus_models_on_the_gpu_are_cpuref_s(model: str) -> None:
+    """GpuAcc's own placement (against_cpu off) against CpuRef, twice (the second a replay of
+    the captured graph), within 1% of the output's
+    largest value: the QDQ models' float convolutions round on cuDNN otherwise than NumPy's, and
+    a value pushed past a rounding tie comes out a quantization step off (resnet_qdq_ort17 on the
+    H100 machine, before these steps and with them: one to three values, by 0.0095 of 1.21 and
+    0.0194 of 3.19)."""
+    from backplane import InferenceSession
+
+    path = CORPUS / f"{model}.onnx"
+    feeds = dict(np.load(path.with_suffix(".s0.npz")))
+    want = InferenceSession(str(path), providers=["CpuRef"]).run(None, feeds)
+    session = InferenceSession(str(path), providers=[("GpuAcc", {"against_cpu": "off"}), "CpuRef"])
+    assert set(session.report.counts()) == {"GpuAcc"}
+    for _ in range(2):
+        for got, expected in zip(session.run(None, feeds), want):
+            scale = max(float(np.abs(expected).max()), 1.0)
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-2 * scale)
