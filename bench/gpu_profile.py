@@ -59,6 +59,7 @@ def profiled(run: Any, runs: int) -> dict[str, Any]:
         for _ in range(runs):
             run()
     counts: collections.Counter[str] = collections.Counter()
+    kernels: collections.Counter[str] = collections.Counter()
     host: collections.Counter[str] = collections.Counter()
     gpu_us = 0.0
     for event in prof.events():
@@ -67,13 +68,16 @@ def profiled(run: Any, runs: int) -> dict[str, Any]:
             kind = ("memcpy " + name.split()[1] if name.startswith("Memcpy") and " " in name
                     else "memset" if name.startswith("Memset") else "kernel")
             counts[kind] += 1
-            gpu_us += event.device_time_total if kind == "kernel" else 0.0
+            if kind == "kernel":
+                gpu_us += event.device_time_total
+                kernels[name[:70]] += 1
         elif name in LAUNCHES:
             counts[name] += 1
         elif not name.startswith(("ProfilerStep", "cuda")):
             host[name] += event.self_cpu_time_total
     return {"per_run": {k: round(v / runs, 1) for k, v in sorted(counts.items())},
             "kernel_us_per_run": round(gpu_us / runs, 1),
+            "kernels_per_run": [f"{n / runs:g} x {k}" for k, n in kernels.most_common(10)],
             "host_us_per_run": [f"{n} {us / runs:.1f}" for n, us in host.most_common(8)]}
 
 
