@@ -1,7 +1,8 @@
 """A GRU with linear_before_reset=0 (ONNX's default; torch's kernel computes 1 only) and the
 default activations runs its steps in a few ops, every direction at once as a batch of products
 (``recurrent._reset_first``), not by the general step loop: CpuRef's values, NaN only where
-CpuRef has it (in its batch row and direction), float64, in a trace.
+CpuRef has it (in its batch row and direction), float64, in a trace. So does a GRU with
+linear_before_reset=1 where TorchScript traces it on the CPU (torch's GRU elsewhere).
 
     python -m pytest tests/backends/torch/test_recurrent_reset_first.py -q -p no:cacheprovider
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from onnx import helper, numpy_helper
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
@@ -97,3 +99,50 @@ def test_traced(tracer: str) -> None:
     other = W * -1.5
     for t, e in zip(traced(X, other, R, B), layer(X, other, R, B)):
         torch.testing.assert_close(t, e, rtol=0, atol=0)
+
+
+# -- linear_before_reset=1 in a trace --------------------------------------------------------------
+def _traced_gru(model: Any, feeds: dict[str, np.ndarray]) -> Any:
+    """The one GRU node of ``model`` (linear_before_reset=1) as CpuAcc traces it: its weights
+    constants, X and initial_h the trace's inputs; the frozen function."""
+    weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy())
+               for t in model.graph.initializer}
+    attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+
+    def layer(x: Any, h: Any) -> Any:
+        return recurrent.gru(x, weights["W"], weights["R"], weights.get("B"), initial_h=h,
+                             **attrs)
+
+    sample = [torch.from_numpy(feeds[n]) for n in ("X", "initial_h")]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
+        return torch.jit.trace(layer, sample, check_trace=False)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("layout", [0, 1])
+def test_linear_before_reset_traced(direction: str, layout: int, reset_first: list[str]) -> None:
+    """A TorchScript trace of a GRU with linear_before_reset=1 steps in ``_reset_first``'s ops:
+    CpuRef's values, and a NaN of the input in its row and direction only."""
+    model, feeds = recurrent_model("GRU", direction, layout, attrs={"linear_before_reset": 1})
+    traced = _traced_gru(model, feeds)
+    assert reset_first == [direction]
+    feeds["X"][(1, 2, 0) if layout else (2, 1, 0)] = np.nan  # step 2 of sequence 1
+    with torch.no_grad():
+        got = [t.numpy() for t in traced(*(torch.from_numpy(feeds[n]) for n in ("X", "initial_h")))]
+    for index, (g, w) in enumerate(zip(got, run(model, feeds, ["CpuRef"]))):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"output {index}'s NaN")
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_linear_before_reset_eager_and_wide_keep_torch(reset_first: list[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager, a GRU with linear_before_reset=1 is torch's (each op's Python call would cost more
+    than its loop); so is one wider than STEPPED_GRU_HIDDEN in a trace."""
+    model, feeds = recurrent_model("GRU", "bidirectional", attrs={"linear_before_reset": 1})
+    for g, w in zip(run(model, feeds, ACC), run(model, feeds, ["CpuRef"])):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(recurrent, "STEPPED_GRU_HIDDEN", 5)  # the model's hidden is 6
+    _traced_gru(model, feeds)
+    assert reset_first == []

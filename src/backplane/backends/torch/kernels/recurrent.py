@@ -5,10 +5,11 @@ They run as one call of torch's fused kernel (``torch.lstm``, ``torch.gru``, ``t
 ONNX's attributes are what it computes: the default activations (RNN's Tanh or Relu), no clip, full
 sequences, LSTM without peepholes (or all zero) and input_forget, GRU with linear_before_reset=1.
 A GRU with linear_before_reset=0 and those attributes steps in a few ops, all directions at once
-(``_reset_first``). A large bidirectional layer's directions run at once on two threads
-(``recurrent_parallel.py``). Elsewhere they step through time as CpuRef does (every ONNX option:
-directions, the activations torch has, clip, sequence_lens, initial states, peepholes, layouts),
-every step's input projection in one matrix product before the loop, the recurrent one per step.
+(``_reset_first``), and so does one with linear_before_reset=1 in a TorchScript trace. A large
+bidirectional layer's directions run at once on two threads (``recurrent_parallel.py``).
+Elsewhere they step through time as CpuRef does (every ONNX option: directions, the activations
+torch has, clip, sequence_lens, initial states, peepholes, layouts), every step's input projection
+in one matrix product before the loop, the recurrent one per step.
 (The other network kernels: ``network.py``.)
 """
 
@@ -216,10 +217,10 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
     h0 = _initial(initial_h, X, dirs, hidden, layout)
     # torch's GRU applies the reset gate after the recurrent product: linear_before_reset=1 only
     if _natively(X, sequence_lens, clip, layout, names, ["Sigmoid", "Tanh"] * dirs):
-        if linear_before_reset:
+        if linear_before_reset and not _stepped_reset(X, hidden, layout):
             y, (y_h,) = _native(torch.gru, GRU_ORDER, X, W, R, B, [h0], direction, layout)
         else:
-            y, y_h = _reset_first(X, W, R, B, h0, direction, layout)
+            y, y_h = _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset)
         return (y, y_h)[:n_outputs]
     bias = _biases(B, dirs, 3, hidden, X)
     funcs = _functions(names, 2, dirs)
@@ -240,7 +241,21 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
     return (y, y_h)[:n_outputs]
 
 
-def _reset_first(X, W, R, B, h0, direction, layout):
+STEPPED_GRU_HIDDEN = 64
+"""The widest GRU with linear_before_reset=1 that a TorchScript trace on the CPU steps in
+``_reset_first``'s ops rather than by torch's GRU (``_stepped_reset``)."""
+
+
+def _stepped_reset(X, hidden, layout):
+    """Whether a GRU with linear_before_reset=1 runs by ``_reset_first``: where TorchScript traces
+    it on the CPU (a frozen graph's ops cost less than torch's GRU loop, a dozen ATen calls a step
+    and a direction, or its paired call; eager, each op's Python call costs more), more than one
+    step (one is torch's cell, one call), at most ``STEPPED_GRU_HIDDEN`` wide."""
+    return (torch.jit.is_tracing() and X.device.type == "cpu" and X.shape[layout] > 1
+            and hidden <= STEPPED_GRU_HIDDEN)
+
+
+def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
     """A GRU with linear_before_reset=0 (ONNX's default, which torch's kernel does not compute)
     and the default activations over full sequences: every direction's step in a few ops, the
     directions side by side as a batch of products (``baddbmm``: no block of zeros that would
@@ -248,12 +263,17 @@ def _reset_first(X, W, R, B, h0, direction, layout):
     and r gates and of h's input side in one product before the loop (Rb_h is added with them:
     it is outside the reset). Y (seq, dirs, batch, hidden) and Y_h (dirs, batch, hidden), or
     batch first with layout 1. (The step loop of ``_run`` costs about twice the ops a
-    direction.)"""
+    direction.) With ``linear_before_reset`` (where ``_stepped_reset``), h's recurrent bias is
+    added to its recurrent product inside the reset, the other biases before the loop."""
     dirs, hidden = W.shape[0], W.shape[1] // 3
     h = h0.transpose(0, 1) if layout else h0  # (dirs, batch, hidden)
     bias = _biases(B, dirs, 3, hidden, X)
+    w_b, r_b = bias[:, :3 * hidden], bias[:, 3 * hidden:]
+    if linear_before_reset:  # Rb_h is inside the reset: added to h's recurrent product
+        r_hb = r_b[:, 2 * hidden:].unsqueeze(1)  # (dirs, 1, hidden)
+        r_b = torch.cat([r_b[:, :2 * hidden], torch.zeros_like(r_b[:, 2 * hidden:])], 1)
     # (seq, dirs, batch, 3 hidden)
-    xw = _projected(X, W, bias[:, :3 * hidden] + bias[:, 3 * hidden:], layout).transpose(1, 2)
+    xw = _projected(X, W, w_b + r_b, layout).transpose(1, 2)
     backward = [d for d in range(dirs) if direction == "reverse" or d == 1]
     if backward:  # a backward direction reads the sequence from its end
         xw = torch.stack([xw[:, d].flip(0) if d in backward else xw[:, d]
@@ -265,7 +285,10 @@ def _reset_first(X, W, R, B, h0, direction, layout):
         step = xw[t]  # (dirs, batch, 3 hidden): gates z, r, h
         zr = torch.baddbmm(step[..., :2 * hidden], h, r_zr).sigmoid_()
         z, r = zr[..., :hidden], zr[..., hidden:]
-        n = torch.baddbmm(step[..., 2 * hidden:], r * h, r_h).tanh_()
+        if linear_before_reset:  # n = tanh(x Wh + Wb_h + r * (h Rh + Rb_h))
+            n = torch.addcmul(step[..., 2 * hidden:], r, torch.baddbmm(r_hb, h, r_h)).tanh_()
+        else:  # n = tanh(x Wh + Wb_h + (r * h) Rh + Rb_h)
+            n = torch.baddbmm(step[..., 2 * hidden:], r * h, r_h).tanh_()
         h = torch.addcmul(n, z, h - n)  # (1 - z) * n + z * h
         ys.append(h)
     y = torch.stack(ys)  # (seq, dirs, batch, hidden)
