@@ -82,3 +82,53 @@ def test_score_threshold_with_nan_and_ties_matches_cpuref() -> None:
         expected, got = _both(boxes, scores, np.array([20], np.int64), np.array([0.4], np.float32),
                               np.array([threshold], np.float32))
         np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("count", [5, 8, 16, 32, 40])
+def test_rows_of_one_two_four_and_eight_bytes_match_cpuref(count: int) -> None:
+    """A row of 8, 16, 32 or 64 overlap bits is read as one word of its own width; others padded."""
+    rng = np.random.default_rng(100 + count)
+    boxes = _boxes(rng, 2, count)
+    scores = rng.uniform(0, 1, (2, 3, count)).astype(np.float32)
+    expected, got = _both(boxes, scores, np.array([count], np.int64), np.array([0.1], np.float32))
+    assert len(expected) > 2 * 3
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("center", [0, 1])
+def test_nan_flipped_and_empty_boxes_match_cpuref(center: int) -> None:
+    """NaN coordinates overlap nothing; corners in either order; a box of no area overlaps nothing."""
+    rng = np.random.default_rng(21)
+    boxes = _boxes(rng, 1, 24)
+    boxes[0, 3:6] = boxes[0, 3:6][:, [2, 3, 0, 1]]  # the opposite corners first
+    boxes[0, 7, 1] = np.nan
+    boxes[0, 9, 2:] = boxes[0, 9, :2]  # a point
+    boxes[0, 10:12] = boxes[0, 0]  # copies of box 0: suppressed by it
+    scores = rng.uniform(0, 1, (1, 2, 24)).astype(np.float32)
+    expected, got = _both(boxes, scores, np.array([24], np.int64), np.array([0.25], np.float32),
+                          center=center)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_a_nan_iou_threshold_keeps_one_box_per_class_as_cpuref() -> None:
+    """No IoU is at or under a NaN threshold: each class's best box suppresses all the others."""
+    rng = np.random.default_rng(5)
+    boxes, scores = _boxes(rng, 2, 10), rng.uniform(0, 1, (2, 3, 10)).astype(np.float32)
+    expected, got = _both(boxes, scores, np.array([10], np.int64), np.array([np.nan], np.float32))
+    assert expected.shape == (6, 3)
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("center", [0, 1])
+def test_overlaps_in_torch_equal_numpys(center: int) -> None:
+    """The overlaps of boxes off the host (a GPU's, bfloat16) are torch's calls: the same values."""
+    from backplane.backends.torch.kernels import nms
+
+    rng = np.random.default_rng(8 + center)
+    boxes = _boxes(rng, 2, 30)
+    boxes[1, 4, 0] = np.nan
+    for limit in (0.2, 0.6):
+        in_numpy = nms._suppressing(boxes, center, limit, np)
+        in_torch = nms._suppressing(torch.from_numpy(boxes), center, limit, torch)
+        assert in_numpy.any() and not in_numpy.all()
+        np.testing.assert_array_equal(in_torch.numpy(), in_numpy)

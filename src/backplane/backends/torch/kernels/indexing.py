@@ -1,7 +1,7 @@
 """Indexing and layout torch kernels: Pad, CenterCropPad, GatherND / GatherElements, Scatter,
 ScatterND / ScatterElements, TensorScatter, OneHot, NonZero, Compress, TopK, Unique,
-ReverseSequence, DepthToSpace / SpaceToDepth, Trilu, EyeLike, NonMaxSuppression; the tensor makers
-Size, ConstantOfShape and Range, and Dropout at inference.
+ReverseSequence, DepthToSpace / SpaceToDepth, Trilu, EyeLike, NonMaxSuppression (its kernel in
+nms.py); the tensor makers Size, ConstantOfShape and Range, and Dropout at inference.
 
 Indices are computed on the device (``torch.arange`` and arithmetic), never uploaded from the host,
 so that these kernels stay capturable where their sizes are static. Sizes, pads and counts (Pad's
@@ -20,6 +20,7 @@ import torch
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.api.memory import check_allocation
 from backplane.backends.torch.kernels.common import FLOATS, NUMBERS, ints, scalar, torch_dtype
+from backplane.backends.torch.kernels.nms import non_max_suppression
 from backplane.ir.graph import Layer, TensorInfo
 
 
@@ -366,90 +367,6 @@ def check_dropout(layer: Layer, inputs: Sequence[TensorInfo]) -> str | None:
     if len(layer.inputs) > 2 and layer.inputs[2]:
         return "Dropout with a training_mode input (training draws a random mask; CpuRef's is NumPy's)"
     return None
-
-
-# -- NonMaxSuppression -----------------------------------------------------------------------------
-def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
-                        score_threshold=None, center_point_box=0):
-    # boxes (B, N, 4), scores (B, C, N) -> selected_indices (K, 3): [batch, class, box] rows
-    limit = 0 if max_output_boxes_per_class is None else max(int(_one(max_output_boxes_per_class)), 0)
-    iou_limit = 0.0 if iou_threshold is None else _one(iou_threshold)
-    threshold = None if score_threshold is None else float(_one(score_threshold))
-    # CPU tensors in NumPy: a handful of small NumPy calls cost less than torch's (a 32-box
-    # detector's NMS: 4x less); elsewhere the (N, N) overlaps are made where the boxes are
-    on_host = boxes.device.type == "cpu" and boxes.dtype != torch.bfloat16
-    xp = np if on_host else torch
-    corners = _corners(boxes.numpy() if on_host else boxes, center_point_box, xp)
-    overlaps = _iou(corners, xp) > iou_limit  # (B, N, N): the greedy walk is on the host
-    masks = _bit_rows(overlaps if on_host else overlaps.cpu().numpy())
-    host_scores = scores.cpu().float().numpy() if scores.dtype == torch.bfloat16 else scores.cpu().numpy()
-    # best first; equal scores: the lower box index first; NaN last (CpuRef's order)
-    orders = np.argsort(-host_scores, axis=-1, kind="stable").tolist()
-    values = host_scores.tolist()
-    selected: list[int] = []  # the rows' values one after the other
-    for b, per_class in enumerate(orders):
-        for c, order in enumerate(per_class):
-            for box in _greedy(order, values[b][c], threshold, masks[b], limit):
-                selected += (b, c, box)
-    found = np.array(selected, dtype=np.int64).reshape(-1, 3)
-    return (torch.from_numpy(found).to(boxes.device),)
-
-
-def _one(value):
-    """A one-element tensor's value in one call (``scalar`` makes three)."""
-    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else scalar(value)
-
-
-def _bit_rows(overlaps):
-    """(B, N, N) booleans as (B, N) Python ints, bit j of row i set where box j overlaps box i:
-    the greedy walk then suppresses with one ``|`` per kept box instead of a NumPy call."""
-    batch, count = overlaps.shape[:2]
-    packed = np.packbits(np.swapaxes(overlaps, -1, -2), axis=-1, bitorder="little")
-    words = -(-packed.shape[-1] // 8)
-    if words == 1:  # up to 64 boxes: each row one uint64, all converted in one call
-        padded = np.zeros((batch, count, 8), np.uint8)
-        padded[..., :packed.shape[-1]] = packed
-        return padded.view("<u8")[..., 0].tolist()
-    return [[int.from_bytes(row.tobytes(), "little") for row in rows] for rows in packed]
-
-
-def _greedy(order, scores, threshold, rows, limit):
-    """The boxes kept from one class's boxes in ``order`` (best first) whose ``scores`` are above
-    ``threshold`` where there is one, each kept box suppressing those its row of ``rows`` marks
-    (IoU above the threshold with it)."""
-    kept: list[int] = []
-    suppressed = 0
-    for box in order:
-        if len(kept) == limit or threshold is not None and not scores[box] > threshold:
-            break  # the scores after it are not above it either: lower, or NaN (sorted last)
-        if not suppressed >> box & 1:  # no kept box overlaps it
-            kept.append(box)
-            suppressed |= rows[box]
-    return kept
-
-
-def _corners(boxes, center_point_box, xp):
-    """(B, N, 4) as y_min, x_min, y_max, x_max; ``xp``: NumPy or torch, as ``boxes`` is."""
-    if center_point_box:  # (x_center, y_center, width, height)
-        x, y, w, h = (boxes[..., i] for i in range(4))
-        return xp.stack([y - h / 2, x - w / 2, y + h / 2, x + w / 2], -1)
-    y1, x1, y2, x2 = (boxes[..., i] for i in range(4))  # any two opposite corners
-    return xp.stack([xp.minimum(y1, y2), xp.minimum(x1, x2), xp.maximum(y1, y2),
-                     xp.maximum(x1, x2)], -1)
-
-
-def _iou(corners, xp):
-    """(..., N, N) intersections over unions, in the order of CpuRef's arithmetic (the same
-    roundings)."""
-    a, b = corners[..., :, None, :], corners[..., None, :, :]
-    height = xp.minimum(a[..., 2], b[..., 2]) - xp.maximum(a[..., 0], b[..., 0])
-    width = xp.minimum(a[..., 3], b[..., 3]) - xp.maximum(a[..., 1], b[..., 1])
-    intersection = height * width
-    area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
-    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
-    union = area_a + area_b - intersection
-    overlap = (height > 0) & (width > 0) & (union > 0)
-    return xp.where(overlap, intersection / xp.where(overlap, union, 1), 0)
 
 
 KERNELS: KernelTable = {
