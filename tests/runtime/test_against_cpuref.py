@@ -9,6 +9,7 @@ noise decides nothing here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -24,6 +25,16 @@ from tests.runtime.test_against_cpu import _timed
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 COND, LOOP = CORPUS / "cond_nested_dyn18.onnx", CORPUS / "loop_scripted_ts16.onnx"
 AUTO = [("CpuAcc", {"against_cpuref": "auto"}), "CpuRef"]
+
+
+@pytest.fixture(autouse=True)
+def _timed_whatever_its_time(monkeypatch) -> None:
+    """The rule's 2 ms limit held off: on this busy 2-core machine (load 8-9) loop_scripted_ts16's
+    warm-up runs (0.3-0.5 ms quiet) took 2 ms or more, the model went untimed, and the cases of
+    its timing failed; the limit's own case is test_against_cpu's
+    test_a_placement_slow_enough_is_kept_without_building_another."""
+    monkeypatch.setattr(against_cpu, "CONTROL_FLOW",
+                        dataclasses.replace(against_cpu.CONTROL_FLOW, limit_ms=1e6))
 
 
 def _feeds(model: Path) -> dict[str, np.ndarray]:
