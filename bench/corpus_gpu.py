@@ -25,7 +25,11 @@ A process loads, calls once (the first call, timed apart), calls for ``--warmup-
 times calls for ``--seconds``; a figure is the best of the rounds' medians. ``--jobs N`` runs N
 processes at a time (their loads and compiles overlap: TorchInductor takes tens of seconds a
 model), each one's warm-up and timed calls alone (a lock file), the GPU runtimes' processes on
-the CPUs ONNX Runtime's is not pinned to. The table gives the
+the CPUs ONNX Runtime's is not pinned to. A backplane session's timing against the CPU
+(``GpuAcc.against_cpu``: at load, or in the first call) runs beside the other processes' loads
+there: its CPU placement's median moved with them on the H100 machine (gpt_causal_ts15's 0.153,
+0.293 and 0.179 ms at ``--jobs`` 4, 2 and 1), so its placements are the bench's own at
+``--jobs 1`` only. The table gives the
 milliseconds, ORT / GpuAcc (above 1: GpuAcc faster) and GpuAcc's placement; then the geometric mean
 of ORT / GpuAcc and the models where GpuAcc is slower. The header names the GPU, the CPU and the
 versions.
