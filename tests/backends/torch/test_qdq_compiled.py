@@ -8,12 +8,15 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import pytest
+from onnx import helper
 
 pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
 from tests.backends.torch.test_quantized_fusion import qdq_conv_model  # noqa: E402
+from tests.conftest import float_input, make_model  # noqa: E402
 
 
 def _graph_layer(session: InferenceSession):
@@ -79,3 +82,62 @@ def test_the_fusable_round_trip_computes_the_in_place_ones_values() -> None:
         assert "aten::round_" not in str(traced.graph)  # out of place, as the fuser takes it
         torch.testing.assert_close(traced(torch.from_numpy(x)), want, rtol=0, atol=0)
         torch.testing.assert_close(fusable(torch.from_numpy(x), False), want, rtol=0, atol=0)
+
+
+def _qdq_hardswish_model(rng: np.random.Generator) -> tuple[onnx.ModelProto, float]:
+    """x -> Q -> DQ -> Conv -> Q -> DQ (c) -> HardSigmoid -> Q -> DQ (h) -> Mul(c, h) -> Q -> DQ
+    -> Conv -> Q -> DQ: a QDQ MobileNet's hard-swish between two convolutions, as ONNX Runtime's
+    quantizer writes it; and the last step."""
+    from tests.backends.torch.test_quantized_fusion import _init
+
+    node = helper.make_node
+    inits = [_init("xs", 0.02), _init("xz", 131, np.uint8), _init("cs", 0.04), _init("cz", 90, np.uint8),
+             _init("hs", 1 / 255), _init("hz", 0, np.uint8), _init("ms", 0.03), _init("mz", 20, np.uint8),
+             _init("ys", 0.05), _init("yz", 128, np.uint8), _init("wz", np.zeros(8), np.int8)]
+    nodes = [node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"])]
+    for i, (inp, out, (channels, scale, zero)) in enumerate(
+            (("xd", "c", (4, "cs", "cz")), ("md", "y", (8, "ys", "yz")))):
+        inits += [_init(f"w{i}", rng.integers(-127, 128, (8, channels, 3, 3)), np.int8),
+                  _init(f"ws{i}", rng.uniform(0.002, 0.01, 8)),
+                  _init(f"b{i}", rng.standard_normal(8) * 0.1)]
+        nodes += [node("DequantizeLinear", [f"w{i}", f"ws{i}", "wz"], [f"wd{i}"], axis=0),
+                  node("Conv", [inp, f"wd{i}", f"b{i}"], [f"{out}f"], pads=[1, 1, 1, 1]),
+                  node("QuantizeLinear", [f"{out}f", scale, zero], [f"{out}q"]),
+                  node("DequantizeLinear", [f"{out}q", scale, zero], [out if out == "y" else "cd"])]
+        if i == 0:
+            nodes += [node("HardSigmoid", ["cd"], ["h"], alpha=1 / 6),
+                      node("QuantizeLinear", ["h", "hs", "hz"], ["hq"]),
+                      node("DequantizeLinear", ["hq", "hs", "hz"], ["hd"]),
+                      node("Mul", ["cd", "hd"], ["m"]),
+                      node("QuantizeLinear", ["m", "ms", "mz"], ["mq"]),
+                      node("DequantizeLinear", ["mq", "ms", "mz"], ["md"])]
+    model = make_model(nodes, [float_input("x", [1, 4, 6, 6])], [float_input("y", [1, 8, 6, 6])],
+                       inits)
+    return model, 0.05
+
+
+def test_a_qdq_hardswish_needs_no_nan_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The round trips of a QDQ hard-swish's HardSigmoid and product read values that hold no
+    NaN (a HardSigmoid of a round trip's result is finite, a product of finite values at most
+    infinite): their NaN step, a pass outside the fuser's partitions, is left out; a NaN or an
+    infinity in the model's input still gives CpuRef's values, within one step."""
+    from backplane.backends.torch.fusion import qdq_chain
+
+    monkeypatch.setattr(qdq_chain, "CHAIN_MACS", 1 << 20)  # QuantDequant layers, not chained
+    model, step = _qdq_hardswish_model(np.random.default_rng(5))
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "onednn_graph",
+                                                            "int8": "exact"})])
+    layer = _graph_layer(session)
+    assert layer.op_type == "OneDnnGraph", layer
+    trips = [lay for lay in layer.attrs["layers"] if lay.op_type == "QuantDequant"]
+    assert [lay.attrs["finite"] for lay in trips] == [False, True, True, True, True]
+    reference = InferenceSession(model, backends=["CpuRef"])
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((1, 4, 6, 6)).astype(np.float32) * 2
+        x[0, seed, 1, 2:4] = (np.nan, np.inf)
+        x[0, 3, 5, seed] = -np.inf
+        got = session.run(None, {"x": x})[0]
+        want = reference.run(None, {"x": x})[0]
+        assert not np.isnan(got).any()
+        assert float(np.max(np.abs(got - want))) <= step * 1.001

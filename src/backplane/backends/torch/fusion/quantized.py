@@ -202,9 +202,13 @@ def to_grid(x: Any, params: tuple[Any, Any, int, int]) -> Any:
 
 FINITE = frozenset({"QuantDequant", "FusedConv", "Linear", "Relu", "MaxPool", "AveragePool",
                     "GlobalAveragePool", "GlobalMaxPool", "Add", "Flatten", "Reshape", "Squeeze",
-                    "Unsqueeze", "Concat", "Identity", "Clip"})
+                    "Unsqueeze", "Concat", "Identity", "Clip", "HardSigmoid", "Sigmoid"})
 """Ops whose results are finite where their inputs and constants are (a float32 sum of 8-bit steps
 times finite weights does not reach 3.4e38)."""
+NO_NAN = frozenset({"Mul"})
+"""Ops whose results hold no NaN where their inputs are finite (a product may overflow to an
+infinity, which a round trip after it clamps; only inf * 0 makes a NaN): a QDQ hard-swish's
+product of the value and its HardSigmoid."""
 
 
 def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer]:
@@ -213,18 +217,25 @@ def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer
     into the convolution's partition as post-ops (in place, or with a NaN step between, they stay
     outside it: 14 calls a run each), on the float route (torch's int8 kernels are opaque to the
     fuser). The NaN step is left out (``finite``) where its input can hold no NaN: computed only
-    by ``FINITE`` ops from other round trips' results and finite constants."""
+    by ``FINITE`` ops from other round trips' results and finite constants, or by a ``NO_NAN``
+    op of such values (a QDQ hard-swish's HardSigmoid and product: the full tier's
+    QDQ MobileNet kept eight NaN steps a run for them, each a pass of its own outside the fuser's
+    partitions)."""
     finite = {n for n, v in constants.items() if v.dtype.kind != "f" or np.isfinite(v).all()}
+    no_nan: set[str] = set()  # and the finite ones
     marked = []
     for layer in layers:
+        given = [n for n in layer.inputs if n]
         if layer.op_type == "QuantDequant":
-            safe = all(n in finite for n in layer.inputs[:1])
+            safe = all(n in finite or n in no_nan for n in layer.inputs[:1])
             layer = Layer(layer.name, layer.op_type, layer.inputs, layer.outputs,
                           {**layer.attrs, "fusable": True, "finite": safe}, layer.domain,
                           layer.opset, layer.backend)
             finite.update(layer.outputs)
-        elif layer.op_type in FINITE and all(n in finite for n in layer.inputs if n):
+        elif layer.op_type in FINITE and all(n in finite for n in given):
             finite.update(layer.outputs)
+        elif layer.op_type in NO_NAN and not layer.domain and all(n in finite for n in given):
+            no_nan.update(layer.outputs)
         marked.append(layer)
     return marked
 
