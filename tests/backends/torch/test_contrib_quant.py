@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
 from backplane import InferenceSession  # noqa: E402
-from tests.backends.test_contrib_ops import (  # noqa: E402
+from tests.backends.contrib_cases import (  # noqa: E402
     Case,
     _model,
     _quantized,
@@ -316,7 +316,7 @@ def test_prepacked_products_survive_an_artifact(name: str, tmp_path) -> None:
 
 # -- MatMulNBits: 2-, 4- and 8-bit block-quantized weights ---------------------------------------
 def _nbits_cases() -> dict[str, Case]:
-    from tests.backends.test_contrib_ops import QUANT_CASES
+    from tests.backends.contrib_cases import QUANT_CASES
 
     return {name: case for name, case in QUANT_CASES.items() if case.op == "MatMulNBits"}
 

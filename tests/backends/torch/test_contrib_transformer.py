@@ -92,9 +92,9 @@ run on the torch backends."""
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ATTENTION)
 def test_attention_on_cpuacc_matches_onnx_runtime(name: str, backend: str) -> None:
-    from tests.backends.test_contrib_ops import CASES as ORT_CASES
-    from tests.backends.test_contrib_ops import _model as ort_model
-    from tests.backends.test_contrib_ops import ORT_CRASHES, assert_matches_ort, ort_run
+    from tests.backends.contrib_cases import CASES as ORT_CASES
+    from tests.backends.contrib_cases import _model as ort_model
+    from tests.backends.contrib_cases import ORT_CRASHES, assert_matches_ort, ort_run
 
     if backend == "GpuAcc" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -116,8 +116,8 @@ NAN_CASES = ["Attention-lengths", "Attention-causal-past", "MultiHeadAttention-m
 @pytest.mark.parametrize("name", NAN_CASES)
 def test_attention_propagates_nan_as_cpuref(name: str, backend: str) -> None:
     """A NaN in one query token's input: the same outputs NaN as CpuRef's, the rest close."""
-    from tests.backends.test_contrib_ops import CASES as ORT_CASES
-    from tests.backends.test_contrib_ops import _model as ort_model
+    from tests.backends.contrib_cases import CASES as ORT_CASES
+    from tests.backends.contrib_cases import _model as ort_model
 
     if backend == "GpuAcc" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")

@@ -19,9 +19,9 @@ pytest.importorskip("onnxruntime")
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch.backend import FUSED_DOMAIN  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
-from tests.backends.test_contrib_ops import CASES as CONTRIB_CASES  # noqa: E402
-from tests.backends.test_contrib_ops import _model as one_node  # noqa: E402
-from tests.backends.test_contrib_ops import ort_run as ort_run_model  # noqa: E402
+from tests.backends.contrib_cases import CASES as CONTRIB_CASES  # noqa: E402
+from tests.backends.contrib_cases import _model as one_node  # noqa: E402
+from tests.backends.contrib_cases import ort_run as ort_run_model  # noqa: E402
 from tests.models.test_ort_tools import DATA, contrib_ops, ort_run, ort_saved  # noqa: E402
 from tests.models.test_models import assert_close as models_assert_close  # noqa: E402
 
