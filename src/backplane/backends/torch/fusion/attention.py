@@ -32,7 +32,7 @@ from typing import Any
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
-from backplane.backends.torch.fusion.patterns import F32, Context
+from backplane.backends.torch.fusion.patterns import Context
 from backplane.ir.graph import Layer
 
 
@@ -147,7 +147,7 @@ def _mask(layer: Layer, ctx: Context) -> tuple[str, tuple[str, str, float | None
     if layer.op_type == "Add":
         first, second = layer.inputs
         for scores, other in ((first, second), (second, first)):
-            if _shape(scores, ctx) is not None and ctx.graph.info(other).dtype == F32 \
+            if _shape(scores, ctx) is not None and ctx.floating(ctx.graph.info(other).dtype) \
                     and _shape(scores, ctx) == _shape(layer.outputs[0], ctx) \
                     and _made_before(scores, ctx):
                 return scores, ("add", other, None)
@@ -155,7 +155,8 @@ def _mask(layer: Layer, ctx: Context) -> tuple[str, tuple[str, str, float | None
     condition, when, otherwise = layer.inputs
     for fill_name, scores, kind in ((when, otherwise, "where"), (otherwise, when, "where_not")):
         fill = ctx.const(fill_name)
-        if fill is not None and fill.size == 1 and fill.dtype == F32 and ctx.const(scores) is None:
+        if fill is not None and fill.size == 1 and ctx.floating(fill.dtype) \
+                and ctx.const(scores) is None:
             if _shape(scores, ctx) != _shape(layer.outputs[0], ctx):
                 return None  # the condition broadcasts the scores: not a mask of them
             return scores, (kind, condition, float(fill.reshape(-1)[0]))
@@ -186,7 +187,7 @@ def _free(layer: Layer | None, ctx: Context, out: str) -> Layer | None:
 def _scalar(layer: Layer, scores: str, ctx: Context) -> float | None:
     other = layer.inputs[1] if layer.inputs[0] == scores else layer.inputs[0]
     value = ctx.const(other)
-    if layer.domain or value is None or value.size != 1 or value.dtype != F32 or \
+    if layer.domain or value is None or value.size != 1 or not ctx.floating(value.dtype) or \
             (layer.op_type == "Div" and layer.inputs[1] != other):
         return None
     factor = float(value.reshape(-1)[0])
@@ -194,7 +195,7 @@ def _scalar(layer: Layer, scores: str, ctx: Context) -> float | None:
 
 
 def _shape(name: str, ctx: Context) -> tuple[int, ...] | None:
-    return ctx.shape(name)
+    return ctx.float_shape(name)  # float16 too where it is computed in float32, as a trace does
 
 
 def _last_axis(softmax: Layer, rank: int) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import (
+    F16,
     F32,
     Context,
     PostOp,
@@ -45,7 +46,7 @@ def match_linear(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None
     output_shape = None
     reshape = ctx.sole(out)  # Gemm's 2-D result reshaped back to (batch, seq, features)
     if reshape is not None and reshape.op_type == "Reshape" and not reshape.domain \
-            and (shape := ctx.shape(reshape.outputs[0])) is not None \
+            and (shape := ctx.float_shape(reshape.outputs[0])) is not None \
             and shape[-1:] == (weight.shape[0],):
         output_shape = list(shape)
         group.append(reshape)
@@ -66,8 +67,10 @@ def match_linear(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None
     # layout it reads (a contiguous copy, a packed one) and keeps only that.
     attrs = {"weight": weight,
              "bias": None if bias is None else np.ascontiguousarray(bias, F32),
-             "input_shape": list(ctx.shape(x) or []), "unary": unary, "binary": binary,
+             "input_shape": list(ctx.float_shape(x) or []), "unary": unary, "binary": binary,
              "output_shape": output_shape}
+    if weight.dtype == F16:  # computed in float32 (``patterns.half_in_float``), its weight widened
+        attrs.update(compute="float32", source="float16")
     fused = Layer("+".join(lay.name for lay in group), "Linear", inputs, [out], attrs, FUSED_DOMAIN, 1)
     return group, fused
 
@@ -77,7 +80,7 @@ def _residual(add: Layer | None, out: str, ctx: Context) -> str | None:
     if add is None or add.op_type != "Add" or add.domain:
         return None
     other = add.inputs[1] if add.inputs[0] == out else add.inputs[0]
-    if other == out or ctx.const(other) is not None or ctx.shape(other) != ctx.shape(out):
+    if other == out or ctx.const(other) is not None or ctx.float_shape(other) != ctx.float_shape(out):
         return None
     return other
 
@@ -181,7 +184,8 @@ def _gemm_weights(gemm: Layer, ctx: Context):
     b = ctx.const(gemm.inputs[1])
     c_name = gemm.inputs[2] if len(gemm.inputs) > 2 else ""
     c = ctx.const(c_name)
-    if b is None or b.dtype != F32 or a.get("transA", 0) or ctx.shape(gemm.inputs[0]) is None:
+    if b is None or not ctx.floating(b.dtype) or a.get("transA", 0) \
+            or ctx.float_shape(gemm.inputs[0]) is None:
         return None
     if c_name and c is None:
         return None
@@ -202,15 +206,15 @@ def _gemm_weights(gemm: Layer, ctx: Context):
 
 def _matmul_weights(matmul: Layer, ctx: Context):
     b = ctx.const(matmul.inputs[1])
-    shape = ctx.shape(matmul.inputs[0])
-    if b is None or b.dtype != F32 or b.ndim != 2 or shape is None or len(shape) < 2:
+    shape = ctx.float_shape(matmul.inputs[0])
+    if b is None or not ctx.floating(b.dtype) or b.ndim != 2 or shape is None or len(shape) < 2:
         return None
     weight, bias, group = b.T, None, [matmul]
     add = ctx.sole(matmul.outputs[0])
     if add is not None and add.op_type == "Add" and not add.domain:
         other = add.inputs[1] if add.inputs[0] == matmul.outputs[0] else add.inputs[0]
         c = ctx.const(other)
-        if c is not None and c.dtype == F32 and c.size == b.shape[1] and c.shape[-1:] == (b.shape[1],) \
+        if c is not None and c.dtype == b.dtype and c.size == b.shape[1] and c.shape[-1:] == (b.shape[1],) \
                 and c.ndim <= len(shape):
             bias = c.reshape(-1)
             group.append(add)
@@ -261,7 +265,7 @@ MKL for the CRNN's 192 -> 6625 head (8.4-12.5 ms against 4.8). Below it each win
 
 def _onednn_known_faster(a: dict[str, Any]) -> bool:
     rows = math.prod(a["input_shape"][:-1])
-    return rows >= 2 and a["weight"].size >= ONEDNN_FROM and not a.get("compute")
+    return rows >= 2 and a["weight"].size >= ONEDNN_FROM and _plain(a)
 
 
 ONEDNN_FIRST_FROM, ONEDNN_FIRST_ROWS = 1 << 17, 16
@@ -276,8 +280,19 @@ MKL wins (128x128x64 26 against 34-38 us)."""
 
 def _onednn_first(a: dict[str, Any]) -> bool:
     rows = math.prod(a["input_shape"][:-1])
-    return rows >= ONEDNN_FIRST_ROWS and a["weight"].size >= ONEDNN_FIRST_FROM \
-        and not a.get("compute")
+    return rows >= ONEDNN_FIRST_ROWS and a["weight"].size >= ONEDNN_FIRST_FROM and _plain(a)
+
+
+def _plain(a: dict[str, Any]) -> bool:
+    """Whether the layer computes in float32 (a float16 one widened does too)."""
+    return a.get("compute") in (None, "float32")
+
+
+def _widened(run: Callable[..., Any], x: Any, residual: Any = None) -> tuple[Any]:
+    """``run`` on a float16 ``x`` (and residual) in float32, its result rounded to float16: a
+    float16 Linear (``source``) outside a float32 trace, which hands it float32 instead."""
+    (y,) = run(x.float()) if residual is None else run(x.float(), residual.float())
+    return (y.to(x.dtype),)
 
 
 def _mkl_linear(a: dict[str, Any]) -> Workload:
@@ -294,6 +309,8 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
         _onednn_known_faster(a) or _onednn_first(a)) else F.linear
 
     def mkl(x, residual=None):
+        if x.dtype != weight.dtype:
+            return _widened(mkl, x, residual)
         y = product(x, weight, bias)
         y = post(y) if post else y
         y = y.view(shape) if shape else y
@@ -357,11 +374,15 @@ def _onednn_linear(a: dict[str, Any], name: str) -> Workload:
     unfolded = [*a["input_shape"][:-1], weight.shape[0]]
 
     def onednn(x):
+        if x.dtype != weight.dtype:
+            return _widened(onednn, x)
         y = linear(x, packed, bias, attr, scalars, algorithm)
         y = after(y) if after else y
         return (y.view(shape) if shape else y,)
 
     def onednn_add(x, residual):
+        if x.dtype != weight.dtype:
+            return _widened(onednn_add, x, residual)
         y = linear.binary(x, residual.reshape(unfolded), packed, bias, "add")
         return (y.view(shape) if shape else y,)
 

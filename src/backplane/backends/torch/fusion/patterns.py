@@ -3,6 +3,7 @@ equivalents), scalar-operand checks, and timing a route at load."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -15,6 +16,17 @@ from backplane import progress
 from backplane.ir.graph import Graph, Layer, SubgraphView
 
 F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def half_in_float() -> bool:
+    """Whether a float16 subgraph computes in float32 on this CPU (``traced.native_half``
+    false: no float16 arithmetic), so that the Linear and attention patterns may take float16
+    layers: their fused layers compute in float32 (``compute``), as the trace around them does."""
+    from backplane.backends.torch.fusion.traced import native_half
+
+    return not native_half()
 
 
 PostOp = tuple[str, list[float], "str | None"]  # oneDNN's unary attr, its scalars, its algorithm
@@ -44,6 +56,15 @@ class Context:
     def shape(self, name: str) -> tuple[int, ...] | None:
         info = self.graph.info(name)
         return tuple(info.shape) if info.is_static and info.dtype == F32 else None  # type: ignore
+
+    def floating(self, dtype: Any) -> bool:
+        """float32, or float16 where it is computed in float32 (``half_in_float``)."""
+        return dtype == F32 or (dtype == F16 and half_in_float())
+
+    def float_shape(self, name: str) -> tuple[int, ...] | None:
+        """``shape``, of a float16 tensor too where float16 is computed in float32."""
+        info = self.graph.info(name)
+        return tuple(info.shape) if info.is_static and self.floating(info.dtype) else None  # type: ignore
 
 
 def post_op(layer: Layer, ctx: Context) -> PostOp | None:
@@ -136,8 +157,9 @@ def scalar_op(layer: Layer, operand: str, ctx: Context, op: str, value: float) -
     if op in ("Div", "Pow") and index != 0:
         return False
     constant = ctx.const(layer.inputs[1 - index])
+    tolerance = 1e-3 if constant is not None and constant.dtype == F16 else 1e-6  # its rounding
     return constant is not None and constant.size == 1 and math.isclose(
-        float(constant.reshape(-1)[0]), value, rel_tol=1e-6)
+        float(constant.reshape(-1)[0]), value, rel_tol=tolerance)
 
 
 def torch_post_op(unary: PostOp | None) -> Callable[[Any], Any] | None:
