@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
 from backplane import InferenceSession  # noqa: E402
+from tests.backends.torch.int8_cpu import SATURATES, ort_int8_exact, torch_int8_exact  # noqa: E402
 from tests.backends.contrib_cases import (  # noqa: E402
     Case,
     _model,
@@ -99,8 +100,14 @@ def test_one_node_against_cpuref_and_onnx_runtime(name: str, backend: str,
             assert np.max(np.abs(g.astype(np.int32) - w.astype(np.int32)), initial=0) <= 1
         else:
             np.testing.assert_array_equal(g, w)
-    if "nan" not in name:
+    if "nan" not in name and (case.op not in INT8_PRODUCTS or ort_int8_exact()):
         assert_matches_ort(got, ort_run(model, feeds))
+
+
+INT8_PRODUCTS = frozenset({"QGemm", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention",
+                           "DynamicQuantizeLSTM"})
+"""The ops whose ONNX Runtime kernels multiply u8 x s8, which saturate on a CPU without VNNI
+(``int8_cpu``): held to ONNX Runtime only where it has them exact."""
 
 
 def test_the_tie_cases_round_half_to_even_and_saturate() -> None:
@@ -208,7 +215,8 @@ def test_qlinear_conv_and_its_residual_add_are_one_layer(split: bool, compile_mo
     # ONNX Runtime requantizes in fixed point: a convolution's value at a tie may round the
     # other way, one step of its scale, two of the last sum's, carried on by the next convolution
     # (3 steps at most here, on 1 value in 10 to 1 in 4)
-    assert np.max(np.abs(got[0].astype(np.int32) - ort_run(model, feeds)[0])) <= 4
+    if ort_int8_exact():  # its u8 x s8 products saturate without VNNI (int8_cpu)
+        assert np.max(np.abs(got[0].astype(np.int32) - ort_run(model, feeds)[0])) <= 4
 
 
 def test_the_residual_layer_survives_an_artifact(tmp_path) -> None:
@@ -256,6 +264,7 @@ def test_a_transposed_a_stays_with_the_kernel() -> None:
     assert (layer.op_type, layer.domain) == ("QGemm", "com.microsoft")
 
 
+@pytest.mark.skipif(not torch_int8_exact(), reason=SATURATES)
 @pytest.mark.parametrize("split", [False, True], ids=["exact", "split-weight"])
 def test_qlinear_convs_on_int8_kernels(split: bool) -> None:
     """``CpuAcc.int8`` "kernels": a QLinearConv between int8 or uint8 tensors with an int8 weight

@@ -19,6 +19,7 @@ quantization = pytest.importorskip("onnxruntime.quantization")
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch.backend import FUSED_DOMAIN  # noqa: E402
 from tests.backends.torch.test_int8_routes import built_layers_within_a_step  # noqa: E402
+from tests.backends.torch.int8_cpu import SATURATES, torch_int8_exact  # noqa: E402
 from tests.models.test_ort_tools import RandomReader  # noqa: E402
 
 SHAPE = (1, 3, 32, 32)
@@ -163,6 +164,7 @@ def test_quantize_linear_to_small_integers_stays_float32(dtype: type, per_axis: 
     assert torch.float64 not in made, made
 
 
+@pytest.mark.skipif(not torch_int8_exact(), reason=SATURATES)
 @pytest.mark.parametrize("a_type", [np.uint8, np.int8])
 @pytest.mark.parametrize(("with_c", "with_y", "trans_b"),
                          [(True, True, 1), (False, True, 0), (True, False, 1)])

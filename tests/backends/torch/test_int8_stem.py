@@ -16,9 +16,11 @@ pytest.importorskip("onnxruntime.quantization")
 
 from backplane import InferenceSession  # noqa: E402
 from tests.backends.torch.test_qdq_chain import feeds, output_step, quantized  # noqa: E402
+from tests.backends.torch.int8_cpu import SATURATES, torch_int8_exact  # noqa: E402
 from tests.conftest import inner_workloads  # noqa: E402
 
 
+@pytest.mark.skipif(not torch_int8_exact(), reason=SATURATES)
 @pytest.mark.parametrize("activations", ["QUInt8", "QInt8"])
 def test_the_stem_quantizes_its_input_in_one_pass(activations: str, tmp_path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile

@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 quantization = pytest.importorskip("onnxruntime.quantization")
 
 from backplane import InferenceSession  # noqa: E402
+from tests.backends.torch.int8_cpu import SATURATES, torch_int8_exact  # noqa: E402
 from tests.models.test_ort_tools import RandomReader, ort_run  # noqa: E402
 
 SHAPE = (1, 3, 128, 128)
@@ -94,6 +95,7 @@ def fused_layers(session: InferenceSession) -> list:
     return layers
 
 
+@pytest.mark.skipif(not torch_int8_exact(), reason=SATURATES)
 @pytest.mark.parametrize("activations", ["QUInt8", "QInt8"])
 def test_large_qdq_convolutions_pass_integers(activations: str, tmp_path: Path) -> None:
     path = quantized(tmp_path, activations)
@@ -136,6 +138,7 @@ def test_exact_keeps_the_round_trips(tmp_path: Path) -> None:
     assert "QLinearConv" not in ops and ops.count("QuantDequant") >= 5, ops
 
 
+@pytest.mark.skipif(not torch_int8_exact(), reason=SATURATES)
 def test_a_compiled_chain_drops_the_dequantizes_nothing_reads(tmp_path: Path) -> None:
     """Traced whole, the subgraph holds no DequantizeLinear whose output no layer reads either."""
     path = quantized(tmp_path, "QUInt8")
