@@ -80,10 +80,10 @@ def _conv(X: Any, W: Any, B: Any = None, auto_pad: str = "NOTSET", dilations: An
     once outside the trace. Its (N, K, L_out) result is a transposed view of the (N * L_out, K)
     product, so a convolution after it reads that view transposed back, contiguous, and pads it
     without a transposing copy. Before, ``F.unfold`` (im2col) made the columns (C, k): for the
-    VAD's encoder a copy of its input made contiguous, then the columns (the full-tier VAD's trace
-    240 -> 2xx us at 1 thread, this 2-core AMD EPYC at load 7). CpuAcc's own pads the input,
-    copies the windows and copies its (N, L_out, K) product into (N, K, L_out). Not for oneDNN
-    Graph's fuser, which takes aten::linear (``_gemm``)."""
+    VAD's encoder a copy of its input made contiguous, then the columns (the full-tier VAD's
+    trace 279 -> 257 us at 1 thread, p10 of blocks, this 2-core AMD EPYC at load 10). CpuAcc's
+    own pads the input, copies the windows and copies its (N, L_out, K) product into (N, K,
+    L_out). Not for oneDNN Graph's fuser, which takes aten::linear (``_gemm``)."""
     import torch
     import torch.nn.functional as F
 

@@ -52,6 +52,7 @@ from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.backends.torch.fusion.index_glue import fold_index_glue
 from backplane.backends.torch.fusion.static_sizes import fold_sizes, fold_views, outputs_made
+from backplane.backends.torch.fusion.trace_epilogues import fold_means, fold_relus
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 log = logging.getLogger("backplane.torch")
@@ -303,6 +304,8 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
             fold_sizes(trace.graph)  # static shapes: the size arithmetic done once, here
             fold_views(trace.graph)  # and each chain of views one view
             fold_index_glue(trace.graph)  # idle casts, wraps of indices never negative
+            fold_relus(trace.graph)  # a product's Relu done in place by it
+            fold_means(trace.graph)  # a mean's 1 / n in the weight of the product reading it
             module = onednn_graph._freeze(trace, fusion=False)
             other = onednn_graph._sample([TensorInfo(tuple(v.shape), _numpy(v.dtype))
                                           for v in sample])
