@@ -172,3 +172,80 @@ def test_host_kernels_are_cpurefs(op, data_shape, index_shape, attrs) -> None:
     want = select_kernel(KERNELS, op, 13)(data, indices, **attrs)[0]
     assert mine.shape == want.shape
     np.testing.assert_array_equal(mine, want)
+
+
+I64_MAX = np.iinfo(np.int64).max
+
+FIXED = [  # op, data shape, constant inputs after the data, attributes
+    ("Gather", (7, 3), [np.int64(2)], {"axis": 1}), ("Gather", (7, 3), [np.int64(-1)], {"axis": -1}),
+    ("Gather", (4, 5, 2), [np.int32(-4)], {"axis": 0}),
+    ("Reshape", (2, 6, 4), [np.int64([-1, 4])], {}), ("Reshape", (2, 6, 4), [np.int64([3, -1])], {}),
+    ("Unsqueeze", (6,), [np.int64([-1])], {}), ("Unsqueeze", (2, 3), [np.int64([0, -1])], {}),
+    ("Slice", (9, 4), [np.int64([2]), np.int64([3]), np.int64([1])], {}),
+    ("Slice", (9, 4), [np.int64([-20, 1]), np.int64([I64_MAX, -1]), np.int64([0, -1]),
+                       np.int64([2, 1])], {}),
+    ("Slice", (9, 4), [np.int64([12]), np.int64([20])], {})]  # empty: past the end
+
+
+@pytest.mark.parametrize(("op", "shape", "given", "attrs"), FIXED)
+def test_fixed_kernels_give_cpurefs_values(op, shape, given, attrs) -> None:
+    """A layer whose indices, shape or axes are constants has its kernel fixed at load: CpuRef's
+    values (negative indices and axes, clamped slices, -1 in a shape)."""
+    from backplane.backends.api.kernels import bind_kernel, select_kernel
+    from backplane.backends.reference.kernels import KERNELS
+    from backplane.ir.graph import Layer
+
+    data = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    data.reshape(-1)[1] = np.nan
+    names = [f"c{k}" for k in range(len(given))]
+    layer = Layer("l", op, ["x", *names], ["y"], attrs, "", 13)
+    fixed = host_chain.fixed_kernel(layer, dict(zip(names, given)), {"x": len(shape)})
+    assert fixed is not None
+    want = bind_kernel(select_kernel(KERNELS, op, 13), attrs, 1)(data, *given)[0]
+    got = fixed(data, *given)[0]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_kernels_not_fixed_where_they_would_differ() -> None:
+    """A negative Slice step, a 0 in a Reshape's shape (the input's size there), a Gather whose
+    result leaves the chain (a view would be the input's memory) or indices read at the run keep
+    CpuRef's kernel; a constant index out of range fails as CpuRef's does."""
+    from backplane.ir.graph import Layer
+
+    constants = {"s": np.int64([0]), "e": np.int64([-I64_MAX]), "a": np.int64([0]),
+                 "st": np.int64([-1]), "shape": np.int64([0, -1]), "i": np.int64(1),
+                 "far": np.int64(5)}
+    ranks = {"x": 2}
+    never = [Layer("l", "Slice", ["x", "s", "e", "a", "st"], ["y"], {}, "", 13),
+             Layer("l", "Reshape", ["x", "shape"], ["y"], {}, "", 13),
+             Layer("l", "Gather", ["x", "idx"], ["y"], {"axis": 1}, "", 13)]
+    assert [host_chain.fixed_kernel(lay, constants, ranks) for lay in never] == [None] * 3
+    leaving = Layer("l", "Gather", ["x", "i"], ["y"], {"axis": 1}, "", 13)
+    assert host_chain.fixed_kernel(leaving, constants, ranks, {"y"}) is None
+    far = host_chain.fixed_kernel(Layer("l", "Gather", ["x", "far"], ["y"], {"axis": 1}, "", 13),
+                                  constants, ranks)
+    with pytest.raises(IndexError):
+        far(np.zeros((3, 4), np.float32), constants["far"])
+
+
+def test_the_corpus_detectors_chains_fix_their_constant_layers() -> None:
+    """detect_nms_ts14's chain: its Gathers of the selected rows' columns and its Reshapes are
+    fixed at load (basic indexing, one reshape); its outputs as ONNX Runtime's."""
+    from pathlib import Path
+
+    ort = pytest.importorskip("onnxruntime")
+    corpus = Path(__file__).parents[2] / "data" / "corpus"
+    model = str(corpus / "detect_nms_ts14.onnx")
+    feeds = dict(np.load(corpus / "detect_nms_ts14.s0.npz"))
+    session = _session(open(model, "rb").read())
+    got = session.run(None, feeds)
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    (chain,) = [lay for lay, _ in _inner_layers(session) if lay.op_type == "HostChain"]
+    constants = {n: np.asarray(v) for n, v in chain.attrs["constants"].items()}
+    fixed = [lay.op_type for lay in chain.attrs["layers"]
+             if host_chain.fixed_kernel(lay, constants, chain.attrs["ranks"],
+                                        set(chain.attrs["outputs"]))]
+    assert fixed.count("Reshape") == 2 and fixed.count("Gather") == 5, fixed

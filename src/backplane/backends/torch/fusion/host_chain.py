@@ -7,7 +7,11 @@ run they ran one by one, each a step of the network (its Python call, the thread
 tick, torch's dispatch): on the corpus's detect_nms_ts14, 15 layers, 110 us of a 0.6 ms run
 (1 thread, this 2-core AMD EPYC at load 9). As one layer they run CpuRef's NumPy kernels (the
 executable specification: the values are CpuRef's) one after the other on NumPy views of the
-tensors (``Tensor.numpy()``, no copy), one step of the network.
+tensors (``Tensor.numpy()``, no copy), one step of the network: one function of straight code made
+at load (a line a layer, no loop over steps or dictionary of values), and where a layer's indices,
+shape or axes are constants, its kernel fixed at load too (``fixed_kernel``: a Gather of one column
+or a Slice is a NumPy view, a Reshape one call), where CpuRef's kernel reads and checks them at
+every run.
 
 Only where the chain stays small: it starts at a NonMaxSuppression's selected indices (at most
 its scores' size), every other tensor it reads is a constant or a static tensor of at most
@@ -133,8 +137,10 @@ def _plain(name: str, graph: Graph) -> bool:
 def _layer(part: SubgraphView, graph: Graph) -> Layer:
     constants = {n: graph.constants[n] for lay in part.layers for n in lay.inputs
                  if n in graph.constants}
+    ranks = {n: len(graph.info(n).shape) for lay in part.layers for n in lay.inputs  # type: ignore[arg-type]
+             if n and graph.info(n).shape is not None}
     attrs = {"layers": list(part.layers), "constants": constants, "inputs": list(part.inputs),
-             "outputs": list(part.outputs)}
+             "outputs": list(part.outputs), "ranks": ranks}
     first, last = part.layers[0].name, part.layers[-1].name
     name = f"HostChain[{first}..{last}]({len(part.layers)} layers)"
     return Layer(name, "HostChain", list(part.inputs), list(part.outputs), attrs, FUSED_DOMAIN, 1)
@@ -169,25 +175,118 @@ def _ref_kernel(layer: Layer) -> Any:
 
 
 def host_chain_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo] = ()) -> Workload:
-    """CpuRef's kernels of the layers one after the other on NumPy views of the inputs (each
-    value dropped after its last reader); the outputs as torch tensors again (a copy only where
-    a kernel's result is read-only or not C-contiguous: ``torch.from_numpy`` takes neither)."""
-    from backplane.backends.torch.backend import _numpy_to_torch
+    """CpuRef's kernels of the layers one after the other on NumPy views of the inputs, as straight
+    code (``straight``); the outputs as torch tensors again (a copy only where a kernel's result is
+    read-only or not C-contiguous: ``torch.from_numpy`` takes neither)."""
     from backplane.backends.torch.fusion.onednn_graph import sequence_workload
 
     inner: list[Layer] = layer.attrs["layers"]
-    steps = [(bind_kernel(_ref_kernel(lay), lay.attrs, len(lay.outputs)), lay.inputs, lay.outputs)
+    constants = {n: np.asarray(v) for n, v in layer.attrs["constants"].items()}
+    ranks = layer.attrs.get("ranks", {})
+    outputs = set(layer.attrs["outputs"])
+    steps = [(fixed_kernel(lay, constants, ranks, outputs)
+              or bind_kernel(_ref_kernel(lay), lay.attrs, len(lay.outputs)), lay.inputs, lay.outputs)
              for lay in inner]
-    template = {n: np.asarray(v) for n, v in layer.attrs["constants"].items()}
-    sequence = sequence_workload(inner, steps, template, layer.attrs["inputs"],
+    run = straight(steps, layer.attrs["inputs"], layer.attrs["outputs"], constants)
+    sequence = sequence_workload(inner, steps, constants, layer.attrs["inputs"],
                                  layer.attrs["outputs"])
 
-    def run(*values: Any) -> tuple[Any, ...]:
-        return tuple(map(_numpy_to_torch, sequence(*[v.numpy() for v in values])))
-
     def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float, int]]]:
+        from backplane.backends.torch.backend import _numpy_to_torch
+
         outputs, spent = sequence.profiled(*[v.numpy() for v in values])
         return tuple(map(_numpy_to_torch, outputs)), spent
 
     run.profiled = profiled  # type: ignore[attr-defined]
     return run
+
+
+def straight(steps: Sequence[tuple[Any, Sequence[str], Sequence[str]]], names_in: Sequence[str],
+             names_out: Sequence[str], constants: dict[str, Any]) -> Any:
+    """The chain as one function of straight code over local variables (the runtime's
+    ``steps.compiled`` for named values): its torch inputs' NumPy views, a line per kernel, its
+    outputs as torch tensors. Made from tensor positions only (v0, v1 ...: nothing of the model's
+    names in the code); the kernels and constants are the function's globals."""
+    from backplane.backends.torch.backend import _numpy_to_torch
+
+    namespace: dict[str, Any] = {"_torch": _numpy_to_torch}
+    local: dict[str, str] = {}
+
+    def read(name: str) -> str:
+        if not name:
+            return "None"
+        if name not in local:  # a constant (the chain reads nothing else it does not make)
+            local[name] = f"c{len(local)}"
+            namespace[local[name]] = constants[name]
+        return local[name]
+
+    def made(name: str) -> str:
+        if not name:
+            return "_"
+        local[name] = f"v{len(local)}"
+        return local[name]
+
+    arguments = [made(name) for name in names_in]
+    lines = [f"def run({', '.join(arguments)}):"]
+    lines += [f"    {v} = {v}.numpy()" for v in arguments]
+    for index, (kernel, reads, writes) in enumerate(steps):
+        namespace[f"k{index}"] = kernel
+        call = f"k{index}({', '.join(map(read, reads))})"
+        outputs = [made(name) for name in writes]
+        lines.append(f"    {outputs[0]} = {call}[0]" if len(outputs) == 1
+                     else f"    {', '.join(outputs)} = {call}[:{len(outputs)}]")
+    lines.append(f"    return ({''.join(f'_torch({read(n)}), ' for n in names_out)})")
+    exec(compile("\n".join(lines), "<host chain>", "exec"), namespace)  # noqa: S102  # positions only
+    return namespace["run"]
+
+
+def fixed_kernel(layer: Layer, constants: dict[str, Any], ranks: dict[str, int],
+                 outputs: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
+    """``layer``'s kernel with its constant indices, shape or axes read at load (the same values
+    as CpuRef's kernel, which reads them at each run): a Gather by one constant index and a Slice
+    (steps above 0) are NumPy basic indexing (a view), an Unsqueeze a view with new axes, a
+    Reshape to a constant shape without 0 one ``reshape``; None for any other layer, and for a
+    Gather whose result leaves the chain (``outputs``: CpuRef's is a copy, a view would be the
+    input's memory)."""
+    op, reads = layer.op_type, layer.inputs
+    if layer.domain or not reads or reads[0] in constants \
+            or any(n and n not in constants for n in reads[1:]):
+        return None
+    given = [constants[n] if n else None for n in reads[1:]]
+    rank = ranks.get(reads[0])
+    if op == "Gather" and given[0].ndim == 0 and rank and layer.outputs[0] not in outputs:
+        axis = int(layer.attrs.get("axis", 0)) % rank
+        return _indexing((slice(None),) * axis + (int(given[0]),))
+    if op == "Reshape" and len(given) == 1 and 0 not in given[0].tolist():
+        shape = tuple(given[0].tolist())
+        return lambda data, _shape: (data.reshape(shape),)
+    if op == "Unsqueeze" and rank is not None and layer.opset >= 13 and len(given) == 1:
+        axes = {int(a) % (rank + given[0].size) for a in given[0].reshape(-1).tolist()}
+        if len(axes) != given[0].size:
+            return None  # an axis named twice: CpuRef's error
+        return _indexing(tuple(None if a in axes else slice(None) for a in range(rank + len(axes))))
+    if op == "Slice" and rank is not None and layer.opset >= 10 and len(given) >= 2:
+        return _slicing(given, rank)
+    return None
+
+
+def _indexing(key: tuple[Any, ...]) -> Any:
+    return lambda data, *constants: (data[key],)  # the constants read at load
+
+
+def _slicing(given: list[Any], rank: int) -> Any:
+    """A Slice by constant starts, ends, axes and steps (above 0) as one basic index: Python's
+    slices clamp a start or end past either side as ONNX does for steps above 0; None where a
+    step is not above 0 or an axis is named twice."""
+    starts, ends = given[0].reshape(-1).tolist(), given[1].reshape(-1).tolist()
+    axes = given[2].reshape(-1).tolist() if len(given) > 2 and given[2] is not None \
+        else list(range(len(starts)))
+    steps = given[3].reshape(-1).tolist() if len(given) > 3 and given[3] is not None \
+        else [1] * len(starts)
+    axes = [int(a) % rank for a in axes]
+    if len(set(axes)) != len(axes) or any(step <= 0 for step in steps):
+        return None
+    key = [slice(None)] * rank
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        key[axis] = slice(int(start), int(end), int(step))
+    return _indexing(tuple(key))
