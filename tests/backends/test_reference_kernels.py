@@ -220,3 +220,16 @@ def test_what_onnx_runtime_refuses_is_refused(backends, op, inputs, outputs, mes
     with pytest.raises((ExecutionError, OptimizationError, ModelError), match=message):
         session = InferenceSession(_one_node(op, inputs, outputs=outputs), backends=backends)
         session.run(None, {})
+
+
+@pytest.mark.parametrize("index", [-4, 3, -1, 2])
+def test_gather_counts_negative_indices_from_the_end_and_refuses_one_out_of_range(index) -> None:
+    """ONNX's Gather takes indices in [-size, size): -1 is the last; -4 of 3 is out of range (a
+    wrap before np.take made it -1 again, the last row, with no error)."""
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    if not -3 <= index < 3:
+        with pytest.raises(IndexError):
+            indexing.gather(data, np.array(index, np.int64))
+        return
+    np.testing.assert_array_equal(indexing.gather(data, np.array([index], np.int64))[0],
+                                  data[[index % 3]])
