@@ -20,7 +20,7 @@ quantization = pytest.importorskip("onnxruntime.quantization")
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import threads  # noqa: E402
 from backplane.backends.torch.fusion import int8  # noqa: E402
-from tests.backends.torch.int8_cpu import SATURATES, int8_reference, torch_int8_exact  # noqa: E402
+from tests.backends.torch.int8_cpu import int8_reference, torch_int8_exact  # noqa: E402
 from tests.models.test_ort_tools import RandomReader  # noqa: E402
 
 SHAPE = (2, 3, 64, 64)
@@ -106,13 +106,22 @@ def built_layers_within_a_step(session: InferenceSession, path: Path, feeds=feed
     return [lay for outer in graph.layers for lay in [outer, *outer.attrs.get("layers", [])]]
 
 
+def assert_within_a_step_of_cpuref(session: InferenceSession, path: Path, seeds: range) -> None:
+    """Where torch's int8 kernels saturate (up to 26 steps off), CpuAcc's "auto" takes the float
+    routes ("exact", int8_exact): the output within one step of CpuRef's (the float sums of a QDQ
+    convolution may flip a tie: seed 2's r2 here, one value one step off)."""
+    cpuref, step = InferenceSession(path, backends=["CpuRef"]), output_step(path)
+    for seed in seeds:
+        got, want = session.run(None, feeds(seed))[0], cpuref.run(None, feeds(seed))[0]
+        assert float(np.max(np.abs(got - want))) <= step * 1.001
+
+
 @pytest.fixture
 def busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A busy machine: nothing is timed, each layer takes its first route or a known one."""
     monkeypatch.setattr(threads, "crowded", lambda: True)
 
 
-@pytest.mark.skipif(not torch_int8_exact(), reason=SATURATES)
 @pytest.mark.parametrize("fmt", ["QDQ", "QOperator"])
 def test_large_convolutions_take_int8_untimed_on_a_busy_machine(fmt: str, busy: None,
                                                                 tmp_path: Path) -> None:
@@ -123,6 +132,10 @@ def test_large_convolutions_take_int8_untimed_on_a_busy_machine(fmt: str, busy: 
                                                            "route_cache": False}), "CpuRef"])
     routes = [(getattr(w, "route", None), getattr(w, "why", ""))
               for w in inner_workloads(session, "QLinearConv")]
+    if not torch_int8_exact():  # they saturate (no VNNI): no int8 route, CpuRef's values
+        assert "int8" not in {route for route, _ in routes}, routes
+        assert_within_a_step_of_cpuref(session, path, range(3))
+        return
     known = [why == int8.KNOWN_FASTER for _, why in routes]
     # the stem (its QuantizeLinear and MaxPool taken), both 3x3 convolutions and the depthwise one
     # (QDQ: chained in integers at every size, qdq_chain.CHAIN_MACS), each a QLinearConv known
@@ -287,8 +300,6 @@ def test_a_traced_qoperator_graph_keeps_the_float_route_below_known_macs(
     int8 one known faster layer by layer: with its int8 routes the small tier's QOperator ResNet
     was not traced and ran 2x slower. From it they keep the int8 route, and the layers run one
     by one (the full tier's QOperator ResNet traced on the float route ran 5x slower)."""
-    if large and not torch_int8_exact():
-        pytest.skip(SATURATES)
     if not large:  # these convolutions taken as small ones
         monkeypatch.setattr(int8, "KNOWN_MACS", 1 << 40)
     path = quantized(tmp_path, "QOperator")
@@ -297,6 +308,10 @@ def test_a_traced_qoperator_graph_keeps_the_float_route_below_known_macs(
     loaded = session.runtime.network(session.network_id)
     routes = [getattr(step.workload, "route", None) for step, lay in
               zip(loaded.steps, loaded.layers) if lay.op_type == "Traced"]
+    if not torch_int8_exact():  # they saturate (no VNNI): traced on the float route at any size
+        assert routes and "layers" not in routes, routes
+        assert_within_a_step_of_cpuref(session, path, range(1))
+        return
     assert routes and ("layers" in routes) == large, routes
     step = output_step(path)
     got = session.run(None, feeds(0))[0]
