@@ -102,9 +102,9 @@ def test_traced(tracer: str) -> None:
 
 
 # -- linear_before_reset=1 in a trace --------------------------------------------------------------
-def _traced_gru(model: Any, feeds: dict[str, np.ndarray]) -> Any:
-    """The one GRU node of ``model`` (linear_before_reset=1) as CpuAcc traces it: its weights
-    constants, X and initial_h the trace's inputs; the frozen function."""
+def _traced_gru(model: Any, feeds: dict[str, np.ndarray], threads: int = 1) -> Any:
+    """The one GRU node of ``model`` (linear_before_reset=1) as CpuAcc traces it at ``threads``:
+    its weights constants, X and initial_h the trace's inputs; the traced function."""
     weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy())
                for t in model.graph.initializer}
     attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
@@ -115,9 +115,14 @@ def _traced_gru(model: Any, feeds: dict[str, np.ndarray]) -> Any:
                              **attrs)
 
     sample = [torch.from_numpy(feeds[n]) for n in ("X", "initial_h")]
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
-        return torch.jit.trace(layer, sample, check_trace=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
+            return torch.jit.trace(layer, sample, check_trace=False)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -139,10 +144,15 @@ def test_linear_before_reset_traced(direction: str, layout: int, reset_first: li
 def test_linear_before_reset_eager_and_wide_keep_torch(reset_first: list[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager, a GRU with linear_before_reset=1 is torch's (each op's Python call would cost more
-    than its loop); so is one wider than STEPPED_GRU_HIDDEN in a trace."""
+    than its loop); so is, in a trace, one of two directions at two threads (a parallel region a
+    product) and one wider than STEPPED_GRU_HIDDEN."""
     model, feeds = recurrent_model("GRU", "bidirectional", attrs={"linear_before_reset": 1})
     for g, w in zip(run(model, feeds, ACC), run(model, feeds, ["CpuRef"])):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    _traced_gru(model, feeds, threads=2)
+    assert reset_first == []
+    _traced_gru(*recurrent_model("GRU", "forward", attrs={"linear_before_reset": 1}), threads=2)
+    assert reset_first == ["forward"]
     monkeypatch.setattr(recurrent, "STEPPED_GRU_HIDDEN", 5)  # the model's hidden is 6
     _traced_gru(model, feeds)
-    assert reset_first == []
+    assert reset_first == ["forward"]

@@ -217,7 +217,7 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
     h0 = _initial(initial_h, X, dirs, hidden, layout)
     # torch's GRU applies the reset gate after the recurrent product: linear_before_reset=1 only
     if _natively(X, sequence_lens, clip, layout, names, ["Sigmoid", "Tanh"] * dirs):
-        if linear_before_reset and not _stepped_reset(X, hidden, layout):
+        if linear_before_reset and not _stepped_reset(X, hidden, layout, dirs):
             y, (y_h,) = _native(torch.gru, GRU_ORDER, X, W, R, B, [h0], direction, layout)
         else:
             y, y_h = _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset)
@@ -246,13 +246,16 @@ STEPPED_GRU_HIDDEN = 64
 ``_reset_first``'s ops rather than by torch's GRU (``_stepped_reset``)."""
 
 
-def _stepped_reset(X, hidden, layout):
+def _stepped_reset(X, hidden, layout, dirs):
     """Whether a GRU with linear_before_reset=1 runs by ``_reset_first``: where TorchScript traces
     it on the CPU (a frozen graph's ops cost less than torch's GRU loop, a dozen ATen calls a step
     and a direction, or its paired call; eager, each op's Python call costs more), more than one
-    step (one is torch's cell, one call), at most ``STEPPED_GRU_HIDDEN`` wide."""
+    step (one is torch's cell, one call), at most ``STEPPED_GRU_HIDDEN`` wide, one direction or
+    one thread: at two, the two directions' ``baddbmm`` opens a parallel region a product
+    (gru_bi2_dyn19's trace at 2 threads, load 13.5: p10 796 -> 9172 us a run; 614 -> 512 for
+    gru_tm3_ts13's one direction)."""
     return (torch.jit.is_tracing() and X.device.type == "cpu" and X.shape[layout] > 1
-            and hidden <= STEPPED_GRU_HIDDEN)
+            and hidden <= STEPPED_GRU_HIDDEN and (dirs == 1 or torch.get_num_threads() == 1))
 
 
 def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
