@@ -1,4 +1,4 @@
-"""CpuAcc's Resize through torch's own upsampling kernels (``kernels/vision._interpolated``) where
+"""CpuAcc's Resize through torch's own upsampling kernels (``kernels/upsample.interpolated``) where
 ONNX's mode and coordinate transformation are torch's: the values CpuRef and ONNX Runtime give,
 NaN and Inf where CpuRef puts them (torch reads a border input at weight 0; those outputs are
 mended by the taps path), and the taps path kept where torch computes otherwise."""
@@ -11,7 +11,7 @@ import torch
 from onnx import TensorProto, helper
 
 from backplane import InferenceSession
-from backplane.backends.torch.kernels import vision
+from backplane.backends.torch.kernels import upsample
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -23,15 +23,16 @@ TORCH_CASES = [
     ("linear", "half_pixel", "floor", (1, 32, 4, 6, 4), (1, 1, 2, 1.5, 2)),
     ("nearest", "asymmetric", "floor", (1, 3, 5, 7), (1, 1, 2, 3)),
     ("nearest", "half_pixel", "round_prefer_ceil", (1, 2, 9, 9), (1, 1, 1 / 3, 2)),
+    ("linear", "half_pixel", "floor", (1, 3, 8, 8), (1, 1, 2, 2)),  # few outputs, copies mended
 ]
-"""Linear ones with outputs to mend have ``vision._MEND_FROM`` outputs or more."""
+"""Linear ones of three axes with outputs to mend have ``upsample._MEND_FROM`` outputs or more."""
 # ... and where it does not: the taps path
 TAPS_CASES = [
     ("linear", "asymmetric", "floor", (1, 2, 4, 4), (1, 1, 2, 2)),  # no torch form
     ("nearest", "half_pixel", "round_prefer_floor", (1, 2, 4, 4), (1, 1, 2, 2)),  # ONNX's default
     ("linear", "half_pixel", "floor", (1, 2, 9, 9), (1, 1, 1 / 3, 1 / 3)),  # every output mended
     ("nearest", "asymmetric", "floor", (2, 4, 4, 4), (1, 0.5, 2, 2)),  # channels resized
-    ("linear", "half_pixel", "floor", (1, 3, 8, 8), (1, 1, 2, 2)),  # too few outputs to mend
+    ("linear", "half_pixel", "floor", (1, 3, 4, 4, 4), (1, 1, 2, 2, 2)),  # too few to mend
     ("linear", "half_pixel", "floor", (1, 16, 32, 32), (1, 1, 2, 1)),  # an axis of one size
 ]
 
@@ -52,7 +53,7 @@ def _takes_torch(mode, transform, nearest, shape, scales) -> bool:
     x = torch.zeros(shape)
     factors = [float(np.float32(s)) for s in scales]
     out = [int(np.floor(n * f)) for n, f in zip(shape, factors)]
-    got = vision._interpolated(x, list(range(len(shape))), list(shape), out, factors, transform,
+    got = upsample.interpolated(x, list(range(len(shape))), list(shape), out, factors, transform,
                                mode, nearest, 0, -0.75, 0)
     return got is not None
 
@@ -89,7 +90,7 @@ def test_nan_and_inf_stay_where_cpuref_puts_them(case) -> None:
 def test_the_border_outputs_torch_reads_at_weight_0_are_mended() -> None:
     """Bilinear x2, half_pixel: torch's first output row reads input row 1 at weight 0, so a NaN
     there would reach it (0 * NaN); CpuRef's taps read row 0 alone."""
-    rows = vision._probe("linear", False, 8, 16, 2.0, "torch.float32", "half_pixel", "linear",
+    rows = upsample._probe("linear", False, 8, 16, 2.0, "torch.float32", "half_pixel", "linear",
                          "floor", -0.75, 0)
     assert rows is not None and list(rows) == [0]
 
@@ -108,12 +109,12 @@ def test_an_inf_column_of_an_axis_not_resized_stays_inf() -> None:
 
 @pytest.mark.parametrize("shape", [(1, 16, 32, 32), (2, 8, 40, 24)])
 def test_mended_borders_copy_an_input_and_their_crossings_too(shape) -> None:
-    """Bilinear x2, half_pixel: each mended border output copies one input (``vision._copies``), so
+    """Bilinear x2, half_pixel: each mended border output copies one input (``upsample._copies``), so
     it is mended by torch's 1-d kernel along the other axis and, where a mended row crosses a
     mended column, by the input itself: NaN and Inf in the second row and column (read at weight
     0 by the first output row and column, and by their crossing) reach what CpuRef reads them."""
     case = ("linear", "half_pixel", "floor", shape, (1, 1, 2, 2))
-    assert vision._copies(((0,), (0,)), ((shape[2], 2 * shape[2], 2.0),
+    assert upsample._copies(((0,), (0,)), ((shape[2], 2 * shape[2], 2.0),
                                          (shape[3], 2 * shape[3], 2.0)),
                           "half_pixel", "linear", "floor", -0.75, 0) is not None
     x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import prepacked, threads  # noqa: E402
-from backplane.backends.torch.fusion import conv  # noqa: E402
+from backplane.backends.torch.fusion import conv, windowed  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.backends.torch.test_traced_packed import _traced  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
@@ -60,6 +60,7 @@ def _gated_1d() -> tuple[onnx.ModelProto, list[int]]:
 def test_a_traced_convolution_reads_its_packed_weight(make, convs, monkeypatch) -> None:
     model, shape = make()
     monkeypatch.setattr(conv, "TRACED_PACKED_MACS", 0)  # these small ones packed too
+    monkeypatch.setattr(windowed, "PRODUCT_MACS", -1)  # FusedConvs, not one WindowedConv (H-G)
     session, workload = _traced(model, monkeypatch)
     graph = workload.module.graph
     products = [n for n in graph.nodes() if n.kind() == "mkldnn::_convolution_pointwise"]
@@ -79,6 +80,7 @@ def test_a_small_traced_convolution_keeps_torchs_call(make, packed, monkeypatch)
     """Below ``conv.TRACED_PACKED_MACS`` a convolution of one group keeps torch's conv2d, which
     takes its own kernel there (oneDNN's call costs about 25 us against 7-16: audio_conv1d_dyn19
     ran 0.125 -> 0.229 ms a run packed); a grouped one (the depthwise) is packed whatever its size."""
+    monkeypatch.setattr(windowed, "PRODUCT_MACS", -1)  # FusedConvs, not one WindowedConv (H-G)
     model, shape = make()
     session, workload = _traced(model, monkeypatch)
     graph = workload.module.graph

@@ -2,6 +2,8 @@
 
 Patterns (each intermediate tensor read by the next layer only, all layers in the subgraph):
 
+- A small 1-d Conv of a transposed (N, L, C) tensor, with its siblings of the same windows:
+  one ``WindowedConv``, the product of the windows (``windowed``).
 - Conv [-> BatchNormalization] [-> Add(residual)] [-> activation | -> x * Sigmoid(x)]
   becomes one ``FusedConv`` on channels-last activations, the batch norm folded into its weights.
   At load the fastest on its shape is measured and kept (``CpuAcc.conv_route`` forces one): oneDNN's
@@ -93,6 +95,7 @@ from backplane.backends.torch.fusion.squeeze_excite import (
     match_squeeze_excite,
     squeeze_excite_workload,
 )
+from backplane.backends.torch.fusion.windowed import match_windowed_conv, windowed_conv_workload
 from backplane.ir.graph import Layer, SubgraphView
 
 
@@ -150,7 +153,8 @@ def _in_order(layers: list[Layer], substitutions: list[Substitution]) -> list[La
 
 
 MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]] = {
-    "Conv": then_quant_dequant(match_conv), "GlobalAveragePool": match_squeeze_excite,
+    "Conv": qdq_chain.first_of(match_windowed_conv, then_quant_dequant(match_conv)),
+    "GlobalAveragePool": match_squeeze_excite,
     "Gemm": then_quant_dequant(with_ort_gelu(match_linear)),
     "MatMul": then_quant_dequant(with_ort_gelu(match_linear)),
     "QuantizeLinear": match_quant_dequant, "QLinearConv": match_qlinear_conv,
@@ -176,4 +180,5 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
     "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "Lookup": lookup_workload,
-    "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload}
+    "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload,
+    "WindowedConv": windowed_conv_workload}
