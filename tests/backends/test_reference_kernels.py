@@ -233,3 +233,23 @@ def test_gather_counts_negative_indices_from_the_end_and_refuses_one_out_of_rang
         return
     np.testing.assert_array_equal(indexing.gather(data, np.array([index], np.int64))[0],
                                   data[[index % 3]])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32])
+def test_reduce_mean_is_numpys_mean_to_the_bit(dtype) -> None:
+    """ReduceMean sums in the input's type and divides by the count, as np.mean with that dtype
+    does (integers truncated, NaN and infinities through, an empty reduction NaN)."""
+    from backplane.backends.reference.kernels import reduce
+
+    rng = np.random.default_rng(1)
+    for shape, axes in [((2, 16), (0, 1)), ((3, 5, 7), (1,)), ((4, 6), (0,)), ((5, 0), (1,)),
+                        ((), ())]:
+        x = (rng.standard_normal(shape) * 50).astype(dtype)
+        if x.size and x.dtype.kind == "f":
+            x.reshape(-1)[0], x.reshape(-1)[-1] = np.nan, np.inf
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the empty mean's
+            want = np.mean(x, axis=axes, keepdims=True, dtype=x.dtype)
+            got = reduce._mean(x, axes)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)

@@ -6,6 +6,7 @@ as an optional second input after; each gets one kernel per form, built from one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -60,7 +61,11 @@ def _sum(x, axes):
 
 
 def _mean(x, axes):
-    return np.mean(x, axis=axes, keepdims=True, dtype=x.dtype)
+    if x.dtype.kind != "f" or not all(x.shape[a] for a in axes):  # integers truncate; empty: NaN
+        return np.mean(x, axis=axes, keepdims=True, dtype=x.dtype)
+    # np.mean's own arithmetic for floats (a sum in the type, divided by the count) without its
+    # Python wrapper, which cost as much again on a few values (7.6 against 4.1 us on 2 x 16)
+    return np.add.reduce(x, axis=axes, keepdims=True, dtype=x.dtype) / math.prod(x.shape[a] for a in axes)
 
 
 def _prod(x, axes):
