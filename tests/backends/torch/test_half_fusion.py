@@ -112,3 +112,20 @@ def test_a_float16_linear_computes_in_float32_traced_or_not(mode: str, monkeypat
         assert np.array_equal(np.isnan(got), np.isnan(expected))
         np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32),
                                    rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_a_float16_input_is_converted_once_to_the_weights_type(compute: str) -> None:
+    """A float16 Linear marked to compute in bfloat16 (``CpuAcc.precision`` bf16) takes its input
+    in its weight's type, not float32 then float32 again: one conversion each way."""
+    from backplane.backends.torch.fusion.linear import _mkl_linear
+
+    attrs = {"weight": (RNG.standard_normal((24, 16)) * 0.3).astype(np.float16),
+             "bias": RNG.standard_normal(24).astype(np.float32), "input_shape": [1, 6, 16],
+             "unary": None, "binary": False, "output_shape": None, "compute": compute}
+    x = torch.from_numpy(RNG.standard_normal((1, 6, 16)).astype(np.float16))
+    (y,) = _mkl_linear(attrs)(x)
+    want = x.float() @ torch.from_numpy(attrs["weight"]).float().t() + torch.from_numpy(
+        attrs["bias"])
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), want, rtol=3e-2, atol=3e-2)

@@ -288,10 +288,10 @@ def _plain(a: dict[str, Any]) -> bool:
     return a.get("compute") in (None, "float32")
 
 
-def _widened(run: Callable[..., Any], x: Any, residual: Any = None) -> tuple[Any]:
-    """``run`` on a float16 ``x`` (and residual) in float32, its result rounded to float16: a
+def _widened(run: Callable[..., Any], dtype: Any, x: Any, residual: Any = None) -> tuple[Any]:
+    """``run`` on ``x`` (and residual) in its weight's ``dtype``, its result in ``x``'s: a
     float16 Linear (``source``) outside a float32 trace, which hands it float32 instead."""
-    (y,) = run(x.float()) if residual is None else run(x.float(), residual.float())
+    (y,) = run(x.to(dtype)) if residual is None else run(x.to(dtype), residual.to(dtype))
     return (y.to(x.dtype),)
 
 
@@ -310,7 +310,7 @@ def _mkl_linear(a: dict[str, Any]) -> Workload:
 
     def mkl(x, residual=None):
         if x.dtype != weight.dtype:
-            return _widened(mkl, x, residual)
+            return _widened(mkl, weight.dtype, x, residual)
         y = product(x, weight, bias)
         y = post(y) if post else y
         y = y.view(shape) if shape else y
@@ -375,14 +375,14 @@ def _onednn_linear(a: dict[str, Any], name: str) -> Workload:
 
     def onednn(x):
         if x.dtype != weight.dtype:
-            return _widened(onednn, x)
+            return _widened(onednn, weight.dtype, x)
         y = linear(x, packed, bias, attr, scalars, algorithm)
         y = after(y) if after else y
         return (y.view(shape) if shape else y,)
 
     def onednn_add(x, residual):
         if x.dtype != weight.dtype:
-            return _widened(onednn_add, x, residual)
+            return _widened(onednn_add, weight.dtype, x, residual)
         y = linear.binary(x, residual.reshape(unfolded), packed, bias, "add")
         return (y.view(shape) if shape else y,)
 
