@@ -26,6 +26,7 @@ WEIGHTS = {
     "DynamicQuantizeMatMul": [(1, 3)],
     "DynamicQuantizeLSTM": [(1, 9), (2, 11)],
     "QAttention": [(1, 7)],
+    "QLinearMatMul": [(3, 5)],
 }
 """The ops whose int8 weight ``with_uint8_weights`` moves to uint8."""
 
