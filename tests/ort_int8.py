@@ -28,7 +28,8 @@ WEIGHTS = {
     "QAttention": [(1, 7)],
     "QLinearMatMul": [(3, 5)],
 }
-"""The ops whose int8 weight ``with_uint8_weights`` moves to uint8."""
+"""The ops whose int8 weight ``with_uint8_weights`` moves to uint8 (not QGemm: ONNX Runtime has
+it for an int8 B only)."""
 
 
 def _probe(weight_type: int, weight: int) -> bool:
