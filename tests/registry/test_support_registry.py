@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,8 @@ def test_a_support_query_makes_no_backend(backend_id: str, constructions: dict[s
     implements the ILayerSupport interface. When ArmNN needs to decide if a layer is supported on a
     backend, it looks up the factory function through the registry. Then it creates an
     ILayerSupport object for the given backend and calls the corresponding API function"."""
+    if backend_id == "OpenVINO" and importlib.util.find_spec("openvino") is None:
+        pytest.skip("OpenVINO is not installed (the GPU machine): every answer is 'absent'")
     supports = bundled(BackendRegistry())  # a backend registry without CpuAcc or OpenVINO
     answers = [supports.is_layer_supported(backend_id, layer, ins, outs)
                for layer, ins, outs in LAYERS]
