@@ -64,8 +64,9 @@ def ort_uint8_exact() -> bool:
 def with_uint8_weights(model: onnx.ModelProto,
                        feeds: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """A copy of ``model`` whose int8 weights (and their zero points) of the ``WEIGHTS`` ops read
-    by uint8 or float activations are uint8, 128 above: the same integer products, exact in ONNX Runtime
-    where its u8 x s8 ones saturate. A weight fed at run time (in ``feeds``) is moved there."""
+    by uint8 or float activations are uint8, 128 above: the same integer products, exact in ONNX
+    Runtime where its u8 x s8 ones saturate. A weight fed at run time (in ``feeds``) is moved
+    there."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
