@@ -67,3 +67,20 @@ def test_without_vnni_the_int8_routes_give_way_to_exact_float_ones(tmp_path: Pat
     assert result["exact"] is False  # oneDNN's AVX2 int8 convolution saturates
     assert "int8" not in result["routes"], result["routes"]  # no QLinearConv on its int8 route
     assert result["equal"]  # CpuRef's values bit for bit
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["vnni", "saturating"])
+def test_kernels_asked_on_a_saturating_cpu_warns(exact: bool, monkeypatch) -> None:
+    """"kernels" is the caller's choice on every CPU, but where the probe finds the kernels
+    saturating its answers are not CpuRef's (up to 32 steps off on a QDQ convolution on this AVX2
+    EPYC): that is said, where "auto" and "exact" say nothing and take the float routes."""
+    import warnings
+
+    monkeypatch.setattr(int8_exact, "exact_kernels", lambda: exact)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert int8_exact.mode("kernels") == "kernels"
+        assert int8_exact.mode("auto") == ("auto" if exact else "exact")
+        assert int8_exact.mode("exact") == "exact"
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == ([] if exact else [int8_exact.SATURATING])

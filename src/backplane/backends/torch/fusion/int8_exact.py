@@ -47,6 +47,14 @@ def exact_kernels() -> bool:
     return exact
 
 
+SATURATING = ("CpuAcc.int8=kernels on a CPU whose int8 kernels saturate (no VNNI): u8 x s8 "
+              "products are summed in pairs in 16 bits, so results may be off CpuRef's by many "
+              "quantization steps (\"auto\" takes the exact float routes here)")
+
+
 def mode(asked: str) -> str:
-    """The ``CpuAcc.int8`` mode to follow: "exact" for "auto" where the kernels are not."""
+    """The ``CpuAcc.int8`` mode to follow: "exact" for "auto" where the kernels are not. "kernels"
+    stays the caller's choice there, with a warning: its answers are then not CpuRef's."""
+    if asked == "kernels" and not exact_kernels():
+        warnings.warn(SATURATING, RuntimeWarning, stacklevel=2)
     return "exact" if asked == "auto" and not exact_kernels() else asked
