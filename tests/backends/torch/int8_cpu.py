@@ -9,35 +9,24 @@ them there tests the CPU. CpuAcc takes its exact float routes there (``fusion/in
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from onnx import TensorProto, helper
 
 SATURATES = "this CPU's int8 kernels saturate (no VNNI): torch's int8 routes are not taken"
 """The reason of a skip where ``torch_int8_exact`` is False."""
 
 
-@functools.cache
 def ort_int8_exact() -> bool:
-    """Whether ONNX Runtime's MatMulInteger of uint8 255s by int8 127s over 64 sums exactly
-    (2,072,640), probed once; False where it saturates or ONNX Runtime is absent."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
+    """Whether ONNX Runtime's u8 x s8 products are exact here (``tests/ort_int8.py``'s probe);
+    False where ONNX Runtime is absent."""
+    if importlib.util.find_spec("onnxruntime") is None:
         return False
-    b = helper.make_tensor("b", TensorProto.INT8, [64, 8], np.full(64 * 8, 127, np.int8))
-    graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["a", "b"], ["y"])], "probe",
-        [helper.make_tensor_value_info("a", TensorProto.UINT8, [2, 64])],
-        [helper.make_tensor_value_info("y", TensorProto.INT32, [2, 8])], [b])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    (y,) = session.run(None, {"a": np.full((2, 64), 255, np.uint8)})
-    return bool((y == 64 * 255 * 127).all())
+    from tests import ort_int8
+
+    return ort_int8.ort_int8_exact()
 
 
 def torch_int8_exact() -> bool:
