@@ -215,13 +215,14 @@ def test_the_corpus_exports(name: str, blocks: int, monkeypatch) -> None:
     session.run(None, feeds)
     built = [lay for lay in session.optimized.graph.layers if lay.op_type == "Specialized"]
     assert built, "the corpus's transformers have free dimensions"
-    found = _built_attention(session)
+    found = _built(session, "ScaledDotAttention")
     assert found == blocks, found
     _against_references(session, path, feeds)
 
 
-def _built_attention(session) -> int:
-    """ScaledDotAttention layers in each signature's build of the session's Specialized layers."""
+def _built(session, op_type: str) -> int:
+    """``op_type`` layers in each signature's build of the session's Specialized layers (inside
+    Traced layers too)."""
     loaded = session.runtime.network(session.network_id)
     count = 0
     for step, layer in zip(loaded.steps, loaded.layers):
@@ -231,7 +232,7 @@ def _built_attention(session) -> int:
                         if type(c.cell_contents).__name__ == "LoadedNetwork"]
             for lay in inner.layers:
                 lays = lay.attrs.get("layers", []) if lay.op_type == "Traced" else [lay]
-                count += sum(x.op_type == "ScaledDotAttention" for x in lays)
+                count += sum(x.op_type == op_type for x in lays)
     return count
 
 

@@ -21,7 +21,7 @@ from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch import threads  # noqa: E402
 from backplane.backends.torch.fusion.patterns import half_in_float  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
-from tests.backends.torch.test_attention_sdpa import _built_attention  # noqa: E402
+from tests.backends.torch.test_attention_sdpa import _built  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 RNG = np.random.default_rng(16)
@@ -35,21 +35,6 @@ def _session(model, compile_mode: str, monkeypatch) -> InferenceSession:
         backend_options={"CpuAcc.route_cache": False, "CpuAcc.compile": compile_mode})))
 
 
-def _built(session, op_type: str) -> int:
-    """``op_type`` layers in the builds of the session's Specialized layers, traced ones too."""
-    loaded = session.runtime.network(session.network_id)
-    count = 0
-    for step in loaded.steps:
-        work = getattr(step.workload, "work", step.workload)
-        for runner in getattr(work, "built", {}).values():
-            (inner,) = [c.cell_contents for c in runner.__closure__
-                        if type(c.cell_contents).__name__ == "LoadedNetwork"]
-            for lay in inner.layers:
-                lays = lay.attrs.get("layers", []) if lay.op_type == "Traced" else [lay]
-                count += sum(x.op_type == op_type for x in lays)
-    return count
-
-
 def test_the_float16_gpt_fuses_as_its_float32_twin(monkeypatch) -> None:
     """Two blocks: 4 Linears each (QKV, projection, the feed-forward's two, GELU in the first)
     and the head; 2 attentions. Outputs within float16's rounding of ONNX Runtime's."""
@@ -57,7 +42,7 @@ def test_the_float16_gpt_fuses_as_its_float32_twin(monkeypatch) -> None:
     session = _session(path, "onednn_graph", monkeypatch)
     feeds = dict(np.load(CORPUS / "gpt_fp16_dyn19.s0.npz"))
     (got,) = session.run(None, feeds)
-    assert _built(session, "Linear") == 9 and _built_attention(session) == 2
+    assert _built(session, "Linear") == 9 and _built(session, "ScaledDotAttention") == 2
     (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2,
