@@ -102,10 +102,38 @@ def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) 
     return torch.clamp_max(x, high) if y is x else y.clamp_max_(high)
 
 
+def _gelu_keeps_inf(dtype: torch.dtype) -> bool:
+    """Whether this CPU's GELU (erf form) of a contiguous ``dtype`` tensor gives +Inf at +Inf,
+    asked once a process: torch hands a contiguous tensor to MKL (its CdfNorm keeps +Inf) where
+    it has MKL, and others to ATen's own vectorized erf, whose AVX-512 form gives NaN there.
+    All-+Inf tensors of 1 to 17 elements and of 4099 put +Inf in every lane of a 16-wide vector
+    loop and of its tail. Asked with TorchScript's tracer paused (a trace would record it)."""
+    keeps = _GELU_KEEPS_INF.get(dtype)
+    if keeps is None:
+        tracing = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            x = torch.full((4099,), math.inf, dtype=dtype)
+            keeps = all(bool(torch.isposinf(F.gelu(x[:n])).all()) for n in (*range(1, 18), 4099))
+        finally:
+            torch._C._set_tracing_state(tracing)
+        _GELU_KEEPS_INF[dtype] = keeps
+    return keeps
+
+
+_GELU_KEEPS_INF: dict[torch.dtype, bool] = {}
+
+
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """torch's GELU with +Inf kept: its vectorized erf form gives NaN at +Inf, where
-    x * Phi(x) is +Inf (CpuRef, ONNX Runtime)."""
+    """torch's GELU with +Inf kept: the vectorized erf form of some CPUs (AVX-512) gives NaN at
+    +Inf, where x * Phi(x) is +Inf (CpuRef, ONNX Runtime). The mend (two more kernels) only where
+    this CPU's GELU needs it: always but on a contiguous float32/float64 CPU tensor whose GELU
+    keeps +Inf here (``_gelu_keeps_inf``), outside a trace for oneDNN Graph (whose fused GELU is
+    oneDNN's own)."""
     y = F.gelu(x, approximate=approximate)
-    if approximate == "none":
+    if approximate == "none" and not (
+        x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.is_contiguous()
+        and not for_onednn_graph() and _gelu_keeps_inf(x.dtype)
+    ):
         y = y.masked_fill_(torch.isposinf(x), math.inf)
     return y
