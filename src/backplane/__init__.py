@@ -1,7 +1,5 @@
 """backplane: a neural-network inference runtime whose backends plug in."""
 
-from backplane.artifact import ArtifactError
-from backplane.artifact import compile  # noqa: A004  # backplane.compile, as the issue names it
 from backplane.backends.api.backend import Backend, Support
 from backplane.backends.registry import registry
 from backplane.frontends.onnx import ModelError, import_onnx
@@ -17,11 +15,18 @@ _SUBMODULES = ("placement_picture", "debug", "profiling", "io_binding", "conform
 """Modules reached as ``backplane.<name>`` without an import of their own, loaded at first use."""
 
 
-def __getattr__(name: str) -> object:
-    if name in _SUBMODULES:
-        import importlib
+_FROM_ARTIFACT = ("ArtifactError", "compile")
+"""backplane.compile (as the issue names it) and ArtifactError, from ``backplane.artifact`` at first
+use: a session of a model file reads no artifact (issue 27, item 5: the import's cost)."""
 
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _SUBMODULES:
         return importlib.import_module(f"backplane.{name}")
+    if name in _FROM_ARTIFACT:
+        return getattr(importlib.import_module("backplane.artifact"), name)
     raise AttributeError(f"module 'backplane' has no attribute {name!r}")
 
 __all__ = [

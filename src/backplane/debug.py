@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from rich.console import Console
+if TYPE_CHECKING:  # rich at the first debug print: every optimize reads the level (import cost)
+    from rich.console import Console
 
 
 def level() -> int:
@@ -16,4 +18,6 @@ def level() -> int:
 
 
 def console() -> Console:
+    from rich.console import Console
+
     return Console(file=sys.stderr, width=160)

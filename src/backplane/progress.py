@@ -16,13 +16,14 @@ reports unconditionally, and a library user who opened nothing sees nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TaskID,
-                           TextColumn, TimeElapsedColumn)
-from rich.text import Text
+if TYPE_CHECKING:  # rich is imported by the first display: a session opens none (its import cost)
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
 Step = Callable[..., None]
 """``step(description=None, advance=1)``: one more unit done; a description replaces the bar's."""
@@ -32,21 +33,34 @@ _open: list[Progress] = []  # the displays open now, innermost last; one shows, 
 _counts: dict[str, TaskID] = {}  # count()'s tallies on the display open now, by description
 
 
-class _Done(ProgressColumn):
-    """``3/8`` for a bar of known length, ``3`` for an open-ended tally, nothing before the first."""
+@functools.cache
+def _done_column() -> type:
+    """The column class, made at the first display (it subclasses rich's)."""
+    from rich.progress import ProgressColumn, Task
+    from rich.text import Text
 
-    def render(self, task: Task) -> Text:
-        done = int(task.completed)
-        if task.total is None:
-            return Text(str(done) if done else "", style="progress.download")
-        return Text(f"{done}/{int(task.total)}", style="progress.download")
+    class _Done(ProgressColumn):
+        """``3/8`` for a bar of known length, ``3`` for an open-ended tally, nothing before the
+        first."""
+
+        def render(self, task: Task) -> Text:
+            done = int(task.completed)
+            if task.total is None:
+                return Text(str(done) if done else "", style="progress.download")
+            return Text(f"{done}/{int(task.total)}", style="progress.download")
+
+    return _Done
 
 
 def display(console: Console | None = None, quiet: bool = False) -> Progress:
     """A display on ``console`` (stderr by default), off unless it is a terminal and not ``quiet``;
     transient: gone when done, the output after it starting where it began."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     console = console or Console(stderr=True)
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), _Done(),
+    done: Any = _done_column()()
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), done,
                     TimeElapsedColumn(), console=console, transient=True,
                     disable=quiet or not console.is_terminal)
 

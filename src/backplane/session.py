@@ -21,8 +21,7 @@ from typing import Any
 
 import onnx
 
-from backplane import against_cpu, artifact
-from backplane.artifact import cache as _artifact_cache  # noqa: F401  # artifact.cache, loaded
+from backplane import against_cpu, artifact  # artifact's modules load at first use (its __init__)
 from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx
 from backplane.frontends.onnx_file import WeightFile, read_model
@@ -203,7 +202,7 @@ class InferenceSession:
         all_pins = merge(("SessionOptions.pins", options.pins), ("pins=", pins or {}))
         optimizer_options = optimizer_options_for(options, optimizer_options)
         self._severity = options.log_severity_level
-        compiled = artifact.cache.folder(cache_dir) if stored is None else None
+        compiled = _compile_cache(cache_dir) if stored is None else None
         self._cache_dir = options.cache_dir if options.cache_dir or not compiled else compiled
         with log_scope(self._severity), cache_scope(self._cache_dir):
             timing, remade = None, None
@@ -480,6 +479,14 @@ class InferenceSession:
             self.runtime.close()  # its contexts, and the backends it holds (destroy hooks)
         self._closed = True
         self._update_fast_path()
+
+
+def _compile_cache(cache_dir: str | os.PathLike | None) -> str | None:
+    """``artifact.cache.folder``, whose modules (the artifact's writer and reader) are imported
+    only where a compile cache is asked for: a plain session's load does without them."""
+    if cache_dir is None and not os.environ.get("BACKPLANE_COMPILE_CACHE"):
+        return None
+    return artifact.cache.folder(cache_dir)
 
 
 def metadata_of(proto: onnx.ModelProto) -> ModelMetadata:

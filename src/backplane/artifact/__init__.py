@@ -11,18 +11,36 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backplane.artifact.compiler import (Artifact, delegate, load, manifest_of, model_hash,
-                                         read_manifest, save)
-from backplane.artifact.container import ArtifactError, is_artifact
-from backplane.artifact.signing import SigningKey, signing_key
-
 if TYPE_CHECKING:
+    from backplane.artifact.compiler import Artifact, load, read_manifest
+    from backplane.artifact.container import ArtifactError, is_artifact
+    from backplane.artifact.signing import SigningKey
     from backplane.optimizer.optimize import OptimizerOptions
     from backplane.runtime.runtime import Runtime
     from backplane.session import BackendSpec, SessionOptions
 
 __all__ = ["Artifact", "ArtifactError", "SigningKey", "build", "compile", "is_artifact", "load",
            "read_manifest"]
+
+_LAZY = {"Artifact": "compiler", "delegate": "compiler", "load": "compiler",
+         "manifest_of": "compiler", "model_hash": "compiler", "read_manifest": "compiler",
+         "save": "compiler", "ArtifactError": "container", "is_artifact": "container",
+         "SigningKey": "signing", "signing_key": "signing"}
+"""Names imported at their first use: a session of a model file, with no compile cache, reads no
+artifact, and the modules that write and read one (their hashing, signing, temporary files) are
+not on its load's path (issue 27, item 5). ``cache`` and the other submodules load the same way."""
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"backplane.artifact.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    if name in ("cache", "codec", "compiler", "container", "facts", "signing"):
+        return importlib.import_module(f"backplane.artifact.{name}")
+    raise AttributeError(f"module 'backplane.artifact' has no attribute {name!r}")
 
 
 def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
@@ -38,6 +56,7 @@ def compile(model: Any, backends: Sequence[BackendSpec] | None = None,
     artifact's size in bytes. ``sign_key``: sign it with this key (``SigningKey`` or its bytes;
     default: ``sess_options.artifact_key``); a session whose ``SessionOptions.artifact_key`` is
     that key loads only artifacts signed with it."""
+    from backplane.artifact.signing import signing_key
     from backplane.session import (backend_list, default_backends, optimizer_options_for,
                                    qualified)
 
@@ -66,6 +85,7 @@ def build(model: Any, output: str | os.PathLike, ids: Sequence[str], options: Ma
     """Import, optimize, preprocess and write: ``compile`` with the options already resolved
     (``durable``: see ``container.write``; the compile cache writes without an fsync)."""
     from backplane import against_cpu
+    from backplane.artifact.compiler import delegate, manifest_of, model_hash, save
     from backplane.frontends.onnx import import_onnx
     from backplane.frontends.onnx_file import read_model
     from backplane.optimizer.optimize import optimize

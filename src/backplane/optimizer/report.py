@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import io
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from backplane.backends.api.backend import CompileSpec
 from backplane.optimizer.partition import DelegationSpec
+
+if TYPE_CHECKING:  # rich at the first rendering: a session's load renders nothing (import cost)
+    from rich.console import Console
+    from rich.table import Table
 
 
 @dataclass
@@ -238,6 +238,8 @@ class PlacementReport:
 
     def render(self, console: Console) -> None:
         """The tables, never cropped: a line wider than the console wraps at the terminal."""
+        from rich.text import Text
+
         print_table(console, self.table())
         if self.copies:
             print_table(console, self.copies_table())
@@ -267,6 +269,8 @@ class PlacementReport:
         return f"a run: {len(self.partitions)} partitions ({' -> '.join(_runs(self.partitions))}), "
 
     def __str__(self) -> str:
+        from rich.console import Console
+
         buffer = io.StringIO()
         self.render(Console(file=buffer, width=160, color_system=None))
         return buffer.getvalue()
@@ -299,6 +303,9 @@ def unfolded_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, .
     """A table whose cells are plain text (no markup) and whose columns, but those in ``folding``,
     are never folded or cut: each is as wide as its widest cell, and a narrow console folds the
     ``folding`` columns instead (a path or a layer name stays whole, to copy and paste)."""
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=title)
     for index, column in enumerate(columns):
         widest = max([len(column), *(len(line) for row in rows for line in row[index].split("\n"))])
