@@ -66,17 +66,21 @@ def ort_run(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
                                 providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
-def assert_matches_ort(path: Path, feeds: dict[str, np.ndarray], backends: list[str]) -> None:
+def assert_matches_ort(path: Path, feeds: dict[str, np.ndarray], backends: list[str],
+                       steps: dict[str, float] | None = None) -> None:
+    """``steps``: per output, a difference of one quantization step allowed (``output_steps``)."""
     if "CpuAcc" in backends:
         pytest.importorskip("torch")
     session = InferenceSession(path, backends=backends)
     expected = ort_run(path, feeds)
     actual = session.run(None, feeds)
     assert len(actual) == len(expected)
-    for got, want in zip(actual, expected):
+    names = [o.name for o in session.get_outputs()]
+    for name, got, want in zip(names, actual, expected):
         assert got.shape == want.shape and got.dtype == want.dtype
         scale = max(float(np.max(np.abs(want))), 1e-12)
-        assert float(np.max(np.abs(got.astype(np.float64) - want))) / scale <= TOLERANCE
+        step = (steps or {}).get(name, 0.0) * (1 + 1e-6)
+        assert float(np.max(np.abs(got.astype(np.float64) - want))) <= max(TOLERANCE * scale, step)
     if "CpuAcc" in backends:  # the com.microsoft layers CpuAcc has kernels for ran on CpuAcc
         from backplane.backends.torch.kernels import KERNELS
 
@@ -161,7 +165,25 @@ def test_static_quantization_of_a_small_cnn(variant: str, backends: list[str], t
                                  per_channel=per_channel)
     assert contrib_ops(path) == (QOPERATOR_OPS if fmt == "QOperator" else set())
     feeds = {"x": np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)}
-    assert_matches_ort(path, feeds, backends)
+    assert_matches_ort(path, feeds, backends, output_steps(path) if fmt == "QDQ" else None)
+
+
+def output_steps(path: Path) -> dict[str, float]:
+    """Each graph output's quantization step (the scale of the DequantizeLinear that makes it).
+
+    A QDQ model computes in float between its QuantizeLinear/DequantizeLinear pairs, and its
+    quantized tensors land on exact rounding ties (an AveragePool of four quantized values is a
+    quarter-step multiple), where a float ulp decides the side: with every tensor of the
+    per-channel small CNN made an output, CpuRef's, CpuAcc's and GpuAcc's quantized tensors each
+    differ from ONNX Runtime's by 1-3 steps on 3-12% of their values (the H200 machine, and here),
+    and the outputs' agreement to the bit is the draw's: GpuAcc's probabilities were one step
+    (1/255) off ONNX Runtime's in one of ten on the GPU machine (cuDNN on and off alike). The
+    integer-only QOperator form is held to the bit."""
+    model = onnx.load(str(path))
+    scales = {t.name: float(numpy_helper.to_array(t).max()) for t in model.graph.initializer}
+    return {n.output[0]: scales[n.input[1]] for n in model.graph.node
+            if n.op_type == "DequantizeLinear" and n.input[1] in scales
+            and n.output[0] in {o.name for o in model.graph.output}}
 
 
 @pytest.mark.parametrize("backends", BACKEND_LISTS.values(), ids=BACKEND_LISTS.keys())
