@@ -100,12 +100,13 @@ def _int8_product(a: dict[str, Any]) -> Any:
     point's share, plus C: the same integers as the float product (every sum below 2^24, as
     matched), from a weight a quarter its size (a ResNet head's (1, 128) x (128, 1000) ran 110-150
     us in float32 beside the convolutions, whose activations evict it from the caches each run);
-    None where torch has no such product here or its int8 kernels are not exact."""
+    None where torch has no such product here, it is not exact (``int8_exact.exact_int_mm``) or
+    it is slow: without VNNI (``exact_kernels`` fails) it is exact but 9-36x float32's product."""
     import torch
 
-    from backplane.backends.torch.fusion.int8_exact import exact_kernels
+    from backplane.backends.torch.fusion.int8_exact import exact_int_mm, exact_kernels
 
-    if a.get("int8") is None or not exact_kernels():
+    if a.get("int8") is None or not (exact_kernels() and exact_int_mm()):
         return None
     weight, unsigned = torch.from_numpy(a["int8"]["weight"]), a["int8"]["unsigned"]  # (K, N)
     bias = torch.zeros(weight.shape[1], dtype=torch.int32) if a["bias"] is None else \
@@ -147,6 +148,7 @@ def qgemm_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     a = layer.attrs
     x_zero, multiplier = a["x_zero"], torch.from_numpy(np.array(a["multiplier"], F32))
     product = _int8_product(a)
+    route = "float" if product is None else "int8"
     if product is None:
         float_product = linear_workload(_in_float32(layer), backend)
         product = lambda x: float_product(x.float().sub_(x_zero))  # noqa: E731
@@ -155,6 +157,7 @@ def qgemm_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         def run(x):
             (acc,) = product(x)
             return (acc.mul_(multiplier).to(dtype),)
+        run.route = route  # type: ignore[attr-defined]
         return run
     scale, zero, (low, high) = torch.from_numpy(grid["scale"]), grid["zero"], grid["range"]
     integer = {RANGES[np.dtype(t)]: getattr(torch, t) for t in ("uint8", "int8")}[(low, high)]
@@ -163,6 +166,7 @@ def qgemm_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
         (acc,) = product(x)
         y = acc.mul_(multiplier).div_(scale)
         return (torch.round(y).add_(zero).clamp_(low, high).to(integer),)
+    run_quantized.route = route  # type: ignore[attr-defined]
     return run_quantized
 
 

@@ -233,7 +233,7 @@ def fastest_route(layer: Layer, backend: Any, float_route: Any) -> Any:
     mode = backend.options.get("CpuAcc.int8", "auto")
     if mode not in MODES:
         raise OptionError(f"CpuAcc.int8 {mode!r} is not one of {', '.join(MODES)}")
-    mode = int8_exact.mode(mode)
+    mode = int8_exact.mode(mode, product=linear)
     if mode == "exact" or not linear and "x86" not in torch.backends.quantized.supported_engines:
         return float_route()
 
