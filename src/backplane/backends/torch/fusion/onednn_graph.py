@@ -289,20 +289,30 @@ def _named(run: Callable[..., Any], route: str) -> Workload:
     return run
 
 
+SAMPLE_SEED = 1
+"""The seed of ``_sample``'s values: the compile's check (``_compiled``) decides the same way at
+every load. On a random sample it refused the full tier's QDQ MobileNet in about one load of 30
+(its far share, ``quantized.within_steps``, over the 1% limit in 1 of 30 samples, mean 0.51%), and
+each load drew from the caller's torch random state."""
+
+
 def _sample(inputs: Sequence[TensorInfo], channels_last: Sequence[bool] | None = None,
             compute: str | None = None, source: str = "float32") -> list[Any]:
-    """Random inputs of the boundary's shapes and types (float32 ones, ``source`` ones where
-    given, in ``compute`` where given), channels-last where ``channels_last`` says."""
+    """Seeded random inputs (``SAMPLE_SEED``) of the boundary's shapes and types (float32 ones,
+    ``source`` ones where given, in ``compute`` where given), channels-last where
+    ``channels_last`` says."""
     import torch
 
     from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 
     values = []
+    generator = torch.Generator().manual_seed(SAMPLE_SEED)
     for info, last in zip(inputs, channels_last or [False] * len(inputs)):
         dtype = NUMPY_TO_TORCH[info.dtype]  # type: ignore[index]
         if compute and dtype == named_type(source):
             dtype = named_type(compute)
-        value = (torch.randn(info.shape, dtype=dtype) if dtype.is_floating_point  # type: ignore
+        value = (torch.randn(info.shape, dtype=dtype, generator=generator)  # type: ignore
+                 if dtype.is_floating_point  # type: ignore[union-attr]
                  else torch.zeros(info.shape, dtype=dtype))  # type: ignore[arg-type]
         values.append(value.contiguous(memory_format=torch.channels_last) if last else value)
     return values
