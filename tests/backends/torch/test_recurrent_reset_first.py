@@ -153,6 +153,24 @@ def test_linear_before_reset_eager_and_wide_keep_torch(reset_first: list[str],
     assert reset_first == []
     _traced_gru(*recurrent_model("GRU", "forward", attrs={"linear_before_reset": 1}), threads=2)
     assert reset_first == ["forward"]
-    monkeypatch.setattr(recurrent, "STEPPED_GRU_HIDDEN", 5)  # the model's hidden is 6
+    monkeypatch.setattr(recurrent, "STEPPED_GRU_HIDDEN", {1: 5, 2: 5})  # the model's hidden is 6
     _traced_gru(model, feeds)
     assert reset_first == ["forward"]
+
+
+@pytest.mark.parametrize(("direction", "stepped"), [("bidirectional", True), ("forward", False)])
+def test_linear_before_reset_traced_wide(direction: str, stepped: bool, reset_first: list[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hidden 200 (wider than the 64 of before, measured faster stepped up to 256 with both
+    directions, 128 with one): a trace steps a bidirectional layer in ``_reset_first``'s ops and
+    leaves a forward one to torch's GRU; CpuRef's values either way."""
+    from tests.backends.torch import test_recurrent_native as native
+
+    monkeypatch.setattr(native, "HIDDEN", 200)
+    model, feeds = recurrent_model("GRU", direction, attrs={"linear_before_reset": 1})
+    traced = _traced_gru(model, feeds)
+    assert reset_first == ([direction] if stepped else [])
+    with torch.no_grad():
+        got = [t.numpy() for t in traced(*(torch.from_numpy(feeds[n]) for n in ("X", "initial_h")))]
+    for g, w in zip(got, run(model, feeds, ["CpuRef"])):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
