@@ -253,3 +253,52 @@ def test_reduce_mean_is_numpys_mean_to_the_bit(dtype) -> None:
             got = reduce._mean(x, axes)
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.bool_])
+def test_reduce_max_and_min_are_the_ufuncs_reductions(dtype) -> None:
+    """ReduceMax / ReduceMin reduce with np.maximum / np.minimum where there are values (no
+    ``initial``: np.max's wrapper), np.max's identity where there are none: NaN through, the
+    result's type the input's, the axes kept or squeezed as asked."""
+    from backplane.backends.reference.kernels import reduce
+
+    rng = np.random.default_rng(2)
+    for shape, axes in [((2, 16), None), ((1, 16), (1,)), ((3, 5, 7), (0, 2)), ((5, 0), (1,)),
+                        ((), None)]:
+        x = (rng.standard_normal(shape) * 50).astype(dtype)
+        if x.size and x.dtype.kind == "f":
+            x.reshape(-1)[min(1, x.size - 1)] = np.nan
+        for kernel, reference, identity in [(reduce.reduce_max, np.max, reduce._identity_of_max),
+                                            (reduce.reduce_min, np.min, reduce._identity_of_min)]:
+            for keepdims in (0, 1):
+                given = None if axes is None else np.array(axes, np.int64)
+                got = kernel(x, given, keepdims=keepdims)[0]
+                want = reference(x, axis=axes, keepdims=bool(keepdims), initial=identity(x.dtype))
+                assert np.asarray(got).dtype == x.dtype and np.shape(got) == np.shape(want)
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32])
+def test_gemm_scales_and_adds_as_onnx_does(dtype) -> None:
+    """Gemm's product scaled by alpha and C by beta, in A's type (floats in place, integers
+    through floats as before), NaN through, C broadcast by row, column or scalar."""
+    from backplane.backends.reference.kernels import matmul
+
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((3, 4)) * 4).astype(dtype)
+    b = (rng.standard_normal((5, 4)) * 4).astype(dtype)
+    if a.dtype.kind == "f":
+        a[0, 0] = np.nan
+    for c in (None, (rng.standard_normal(5) * 4).astype(dtype),
+              (rng.standard_normal((3, 1)) * 4).astype(dtype), np.array(2, dtype)):
+        for alpha, beta in [(1.0, 1.0), (0.5, 2.0)]:
+            got = matmul.gemm(a, b, c, alpha=alpha, beta=beta, transB=1)[0]
+            want = alpha * (a.astype(np.float64) @ b.astype(np.float64).T)
+            if c is not None:
+                want = want + beta * c.astype(np.float64)
+            assert got.dtype == a.dtype and got.shape == (3, 5)
+            half = dtype == np.float16
+            np.testing.assert_allclose(got, want.astype(dtype), rtol=2e-3 if half else 1e-5,
+                                       atol=0.1 if half else 1e-4)
+            if a.dtype.kind == "f":
+                assert np.isnan(got[0]).all() and not np.isnan(got[1:]).any()

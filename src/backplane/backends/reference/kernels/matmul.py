@@ -18,7 +18,16 @@ def mat_mul(A, B):
 def gemm(A, B, C=None, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa: N803
     a = A.T if transA else A
     b = B.T if transB else B
-    y = alpha * np.matmul(a, b) if alpha != 1.0 else np.matmul(a, b)
+    y = np.matmul(a, b)
+    if y.dtype.kind == "f" and y.dtype == A.dtype and (C is None or C.dtype == y.dtype):
+        # a new array of A's type: scaled and added to in place, where two more arrays were made
+        # (y + C, then astype's copy; a Loop body's Gemms run per iteration)
+        if alpha != 1.0:
+            y *= alpha
+        if C is not None:
+            y += beta * C if beta != 1.0 else C
+        return (y,)
+    y = alpha * y if alpha != 1.0 else y  # integers: alpha and beta in floats, as before
     if C is not None:
         y = y + (beta * C if beta != 1.0 else C)
     return (y.astype(A.dtype),)
