@@ -83,6 +83,18 @@ def loads_measure_at_load() -> Iterator[None]:
     background.DEFAULT = before
 
 
+@pytest.fixture(autouse=True, scope="session")
+def default_sessions_load_at_once() -> Iterator[None]:
+    """A session given no backends loads CpuAcc before it returns, whether or not the test's process
+    has imported torch yet (``backplane.deferred_load``): what a test sees does not depend on the
+    tests that ran before it in its worker; tests/test_deferred_load.py tests the deferred load."""
+    from backplane import deferred_load
+
+    before, deferred_load.DEFAULT = deferred_load.DEFAULT, False
+    yield
+    deferred_load.DEFAULT = before
+
+
 class PartialBackend(Backend):
     """A backend with CpuRef's kernels for a few ops only, sharing host memory with CpuRef."""
 

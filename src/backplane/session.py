@@ -21,7 +21,7 @@ from typing import Any
 
 import onnx
 
-from backplane import against_cpu, artifact  # artifact's modules load at first use (its __init__)
+from backplane import against_cpu, artifact, deferred_load  # artifact's: at first use (its __init__)
 from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx
 from backplane.frontends.onnx_file import WeightFile, read_model
@@ -34,8 +34,8 @@ from backplane.overriding import Overrides, overridable
 from backplane.profiling import Trace, profile_file
 from backplane.runtime.loaded_network import LayerTiming
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions, within
-from backplane.session_checks import (artifact_backends, check_artifact_choices, check_pins,
-                                      stored_artifact)
+from backplane.session_checks import (artifact_backends, by_kind, check_artifact_choices,
+                                      check_pins, stored_artifact)
 from backplane.session_options import (BackendSpec, RunOptions, SessionOptions, backend_list,
                                        cache_scope, default_backends, log_scope, merge,
                                        optimizer_options_for, qualified, stop_scope)
@@ -76,38 +76,6 @@ def _node_arg(name: str, info: TensorInfo) -> NodeArg:
     elem = onnx.helper.tensor_dtype_to_string(onnx.helper.np_dtype_to_tensor_dtype(info.dtype))
     elem = elem.removeprefix("TensorProto.").lower()
     return NodeArg(name, list(info.shape) if info.shape is not None else None, f"tensor({elem})")
-
-
-def _by_kind(positional: Sequence[Any], **named: Any) -> dict[str, Any]:
-    """The arguments after the model, placed by what they are, as ONNX Runtime's
-    ``(model, sess_options, providers, provider_options)`` and backplane's ``(model, backends,
-    sess_options)`` both give them: a SessionOptions is ``sess_options``, a list of mappings
-    ``provider_options``, another list the backends (``providers`` or ``backends``)."""
-    if len(positional) > 3:
-        raise TypeError(f"InferenceSession takes the model and at most 3 more positional "
-                        f"arguments (sess_options, providers, provider_options), got "
-                        f"{len(positional)}")
-    for index, value in enumerate(positional, start=2):
-        if isinstance(value, SessionOptions):
-            name = "sess_options"
-        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value \
-                and all(isinstance(item, Mapping) for item in value):
-            name = "provider_options"
-        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-            name = "backends" if named["providers"] is None else "providers"
-        elif value is None:
-            continue
-        else:
-            raise TypeError(f"argument {index} of InferenceSession is a {type(value).__name__}: "
-                            f"give a SessionOptions, a list of providers (backend ids) or a list "
-                            f"of provider options")
-        taken = [n for n in (name, *(("providers",) if name == "backends" else ()))
-                 if named[n] is not None]
-        if taken:
-            raise TypeError(f"argument {index} of InferenceSession is {name}, and {taken[0]}= "
-                            f"is given too")
-        named[name] = value
-    return named
 
 
 # -- the session -------------------------------------------------------------------------------------------
@@ -162,7 +130,8 @@ class InferenceSession:
                  cache_dir: str | os.PathLike | None = None, repreprocess: bool = False) -> None:
         start = time.perf_counter()
         self._overrides: Overrides | None = None  # a network per set of defaults fed (overriding)
-        given = _by_kind(positional, sess_options=sess_options, providers=providers,
+        self._later: deferred_load.Later | None = None  # the default backends' load, in progress
+        given = by_kind(positional, sess_options=sess_options, providers=providers,
                          provider_options=provider_options, backends=backends)
         sess_options, providers = given["sess_options"], given["providers"]
         provider_options, backends = given["provider_options"], given["backends"]
@@ -177,9 +146,16 @@ class InferenceSession:
         stored = stored_artifact(model, self.sess_options.artifact_key)
         if stored is not None and listed is None and provider_options is None:
             listed = artifact_backends(stored[1])
-        if listed is None:
-            listed = default_backends()
-            _log.info("no backends given: %s, the fastest available here", ", ".join(listed))
+        later = None
+        if listed is None:  # torch's backends built in the background where they may (deferred_load)
+            later = deferred_load.deferrable(model, {"provider_options": provider_options,
+                                                     "runtime": runtime, "cache_dir": cache_dir,
+                                                     "pins": pins or self.sess_options.pins or None},
+                                             self.sess_options.enable_profiling)
+            asked = optimizer_options  # as given: the background's session derives its own
+            listed = default_backends() if later is None else \
+                [b for b in later if b not in deferred_load.TORCH_BACKENDS]
+            _log.info("no backends given: %s, the fastest available here", ", ".join(later or listed))
         ids, per_backend = backend_list(listed, provider_options)
         self._provider_options = per_backend
         options = self.sess_options
@@ -273,6 +249,11 @@ class InferenceSession:
             self._trace.span("import", start, optimized)
             self._trace.span("optimize", optimized, loading, backends=ids)
             self._trace.span("load", loading, loaded)
+        if later is not None:  # the first run waits for it and takes it over
+            self._later = deferred_load.Later(lambda: InferenceSession(
+                model, self.sess_options, providers=list(later), optimizer_options=asked,
+                input_shapes=input_shapes,
+                repreprocess=repreprocess))
         self._update_fast_path()
 
     def _give_up_weights(self, weights: WeightFile,
@@ -350,6 +331,8 @@ class InferenceSession:
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Outputs named in ``output_names`` (all when None), in that order."""
+        if self._later is not None:
+            self._later.adopt(self)
         if self._overrides is not None and not self._overrides.names.isdisjoint(input_feed):
             self._check_open()  # an input's default given: the network that reads it as an input
             with stop_scope(run_options):
@@ -408,6 +391,8 @@ class InferenceSession:
         if run_options is not None and not isinstance(run_options, RunOptions):
             raise TypeError(f"run_options must be a backplane.RunOptions or None, got "
                             f"{type(run_options).__name__}")
+        if self._later is not None:
+            self._later.adopt(self)
         severity, tag = self._severity, ""
         if run_options is not None:
             tag = run_options.logid
@@ -430,7 +415,7 @@ class InferenceSession:
     def _update_fast_path(self) -> None:
         self._fast = (self._trace is None and self._severity == 2 and not self._closed
                       and not (self._cache_dir and self._builds_at_run)
-                      and self._against_cpu is None)
+                      and self._against_cpu is None and self._later is None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -472,6 +457,9 @@ class InferenceSession:
         error, and closing again does nothing."""
         if self._closed:
             return
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
         self.runtime.unload(self.network_id)
         if self._overrides is not None:
             self._overrides.unload(self.runtime)

@@ -1,6 +1,6 @@
-"""What a session checks before it loads (split from ``session.py``): pins that name a layer or an op
-type of the model, and an artifact's manifest against the backends, options and input shapes a
-session asks for."""
+"""What a session checks before it loads (split from ``session.py``): its arguments placed by kind
+(``by_kind``), pins that name a layer or an op type of the model, and an artifact's manifest against
+the backends, options and input shapes a session asks for."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import onnx
 
 from backplane import artifact
 from backplane.ir.graph import Graph, Layer
-from backplane.session_options import BackendSpec
+from backplane.session_options import BackendSpec, SessionOptions
 
 _log = logging.getLogger("backplane.session")
 
@@ -81,3 +81,35 @@ def check_artifact_choices(manifest: Mapping[str, Any], ids: Sequence[str],
             raise artifact.ArtifactError(f"the artifact was compiled for {what} {compiled!r}; "
                                          f"this session asks for {given!r} (compile again for "
                                          f"those, or give none to take the artifact's)")
+
+
+def by_kind(positional: Sequence[Any], **named: Any) -> dict[str, Any]:
+    """The arguments after the model, placed by what they are, as ONNX Runtime's
+    ``(model, sess_options, providers, provider_options)`` and backplane's ``(model, backends,
+    sess_options)`` both give them: a SessionOptions is ``sess_options``, a list of mappings
+    ``provider_options``, another list the backends (``providers`` or ``backends``)."""
+    if len(positional) > 3:
+        raise TypeError(f"InferenceSession takes the model and at most 3 more positional "
+                        f"arguments (sess_options, providers, provider_options), got "
+                        f"{len(positional)}")
+    for index, value in enumerate(positional, start=2):
+        if isinstance(value, SessionOptions):
+            name = "sess_options"
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value \
+                and all(isinstance(item, Mapping) for item in value):
+            name = "provider_options"
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            name = "backends" if named["providers"] is None else "providers"
+        elif value is None:
+            continue
+        else:
+            raise TypeError(f"argument {index} of InferenceSession is a {type(value).__name__}: "
+                            f"give a SessionOptions, a list of providers (backend ids) or a list "
+                            f"of provider options")
+        taken = [n for n in (name, *(("providers",) if name == "backends" else ()))
+                 if named[n] is not None]
+        if taken:
+            raise TypeError(f"argument {index} of InferenceSession is {name}, and {taken[0]}= "
+                            f"is given too")
+        named[name] = value
+    return named

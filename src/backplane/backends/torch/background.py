@@ -130,9 +130,17 @@ def settled() -> bool:
 
 def wait(timeout: float | None = None) -> bool:
     """Block until every queued build is done and swapped in (True), or ``timeout`` seconds pass
-    (False). The routes those builds left to the runs are chosen by the runs (``settled``)."""
+    (False). The routes those builds left to the runs are chosen by the runs (``settled``). A
+    default session's load deferred to the background (``backplane.deferred_load``) is waited for
+    first: its network is taken over by its next run."""
+    from backplane import deferred_load
+
+    end = None if timeout is None else time.perf_counter() + timeout
+    if not deferred_load.wait(timeout):
+        return False
     worker = _WORKER
-    return True if worker is None else worker.idle(timeout)
+    return True if worker is None else worker.idle(
+        None if end is None else max(0.0, end - time.perf_counter()))
 
 
 def settle(run: Callable[[], Any], timeout: float = 60.0) -> bool:

@@ -1,0 +1,166 @@
+"""A default session that returns before torch is imported: CpuAcc built in the background.
+
+Importing torch is most of a cold session's time (1.5-3.7 s on a 2-core AMD EPYC, against
+0.3-0.5 s for the rest of ``import backplane`` and the load; ONNX Runtime's session, imported and
+loaded, 0.06-0.2 s: issue 27, item 5). So a session given no backends, in a process that has not
+imported torch, on a machine with no GPU device, loads the model on the backends that need no
+torch (CpuRef) and returns; a background thread imports torch and loads the same model, with the
+same options, as a session given the default backends (CpuAcc, CpuRef) would. The first run
+waits for that load and takes it over (``adopt``): every run, the first included, runs on what
+the default session would have run, and its outputs are that session's. The torch import is then
+paid by the first run instead of the load (the caller's code between the two overlaps it), and a
+failed background load leaves the CpuRef session running, with a warning saying why.
+
+A run does not take the CpuRef session while the build is under way: CpuRef runs the demo model in
+0.6 s a call here, a model of the full tier in seconds, where the build is done in 1.5-3 s; a run
+that waited is never slower than the session that loaded at once. ``DEFAULT`` False (the tests'
+conftest) loads as before. What is not deferred: a backend list given, provider options, a
+Runtime given, an artifact or a compile cache, profiling, a model that is not a file, torch
+imported already (then the load takes 0.06 s), a GPU device present (GpuAcc may come first).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("backplane.session")
+
+DEFAULT = True
+"""Whether a default session defers its torch backends where it may (the module's docstring)."""
+
+TORCH_BACKENDS = ("GpuAcc", "CpuAcc")
+_GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""Device nodes of the drivers torch's CUDA (or ROCm) builds use: with none, GpuAcc cannot run."""
+
+
+def deferrable(model: Any, given: dict[str, Any], profiling: bool) -> tuple[str, ...] | None:
+    """The default backends (``CpuAcc``, ``CpuRef``) where this session's load may leave them to the
+    background, else None (the session takes ``default_backends()`` as before). ``given``: the
+    session's arguments that turn it off (provider_options, runtime, cache_dir, pins), None where
+    absent."""
+    from backplane.backends.registry import registry
+
+    if not DEFAULT or "torch" in sys.modules or profiling or any(v is not None for v in
+                                                                     given.values()):
+        return None
+    if not isinstance(model, (str, os.PathLike)) or os.environ.get("BACKPLANE_COMPILE_CACHE"):
+        return None
+    if importlib.util.find_spec("torch") is None or any(map(os.path.exists, _GPU_DEVICES)):
+        return None
+    if any(not registry.is_registered(b) or registry.origin(b) != "built in"
+           for b in TORCH_BACKENDS):
+        return None  # a backend registered in their place: it says itself what it needs
+    return ("CpuAcc", "CpuRef")
+
+
+class Later:
+    """The background load of one session (``make``: the session on the full backend list),
+    taken over by the session at its first run (``adopt``) or dropped with it (``cancel``)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.made: Any = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        context = contextvars.copy_context()  # the loader's scopes (log, cache) in its build
+        self.thread = threading.Thread(target=context.run, args=(self._build, make),
+                                       name="backplane-deferred-load", daemon=True)
+        _PENDING.add(self)
+        self.thread.start()
+
+    def _build(self, make: Callable[[], Any]) -> None:
+        try:
+            made = make()
+        except BaseException as exc:  # noqa: BLE001  # the CpuRef session runs on: say why
+            self.error = exc
+            log.warning("the default backends' load in the background failed (%s: %s): the "
+                        "session runs on CpuRef", type(exc).__name__, exc)
+            made = None
+        with self.lock:
+            if self.cancelled and made is not None:
+                made.close()
+                made = None
+            self.made = made
+        self.done.set()
+        _PENDING.discard(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+    def adopt(self, session: Any) -> None:
+        """Wait for the build; then ``session`` takes the built session's state (its runtime,
+        network, report), its own runtime closed. Where the build failed it keeps its own."""
+        self.done.wait()
+        with self.lock:
+            if session._later is not self:  # another thread took it over first
+                return
+            made, self.made = self.made, None
+            if made is None:
+                session._later = None
+                session._update_fast_path()
+                return
+            old, own = session.runtime, session._own_runtime
+            state = dict(vars(made))
+            state["_later"] = None
+            vars(session).update(state)
+            made._closed = True  # its runtime is the session's now: nothing to close twice
+        _threads_here(session.backend_options)
+        if own:
+            old.close()
+        session._update_fast_path()
+
+    def cancel(self) -> None:
+        """The session closed before its first run: the build, when done, is closed too."""
+        with self.lock:
+            self.cancelled = True
+            made, self.made = self.made, None
+        if made is not None:
+            made.close()
+
+
+def _threads_here(options: dict[str, Any]) -> None:
+    """A count of threads given (``CpuAcc.threads``) set in the thread that takes the build over:
+    torch's count is per thread, and the background thread's setting stays in it."""
+    from backplane.backends.torch import threads as policy
+
+    count = policy.thread_setting(options.get("CpuAcc.threads"))
+    if count:
+        import torch
+
+        torch.set_num_threads(count)
+
+
+_PENDING: set[Later] = set()
+
+
+def pending() -> int:
+    """How many background loads are not done."""
+    return len(_PENDING)
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Block until every background load is done (True), or ``timeout`` seconds pass (False)."""
+    import time
+
+    end = None if timeout is None else time.perf_counter() + timeout
+    for later in list(_PENDING):
+        left = None if end is None else max(0.0, end - time.perf_counter())
+        if not later.wait(left):
+            return False
+    return True
+
+
+@atexit.register
+def _at_exit() -> None:
+    """A process that exits during a background load waits for it (torch must not be importing
+    or inside a call while the interpreter finalizes)."""
+    wait(60.0)

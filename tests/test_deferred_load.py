@@ -1,0 +1,131 @@
+"""A default session that returns before torch is imported (``backplane.deferred_load``).
+
+A fresh process where the path needs torch not imported yet (the test process has imported it):
+the session returns on CpuRef, the first run waits for CpuAcc's load in the background and takes it
+over, and its outputs are those of a session loaded on CpuAcc at once and ONNX Runtime's. In this
+process: a failed background load leaves the CpuRef session running, and a session closed before
+its first run closes the load it was waiting for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backplane import InferenceSession, deferred_load
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "models" / "mobilenet_v2_w020_c10.onnx"
+
+_FRESH = """
+import json, sys
+import numpy as np
+import backplane
+from backplane.backends.torch import threads
+threads.CROWDED_CHECK = False  # the same routes whatever the machine's load, in both sessions
+x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+session = backplane.InferenceSession(sys.argv[1])
+before = {"providers": session.get_providers(), "waiting": session._later is not None}
+got = session.run(None, {"input": x})[0]
+after = {"providers": session.get_providers(), "counts": session.report.counts(),
+         "waiting": session._later is not None}
+again = session.run(None, {"input": x})[0]
+at_once = backplane.InferenceSession(sys.argv[1], providers=["CpuAcc", "CpuRef"])
+wanted = at_once.run(None, {"input": x})[0]
+print(json.dumps({"before": before, "after": after, "first": got.tolist(),
+                  "again": again.tolist(), "at_once": wanted.tolist()}))
+"""
+
+
+def test_a_default_session_defers_cpuacc_and_its_first_run_takes_it_over() -> None:
+    pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    done = subprocess.run([sys.executable, "-c", _FRESH, str(DEMO)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["before"] == {"providers": ["CpuRef"], "waiting": True}
+    assert seen["after"]["providers"] == ["CpuAcc", "CpuRef"]
+    assert not seen["after"]["waiting"] and set(seen["after"]["counts"]) == {"CpuAcc"}
+    x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+    reference = ort.InferenceSession(str(DEMO), providers=["CPUExecutionProvider"]).run(
+        None, {"input": x})[0]
+    for name in ("first", "again"):
+        np.testing.assert_allclose(np.array(seen[name], np.float32), np.array(seen["at_once"]),
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.array(seen[name], np.float32), reference, rtol=1e-3,
+                                   atol=1e-4)
+
+
+def _inputs() -> dict[str, np.ndarray]:
+    return {"input": np.random.default_rng(1).random((1, 3, 224, 224), dtype=np.float32)}
+
+
+def test_a_failed_background_load_leaves_the_cpuref_session_running(
+        caplog: pytest.LogCaptureFixture) -> None:
+    session = InferenceSession(DEMO, providers=["CpuRef"])
+    expected = session.run(None, _inputs())[0]
+
+    def failing() -> InferenceSession:
+        raise RuntimeError("no torch today")
+
+    session._later = deferred_load.Later(failing)
+    session._update_fast_path()
+    assert not session._fast
+    with caplog.at_level(logging.WARNING, logger="backplane.session"):
+        got = session.run(None, _inputs())[0]
+    assert "no torch today" in caplog.text and "runs on CpuRef" in caplog.text
+    assert session._later is None and session._fast
+    assert session.get_providers() == ["CpuRef"]
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_a_session_closed_before_its_first_run_closes_the_load_it_waited_for() -> None:
+    session = InferenceSession(DEMO, providers=["CpuRef"])
+    made: list[InferenceSession] = []
+
+    def make() -> InferenceSession:
+        made.append(InferenceSession(DEMO, providers=["CpuRef"]))
+        return made[0]
+
+    session._later = later = deferred_load.Later(make)
+    session.close()
+    assert later.wait(60) and deferred_load.pending() == 0
+    assert made[0]._closed
+    with pytest.raises(RuntimeError, match="closed"):
+        session.run(None, _inputs())
+
+
+def test_the_first_run_takes_over_the_built_network() -> None:
+    session = InferenceSession(DEMO, providers=["CpuRef"])
+    old_runtime = session.runtime
+    built = InferenceSession(DEMO, providers=["CpuRef"], pins={"Conv": "CpuRef"})
+    session._later = deferred_load.Later(lambda: built)
+    session._update_fast_path()
+    session.run(None, _inputs())
+    assert session.runtime is built.runtime and session.network_id == built.network_id
+    assert session.optimized is built.optimized and session._later is None
+    assert old_runtime._finalizer.alive is False  # the CpuRef session's own runtime closed
+
+
+@pytest.mark.parametrize("given", [{}, {"provider_options": [{}]}, {"runtime": object()},
+                                   {"cache_dir": "/tmp"}, {"pins": {"Conv": "CpuRef"}}])
+def test_what_a_session_is_given_keeps_it_loading_at_once(
+        given: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    if any(map(Path.exists, map(Path, deferred_load._GPU_DEVICES))):
+        pytest.skip("a GPU device: GpuAcc may come first, a default session loads at once")
+    monkeypatch.setattr(deferred_load, "DEFAULT", True)
+    monkeypatch.delitem(sys.modules, "torch")  # as in a process that has not imported it
+    monkeypatch.delenv("BACKPLANE_COMPILE_CACHE", raising=False)
+    arguments = {"provider_options": None, "runtime": None, "cache_dir": None, "pins": None}
+    chosen = deferred_load.deferrable(DEMO, {**arguments, **given}, False)
+    assert chosen == (None if given else ("CpuAcc", "CpuRef"))
+    assert deferred_load.deferrable(DEMO, arguments, True) is None  # profiling
+    assert deferred_load.deferrable(DEMO.read_bytes(), arguments, False) is None
