@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backplane.backends.torch import gpu_int8  # noqa: E402
+from backplane.backends.torch import gpu_int8, gpu_jit  # noqa: E402
 from backplane.backends.torch.kernels import quantization  # noqa: E402
 from backplane.ir.graph import Layer  # noqa: E402
 
@@ -91,8 +91,9 @@ def test_qlinear_conv_with_constants_made_once_is_the_kernel_s(on_cpu, per_chann
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("zero_type", [np.uint8, np.int8, None])
-def test_a_round_trip_in_five_kernels_is_the_two_layers(on_cpu, zero_type) -> None:
+def _round_trip(zero_type, device: str = "cpu"):
+    """The round trip's fused step, its inputs (rint's ties at both ends, the extremes) on
+    ``device``, the two layers' own values (their kernels on the CPU), and a NaN's value."""
     scale = np.asarray(np.float32(0.037))
     consts = {"s": scale, **({"z": np.asarray(zero_type(3))} if zero_type else {})}
     zp = ["z"] if zero_type else []
@@ -105,13 +106,71 @@ def test_a_round_trip_in_five_kernels_is_the_two_layers(on_cpu, zero_type) -> No
     ties = (np.arange(-300, 300, dtype=np.float32) + 0.5) * scale  # rint's ties, both ends
     x = np.concatenate([ties, np.float32([0, 1e30, -np.inf, np.inf, 7.3, -0.0])])
     inputs = [torch.from_numpy(x)] + [torch.from_numpy(consts[n]) for n in steps[1][1][1:]]
-    (got,) = steps[1][0](*inputs)
     (q,) = quantization.quantize_linear(*inputs[:len(layers[0].inputs)])
     (want,) = quantization.dequantize_linear(q, *inputs[len(layers[0].inputs):])
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
     z = float(consts["z"]) if zero_type else 0.0
-    (nan,) = steps[1][0](torch.tensor([np.nan]), *inputs[1:])
-    assert nan.item() == np.float32(-z * scale)  # quantized to 0, as NumPy's cast (CpuRef)
+    return steps[1][0], [t.to(device) for t in inputs], want, np.float32(-z * scale)
+
+
+@pytest.mark.parametrize("zero_type", [np.uint8, np.int8, None])
+def test_a_round_trip_in_five_kernels_is_the_two_layers(on_cpu, zero_type) -> None:
+    step, inputs, want, nan_value = _round_trip(zero_type)
+    (got,) = step(*inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (nan,) = step(torch.tensor([np.nan]), *inputs[1:])
+    assert nan.item() == nan_value  # quantized to 0, as NumPy's cast (CpuRef)
+
+
+def _dynamic():
+    """DynamicQuantizeLinear -> MatMulInteger (B constant) -> Cast: the steps made, a run of them,
+    and the layers' own kernels run one after another."""
+    rng = np.random.default_rng(3)
+    b = rng.integers(-128, 128, (48, 16), dtype=np.int8)
+    layers = [Layer("d", "DynamicQuantizeLinear", ["x"], ["y", "ys", "yz"]),
+              Layer("m", "MatMulInteger", ["y", "B", "yz"], ["p"])]
+    steps = [(lambda x: quantization.dynamic_quantize_linear(x), ["x"], ["y", "ys", "yz"]),
+             (lambda *v: quantization.mat_mul_integer(*v), layers[1].inputs, ["p"]),
+             (lambda p: (p.float(),), ["p"], ["f"])]
+    layers.append(Layer("c", "Cast", ["p"], ["f"], {"to": 1}))
+    gpu_int8.int8_steps(layers, steps, {"y": 1, "yz": 1, "p": 2}.get, {"B": b})  # their readers
+
+    def run(x):
+        values = {"x": x, "B": torch.from_numpy(b).to(x.device)}
+        for step in (s for s in steps if s is not None):
+            values.update(zip(step[2], step[0](*[values[n] for n in step[1]])))
+        return values
+
+    def layers_own(x):
+        y, scale, zero = quantization.dynamic_quantize_linear(x)
+        (p,) = quantization.mat_mul_integer(y, torch.from_numpy(b), zero)
+        return p.float(), scale
+
+    return steps, run, layers_own
+
+
+def test_dynamic_quantize_then_matmul_integer_pairs_up(on_cpu) -> None:
+    steps, run, layers_own = _dynamic()
+    assert steps[1] is None and steps[0][2] == ["y", "ys", "yz"]  # the Cast reads the product
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((5, 48)).astype(np.float32))
+    got = run(x)
+    want, scale = layers_own(x)
+    torch.testing.assert_close(got["f"], want, rtol=0, atol=0)
+    torch.testing.assert_close(got["ys"], scale, rtol=0, atol=0)
+
+
+def test_a_trace_takes_torch_s_kernels_not_the_one_kernel() -> None:
+    """make_fx (GpuAcc.compile) records what passes torch's dispatcher: the one kernel, launched
+    outside it, would be missing from the traced graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+
+    def traced(x):
+        seen.append(gpu_jit._tracing())
+        return x + 1
+
+    make_fx(traced, tracing_mode="real")(torch.ones(2))
+    assert seen == [True] and not gpu_jit._tracing()
 
 
 def test_a_round_trip_of_two_scales_stays_two_layers() -> None:
@@ -125,6 +184,49 @@ def test_a_round_trip_of_two_scales_stays_two_layers() -> None:
 
 # -- on a GPU ----------------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("zero_type", [np.uint8, np.int8, None])
+def test_a_round_trip_on_cuda_is_one_kernel_and_the_two_layers(zero_type) -> None:
+    """Bit for bit the layers' values (QuantizeLinear divides: torch.div by a scalar on CUDA
+    multiplies by the reciprocal, which the ties here would show), a NaN as the layers give it,
+    in one kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, inputs, want, nan_value = _round_trip(zero_type, "cuda")
+    (got,) = step(*inputs)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    (nan,) = step(torch.tensor([np.nan], device="cuda"), *inputs[1:])
+    assert nan.item() == nan_value
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(*inputs)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+
+
+@cuda
+@pytest.mark.parametrize("shift", [0.0, 3.0, -3.0])  # a range across 0, above it, below it
+def test_dynamic_quantize_on_cuda_is_three_kernels_and_the_layers_values(shift) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    steps, run, layers_own = _dynamic()
+    x = np.random.default_rng(5).standard_normal((7, 48)).astype(np.float32) + np.float32(shift)
+    x[0, :4] = [0.5, -0.5, 1.5, 2.5]  # exact halves among the values
+    got = run(torch.from_numpy(x).cuda())
+    want, scale = layers_own(torch.from_numpy(x))
+    torch.testing.assert_close(got["f"].cpu(), want, rtol=0, atol=0)
+    torch.testing.assert_close(got["ys"].cpu(), scale, rtol=0, atol=0)
+    assert got["y"].dtype == torch.float32  # the centred form, not the kernel's uint8
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps[0][0](torch.from_numpy(x).cuda())
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("Memcpy")]
+    assert len(kernels) <= 3, kernels
 
 
 @cuda

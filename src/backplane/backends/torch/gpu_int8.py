@@ -7,7 +7,8 @@ conversions: each QuantizeLinear -> DequantizeLinear round trip of an activation
 the optimizer), and the integer products widened their constant operands to float64 at every run
 (gpt_dynquant_ort15's nine MatMulInteger, resnet_qlinear_ort15's six QLinearConv).
 
-- A round trip of one constant per-tensor scale and zero point: five kernels (``_round_trip``).
+- A round trip of one constant per-tensor scale and zero point: one kernel of its own on CUDA
+  (``gpu_jit.ROUND_TRIP``), five of torch's where it cannot be made (``_round_trip``).
 - A MatMulInteger with a constant B (and the float Cast that alone reads it) as one float32
   product of A less its zero point by B less its zero point, made once (``_matmul_integer``).
 - A QLinearConv with constant weights, scales and zero points: the float64 convolution of x less
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import Workload
+from backplane.backends.torch import gpu_jit
 from backplane.backends.torch.gpu_small import Step
 from backplane.ir.graph import Layer
 
@@ -47,6 +49,7 @@ def int8_steps(layers: Sequence[Layer], steps: list[Step | None],
                sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> None:
     """QDQ round trips, MatMulInteger (with its float Cast) and QLinearConv with constant
     weights as their forms above, where they are exact so. Rewrites ``steps`` in place."""
+    centred = _dynamic_pairs(layers, steps, sole, constants)
     for index, layer in enumerate(layers):
         step = steps[index]
         if step is None or layer.domain:
@@ -67,10 +70,57 @@ def int8_steps(layers: Sequence[Layer], steps: list[Step | None],
         if cast is not None and steps[after] is not None and cast.op_type == "Cast" \
                 and not cast.domain and int(cast.attrs.get("to", 0)) == 1:  # to float32
             steps[index] = None
-            fused = _matmul_integer(step[0], b_columns, True)
+            fused = _matmul_integer(step[0], b_columns, True, index in centred)
             steps[after] = (fused, step[1], cast.outputs)  # type: ignore[index]
         else:
-            steps[index] = (_matmul_integer(step[0], b_columns, False), step[1], step[2])
+            steps[index] = (_matmul_integer(step[0], b_columns, False, index in centred),
+                            step[1], step[2])
+
+
+def _dynamic_pairs(layers: Sequence[Layer], steps: list[Step | None],
+                   sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> set[int]:
+    """DynamicQuantizeLinear whose uint8 value and zero point the one MatMulInteger with a
+    constant B alone reads (ONNX Runtime's quantize_dynamic writes one before each): on CUDA in
+    three kernels (min and max, scale and zero point, the value less its zero point as float32)
+    in place of about 28 (the kernel's float64 scalar arithmetic, its conversions, the product's
+    widening). The MatMulInteger's indices, which read that float32 value as it is."""
+    centred: set[int] = set()
+    for index, layer in enumerate(layers):
+        step = steps[index]
+        if step is None or layer.domain or layer.op_type != "DynamicQuantizeLinear" \
+                or len(layer.outputs) != 3:
+            continue
+        after = sole(layer.outputs[0])
+        mmi = None if after is None else layers[after]
+        if mmi is None or mmi.op_type != "MatMulInteger" or mmi.domain or steps[after] is None \
+                or [*mmi.inputs, "", ""][:3:2] != layer.outputs[:3:2] \
+                or sole(layer.outputs[2]) != after or _integer_columns(mmi, constants) is None:
+            continue
+        width = _integer_columns(mmi, constants).shape[0]  # type: ignore[union-attr]
+        steps[index] = (_dynamic_quantize(step[0], width), step[1], step[2])
+        centred.add(after)
+    return centred
+
+
+def _dynamic_quantize(kernel: Workload, width: int) -> Workload:
+    """DynamicQuantizeLinear giving (x's uint8 value less its zero point, as float32; the scale;
+    the zero point, as float32) on CUDA where the product takes it (rows of ``width``), its own
+    three outputs elsewhere."""
+    import torch
+
+    def workload(x: Any) -> tuple[Any, ...]:
+        if x.is_cuda and x.dtype == torch.float32 and x.numel() and x.dim() >= 2 \
+                and x.shape[-1] == width:
+            low, high = torch.aminmax(x)
+            made = gpu_jit.call(gpu_jit.DYNAMIC_PARAMS, low, high, outputs=2)
+            if made is not None:
+                scale, zero = made
+                centred = gpu_jit.call(gpu_jit.DYNAMIC_CENTRED, x, scale, zero)
+                if centred is not None:
+                    return centred, scale, zero
+        return kernel(x)  # type: ignore[no-any-return]
+
+    return workload
 
 
 RANGES = {np.dtype(t): (int(np.iinfo(t).min), int(np.iinfo(t).max))
@@ -100,9 +150,10 @@ def _round_trip(layers: Sequence[Layer], steps: list[Step | None], index: int,
                 sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> None:
     """QuantizeLinear -> DequantizeLinear with one constant per-tensor scale and zero point z,
     the integers read by the DequantizeLinear alone (the QDQ format's activations), as
-    clamp(rint(x / s), low - z, high - z) * s, a NaN (quantized to 0) coming back as -z * s: five
-    kernels in place of eight (CpuAcc's ``fusion/quantized.py`` computes it so: the same values as
-    the two layers', the integers exact in float32)."""
+    clamp(rint(x / s), low - z, high - z) * s, a NaN (quantized to 0) coming back as -z * s: one
+    kernel on CUDA (``gpu_jit.ROUND_TRIP``), else five in place of eight (CpuAcc's
+    ``fusion/quantized.py`` computes it so: the same values as the two layers', the integers exact
+    in float32)."""
     after = sole(layers[index].outputs[0])
     dq = None if after is None else layers[after]
     if dq is None or dq.op_type != "DequantizeLinear" or dq.domain or steps[after] is None \
@@ -121,6 +172,11 @@ def _round_trip(layers: Sequence[Layer], steps: list[Step | None], index: int,
         if not (_on_gpu(x) and x.dtype == torch.float32):
             (q,) = quantize(x, *values[:count - 1])
             return dequantize(q, *values[count - 1:])  # type: ignore[no-any-return]
+        if x.is_cuda:
+            fused = gpu_jit.call(gpu_jit.ROUND_TRIP, x, s=scale, low=low - zero, high=high - zero,
+                                 nan_value=float(np.float32(-zero * scale)))
+            if fused is not None:
+                return (fused,)
         t = torch.div(x, scale).round_().clamp_(low - zero, high - zero)
         return (t.nan_to_num_(-zero).mul_(scale),)
 
@@ -156,24 +212,28 @@ def _integer_columns(layer: Layer, constants: dict[str, np.ndarray]) -> np.ndarr
     return b.astype(np.float32)
 
 
-def _matmul_integer(kernel: Workload, b_columns: np.ndarray, as_float: bool) -> Workload:
+def _matmul_integer(kernel: Workload, b_columns: np.ndarray, as_float: bool,
+                    centred: bool = False) -> Workload:
     """A @ (B - zb) as one float32 product on CUDA (three kernels: A's widening, its zero point
     taken, the product; int32 after unless ``as_float``, where a Cast to float32 read it), against
-    A and B widened to float64, the product, its int64 and int32 conversions (and the Cast's)."""
+    A and B widened to float64, the product, its int64 and int32 conversions (and the Cast's).
+    ``centred``: a float32 A is already less its zero point (``_dynamic_quantize``): one kernel."""
     import torch
 
     kept: dict[Any, Any] = {}
 
     def workload(A: Any, B: Any, a_zero: Any = None,  # noqa: N803
                  b_zero: Any = None) -> tuple[Any, ...]:
-        if not (_on_gpu(A) and A.dtype in (torch.uint8, torch.int8) and A.dim() >= 2
+        read = (torch.float32,) if centred and A.dtype == torch.float32 else (torch.uint8,
+                                                                             torch.int8)
+        if not (_on_gpu(A) and A.dtype in read and A.dim() >= 2
                 and A.shape[-1] == b_columns.shape[0]):
             (product,) = kernel(A, B, a_zero, b_zero)
             return (product.float(),) if as_float else (product,)
         if kept.get("device") != A.device:
             kept.update(device=A.device, b=torch.from_numpy(b_columns).to(A.device))
-        a = A.float()
-        if a_zero is not None:
+        a = A if A.dtype == torch.float32 else A.float()
+        if a_zero is not None and A.dtype != torch.float32:
             a = a.sub_(a_zero.reshape(-1, 1))  # per row of A, as the kernel's (float: exact)
         product = torch.matmul(a, kept["b"])
         return (product,) if as_float else (product.to(torch.int32),)
