@@ -8,7 +8,10 @@
   matrix product over its windows, the Relu after it folded in; a one-step LSTM as two products
   and torch's fused cell; a Gemm of one row by few columns as a sum of products.
 - int8 layers in fewer kernels (``gpu_int8.py``): a QuantizeLinear -> DequantizeLinear round
-  trip in five; MatMulInteger and QLinearConv with their constant operands made once.
+  trip in one (five where jiterator cannot compile it); DynamicQuantizeLinear before a
+  MatMulInteger in three; MatMulInteger and QLinearConv with their constant operands made once.
+- Trees of float32 elementwise layers (Add, Sub, Mul, Div, Erf, Tanh, Sqrt, Neg, Reciprocal, Pow
+  by 2 or 3) as one kernel each (``gpu_chains.py``): an exported GELU, a LayerNorm's tail.
 
 Each fused call keeps its layers' own kernels to fall back on, for good, where the fused kernel
 refuses the shapes or types it is given (that shows in the warm-up runs, before any capture).
@@ -23,6 +26,7 @@ import numpy as np
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.kernels import bind_kernel
+from backplane.backends.torch.gpu_chains import chain_steps
 from backplane.backends.torch.gpu_int8 import int8_steps
 from backplane.backends.torch.gpu_small import Step, small_steps
 from backplane.ir.graph import Layer
@@ -60,6 +64,7 @@ def inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = 
     small_steps(layers, steps, sole, uses, constants or {})  # 1-d first: the next takes 2-d
     int8_steps(layers, steps, sole, constants or {})
     if not backend.options.get("GpuAcc.fuse_conv_relu", FUSE_CONV_RELU):
+        chain_steps(layers, steps, [w for w, _ in bound], sole, outputs, constants or {})
         return [s for s in steps if s is not None]
     for index, layer in enumerate(layers):
         if layer.op_type != "Conv" or layer.domain or not _fusable_conv(layer):
@@ -87,6 +92,7 @@ def inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = 
         for i in chain:
             steps[i] = None
         steps[chain[-1]] = (fused, names, layers[chain[-1]].outputs)
+    chain_steps(layers, steps, [w for w, _ in bound], sole, outputs, constants or {})
     return [s for s in steps if s is not None]
 
 
