@@ -1,8 +1,8 @@
 """A one-step LSTM traced with constant weights (the corpus VAD's, in its Traced partition) runs
 ``recurrent_fused.lstm_step``: one product of ``[x, h]`` by weights packed once outside the trace
-(no transpose, bias sum or gate split of them at each run), the values CpuRef computes in every
-direction and layout, with and without B, NaN in, NaN out; the weights given to the trace as
-inputs keep torch's cell."""
+(no transpose, bias sum or gate split of them at each run), the gates' activations in place, the
+values CpuRef computes in every direction and layout, with and without B, NaN in, NaN out; the
+weights given to the trace as inputs keep torch's cell."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def test_a_traced_step_is_one_product_a_direction(direction: str, layout: int, b
     counts = _counts(traced.graph)
     assert counts["aten::addmm" if bias else "aten::mm"] == dirs
     assert not counts["aten::linear"] and not counts["aten::unsafe_chunk"] and not counts["aten::t"]
+    # the gates' activations in place, in the product's buffer, split once (no narrow a gate)
+    assert counts["aten::sigmoid_"] == counts["aten::tanh_"] == dirs
+    assert not counts["aten::narrow"] and not counts["aten::sigmoid"]
     x, h, c = _inputs(dirs, layout)  # not the values it was traced with
     x[(1, 0, 2) if layout else (0, 1, 2)] = np.nan  # batch row 1: NaN in every output
     got = [t.numpy() for t in traced(*map(torch.from_numpy, (x, h, c)))]

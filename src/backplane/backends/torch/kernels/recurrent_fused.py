@@ -97,14 +97,17 @@ def lstm_step(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, weight: torch.T
     """One LSTM step as ``torch.lstm_cell`` computes it, on ``traced_lstm_weights``'s: one product
     of ``[x, h]``, one sigmoid over the three gates, ``f * c + i * g`` by one addcmul. (A trace of
     it, VAD sizes (batch 1, input and hidden 128), 1 thread: 25.3 us a step, two products 27.6,
-    ``lstm_cell`` 29.7; this project's 2-core AMD EPYC, load 3.7.)"""
+    ``lstm_cell`` 29.7; this project's 2-core AMD EPYC, load 3.7.) The gates are split once and
+    their activations computed in place, in the product's own buffer (the five ``narrow`` and two
+    new tensors of before: frozen, 1 thread, load 6.8, three runs of 20 blocks, p10 CPU us a step
+    86.7 / 60.9 / 59.9 -> 70.6 / 53.3 / 52.8, the same values bit for bit)."""
     hidden = h.shape[1]
     both = torch.cat([x, h], 1)
     gates = torch.mm(both, weight) if bias is None else torch.addmm(bias, both, weight)
-    ifo = gates.narrow(1, 0, 3 * hidden).sigmoid()  # (batch, 3 hidden): i, f, o
-    g = gates.narrow(1, 3 * hidden, hidden).tanh()
-    c_next = torch.addcmul(ifo.narrow(1, hidden, hidden) * c, ifo.narrow(1, 0, hidden), g)
-    return ifo.narrow(1, 2 * hidden, hidden) * c_next.tanh(), c_next
+    ifo, g = gates.split([3 * hidden, hidden], 1)  # (batch, 3 hidden): i, f, o; (batch, hidden)
+    i, f, o = ifo.sigmoid_().chunk(3, 1)
+    c_next = torch.addcmul(f * c, i, g.tanh_())
+    return o * c_next.tanh(), c_next
 
 
 def runs_alone(batch: int, gate_rows: int, hidden: int) -> bool:
