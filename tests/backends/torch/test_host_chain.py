@@ -93,8 +93,10 @@ def test_post_nms_layers_are_one_chain_matching_cpuref_and_ort(batch, declared) 
                 np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
     ops = [lay.op_type for lay, _ in _inner_layers(session)]
     assert ops.count("HostChain") == 1 and "Gather" not in ops and "Reshape" not in ops, ops
+    assert "NonMaxSuppression" not in ops, ops  # the chain's first step: one crossing to NumPy
     (chain,) = [lay for lay, _ in _inner_layers(session) if lay.op_type == "HostChain"]
-    assert len(chain.attrs["layers"]) == 13  # every layer after the NonMaxSuppression
+    inner = [lay.op_type for lay in chain.attrs["layers"]]
+    assert inner[0] == "NonMaxSuppression" and len(inner) == 14, inner  # and every layer after
 
 
 def test_nan_scores_and_outputs_the_callers() -> None:
@@ -139,7 +141,9 @@ def test_a_layer_reading_what_depends_on_the_chain_is_left_out() -> None:
     assert [lay.name for lay in chain] == ["g", "a"]
     views = host_chain.chained(SubgraphView.of(graph, layers), _untouched(graph, layers))
     assert [sub.replacement[0].op_type for sub in views.substitutions] == ["HostChain"]
-    assert {lay.name for part in views.untouched for lay in part.layers} == {"nms", "t", "m"}
+    (sub,) = views.substitutions
+    assert [lay.name for lay in sub.substitutable.layers] == ["nms", "g", "a"]  # its start first
+    assert {lay.name for part in views.untouched for lay in part.layers} == {"t", "m"}
 
 
 def _untouched(graph, layers):

@@ -1,6 +1,7 @@
 """CpuAcc's NonMaxSuppression (its greedy walk on the host, its overlaps in NumPy for CPU tensors)
 against CpuRef's, box for box: many boxes and classes, both box encodings, thresholds given or not,
-and NaN scores, which both sort last."""
+and NaN scores, which both sort last. Its NumPy form (a detector's HostChain's first step) gives
+the same rows in every case."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from backplane.backends.reference.kernels import nms as reference  # noqa: E402
-from backplane.backends.torch.kernels import indexing  # noqa: E402
+from backplane.backends.torch.kernels import indexing, nms  # noqa: E402
 
 
 def _boxes(rng: np.random.Generator, batch: int, count: int) -> np.ndarray:
@@ -26,6 +27,9 @@ def _both(boxes: np.ndarray, scores: np.ndarray, *extra: np.ndarray | None, cent
     got = indexing.non_max_suppression(torch.from_numpy(boxes), torch.from_numpy(scores), *given,
                                        center_point_box=center)[0]
     assert got.dtype == torch.int64
+    on_host = nms.host_non_max_suppression(boxes, scores, *extra, center_point_box=center)[0]
+    assert on_host.dtype == np.int64 and on_host.shape == tuple(got.shape)
+    np.testing.assert_array_equal(on_host, got.numpy())
     return expected, got.numpy()
 
 

@@ -13,6 +13,10 @@ shape or axes are constants, its kernel fixed at load too (``fixed_kernel``: a G
 or a Slice is a NumPy view, a Reshape one call), where CpuRef's kernel reads and checks them at
 every run.
 
+The NonMaxSuppression itself is the chain's first step where its inputs are of NumPy's types
+(``nms.host_non_max_suppression``: its boxes' and scores' NumPy views, its selections NumPy's), so
+that the chain crosses from torch to NumPy once, at its inputs.
+
 Only where the chain stays small: it starts at a NonMaxSuppression's selected indices (at most
 its scores' size), every other tensor it reads is a constant or a static tensor of at most
 ``MOST`` values made before the NonMaxSuppression, and its layers are ``LIGHT`` ops (indexing,
@@ -31,6 +35,7 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.api.kernels import bind_kernel, select_kernel
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.kernels.nms import host_non_max_suppression
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 STARTS = frozenset({"NonMaxSuppression"})
@@ -56,6 +61,8 @@ def chained(view: SubgraphView, views: OptimizationViews) -> OptimizationViews:
     for start in untouched:
         if start.op_type in STARTS and not start.domain:
             chain = _chain(start, untouched, graph)
+            if chain and _hosted(start, graph):  # the start's inputs' NumPy views: one crossing
+                chain = [start, *chain]
             if len(chain) >= MIN_LAYERS:
                 found.append(chain)
     if not found:
@@ -107,6 +114,13 @@ def _with_feeders(chain: list[Layer], later: Sequence[Layer], after: set[str],
                and all(n and n not in graph.outputs and consumers.get(n)
                        and all(id(c) in inside for c in consumers[n]) for n in lay.outputs)}
     return [lay for lay in later if id(lay) in inside or id(lay) in feeders]
+
+
+def _hosted(start: Layer, graph: Graph) -> bool:
+    """Whether the chain's first step can be ``start`` itself, in NumPy on its inputs' views
+    (``HOST_KERNELS``): where they are all of NumPy's types (a bfloat16 model's boxes: torch's)."""
+    return _ref_kernel(start) is not None \
+        and all(_plain(n, graph) for n in (*start.inputs, *start.outputs) if n)
 
 
 def _downstream(start: Layer, graph: Graph) -> set[str]:
@@ -162,7 +176,8 @@ def _gather_nd(data, indices, batch_dims=0):
     return (data[tuple(indices[..., j] for j in range(indices.shape[-1]))],)
 
 
-HOST_KERNELS = {"Gather": {1: _gather}, "GatherND": {11: _gather_nd}}
+HOST_KERNELS = {"Gather": {1: _gather}, "GatherND": {11: _gather_nd},
+                "NonMaxSuppression": {10: host_non_max_suppression}}
 """Kernels of the chain in place of CpuRef's where they cost less (the same values)."""
 
 

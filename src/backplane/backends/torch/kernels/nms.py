@@ -24,20 +24,46 @@ def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_thre
     on_host = boxes.device.type == "cpu" and boxes.dtype != torch.bfloat16
     overlaps = _suppressing(boxes.numpy() if on_host else boxes, center_point_box, iou_limit,
                             np if on_host else torch)  # (B, N, N): the greedy walk is on the host
-    masks = _bit_rows(overlaps if on_host else overlaps.cpu().numpy())
+    found = _selected(overlaps if on_host else overlaps.cpu().numpy(), host_scores, limit, threshold)
+    return (torch.from_numpy(found).to(boxes.device),)
+
+
+def host_non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
+                             score_threshold=None, center_point_box=0):
+    """The same selections of NumPy arrays (float16, 32 or 64), as NumPy: a detector's HostChain
+    (``fusion/host_chain.py``) runs it on its inputs' NumPy views, one step with the layers after
+    it, no torch tensor made between them."""
+    limit = 0 if max_output_boxes_per_class is None \
+        else max(int(_host_one(max_output_boxes_per_class)), 0)
+    iou_limit = 0.0 if iou_threshold is None else _host_one(iou_threshold)
+    threshold = None if score_threshold is None else float(_host_one(score_threshold))
+    if not limit or not scores.size:
+        return (np.zeros((0, 3), np.int64),)
+    overlaps = _suppressing(boxes, center_point_box, iou_limit, np)
+    return (_selected(overlaps, scores, limit, threshold),)
+
+
+def _selected(overlaps, scores, limit, threshold):
+    """The (K, 3) int64 rows [batch, class, box] of the greedy walk over ``overlaps`` (B, N, N)
+    in each class's order of ``scores`` (B, C, N), NumPy arrays on the host."""
+    masks = _bit_rows(overlaps)
     # best first; equal scores: the lower box index first; NaN last (CpuRef's order), so the
     # boxes above a threshold are the first of each order, as many as there are
-    orders = np.argsort(-host_scores, axis=-1, kind="stable").tolist()
-    counts = (host_scores > threshold).sum(-1).tolist() if threshold is not None \
-        else [[host_scores.shape[-1]] * host_scores.shape[1]] * host_scores.shape[0]
+    orders = np.argsort(-scores, axis=-1, kind="stable").tolist()
+    counts = (scores > threshold).sum(-1).tolist() if threshold is not None \
+        else [[scores.shape[-1]] * scores.shape[1]] * scores.shape[0]
     selected: list[int] = []  # the rows' values one after the other
     for b, (per_class, above) in enumerate(zip(orders, counts)):
         rows = masks[b]
         for c, (order, count) in enumerate(zip(per_class, above)):
             for box in _greedy(order[:count], rows, limit):
                 selected += (b, c, box)
-    found = np.array(selected, dtype=np.int64).reshape(-1, 3)
-    return (torch.from_numpy(found).to(boxes.device),)
+    return np.array(selected, dtype=np.int64).reshape(-1, 3)
+
+
+def _host_one(value):
+    """A one-element array's value (CpuRef's reading: its first element)."""
+    return np.asarray(value).reshape(-1)[0].item()
 
 
 def _one(value):
