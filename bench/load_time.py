@@ -27,7 +27,7 @@ load of the rounds (and the median), the least CPU seconds a load took (all its 
 touched by neighbours than the wall time, but ONNX Runtime's and torch's spinning threads count), the
 median first call and its least CPU milliseconds, the best steady median, the import and the load
 together (best and median) and the median from the import's start to the first call's outputs;
-how many of backplane's loads deferred CpuAcc (torch not imported when the session returned); and
+how many of backplane's loads deferred CpuAcc (returned with its load in the background); and
 whether backplane's load found the machine busy (``threads.crowded``: routes then taken by rule, nothing
 timed nor compiled). ``--quiet-path`` makes backplane's workers take the quiet machine's path
 whatever the load average (``threads.CROWDED_CHECK`` off, as the test suite does): on a shared
@@ -71,13 +71,12 @@ def worker(args: argparse.Namespace) -> None:
         os.environ[variable] = tempfile.mkdtemp(prefix="load_time_")
     os.environ.pop("BACKPLANE_COMPILE_CACHE", None)  # set, a load compiles an artifact, then loads it
     start = time.perf_counter()
-    run, crowded = _loader(args)
+    run, crowded, deferred = _loader(args)
     imported = time.perf_counter() - start
     feeds = _feeds(args.model, args.feeds)
     start, cpu = time.perf_counter(), time.process_time()
     call = run(feeds)
     load, load_cpu = time.perf_counter() - start, time.process_time() - cpu
-    deferred = args.runtime == "backplane" and "torch" not in sys.modules  # deferred_load's path
     start, cpu = time.perf_counter(), time.process_time()
     call()
     first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -89,12 +88,13 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"import_s": imported, "load_s": load, "load_cpu_s": load_cpu, "first_ms": first * 1e3,
                       "first_cpu_ms": first_cpu * 1e3,
                       "steady_ms": statistics.median(times) * 1e3, "crowded": crowded(),
-                      "deferred": deferred, "loadavg": os.getloadavg()[0]}))
+                      "deferred": deferred(), "loadavg": os.getloadavg()[0]}))
 
 
-def _loader(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The runtime imported: a function from feeds to a call of a new session, and one saying
-    whether backplane found the machine busy (always False for ONNX Runtime)."""
+def _loader(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The runtime imported: a function from feeds to a call of a new session, one saying
+    whether backplane found the machine busy and one whether its session returned with CpuAcc's
+    load deferred to the background (``deferred_load``; both always False for ONNX Runtime)."""
     if args.runtime == "onnxruntime":
         import onnxruntime as ort
 
@@ -103,7 +103,7 @@ def _loader(args: argparse.Namespace) -> tuple[Any, Any]:
             options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
             session = ort.InferenceSession(args.model, options, providers=["CPUExecutionProvider"])
             return lambda: session.run(None, feeds)
-        return load, lambda: False
+        return load, lambda: False, lambda: False
     from backplane import InferenceSession, SessionOptions
     from backplane.backends.torch import threads
 
@@ -114,8 +114,9 @@ def _loader(args: argparse.Namespace) -> tuple[Any, Any]:
     def load(feeds: dict[str, np.ndarray]) -> Any:
         said.append(threads.crowded())
         session = InferenceSession(args.model, SessionOptions(intra_op_num_threads=args.threads))
+        said.append(getattr(session, "_later", None) is not None)  # a tree before it: none
         return lambda: session.run(None, feeds)
-    return load, lambda: said[0]
+    return load, lambda: said[0], lambda: said[1]
 
 
 def _feeds(model: str, feeds: str) -> dict[str, np.ndarray]:

@@ -28,7 +28,8 @@ then warm-up calls for ``--warmup-seconds`` (5 at the least: with empty caches b
 calls of a model still measure and build), then timed calls for about ``--seconds`` (10 at the least). A runtime's figure is the best of
 its rounds' medians. The table per model: the three times, ORT / backplane and OpenVINO / backplane
 (above 1: backplane is faster), the load seconds of each (import and session; in brackets the part
-of backplane's that is importing backplane and torch), the seconds from backplane's session until
+of backplane's that is importing backplane; torch is imported by its session, or in the background
+and waited for by its first call where the session defers CpuAcc), the seconds from backplane's session until
 its background is done ("bp done s": its builds swapped in and their routes chosen by runs of the
 model, which the worker makes, the first call included; inf where not within 60 s;
 ``--background off`` measures at load instead), backplane's first call, its placement
@@ -102,18 +103,15 @@ def load(runtime: str, model: str, feeds: dict[str, np.ndarray], threads: int) -
 
 
 def imported(runtime: str) -> None:
-    """The runtime's modules imported (timed apart from its session: backplane's CpuAcc imports
-    torch, 0.3-0.8 s of its cold load on the developer machine, whatever the model)."""
+    """The runtime's module imported (timed apart from its session). Not torch: backplane imports it
+    where a user's script would pay it, in the session or, where the session defers CpuAcc
+    (``backplane.deferred_load``), in the background and the first run (``first_s``)."""
     if runtime == "onnxruntime":
         import onnxruntime  # noqa: F401
     elif runtime == "openvino":
         import openvino  # noqa: F401
     else:
         import backplane  # noqa: F401
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            pass
 
 
 def until_settled(runtime: str, run: Run, loaded: float, most: float = 60.0) -> float | None:

@@ -1,9 +1,9 @@
 """A default session that returns before torch is imported (``backplane.deferred_load``).
 
 A fresh process where the path needs torch not imported yet (the test process has imported it):
-the session returns on CpuRef, the first run waits for CpuAcc's load in the background and takes it
-over, and its outputs are those of a session loaded on CpuAcc at once and ONNX Runtime's. In this
-process: a failed background load leaves the CpuRef session running, and a session closed before
+the session returns on CpuRef, the first run (or a read of its placement) waits for CpuAcc's load
+in the background and takes it over, and its outputs are those of a session loaded on CpuAcc at
+once and ONNX Runtime's. In this process: a failed background load leaves the CpuRef session running, and a session closed before
 its first run closes the load it was waiting for.
 """
 
@@ -31,7 +31,10 @@ from backplane.backends.torch import threads
 threads.CROWDED_CHECK = False  # the same routes whatever the machine's load, in both sessions
 x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
 session = backplane.InferenceSession(sys.argv[1])
-before = {"providers": session.get_providers(), "waiting": session._later is not None}
+before = {"placeholder": session.optimized.report.preferences, "waiting": session._later is not None}
+if sys.argv[2] == "get_providers":  # what reads the placement waits for the background's
+    providers = session.get_providers()
+    before["then"] = session._later is not None
 got = session.run(None, {"input": x})[0]
 after = {"providers": session.get_providers(), "counts": session.report.counts(),
          "waiting": session._later is not None}
@@ -43,14 +46,16 @@ print(json.dumps({"before": before, "after": after, "first": got.tolist(),
 """
 
 
-def test_a_default_session_defers_cpuacc_and_its_first_run_takes_it_over() -> None:
+@pytest.mark.parametrize("first", ["run", "get_providers"])
+def test_a_default_session_defers_cpuacc_and_its_first_run_takes_it_over(first: str) -> None:
     pytest.importorskip("torch")
     ort = pytest.importorskip("onnxruntime")
-    done = subprocess.run([sys.executable, "-c", _FRESH, str(DEMO)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _FRESH, str(DEMO), first], capture_output=True,
                           text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["before"] == {"providers": ["CpuRef"], "waiting": True}
+    assert seen["before"] == {"placeholder": ["CpuRef"], "waiting": True,
+                              **({"then": False} if first == "get_providers" else {})}
     assert seen["after"]["providers"] == ["CpuAcc", "CpuRef"]
     assert not seen["after"]["waiting"] and set(seen["after"]["counts"]) == {"CpuAcc"}
     x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)

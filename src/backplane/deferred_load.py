@@ -6,7 +6,8 @@ loaded, 0.06-0.2 s: issue 27, item 5). So a session given no backends, in a proc
 imported torch, on a machine with no GPU device, loads the model on the backends that need no
 torch (CpuRef) and returns; a background thread imports torch and loads the same model, with the
 same options, as a session given the default backends (CpuAcc, CpuRef) would. The first run
-waits for that load and takes it over (``adopt``): every run, the first included, runs on what
+(or a read of the placement: ``report``, ``get_providers``) waits for that load and takes it over
+(``adopt``): every run, the first included, runs on what
 the default session would have run, and its outputs are that session's. The torch import is then
 paid by the first run instead of the load (the caller's code between the two overlaps it), and a
 failed background load leaves the CpuRef session running, with a warning saying why.

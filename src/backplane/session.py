@@ -306,6 +306,8 @@ class InferenceSession:
     # -- what the model is ---------------------------------------------------------------------------
     @property
     def report(self) -> PlacementReport:
+        if self._later is not None:  # the placement is the background's (deferred_load): wait
+            self._later.adopt(self)
         return self.optimized.report
 
     def get_inputs(self) -> list[NodeArg]:
@@ -318,7 +320,7 @@ class InferenceSession:
         return self._meta
 
     def get_providers(self) -> list[str]:
-        return list(self.optimized.report.preferences)
+        return list(self.report.preferences)
 
     def get_provider_options(self) -> dict[str, dict[str, Any]]:
         """Each backend's options as given to this session, named without its id."""
