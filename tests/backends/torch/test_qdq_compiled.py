@@ -143,6 +143,37 @@ def test_a_qdq_hardswish_needs_no_nan_step(monkeypatch: pytest.MonkeyPatch) -> N
         assert float(np.max(np.abs(got - want))) <= step * 1.001
 
 
+def test_a_qdq_hardswish_hard_sigmoid_is_in_the_fusers_partition(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HardSigmoid of a round trip's result (finite) is a ``FiniteHardSigmoid``: x * alpha +
+    beta clamped, which oneDNN Graph's fuser takes into the partition of the round trips after
+    it, where torch's hardsigmoid ran apart (a pass and a tensor of its own); CpuRef's formula,
+    bit for bit outside a trace, and the model within one step of CpuRef."""
+    import torch
+
+    from backplane.backends.torch.fusion import qdq_chain, quantized
+
+    monkeypatch.setattr(qdq_chain, "CHAIN_MACS", 1 << 20)  # QuantDequant layers, not chained
+    model, step = _qdq_hardswish_model(np.random.default_rng(5))
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "onednn_graph",
+                                                            "int8": "exact"})])
+    layer = _graph_layer(session)
+    assert layer.op_type == "OneDnnGraph", layer
+    ops = [lay.op_type for lay in layer.attrs["layers"]]
+    assert "HardSigmoid" not in ops and ops.count("FiniteHardSigmoid") == 1, ops
+    (sigmoid,) = [lay for lay in layer.attrs["layers"] if lay.op_type == "FiniteHardSigmoid"]
+    values = np.concatenate([np.linspace(-4, 4, 4001, dtype=np.float32),
+                             np.array([-3.0, 3.0, 1e30, -1e30, np.inf, -np.inf], np.float32)])
+    (got,) = quantized.finite_hard_sigmoid_workload(sigmoid, None)(torch.from_numpy(values))
+    alpha = np.float32(sigmoid.attrs["alpha"])
+    np.testing.assert_array_equal(got.numpy(), np.clip(values * alpha + np.float32(0.5), 0, 1))
+    reference = InferenceSession(model, backends=["CpuRef"])
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal((1, 4, 6, 6)).astype(np.float32) * 2
+        want = reference.run(None, {"x": x})[0]
+        assert float(np.max(np.abs(session.run(None, {"x": x})[0] - want))) <= step * 1.001
+
+
 def test_the_compile_check_samples_the_same_values_at_every_load() -> None:
     """The compile's check (``quantized.within_steps`` of a QDQ output) runs on a seeded sample
     (``onednn_graph.SAMPLE_SEED``), so it decides alike at every load: on random ones it refused

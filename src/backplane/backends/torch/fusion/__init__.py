@@ -87,6 +87,7 @@ from backplane.backends.torch.fusion.qlinear import (
     qlinear_workload,
 )
 from backplane.backends.torch.fusion.quantized import (
+    finite_hard_sigmoid_workload,
     match_quant_dequant,
     quant_dequant_workload,
     then_quant_dequant,
@@ -180,5 +181,6 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
     "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "Lookup": lookup_workload,
+    "FiniteHardSigmoid": finite_hard_sigmoid_workload,
     "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload,
     "WindowedConv": windowed_conv_workload}

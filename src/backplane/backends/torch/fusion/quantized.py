@@ -220,7 +220,8 @@ def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer
     by ``FINITE`` ops from other round trips' results and finite constants, or by a ``NO_NAN``
     op of such values (a QDQ hard-swish's HardSigmoid and product: the full tier's
     QDQ MobileNet kept eight NaN steps a run for them, each a pass of its own outside the fuser's
-    partitions)."""
+    partitions). A HardSigmoid of finite values is a ``FiniteHardSigmoid``
+    (``finite_hard_sigmoid_workload``), which the fuser takes."""
     finite = {n for n, v in constants.items() if v.dtype.kind != "f" or np.isfinite(v).all()}
     no_nan: set[str] = set()  # and the finite ones
     marked = []
@@ -232,12 +233,35 @@ def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer
                           {**layer.attrs, "fusable": True, "finite": safe}, layer.domain,
                           layer.opset, layer.backend)
             finite.update(layer.outputs)
+        elif layer.op_type == "HardSigmoid" and not layer.domain \
+                and all(n in finite for n in given):
+            layer = Layer(layer.name, "FiniteHardSigmoid", layer.inputs, layer.outputs,
+                          {"alpha": layer.attrs.get("alpha", 0.2),
+                           "beta": layer.attrs.get("beta", 0.5)}, FUSED_DOMAIN, 1, layer.backend)
+            finite.update(layer.outputs)
         elif layer.op_type in FINITE and all(n in finite for n in given):
             finite.update(layer.outputs)
         elif layer.op_type in NO_NAN and not layer.domain and all(n in finite for n in given):
             no_nan.update(layer.outputs)
         marked.append(layer)
     return marked
+
+
+def finite_hard_sigmoid_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """HardSigmoid of finite values (``fusable``) as oneDNN Graph's fuser takes it: x * alpha +
+    beta clamped to [0, 1] (CpuRef's formula; products and sums by 1-element constants, as
+    ``_fusable_round_trip``'s), where torch's hardsigmoid ran outside the partitions, a pass and
+    a fresh tensor of its own: a QDQ hard-swish's on the full tier's QDQ MobileNet 0.2-0.7 ms
+    each at (1, 96, 56, 112), 1 thread (its clamp drops no NaN: there is none)."""
+    import torch
+
+    alpha, beta = float(np.float32(layer.attrs["alpha"])), float(np.float32(layer.attrs["beta"]))
+    scale, shift = torch.full((1,), alpha), torch.full((1,), beta)
+
+    def run(x):
+        a, b = (scale, shift) if x.dim() else (alpha, beta)  # a 0-d x stays 0-d
+        return (torch.clamp(torch.add(torch.mul(x, a), b), 0.0, 1.0),)
+    return run
 
 
 def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
