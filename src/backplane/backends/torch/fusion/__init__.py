@@ -30,6 +30,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   elementwise layers of one 8-bit tensor (a QOperator hard-swish, QLinearSigmoid) as one
   ``Lookup``, a table of its 256 values (``lookup``); large QDQ convolutions as QLinearConvs
   passing 8-bit integers from one to the next (``qdq_chain``).
+- GELU written out with Erf after a convolution or a norm (not a matrix product): one
+  ``GeluChain``, torch's GELU, where this CPU's keeps +Inf unmended (``gelu``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
@@ -66,6 +68,7 @@ from backplane.backends.torch.fusion.contrib_quant import (
 )
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.host_chain import host_chain_workload
+from backplane.backends.torch.fusion.gelu import gelu_workload, or_else
 from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
 from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
@@ -163,6 +166,7 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::QGemm": match_qgemm,
     "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul,
     "com.microsoft::MatMulNBits": match_mat_mul_n_bits,
+    "Div": or_else(match_linear), "Mul": or_else(match_linear),
     "Add": match_hardswish, "ReduceMean": match_layer_norm, "DequantizeLinear": match_lookup,
     "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup,
     "Softmax": match_attention, "com.microsoft::SkipLayerNormalization": match_skip_layer_norm,
@@ -180,7 +184,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
-    "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "Lookup": lookup_workload,
+    "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "GeluChain": gelu_workload,
+    "Lookup": lookup_workload,
     "FiniteHardSigmoid": finite_hard_sigmoid_workload,
     "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload,
     "WindowedConv": windowed_conv_workload}

@@ -1,0 +1,141 @@
+"""GELU written out with Erf after a convolution or a norm (not a matrix product: ``linear``):
+one ``GeluChain`` layer, torch's GELU (``common.gelu``), one kernel instead of five.
+
+x * 0.5 * (1 + erf(x / sqrt(2))) is what both torch exporters write for ``nn.GELU`` (dynamo as
+x * (0.5 * (1 + erf(...)))): Div, Erf, Add, Mul, Mul, each a kernel call and a tensor of its own
+in a trace. audio_conv1d_dyn19 has three, after its group norm and its 1-d convolutions: its
+trace's torch ops a run 132 -> 96, thread CPU time a run at 1 thread 0.87 of before (sessions
+with and without in one process, alternating blocks, load 9.3, this 2-core AMD EPYC). Taken
+only where this CPU's GELU keeps +Inf on a float32 tensor (``common._gelu_keeps_inf``):
+elsewhere torch's GELU needs a mend of two more kernels, and three kernels in a trace cost more
+than the five (encoder_padmask_dyn17's trace 123 -> 141 us at 1 thread on an AVX-512 EPYC,
+``linear._times_half``). A strided input (a convolution's channels-last output) goes to ATen's
+own kernel where that keeps +Inf too (``_strided_keeps_inf``): oneDNN's, which torch takes for a
+contiguous one, is a primitive made at each call (about 15 us on a small tensor here, ATen's 4).
+The values differ from the five steps' by a rounding or two (torch multiplies by 1/sqrt(2) where
+the export divides by sqrt(2)); NaN stays NaN, -Inf gives NaN and +Inf +Inf as the five do."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from backplane.backends.api.backend import Workload
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.fusion.linear import _times_half
+from backplane.backends.torch.fusion.patterns import Context, scalar_op
+from backplane.ir.graph import Layer
+
+Matcher = Callable[[Layer, Context], "tuple[list[Layer], Layer] | None"]
+
+
+def match_gelu(scale: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+    """The GELU chain whose x / sqrt(2) (or x * (1 / sqrt(2))) is ``scale``, or None."""
+    if scale.op_type not in ("Div", "Mul") or scale.domain or len(scale.inputs) != 2:
+        return None
+    x = scale.inputs[0] if ctx.const(scale.inputs[0]) is None else scale.inputs[1]
+    if not (scalar_op(scale, x, ctx, "Div", math.sqrt(2))
+            or scalar_op(scale, x, ctx, "Mul", 1 / math.sqrt(2))):
+        return None
+    info = ctx.graph.info(x)
+    if info.dtype is None or info.dtype.name != "float32" or x in ctx.graph.outputs \
+            or _from_a_product(x, ctx):
+        return None
+    users = list({id(u): u for u in ctx.consumers.get(x, [])}.values())
+    if len(users) != 2 or any(id(u) not in ctx.inside or id(u) in ctx.taken or u.domain
+                              for u in users):
+        return None
+    erf = ctx.sole(scale.outputs[0])
+    if erf is None or erf.op_type != "Erf":
+        return None
+    one = ctx.sole(erf.outputs[0])
+    if one is None or not scalar_op(one, erf.outputs[0], ctx, "Add", 1.0):
+        return None
+    first = next(u for u in users if u is not scale)
+    body = [scale, erf, one]
+    group = (_times_half(x, first, one.outputs[0], ctx, body, inner_half=True)
+             or _times_half(x, first, one.outputs[0], ctx, body))
+    if group is None or not _one_kernel():
+        return None
+    fused = Layer("+".join(lay.name for lay in group), "GeluChain", [x], [group[-1].outputs[0]],
+                  {}, FUSED_DOMAIN, 1)
+    return group, fused
+
+
+def _from_a_product(x: str, ctx: Context) -> bool:
+    """Whether ``x`` is a matrix product's (a Linear's: MatMul or Gemm, or its bias Add). Its
+    GELU stays as the exporter wrote it, the Linear's post-op where it takes it (``linear``):
+    on such a contiguous output torch's GELU is oneDNN's eltwise primitive, made again at each
+    call, and the one kernel measured no faster than the five (encoder_padmask_dyn17, 1 thread,
+    sessions with and without in one process, alternating: 516 against 488 us a run at load 9.5,
+    this 2-core AMD EPYC)."""
+    maker = _maker(x, ctx)
+    if maker is not None and maker.op_type == "Add" and not maker.domain:
+        makers = [_maker(i, ctx) for i in maker.inputs]
+        return any(m is not None and m.op_type in ("MatMul", "Gemm") for m in makers)
+    return maker is not None and maker.op_type in ("MatMul", "Gemm")
+
+
+def _maker(name: str, ctx: Context) -> Layer | None:
+    """The layer of the subgraph that writes ``name`` (a scan: asked of GELU chains only)."""
+    return next((lay for lay in ctx.view.layers if name in lay.outputs), None)
+
+
+def or_else(other: Matcher) -> Matcher:
+    """``match_gelu``, else ``other`` (the matcher the layer's type had: a Linear may start at
+    any layer)."""
+    def match(layer: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
+        return match_gelu(layer, ctx) or other(layer, ctx)
+
+    return match
+
+
+def _one_kernel() -> bool:
+    """Whether torch's float32 GELU here is one kernel in a trace (keeps +Inf unmended)."""
+    import torch
+
+    from backplane.backends.torch.kernels.common import _gelu_keeps_inf
+
+    return _gelu_keeps_inf(torch.float32)
+
+
+def gelu_workload(layer: Layer, backend: Any, inputs: Any) -> Workload:
+    import torch.nn.functional as F
+
+    from backplane.backends.torch.kernels.common import gelu
+
+    def run(x: Any) -> tuple[Any]:
+        if not x.is_contiguous() and x.dtype == torch_float32() and _strided_keeps_inf():
+            return (F.gelu(x),)  # ATen's own kernel, no mend needed here
+        return (gelu(x),)
+
+    return run
+
+
+def torch_float32() -> Any:
+    import torch
+
+    return torch.float32
+
+
+_STRIDED: list[bool] = []
+
+
+def _strided_keeps_inf() -> bool:
+    """Whether torch's GELU of a strided float32 CPU tensor (ATen's own vectorized erf, not
+    oneDNN's, which takes contiguous ones) gives +Inf at +Inf here: a 1-d convolution's
+    channels-last output then needs no mend. Asked once a process, the tracer paused."""
+    if not _STRIDED:
+        import torch
+        import torch.nn.functional as F
+
+        tracing = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            x = torch.full((2, 4099), math.inf)
+            _STRIDED.append(all(bool(torch.isposinf(F.gelu(x[:, :n].t())).all())
+                                for n in (*range(1, 18), 4099)))
+        finally:
+            torch._C._set_tracing_state(tracing)
+    return _STRIDED[0]
