@@ -302,3 +302,27 @@ def test_gemm_scales_and_adds_as_onnx_does(dtype) -> None:
                                        atol=0.1 if half else 1e-4)
             if a.dtype.kind == "f":
                 assert np.isnan(got[0]).all() and not np.isnan(got[1:]).any()
+
+
+def test_unsqueeze_is_expand_dims_and_constant_of_shape_is_full() -> None:
+    """Unsqueeze by one reshape gives np.expand_dims's view (a strided input's too), negative
+    axes and any order, and its error for an axis named twice; ConstantOfShape np.full's array."""
+    from backplane.backends.reference.kernels import shape
+
+    strided = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]
+    for data, axes in [(np.array(3, np.int64), [0]), (strided, [0, -1]), (strided, [3, 1]),
+                       (np.zeros((2, 0, 3), np.float16), [-2]), (strided.T, [1, 0])]:
+        got = shape.unsqueeze(data, np.array(axes, np.int64))[0]
+        want = np.expand_dims(data, tuple(a % (data.ndim + len(axes)) for a in axes))
+        assert got.shape == want.shape and np.shares_memory(got, data) == bool(data.size)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError):
+        shape.unsqueeze(strided, np.array([1, -3], np.int64))  # axis 1 of 4, twice
+    for dims, value in [([1, 16], None), ([], np.array([2.5], np.float16)),
+                        ([0, 3], np.array([7], np.int32)), ([2, 2], np.array([True]))]:
+        given = np.array(dims, np.int64)
+        got = shape.constant_of_shape(given, value)[0]
+        fill = np.zeros(1, np.float32) if value is None else value
+        want = np.full(dims, fill[0], dtype=fill.dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
