@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from backplane.backends.torch.kernels import common  # noqa: E402
 
-SIZES = (1, 7, 16, 17, 1000, 20000)
+SIZES = (1, 7, 16, 17, 1000, 4096, 20000)  # from 4096: the sigmoid form
 
 
 def _onnx_graph(x: torch.Tensor) -> torch.Tensor:
@@ -61,21 +61,28 @@ def test_tanh_gelu_gives_the_graphs_values(layout: str, threads: int) -> None:
 def test_a_trace_holds_sigmoid_not_tanh() -> None:
     """The traced form: no aten::gelu or tanh (torch's slow CPU tanh), and its one tensor constant
     float32 (a Python float would be a double tensor cast at every run)."""
-    traced = torch.jit.trace(lambda t: common.gelu(t * 1.0, approximate="tanh"), (torch.ones(40),))
+    traced = torch.jit.trace(lambda t: common.gelu(t * 1.0, approximate="tanh"),
+                             (torch.ones(common.GELU_TANH_SIGMOID_FROM),))
     kinds = [node.kind() for node in traced.graph.nodes()]
     assert "aten::gelu" not in kinds and "aten::tanh" not in kinds
     assert "aten::sigmoid_" in kinds
     constants = [node.output().toIValue() for node in traced.graph.nodes()
                  if node.kind() == "prim::Constant" and node.output().type().kind() == "TensorType"]
     assert all(c.dtype == torch.float32 for c in constants if isinstance(c, torch.Tensor))
-    x = _with_specials(333, 3)
+    x = _with_specials(common.GELU_TANH_SIGMOID_FROM, 3)
     np.testing.assert_array_equal(traced(x).numpy(), common.gelu(x, approximate="tanh").numpy())
 
 
-def test_float64_and_erf_stay_torchs() -> None:
+def test_float64_and_small_tensors_stay_torchs() -> None:
+    """Below GELU_TANH_SIGMOID_FROM values torch's one kernel is the faster: a trace holds it."""
     x = torch.randn(100, dtype=torch.float64)
     assert torch.equal(common.gelu(x, approximate="tanh"),
                        torch.nn.functional.gelu(x, approximate="tanh"))
+    small = torch.ones(1000)  # a small GPT's (16 tokens x 64)
+    assert small.numel() < common.GELU_TANH_SIGMOID_FROM
+    traced = torch.jit.trace(lambda t: common.gelu(t * 1.0, approximate="tanh"), (small,))
+    kinds = [node.kind() for node in traced.graph.nodes()]
+    assert "aten::gelu" in kinds and "aten::sigmoid_" not in kinds
 
 
 def test_an_exported_tanh_gelu_mlp_against_onnx_runtime(tmp_path) -> None:
