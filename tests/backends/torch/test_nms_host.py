@@ -114,6 +114,22 @@ def test_nan_flipped_and_empty_boxes_match_cpuref(center: int) -> None:
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("threshold", [-0.25, 0.0, 0.3, 1.0])
+def test_iou_thresholds_at_and_below_zero_and_at_one_match_cpuref(threshold: float) -> None:
+    """Boxes that do not overlap have an IoU of 0: one below a negative threshold suppresses them
+    too (only each class's best box is left), at 0 it does not; crossed and apart boxes, both
+    encodings."""
+    rng = np.random.default_rng(7)
+    boxes, scores = _boxes(rng, 2, 30), rng.uniform(0, 1, (2, 3, 30)).astype(np.float32)
+    boxes[:, ::3] = boxes[:, ::3][..., [2, 3, 0, 1]]  # corners given the other way round
+    for center in (0, 1):
+        expected, got = _both(boxes, scores, np.array([30], np.int64),
+                              np.array([threshold], np.float32), center=center)
+        np.testing.assert_array_equal(got, expected)
+        if threshold < 0:
+            assert expected.shape == (6, 3)
+
+
 def test_a_nan_iou_threshold_keeps_one_box_per_class_as_cpuref() -> None:
     """No IoU is at or under a NaN threshold: each class's best box suppresses all the others."""
     rng = np.random.default_rng(5)
