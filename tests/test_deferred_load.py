@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +137,35 @@ def test_what_a_session_is_given_keeps_it_loading_at_once(
     assert chosen == (None if given else ("CpuAcc", "CpuRef"))
     assert deferred_load.deferrable(DEMO, arguments, True) is None  # profiling
     assert deferred_load.deferrable(DEMO.read_bytes(), arguments, False) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_during_the_load_runs_on_cpuref() -> None:
+    """The child has no background thread (its first run would wait forever for it, or for an
+    import that thread held): it runs the CpuRef session; the parent's load goes on."""
+    session = InferenceSession(DEMO, providers=["CpuRef"])
+    expected = session.run(None, _inputs())[0]
+    release = threading.Event()
+
+    def slow() -> InferenceSession:
+        release.wait(30)
+        return InferenceSession(DEMO, providers=["CpuRef"], pins={"Conv": "CpuRef"})
+
+    session._later = later = deferred_load.Later(slow)
+    session._update_fast_path()
+    own = session.runtime
+    pid = os.fork()
+    if pid == 0:  # the child: run, say whether it ran on the CpuRef session, never return
+        signal.alarm(20)  # a child waiting for the load it cannot have ends, and the test fails
+        try:
+            same = np.array_equal(session.run(None, _inputs())[0], expected)
+            os._exit(0 if same and session._later is None else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    release.set()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert later.wait(60)
+    session.run(None, _inputs())  # the parent's took the built session over
+    assert session._later is None and session.runtime is not own
+    session.close()

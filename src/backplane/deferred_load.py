@@ -10,7 +10,8 @@ same options, as a session given the default backends (CpuAcc, CpuRef) would. Th
 (``adopt``): every run, the first included, runs on what
 the default session would have run, and its outputs are that session's. The torch import is then
 paid by the first run instead of the load (the caller's code between the two overlaps it), and a
-failed background load leaves the CpuRef session running, with a warning saying why.
+failed background load leaves the CpuRef session running, with a warning saying why (so does a
+fork during the load, in the child: ``_forked``).
 
 A run does not take the CpuRef session while the build is under way: CpuRef runs the demo model in
 0.6 s a call here, a model of the full tier in seconds, where the build is done in 1.5-3 s; a run
@@ -165,3 +166,22 @@ def _at_exit() -> None:
     """A process that exits during a background load waits for it (torch must not be importing
     or inside a call while the interpreter finalizes)."""
     wait(60.0)
+
+
+def _forked() -> None:
+    """In a child forked during a background load: the thread that made it is not here, and an
+    import it held (torch's) would never finish, so each such load is failed, the session running
+    on CpuRef with the warning; one done before the fork is taken over as in the parent."""
+    for later in list(_PENDING):
+        later.lock = threading.Lock()  # the locks the thread may have held
+        if not later.done.is_set():
+            later.made, later.error = None, RuntimeError("the process forked during the load")
+            log.warning("a default session's load was in the background when the process "
+                        "forked: in the child the session runs on CpuRef")
+        later.done = threading.Event()
+        later.done.set()
+    _PENDING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _forked())  # looked up at each fork
