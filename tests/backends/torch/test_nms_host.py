@@ -152,3 +152,23 @@ def test_overlaps_in_torch_equal_numpys(center: int) -> None:
         in_torch = nms._suppressing(torch.from_numpy(boxes), center, limit, torch)
         assert in_numpy.any() and not in_numpy.all()
         np.testing.assert_array_equal(in_torch.numpy(), in_numpy)
+
+
+def test_many_boxes_with_a_threshold_walk_their_candidates_alone(monkeypatch) -> None:
+    """Past 64 boxes with a score threshold, each batch item's overlaps are its candidates' (the
+    boxes above the threshold in some class), not every pair's (8400 boxes: 560 MB an array);
+    the rows are CpuRef's, ties and NaN scores among them, in both forms."""
+    rng = np.random.default_rng(11)
+    boxes = _boxes(rng, 2, 2000)
+    scores = rng.uniform(0, 1, (2, 4, 2000)).astype(np.float32) ** 8  # few above 0.5
+    scores[0, 1, 5:9] = 0.75  # equal scores: the lower box index first
+    scores[1, 2, 17] = np.nan  # never above a threshold
+    seen: list[tuple[int, ...]] = []
+    suppressing = nms._suppressing
+    monkeypatch.setattr(nms, "_suppressing", lambda b, *a: seen.append(b.shape) or suppressing(b, *a))
+    given = (np.array([50], np.int64), np.array([0.2], np.float32), np.array([0.5], np.float32))
+    expected, got = _both(boxes, scores, *given)
+    np.testing.assert_array_equal(got, expected)
+    candidates = [int((scores[b] > 0.5).any(0).sum()) for b in range(2)]
+    assert expected.shape[0] > 20 and seen and all(shape[0] == 1 for shape in seen)
+    assert sorted({shape[1] for shape in seen}) == sorted(set(candidates)), (seen, candidates)

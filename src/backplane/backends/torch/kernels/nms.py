@@ -11,6 +11,9 @@ import torch
 
 from backplane.backends.torch.kernels.common import scalar
 
+ONE_WORD = 64
+"""Up to this many boxes every pair's overlaps are computed at once (each box's bits one word)."""
+
 
 def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
                         score_threshold=None, center_point_box=0):
@@ -22,9 +25,11 @@ def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_thre
     if not limit or not host_scores.size:
         return (torch.zeros((0, 3), dtype=torch.int64, device=boxes.device),)
     on_host = boxes.device.type == "cpu" and boxes.dtype != torch.bfloat16
-    overlaps = _suppressing(boxes.numpy() if on_host else boxes, center_point_box, iou_limit,
-                            np if on_host else torch)  # (B, N, N): the greedy walk is on the host
-    found = _selected(overlaps if on_host else overlaps.cpu().numpy(), host_scores, limit, threshold)
+    if on_host:
+        found = _on_host(boxes.numpy(), host_scores, center_point_box, iou_limit, limit, threshold)
+        return (torch.from_numpy(found),)
+    overlaps = _suppressing(boxes, center_point_box, iou_limit, torch)  # (B, N, N)
+    found = _selected(overlaps.cpu().numpy(), host_scores, limit, threshold)  # the walk: host's
     return (torch.from_numpy(found).to(boxes.device),)
 
 
@@ -39,8 +44,27 @@ def host_non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou
     threshold = None if score_threshold is None else float(_host_one(score_threshold))
     if not limit or not scores.size:
         return (np.zeros((0, 3), np.int64),)
-    overlaps = _suppressing(boxes, center_point_box, iou_limit, np)
-    return (_selected(overlaps, scores, limit, threshold),)
+    return (_on_host(boxes, scores, center_point_box, iou_limit, limit, threshold),)
+
+
+def _on_host(boxes, scores, center_point_box, iou_limit, limit, threshold):
+    """The rows of NumPy boxes and scores: past ``ONE_WORD`` boxes with a score threshold given,
+    per batch item the overlaps of its candidates alone (the boxes above the threshold in some
+    class: no other box is walked or suppresses one), where every pair's were (B, 2, N, N) arrays:
+    8400 boxes, a YOLOv8 export's, 560 MB each."""
+    if threshold is None or boxes.shape[-2] <= ONE_WORD:
+        overlaps = _suppressing(boxes, center_point_box, iou_limit, np)
+        return _selected(overlaps, scores, limit, threshold)
+    found = []
+    for b in range(boxes.shape[0]):
+        kept = np.flatnonzero((scores[b] > threshold).any(0))  # in box order: ties stay in it
+        if not kept.size:
+            continue
+        overlaps = _suppressing(boxes[b:b + 1, kept], center_point_box, iou_limit, np)
+        rows = _selected(overlaps, scores[b:b + 1, :, kept], limit, threshold)
+        rows[:, 0], rows[:, 2] = b, kept[rows[:, 2]]
+        found.append(rows)
+    return np.concatenate(found) if found else np.zeros((0, 3), np.int64)
 
 
 def _selected(overlaps, scores, limit, threshold):
