@@ -165,7 +165,8 @@ def test_many_boxes_with_a_threshold_walk_their_candidates_alone(monkeypatch) ->
     scores[1, 2, 17] = np.nan  # never above a threshold
     seen: list[tuple[int, ...]] = []
     suppressing = nms._suppressing
-    monkeypatch.setattr(nms, "_suppressing", lambda b, *a: seen.append(b.shape) or suppressing(b, *a))
+    monkeypatch.setattr(nms, "_suppressing",
+                        lambda b, *a: seen.append(b.shape) or suppressing(b, *a))
     given = (np.array([50], np.int64), np.array([0.2], np.float32), np.array([0.5], np.float32))
     expected, got = _both(boxes, scores, *given)
     np.testing.assert_array_equal(got, expected)
