@@ -173,3 +173,8 @@ def test_many_boxes_with_a_threshold_walk_their_candidates_alone(monkeypatch) ->
     candidates = [int((scores[b] > 0.5).any(0).sum()) for b in range(2)]
     assert expected.shape[0] > 20 and seen and all(shape[0] == 1 for shape in seen)
     assert sorted({shape[1] for shape in seen}) == sorted(set(candidates)), (seen, candidates)
+    seen.clear()  # boxes off the host (a GPU's, bfloat16): torch's overlaps, of the same few
+    iou = float(given[1][0])
+    in_torch = nms._on_host(torch.from_numpy(boxes), scores, 0, iou, 50, 0.5, torch)
+    np.testing.assert_array_equal(in_torch, expected)
+    assert sorted({shape[1] for shape in seen}) == sorted(set(candidates)), (seen, candidates)

@@ -28,8 +28,7 @@ def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_thre
     if on_host:
         found = _on_host(boxes.numpy(), host_scores, center_point_box, iou_limit, limit, threshold)
         return (torch.from_numpy(found),)
-    overlaps = _suppressing(boxes, center_point_box, iou_limit, torch)  # (B, N, N)
-    found = _selected(overlaps.cpu().numpy(), host_scores, limit, threshold)  # the walk: host's
+    found = _on_host(boxes, host_scores, center_point_box, iou_limit, limit, threshold, torch)
     return (torch.from_numpy(found).to(boxes.device),)
 
 
@@ -47,21 +46,24 @@ def host_non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou
     return (_on_host(boxes, scores, center_point_box, iou_limit, limit, threshold),)
 
 
-def _on_host(boxes, scores, center_point_box, iou_limit, limit, threshold):
-    """The rows of NumPy boxes and scores: past ``ONE_WORD`` boxes with a score threshold given,
-    per batch item the overlaps of its candidates alone (the boxes above the threshold in some
-    class: no other box is walked or suppresses one), where every pair's were (B, 2, N, N) arrays:
-    8400 boxes, a YOLOv8 export's, 560 MB each."""
+def _on_host(boxes, scores, center_point_box, iou_limit, limit, threshold, xp=np):
+    """The rows of the boxes (NumPy's, or torch's where ``xp`` is torch: the overlaps there, the
+    walk on the host) and NumPy scores: past ``ONE_WORD`` boxes with a score threshold given, per
+    batch item the overlaps of its candidates alone (the boxes above the threshold in some class:
+    no other box is walked or suppresses one), where every pair's were (B, 2, N, N) arrays: 8400
+    boxes, a YOLOv8 export's, 560 MB each."""
+    host = (lambda overlaps: overlaps) if xp is np else (lambda overlaps: overlaps.cpu().numpy())
     if threshold is None or boxes.shape[-2] <= ONE_WORD:
-        overlaps = _suppressing(boxes, center_point_box, iou_limit, np)
-        return _selected(overlaps, scores, limit, threshold)
+        overlaps = _suppressing(boxes, center_point_box, iou_limit, xp)
+        return _selected(host(overlaps), scores, limit, threshold)
     found = []
     for b in range(boxes.shape[0]):
         kept = np.flatnonzero((scores[b] > threshold).any(0))  # in box order: ties stay in it
         if not kept.size:
             continue
-        overlaps = _suppressing(boxes[b:b + 1, kept], center_point_box, iou_limit, np)
-        rows = _selected(overlaps, scores[b:b + 1, :, kept], limit, threshold)
+        at = kept if xp is np else torch.from_numpy(kept).to(boxes.device)
+        overlaps = _suppressing(boxes[b:b + 1, at], center_point_box, iou_limit, xp)
+        rows = _selected(host(overlaps), scores[b:b + 1, :, kept], limit, threshold)
         rows[:, 0], rows[:, 2] = b, kept[rows[:, 2]]
         found.append(rows)
     return np.concatenate(found) if found else np.zeros((0, 3), np.int64)
