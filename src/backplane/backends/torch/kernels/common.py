@@ -123,6 +123,31 @@ def _gelu_keeps_inf(dtype: torch.dtype) -> bool:
 
 _GELU_KEEPS_INF: dict[torch.dtype, bool] = {}
 
+GELU_ATEN_BELOW = 8192
+"""The size below which the erf GELU of a contiguous float32 CPU tensor runs on its transpose:
+torch gives a contiguous one to oneDNN's eltwise primitive, made again at each call, a strided
+one to ATen's own kernel (``_strided_gelu_keeps_inf``). 1 thread, thread CPU, load 5, p10 us,
+(16, n / 16), F.gelu / on the transpose: 1024 values 15.9 / 6.8, 4096 16.6 / 12.0, 16384
+29.9 / 33.1, 65536 83.6 / 123.6. The values differ by a rounding (4.8e-7 on (64, 1024) x 4)."""
+_STRIDED_GELU_KEEPS_INF: list[bool] = []
+
+
+def _strided_gelu_keeps_inf() -> bool:
+    """Whether ATen's own GELU kernel (a strided float32 tensor's) gives +Inf at +Inf here (its
+    AVX-512 erf gives NaN there), in every lane of a vector loop and of its tail; asked once a
+    process with the tracer paused."""
+    if not _STRIDED_GELU_KEEPS_INF:
+        tracing = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            x = torch.full((2, 4099), math.inf)
+            _STRIDED_GELU_KEEPS_INF.append(all(
+                bool(torch.isposinf(F.gelu(x[:, :n].t())).all()) for n in (*range(1, 18), 4099)))
+        finally:
+            torch._C._set_tracing_state(tracing)
+    return _STRIDED_GELU_KEEPS_INF[0]
+
+
 GELU_TANH_SIGMOID_FROM = 4096
 """The size from which the tanh GELU is ``_gelu_tanh_by_sigmoid``'s four ops: below it torch's one
 kernel is the faster (its cost per op): 1 thread, thread CPU, load 6, p10 us, F.gelu tanh /
@@ -161,6 +186,10 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if approximate == "tanh" and x.device.type == "cpu" and x.dtype == torch.float32 \
             and x.numel() >= GELU_TANH_SIGMOID_FROM and not for_onednn_graph():
         return _gelu_tanh_by_sigmoid(x)
+    if approximate == "none" and x.device.type == "cpu" and x.dtype == torch.float32 \
+            and x.dim() >= 2 and min(x.shape[-2:]) > 1 and x.numel() < GELU_ATEN_BELOW \
+            and x.is_contiguous() and not for_onednn_graph() and _strided_gelu_keeps_inf():
+        return F.gelu(x.transpose(-1, -2)).transpose(-1, -2)  # contiguous again
     y = F.gelu(x, approximate=approximate)
     if approximate == "none" and not (
         x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.is_contiguous()
