@@ -340,10 +340,15 @@ def below_autograd() -> Any:
     thread, this 2-core AMD EPYC, load 4.5). The values are the same ops' on the same tensors;
     nothing a run returns requires grad, and the runtime tells an output's memory by its storage,
     not by view metadata (``runtime/ownership.py``)."""
+    return below_autograd_guard()()
+
+
+def below_autograd_guard() -> Any:
+    """What ``below_autograd`` makes its context of, to be called at each run without the
+    function in between (a run's own Python frames: ``compiled_run``, ``_traced_run``)."""
     import torch
 
-    guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
-    return guard() if guard is not None else torch.no_grad()
+    return getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None) or torch.no_grad
 
 
 def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) -> Workload:
@@ -355,13 +360,14 @@ def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) 
     strides = [tuple(value.stride()) for value in sample]
     forward = module._c._get_method("forward")  # its C++ method: no nn.Module call in between
     made = Made if outputs_made(module.graph) else tuple  # each output an op's own result
+    guard = below_autograd_guard()
 
     def run(*values: Any) -> tuple[Any, ...]:
         for value, expected in zip(values, strides):  # conform's check, without its generator
             if value.stride() != expected:
                 values = tuple(conform(values))
                 break
-        with below_autograd():
+        with guard():
             outputs = forward(*values, *packed)
         return made(outputs) if type(outputs) is tuple else made((outputs,))
 
