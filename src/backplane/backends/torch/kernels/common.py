@@ -104,8 +104,9 @@ def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) 
 
 def _gelu_keeps_inf(dtype: torch.dtype) -> bool:
     """Whether this CPU's GELU (erf form) of a contiguous ``dtype`` tensor gives +Inf at +Inf,
-    asked once a process: torch hands a contiguous tensor to MKL (its CdfNorm keeps +Inf) where
-    it has MKL, and others to ATen's own vectorized erf, whose AVX-512 form gives NaN there.
+    asked once a process: torch hands a contiguous tensor to oneDNN's eltwise GELU (which keeps
+    +Inf on this AVX2 EPYC) and a strided one to ATen's own vectorized erf, whose AVX-512 form
+    gives NaN there (``_strided_gelu_keeps_inf``).
     All-+Inf tensors of 1 to 17 elements and of 4099 put +Inf in every lane of a 16-wide vector
     loop and of its tail. Asked with TorchScript's tracer paused (a trace would record it)."""
     keeps = _GELU_KEEPS_INF.get(dtype)
