@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper
 pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
+from backplane.backends.torch.fusion.gelu import _one_kernel  # noqa: E402
 from tests.backends.torch.test_fusion import (GELU_CONSTANTS, _const, _on_cpuacc,  # noqa: E402
                                               assert_matches_cpuref, placed)
 from tests.conftest import float_input, make_model  # noqa: E402
@@ -66,5 +67,8 @@ def test_the_erf_form_or_another_constant_stays_apart(gelu, constants, half) -> 
     model = _model(gelu, [*constants, numpy_helper.from_array(np.float32(half), "half")])
     session = InferenceSession(model, backends=["CpuAcc"])
     ops = [lay.op_type for lay in placed(session)]
-    assert ops[0] == "Linear" and ops[-2:] == ["Mul", "Mul"]
+    # not the Linear's: dynamo's erf form is one GeluChain after it where this CPU's GELU is
+    # one kernel (fusion/gelu.py), the five layers elsewhere; 0.25 is no GELU
+    apart = ["Linear", "GeluChain"] if gelu is _erf_gelu and _one_kernel() else None
+    assert ops == apart if apart else ops[0] == "Linear" and ops[-2:] == ["Mul", "Mul"]
     assert_matches_cpuref(session, model)

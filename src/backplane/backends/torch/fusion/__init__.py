@@ -30,8 +30,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   elementwise layers of one 8-bit tensor (a QOperator hard-swish, QLinearSigmoid) as one
   ``Lookup``, a table of its 256 values (``lookup``); large QDQ convolutions as QLinearConvs
   passing 8-bit integers from one to the next (``qdq_chain``).
-- GELU written out with Erf after a convolution or a norm (not a matrix product): one
-  ``GeluChain``, torch's GELU, where this CPU's keeps +Inf unmended (``gelu``).
+- GELU written out with Erf where no Linear takes it (dynamo's erf form, after a convolution or
+  a norm): one ``GeluChain``, torch's GELU, where this CPU's keeps +Inf unmended (``gelu``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.

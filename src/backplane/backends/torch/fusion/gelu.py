@@ -1,19 +1,21 @@
-"""GELU written out with Erf after a convolution or a norm (not a matrix product: ``linear``):
-one ``GeluChain`` layer, torch's GELU (``common.gelu``), one kernel instead of five.
+"""GELU written out with Erf where no Linear takes it as its post-op (dynamo's erf form, after a
+convolution or a norm): one ``GeluChain`` layer, torch's GELU (``common.gelu``), one kernel
+instead of five.
 
 x * 0.5 * (1 + erf(x / sqrt(2))) is what both torch exporters write for ``nn.GELU`` (dynamo as
-x * (0.5 * (1 + erf(...)))): Div, Erf, Add, Mul, Mul, each a kernel call and a tensor of its own
-in a trace. audio_conv1d_dyn19 has three, after its group norm and its 1-d convolutions: its
-trace's torch ops a run 132 -> 96, thread CPU time a run at 1 thread 0.87 of before (sessions
-with and without in one process, alternating blocks, load 9.3, this 2-core AMD EPYC). Taken
-only where this CPU's GELU keeps +Inf on a float32 tensor (``common._gelu_keeps_inf``):
+x * (0.5 * (1 + erf(...))), which a Linear leaves apart: ``linear._times_half``): Div, Erf, Add,
+Mul, Mul, each a kernel call and a tensor of its own in a trace. audio_conv1d_dyn19 has three,
+after its group norm and its 1-d convolutions: its trace's torch ops a run 132 -> 96, thread CPU
+time a run 0.80 (1 thread) and 0.77 (2 threads) of before; encoder_padmask_dyn17's two after its
+products 0.87 and 0.84 (sessions with and without in one process, alternating blocks, load 4.6-5,
+this 2-core AMD EPYC, with ``common.gelu`` running a small contiguous tensor on ATen's kernel).
+Taken only where this CPU's GELU keeps +Inf on a float32 tensor (``common._gelu_keeps_inf``):
 elsewhere torch's GELU needs a mend of two more kernels, and three kernels in a trace cost more
-than the five (encoder_padmask_dyn17's trace 123 -> 141 us at 1 thread on an AVX-512 EPYC,
-``linear._times_half``). A strided input (a convolution's channels-last output) goes to ATen's
-own kernel where that keeps +Inf too (``_strided_keeps_inf``): oneDNN's, which torch takes for a
-contiguous one, is a primitive made at each call (about 15 us on a small tensor here, ATen's 4).
-The values differ from the five steps' by a rounding or two (torch multiplies by 1/sqrt(2) where
-the export divides by sqrt(2)); NaN stays NaN, -Inf gives NaN and +Inf +Inf as the five do."""
+than the five (encoder_padmask_dyn17's trace 123 -> 141 us at 1 thread on an AVX-512 EPYC). A
+strided input (a convolution's channels-last output) goes to ATen's own kernel where that keeps
++Inf too (``_strided_keeps_inf``). The values differ from the five steps' by a rounding or two
+(torch multiplies by 1/sqrt(2) where the export divides by sqrt(2)); NaN stays NaN, -Inf gives
+NaN and +Inf +Inf as the five do."""
 
 from __future__ import annotations
 
@@ -39,8 +41,7 @@ def match_gelu(scale: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
             or scalar_op(scale, x, ctx, "Mul", 1 / math.sqrt(2))):
         return None
     info = ctx.graph.info(x)
-    if info.dtype is None or info.dtype.name != "float32" or x in ctx.graph.outputs \
-            or _from_a_product(x, ctx):
+    if info.dtype is None or info.dtype.name != "float32" or x in ctx.graph.outputs:
         return None
     users = list({id(u): u for u in ctx.consumers.get(x, [])}.values())
     if len(users) != 2 or any(id(u) not in ctx.inside or id(u) in ctx.taken or u.domain
@@ -61,25 +62,6 @@ def match_gelu(scale: Layer, ctx: Context) -> tuple[list[Layer], Layer] | None:
     fused = Layer("+".join(lay.name for lay in group), "GeluChain", [x], [group[-1].outputs[0]],
                   {}, FUSED_DOMAIN, 1)
     return group, fused
-
-
-def _from_a_product(x: str, ctx: Context) -> bool:
-    """Whether ``x`` is a matrix product's (a Linear's: MatMul or Gemm, or its bias Add). Its
-    GELU stays as the exporter wrote it, the Linear's post-op where it takes it (``linear``):
-    on such a contiguous output torch's GELU is oneDNN's eltwise primitive, made again at each
-    call, and the one kernel measured no faster than the five (encoder_padmask_dyn17, 1 thread,
-    sessions with and without in one process, alternating: 516 against 488 us a run at load 9.5,
-    this 2-core AMD EPYC)."""
-    maker = _maker(x, ctx)
-    if maker is not None and maker.op_type == "Add" and not maker.domain:
-        makers = [_maker(i, ctx) for i in maker.inputs]
-        return any(m is not None and m.op_type in ("MatMul", "Gemm") for m in makers)
-    return maker is not None and maker.op_type in ("MatMul", "Gemm")
-
-
-def _maker(name: str, ctx: Context) -> Layer | None:
-    """The layer of the subgraph that writes ``name`` (a scan: asked of GELU chains only)."""
-    return next((lay for lay in ctx.view.layers if name in lay.outputs), None)
 
 
 def or_else(other: Matcher) -> Matcher:
