@@ -55,7 +55,7 @@ def test_the_mend_is_skipped_only_where_torch_keeps_inf() -> None:
     common._GELU_KEEPS_INF.clear()
     traced = torch.jit.trace(lambda t: common.gelu(t * 1.0), (torch.ones(40),))
     kinds = [node.kind() for node in traced.graph.nodes()]
-    keeps = common._GELU_KEEPS_INF[torch.float32]
+    keeps = common._GELU_KEEPS_INF[(torch.float32, False)]
     assert "aten::full" not in kinds and "aten::all" not in kinds
     assert ("aten::isposinf" in kinds) is not keeps
     if keeps:

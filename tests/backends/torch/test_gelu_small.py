@@ -63,7 +63,7 @@ def test_a_small_gelus_trace_is_atens_kernel_on_the_transpose() -> None:
     small, large = kinds(64), kinds(common.GELU_ATEN_BELOW // 16)
     assert "aten::gelu" in small and "aten::gelu" in large
     assert "aten::full" not in small and "aten::all" not in small  # the probe is not traced
-    assert ("aten::transpose" in small) is common._strided_gelu_keeps_inf()
+    assert ("aten::transpose" in small) is common.gelu_keeps_inf(torch.float32, True)
     assert "aten::transpose" not in large
 
 

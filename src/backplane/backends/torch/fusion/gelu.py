@@ -9,11 +9,11 @@ after its group norm and its 1-d convolutions: its trace's torch ops a run 132 -
 time a run 0.80 (1 thread) and 0.77 (2 threads) of before; encoder_padmask_dyn17's two after its
 products 0.87 and 0.84 (sessions with and without in one process, alternating blocks, load 4.6-5,
 this 2-core AMD EPYC, with ``common.gelu`` running a small contiguous tensor on ATen's kernel).
-Taken only where this CPU's GELU keeps +Inf on a float32 tensor (``common._gelu_keeps_inf``):
+Taken only where this CPU's GELU keeps +Inf on a float32 tensor (``common.gelu_keeps_inf``):
 elsewhere torch's GELU needs a mend of two more kernels, and three kernels in a trace cost more
 than the five (encoder_padmask_dyn17's trace 123 -> 141 us at 1 thread on an AVX-512 EPYC). A
-strided input (a convolution's channels-last output) goes to ATen's own kernel where that keeps
-+Inf too (``_strided_keeps_inf``). The values differ from the five steps' by a rounding or two
+strided input (a convolution's channels-last output) goes to ATen's own kernel, mended only where
+that does not keep +Inf (``common.gelu``). The values differ from the five steps' by a rounding or two
 (torch multiplies by 1/sqrt(2) where the export divides by sqrt(2)); NaN stays NaN, -Inf gives
 NaN and +Inf +Inf as the five do."""
 
@@ -77,47 +77,12 @@ def _one_kernel() -> bool:
     """Whether torch's float32 GELU here is one kernel in a trace (keeps +Inf unmended)."""
     import torch
 
-    from backplane.backends.torch.kernels.common import _gelu_keeps_inf
+    from backplane.backends.torch.kernels.common import gelu_keeps_inf
 
-    return _gelu_keeps_inf(torch.float32)
+    return gelu_keeps_inf(torch.float32)
 
 
 def gelu_workload(layer: Layer, backend: Any, inputs: Any) -> Workload:
-    import torch.nn.functional as F
-
     from backplane.backends.torch.kernels.common import gelu
 
-    def run(x: Any) -> tuple[Any]:
-        if not x.is_contiguous() and x.dtype == torch_float32() and _strided_keeps_inf():
-            return (F.gelu(x),)  # ATen's own kernel, no mend needed here
-        return (gelu(x),)
-
-    return run
-
-
-def torch_float32() -> Any:
-    import torch
-
-    return torch.float32
-
-
-_STRIDED: list[bool] = []
-
-
-def _strided_keeps_inf() -> bool:
-    """Whether torch's GELU of a strided float32 CPU tensor (ATen's own vectorized erf, not
-    oneDNN's, which takes contiguous ones) gives +Inf at +Inf here: a 1-d convolution's
-    channels-last output then needs no mend. Asked once a process, the tracer paused."""
-    if not _STRIDED:
-        import torch
-        import torch.nn.functional as F
-
-        tracing = torch._C._get_tracing_state()
-        torch._C._set_tracing_state(None)
-        try:
-            x = torch.full((2, 4099), math.inf)
-            _STRIDED.append(all(bool(torch.isposinf(F.gelu(x[:, :n].t())).all())
-                                for n in (*range(1, 18), 4099)))
-        finally:
-            torch._C._set_tracing_state(tracing)
-    return _STRIDED[0]
+    return lambda x: (gelu(x),)

@@ -102,53 +102,38 @@ def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) 
     return torch.clamp_max(x, high) if y is x else y.clamp_max_(high)
 
 
-def _gelu_keeps_inf(dtype: torch.dtype) -> bool:
-    """Whether this CPU's GELU (erf form) of a contiguous ``dtype`` tensor gives +Inf at +Inf,
-    asked once a process: torch hands a contiguous tensor to oneDNN's eltwise GELU (which keeps
-    +Inf on this AVX2 EPYC) and a strided one to ATen's own vectorized erf, whose AVX-512 form
-    gives NaN there (``_strided_gelu_keeps_inf``).
-    All-+Inf tensors of 1 to 17 elements and of 4099 put +Inf in every lane of a 16-wide vector
-    loop and of its tail. Asked with TorchScript's tracer paused (a trace would record it)."""
-    keeps = _GELU_KEEPS_INF.get(dtype)
+def gelu_keeps_inf(dtype: torch.dtype, strided: bool = False) -> bool:
+    """Whether this CPU's GELU (erf form) of a ``dtype`` CPU tensor gives +Inf at +Inf, asked once
+    a process for each layout: torch hands a contiguous tensor to oneDNN's eltwise GELU (which
+    keeps +Inf on this AVX2 EPYC), a strided one to ATen's own erf, vectorized where its inner
+    axis is contiguous in memory (a transpose) and scalar where not (a step of 2); ATen's AVX-512
+    erf gives NaN there. All-+Inf tensors of 1 to 17 elements and of 4099 put +Inf in every lane
+    of a 16-wide vector loop and of its tail. Asked with TorchScript's tracer paused (a trace
+    would record it)."""
+    keeps = _GELU_KEEPS_INF.get((dtype, strided))
     if keeps is None:
         tracing = torch._C._get_tracing_state()
         torch._C._set_tracing_state(None)
         try:
-            x = torch.full((4099,), math.inf, dtype=dtype)
-            keeps = all(bool(torch.isposinf(F.gelu(x[:n])).all()) for n in (*range(1, 18), 4099))
+            x = torch.full((2, 2 * 4099), math.inf, dtype=dtype)
+            sizes = (*range(1, 18), 4099)
+            views = [v for n in sizes for v in (x[:, :n].t(), x[0, :2 * n:2])] if strided \
+                else [x[0, :n] for n in sizes]
+            keeps = all(bool(torch.isposinf(F.gelu(v)).all()) for v in views)
         finally:
             torch._C._set_tracing_state(tracing)
-        _GELU_KEEPS_INF[dtype] = keeps
+        _GELU_KEEPS_INF[(dtype, strided)] = keeps
     return keeps
 
 
-_GELU_KEEPS_INF: dict[torch.dtype, bool] = {}
+_GELU_KEEPS_INF: dict[tuple[torch.dtype, bool], bool] = {}
 
 GELU_ATEN_BELOW = 8192
 """The size below which the erf GELU of a contiguous float32 CPU tensor runs on its transpose:
 torch gives a contiguous one to oneDNN's eltwise primitive, made again at each call, a strided
-one to ATen's own kernel (``_strided_gelu_keeps_inf``). 1 thread, thread CPU, load 5, p10 us,
+one to ATen's own kernel (``gelu_keeps_inf``). 1 thread, thread CPU, load 5, p10 us,
 (16, n / 16), F.gelu / on the transpose: 1024 values 15.9 / 6.8, 4096 16.6 / 12.0, 16384
 29.9 / 33.1, 65536 83.6 / 123.6. The values differ by a rounding (4.8e-7 on (64, 1024) x 4)."""
-_STRIDED_GELU_KEEPS_INF: list[bool] = []
-
-
-def _strided_gelu_keeps_inf() -> bool:
-    """Whether ATen's own GELU kernel (a strided float32 tensor's) gives +Inf at +Inf here (its
-    AVX-512 erf gives NaN there), in every lane of a vector loop and of its tail; asked once a
-    process with the tracer paused."""
-    if not _STRIDED_GELU_KEEPS_INF:
-        tracing = torch._C._get_tracing_state()
-        torch._C._set_tracing_state(None)
-        try:
-            x = torch.full((2, 4099), math.inf)
-            _STRIDED_GELU_KEEPS_INF.append(all(
-                bool(torch.isposinf(F.gelu(x[:, :n].t())).all()) for n in (*range(1, 18), 4099)))
-        finally:
-            torch._C._set_tracing_state(tracing)
-    return _STRIDED_GELU_KEEPS_INF[0]
-
-
 GELU_TANH_SIGMOID_FROM = 4096
 """The size from which the tanh GELU is ``_gelu_tanh_by_sigmoid``'s four ops: below it torch's one
 kernel is the faster (its cost per op): 1 thread, thread CPU, load 6, p10 us, F.gelu tanh /
@@ -181,20 +166,20 @@ def _gelu_tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """torch's GELU with +Inf kept: the vectorized erf form of some CPUs (AVX-512) gives NaN at
     +Inf, where x * Phi(x) is +Inf (CpuRef, ONNX Runtime). The mend (two more kernels) only where
-    this CPU's GELU needs it: always but on a contiguous float32/float64 CPU tensor whose GELU
-    keeps +Inf here (``_gelu_keeps_inf``), outside a trace for oneDNN Graph (whose fused GELU is
-    oneDNN's own)."""
+    this CPU's GELU needs it: always but on a float32/float64 CPU tensor whose GELU keeps +Inf
+    here in its layout (``gelu_keeps_inf``), outside a trace for oneDNN Graph (whose fused GELU
+    is oneDNN's own)."""
     if approximate == "tanh" and x.device.type == "cpu" and x.dtype == torch.float32 \
             and x.numel() >= GELU_TANH_SIGMOID_FROM and not for_onednn_graph():
         return _gelu_tanh_by_sigmoid(x)
     if approximate == "none" and x.device.type == "cpu" and x.dtype == torch.float32 \
             and x.dim() >= 2 and min(x.shape[-2:]) > 1 and x.numel() < GELU_ATEN_BELOW \
-            and x.is_contiguous() and not for_onednn_graph() and _strided_gelu_keeps_inf():
+            and x.is_contiguous() and not for_onednn_graph() and gelu_keeps_inf(x.dtype, True):
         return F.gelu(x.transpose(-1, -2)).transpose(-1, -2)  # contiguous again
     y = F.gelu(x, approximate=approximate)
     if approximate == "none" and not (
-        x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.is_contiguous()
-        and not for_onednn_graph() and _gelu_keeps_inf(x.dtype)
+        x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+        and not for_onednn_graph() and gelu_keeps_inf(x.dtype, not x.is_contiguous())
     ):
         y = y.masked_fill_(torch.isposinf(x), math.inf)
     return y
