@@ -113,9 +113,12 @@ GPU = Rule("GpuAcc", frozenset({"CpuAcc", "OpenVINO"}), "GpuAcc.against_cpu", li
 with GpuAcc first than on CpuAcc,CpuRef). With 10% the H100 machine kept GpuAcc's for two small
 int8 models timed 9% slower than CpuAcc's (fakequant_qdq_ts13 0.101 against 0.092 ms,
 resnet_qdq_ort17 0.287 against 0.261; bench/corpus_gpu.py --tier small)."""
-CONTROL_FLOW = Rule("CpuAcc", frozenset({"CpuRef"}), "CpuAcc.against_cpuref", limit_ms=2.0,
+CONTROL_FLOW = Rule("CpuAcc", frozenset({"CpuRef"}), "CpuAcc.against_cpuref", limit_ms=5.0,
                     budget_s=0.2, holds=_control_flow, without="CpuAcc", warns=False, margin=0.10)
-"""2 ms: past a few hundred small layer calls a run has work a torch kernel does better; 0.2 s of
+"""5 ms: past a few hundred small layer calls a run has work a torch kernel does better (2 ms on
+the AVX-512 EPYC of the first sessions; on the AVX2 EPYC of the eleventh and twelfth, where torch's
+calls cost more, loop_scripted_ts16 ran 2.4 ms on CpuAcc's placement, went untimed, and kept it
+against CpuRef's 0.5 ms); 0.2 s of
 turns: the corpus's two such models each get their 25 runs in under 30 ms; 10%: CpuRef in place
 of CpuAcc is a measured route of the user's own list, not a promise to keep."""
 
