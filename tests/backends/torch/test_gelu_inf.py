@@ -12,19 +12,9 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from backplane.backends.torch.kernels import common  # noqa: E402
+from tests.backends.torch.test_gelu_small import _with_specials  # noqa: E402
 
 SIZES = (1, 5, 16, 17, 33, 1000, 20000)  # 20000: past GELU's single-thread size on ATen's path
-
-
-def _with_specials(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.standard_normal(n) * 4).to(dtype)
-    where = rng.choice(n, size=max(1, n // 7), replace=False)
-    x[where[0::3]] = math.inf
-    x[where[1::3]] = -math.inf
-    x[where[2::3]] = math.nan
-    x[-1] = math.inf  # the tail lane
-    return x
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -35,7 +25,7 @@ def test_gelu_keeps_inf_and_nan(layout: str, dtype: torch.dtype, threads: int) -
     torch.set_num_threads(threads)
     try:
         for n in SIZES:
-            x = _with_specials(n, dtype, n)
+            x = _with_specials((n,), n, dtype)
             if layout == "strided":
                 x = torch.stack([x, x], 1)[:, 0]
             y = common.gelu(x)
@@ -60,7 +50,7 @@ def test_the_mend_is_skipped_only_where_torch_keeps_inf() -> None:
     assert ("aten::isposinf" in kinds) is not keeps
     if keeps:
         for n in SIZES:
-            x = _with_specials(n, torch.float32, n + 1)
+            x = _with_specials((n,), n + 1)
             assert torch.equal(torch.isposinf(F.gelu(x)), torch.isposinf(x)), n
-    x = _with_specials(40, torch.float32, 3)
+    x = _with_specials((40,), 3)
     assert torch.equal(torch.isposinf(traced(x)), torch.isposinf(x))

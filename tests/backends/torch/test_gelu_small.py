@@ -19,11 +19,14 @@ CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 SHAPES = ((1, 16, 64), (16, 64), (2, 3, 5, 7), (2, 4095), (1, 64, 1024))  # the last: oneDNN's
 
 
-def _with_specials(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def _with_specials(shape: tuple[int, ...], seed: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normal values times 4 with +Inf, -Inf and NaN at a seventh of the places, +Inf last."""
     rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.standard_normal(shape) * 4).float()
+    x = torch.from_numpy(rng.standard_normal(shape) * 4).to(dtype)
     flat = x.view(-1)
-    where = rng.choice(flat.numel(), size=max(3, flat.numel() // 7), replace=False)
+    where = rng.choice(flat.numel(), size=min(flat.numel(), max(3, flat.numel() // 7)),
+                       replace=False)
     flat[where[0::3]] = math.inf
     flat[where[1::3]] = -math.inf
     flat[where[2::3]] = math.nan
