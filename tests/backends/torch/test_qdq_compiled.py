@@ -6,6 +6,7 @@ and infinities in the input included."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import onnx
@@ -117,19 +118,26 @@ def _qdq_hardswish_model(rng: np.random.Generator) -> tuple[onnx.ModelProto, flo
     return model, 0.05
 
 
-def test_a_qdq_hardswish_needs_no_nan_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The round trips of a QDQ hard-swish's HardSigmoid and product read values that hold no
-    NaN (a HardSigmoid of a round trip's result is finite, a product of finite values at most
-    infinite): their NaN step, a pass outside the fuser's partitions, is left out; a NaN or an
-    infinity in the model's input still gives CpuRef's values, within one step."""
+def _compiled_hardswish(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, float, Any, Any]:
+    """The QDQ hard-swish model, its step, a CpuAcc session compiling it with oneDNN Graph (its
+    round trips QuantDequant layers, not chained) and that session's OneDnnGraph layer."""
     from backplane.backends.torch.fusion import qdq_chain
 
-    monkeypatch.setattr(qdq_chain, "CHAIN_MACS", 1 << 20)  # QuantDequant layers, not chained
+    monkeypatch.setattr(qdq_chain, "CHAIN_MACS", 1 << 20)
     model, step = _qdq_hardswish_model(np.random.default_rng(5))
     session = InferenceSession(model, backends=[("CpuAcc", {"compile": "onednn_graph",
                                                             "int8": "exact"})])
     layer = _graph_layer(session)
     assert layer.op_type == "OneDnnGraph", layer
+    return model, step, session, layer
+
+
+def test_a_qdq_hardswish_needs_no_nan_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The round trips of a QDQ hard-swish's HardSigmoid and product read values that hold no
+    NaN (a HardSigmoid of a round trip's result is finite, a product of finite values at most
+    infinite): their NaN step, a pass outside the fuser's partitions, is left out; a NaN or an
+    infinity in the model's input still gives CpuRef's values, within one step."""
+    model, step, session, layer = _compiled_hardswish(monkeypatch)
     trips = [lay for lay in layer.attrs["layers"] if lay.op_type == "QuantDequant"]
     assert [lay.attrs["finite"] for lay in trips] == [False, True, True, True, True]
     reference = InferenceSession(model, backends=["CpuRef"])
@@ -151,14 +159,9 @@ def test_a_qdq_hardswish_hard_sigmoid_is_in_the_fusers_partition(
     bit for bit outside a trace, and the model within one step of CpuRef."""
     import torch
 
-    from backplane.backends.torch.fusion import qdq_chain, quantized
+    from backplane.backends.torch.fusion import quantized
 
-    monkeypatch.setattr(qdq_chain, "CHAIN_MACS", 1 << 20)  # QuantDequant layers, not chained
-    model, step = _qdq_hardswish_model(np.random.default_rng(5))
-    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "onednn_graph",
-                                                            "int8": "exact"})])
-    layer = _graph_layer(session)
-    assert layer.op_type == "OneDnnGraph", layer
+    model, step, session, layer = _compiled_hardswish(monkeypatch)
     ops = [lay.op_type for lay in layer.attrs["layers"]]
     assert "HardSigmoid" not in ops and ops.count("FiniteHardSigmoid") == 1, ops
     (sigmoid,) = [lay for lay in layer.attrs["layers"] if lay.op_type == "FiniteHardSigmoid"]
