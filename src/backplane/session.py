@@ -187,10 +187,10 @@ class InferenceSession:
                                             optimizer_options, input_shapes, repreprocess)
                 self._meta = ModelMetadata(**found.manifest["model"]["metadata"])
                 self.graph = found.network.graph
-                self.optimized: OptimizedNetwork = found.network
+                self._optimized: OptimizedNetwork = found.network
                 optimized = time.perf_counter()
                 if compiled is not None and not against_cpu.at_load(self.graph):
-                    timing = against_cpu.applies(ids, self.optimized, chosen, all_pins)
+                    timing = against_cpu.applies(ids, self._optimized, chosen, all_pins)
                     remade = lambda: import_onnx(read_model(model), input_shapes)  # noqa: E731
             else:
                 read = read_model(model)
@@ -199,10 +199,10 @@ class InferenceSession:
                 self.graph = import_onnx(read, input_shapes)
                 check_pins(self.graph, all_pins)
                 optimized = time.perf_counter()
-                self.optimized = optimize(
+                self._optimized = optimize(
                     self.graph, ids, pins=all_pins, options=optimizer_options,
                     registry=self.runtime.registry, backend_options=chosen)
-                timing = against_cpu.applies(ids, self.optimized, chosen, all_pins)
+                timing = against_cpu.applies(ids, self._optimized, chosen, all_pins)
                 if read.weights is not None and not options.keep_initializers \
                         and timing is None:
                     registry = self.runtime.registry
@@ -215,7 +215,7 @@ class InferenceSession:
                         graph, ids, pins=all_pins, options=optimizer_options,
                         registry=self.runtime.registry, backend_options=chosen))
             loading = time.perf_counter()
-            self.network_id = self.runtime.load(self.optimized)
+            self.network_id = self.runtime.load(self._optimized)
             self._against_cpu: Callable[..., tuple[OptimizedNetwork, int]] | None = None
             if timing is not None:  # timed against other placements: see backplane.against_cpu
                 graph_of = remade or (lambda: self.graph)  # an artifact's: the model placed again
@@ -225,22 +225,22 @@ class InferenceSession:
                                     registry=self.runtime.registry, backend_options=chosen)
 
                 self._against_cpu = lambda feeds=None: against_cpu.settle(  # the network then
-                    self.runtime, ids, self.optimized, self.network_id, chosen, all_pins, place,
+                    self.runtime, ids, self._optimized, self.network_id, chosen, all_pins, place,
                     feeds)
                 if against_cpu.at_load(self.graph):
-                    self.optimized, self.network_id = self._against_cpu()
+                    self._optimized, self.network_id = self._against_cpu()
                     self._against_cpu = None
             loaded = time.perf_counter()
-        self.optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
-        self._outputs = list(self.optimized.output_names)
-        self._builds_at_run = any(layer.op_type == "Specialized" for net in within(self.optimized)
+        self._optimized = self.runtime.network(self.network_id).network  # as loaded: see Runtime.load
+        self._outputs = list(self._optimized.output_names)
+        self._builds_at_run = any(layer.op_type == "Specialized" for net in within(self._optimized)
                                   for layer in net.graph.layers)
         self._trace: Trace | None = None
         self._closed = False
         self._choosing = threading.Lock()  # the first run's choice against the CPU, made once
         _log.info("imported in %.3f s, placed in %.3f s (%s), loaded in %.3f s",
                   optimized - start, loading - optimized,
-                  ", ".join(f"{b}: {n} layers" for b, n in self.optimized.report.counts().items()),
+                  ", ".join(f"{b}: {n} layers" for b, n in self._optimized.report.counts().items()),
                   loaded - loading)
         if options.enable_profiling:
             name = (os.path.basename(os.fspath(model)) if isinstance(model, (str, os.PathLike))
@@ -276,7 +276,7 @@ class InferenceSession:
             network.weights, network.remake = FileWeights(read.weights, graph.constants), remake
             return network
 
-        self.optimized.weights, self.optimized.remake = shelf, remake
+        self._optimized.weights, self._optimized.remake = shelf, remake
 
     def _load_artifact(self, model: Any, stored: tuple[Any, dict[str, Any]] | None,
                        compiled: str | None, ids: list[str], chosen: dict[str, Any],
@@ -305,13 +305,21 @@ class InferenceSession:
 
     # -- what the model is ---------------------------------------------------------------------------
     @property
+    def optimized(self) -> OptimizedNetwork:
+        """The network as placed and loaded. A default session's, while its backends still load in
+        the background (deferred_load), is the one its runs will use: reading it waits for them."""
+        if self._later is not None:
+            self._later.adopt(self)
+        return self._optimized
+
+    @property
     def report(self) -> PlacementReport:
         if self._later is not None:  # the placement is the background's (deferred_load): wait
             self._later.adopt(self)
-        return self.optimized.report
+        return self._optimized.report
 
     def get_inputs(self) -> list[NodeArg]:
-        return [_node_arg(n, self.graph.info(n)) for n in self.optimized.input_names]
+        return [_node_arg(n, self.graph.info(n)) for n in self._optimized.input_names]
 
     def get_outputs(self) -> list[NodeArg]:
         return [_node_arg(n, self.graph.info(n)) for n in self._outputs]
@@ -357,10 +365,10 @@ class InferenceSession:
             if pending is not None:
                 with log_scope(self._severity):
                     _, self.network_id = pending(dict(input_feed))
-                self.optimized = self.runtime.network(self.network_id).network  # as loaded
-                self._outputs = list(self.optimized.output_names)
+                self._optimized = self.runtime.network(self.network_id).network  # as loaded
+                self._outputs = list(self._optimized.output_names)
                 self._builds_at_run = any(layer.op_type == "Specialized"
-                                          for net in within(self.optimized)
+                                          for net in within(self._optimized)
                                           for layer in net.graph.layers)
                 self._update_fast_path()
 
