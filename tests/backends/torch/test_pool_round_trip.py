@@ -80,3 +80,40 @@ def test_other_parameters_or_ceil_mode_still_round(same: bool, ceil_mode: int) -
     (got,) = session.run(None, feeds)
     np.testing.assert_array_equal(got, InferenceSession(model, backends=["CpuRef"]).run(
         None, feeds)[0])
+
+
+def head_model() -> onnx.ModelProto:
+    """x -> Q -> DQ -> GlobalAveragePool -> Q -> DQ -> Flatten -> Q -> DQ -> Gemm, as ONNX
+    Runtime's QDQ quantizer writes a classifier's head (the small tier's resnet_qdq_ort17): the
+    Flatten's pair has the pool's scale and zero point."""
+    inits = [numpy_helper.from_array(np.float32(0.031), "s"),
+             numpy_helper.from_array(np.array(3, np.uint8), "z"),
+             numpy_helper.from_array(np.float32(0.007), "s2"),
+             numpy_helper.from_array(np.array(128, np.uint8), "z2"),
+             numpy_helper.from_array(np.random.default_rng(0).standard_normal(
+                 (5, SHAPE[1])).astype(np.float32), "w")]
+    node = helper.make_node
+    nodes = [node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             node("GlobalAveragePool", ["xd"], ["g"]),
+             node("QuantizeLinear", ["g", "s2", "z2"], ["gq"]),
+             node("DequantizeLinear", ["gq", "s2", "z2"], ["gd"]),
+             node("Flatten", ["gd"], ["f"]),
+             node("QuantizeLinear", ["f", "s2", "z2"], ["fq"]),
+             node("DequantizeLinear", ["fq", "s2", "z2"], ["fd"]),
+             node("Gemm", ["fd", "w"], ["y"], transB=1)]
+    return make_model(nodes, [float_input("x", SHAPE)], [float_input("y", [SHAPE[0], 5])], inits)
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "onednn_graph", "layers"])
+def test_the_pair_after_a_flatten_of_a_round_trip_is_no_call_and_exact(compile_mode: str) -> None:
+    model = head_model()
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": compile_mode})])
+    reference = InferenceSession(model, backends=["CpuRef"])
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert _round_trips(session) == [False, False, True]
+    for seed in range(3):
+        feeds = _feeds(seed)
+        (got,) = session.run(None, feeds)
+        for expected in (reference.run(None, feeds)[0], theirs.run(None, feeds)[0]):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

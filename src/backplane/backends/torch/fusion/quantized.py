@@ -94,28 +94,42 @@ def match_quant_dequant(quantize: Layer, ctx: Context) -> tuple[list[Layer], Lay
 
 
 def _on_grid(made: Layer | None, attrs: dict[str, Any], ctx: Context) -> bool:
-    """Whether the round trip's input is already on its grid: a MaxPool (no ceil mode) of a
-    round trip's result with the same per-tensor scale, zero point and range, both ways. The
-    maximum of values on a grid is one of them (a window is never padding alone), and a round
-    trip of a value on its grid gives it back (round((k * s) / s) is k for |k| < 2^16 in float32;
-    no NaN or infinity comes out of a round trip): the pair computes nothing. ONNX Runtime's QDQ
-    models write such a pair after each MaxPool; traced, oneDNN Graph fused it into the pooling's
-    partition, which then ran oneDNN's reference pooling: 224 of 310 us a run of the small tier's
-    resnet_qdq_ort17 (1 thread)."""
-    if made is None or made.domain or made.op_type != "MaxPool" \
-            or made.attrs.get("ceil_mode", 0) or (len(made.outputs) > 1 and made.outputs[1]) \
-            or not _same_both_ways(attrs):
+    """Whether the round trip's input is already on its grid: a round trip's result with the same
+    per-tensor scale, zero point and range, both ways, through ``ON_GRID`` ops that keep values on
+    it: a MaxPool (no ceil mode; the maximum of values on a grid is one of them, a window is never
+    padding alone) and views that move values without changing them (a Flatten). A round trip of a
+    value on its grid gives it back (round((k * s) / s) is k for |k| < 2^16 in float32; no NaN or
+    infinity comes out of a round trip): the pair computes nothing. ONNX Runtime's QDQ models
+    write such a pair after each MaxPool and after the Flatten before a classifier's Gemm; traced,
+    oneDNN Graph fused the pool's into the pooling's partition, which then ran oneDNN's reference
+    pooling: 224 of 310 us a run of the small tier's resnet_qdq_ort17 (1 thread); the Flatten's
+    was a partition of its own (a binary primitive) and split the Gemm's from its round trip."""
+    if not _same_both_ways(attrs):
         return False
-    dequantize = ctx.graph.producers().get(made.inputs[0])
-    if dequantize is None or dequantize.op_type != "DequantizeLinear" or dequantize.domain:
+    producers = ctx.graph.producers()
+    while made is not None and not made.domain and _keeps_grid(made):
+        made = producers.get(made.inputs[0])
+    if made is None or made.op_type != "DequantizeLinear" or made.domain:
         return False
-    quantize = ctx.graph.producers().get(dequantize.inputs[0])
+    dequantize = made
+    quantize = producers.get(dequantize.inputs[0])
     if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.domain:
         return False  # (the pair may be taken already: a convolution's, ``then_quant_dequant``)
-    shape = ctx.graph.info(made.inputs[0]).shape
+    shape = ctx.graph.info(dequantize.outputs[0]).shape
     rank = len(shape) if shape is not None else None
     return all(_same(quant_params(lay, ctx, 1, rank), attrs[way])
                for lay in (quantize, dequantize) for way in ("into", "back"))
+
+
+ON_GRID = frozenset({"Flatten", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Transpose"})
+"""Ops whose outputs are values of their first input, moved (``_on_grid``), besides MaxPool."""
+
+
+def _keeps_grid(layer: Layer) -> bool:
+    if layer.op_type in ON_GRID:
+        return True
+    return layer.op_type == "MaxPool" and not layer.attrs.get("ceil_mode", 0) \
+        and not (len(layer.outputs) > 1 and layer.outputs[1])
 
 
 def _same(params: dict[str, Any] | None, other: dict[str, Any]) -> bool:
