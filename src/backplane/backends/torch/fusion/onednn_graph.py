@@ -33,7 +33,6 @@ tracing fails and the layers run one by one.
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -42,7 +41,7 @@ from backplane import progress
 from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN
-from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE, frees
+from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch import threads
 from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferred, fastest,
                                                       named_type, remembered)
@@ -51,6 +50,7 @@ from backplane.backends.torch.fusion.compiled import (  # noqa: F401  # importab
     AtFirstRun, CompiledPerThreads, _close, _layout_guard, compiled_run, fusion_switch)
 from backplane.backends.torch.fusion.traceable import TRACEABLE_KERNELS, Forced as _Forced  # noqa: F401
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
+from backplane.backends.torch.fusion.sequence import sequence_workload
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 MODES = ("auto", "onednn_graph", "layers")
@@ -344,53 +344,14 @@ def layers_run(layer: Layer, backend: Any) -> Callable[..., tuple[Any, ...]]:
     return run
 
 
-def sequence_workload(layers: Sequence[Layer], steps: Sequence[Any], template: dict[str, Any],
-                      names_in: Sequence[str], names_out: Sequence[str],
-                      convert: Callable[[Any], Any] | None = None) -> Any:
-    """``steps`` (workload, names read, names written) one after the other over named values, with
-    ``template``'s constants, each value dropped after its last reader, and each result passed
-    through ``convert`` where given; its ``profiled`` times each of ``layers`` (the step's layer) for
-    the profiler (see ``Workload``)."""
-    names_in, names_out = list(names_in), list(names_out)
-    dead = frees(steps, set(names_out) | set(template))
-    if convert is not None:
-        steps = [(_converted(workload, convert), reads, writes) for workload, reads, writes in steps]
-
-    def run(*values: Any) -> tuple[Any, ...]:
-        env = dict(template)
-        env.update(zip(names_in, values))
-        for (workload, reads, writes), drop in zip(steps, dead):
-            env.update(zip(writes, workload(*[env[n] if n else None for n in reads])))
-            for name in drop:
-                del env[name]
-        return tuple(env[n] for n in names_out)
-
-    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float, int]]]:
-        env, spent = dict(template), []
-        env.update(zip(names_in, values))
-        for lay, (workload, reads, writes), drop in zip(layers, steps, dead):
-            start = time.perf_counter()
-            results = workload(*[env[n] if n else None for n in reads])
-            seconds = time.perf_counter() - start
-            env.update(zip(writes, results))
-            spent.append((lay.name, lay.op_type, seconds,
-                          sum(int(getattr(r, "nbytes", 0) or 0) for r in results)))
-            for name in drop:
-                del env[name]
-        return tuple(env[n] for n in names_out), spent
-
-    run.profiled = profiled  # type: ignore[attr-defined]
-    return run
-
-
-def _converted(workload: Callable[..., Any], convert: Callable[[Any], Any]) -> Callable[..., Any]:
-    return lambda *values: tuple(map(convert, workload(*values)))
-
-
-def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
+def _compiled(layer: Layer, backend: Any, sample: list[Any], nan_free: bool = True
+              ) -> Workload | None:
     """The subgraph traced, frozen and compiled by oneDNN Graph, or None where that fails or its
     outputs on ``sample`` differ from the traced layers' own (by more than ``_close`` allows; an
     output of a QDQ round trip, by more than a quantized model does: ``quantized.within_steps``).
+    Where ``nan_free`` and its inputs have a bound that keeps NaN out (``fusion/nan_free.py``),
+    traced with oneDNN's own ReLU, clamp and max pool, and guarded by that bound: the NaN-keeping
+    compile (``nan_free`` False) is made at the first call with inputs beyond it.
 
     The layers' own outputs are those the trace computed (a trace runs the layers on the sample),
     not a run of their own; the module is called twice: the profiling executor's profiled run
@@ -407,8 +368,17 @@ def _compiled(layer: Layer, backend: Any, sample: list[Any]) -> Workload | None:
     its runs after that as fast)."""
     import torch
 
+    from backplane.backends.torch.fusion import nan_free as free
     from backplane.backends.torch.fusion.static_sizes import fold_sizes
+    from backplane.backends.torch.kernels.common import nan_free_trace
 
+    limit = free.input_limit(layer, sample) if nan_free else None
+    if limit is not None:
+        with nan_free_trace():
+            fast = _compiled(layer, backend, sample, nan_free=False)
+        if fast is not None:
+            return free.guarded(fast, limit, lambda: _compiled(layer, backend, sample, False)
+                                or _named(layers_run(layer, backend), "layers"))
     traceable = layers_run(layer, _Forced(backend, TRACEABLE_ROUTES))
     seen: list[Any] = []
 

@@ -15,7 +15,10 @@ they are torch's own.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -77,13 +80,34 @@ def for_onednn_graph() -> bool:
     return torch.jit.is_tracing() and torch.jit.onednn_fusion_enabled()
 
 
+_NAN_FREE = contextvars.ContextVar("backplane_nan_free_trace", default=False)
+
+
+@contextlib.contextmanager
+def nan_free_trace() -> Iterator[None]:
+    """A trace for oneDNN Graph of a subgraph that runs only on inputs which cannot make NaN in it
+    (``fusion/nan_free.py``): there ``relu``, ``clamp`` and the max pool are the ops oneDNN fuses
+    (its ReLU, not the ELU's exp per value; a clamp inside the partition, not one splitting it)."""
+    token = _NAN_FREE.set(True)
+    try:
+        yield
+    finally:
+        _NAN_FREE.reset(token)
+
+
+def for_nan_keeping_graph() -> bool:
+    """Whether TorchScript traces for oneDNN Graph a subgraph whose inputs may make NaN: ReLU,
+    clamp and max pool are then spelled so that NaN stays (see above)."""
+    return for_onednn_graph() and not _NAN_FREE.get()
+
+
 def relu(x: torch.Tensor) -> torch.Tensor:
     """ReLU that keeps NaN also where oneDNN Graph compiles it. Traced for it, ELU with alpha 0: the
     same values (0 * (exp(x) - 1) is a zero, -0.0, for x < 0; +Inf stays, -Inf gives 0), a post-op
     oneDNN Graph fuses into the convolution as it fuses ReLU, but one it computes by comparison
     and blend, so NaN stays NaN (its cost is within a busy machine's noise:
     ``bench/nan_propagation.py``, docs/torch-backends.md)."""
-    if for_onednn_graph() and x.is_floating_point():
+    if for_nan_keeping_graph() and x.is_floating_point():
         return F.elu(x, 0.0)
     return torch.relu(x)
 
@@ -94,7 +118,7 @@ def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) 
     other bounds as torch's clamp_min and clamp_max after the compiled partition."""
     if low is None and high is None:
         return x
-    if not for_onednn_graph() or not x.is_floating_point():
+    if not for_nan_keeping_graph() or not x.is_floating_point():
         return torch.clamp(x, low, high)
     y = x if low is None else relu(x) if low == 0 else torch.clamp_min(x, low)
     if high is None:

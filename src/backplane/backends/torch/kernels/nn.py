@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.reference.kernels.conv import AUTO_PADS, spatial_pads
-from backplane.backends.torch.kernels.common import FLOATS, for_onednn_graph
+from backplane.backends.torch.kernels.common import FLOATS, for_nan_keeping_graph, for_onednn_graph
 from backplane.ir.graph import Layer, TensorInfo
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -118,7 +118,7 @@ def max_pool(X, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=Non
     if n_outputs == 1 and _by_slices(X, kernel_shape, strides, begins, ends, dilations, ceil_mode):
         return (_strided_max(X, kernel_shape, strides),)
     if n_outputs == 1:
-        if torch.jit.is_tracing():
+        if torch.jit.is_tracing() and (for_nan_keeping_graph() or not for_onednn_graph()):
             # torch's pool with indices, which oneDNN Graph leaves to torch: its own max pool
             # returns the window's largest number where the window holds NaN (common.relu)
             y = pool(X, kernel_shape, strides, begins, dilations, bool(ceil_mode),
