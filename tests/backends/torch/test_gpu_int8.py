@@ -1,6 +1,6 @@
 """GpuAcc's int8 layers in fewer kernels (``backends/torch/gpu_int8.py``): a QDQ round trip,
 MatMulInteger and QLinearConv with constant operands, their values bit for bit the layers' own.
-The forms' arithmetic is checked here on the CPU (the module's ``_on_gpu`` answered True); the
+The forms' arithmetic is checked here on the CPU (``gpu_qlinear.on_gpu`` answered True); the
 corpus's int8 models on CUDA against CpuRef skip without a GPU."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backplane.backends.torch import gpu_int8, gpu_jit  # noqa: E402
+from backplane.backends.torch import gpu_int8, gpu_jit, gpu_qlinear  # noqa: E402
 from backplane.backends.torch.kernels import quantization  # noqa: E402
 from backplane.ir.graph import Layer  # noqa: E402
 
@@ -21,7 +21,7 @@ CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    monkeypatch.setattr(gpu_int8, "_on_gpu", lambda tensor: True)
+    monkeypatch.setattr(gpu_qlinear, "on_gpu", lambda tensor: True)
 
 
 def _mmi(b: np.ndarray, b_zero: np.ndarray | None, cast: bool):
@@ -61,34 +61,6 @@ def test_matmul_integer_not_exact_in_float32_keeps_the_kernel() -> None:
     steps = _mmi(b, None, cast=False)
     assert steps[0][0] is not None and gpu_int8._integer_columns(
         Layer("m", "MatMulInteger", ["A", "B"], ["p"]), {"B": b}) is None
-
-
-@pytest.mark.parametrize("per_channel, bias, pads", [(False, True, [1, 1, 1, 1]),
-                                                     (True, False, [0, 0, 0, 0])])
-def test_qlinear_conv_with_constants_made_once_is_the_kernel_s(on_cpu, per_channel, bias,
-                                                                pads) -> None:
-    rng = np.random.default_rng(1)
-    x = rng.integers(0, 256, (1, 8, 9, 9), dtype=np.uint8)
-    w = rng.integers(-128, 128, (6, 8, 3, 3), dtype=np.int8)
-    f32 = np.float32
-    consts = {"xs": f32(0.02), "xz": np.uint8(128), "w": w,
-              "ws": (rng.random(6 if per_channel else ()) * 0.01 + 1e-3).astype(f32),
-              "wz": np.zeros(6 if per_channel else (), np.int8), "ys": f32(0.05),
-              "yz": np.uint8(120)}
-    if bias:
-        consts["B"] = rng.integers(-5000, 5000, (6,), dtype=np.int32)
-    consts = {k: np.asarray(v) for k, v in consts.items()}
-    names = ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz"] + (["B"] if bias else [])
-    attrs = {"pads": pads, "kernel_shape": [3, 3], "strides": [1, 1]}
-    layer = Layer("c", "QLinearConv", names, ["y"], attrs)
-    kernel = lambda *v: quantization.q_linear_conv(*v, **attrs)  # noqa: E731
-    steps = [(kernel, names, ["y"])]
-    gpu_int8.int8_steps([layer], steps, lambda name: None, consts)
-    assert steps[0][0] is not kernel
-    inputs = [torch.from_numpy(x)] + [torch.from_numpy(consts[n]) for n in names[1:]]
-    (want,) = kernel(*inputs)
-    (got,) = steps[0][0](*inputs)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _round_trip(zero_type, device: str = "cpu"):
@@ -179,7 +151,7 @@ def test_a_round_trip_of_two_scales_stays_two_layers() -> None:
               Layer("d", "DequantizeLinear", ["q", "t"], ["y"])]
     steps = [(None, layers[0].inputs, ["q"]), (None, layers[1].inputs, ["y"])]
     gpu_int8.int8_steps(layers, steps, lambda name: 1 if name == "q" else None, consts)
-    assert steps == [(None, ["x", "s"], ["q"]), (None, ["q", "t"], ["y"])]
+    assert [s[1:] for s in steps] == [(["x", "s"], ["q"]), (["q", "t"], ["y"])]  # each its own
 
 
 # -- on a GPU ----------------------------------------------------------------------------------
@@ -205,6 +177,49 @@ def test_a_round_trip_on_cuda_is_one_kernel_and_the_two_layers(zero_type) -> Non
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1, kernels
+
+
+def _cuda_kernels(call) -> list[str]:
+    """The CUDA kernels (copies left out) that ``call`` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith("Memcpy")]
+
+
+@cuda
+@pytest.mark.parametrize("zero_type", [np.uint8, np.int8, None])
+def test_a_lone_quantize_or_dequantize_on_cuda_is_the_layer_s(zero_type) -> None:
+    """A QuantizeLinear alone (its reader not a DequantizeLinear): one kernel and the cast, bit
+    for bit the layer's values at rint's ties, the extremes, infinities and NaN; a
+    DequantizeLinear alone: one kernel, the layer's values over the integer type's range."""
+    scale = np.asarray(np.float32(0.037))
+    consts = {"s": scale, **({"z": np.asarray(zero_type(3))} if zero_type else {})}
+    zp = ["z"] if zero_type else []
+    layers = [Layer("q", "QuantizeLinear", ["x", "s", *zp], ["q"]),
+              Layer("d", "DequantizeLinear", ["p", "s", *zp], ["y"])]
+    kernels = [lambda *v: quantization.quantize_linear(*v),
+               lambda *v: quantization.dequantize_linear(*v)]
+    steps = [(k, layer.inputs, layer.outputs) for k, layer in zip(kernels, layers)]
+    gpu_int8.int8_steps(layers, steps, lambda name: None, consts)
+    assert all(s is not None and s[0] is not k for s, k in zip(steps, kernels))
+    params = [torch.from_numpy(consts[n]) for n in ["s", *zp]]
+    ties = (np.arange(-300, 300, dtype=np.float32) + 0.5) * scale
+    x = torch.from_numpy(np.concatenate([ties, np.float32([0, 1e30, -np.inf, np.inf, np.nan])]))
+    info = np.iinfo(zero_type or np.uint8)
+    p = torch.from_numpy(np.arange(info.min, info.max + 1).astype(zero_type or np.uint8))
+    for step, kernel, value in zip(steps, kernels, (x, p)):
+        (want,) = kernel(value, *params)
+        on_gpu = [value.cuda(), *(t.cuda() for t in params)]
+        (got,) = step[0](*on_gpu)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
+        count = len(_cuda_kernels(lambda: step[0](*on_gpu)))  # noqa: B023
+        assert count == (2 if step is steps[0] else 1)
 
 
 @cuda

@@ -62,7 +62,7 @@ def inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = 
     if _fuses_attention(backend):
         _fuse_attention(layers, steps, sole, constants or {})
     small_steps(layers, steps, sole, uses, constants or {})  # 1-d first: the next takes 2-d
-    int8_steps(layers, steps, sole, constants or {})
+    int8_steps(layers, steps, sole, constants or {}, uses)
     if not backend.options.get("GpuAcc.fuse_conv_relu", FUSE_CONV_RELU):
         chain_steps(layers, steps, [w for w, _ in bound], sole, outputs, constants or {})
         return [s for s in steps if s is not None]

@@ -29,35 +29,36 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import Workload
-from backplane.backends.torch import gpu_jit
+from backplane.backends.torch import gpu_jit, gpu_qlinear
+from backplane.backends.torch.gpu_qlinear import (EXACT_F32, less_zero_point, qlinear_conv,
+                                                  qlinear_matmul)
 from backplane.backends.torch.gpu_small import Step
 from backplane.ir.graph import Layer
 
 
-def _on_gpu(tensor: Any) -> bool:
-    """Where these forms run (the tests run them on the CPU through this)."""
-    return bool(tensor.is_cuda)
-
-
-EXACT_F32 = float(1 << 24)
-"""Integers of magnitude below 2^24 are exact in float32, and so is every sum of them that stays
-below it, in any order: an 8-bit product whose partial sums are bounded so is exact in float32
-(TF32 and bf16 products too: 8-bit operands fit their mantissas)."""
-
-
 def int8_steps(layers: Sequence[Layer], steps: list[Step | None],
-               sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> None:
+               sole: Callable[[str], int | None], constants: dict[str, np.ndarray],
+               uses: dict[str, int] | None = None) -> None:
     """QDQ round trips, MatMulInteger (with its float Cast) and QLinearConv with constant
-    weights as their forms above, where they are exact so. Rewrites ``steps`` in place."""
+    weights as their forms above, where they are exact so; with ``uses`` (the readers of each
+    value, the subgraph's outputs counted), their chains (``_int8_chains``). Rewrites ``steps``
+    in place."""
+    own = [None if step is None else step[0] for step in steps]
     centred = _dynamic_pairs(layers, steps, sole, constants)
+    trips: set[int] = set()
     for index, layer in enumerate(layers):
         step = steps[index]
-        if step is None or layer.domain:
+        if step is None or layer.domain or index in trips:
             continue
         if layer.op_type == "QuantizeLinear":
-            _round_trip(layers, steps, index, sole, constants)
-        if layer.op_type == "QLinearConv":
-            made = _qlinear_conv(layer, step[0], constants)
+            trips.add(_round_trip(layers, steps, index, sole, constants))
+        if layer.op_type in ("QuantizeLinear", "DequantizeLinear") and steps[index] is not None:
+            made = _one_scale(layer, step[0], constants)
+            if made is not None:
+                steps[index] = (made, step[1], step[2])
+        if layer.op_type in ("QLinearConv", "QLinearMatMul"):
+            made = (qlinear_conv if layer.op_type == "QLinearConv" else qlinear_matmul)(
+                layer, step[0], constants)
             if made is not None:
                 steps[index] = (made, step[1], step[2])
         if layer.op_type != "MatMulInteger":
@@ -75,6 +76,96 @@ def int8_steps(layers: Sequence[Layer], steps: list[Step | None],
         else:
             steps[index] = (_matmul_integer(step[0], b_columns, False, index in centred),
                             step[1], step[2])
+    if uses is not None:
+        _int8_chains(layers, steps, own, sole, uses, constants)
+
+
+def _int8_chains(layers: Sequence[Layer], steps: list[Step | None], own: list[Workload | None],
+                 sole: Callable[[str], int | None], uses: dict[str, int],
+                 constants: dict[str, np.ndarray]) -> None:
+    """QuantizeLinear -> QLinearConv or QLinearMatMul (float32 sums) -> DequantizeLinear, the
+    QOperator format's blocks, with fewer kernels and no 8-bit tensor between them: the
+    DequantizeLinear that alone reads the product's integers is computed with its
+    requantization (``gpu_jit.REQUANTIZE_DEQUANTIZE``), and a QuantizeLinear whose every reader
+    is such a product of its zero point gives x - zx as float32 (``gpu_jit.QUANTIZE_CENTRED``),
+    which the product reads as it is. The values are the layers' bit for bit. ``own``: the
+    layers' own workloads."""
+    for index, layer in enumerate(layers):
+        if layer.op_type not in ("QLinearConv", "QLinearMatMul") or steps[index] is None \
+                or own[index] is None or layer.domain:
+            continue
+        after = sole(layer.outputs[0])
+        dq = None if after is None else layers[after]
+        if after is None or dq is None or dq.op_type != "DequantizeLinear" or dq.domain \
+                or steps[after] is None or dq.inputs[0] != layer.outputs[0]:
+            continue
+        params = _per_tensor(dq, constants)
+        form = qlinear_conv if layer.op_type == "QLinearConv" else qlinear_matmul
+        both = _then(own[index], own[after], len(layer.inputs))
+        made = None if params is None or both is None else form(layer, both, constants,
+                                                                params[:2])
+        if made is not None:
+            steps[index] = None
+            steps[after] = (made, [*layer.inputs, *dq.inputs[1:]], dq.outputs)
+    for index, layer in enumerate(layers):
+        params = _per_tensor(layer, constants) if layer.op_type == "QuantizeLinear" else None
+        if params is None or steps[index] is None or own[index] is None or layer.domain:
+            continue
+        name = layer.outputs[0]
+        readers = [s for s in steps if s is not None and name in s[1]]
+        if not readers or uses.get(name) != len(readers) or not all(
+                getattr(s[0], "reads_centred", False) and list(s[1]).index(name) == 0
+                and list(s[1]).count(name) == 1 and _same(constants, s[1][2], layer, params)
+                for s in readers):
+            continue
+        steps[index] = (_quantize_centred(own[index], *params), steps[index][1], [name])
+
+
+def _then(first: Workload | None, second: Workload | None, count: int) -> Workload | None:
+    """``first`` on its ``count`` inputs, then ``second`` on its output and the rest: the two
+    layers' own kernels, where a joined form does not run."""
+    if first is None or second is None:
+        return None
+
+    def workload(*values: Any) -> tuple[Any, ...]:
+        (y,) = first(*values[:count])
+        return second(y, *values[count:])  # type: ignore[no-any-return]
+
+    return workload
+
+
+def _same(constants: dict[str, np.ndarray], zero: str, quantize: Layer,
+          params: tuple[float, float, int, int]) -> bool:
+    """Whether a product's x zero point is the QuantizeLinear's, value and type."""
+    value = constants.get(zero)
+    names = [*quantize.inputs, "", ""][1:3]
+    mine = constants.get(names[1]) if names[1] else np.zeros((), np.uint8)
+    return value is not None and mine is not None and value.size == 1 \
+        and value.dtype == mine.dtype and float(value.reshape(())) == params[1]
+
+
+def _quantize_centred(kernel: Workload, scale: float, zero: float, low: int,
+                      high: int) -> Workload:
+    """QuantizeLinear less its zero point, as float32 (``_int8_chains``); the layer's kernel
+    where x is not float32 (its readers then take the integers)."""
+    import torch
+
+    kept: dict[Any, Any] = {}
+
+    def workload(x: Any, *values: Any) -> tuple[Any, ...]:
+        if not (gpu_qlinear.on_gpu(x) and x.dtype == torch.float32):
+            return kernel(x, *values)  # type: ignore[no-any-return]
+        if kept.get("device") != x.device:
+            kept.update(device=x.device, s=torch.tensor(scale, device=x.device))
+        if x.is_cuda:
+            made = gpu_jit.call(gpu_jit.QUANTIZE_CENTRED, x, kept["s"], z=zero, low=low,
+                                high=high)
+            if made is not None:
+                return (made,)
+        q = torch.div(x, kept["s"]).round_().add_(zero).clamp_(low, high)
+        return (q.nan_to_num_(0.0).sub_(zero),)
+
+    return workload
 
 
 def _dynamic_pairs(layers: Sequence[Layer], steps: list[Step | None],
@@ -146,22 +237,54 @@ def _per_tensor(layer: Layer, constants: dict[str, np.ndarray],
     return float(scale.reshape(())), float(zero.reshape(())), *RANGES[zero.dtype]
 
 
+def _one_scale(layer: Layer, kernel: Workload, constants: dict[str, np.ndarray],
+               ) -> Workload | None:
+    """A QuantizeLinear (float32 in) or DequantizeLinear (8- or 16-bit in, float32 out) of one
+    constant per-tensor scale and zero point as one kernel on CUDA (``gpu_jit.QUANTIZE`` and a
+    cast to the integer type; ``gpu_jit.DEQUANTIZE``), where torch's kernels take five and three
+    (resnet_qlinear_ort15's six and seven); the layer's kernel for other inputs."""
+    import torch
+
+    params = _per_tensor(layer, constants)
+    if params is None:
+        return None
+    scale, zero, low, high = params
+    names = [*layer.inputs, "", ""][1:3]
+    into = torch.from_numpy(np.asarray(constants.get(names[1], np.zeros((), np.uint8)))).dtype
+    quantize = layer.op_type == "QuantizeLinear"
+    kept: dict[Any, Any] = {}
+
+    def workload(x: Any, *values: Any) -> tuple[Any, ...]:
+        if x.is_cuda and x.numel() and (x.dtype == torch.float32 if quantize
+                                        else x.dtype in (torch.uint8, torch.int8, torch.int16,
+                                                         torch.uint16)):
+            if kept.get("device") != x.device:  # the scale as a tensor: float32 the kernel's type
+                kept.update(device=x.device, s=torch.tensor(scale, device=x.device))
+            made = (gpu_jit.call(gpu_jit.QUANTIZE, x, kept["s"], z=zero, low=low, high=high)
+                    if quantize else gpu_jit.call(gpu_jit.DEQUANTIZE, x, kept["s"], z=zero))
+            if made is not None:
+                return (made.to(into),) if quantize else (made,)
+        return kernel(x, *values)  # type: ignore[no-any-return]
+
+    return workload
+
+
 def _round_trip(layers: Sequence[Layer], steps: list[Step | None], index: int,
-                sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> None:
+                sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> int:
     """QuantizeLinear -> DequantizeLinear with one constant per-tensor scale and zero point z,
     the integers read by the DequantizeLinear alone (the QDQ format's activations), as
     clamp(rint(x / s), low - z, high - z) * s, a NaN (quantized to 0) coming back as -z * s: one
     kernel on CUDA (``gpu_jit.ROUND_TRIP``), else five in place of eight (CpuAcc's
     ``fusion/quantized.py`` computes it so: the same values as the two layers', the integers exact
-    in float32)."""
+    in float32). The DequantizeLinear's index where made, else -1."""
     after = sole(layers[index].outputs[0])
     dq = None if after is None else layers[after]
-    if dq is None or dq.op_type != "DequantizeLinear" or dq.domain or steps[after] is None \
-            or dq.inputs[0] != layers[index].outputs[0]:
-        return
+    if after is None or dq is None or dq.op_type != "DequantizeLinear" or dq.domain \
+            or steps[after] is None or dq.inputs[0] != layers[index].outputs[0]:
+        return -1
     into, back = _per_tensor(layers[index], constants), _per_tensor(dq, constants)
     if into is None or into != back:
-        return
+        return -1
     scale, zero, low, high = into
     quantize, dequantize = steps[index][0], steps[after][0]  # type: ignore[index]
     count = len(layers[index].inputs)
@@ -169,7 +292,7 @@ def _round_trip(layers: Sequence[Layer], steps: list[Step | None], index: int,
     def workload(x: Any, *values: Any) -> tuple[Any, ...]:
         import torch
 
-        if not (_on_gpu(x) and x.dtype == torch.float32):
+        if not (gpu_qlinear.on_gpu(x) and x.dtype == torch.float32):
             (q,) = quantize(x, *values[:count - 1])
             return dequantize(q, *values[count - 1:])  # type: ignore[no-any-return]
         if x.is_cuda:
@@ -182,23 +305,7 @@ def _round_trip(layers: Sequence[Layer], steps: list[Step | None], index: int,
 
     steps[index] = None
     steps[after] = (workload, [*layers[index].inputs, *dq.inputs[1:]], dq.outputs)
-
-
-def _centred(name: str, zero: str, constants: dict[str, np.ndarray], per: int) -> np.ndarray | None:
-    """A constant 8-bit tensor less its constant zero point (None where either is not a constant,
-    or not 8-bit), in float64; ``per``: the axis a 1-d zero point runs along."""
-    value = constants.get(name)
-    if value is None or value.dtype not in (np.uint8, np.int8):
-        return None
-    if not zero:
-        return value.astype(np.float64)
-    z = constants.get(zero)
-    if z is None or z.dtype != value.dtype:
-        return None
-    z = z.astype(np.float64)
-    if z.size > 1:
-        z = z.reshape([-1 if d == per % value.ndim else 1 for d in range(value.ndim)])
-    return value.astype(np.float64) - z.reshape(()) if z.size == 1 else value - z
+    return after
 
 
 def _integer_columns(layer: Layer, constants: dict[str, np.ndarray]) -> np.ndarray | None:
@@ -206,7 +313,7 @@ def _integer_columns(layer: Layer, constants: dict[str, np.ndarray]) -> np.ndarr
     constants and every sum of A's row (8-bit less its zero point: within +-255) by a column is
     exact in float32."""
     names = [*layer.inputs, "", "", ""][:4]
-    b = _centred(names[1], names[3], constants, per=-1)
+    b = less_zero_point(names[1], names[3], constants, per=-1)
     if b is None or b.ndim != 2 or 255 * np.abs(b).sum(0).max(initial=0) >= EXACT_F32:
         return None
     return b.astype(np.float32)
@@ -226,7 +333,7 @@ def _matmul_integer(kernel: Workload, b_columns: np.ndarray, as_float: bool,
                  b_zero: Any = None) -> tuple[Any, ...]:
         read = (torch.float32,) if centred and A.dtype == torch.float32 else (torch.uint8,
                                                                              torch.int8)
-        if not (_on_gpu(A) and A.dtype in read and A.dim() >= 2
+        if not (gpu_qlinear.on_gpu(A) and A.dtype in read and A.dim() >= 2
                 and A.shape[-1] == b_columns.shape[0]):
             (product,) = kernel(A, B, a_zero, b_zero)
             return (product.float(),) if as_float else (product,)
@@ -237,52 +344,5 @@ def _matmul_integer(kernel: Workload, b_columns: np.ndarray, as_float: bool,
             a = a.sub_(a_zero.reshape(-1, 1))  # per row of A, as the kernel's (float: exact)
         product = torch.matmul(a, kept["b"])
         return (product,) if as_float else (product.to(torch.int32),)
-
-    return workload
-
-
-def _qlinear_conv(layer: Layer, kernel: Workload, constants: dict[str, np.ndarray],
-                  ) -> Workload | None:
-    """QLinearConv with every input but x constant, as ``kernels.quantization.q_linear_conv``
-    computes it with its constant parts made once: the float64 convolution of x - zx by the
-    weights less their zero points, the bias in it (the int32 sum the kernel wraps is exact
-    where it stays within int32's range), times the multiplier, rounded, plus zy, saturated."""
-    import torch
-
-    names = [*layer.inputs, ""][:9]
-    rest = [n for i, n in enumerate(names) if i != 0 and n]
-    if not all(n in constants for n in rest):
-        return None
-    w = _centred(names[3], names[5], constants, per=0)
-    if w is None or w.ndim < 3:
-        return None
-    bias = constants[names[8]].astype(np.float64) if names[8] else None
-    reach = 255 * np.abs(w.reshape(w.shape[0], -1)).sum(1).max(initial=0) \
-        + (0 if bias is None else np.abs(bias).max(initial=0))
-    if reach >= 2 ** 31:
-        return None  # the kernel's int32 sum wraps
-    spatial = [1] * (w.ndim - 2)
-    c = {n: torch.from_numpy(np.ascontiguousarray(constants[n])) for n in rest}
-    w_scale = c[names[4]].float().reshape(-1, *spatial)
-    multiplier = (c[names[1]].float() * w_scale / c[names[6]].float()).double()  # as the kernel
-    zero_y = c[names[7]]
-    attrs = {k: layer.attrs[k] for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads",
-                                         "strides") if k in layer.attrs}
-    made = {"w": torch.from_numpy(w), "b": None if bias is None else torch.from_numpy(bias),
-            "m": multiplier, "zy": zero_y.double(), "zx": c[names[2]].double()}
-    info = torch.iinfo(zero_y.dtype)
-    kept: dict[str, Any] = {}
-
-    def workload(x: Any, *values: Any) -> tuple[Any, ...]:
-        from backplane.backends.torch.kernels.nn import conv
-
-        if not (_on_gpu(x) and x.dtype == zero_y.dtype and x.dim() == w.ndim):
-            return kernel(x, *values)  # type: ignore[no-any-return]
-        if kept.get("device") != x.device:
-            kept.update({k: None if v is None else v.to(x.device) for k, v in made.items()},
-                        device=x.device)
-        (acc,) = conv(x.double().sub_(kept["zx"]), kept["w"], kept["b"], **attrs)
-        y = acc.mul_(kept["m"]).round_().add_(kept["zy"])
-        return (y.clamp_(info.min, info.max).to(zero_y.dtype),)
 
     return workload

@@ -53,6 +53,53 @@ DYNAMIC_CENTRED = """template <typename T> T backplane_dql_centred(T x, T s, T z
 MatMulInteger's float product reads (``gpu_int8._matmul_integer``: A widened, less its zero
 point)."""
 
+REQUANTIZE = """template <typename T> T backplane_requantize(T acc, T m, T zy, T low, T high) {
+    double y = rint(rint((double)acc) * (double)m) + (double)zy;
+    y = y < (double)low ? (double)low : y;
+    return (T)(y > (double)high ? (double)high : y);
+}"""
+"""QLinearConv's and QLinearMatMul's requantization of their float32 sum (integers, exact:
+``gpu_qlinear.py``) by the float32 multiplier, as ``kernels.quantization.q_linear_conv``: the
+product in float64 (of two float32 values: exact), rounded half to even, plus the output's zero
+point, saturated; the integer as a float32 value, one cast from the output type. The sum is
+rounded first (a no-op for an exact sum)."""
+
+REQUANTIZE_DEQUANTIZE = """template <typename T> T backplane_requantize_dq(T acc, T m, T zy, T low,
+                                                                 T high, T s, T zd) {
+    double y = rint(rint((double)acc) * (double)m) + (double)zy;
+    y = y < (double)low ? (double)low : y;
+    return ((T)(y > (double)high ? (double)high : y) - zd) * s;
+}"""
+"""``REQUANTIZE``, then the DequantizeLinear that alone reads its integer (scale s, zero point
+zd): y - zd exact in float32, the product rounded once, as ``DEQUANTIZE``."""
+
+QUANTIZE = """template <typename T> T backplane_quantize(T x, T s, T z, T low, T high) {
+    if (x != x) { return 0; }
+    T q = rintf(__fdiv_rn(x, s)) + z;
+    q = q < low ? low : q;
+    return q > high ? high : q;
+}"""
+"""QuantizeLinear of one per-tensor scale and zero point, as the kernel's float32 form:
+rint(x / s) IEEE-divided, plus z, saturated (NaN to 0, as CUDA's cast and NumPy's give it); the
+integer as a float32 value, one cast from the output type."""
+
+QUANTIZE_CENTRED = """template <typename T> T backplane_quantize_centred(T x, T s, T z, T low,
+                                                                    T high) {
+    if (x != x) { return -z; }
+    T q = rintf(__fdiv_rn(x, s)) + z;
+    q = q < low ? low : q;
+    return (q > high ? high : q) - z;
+}"""
+"""``QUANTIZE`` less its zero point: what the QLinearConv and QLinearMatMul reading it subtract
+first (``gpu_int8._int8_chains``); NaN (quantized to 0) is -z."""
+
+DEQUANTIZE = """template <typename T> T backplane_dequantize(T x, T s, T z) {
+    return (x - z) * s;
+}"""
+"""DequantizeLinear of one per-tensor scale and zero point to float32: x - z exact, the product
+rounded once, as the kernel's float32 form. ``x`` arrives widened to float32: the scale is a
+float32 tensor, which makes float32 the kernel's type."""
+
 _made: dict[str, Any] = {}
 
 
