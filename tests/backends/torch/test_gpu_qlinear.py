@@ -219,6 +219,45 @@ def test_qoperator_blocks_on_cuda_are_the_layers_values() -> None:
     _qoperator_block_values("cuda")
 
 
+def test_two_threads_leave_cudnn_switched_as_it_was(monkeypatch) -> None:
+    """cuDNN's switch is process-wide: a thread's exact convolution started while another's is
+    inside it must not read the switch off and put that back after the first restored it."""
+    import threading
+
+    from backplane.backends.torch.kernels import nn
+
+    inside, go, go_second = threading.Event(), threading.Event(), threading.Event()
+    calls: list[bool] = []
+
+    def conv(x, *args, **kwargs):
+        calls.append(torch._C._get_cudnn_enabled())
+        if len(calls) == 1:
+            inside.set()
+            go.wait(5)
+        else:
+            go_second.wait(5)
+        return (x,)
+
+    monkeypatch.setattr(nn, "conv", conv)
+    before = torch._C._get_cudnn_enabled()
+    torch._C._set_cudnn_enabled(True)
+    x = torch.zeros(1)
+    try:
+        first = threading.Thread(target=gpu_qlinear._exact_conv, args=(x, x, None, {}))
+        second = threading.Thread(target=gpu_qlinear._exact_conv, args=(x, x, None, {}))
+        first.start()
+        assert inside.wait(5)
+        second.start()
+        second.join(0.2)  # inside the first's call, or waiting for it to end
+        go.set()
+        first.join(5)
+        go_second.set()
+        second.join(5)
+        assert calls == [False, False] and torch._C._get_cudnn_enabled()
+    finally:
+        torch._C._set_cudnn_enabled(before)
+
+
 def _steps_run(graph, chained: bool, monkeypatch) -> tuple[dict[str, np.ndarray], int]:
     """The folded graph's layers run on the CPU with CpuAcc's kernels: as GpuAcc's steps
     (``gpu_fusion.inner_steps``, the GPU forms taken) where ``chained``, else each layer's own

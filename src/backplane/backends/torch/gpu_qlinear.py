@@ -13,6 +13,7 @@ for bit.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -118,22 +119,29 @@ def qlinear_conv(layer: Layer, kernel: Workload, constants: dict[str, np.ndarray
     return workload
 
 
+_CUDNN_OFF = threading.Lock()
+"""torch's cuDNN switch is process-wide: two threads each reading it, switching it off and putting
+back what they read could leave it off for every later convolution."""
+
+
 def _exact_conv(x: Any, w: Any, b: Any, attrs: dict[str, Any]) -> Any:
     """The convolution of integers held in float32 with cuDNN off: torch's own (im2col and one
     cuBLAS product per image) is a plain sum of products, exact in any order where every partial
     sum stays below 2^24, and TF32 holds 8-bit values exactly too; cuDNN may choose a Winograd
-    or FFT algorithm, whose transforms round."""
+    or FFT algorithm, whose transforms round. A capture records the kernels launched here, so
+    the switch is turned at the warm-ups and the capture, not at a replay."""
     import torch
 
     from backplane.backends.torch.kernels.nn import conv
 
     c = torch._C
-    was = c._get_cudnn_enabled()
-    c._set_cudnn_enabled(False)
-    try:
-        (acc,) = conv(x, w, b, **attrs)
-    finally:
-        c._set_cudnn_enabled(was)
+    with _CUDNN_OFF:
+        was = c._get_cudnn_enabled()
+        c._set_cudnn_enabled(False)
+        try:
+            (acc,) = conv(x, w, b, **attrs)
+        finally:
+            c._set_cudnn_enabled(was)
     return acc
 
 
