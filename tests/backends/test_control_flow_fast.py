@@ -261,3 +261,49 @@ def test_traced_bodies_run_through_their_network_and_agree(monkeypatch, capsys) 
           ["CpuRef"])
     traced = capsys.readouterr().err
     assert "(b_in)" in traced and "(row, gain)" in traced  # the bodies' layers, as they ran
+
+
+def constant_bounds_loop_model() -> onnx.ModelProto:
+    """A Loop whose body slices the graph input x by bounds it unsqueezes from outer constants
+    (what the TorchScript exporter writes for ``x[:, a:b]`` in a scripted loop): those Unsqueezes
+    read constants only; the body also gives an Unsqueeze of an outer constant as a scan output."""
+    body = helper.make_graph(
+        [helper.make_node("Constant", [], ["axis"], value=const("axis", np.array([0], np.int64))),
+         helper.make_node("Unsqueeze", ["start", "axis"], ["starts"], name="starts"),
+         helper.make_node("Unsqueeze", ["end", "axis"], ["ends"], name="ends"),
+         helper.make_node("Slice", ["x", "starts", "ends"], ["part"]),
+         helper.make_node("Add", ["h_in", "part"], ["h_out"]),
+         helper.make_node("Unsqueeze", ["end", "axis"], ["mark"], name="mark"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [tensor("i", TensorProto.INT64), tensor("cond_in", TensorProto.BOOL), float_input("h_in", [2])],
+        [tensor("cond_out", TensorProto.BOOL), float_input("h_out", [2]),
+         tensor("mark", TensorProto.INT64, [1])])
+    node = helper.make_node("Loop", ["M", "", "h0"], ["h", "marks"], body=body, name="loop")
+    return make_model([node], [tensor("M", TensorProto.INT64), float_input("h0", [2]),
+                               float_input("x", [5])],
+                      [float_input("h", [2]), tensor("marks", TensorProto.INT64, [None, 1])],
+                      [const("start", np.array(1, np.int64)), const("end", np.array(3, np.int64))])
+
+
+@pytest.mark.parametrize("backends", PLACEMENTS, ids="+".join)
+def test_steps_of_constants_alone_run_once_at_load(backends: list[str]) -> None:
+    x = np.arange(5, dtype=np.float32)
+    feeds = [{"M": np.array(m, np.int64), "h0": np.full(2, h, np.float32), "x": x * s}
+             for m, h, s in ((3, 0, 1), (0, 1, 2), (4, -1, -1))]
+    session = check(constant_bounds_loop_model(), feeds, backends)
+    marks = session.run(None, feeds[0])[1]
+    marks[:] = 99  # the caller's own: the scan output made of constants is made at each call
+    np.testing.assert_array_equal(session.run(None, feeds[0])[1], [[3]] * 3)
+    if backends == ["CpuRef"]:
+        (loop,) = [step.workload for step, layer in zip(*_plan(session)) if layer.op_type == "Loop"]
+        body = loop.iterated
+        plan = body.net.host_plan  # a layer by the slots its step writes (one kernel: one workload)
+        name = {step.outputs: layer.name for step, layer in zip(plan.steps, plan.layers)}
+        assert [name[s.outputs] for s in body.folded] == ["starts", "ends"]
+        ran = {name[s.outputs] for s in body.first}
+        assert "mark" in ran and not ran & {"starts", "ends"}  # a body output: made at each call
+
+
+def _plan(session: InferenceSession) -> tuple[tuple, tuple]:
+    net = session.runtime.network(session.network_id)
+    return net.host_plan.steps, net.host_plan.layers

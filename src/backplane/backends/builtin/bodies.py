@@ -9,10 +9,11 @@ Two things are decided here, before any run:
   the others') over one list of slots that lives across the iterations of a call: the steps that
   read only what the enclosing scope gives (captured values) and constants run in the first
   iteration only (``_invariant``: the imports of captured values, a Slice of one by constant
-  bounds); a carried value whose body leaves it in a backend's memory and whose next iteration
-  would import it back there stays there (the two copies or imports are skipped; the one to the
-  host runs once, after the last iteration); and the per-run setup of a loaded network (a slot
-  list, output conversion) happens once per call.
+  bounds), and those of constants alone once, at load (``_fold``); a carried value whose body
+  leaves it in a backend's memory and whose next iteration would import it back there stays there
+  (the two copies or imports are skipped; the one to the host runs once, after the last
+  iteration); and the per-run setup of a loaded network (a slot list, output conversion) happens
+  once per call.
 
 A body whose runs share memory (fallback memory, a host backend's exclusive workload) or under the
 debug trace runs as before, through its loaded network's ``execute`` per iteration; a GPU body with
@@ -126,10 +127,11 @@ class IteratedBody:
         self.captured_slots = tuple(slots[n_formal:])
         self.watched_slots = tuple(outs[p] for p in self.watched)
         steps, layers = list(net.host_plan.steps), list(net.host_plan.layers)
-        template = net.slots()
-        given = {*self.captured_slots, NONE_SLOT,
-                 *(slot for slot, value in enumerate(template) if value is not None)}
-        hoisted = _invariant(steps, layers, given)
+        self.template = template = net.slots()  # a call's slots: constants, folded values
+        constant = {slot for slot, value in enumerate(template) if value is not None}
+        hoisted = _invariant(steps, layers, {*self.captured_slots, NONE_SLOT, *constant})
+        folded = set() if self.plain or self.renew else \
+            _fold(steps, hoisted, constant, template, set(outs))
         self.state = [_carried(steps, layers, slots[i], outs[o], set(hoisted), outs)
                       for i, o in carried]
         bridged_out = {i for c in self.state for i, step in enumerate(steps)
@@ -138,8 +140,10 @@ class IteratedBody:
                       for i, step in enumerate(steps) if slots[p] in step.inputs}
         keep = {*outs, *(c.source for c in self.state),
                 *(slot for i in hoisted for slot in steps[i].outputs)}
-        self.hoisted = tuple(steps[i] for i in hoisted)  # run in the first iteration only
-        self.first = with_frees([s for i, s in enumerate(steps) if i not in bridged_out], keep)
+        self.hoisted = tuple(steps[i] for i in hoisted if i not in folded)  # first iteration only
+        self.folded = tuple(steps[i] for i in sorted(folded))  # run once, at load
+        self.first = with_frees([s for i, s in enumerate(steps)
+                                 if i not in bridged_out and i not in folded], keep)
         self.rest = with_frees([s for i, s in enumerate(steps)
                                  if i not in {*hoisted, *bridged_out, *bridged_in}], keep)
         # each as straight code, run where no stop is asked (``steps.compiled``): the iteration's
@@ -193,7 +197,7 @@ class Iterations:
     def __init__(self, body: IteratedBody, carried: Sequence[Any], captured: Sequence[Any]) -> None:
         self.body, self.count, self.stop = body, 0, STOP.get()
         self.values = list(carried)  # the carried values after the last iteration
-        self.env = env = body.net.slots()
+        self.env = env = list(body.template)
         for slot, value in zip(body.captured_slots, captured):
             env[slot] = value
         for slot, value in zip(body.carried_slots, carried):
@@ -308,6 +312,33 @@ def _invariant(steps: Sequence[Step], layers: Sequence[Layer], given: set[int]) 
             found.append(index)
             known.update(step.outputs)
     return found
+
+
+def _fold(steps: Sequence[Step], hoisted: Sequence[int], constant: set[int], template: list[Any],
+          outputs: set[int]) -> set[int]:
+    """The hoisted steps that read only constants (an Unsqueeze of an outer constant by a constant
+    axis: the body's constants are the model's only once ``fold_outer_constants`` made them so,
+    after the optimizer's folding), run here, once, their results written into ``template``;
+    their indices. Not a step that writes a body output (each call's outputs are its own) nor
+    one that fails here (it fails, or not, at each call, as before)."""
+    known, folded = {*constant, NONE_SLOT}, set()
+    for index in hoisted:
+        step = steps[index]
+        if not all(slot in known for slot in step.inputs) or outputs.intersection(step.outputs):
+            continue
+        try:
+            args = [template[slot] for slot in step.inputs]
+            results = (step.convert(*args),) if step.convert is not None else step.workload(*args)
+        except Exception:  # noqa: BLE001  # left to the calls, whose errors name the layer
+            continue
+        if len(results) < len(step.outputs):
+            continue
+        for slot, value in zip(step.outputs, results):
+            if slot != NONE_SLOT:
+                template[slot] = value
+                known.add(slot)
+        folded.add(index)
+    return folded
 
 
 def _is_glue(step: Step, layer: Layer) -> bool:
