@@ -289,16 +289,21 @@ def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
                           for d in range(dirs)], 1)
     r_zr = R[:, :2 * hidden].transpose(1, 2)  # (dirs, hidden, 2 hidden)
     r_h = R[:, 2 * hidden:].transpose(1, 2)  # (dirs, hidden, hidden)
+    # each step's views made once before the loop (one op each, not two a step): gates z, r and h
+    # of every step as (dirs, batch, .)
+    x_zr, x_n = (part.unbind(0) for part in xw.split([2 * hidden, hidden], -1))
+    # z and r of every step in one buffer whose two views are made once (a view costs about what
+    # an op does)
+    zr = h.new_empty((dirs, h.shape[1], 2 * hidden))
+    z, r = zr.chunk(2, -1)
     ys = []
     for t in range(xw.shape[0]):
-        step = xw[t]  # (dirs, batch, 3 hidden): gates z, r, h
-        zr = torch.baddbmm(step[..., :2 * hidden], h, r_zr).sigmoid_()
-        z, r = zr[..., :hidden], zr[..., hidden:]
+        torch.baddbmm(x_zr[t], h, r_zr, out=zr).sigmoid_()
         if linear_before_reset:  # n = tanh(x Wh + Wb_h + r * (h Rh + Rb_h))
-            n = torch.addcmul(step[..., 2 * hidden:], r, torch.baddbmm(r_hb, h, r_h)).tanh_()
+            n = torch.addcmul(x_n[t], r, torch.baddbmm(r_hb, h, r_h)).tanh_()
         else:  # n = tanh(x Wh + Wb_h + (r * h) Rh + Rb_h)
-            n = torch.baddbmm(step[..., 2 * hidden:], r * h, r_h).tanh_()
-        h = torch.addcmul(n, z, h - n)  # (1 - z) * n + z * h
+            n = torch.baddbmm(x_n[t], r * h, r_h).tanh_()
+        h = torch.lerp(n, h, z)  # (1 - z) * n + z * h in one op
         ys.append(h)
     y = torch.stack(ys)  # (seq, dirs, batch, hidden)
     if backward:
@@ -380,13 +385,17 @@ def _lstm_steps(X, W, R, B, h0, c0, direction, layout):
         xw = torch.stack([xw[:, d].flip(0) if d in backward else xw[:, d]
                           for d in range(dirs)], 1)
     r_t = R.transpose(1, 2)  # (dirs, hidden, 4 hidden)
+    # every step's gates in one buffer whose views are made once, not five slices a step (a view
+    # costs about what an op does)
+    gates = h.new_empty((dirs, h.shape[1], 4 * hidden))
+    sigmoids, g = gates.split([3 * hidden, hidden], -1)
+    i, o, f = sigmoids.chunk(3, -1)
     ys = []
-    for t in range(xw.shape[0]):
-        gates = torch.baddbmm(xw[t], h, r_t)  # (dirs, batch, 4 hidden)
-        iof = gates[..., :3 * hidden].sigmoid_()
-        c = torch.addcmul(iof[..., 2 * hidden:] * c, iof[..., :hidden],
-                          gates[..., 3 * hidden:].tanh_())
-        h = iof[..., hidden:2 * hidden] * c.tanh()
+    for x_t in xw.unbind(0):  # each step's input projection, the views made by one op
+        torch.baddbmm(x_t, h, r_t, out=gates)  # (dirs, batch, 4 hidden)
+        sigmoids.sigmoid_()
+        c = torch.addcmul(f * c, i, g.tanh_())
+        h = o * c.tanh()
         ys.append(h)
     y = torch.stack(ys)
     if backward:
