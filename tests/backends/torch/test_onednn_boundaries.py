@@ -62,7 +62,8 @@ def test_a_mean_over_the_map_is_a_pool_in_a_partition(pool: str) -> None:
     y, graph = _compiled_run(pool, x)
     outside, _, partitions = graph.partition("\nwith prim::oneDNNFusionGroup")
     assert "aten::mean" not in outside and "aten::sum" not in outside, outside
-    assert "aten::avg_pool2d" in partitions
+    # a pool partition, or below nn.TINY_POOL values one ATen pool between the partitions
+    assert "aten::avg_pool2d" in partitions or "aten::_adaptive_avg_pool2d" in outside
     np.testing.assert_allclose(y, _cpuref(pool, x), rtol=1e-4, atol=1e-5)
 
 

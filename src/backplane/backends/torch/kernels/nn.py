@@ -212,6 +212,9 @@ def average_pool(X, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilatio
             sizes = _ceil_sizes(X.shape[2:], kernel_shape, strides, [1] * rank, begins, ends)
         X, begins = _pad_both(X, begins, ends), [0] * rank
     args = (kernel_shape, strides, begins, bool(ceil_mode), bool(count_include_pad))
+    if sizes is None and not any(begins) and list(strides) == list(kernel_shape) \
+            and _tiny_for_onednn_graph(X) and all(n % k == 0 for n, k in zip(X.shape[2:], strides)):
+        return (_ADAPTIVE_AVG_POOL(X, [int(n) // k for n, k in zip(X.shape[2:], strides)]),)
     if rank == 3 and X.dtype == torch.float16 and X.device.type == "cpu":
         # torch's CPU avg_pool3d has no float16 kernel: in float32, rounded once at the end
         y = _AVG_POOL[rank](X.float(), *args).to(X.dtype)
@@ -267,13 +270,34 @@ def spatial_mean(X, dims, keepdim):
     each of those costing more than the pool (resnet_basic_ts16 at 32x32, its GlobalAveragePool
     on (1, 32, 2, 2): about 6 of 48 us a call of a 2-convolution trace, 1 thread, this 2-core AMD
     EPYC). The same sums in another order: equal within float rounding; NaN and Inf propagate as
-    through the mean (a window's sum)."""
+    through the mean (a window's sum). A small one is torch's adaptive pool instead, which stays
+    a call outside the partitions but a cheaper one than a partition (``_tiny_for_onednn_graph``)."""
     if (for_onednn_graph() and X.dim() == 4 and X.is_floating_point()
             and sorted(d % 4 for d in dims) == [2, 3]):
+        if _tiny_for_onednn_graph(X):
+            y = _ADAPTIVE_AVG_POOL(X, [1, 1])
+            return y if keepdim else y.flatten(1)
         window = [int(n) for n in X.shape[2:]]  # ints: a trace's sizes are tensors
         y = F.avg_pool2d(X, window, window)  # strides given: the fuser refuses an empty list
         return y if keepdim else y.flatten(1)
     return torch.mean(X, dims, keepdim)
+
+
+TINY_POOL = 16384
+"""An average pool of a 4-D float input of at most this many values, traced for oneDNN Graph, is
+torch's adaptive average pool (``_tiny_for_onednn_graph``)."""
+_ADAPTIVE_AVG_POOL = torch.ops.aten._adaptive_avg_pool2d
+
+
+def _tiny_for_onednn_graph(X) -> bool:
+    """Whether an average pool of ``X`` traced for oneDNN Graph is torch's adaptive average pool,
+    which the fuser does not take (its windows the same where the strides are the kernel and
+    divide the map): a small pool is a partition of its own there, 10-15 us against ATen's
+    kernel's 3-9 in the trace (1 thread, thread CPU, load 10, this 2-core AMD EPYC: (1, 32, 4, 4)
+    to 2x2 29.5 -> 15.4 us a traced call, a global pool of (1, 32, 8, 8) 18.9 -> 9.2, of
+    (1, 64, 16, 16) 25.4 -> 16.5)."""
+    return for_onednn_graph() and X.dim() == 4 and X.dtype == torch.float32 \
+        and X.numel() <= TINY_POOL
 
 
 def global_max_pool(X):
