@@ -375,8 +375,9 @@ def _centring(a: dict[str, Any]) -> Any:
     import torch
 
     x_zero = a["x_zero"]
-    if a["into"] is None:
-        return lambda x: x.to(torch.float32).sub_(x_zero)
+    if a["into"] is None:  # integers less a float32 tensor of one axis: float32, in one call
+        zero = torch.full((1,), x_zero)
+        return lambda x: x.to(torch.float32).sub_(x_zero) if x.is_cuda else torch.sub(x, zero)
     into = torch_params(a["into"])
     scale, zero, low, high = into
     if zero.__class__ is float and zero == x_zero:
@@ -392,29 +393,46 @@ def _double(value: np.ndarray) -> Any:
     return float(value) if value.ndim == 0 else torch.from_numpy(value.astype(np.float64))
 
 
+def _widening(value: np.ndarray) -> Any:
+    """``acc * value`` in float64 for a float32 ``acc`` (a float32 product's exact integers), in
+    one call: ``value`` as a float64 tensor of at least one axis, which type promotion makes the
+    product's type (a 0-d one or a Python float would keep float32), where ``acc.double()`` and
+    an in-place product were two calls, each a new tensor or a pass (the same values: the integer
+    widened exactly, the product rounded once in float64). A CUDA ``acc`` takes the two calls."""
+    import torch
+
+    wide = torch.from_numpy(np.array(value, np.float64).reshape(value.shape or (1,)))
+    narrow = _double(value)
+    return lambda acc: acc.double().mul_(narrow) if acc.is_cuda else torch.mul(acc, wide)
+
+
 def _finisher(a: dict[str, Any]) -> Any:
     """The integer product to the layer's output: requantized in float64, rint(acc * multiplier)
     + z, saturated; then its integer type, or dequantized (the product of an integer and a float32
     scale in float64, rounded once to float32, is CpuRef's; with the DequantizeLinear's zero point
     the requantization's, the clamp moves by it as in ``_centring``), plus the constant, then the
-    activation."""
+    activation. A Relu after a positive scale is the clamp's floor at 0 (relu(y * s) is
+    max(y, 0) * s): one call fewer; resnet_qlinear_ort15 has five."""
     import torch
 
     from backplane.backends.torch.backend import _numpy_to_torch
 
-    multiplier, y_zero, low, high = _double(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
+    widened, y_zero, low, high = _widening(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
     if a["back"] is None:
         dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
-        return lambda acc: torch.round(acc.double().mul_(multiplier)).add_(y_zero) \
-            .clamp_(low, high).to(dtype)
+        return lambda acc: torch.round(widened(acc)).add_(y_zero).clamp_(low, high).to(dtype)
     scale, zero = (_double(a["back"][k]) for k in ("scale", "zero"))
     add = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     post = torch_post_op(a["activation"])
     same = zero.__class__ is float and zero == y_zero
+    floor = low - y_zero
+    if same and add is None and a["activation"] is not None and a["activation"][0] == "relu" \
+            and bool((a["back"]["scale"] > 0).all()):
+        floor, post = max(floor, 0.0), None
 
     def finish(acc):
-        y = torch.round(acc.double().mul_(multiplier))
-        y = y.clamp_(low - y_zero, high - y_zero) if same else \
+        y = torch.round(widened(acc))
+        y = y.clamp_(floor, high - y_zero) if same else \
             y.add_(y_zero).clamp_(low, high).sub_(zero)
         out = y.mul_(scale).to(torch.float32)
         out = out.add_(add) if add is not None else out
@@ -427,8 +445,8 @@ def _on_grid(a: dict[str, Any]) -> Any:
     saturated, as float64 integers (``_finisher``'s first steps)."""
     import torch
 
-    multiplier, zero, low, high = _double(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
-    return lambda acc: torch.round(acc.double().mul_(multiplier)).add_(zero).clamp_(low, high)
+    widened, zero, low, high = _widening(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
+    return lambda acc: torch.round(widened(acc)).add_(zero).clamp_(low, high)
 
 
 def _residual_finisher(a: dict[str, Any]) -> Any:
