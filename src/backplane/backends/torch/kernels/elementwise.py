@@ -36,20 +36,49 @@ def _unary(fn):
     return kernel
 
 
+_TRACING = torch._C._is_tracing  # one C call (torch.jit.is_tracing wraps it)
+
+
+def _traced_scalar(A, B):
+    """``B`` as a 1-d constant of one value where it is a 0-d float constant of ``A``'s type that
+    a trace without oneDNN Graph's fuser (a ``Traced`` layer) reads after ``A``, a tensor of some
+    rank, in an Add, Sub, Mul or Div: TorchScript's interpreter copies such a 0-d constant at every
+    call (aten::to: a detector's ``sigmoid * 2 - 0.5``), and reads a 1-d one as it is (the frozen
+    trace folds the reshape into a constant of shape (1,)). The same values and the same result
+    shape, as ``A`` has a rank; any other ``B`` (a computed 0-d value: no copy) as it is."""
+    if B.dim() or not A.dim() or B.dtype != A.dtype or not A.dtype.is_floating_point \
+            or A.device.type != "cpu" or B.device.type != "cpu" \
+            or torch.jit.onednn_fusion_enabled():
+        return B
+    try:
+        constant = torch._C._get_value_trace(B).node().kind() == "prim::Constant"
+    except Exception:  # noqa: BLE001  # not a traced value: left as it is
+        return B
+    return B.reshape(1) if constant else B
+
+
 def add(A, B):
+    if _TRACING():
+        B = _traced_scalar(A, B)
     return (torch.add(A, B),)
 
 
 def sub(A, B):
+    if _TRACING():
+        B = _traced_scalar(A, B)
     return (torch.sub(A, B),)
 
 
 def mul(A, B):
+    if _TRACING():
+        B = _traced_scalar(A, B)
     return (torch.mul(A, B),)
 
 
 def div(A, B):
     if A.dtype.is_floating_point:
+        if _TRACING():
+            B = _traced_scalar(A, B)
         return (torch.div(A, B),)
     # ONNX integer division truncates. By zero it is 0, as in CpuRef (NumPy), where torch's CPU
     # kernel would raise ZeroDivisionError and fail the whole run; no data-dependent branch, so
