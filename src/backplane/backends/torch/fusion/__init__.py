@@ -13,7 +13,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   product on the channels-last pixels ("gemm").
 - Gemm (constant B, C) or MatMul (constant 2-D B) [-> Add(constant bias)] [-> Reshape]
   [-> activation | -> GELU written out (with Erf, or the tanh form) | -> Add(residual)]
-  becomes one ``Linear``: at load the faster of MKL (``F.linear``) and oneDNN
+  becomes one ``Linear`` (plain ones of one input: one ``LinearSiblings``, ``siblings``): at load
+  the faster of MKL (``F.linear``) and oneDNN
   (``torch.ops.mkldnn._linear_pointwise`` with a prepacked weight, the activation as a unary and the
   residual as a binary post-op) on its static shape is measured and kept (``CpuAcc.linear_route``
   forces one).
@@ -84,6 +85,7 @@ from backplane.backends.torch.fusion.dynamic_quant import (
     match_dynamic_matmul,
 )
 from backplane.backends.torch.fusion.qdq_chain import match_qdq_conv
+from backplane.backends.torch.fusion.siblings import linear_siblings_workload, match_sibling_linears
 from backplane.backends.torch.fusion.qlinear import (
     match_qlinear_conv,
     match_qlinear_matmul,
@@ -160,7 +162,8 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "Conv": qdq_chain.first_of(match_windowed_conv, then_quant_dequant(match_conv)),
     "GlobalAveragePool": match_squeeze_excite,
     "Gemm": then_quant_dequant(with_ort_gelu(match_linear)),
-    "MatMul": then_quant_dequant(with_ort_gelu(match_linear)),
+    "MatMul": qdq_chain.first_of(match_sibling_linears,
+                                 then_quant_dequant(with_ort_gelu(match_linear))),
     "QuantizeLinear": match_quant_dequant, "QLinearConv": match_qlinear_conv,
     "QLinearMatMul": match_qlinear_matmul, "DynamicQuantizeLinear": match_dynamic_matmul,
     "com.microsoft::QGemm": match_qgemm,
@@ -180,6 +183,7 @@ INT8_MATCHERS = {**MATCHERS, "Conv": qdq_chain.first_of(match_qdq_conv, MATCHERS
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "FusedConv": conv_workload, "Linear": linear_workload, "SqueezeExcite": squeeze_excite_workload,
+    "LinearSiblings": linear_siblings_workload,
     "OneDnnGraph": onednn_graph.onednn_graph_workload,
     "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,

@@ -65,8 +65,8 @@ cond_nested_dyn18's 4-layer Linear partition ran 0.064 ms a run traced against 0
 (this 2-core AMD EPYC, load 4.4); the corpus's transformers, hundreds of layers, run faster traced
 (left layer by layer on a busy machine, encoder_padmask_ts17 0.763 ms a run against 0.308 traced,
 encoder4_plain_dyn18 1.05 against 0.52, load 4-5)."""
-FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "SqueezeExcite", "QuantDequant", "QLinearConv",
-                             "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
+FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "LinearSiblings", "SqueezeExcite",
+                             "QuantDequant", "QLinearConv", "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
                              "GeluChain", "Lookup", "ScaledDotAttention", "WindowedConv"})
 """The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
 NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
