@@ -21,7 +21,9 @@ its CPU kernel took about twice the explicit ops' time, 1 thread, CPU time, this
 (4 x 128 x 16 with a padding mask 145 against 297 us, 4 x 64 x 64 causal 83 against 168), and
 the corpus's traced char tagger and GPT ran 3-8% slower with it; it also gives 0, not NaN, in a
 row masked throughout. torch 2.13's CPU kernel is the faster at these shapes (4 x 8 x 8 causal,
-1 thread: 11.6 against 21.1 us) but gives no NaN at all for a NaN in a query, so it stays out.
+1 thread: 11.6 against 21.1 us) but gives no NaN at all for a NaN in a query, so it stays out;
+at the full-tier encoder's 4 x 32 x 64 (no mask) it took 194 us against these ops' 54 (baddbmm
+21, softmax 17, bmm 17; 1 thread, thread CPU, load 6.7).
 """
 
 from __future__ import annotations
