@@ -243,7 +243,8 @@ class Iterations:
             return self.values
         final = []
         for carried, value in zip(self.body.state, self.values):
-            value = self.body.to_host(carried, value, self.stop)
+            if carried.final is not None:  # kept in a backend's memory: brought to the host
+                value = self.body.to_host(carried, value, self.stop)
             final.append(np.asarray(value) if isinstance(value, np.generic) else value)
         return final
 

@@ -37,8 +37,9 @@ def _bool(value: Any) -> bool:
 
 def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:
     def if_(cond: Any, *captured: Any) -> tuple[Any, ...]:
-        branch = then_net if _bool(cond) else else_net
-        return tuple(branch.execute(captured))
+        # a one-element array read in line (no frame of _bool's: an If in a body runs per iteration)
+        taken = cond.item() if type(cond) is np.ndarray and cond.size == 1 else _bool(cond)
+        return tuple((then_net if taken else else_net).execute(captured))
 
     return if_
 
@@ -58,7 +59,9 @@ def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInf
             while keep_going and (max_trips is None or i < max_trips):
                 watched = iterations.run((np.array(i, np.int64) if reads_i else None,
                                           np.array(keep_going) if reads_cond else None))
-                keep_going = _bool(watched[0])
+                done = watched[0]  # the condition, read in line where it is one element
+                keep_going = bool(done.item()) if type(done) is np.ndarray and done.size == 1 \
+                    else _bool(done)
                 for collected, value in zip(scans, watched[1:]):
                     collected.append(value)
                 i += 1

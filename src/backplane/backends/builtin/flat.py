@@ -68,7 +68,12 @@ class FlatBody:
                 run_steps(self.host_plan.steps, env, stop)
         except StepFailure as failure:
             raise self.failure(failure) from failure.error
-        return [_array(env[slot]) for slot in self.output_slots]
+        outputs = []
+        for slot in self.output_slots:  # in line, no frame per output: an If runs it at each call
+            value = env[slot]  # NumPy turns 0-d results into scalars (np.float32): arrays out
+            outputs.append(np.asarray(value) if type(value) is not np.ndarray
+                           and isinstance(value, np.generic) else value)
+        return outputs
 
     def failure(self, failure: StepFailure) -> ExecutionError:
         """The error of a failed step, naming its layer as a loaded network does."""
@@ -178,7 +183,3 @@ def _calls(step: Step, flat: Any, template: list[Any]) -> list[Step]:
     return [Step(call, tuple(map(slot, reads)), tuple(map(slot, writes)), ())
             for call, reads, writes, _ in flat.calls]
 
-
-def _array(value: Any) -> Any:
-    """NumPy turns 0-d results into scalars (np.float32); outputs are always arrays."""
-    return np.asarray(value) if isinstance(value, np.generic) else value

@@ -42,7 +42,13 @@ def saturate_cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def cast(input, to, saturate=1, round_mode="up"):  # noqa: A002
-    return (_cast_to(input, onnx_to_numpy_dtype(to), saturate, round_mode),)
+    dtype = _TO.get(to)
+    if dtype is None:  # ONNX's element type as NumPy's, looked up once (two frames and onnx's map)
+        dtype = _TO[to] = onnx_to_numpy_dtype(to)
+    return (_cast_to(input, dtype, saturate, round_mode),)
+
+
+_TO: dict[int, np.dtype] = {}
 
 
 def cast_like(input, target_type, saturate=1, round_mode="up"):  # noqa: A002
