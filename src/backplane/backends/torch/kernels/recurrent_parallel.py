@@ -13,7 +13,11 @@ Only where the partition runs on one thread held from two or more (``small.OneTh
 calling thread runs at two: after each parallel region its OpenMP team's other thread spins on the
 other CPU (libgomp's default, milliseconds) and the worker waits for that CPU: that layer after a
 2-thread convolution, load 5-6, median us, one call 1594-1623, at once 4773-5475 (with
-GOMP_SPINCOUNT=0: 1473 / 1496, 1090 / 1257). Below ``PARALLEL_MACS`` the handoff (tens of us)
+GOMP_SPINCOUNT=0: 1473 / 1496, 1090 / 1257). How long: after a 2-thread convolution the other
+thread of the team burned 3.6-5.4 ms of CPU while the caller slept 10 ms (1.0 of 1 ms, 3.1 of 3;
+with GOMP_SPINCOUNT=10000: 0-0.3 ms); the variable is read when torch loads libgomp, and libgomp's
+``omp_pause_resource_all`` (which does stop it) took 12 ms and left every later call of that
+convolution at 85-125 ms (this AMD EPYC, load 6). Below ``PARALLEL_MACS`` the handoff (tens of us)
 costs more than it saves.
 
 A TorchScript trace keeps this as one op (``backplane::recurrent_directions``), whose body
