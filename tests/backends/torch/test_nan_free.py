@@ -137,3 +137,12 @@ def test_no_bound_no_nan_free_compile() -> None:
     assert nan_free.input_limit(_graph(plain), SAMPLE) is None
     half = [_conv("a", "x", "y", 1.0, RELU6)]
     assert nan_free.input_limit(_graph(half), [SAMPLE[0].half()]) is None
+
+
+def test_the_guard_checks_every_input() -> None:
+    run = nan_free.guarded(lambda *v: "fast", 10.0, lambda: lambda *v: "safe")
+    assert run(torch.ones(2), torch.full((3,), -10.0)) == "fast"
+    assert run(torch.empty(0, 4), torch.ones(1)) == "fast"  # nothing to check in an empty one
+    for beyond in (11.0, -10.5, float("nan"), float("inf"), float("-inf")):
+        assert run(torch.ones(2), torch.tensor([0.0, beyond])) == "safe"
+    assert run.nan_keeping.built is not None and run.nan_free_limit == 10.0

@@ -82,6 +82,8 @@ def guarded(fast: Callable[..., Any], limit: float, safe: Callable[[], Any]) -> 
 
     def run(*values: Any) -> tuple[Any, ...]:
         for value in values:
+            if not value.numel():
+                continue  # no values, no NaN (aminmax refuses an empty tensor)
             low, high = aminmax(value)
             if not -limit <= low.item() <= high.item() <= limit:
                 return keeping(*values)
