@@ -58,7 +58,8 @@ def _projections(relu_on: str | None = None, output: str | None = None) -> onnx.
         if name != "v":
             inits.append(numpy_helper.from_array(rng.standard_normal(width).astype(np.float32),
                                                  f"b{name}"))
-            nodes.append(helper.make_node("Add", [last, f"b{name}"], [f"{name}1"], name=f"add_{name}"))
+            nodes.append(helper.make_node("Add", [last, f"b{name}"], [f"{name}1"],
+                                          name=f"add_{name}"))
             last = f"{name}1"
         if name == relu_on:
             nodes.append(helper.make_node("Relu", [last], [f"{name}2"], name=f"relu_{name}"))
@@ -96,3 +97,25 @@ def test_a_product_with_its_activation_stays_its_own() -> None:
 def test_a_product_read_as_an_output_stays_its_own() -> None:
     ops = _against_cpuref(_projections(output="k"))
     assert ops.count("LinearSiblings") == 1 and ops.count("Linear") == 1
+
+
+def test_products_after_a_convolution_stay_apart() -> None:
+    """A subgraph with convolutions is oneDNN Graph's to compile whole, from the ops it knows."""
+    rng = np.random.default_rng(5)
+    kernel = (rng.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32)
+    inits = [numpy_helper.from_array(kernel, "wc"),
+             numpy_helper.from_array(np.array([1, 64], np.int64), "flat")]
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["c", "flat"], ["f"], name="flatten")]
+    for name in ("a", "b"):
+        inits.append(numpy_helper.from_array(
+            (rng.standard_normal((64, 10)) * 0.1).astype(np.float32), f"w{name}"))
+        nodes.append(helper.make_node("MatMul", ["f", f"w{name}"], [name], name=f"mm_{name}"))
+    nodes.append(helper.make_node("Mul", ["a", "b"], ["y"], name="times"))
+    model = make_model(nodes, [float_input("x", [1, 3, 4, 4])], [float_input("y", [1, 10])], inits)
+    x = np.random.default_rng(6).standard_normal((1, 3, 4, 4)).astype(np.float32)
+    session = InferenceSession(model.SerializeToString(), backends=["CpuAcc", "CpuRef"])
+    reference = InferenceSession(model.SerializeToString(), backends=["CpuRef"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0],
+                               rtol=1e-5, atol=1e-5)
+    assert "LinearSiblings" not in [layer.op_type for layer in placed(session)]

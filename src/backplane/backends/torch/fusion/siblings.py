@@ -8,7 +8,9 @@ costs as much as the arithmetic. As one ``LinearSiblings`` layer they are one pr
 weights stacked, its result split along the last axis into views, one per sibling: the same values
 (each output column is the same dot product), two products fewer a block. Only plain siblings are
 taken: float32, no activation, residual or Reshape folded into any (what ``match_linear`` would
-fuse stays its own), none an output of the graph or read by a QuantizeLinear or a contrib op."""
+fuse stays its own), none an output of the graph or read by a QuantizeLinear or a contrib op; and
+none in a subgraph with convolutions, which oneDNN Graph compiles whole from the ops it was
+measured on (``onednn_graph.TRACED_OPS``), this layer not among them."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.patterns import F32, Context
 from backplane.ir.graph import Layer
 
+CONVOLUTIONS = frozenset({"Conv", "ConvTranspose"})
 MAX_SIBLING_WEIGHTS = 1 << 22
 """The stacked weight's bound (N x K values, 16 MB of float32): a larger one is left as it is."""
 
@@ -30,6 +33,8 @@ def match_sibling_linears(matmul: Layer, ctx: Context) -> tuple[list[Layer], Lay
     """``matmul`` and the other plain products by constant weights of its input, as one
     ``LinearSiblings`` layer; None where it has none."""
     if matmul.op_type != "MatMul" or matmul.domain or not matmul.inputs:
+        return None
+    if any(layer.op_type in CONVOLUTIONS and not layer.domain for layer in ctx.view.layers):
         return None
     x = matmul.inputs[0]
     found = [_plain(m, x, ctx) for m in _products_of(x, ctx)]
