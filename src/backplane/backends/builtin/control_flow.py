@@ -37,8 +37,14 @@ def _bool(value: Any) -> bool:
 
 def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:
     def if_(cond: Any, *captured: Any) -> tuple[Any, ...]:
-        # a one-element array read in line (no frame of _bool's: an If in a body runs per iteration)
-        taken = cond.item() if type(cond) is np.ndarray and cond.size == 1 else _bool(cond)
+        # NumPy's bool or a one-element array read in line (no frame of _bool's: an If in a body
+        # runs per iteration, its predicate often a scalar that a kernel of 0-d arrays gave)
+        if type(cond) is np.bool_:
+            taken = cond
+        elif type(cond) is np.ndarray and cond.size == 1:
+            taken = cond.item()
+        else:
+            taken = _bool(cond)
         return tuple((then_net if taken else else_net).execute(captured))
 
     return if_
@@ -59,9 +65,13 @@ def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInf
             while keep_going and (max_trips is None or i < max_trips):
                 watched = iterations.run((np.array(i, np.int64) if reads_i else None,
                                           np.array(keep_going) if reads_cond else None))
-                done = watched[0]  # the condition, read in line where it is one element
-                keep_going = bool(done.item()) if type(done) is np.ndarray and done.size == 1 \
-                    else _bool(done)
+                done = watched[0]  # the condition, read in line as the If reads its predicate
+                if type(done) is np.bool_:
+                    keep_going = bool(done)
+                elif type(done) is np.ndarray and done.size == 1:
+                    keep_going = bool(done.item())
+                else:
+                    keep_going = _bool(done)
                 for collected, value in zip(scans, watched[1:]):
                     collected.append(value)
                 i += 1
