@@ -41,3 +41,19 @@ def test_indices_given_to_the_trace_stay_computed_in_it() -> None:
     assert "aten::index_select" in kinds(traced) and "aten::where" in kinds(traced)
     for index in (0, 3, -1, -4):  # not the value it was traced with
         torch.testing.assert_close(traced(DATA, torch.tensor(index)), DATA[index], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(64, 4), (64,), (5, 2, 3)])
+def test_gather_nd_of_rows_by_a_column_of_indices_is_one_index_select(shape) -> None:
+    from backplane.backends.reference.kernels.indexing import gather_nd as reference
+    from backplane.backends.torch.kernels.indexing import gather_nd
+
+    data, indices = torch.randn(shape), torch.tensor([[3], [0], [-1], [2], [3]])
+    traced = torch.jit.trace(lambda d, i: gather_nd(d, i)[0], (data, indices))
+    reshapes = [node for node in traced.graph.nodes() if node.kind() == "aten::reshape"]
+    assert "aten::index_select" in kinds(traced) and len(reshapes) == 1  # the indices' flatten
+    other = torch.randn(shape)
+    expected = reference(other.numpy(), indices.numpy())[0]
+    got = traced(other, indices)
+    assert tuple(got.shape) == expected.shape
+    torch.testing.assert_close(got, torch.from_numpy(expected), rtol=0, atol=0)

@@ -132,6 +132,8 @@ def gather_nd(data, indices, batch_dims=0):
     batch_shape, depth = tuple(data.shape[:batch_dims]), indices.shape[-1]
     if not batch_dims and depth == 1 and data.dim():  # rows by one index each (NMS's boxes)
         rows = data.index_select(0, _wrap(indices.reshape(-1), data.shape[0]))
+        if indices.dim() == 2:  # rows has the shape already (a reshape is an op in a trace)
+            return (rows,)
         return (rows.reshape((*indices.shape[:-1], *data.shape[1:])),)
     batches = math.prod(batch_shape)
     flat_data = data.reshape((batches, *data.shape[batch_dims:]))
