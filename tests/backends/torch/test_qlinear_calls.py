@@ -56,3 +56,22 @@ def test_an_integer_input_is_centred_in_one_call() -> None:
     got = centre(x)
     assert got.dtype == torch.float32
     np.testing.assert_array_equal(got.numpy(), x.numpy().astype(np.float32) - a["x_zero"])
+
+
+def test_a_large_requantization_widens_apart() -> None:
+    """From ``WIDEN_BELOW`` values the float32 sums are widened by their own call (a product of
+    two types is TensorIterator's casting loop: the full tier's QOperator stem, (1, 64, 112, 112),
+    1.4 -> 2.0 ms the other way); the values the same either way."""
+    a = _fused(quantized_io=True)
+    rng = np.random.default_rng(6)
+    small = torch.from_numpy(rng.integers(-4000, 4000, (1, 6, 9, 4)).astype(np.float32))
+    large = torch.from_numpy(rng.integers(-4000, 4000, (1, 6, 64, 64)).astype(np.float32))
+    assert large.numel() >= qlinear.WIDEN_BELOW > small.numel()
+    widened = qlinear._widening(a["multiplier"])
+    assert _calls(widened, small) == ["aten::mul"]
+    assert _calls(widened, large) == ["aten::to", "aten::mul_"]
+    for acc in (small, large):
+        got = widened(acc)
+        assert got.dtype == torch.float64
+        np.testing.assert_array_equal(
+            got.numpy(), acc.double().numpy() * a["multiplier"].astype(np.float64))
