@@ -9,6 +9,14 @@ GatherND and the scatters wrap their indices without reading them on the host
 are a sort's, a TopK's, an arg-max's or a NonZero's (through views and casts), none is negative
 and the ``where`` gives ``i`` back: a YOLO-style head's two GatherElements by its TopK's indices
 paid eight such ops a run. An index out of range still fails in the gather itself, as before.
+
+The heads of an attention are index glue too: Q, K and V taken out of one product's result
+(a Gather of the stacked projections, Reshapes and Transposes to heads) are chains of views
+ending at an offset into it, which ``static_sizes.fold_views`` cuts where the offset starts (an
+``as_strided`` of the input would fix the sample's offset). Where the chain's root is the fresh
+result of a product (``FRESH``: its storage offset is 0 at every run), ``fold_offset_views``
+makes the whole chain one ``as_strided`` at that offset (a frozen trace of the full-tier
+encoder's K and V heads, 7 views: 64 -> 44 us a call with two adds, 1 thread, load 7).
 """
 
 from __future__ import annotations
@@ -31,11 +39,12 @@ INTEGERS = frozenset({"Long", "Int", "Short", "Char", "Byte"})
 
 def fold_index_glue(graph: Any) -> int:
     """``graph`` (a traced TorchScript graph, changed in place) without the casts that give a
-    value back as it is and the wraps of indices that cannot be negative; then dead code
+    value back as it is and the wraps of indices that cannot be negative, and its chains of views
+    at an offset of a product's result as one view each (``fold_offset_views``); then dead code
     elimination. Returns how many ops were folded."""
     import torch
 
-    folded = 0
+    folded = fold_offset_views(graph)
     for node in list(graph.nodes()):
         if node.kind() == "aten::to" and _same_dtype(node) or _idle_wrap(node):
             node.output().replaceAllUsesWith(node.inputsAt(0 if node.kind() == "aten::to" else 2))
@@ -94,3 +103,80 @@ def _never_negative(value: Any) -> bool:
         if node.kind() not in SAME_VALUES:
             return False
         value = node.inputsAt(0)
+
+
+FRESH = frozenset({"aten::linear", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm",
+                   "mkldnn::_linear_pointwise"})
+"""Ops whose result is a tensor of its own, at storage offset 0 (``aten::linear`` of more than
+two dimensions gives a view of its product's result, at offset 0 too)."""
+
+
+def fold_offset_views(graph: Any) -> int:
+    """Each chain of two views or more (``static_sizes.VIEWS``, constant arguments) from a
+    ``FRESH`` op's result made one ``as_strided`` of that result, at the offset the chain ends at,
+    where composing the chain on a meta tensor of the result's traced layout gives the sizes and
+    strides the tracer saw; returns how many views were replaced (dead ones go at the next DCE)."""
+    from backplane.backends.torch.fusion.static_sizes import VIEWS
+
+    def view(node: Any) -> bool:
+        return node.kind() in VIEWS and all(v.node().kind() == "prim::Constant"
+                                            for v in list(node.inputs())[1:])
+
+    replaced = 0
+    for node in list(graph.nodes()):
+        if not view(node) or not view(node.inputsAt(0).node()):
+            continue
+        root, steps = node.inputsAt(0), [node]
+        while view(root.node()):
+            steps.insert(0, root.node())
+            root = root.node().inputsAt(0)
+        if root.node().kind() not in FRESH or any(
+                use.user.kind() in ("prim::Return", "prim::TupleConstruct")
+                for use in node.output().uses()):
+            continue
+        layout = _composed(root, steps)
+        if layout is None:
+            continue
+        made = graph.create("aten::as_strided", [root, *(graph.insertConstant(v) for v in layout)])
+        for constant in list(made.inputs())[1:]:
+            constant.node().moveBefore(node)
+        made.insertBefore(node)
+        made.output().setType(node.output().type())
+        node.output().replaceAllUsesWith(made.output())
+        replaced += 1
+    return replaced
+
+
+def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int], int] | None:
+    """The sizes, strides and storage offset ``steps`` make of ``root`` (at offset 0, its traced
+    layout), where each is a view and the last is what the tracer saw; else None."""
+    import torch
+
+    def layout(value: Any) -> tuple[list[int], list[int]] | None:
+        typed = value.type()
+        if not isinstance(typed, torch._C.TensorType):
+            return None
+        sizes, strides = typed.sizes(), typed.strides()
+        if sizes is None or strides is None or None in sizes or None in strides:
+            return None
+        return list(sizes), list(strides)
+
+    start, wanted = layout(root), layout(steps[-1].output())
+    scalar = root.type().scalarType() if start is not None else None
+    dtype = getattr(torch, scalar.lower(), None) if scalar else None
+    if start is None or wanted is None or not isinstance(dtype, torch.dtype) \
+            or scalar.startswith("Q"):  # (a quantized tensor's views keep their ops)
+        return None
+    with torch.no_grad():
+        try:
+            base = value = torch.empty_strided(*start, dtype=dtype, device="meta")
+            for step in steps:
+                op = getattr(torch.ops.aten, step.kind().split("::")[1])
+                value = op(value, *[v.toIValue() for v in list(step.inputs())[1:]])
+                if value._base is not base:
+                    return None  # a reshape that copies
+        except (RuntimeError, TypeError, ValueError):
+            return None
+    if (list(value.shape), list(value.stride())) != wanted:
+        return None
+    return list(value.shape), list(value.stride()), int(value.storage_offset())
