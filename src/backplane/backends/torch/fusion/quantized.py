@@ -243,9 +243,10 @@ def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer
         given = [n for n in layer.inputs if n]
         if layer.op_type == "QuantDequant":
             safe = all(n in finite or n in no_nan for n in layer.inputs[:1])
+            free = all(n in finite for n in layer.inputs[:1]) and _finite_constants(layer)
             layer = Layer(layer.name, layer.op_type, layer.inputs, layer.outputs,
-                          {**layer.attrs, "fusable": True, "finite": safe}, layer.domain,
-                          layer.opset, layer.backend)
+                          {**layer.attrs, "fusable": True, "finite": safe, "nan_free": free},
+                          layer.domain, layer.opset, layer.backend)
             finite.update(layer.outputs)
         elif layer.op_type == "HardSigmoid" and not layer.domain \
                 and all(n in finite for n in given):
@@ -259,6 +260,21 @@ def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer
             no_nan.update(layer.outputs)
         marked.append(layer)
     return marked
+
+
+def _finite_constants(layer: Layer) -> bool:
+    """Whether the layer a fusable round trip holds (a FusedConv, a Linear) has finite constants
+    (its weight and bias: dequantized 8-bit steps): then, of a finite input (a round trip's
+    result), it makes no NaN, and its trace for oneDNN Graph may spell its ReLU and clamp as the
+    ops oneDNN fuses (``kernels.common.nan_free_trace``), where the NaN-keeping clamp split a QDQ
+    Conv -> Clip (ReLU6) -> round trip into two partitions and two calls between them."""
+    for inner in layer.attrs.get("layers", []):
+        for key in ("weight", "bias"):
+            value = inner.attrs.get(key)
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f" \
+                    and not np.isfinite(value).all():
+                return False
+    return bool(layer.attrs.get("layers"))
 
 
 def finite_hard_sigmoid_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
@@ -281,6 +297,10 @@ def finite_hard_sigmoid_workload(layer: Layer, backend: Any, inputs: Any = ()) -
 def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
     """The round trip (on the result of the layer it holds, in place, where it holds one; as
     oneDNN Graph fuses it where ``fusable`` marks it)."""
+    import torch
+
+    from backplane.backends.torch.kernels.common import nan_free_trace
+
     if layer.attrs.get("fusable"):
         round_trip = _fusable_round_trip(layer.attrs["into"], layer.attrs["back"],
                                          layer.attrs["finite"])
@@ -300,8 +320,14 @@ def quant_dequant_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Work
     def float_route() -> Workload:
         first = backend.fused_workloads()[inner.op_type](inner, backend, inputs)
 
+        free = bool(layer.attrs.get("nan_free"))
+
         def run(*values):
-            (y,) = first(*values)
+            if free and torch.jit.is_tracing():  # see ``_finite_constants``
+                with nan_free_trace():
+                    (y,) = first(*values)
+            else:
+                (y,) = first(*values)
             return (round_trip(y, True),)
         run.route = getattr(first, "route", None)  # type: ignore[attr-defined]
         run.weights = getattr(first, "weights", ())  # type: ignore[attr-defined]
