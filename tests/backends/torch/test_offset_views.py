@@ -47,6 +47,27 @@ def test_heads_from_a_product_are_one_view_each() -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_heads_from_the_scripted_onednn_product_are_one_view_each() -> None:
+    """A trace holds oneDNN's product as a call of a scripted function until it is frozen."""
+    from backplane.backends.torch.fusion.linear import _scripted_onednn
+
+    product, w = _scripted_onednn(), torch.randn(96, 32)
+
+    def heads(x):
+        qkv = product(x, w, None)  # (L, 1, 3 E)
+        return qkv.reshape(8, 1, 3, 32).select(2, 1).reshape(8, 4, 8).permute(1, 0, 2) * 2
+
+    x = torch.randn(8, 1, 32)
+    traced = torch.jit.trace(heads, (x,))
+    assert "prim::CallFunction" in _ops(traced.graph)
+    fold_views(traced.graph)  # (and the views' arguments made constants), as ``traced`` runs it
+    assert fold_index_glue(traced.graph) >= 1
+    torch._C._jit_pass_dce(traced.graph)
+    assert not VIEWS & set(_ops(traced.graph))
+    x = torch.randn(8, 1, 32)
+    torch.testing.assert_close(traced(x), heads(x), rtol=0, atol=0)
+
+
 def test_a_chain_from_an_input_is_kept() -> None:
     def heads(qkv):
         return qkv.select(0, 1).reshape(8, 4, 8).permute(1, 0, 2) * 2

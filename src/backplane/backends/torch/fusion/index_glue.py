@@ -14,9 +14,10 @@ The heads of an attention are index glue too: Q, K and V taken out of one produc
 (a Gather of the stacked projections, Reshapes and Transposes to heads) are chains of views
 ending at an offset into it, which ``static_sizes.fold_views`` cuts where the offset starts (an
 ``as_strided`` of the input would fix the sample's offset). Where the chain's root is the fresh
-result of a product (``FRESH``: its storage offset is 0 at every run), ``fold_offset_views``
-makes the whole chain one ``as_strided`` at that offset (a frozen trace of the full-tier
-encoder's K and V heads, 7 views: 64 -> 44 us a call with two adds, 1 thread, load 7).
+result of a product (``FRESH``, or oneDNN's scripted product: its storage offset is 0 at every
+run), ``fold_offset_views`` makes the whole chain one ``as_strided`` at that offset (a frozen
+trace of the full-tier encoder's K and V heads, 7 views: 64 -> 44 us a call with two adds, 1
+thread, load 7).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def fold_offset_views(graph: Any) -> int:
         while view(root.node()):
             steps.insert(0, root.node())
             root = root.node().inputsAt(0)
-        if root.node().kind() not in FRESH or any(
+        if not _fresh(root.node()) or any(
                 use.user.kind() in ("prim::Return", "prim::TupleConstruct")
                 for use in node.output().uses()):
             continue
@@ -145,6 +146,18 @@ def fold_offset_views(graph: Any) -> int:
         node.output().replaceAllUsesWith(made.output())
         replaced += 1
     return replaced
+
+
+def _fresh(node: Any) -> bool:
+    """A ``FRESH`` op, or the call of ``linear._scripted_onednn`` (named "product", oneDNN's
+    product of a packed weight, inlined only when the trace is frozen)."""
+    if node.kind() in FRESH:
+        return True
+    if node.kind() != "prim::CallFunction":
+        return False
+    function = node.inputsAt(0).node()
+    return function.kind() == "prim::Constant" and "name" in function.attributeNames() \
+        and function.s("name") == "product"
 
 
 def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int], int] | None:
