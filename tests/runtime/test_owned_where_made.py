@@ -161,3 +161,29 @@ def test_the_vads_trace_returns_made_results() -> None:
                for inner in version.steps for runner in getattr(inner.workload, "built", {}).values()]
     values = [torch.from_numpy(feeds[name]) for name in ("x", "state")]
     assert runners and all(type(runner(*values)) is fresh_outputs.Made for runner in runners)
+
+
+def test_a_detectors_outputs_are_not_copied_when_no_one_else_holds_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detector's HostChain hands arrays ``owned`` must look at: the step's own names for them
+    dropped first, its reference counts find them the run's own (each was copied before)."""
+    from pathlib import Path
+
+    corpus = Path(__file__).resolve().parent.parent / "data" / "corpus"
+    feeds = dict(np.load(corpus / "detect_nms_ts14.s0.npz"))
+    session = InferenceSession(str(corpus / "detect_nms_ts14.onnx"), providers=["CpuAcc", "CpuRef"])
+    first = session.run(None, feeds)
+    copies: list[int] = []
+    real = ownership._fresh
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        copies.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ownership, "_fresh", counted)
+    again = session.run(None, feeds)
+    assert copies == []
+    reference = InferenceSession(str(corpus / "detect_nms_ts14.onnx"), providers=["CpuRef"])
+    for got, before, wanted in zip(again, first, reference.run(None, feeds)):
+        np.testing.assert_allclose(got, wanted, rtol=1e-4, atol=1e-4)
+        assert not np.shares_memory(got, before)

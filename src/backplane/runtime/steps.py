@@ -274,7 +274,10 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
             raise
         except Exception as exc:
             raise failure(at, exc) from exc
-        return outputs if mine else owned(outputs, values)
+        if mine:
+            return outputs
+        results = value = None  # ``owned`` counts references: the outputs' must be theirs alone
+        return owned(outputs, values)
 
     return handed
 
