@@ -117,11 +117,7 @@ def fold_offset_views(graph: Any) -> int:
     ``FRESH`` op's result made one ``as_strided`` of that result, at the offset the chain ends at,
     where composing the chain on a meta tensor of the result's traced layout gives the sizes and
     strides the tracer saw; returns how many views were replaced (dead ones go at the next DCE)."""
-    from backplane.backends.torch.fusion.static_sizes import VIEWS
-
-    def view(node: Any) -> bool:
-        return node.kind() in VIEWS and all(v.node().kind() == "prim::Constant"
-                                            for v in list(node.inputs())[1:])
+    from backplane.backends.torch.fusion.static_sizes import _view as view
 
     replaced = 0
     for node in list(graph.nodes()):
@@ -165,14 +161,7 @@ def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int], int] |
     layout), where each is a view and the last is what the tracer saw; else None."""
     import torch
 
-    def layout(value: Any) -> tuple[list[int], list[int]] | None:
-        typed = value.type()
-        if not isinstance(typed, torch._C.TensorType):
-            return None
-        sizes, strides = typed.sizes(), typed.strides()
-        if sizes is None or strides is None or None in sizes or None in strides:
-            return None
-        return list(sizes), list(strides)
+    from backplane.backends.torch.fusion.static_sizes import _complete as layout
 
     start, wanted = layout(root), layout(steps[-1].output())
     scalar = root.type().scalarType() if start is not None else None
