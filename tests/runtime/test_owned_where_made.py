@@ -20,18 +20,23 @@ RNG = np.random.default_rng(3)
 W = RNG.standard_normal((8, 6)).astype(np.float32)
 
 
-def _searches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts each call of ``ownership.owned`` (the search), wherever the runtime calls it."""
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str, *modules: object) -> list[int]:
+    """Counts each call of ``ownership``'s function ``name``, wherever ``modules`` call it."""
     calls: list[int] = []
-    real = ownership.owned
+    real = getattr(ownership, name)
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ownership, "owned", counted)
-    monkeypatch.setattr(runtime_module, "owned", counted)
+    for module in (ownership, *modules):
+        monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def _searches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts each call of ``ownership.owned`` (the search), wherever the runtime calls it."""
+    return _counted(monkeypatch, "owned", runtime_module)
 
 
 def _partition_model() -> bytes:
@@ -173,14 +178,7 @@ def test_a_detectors_outputs_are_not_copied_when_no_one_else_holds_them(
     feeds = dict(np.load(corpus / "detect_nms_ts14.s0.npz"))
     session = InferenceSession(str(corpus / "detect_nms_ts14.onnx"), providers=["CpuAcc", "CpuRef"])
     first = session.run(None, feeds)
-    copies: list[int] = []
-    real = ownership._fresh
-
-    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        copies.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ownership, "_fresh", counted)
+    copies = _counted(monkeypatch, "_fresh")
     again = session.run(None, feeds)
     assert copies == []
     reference = InferenceSession(str(corpus / "detect_nms_ts14.onnx"), providers=["CpuRef"])
