@@ -159,26 +159,7 @@ def _fresh(node: Any) -> bool:
 def _composed(root: Any, steps: list[Any]) -> tuple[list[int], list[int], int] | None:
     """The sizes, strides and storage offset ``steps`` make of ``root`` (at offset 0, its traced
     layout), where each is a view and the last is what the tracer saw; else None."""
-    import torch
+    from backplane.backends.torch.fusion.static_sizes import _layouts
 
-    from backplane.backends.torch.fusion.static_sizes import _complete as layout
-
-    start, wanted = layout(root), layout(steps[-1].output())
-    scalar = root.type().scalarType() if start is not None else None
-    dtype = getattr(torch, scalar.lower(), None) if scalar else None
-    if start is None or wanted is None or not isinstance(dtype, torch.dtype) \
-            or scalar.startswith("Q"):  # (a quantized tensor's views keep their ops)
-        return None
-    with torch.no_grad():
-        try:
-            base = value = torch.empty_strided(*start, dtype=dtype, device="meta")
-            for step in steps:
-                op = getattr(torch.ops.aten, step.kind().split("::")[1])
-                value = op(value, *[v.toIValue() for v in list(step.inputs())[1:]])
-                if value._base is not base:
-                    return None  # a reshape that copies
-        except (RuntimeError, TypeError, ValueError):
-            return None
-    if (list(value.shape), list(value.stride())) != wanted:
-        return None
-    return list(value.shape), list(value.stride()), int(value.storage_offset())
+    found = _layouts(root, steps)
+    return None if found is None else found[-1]
