@@ -273,7 +273,9 @@ def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
     it is outside the reset). Y (seq, dirs, batch, hidden) and Y_h (dirs, batch, hidden), or
     batch first with layout 1. (The step loop of ``_run`` costs about twice the ops a
     direction.) With ``linear_before_reset`` (where ``_stepped_reset``), h's recurrent bias is
-    added to its recurrent product inside the reset, the other biases before the loop."""
+    added to its recurrent product inside the reset, the other biases before the loop, and that
+    product is made with z's and r's as one (``[z, r, h] = h [Rz, Rr, Rh] + [.., .., Rb_h]``: five
+    ops a step, not six; a cat of the addends before the loop)."""
     dirs, hidden = W.shape[0], W.shape[1] // 3
     h = h0.transpose(0, 1) if layout else h0  # (dirs, batch, hidden)
     bias = _biases(B, dirs, 3, hidden, X)
@@ -287,20 +289,26 @@ def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
     if backward:  # a backward direction reads the sequence from its end
         xw = torch.stack([xw[:, d].flip(0) if d in backward else xw[:, d]
                           for d in range(dirs)], 1)
-    r_zr = R[:, :2 * hidden].transpose(1, 2)  # (dirs, hidden, 2 hidden)
     r_h = R[:, 2 * hidden:].transpose(1, 2)  # (dirs, hidden, hidden)
-    # each step's views made once before the loop (one op each, not two a step): gates z, r and h
-    # of every step as (dirs, batch, .)
-    x_zr, x_n = (part.unbind(0) for part in xw.split([2 * hidden, hidden], -1))
-    # z and r of every step in one buffer whose two views are made once (a view costs about what
-    # an op does)
-    zr = h.new_empty((dirs, h.shape[1], 2 * hidden))
+    x_zr, x_n = xw.split([2 * hidden, hidden], -1)  # gates z, r and h of every step
+    if linear_before_reset:  # z, r and h's recurrent part in one product a step, Rb_h its addend
+        x_zr = torch.cat([x_zr, r_hb.expand_as(x_n)], -1)
+        recurrent = R.transpose(1, 2)  # (dirs, hidden, 3 hidden)
+    else:
+        recurrent = R[:, :2 * hidden].transpose(1, 2)  # (dirs, hidden, 2 hidden)
+    # each step's views made once before the loop (one op each, not two a step), (dirs, batch, .)
+    x_zr, x_n = x_zr.unbind(0), x_n.unbind(0)
+    # each step's products in one buffer whose views are made once (a view costs about what an
+    # op does): z and r, then h's recurrent part (h Rh + Rb_h) with linear_before_reset
+    gates = h.new_empty((dirs, h.shape[1], recurrent.shape[-1]))
+    zr, h_r = gates.split([2 * hidden, hidden], -1) if linear_before_reset else (gates, None)
     z, r = zr.chunk(2, -1)
     ys = []
     for t in range(xw.shape[0]):
-        torch.baddbmm(x_zr[t], h, r_zr, out=zr).sigmoid_()
+        torch.baddbmm(x_zr[t], h, recurrent, out=gates)
+        zr.sigmoid_()
         if linear_before_reset:  # n = tanh(x Wh + Wb_h + r * (h Rh + Rb_h))
-            n = torch.addcmul(x_n[t], r, torch.baddbmm(r_hb, h, r_h)).tanh_()
+            n = torch.addcmul(x_n[t], r, h_r).tanh_()
         else:  # n = tanh(x Wh + Wb_h + (r * h) Rh + Rb_h)
             n = torch.baddbmm(x_n[t], r * h, r_h).tanh_()
         h = torch.lerp(n, h, z)  # (1 - z) * n + z * h in one op
