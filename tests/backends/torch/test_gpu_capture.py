@@ -83,12 +83,26 @@ def resize_model(height: int | str = 16, width: int | str = 12) -> onnx.ModelPro
 def test_nonmaxsuppression_splits_the_capture_there() -> None:
     graph = import_onnx(nms_model())
     views = cuda.capture_views(SubgraphView.of(graph, graph.layers), None)
-    (sub,) = views.substitutions
-    assert [lay.name for lay in sub.substitutable.layers] == ["scale", "shift", "sharpen", "squash",
-                                                              "flatten"]
-    assert sub.replacement[0].op_type == "CudaGraph"
-    (rest,) = views.untouched  # NonMaxSuppression decides how many boxes the rest sees
-    assert [lay.name for lay in rest.layers] == ["nms", "which", "pick", "rescale"]
+    captured, chain = views.substitutions
+    assert [lay.name for lay in captured.substitutable.layers] == ["scale", "shift", "sharpen",
+                                                                   "squash", "flatten"]
+    assert captured.replacement[0].op_type == "CudaGraph"
+    # NonMaxSuppression decides how many boxes the rest sees: it and the layers after it, whose
+    # outputs are the model's, one HostChain run on the host from one download of its inputs
+    assert [lay.name for lay in chain.substitutable.layers] == ["nms", "which", "pick", "rescale"]
+    assert chain.replacement[0].op_type == "HostChain" and views.untouched == []
+
+
+def test_the_chain_stays_on_the_gpu_where_a_gpu_layer_reads_it() -> None:
+    model = nms_model()  # the kept boxes read again by a layer that is not a light one
+    model.graph.node.append(helper.make_node("Softmax", ["out"], ["soft"], name="soft"))
+    model.graph.node.append(helper.make_node("Add", ["out", "soft"], ["both"], name="both"))
+    model.graph.output.append(helper.make_tensor_value_info("both", TensorProto.FLOAT, None))
+    graph = import_onnx(model)
+    views = cuda.capture_views(SubgraphView.of(graph, graph.layers), None)
+    assert [sub.replacement[0].op_type for sub in views.substitutions] == ["CudaGraph"]
+    assert [lay.name for lay in views.untouched[0].layers] == ["nms", "which", "pick", "rescale",
+                                                                "soft", "both"]
 
 
 def test_free_inputs_and_host_values_are_not_captured() -> None:
@@ -107,7 +121,8 @@ def test_free_inputs_and_host_values_are_not_captured() -> None:
     model.graph.output.append(helper.make_tensor_value_info("v", TensorProto.FLOAT, None))
     graph = import_onnx(model)
     views = cuda.capture_views(SubgraphView.of(graph, graph.layers), None)
-    captured = [lay.name for sub in views.substitutions for lay in sub.substitutable.layers]
+    captured = [lay.name for sub in views.substitutions for lay in sub.substitutable.layers
+                if sub.replacement[0].op_type == "CudaGraph"]
     assert captured == ["scale", "shift", "sharpen", "squash", "row", "count"]
 
 
@@ -128,7 +143,33 @@ def test_a_detector_is_captured_up_to_its_nms_and_matches_cpuref(boxes) -> None:
                        if lay.op_type == "Specialized"]
         layers = next(iter(workload.built.values())).graph.layers
     ops = [lay.op_type for lay in layers if lay.backend == "GpuAcc"]
-    assert ops == ["CudaGraph", "NonMaxSuppression", "Gather", "Gather", "Mul"]
+    assert ops == ["CudaGraph", "HostChain"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["detect_nms_dyn21", "detect_nms_ts14"])
+def test_the_corpus_detectors_on_the_gpu_match_cpuref(name: str) -> None:
+    """Their NonMaxSuppression and post-process on the host (``gpu_host_chain``), the rest one
+    CUDA graph a signature: CpuRef's selections box for box, the boxes within float32 rounding."""
+    from pathlib import Path
+
+    corpus = Path(__file__).resolve().parents[2] / "data" / "corpus"
+    session = InferenceSession(str(corpus / f"{name}.onnx"),
+                               providers=[("GpuAcc", {"against_cpu": "off"}), "CpuRef"])
+    reference = InferenceSession(str(corpus / f"{name}.onnx"), providers=["CpuRef"])
+    for sample in sorted(corpus.glob(f"{name}.s*.npz")):
+        feeds = dict(np.load(sample))
+        for got, want in zip(session.run(None, feeds), reference.run(None, feeds)):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert session.report.counts() == {"GpuAcc": len(session.report.layers)}
+    loaded = session.runtime.network(session.network_id)
+    kinds = {lay.op_type for lay in loaded.layers}
+    for step, lay in zip(loaded.steps, loaded.layers):
+        if lay.op_type == "Specialized":
+            kinds |= {inner.op_type for built in step.workload.built.values()
+                      for inner in built.graph.layers}
+    assert "HostChain" in kinds and "NonMaxSuppression" not in kinds
 
 
 @needs_cuda

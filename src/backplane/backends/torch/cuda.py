@@ -16,7 +16,8 @@ scaled-dot-product-attention call (``gpu_fusion.py``), and each value is dropped
 reader (``frees``), so that the graph reuses its memory as torch's modules do. A subgraph with a
 layer that cannot be captured (sizes read from data: NonMaxSuppression, NonZero, a TopK of computed
 k) is captured in runs around it, that layer and every layer reading what it sizes run one by one
-(``capturable_runs``); layers whose capture fails run uncaptured, on the GPU (``CaptureError``).
+(``capturable_runs``), a NonMaxSuppression and its post-process giving the model's outputs as one
+host step (``gpu_host_chain``); layers whose capture fails run uncaptured, on the GPU (``CaptureError``).
 With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the graph (``PRECISIONS``),
 convolutions in channels-last memory (``channels_last``). With ``GpuAcc.compile`` "inductor", the
 graph's layers are first compiled by TorchInductor for their shapes (``COMPILERS``).
@@ -39,6 +40,7 @@ from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
 from backplane.backends.torch.cuda_host import warm_up
 from backplane.backends.torch.cuda_predicates import with_host_predicates  # noqa: F401  # GpuAcc's
 from backplane.backends.torch.gpu_fusion import Step, inner_steps
+from backplane.backends.torch.gpu_host_chain import host_chain_workload, host_chained
 from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
@@ -129,8 +131,9 @@ def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
     rest = [layer for layer in view.layers if id(layer) not in captured]
     substitutions = [Substitution(part, [_cuda_graph_layer(part)])
                      for part in (SubgraphView.of(graph, run) for run in runs)]
-    return OptimizationViews(substitutions=substitutions,
-                             untouched=[SubgraphView.of(graph, rest)] if rest else [])
+    return host_chained(view, OptimizationViews(  # a NonMaxSuppression's chain: on the host
+        substitutions=substitutions, untouched=[SubgraphView.of(graph, rest)] if rest else []),
+        backend)
 
 
 def capturable(layer: Layer, graph: Any) -> bool:
@@ -492,4 +495,5 @@ class CapturedGraph:
         return self.outputs
 
 
-WORKLOADS: dict[str, Callable[..., Workload]] = {"CudaGraph": cuda_graph_workload}
+WORKLOADS: dict[str, Callable[..., Workload]] = {"CudaGraph": cuda_graph_workload,
+                                                  "HostChain": host_chain_workload}
