@@ -155,3 +155,62 @@ def test_a_session_of_static_shapes_takes_the_prepared_check() -> None:
     np.testing.assert_allclose(y, np.maximum(feeds["a"], 0) + feeds["b"], rtol=1e-6)
     with pytest.raises(InvalidInputError, match="input 'b' has size 3 in dimension 0"):
         session.run(None, {"a": feeds["a"], "b": np.zeros((3, 4), np.float32)})
+
+
+def _python_frames(call) -> list[str]:
+    """The Python functions ``call`` enters, in order (``call`` itself and C functions not
+    counted)."""
+    import sys
+
+    entered: list[str] = []
+
+    def seen(frame, event, arg) -> None:
+        if event == "call":
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(seen)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entered[1:]
+
+
+def test_a_lone_relus_run_on_cpuacc_takes_few_python_frames() -> None:
+    """The floor of a run (issue 27: ``session.run`` within 2x ONNX Runtime's): a lone Relu on
+    CpuAcc, governed threads, enters 11 Python functions, where it entered 16 (``torch.jit.
+    is_tracing``'s two, ``for_nan_keeping_graph`` and ``for_onednn_graph`` on every eager ReLU,
+    the governor's ``tick``); its output is the caller's and NaN goes through."""
+    model = make_model([helper.make_node("Relu", ["a"], ["y"])], [float_input("a", [1, 64])],
+                       [float_input("y", [1, 64])])
+    session = InferenceSession(model.SerializeToString(), ["CpuAcc", "CpuRef"])
+    assert session.report.counts() == {"CpuAcc": 1}
+    a = np.random.default_rng(0).standard_normal((1, 64)).astype(np.float32)
+    a[0, 3] = np.nan
+    for _ in range(3):
+        session.run(None, {"a": a})
+    frames = _python_frames(lambda: session.run(None, {"a": a}))
+    assert len(frames) <= 11, frames
+    (y,) = session.run(None, {"a": a})
+    assert np.isnan(y[0, 3]) and not np.shares_memory(y, a)
+    np.testing.assert_array_equal(np.nan_to_num(y), np.nan_to_num(np.maximum(a, 0)))
+    (again,) = session.run(None, {"a": a})
+    assert not np.shares_memory(again, y)
+
+
+@pytest.mark.parametrize("given", [
+    lambda: np.arange(8, dtype=np.float32),
+    lambda: np.arange(16, dtype=np.float32)[::2],  # strided: a contiguous copy
+    lambda: np.arange(8, dtype=np.float32)[::-1],  # negative strides
+    lambda: np.frombuffer(np.arange(8, dtype=np.float32).tobytes(), np.float32),  # read-only
+    lambda: [0.0, 1.0, 2.0],  # not an array
+])
+def test_a_host_value_becomes_a_torch_tensor_of_its_values(given) -> None:
+    from backplane.backends.torch.backend import _numpy_to_torch
+
+    value = given()
+    tensor = _numpy_to_torch(value)
+    assert isinstance(tensor, torch.Tensor) and tensor.is_contiguous()
+    np.testing.assert_array_equal(tensor.numpy(), np.asarray(value))
+    if isinstance(value, np.ndarray) and value.flags.writeable and value.flags.c_contiguous:
+        assert np.shares_memory(tensor.numpy(), value)  # no copy where none is needed

@@ -57,12 +57,24 @@ def torch_missing() -> str | None:
 
 
 def _numpy_to_torch(value: Any) -> Any:
+    array = value if type(value) is np.ndarray else np.asarray(value)
+    flags = array.flags
+    if not (flags.writeable and flags.c_contiguous):
+        array = np.array(array, order="C")  # torch.from_numpy wants writable, positive strides
+    return (_FROM_NUMPY or _from_numpy())(array)
+
+
+_FROM_NUMPY: Callable[[np.ndarray], Any] | None = None
+"""``torch.from_numpy``, read at the first import (every host input of a CpuAcc layer comes
+through ``_numpy_to_torch``: no import statement and attribute look-up per call)."""
+
+
+def _from_numpy() -> Callable[[np.ndarray], Any]:
+    global _FROM_NUMPY
     import torch
 
-    array = np.asarray(value)
-    if not (array.flags.writeable and array.flags.c_contiguous):
-        array = np.array(array, order="C")  # torch.from_numpy wants writable, positive strides
-    return torch.from_numpy(array)
+    _FROM_NUMPY = torch.from_numpy
+    return _FROM_NUMPY
 
 
 def _torch_to_numpy(tensor: Any) -> np.ndarray:

@@ -77,7 +77,12 @@ def for_onednn_graph() -> bool:
     """Whether TorchScript is tracing for oneDNN Graph's fuser (``onednn_graph._fusion``): a
     ``Traced`` layer traces with the fuser off, and its ReLU stays torch's (the ELU below, run by
     TorchScript's interpreter, computes an exp per value: 90 against 4 us on 32x1024, 1 thread)."""
-    return torch.jit.is_tracing() and torch.jit.onednn_fusion_enabled()
+    return _is_tracing() and torch.jit.onednn_fusion_enabled()
+
+
+_is_tracing = torch._C._is_tracing
+"""``torch.jit.is_tracing`` without its two Python frames (outside TorchScript's compiler, which
+these kernels never run under, it is this call): ``relu`` asks it at every eager call."""
 
 
 _NAN_FREE = contextvars.ContextVar("backplane_nan_free_trace", default=False)
@@ -107,9 +112,9 @@ def relu(x: torch.Tensor) -> torch.Tensor:
     oneDNN Graph fuses into the convolution as it fuses ReLU, but one it computes by comparison
     and blend, so NaN stays NaN (its cost is within a busy machine's noise:
     ``bench/nan_propagation.py``, docs/torch-backends.md)."""
-    if for_nan_keeping_graph() and x.is_floating_point():
+    if _is_tracing() and for_nan_keeping_graph() and x.is_floating_point():
         return F.elu(x, 0.0)
-    return torch.relu(x)
+    return x.relu()  # the method: 0.3-0.8 us less than torch.relu on 64 values (its arg parser)
 
 
 def clamp(x: torch.Tensor, low: float | None = None, high: float | None = None) -> torch.Tensor:
