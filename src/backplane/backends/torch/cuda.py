@@ -1,4 +1,4 @@
-"""GpuAcc's memory and CUDA graphs.
+"""GpuAcc's CUDA graphs (its memory: ``gpu_memory.py``, imported here as ``cuda.factory``).
 
 Memory: CUDA tensors. ``copy_in`` uploads the host array as it is, from pageable memory: the driver
 stages it and returns once it has read the array (it may wait for the stream first). On an H100 that
@@ -16,8 +16,8 @@ scaled-dot-product-attention call (``gpu_fusion.py``), and each value is dropped
 reader (``frees``), so that the graph reuses its memory as torch's modules do. A subgraph with a
 layer that cannot be captured (sizes read from data: NonMaxSuppression, NonZero, a TopK of computed
 k) is captured in runs around it, that layer and every layer reading what it sizes run one by one
-(``capturable_runs``), a NonMaxSuppression and its post-process giving the model's outputs as one
-host step (``gpu_host_chain``); layers whose capture fails run uncaptured, on the GPU (``CaptureError``).
+(``capturable_runs``; a NonMaxSuppression's post-process on the host: ``gpu_host_chain``); layers
+whose capture fails run uncaptured, on the GPU (``CaptureError``).
 With ``GpuAcc.precision`` "fp16" or "bf16", float32 runs in that type inside the graph (``PRECISIONS``),
 convolutions in channels-last memory (``channels_last``). With ``GpuAcc.compile`` "inductor", the
 graph's layers are first compiled by TorchInductor for their shapes (``COMPILERS``).
@@ -26,7 +26,6 @@ graph's layers are first compiled by TorchInductor for their shapes (``COMPILERS
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -34,13 +33,13 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import OptionError, Workload
-from backplane.backends.api.memory import MemorySource, TensorHandleFactory, device_of, to_device
 from backplane.backends.api.optimization import OptimizationViews, Substitution
-from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
+from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda_host import warm_up
 from backplane.backends.torch.cuda_predicates import with_host_predicates  # noqa: F401  # GpuAcc's
 from backplane.backends.torch.gpu_fusion import Step, inner_steps
 from backplane.backends.torch.gpu_host_chain import host_chain_workload, host_chained
+from backplane.backends.torch.gpu_memory import STAGED_BYTES, factory  # noqa: F401  # GpuAcc's memory
 from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
@@ -72,50 +71,6 @@ NOT_CAPTURABLE |= {"MelWeightMatrix"}  # made from values read on the host
 NOT_CAPTURABLE |= {"TreeEnsemble"}  # walks the trees until every row stands on a leaf (a data test)
 
 
-STAGED_BYTES = 4 << 20
-"""Host arrays up to this size reach the GPU through a page-locked staging block."""
-
-
-@functools.lru_cache(maxsize=None)
-def factory(device: str) -> TensorHandleFactory:
-    import torch
-
-    target = torch.device(device)
-    if target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
-    name = str(target)
-
-    def copy_in(value: Any) -> Any:
-        if not isinstance(value, np.ndarray) and device_of(value) != "cpu":
-            return to_device(value, name)  # a user's CUDA tensor, of this device or another
-        source = _numpy_to_torch(value)
-        if source.nbytes > STAGED_BYTES:
-            # From pageable memory the copy returns once the driver has read the array: it may
-            # be freed right after, so no staging buffer has to outlive the call.
-            return source.to(target, non_blocking=True)
-        # Small arrays go through page-locked memory from torch's caching host allocator: a
-        # pageable copy costs 20-40 us of driver staging and a fresh device block (a GpuAcc run of
-        # a small CNN on the H100 machine: 62 us in aten::_to_copy). The block is not reused
-        # before the copy is done: torch records the copy's event on it.
-        staged = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
-        staged.copy_(source)
-        return staged.to(target, non_blocking=True)
-
-    def import_(value: Any) -> Any:
-        # Another library's (or backend's) CUDA memory through DLPack: torch asks the producer
-        # for it on the current stream, and the producer makes that stream wait for its writes.
-        return value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
-
-    def copy_out(tensor: Any) -> np.ndarray:
-        # Into page-locked memory (torch's caching host allocator reuses it once the array dies):
-        # the DMA runs at full speed, where a pageable download is staged through the driver.
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor).numpy()
-
-    return TensorHandleFactory(f"torch-{name}", MemorySource.CUDA, MemorySource.CUDA,
-                               MemorySource.CUDA, supports_mapping=False, device=name,
-                               copy_in=copy_in, copy_out=copy_out, import_=import_)
-
 
 def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
     """Each run of capturable layers (``capturable``) as one CUDA graph, the other layers
@@ -131,9 +86,9 @@ def capture_views(view: SubgraphView, backend: Any) -> OptimizationViews:
     rest = [layer for layer in view.layers if id(layer) not in captured]
     substitutions = [Substitution(part, [_cuda_graph_layer(part)])
                      for part in (SubgraphView.of(graph, run) for run in runs)]
-    return host_chained(view, OptimizationViews(  # a NonMaxSuppression's chain: on the host
-        substitutions=substitutions, untouched=[SubgraphView.of(graph, rest)] if rest else []),
-        backend)
+    views = OptimizationViews(substitutions=substitutions,
+                              untouched=[SubgraphView.of(graph, rest)] if rest else [])
+    return host_chained(view, views, backend)  # a NonMaxSuppression's post-process on the host
 
 
 def capturable(layer: Layer, graph: Any) -> bool:
