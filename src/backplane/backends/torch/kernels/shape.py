@@ -64,26 +64,35 @@ def _even(size, parts):
 
 
 def slice_(data, starts, ends, axes=None, steps=None):
+    """ONNX Slice as one torch view per axis it narrows: an axis it takes whole is no op.
+
+    Why: indexing by a tuple of slices is traced as an ``aten::slice`` of every axis, the whole
+    ones too, and a trace runs each as an op of TorchScript's interpreter: a YOLO's channel
+    splits (Slice of axis 1 of an (N, C, H, W) map) left 4 ops each between oneDNN Graph's
+    partitions, where 1 does the work."""
     starts, ends = ints(starts), ints(ends)
     axes = ints(axes) if axes is not None else list(range(len(starts)))
     steps = ints(steps) if steps is not None else [1] * len(starts)
-    index = [slice(None)] * data.dim()
+    result = data
     flips = []
     for start, end, axis, step in zip(starts, ends, axes, steps):
         size = data.shape[axis]
+        axis %= data.dim()
         begin, stop, stride = slice(start, end, step).indices(size)
         # A step past the axis's size takes one element, as a step of the size does; torch's own
         # arithmetic overflows on a huge one (INT64_MAX: no element at all, or a negative stride).
         if stride > 0:
-            index[axis] = slice(begin, max(begin, stop), min(stride, max(size, 1)))
-            continue
-        # torch slices forward only: take the same elements forward, then flip the axis.
-        count = max(0, -(-(begin - stop) // -stride))
-        first = begin + (count - 1) * stride if count else 0
-        index[axis] = slice(first, first + (count - 1) * -stride + 1 if count else 0,
-                            min(-stride, max(size, 1)))
-        flips.append(axis % data.dim())
-    result = data[tuple(index)]
+            first, last, every = begin, max(begin, stop), min(stride, max(size, 1))
+        else:  # torch slices forward only: take the same elements forward, then flip the axis.
+            count = max(0, -(-(begin - stop) // -stride))
+            first = begin + (count - 1) * stride if count else 0
+            last = first + (count - 1) * -stride + 1 if count else 0
+            every = min(-stride, max(size, 1))
+            flips.append(axis)
+        if (first, min(last, size), every) == (0, size, 1):
+            continue  # the whole axis
+        result = (result.narrow(axis, first, min(last, size) - first) if every == 1 else
+                  torch.ops.aten.slice(result, axis, first, last, every))
     return (result.flip(flips) if flips else result,)
 
 
