@@ -206,7 +206,11 @@ def test_qlinear_conv_and_its_residual_add_are_one_layer(split: bool, compile_mo
     assert all(lay.attrs["residual"] is not None for lay in fused)
     assert {lay.attrs["split"] for lay in fused} == ({128} if split else {None})
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
-    np.testing.assert_array_equal(got[0], want)
+    # requantized in float32 as ONNX Runtime does (CpuRef: float64): a value within a float32
+    # rounding of a half step may land one step away, and the next layer carries that on (2-3
+    # steps of the last sum's on 3.6-4.4% of the values here; ONNX Runtime's own: 3, on 10-25%)
+    off = np.abs(got[0].astype(np.int32) - want)
+    assert off.max() <= 4 and np.mean(off > 0) < 0.1
     assert 10 < len(np.unique(want)) and want.max() == 255  # a spread of values, saturated
     # ONNX Runtime requantizes in fixed point: a convolution's value at a tie may round the
     # other way, one step of its scale, two of the last sum's, carried on by the next convolution
@@ -229,8 +233,8 @@ def test_the_residual_layer_survives_an_artifact(tmp_path) -> None:
                       tmp_path / "model.bpl")
     loaded = InferenceSession(tmp_path / "model.bpl")
     assert [lay.attrs["split"] for lay in placed(loaded)] == [128, 128]
-    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
-    np.testing.assert_array_equal(loaded.run(None, feeds)[0], want)
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "layers", "int8": "exact"})])
+    np.testing.assert_array_equal(loaded.run(None, feeds)[0], session.run(None, feeds)[0])
 
 
 PREPACKED = {"QGemm-float-uint8": "QGemm", "QGemm-quantized-int8": "QGemm", "QGemm-ties": "QGemm",

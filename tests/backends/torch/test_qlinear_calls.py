@@ -1,8 +1,11 @@
-"""The float route of a fused QLinearConv in as few torch calls as its exactness allows
-(fusion/qlinear.py): a trace (a QOperator model's subgraph) pays each call, about as much as a
-small tensor's arithmetic. Its values stay CpuRef's bit for bit (test_quantized_fusion's
-``test_qlinear_conv_is_one_layer_bit_for_bit`` holds the same models to CpuRef and ONNX Runtime);
-here the calls are counted, and the values checked against the calls they replace."""
+"""The float route of a fused QLinearConv in few torch calls, requantizing in float32 as ONNX
+Runtime does (fusion/qlinear.py): a trace (a QOperator model's subgraph) pays each call, about
+as much as a small tensor's arithmetic, and a float64 requantization is a pass and a casting loop
+over every activation. ONNX Runtime is the reference for these ops (MLAS: the int32 sum as float32
+times a float32 multiplier s_x * s_w / s_y, rounded half to even, plus the zero point,
+saturated); CpuRef requantizes in float64, so the route is within one step of CpuRef's
+(test_quantized_fusion holds whole layers to CpuRef and ONNX Runtime). Here the calls are counted,
+and the values checked against MLAS's formula."""
 
 from __future__ import annotations
 
@@ -12,9 +15,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 
+from onnx import helper  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.torch.fusion import qlinear  # noqa: E402
-from tests.backends.torch.test_quantized_fusion import placed, qlinear_conv_model  # noqa: E402
+from tests.backends.torch.qlinear_models import _init, qlinear_conv_model  # noqa: E402
+from tests.backends.torch.test_quantized_fusion import placed  # noqa: E402
+from tests.conftest import make_model  # noqa: E402
 
 
 def _fused(quantized_io: bool) -> dict:
@@ -24,28 +32,48 @@ def _fused(quantized_io: bool) -> dict:
     return layer.attrs
 
 
-def _calls(function, sample) -> list[str]:
+def _calls(function, *sample) -> list[str]:
     with torch.no_grad():
-        graph = torch.jit.trace(function, (sample,)).graph
+        graph = torch.jit.trace(function, sample).graph
     return [node.kind() for node in graph.nodes() if node.kind().startswith("aten::")]
 
 
-def test_the_requantization_widens_in_its_product_and_takes_the_relu_into_its_clamp() -> None:
-    """rint(acc * multiplier) in float64 as one call (the multiplier a float64 tensor: type
-    promotion widens acc), and the Relu after the DequantizeLinear the clamp's floor at 0: five
-    calls where there were seven (acc.double(), the product, ..., torch's relu)."""
+class _Recorded(TorchDispatchMode):
+    """The ops a call runs and the dtypes of their tensor results, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, set]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        self.ops.append((str(func.overloadpacket.__name__),
+                         {r.dtype for r in results if isinstance(r, torch.Tensor)}))
+        return out
+
+
+def _recorded(function, *args) -> list[tuple[str, set]]:
+    with torch.no_grad(), _Recorded() as mode:
+        function(*args)
+    return mode.ops
+
+
+def test_the_requantization_is_float32_and_takes_the_relu_into_its_clamp() -> None:
+    """The scaled sums (acc * multiplier, the product's) rounded, clamped and dequantized in
+    float32: three calls (five before, in float64: the widening product, round, clamp, the
+    scale, the narrowing ``to``), the Relu after the DequantizeLinear the clamp's floor at 0."""
     a = _fused(quantized_io=True)
     assert a["activation"][0] == "relu"
-    acc = torch.from_numpy(np.random.default_rng(3).integers(-4000, 4000, (1, 6, 9, 4))
-                           .astype(np.float32))
-    calls = _calls(qlinear._finisher(a), acc)
-    assert "aten::relu" not in calls and calls.count("aten::to") == 1 and len(calls) == 5
-    multiplier = torch.from_numpy(a["multiplier"].astype(np.float64))
-    y = torch.round(acc.double() * multiplier).clamp_(a["y_low"] - a["y_zero"],
-                                                       a["y_high"] - a["y_zero"])
-    scale = float(a["back"]["scale"])
-    expected = torch.relu((y * scale).float())
-    np.testing.assert_array_equal(qlinear._finisher(a)(acc.clone()).numpy(), expected.numpy())
+    scaled = torch.from_numpy(np.random.default_rng(3).uniform(-300, 300, (1, 6, 9, 4))
+                              .astype(np.float32))
+    scaled.view(-1)[:8] = torch.arange(-4, 4) + 0.5  # ties: half to even
+    calls = _calls(qlinear._finisher(a), scaled)
+    assert calls == ["aten::round", "aten::clamp_", "aten::mul_"]
+    got = qlinear._finisher(a)(scaled.clone())
+    assert got.dtype == torch.float32
+    y = np.clip(np.rint(scaled.numpy()), max(a["y_low"] - a["y_zero"], 0), a["y_high"] - a["y_zero"])
+    np.testing.assert_array_equal(got.numpy(), y * np.float32(a["back"]["scale"]))
 
 
 def test_an_integer_input_is_centred_in_one_call() -> None:
@@ -58,20 +86,103 @@ def test_an_integer_input_is_centred_in_one_call() -> None:
     np.testing.assert_array_equal(got.numpy(), x.numpy().astype(np.float32) - a["x_zero"])
 
 
-def test_a_large_requantization_widens_apart() -> None:
-    """From ``WIDEN_BELOW`` values the float32 sums are widened by their own call (a product of
-    two types is TensorIterator's casting loop: the full tier's QOperator stem, (1, 64, 112, 112),
-    1.4 -> 2.0 ms the other way); the values the same either way."""
-    a = _fused(quantized_io=True)
-    rng = np.random.default_rng(6)
-    small = torch.from_numpy(rng.integers(-4000, 4000, (1, 6, 9, 4)).astype(np.float32))
-    large = torch.from_numpy(rng.integers(-4000, 4000, (1, 6, 64, 64)).astype(np.float32))
-    assert large.numel() >= qlinear.WIDEN_BELOW > small.numel()
-    widened = qlinear._widening(a["multiplier"])
-    assert _calls(widened, small) == ["aten::mul"]
-    assert _calls(widened, large) == ["aten::to", "aten::mul_"]
-    for acc in (small, large):
-        got = widened(acc)
-        assert got.dtype == torch.float64
-        np.testing.assert_array_equal(
-            got.numpy(), acc.double().numpy() * a["multiplier"].astype(np.float64))
+def _mlas(acc: np.ndarray, multiplier: np.ndarray, zero: float, low: int, high: int) -> np.ndarray:
+    """MLAS's requantization: float32(acc) * the float32 multiplier, rounded half to even, plus
+    the zero point, saturated."""
+    return np.clip(np.rint(acc.astype(np.float32) * multiplier) + zero, low, high)
+
+
+def test_the_multiplier_is_in_the_weight_and_no_value_is_float64() -> None:
+    """The product's weight is the centred integers times the multiplier (per output channel), so
+    the product gives the scaled sums; the integer route traced holds no float64 tensor, and its
+    integers are MLAS's within one step (equal but for values within float32 roundings of a
+    half step)."""
+    layer = next(lay for lay in placed(InferenceSession(
+        qlinear_conv_model(False, 1, np.uint8), backends=[("CpuAcc", {"compile": "layers"})]))
+        if lay.op_type == "QLinearConv")
+    a, scaled = layer.attrs, qlinear._scaled(layer).attrs
+    m = a["multiplier"].reshape(-1, 1, 1, 1)
+    np.testing.assert_array_equal(scaled["weight"], (a["weight"] * m.astype(np.float64))
+                                  .astype(np.float32))
+    assert scaled["weight"].dtype == np.float32 and scaled["split"] is None
+
+    class Backend:
+        options: dict = {}
+    route = qlinear._float_route(layer, Backend())
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.integers(0, 256, a["input_shape"]).astype(np.uint8))
+    ops = _recorded(route, x)
+    assert ops and not any(torch.float64 in dtypes for _, dtypes in ops)
+    (got,) = route(x)
+    acc = torch.nn.functional.conv2d(
+        torch.nn.functional.pad(x.double() - a["x_zero"], (0, 2, 1, 1)),
+        torch.from_numpy(a["weight"].astype(np.float64)),
+        torch.from_numpy(a["bias"].astype(np.float64)), stride=(1, 2)).numpy()
+    want = _mlas(acc, a["multiplier"], a["y_zero"], a["y_low"], a["y_high"])
+    off = np.abs(got.numpy().astype(np.int32) - want)
+    assert off.max() <= 1 and np.mean(off > 0) < 0.05
+    assert got.numpy().min() == 0 and got.numpy().max() == 255
+
+
+def _pooled_model():
+    """QLinearConv (uint8 in and out) -> MaxPool 3x3 stride 2, pads 1: a QOperator ResNet's stem."""
+    rng = np.random.default_rng(8)
+    inits = [_init("xs", 0.02), _init("xz", 7, np.uint8),
+             _init("w", rng.integers(-127, 128, (8, 3, 5, 5)), np.int8),
+             _init("ws", rng.uniform(0.002, 0.006, 8)), _init("wz", np.zeros(8), np.int8),
+             _init("ys", 0.05), _init("yz", 3, np.uint8),
+             _init("b", rng.integers(-900, 900, 8), np.int32)]
+    nodes = [helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"],
+                              ["c"], pads=[2] * 4, strides=[2, 2]),
+             helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1] * 4)]
+    u8 = helper.np_dtype_to_tensor_dtype(np.dtype(np.uint8))
+    return make_model(nodes, [helper.make_tensor_value_info("x", u8, [1, 3, 32, 32])],
+                      [helper.make_tensor_value_info("y", u8, None)], inits), rng
+
+
+def test_a_max_pool_after_is_taken_before_the_requantization() -> None:
+    """The requantization is monotonic (rounding, clamp, the zero point), so the max of the
+    requantized values is the requantized max: the pool reads the scaled sums and the
+    requantization a quarter of the values (the full tier's QOperator stem: (1, 64, 112, 112)
+    pooled to (1, 64, 56, 56), its round, clamp, add and cast there), the same integers."""
+    model, rng = _pooled_model()
+    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "layers"})])
+    (layer,) = [lay for lay in placed(session) if lay.op_type == "QLinearConv"]
+    assert layer.attrs["pool"] is not None
+
+    class Backend:
+        options: dict = {}
+    route = qlinear._float_route(layer, Backend())
+    x = torch.from_numpy(rng.integers(0, 256, (1, 3, 32, 32)).astype(np.uint8))
+    calls = [name for name, _ in _recorded(route, x)]
+    pool = next(k for k, call in enumerate(calls) if call.startswith("max_pool2d"))
+    assert pool < calls.index("round")
+    feeds = {"x": x.numpy()}
+    got = session.run(None, feeds)[0].astype(np.int32)
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    assert np.abs(got - want).max() <= 1 and np.mean(got != want) < 0.05
+    assert len(np.unique(want)) > 20
+
+
+def test_a_residual_add_is_onnx_runtimes_in_few_calls() -> None:
+    """QLinearAdd after the convolution as MLAS computes it: each operand centred, times its
+    scale over the sum's, summed (one multiply-add), rounded, saturated, plus the zero point:
+    the integers of that formula in NumPy, within one step (float32 roundings: the multiply-add
+    may be fused or not), in 7 calls where CpuRef's dequantize-add-quantize took 12."""
+    a = {"y_zero": 100.0, "y_low": 0, "y_high": 255,
+         "residual": {"mine_scale": np.float32(0.125), "mine_zero": 100,
+                      "other_scale": np.float32(0.05), "other_zero": 3,
+                      "sum_scale": np.float32(0.0625), "sum_zero": 120}}
+    rng = np.random.default_rng(9)
+    y = torch.from_numpy(rng.integers(-100, 156, (1, 4, 6, 7)).astype(np.float32))
+    other = torch.from_numpy(rng.integers(0, 256, (1, 4, 6, 7)).astype(np.uint8))
+    add = qlinear._residual_finisher(a)
+    assert len(_calls(add, y.clone(), other)) == 7
+    got = add(y.clone(), other).numpy().astype(np.int32)
+    r = a["residual"]
+    ratio_a, ratio_b = r["mine_scale"] / r["sum_scale"], r["other_scale"] / r["sum_scale"]
+    real = ratio_a * y.numpy() + ratio_b * (other.numpy().astype(np.float32) - 3)
+    want = np.clip(np.rint(real) + 120, 0, 255)
+    off = np.abs(got - want)
+    assert off.max() <= 1 and np.mean(off > 0) < 0.02

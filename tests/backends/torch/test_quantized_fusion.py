@@ -1,7 +1,9 @@
 """CpuAcc's quantized fusions (fusion/quantized.py, fusion/qlinear.py): which patterns become one
 layer, and that it computes CpuRef's values: bit for bit where the layers' arithmetic is exact
-(QuantizeLinear -> DequantizeLinear, QLinearConv, QLinearMatMul, DynamicQuantizeLinear ->
-MatMulInteger), within one quantization step where a float convolution precedes the rounding.
+(QuantizeLinear -> DequantizeLinear, DynamicQuantizeLinear -> MatMulInteger), within one
+quantization step where a float convolution precedes the rounding or the layer requantizes in
+float32 as ONNX Runtime does (QLinearConv, QLinearMatMul: ONNX Runtime is the reference; their
+own tests are test_qlinear_fusion's).
 
 The inputs hold what a wrong fusion gets wrong: values exactly halfway between two steps (rint
 rounds them to even; torch's fake_quantize, which multiplies by 1 / s, does not), values past
@@ -21,6 +23,7 @@ pytest.importorskip("torch")
 from backplane import InferenceSession  # noqa: E402
 from tests.backends.torch.int8_cpu import torch_int8_exact  # noqa: E402
 from tests.ort_int8 import ort_int8_exact, with_uint8_weights  # noqa: E402
+from tests.backends.torch.qlinear_models import qlinear_conv_model, within_a_step  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
 
 RNG = np.random.default_rng(29)
@@ -173,84 +176,6 @@ def test_qdq_conv_and_gemm_take_their_quantize_dequantize(
     assert float(np.max(np.abs(got - ort_output(model, feeds)))) <= step * 1.001
 
 
-def qlinear_conv_model(quantized_io: bool, group: int, dtype: type) -> onnx.ModelProto:
-    """[x -> Q ->] QLinearConv (uint8 weights with per-channel zero points, per-channel scales,
-    an int32 bias, multiplier exactly 1/2 for channel 0) [-> DQ -> Relu]."""
-    info = np.iinfo(dtype)
-    channels, per_group = 6, 6 // group
-    w = RNG.integers(0, 256, (channels, per_group, 3, 3)).astype(np.uint8)
-    w_scale = RNG.uniform(0.3, 0.9, channels).astype(np.float32)
-    w_scale[0] = 0.5  # x_scale 1, y_scale 1: acc * 1/2, a tie at every odd sum
-    inits = [_init("xs", 1.0), _init("xz", info.min + 77, dtype), _init("w", w, np.uint8),
-             _init("ws", w_scale), _init("wz", RNG.integers(100, 150, channels), np.uint8),
-             _init("ys", 1.0), _init("yz", info.min + 90, dtype),
-             _init("b", RNG.integers(-400, 400, channels), np.int32)]
-    conv = helper.make_node("QLinearConv", ["xq", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"],
-                            ["yq"], pads=[1, 0, 1, 2], strides=[1, 2], group=group)
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    if not quantized_io:
-        graph_in = helper.make_tensor_value_info("xq", elem, [1, channels, 7, 8])
-        graph_out = helper.make_tensor_value_info("yq", elem, None)
-        return make_model([conv], [graph_in], [graph_out], inits)
-    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), conv,
-             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
-             helper.make_node("Relu", ["yd"], ["y"])]
-    return make_model(nodes, [float_input("x", [1, channels, 7, 8])], [float_input("y", None)],
-                      inits)
-
-
-@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
-@pytest.mark.parametrize("group", [1, 3, 6])
-@pytest.mark.parametrize("quantized_io", [True, False], ids=["float-in-out", "integer-in-out"])
-def test_qlinear_conv_is_one_layer_bit_for_bit(quantized_io: bool, group: int, dtype: type,
-                                               compile_mode: str) -> None:
-    model = qlinear_conv_model(quantized_io, group, dtype)
-    info = np.iinfo(dtype)
-    if quantized_io:  # every step from far below to far above the type's range, NaN, +-inf
-        x = np.round(RNG.uniform(-260, 260, (1, 6, 7, 8)) * 2) / 2
-        x.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
-        feeds = {"x": x.astype(np.float32)}
-    else:
-        feeds = {"xq": RNG.integers(info.min, info.max + 1, (1, 6, 7, 8)).astype(dtype)}
-    session, got, want = run_both(model, feeds, compile_mode)
-    assert placed_types(session) == ["QLinearConv"]
-    assert {lay.domain for lay in session.optimized.graph.layers if lay.op_type == "QLinearConv"} \
-        == {"backplane.torch"}  # CpuAcc's, not the integer kernel
-    np.testing.assert_array_equal(got, want)
-    if not quantized_io:  # the requantized sums reach both ends of the type
-        assert got.min() == info.min and got.max() == info.max
-    if not quantized_io and dtype == np.uint8:  # ORT has no int8 x uint8 QLinearConv
-        np.testing.assert_array_equal(got, ort_output(model, feeds))
-
-
-def qlinear_matmul_model(per_column: bool) -> onnx.ModelProto:
-    """x -> Q -> QLinearMatMul(int8 weight) -> DQ -> Add(bias): ONNX Runtime's QOperator Gemm."""
-    k, n = 24, 5
-    b_scale = RNG.uniform(0.004, 0.01, n if per_column else ()).astype(np.float32)
-    b_zero = RNG.integers(-5, 5, n if per_column else ()).astype(np.int8)
-    inits = [_init("as", 0.03), _init("az", 128, np.uint8),
-             _init("b", RNG.integers(-127, 128, (k, n)), np.int8), _init("bs", b_scale),
-             _init("bz", b_zero, np.int8), _init("ys", 0.004), _init("yz", 110, np.uint8),
-             _init("bias", RNG.standard_normal(n))]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "as", "az"], ["xq"]),
-             helper.make_node("QLinearMatMul", ["xq", "as", "az", "b", "bs", "bz", "ys", "yz"],
-                              ["yq"]),
-             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["yd"]),
-             helper.make_node("Add", ["yd", "bias"], ["y"])]
-    return make_model(nodes, [float_input("x", [2, 3, k])], [float_input("y", [2, 3, n])], inits)
-
-
-@pytest.mark.parametrize("per_column", [False, True], ids=["per-tensor", "per-column"])
-def test_qlinear_matmul_with_bias_is_one_layer_bit_for_bit(per_column: bool,
-                                                           compile_mode: str) -> None:
-    model = qlinear_matmul_model(per_column)
-    feeds = {"x": (RNG.standard_normal((2, 3, 24)) * 3).astype(np.float32)}
-    session, got, want = run_both(model, feeds, compile_mode)
-    assert placed_types(session) == ["QLinearMatMul"]
-    np.testing.assert_array_equal(got, want)
-    assert float(np.max(np.abs(got - ort_output(model, feeds)))) <= 0.004 * 1.001
-
-
 def dynamic_model(k: int, weight: np.ndarray | None = None) -> onnx.ModelProto:
     """What quantize_dynamic writes for x @ W + bias: DynamicQuantizeLinear, MatMulInteger,
     Cast, Mul by the product of the two scales, Add."""
@@ -366,8 +291,8 @@ SEED = 29
 @pytest.mark.parametrize("case", ["qdq", "qlinear", "dynamic"])
 def test_quantized_layers_inside_a_bf16_subgraph(case: str) -> None:
     """``CpuAcc.precision`` "bf16": a QDQ convolution computes in bfloat16 with its neighbours,
-    but the integer products of QLinearConv and DynamicQuantMatMul stay float32 and exact (on an
-    input bfloat16 holds exactly, QLinearConv gives CpuRef's values)."""
+    but the integer products of QLinearConv and DynamicQuantMatMul stay float32 (on an input
+    bfloat16 holds exactly, QLinearConv is within one step of CpuRef's values)."""
     import torch
 
     from backplane.backends.torch.fusion import reduced
@@ -388,23 +313,10 @@ def test_quantized_layers_inside_a_bf16_subgraph(case: str) -> None:
     got = session.run(None, feeds)[0]
     want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     if case == "qlinear":
-        np.testing.assert_array_equal(got, want)
+        within_a_step(got, want, 1.0)
     else:  # bfloat16's 8 bits through the QDQ steps and a 288-term Gemm: 0.2% to 5.3% of the
         # largest value over 20 seeds of the qdq model (3% was passed one time in four)
         assert float(np.max(np.abs(got - want))) <= 0.06 * float(np.max(np.abs(want)))
-
-
-def test_qlinear_conv_with_a_computed_scale_stays_as_it_is(compile_mode: str) -> None:
-    """x's scale fed at run time: no fusion (its multiplier is unknown at load), CpuRef's answer."""
-    model = qlinear_conv_model(False, 1, np.uint8)
-    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "xs"))
-    model.graph.input.append(float_input("xs", []))
-    feeds = {"xq": RNG.integers(0, 256, (1, 6, 7, 8)).astype(np.uint8),
-             "xs": np.array(1.0, np.float32)}
-    session, got, want = run_both(model, feeds, compile_mode)
-    assert "QLinearConv" in placed_types(session)
-    assert all(lay.domain == "" for lay in placed(session) if lay.op_type == "QLinearConv")
-    np.testing.assert_array_equal(got, want)
 
 
 def qdq_matmul_model(k: int = 32, n: int = 16) -> tuple[onnx.ModelProto, float]:

@@ -152,16 +152,15 @@ def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int,
     quantizing were seven (1 thread, this AMD EPYC: (1, 32, 112, 112) about 0.6 -> 0.1 ms). Its
     float arithmetic may round a value at a half step the other way (within one step, as the
     convolution's own requantization). Where the add reads the convolution's output on another
-    step than the convolution's own, the kernel's arithmetic (``qlinear._residual_finisher``)."""
+    step than the convolution's own, ONNX Runtime's arithmetic (``qlinear._residual_finisher``)."""
     import torch
 
-    from backplane.backends.torch.fusion.qlinear import _residual_finisher, sum_dequantizer
+    from backplane.backends.torch.fusion.qlinear import _residual_finisher
 
     r, q = a["residual"], a["int8"]
-    back = sum_dequantizer(r)
     if float(r["mine_scale"]) != q["y_scale"] or r["mine_zero"] + y_shift != q["y_zero"]:
-        add = _residual_finisher(a)
-        return lambda x, other: (back(add(raw(quantized(x)).float().sub_(y_shift), other)),)
+        add, zero = _residual_finisher(a), q["y_zero"]  # quint8's: y's zero point + y_shift
+        return lambda x, other: (add(raw(quantized(x)).float().sub_(zero), other),)
     other_scale, other_zero = float(r["other_scale"]), r["other_zero"] + y_shift
     sum_scale, sum_zero = float(r["sum_scale"]), r["sum_zero"] + y_shift
 

@@ -5,21 +5,24 @@
 [-> Add(constant)] [-> activation]] one ``QLinearMatMul`` (both in CpuAcc's domain), with constant
 weights, scales and zero points. The QLinearAdd is ONNX Runtime's (com.microsoft), a residual
 block's sum in the QOperator format: the convolution's requantized output and the other operand
-are dequantized, added and quantized as its kernel does it (``kernels/contrib_quant.py``).
+are added as ONNX Runtime's kernel adds them (``_residual_finisher``).
 
-How: the operands centred on their zero points are small integers, held exactly in float32; their
-product is computed by the float convolution or matrix product (FusedConv's and Linear's routes,
-measured at load: oneDNN with a prepacked weight, torch's, MKL's), which is exact where no sum can
-pass 2^24 (checked at match time from the weights; a convolution's weight that could pass it is
-split as 16 * high + low, the halves stacked as one convolution of twice the output channels, each
-exact, joined in float64; otherwise the layers stay as they are: ResNet-18's 256- and 512-channel
-3x3 convolutions on uint8 activations need the split). The
-result is then requantized as CpuRef does it, rint(acc * (s_x * s_w / s_y)) + z_y in float64 with
-the multiplier rounded to float32 first, saturated, and, where a DequantizeLinear follows, brought
-back to float32. So the outputs are CpuRef's, bit for bit, at the cost of a float product and a few
-elementwise calls, in one layer instead of three or four that each made an integer tensor.
+How: ONNX Runtime is the reference for these ops, and it requantizes in float32 (MLAS: the int32
+sum as float32 times the float32 multiplier s_x * s_w / s_y, rounded half to even, plus z_y,
+saturated); so does this route. The input centred on its zero point is small integers, held
+exactly in float32; the product (FusedConv's and Linear's routes, measured at load: oneDNN with a
+prepacked weight, torch's, MKL's) is by the centred weight times the multiplier per output
+channel, and its bias times it (``_scaled``), so it gives the scaled sums, within a few float32
+roundings of MLAS's; they are rounded, saturated and offset in float32, and, where a
+DequantizeLinear follows, multiplied by its scale (an integer times a float32 scale, rounded
+once). A value within float32 roundings of a half step may land one step from CpuRef's (which
+requantizes in float64: the executable spec) or ONNX Runtime's, on few values (the full tier's
+QOperator ResNet: 0.1% of its features, its logits equal). Match time still checks that no sum
+of the centred integers can pass 2^24 (the weight split as 16 * high + low where it could, joined
+again for this route), so the exact sums stay available to the int8 and GPU routes.
 
-``dynamic_quant`` does the same for ``quantize_dynamic``'s DynamicQuantizeLinear -> MatMulInteger.
+``dynamic_quant`` takes ``quantize_dynamic``'s DynamicQuantizeLinear -> MatMulInteger as exact float32
+products of the centred integers too.
 """
 
 from __future__ import annotations
@@ -315,22 +318,22 @@ def qlinear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
 
 
 def _float_route(layer: Layer, backend: Any) -> Workload:
-    """Centre (or quantize) the input, the product by the measured route, requantize, and
-    dequantize, add and activate where the layer took those."""
+    """Centre (or quantize) the input, the product by the measured route with the multiplier in
+    its weight (``_scaled``), requantize, and dequantize, add and activate where the layer took
+    those."""
     from backplane.backends.torch.fusion.conv import conv_workload
     from backplane.backends.torch.fusion.linear import linear_workload
 
-    a, exact = layer.attrs, _in_float32(layer)
-    product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(exact, backend)
-    product = _joined(product, a.get("split"))
+    a, scaled = layer.attrs, _scaled(layer)
+    product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(scaled, backend)
     centre, finish, dtype = _centring(a), _finisher(a), compute_type(a)
 
     if a.get("residual") is not None:
-        grid, add, back = _on_grid(a), _residual_finisher(a), sum_dequantizer(a["residual"])
+        grid, add = _centred_grid(a), _residual_finisher(a)
 
         def run_residual(x, other):
             (acc,) = product(centre(x.float() if x.is_floating_point() else x))
-            return (back(add(grid(acc), other)),)
+            return (add(grid(acc), other),)
         run_residual.route = getattr(product, "route", None)  # type: ignore[attr-defined]
         return run_residual
 
@@ -338,23 +341,30 @@ def _float_route(layer: Layer, backend: Any) -> Workload:
 
     def run(x):
         (acc,) = product(centre(x.float() if x.is_floating_point() else x))
-        out = finish(acc)
-        out = pool(out) if pool is not None else out
+        out = finish(pool(acc) if pool is not None else acc)
         return (out.to(dtype) if out.is_floating_point() else out,)
     run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
     return run
 
 
-def _joined(product: Workload, halves: int | None) -> Workload:
-    """A split weight's product (``_exact_split``): 16 * high + low, in float64 (exact)."""
-    if halves is None:
-        return product
-
-    def run(x):
-        (acc,) = product(x)
-        return (acc[:, :halves].double().mul_(SPLIT).add_(acc[:, halves:]),)
-    run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
-    return run
+def _scaled(layer: Layer) -> Layer:
+    """``layer`` with its centred integer weight and bias times the multiplier s_x * s_w / s_y
+    (per output channel: rows of a convolution's weight, of a product's (N, K) one), in float32:
+    the product then gives acc * multiplier, which ONNX Runtime computes as float32(acc) times the
+    float32 multiplier (MLAS's requantization), within a few float32 roundings of it; a split
+    weight (``_exact_split``) is joined again (the float32 sums need no exactness now), and a
+    Reduced layer's bfloat16 mark is dropped (``_in_float32``)."""
+    a = _in_float32(layer).attrs
+    weight, bias, halves = a["weight"].astype(np.float64), a["bias"], a.get("split")
+    if halves is not None:
+        weight, bias = weight[:halves] * SPLIT + weight[halves:], bias[halves:]
+    multiplier = np.asarray(a["multiplier"], np.float64).reshape(-1)
+    weight = weight * multiplier.reshape([-1] + [1] * (weight.ndim - 1))
+    if bias is not None:
+        bias = (np.asarray(bias, np.float64) * multiplier).astype(F32)
+    attrs = {**a, "weight": weight.astype(F32), "bias": bias, "split": None}
+    return Layer(layer.name, layer.op_type, layer.inputs, layer.outputs, attrs, layer.domain,
+                 layer.opset, layer.backend)
 
 
 def _in_float32(layer: Layer) -> Layer:
@@ -386,52 +396,24 @@ def _centring(a: dict[str, Any]) -> Any:
     return lambda x: to_grid(x, into).sub_(x_zero)
 
 
-def _double(value: np.ndarray) -> Any:
-    """A float32 constant as float64: a Python float for a scalar, else a tensor."""
-    import torch
-
-    return float(value) if value.ndim == 0 else torch.from_numpy(value.astype(np.float64))
-
-
-def _widening(value: np.ndarray) -> Any:
-    """``acc * value`` in float64 for a float32 ``acc`` (a float32 product's exact integers), in
-    one call: ``value`` as a float64 tensor of at least one axis, which type promotion makes the
-    product's type (a 0-d one or a Python float would keep float32), where ``acc.double()`` and
-    an in-place product were two calls, each a new tensor or a pass (the same values: the integer
-    widened exactly, the product rounded once in float64). Below ``WIDEN_BELOW`` values only: a
-    product of two types is TensorIterator's casting loop, not its vectorized one. A CUDA ``acc``
-    takes the two calls."""
-    import torch
-
-    wide = torch.from_numpy(np.array(value, np.float64).reshape(value.shape or (1,)))
-    narrow = _double(value)
-    return lambda acc: torch.mul(acc, wide) if acc.numel() < WIDEN_BELOW and not acc.is_cuda \
-        else acc.double().mul_(narrow)
-
-
-WIDEN_BELOW = 16384
-"""The values of a product from which ``_widening`` takes two calls: 1 thread, thread CPU, load 6,
-this AMD EPYC, us, double() and mul_ / one product of float32 by float64: (1, 16, 8, 8) 9.4 /
-7.7, (1, 32, 16, 16) 10.1 / 8.8, (1, 64, 16, 16) 14.7 / 14.4, (1, 64, 32, 32) 42.3 / 53.3,
-(1, 64, 56, 56) 104 / 136, (1, 64, 112, 112) 1389 / 2025 (the full tier's QOperator stem)."""
-
-
 def _finisher(a: dict[str, Any]) -> Any:
-    """The integer product to the layer's output: requantized in float64, rint(acc * multiplier)
-    + z, saturated; then its integer type, or dequantized (the product of an integer and a float32
-    scale in float64, rounded once to float32, is CpuRef's; with the DequantizeLinear's zero point
-    the requantization's, the clamp moves by it as in ``_centring``), plus the constant, then the
-    activation. A Relu after a positive scale is the clamp's floor at 0 (relu(y * s) is
-    max(y, 0) * s): one call fewer; resnet_qlinear_ort15 has five."""
+    """The scaled sums (acc * multiplier, ``_scaled``) to the layer's output, in float32 as ONNX
+    Runtime requantizes: rounded half to even, saturated (the clamp moved by the zero point),
+    plus the zero point; then its integer type, or dequantized (an integer times a float32 scale,
+    rounded once: CpuRef's; with the DequantizeLinear's zero point the requantization's, the zero
+    point is not added at all), plus the constant, then the activation. A Relu after a positive
+    scale is the clamp's floor at 0 (relu(y * s) is max(y, 0) * s): one call fewer;
+    resnet_qlinear_ort15 has five."""
     import torch
 
     from backplane.backends.torch.backend import _numpy_to_torch
 
-    widened, y_zero, low, high = _widening(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
+    y_zero, low, high = a["y_zero"], a["y_low"], a["y_high"]
     if a["back"] is None:
         dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
-        return lambda acc: torch.round(widened(acc)).add_(y_zero).clamp_(low, high).to(dtype)
-    scale, zero = (_double(a["back"][k]) for k in ("scale", "zero"))
+        return lambda acc: torch.round(acc).clamp_(low - y_zero, high - y_zero).add_(y_zero) \
+            .to(dtype)
+    scale, zero = (_single(a["back"][k]) for k in ("scale", "zero"))
     add = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     post = torch_post_op(a["activation"])
     same = zero.__class__ is float and zero == y_zero
@@ -441,54 +423,57 @@ def _finisher(a: dict[str, Any]) -> Any:
         floor, post = max(floor, 0.0), None
 
     def finish(acc):
-        y = torch.round(widened(acc))
-        y = y.clamp_(floor, high - y_zero) if same else \
-            y.add_(y_zero).clamp_(low, high).sub_(zero)
-        out = y.mul_(scale).to(torch.float32)
+        y = torch.round(acc).clamp_(floor, high - y_zero)
+        out = (y if same else y.add_(y_zero).sub_(zero)).mul_(scale)
         out = out.add_(add) if add is not None else out
         return post(out) if post else out
     return finish
 
 
-def _on_grid(a: dict[str, Any]) -> Any:
-    """The integer product requantized to the layer's output, rint(acc * multiplier) + z
-    saturated, as float64 integers (``_finisher``'s first steps)."""
+def _single(value: np.ndarray) -> Any:
+    """A float32 constant as a Python float where it is a scalar (exact: float32 arithmetic with
+    it rounds as with the float32 value), else a float32 tensor."""
     import torch
 
-    widened, zero, low, high = _widening(a["multiplier"]), a["y_zero"], a["y_low"], a["y_high"]
-    return lambda acc: torch.round(widened(acc)).add_(zero).clamp_(low, high)
+    return float(value) if value.ndim == 0 else torch.from_numpy(np.array(value, F32))
+
+
+def _centred_grid(a: dict[str, Any]) -> Any:
+    """The scaled sums requantized to the layer's output less its zero point, rint(acc)
+    saturated, as float32 integers (``_finisher``'s first steps)."""
+    import torch
+
+    zero, low, high = a["y_zero"], a["y_low"], a["y_high"]
+    return lambda acc: torch.round(acc).clamp_(low - zero, high - zero)
 
 
 def _residual_finisher(a: dict[str, Any]) -> Any:
-    """QLinearAdd of the layer's output (integers on its grid) and the other operand, as the
-    kernel (``kernels/contrib_quant.q_linear_add``) computes it: each dequantized in float32,
-    added, divided by the sum's scale, rounded half to even, offset and saturated."""
+    """QLinearAdd of the layer's output (``y``: its integers less the layer's zero point, float32,
+    ours to change) and the other operand as ONNX Runtime's kernel (MLAS) computes it: each
+    centred on its zero point, times its scale over the sum's (float32 ratios), the two summed
+    (``add``'s alpha: a fused multiply-add, as MLAS's), rounded half to even, saturated, plus
+    the sum's zero point; then dequantized ((q - z) * s in float32, the zero point cancelled)
+    where the layer took the sum's DequantizeLinear (``qdq_chain``). Within one step of CpuRef's
+    kernel (``kernels/contrib_quant.q_linear_add``: both dequantized, added, divided by the
+    sum's scale) in 7 calls after the requantization's two (8 where it reads the layer's output
+    on another zero point), where that way took 12."""
     import torch
 
     r = a["residual"]
-    mine_scale, other_scale, sum_scale = (torch.from_numpy(np.array(r[k], F32)) for k in
-                                          ("mine_scale", "other_scale", "sum_scale"))
-    mine_zero, other_zero, sum_zero = r["mine_zero"], r["other_zero"], r["sum_zero"]
-    dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (a["y_low"], a["y_high"]))
-    low, high = a["y_low"], a["y_high"]
+    mine, other_ratio = (float(np.float32(r[k]) / np.float32(r["sum_scale"]))
+                         for k in ("mine_scale", "other_scale"))
+    shift = float(a["y_zero"] - r["mine_zero"])  # the layer's zero point against the add's
+    other_zero = torch.full((1,), float(r["other_zero"]))
+    zero, low, high = r["sum_zero"], a["y_low"], a["y_high"]
+    dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
+    scale = float(np.float32(r["sum_scale"]))
 
-    def add(y, other):  # y: a float tensor of integers, ours to change; integers are exact
-        real = y.sub_(mine_zero).float().mul_(mine_scale)
-        real = real.add_(other.float().sub_(other_zero).mul_(other_scale))
-        return torch.round(real.div_(sum_scale)).add_(sum_zero).clamp_(low, high).to(dtype)
+    def add(y, other):
+        y = y.add_(shift) if shift else y
+        total = torch.add(y.mul_(mine), torch.sub(other, other_zero), alpha=other_ratio)
+        total = total.round_().clamp_(low - zero, high - zero)
+        return total.mul_(scale) if r.get("dequantized") else total.add_(zero).to(dtype)
     return add
-
-
-def sum_dequantizer(residual: dict[str, Any]) -> Any:
-    """The residual sum's integers as they are, or dequantized (``(q - z) * s`` in float32, as
-    CpuRef) where the layer took the DequantizeLinear after the sum (``qdq_chain``)."""
-    import torch
-
-    if not residual.get("dequantized"):
-        return lambda total: total
-    scale = torch.from_numpy(np.array(residual["sum_scale"], F32))
-    zero = residual["sum_zero"]
-    return lambda total: total.float().sub_(zero).mul_(scale)
 
 
 def _TORCH_RANGES() -> dict[Any, tuple[int, int]]:  # noqa: N802
