@@ -3,8 +3,10 @@ small layer's run is mostly the cost of its ops (a view costs about what an elem
 on these sizes), so each step is kept to its products and activations: an LSTM
 (``recurrent._lstm_steps``) 7 ops a step for both directions, a GRU (``recurrent._reset_first``)
 6, or 5 with linear_before_reset=1 (its z, r and h recurrent products one product), its views made
-once before the loop. The values are the other recurrent tests'
-(test_recurrent_lstm_steps.py, test_recurrent_reset_first.py: CpuRef's, NaN where CpuRef has it).
+once before the loop; around the steps, a bidirectional layer's second direction reversed in time
+by one flip and one where, the input projection one linear. The values are the other recurrent
+tests' (test_recurrent_lstm_steps.py, test_recurrent_reset_first.py: CpuRef's, NaN where CpuRef
+has it).
 
     python -m pytest tests/backends/torch/test_recurrent_step_ops.py -q -p no:cacheprovider
 """
@@ -33,6 +35,11 @@ def one_thread() -> Any:
 
 def _ops(op: str, steps: int, direction: str, linear_before_reset: int = 1) -> int:
     """The aten ops of one layer (input 12, hidden 20, batch 1), traced and frozen."""
+    return len(_kinds(op, steps, direction, linear_before_reset))
+
+
+def _kinds(op: str, steps: int, direction: str, linear_before_reset: int = 1) -> list[str]:
+    """The aten ops of ``_ops``'s layer by kind."""
     dirs, gates, hidden = 2 if direction == "bidirectional" else 1, 4 if op == "LSTM" else 3, 20
     generator = torch.Generator().manual_seed(0)
     w, r = (torch.randn(dirs, gates * hidden, n, generator=generator) for n in (12, hidden))
@@ -49,7 +56,7 @@ def _ops(op: str, steps: int, direction: str, linear_before_reset: int = 1) -> i
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the tracer's warnings
         frozen = torch.jit.freeze(torch.jit.trace(Layer().eval(), [x], check_trace=False))
-    return sum(node.kind().startswith("aten::") for node in frozen.graph.nodes())
+    return [node.kind() for node in frozen.graph.nodes() if node.kind().startswith("aten::")]
 
 
 @pytest.mark.parametrize(("op", "direction", "linear_before_reset", "most"), [
@@ -63,3 +70,15 @@ def test_ops_a_step(op: str, direction: str, linear_before_reset: int, most: int
     a_step = (_ops(op, 6, direction, linear_before_reset)
               - _ops(op, 2, direction, linear_before_reset)) / 4
     assert 0 < a_step <= most, f"{op} {direction}: {a_step} ops a step"
+
+
+@pytest.mark.parametrize(("op", "linear_before_reset"), [("LSTM", 1), ("GRU", 1), ("GRU", 0)])
+def test_backward_direction_around_the_steps(op: str, linear_before_reset: int,
+                                             one_thread: None) -> None:
+    """A bidirectional layer's second direction reversed in time before and after the steps by
+    one flip and one where each (not a select of each direction, a flip and a stack), and every
+    step's input projection with its bias by one linear (not a matmul and an add)."""
+    kinds = _kinds(op, 4, "bidirectional", linear_before_reset)
+    assert kinds.count("aten::flip") == 2 and kinds.count("aten::where") == 2, kinds
+    assert kinds.count("aten::stack") == 1 and "aten::select" not in kinds, kinds
+    assert kinds.count("aten::linear") == 1 and "aten::matmul" not in kinds, kinds

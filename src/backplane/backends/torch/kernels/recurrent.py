@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from backplane.backends.api.kernels import KernelTable
 from backplane.backends.reference.kernels.rnn import weights_contradiction
@@ -163,7 +164,22 @@ def _projected(X, W, bias, layout):
     """Every step's input projection X W^T + bias in one matrix product: (seq, batch, dirs, gates),
     time first. The loop is left with the recurrent part."""
     x = X.transpose(0, 1) if layout else X
-    return (x @ W.flatten(0, 1).T + bias.flatten()).unflatten(-1, (W.shape[0], -1))
+    # (one op: linear adds the bias in its product)
+    return F.linear(x, W.flatten(0, 1), bias.flatten()).unflatten(-1, (W.shape[0], -1))
+
+
+def _backward_reversed(values, direction):
+    """``values`` (seq, dirs, ...) with a backward direction's steps in reverse order: all of them
+    for reverse; for bidirectional the second direction's, by one flip and one select by
+    direction (``where`` on a mask a frozen graph folds), not a flip of each direction's view and
+    a stack (two ops a bidirectional layer's input and output, not four)."""
+    if direction == "forward":
+        return values
+    flipped = values.flip(0)
+    if direction == "reverse":
+        return flipped
+    second = torch.arange(2, device=values.device).view(2, *[1] * (values.dim() - 2)) == 1
+    return torch.where(second, flipped, values)
 
 
 def _initial(value, X, directions, hidden, layout):
@@ -285,10 +301,7 @@ def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
         r_b = torch.cat([r_b[:, :2 * hidden], torch.zeros_like(r_b[:, 2 * hidden:])], 1)
     # (seq, dirs, batch, 3 hidden)
     xw = _projected(X, W, w_b + r_b, layout).transpose(1, 2)
-    backward = [d for d in range(dirs) if direction == "reverse" or d == 1]
-    if backward:  # a backward direction reads the sequence from its end
-        xw = torch.stack([xw[:, d].flip(0) if d in backward else xw[:, d]
-                          for d in range(dirs)], 1)
+    xw = _backward_reversed(xw, direction)  # a backward direction reads the sequence from its end
     r_h = R[:, 2 * hidden:].transpose(1, 2)  # (dirs, hidden, hidden)
     x_zr, x_n = xw.split([2 * hidden, hidden], -1)  # gates z, r and h of every step
     if linear_before_reset:  # z, r and h's recurrent part in one product a step, Rb_h its addend
@@ -314,8 +327,7 @@ def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
         h = torch.lerp(n, h, z)  # (1 - z) * n + z * h in one op
         ys.append(h)
     y = torch.stack(ys)  # (seq, dirs, batch, hidden)
-    if backward:
-        y = torch.stack([y[:, d].flip(0) if d in backward else y[:, d] for d in range(dirs)], 1)
+    y = _backward_reversed(y, direction)
     if layout:
         return y.permute(2, 0, 1, 3), h.transpose(0, 1)
     return y, h
@@ -388,10 +400,7 @@ def _lstm_steps(X, W, R, B, h0, c0, direction, layout):
     bias = _biases(B, dirs, 4, hidden, X)
     # (seq, dirs, batch, 4 hidden): ONNX's gates i, o, f, c
     xw = _projected(X, W, bias[:, :4 * hidden] + bias[:, 4 * hidden:], layout).transpose(1, 2)
-    backward = [d for d in range(dirs) if direction == "reverse" or d == 1]
-    if backward:  # a backward direction reads the sequence from its end
-        xw = torch.stack([xw[:, d].flip(0) if d in backward else xw[:, d]
-                          for d in range(dirs)], 1)
+    xw = _backward_reversed(xw, direction)  # a backward direction reads the sequence from its end
     r_t = R.transpose(1, 2)  # (dirs, hidden, 4 hidden)
     # every step's gates in one buffer whose views are made once, not five slices a step (a view
     # costs about what an op does)
@@ -406,8 +415,7 @@ def _lstm_steps(X, W, R, B, h0, c0, direction, layout):
         h = o * c.tanh()
         ys.append(h)
     y = torch.stack(ys)
-    if backward:
-        y = torch.stack([y[:, d].flip(0) if d in backward else y[:, d] for d in range(dirs)], 1)
+    y = _backward_reversed(y, direction)
     if layout:
         return y.permute(2, 0, 1, 3), h.transpose(0, 1), c.transpose(0, 1)
     return y, h, c
