@@ -49,9 +49,9 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def traced_lstm(model: Any, feeds: dict[str, np.ndarray]) -> Any:
-    """The one LSTM node of ``model`` as CpuAcc traces it: its weights constants, X and the
-    initial states (where fed) the trace's inputs."""
+def traced_lstm(model: Any, feeds: dict[str, np.ndarray], threads: int | None = None) -> Any:
+    """The one LSTM node of ``model`` as CpuAcc traces it (at ``threads``, where given): its
+    weights constants, X and the initial states (where fed) the trace's inputs."""
     weights = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy())
                for t in model.graph.initializer}
     attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
@@ -64,10 +64,15 @@ def traced_lstm(model: Any, feeds: dict[str, np.ndarray]) -> Any:
                               initial_h=fed.get("initial_h"), initial_c=fed.get("initial_c"),
                               **attrs)
 
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
-        traced = torch.jit.trace(layer, [torch.from_numpy(feeds[n]) for n in names],
-                                 check_trace=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # TorchScript's deprecation and tracer warnings
+            traced = torch.jit.trace(layer, [torch.from_numpy(feeds[n]) for n in names],
+                                     check_trace=False)
+    finally:
+        torch.set_num_threads(before)
 
     def call(values: dict[str, np.ndarray]) -> list[np.ndarray]:
         with torch.no_grad():
@@ -111,7 +116,23 @@ def test_one_direction_eager_long_or_wide_keep_torch(direction: str, steps: list
     model, feeds = recurrent_model("LSTM", "bidirectional")
     for g, w in zip(run(model, feeds, ACC), run(model, feeds, ["CpuRef"])):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
-    for narrower in ((4, 6), (5, 5)):  # the model's 5 steps, hidden 6
+    for narrower in ((4, 6, 6), (5, 5, 5)):  # the model's 5 steps, hidden 6
         monkeypatch.setattr(recurrent, "STEPPED_LSTM", narrower)
         traced_lstm(model, feeds)
     assert steps == []
+
+
+@pytest.mark.parametrize(("threads", "stepped"), [(1, True), (2, False)])
+def test_wider_at_one_thread(threads: int, stepped: bool, steps: list[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hidden 80, wider than ``STEPPED_LSTM``'s 32 at any thread count, within its 96 at one
+    thread (measured faster stepped there up to 96 at 8 steps): a trace at one thread steps it, at
+    two oneDNN's LSTM runs it; CpuRef's values either way."""
+    from tests.backends.torch import test_recurrent_native as native
+
+    monkeypatch.setattr(native, "HIDDEN", 80)
+    model, feeds = recurrent_model("LSTM", "bidirectional")
+    got = traced_lstm(model, feeds, threads)(feeds)
+    assert steps == (["bidirectional"] if stepped else [])
+    for g, w in zip(got, run(model, feeds, ["CpuRef"])):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -370,22 +370,28 @@ def lstm(X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=
     return (y, y_h, y_c)[:n_outputs]
 
 
-STEPPED_LSTM = (8, 32)
-"""The most steps and the widest hidden size at which a TorchScript trace on the CPU runs a
-bidirectional LSTM by ``_lstm_steps`` (``_stepped_lstm``)."""
+STEPPED_LSTM = (8, 32, 96)
+"""The most steps and the widest hidden sizes at which a TorchScript trace on the CPU runs a
+bidirectional LSTM by ``_lstm_steps`` (``_stepped_lstm``): at any thread count, and at one."""
 
 
 def _stepped_lstm(X, hidden, layout, direction):
     """Whether an LSTM runs by ``_lstm_steps``: where TorchScript traces it on the CPU, both
-    directions, 2 to 8 steps, hidden 32 or less. oneDNN's LSTM costs tens of us a call and a
-    direction (ideep makes its primitive descriptor and reorders the weights at every call) and
-    about 1 us a step; the steps' ops in a frozen graph, both directions in each, about 10 us a
-    step. A layer traced and frozen, input 16, hidden 24, 1 thread, load 8.5, CPU us, oneDNN /
-    steps: bidirectional 4 steps 279 / 159, 8 steps 353 / 308, 13 steps 441 / 524; forward 8
-    steps 248 / 275; hidden 32, 8 steps 435 / 426."""
-    steps, widest = STEPPED_LSTM
+    directions, 2 to 8 steps, hidden 32 or less, or 96 or less at one thread. oneDNN's LSTM costs
+    tens of us a call and a direction (ideep makes its primitive descriptor and reorders the
+    weights at every call) and about 1 us a step; the steps' ops in a frozen graph, both
+    directions in each, about 10 us a step. A layer traced and frozen, input 16, hidden 24, 1
+    thread, load 8.5, CPU us, oneDNN / steps: bidirectional 4 steps 279 / 159, 8 steps 353 / 308,
+    13 steps 441 / 524; forward 8 steps 248 / 275; hidden 32, 8 steps 435 / 426. With the steps at
+    seven ops (the fourteenth session, load 8.6-9.2, input 16, median CPU us, oneDNN / steps): 8
+    steps, hidden 48 333 / 302, 64 382 / 328, 96 515 / 433, 128 585 / 568; 4 steps, hidden 128
+    531 / 371; 10 steps, hidden 64 395 / 378; 13 steps, hidden 32 533 / 575, 64 534 / 678. Not
+    wider at two threads: unmeasured there (a GRU's ``baddbmm`` of both directions opens a
+    parallel region a product, ``_stepped_reset``)."""
+    steps, widest, alone = STEPPED_LSTM
     return (torch.jit.is_tracing() and X.device.type == "cpu" and direction == "bidirectional"
-            and 1 < X.shape[layout] <= steps and hidden <= widest)
+            and 1 < X.shape[layout] <= steps
+            and (hidden <= widest or hidden <= alone and torch.get_num_threads() == 1))
 
 
 def _lstm_steps(X, W, R, B, h0, c0, direction, layout):
