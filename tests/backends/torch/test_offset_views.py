@@ -68,6 +68,54 @@ def test_heads_from_the_scripted_onednn_product_are_one_view_each() -> None:
     torch.testing.assert_close(traced(x), heads(x), rtol=0, atol=0)
 
 
+def _split_heads(x, w, direct=False):
+    """Q, K and V split out of one product's result (``LinearSiblings``, GPT-2's Split), each
+    taken into 4 heads; with ``direct`` K is read as it is too."""
+    q, k, v = torch.nn.functional.linear(x, w).split([32, 32, 32], -1)  # (L, 32) each
+    heads = [part.reshape(8, 4, 8).permute(1, 0, 2) * 2 for part in (q, k, v)]
+    return (*heads, k * 3) if direct else tuple(heads)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_heads_split_from_a_product_are_one_view_each(direct) -> None:
+    """Without the split where only views read its parts; kept for a part another op reads,
+    the parts only views read one view each still."""
+    x, w = torch.randn(8, 32), torch.randn(96, 32)
+    traced = torch.jit.trace(lambda x, w: _split_heads(x, w, direct), (x, w))
+    fold_views(traced.graph)  # (and the views' arguments made constants), as ``traced`` runs it
+    assert "aten::split_with_sizes" in _ops(traced.graph)
+    # K's heads one view of the split's K (fold_views) where K is read as it is too
+    assert fold_index_glue(traced.graph) == (2 if direct else 3)
+    ops = _ops(traced.graph)
+    assert ops.count("aten::as_strided") == 3 and not VIEWS & set(ops)
+    assert ("aten::split_with_sizes" in ops) == direct
+    for _ in range(3):
+        x = torch.randn(8, 32)
+        for got, want in zip(traced(x, w), _split_heads(x, w, direct)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_corpus_taggers_trace_has_no_split() -> None:
+    """char_tagger_ts14's LinearSiblings (Q, K and V of one product) and heads: no split a run,
+    its outputs ONNX Runtime's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from backplane.backends.torch import background
+
+    path = DATA / "corpus" / "char_tagger_ts14.onnx"
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
+    feeds = dict(np.load(DATA / "corpus" / "char_tagger_ts14.s0.npz"))
+    background.settle(lambda: session.run(None, feeds), 60)
+    session.run(None, feeds)  # (the trace is made at the first run, its own ops in it)
+    with profile(activities=[ProfilerActivity.CPU]) as ran:
+        got = session.run(None, feeds)
+    names = {event.name for event in ran.events()}
+    assert "aten::linear" in names or "aten::addmm" in names  # the trace ran
+    assert not {"aten::split_with_sizes", "aten::split"} & names
+    for value, want in zip(got, ort_outputs(path, feeds)):
+        np.testing.assert_allclose(value, want, rtol=0, atol=1e-5)
+
+
 def test_a_chain_from_an_input_is_kept() -> None:
     def heads(qkv):
         return qkv.select(0, 1).reshape(8, 4, 8).permute(1, 0, 2) * 2

@@ -119,6 +119,7 @@ def fold_offset_views(graph: Any) -> int:
     strides the tracer saw; returns how many views were replaced (dead ones go at the next DCE)."""
     from backplane.backends.torch.fusion.static_sizes import _view as view
 
+    narrowed = _split_as_narrows(graph)
     replaced = 0
     for node in list(graph.nodes()):
         if not view(node) or not view(node.inputsAt(0).node()):
@@ -141,7 +142,61 @@ def fold_offset_views(graph: Any) -> int:
         made.output().setType(node.output().type())
         node.output().replaceAllUsesWith(made.output())
         replaced += 1
+    for narrow, part in narrowed:  # a part read other than through folded views: the split's again
+        if any(use.user.output().uses() for use in narrow.output().uses()):
+            narrow.output().replaceAllUsesWith(part)
+            narrow.destroy()
     return replaced
+
+
+SPLITS = frozenset({"aten::split_with_sizes", "aten::split"})
+
+
+def _split_as_narrows(graph: Any) -> list[tuple[Any, Any]]:
+    """Each part of a split of a ``FRESH`` result (sizes and axis constants, its list unpacked)
+    that only views read, read as a narrow of that result instead, so that ``fold_offset_views``
+    takes the narrow into the chain after it: Q, K and V cut out of one product's result
+    (``LinearSiblings``, GPT-2's Split of its c_attn) and then each taken into heads were a split,
+    then one view each; without the split (where no other op reads a part), one op fewer a block.
+    Returns (narrow, part) pairs: a part whose narrow is still read after the folding is read
+    from the split again."""
+    from backplane.backends.torch.fusion.static_sizes import _complete
+    from backplane.backends.torch.fusion.static_sizes import _view as view
+
+    made = []
+    for unpack in list(graph.nodes()):
+        split = unpack.inputsAt(0).node() if unpack.kind() == "prim::ListUnpack" else None
+        if split is None or split.kind() not in SPLITS or not _fresh(split.inputsAt(0).node()):
+            continue
+        root, sizes, axis = split.inputsAt(0), _ints(split.inputsAt(1)), split.inputsAt(2).toIValue()
+        parts = list(unpack.outputs())
+        if isinstance(sizes, int):  # aten::split: parts of that size, the last one what is left
+            sizes = [sizes] * len(parts)
+        if not isinstance(sizes, list) or len(sizes) != len(parts) or not isinstance(axis, int):
+            continue
+        start = 0
+        for part, size in zip(parts, sizes):
+            layout, uses = _complete(part), part.uses()
+            if uses and layout is not None and all(view(u.user) and u.offset == 0 for u in uses):
+                narrow = graph.create("aten::narrow", [root, *(
+                    graph.insertConstant(v) for v in (axis, start, layout[0][axis]))])
+                for constant in list(narrow.inputs())[1:]:
+                    constant.node().moveBefore(unpack)
+                narrow.insertBefore(unpack)
+                narrow.output().setType(part.type())
+                part.replaceAllUsesWith(narrow.output())
+                made.append((narrow, part))
+            start += size
+    return made
+
+
+def _ints(value: Any) -> Any:
+    """A constant int or int list of the graph (a ``prim::ListConstruct`` of constants too)."""
+    node = value.node()
+    if node.kind() == "prim::ListConstruct":
+        items = [v.toIValue() for v in node.inputs()]
+        return items if all(isinstance(i, int) for i in items) else None
+    return value.toIValue()
 
 
 def _fresh(node: Any) -> bool:
