@@ -39,6 +39,7 @@ from backplane.backends.torch.cuda_host import warm_up
 from backplane.backends.torch.cuda_predicates import with_host_predicates  # noqa: F401  # GpuAcc's
 from backplane.backends.torch.gpu_fusion import Step, inner_steps
 from backplane.backends.torch.gpu_host_chain import host_chain_workload, host_chained
+from backplane.backends.torch.gpu_layernorm import fused_layer_norms
 from backplane.backends.torch.gpu_memory import STAGED_BYTES, factory  # noqa: F401  # GpuAcc's memory
 from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
@@ -128,11 +129,12 @@ def _static_boundary(graph: Any, run: list[Layer]) -> bool:
 def _cuda_graph_layer(view: SubgraphView) -> Layer:
     graph = view.graph
     assert graph is not None, "the optimizer always gives views of a graph"
-    constants = {n: graph.constants[n] for layer in view.layers for n in layer.inputs
+    layers = fused_layer_norms(view)  # an exported LayerNorm as one layer (gpu_layernorm.py)
+    constants = {n: graph.constants[n] for layer in layers for n in layer.inputs
                  if n in graph.constants}
     # The boundary names as the layers inside read and write them (the optimizer renames the
     # fused layer's inputs when it puts copies in front of them).
-    attrs = {"layers": list(view.layers), "constants": constants, "inputs": list(view.inputs),
+    attrs = {"layers": layers, "constants": constants, "inputs": list(view.inputs),
              "outputs": list(view.outputs),
              "output_dtypes": [graph.info(n).dtype for n in view.outputs]}
     name = f"CudaGraph[{view.layers[0].name}..{view.layers[-1].name}]({len(view.layers)} layers)"
