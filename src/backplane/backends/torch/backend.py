@@ -42,6 +42,7 @@ from backplane.backends.api.backend import (
 )
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory, is_host_allocator
 from backplane.backends.api.optimization import OptimizationViews
+from backplane.backends.torch import spin
 from backplane.install_hints import hint
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
@@ -96,6 +97,7 @@ class TorchBackend(Backend):
 
     def __init__(self) -> None:
         self.options = BackendOptions()
+        spin.prefer_short_spins()  # before backplane's first import of torch: libgomp reads it then
         self.missing = self._missing()
         if self.missing is None:
             from backplane.backends.torch import kernels
@@ -258,7 +260,8 @@ class CpuAcc(TorchBackend):
         "CpuAcc.threads": "auto (fewer while other processes hold CPUs) or a count (process-wide)",
         "CpuAcc.conv_route": "auto (measured), onednn, torch or gemm (1x1 only)",
         "CpuAcc.linear_route": "auto (measured), mkl or onednn",
-        "CpuAcc.compile": "auto, onednn_graph or layers",
+        "CpuAcc.compile": "auto, onednn_graph, layers, or inductor: each partition compiled by "
+                          "TorchInductor's C++ backend at load (a C++ compiler needed)",
         "CpuAcc.background": "False (the default: measured and compiled at load) or True (a load "
                              "takes its routes at once; a background thread builds and compiles, "
                              "swaps them in, the runs time them)",
@@ -288,6 +291,10 @@ class CpuAcc(TorchBackend):
         from backplane.backends.torch.fusion import reduced
 
         reduced.precision_of(options)
+        if options.get("CpuAcc.compile") == "inductor":  # no C++ compiler: said at load
+            from backplane.backends.torch import inductor
+
+            inductor.compiler()
         memory.keep_freed_memory(options.get("CpuAcc.keep_memory", True))
         return TorchContext(options.get("CpuAcc.threads"))
 
@@ -318,8 +325,13 @@ class CpuAcc(TorchBackend):
         from backplane.backends.torch import fusion, specialize
         from backplane.backends.torch.fusion import traced
 
-        return {**fusion.WORKLOADS, "Specialized": specialize.specialized_workload,
-                "Traced": traced.traced_workload}
+        own = {**fusion.WORKLOADS, "Specialized": specialize.specialized_workload,
+               "Traced": traced.traced_workload}
+        if self.options.get("CpuAcc.compile") == "inductor":
+            from backplane.backends.torch import inductor
+
+            return inductor.workloads(own)
+        return own
 
     def flat_layers(self, layer: Layer, workload: Workload, constants: Any) -> Any:
         """A Specialized layer of a control-flow body as plain kernel calls, for builtin's flat
