@@ -68,8 +68,8 @@ def test_the_requantization_is_float32_and_takes_the_relu_into_its_clamp() -> No
     scaled = torch.from_numpy(np.random.default_rng(3).uniform(-300, 300, (1, 6, 9, 4))
                               .astype(np.float32))
     scaled.view(-1)[:8] = torch.arange(-4, 4) + 0.5  # ties: half to even
-    calls = _calls(qlinear._finisher(a), scaled)
-    assert calls == ["aten::round", "aten::clamp_", "aten::mul_"]
+    calls = _calls(qlinear._finisher(a), scaled.clone())
+    assert calls == ["aten::round_", "aten::clamp_", "aten::mul_"]  # in the product's tensor
     got = qlinear._finisher(a)(scaled.clone())
     assert got.dtype == torch.float32
     y = np.clip(np.rint(scaled.numpy()), max(a["y_low"] - a["y_zero"], 0), a["y_high"] - a["y_zero"])
@@ -84,6 +84,26 @@ def test_an_integer_input_is_centred_in_one_call() -> None:
     got = centre(x)
     assert got.dtype == torch.float32
     np.testing.assert_array_equal(got.numpy(), x.numpy().astype(np.float32) - a["x_zero"])
+
+
+def test_large_conversions_take_two_vectorized_passes() -> None:
+    """From ``PASSES_FROM`` values float32 integers become uint8 through int32, and uint8 less a
+    zero point converts first (one call of two types is a casting loop: (1, 64, 112, 112),
+    583 -> 285 us and 477 -> 279, 1 thread); below, one call each. The same values either way."""
+    a = _fused(quantized_io=False)
+    rng = np.random.default_rng(7)
+    for shape, narrow, centre in (((1, 6, 9, 4), ["aten::to"], ["aten::sub"]),
+                                  ((1, 6, 64, 64), ["aten::to", "aten::to"],
+                                   ["aten::to", "aten::sub_"])):
+        y = torch.from_numpy(rng.integers(0, 256, shape).astype(np.float32))
+        assert _calls(lambda t: qlinear.narrowed(t, torch.uint8), y) == narrow
+        np.testing.assert_array_equal(qlinear.narrowed(y, torch.uint8).numpy(),
+                                      y.numpy().astype(np.uint8))
+        x = y.to(torch.uint8)
+        assert _calls(qlinear._centring(a), x) == centre
+        np.testing.assert_array_equal(qlinear._centring(a)(x).numpy(),
+                                      x.numpy().astype(np.float32) - a["x_zero"])
+    assert 6 * 9 * 4 < qlinear.PASSES_FROM <= 6 * 64 * 64
 
 
 def _mlas(acc: np.ndarray, multiplier: np.ndarray, zero: float, low: int, high: int) -> np.ndarray:
@@ -157,7 +177,7 @@ def test_a_max_pool_after_is_taken_before_the_requantization() -> None:
     x = torch.from_numpy(rng.integers(0, 256, (1, 3, 32, 32)).astype(np.uint8))
     calls = [name for name, _ in _recorded(route, x)]
     pool = next(k for k, call in enumerate(calls) if call.startswith("max_pool2d"))
-    assert pool < calls.index("round")
+    assert pool < calls.index("round_")
     feeds = {"x": x.numpy()}
     got = session.run(None, feeds)[0].astype(np.int32)
     want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
