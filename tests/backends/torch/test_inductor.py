@@ -1,7 +1,8 @@
-"""``CpuAcc.compile`` "inductor" (backends/torch/inductor.py): a partition compiled by
-TorchInductor's C++ backend gives CpuRef's values, NaN where CpuRef has it (inductor's fused ReLU
-and max pool drop it: the route's own input check hands such a run to CpuAcc's own route), and a
-machine without a C++ compiler gets an error that says so at load."""
+"""``CpuAcc.compile`` "inductor" (backends/torch/inductor.py): a subgraph without convolutions
+compiled by TorchInductor's C++ backend gives CpuRef's values, NaN where CpuRef has it (a run with
+NaN in its inputs takes CpuAcc's own route: inductor's fused ReLU drops it); one with
+convolutions keeps oneDNN Graph; a machine without a C++ compiler gets an error that says so at
+load."""
 
 from __future__ import annotations
 
@@ -44,9 +45,24 @@ class SmallCnn(torch.nn.Module):
         return self.body(x)
 
 
-def _exported() -> bytes:
+class SmallBlock(torch.nn.Module):
+    """A transformer's feed-forward half and a softmax over the tokens' features: one Traced
+    partition without convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.up = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        y = x + self.down(torch.relu(self.up(self.norm(x))))
+        return torch.softmax(y, dim=-1)
+
+
+def _exported(module: torch.nn.Module, shape: tuple[int, ...]) -> bytes:
     buffer = io.BytesIO()
-    torch.onnx.export(SmallCnn().eval(), (torch.zeros(1, 3, 8, 8),), buffer, opset_version=17,
+    torch.onnx.export(module.eval(), (torch.zeros(shape),), buffer, opset_version=17,
                       input_names=["x"], output_names=["y"], dynamo=False)
     return buffer.getvalue()
 
@@ -67,17 +83,31 @@ def _partition_work(session: InferenceSession) -> object:
 
 @pytest.mark.slow  # a minute of g++ on a busy 2-core machine
 @needs_compiler
-def test_a_partition_compiled_by_inductor_gives_cpurefs_values_and_keeps_nan(tmp_path) -> None:
-    model = _exported()
+def test_a_subgraph_compiled_by_inductor_gives_cpurefs_values_and_keeps_nan(tmp_path) -> None:
+    model = _exported(SmallBlock(), (1, 8, 16))
     session = _session(model, tmp_path)
     assert _partition_work(session).route == "inductor"
     reference = InferenceSession(model, backends=["CpuRef"])
+    x = np.random.default_rng(1).standard_normal((1, 8, 16)).astype(np.float32)
+    (got,), (want,) = session.run(None, {"x": x}), reference.run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    x[0, 3, 5] = np.nan  # the fourth token's row only
+    (got,), (want,) = session.run(None, {"x": x}), reference.run(None, {"x": x})
+    assert np.isnan(want[0, 3]).all() and not np.isnan(np.delete(want, 3, axis=1)).any()
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)  # NaN where CpuRef has it
+
+
+@needs_compiler
+def test_a_subgraph_with_convolutions_keeps_onednn_graph(tmp_path) -> None:
+    """Inductor's convolutions lost at every size measured (``inductor.CONVOLUTIONS``)."""
+    model = _exported(SmallCnn(), (1, 3, 8, 8))
+    session = _session(model, tmp_path)
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
-    (got,), (want,) = session.run(None, {"x": x}), reference.run(None, {"x": x})
+    (got,) = session.run(None, {"x": x})
+    assert _partition_work(session).route == "onednn_graph"
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
-    x[0, 1, 2, 3] = np.nan
-    (got,), (want,) = session.run(None, {"x": x}), reference.run(None, {"x": x})
-    assert np.isnan(want).all() and np.isnan(got).all()  # through the Linear: every output
 
 
 def test_no_cpp_compiler_is_an_error_that_says_so(monkeypatch: pytest.MonkeyPatch,
@@ -88,7 +118,26 @@ def test_no_cpp_compiler_is_an_error_that_says_so(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(config.cpp, "cxx", ("no-such-c++-compiler",))
     try:
         with pytest.raises(inductor.CompilerMissing, match="needs a C.. compiler") as raised:
-            _session(_exported(), tmp_path)
+            _session(_exported(SmallCnn(), (1, 3, 8, 8)), tmp_path)
         assert "no-such-c++-compiler" in str(raised.value)
     finally:
         inductor.compiler.cache_clear()
+
+
+def test_a_run_with_nan_or_an_infinity_in_a_float_input_takes_cpuaccs_own_route() -> None:
+    """Inductor's oneDNN post-ops dropped NaN (a convolution's fused ReLU: resnet_basic_ts16's 10
+    NaN outputs -> 0); the route's input check hands such a run to CpuAcc's own, made once."""
+    made: list[int] = []
+
+    def own() -> object:
+        made.append(1)
+        return lambda *values: ("own",)
+
+    run = inductor._finite_or(lambda *values: ("inductor",), own)
+    ids, x = torch.zeros(2, dtype=torch.int64), torch.ones(3)
+    assert run(ids, x) == ("inductor",) and made == []
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x[1] = bad
+        assert run(ids, x) == ("own",)
+    assert made == [1]
+    assert run(ids, torch.ones(3)) == ("inductor",) and run(ids, torch.ones(0)) == ("inductor",)

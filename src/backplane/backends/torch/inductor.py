@@ -1,19 +1,19 @@
-"""``CpuAcc.compile`` "inductor": each OneDnnGraph and Traced partition compiled by TorchInductor's
-C++ backend, in place of oneDNN Graph or a frozen TorchScript trace, when CpuAcc makes its workload
-(at load, or at the first run of an input signature).
+"""``CpuAcc.compile`` "inductor": each CpuAcc subgraph without convolutions (a Traced one: a
+transformer's, a tagger's) compiled by TorchInductor's C++ backend in place of its frozen
+TorchScript trace, when CpuAcc makes its workload (at load, or at the first run of an input
+signature); a subgraph with convolutions (every OneDnnGraph) keeps CpuAcc's own route
+(``CONVOLUTIONS``).
 
 Why, and why it is not the default: a trace runs each torch op through TorchScript's interpreter
 (3-5 us an op at batch 1); inductor fuses the elementwise ops, norms and softmaxes between the
 products into C++ loops and calls the rest from a C++ wrapper (``cpp_wrapper``), the weights frozen
 into it (``freezing``). On this project's AVX2 EPYC at 1 thread (thread CPU a run, sessions
 alternating in one process, load 7-10) that took ``gpt_causal_ts15`` 0.47 -> 0.32 ms and
-``encoder4_plain_dyn18`` 0.76-0.88 of before, but ``audio_conv1d_dyn19`` 1.26-1.28 and
-``resnet_basic_ts16`` 1.6-1.9 times before: inductor runs each convolution as its own
-``mkldnn._convolution_pointwise`` (or ATen's convolution), which at the corpus's sizes costs
-several times oneDNN Graph's compiled partition, and its fused ReLU drops NaN. A partition costs
-40-100 s of inductor and g++ on that machine, and still 40-100 s with a warm cache (its FX graph
-cache is bypassed for frozen oneDNN weights; only the compiled C++ is reused). docs/torch-backends.md,
-"TorchInductor's C++ backend", has the table. Inductor's cache goes under backplane's cache folder
+``encoder4_plain_dyn18`` 0.76-0.88 of before; with convolutions it lost (``CONVOLUTIONS``), and
+its fused ReLU dropped NaN. A partition costs 40-100 s of inductor and g++ on that machine, and
+about as long with a warm cache (its FX graph cache is bypassed for frozen oneDNN weights; only
+the compiled C++ is reused). docs/torch-backends.md, "TorchInductor's C++ backend", has the
+table. Inductor's cache goes under backplane's cache folder
 (``cache_folder``), never into an artifact: loading an artifact runs no code from it.
 
 The partition is the same function the trace records (its layers on the traceable routes,
@@ -22,9 +22,9 @@ decision of the kernels taken once, for the static shapes), its constants as buf
 inductor's freezing folds), compiled by ``torch._inductor.compile``: without dynamo, whose guards
 and wrappers cost 40-60 us a call (through ``torch.compile`` the same code ran 0.43-0.53 ms a call
 against 0.11-0.20). A partition inductor cannot compile (``make_fx`` fails on the recurrent
-kernels), or whose outputs on a sample differ from its layers', takes CpuAcc's own route ("auto"),
-with a warning; a float input holding NaN or an infinity runs CpuAcc's own route too (NaN in, NaN
-out)."""
+kernels: ``lstm_bi2_ts14``), or whose outputs on a sample differ from its layers', takes CpuAcc's
+own route ("auto"), with a warning; a float input holding NaN or an infinity runs CpuAcc's own
+route too (NaN in, NaN out)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ class _Auto:
 
 
 def workloads(own: dict[str, Callable[..., Workload]]) -> dict[str, Callable[..., Workload]]:
-    """CpuAcc's fused workloads (``own``) with its partitions compiled by inductor."""
+    """CpuAcc's fused workloads (``own``) with its partitions without convolutions compiled by
+    inductor."""
     compiler()  # no C++ compiler: the load fails here, saying so
 
     def make(kind: str) -> Callable[..., Workload]:
@@ -105,10 +106,11 @@ def workloads(own: dict[str, Callable[..., Workload]]) -> dict[str, Callable[...
 
 def inductor_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
                       own: Callable[..., Workload]) -> Workload:
-    """The partition compiled by inductor, or CpuAcc's own route (``own`` under "auto") where
-    inductor fails, computes otherwise, or the partition computes in reduced precision."""
+    """The partition compiled by inductor, or CpuAcc's own route (``own`` under "auto") where it
+    holds a convolution (``CONVOLUTIONS``), computes in reduced precision, or inductor fails or
+    computes otherwise."""
     auto = _Auto(backend)
-    if layer.attrs.get("compute") is not None:
+    if layer.attrs.get("compute") is not None or _convolutions(layer):
         return own(layer, auto, inputs)
     try:
         compiled = compile_partition(layer, backend, inputs)
@@ -124,6 +126,20 @@ def inductor_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
                       "it takes CpuAcc's own route", RuntimeWarning, stacklevel=2)
         return own(layer, auto, inputs)
     return _finite_or(compiled, lambda: own(layer, auto, inputs))
+
+
+CONVOLUTIONS = frozenset({"Conv", "FusedConv", "ConvTranspose", "WindowedConv", "QLinearConv",
+                          "ConvInteger"})
+"""Layers that keep a subgraph on CpuAcc's own route: inductor runs each convolution as its own
+oneDNN call set up again at every call (``mkldnn._convolution_pointwise``), where oneDNN Graph's
+compiled partition is set up once: every subgraph with convolutions measured ran slower
+compiled, or no faster (``resnet_basic_ts16`` 1.6-1.9 times the default's time,
+``mobilenet_dw_ts13`` 2.0-2.2, ``audio_conv1d_dyn19`` 1.26-1.28, ``unet_resize_ts13`` 1.07-1.12,
+``detect_nms_ts14``'s backbone 1.02-1.03; 1 thread, thread CPU, load 7.5-10)."""
+
+
+def _convolutions(layer: Layer) -> bool:
+    return any(inner.op_type in CONVOLUTIONS for inner in layer.attrs["layers"])
 
 
 def compile_partition(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload | None:
