@@ -103,3 +103,29 @@ def test_trace_inputs_pack_each_convolution_weight_once() -> None:
                                                   "none", [], None)
     torch.testing.assert_close(got, torch.nn.functional.conv2d(x, w, None, 1, 1), rtol=1e-4,
                                atol=1e-5)
+
+
+def test_a_traced_pointwise_convolution_is_one_product_of_its_pixels(monkeypatch) -> None:
+    """A 1x1 convolution in a Traced layer is one addmm of its channels-last pixels by the
+    weight's transposed view (``conv._pixel_product``), its ReLU done in the product's call
+    (``_addmm_activation``): oneDNN's packed call cost 40-100 us a call beyond its kernel."""
+    inits = [_weight("w1", 16, 4, 3, 3), _weight("b1", 16), _weight("w2", 24, 16, 1, 1),
+             _weight("b2", 24)]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("ReduceMax", ["r2"], ["y"], axes=[3], keepdims=0)]
+    model = make_model(nodes, [float_input("x", [1, 4, 8, 12])], [float_input("y", None)], inits,
+                       opset=13)
+    monkeypatch.setattr(conv, "TRACED_PACKED_MACS", 0)  # both would be packed
+    session, workload = _traced(model, monkeypatch)
+    kinds = [n.kind() for n in workload.module.graph.nodes()]
+    assert kinds.count("mkldnn::_convolution_pointwise") == 1  # the 3x3 one
+    assert kinds.count("aten::_addmm_activation") == 1 and "aten::relu" in kinds
+    x = RNG.standard_normal((1, 4, 8, 12)).astype(np.float32)
+    x[0, 1, 3, 5], x[0, 2, 6, 1] = np.nan, -np.inf  # NaN and -Inf through both convolutions
+    (got,) = session.run(None, {"x": x})
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    assert np.isnan(want).any() and np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -309,6 +309,7 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
     plain = weight_of(a, "weight")  # what oneDNN's packing reads, in a Traced layer
     packs = groups > 1 or _macs(plain.shape, shape, strides, dilations) >= TRACED_PACKED_MACS
     wide = groups == 1 and any(k > 1 for k in plain.shape[2:])  # channels-last output whatever x's
+    pixels = _pixel_product(a, plain) if _is_pointwise(a) else None
 
     def conv(x):
         x = F.pad(x, pre_pad) if pre_pad else x
@@ -316,12 +317,38 @@ def _torch_conv(a: dict[str, Any]) -> Workload:
             x = x.contiguous(memory_format=cl)
         inputs = prepacked.TRACED.get()
         if inputs is not None and packs and x.dtype == torch.float32:  # a Traced layer's
+            if pixels is not None:
+                return pixels(x)
             packed = inputs.conv_weight(plain, padding, strides, dilations, groups, shape)
             if torch.jit.is_tracing():
                 return _scripted_conv()(x, packed, bias, padding, strides, dilations, groups)
         return F.conv2d(x, weight, bias, strides, padding, dilations, groups)
 
     return holding(_then_post_ops(conv, a), weight, bias)
+
+
+def _pixel_product(a: dict[str, Any], plain: Any) -> Callable[[Any], Any]:
+    """A 1x1 convolution (``_is_pointwise``) in a ``Traced`` layer's trace: one ``addmm`` of its
+    channels-last pixels (N * H * W, C) by the weight's transposed (C, K) view, the result viewed
+    back as (N, K, H, W) channels-last (``trace_epilogues.fold_relus`` then does a ReLU after it in
+    the product's call).
+
+    Why: oneDNN's ``_convolution_pointwise`` on a packed weight costs 40-100 us a call beyond
+    its kernel (its setup made again at every call), a pointwise kernel's whole work at a CRNN's
+    sizes: 1 thread, thread CPU us (p10), packed / this product: (32 -> 48, 8x80) 117 / 45,
+    (64 -> 96, 8x160) 292 / 220, (256 -> 256, 28x28) 1873 / 1744 (load 8, this 2-core AMD EPYC);
+    2 threads, wall p10: 82 / 50 and 261 / 168."""
+    import torch
+
+    matrix = plain[:, :, 0, 0].t()  # (C, K): a view of the constant, MKL reads it transposed
+    bias = weight_of(a, "bias")
+    n, c, h, w = a["input_shape"]
+    k = matrix.shape[1]
+
+    def product(x: Any) -> Any:
+        rows = x.permute(0, 2, 3, 1).reshape(n * h * w, c)  # channels-last: a view
+        return torch.addmm(bias, rows, matrix).view(n, h, w, k).permute(0, 3, 1, 2)
+    return product
 
 
 TRACED_PACKED_MACS = 300_000
@@ -332,7 +359,8 @@ most 20480 elements, kernel up to 3x3), which costs 7-16 us where oneDNN's call 
 whatever its work (this 2-core AMD EPYC, 1 and 2 threads: (16, 16, 1x3) over 319 steps, 0.12 M,
 10 against 27 us; (24, 16, 3x3) at 16x16, 0.22 M, 14 against 30). Packed for every size,
 audio_conv1d_dyn19 ran 0.125 -> 0.229 ms a run; packed from 1 M, crnn_paddle_ts12's (16, 3, 3x3)
-at 32x160 (0.55 M) and (48, 32, 1x1) (0.98 M) on torch's kernel took it 0.865 -> 1.029."""
+at 32x160 (0.55 M) and (48, 32, 1x1) (0.98 M) on torch's kernel took it 0.865 -> 1.029. A 1x1
+one from this size is one product of its pixels instead (``_pixel_product``)."""
 
 
 def _macs(weight: Any, padded: list[int], strides: list[int], dilations: list[int]) -> int:
