@@ -78,6 +78,25 @@ def test_an_additive_mask_is_the_products_input_where_it_broadcasts(shape, added
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("batch", [1, B])
+def test_the_scores_stay_flat_where_one_condition_masks_every_head(batch) -> None:
+    """A causal condition of one (L, S) for every head (a constant: reshaped outside the trace)
+    masks the (-1, L, S) scores as they are, softmax on them too: the output's view the one view
+    of the trace; a condition per batch views the scores 4-d as before, the same values."""
+    condition = torch.triu(torch.ones(batch, 1, L, L, dtype=torch.bool), 1)
+    condition[-1, 0, 1, 2] = True  # (the last batch's own where it has one)
+    run = _workload(("Mul", 0.5), "where", -math.inf)
+    q, kt, v = _qkv()
+    traced = torch.jit.trace(lambda *x: run(*x, condition)[0], (q, kt, v))
+    views = [node.kind() for node in traced.graph.nodes()].count("aten::view")
+    assert views == (1 if batch == 1 else 3)
+    q, kt, v = _qkv()
+    want = _explicit(q, kt, v, ("Mul", 0.5), "where", condition, -math.inf)
+    got = traced(q, kt, v)
+    assert torch.equal(got.isnan(), want.isnan()) and got[1, 2, 3].isnan().all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 def test_a_row_masked_throughout_stays_nan() -> None:
     mask = torch.zeros(1, 1, L, L)
     mask[..., 2, :] = -math.inf

@@ -212,10 +212,12 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
     flattened batch are ``baddbmm``'s alpha and input. ``matmul`` of 4-d operands expands,
     reshapes and views around its ``bmm``, and a ``mul_`` by a float is a double tensor in a
     trace, cast at every run (Q Kt times the scale of 4 x 8 x 8, traced, 1 thread: 8.5 -> 5.4
-    us)."""
+    us). The scores stay (-1, L, S) through the mask and the softmax where the mask is added by
+    ``baddbmm``, or is a condition of one (L, S) for every head (a causal mask): two views fewer
+    a run of each attention in a trace."""
     import torch
 
-    from backplane.backends.torch.kernels.recurrent_fused import untraced
+    from backplane.backends.torch.kernels.recurrent_fused import trace_constants, untraced
 
     a = layer.attrs
     kind, fill, scale, transposed = a["mask"], a["fill"], a["scale"], a.get("transposed", False)
@@ -241,13 +243,17 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
     def run(q: Any, kt: Any, v: Any, mask: Any = None) -> tuple[Any]:
         kt = kt.transpose(-1, -2) if transposed else kt
         shape = (*q.shape[:-1], kt.shape[-1])  # (..., L, S)
-        scores, added = scores_of(q, kt, mask)
-        scores = scores.view(shape)
+        scores, added = scores_of(q, kt, mask)  # (-1, L, S)
         if kind == "add" and not added:
-            scores = scores.add_(mask)
+            scores = scores.view(shape).add_(mask).view(-1, *shape[-2:])
         elif kind not in (None, "add"):  # Where: the fill where the condition holds (or not)
-            scores = scores.masked_fill_(mask if kind == "where" else ~mask, fill)
-        probs = torch.softmax(scores, -1).view(-1, *shape[-2:])
-        out = torch.bmm(probs, v.reshape(-1, *v.shape[-2:]))
+            condition = mask if kind == "where" else ~mask
+            if condition.dim() > 2 and any(n != 1 for n in condition.shape[:-2]):
+                scores = scores.view(shape).masked_fill_(condition, fill).view(-1, *shape[-2:])
+            else:  # one (L, S) condition for every head: a constant's made once
+                with untraced(trace_constants([condition])):
+                    condition = condition.reshape(condition.shape[-2:])
+                scores = scores.masked_fill_(condition, fill)
+        out = torch.bmm(torch.softmax(scores, -1), v.reshape(-1, *v.shape[-2:]))
         return (out.view(*shape[:-1], v.shape[-1]),)
     return run
