@@ -214,3 +214,23 @@ def test_a_host_value_becomes_a_torch_tensor_of_its_values(given) -> None:
     np.testing.assert_array_equal(tensor.numpy(), np.asarray(value))
     if isinstance(value, np.ndarray) and value.flags.writeable and value.flags.c_contiguous:
         assert np.shares_memory(tensor.numpy(), value)  # no copy where none is needed
+
+
+def test_cond_nested_on_cpuref_takes_few_python_frames() -> None:
+    """cond_nested_dyn18 (Gemm, ReduceMean, Squeeze, Greater, then an If on that predicate) on
+    CpuRef: 21 Python functions a run, where its ReduceMean's count and emptiness test took six
+    generator frames and its Squeeze NumPy's dispatcher and wrapper (29); ONNX Runtime's outputs."""
+    ort = pytest.importorskip("onnxruntime")
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parents[1] / "data" / "corpus" / "cond_nested_dyn18.onnx"
+    with np.load(model.with_suffix(".s0.npz")) as stored:
+        feeds = {name: stored[name] for name in stored.files}
+    session = InferenceSession(str(model), ["CpuRef"])
+    for _ in range(3):
+        session.run(None, feeds)
+    frames = _python_frames(lambda: session.run(None, feeds))
+    assert len(frames) <= 21, frames
+    expected = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for got, want in zip(session.run(None, feeds), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
