@@ -189,20 +189,23 @@ def test_a_residual_add_is_onnx_runtimes_in_few_calls() -> None:
     """QLinearAdd after the convolution as MLAS computes it: each operand centred, times its
     scale over the sum's, summed (one multiply-add), rounded, saturated, plus the zero point:
     the integers of that formula in NumPy, within one step (float32 roundings: the multiply-add
-    may be fused or not), in 7 calls where CpuRef's dequantize-add-quantize took 12."""
+    may be fused or not), in 7 calls where CpuRef's dequantize-add-quantize took 12 (9 from
+    ``PASSES_FROM`` values: two vectorized passes where a call of two types is a casting loop)."""
     a = {"y_zero": 100.0, "y_low": 0, "y_high": 255,
          "residual": {"mine_scale": np.float32(0.125), "mine_zero": 100,
                       "other_scale": np.float32(0.05), "other_zero": 3,
                       "sum_scale": np.float32(0.0625), "sum_zero": 120}}
     rng = np.random.default_rng(9)
-    y = torch.from_numpy(rng.integers(-100, 156, (1, 4, 6, 7)).astype(np.float32))
-    other = torch.from_numpy(rng.integers(0, 256, (1, 4, 6, 7)).astype(np.uint8))
     add = qlinear._residual_finisher(a)
-    assert len(_calls(add, y.clone(), other)) == 7
-    got = add(y.clone(), other).numpy().astype(np.int32)
-    r = a["residual"]
-    ratio_a, ratio_b = r["mine_scale"] / r["sum_scale"], r["other_scale"] / r["sum_scale"]
-    real = ratio_a * y.numpy() + ratio_b * (other.numpy().astype(np.float32) - 3)
-    want = np.clip(np.rint(real) + 120, 0, 255)
-    off = np.abs(got - want)
-    assert off.max() <= 1 and np.mean(off > 0) < 0.02
+    for shape, calls in (((1, 4, 6, 7), 7), ((1, 16, 32, 32), 9)):  # from PASSES_FROM: to, sub_
+        # for the other operand, and the cast through int32 (``narrowed``)
+        y = torch.from_numpy(rng.integers(-100, 156, shape).astype(np.float32))
+        other = torch.from_numpy(rng.integers(0, 256, shape).astype(np.uint8))
+        assert len(_calls(add, y.clone(), other)) == calls
+        got = add(y.clone(), other).numpy().astype(np.int32)
+        r = a["residual"]
+        ratio_a, ratio_b = r["mine_scale"] / r["sum_scale"], r["other_scale"] / r["sum_scale"]
+        real = ratio_a * y.numpy() + ratio_b * (other.numpy().astype(np.float32) - 3)
+        want = np.clip(np.rint(real) + 120, 0, 255)
+        off = np.abs(got - want)
+        assert off.max() <= 1 and np.mean(off > 0) < 0.02

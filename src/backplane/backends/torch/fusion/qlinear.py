@@ -477,14 +477,16 @@ def _residual_finisher(a: dict[str, Any]) -> Any:
     mine, other_ratio = (float(np.float32(r[k]) / np.float32(r["sum_scale"]))
                          for k in ("mine_scale", "other_scale"))
     shift = float(a["y_zero"] - r["mine_zero"])  # the layer's zero point against the add's
-    other_zero = torch.full((1,), float(r["other_zero"]))
+    other_zero, zero_value = torch.full((1,), float(r["other_zero"])), float(r["other_zero"])
     zero, low, high = r["sum_zero"], a["y_low"], a["y_high"]
     dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
     scale = float(np.float32(r["sum_scale"]))
 
     def add(y, other):
         y = y.add_(shift) if shift else y
-        total = torch.add(y.mul_(mine), torch.sub(other, other_zero), alpha=other_ratio)
+        centred = other.to(torch.float32).sub_(zero_value) if other.is_cuda or \
+            other.numel() >= PASSES_FROM else torch.sub(other, other_zero)  # as ``_centring``
+        total = torch.add(y.mul_(mine), centred, alpha=other_ratio)
         total = total.round_().clamp_(low - zero, high - zero)
         return total.mul_(scale) if r.get("dequantized") else narrowed(total.add_(zero), dtype)
     return add
