@@ -67,8 +67,10 @@ def _exported(module: torch.nn.Module, shape: tuple[int, ...]) -> bytes:
     return buffer.getvalue()
 
 
-def _session(model: bytes, tmp_path) -> InferenceSession:
-    """An "inductor" session whose route cache and inductor's cache are ``tmp_path``'s."""
+def _session(model: bytes, tmp_path, monkeypatch: pytest.MonkeyPatch) -> InferenceSession:
+    """An "inductor" session without the route cache, inductor's code compiled into ``tmp_path``
+    (not the user's cache folder)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     options = {"CpuAcc.route_cache": False, "CpuAcc.compile": "inductor"}
     return InferenceSession(model, backends=["CpuAcc", "CpuRef"],
                             runtime=Runtime(RuntimeOptions(backend_options=options)))
@@ -83,9 +85,10 @@ def _partition_work(session: InferenceSession) -> object:
 
 @pytest.mark.slow  # a minute of g++ on a busy 2-core machine
 @needs_compiler
-def test_a_subgraph_compiled_by_inductor_gives_cpurefs_values_and_keeps_nan(tmp_path) -> None:
+def test_a_subgraph_compiled_by_inductor_gives_cpurefs_values_and_keeps_nan(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _exported(SmallBlock(), (1, 8, 16))
-    session = _session(model, tmp_path)
+    session = _session(model, tmp_path, monkeypatch)
     assert _partition_work(session).route == "inductor"
     reference = InferenceSession(model, backends=["CpuRef"])
     x = np.random.default_rng(1).standard_normal((1, 8, 16)).astype(np.float32)
@@ -99,10 +102,11 @@ def test_a_subgraph_compiled_by_inductor_gives_cpurefs_values_and_keeps_nan(tmp_
 
 
 @needs_compiler
-def test_a_subgraph_with_convolutions_keeps_onednn_graph(tmp_path) -> None:
+def test_a_subgraph_with_convolutions_keeps_onednn_graph(tmp_path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Inductor's convolutions lost at every size measured (``inductor.CONVOLUTIONS``)."""
     model = _exported(SmallCnn(), (1, 3, 8, 8))
-    session = _session(model, tmp_path)
+    session = _session(model, tmp_path, monkeypatch)
     x = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
     (got,) = session.run(None, {"x": x})
     assert _partition_work(session).route == "onednn_graph"
@@ -118,7 +122,7 @@ def test_no_cpp_compiler_is_an_error_that_says_so(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(config.cpp, "cxx", ("no-such-c++-compiler",))
     try:
         with pytest.raises(inductor.CompilerMissing, match="needs a C.. compiler") as raised:
-            _session(_exported(SmallCnn(), (1, 3, 8, 8)), tmp_path)
+            _session(_exported(SmallCnn(), (1, 3, 8, 8)), tmp_path, monkeypatch)
         assert "no-such-c++-compiler" in str(raised.value)
     finally:
         inductor.compiler.cache_clear()
