@@ -267,11 +267,24 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
             return because(layers(), "could not be traced")
         if mode == "onednn_graph":
             return because(compiled, "CpuAcc.compile=onednn_graph")
-        return fastest("traced", description, {"traced": lambda: compiled, "layers": layers},
-                       lambda: sample, backend)
+        routes = {"traced": lambda: compiled, "layers": layers}
+        if _fusable(layer):
+            routes["llga"] = lambda: onednn_graph._compiled(layer, backend, sample) or compiled
+        return fastest("traced", description, routes, lambda: sample, backend)
 
     run = chosen()
     return deferred(onednn_graph.edges(layer, run), getattr(run, "deferred", False))
+
+
+def _fusable(layer: Layer) -> bool:
+    """Whether the trace is also measured compiled by oneDNN Graph's fuser (route "llga"): its 2-d
+    convolutions become partitions (10-20 us a call of the bridge) and the rest stays in
+    TorchScript's interpreter, where a Traced layer's packed convolution cost 40-100 us a call
+    beyond its kernel. crnn_paddle_ts12 (small tier, CNN, LSTMs and head in one trace), 1 thread,
+    thread CPU, both in one process, alternating: 0.86-0.89 of the trace's time; detect_nms_ts14
+    1.30 (its small convolutions on torch's im2col path cost less than a partition)."""
+    return not layer.attrs.get("compute") and any(
+        lay.op_type == "FusedConv" and not lay.attrs.get("line") for lay in layer.attrs["layers"])
 
 
 def _sample(layer: Layer, inputs: Sequence[TensorInfo]) -> list[Any]:
