@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from backplane.backends.torch.kernels import recurrent_packed
+
 ONE_THREAD_BELOW = 1 << 19
 """A fused kernel whose recurrent product is smaller than this (batch x gates * hidden x hidden
 multiply-adds a step: hidden 256 at batch 1) runs on one thread: its steps' parallel regions are
@@ -143,6 +145,10 @@ def fused(function: Callable[..., Any], x: torch.Tensor, hx: list[torch.Tensor],
 def _call(function, x, hx, pair, params, has_bias, bidirectional, batch_first):
     if pair:
         return paired(function.__name__, x, hx, pair, params, has_bias, batch_first)
+    # an LSTM on weights reordered for oneDNN once (not in a trace: it would keep neither the
+    # grad mode nor, as constants, oneDNN's tensors)
+    if not tracing() and recurrent_packed.packable(function.__name__, x, params):
+        return recurrent_packed.lstm(x, hx, params, has_bias, bidirectional, batch_first)
     return function(x, hx if len(hx) > 1 else hx[0], params, has_bias, 1, 0.0, False,
                     bidirectional, batch_first)
 

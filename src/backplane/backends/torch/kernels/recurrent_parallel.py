@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from backplane.backends.torch.kernels import recurrent_packed
 from backplane.backends.torch.kernels.recurrent_fused import on_one_thread_if
 
 PARALLEL_MACS = 1 << 21
@@ -89,10 +90,13 @@ def _directions(name, x, hx, params, has_bias, batch_first, alone=True):
 
 def _kernel(name: str) -> Callable[..., Sequence[torch.Tensor]]:
     """torch's fused kernel ``name`` as ``kernel(x, hx, params, has_bias, bidirectional,
-    batch_first)``: its outputs (Y, the final states)."""
+    batch_first)``: its outputs (Y, the final states); an LSTM on weights reordered for oneDNN
+    once where it can (``recurrent_packed.py``)."""
     function = getattr(torch, name)
 
     def kernel(x, hx, params, has_bias, bidirectional, batch_first):
+        if recurrent_packed.packable(name, x, params):
+            return recurrent_packed.lstm(x, hx, params, has_bias, bidirectional, batch_first)
         state = hx if len(hx) > 1 else hx[0]
         return function(x, state, params, has_bias, 1, 0.0, False, bidirectional, batch_first)
 
