@@ -209,3 +209,31 @@ def test_a_residual_add_is_onnx_runtimes_in_few_calls() -> None:
         want = np.clip(np.rint(real) + 120, 0, 255)
         off = np.abs(got - want)
         assert off.max() <= 1 and np.mean(off > 0) < 0.02
+
+
+@pytest.mark.parametrize("dtype, zero", [(torch.uint8, 3), (torch.int8, -5)])
+def test_large_integers_are_quantized_in_one_pass(dtype, zero) -> None:
+    """From ``PASSES_FROM`` values, run one by one: rounded, then ``quantize_per_tensor`` at
+    scale 1 (the zero point, saturation and narrowing in one pass) read in place, where the
+    elementwise steps were five; the same integers, ties (half to even before the zero point is
+    added, as ONNX Runtime) and both ends included. In a trace, and below the bound, the steps."""
+    from backplane.backends.torch.fusion.int8_cast import integers
+
+    info = torch.iinfo(dtype)
+    rng = np.random.default_rng(11)
+    v = torch.from_numpy((rng.standard_normal((1, 16, 32, 32)) * 90).astype(np.float32))
+    v.view(-1)[:600] = torch.arange(600) * 0.5 - 150  # every tie from -150 to 150
+    want = np.clip(np.rint(v.numpy()) + zero, info.min, info.max)
+    ops = [name for name, _ in _recorded(integers, v.clone(), zero, info.min, info.max, dtype)]
+    if hasattr(torch, "quantize_per_tensor"):
+        assert "quantize_per_tensor" in ops and "clamp_" not in ops and len(ops) <= 4
+    got = integers(v.clone(), zero, info.min, info.max, dtype)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert got.numpy().min() == info.min and got.numpy().max() == info.max
+    traced = _calls(lambda t: integers(t, zero, info.min, info.max, dtype), v.clone())
+    assert "aten::quantize_per_tensor" not in traced and "aten::clamp_" in traced
+    small = v[:, :1, :4].clone()
+    assert small.numel() < qlinear.PASSES_FROM
+    np.testing.assert_array_equal(integers(small, zero, info.min, info.max, dtype).numpy(),
+                                  want[:, :1, :4])

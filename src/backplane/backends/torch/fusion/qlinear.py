@@ -41,6 +41,7 @@ from backplane.backends.torch.fusion.patterns import (
     compute_type,
     torch_post_op,
 )
+from backplane.backends.torch.fusion.int8_cast import PASSES_FROM, integers, narrowed  # noqa: F401
 from backplane.backends.torch.fusion.quantized import RANGES, quant_params, to_grid, torch_params
 from backplane.ir.graph import Layer
 
@@ -410,8 +411,7 @@ def _finisher(a: dict[str, Any]) -> Any:
     y_zero, low, high = a["y_zero"], a["y_low"], a["y_high"]
     if a["back"] is None:
         dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
-        return lambda acc: narrowed(acc.round_().clamp_(low - y_zero, high - y_zero)
-                                    .add_(y_zero), dtype)
+        return lambda acc: integers(acc, y_zero, low, high, dtype)
     scale, zero = (_single(a["back"][k]) for k in ("scale", "zero"))
     add = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     post = torch_post_op(a["activation"])
@@ -427,23 +427,6 @@ def _finisher(a: dict[str, Any]) -> Any:
         out = out.add_(add) if add is not None else out
         return post(out) if post else out
     return finish
-
-
-def narrowed(y: Any, dtype: Any) -> Any:
-    """Float32 integers within ``dtype``'s range as ``dtype``: from ``PASSES_FROM`` values through
-    int32 (float32 to uint8 is a scalar loop, to int32 a vectorized one: 1 thread, this AMD EPYC,
-    (1, 64, 112, 112): 583 us one call, 194 + 91 the two)."""
-    import torch
-
-    return y.to(torch.int32).to(dtype) if y.numel() >= PASSES_FROM and not y.is_cuda \
-        else y.to(dtype)
-
-
-PASSES_FROM = 16384
-"""The values from which a conversion between float32 and 8-bit integers takes two vectorized
-passes, not one call's casting loop (1 thread, this AMD EPYC, (1, 64, 112, 112): uint8 less a
-float32 zero point 477 us in one call, 279 converted then less it; below, a trace pays the
-second call's fixed cost instead)."""
 
 
 def _single(value: np.ndarray) -> Any:
@@ -487,8 +470,9 @@ def _residual_finisher(a: dict[str, Any]) -> Any:
         centred = other.to(torch.float32).sub_(zero_value) if other.is_cuda or \
             other.numel() >= PASSES_FROM else torch.sub(other, other_zero)  # as ``_centring``
         total = torch.add(y.mul_(mine), centred, alpha=other_ratio)
-        total = total.round_().clamp_(low - zero, high - zero)
-        return total.mul_(scale) if r.get("dequantized") else narrowed(total.add_(zero), dtype)
+        if r.get("dequantized"):
+            return total.round_().clamp_(low - zero, high - zero).mul_(scale)
+        return integers(total, zero, low, high, dtype)
     return add
 
 
