@@ -54,3 +54,15 @@ def test_a_trace_of_1d_convolutions_is_not_offered_to_the_fuser(monkeypatch) -> 
     model, _ = _gated_1d()
     _, offered = _session(model, monkeypatch, "traced")
     assert offered == [["traced", "layers"]]
+
+
+def test_a_remembered_llga_route_is_compiled_without_a_trace(monkeypatch) -> None:
+    model, shape = _cnn()
+    monkeypatch.setattr(traced, "remembered", lambda kind, description, backend: "llga")
+    traces: list[object] = []
+    monkeypatch.setattr(traced, "compile_traced", lambda *args: traces.append(args))
+    session, _ = _session(model, monkeypatch, "traced")
+    assert traces == []
+    x = RNG.standard_normal(shape).astype(np.float32)
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)

@@ -262,6 +262,9 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
             return because(_deferred(layer, backend, inputs, layers),
                            "kept in the route cache: traced at the first run")
         sample = _sample(layer, inputs)
+        fused = onednn_graph._compiled(layer, backend, sample) if known == "llga" else None
+        if fused is not None:  # no trace made for nothing
+            return because(fused, "llga: kept in the route cache")
         compiled = compile_traced(layer, backend, sample)
         if compiled is None:
             return because(layers(), "could not be traced")
