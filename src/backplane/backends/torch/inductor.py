@@ -39,7 +39,8 @@ from backplane.backends.api.backend import BackendOptions, Workload
 from backplane.ir.graph import Layer, TensorInfo
 
 PARTITIONS = ("OneDnnGraph", "Traced")
-"""The fused layers "inductor" compiles: the partitions oneDNN Graph or a trace would run."""
+"""The fused layers "inductor" takes: the partitions oneDNN Graph or a trace would run, those
+without convolutions (``CONVOLUTIONS``) compiled."""
 CONFIG = {"freezing": True, "cpp_wrapper": True}
 """Inductor's settings: the weights constants of the compiled code (convolutions and products on
 prepacked weights), the calls made from C++ (at 1 thread, ``gpt_causal_ts15``'s partition took
@@ -77,7 +78,7 @@ def cache_folder() -> Path:
 
 def _cache_dir() -> None:
     """``TORCHINDUCTOR_CACHE_DIR`` set to ``cache_folder`` where the caller has not set it, before
-    inductor is imported: inductor reads it once and sets it for the process itself (its default
+    inductor is imported: inductor sets it for the process itself at its first use (its default
     is /tmp/torchinductor_$USER, which a reboot empties)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_folder()))
 
