@@ -257,27 +257,36 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
     return (y, y_h)[:n_outputs]
 
 
-STEPPED_GRU_HIDDEN = {1: 128, 2: 256}
+STEPPED_GRU_HIDDEN = {1: 384, 2: 384}
 """The widest GRU with linear_before_reset=1 that a TorchScript trace on the CPU steps in
 ``_reset_first``'s ops rather than by torch's GRU (``_stepped_reset``), by its directions: a
 layer traced and frozen, 1 thread, this 2-core AMD EPYC (AVX2) at load 5.5, p10 CPU us, torch's
 GRU / stepped, 100 steps, input 64: bidirectional hidden 96 4756 / 3057, 128 6985 / 4555, 192
 8613 / 7010, 256 16245 / 9918 (50 steps, hidden 512: 14520 / 21371); forward hidden 96 1825 /
 1638, 128 3770 / 3457, 256 5161 / 5327 (torch's GRU runs each direction's steps in its own
-dozen ATen calls a step; the stepped ops do both directions in each)."""
+dozen ATen calls a step; the stepped ops do both directions in each). With five ops a step (the
+fourteenth session; load 8-9, median CPU us, torch's / stepped, recurrent weights small enough
+not to be chaotic): forward 100 steps hidden 256 12399 / 10034, 384 10725-12971 / 10084-10725,
+512 24994 / 23142 (p10 16240 / 17083: kept torch's); bidirectional 50 steps hidden 256 7061 /
+5488, 384 11440-15656 / 10162-13829, 512 24210 / 46532."""
+
+STEPPED_GRU_AT_TWO = 128
+"""The widest one-direction layer ``_stepped_reset`` steps at two threads or more (the limit of
+before, measured there on gru_tm3_ts13's 20)."""
 
 
 def _stepped_reset(X, hidden, layout, dirs):
     """Whether a GRU with linear_before_reset=1 runs by ``_reset_first``: where TorchScript traces
     it on the CPU (a frozen graph's ops cost less than torch's GRU loop, a dozen ATen calls a step
     and a direction, or its paired call; eager, each op's Python call costs more), more than one
-    step (one is torch's cell, one call), at most ``STEPPED_GRU_HIDDEN`` wide, one direction or
-    one thread: at two, the two directions' ``baddbmm`` opens a parallel region a product
-    (gru_bi2_dyn19's trace at 2 threads, load 13.5: p10 796 -> 9172 us a run; 614 -> 512 for
-    gru_tm3_ts13's one direction)."""
+    step (one is torch's cell, one call), at most ``STEPPED_GRU_HIDDEN`` wide, at one thread or
+    one direction of ``STEPPED_GRU_AT_TWO`` or less: at two, the two directions' ``baddbmm``
+    opens a parallel region a product (gru_bi2_dyn19's trace at 2 threads, load 13.5: p10 796 ->
+    9172 us a run; 614 -> 512 for gru_tm3_ts13's one direction); wider ones were measured at one
+    thread only."""
     return (torch.jit.is_tracing() and X.device.type == "cpu" and X.shape[layout] > 1
             and hidden <= STEPPED_GRU_HIDDEN.get(int(dirs), 0)
-            and (dirs == 1 or torch.get_num_threads() == 1))
+            and (torch.get_num_threads() == 1 or dirs == 1 and hidden <= STEPPED_GRU_AT_TWO))
 
 
 def _reset_first(X, W, R, B, h0, direction, layout, linear_before_reset=0):
