@@ -42,7 +42,6 @@ from backplane.backends.api.backend import (
 )
 from backplane.backends.api.memory import MemorySource, TensorHandleFactory, is_host_allocator
 from backplane.backends.api.optimization import OptimizationViews
-from backplane.backends.torch import spin
 from backplane.install_hints import hint
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
@@ -97,7 +96,6 @@ class TorchBackend(Backend):
 
     def __init__(self) -> None:
         self.options = BackendOptions()
-        spin.prefer_short_spins()  # before backplane's first import of torch: libgomp reads it then
         self.missing = self._missing()
         if self.missing is None:
             from backplane.backends.torch import kernels
