@@ -15,8 +15,8 @@ the calling thread's CPU time (``time.thread_time``: a busy machine's preemption
 in wall time. One JSON line a model: the medians of the blocks, the median of the per-block
 ratios inductor / default (below 1: inductor faster), the load average. The machine's crowding
 check is off (``threads.CROWDED_CHECK``), so both sessions take the routes a quiet machine would.
-A subgraph with convolutions keeps CpuAcc's own route under "inductor" (``inductor.CONVOLUTIONS``):
-a CNN measures the same route twice here.
+A subgraph with convolutions or recurrent layers keeps CpuAcc's own route under "inductor"
+(``inductor.CONVOLUTIONS``, ``RECURRENT``): a CNN measures the same route twice here.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ load."""
 from __future__ import annotations
 
 import io
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,6 +114,51 @@ def test_a_subgraph_with_convolutions_keeps_onednn_graph(tmp_path,
     assert _partition_work(session).route == "onednn_graph"
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+class SmallTagger(torch.nn.Module):
+    """A bidirectional LSTM and a Linear over its states: one Traced partition with an LSTM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = torch.nn.LSTM(8, 16, batch_first=True, bidirectional=True)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return torch.relu(self.head(self.rnn(x)[0]))
+
+
+@needs_compiler
+def test_a_subgraph_with_an_lstm_keeps_cpuaccs_own_route(tmp_path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled, the corpus's bidirectional LSTM ran 1.5 times slower (``inductor.RECURRENT``)."""
+    model = _exported(SmallTagger(), (1, 6, 8))
+    session = _session(model, tmp_path, monkeypatch)
+    x = np.random.default_rng(1).standard_normal((1, 6, 8)).astype(np.float32)
+    (got,) = session.run(None, {"x": x})
+    assert _partition_work(session).route != "inductor"
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # a minute of g++ on a busy 2-core machine
+@needs_compiler
+def test_a_subgraph_whose_kernels_make_meta_tensors_compiles(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """encoder_padmask_dyn17's trace composes views on meta tensors: make_fx's graph held values
+    of two fake modes, which inductor refused until they were dropped (``_with_buffers``)."""
+    corpus = Path(__file__).parent.parent.parent / "data" / "corpus"
+    model = (corpus / "encoder_padmask_dyn17.onnx").read_bytes()
+    feeds = dict(np.load(corpus / "encoder_padmask_dyn17.s0.npz"))
+    session = _session(model, tmp_path, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "could not compile it" fails the test
+        got = session.run(None, feeds)
+    assert _partition_work(session).route == "inductor"
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()))
 
 
 def test_no_cpp_compiler_is_an_error_that_says_so(monkeypatch: pytest.MonkeyPatch,

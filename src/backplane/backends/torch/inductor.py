@@ -1,15 +1,15 @@
 """``CpuAcc.compile`` "inductor": each CpuAcc subgraph without convolutions (a Traced one: a
 transformer's, a tagger's) compiled by TorchInductor's C++ backend in place of its frozen
 TorchScript trace, when CpuAcc makes its workload (at load, or at the first run of an input
-signature); a subgraph with convolutions (every OneDnnGraph) keeps CpuAcc's own route
-(``CONVOLUTIONS``).
+signature); a subgraph with convolutions (every OneDnnGraph) or recurrent layers keeps CpuAcc's
+own route (``CONVOLUTIONS``, ``RECURRENT``).
 
 Why, and why it is not the default: a trace runs each torch op through TorchScript's interpreter
 (3-5 us an op at batch 1); inductor fuses the elementwise ops, norms and softmaxes between the
 products into C++ loops and calls the rest from a C++ wrapper (``cpp_wrapper``), the weights frozen
 into it (``freezing``). On this project's AVX2 EPYC at 1 thread (thread CPU a run, sessions
 alternating in one process, load 7-10) that took ``gpt_causal_ts15`` 0.47 -> 0.32 ms and
-``encoder4_plain_dyn18`` 0.76-0.88 of before; with convolutions it lost (``CONVOLUTIONS``), and
+``encoder4_plain_dyn18`` 0.76-0.99 of before; with convolutions or LSTMs it lost, and
 its fused ReLU dropped NaN. A partition costs 40-100 s of inductor and g++ on that machine, and
 about as long with a warm cache (its FX graph cache is bypassed for frozen oneDNN weights; only
 the compiled C++ is reused). docs/torch-backends.md, "TorchInductor's C++ backend", has the
@@ -21,10 +21,9 @@ The partition is the same function the trace records (its layers on the traceabl
 decision of the kernels taken once, for the static shapes), its constants as buffers (what
 inductor's freezing folds), compiled by ``torch._inductor.compile``: without dynamo, whose guards
 and wrappers cost 40-60 us a call (through ``torch.compile`` the same code ran 0.43-0.53 ms a call
-against 0.11-0.20). A partition inductor cannot compile (``make_fx`` fails on the recurrent
-kernels: ``lstm_bi2_ts14``), or whose outputs on a sample differ from its layers', takes CpuAcc's
-own route ("auto"), with a warning; a float input holding NaN or an infinity runs CpuAcc's own
-route too (NaN in, NaN out)."""
+against 0.11-0.20). A partition inductor cannot compile, or whose outputs on a sample differ from
+its layers', takes CpuAcc's own route ("auto"), with a warning; a float input holding NaN or an
+infinity runs CpuAcc's own route too (NaN in, NaN out)."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ from backplane.ir.graph import Layer, TensorInfo
 
 PARTITIONS = ("OneDnnGraph", "Traced")
 """The fused layers "inductor" takes: the partitions oneDNN Graph or a trace would run, those
-without convolutions (``CONVOLUTIONS``) compiled."""
+without convolutions and recurrent layers (``CONVOLUTIONS``, ``RECURRENT``) compiled."""
 CONFIG = {"freezing": True, "cpp_wrapper": True}
 """Inductor's settings: the weights constants of the compiled code (convolutions and products on
 prepacked weights), the calls made from C++ (at 1 thread, ``gpt_causal_ts15``'s partition took
@@ -108,8 +107,8 @@ def workloads(own: dict[str, Callable[..., Workload]]) -> dict[str, Callable[...
 def inductor_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
                       own: Callable[..., Workload]) -> Workload:
     """The partition compiled by inductor, or CpuAcc's own route (``own`` under "auto") where it
-    holds a convolution (``CONVOLUTIONS``), computes in reduced precision, or inductor fails or
-    computes otherwise."""
+    holds a convolution or a recurrent layer (``CONVOLUTIONS``, ``RECURRENT``), computes in
+    reduced precision, or inductor fails or computes otherwise."""
     auto = _Auto(backend)
     if layer.attrs.get("compute") is not None or _convolutions(layer):
         return own(layer, auto, inputs)
@@ -139,8 +138,16 @@ compiled, or no faster (``resnet_basic_ts16`` 1.6-1.9 times the default's time,
 ``detect_nms_ts14``'s backbone 1.02-1.03; 1 thread, thread CPU, load 7.5-10)."""
 
 
+RECURRENT = frozenset({"LSTM", "GRU", "RNN"})
+"""Layers that keep a subgraph on CpuAcc's own route too: compiled, ``lstm_bi2_ts14``'s traced
+bidirectional LSTM took 1.51 times the default's time (394 -> 595 us a run, 1 thread, thread
+CPU, load 3.7): its steps become inductor's small kernels and products one by one, where CpuAcc's
+kernel runs oneDNN's whole layer."""
+
+
 def _convolutions(layer: Layer) -> bool:
-    return any(inner.op_type in CONVOLUTIONS for inner in layer.attrs["layers"])
+    """Whether the subgraph holds a layer of ``CONVOLUTIONS`` or ``RECURRENT``."""
+    return any(inner.op_type in CONVOLUTIONS | RECURRENT for inner in layer.attrs["layers"])
 
 
 def compile_partition(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload | None:
@@ -170,10 +177,16 @@ def compile_partition(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) 
 
 def _with_buffers(graph: Any) -> Any:
     """``graph`` (make_fx's) with its tensor constants registered as buffers: inductor's freezing
-    folds buffers into the compiled code, where a plain attribute stays an input of every call."""
+    folds buffers into the compiled code, where a plain attribute stays an input of every call.
+    Its nodes' recorded values go: where a kernel made meta tensors of its own while traced (the
+    views composed on a meta tensor), they came from two fake modes, and inductor refused the
+    graph ("fake mode ... doesn't match mode": ``encoder_padmask_dyn17``, ``lstm_bi2_ts14``);
+    inductor records them again itself."""
     import torch
 
     for node in graph.graph.nodes:
+        for key in ("val", "tensor_meta", "example_value"):
+            node.meta.pop(key, None)
         if node.op == "get_attr":
             value = getattr(graph, node.target)
             if isinstance(value, torch.Tensor) and node.target not in dict(graph.named_buffers()):
