@@ -10,7 +10,9 @@ products into C++ loops and calls the rest from a C++ wrapper (``cpp_wrapper``),
 into it (``freezing``). On this project's AVX2 EPYC at 1 thread (thread CPU a run, sessions
 alternating in one process, load 7-10) that took ``gpt_causal_ts15`` 0.47 -> 0.32 ms and
 ``encoder4_plain_dyn18`` 0.76-0.99 of before; with convolutions or LSTMs it lost, and
-its fused ReLU dropped NaN. A partition costs 40-100 s of inductor and g++ on that machine, and
+its fused ReLU dropped NaN. At 2 threads on that busy machine it lost too (``gpt_causal_ts15``
+3.7 times the default's wall time at load 2.6-3.9): each fused loop is an OpenMP region that waits
+for a preempted thread. A partition costs 40-100 s of inductor and g++ on that machine, and
 about as long with a warm cache (its FX graph cache is bypassed for frozen oneDNN weights; only
 the compiled C++ is reused). docs/torch-backends.md, "TorchInductor's C++ backend", has the
 table. Inductor's cache goes under backplane's cache folder
