@@ -1,8 +1,14 @@
 """The fixed cost of one convolution call: ONNX Runtime's per-node cost against oneDNN's through
-PyTorch (what CpuAcc's FusedConv calls), on a tensor so small that the arithmetic is negligible.
+PyTorch (what CpuAcc's FusedConv calls), on a tensor so small that the arithmetic is negligible;
+and with ``--floor``, the cost of a call itself: ``session.run`` of a lone Relu on (1, 64)
+float32, ONNX Runtime (1 intra-op thread), backplane's CpuRef and CpuAcc,CpuRef (default
+options), each in a process of its own, alternating over ``--blocks``; per runtime the median
+over the blocks of each process's best of 7 x ``--calls`` calls, in wall time and in the calling
+thread's CPU time (steadier on a busy machine), with the load average.
 
 Usage:
     python bench/bench_call_cost.py [--threads 2] [--convs 100]
+    python bench/bench_call_cost.py --floor [--blocks 8] [--calls 5000]
 
 ONNX Runtime: (a chain of N 1x1 Convs on 1x8x4x4 - a chain of 1) / (N - 1). PyTorch:
 ``torch.ops.mkldnn._convolution_pointwise`` (prepacked weight, channels-last input) and
@@ -13,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -70,12 +78,76 @@ def torch_worker(threads: int) -> dict[str, float]:
     }
 
 
+def floor_worker(runtime: str, calls: int) -> dict[str, float]:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    data = model.SerializeToString()
+    if runtime == "onnxruntime":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session: Any = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    else:
+        import backplane
+
+        session = backplane.InferenceSession(data, backends=runtime.split(","))
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 64)).astype(np.float32)}
+    run = session.run
+    for _ in range(2000):
+        run(None, feeds)
+    wall, cpu = [], []
+    for _ in range(7):
+        start, used = time.perf_counter(), time.thread_time()
+        for _ in range(calls):
+            run(None, feeds)
+        wall.append((time.perf_counter() - start) / calls * 1e6)
+        cpu.append((time.thread_time() - used) / calls * 1e6)
+    return {"wall": min(wall), "cpu": min(cpu)}
+
+
+def floor(blocks: int, calls: int) -> None:
+    got: dict[str, list[dict[str, float]]] = {r: [] for r in FLOOR_RUNTIMES}
+    loads = []
+    for _ in range(blocks):
+        for runtime in FLOOR_RUNTIMES:
+            done = subprocess.run([sys.executable, __file__, "--floor-worker", runtime,
+                                   "--calls", str(calls)], capture_output=True, text=True,
+                                  check=True)
+            got[runtime].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            loads.append(os.getloadavg()[0])
+    print(f"session.run of a lone Relu, median over {blocks} blocks of the best of 7 x {calls} "
+          f"calls; load average {min(loads):.2f}-{max(loads):.2f}")
+    for runtime, rows in got.items():
+        wall = statistics.median(r["wall"] for r in rows)
+        cpu = statistics.median(r["cpu"] for r in rows)
+        print(f"{runtime:<14} {wall:7.2f} us wall  {cpu:7.2f} us thread CPU")
+
+
+FLOOR_RUNTIMES = ("onnxruntime", "CpuRef", "CpuAcc,CpuRef")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--convs", type=int, default=100)
     ap.add_argument("--worker", choices=("ort", "torch"), help=argparse.SUPPRESS)
+    ap.add_argument("--floor", action="store_true", help="the cost of session.run itself")
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--floor-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.floor_worker:
+        print(json.dumps(floor_worker(args.floor_worker, args.calls)))
+        return 0
+    if args.floor:
+        floor(args.blocks, args.calls)
+        return 0
     if args.worker:
         result = ort_worker(args.threads, args.convs) if args.worker == "ort" else \
             torch_worker(args.threads)
