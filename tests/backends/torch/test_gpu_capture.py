@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from backplane import InferenceSession, import_onnx  # noqa: E402
 from backplane.backends.torch import cuda  # noqa: E402
 from backplane.ir.graph import SubgraphView  # noqa: E402
+from tests.backends.torch.gpu_corpus import gpuacc_matches_cpuref  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 BOXES = 16
@@ -151,17 +152,7 @@ def test_a_detector_is_captured_up_to_its_nms_and_matches_cpuref(boxes) -> None:
 def test_the_corpus_detectors_on_the_gpu_match_cpuref(name: str) -> None:
     """Their NonMaxSuppression and post-process on the host (``gpu_host_chain``), the rest one
     CUDA graph a signature: CpuRef's selections box for box, the boxes within float32 rounding."""
-    from pathlib import Path
-
-    corpus = Path(__file__).resolve().parents[2] / "data" / "corpus"
-    session = InferenceSession(str(corpus / f"{name}.onnx"),
-                               providers=[("GpuAcc", {"against_cpu": "off"}), "CpuRef"])
-    reference = InferenceSession(str(corpus / f"{name}.onnx"), providers=["CpuRef"])
-    for sample in sorted(corpus.glob(f"{name}.s*.npz")):
-        feeds = dict(np.load(sample))
-        for got, want in zip(session.run(None, feeds), reference.run(None, feeds)):
-            assert got.shape == want.shape and got.dtype == want.dtype
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    session = gpuacc_matches_cpuref(name, 1e-5)
     assert session.report.counts() == {"GpuAcc": len(session.report.layers)}
     loaded = session.runtime.network(session.network_id)
     kinds = {lay.op_type for lay in loaded.layers}

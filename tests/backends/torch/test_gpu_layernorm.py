@@ -6,7 +6,6 @@ on the CPU against ONNX Runtime; the sessions against CpuRef need CUDA."""
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,13 +14,13 @@ import pytest
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
-from backplane import InferenceSession, import_onnx  # noqa: E402
+from backplane import import_onnx  # noqa: E402
 from backplane.backends.registry import registry  # noqa: E402
 from backplane.backends.torch import cuda  # noqa: E402
 from backplane.ir.graph import SubgraphView  # noqa: E402
 from backplane.optimizer import passes  # noqa: E402
+from tests.backends.torch.gpu_corpus import CORPUS, gpuacc_matches_cpuref  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 NORMS = {"gpt_causal_ts15": 5, "char_tagger_ts14": 8}
 
@@ -73,10 +72,4 @@ def test_the_fused_steps_give_onnx_runtimes_values(name: str) -> None:
 @needs_cuda
 @pytest.mark.parametrize("name", sorted(NORMS))
 def test_gpuacc_with_the_fused_norms_matches_cpuref(name: str) -> None:
-    session = InferenceSession(str(CORPUS / f"{name}.onnx"),
-                               providers=[("GpuAcc", {"against_cpu": "off"}), "CpuRef"])
-    reference = InferenceSession(str(CORPUS / f"{name}.onnx"), providers=["CpuRef"])
-    for sample in sorted(CORPUS.glob(f"{name}.s*.npz")):
-        feeds = dict(np.load(sample))
-        for got, want in zip(session.run(None, feeds), reference.run(None, feeds)):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    gpuacc_matches_cpuref(name, 1e-4)

@@ -13,6 +13,8 @@ of the chain's, as on CpuAcc.
 
 from __future__ import annotations
 
+from typing import Any
+
 from backplane.ir.graph import Layer, SubgraphView
 
 
@@ -28,14 +30,10 @@ def fused_layer_norms(view: SubgraphView) -> list[Layer]:
         return layers
     ctx = Context(view, graph, graph.consumers(), {id(lay) for lay in layers})
     fused_at: dict[int, Layer] = {}  # the group's last layer -> the fused layer
-    for layer in layers:
-        if layer.op_type != "ReduceMean" or layer.domain or id(layer) in ctx.taken:
-            continue
-        found = match_layer_norm(layer, ctx)
-        if found is None:
-            continue
-        group, fused = found
-        ctx.taken.update(map(id, group))
+    def matcher_for(layer: Layer) -> Any:
+        return match_layer_norm if layer.op_type == "ReduceMean" and not layer.domain else None
+
+    for group, fused in ctx.matches(layers, matcher_for):
         fused_at[id(group[-1])] = fused
     if not fused_at:
         return layers

@@ -55,6 +55,7 @@ One module per pattern (``conv``, ``linear``, ``squeeze_excite``, ``quantized``,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
@@ -115,16 +116,12 @@ def fuse(view: SubgraphView, reduced: str | None = None,
     ctx = Context(view, graph, graph.consumers(), set(map(id, view.layers)))
     views = OptimizationViews()
     matchers = MATCHERS if int8 == "exact" or reduced is not None else INT8_MATCHERS
-    for layer in view.layers:
+
+    def matcher_for(layer: Layer) -> Any:
         key = f"{layer.domain}::{layer.op_type}" if layer.domain else layer.op_type
-        matcher = matchers.get(key, None if layer.domain else match_linear)
-        if id(layer) in ctx.taken or matcher is None:
-            continue
-        match = matcher(layer, ctx)
-        if match is None:
-            continue
-        group, fused = match
-        ctx.taken.update(map(id, group))
+        return matchers.get(key, None if layer.domain else match_linear)
+
+    for group, fused in ctx.matches(view.layers, matcher_for):
         views.substitutions.append(Substitution(SubgraphView.of(graph, group), [fused]))
     views.substitutions = qdq_chain.without_unread(views.substitutions, ctx)
     rest = [layer for layer in view.layers if id(layer) not in ctx.taken]

@@ -45,6 +45,16 @@ class Context:
     def const(self, name: str) -> np.ndarray | None:
         return self.graph.constants.get(name) if name else None
 
+    def matches(self, layers: list[Layer], matcher_for: Callable[[Layer], Any]) -> Any:
+        """Each (group, fused layer) a matcher finds from a free layer, in order; a group's layers
+        are taken at once, so a later layer of it starts no match of its own."""
+        for layer in layers:
+            matcher = None if id(layer) in self.taken else matcher_for(layer)
+            found = None if matcher is None else matcher(layer, self)
+            if found is not None:
+                self.taken.update(map(id, found[0]))
+                yield found
+
     def sole(self, name: str) -> Layer | None:
         """The one free layer of the subgraph that reads ``name``, if nothing else reads it."""
         users = self.consumers.get(name, [])
