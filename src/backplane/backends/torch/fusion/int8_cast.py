@@ -3,6 +3,7 @@ in as few passes as the tensor's size and the context allow."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -35,7 +36,7 @@ def integers(v: Any, zero: float, low: int, high: int, dtype: Any) -> Any:
     elementwise steps."""
     import torch
 
-    qtype = _QUANTIZED.get(dtype)
+    qtype = _quantized().get(dtype)
     if qtype is not None and v.numel() >= PASSES_FROM and not v.is_cuda \
             and not torch.jit.is_tracing() and hasattr(torch, "quantize_per_tensor"):
         q = torch.quantize_per_tensor(v.round_(), 1.0, int(zero), qtype)
@@ -44,22 +45,12 @@ def integers(v: Any, zero: float, low: int, high: int, dtype: Any) -> Any:
     return narrowed(v.round_().clamp_(low - zero, high - zero).add_(zero), dtype)
 
 
+@functools.cache
 def _quantized() -> dict[Any, Any]:
+    """An 8-bit torch dtype -> its quantized dtype (``quantize_per_tensor``'s integers), made at
+    the first call: torch is imported only when a route runs."""
     import torch
 
     # torch's deprecation of its quantized tensors, as int8_qlinear's routes filter it
     warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_")
     return {torch.uint8: torch.quint8, torch.int8: torch.qint8}
-
-
-class _Lazy(dict):
-    """``_quantized()`` made at first use: torch is imported only when a route runs."""
-
-    def get(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
-        if not self:
-            self.update(_quantized())
-        return super().get(key, default)
-
-
-_QUANTIZED = _Lazy()
-"""An 8-bit torch dtype -> its quantized dtype (``quantize_per_tensor``'s integers)."""
