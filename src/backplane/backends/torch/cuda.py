@@ -37,6 +37,7 @@ from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda_host import warm_up
 from backplane.backends.torch.cuda_predicates import with_host_predicates  # noqa: F401  # GpuAcc's
+from backplane.backends.torch.gpu_compile import COMPILERS, compiled, compiler_of  # noqa: F401
 from backplane.backends.torch.gpu_fusion import Step, inner_steps
 from backplane.backends.torch.gpu_host_chain import host_chain_workload, host_chained
 from backplane.backends.torch.gpu_layernorm import fused_layer_norms
@@ -180,46 +181,6 @@ def channels_last(options: Any, reduced: Any) -> bool:
     if isinstance(choice, bool):
         return choice
     raise OptionError(f"GpuAcc.channels_last {choice!r} is not one of auto, True, False")
-
-
-COMPILERS = ("none", "inductor")
-"""``GpuAcc.compile``: "none" (the default) runs each captured subgraph's layers kernel by kernel
-inside its CUDA graph; "inductor" traces the subgraph, for its static shapes, into one graph of
-torch operations (``make_fx``: every Python decision of the kernels taken once, as the capture takes
-it) and compiles that with TorchInductor (``torch.compile``): elementwise chains, normalizations and
-activations fused into Triton kernels, matmuls and convolutions left to cuBLAS and cuDNN, attention
-patterns onto scaled-dot-product attention. The compiled graph is then captured as before. It costs
-seconds to tens of seconds per subgraph at load, which inductor's own on-disk cache (keyed by the
-traced graph) shortens on the next load. A subgraph inductor cannot compile runs uncompiled, with a
-warning that names it."""
-
-
-def compiler_of(options: Any) -> str:
-    """``GpuAcc.compile``'s value, or an error that lists the choices."""
-    choice = options.get("GpuAcc.compile", "none")
-    if choice not in COMPILERS:
-        raise OptionError(f"GpuAcc.compile {choice!r} is not one of {', '.join(COMPILERS)}")
-    return choice
-
-
-def compiled(run_layers: Callable[..., list[Any]], static: Sequence[Any], compiler: str,
-             name: str) -> Callable[..., list[Any]]:
-    """``run_layers`` compiled by ``compiler`` for the shapes of ``static`` (``COMPILERS``), and run
-    once on them; ``run_layers`` itself where the compiler is "none" or fails."""
-    if compiler == "none":
-        return run_layers
-    import torch
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    try:
-        traced = make_fx(run_layers, tracing_mode="real")(*static)
-        function = torch.compile(traced, fullgraph=True, dynamic=False)
-        function(*static)  # compiles now, at load, not in the first run
-    except Exception as exc:  # noqa: BLE001  # any failure: the layers run uncompiled
-        log.warning("%s: %s could not compile it (%s: %s); it runs uncompiled", name, compiler,
-                    type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
-        return run_layers
-    return lambda *values: list(function(*values))
 
 
 @contextlib.contextmanager
