@@ -65,6 +65,23 @@ def test_a_traced_upload_becomes_a_device_constant() -> None:
     assert y.shape == (2, 3) and y.device.type == "meta"
 
 
+def test_an_upload_written_into_stays_a_copy_at_each_call() -> None:
+    """Made once, a tensor written in place would carry one call's writes into the next."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from backplane.backends.torch.gpu_compile import uploads_folded
+
+    def run(x: object) -> list:
+        b = torch.from_numpy(WEIGHT[0]).to(x.device)  # type: ignore[attr-defined]
+        b.add_(x[0, :3])  # type: ignore[index]
+        c = torch.from_numpy(WEIGHT[1]).to(x.device)  # type: ignore[attr-defined]
+        c.view(1, 3).mul_(2)
+        return [b + c]
+
+    folded = uploads_folded(make_fx(run, tracing_mode="real")(torch.empty(2, 4, device="meta")))
+    assert len(_uploads(folded)) == 2
+
+
 def test_a_host_graph_is_left_as_it_is() -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -58,7 +58,9 @@ def uploads_folded(traced: Any) -> Any:
     (``torch.from_numpy(b).to(device)``, kept for later calls: gpu_int8's MatMulInteger) is traced
     in that first run, as a host constant and its copy. Compiled so, gpt_dynquant_ort15 (nine
     MatMulIntegers) made 10 copies from pageable memory a run and no graph launch: its capture
-    failed and it ran uncaptured, 1.37 ms a run against 0.16 uncompiled (H100 machine)."""
+    failed and it ran uncaptured, 1.37 ms a run against 0.16 uncompiled (H100 machine). A copy
+    that an op writes into (in place, or through a view) stays: made once, it would carry one
+    call's writes into the next."""
     import torch
 
     aten = torch.ops.aten
@@ -75,7 +77,7 @@ def uploads_folded(traced: Any) -> Any:
             source = source.args[0]
         value = getattr(traced, source.target, None) if getattr(source, "op", "") == "get_attr" \
             else None
-        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or _written(node):
             continue
         for step in (*reversed(chain), node):
             value = step.target(value, **step.kwargs)
@@ -102,3 +104,22 @@ def _on_host(node: Any) -> bool:
 
     device = node.kwargs.get("device")
     return device is None or torch.device(device).type == "cpu"
+
+
+def _written(node: Any) -> bool:
+    """Whether a traced op writes into ``node``'s tensor: an argument its schema marks written
+    (in place, ``out=``) is it or a view of it (an op whose result aliases its input, followed);
+    an op without a schema, or the graph's output (its reader's to write), is taken as writing."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if user.op != "call_function" or schema is None:
+            return True
+        passed = [(a, v) for a, v in zip(schema.arguments, user.args)] + \
+            [(a, user.kwargs[a.name]) for a in schema.arguments if a.name in user.kwargs]
+        for argument, value in passed:
+            if value is node and argument.alias_info is not None:
+                if argument.alias_info.is_write:
+                    return True
+                if _written(user):  # a view of it: written through that view?
+                    return True
+    return False
