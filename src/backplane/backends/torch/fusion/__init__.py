@@ -59,7 +59,7 @@ from typing import Any
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
-from backplane.backends.torch.fusion import onednn_graph, qdq_chain
+from backplane.backends.torch.fusion import onednn_graph, qdq_chain, qlinear_handoff
 from backplane.backends.torch.fusion import reduced as reduced_precision
 from backplane.backends.torch.fusion.attention import attention_workload, match_attention
 from backplane.backends.torch.fusion.contrib_quant import (
@@ -124,6 +124,7 @@ def fuse(view: SubgraphView, reduced: str | None = None,
     for group, fused in ctx.matches(view.layers, matcher_for):
         views.substitutions.append(Substitution(SubgraphView.of(graph, group), [fused]))
     views.substitutions = qdq_chain.without_unread(views.substitutions, ctx)
+    qlinear_handoff.centred_handoffs(views.substitutions, ctx, int8)
     rest = [layer for layer in view.layers if id(layer) not in ctx.taken]
     ordered = _in_order(view.layers, views.substitutions)
     whole = onednn_graph.wrap(view, graph, ordered, reduced)

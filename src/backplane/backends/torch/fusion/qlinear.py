@@ -386,6 +386,8 @@ def _centring(a: dict[str, Any]) -> Any:
     import torch
 
     x_zero = a["x_zero"]
+    if a.get("takes_centred"):  # float32 integers less x_zero already (``qlinear_handoff``)
+        return lambda x: x
     if a["into"] is None:  # integers less a float32 tensor of one axis: float32, in one call
         zero = torch.full((1,), x_zero)  # (a casting loop: from PASSES_FROM values two passes)
         return lambda x: x.to(torch.float32).sub_(x_zero) \
@@ -409,6 +411,8 @@ def _finisher(a: dict[str, Any]) -> Any:
     from backplane.backends.torch.backend import _numpy_to_torch
 
     y_zero, low, high = a["y_zero"], a["y_low"], a["y_high"]
+    if a.get("hands_centred"):  # the integers less y_zero, to readers that take them so
+        return _centred_grid(a)
     if a["back"] is None:
         dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
         return lambda acc: integers(acc, y_zero, low, high, dtype)
@@ -464,14 +468,16 @@ def _residual_finisher(a: dict[str, Any]) -> Any:
     zero, low, high = r["sum_zero"], a["y_low"], a["y_high"]
     dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
     scale = float(np.float32(r["sum_scale"]))
+    handing = bool(a.get("hands_centred"))  # the sum's integers less its zero point, as they are
 
     def add(y, other):
         y = y.add_(shift) if shift else y
         centred = other.to(torch.float32).sub_(zero_value) if other.is_cuda or \
             other.numel() >= PASSES_FROM else torch.sub(other, other_zero)  # as ``_centring``
         total = torch.add(y.mul_(mine), centred, alpha=other_ratio)
-        if r.get("dequantized"):
-            return total.round_().clamp_(low - zero, high - zero).mul_(scale)
+        if r.get("dequantized") or handing:
+            grid = total.round_().clamp_(low - zero, high - zero)
+            return grid if handing else grid.mul_(scale)
         return integers(total, zero, low, high, dtype)
     return add
 
