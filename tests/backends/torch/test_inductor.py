@@ -51,11 +51,11 @@ class SmallBlock(torch.nn.Module):
     """A transformer's feed-forward half and a softmax over the tokens' features: one Traced
     partition without convolutions."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 16, hidden: int = 32) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.norm, self.up = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32)
-        self.down = torch.nn.Linear(32, 16)
+        self.norm, self.up = torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
 
     def forward(self, x):
         y = x + self.down(torch.relu(self.up(self.norm(x))))
@@ -69,11 +69,13 @@ def _exported(module: torch.nn.Module, shape: tuple[int, ...]) -> bytes:
     return buffer.getvalue()
 
 
-def _session(model: bytes, tmp_path, monkeypatch: pytest.MonkeyPatch) -> InferenceSession:
+def _session(model: bytes, tmp_path, monkeypatch: pytest.MonkeyPatch,
+             **options: object) -> InferenceSession:
     """An "inductor" session without the route cache, inductor's code compiled into ``tmp_path``
-    (not the user's cache folder)."""
+    (not the user's cache folder); ``options`` more CpuAcc options (``threads=2``)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    options = {"CpuAcc.route_cache": False, "CpuAcc.compile": "inductor"}
+    options = {"CpuAcc.route_cache": False, "CpuAcc.compile": "inductor",
+               **{f"CpuAcc.{k}": v for k, v in options.items()}}
     return InferenceSession(model, backends=["CpuAcc", "CpuRef"],
                             runtime=Runtime(RuntimeOptions(backend_options=options)))
 
@@ -101,6 +103,26 @@ def test_a_subgraph_compiled_by_inductor_gives_cpurefs_values_and_keeps_nan(
     assert np.isnan(want[0, 3]).all() and not np.isnan(np.delete(want, 3, axis=1)).any()
     assert np.array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)  # NaN where CpuRef has it
+
+
+@pytest.mark.slow  # a minute of g++ on a busy 2-core machine
+@needs_compiler
+def test_small_loops_compiled_for_two_threads_are_no_openmp_regions(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 2 threads inductor's fused loops over 64 x 64 and 64 x 128 values (a norm, a ReLU, a
+    softmax) are plain loops, not OpenMP regions that wait for a second thread on a busy machine
+    (``inductor.CONFIG``'s ``cpp.min_chunk_size``; inductor's default of 512 values a thread made
+    them regions)."""
+    model = _exported(SmallBlock(64, 128), (1, 64, 64))
+    session = _session(model, tmp_path, monkeypatch, threads=2)
+    x = np.random.default_rng(1).standard_normal((1, 64, 64)).astype(np.float32)
+    (got,) = session.run(None, {"x": x})
+    assert _partition_work(session).route == "inductor"
+    sources = [path.read_text() for path in tmp_path.rglob("*.cpp")]
+    assert any("cpp_fused" in text for text in sources)  # its fused loops are there
+    assert not any("omp parallel" in text for text in sources)
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 @needs_compiler

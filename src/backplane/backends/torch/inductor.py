@@ -11,8 +11,9 @@ into it (``freezing``). On this project's AVX2 EPYC at 1 thread (thread CPU a ru
 alternating in one process, load 7-10) that took ``gpt_causal_ts15`` 0.47 -> 0.32 ms and
 ``encoder4_plain_dyn18`` 0.76-0.99 of before; with convolutions or LSTMs it lost, and
 its fused ReLU dropped NaN. At 2 threads on that busy machine it lost too (``gpt_causal_ts15``
-3.7 times the default's wall time at load 2.6-3.9): each fused loop is an OpenMP region that waits
-for a preempted thread. A partition costs 40-100 s of inductor and g++ on that machine, and
+3.7 times the default's wall time at load 2.6-3.9): inductor made each fused loop of 512 values a
+thread or more an OpenMP region, each waiting for a preempted thread; regions start at ATen's
+32,768 now (``CONFIG``). A partition costs 40-100 s of inductor and g++ on that machine, and
 about as long with a warm cache (its FX graph cache is bypassed for frozen oneDNN weights; only
 the compiled C++ is reused). docs/torch-backends.md, "TorchInductor's C++ backend", has the
 table. Inductor's cache goes under backplane's cache folder
@@ -42,10 +43,17 @@ from backplane.ir.graph import Layer, TensorInfo
 PARTITIONS = ("OneDnnGraph", "Traced")
 """The fused layers "inductor" takes: the partitions oneDNN Graph or a trace would run, those
 without convolutions and recurrent layers (``CONVOLUTIONS``, ``RECURRENT``) compiled."""
-CONFIG = {"freezing": True, "cpp_wrapper": True}
+CONFIG = {"freezing": True, "cpp_wrapper": True, "cpp.min_chunk_size": 32768}
 """Inductor's settings: the weights constants of the compiled code (convolutions and products on
 prepacked weights), the calls made from C++ (at 1 thread, ``gpt_causal_ts15``'s partition took
-0.11-0.20 ms a call with the C++ wrapper, 0.23-0.40 with the Python one, load 8-9)."""
+0.11-0.20 ms a call with the C++ wrapper, 0.23-0.40 with the Python one, load 8-9), and a fused
+loop an OpenMP region only from 32,768 values a thread (ATen's own grain, ``at::internal::
+GRAIN_SIZE``; inductor's default is 512). Each region is compiled for the thread count of the
+load (``num_threads(2)``), which no call can lower, and on a busy machine each waits for its
+preempted second thread: ``gpt_causal_ts15`` at 2 threads (its two GELU loops of 8 x 128 were
+regions) ran 33.5 ms a call (median wall; p10 2.9), with this 1.76 (p10 1.06); encoder_padmask_dyn17
+2.09 -> 1.92 (load 7-10, this 2-core AMD EPYC). At 1 thread inductor makes no region either way:
+the same code."""
 
 
 class CompilerMissing(RuntimeError):
