@@ -126,6 +126,25 @@ def test_a_loop_on_data_runs_its_iterations_as_straight_code(backends: list[str]
 
 
 @pytest.mark.parametrize("backends", host_backend_lists())
+def test_a_loop_runs_whole_as_one_function(backends: list[str], monkeypatch) -> None:
+    """Without a stop, the Loop's driver and its iterations are one function of straight code
+    (builtin/looped.py): no iteration goes through ``Iterations.run``; the same values, NaN in x
+    giving NaN (and a condition false on it) as ONNX Runtime and CpuRef."""
+    from backplane.backends.builtin import bodies
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an iteration ran through Iterations.run")
+
+    monkeypatch.setattr(bodies.Iterations, "run", refused)
+    nan = loop_feeds(6, 0.0)
+    nan["x"][2, 1, 3] = np.nan
+    session = agrees(loop_model(), [*LOOP_FEEDS, nan], backends)
+    whole = workload_of(session, "Loop").whole
+    assert whole.__code__.co_filename == STRAIGHT and "while keep_going" in whole.source
+    assert np.isnan(session.run(None, nan)[0]).any()
+
+
+@pytest.mark.parametrize("backends", host_backend_lists())
 def test_under_a_stop_the_same_loop_runs_through_the_run_loop(backends: list[str]) -> None:
     """A run with a time limit asks before each step: the steps run by ``run_steps``, with the
     same results."""

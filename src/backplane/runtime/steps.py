@@ -312,16 +312,7 @@ def compiled(steps: Sequence[Step], moves: Sequence[tuple[int, Sequence[int]]] =
         return f"v{slot}"
 
     for index, step in enumerate(steps):
-        args = ", ".join(map(read, step.inputs))
-        names = [f"v{slot}" if slot != NONE_SLOT else "_" for slot in step.outputs]
-        if step.convert is not None:
-            namespace[f"c{index}"] = step.convert
-            line = f"{names[0]} = c{index}({args})"
-        else:
-            namespace[f"w{index}"] = step.workload
-            call = f"w{index}({args})"
-            line = (call if not names else f"{names[0]} = {call}[0]" if len(names) == 1
-                    else f"{', '.join(names)} = _outputs({call}, {len(names)})")
+        line = step_line(step, str(index), read, namespace)
         line_of_step[len(body)] = step
         body.append("        " + line)
         for slot in step.outputs:
@@ -347,6 +338,20 @@ def compiled(steps: Sequence[Step], moves: Sequence[tuple[int, Sequence[int]]] =
     namespace["_failed_step"] = lambda exc: _step_at(exc, steps_at)
     exec(compile(source, "<backplane steps>", "exec"), namespace)  # noqa: S102  # slot numbers only
     return namespace["run"]  # type: ignore[no-any-return]
+
+
+def step_line(step: Step, key: str, read: Callable[[int], str], namespace: dict[str, Any]) -> str:
+    """``step`` as one line of straight code over ``v<slot>`` variables (``read`` names an input),
+    its workload or handover put in ``namespace`` under a name made of ``key``."""
+    args = ", ".join(map(read, step.inputs))
+    names = [f"v{slot}" if slot != NONE_SLOT else "_" for slot in step.outputs]
+    if step.convert is not None:
+        namespace[f"c{key}"] = step.convert
+        return f"{names[0]} = c{key}({args})"
+    namespace[f"w{key}"] = step.workload
+    call = f"w{key}({args})"
+    return (call if not names else f"{names[0]} = {call}[0]" if len(names) == 1
+            else f"{', '.join(names)} = _outputs({call}, {len(names)})")
 
 
 def _outputs(results: Sequence[Any], count: int) -> tuple[Any, ...]:

@@ -154,6 +154,25 @@ class IteratedBody:
         self.rest_call = compiled(self.rest, moves, returns)
         self.layer_of = {id(step.workload): layer for step, layer in zip(steps, layers)}
 
+    def slots(self, carried: Sequence[Any], captured: Sequence[Any]) -> list[Any]:
+        """A call's slot list: the template, the captured values and the carried ones put in."""
+        env = list(self.template)
+        for slot, value in zip(self.captured_slots, captured):
+            env[slot] = value
+        for slot, value in zip(self.carried_slots, carried):
+            env[slot] = value
+        return env
+
+    def finished(self, values: Sequence[Any], stop: Any = None) -> list[Any]:
+        """The carried ``values`` after the last iteration, each in host memory as the body gives
+        it (a value kept in a backend's memory brought to the host by its output glue)."""
+        final = []
+        for carried, value in zip(self.state, values):
+            if carried.final is not None:
+                value = self.to_host(carried, value, stop)
+            final.append(np.asarray(value) if isinstance(value, np.generic) else value)
+        return final
+
     def start(self, carried: Sequence[Any], captured: Sequence[Any]) -> Iterations:
         """The iterations of one call, from the carried values' initial values."""
         if self.plain:
@@ -197,11 +216,7 @@ class Iterations:
     def __init__(self, body: IteratedBody, carried: Sequence[Any], captured: Sequence[Any]) -> None:
         self.body, self.count, self.stop = body, 0, STOP.get()
         self.values = list(carried)  # the carried values after the last iteration
-        self.env = env = list(body.template)
-        for slot, value in zip(body.captured_slots, captured):
-            env[slot] = value
-        for slot, value in zip(body.carried_slots, carried):
-            env[slot] = value
+        self.env = body.slots(carried, captured)
 
     def __enter__(self) -> Iterations:
         # the body's memory managers are held from its load to its unload (LoadedNetwork)
@@ -241,12 +256,7 @@ class Iterations:
         """The carried values after the last iteration, each in host memory as the body gives it."""
         if not self.count:
             return self.values
-        final = []
-        for carried, value in zip(self.body.state, self.values):
-            if carried.final is not None:  # kept in a backend's memory: brought to the host
-                value = self.body.to_host(carried, value, self.stop)
-            final.append(np.asarray(value) if isinstance(value, np.generic) else value)
-        return final
+        return self.body.finished(self.values, self.stop)
 
 
 class PlainIterations(Iterations):

@@ -54,12 +54,24 @@ def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInf
     """ONNX Loop: run ``body`` while the trip count allows and its condition holds. ``body``'s
     formal inputs: the iteration number, the condition, the carried values; its outputs: the
     condition, the carried values, the scan outputs."""
+    from backplane.backends.builtin.looped import looped
+    from backplane.runtime.loaded_network import STOP, StepFailure
+
     reads_i, reads_cond = body.reads(0), body.reads(1)
+    whole = None if body.plain or body.renew else looped(body, reads_i, reads_cond)
 
     def loop(trip_count: Any, cond: Any, *rest: Any) -> tuple[Any, ...]:
         max_trips = None if trip_count is None else int(np.asarray(trip_count).reshape(-1)[0])
         keep_going = True if cond is None else _bool(cond)
-        scans: list[list[Any]] = [[] for _ in scan_infos]
+        if whole is not None and STOP.get() is None:  # the whole Loop as straight code (looped.py)
+            try:
+                count, values, scans = whole(body.slots(rest[:n_carried], rest[n_carried:]),
+                                             max_trips, keep_going)
+            except StepFailure as failure:
+                raise body.failure(failure) from failure.error
+            carried = body.finished(values) if count else list(rest[:n_carried])
+            return (*carried, *(_stack(values, info) for values, info in zip(scans, scan_infos)))
+        scans = [[] for _ in scan_infos]
         i = 0
         with body.start(rest[:n_carried], rest[n_carried:]) as iterations:
             while keep_going and (max_trips is None or i < max_trips):
@@ -79,6 +91,7 @@ def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInf
         return (*carried, *(_stack(values, info) for values, info in zip(scans, scan_infos)))
 
     loop.iterated = body  # type: ignore[attr-defined]  # how it iterates, for the tests
+    loop.whole = whole  # type: ignore[attr-defined]  # the whole Loop's code, where it has one
     return loop
 
 
