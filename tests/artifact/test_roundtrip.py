@@ -77,7 +77,7 @@ def test_loading_needs_no_model_and_no_support_query(tmp_path: Path,
     session = InferenceSession(artifact)
     for a, b in zip(session.run(None, feeds), expected):
         assert a.tobytes() == b.tobytes()
-    assert session.report.counts() == {"CpuRef": 85}
+    assert session.report.counts() == {"CpuRef": 84}  # its Cast of float32 to float32 dropped
 
 
 def test_constants_are_stored_once_and_mapped(tmp_path: Path) -> None:

@@ -59,3 +59,28 @@ def test_folded_shape_computations_give_static_shapes() -> None:
     assert session.optimized.graph.info("y").shape == (24,)
     x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4)
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], np.maximum(x.reshape(-1), 0))
+
+
+def test_a_cast_to_its_inputs_own_type_is_dropped() -> None:
+    """Cast of a bool comparison to bool, and of float32 to float32, reads its input as it is (a
+    Loop body's per iteration); a cast to another type stays; a Cast giving a graph output keeps
+    its layer (the output is the caller's own array). NaN passes through as ONNX Runtime's."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["gt"], name="gt"),
+             helper.make_node("Cast", ["gt"], ["gt_b"], name="same_bool", to=TensorProto.BOOL),
+             helper.make_node("Cast", ["x"], ["x_f"], name="same_float", to=TensorProto.FLOAT),
+             helper.make_node("Where", ["gt_b", "x_f", "zero"], ["w"], name="where"),
+             helper.make_node("Cast", ["w"], ["y"], name="to_double", to=TensorProto.DOUBLE),
+             helper.make_node("Cast", ["x"], ["z"], name="out_same", to=TensorProto.FLOAT)]
+    model = make_model(nodes, [float_input("x", [2, 3])],
+                       [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [2, 3]),
+                        float_input("z", [2, 3])],
+                       [numpy_helper.from_array(np.float32(0.0), "zero")])
+    session = InferenceSession(model, ["CpuRef"])
+    names = {layer.name for layer in session.optimized.graph.layers}
+    assert "same_bool" not in names and "same_float" not in names
+    assert {"to_double", "out_same"} <= names
+    x = np.array([[1, -2, np.nan], [0, 3, -0.5]], np.float32)
+    y, z = session.run(None, {"x": x})
+    np.testing.assert_array_equal(y, np.where(x > 0, x, 0).astype(np.float64))
+    np.testing.assert_array_equal(z, x)
+    assert not np.shares_memory(z, x)

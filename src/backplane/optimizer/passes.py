@@ -90,6 +90,8 @@ def _is_identity(layer: Layer, graph: Graph) -> bool:
         return False
     if layer.op_type == "Identity":
         return graph.info(layer.inputs[0]).dtype is not None  # sequences keep their Identity
+    if layer.op_type == "Cast":  # to the type its input has: the values as they are
+        return _casts_to_itself(layer, graph)
     if layer.op_type != "Dropout":
         return False
     mask_used = len(layer.outputs) > 1 and bool(layer.outputs[1])
@@ -97,6 +99,21 @@ def _is_identity(layer: Layer, graph: Graph) -> bool:
     in_training = bool(training) and (training not in graph.constants
                                       or bool(np.asarray(graph.constants[training])))
     return not mask_used and not in_training
+
+
+def _casts_to_itself(layer: Layer, graph: Graph) -> bool:
+    """Whether ``layer`` (a Cast) casts to its input's own element type, known (a Loop body's Cast of
+    a comparison's bool to bool, run per iteration); never for strings or a type NumPy lacks."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    dtype = graph.info(layer.inputs[0]).dtype
+    to = layer.attrs.get("to")
+    if dtype is None or to is None or dtype == object:
+        return False
+    try:
+        return bool(tensor_dtype_to_np_dtype(int(to)) == dtype)
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def remove_dead_layers(graph: Graph) -> Graph:
