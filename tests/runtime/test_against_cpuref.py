@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,27 @@ def test_a_loop_free_in_its_length_is_timed_at_its_first_run(monkeypatch) -> Non
     assert "the first run's inputs" in session.report.measurements[0].note
     _same_as_cpuref(session, LOOP)
     assert len(given) == 1
+
+
+def test_the_limit_is_read_on_the_calling_threads_cpu(monkeypatch) -> None:
+    """Runs made slow in wall time alone (each waits 6 ms, asleep: what a preempted run on a busy
+    machine looks like) are not work enough: cond_nested_dyn18 is still timed against CpuRef at
+    the rule's own limit (5 ms), and CpuRef's placement kept."""
+    from backplane.runtime.runtime import Runtime
+
+    monkeypatch.setattr(against_cpu, "CONTROL_FLOW",
+                        dataclasses.replace(against_cpu.CONTROL_FLOW, limit_ms=5.0))
+    run = Runtime.run
+
+    def asleep(self, *args, **kwargs):
+        time.sleep(0.006)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "run", asleep)
+    given = _timed(monkeypatch, placed_ms=0.05, other_ms=0.02)
+    session = InferenceSession(str(COND), providers=AUTO)
+    assert len(given) == 1 and session.report.counts() == {"CpuRef": 15, "builtin": 2}
+    _same_as_cpuref(session, COND)
 
 
 def test_the_compile_cache_keeps_what_was_timed(tmp_path, monkeypatch) -> None:
