@@ -33,6 +33,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   passing 8-bit integers from one to the next (``qdq_chain``).
 - GELU written out with Erf where no Linear takes it (dynamo's erf form, after a convolution or
   a norm): one ``GeluChain``, torch's GELU, where this CPU's keeps +Inf unmended (``gelu``).
+- A group norm as exporters write it, Reshape -> InstanceNormalization -> Reshape [-> Mul]
+  [-> Add]: one ``GroupNorm``, torch's group_norm and one addcmul (``group_norm``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
@@ -71,6 +73,7 @@ from backplane.backends.torch.fusion.contrib_quant import (
 from backplane.backends.torch.fusion.conv import conv_workload, match_conv
 from backplane.backends.torch.fusion.host_chain import host_chain_workload
 from backplane.backends.torch.fusion.gelu import gelu_workload, or_else
+from backplane.backends.torch.fusion.group_norm import group_norm_workload, match_group_norm
 from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
 from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
@@ -168,7 +171,8 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::DynamicQuantizeMatMul": match_dynamic_quantize_matmul,
     "com.microsoft::MatMulNBits": match_mat_mul_n_bits,
     "Div": or_else(match_linear), "Mul": or_else(match_linear),
-    "Add": match_hardswish, "ReduceMean": match_layer_norm, "DequantizeLinear": match_lookup,
+    "Add": match_hardswish, "ReduceMean": match_layer_norm,
+    "Reshape": qdq_chain.first_of(match_group_norm, match_linear), "DequantizeLinear": match_lookup,
     "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup,
     "Softmax": match_attention, "com.microsoft::SkipLayerNormalization": match_skip_layer_norm,
     "com.microsoft::FusedMatMul": then_quant_dequant(with_ort_gelu(match_fused_matmul))}
@@ -190,4 +194,4 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "Lookup": lookup_workload,
     "FiniteHardSigmoid": finite_hard_sigmoid_workload,
     "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload,
-    "WindowedConv": windowed_conv_workload}
+    "WindowedConv": windowed_conv_workload, "GroupNorm": group_norm_workload}

@@ -67,7 +67,8 @@ cond_nested_dyn18's 4-layer Linear partition ran 0.064 ms a run traced against 0
 encoder4_plain_dyn18 1.05 against 0.52, load 4-5)."""
 FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "LinearSiblings", "SqueezeExcite",
                              "QuantDequant", "QLinearConv", "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
-                             "GeluChain", "Lookup", "ScaledDotAttention", "WindowedConv"})
+                             "GeluChain", "Lookup", "ScaledDotAttention", "WindowedConv",
+                             "GroupNorm"})
 """The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
 NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
                                "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
