@@ -110,7 +110,7 @@ def test_the_corpus_taggers_trace_has_no_split() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as ran:
         got = session.run(None, feeds)
     names = {event.name for event in ran.events()}
-    assert "aten::linear" in names or "aten::addmm" in names  # the trace ran
+    assert names & {"aten::mm", "aten::_addmm_activation"}  # the trace ran (its products)
     assert not {"aten::split_with_sizes", "aten::split"} & names
     for value, want in zip(got, ort_outputs(path, feeds)):
         np.testing.assert_allclose(value, want, rtol=0, atol=1e-5)

@@ -166,7 +166,7 @@ def _split_as_narrows(graph: Any) -> list[tuple[Any, Any]]:
     made = []
     for unpack in list(graph.nodes()):
         split = unpack.inputsAt(0).node() if unpack.kind() == "prim::ListUnpack" else None
-        if split is None or split.kind() not in SPLITS or not _fresh(split.inputsAt(0).node()):
+        if split is None or split.kind() not in SPLITS or not _fresh_viewed(split.inputsAt(0)):
             continue
         root, sizes, axis = split.inputsAt(0), _ints(split.inputsAt(1)), split.inputsAt(2).toIValue()
         parts = list(unpack.outputs())
@@ -197,6 +197,16 @@ def _ints(value: Any) -> Any:
         items = [v.toIValue() for v in node.inputs()]
         return items if all(isinstance(i, int) for i in items) else None
     return value.toIValue()
+
+
+def _fresh_viewed(value: Any) -> bool:
+    """Whether ``value`` is a ``FRESH`` result or a chain of views of one (a product's rows
+    viewed back in the input's batch shape, ``linear._flat_linear``)."""
+    from backplane.backends.torch.fusion.static_sizes import _view as view
+
+    while view(value.node()):
+        value = value.node().inputsAt(0)
+    return _fresh(value.node())
 
 
 def _fresh(node: Any) -> bool:
