@@ -88,3 +88,49 @@ def test_nan_in_nan_out(cells: Counter) -> None:
 def test_every_fused_kernel_has_a_cell() -> None:
     assert set(recurrent.STEP_CELLS) == {"lstm", "gru", "rnn_tanh", "rnn_relu"}
     assert set(GATES) == {"RNN", "GRU", "LSTM"}
+
+
+@pytest.mark.parametrize("name, gates", [("gru", 3), ("rnn_tanh", 1)])
+@pytest.mark.parametrize("dirs", [1, 2])
+def test_a_traced_cell_on_a_constant_state(name: str, gates: int, dirs: int) -> None:
+    """A one-step layer traced and frozen whose initial state the freeze folds (absent in the
+    model: zeros): TorchScript's optimized graph of ``gru_cell`` updated the state's folded
+    product in place, and from the second call on the cell computed from other values (so the
+    trace's check sent the partition layer by layer)."""
+    import torch
+
+    from backplane.backends.torch.kernels import recurrent_fused
+
+    rng = torch.Generator().manual_seed(3)
+    hidden, width = 20, 12
+    params = []
+    for _ in range(dirs):
+        params += [torch.randn(gates * hidden, width, generator=rng) * 0.3,
+                   torch.randn(gates * hidden, hidden, generator=rng) * 0.3,
+                   torch.randn(gates * hidden, generator=rng) * 0.3,
+                   torch.randn(gates * hidden, generator=rng) * 0.3]
+    cell = recurrent.STEP_CELLS[name]
+
+    def step(x: Any) -> Any:
+        zeros = torch.zeros(dirs, 1, hidden)  # a constant of the trace
+        y, (h,) = recurrent_fused.one_step(cell, x, params, True, [zeros], 0)
+        return y, h
+
+    x = torch.randn(1, 1, width, generator=rng)
+    with torch.no_grad():
+        frozen = torch.jit.freeze(_traced(step, x))
+        want = step(x)
+        for _ in range(4):
+            got = frozen(x)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+def _traced(function: Any, x: Any) -> Any:
+    import torch
+
+    class Step(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return function(x)
+
+    return torch.jit.trace(Step().eval(), [x])

@@ -48,6 +48,8 @@ def one_step(cell: Callable[..., Any], X: torch.Tensor, params: list[torch.Tenso
     per = 4 if has_bias else 2
     finals: list[list[torch.Tensor]] = [[] for _ in states]
     packed = traced_lstm_weights(params, per) if len(states) == 2 else None
+    if packed is None and torch.jit.is_tracing():
+        states = [s if _from_inputs(s) else _unfolded(s) for s in states]
     for d in range(len(params) // per):
         weights = params[d * per:(d + 1) * per] + ([None, None] if not has_bias else [])
         carried = [s.select(layout, d) for s in states]  # (batch, hidden)
@@ -62,6 +64,36 @@ def one_step(cell: Callable[..., Any], X: torch.Tensor, params: list[torch.Tenso
     # Y (1, dirs, batch, hidden), or (batch, 1, dirs, hidden): a copy, not a view of Y_h (each
     # output is the caller's alone)
     return final[0].unsqueeze(layout).clone(), final
+
+
+def _unfolded(state: torch.Tensor) -> torch.Tensor:
+    """``state``'s values in a tensor a frozen trace makes at each call, never one of its
+    constants. Why: where torch's cell takes a state that the freeze folds (a GRU's initial state
+    absent or constant in the model), TorchScript's optimized graph computes the state's product
+    once, as constants, and then updates them in place (the decomposed ``gru_cell``'s ``add_``,
+    ``sigmoid_``, ``mul_``): from the second call on the cell starts from other values (torch
+    2.13), the trace's check finds it computing otherwise, and the partition ran layer by layer.
+    Two ops (an allocation is never folded)."""
+    return state.new_empty(state.shape).copy_(state)
+
+
+def _from_inputs(value: torch.Tensor) -> bool:
+    """Whether the trace computes ``value`` from one of its inputs (else its freeze folds it: a
+    state made in the trace, or a constant). Where the tracer cannot tell, False."""
+    try:
+        todo = [torch._C._get_value_trace(value)]
+    except (AttributeError, RuntimeError):
+        return False
+    seen = set()
+    while todo:
+        traced = todo.pop()
+        node = traced.node()
+        if node.kind() == "prim::Param":
+            return True
+        if traced.unique() not in seen:
+            seen.add(traced.unique())
+            todo.extend(node.inputs())
+    return False
 
 
 _STEP_WEIGHTS = WeakIdKeyDictionary()
