@@ -215,3 +215,41 @@ def test_cpuacc_workloads_are_governed_by_default_and_not_with_a_count(monkeypat
         assert not any(isinstance(w, Governed) for w in _steps(fixed))
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_specialized_build_at_a_run_ticks_through_its_layer_alone(monkeypatch) -> None:
+    """Under the policy, a Specialized layer (a free batch) ticks the governor before its call;
+    the workloads its signature's build makes at the first run are not wrapped to tick again (the
+    full-tier VAD's run ticked twice). Values: CpuRef's, NaN where CpuRef has it."""
+    pytest.importorskip("torch")
+    from onnx import helper, numpy_helper
+
+    from backplane import InferenceSession
+    from tests.conftest import float_input, make_model
+
+    made: list[object] = []
+
+    class Recorded(Governed):
+        __slots__ = ()
+
+        def __init__(self, work, governor) -> None:
+            made.append(work)
+            super().__init__(work, governor)
+
+    monkeypatch.setattr(threads, "Governed", Recorded)
+    weight = np.random.default_rng(1).standard_normal((4, 5)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                        helper.make_node("Relu", ["h"], ["r"]),
+                        helper.make_node("Tanh", ["r"], ["y"])],
+                       [float_input("x", ["n", 4])], [float_input("y", ["n", 5])],
+                       [numpy_helper.from_array(weight, "W")]).SerializeToString()
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"])
+    at_load = len(made)
+    assert at_load >= 1
+    x = np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32)
+    x[1, 2] = np.nan
+    (got,) = session.run(None, {"x": x})
+    assert len(made) == at_load
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.isnan(got[1]).all() and not np.isnan(got[[0, 2]]).any()

@@ -184,11 +184,14 @@ class TorchContext(BackendContext):
 
 class CpuWorkloadFactory(TorchWorkloadFactory):
     """Under the thread policy (``CpuAcc.threads`` "auto"), each workload ticks the governor
-    before its call: the threads follow the machine's load between calls."""
+    before its call: the threads follow the machine's load between calls. Not the workloads of a
+    Specialized layer's build (made at its run, ``traced.AT_RUN``): the Specialized layer's own
+    workload ticks before it calls them (the full-tier VAD's run ticked twice, a frame each)."""
 
     def create_workload(self, layer: Layer, inputs: Sequence[TensorInfo],
                         outputs: Sequence[TensorInfo]) -> Workload:
         from backplane.backends.torch import background, threads as policy
+        from backplane.backends.torch.fusion.traced import AT_RUN
 
         if layer.domain == FUSED_DOMAIN and background.wanted(self.backend):
             made = background.deferred(
@@ -197,7 +200,8 @@ class CpuWorkloadFactory(TorchWorkloadFactory):
         else:
             made = super().create_workload(layer, inputs, outputs)
         workload = _writing_into(made, layer, inputs, outputs)
-        if policy.thread_setting(self.backend.options.get("CpuAcc.threads")) is not None:
+        if policy.thread_setting(self.backend.options.get("CpuAcc.threads")) is not None \
+                or AT_RUN.get():
             return workload
         return policy.Governed(workload, policy.governor())
 
