@@ -103,3 +103,31 @@ def test_a_row_masked_throughout_stays_nan() -> None:
     q, kt, v = (torch.randn(B, H, L, E), torch.randn(B, H, E, L), torch.randn(B, H, L, E))
     (got,) = _workload(None, "add")(q, kt, v, mask)
     assert got[:, :, 2].isnan().all() and not got[:, :, :2].isnan().any()
+
+
+@pytest.mark.parametrize("k, fill", [(1, -math.inf), (1, -3.4028234663852886e38), (0, -1e4),
+                                     (3, -math.inf)])
+def test_a_constant_causal_condition_is_tril_then_the_fill_added(k, fill) -> None:
+    """Over ``TRIL_FROM`` scores or more a constant causal condition (``triu`` of ones from
+    diagonal ``k``) is ``tril_`` and ``add_`` of a constant (ATen's ``masked_fill_`` is a scalar
+    loop); NaN and infinities in masked scores give the fill, as ONNX's Where does; a condition of
+    another shape keeps ``masked_fill_``. The values are the explicit ops'."""
+    from backplane.backends.torch.fusion.attention import TRIL_FROM
+
+    heads, length = 4, 32
+    assert heads * length * length >= TRIL_FROM
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), k)
+    other = causal.clone()
+    other[5, 20] = False  # a key kept above the diagonal: not causal
+    run = _workload(("Mul", 0.5), "where", fill)
+    q, kt, v = torch.randn(1, heads, length, E), torch.randn(1, heads, E, length), \
+        torch.randn(1, heads, length, E)
+    kt[0, 1, 2, 9], kt[0, 3, 0, 30], q[0, 2, 4, 1] = math.nan, math.inf, math.nan
+    for condition, tril in ((causal, True), (other, False)):
+        traced = torch.jit.trace(lambda *x, c=condition: run(*x, c)[0], (q, kt, v))
+        kinds = _kinds(traced)
+        assert ("aten::tril_" in kinds) == tril and ("aten::masked_fill_" in kinds) != tril
+        want = _explicit(q, kt, v, ("Mul", 0.5), "where", condition, fill)
+        got = traced(q, kt, v)
+        assert torch.equal(got.isnan(), want.isnan()) and got[0, 2, 4].isnan().all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)

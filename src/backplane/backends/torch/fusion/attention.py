@@ -251,9 +251,49 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
             if condition.dim() > 2 and any(n != 1 for n in condition.shape[:-2]):
                 scores = scores.view(shape).masked_fill_(condition, fill).view(-1, *shape[-2:])
             else:  # one (L, S) condition for every head: a constant's made once
+                constant = trace_constants([mask])
                 with untraced(trace_constants([condition])):
                     condition = condition.reshape(condition.shape[-2:])
-                scores = scores.masked_fill_(condition, fill)
+                causal = _causal(condition, fill, scores) if constant else None
+                if causal is not None:  # the masked values zeroed, then the fill added
+                    scores = scores.tril_(causal[0]).add_(causal[1])
+                else:
+                    scores = scores.masked_fill_(condition, fill)
         out = torch.bmm(torch.softmax(scores, -1), v.reshape(-1, *v.shape[-2:]))
         return (out.view(*shape[:-1], v.shape[-1]),)
     return run
+
+
+TRIL_FROM = 2048
+"""The scores (heads x L x S values) from which a constant causal condition is applied as
+``tril_`` then ``add_`` of a constant holding the fill above the diagonal (``_causal``), not
+``masked_fill_``: ATen's masked fill is a scalar loop (4 x 64 x 64 causal, 1 thread, thread CPU,
+load 8: 47.7 us against 9.9; 4 x 8 x 8: 4.4 against 5.0)."""
+
+
+def _causal(condition: Any, fill: float, scores: Any) -> tuple[int, Any] | None:
+    """(the diagonal ``tril_`` keeps to, the constant to add) where the constant 2-d
+    ``condition`` masks each row from one column on, that column moving one a row (a causal
+    mask: ``triu`` of ones), the ``scores`` have ``TRIL_FROM`` values or more and the fill is not
+    zero; else None. ``tril_`` zeroes the masked values (NaN and infinities too, which the fill
+    replaces in ONNX's Where), and 0 + fill is the fill; an unmasked value plus 0 is itself (a
+    -0 becomes +0, which the softmax reading it alone takes alike)."""
+    import torch
+
+    from backplane.backends.torch.kernels.recurrent_fused import untraced
+
+    if scores.numel() < TRIL_FROM or fill == 0 or condition.dim() != 2 or condition.dtype != torch.bool:
+        return None
+    with untraced(True):
+        rows, columns = condition.shape
+        kept = (~condition).sum(1)  # values kept a row: min(max(i + k, 0), S) for triu(., k)
+        inside = ((kept > 0) & (kept < columns)).nonzero()
+        if not len(inside):
+            return None
+        row = int(inside[0, 0])
+        k = int(kept[row]) - row
+        if not torch.equal(condition, torch.ones(rows, columns, dtype=torch.bool).triu(k)):
+            return None
+        added = torch.zeros(rows, columns, dtype=scores.dtype,
+                            device=scores.device).masked_fill_(condition, fill)
+    return k - 1, added
