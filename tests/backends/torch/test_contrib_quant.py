@@ -219,9 +219,10 @@ def test_qlinear_conv_and_its_residual_add_are_one_layer(split: bool, compile_mo
         assert np.max(np.abs(got[0].astype(np.int32) - ort_run(model, feeds)[0])) <= 4
 
 
-def test_the_residual_layer_survives_an_artifact(tmp_path) -> None:
+@pytest.mark.parametrize("route", ["auto", "onednn"])
+def test_the_residual_layer_survives_an_artifact(tmp_path, route: str) -> None:
     """The fused layer's residual parameters and split weight are stored in a compiled artifact
-    and give the session's outputs when loaded."""
+    and give the session's outputs when loaded; oneDNN's convolution packs the halves joined."""
     import backplane
     from tests.backends.torch.test_quantized_fusion import placed
 
@@ -229,11 +230,11 @@ def test_the_residual_layer_survives_an_artifact(tmp_path) -> None:
     path = tmp_path / "model.onnx"
     onnx.save(model, str(path))
     # "exact": the float route, which reads the split weight (the int8 one takes the int8 weight)
-    backplane.compile(path, [("CpuAcc", {"compile": "layers", "int8": "exact"})],
-                      tmp_path / "model.bpl")
+    options = {"compile": "layers", "int8": "exact", "conv_route": route}
+    backplane.compile(path, [("CpuAcc", options)], tmp_path / "model.bpl")
     loaded = InferenceSession(tmp_path / "model.bpl")
     assert [lay.attrs["split"] for lay in placed(loaded)] == [128, 128]
-    session = InferenceSession(model, backends=[("CpuAcc", {"compile": "layers", "int8": "exact"})])
+    session = InferenceSession(model, backends=[("CpuAcc", options)])
     np.testing.assert_array_equal(loaded.run(None, feeds)[0], session.run(None, feeds)[0])
 
 

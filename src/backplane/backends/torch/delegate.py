@@ -153,6 +153,8 @@ def _packed(entries: dict[str, Any], payload: memoryview, graph: Graph) -> dict[
             raise ArtifactError(f"CpuAcc's blob keeps a packed weight for {name!r}, which is no "
                                 f"fused layer of the partition with a weight")
         sizes = list(layer.attrs["weight"].shape)
+        if layer.attrs.get("split"):  # a QLinearConv's halves, packed joined (``qlinear._scaled``)
+            sizes[0] = layer.attrs["split"]
         dtype = layer.attrs.get("compute") or "float32"
         if not isinstance(entry, dict) or sorted(entry) != sorted(PACKED_KEYS) or \
                 entry["sizes"] != sizes or entry["dtype"] != dtype:
