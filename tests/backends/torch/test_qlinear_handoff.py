@@ -109,3 +109,26 @@ def _nothing():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "layers"])
+def test_a_residual_sum_is_handed_to_both_readings_of_the_next_block(compile_mode: str) -> None:
+    """ONNX Runtime's QOperator residual blocks (x -> QLinearConv -> QLinearAdd(x) -> s1 ->
+    QLinearConv -> QLinearAdd(s1)): the first sum goes to the next layer's convolution and to
+    its sum as float32 integers, with the outputs of the graph that also outputs s1."""
+    import onnx
+
+    from tests.backends.torch.test_contrib_quant import residual_blocks
+
+    model, feeds = residual_blocks(split=False)
+    backends = [("CpuAcc", {"compile": compile_mode, "int8": "exact"}), "CpuRef"]
+    session = InferenceSession(model, backends=backends)
+    first, second = [lay for lay in placed(session) if lay.op_type == "QLinearConv"]
+    assert first.attrs.get("hands_centred") and not first.attrs.get("takes_centred")
+    assert second.attrs.get("takes_centred") and second.attrs.get("takes_centred_other")
+    (got,) = session.run(None, feeds)
+    seen = onnx.ModelProto()
+    seen.CopyFrom(model)
+    seen.graph.output.append(onnx.helper.make_tensor_value_info("s1", onnx.TensorProto.UINT8, None))
+    (want, _) = InferenceSession(seen, backends=backends).run(None, feeds)
+    np.testing.assert_array_equal(got, want)

@@ -411,7 +411,7 @@ def _finisher(a: dict[str, Any]) -> Any:
     from backplane.backends.torch.backend import _numpy_to_torch
 
     y_zero, low, high = a["y_zero"], a["y_low"], a["y_high"]
-    if a.get("hands_centred"):  # the integers less y_zero, to readers that take them so
+    if a.get("hands_centred") and a["back"] is None:  # to readers that take them so
         return _centred_grid(a)
     if a["back"] is None:
         dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
@@ -424,6 +424,8 @@ def _finisher(a: dict[str, Any]) -> Any:
     if same and add is None and a["activation"] is not None and a["activation"][0] == "relu" \
             and bool((a["back"]["scale"] > 0).all()):
         floor, post = max(floor, 0.0), None
+    if a.get("hands_centred"):  # not dequantized: the reader would quantize them back
+        return lambda acc: acc.round_().clamp_(floor, high - y_zero)
 
     def finish(acc):
         y = acc.round_().clamp_(floor, high - y_zero)
@@ -469,11 +471,12 @@ def _residual_finisher(a: dict[str, Any]) -> Any:
     dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
     scale = float(np.float32(r["sum_scale"]))
     handing = bool(a.get("hands_centred"))  # the sum's integers less its zero point, as they are
+    taken = bool(a.get("takes_centred_other"))  # the other's so (``qlinear_handoff``)
 
     def add(y, other):
         y = y.add_(shift) if shift else y
-        centred = other.to(torch.float32).sub_(zero_value) if other.is_cuda or \
-            other.numel() >= PASSES_FROM else torch.sub(other, other_zero)  # as ``_centring``
+        centred = other if taken else other.to(torch.float32).sub_(zero_value) \
+            if other.is_cuda or other.numel() >= PASSES_FROM else torch.sub(other, other_zero)
         total = torch.add(y.mul_(mine), centred, alpha=other_ratio)
         if r.get("dequantized") or handing:
             grid = total.round_().clamp_(low - zero, high - zero)

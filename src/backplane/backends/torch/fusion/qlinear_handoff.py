@@ -40,38 +40,68 @@ def centred_handoffs(substitutions: list[Substitution], ctx: Context, int8: str)
             readers.setdefault(name, []).append(layer)
     handed = 0
     for layer in fused:
-        zero = _written_zero(layer)
+        written = _written(layer)
         out = layer.outputs[0] if layer.outputs else ""
         takers = readers.get(out, [])
-        if zero is None or not takers or out in ctx.graph.outputs \
+        if written is None or not takers or out in ctx.graph.outputs \
                 or any(id(user) not in ctx.inside or id(user) not in ctx.taken
-                       for user in ctx.consumers.get(out, [])) \
-                or not all(_takes(user, out, zero) for user in takers):
+                       for user in ctx.consumers.get(out, [])):
+            continue
+        how = [_takes(user, out, layer.attrs, *written) for user in takers]
+        if not all(how):
             continue
         for marked in (layer, *takers):
             marked.attrs["int8"] = None  # the int8 route reads and writes 8-bit tensors
         layer.attrs["hands_centred"] = True
-        for user in takers:
-            user.attrs["takes_centred"] = True
+        for user, keys in zip(takers, how):
+            user.attrs.update(dict.fromkeys(keys, True))  # type: ignore[arg-type]
         handed += 1
     return handed
 
 
-def _written_zero(layer: Layer) -> float | None:
-    """The zero point of the 8-bit tensor a fused layer writes, or None where it writes none (a
-    DequantizeLinear taken: float values) or computes in another type."""
+def _written(layer: Layer) -> tuple[float, float | None] | None:
+    """The zero point of the integers a fused layer writes, and the scale where it writes them
+    dequantized (its DequantizeLinear taken, on the same zero point, then nothing but a Relu its
+    clamp's floor: ``qlinear._finisher``); None where it writes anything else."""
     a = layer.attrs
-    if layer.op_type not in HANDING or a.get("back") is not None or a.get("compute"):
+    if layer.op_type not in HANDING or a.get("compute"):
         return None
-    residual = a.get("residual")
-    if residual is None:
-        return float(a["y_zero"])
-    return None if residual.get("dequantized") else float(residual["sum_zero"])
+    residual, back = a.get("residual"), a.get("back")
+    if residual is not None:
+        return float(residual["sum_zero"]), \
+            float(residual["sum_scale"]) if residual.get("dequantized") else None
+    if back is None:
+        return float(a["y_zero"]), None
+    relu = a["activation"] is not None and a["activation"][0] == "relu" \
+        and bool((back["scale"] > 0).all())
+    if back["scale"].ndim or float(back["zero"]) != a["y_zero"] or a["add"] is not None \
+            or not (a["activation"] is None or relu):
+        return None
+    return float(a["y_zero"]), float(back["scale"])
 
 
-def _takes(user: Layer, name: str, zero: float) -> bool:
-    """Whether ``user`` reads ``name`` only as its integer input (no QuantizeLinear of its own),
-    on the zero point ``zero``, in float32."""
+def _takes(user: Layer, name: str, writer: dict, zero: float, scale: float | None,
+           ) -> list[str] | None:
+    """How ``user`` takes the integers less ``zero`` in place of ``name``, or None: as its input
+    ("takes_centred": 8-bit integers on that zero point, or, where ``scale``, the values its
+    QuantizeLinear takes back to them on that step), as its residual sum's other 8-bit operand
+    ("takes_centred_other"), or both; only a float32 layer reading ``name`` nowhere else."""
     a = user.attrs
-    return user.op_type in HANDING and user.inputs[0] == name and name not in user.inputs[1:] \
-        and a.get("into") is None and not a.get("compute") and float(a["x_zero"]) == zero
+    if user.op_type not in HANDING or a.get("compute") or name in user.inputs[2:]:
+        return None
+    keys = []
+    if user.inputs[0] == name:
+        into = a.get("into")
+        same = into is None if scale is None else (
+            into is not None and into["scale"].ndim == 0 and float(into["scale"]) == scale
+            and float(into["zero"]) == zero
+            and (into["low"], into["high"]) == (writer["y_low"], writer["y_high"]))
+        if float(a["x_zero"]) != zero or not same:
+            return None
+        keys.append("takes_centred")
+    if user.inputs[1:2] == [name]:
+        residual = a.get("residual")
+        if scale is not None or residual is None or float(residual["other_zero"]) != zero:
+            return None
+        keys.append("takes_centred_other")
+    return keys or None
