@@ -31,18 +31,25 @@ def _conv(rng, name: str, x: str, y: str, zero: str, channels: int) -> tuple[lis
     return [node], inits
 
 
-def chain_model(also_output: bool = False, branches: int = 1) -> object:
+def chain_model(also_output: bool = False, branches: int = 1, relu: bool = False) -> object:
     """x -> Q -> QLinearConv -> yq (uint8) -> ``branches`` QLinearConvs -> DQ -> sum of them;
-    ``also_output``: yq a graph output too (then it must be made as uint8)."""
+    ``also_output``: yq a graph output too (then it must be made as uint8); ``relu``: yq ->
+    DQ -> Relu -> Q on yq's step -> the QLinearConvs."""
     rng, channels = np.random.default_rng(2029), 4
     inits = [_init("s1", 0.05), _init("z1", 120, np.uint8), _init("s2", 0.07),
              _init("z2", 131, np.uint8)]
     nodes = [helper.make_node("QuantizeLinear", ["x", "s1", "z1"], ["xq"])]
     first, made = _conv(rng, "c0", "xq", "yq", "z1", channels)
     nodes, inits = nodes + first, inits + made
+    if relu:
+        nodes += [helper.make_node("DequantizeLinear", ["yq", "s2", "z2"], ["yd"]),
+                  helper.make_node("Relu", ["yd"], ["yr"])]
+        nodes += [helper.make_node("QuantizeLinear", ["yr", "s2", "z2"], [f"rq{k}"])
+                  for k in range(branches)]
     outs = []
     for k in range(branches):
-        conv, made = _conv(rng, f"c{k + 1}", "yq", f"zq{k}", "z2", channels)
+        conv, made = _conv(rng, f"c{k + 1}", f"rq{k}" if relu else "yq", f"zq{k}", "z2",
+                           channels)
         nodes += [*conv, helper.make_node("DequantizeLinear", [f"zq{k}", "s2", "z2"], [f"d{k}"])]
         inits += made
         outs.append(f"d{k}")
@@ -64,20 +71,22 @@ def _feed() -> dict[str, np.ndarray]:
     return {"x": x}
 
 
+@pytest.mark.parametrize("relu", [False, True], ids=["8-bit", "dequantized-relu-quantized"])
 @pytest.mark.parametrize("branches", [1, 2])
-def test_layers_hand_on_float_integers_with_the_same_outputs(branches: int) -> None:
+def test_layers_hand_on_float_integers_with_the_same_outputs(branches: int, relu: bool) -> None:
     feed = _feed()
-    session = _session(chain_model(branches=branches))
+    session = _session(chain_model(branches=branches, relu=relu))
     convs = [lay for lay in placed(session) if lay.op_type == "QLinearConv"]
     assert len(convs) == 1 + branches
+    assert (convs[0].attrs["back"] is not None) == relu  # the writer took DQ and Relu
     assert convs[0].attrs.get("hands_centred") and all(
         c.attrs.get("takes_centred") for c in convs[1:])
     made = {dtype for _, dtypes in _recorded(session.run, None, feed) for dtype in dtypes}
     assert torch.uint8 not in made  # the input quantized, the layers' integers float32
     (got,) = session.run(None, feed)
-    want, _ = _session(chain_model(also_output=True, branches=branches)).run(None, feed)
+    want, _ = _session(chain_model(True, branches, relu)).run(None, feed)
     np.testing.assert_array_equal(got, want)  # the same integers as through uint8
-    (spec,) = InferenceSession(chain_model(branches=branches), backends=["CpuRef"]).run(None, feed)
+    (spec,) = InferenceSession(chain_model(False, branches, relu), backends=["CpuRef"]).run(None, feed)
     within_a_step(got, spec, 0.07 * branches)
 
 
