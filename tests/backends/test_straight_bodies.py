@@ -161,6 +161,56 @@ def test_a_failing_kernel_in_an_iteration_is_named() -> None:
     assert out[1] == 2
 
 
+def scan_model() -> onnx.ModelProto:
+    """A running sum (state) over the columns of xs (scan input axis 1, read backwards) and the
+    rows of zs (axis 0, forwards), each step's tanh a scan output on axis 1."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "col"], ["a"]),
+         helper.make_node("Add", ["a", "z"], ["s_out"]),
+         helper.make_node("Tanh", ["s_out"], ["y"])],
+        "body", [value("s_in", TensorProto.FLOAT, 3), value("col", TensorProto.FLOAT, 3),
+                 value("z", TensorProto.FLOAT, 3)],
+        [value("s_out", TensorProto.FLOAT, 3), value("y", TensorProto.FLOAT, 3)])
+    node = helper.make_node("Scan", ["s0", "xs", "zs"], ["s", "ys"], body=body, num_scan_inputs=2,
+                            scan_input_axes=[1, 0], scan_input_directions=[1, 0],
+                            scan_output_axes=[1])
+    return make_model([node], [value("s0", TensorProto.FLOAT, 3), value("xs", TensorProto.FLOAT, 3, "t"),
+                               value("zs", TensorProto.FLOAT, "t", 3)],
+                      [value("s", TensorProto.FLOAT, 3), value("ys", TensorProto.FLOAT, 3, "t")])
+
+
+@pytest.mark.parametrize("backends", host_backend_lists())
+def test_a_scan_runs_whole_as_one_function(backends: list[str], monkeypatch) -> None:
+    """A Scan's rows and iterations are one function too (looped.scanned, made per the scan
+    inputs' axes): no Iterations.run; ONNX Runtime's and CpuRef's values over 0, 1 and 5 steps,
+    an input read along axis 1 backwards, NaN in a row giving NaN from that step on."""
+    from backplane.backends.builtin import bodies
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an iteration ran through Iterations.run")
+
+    monkeypatch.setattr(bodies.Iterations, "run", refused)
+
+    def feeds(t: int) -> dict:
+        return {"s0": RNG.standard_normal(3).astype(np.float32),
+                "xs": RNG.standard_normal((3, t)).astype(np.float32),
+                "zs": RNG.standard_normal((t, 3)).astype(np.float32)}
+
+    nan = feeds(5)
+    nan["zs"][2, 1] = np.nan
+    session = agrees(scan_model(), [feeds(5), feeds(1), nan], backends)
+    assert np.isnan(session.run(None, nan)[1][1, 2:]).all()
+    scan = workload_of(session, "Scan")
+    assert list(scan.wholes) == [(1, 0)]
+    assert "while i < length" in scan.wholes[(1, 0)].source
+    empty = feeds(0)  # no step: the state as given, no scan output (ONNX Runtime 1.32 dies of
+    (state, ys) = session.run(None, empty)  # a floating point exception on this one: CpuRef's)
+    want = InferenceSession(scan_model(), backends=["CpuRef"]).run(None, empty)
+    assert ys.shape == want[1].shape == (3, 0)
+    np.testing.assert_array_equal(state, want[0])
+    np.testing.assert_array_equal(state, empty["s0"])
+
+
 def test_loop_outputs_are_the_callers_alone() -> None:
     session = InferenceSession(loop_model(), backends=["CpuAcc", "CpuRef"])
     feeds = loop_feeds(6, 0.0)

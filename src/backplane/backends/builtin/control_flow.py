@@ -107,26 +107,46 @@ def _stack(values: list[Any], info: TensorInfo, axis: int = 0) -> np.ndarray:
 def make_scan(body: IteratedBody, n_state: int, n_scan_in: int, input_axes: Sequence[int],
               input_directions: Sequence[int], output_axes: Sequence[int],
               output_directions: Sequence[int], scan_out_infos: Sequence[TensorInfo]) -> Any:
-    """ONNX Scan (opset 9 on): iterate ``body`` over slices of the scan inputs, carrying state."""
+    """ONNX Scan (opset 9 on): iterate ``body`` over slices of the scan inputs, carrying state;
+    where no stop is asked, the whole Scan as straight code (looped.scanned), made per the scan
+    inputs' axes (known at a call: an axis may count from the end)."""
+    from backplane.backends.builtin.looped import scanned
+    from backplane.runtime.loaded_network import STOP, StepFailure
+
+    straight = not body.plain and not body.renew
+    wholes: dict[tuple[int, ...], Any] = {}
 
     def scan(*inputs: Any) -> tuple[Any, ...]:
         scan_in = [np.asarray(x) for x in inputs[n_state:n_state + n_scan_in]]
         axes = [a % x.ndim for a, x in zip(input_axes, scan_in)]
         length = scan_in[0].shape[axes[0]] if scan_in else 0
-        collected: list[list[Any]] = [[] for _ in scan_out_infos]
-        with body.start(inputs[:n_state], inputs[n_state + n_scan_in:]) as iterations:
-            for t in range(length):
-                slices = [_row(x, length - 1 - t if rev else t, ax)
-                          for x, ax, rev in zip(scan_in, axes, input_directions)]
-                for values, value in zip(collected, iterations.run(slices)):
-                    values.append(value)
-            state = iterations.carried()
+        if straight and STOP.get() is None:
+            key = tuple(axes)
+            whole = wholes.get(key)
+            if whole is None:
+                whole = wholes[key] = scanned(body, axes, [bool(r) for r in input_directions])
+            try:
+                count, values, collected = whole(
+                    body.slots(inputs[:n_state], inputs[n_state + n_scan_in:]), scan_in, length)
+            except StepFailure as failure:
+                raise body.failure(failure) from failure.error
+            state = body.finished(values) if count else list(inputs[:n_state])
+        else:
+            collected = [[] for _ in scan_out_infos]
+            with body.start(inputs[:n_state], inputs[n_state + n_scan_in:]) as iterations:
+                for t in range(length):
+                    slices = [_row(x, length - 1 - t if rev else t, ax)
+                              for x, ax, rev in zip(scan_in, axes, input_directions)]
+                    for values, value in zip(collected, iterations.run(slices)):
+                        values.append(value)
+                state = iterations.carried()
         results = []
         for values, info, axis, rev in zip(collected, scan_out_infos, output_axes, output_directions):
             stacked = _stack(values[::-1] if rev else values, info)
             results.append(np.moveaxis(stacked, 0, axis % stacked.ndim))
         return (*state, *results)
 
+    scan.wholes = wholes  # type: ignore[attr-defined]  # the code made per axes, for the tests
     return scan
 
 

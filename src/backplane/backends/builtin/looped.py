@@ -42,17 +42,41 @@ def looped(body: IteratedBody, reads_i: bool, reads_cond: bool,
     ``max_trips`` (None: no count) allows; the iterations' count, the carried values after the
     last (its body's, as ``Iterations.values``) and each scan output's values. A failed step
     raises ``StepFailure`` naming it."""
+    i_slot, cond_slot = body.varying_slots[:2]
+    given = [(i_slot, "_array(i, _int64)")] if reads_i else []
+    given += [(cond_slot, "_array(keep_going)")] if reads_cond else []
+    return _generate(body, "env, max_trips, keep_going", given, condition=True,
+                     more="keep_going and (max_trips is None or i < max_trips)",
+                     none="not keep_going or (max_trips is not None and max_trips <= 0)")
+
+
+def scanned(body: IteratedBody, axes: Sequence[int], reverse: Sequence[bool],
+            ) -> Callable[[list[Any], Sequence[Any], int], tuple[int, list[Any], list[list[Any]]]]:
+    """``body``'s Scan (formal inputs: the state, then one row of each scan input; watched
+    outputs: the scan outputs) as ``run(env, xs, length)``: ``xs`` the scan inputs, row ``i`` of
+    each (counted from the end where ``reverse``) along its axis of ``axes`` (non-negative) given
+    at iteration ``i`` of ``length``; returns as ``looped``'s."""
+    rows = []
+    for k, (slot, axis, back) in enumerate(zip(body.varying_slots, axes, reverse)):
+        at = "length - 1 - i" if back else "i"
+        rows.append((slot, f"x{k}[{at}, ...]" if axis == 0 else f"_take(x{k}, {at}, axis={axis})"))
+    unpack = "".join(f"x{k}, " for k in range(len(rows)))
+    return _generate(body, "env, xs, length", rows, condition=False, more="i < length",
+                     none="length <= 0", prologue=[f"    {unpack}= xs"] if rows else [])
+
+
+def _generate(body: IteratedBody, parameters: str, given: Sequence[tuple[int, str]],
+              condition: bool, more: str, none: str, prologue: Sequence[str] = ()) -> Any:
+    """The code of ``looped`` and ``scanned``: ``given`` (slot, expression) written before each
+    iteration's steps; with a ``condition``, the first watched output decides the next (the rest
+    are scan outputs); ``more``: whether another iteration runs; ``none``: whether none does."""
     namespace: dict[str, Any] = {"StepFailure": StepFailure, "RunTerminated": RunTerminated,
                                  "_outputs": _outputs, "_array": np.array, "_int64": np.int64,
-                                 "_bool_": np.bool_, "_ndarray": np.ndarray, "_truth": _bool}
+                                 "_bool_": np.bool_, "_ndarray": np.ndarray, "_truth": _bool,
+                                 "_take": np.take}
     loads: dict[int, str] = {}
-    made: set[int] = set()
+    made: set[int] = {slot for slot, _ in given}
     steps_at: dict[int, Step] = {}
-    i_slot, cond_slot = body.varying_slots[:2] if len(body.varying_slots) >= 2 else (None, None)
-    if i_slot is not None and reads_i:
-        made.add(i_slot)
-    if cond_slot is not None and reads_cond:
-        made.add(cond_slot)
 
     def read(slot: int) -> str:
         if slot == NONE_SLOT:
@@ -64,24 +88,22 @@ def looped(body: IteratedBody, reads_i: bool, reads_cond: bool,
     lines: list[str] = []
 
     def iteration(steps: Sequence[Step], section: str, indent: str) -> None:
-        if i_slot is not None and reads_i:
-            lines.append(f"{indent}v{i_slot} = _array(i, _int64)")
-        if cond_slot is not None and reads_cond:
-            lines.append(f"{indent}v{cond_slot} = _array(keep_going)")
+        lines.extend(f"{indent}v{slot} = {expression}" for slot, expression in given)
         for index, step in enumerate(steps):
             steps_at[len(lines)] = step
             lines.append(indent + step_line(step, f"{section}{index}", read, namespace))
             made.update(slot for slot in step.outputs if slot != NONE_SLOT)
             lines.extend(f"{indent}v{slot} = None" for slot in step.frees if slot in made)
         watched = [read(slot) for slot in body.watched_slots]  # before the carried values move
-        lines.extend([f"{indent}done = {watched[0]}",
-                      f"{indent}if type(done) is _bool_:",
-                      f"{indent}    keep_going = bool(done)",
-                      f"{indent}elif type(done) is _ndarray and done.size == 1:",
-                      f"{indent}    keep_going = bool(done.item())",
-                      f"{indent}else:",
-                      f"{indent}    keep_going = _truth(done)"])
-        lines.extend(f"{indent}s{k}.append({value})" for k, value in enumerate(watched[1:]))
+        if condition:
+            lines.extend([f"{indent}done = {watched.pop(0)}",
+                          f"{indent}if type(done) is _bool_:",
+                          f"{indent}    keep_going = bool(done)",
+                          f"{indent}elif type(done) is _ndarray and done.size == 1:",
+                          f"{indent}    keep_going = bool(done.item())",
+                          f"{indent}else:",
+                          f"{indent}    keep_going = _truth(done)"])
+        lines.extend(f"{indent}s{k}.append({value})" for k, value in enumerate(watched))
         sources = [read(c.source) for c in body.state]  # all read before any is written
         lines.extend(f"{indent}m{k} = {source}" for k, source in enumerate(sources))
         for k, carried in enumerate(body.state):
@@ -91,19 +113,18 @@ def looped(body: IteratedBody, reads_i: bool, reads_cond: bool,
         lines.append(f"{indent}i += 1")
 
     iteration(body.first, "f", "        ")
-    lines.append("        while keep_going and (max_trips is None or i < max_trips):")
+    lines.append(f"        while {more}:")
     iteration(body.rest, "r", "            ")
-    scans = range(len(body.watched_slots) - 1)
-    header = ["def run(env, max_trips, keep_going):", *loads.values(),
-              *(f"    s{k} = []" for k in scans), "    i = 0", "    try:",
-              "        if not keep_going or (max_trips is not None and max_trips <= 0):",
-              f"            return 0, None, [{', '.join(f's{k}' for k in scans)}]"]
+    scans = ", ".join(f"s{k}" for k in range(len(body.watched_slots) - condition))
+    header = [f"def run({parameters}):", *prologue, *loads.values(),
+              *(f"    s{k} = []" for k in range(len(body.watched_slots) - condition)),
+              "    i = 0", "    try:", f"        if {none}:", f"            return 0, None, [{scans}]"]
     # the carried values after the last iteration: the moves' values (m<k>), read where they are
     values = ", ".join(f"m{k}" for k in range(len(body.state)))
     footer = ["    except RunTerminated:", "        raise",
               "    except Exception as exc:",
               "        raise StepFailure(_failed_step(exc), exc) from exc",
-              f"    return i, [{values}], [{', '.join(f's{k}' for k in scans)}]"]
+              f"    return i, [{values}], [{scans}]"]
     source = "\n".join([*header, *lines, *footer])
     first = len(header) + 1  # the line number of the first line of ``lines``
     at = {first + offset: step for offset, step in steps_at.items()}
@@ -111,5 +132,4 @@ def looped(body: IteratedBody, reads_i: bool, reads_cond: bool,
     exec(compile(source, FILE, "exec"), namespace)  # noqa: S102  # slot numbers only
     run = namespace["run"]
     run.source = source  # type: ignore[attr-defined]  # for tests and debugging
-    return run  # type: ignore[no-any-return]
-
+    return run
