@@ -35,6 +35,8 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
   a norm): one ``GeluChain``, torch's GELU, where this CPU's keeps +Inf unmended (``gelu``).
 - A group norm as exporters write it, Reshape -> InstanceNormalization -> Reshape [-> Mul]
   [-> Add]: one ``GroupNorm``, torch's group_norm and one addcmul (``group_norm``).
+- Mul, Add, Sub and Div of one tensor by constants, three or more in a row where no other
+  pattern starts: one ``AffineChain``, x * a + b in one addcmul (``affine_chain``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
@@ -63,6 +65,7 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.fusion import onednn_graph, qdq_chain, qlinear_handoff
 from backplane.backends.torch.fusion import reduced as reduced_precision
+from backplane.backends.torch.fusion.affine_chain import affine_workload, with_affine
 from backplane.backends.torch.fusion.attention import attention_workload, match_attention
 from backplane.backends.torch.fusion.contrib_quant import (
     match_dynamic_quantize_matmul,
@@ -178,6 +181,7 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::FusedMatMul": then_quant_dequant(with_ort_gelu(match_fused_matmul))}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
+MATCHERS = with_affine(MATCHERS, match_linear)
 INT8_MATCHERS = {**MATCHERS, "Conv": qdq_chain.first_of(match_qdq_conv, MATCHERS["Conv"]),
                  "QuantizeLinear": qdq_chain.unless_chained(match_quant_dequant)}
 """``MATCHERS`` with large QDQ convolutions chained in integers (not with ``CpuAcc.int8`` exact)."""
@@ -194,4 +198,5 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "Lookup": lookup_workload,
     "FiniteHardSigmoid": finite_hard_sigmoid_workload,
     "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload,
-    "WindowedConv": windowed_conv_workload, "GroupNorm": group_norm_workload}
+    "WindowedConv": windowed_conv_workload, "GroupNorm": group_norm_workload,
+    "AffineChain": affine_workload}
