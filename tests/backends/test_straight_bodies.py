@@ -283,6 +283,42 @@ def test_a_nested_if_on_computed_predicates_runs_its_branches_as_straight_code(
     assert net.execute.__qualname__ == "straight_run.<locals>.run"
 
 
+@pytest.mark.parametrize("backends", host_backend_lists())
+def test_an_if_calls_its_branch_as_one_function(backends: list[str], monkeypatch) -> None:
+    """Without a stop an If calls its flat branch's ``direct`` code (flat._direct), not
+    ``FlatBody.execute``: every branch's values as ONNX Runtime's and CpuRef's, NaN where x had
+    it; under a stop, ``execute`` as before."""
+    agrees(nested_if_model(), if_feeds(), backends, RunOptions(timeout_s=600))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a branch ran through FlatBody.execute")
+
+    monkeypatch.setattr(FlatBody, "execute", refused)
+    session = agrees(nested_if_model(), if_feeds(), backends)
+    assert np.isnan(session.run(None, if_feeds()[3])[0][0, 1])
+    for run in workload_of(session, "If").runs:
+        assert run.direct.__code__.co_filename == STRAIGHT
+
+
+def test_a_failing_kernel_in_a_branch_is_named() -> None:
+    """The then branch gathers w at an index from the input: out of range, its Gather fails and
+    the error names it, as the run loop's does; the session still runs."""
+    then = helper.make_graph([helper.make_node("Gather", ["w", "idx"], ["t"], name="picked")],
+                             "then", [], [value("t", TensorProto.FLOAT, 1)])
+    other = helper.make_graph([helper.make_node("Gather", ["w", "first"], ["e"], name="first_one")],
+                              "else", [], [value("e", TensorProto.FLOAT, 1)])
+    model = make_model([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+                       [value("c", TensorProto.BOOL), value("idx", TensorProto.INT64, 1)],
+                       [value("y", TensorProto.FLOAT, 1)],
+                       [const("w", np.arange(4, dtype=np.float32)),
+                        const("first", np.zeros(1, np.int64))])
+    session = InferenceSession(model, backends=["CpuRef"])
+    with pytest.raises(ExecutionError, match="picked"):
+        session.run(None, {"c": np.array(True), "idx": np.array([7], np.int64)})
+    (y,) = session.run(None, {"c": np.array(True), "idx": np.array([2], np.int64)})
+    assert y.tolist() == [2.0]
+
+
 def test_a_body_from_the_compile_cache_runs_its_kernels_flat(tmp_path) -> None:
     """A session loaded from its compile cache holds a body's CpuAcc partition as a Delegate of
     its blob (artifact/compiler.py): the body still runs as its kernels, each a line of its

@@ -36,6 +36,10 @@ def _bool(value: Any) -> bool:
 
 
 def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:
+    """ONNX If over its two loaded branches; a flat branch (flat.FlatBody) called through its
+    ``direct`` code where no stop is asked (one frame, no slot list copied)."""
+    from backplane.runtime.loaded_network import STOP, StepFailure
+
     def if_(cond: Any, *captured: Any) -> tuple[Any, ...]:
         # NumPy's bool or a one-element array read in line (no frame of _bool's: an If in a body
         # runs per iteration, its predicate often a scalar that a kernel of 0-d arrays gave)
@@ -45,7 +49,14 @@ def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:
             taken = cond.item()
         else:
             taken = _bool(cond)
-        return tuple((then_net if taken else else_net).execute(captured))
+        net = then_net if taken else else_net
+        direct = getattr(net, "direct", None)
+        if direct is not None and STOP.get() is None:
+            try:
+                return direct(captured)  # type: ignore[no-any-return]
+            except StepFailure as failure:
+                raise net.failure(failure) from failure.error
+        return tuple(net.execute(captured))
 
     return if_
 

@@ -31,6 +31,7 @@ from backplane.runtime.loaded_network import (
     StepFailure,
     run_steps,
 )
+from backplane.runtime.steps import RunTerminated
 from backplane.runtime.steps import compiled
 
 
@@ -50,6 +51,7 @@ class FlatBody:
         self.template = template
         self.layer_of = {id(step.workload): layer for step, layer in zip(steps, layers)}
         self.call = compiled(self.host_plan.steps)  # where no stop is asked
+        self.direct = _direct(self.host_plan.steps, self.input_slots, self.output_slots, template)
 
     def slots(self) -> list[Any]:
         """The slots a call starts from: constants bound, all else None."""
@@ -81,6 +83,53 @@ class FlatBody:
         layer = self.layer_of.get(id(step.workload)) if step is not None else None
         where = f"{layer.describe()} failed on {layer.backend}" if layer else "a body failed"
         return ExecutionError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _direct(steps: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int],
+            template: list[Any]) -> Any:
+    """``execute`` where no stop is asked, as one function of straight code of the inputs (a
+    sequence in the body's order): each input and each slot of ``template`` it reads a local
+    variable, a line per step, the outputs a tuple of arrays. builtin's If calls it for its branch:
+    no slot list copied, no second frame (``FlatBody.execute`` and ``call``). A failed step raises
+    ``StepFailure`` naming it. Nothing of the model is in the code: slot numbers only."""
+    from backplane.runtime.steps import _outputs, _step_at, step_line
+
+    namespace: dict[str, Any] = {"StepFailure": StepFailure, "RunTerminated": RunTerminated,
+                                 "_outputs": _outputs, "T": template, "_ndarray": np.ndarray,
+                                 "_generic": np.generic, "_asarray": np.asarray}
+    made = set(inputs)
+    loads: dict[int, str] = {}
+
+    def read(slot: int) -> str:
+        if slot == NONE_SLOT:
+            return "None"
+        if slot not in made:
+            loads.setdefault(slot, f"    v{slot} = T[{slot}]")
+        return f"v{slot}"
+
+    lines: list[str] = []
+    steps_at: dict[int, Step] = {}
+    for index, step in enumerate(steps):
+        steps_at[len(lines)] = step
+        lines.append("        " + step_line(step, str(index), read, namespace))
+        made.update(slot for slot in step.outputs if slot != NONE_SLOT)
+        lines.extend(f"        v{slot} = None" for slot in step.frees if slot in made)
+    given = [f"    v{slot} = inputs[{k}]" for k, slot in enumerate(inputs)]
+    results = [read(slot) for slot in outputs]
+    header = ["def run(inputs):", *given, *loads.values(), "    try:"]
+    footer = ["    except RunTerminated:", "        raise", "    except Exception as exc:",
+              "        raise StepFailure(_failed_step(exc), exc) from exc"]
+    for k, value in enumerate(results):  # NumPy turns 0-d results into scalars: arrays out
+        footer += [f"    o{k} = {value}",
+                   f"    if type(o{k}) is not _ndarray and isinstance(o{k}, _generic):",
+                   f"        o{k} = _asarray(o{k})"]
+    footer.append(f"    return ({''.join(f'o{k}, ' for k in range(len(results)))})")
+    source = "\n".join([*header, *(lines or ["        pass"]), *footer])
+    first = len(header) + 1
+    at = {first + offset: step for offset, step in steps_at.items()}
+    namespace["_failed_step"] = lambda exc: _step_at(exc, at)
+    exec(compile(source, "<backplane steps>", "exec"), namespace)  # noqa: S102  # slot numbers only
+    return namespace["run"]
 
 
 def flatten(net: LoadedNetwork) -> LoadedNetwork | FlatBody:
