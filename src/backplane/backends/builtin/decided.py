@@ -77,8 +77,18 @@ def make_decided(layer: Layer, nets: Mapping[str, Any]) -> Any:
     def decided_if(*values: Any) -> list[Any]:
         return (then_run if taken(values) else else_run)(values)
 
-    def owned(values: Sequence[Any]) -> list[Any]:  # outputs the caller's (steps.owning_call)
-        return (then_owned if taken(values) else else_owned)(values)
+    if len(positions) == 1:  # (a sample rate): a value seen before looked up in line, no frame
+        (position,) = positions  # of taken's (the VAD's run: the If is its one step before CpuAcc)
+
+        def owned(values: Sequence[Any]) -> list[Any]:  # outputs the caller's (steps.owning_call)
+            value = values[position]
+            found = known.get(value.tobytes() if type(value) is np.ndarray else _bytes(value))
+            if found is None:
+                found = taken(values)
+            return (then_owned if found else else_owned)(values)
+    else:
+        def owned(values: Sequence[Any]) -> list[Any]:
+            return (then_owned if taken(values) else else_owned)(values)
 
     def profiled(*values: Any) -> tuple[list[Any], list[tuple[str, str, float]]]:
         start = time.perf_counter()
