@@ -126,25 +126,6 @@ def test_a_loop_on_data_runs_its_iterations_as_straight_code(backends: list[str]
 
 
 @pytest.mark.parametrize("backends", host_backend_lists())
-def test_a_loop_runs_whole_as_one_function(backends: list[str], monkeypatch) -> None:
-    """Without a stop, the Loop's driver and its iterations are one function of straight code
-    (builtin/looped.py): no iteration goes through ``Iterations.run``; the same values, NaN in x
-    giving NaN (and a condition false on it) as ONNX Runtime and CpuRef."""
-    from backplane.backends.builtin import bodies
-
-    def refused(*args, **kwargs):
-        raise AssertionError("an iteration ran through Iterations.run")
-
-    monkeypatch.setattr(bodies.Iterations, "run", refused)
-    nan = loop_feeds(6, 0.0)
-    nan["x"][2, 1, 3] = np.nan
-    session = agrees(loop_model(), [*LOOP_FEEDS, nan], backends)
-    whole = workload_of(session, "Loop").whole
-    assert whole.__code__.co_filename == STRAIGHT and "while keep_going" in whole.source
-    assert np.isnan(session.run(None, nan)[0]).any()
-
-
-@pytest.mark.parametrize("backends", host_backend_lists())
 def test_under_a_stop_the_same_loop_runs_through_the_run_loop(backends: list[str]) -> None:
     """A run with a time limit asks before each step: the steps run by ``run_steps``, with the
     same results."""
@@ -159,56 +140,6 @@ def test_a_failing_kernel_in_an_iteration_is_named() -> None:
         session.run(None, loop_feeds(4, 0.0, t=2))
     out = session.run(None, loop_feeds(2, 0.0, t=2))  # and the session still runs
     assert out[1] == 2
-
-
-def scan_model() -> onnx.ModelProto:
-    """A running sum (state) over the columns of xs (scan input axis 1, read backwards) and the
-    rows of zs (axis 0, forwards), each step's tanh a scan output on axis 1."""
-    body = helper.make_graph(
-        [helper.make_node("Add", ["s_in", "col"], ["a"]),
-         helper.make_node("Add", ["a", "z"], ["s_out"]),
-         helper.make_node("Tanh", ["s_out"], ["y"])],
-        "body", [value("s_in", TensorProto.FLOAT, 3), value("col", TensorProto.FLOAT, 3),
-                 value("z", TensorProto.FLOAT, 3)],
-        [value("s_out", TensorProto.FLOAT, 3), value("y", TensorProto.FLOAT, 3)])
-    node = helper.make_node("Scan", ["s0", "xs", "zs"], ["s", "ys"], body=body, num_scan_inputs=2,
-                            scan_input_axes=[1, 0], scan_input_directions=[1, 0],
-                            scan_output_axes=[1])
-    return make_model([node], [value("s0", TensorProto.FLOAT, 3), value("xs", TensorProto.FLOAT, 3, "t"),
-                               value("zs", TensorProto.FLOAT, "t", 3)],
-                      [value("s", TensorProto.FLOAT, 3), value("ys", TensorProto.FLOAT, 3, "t")])
-
-
-@pytest.mark.parametrize("backends", host_backend_lists())
-def test_a_scan_runs_whole_as_one_function(backends: list[str], monkeypatch) -> None:
-    """A Scan's rows and iterations are one function too (looped.scanned, made per the scan
-    inputs' axes): no Iterations.run; ONNX Runtime's and CpuRef's values over 0, 1 and 5 steps,
-    an input read along axis 1 backwards, NaN in a row giving NaN from that step on."""
-    from backplane.backends.builtin import bodies
-
-    def refused(*args, **kwargs):
-        raise AssertionError("an iteration ran through Iterations.run")
-
-    monkeypatch.setattr(bodies.Iterations, "run", refused)
-
-    def feeds(t: int) -> dict:
-        return {"s0": RNG.standard_normal(3).astype(np.float32),
-                "xs": RNG.standard_normal((3, t)).astype(np.float32),
-                "zs": RNG.standard_normal((t, 3)).astype(np.float32)}
-
-    nan = feeds(5)
-    nan["zs"][2, 1] = np.nan
-    session = agrees(scan_model(), [feeds(5), feeds(1), nan], backends)
-    assert np.isnan(session.run(None, nan)[1][1, 2:]).all()
-    scan = workload_of(session, "Scan")
-    assert list(scan.wholes) == [(1, 0)]
-    assert "while i < length" in scan.wholes[(1, 0)].source
-    empty = feeds(0)  # no step: the state as given, no scan output (ONNX Runtime 1.32 dies of
-    (state, ys) = session.run(None, empty)  # a floating point exception on this one: CpuRef's)
-    want = InferenceSession(scan_model(), backends=["CpuRef"]).run(None, empty)
-    assert ys.shape == want[1].shape == (3, 0)
-    np.testing.assert_array_equal(state, want[0])
-    np.testing.assert_array_equal(state, empty["s0"])
 
 
 def test_loop_outputs_are_the_callers_alone() -> None:
@@ -283,6 +214,98 @@ def test_a_nested_if_on_computed_predicates_runs_its_branches_as_straight_code(
     assert net.execute.__qualname__ == "straight_run.<locals>.run"
 
 
+def test_a_body_from_the_compile_cache_runs_its_kernels_flat(tmp_path) -> None:
+    """A session loaded from its compile cache holds a body's CpuAcc partition as a Delegate of
+    its blob (artifact/compiler.py): the body still runs as its kernels, each a line of its
+    straight code, not as the Delegate's per-signature build (2.2x the run of loop_scripted_ts16
+    where the bench empties its caches)."""
+    model = loop_model()
+    for _ in range(2):  # the first session writes the cache, the second loads from it too
+        session = InferenceSession(model, backends=["CpuAcc", "CpuRef"], cache_dir=tmp_path)
+    assert any(tmp_path.iterdir())
+    peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feeds in LOOP_FEEDS:
+        for a, b in zip(session.run(None, feeds), peer.run(None, feeds), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    (body,) = workload_of(session, "Loop").runs
+    ops = [layer.op_type for layer in body.host_plan.layers]
+    assert "Delegate" not in ops and "Specialized" not in ops and "MatMul" in ops, ops
+
+
+# -- whole Loops, Scans and If branches as one function (looped.py, flat._direct); last in the file:
+# they draw from the module's RNG, whose draws the tests above keep as they were ----------------
+@pytest.mark.parametrize("backends", host_backend_lists())
+def test_a_loop_runs_whole_as_one_function(backends: list[str], monkeypatch) -> None:
+    """Without a stop, the Loop's driver and its iterations are one function of straight code
+    (builtin/looped.py): no iteration goes through ``Iterations.run``; the same values, NaN in x
+    giving NaN (and a condition false on it) as ONNX Runtime and CpuRef."""
+    from backplane.backends.builtin import bodies
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an iteration ran through Iterations.run")
+
+    monkeypatch.setattr(bodies.Iterations, "run", refused)
+    nan = loop_feeds(6, 0.0)  # (after the others: the module's RNG draws they make are theirs)
+    nan["x"][2, 1, 3] = np.nan
+    session = agrees(loop_model(), [*LOOP_FEEDS, nan], backends)
+    whole = workload_of(session, "Loop").whole
+    assert whole.__code__.co_filename == STRAIGHT and "while keep_going" in whole.source
+    assert np.isnan(session.run(None, nan)[0]).any()
+
+
+def scan_model() -> onnx.ModelProto:
+    """A running sum (state) over the columns of xs (scan input axis 1, read backwards) and the
+    rows of zs (axis 0, forwards), each step's tanh a scan output on axis 1."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "col"], ["a"]),
+         helper.make_node("Add", ["a", "z"], ["s_out"]),
+         helper.make_node("Tanh", ["s_out"], ["y"])],
+        "body", [value("s_in", TensorProto.FLOAT, 3), value("col", TensorProto.FLOAT, 3),
+                 value("z", TensorProto.FLOAT, 3)],
+        [value("s_out", TensorProto.FLOAT, 3), value("y", TensorProto.FLOAT, 3)])
+    node = helper.make_node("Scan", ["s0", "xs", "zs"], ["s", "ys"], body=body, num_scan_inputs=2,
+                            scan_input_axes=[1, 0], scan_input_directions=[1, 0],
+                            scan_output_axes=[1])
+    return make_model([node], [value("s0", TensorProto.FLOAT, 3),
+                               value("xs", TensorProto.FLOAT, 3, "t"),
+                               value("zs", TensorProto.FLOAT, "t", 3)],
+                      [value("s", TensorProto.FLOAT, 3), value("ys", TensorProto.FLOAT, 3, "t")])
+
+
+@pytest.mark.parametrize("backends", host_backend_lists())
+def test_a_scan_runs_whole_as_one_function(backends: list[str], monkeypatch) -> None:
+    """A Scan's rows and iterations are one function too (looped.scanned, made per the scan
+    inputs' axes): no Iterations.run; ONNX Runtime's and CpuRef's values over 0, 1 and 5 steps,
+    an input read along axis 1 backwards, NaN in a row giving NaN from that step on."""
+    from backplane.backends.builtin import bodies
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an iteration ran through Iterations.run")
+
+    monkeypatch.setattr(bodies.Iterations, "run", refused)
+
+    rng = np.random.default_rng(146)
+
+    def feeds(t: int) -> dict:
+        return {"s0": rng.standard_normal(3).astype(np.float32),
+                "xs": rng.standard_normal((3, t)).astype(np.float32),
+                "zs": rng.standard_normal((t, 3)).astype(np.float32)}
+
+    nan = feeds(5)
+    nan["zs"][2, 1] = np.nan
+    session = agrees(scan_model(), [feeds(5), feeds(1), nan], backends)
+    assert np.isnan(session.run(None, nan)[1][1, 2:]).all()
+    scan = workload_of(session, "Scan")
+    assert list(scan.wholes) == [(1, 0)]
+    assert "while i < length" in scan.wholes[(1, 0)].source
+    empty = feeds(0)  # no step: the state as given, no scan output (ONNX Runtime 1.32 dies of
+    (state, ys) = session.run(None, empty)  # a floating point exception on this one: CpuRef's)
+    want = InferenceSession(scan_model(), backends=["CpuRef"]).run(None, empty)
+    assert ys.shape == want[1].shape == (3, 0)
+    np.testing.assert_array_equal(state, want[0])
+    np.testing.assert_array_equal(state, empty["s0"])
+
+
 @pytest.mark.parametrize("backends", host_backend_lists())
 def test_an_if_calls_its_branch_as_one_function(backends: list[str], monkeypatch) -> None:
     """Without a stop an If calls its flat branch's ``direct`` code (flat._direct), not
@@ -317,21 +340,3 @@ def test_a_failing_kernel_in_a_branch_is_named() -> None:
         session.run(None, {"c": np.array(True), "idx": np.array([7], np.int64)})
     (y,) = session.run(None, {"c": np.array(True), "idx": np.array([2], np.int64)})
     assert y.tolist() == [2.0]
-
-
-def test_a_body_from_the_compile_cache_runs_its_kernels_flat(tmp_path) -> None:
-    """A session loaded from its compile cache holds a body's CpuAcc partition as a Delegate of
-    its blob (artifact/compiler.py): the body still runs as its kernels, each a line of its
-    straight code, not as the Delegate's per-signature build (2.2x the run of loop_scripted_ts16
-    where the bench empties its caches)."""
-    model = loop_model()
-    for _ in range(2):  # the first session writes the cache, the second loads from it too
-        session = InferenceSession(model, backends=["CpuAcc", "CpuRef"], cache_dir=tmp_path)
-    assert any(tmp_path.iterdir())
-    peer = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    for feeds in LOOP_FEEDS:
-        for a, b in zip(session.run(None, feeds), peer.run(None, feeds), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    (body,) = workload_of(session, "Loop").runs
-    ops = [layer.op_type for layer in body.host_plan.layers]
-    assert "Delegate" not in ops and "Specialized" not in ops and "MatMul" in ops, ops

@@ -120,7 +120,8 @@ def _generate(body: IteratedBody, parameters: str, given: Sequence[tuple[int, st
     scans = ", ".join(f"s{k}" for k in range(len(body.watched_slots) - condition))
     header = [f"def run({parameters}):", *prologue, *loads.values(),
               *(f"    s{k} = []" for k in range(len(body.watched_slots) - condition)),
-              "    i = 0", "    try:", f"        if {none}:", f"            return 0, None, [{scans}]"]
+              "    i = 0", "    try:", f"        if {none}:",
+              f"            return 0, None, [{scans}]"]
     # the carried values after the last iteration: the moves' values (m<k>), read where they are
     values = ", ".join(f"m{k}" for k in range(len(body.state)))
     footer = ["    except RunTerminated:", "        raise",
