@@ -327,8 +327,9 @@ def packed(static: Sequence[Any], device: Any) -> tuple[tuple[Any, Any], tuple[l
     return blocks, views
 
 
-WARM_UP_STREAMS: dict[str, Any] = {}
-"""One side stream per device for every capture's warm-up."""
+WARM_UP_STREAMS: dict[int, Any] = {}
+"""One side stream per device (by its index: "cuda" and "cuda:0" are one device) for every
+capture's warm-up."""
 
 
 def warm_up(run: Callable[[], Any], device: Any) -> None:
@@ -338,9 +339,11 @@ def warm_up(run: Callable[[], Any], device: Any) -> None:
     of the process, and a stream per capture kept one per graph (each signature of each model)."""
     import torch
 
-    side = WARM_UP_STREAMS.get(str(device))
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    side = WARM_UP_STREAMS.get(index)
     if side is None:
-        side = WARM_UP_STREAMS.setdefault(str(device), torch.cuda.Stream(device))
+        side = WARM_UP_STREAMS.setdefault(index, torch.cuda.Stream(index))
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
