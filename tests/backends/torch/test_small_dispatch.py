@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from backplane import InferenceSession  # noqa: E402
+from backplane.backends.torch.fusion.compiled import AtFirstRun  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 
 from tests.backends.torch.test_small_threads import small_cnn  # noqa: E402
@@ -50,12 +51,13 @@ def test_a_failing_one_layer_build_names_its_layer(monkeypatch) -> None:
     session.run(None, _feeds((1, 3, 16, 16)))
     (runner,) = _specialized(session).built.values()
     inner = _loaded_of(runner)
-    governed = inner.steps[0].workload  # CpuAcc's workload under the thread policy
+    workload = inner.steps[0].workload  # the OneDnnGraph layer's, made at its first run
+    assert isinstance(workload, AtFirstRun) and workload.built is not None
 
     def broken(*values):
         raise RuntimeError("broken on purpose")
 
-    monkeypatch.setattr(governed, "work", broken)
+    monkeypatch.setattr(workload, "built", broken)
     with pytest.raises(Exception, match=r"OneDnnGraph\[.*broken on purpose"):
         session.run(None, _feeds((1, 3, 16, 16)))
 
