@@ -16,7 +16,7 @@ keeps its workload for profiles and error messages.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,20 +296,13 @@ def compiled(steps: Sequence[Step], moves: Sequence[tuple[int, Sequence[int]]] =
     function returns the values of ``returns``' slots, a list. For control-flow bodies, whose few
     small kernels run per iteration: the code is made at load from slot numbers only, nothing of
     the model's."""
-    loads: dict[int, str] = {}
+    read = SlotReader("env")
+    loads, made = read.loads, read.made
     body: list[str] = []
-    made: set[int] = set()
     live: dict[int, None] = {}  # made and not freed since, in order
     namespace: dict[str, Any] = {"StepFailure": StepFailure, "RunTerminated": RunTerminated,
                                  "_outputs": _outputs}
     line_of_step: dict[int, Step] = {}
-
-    def read(slot: int) -> str:
-        if slot == NONE_SLOT:
-            return "None"
-        if slot not in made:
-            loads.setdefault(slot, f"    v{slot} = env[{slot}]")
-        return f"v{slot}"
 
     for index, step in enumerate(steps):
         line = step_line(step, str(index), read, namespace)
@@ -338,6 +331,25 @@ def compiled(steps: Sequence[Step], moves: Sequence[tuple[int, Sequence[int]]] =
     namespace["_failed_step"] = lambda exc: _step_at(exc, steps_at)
     exec(compile(source, "<backplane steps>", "exec"), namespace)  # noqa: S102  # slot numbers only
     return namespace["run"]  # type: ignore[no-any-return]
+
+
+class SlotReader:
+    """``step_line``'s ``read`` for code over ``v<slot>`` variables: a slot's name, and for a slot
+    read before the code makes it (one of ``made`` at the start: its inputs) one line that loads
+    it from ``source`` (``loads``, in the order first read). Shared by the straight code of a
+    step list, of an If's branch (builtin/flat.py) and of a whole Loop (builtin/looped.py)."""
+
+    def __init__(self, source: str, made: Iterable[int] = ()) -> None:
+        self.source = source
+        self.made: set[int] = set(made)
+        self.loads: dict[int, str] = {}
+
+    def __call__(self, slot: int) -> str:
+        if slot == NONE_SLOT:
+            return "None"
+        if slot not in self.made:
+            self.loads.setdefault(slot, f"    v{slot} = {self.source}[{slot}]")
+        return f"v{slot}"
 
 
 def step_line(step: Step, key: str, read: Callable[[int], str], namespace: dict[str, Any]) -> str:

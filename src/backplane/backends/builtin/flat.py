@@ -92,20 +92,13 @@ def _direct(steps: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]
     variable, a line per step, the outputs a tuple of arrays. builtin's If calls it for its branch:
     no slot list copied, no second frame (``FlatBody.execute`` and ``call``). A failed step raises
     ``StepFailure`` naming it. Nothing of the model is in the code: slot numbers only."""
-    from backplane.runtime.steps import _outputs, _step_at, step_line
+    from backplane.runtime.steps import SlotReader, _outputs, _step_at, step_line
 
     namespace: dict[str, Any] = {"StepFailure": StepFailure, "RunTerminated": RunTerminated,
                                  "_outputs": _outputs, "T": template, "_ndarray": np.ndarray,
                                  "_generic": np.generic, "_asarray": np.asarray}
-    made = set(inputs)
-    loads: dict[int, str] = {}
-
-    def read(slot: int) -> str:
-        if slot == NONE_SLOT:
-            return "None"
-        if slot not in made:
-            loads.setdefault(slot, f"    v{slot} = T[{slot}]")
-        return f"v{slot}"
+    read = SlotReader("T", inputs)
+    loads, made = read.loads, read.made
 
     lines: list[str] = []
     steps_at: dict[int, Step] = {}

@@ -28,7 +28,7 @@ import numpy as np
 
 from backplane.backends.builtin.control_flow import _bool
 from backplane.runtime.loaded_network import NONE_SLOT, StepFailure
-from backplane.runtime.steps import RunTerminated, Step, _outputs, _step_at, step_line
+from backplane.runtime.steps import RunTerminated, SlotReader, Step, _outputs, _step_at, step_line
 
 if TYPE_CHECKING:
     from backplane.backends.builtin.bodies import IteratedBody
@@ -76,16 +76,9 @@ def _generate(body: IteratedBody, parameters: str, given: Sequence[tuple[int, st
                                  "_outputs": _outputs, "_array": np.array, "_int64": np.int64,
                                  "_bool_": np.bool_, "_ndarray": np.ndarray, "_truth": _bool,
                                  "_take": np.take}
-    loads: dict[int, str] = {}
-    made: set[int] = {slot for slot, _ in given}
+    read = SlotReader("env", (slot for slot, _ in given))
+    loads, made = read.loads, read.made
     steps_at: dict[int, Step] = {}
-
-    def read(slot: int) -> str:
-        if slot == NONE_SLOT:
-            return "None"
-        if slot not in made:
-            loads.setdefault(slot, f"    v{slot} = env[{slot}]")
-        return f"v{slot}"
 
     lines: list[str] = []
 
