@@ -49,9 +49,13 @@ def chain_steps(layers: Sequence[Layer], steps: list[Step | None], original: Seq
         if not _fusible(layer, steps[index], original[index], constants):
             continue
         tree = [index]
-        for name in layer.inputs:
+        trip = _trip(steps[index])
+        for name in steps[index][1][:1] if trip else layer.inputs:  # type: ignore[index]
             producer = next((i for i in group if layers[i].outputs[0] == name), None)
-            if producer is not None and sole(name) == index and name not in outputs:
+            reader = sole(name)  # a round trip's x: read by its QuantizeLinear
+            if trip and reader is not None:
+                reader = index if layers[reader].outputs[:1] == layer.inputs[:1] else None
+            if producer is not None and reader == index and name not in outputs:
                 tree = group.pop(producer) + tree
         group[index] = tree
     for root, tree in group.items():
@@ -63,8 +67,16 @@ def chain_steps(layers: Sequence[Layer], steps: list[Step | None], original: Seq
                 steps[root] = made
 
 
+def _trip(step: Step | None) -> tuple[float, float, float, float] | None:
+    """A QDQ round trip's step (``gpu_int8._round_trip``: on the DequantizeLinear, reading x,
+    then its constants): its scale, clamp bounds and NaN's value."""
+    return None if step is None else getattr(step[0], "round_trip", None)
+
+
 def _fusible(layer: Layer, step: Step | None, kernel: Any,
              constants: dict[str, np.ndarray]) -> bool:
+    if _trip(step) is not None:
+        return "" not in step[1] and len(layer.outputs) == 1  # type: ignore[index]
     if step is None or step[0] is not kernel or layer.domain or len(layer.outputs) != 1:
         return False
     if layer.op_type in UNARY:
@@ -113,7 +125,15 @@ def _kernel(layers: Sequence[Layer], tree: list[int], steps: list[Step | None],
 
     for n, i in enumerate(tree):
         layer = layers[i]
-        if layer.op_type == "Pow":
+        trip = _trip(steps[i])
+        if trip is not None:  # as gpu_jit.ROUND_TRIP; the product unfused (no FMA with an Add)
+            x = operand(steps[i][1][0])  # type: ignore[index]
+            literals.extend(steps[i][1][1:])  # type: ignore[index]
+            scale, low, high, nan = (f"{float(np.float32(v)).hex()}f" for v in trip)
+            lines.append(f"    T q{n} = rintf(__fdiv_rn({x}, {scale}));")
+            lines.append(f"    q{n} = q{n} < {low} ? {low} : (q{n} > {high} ? {high} : q{n});")
+            text = f"{x} != {x} ? {nan} : __fmul_rn(q{n}, {scale})"
+        elif layer.op_type == "Pow":
             literals.append(layer.inputs[1])
             power = POWERS[_scalar(layer.inputs[1], constants)]  # type: ignore[index]
             text = power.format(operand(layer.inputs[0]))

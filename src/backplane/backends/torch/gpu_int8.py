@@ -44,6 +44,7 @@ def int8_steps(layers: Sequence[Layer], steps: list[Step | None],
     value, the subgraph's outputs counted), their chains (``_int8_chains``). Rewrites ``steps``
     in place."""
     own = [None if step is None else step[0] for step in steps]
+    _grid_round_trips(layers, steps, sole, constants)
     centred = _dynamic_pairs(layers, steps, sole, constants)
     trips: set[int] = set()
     for index, layer in enumerate(layers):
@@ -303,9 +304,54 @@ def _round_trip(layers: Sequence[Layer], steps: list[Step | None], index: int,
         t = torch.div(x, scale).round_().clamp_(low - zero, high - zero)
         return (t.nan_to_num_(-zero).mul_(scale),)
 
+    workload.round_trip = (scale, low - zero, high - zero,  # type: ignore[attr-defined]
+                           float(np.float32(-zero * scale)))  # gpu_chains writes it in a tree
     steps[index] = None
     steps[after] = (workload, [*layers[index].inputs, *dq.inputs[1:]], dq.outputs)
     return after
+
+
+SELECTING = frozenset({"MaxPool", "Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose",
+                       "Identity"})
+"""Layers whose every output value is one of their input's values (a MaxPool's window always
+holds one: its pads are under half the kernel)."""
+
+
+def _grid_round_trips(layers: Sequence[Layer], steps: list[Step | None],
+                      sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> None:
+    """Round trips that give back what they read, dropped: a QuantizeLinear -> DequantizeLinear
+    after a MaxPool, Flatten or reshaping of a DequantizeLinear of the same scale, zero point and
+    type (resnet_qdq_ort17's after its MaxPool and its Flatten; ONNX Runtime's quantizer writes
+    one after each such layer). Its input is (q - z) * s for an integer q of the type, NaN-free;
+    rint((q - z) * s / s) is q - z (the two roundings are within 2^-23 of it, and |q - z| <= 65535
+    leaves them far from a tie), inside the clamp: the same value back. The layer between then
+    writes the DequantizeLinear's output itself. The DequantizeLinear before names its zero
+    point (without one its integers' type is not known here: an int32 x would pass the clamp)."""
+    made = {layer.outputs[0]: i for i, layer in enumerate(layers) if layer.outputs}
+    for index, layer in enumerate(layers):
+        if layer.op_type != "QuantizeLinear" or layer.domain or steps[index] is None:
+            continue
+        after = sole(layer.outputs[0])
+        dq = None if after is None else layers[after]
+        between = made.get(layer.inputs[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.domain or steps[after] is None \
+                or dq.inputs[0] != layer.outputs[0] or between is None \
+                or sole(layer.inputs[0]) != index:
+            continue
+        middle = layers[between]
+        source = made.get(middle.inputs[0]) if middle.inputs else None
+        params = _per_tensor(layer, constants)
+        if middle.op_type not in SELECTING or middle.domain or len(middle.outputs) != 1 \
+                or steps[between] is None or list(steps[between][2]) != middle.outputs \
+                or source is None or layers[source].op_type != "DequantizeLinear" \
+                or layers[source].domain or params is None \
+                or not [*layers[source].inputs, "", ""][2] \
+                or _per_tensor(dq, constants) != params \
+                or _per_tensor(layers[source], constants) != params:
+            continue
+        kernel, reads, _ = steps[between]  # type: ignore[misc]
+        steps[between] = (kernel, reads, dq.outputs)
+        steps[index] = steps[after] = None
 
 
 def _integer_columns(layer: Layer, constants: dict[str, np.ndarray]) -> np.ndarray | None:
