@@ -8,6 +8,13 @@ Where one DynamicQuantizeLinear feeds several such branches (a layer's Q, K and 
 one input), they are one layer too: x quantized once, one product by the weights stacked, its
 columns split into the branches' outputs. Each column is computed as its branch computes it, so
 the outputs are CpuRef's, bit for bit, either way.
+
+A GELU written out after a lone branch (GPT-2's tanh form, nine layers: ``linear._gelu``) is the
+layer's post-op, torch's GELU on its result, as a float Linear takes it: the small tier's quantized
+GPT's two were 18 of its trace's 232 ops. Its values are torch's GELU's, a rounding or two from
+the nine steps' (as the float GPT's are), so a later quantization may put a value on the next
+step where the nine steps' would not: within one step of the graph's grid (the contract for
+ONNX Runtime's quantized models: its output within one quantization step).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import numpy as np
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
-from backplane.backends.torch.fusion.patterns import F32, Context, compute_type
+from backplane.backends.torch.fusion.patterns import F32, Context, compute_type, torch_post_op
+from backplane.backends.torch.fusion.linear import _gelu
 from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight, _in_float32
 from backplane.backends.torch.kernels.contrib_quant import dynamic_grid, product_grid
 from backplane.ir.graph import Layer
@@ -52,8 +60,13 @@ def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], La
              "add": None if found[0][4] is None else np.concatenate([b[4] for b in found]),
              "splits": [b[2].shape[1] for b in found] if len(found) > 1 else None}
     group = [quantize, *(layer for b in found for layer in b[0])]
-    fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x],
-                  [b[1] for b in found], attrs, FUSED_DOMAIN, 1)
+    outputs = [b[1] for b in found]
+    gelu = _gelu(outputs[0], ctx) if len(found) == 1 else None
+    if gelu is not None:  # the layer's post-op (torch's GELU), where a float Linear takes it too
+        attrs["post"] = ("gelu", [], gelu[1])
+        group, outputs = group + gelu[0], [gelu[0][-1].outputs[0]]
+    fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x], outputs,
+                  attrs, FUSED_DOMAIN, 1)
     return group, fused
 
 
@@ -112,6 +125,7 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
 
     a = layer.attrs
     product = linear_workload(_in_float32(layer), backend)
+    post = torch_post_op(a.get("post"))
     bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     w_scale = torch.from_numpy(np.array(a["w_scale"], F32))
     dtype, splits = compute_type(a), a.get("splits")
@@ -122,6 +136,7 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
         (acc,) = product(centred)
         y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
         y = y.add_(bias) if bias is not None else y
+        y = post(y) if post is not None else y
         y = y if dtype == torch.float32 else y.to(dtype)
         if splits is None:
             return (y,)
