@@ -16,7 +16,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -26,7 +25,7 @@ from backplane.backends.api.backend import OptionError
 from backplane.frontends.onnx import import_onnx
 from backplane.frontends.onnx_file import WeightFile, read_model
 from backplane.io_binding import IOBinding
-from backplane.ir.graph import Graph, TensorInfo
+from backplane.ir.graph import Graph
 from backplane.optimizer.optimize import OptimizedNetwork, OptimizerOptions, optimize
 from backplane.optimizer.release import FileWeights, released_graph
 from backplane.optimizer.report import PlacementReport
@@ -34,48 +33,15 @@ from backplane.overriding import Overrides, overridable
 from backplane.profiling import Trace, profile_file
 from backplane.runtime.loaded_network import LayerTiming
 from backplane.runtime.runtime import InvalidInputError, Runtime, RuntimeOptions, within
+from backplane.session_info import (NO_VERSION, ModelMetadata, NodeArg,  # noqa: F401  # its names
+                                    _node_arg, metadata_of)
 from backplane.session_checks import (artifact_backends, by_kind, check_artifact_choices,
                                       check_pins, stored_artifact)
 from backplane.session_options import (BackendSpec, RunOptions, SessionOptions, backend_list,
                                        cache_scope, default_backends, log_scope, merge,
                                        optimizer_options_for, qualified, stop_scope)
 
-NO_VERSION = 2**63 - 1
-"""``ModelMetadata.version`` of a model that sets no model_version (ONNX Runtime's kNoVersion)."""
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NodeArg:
-    """An input or output as ONNX Runtime describes it: name, shape (None / str for free dims), type."""
-
-    name: str
-    shape: list[int | str | None] | None
-    type: str
-
-
-@dataclass(frozen=True)
-class ModelMetadata:
-    """The model's metadata, as ONNX Runtime's ``ModelMetadata`` gives it (``producer_version`` is
-    backplane's addition). ``version`` is the model's model_version, ``NO_VERSION`` (2**63 - 1, as in
-    ONNX Runtime) where the model sets none."""
-
-    producer_name: str
-    producer_version: str
-    graph_name: str
-    domain: str
-    description: str
-    graph_description: str
-    version: int
-    custom_metadata_map: dict[str, str]
-
-
-def _node_arg(name: str, info: TensorInfo) -> NodeArg:
-    if info.dtype is None:
-        return NodeArg(name, None, "unknown")
-    elem = onnx.helper.tensor_dtype_to_string(onnx.helper.np_dtype_to_tensor_dtype(info.dtype))
-    elem = elem.removeprefix("TensorProto.").lower()
-    return NodeArg(name, list(info.shape) if info.shape is not None else None, f"tensor({elem})")
 
 
 # -- the session -------------------------------------------------------------------------------------------
@@ -341,6 +307,11 @@ class InferenceSession:
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Outputs named in ``output_names`` (all when None), in that order."""
+        direct = self._direct  # the network's prepared run where _fast holds: no frame between
+        if direct is not None and run_options is None:
+            results = direct(input_feed)  # None: not its feed (a wrong one, an input's default)
+            if results is not None:
+                return results if output_names is None else self._select(output_names, results)
         if self._later is not None:
             self._later.adopt(self)
         if self._overrides is not None and not self._overrides.names.isdisjoint(input_feed):
@@ -426,6 +397,7 @@ class InferenceSession:
         self._fast = (self._trace is None and self._severity == 2 and not self._closed
                       and not (self._cache_dir and self._builds_at_run)
                       and self._against_cpu is None and self._later is None)
+        self._direct = self.runtime.host_run(self.network_id) if self._fast else None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -485,12 +457,3 @@ def _compile_cache(cache_dir: str | os.PathLike | None) -> str | None:
     if cache_dir is None and not os.environ.get("BACKPLANE_COMPILE_CACHE"):
         return None
     return artifact.cache.folder(cache_dir)
-
-
-def metadata_of(proto: onnx.ModelProto) -> ModelMetadata:
-    return ModelMetadata(
-        producer_name=proto.producer_name, producer_version=proto.producer_version,
-        graph_name=proto.graph.name, domain=proto.domain, description=proto.doc_string,
-        graph_description=proto.graph.doc_string,
-        version=proto.model_version if proto.HasField("model_version") else NO_VERSION,
-        custom_metadata_map={p.key: p.value for p in proto.metadata_props})

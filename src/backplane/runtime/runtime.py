@@ -23,6 +23,7 @@ from backplane.install_hints import hint
 from backplane.optimizer.optimize import OptimizedNetwork
 from backplane.runtime.loaded_network import LayerTiming, LoadedNetwork, Plan, WorkloadError
 from backplane.runtime.ownership import owned
+from backplane.runtime.prepared_run import host_run, prepared_check  # noqa: F401  # its name
 from backplane.runtime.user_buffers import INTO
 
 log = logging.getLogger("backplane.runtime")
@@ -177,7 +178,7 @@ class Runtime:
                 network = _without(network, exc)
         self._networks[network_id] = loaded
         if not self.options.profiling:
-            self._host_runs[network_id] = host_run(loaded)
+            self._host_runs[network_id] = host_run(loaded, _input_specs(loaded))
         for context in told:
             context.after_load_network(network_id)
         return network_id
@@ -240,6 +241,13 @@ class Runtime:
                                loaded.held)
         return owned(loaded.execute_plan(_placement(loaded, values, outputs_on), values), values,
                      loaded.held)
+
+    def host_run(self, network_id: int) -> Callable[[Any], list[Any] | None]:
+        """The network's run of a dict of NumPy feeds prepared at its load (``prepared_run``):
+        the outputs, the caller's, or None where ``run`` must take the feeds (any other kind, a
+        wrong one, all of them on a profiling runtime). A session calls it without ``run``'s
+        frame; it must not outlive the network's unload."""
+        return self._host_runs.get(network_id, _not_prepared)
 
     def run_profiled(self, network_id: int, inputs: Mapping[str, Any] | Sequence[Any],
                      outputs_on: Sequence[str | None] | None = None,
@@ -335,73 +343,8 @@ def _owned_into(outputs: list[Any], into: Sequence[np.ndarray | None] | None,
     return [o if b is None else b for o, b in zip(mine, into)]
 
 
-def host_run(loaded: LoadedNetwork) -> Callable[[Any], list[Any] | None]:
-    """The common run of ``loaded``, prepared at its load: NumPy arrays in a dict, exactly the
-    model's inputs, each of the declared dtype and of sizes the declared dimensions take (a free
-    dimension's name the same size wherever it appears), run on the host plan, the outputs made
-    the caller's (``owned``). Returns None for anything else (another kind of feed, a wrong one):
-    ``Runtime.run`` then checks it in full, which gives the value or the error (the check here
-    only accepts what ``check_inputs`` accepts as it is)."""
-    check, execute = prepared_check(_input_specs(loaded)), loaded.execute_owned
-
-    def run(inputs: Any) -> list[Any] | None:
-        values = check(inputs)
-        if values is None:
-            return None
-        return execute(values)  # owned: LoadedNetwork.execute_owned
-
-    return run
-
-
-def prepared_check(specs: Sequence[tuple[str, TensorInfo]]) -> Callable[[Any], list[Any] | None]:
-    """A check of a run's feeds made once for the inputs ``specs``: the feeds' values in the
-    model's order where they are a dict holding exactly those names, each a NumPy array of its
-    input's dtype, rank and fixed sizes, free dimensions of one name of one size; None otherwise
-    (``check_inputs`` says what is wrong, or takes what this does not look at: sequences, other
-    array types, a Mapping that is not a dict)."""
-    if any(info.dtype is None for _, info in specs):  # sequences, optionals: the full check
-        return lambda feeds: None
-    entries = []
-    free: dict[str, list[tuple[int, int]]] = {}  # a free dimension's name -> (input, axis)s
-    for index, (name, info) in enumerate(specs):
-        shape = None if info.shape is None else tuple(info.shape)
-        static = shape if shape is not None and all(type(d) is int for d in shape) else None
-        fixed = tuple((axis, size) for axis, size in enumerate(shape or ())
-                      if isinstance(size, int))
-        for axis, size in enumerate(shape or ()):
-            if isinstance(size, str):
-                free.setdefault(size, []).append((index, axis))
-        entries.append((name, info.dtype, static, -1 if shape is None else len(shape), fixed))
-    tied = [(places[0], places[1:]) for places in free.values() if len(places) > 1]
-    count = len(entries)
-
-    def check(feeds: Any) -> list[Any] | None:
-        if type(feeds) is not dict or len(feeds) != count:
-            return None
-        values = []
-        for name, dtype, static, rank, fixed in entries:
-            value = feeds.get(name)
-            if type(value) is not np.ndarray or value.dtype is not dtype:
-                return None  # (a dtype equal but not the same object: the full check takes it)
-            shape = value.shape
-            if static is not None:
-                if shape != static:
-                    return None
-            elif rank >= 0:
-                if len(shape) != rank:
-                    return None
-                for axis, size in fixed:
-                    if shape[axis] != size:
-                        return None
-            values.append(value)
-        for (index, axis), others in tied:
-            size = values[index].shape[axis]
-            for other, other_axis in others:
-                if values[other].shape[other_axis] != size:
-                    return None
-        return values
-
-    return check
+def _not_prepared(feeds: Any) -> None:
+    return None
 
 
 def _input_specs(loaded: LoadedNetwork) -> list[tuple[str, TensorInfo]]:

@@ -279,6 +279,7 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
         results = value = None  # ``owned`` counts references: the outputs' must be theirs alone
         return owned(outputs, values)
 
+    handed.parts = (reads, workload, outs, owned)  # type: ignore[attr-defined]  # direct_run's
     return handed
 
 

@@ -1,0 +1,177 @@
+"""The common run of a loaded network, prepared at its load (``host_run``): the feeds' check made
+once for its inputs (``prepared_check``), and for a network that is one call the direct run below.
+
+A network that is one call (``steps.one_call``: CpuAcc's one partition or Specialized layer
+between ``torch.from_numpy`` and ``.numpy()``) run from the user's feeds by one function of straight
+code, made at load.
+
+Why: on the small models a run is 0.05-0.8 ms, and between ``InferenceSession.run`` and the
+partition's workload ran four Python frames of the runtime's (``Runtime.run``, the host run, its
+prepared check, the one call) with loops over the inputs, the outputs and their handovers; each
+frame's code is cold after the partition's kernels ran (a lone ``torch.from_numpy`` costs 1.8 us
+of thread CPU in a tight loop, 9-12 between runs of resnet_basic_ts16, this 2-core AMD EPYC under
+load). Here the feeds' check (``prepared_check``'s, input by input in line), the handovers, the
+call and the outputs' ownership (``fresh_outputs``: each output looked at before its handover,
+``owned`` only where one is not the run's alone) are one frame, which the session calls itself
+(``Runtime.host_run``). The code is made from positions only: the inputs' names, dtypes, shapes and
+the handovers are the function's globals, no text of the model's.
+
+It takes only what the prepared check takes (a dict of exactly the inputs, NumPy arrays of their
+dtype and sizes) and no run under a stop; for anything else it returns None and the caller runs
+the network as before (the full check names what is wrong). A workload's failure runs the call
+again through the network's own (``steps.owning_call``), whose error names the layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.ir.graph import TensorInfo
+from backplane.runtime.steps import STOP
+
+
+def direct_run(specs: Sequence[tuple[str, TensorInfo]],
+               handed: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Any], Any] | None:
+    """The run (see above) of a network whose owned run is ``handed`` (``steps.owning_call``'s,
+    with its ``parts``) and whose inputs are ``specs``; None where it is not such a network."""
+    from backplane.runtime.fresh_outputs import Made, fresh, made
+
+    parts = getattr(handed, "parts", None)
+    if parts is None or any(info.dtype is None for _, info in specs):
+        return None
+    reads, workload, outs, owned = parts
+    if not outs:
+        return None
+    namespace: dict[str, Any] = {"ndarray": np.ndarray, "STOP": STOP, "workload": workload,
+                                 "Made": Made, "made": made, "fresh": fresh, "handed": handed,
+                                 "owned": owned}
+    lines = ["def run(feeds):",
+             f"    if type(feeds) is not dict or len(feeds) != {len(specs)}:", "        return None"]
+    free: dict[str, list[tuple[int, int]]] = {}
+    for k, (name, info) in enumerate(specs):
+        namespace[f"n{k}"], namespace[f"d{k}"] = name, info.dtype
+        lines += [f"    v{k} = feeds.get(n{k})",
+                  f"    if type(v{k}) is not ndarray or v{k}.dtype is not d{k}:", "        return None"]
+        shape = None if info.shape is None else tuple(info.shape)
+        if shape is None:
+            continue
+        if all(type(d) is int for d in shape):
+            namespace[f"z{k}"] = shape
+            lines += [f"    if v{k}.shape != z{k}:", "        return None"]
+            continue
+        checks = [f"len(s{k}) != {len(shape)}"]
+        for axis, size in enumerate(shape):
+            if isinstance(size, int):
+                checks.append(f"s{k}[{axis}] != {int(size)}")
+            elif isinstance(size, str):
+                free.setdefault(size, []).append((k, axis))
+        lines += [f"    s{k} = v{k}.shape", f"    if {' or '.join(checks)}:", "        return None"]
+    for places in free.values():
+        (first, axis), others = places[0], places[1:]
+        for other, other_axis in others:
+            lines += [f"    if v{other}.shape[{other_axis}] != v{first}.shape[{axis}]:",
+                      "        return None"]
+    values = "[" + "".join(f"v{k}, " for k in range(len(specs))) + "]"
+    args = []
+    for j, (index, convert, _, constant) in enumerate(reads):
+        if index < 0:
+            namespace[f"k{j}"] = constant
+            args.append(f"k{j}")
+        elif convert is None:
+            args.append(f"v{index}")
+        else:
+            namespace[f"c{j}"] = convert
+            args.append(f"c{j}(v{index})")
+    for j, (_, convert, _) in enumerate(outs):
+        namespace[f"x{j}"] = convert
+    count = len(outs)
+    lines += ["    if STOP.get() is not None:", "        return None", "    try:",
+              f"        results = workload({', '.join(args)})",
+              "        own = made if type(results) is Made else fresh",
+              *(f"        o{j} = results[{index}]" for j, (index, _, _) in enumerate(outs)),
+              f"        mine = {' and '.join(f'own(o{j})' for j in range(count))}",
+              f"        outputs = [{', '.join(f'x{j}(o{j})' for j in range(count))}]",
+              "    except Exception:  # again through the steps: the error names the layer",
+              f"        return handed({values})",
+              "    if mine:", "        return outputs",
+              f"    results = {' = '.join(f'o{j}' for j in range(count))} = None",
+              f"    return owned(outputs, {values})"]
+    exec(compile("\n".join(lines), "<backplane direct run>", "exec"), namespace)  # noqa: S102
+    return namespace["run"]  # type: ignore[no-any-return]
+
+
+def host_run(loaded: Any, specs: Sequence[tuple[str, TensorInfo]],
+             ) -> Callable[[Any], list[Any] | None]:
+    """The common run of ``loaded`` (a LoadedNetwork of inputs ``specs``), prepared at its load: NumPy arrays in a dict, exactly the
+    model's inputs, each of the declared dtype and of sizes the declared dimensions take (a free
+    dimension's name the same size wherever it appears), run on the host plan, the outputs made
+    the caller's (``owned``). Returns None for anything else (another kind of feed, a wrong one):
+    ``Runtime.run`` then checks it in full, which gives the value or the error (the check here
+    only accepts what ``check_inputs`` accepts as it is). For a network of one call, the
+    ``direct_run`` above."""
+    direct = direct_run(specs, loaded.execute_owned)  # a network of one call: one frame
+    if direct is not None:
+        return direct
+    check, execute = prepared_check(specs), loaded.execute_owned
+
+    def run(inputs: Any) -> list[Any] | None:
+        values = check(inputs)
+        if values is None:
+            return None
+        return execute(values)  # owned: LoadedNetwork.execute_owned
+
+    return run
+
+
+def prepared_check(specs: Sequence[tuple[str, TensorInfo]]) -> Callable[[Any], list[Any] | None]:
+    """A check of a run's feeds made once for the inputs ``specs``: the feeds' values in the
+    model's order where they are a dict holding exactly those names, each a NumPy array of its
+    input's dtype, rank and fixed sizes, free dimensions of one name of one size; None otherwise
+    (``check_inputs`` says what is wrong, or takes what this does not look at: sequences, other
+    array types, a Mapping that is not a dict)."""
+    if any(info.dtype is None for _, info in specs):  # sequences, optionals: the full check
+        return lambda feeds: None
+    entries = []
+    free: dict[str, list[tuple[int, int]]] = {}  # a free dimension's name -> (input, axis)s
+    for index, (name, info) in enumerate(specs):
+        shape = None if info.shape is None else tuple(info.shape)
+        static = shape if shape is not None and all(type(d) is int for d in shape) else None
+        fixed = tuple((axis, size) for axis, size in enumerate(shape or ())
+                      if isinstance(size, int))
+        for axis, size in enumerate(shape or ()):
+            if isinstance(size, str):
+                free.setdefault(size, []).append((index, axis))
+        entries.append((name, info.dtype, static, -1 if shape is None else len(shape), fixed))
+    tied = [(places[0], places[1:]) for places in free.values() if len(places) > 1]
+    count = len(entries)
+
+    def check(feeds: Any) -> list[Any] | None:
+        if type(feeds) is not dict or len(feeds) != count:
+            return None
+        values = []
+        for name, dtype, static, rank, fixed in entries:
+            value = feeds.get(name)
+            if type(value) is not np.ndarray or value.dtype is not dtype:
+                return None  # (a dtype equal but not the same object: the full check takes it)
+            shape = value.shape
+            if static is not None:
+                if shape != static:
+                    return None
+            elif rank >= 0:
+                if len(shape) != rank:
+                    return None
+                for axis, size in fixed:
+                    if shape[axis] != size:
+                        return None
+            values.append(value)
+        for (index, axis), others in tied:
+            size = values[index].shape[axis]
+            for other, other_axis in others:
+                if values[other].shape[other_axis] != size:
+                    return None
+        return values
+
+    return check
