@@ -268,6 +268,8 @@ class CpuAcc(TorchBackend):
                              "takes its routes at once; a background thread builds and compiles, "
                              "swaps them in, the runs time them)",
         "CpuAcc.route_cache": "keep measured routes on disk (True)",
+        "CpuAcc.static_runtime": "auto (a Traced layer's graph run by TorchScript's Static Runtime "
+                                 "where it builds and reproduces the trace's outputs) or off",
         "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
         "CpuAcc.precision": "fp32, or bf16 on CPUs with bfloat16 instructions (AVX512-BF16, AMX)",
         "CpuAcc.keep_memory": "True (the default: freed tensor memory kept in the process for the "
@@ -289,10 +291,11 @@ class CpuAcc(TorchBackend):
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
         """Checks the runtime's ``CpuAcc.precision`` (an unknown one is an error at the first load,
         listing the choices); a network's own is checked as it is optimized."""
-        from backplane.backends.torch import memory
+        from backplane.backends.torch import memory, static_runtime
         from backplane.backends.torch.fusion import reduced
 
         reduced.precision_of(options)
+        static_runtime.mode(options)  # an unknown setting: an error at load, not at a run
         if options.get("CpuAcc.compile") == "inductor":  # no C++ compiler: said at load
             from backplane.backends.torch import inductor
 

@@ -47,7 +47,7 @@ from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch.fusion import host_chain, onednn_graph
-from backplane.backends.torch import prepacked, threads
+from backplane.backends.torch import prepacked, static_runtime, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
 from backplane.backends.torch.fusion.index_glue import fold_index_glue
@@ -336,7 +336,8 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
     except Exception as exc:  # noqa: BLE001  # any failure to trace: the layers run instead
         log.debug("%s runs layer by layer: no trace (%s: %s)", layer.name, type(exc).__name__, exc)
         return None
-    return _named(_traced_run(module, sample, packed), "traced")
+    call = static_runtime.forward(module, checks, packed, backend)  # None: the interpreter's
+    return _named(_traced_run(module, sample, packed, call), "traced")
 
 
 @contextlib.contextmanager
@@ -368,14 +369,15 @@ def below_autograd_guard() -> Any:
     return getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None) or torch.no_grad
 
 
-def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) -> Workload:
-    """The frozen ``module``'s call: the inputs in their sample's layout, then the packed weights
-    it takes as inputs (``prepacked.TraceInputs``), below autograd (``below_autograd``)."""
+def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = (),
+                call: Callable[..., Any] | None = None) -> Workload:
+    """The frozen ``module``'s call (or ``call``, ``static_runtime``'s): the inputs in their
+    sample's layout, then the packed weights (``prepacked.TraceInputs``), below autograd."""
     from backplane.runtime.fresh_outputs import Made
 
     conform = onednn_graph._layout_guard(sample)
     strides = [tuple(value.stride()) for value in sample]
-    forward = module._c._get_method("forward")  # its C++ method: no nn.Module call in between
+    forward = call or module._c._get_method("forward")  # C++: no nn.Module call in between
     made = Made if outputs_made(module.graph) else tuple  # each output an op's own result
     guard = below_autograd_guard()
 
@@ -390,6 +392,7 @@ def _traced_run(module: Any, sample: Sequence[Any], packed: Sequence[Any] = ()) 
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
     run.module = module  # type: ignore[attr-defined]  # for tests and debugging
+    run.static = getattr(call, "static", None)  # type: ignore[attr-defined]
     run.weights = tuple(packed)  # type: ignore[attr-defined]  # the packed ones it keeps
     return run
 
