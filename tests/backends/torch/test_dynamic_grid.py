@@ -94,3 +94,26 @@ def test_a_traced_grid_makes_few_calls() -> None:
     assert len(calls) <= 14, [n.kind() for n in calls]
     large = x * 40 + 3
     assert torch.equal(traced(large)[0], dynamic_grid(large)[0])
+
+
+def test_a_frozen_grid_casts_only_to_widen_the_range() -> None:
+    """In a frozen trace a Python number is an int64 0-d tensor, cast at every call where a float
+    tensor meets it: the grid's constants are float tensors of their operands' type, so its only
+    casts are the range's two widenings to float64 and the scale's rounding back, and it still
+    follows each input's range."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.linspace(-1, 1, 12).reshape(3, 4)
+
+    class Grid(torch.nn.Module):
+        def forward(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return product_grid(v)
+
+    with torch.no_grad():
+        frozen = torch.jit.freeze(torch.jit.trace(Grid().eval(), (x,)))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        frozen(x)
+    casts = [e for e in prof.events() if e.name == "aten::_to_copy"]
+    assert len(casts) <= 3, [e.cpu_parent.cpu_parent.name for e in casts if e.cpu_parent]
+    large = x * 40 + 3
+    assert torch.equal(frozen(large)[0], dynamic_grid(large)[0])

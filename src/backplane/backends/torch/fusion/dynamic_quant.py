@@ -134,7 +134,7 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
         # no call where x and y are float32 already: a trace keeps each call, about 1 us
         centred, scale = grid_on_host(x if x.dtype == torch.float32 else x.float())
         (acc,) = product(centred)
-        y = acc.mul_(scale * w_scale)  # the graph's Mul of the two scales, in float32
+        y = acc.mul_(w_scale * scale)  # the two scales, the constant first (``product_grid``)
         y = y.add_(bias) if bias is not None else y
         y = post(y) if post is not None else y
         y = y if dtype == torch.float32 else y.to(dtype)
