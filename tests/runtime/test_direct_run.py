@@ -129,3 +129,32 @@ def test_a_failing_layer_is_named() -> None:
         session.run(None, {"a": np.zeros((2, 4), np.float32), "b": np.zeros((3, 4), np.float32)})
     y, _ = session.run(None, {"a": np.ones((2, 4), np.float32), "b": np.ones((2, 4), np.float32)})
     np.testing.assert_array_equal(y, np.full((2, 4), 2, np.float32))
+
+
+def test_steps_as_straight_code_run_from_the_check_and_keep_the_promises() -> None:
+    """A CpuRef network of several steps (``steps.straight_run``): the direct run calls their
+    code itself (no execute_owned, no straight_run frame); an output that is an input comes back
+    a copy, NaN goes through, a failing step is named and the session runs on."""
+    nodes = [helper.make_node("Relu", ["a"], ["y"]), helper.make_node("Identity", ["a"], ["z"]),
+             helper.make_node("Add", ["y", "b"], ["w"])]
+    model = make_model(nodes, [float_input("a", ["N", 4]), float_input("b", ["M", 4])],
+                       [float_input("y", ["N", 4]), float_input("z", ["N", 4]),
+                        float_input("w", ["N", 4])])
+    session = InferenceSession(model.SerializeToString(), ["CpuRef"])
+    assert _is_direct(session)
+    a = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    a[0, 0] = np.nan
+    b = np.ones((2, 4), np.float32)
+    session.run(None, {"a": a, "b": b})
+    entered = _entered(lambda: session.run(None, {"a": a, "b": b}))
+    between = [n for f, n in entered if f.endswith(("loaded_network.py", "steps.py"))]
+    assert not between and ("<backplane steps>", "run") in entered, entered
+    y, z, w = session.run(None, {"a": a, "b": b})
+    assert np.isnan(y[0, 0]) and np.isnan(z[0, 0]) and np.isnan(w[0, 0])
+    np.testing.assert_array_equal(z, a)
+    assert not np.shares_memory(z, a)
+    np.testing.assert_allclose(w, np.maximum(a, 0) + 1)  # NaN where a has it
+    with pytest.raises(ExecutionError, match=r"Add.* failed on CpuRef"):
+        session.run(None, {"a": a, "b": np.ones((3, 4), np.float32)})
+    again = session.run(None, {"a": a, "b": b})
+    np.testing.assert_array_equal(again[1], a)

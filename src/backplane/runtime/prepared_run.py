@@ -1,25 +1,27 @@
-"""The common run of a loaded network, prepared at its load (``host_run``): the feeds' check made
-once for its inputs (``prepared_check``), and for a network that is one call the direct run below.
+"""The common run of a loaded network, prepared at its load (``host_run``): one function of
+straight code (``direct_run``) that checks the feeds in line (``prepared_check``'s check) and runs
+the network; ``prepared_check`` itself for the rest.
 
 A network that is one call (``steps.one_call``: CpuAcc's one partition or Specialized layer
-between ``torch.from_numpy`` and ``.numpy()``) run from the user's feeds by one function of straight
-code, made at load.
+between ``torch.from_numpy`` and ``.numpy()``) runs in that function: the handovers, the call and
+the outputs' ownership in line; a network of steps as straight code (``steps.straight_run``:
+CpuRef's, control flow's) has its steps' function called from it, its outputs made the caller's
+there; any other its ``execute_owned`` (a builtin If's own run).
 
 Why: on the small models a run is 0.05-0.8 ms, and between ``InferenceSession.run`` and the
 partition's workload ran four Python frames of the runtime's (``Runtime.run``, the host run, its
 prepared check, the one call) with loops over the inputs, the outputs and their handovers; each
 frame's code is cold after the partition's kernels ran (a lone ``torch.from_numpy`` costs 1.8 us
 of thread CPU in a tight loop, 9-12 between runs of resnet_basic_ts16, this 2-core AMD EPYC under
-load). Here the feeds' check (``prepared_check``'s, input by input in line), the handovers, the
-call and the outputs' ownership (``fresh_outputs``: each output looked at before its handover,
-``owned`` only where one is not the run's alone) are one frame, which the session calls itself
-(``Runtime.host_run``). The code is made from positions only: the inputs' names, dtypes, shapes and
-the handovers are the function's globals, no text of the model's.
+load). The session calls the function itself (``Runtime.host_run``). Its code is made from
+positions only: the inputs' names, dtypes, shapes and the handovers are its globals, no text of
+the model's.
 
 It takes only what the prepared check takes (a dict of exactly the inputs, NumPy arrays of their
 dtype and sizes) and no run under a stop; for anything else it returns None and the caller runs
-the network as before (the full check names what is wrong). A workload's failure runs the call
-again through the network's own (``steps.owning_call``), whose error names the layer.
+the network as before (the full check names what is wrong). A workload's failure in the one call
+runs the call again through the network's own (``steps.owning_call``), whose error names the
+layer; a failing step of straight code is named as ``straight_run`` names it.
 """
 
 from __future__ import annotations
@@ -33,23 +35,42 @@ from backplane.ir.graph import TensorInfo
 from backplane.runtime.steps import STOP
 
 
-def direct_run(specs: Sequence[tuple[str, TensorInfo]],
-               handed: Callable[[Sequence[Any]], list[Any]]) -> Callable[[Any], Any] | None:
-    """The run (see above) of a network whose owned run is ``handed`` (``steps.owning_call``'s,
-    with its ``parts``) and whose inputs are ``specs``; None where it is not such a network."""
+def direct_run(specs: Sequence[tuple[str, TensorInfo]], loaded: Any) -> Callable[[Any], Any] | None:
+    """The run of ``loaded`` (a LoadedNetwork whose inputs are ``specs``), its outputs the
+    caller's: the feeds' check in line, then, for a network of one call (``steps.owning_call``'s
+    ``handed``, with its ``parts``), that call in line (see above); for steps as straight code
+    (``steps.straight_run``), their function called on the slots, its outputs made the caller's
+    in line; else ``execute_owned`` on the checked values (a builtin If's own run). None where an
+    input's type is not known (sequences, optionals: ``check_inputs`` takes them)."""
     from backplane.runtime.fresh_outputs import Made, fresh, made
 
-    parts = getattr(handed, "parts", None)
-    if parts is None or any(info.dtype is None for _, info in specs):
+    if any(info.dtype is None for _, info in specs):
         return None
-    reads, workload, outs, owned = parts
-    if not outs:
-        return None
-    namespace: dict[str, Any] = {"ndarray": np.ndarray, "STOP": STOP, "workload": workload,
-                                 "Made": Made, "made": made, "fresh": fresh, "handed": handed,
-                                 "owned": owned}
-    lines = ["def run(feeds):",
-             f"    if type(feeds) is not dict or len(feeds) != {len(specs)}:", "        return None"]
+    execute = loaded.execute_owned
+    parts = getattr(execute, "parts", None)
+    if parts is not None and not parts[2]:  # no outputs
+        parts = None
+    straight = getattr(loaded.execute, "straight", None)  # not where a wrapper took execute
+    if "execute_owned" in vars(loaded) or not isinstance(straight, tuple):
+        straight = None  # (the owned run is another than owned(execute(...)))
+    namespace: dict[str, Any] = {"ndarray": np.ndarray, "STOP": STOP, "execute": execute,
+                                 "Made": Made, "made": made, "fresh": fresh}
+    lines = ["def run(feeds):", *_check(specs, namespace)]
+    values = "[" + "".join(f"v{k}, " for k in range(len(specs))) + "]"
+    if parts is not None:
+        lines += _one_call(parts, values, namespace)
+    elif straight is not None:
+        lines += _straight(straight, loaded.held, values, namespace)
+    else:
+        lines.append(f"    return execute({values})")
+    exec(compile("\n".join(lines), "<backplane direct run>", "exec"), namespace)  # noqa: S102
+    return namespace["run"]  # type: ignore[no-any-return]
+
+
+def _check(specs: Sequence[tuple[str, TensorInfo]], namespace: dict[str, Any]) -> list[str]:
+    """``prepared_check``'s check as lines over ``feeds``, the values read into ``v<k>``; each
+    input's name, dtype and shape in ``namespace``."""
+    lines = [f"    if type(feeds) is not dict or len(feeds) != {len(specs)}:", "        return None"]
     free: dict[str, list[tuple[int, int]]] = {}
     for k, (name, info) in enumerate(specs):
         namespace[f"n{k}"], namespace[f"d{k}"] = name, info.dtype
@@ -74,7 +95,12 @@ def direct_run(specs: Sequence[tuple[str, TensorInfo]],
         for other, other_axis in others:
             lines += [f"    if v{other}.shape[{other_axis}] != v{first}.shape[{axis}]:",
                       "        return None"]
-    values = "[" + "".join(f"v{k}, " for k in range(len(specs))) + "]"
+    return lines
+
+
+def _one_call(parts: tuple[Any, ...], values: str, namespace: dict[str, Any]) -> list[str]:
+    """The lines of ``steps.owning_call``'s ``handed`` of ``parts``, on the checked ``v<k>``."""
+    reads, namespace["workload"], outs, namespace["owned"] = parts
     args = []
     for j, (index, convert, _, constant) in enumerate(reads):
         if index < 0:
@@ -88,31 +114,51 @@ def direct_run(specs: Sequence[tuple[str, TensorInfo]],
     for j, (_, convert, _) in enumerate(outs):
         namespace[f"x{j}"] = convert
     count = len(outs)
-    lines += ["    if STOP.get() is not None:", "        return None", "    try:",
-              f"        results = workload({', '.join(args)})",
-              "        own = made if type(results) is Made else fresh",
-              *(f"        o{j} = results[{index}]" for j, (index, _, _) in enumerate(outs)),
-              f"        mine = {' and '.join(f'own(o{j})' for j in range(count))}",
-              f"        outputs = [{', '.join(f'x{j}(o{j})' for j in range(count))}]",
-              "    except Exception:  # again through the steps: the error names the layer",
-              f"        return handed({values})",
-              "    if mine:", "        return outputs",
-              f"    results = {' = '.join(f'o{j}' for j in range(count))} = None",
-              f"    return owned(outputs, {values})"]
-    exec(compile("\n".join(lines), "<backplane direct run>", "exec"), namespace)  # noqa: S102
-    return namespace["run"]  # type: ignore[no-any-return]
+    return ["    if STOP.get() is not None:", "        return None", "    try:",
+            f"        results = workload({', '.join(args)})",
+            "        own = made if type(results) is Made else fresh",
+            *(f"        o{j} = results[{index}]" for j, (index, _, _) in enumerate(outs)),
+            f"        mine = {' and '.join(f'own(o{j})' for j in range(count))}",
+            f"        outputs = [{', '.join(f'x{j}(o{j})' for j in range(count))}]",
+            "    except Exception:  # again through the steps: the error names the layer",
+            f"        return execute({values})",
+            "    if mine:", "        return outputs",
+            f"    results = {' = '.join(f'o{j}' for j in range(count))} = None",
+            f"    return owned(outputs, {values})"]
+
+
+def _straight(parts: tuple[Any, ...], held: Any, values: str, namespace: dict[str, Any],
+              ) -> list[str]:
+    """The lines of ``steps.straight_run``'s run of ``parts`` on the checked ``v<k>``, then
+    ``LoadedNetwork.execute_owned``'s ``owned`` of its outputs."""
+    from backplane.runtime.ownership import owned
+    from backplane.runtime.steps import StepFailure
+
+    call, template, inputs_at, count, failure = parts
+    namespace.update(call=call, template=template, failure=failure, held=held, owned=owned,
+                     StepFailure=StepFailure, generic=np.generic, asarray=np.asarray)
+    puts = [f"    env[{slot}] = v{k}" for k, slot in enumerate(inputs_at)]
+    arrays = ", ".join(f"asarray(o[{j}]) if isinstance(o[{j}], generic) else o[{j}]"
+                       for j in range(count))
+    return ["    if STOP.get() is not None:", f"        return execute({values})",
+            "    env = list(template)", *puts, "    try:", "        o = call(env)",
+            "    except StepFailure as failed:",
+            "        raise failure(failed.step, failed.error) from failed.error",
+            "    env = None  # owned counts references: the outputs' are the list's alone",
+            f"    results = [{arrays}]", "    o = None",
+            f"    return owned(results, {values}, held)"]
 
 
 def host_run(loaded: Any, specs: Sequence[tuple[str, TensorInfo]],
              ) -> Callable[[Any], list[Any] | None]:
-    """The common run of ``loaded`` (a LoadedNetwork of inputs ``specs``), prepared at its load: NumPy arrays in a dict, exactly the
-    model's inputs, each of the declared dtype and of sizes the declared dimensions take (a free
-    dimension's name the same size wherever it appears), run on the host plan, the outputs made
-    the caller's (``owned``). Returns None for anything else (another kind of feed, a wrong one):
-    ``Runtime.run`` then checks it in full, which gives the value or the error (the check here
-    only accepts what ``check_inputs`` accepts as it is). For a network of one call, the
-    ``direct_run`` above."""
-    direct = direct_run(specs, loaded.execute_owned)  # a network of one call: one frame
+    """The common run of ``loaded`` (a LoadedNetwork of inputs ``specs``), prepared at its load:
+    NumPy arrays in a dict, exactly the model's inputs, each of the declared dtype and of sizes
+    the declared dimensions take (a free dimension's name the same size wherever it appears), run
+    on the host plan, the outputs made the caller's (``owned``). Returns None for anything else
+    (another kind of feed, a wrong one): ``Runtime.run`` then checks it in full, which gives the
+    value or the error (the check here only accepts what ``check_inputs`` accepts as it is). Where
+    the inputs' types are known, ``direct_run`` above: the check in line."""
+    direct = direct_run(specs, loaded)
     if direct is not None:
         return direct
     check, execute = prepared_check(specs), loaded.execute_owned

@@ -415,4 +415,5 @@ def straight_run(plan: Plan, template: Sequence[Any],
             raise failure(failed.step, failed.error) from failed.error
         return [np.asarray(v) if isinstance(v, np.generic) else v for v in outputs]
 
+    run.straight = (call, template, inputs_at, len(outputs_at), failure)  # type: ignore[attr-defined]
     return run
