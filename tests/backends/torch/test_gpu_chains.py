@@ -166,3 +166,39 @@ def test_an_exported_gelu_on_gpuacc_is_cpuref_s(tmp_path) -> None:
     for _ in range(2):  # the second a replay of the captured graph
         got = session.run(None, feeds)[0]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tree", ["gelu", *TREES])
+def test_on_cuda_a_half_tree_is_one_kernel_and_the_layers_per_layer_rounding(tree, dtype) -> None:
+    """Each layer computed in float and rounded to the type, as torch's half kernels: the
+    layers' own values but where a constant divisor is taken as its reciprocal (GELU's 1/sqrt2,
+    hard-swish's 1/6 in torch), an ulp of the type there (which the LayerNorm tail's
+    subtraction and division carry on: within a few ulps of the output's largest value)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layers = GELU if tree == "gelu" else TREES[tree]
+    constants = {k: v.astype(np.float16) if v.ndim == 0 else v for k, v in CONSTANTS.items()}
+    kept, _ = _steps(layers, constants)
+    feeds = {k: v.to(dtype) for k, v in _feeds("cuda").items()}
+    known = {**feeds, **{k: torch.from_numpy(v).cuda().to(dtype) for k, v in constants.items()}}
+    fused = dict(known)  # every tensor of the type (GELU's gamma and beta too)
+    for kernel, names, outs in kept:
+        fused.update(zip(outs, kernel(*[fused[n] for n in names])))
+    fused = fused["y"]
+    sequential = dict(known)
+    for kernel, names, outs in _sequential(layers):
+        sequential.update(zip(outs, kernel(*[sequential[n] for n in names])))
+    assert fused.dtype == dtype
+    ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
+    want = sequential["y"]
+    scale = float(want[torch.isfinite(want)].abs().max())  # an ulp early, the LayerNorm's
+    torch.testing.assert_close(fused, want, rtol=ulp, atol=4 * ulp * scale, equal_nan=True)
+    kernel, names, _ = kept[0]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        kernel(*[known[n] for n in names])
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels

@@ -1,7 +1,9 @@
 """QDQ round trips inside GpuAcc's captured subgraphs in fewer kernels (``gpu_int8.py``,
 ``gpu_chains.py``): a round trip of the same scale after a MaxPool or Flatten of a
 DequantizeLinear is dropped (it gives back what it reads), and a round trip joins the elementwise
-tree around it (resnet_qdq_ort17's Add between two round trips: three kernels, one). The values
+tree around it (resnet_qdq_ort17's Add between two round trips: three kernels, one), and a
+Conv's bias is added in the tree reading its output (torch adds it after cuDNN's convolution,
+a kernel of its own). The values
 are the layers' own bit for bit; the steps' grouping and their values through the layers' own
 kernels are checked here on the CPU, the one kernel on CUDA (skipped without a GPU)."""
 
@@ -22,7 +24,8 @@ KERNELS = {"QuantizeLinear": quantization.quantize_linear,
            "Add": lambda a, b: (torch.add(a, b),), "Relu": lambda x: (torch.relu(x),),
            "MaxPool": lambda x: (torch.nn.functional.max_pool2d(x, 2),),
            "AveragePool": lambda x: (torch.nn.functional.avg_pool2d(x, 2),),
-           "Flatten": lambda x: (torch.flatten(x, 1),)}
+           "Flatten": lambda x: (torch.flatten(x, 1),),
+           "Conv": lambda x, w, b=None: (torch.nn.functional.conv2d(x, w, b),)}
 CONSTANTS = {"sa": np.asarray(F32(0.037)), "za": np.asarray(np.uint8(3)),
              "sb": np.asarray(F32(0.05)), "zb": np.asarray(np.uint8(0)),
              "sc": np.asarray(F32(0.011)), "zc": np.asarray(np.int8(-5))}
@@ -50,7 +53,7 @@ def _steps(layers: list[Layer], outputs=("y",)):
 def _run(steps, feeds: dict[str, torch.Tensor], device: str = "cpu"):
     known = {**feeds, **{k: torch.from_numpy(v).to(device) for k, v in CONSTANTS.items()}}
     for kernel, names, outs in steps:
-        known.update(zip(outs, kernel(*[known[n] for n in names])))
+        known.update(zip(outs, kernel(*[known[n] if n else None for n in names])))
     return known
 
 
@@ -111,6 +114,61 @@ def test_a_round_trip_that_may_change_its_values_stays(case: str) -> None:
     assert len(kept) == 3 and kept[2][1][0] == "p"  # the pool, then the round trip (one step)
 
 
+CONV = [Layer("conv", "Conv", ["x", "w", "bias"], ["c"]), *BLOCK]
+
+
+def _conv_feeds(device: str = "cpu") -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 3, 6, 6)).astype(F32)
+    x[0, 0, 0, 0] = np.nan
+    skip = rng.standard_normal((1, 4, 4, 4)).astype(F32)
+    return {"x": torch.from_numpy(x).to(device), "skip": torch.from_numpy(skip).to(device)}
+
+
+def test_a_conv_s_bias_is_added_in_the_tree_reading_its_output() -> None:
+    rng = np.random.default_rng(3)
+    CONSTANTS.update(w=rng.standard_normal((4, 3, 3, 3)).astype(F32),
+                     bias=rng.standard_normal(4).astype(F32))
+    kept, own = _steps(CONV)
+    assert [s[1][:3] for s in kept] == [["x", "w", ""], ["c", "bias", "skip"]]
+    assert "b1 = (float)in0 + (float)in1;" in kept[1][0].code
+    got, want = _run(kept, _conv_feeds()), _run(own, _conv_feeds())  # the layers' own steps
+    torch.testing.assert_close(got["y"], want["y"], rtol=0, atol=0, equal_nan=True)
+    kept, _ = _steps(CONV, outputs=("y", "c"))  # the Conv's output leaves: it keeps its bias
+    assert kept[0][1] == ["x", "w", "bias"]
+
+
+def _centred_steps():
+    """Add -> Relu -> QuantizeLinear whose integers, less their zero point, a QLinearConv reads
+    (resnet_qlinear_ort15's blocks; the step ``gpu_int8._int8_chains`` makes for it)."""
+    layers = [Layer("add", "Add", ["c", "skip"], ["s"]), Layer("r", "Relu", ["s"], ["r"]),
+              Layer("q", "QuantizeLinear", ["r", "sc", "zc"], ["y"])]
+    own = [KERNELS[layer.op_type] for layer in layers]
+    centred = gpu_int8._quantize_centred(own[2], 0.011, -5.0, -128, 127)
+    steps = [(k, layer.inputs, layer.outputs) for k, layer in zip(own, layers)]
+    steps[2] = (centred, layers[2].inputs, layers[2].outputs)
+    sequential = list(steps)
+    sole = {"s": 1, "r": 2}.get
+    gpu_chains.chain_steps(layers, steps, own, sole, ["y"], CONSTANTS)
+    return [s for s in steps if s is not None], sequential
+
+
+def test_a_quantize_for_a_product_joins_the_tree_before_it(on_cpu) -> None:
+    kept, sequential = _centred_steps()
+    assert len(kept) == 1 and kept[0][1][:2] == ["c", "skip"] and kept[0][2] == ["y"]
+    assert "rintf(__fdiv_rn(" in kept[0][0].code
+    got, want = _run(kept, _feeds()), _run(sequential, _feeds())  # the layers' own steps
+    assert got["y"].dtype == torch.float32
+    torch.testing.assert_close(got["y"], want["y"], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    from backplane.backends.torch import gpu_qlinear
+
+    monkeypatch.setattr(gpu_qlinear, "on_gpu", lambda tensor: True)  # the float32 form here
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -129,3 +187,22 @@ def test_on_cuda_the_block_is_one_kernel_and_the_layers_values() -> None:
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Memcpy", "Memset"))]
     assert len(kernels) == 1, kernels
+
+
+@cuda
+def test_on_cuda_a_conv_s_bias_in_the_tree_is_the_layers_values() -> None:
+    rng = np.random.default_rng(3)
+    CONSTANTS.update(w=rng.standard_normal((4, 3, 3, 3)).astype(F32),
+                     bias=rng.standard_normal(4).astype(F32))
+    kept, own = _steps(CONV)
+    got = _run(kept, _conv_feeds("cuda"), "cuda")["y"]
+    want = _run(own, _conv_feeds("cuda"), "cuda")["y"]  # cuDNN's convolution, then the bias
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@cuda
+def test_on_cuda_a_quantize_for_a_product_in_the_tree_is_its_kernel_s() -> None:
+    kept, sequential = _centred_steps()
+    got = _run(kept, _feeds("cuda"), "cuda")["y"]
+    want = _run(sequential, _feeds("cuda"), "cuda")["y"]  # Add, Relu, QUANTIZE_CENTRED's kernel
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

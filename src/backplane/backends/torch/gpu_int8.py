@@ -166,6 +166,7 @@ def _quantize_centred(kernel: Workload, scale: float, zero: float, low: int,
         q = torch.div(x, kept["s"]).round_().add_(zero).clamp_(low, high)
         return (q.nan_to_num_(0.0).sub_(zero),)
 
+    workload.centred = (scale, zero, low, high)  # type: ignore[attr-defined]  # gpu_chains' too
     return workload
 
 

@@ -7,7 +7,8 @@ function runs in one. Each kernel here computes what the layers' torch kernels c
 same order and types (``kernels/quantization.py``), so the values are theirs bit for bit.
 
 A kernel is made at its first call (the warm-up before a capture, never inside one) and kept for
-the process; where it cannot be made (no NVRTC, a compile refused) ``call`` answers None once and
+the process; where it cannot be made (no NVRTC, a compile refused) ``call`` answers None for that
+type (jiterator compiles per type: a float16 refusal leaves the float32 kernel) once and
 ever after, and the caller runs torch's kernels. During a trace (``GpuAcc.compile``'s make_fx,
 torch.compile) it answers None too: a kernel launched outside torch's dispatcher would be missing
 from the traced graph.
@@ -101,6 +102,7 @@ rounded once, as the kernel's float32 form. ``x`` arrives widened to float32: th
 float32 tensor, which makes float32 the kernel's type."""
 
 _made: dict[str, Any] = {}
+_refused: set[tuple[str, Any]] = set()  # (code, type) jiterator could not make or run
 
 
 def call(code: str, *tensors: Any, outputs: int = 1, **scalars: float) -> Any:
@@ -108,7 +110,8 @@ def call(code: str, *tensors: Any, outputs: int = 1, **scalars: float) -> Any:
     if _tracing():
         return None
     kernel = _made.get(code, False)
-    if kernel is None:
+    refused = (code, tensors[0].dtype if tensors else None)  # jiterator compiles per type
+    if kernel is None or refused in _refused:
         return None
     try:
         if kernel is False:
@@ -122,7 +125,7 @@ def call(code: str, *tensors: Any, outputs: int = 1, **scalars: float) -> Any:
         return kernel(*tensors, **scalars)
     except Exception as exc:  # noqa: BLE001 - no NVRTC, or it refused: torch's kernels instead
         log.info("GpuAcc: an elementwise chain stays torch's kernels (%s)", exc)
-        _made[code] = None
+        _refused.add(refused)
         return None
 
 
