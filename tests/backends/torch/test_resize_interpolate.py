@@ -128,3 +128,45 @@ def test_mended_borders_copy_an_input_and_their_crossings_too(shape) -> None:
     np.testing.assert_array_equal(np.isneginf(acc), np.isneginf(ref))
     finite = np.isfinite(ref)
     np.testing.assert_allclose(acc[finite], ref[finite], rtol=1e-5, atol=1e-5)
+
+
+DOUBLING_CASES = [
+    ("linear", "half_pixel", "floor", (2, 3, 5, 7), (1, 1, 2, 2)),
+    ("linear", "half_pixel", "floor", (1, 4, 6, 5), (1, 1, 4, 2)),
+    ("linear", "half_pixel", "floor", (1, 3, 12, 16), (1, 1, 8, 2)),
+    ("linear", "pytorch_half_pixel", "floor", (2, 3, 9), (1, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("case", DOUBLING_CASES, ids=lambda c: f"{c[1]}-{c[3]}-{c[4]}")
+def test_a_doubling_reads_a_replicated_border_instead_of_mending(case, monkeypatch) -> None:
+    """Bilinear x2, x4 or x8, half-pixel: torch's kernel on the input padded by one replicated
+    line each side (``upsample._replicated``), not mended after (``_copied`` fails here): NaN and
+    infinities next to the borders (read at weight 0 unpadded) stay where CpuRef puts them, the
+    values within 1e-5 of CpuRef's and ONNX Runtime's, channels-last as NCHW."""
+    def mended(*_: object) -> None:
+        raise AssertionError("mended after torch's kernel")
+
+    monkeypatch.setattr(upsample, "_copied", mended)
+    x = np.random.default_rng(4).standard_normal(case[3]).astype(np.float32)
+    acc, ref, want = _runs(case, x)
+    np.testing.assert_allclose(acc, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(acc, want, rtol=1e-5, atol=1e-5)
+    x[..., 1] = np.nan  # the first output column's weight-0 read
+    x[:, 1, ..., 0] = np.inf
+    if x.ndim == 4:
+        x[:, 2, -2, :] = -np.inf  # the last output row's
+    acc, ref, _ = _runs(case, x)
+    np.testing.assert_array_equal(np.isnan(acc), np.isnan(ref))
+    np.testing.assert_array_equal(np.isposinf(acc), np.isposinf(ref))
+    np.testing.assert_array_equal(np.isneginf(acc), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(acc[finite], ref[finite], rtol=1e-5, atol=1e-5)
+    if x.ndim == 4:
+        X = torch.from_numpy(x)
+        factors = [float(s) for s in case[4]]
+        out = [int(n * f) for n, f in zip(x.shape, factors)]
+        args = (list(range(4)), list(x.shape), out, factors, case[1], "linear", "floor", 0, -0.75, 0)
+        plain = upsample.interpolated(X, *args)
+        last = upsample.interpolated(X.contiguous(memory_format=torch.channels_last), *args)
+        torch.testing.assert_close(last, plain, rtol=0, atol=0, equal_nan=True)
