@@ -19,8 +19,8 @@ same ONNX weights:
 - ``cells``: ``torch.gru_cell`` / ``lstm_cell`` a step and direction, traced and frozen;
 - ``packed`` (LSTM): eager, ``recurrent_packed.lstm`` a layer (weights reordered once);
 - ``module``: eager ``torch.nn.GRU`` / ``LSTM`` under inference_mode (a user's floor);
-- ``wave`` (stacked forward GRUs): every layer's step at once by wavefronts (``_wavefronts``),
-  traced and frozen: a prototype, not a CpuAcc route.
+- ``wave`` (stacked forward GRUs): every layer's step at once by wavefronts, CpuAcc's
+  ``GruStack`` (``kernels/recurrent_stack.py``, what gru_tm3_ts13 runs), traced and frozen.
 
 The routes alternate in blocks of calls in one process; thread CPU us a call (p10 and median over
 the blocks), the median of the per-block ratios to the first route (``stepped``; below 1: faster
@@ -106,52 +106,13 @@ def _torch_params(op: str, weights: list) -> list[list[Any]]:
     return [recurrent_fused.params_of(w, r, b, order) for w, r, b in weights]
 
 
-def _wavefronts(torch: Any, weights: list, steps: int, hidden: int) -> Callable[[Any, Any], Any]:
-    """Stacked forward GRUs (linear_before_reset=1) by wavefronts: at wavefront k every layer l
-    takes its step k - l at once, one ``baddbmm`` for all layers of ``[u_l, h_l]`` (u_l the layer
-    below's state, zero for the first, whose input projection is made before the loop) by
-    ``[[W_zr, W_h, 0], [R_zr, 0, R_h]]``, then five ops a wavefront for all layers: steps + layers
-    - 1 wavefronts, not steps x layers. A layer not started or finished keeps its state: its z
-    gate's bias is +100 there (sigmoid 1.0, ``lerp`` to h exactly). The zero blocks meet only
-    states (bounded, or NaN where the reference's are too). The states live in one buffer
-    (wavefront, layer, hidden) that the last layer's Y is a view of. A prototype for the corpus's
-    gru_tm3_ts13 (three such layers), not a CpuAcc route."""
-    layers, width = len(weights), weights[0][0].shape[-1]
-    waves = steps + layers - 1
-    blocks = torch.zeros(layers, 2 * hidden, 4 * hidden)
-    bias = torch.zeros(waves, layers, 4 * hidden)
-    for layer, (w, r, b) in enumerate(weights):  # ONNX's gates z, r, h
-        w, r, b = w[0], r[0], b[0]
-        if layer:
-            blocks[layer, :hidden, :3 * hidden] = w.t()
-        blocks[layer, hidden:, :2 * hidden] = r[:2 * hidden].t()
-        blocks[layer, hidden:, 3 * hidden:] = r[2 * hidden:].t()
-        bias[:, layer] = torch.cat([b[:2 * hidden] + b[3 * hidden:5 * hidden],
-                                    b[2 * hidden:3 * hidden], b[5 * hidden:]])
-        idle = [k for k in range(waves) if not 0 <= k - layer < steps]
-        bias[idle, layer, :hidden] += 100.0
-    first = torch.cat([weights[0][0][0], torch.zeros(hidden, width)])  # (4 hidden, input)
+def _stack(torch: Any, weights: list) -> Callable[[Any, Any], Any]:
+    """Stacked forward GRUs (linear_before_reset=1) as CpuAcc's GruStack runs them: every layer's
+    step of a wavefront at once (``kernels/recurrent_stack.py``), the last layer's Y."""
+    from backplane.backends.torch.kernels.recurrent_stack import GruStack
 
-    def run(x: Any, zeros: Any) -> Any:
-        a = bias.clone()
-        a[:steps, 0] += torch.nn.functional.linear(x[:, 0], first)
-        a = a.unsqueeze(2).unbind(0)  # (layers, 1, 4 hidden) a wavefront
-        states = x.new_zeros(waves + 1, layers + 1, hidden)
-        states[0, 1:] = zeros[:, 0]
-        pairs = states.as_strided((waves, layers, 1, 2 * hidden),
-                                  ((layers + 1) * hidden, hidden, 2 * hidden, 1)).unbind(0)
-        before = states[:waves, 1:].unsqueeze(2).unbind(0)
-        after = states[1:, 1:].unsqueeze(2).unbind(0)
-        gates = x.new_empty(layers, 1, 4 * hidden)
-        zr, x_h, r_h = gates.split([2 * hidden, hidden, hidden], -1)
-        z, r = zr.chunk(2, -1)
-        for k in range(waves):
-            torch.baddbmm(a[k], pairs[k], blocks, out=gates)
-            zr.sigmoid_()
-            n = torch.addcmul(x_h, r, r_h).tanh_()
-            torch.lerp(n, before[k], z, out=after[k])
-        return states[layers:, layers].unsqueeze(1)  # the last layer's Y (seq, 1, hidden)
-    return run
+    stack = GruStack([tuple(t.numpy() for t in layer) for layer in weights])
+    return lambda x, zeros: stack(x, None, [h.unsqueeze(0) for h in zeros.unbind(0)])[0]
 
 
 def _routes(torch: Any, op: str, steps: int, inputs: int, hidden: int, layers: int,
@@ -209,7 +170,7 @@ def _routes(torch: Any, op: str, steps: int, inputs: int, hidden: int, layers: i
             "cells": lambda: _frozen(torch, cells, x, zeros),
             "packed": lambda: packed if op == "lstm" else None, "module": lambda: eager,
             "wave": lambda: None if op == "lstm" or bidirectional or layers < 2 else _frozen(
-                torch, _wavefronts(torch, weights, steps, hidden), x, zeros)}
+                torch, _stack(torch, weights), x, zeros)}
     routes = {name: made[name]() for name in names}
     return {name: route for name, route in routes.items() if route is not None}
 

@@ -68,7 +68,7 @@ encoder4_plain_dyn18 1.05 against 0.52, load 4-5)."""
 FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "LinearSiblings", "SqueezeExcite",
                              "QuantDequant", "QLinearConv", "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
                              "GeluChain", "Lookup", "ScaledDotAttention", "WindowedConv",
-                             "GroupNorm", "AffineChain"})
+                             "GroupNorm", "AffineChain", "GruStack"})
 """The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
 NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
                                "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
@@ -247,7 +247,8 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
     def chosen() -> Workload:
         known = remembered("traced", description, backend) if mode == "auto" else None
         later = mode == "auto" and known != "layers" and threads.deferring()
-        many = len(layer.attrs["layers"]) >= UNTIMED_LAYERS
+        # (a fused layer that says so counts as the layers it replaced: a GruStack's)
+        many = sum(lay.attrs.get("replaced", 1) for lay in layer.attrs["layers"]) >= UNTIMED_LAYERS
         crowded = mode == "auto" and known is None and threads.crowded()
         if crowded and many and threads.making() is None and not later:
             return because(_deferred(layer, backend, inputs, layers),
