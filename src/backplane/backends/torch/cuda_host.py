@@ -238,6 +238,8 @@ class HostTail:
     H100 machine: 0.33 ms of a 0.38 ms run for 79 us of kernels). The chain's outputs may be views
     of the buffers: ``HostRuns`` copies every output."""
 
+    kinds = ("CudaGraph", "HostChain")  # the build's layers, for tests and debugging
+
     def __init__(self, graph: HostGraph, chain: Any, reads: list[int], order: list[int]) -> None:
         self.graph, self.chain, self.chain_reads, self.order = graph, chain, reads, order
         self.reads = graph.reads
@@ -272,6 +274,8 @@ class HostGraph:
     the network runs one run at a time (``exclusive``), each replay writes its activations before
     it reads them, and this graph keeps no tensor of the pool alive after its capture (its
     outputs go to host buffers): the other graph's live outputs are never handed to it."""
+
+    kinds = ("CudaGraph",)  # the build's layers, for tests and debugging
 
     def __init__(self, run_layers: Callable[..., list[Any]], static: list[Any], device: Any,
                  first: Sequence[np.ndarray], pool: Any = None) -> None:
