@@ -237,3 +237,29 @@ def test_large_integers_are_quantized_in_one_pass(dtype, zero) -> None:
     assert small.numel() < qlinear.PASSES_FROM
     np.testing.assert_array_equal(integers(small, zero, info.min, info.max, dtype).numpy(),
                                   want[:, :1, :4])
+
+
+def test_a_frozen_trace_of_the_route_casts_no_scale() -> None:
+    """A Python float scale is a float64 0-d tensor in a frozen trace, cast to float32 at every
+    call (a tensor call more): the input's quantization and the output's dequantization take
+    theirs as float32 tensors, with the same values."""
+    from torch.profiler import ProfilerActivity, profile
+
+    class Step(torch.nn.Module):
+        def __init__(self, step) -> None:
+            super().__init__()
+            self.step = step
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.step(x.clone())
+
+    rng = np.random.default_rng(5)
+    a = _fused(quantized_io=True)  # the input's QuantizeLinear and the output's dequantization
+    for step in (qlinear._finisher(a), qlinear._centring(a)):
+        x = torch.from_numpy(rng.uniform(-300, 300, (1, 6, 9, 4)).astype(np.float32))
+        with torch.no_grad():
+            frozen = torch.jit.freeze(torch.jit.trace(Step(step).eval(), (x,)))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = frozen(x)
+        assert not [e for e in prof.events() if e.name == "aten::_to_copy"]
+        torch.testing.assert_close(got, step(x.clone()), rtol=0, atol=0)

@@ -43,6 +43,7 @@ from backplane.backends.torch.fusion.patterns import (
 )
 from backplane.backends.torch.fusion.int8_cast import PASSES_FROM, integers, narrowed  # noqa: F401
 from backplane.backends.torch.fusion.quantized import RANGES, quant_params, to_grid, torch_params
+from backplane.backends.torch.fusion.quantized import float32_operand as f32  # in a trace: no cast
 from backplane.ir.graph import Layer
 
 EXACT = 2 ** 24
@@ -393,11 +394,12 @@ def _centring(a: dict[str, Any]) -> Any:
         return lambda x: x.to(torch.float32).sub_(x_zero) \
             if x.is_cuda or x.numel() >= PASSES_FROM else torch.sub(x, zero)
     into = torch_params(a["into"])
-    scale, zero, low, high = into
+    scale, zero, low, high = f32(into[0]), *into[1:]
     if zero.__class__ is float and zero == x_zero:
         return lambda x: torch.div(x, scale).round_().clamp_(low - zero, high - zero) \
             .nan_to_num_(-zero)
-    return lambda x: to_grid(x, into).sub_(x_zero)
+    grid, centre = (scale, f32(zero), low, high), f32(float(x_zero))
+    return lambda x: to_grid(x, grid).sub_(centre)
 
 
 def _finisher(a: dict[str, Any]) -> Any:
@@ -416,7 +418,7 @@ def _finisher(a: dict[str, Any]) -> Any:
     if a["back"] is None:
         dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
         return lambda acc: integers(acc, y_zero, low, high, dtype)
-    scale, zero = (_single(a["back"][k]) for k in ("scale", "zero"))
+    scale, zero = f32(_single(a["back"]["scale"])), _single(a["back"]["zero"])
     add = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     post = torch_post_op(a["activation"])
     same = zero.__class__ is float and zero == y_zero
@@ -469,7 +471,7 @@ def _residual_finisher(a: dict[str, Any]) -> Any:
     other_zero, zero_value = torch.full((1,), float(r["other_zero"])), float(r["other_zero"])
     zero, low, high = r["sum_zero"], a["y_low"], a["y_high"]
     dtype = next(t for t, bounds in _TORCH_RANGES().items() if bounds == (low, high))
-    scale = float(np.float32(r["sum_scale"]))
+    scale, mine = f32(float(np.float32(r["sum_scale"]))), f32(mine)
     handing = bool(a.get("hands_centred"))  # the sum's integers less its zero point, as they are
     taken = bool(a.get("takes_centred_other"))  # the other's so (``qlinear_handoff``)
 

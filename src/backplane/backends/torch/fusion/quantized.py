@@ -205,6 +205,17 @@ def torch_params(params: dict[str, Any]) -> tuple[Any, Any, int, int]:
     return _numpy_to_torch(scale), _numpy_to_torch(zero), params["low"], params["high"]
 
 
+def float32_operand(value: Any) -> Any:
+    """A Python float as a float32 tensor of one value (anything else as it is), for an operand of
+    float32 tensors of one or more axes in a trace: a frozen trace holds a Python float as a
+    float64 0-d tensor, which an operation not in place casts at every call, even one of float32
+    (a tensor call: in a frozen trace, 1 thread, a (1, 16, 8, 8) tensor divided by it 21-22 us, by
+    one value of one axis 15.5; resnet_qlinear_ort15: 14 of its 17 casts a run). The same values."""
+    import torch
+
+    return torch.tensor([value], dtype=torch.float32) if value.__class__ is float else value
+
+
 def to_grid(x: Any, params: tuple[Any, Any, int, int]) -> Any:
     """x quantized (a new float32 tensor of integers): clamp(rint(x / s) + z), NaN to 0."""
     import torch
