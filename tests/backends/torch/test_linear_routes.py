@@ -103,7 +103,9 @@ def test_a_busy_machine_takes_onednn_first_for_a_projection(monkeypatch, rows: i
 
 
 def test_a_trace_holds_onednn_for_a_projection(monkeypatch) -> None:
-    monkeypatch.setattr(threads, "crowded", lambda: False)
+    """oneDNN's product, which a busy machine takes for a projection unmeasured, held by the trace.
+    (A quiet machine measures this size: under load either route can win, and the test flipped.)"""
+    monkeypatch.setattr(threads, "crowded", lambda: True)
     model = _head(64, 256, 768, tail=True)
     session = _session(model, **{"CpuAcc.compile": "onednn_graph"})
     (workload,) = inner_workloads(session, "Traced")
