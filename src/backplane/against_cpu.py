@@ -100,6 +100,8 @@ class Rule:
     margin: float
     clock: Callable[[], float] = time.perf_counter
     """What a warm-up run's time is read on for ``limit_ms`` (``_warm``)."""
+    first_run_s: float | None = None
+    """The most the placed network's first run may take (``_first``); None: ``FIRST_RUN_S``."""
 
 
 def _control_flow(network: OptimizedNetwork) -> bool:
@@ -110,8 +112,12 @@ def _control_flow(network: OptimizedNetwork) -> bool:
 
 
 GPU = Rule("GpuAcc", frozenset({"CpuAcc", "OpenVINO"}), "GpuAcc.against_cpu", limit_ms=10.0,
-           budget_s=0.5, holds=lambda network: True, without="the GPU", warns=True, margin=0.0)
-"""Margin 0: a GPU placement timed slower than the CPU's is never kept (issue 28: no model slower
+           budget_s=0.5, holds=lambda network: True, without="the GPU", warns=True, margin=0.0,
+           first_run_s=30.0)
+"""30 s for GpuAcc's first run: it captures each partition and NVRTC compiles its elementwise
+trees (gpu_jit) on a process's first use; on a fresh H100 machine first calls took 4.5-6.8 s
+(bench/corpus_gpu.py, session 16), and with FIRST_RUN_S's 5 s resnet_qdq_ort17's placement was
+kept untimed ("its run failed (RunTerminated)"). Margin 0: a GPU placement timed slower than the CPU's is never kept (issue 28: no model slower
 with GpuAcc first than on CpuAcc,CpuRef). With 10% the H100 machine kept GpuAcc's for two small
 int8 models timed 9% slower than CpuAcc's (fakequant_qdq_ts13 0.101 against 0.092 ms,
 resnet_qdq_ort17 0.287 against 0.261; bench/corpus_gpu.py --tier small)."""
@@ -232,7 +238,7 @@ def choose(runtime: Runtime, rule: Rule, placed: OptimizedNetwork, placed_id: in
     inputs = "seeded inputs" if feeds is None else "the first run's inputs"
     feeds = seeded_inputs(placed.graph) if feeds is None else feeds
     try:
-        first = _warm(runtime, placed_id, feeds, rule.clock)
+        first = _warm(runtime, placed_id, feeds, rule.clock, rule.first_run_s)
     except Exception as exc:  # noqa: BLE001  # a seeded run may fail where real inputs would not
         log.debug("%s: not timed (%s: %s)", rule.option, type(exc).__name__, exc)
         _untimed(runtime, rule, placed, placed_id, None, f"its run failed ({type(exc).__name__})")
@@ -298,11 +304,11 @@ def _say(rule: Rule, placed: OptimizedNetwork, other: OptimizedNetwork,
 
 
 def _warm(runtime: Runtime, network_id: int, feeds: Mapping[str, Any],
-          clock: Callable[[], float] = time.perf_counter) -> float:
+          clock: Callable[[], float] = time.perf_counter, first_s: float | None = None) -> float:
     """The fastest of WARMUP runs but the first (which builds what runs build, and may not end:
     ``_first``), in ms read on ``clock`` (the rule's): one run preempted on a busy machine (2 ms
     for a 0.05 ms model) does not pass for work enough."""
-    _first(runtime, network_id, feeds)
+    _first(runtime, network_id, feeds, first_s)
     times = []
     for _ in range(WARMUP - 1):
         start = clock()
@@ -311,14 +317,15 @@ def _warm(runtime: Runtime, network_id: int, feeds: Mapping[str, Any],
     return min(times) * 1e3
 
 
-def _first(runtime: Runtime, network_id: int, feeds: Mapping[str, Any]) -> None:
+def _first(runtime: Runtime, network_id: int, feeds: Mapping[str, Any],
+           limit_s: float | None = None) -> None:
     """A first run of the network, stopped (``RunTerminated``: the model is then not timed) after
     FIRST_RUN_S: on seeded inputs a model may run for ever (a Loop of 2**62 trips: the CPU rule
     made such a session's load hang until tests/runtime/test_hostile_graphs.py's 120 s child
     timeout). Only the first run asks before each layer: a run under a stop takes the steps' loop,
     not the one call or straight code of a plain run (``steps.one_call``), which the timed runs
     are."""
-    with stop_scope(RunOptions(timeout_s=FIRST_RUN_S)):
+    with stop_scope(RunOptions(timeout_s=FIRST_RUN_S if limit_s is None else limit_s)):
         runtime.run(network_id, feeds)
 
 
