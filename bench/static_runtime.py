@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--verbose", action="store_true", help="each process's figures (at 2 "
+                        "threads on a busy machine they spread by a third between processes)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -84,6 +86,8 @@ def main() -> None:
                          str(corpus / f"{name}.onnx"), str(corpus / f"{name}.s0.npz"), mode],
                         capture_output=True, text=True, env=env, cwd=ROOT, check=True)
                 found[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                if args.verbose:
+                    print(f"  {name} {mode}: {found[mode][-1]}", flush=True)
         med = {mode: {k: statistics.median(r[k] for r in rows) * 1e3 for k in ("cpu", "wall")}
                for mode, rows in found.items()}
         print(f"| {name} | {med['auto']['cpu']:.3f} | {med['off']['cpu']:.3f} | "
