@@ -200,3 +200,27 @@ def test_every_quantization_kernel_is_covered() -> None:
     covered = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger",
                "QLinearMatMul", "ConvInteger", "QLinearConv"}
     assert sorted(set(quantization.KERNELS) - covered) == []
+
+
+def test_a_frozen_quantization_by_constants_casts_nothing() -> None:
+    """QuantizeLinear's float32 route adds the zero point as float32: in a frozen trace of constant
+    parameters the cast of the uint8 zero point is folded at freezing, where adding the uint8 one
+    cast it at every call; CpuRef's integers all the same."""
+    from torch.profiler import ProfilerActivity, profile
+
+    scale, zero = torch.tensor(0.05), torch.tensor(128, dtype=torch.uint8)
+
+    class Quantize(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return quantization.quantize_linear(x, scale, zero)[0]
+
+    x = torch.from_numpy(np.random.default_rng(8).uniform(-8, 8, (1, 4, 5, 5)).astype(np.float32))
+    with torch.no_grad():
+        frozen = torch.jit.freeze(torch.jit.trace(Quantize().eval(), (x,)))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = frozen(x)
+    # one cast: the result's to uint8 (and none of a constant)
+    assert [e.cpu_parent.cpu_parent.name for e in prof.events()
+            if e.name == "aten::_to_copy"] == ["forward"]
+    want = np.clip(np.rint(x.numpy() / np.float32(0.05)) + 128, 0, 255).astype(np.uint8)
+    np.testing.assert_array_equal(got.numpy(), want)

@@ -52,9 +52,11 @@ def quantize_linear(x, y_scale, y_zero_point=None, axis=1, block_size=0, output_
     if x.dtype == torch.float32 and y_scale.dtype == torch.float32 and dtype in SMALL_INTS:
         # in float32, in place: rint(x / s) is exact there, and so is adding an 8- or 16-bit z
         # below 2^24; above it the clamp saturates either way (it was widened to float64)
-        q = torch.div(x, _broadcastable(y_scale, x, axis, block_size)).round_()
-        if y_zero_point is not None:
-            q = q.add_(_broadcastable(y_zero_point, x, axis, block_size))
+        scale = _broadcastable(y_scale, x, axis, block_size)
+        # a 0-d constant is cast at every call of a frozen trace, one of one axis is not
+        q = torch.div(x, scale.reshape(1) if scale.dim() == 0 < x.dim() else scale).round_()
+        if y_zero_point is not None:  # in float32 first: a frozen trace folds a constant's cast
+            q = q.add_(_broadcastable(y_zero_point, x, axis, block_size).to(torch.float32))
         info = torch.iinfo(dtype)
         return (q.clamp_(info.min, info.max).to(dtype),)
     wide = torch.promote_types(x.dtype, y_scale.dtype)  # as NumPy: a 0-d scale widens x too
