@@ -163,3 +163,21 @@ def test_a_chain_that_is_not_a_stack_is_left_alone() -> None:
     for want in _references(model, {"x": x}):
         _same(got, want)
     assert got[0].shape == (5, 1, 1, HIDDEN) and _built(session, "GruStack") == 1
+
+
+def test_the_kernel_computes_in_its_inputs_type() -> None:
+    """A ``CpuAcc.precision`` subgraph hands the layer bfloat16: the weights follow the input."""
+    from backplane.backends.torch.kernels.recurrent_stack import GruStack
+
+    rng = np.random.default_rng(9)
+    weights = [tuple((rng.standard_normal(shape) * 0.4).astype(np.float32) for shape in
+                     [(1, 3 * HIDDEN, width), (1, 3 * HIDDEN, HIDDEN), (1, 6 * HIDDEN)])
+               for width in (WIDTH, HIDDEN)]
+    stack = GruStack(weights)
+    x = torch.from_numpy(rng.standard_normal((4, 2, WIDTH)).astype(np.float32))
+    y, final = stack(x, None, [None, None])
+    for dtype, tolerance in ((torch.float64, 1e-5), (torch.bfloat16, 0.1)):
+        y_typed, final_typed = stack(x.to(dtype), None, [None, None])
+        assert y_typed.dtype == final_typed.dtype == dtype
+        torch.testing.assert_close(y_typed.float(), y, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(final_typed.float(), final, rtol=tolerance, atol=tolerance)

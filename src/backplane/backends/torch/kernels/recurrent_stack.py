@@ -61,6 +61,7 @@ class GruStack:
         self.bias = torch.from_numpy(bias)
         self.first = torch.from_numpy(np.ascontiguousarray(weights[0][0][0]))
         self._kept: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._as = {self.blocks.dtype: (self.blocks, self.first)}
 
     def __call__(self, x: torch.Tensor, sequence_lens: torch.Tensor | None,
                  initial: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +71,7 @@ class GruStack:
         layers, hidden = self.layers, self.hidden
         waves = steps + layers - 1
         addend, states = self._made(x, sequence_lens, initial)
+        blocks = self._typed(x.dtype)[0]
         row = batch * (layers + 1) * hidden
         # [u_l, h_l] of every wavefront: two neighbours of one row, (L, batch, 2H)
         pairs = states.as_strided((waves, layers, batch, 2 * hidden),
@@ -82,7 +84,7 @@ class GruStack:
         z, r = zr.chunk(2, -1)
         n = x.new_empty((layers, batch, hidden))
         for k in range(waves):
-            torch.baddbmm(addend[k], pairs[k], self.blocks, out=gates)
+            torch.baddbmm(addend[k], pairs[k], blocks, out=gates)
             zr.sigmoid_()
             torch.addcmul(x_h, r, r_h, out=n).tanh_()
             torch.lerp(n, kept[k], z, out=kept[k + 1])
@@ -114,7 +116,7 @@ class GruStack:
                     states[0, :, layer + 1] = h0[0]
         row = layers * batch * 4 * hidden
         first = addend.as_strided((steps, batch, 3 * hidden), (row, 4 * hidden, 1))
-        projected = F.linear(x, self.first)  # (seq, batch, 3H)
+        projected = F.linear(x, self._typed(x.dtype)[1])  # (seq, batch, 3H)
         if sequence_lens is None:
             first.add_(projected)
             return addend.unbind(0), states
@@ -125,6 +127,14 @@ class GruStack:
         z = addend[..., :hidden]  # (waves, L, batch, H)
         z.masked_fill_(past, IDLE)
         return addend.unbind(0), states
+
+    def _typed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks and the first layer's weight in ``dtype`` (a ``CpuAcc.precision`` subgraph's
+        bfloat16), made once (outside a trace: its constants)."""
+        if dtype not in self._as:
+            with untraced(torch.jit.is_tracing()):
+                self._as[dtype] = (self.blocks.to(dtype), self.first.to(dtype))
+        return self._as[dtype]
 
     def _addends(self, steps: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
         """The addends (waves, L, batch, 4H) before the first layer's projection: the biases, IDLE
