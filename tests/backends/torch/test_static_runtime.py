@@ -150,8 +150,10 @@ class _Block(torch.nn.Module):
 
 
 def _frozen(module: torch.nn.Module, x: torch.Tensor):
+    """The frozen trace, and the graph traced (its values' shapes recorded)."""
     with torch.no_grad():
-        return torch.jit.freeze(torch.jit.trace(module.eval(), x))
+        trace = torch.jit.trace(module.eval(), x)
+        return torch.jit.freeze(trace), trace.inlined_graph
 
 
 class _Options:
@@ -163,10 +165,10 @@ def test_a_graph_static_runtime_computes_otherwise_keeps_the_interpreter() -> No
     against the trace's outputs, it is refused (the interpreter runs it), where a graph it runs
     right is taken."""
     for module, shape, taken in ((_TopValues(), (2, 12), False), (_Block(), (2, 16), True)):
-        frozen = _frozen(module, torch.randn(shape))
+        frozen, traced = _frozen(module, torch.randn(shape))
         with torch.no_grad():
             checks = [((s,), (frozen(s),)) for s in (torch.randn(shape), torch.randn(shape))]
-        call = static_runtime.forward(frozen, checks, (), _Options())
+        call = static_runtime.forward(frozen, checks, (), _Options(), traced)
         assert (call is not None) is taken
         if taken:
             x = torch.randn(shape)
@@ -177,9 +179,35 @@ def test_a_graph_static_runtime_computes_otherwise_keeps_the_interpreter() -> No
 def test_larger_tensors_keep_the_interpreter() -> None:
     """The rule (``MEAN_SIZE``): the same block on 512 rows makes tensors of 8,192 values."""
     for rows, taken in ((2, True), (512, False)):
-        frozen = _frozen(_Block(), torch.randn(rows, 16))
+        frozen, traced = _frozen(_Block(), torch.randn(rows, 16))
         with torch.no_grad():
             x = torch.randn(rows, 16)
-            size = static_runtime.mean_size(frozen, [x])
-            call = static_runtime.forward(frozen, [((x,), (frozen(x),))] * 2, (), _Options())
+            size = static_runtime.mean_size(traced)
+            call = static_runtime.forward(frozen, [((x,), (frozen(x),))] * 2, (), _Options(), traced)
         assert (size <= static_runtime.MEAN_SIZE) is taken and (call is not None) is taken
+
+
+def test_choosing_static_runtime_leaves_torch_dynamo_unimported() -> None:
+    """The size rule reads the trace's recorded shapes: counting them at a run under a
+    ``TorchDispatchMode`` imported ``torch._dynamo`` (4-8 s of a session's first call). A fresh
+    process, since other tests import it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import numpy as np
+from backplane import InferenceSession
+from backplane.runtime.runtime import Runtime, RuntimeOptions
+from tests.backends.torch.test_static_runtime import _traced
+from tests.models.test_corpus import feeds
+session = InferenceSession({str(_path("gpt_causal_ts15"))!r}, backends=["CpuAcc", "CpuRef"],
+    runtime=Runtime(RuntimeOptions(backend_options={{"CpuAcc.compile": "onednn_graph",
+                                                     "CpuAcc.route_cache": False}})))
+(work,) = _traced(session, "gpt_causal_ts15")
+print(work.static is not None, "torch._dynamo" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=str(CORPUS.parents[2]))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["True", "False"], done.stdout

@@ -32,6 +32,7 @@ is.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,9 +64,10 @@ def mode(options: Any) -> str:
 
 
 def forward(module: Any, checks: Sequence[tuple[Sequence[Any], Sequence[Any]]],
-            packed: Sequence[Any], backend: Any) -> Callable[..., Any] | None:
+            packed: Sequence[Any], backend: Any, traced: Any) -> Callable[..., Any] | None:
     """The frozen ``module``'s call on Static Runtime, or None where the option is off, a value is
-    not on the CPU, it does not build, or its outputs on ``checks`` (inputs, the outputs wanted;
+    not on the CPU, the ops of ``traced`` (the graph it was frozen from) make large tensors
+    (``MEAN_SIZE``), it does not build, or its outputs on ``checks`` (inputs, the outputs wanted;
     the packed weights follow the inputs) are not the wanted ones."""
     import torch
 
@@ -78,7 +80,7 @@ def forward(module: Any, checks: Sequence[tuple[Sequence[Any], Sequence[Any]]],
         return None  # its out variants are the CPU's
     try:
         with torch.no_grad():
-            size = mean_size(module, [*checks[0][0], *packed])
+            size = mean_size(traced)
             if size > MEAN_SIZE:
                 log.debug("%s: the interpreter runs it (%.0f values an op, above %d)",
                           module.original_name, size, MEAN_SIZE)
@@ -113,25 +115,28 @@ def forward(module: Any, checks: Sequence[tuple[Sequence[Any], Sequence[Any]]],
     return call
 
 
-def mean_size(module: Any, inputs: Sequence[Any]) -> float:
-    """The mean element count of the tensors the frozen ``module``'s ops make on ``inputs`` (one
-    run, each op seen at torch's dispatcher)."""
+def mean_size(graph: Any) -> float:
+    """The mean element count of the tensors the ops of a traced ``graph`` (the trace's, before
+    freezing: ``torch.jit.trace`` records each value's shape) make; values without a recorded shape
+    (constants, nodes a fold inserted) are not counted. Read from the graph, not counted at a run
+    under a ``TorchDispatchMode``: entering one imports ``torch._dynamo`` (4 s on this AMD EPYC, at
+    a session's first traced call)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    sizes: list[int] = []
-
-    class _Sizes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = func(*args, **(kwargs or {}))
-            for value in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-                    sizes.append(value.numel())
-            return out
-
-    with _Sizes():
-        module.forward(*inputs)
+    sizes = []
+    for node in graph.nodes():
+        if node.kind() in _NOT_OPS:
+            continue
+        for value in node.outputs():
+            kind = value.type()
+            shape = kind.sizes() if isinstance(kind, torch._C.TensorType) else None
+            if shape is not None:
+                sizes.append(math.prod(shape))
     return sum(sizes) / max(len(sizes), 1)
+
+
+_NOT_OPS = frozenset({"prim::Constant", "prim::GetAttr", "prim::ListConstruct",
+                      "prim::TupleConstruct", "prim::ListUnpack", "prim::TupleUnpack"})
 
 
 def _tuple(outputs: Any) -> tuple[Any, ...]:

@@ -337,7 +337,7 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
     except Exception as exc:  # noqa: BLE001  # any failure to trace: the layers run instead
         log.debug("%s runs layer by layer: no trace (%s: %s)", layer.name, type(exc).__name__, exc)
         return None
-    call = static_runtime.forward(module, checks, packed, backend)  # None: the interpreter's
+    call = static_runtime.forward(module, checks, packed, backend, trace.inlined_graph)
     return _named(_traced_run(module, sample, packed, call), "traced")
 
 
