@@ -158,3 +158,24 @@ def test_steps_as_straight_code_run_from_the_check_and_keep_the_promises() -> No
         session.run(None, {"a": a, "b": np.ones((3, 4), np.float32)})
     again = session.run(None, {"a": a, "b": b})
     np.testing.assert_array_equal(again[1], a)
+
+
+def test_the_direct_run_leaves_no_cycle_to_its_network() -> None:
+    """The function's globals do not hold the function: at the unload the network goes with its
+    last reference, not at some later garbage collection (where another test saw its release)."""
+    import gc
+    import weakref
+
+    nodes = [helper.make_node("Relu", ["a"], ["y"]), helper.make_node("Neg", ["y"], ["z"])]
+    model = make_model(nodes, [float_input("a", ["N", 4])], [float_input("z", ["N", 4])])
+    session = InferenceSession(model.SerializeToString(), ["CpuRef"])
+    assert _is_direct(session)
+    session.run(None, {"a": np.ones((2, 4), np.float32)})
+    network = weakref.ref(session.runtime.network(session.network_id))
+    gc.collect()
+    gc.disable()
+    try:
+        session.close()
+        assert network() is None
+    finally:
+        gc.enable()
