@@ -179,3 +179,25 @@ def test_the_direct_run_leaves_no_cycle_to_its_network() -> None:
         assert network() is None
     finally:
         gc.enable()
+
+
+def test_steps_as_straight_code_leave_no_cycle_to_their_workloads() -> None:
+    """steps.compiled's function (and flat's and looped's, made alike) does not hold itself in
+    its globals: a CpuRef network's kernels go with the network at the unload."""
+    import gc
+    import weakref
+
+    nodes = [helper.make_node("Relu", ["a"], ["y"]), helper.make_node("Neg", ["y"], ["z"])]
+    model = make_model(nodes, [float_input("a", ["N", 4])], [float_input("z", ["N", 4])])
+    session = InferenceSession(model.SerializeToString(), ["CpuRef"])
+    session.run(None, {"a": np.ones((2, 4), np.float32)})
+    loaded = session.runtime.network(session.network_id)
+    code = weakref.ref(loaded.execute.straight[0])  # the steps' function (steps.straight_run)
+    loaded = None
+    gc.collect()
+    gc.disable()
+    try:
+        session.close()
+        assert code() is None
+    finally:
+        gc.enable()

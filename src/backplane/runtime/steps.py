@@ -331,7 +331,7 @@ def compiled(steps: Sequence[Step], moves: Sequence[tuple[int, Sequence[int]]] =
     steps_at = {first + offset: step for offset, step in line_of_step.items()}
     namespace["_failed_step"] = lambda exc: _step_at(exc, steps_at)
     exec(compile(source, "<backplane steps>", "exec"), namespace)  # noqa: S102  # slot numbers only
-    return namespace["run"]  # type: ignore[no-any-return]
+    return namespace.pop("run")  # type: ignore[no-any-return]  # no cycle through its globals
 
 
 class SlotReader:

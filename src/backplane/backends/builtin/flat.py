@@ -122,7 +122,7 @@ def _direct(steps: Sequence[Step], inputs: Sequence[int], outputs: Sequence[int]
     at = {first + offset: step for offset, step in steps_at.items()}
     namespace["_failed_step"] = lambda exc: _step_at(exc, at)
     exec(compile(source, "<backplane steps>", "exec"), namespace)  # noqa: S102  # slot numbers only
-    return namespace["run"]
+    return namespace.pop("run")  # no cycle through its globals: its workloads go at the unload
 
 
 def flatten(net: LoadedNetwork) -> LoadedNetwork | FlatBody:

@@ -126,6 +126,6 @@ def _generate(body: IteratedBody, parameters: str, given: Sequence[tuple[int, st
     at = {first + offset: step for offset, step in steps_at.items()}
     namespace["_failed_step"] = lambda exc: _step_at(exc, at)
     exec(compile(source, FILE, "exec"), namespace)  # noqa: S102  # slot numbers only
-    run = namespace["run"]
+    run = namespace.pop("run")  # no cycle through its globals: its workloads go at the unload
     run.source = source  # type: ignore[attr-defined]  # for tests and debugging
     return run
