@@ -98,12 +98,19 @@ def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload
     and put back after. A module compiled runs its partitions whatever the switch says (the
     switch is read where TorchScript optimizes a graph, at the call that compiles), and taking
     the switch cost about 2.6 us a call (its lock, two writes of TorchScript's flag), of the 100
-    that resnet_basic_ts16's compiled module takes (1 thread, this 2-core AMD EPYC)."""
+    that resnet_basic_ts16's compiled module takes (1 thread, this 2-core AMD EPYC). Its results
+    are ``fresh_outputs.Made`` where the frozen graph's every output is an op's own result
+    (``static_sizes.outputs_made``; a oneDNN Graph partition hands back an input only for an output
+    that is that input, none of these): the runtime then reads their references only."""
+    from backplane.backends.torch.fusion.static_sizes import outputs_made
     from backplane.backends.torch.fusion.traced import below_autograd_guard
+    from backplane.runtime.fresh_outputs import Made
 
     conform = _layout_guard(sample)
     strides = [tuple(value.stride()) for value in sample]
     forwards, count, guard = modules._forwards, modules._count, below_autograd_guard()
+    graphs = [getattr(module, "graph", None) for module in modules.modules.values()]
+    made = Made if graphs and all(g is not None and outputs_made(g) for g in graphs) else tuple
 
     def run(*values: Any) -> tuple[Any, ...]:
         forward = forwards.get(count())  # modules.compiled(), without its frame
@@ -117,7 +124,7 @@ def compiled_run(modules: CompiledPerThreads, sample: Sequence[Any]) -> Workload
         else:
             with fusion_switch(True), guard():
                 outputs = modules(*values)
-        return outputs if type(outputs) is tuple else (outputs,)
+        return made(outputs) if type(outputs) is tuple else made((outputs,))
 
     run.relayouts = conform.relayouts  # type: ignore[attr-defined]
     run.modules = modules  # type: ignore[attr-defined]

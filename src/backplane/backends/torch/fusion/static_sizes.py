@@ -180,7 +180,8 @@ MADE = frozenset({"aten::cat", "aten::stack", "aten::sigmoid", "aten::tanh", "at
                   "aten::bmm", "aten::linear", "aten::addcmul", "aten::softmax",
                   "aten::log_softmax", "aten::clone", "aten::mean", "aten::sum", "aten::exp",
                   "aten::neg", "aten::gelu", "aten::layer_norm", "aten::_convolution",
-                  "aten::_addmm_activation"})
+                  "aten::_addmm_activation", "aten::_adaptive_avg_pool2d",
+                  "aten::max_pool2d", "aten::avg_pool2d"})
 """Ops whose result is a tensor each call makes in memory of its own: never an input, a view of
 one or a constant (not ``contiguous``, ``to`` or ``reshape``, which may give their input back)."""
 
