@@ -114,8 +114,15 @@ def _one_call(parts: tuple[Any, ...], values: str, namespace: dict[str, Any]) ->
     for j, (_, convert, _) in enumerate(outs):
         namespace[f"x{j}"] = convert
     count = len(outs)
+    call = f"workload({', '.join(args)})"
+    keyed = getattr(namespace["workload"], "keyed", None)  # a Specialized layer's (specialize)
+    if keyed is not None and all(index >= 0 and convert is not None
+                                 for index, convert, _, _ in reads):
+        namespace["keyed"] = keyed  # its signature by the NumPy shapes, read here once
+        shapes = "".join(f"v{index}.shape, " for index, _, _, _ in reads)
+        call = f"keyed(({shapes}), {', '.join(args)})"
     return ["    if STOP.get() is not None:", "        return None", "    try:",
-            f"        results = workload({', '.join(args)})",
+            f"        results = {call}",
             "        own = made if type(results) is Made else fresh",
             *(f"        o{j} = results[{index}]" for j, (index, _, _) in enumerate(outs)),
             f"        mine = {' and '.join(f'own(o{j})' for j in range(count))}",

@@ -73,8 +73,9 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
             generic.append(_loaded(_graph(layer), backend))
         return generic[0]
 
-    def run(*values: Any) -> tuple[Any, ...]:
-        key = tuple(map(SIGNATURE, values))  # torch.Size is a hashable tuple
+    by_shapes: dict[tuple[Any, ...], Callable[..., Any]] = {}  # ``keyed``'s: while one is built
+
+    def lookup(key: tuple[Any, ...], values: Sequence[Any]) -> Callable[..., Any]:
         runner = built.get(key)  # one dict read, atomic: no lock for a signature built already
         if runner is not None and len(built) > 1:
             with lock:  # the order of use matters only where one may be evicted
@@ -84,8 +85,30 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
             runner = _build(layer, backend, values) or layers_one_by_one()
             with lock:
                 built[key] = runner
+                by_shapes.clear()  # its runners stand only for a lone signature's
                 while len(built) > limit:
                     built.popitem(last=False)
+        return runner
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        key = tuple(map(SIGNATURE, values))  # torch.Size is a hashable tuple
+        runner = built.get(key)  # a lone signature's: no frame of ``lookup``'s
+        if runner is None or len(built) > 1:
+            runner = lookup(key, values)
+        return runner(*values)
+
+    def keyed(shapes: tuple[Any, ...], *values: Any) -> tuple[Any, ...]:
+        """``run`` for a caller that read ``values``' shapes already, from the NumPy arrays they
+        were made of (``prepared_run``'s direct run, whose check fixed their dtypes): while one
+        signature is built, its runner by those shapes, without torch's ``.shape`` and ``.dtype``
+        per input (the LRU's order matters only with more)."""
+        runner = by_shapes.get(shapes)
+        if runner is None:
+            key = tuple(map(SIGNATURE, values))
+            runner = lookup(key, values)
+            with lock:
+                if len(built) == 1 and built.get(key) is runner:
+                    by_shapes[shapes] = runner
         return runner(*values)
 
     def close() -> None:
@@ -94,10 +117,12 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
         with lock:
             runners = [*built.values(), *generic]
             built.clear()
+            by_shapes.clear()
             generic.clear()
         for runner in runners:
             runner.close()  # type: ignore[attr-defined]
 
+    run.keyed = keyed  # type: ignore[attr-defined]
     run.built = built  # type: ignore[attr-defined]  # for tests and debugging
     run.layer = layer  # type: ignore[attr-defined]  # with its weights (cuda_host builds from it)
     run.exclusive = bool(backend.capabilities().get("CudaGraphs"))  # type: ignore[attr-defined]
