@@ -82,3 +82,12 @@ def test_a_failing_build_says_why(fresh, tmp_path_factory, monkeypatch):
 def test_the_package_ships_its_sources():
     assert (build.SOURCES / "probe.c").is_file()
     assert os.path.basename(build.SOURCES) == "native"
+
+
+def test_the_option_takes_auto_or_off_and_names_them_otherwise():
+    from backplane.backends.api.backend import OptionError
+
+    assert build.mode({}) == "auto"
+    assert build.mode({"CpuAcc.native": "OFF"}) == "off"
+    with pytest.raises(OptionError, match="CpuAcc.native 'fast' is not one of auto, off"):
+        build.mode({"CpuAcc.native": "fast"})

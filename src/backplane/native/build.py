@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("backplane.native")
 
@@ -47,6 +48,20 @@ CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
              "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16", "neon", "asimd", "sve")
 """The instruction sets a ``-march=native`` build may use: part of the library's key."""
 COMPILE_SECONDS = 120.0
+OPTION = "CpuAcc.native"
+MODES = ("auto", "off")
+
+
+def mode(options: Any) -> str:
+    """``CpuAcc.native`` of ``options``: "auto" (the default: a native kernel where one is built for
+    the layer and its route takes it) or "off" (torch's kernels only); an unknown value is an error
+    at the load (``CpuAcc.create_backend_context``)."""
+    from backplane.backends.api.backend import OptionError
+
+    chosen = str(options.get(OPTION, "auto")).strip().lower()
+    if chosen not in MODES:
+        raise OptionError(f"{OPTION} {chosen!r} is not one of {', '.join(MODES)}")
+    return chosen
 
 
 class NativeUnavailable(RuntimeError):

@@ -270,6 +270,8 @@ class CpuAcc(TorchBackend):
         "CpuAcc.route_cache": "keep measured routes on disk (True)",
         "CpuAcc.static_runtime": "auto (a Traced layer's graph run by TorchScript's Static Runtime "
                                  "where it builds and reproduces the trace's outputs) or off",
+        "CpuAcc.native": "auto (backplane's own C kernels, built once per machine with its C "
+                         "compiler, where a layer has one) or off (torch's kernels only)",
         "CpuAcc.specialize": "input signatures kept per Specialized layer (8; 0: off)",
         "CpuAcc.precision": "fp32, or bf16 on CPUs with bfloat16 instructions (AVX512-BF16, AMX)",
         "CpuAcc.keep_memory": "True (the default: freed tensor memory kept in the process for the "
@@ -293,9 +295,11 @@ class CpuAcc(TorchBackend):
         listing the choices); a network's own is checked as it is optimized."""
         from backplane.backends.torch import memory, static_runtime
         from backplane.backends.torch.fusion import reduced
+        from backplane.native import build as native
 
         reduced.precision_of(options)
         static_runtime.mode(options)  # an unknown setting: an error at load, not at a run
+        native.mode(options)
         if options.get("CpuAcc.compile") == "inductor":  # no C++ compiler: said at load
             from backplane.backends.torch import inductor
 
