@@ -19,7 +19,7 @@ from onnx import helper  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from backplane import InferenceSession  # noqa: E402
-from backplane.backends.torch.fusion import qlinear  # noqa: E402
+from backplane.backends.torch.fusion import qlinear, qlinear_float  # noqa: E402
 from tests.backends.torch.qlinear_models import _init, qlinear_conv_model  # noqa: E402
 from tests.backends.torch.test_quantized_fusion import placed  # noqa: E402
 from tests.conftest import make_model  # noqa: E402
@@ -68,9 +68,9 @@ def test_the_requantization_is_float32_and_takes_the_relu_into_its_clamp() -> No
     scaled = torch.from_numpy(np.random.default_rng(3).uniform(-300, 300, (1, 6, 9, 4))
                               .astype(np.float32))
     scaled.view(-1)[:8] = torch.arange(-4, 4) + 0.5  # ties: half to even
-    calls = _calls(qlinear._finisher(a), scaled.clone())
+    calls = _calls(qlinear_float._finisher(a), scaled.clone())
     assert calls == ["aten::round_", "aten::clamp_", "aten::mul_"]  # in the product's tensor
-    got = qlinear._finisher(a)(scaled.clone())
+    got = qlinear_float._finisher(a)(scaled.clone())
     assert got.dtype == torch.float32
     y = np.clip(np.rint(scaled.numpy()), max(a["y_low"] - a["y_zero"], 0), a["y_high"] - a["y_zero"])
     np.testing.assert_array_equal(got.numpy(), y * np.float32(a["back"]["scale"]))
@@ -79,7 +79,7 @@ def test_the_requantization_is_float32_and_takes_the_relu_into_its_clamp() -> No
 def test_an_integer_input_is_centred_in_one_call() -> None:
     a = _fused(quantized_io=False)
     x = torch.from_numpy(np.random.default_rng(4).integers(0, 256, (1, 6, 7, 8)).astype(np.uint8))
-    centre = qlinear._centring(a)
+    centre = qlinear_float._centring(a)
     assert _calls(centre, x) == ["aten::sub"]
     got = centre(x)
     assert got.dtype == torch.float32
@@ -100,8 +100,8 @@ def test_large_conversions_take_two_vectorized_passes() -> None:
         np.testing.assert_array_equal(qlinear.narrowed(y, torch.uint8).numpy(),
                                       y.numpy().astype(np.uint8))
         x = y.to(torch.uint8)
-        assert _calls(qlinear._centring(a), x) == centre
-        np.testing.assert_array_equal(qlinear._centring(a)(x).numpy(),
+        assert _calls(qlinear_float._centring(a), x) == centre
+        np.testing.assert_array_equal(qlinear_float._centring(a)(x).numpy(),
                                       x.numpy().astype(np.float32) - a["x_zero"])
     assert 6 * 9 * 4 < qlinear.PASSES_FROM <= 6 * 64 * 64
 
@@ -120,7 +120,7 @@ def test_the_multiplier_is_in_the_weight_and_no_value_is_float64() -> None:
     layer = next(lay for lay in placed(InferenceSession(
         qlinear_conv_model(False, 1, np.uint8), backends=[("CpuAcc", {"compile": "layers"})]))
         if lay.op_type == "QLinearConv")
-    a, scaled = layer.attrs, qlinear._scaled(layer).attrs
+    a, scaled = layer.attrs, qlinear_float._scaled(layer).attrs
     m = a["multiplier"].reshape(-1, 1, 1, 1)
     np.testing.assert_array_equal(scaled["weight"], (a["weight"] * m.astype(np.float64))
                                   .astype(np.float32))
@@ -128,7 +128,7 @@ def test_the_multiplier_is_in_the_weight_and_no_value_is_float64() -> None:
 
     class Backend:
         options: dict = {}
-    route = qlinear._float_route(layer, Backend())
+    route = qlinear_float._float_route(layer, Backend())
     rng = np.random.default_rng(5)
     x = torch.from_numpy(rng.integers(0, 256, a["input_shape"]).astype(np.uint8))
     ops = _recorded(route, x)
@@ -173,7 +173,7 @@ def test_a_max_pool_after_is_taken_before_the_requantization() -> None:
 
     class Backend:
         options: dict = {}
-    route = qlinear._float_route(layer, Backend())
+    route = qlinear_float._float_route(layer, Backend())
     x = torch.from_numpy(rng.integers(0, 256, (1, 3, 32, 32)).astype(np.uint8))
     calls = [name for name, _ in _recorded(route, x)]
     pool = next(k for k, call in enumerate(calls) if call.startswith("max_pool2d"))
@@ -196,7 +196,7 @@ def test_a_residual_add_is_onnx_runtimes_in_few_calls() -> None:
                       "other_scale": np.float32(0.05), "other_zero": 3,
                       "sum_scale": np.float32(0.0625), "sum_zero": 120}}
     rng = np.random.default_rng(9)
-    add = qlinear._residual_finisher(a)
+    add = qlinear_float._residual_finisher(a)
     for shape, calls in (((1, 4, 6, 7), 7), ((1, 16, 32, 32), 9)):  # from PASSES_FROM: to, sub_
         # for the other operand, and the cast through int32 (``narrowed``)
         y = torch.from_numpy(rng.integers(-100, 156, shape).astype(np.float32))
@@ -255,7 +255,7 @@ def test_a_frozen_trace_of_the_route_casts_no_scale() -> None:
 
     rng = np.random.default_rng(5)
     a = _fused(quantized_io=True)  # the input's QuantizeLinear and the output's dequantization
-    for step in (qlinear._finisher(a), qlinear._centring(a)):
+    for step in (qlinear_float._finisher(a), qlinear_float._centring(a)):
         x = torch.from_numpy(rng.uniform(-300, 300, (1, 6, 9, 4)).astype(np.float32))
         with torch.no_grad():
             frozen = torch.jit.freeze(torch.jit.trace(Step(step).eval(), (x,)))

@@ -22,12 +22,8 @@ import numpy as np
 from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import F32, Context, compute_type
-from backplane.backends.torch.fusion.qlinear import (
-    EXACT,
-    _centred_weight,
-    _in_float32,
-    _zero_point,
-)
+from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight, _zero_point
+from backplane.backends.torch.fusion.qlinear_float import _in_float32
 from backplane.backends.torch.fusion.quantized import RANGES
 from backplane.ir.graph import Layer
 

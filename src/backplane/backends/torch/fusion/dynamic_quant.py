@@ -27,7 +27,8 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import F32, Context, compute_type, torch_post_op
 from backplane.backends.torch.fusion.linear import _gelu
-from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight, _in_float32
+from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight
+from backplane.backends.torch.fusion.qlinear_float import _in_float32
 from backplane.backends.torch.kernels.contrib_quant import dynamic_grid, product_grid
 from backplane.ir.graph import Layer
 

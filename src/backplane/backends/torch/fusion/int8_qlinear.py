@@ -63,7 +63,7 @@ def qlinear_int8_route(layer: Layer, traced: bool = False) -> Any:
     import torch
 
     from backplane.backends.torch.fusion import int8_traced
-    from backplane.backends.torch.fusion.qlinear import max_pooled
+    from backplane.backends.torch.fusion.qlinear_float import max_pooled
 
     warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_")
     a, q = layer.attrs, layer.attrs["int8"]
@@ -152,10 +152,10 @@ def _residual(a: dict[str, Any], quantized: Callable[[Any], Any], y_shift: int,
     quantizing were seven (1 thread, this AMD EPYC: (1, 32, 112, 112) about 0.6 -> 0.1 ms). Its
     float arithmetic may round a value at a half step the other way (within one step, as the
     convolution's own requantization). Where the add reads the convolution's output on another
-    step than the convolution's own, ONNX Runtime's arithmetic (``qlinear._residual_finisher``)."""
+    step than the convolution's own, ONNX Runtime's arithmetic (``qlinear_float._residual_finisher``)."""
     import torch
 
-    from backplane.backends.torch.fusion.qlinear import _residual_finisher
+    from backplane.backends.torch.fusion.qlinear_float import _residual_finisher
 
     r, q = a["residual"], a["int8"]
     if float(r["mine_scale"]) != q["y_scale"] or r["mine_zero"] + y_shift != q["y_zero"]:

@@ -1,14 +1,14 @@
 """Fused QLinear layers that hand each other float32 integers, not 8-bit tensors.
 
-Why: on the float route (``qlinear._float_route``) a QLinearConv whose 8-bit output only the next
-QLinearConvs read rounded its scaled sums, saturated them, added its zero point and narrowed them
-to uint8 (``int8_cast.integers``), and each reader widened them to float32 again and took the zero
-point off (``qlinear._centring``): in the traced full-tier QOperator MobileNet five passes over each
-activation between layers (add, three casts, sub: ~1 ms of a 41 ms run per boundary of 800K
-values, 1 thread, this AMD EPYC). The integers less the zero point are the rounded, saturated sums
-before the offset, and exactly what the reader's product wants: so the writer stops there and the
-reader takes them as they are. The same integers either way: the outputs are unchanged bit for
-bit.
+Why: on the float route (``qlinear_float._float_route``) a QLinearConv whose 8-bit output only the
+next QLinearConvs read rounded its scaled sums, saturated them, added its zero point and narrowed
+them to uint8 (``int8_cast.integers``), and each reader widened them to float32 again and took the
+zero point off (``qlinear_float._centring``): in the traced full-tier QOperator MobileNet five
+passes over each activation between layers (add, three casts, sub: ~1 ms of a 41 ms run per
+boundary of 800K values, 1 thread, this AMD EPYC). The integers less the zero point are the
+rounded, saturated sums before the offset, and exactly what the reader's product wants: so the
+writer stops there and the reader takes them as they are. The same integers either way: the outputs
+are unchanged bit for bit.
 
 Only between layers that are both on the float route for certain (``CpuAcc.int8`` "exact", which
 "auto" is where this CPU's int8 kernels saturate: ``int8_exact``): the int8 route reads and writes
@@ -62,7 +62,7 @@ def centred_handoffs(substitutions: list[Substitution], ctx: Context, int8: str)
 def _written(layer: Layer) -> tuple[float, float | None] | None:
     """The zero point of the integers a fused layer writes, and the scale where it writes them
     dequantized (its DequantizeLinear taken, on the same zero point, then nothing but a Relu its
-    clamp's floor: ``qlinear._finisher``); None where it writes anything else."""
+    clamp's floor: ``qlinear_float._finisher``); None where it writes anything else."""
     a = layer.attrs
     if layer.op_type not in HANDING or a.get("compute"):
         return None
