@@ -253,3 +253,43 @@ def test_a_specialized_build_at_a_run_ticks_through_its_layer_alone(monkeypatch)
     (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert np.isnan(got[1]).all() and not np.isnan(got[[0, 2]]).any()
+
+
+def test_a_network_run_by_its_specialized_layers_keyed_call_ticks_too(monkeypatch) -> None:
+    """A network that is one Specialized layer (a free batch) is run by the direct run through
+    ``keyed`` (the call by the feeds' NumPy shapes), not the workload's ``__call__``: the governor
+    is ticked there too (it was not: yolo_v8's threads stayed at 2 beside a neighbour). Values:
+    CpuRef's, NaN where CpuRef has it, at either count."""
+    torch = pytest.importorskip("torch")
+    from onnx import helper, numpy_helper
+
+    from backplane import InferenceSession
+    from tests.conftest import float_input, make_model
+
+    signal = Simulated()
+    governor = ThreadGovernor(len(CPUS), CPUS, read=signal, apply=torch.set_num_threads, period=0.0)
+    monkeypatch.setattr(threads, "_GOVERNOR", governor)
+    weight = np.random.default_rng(3).standard_normal((4, 5)).astype(np.float32)
+    model = make_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                        helper.make_node("Tanh", ["h"], ["y"])],
+                       [float_input("x", ["n", 4])], [float_input("y", ["n", 5])],
+                       [numpy_helper.from_array(weight, "W")]).SerializeToString()
+    x = np.random.default_rng(4).standard_normal((3, 4)).astype(np.float32)
+    x[1, 2] = np.nan
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    before = torch.get_num_threads()
+    try:
+        session = InferenceSession(model, backends=["CpuAcc", "CpuRef"])
+        assert any(getattr(w, "keyed", None) is not None for w in _steps(session))
+        session.run(None, {"x": x})
+        signal.busy = 2.0
+        (busy,) = session.run(None, {"x": x})
+        assert torch.get_num_threads() == 1
+        signal.busy = 0.0
+        (quiet,) = session.run(None, {"x": x})
+        assert torch.get_num_threads() == governor.most
+        for got in (busy, quiet):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            assert np.isnan(got[1]).all() and not np.isnan(got[[0, 2]]).any()
+    finally:
+        torch.set_num_threads(before)
