@@ -44,7 +44,7 @@ def test_the_tail_reads_the_graph_s_buffers_and_orders_the_outputs() -> None:
         seen.append((boxes.dtype, kept.dtype))
         return (boxes[1:] * 2, kept)  # a result may be a view of a buffer
 
-    tail = cuda_host.HostTail(graph, chain, [0, 1], [3, 0, 2])  # the chain's 2nd, the graph's 1st
+    tail = cuda_host.HostTail(graph, chain, [0, 1], [3, 0, 2], 2)  # the chain's 2nd, graph's 1st
     got = tail([np.float32([1, 2, 3])])
     assert seen == [(torch.float32, torch.int64)] and tail.reads == [0]
     np.testing.assert_array_equal(got[0], [7, 8])

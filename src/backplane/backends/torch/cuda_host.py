@@ -218,15 +218,41 @@ def _host_graph(source: Any, backend: Any, args: list[np.ndarray]) -> HostGraph 
         return None
     reads = [list(names_in).index(n) for n in layer.inputs]
     run_layers, static = cuda.graph_parts(layer, backend, [graph.info(n) for n in layer.inputs])
+    if tail is None:
+        made = HostGraph(run_layers, static, backend.device(), [args[i] for i in reads])
+        made.reads = reads
+        return made.reordered([layer.outputs.index(n) for n in names_out])
+    from backplane.backends.torch import gpu_nms
+    from backplane.backends.torch.fusion import host_chain
+
+    plan = gpu_nms.planned(tail, layer.outputs, graph) if NMS_ON_DEVICE else None
+    kernels: dict[int, Any] = {}
+    if plan is not None:  # the graph also gives the NonMaxSuppression's overlaps (gpu_nms)
+        run_layers = _with_rows(run_layers, *plan)
+        kernels[0] = gpu_nms.rows_kernel(lambda: made.host_out[-1])
     made = HostGraph(run_layers, static, backend.device(), [args[i] for i in reads])
     made.reads = reads
-    if tail is not None:
-        from backplane.backends.torch.fusion import host_chain
+    chain = host_chain.host_chain_workload(tail, backend, [graph.info(n) for n in tail.inputs],
+                                           kernels)
+    return HostTail(made, chain, [layer.outputs.index(n) for n in tail.inputs],
+                    [made_by.index(n) for n in names_out], len(layer.outputs))
 
-        chain = host_chain.host_chain_workload(tail, backend, [graph.info(n) for n in tail.inputs])
-        return HostTail(made, chain, [layer.outputs.index(n) for n in tail.inputs],
-                        [made_by.index(n) for n in names_out])
-    return made.reordered([layer.outputs.index(n) for n in names_out])
+
+NMS_ON_DEVICE = True
+"""A detector's whole run computes its NonMaxSuppression's overlaps in its graph (``gpu_nms``);
+off: on the host, in NumPy, as before (for tests and A/B timing)."""
+
+
+def _with_rows(run_layers: Callable[..., list[Any]], boxes: int, centre: int,
+               limit: float) -> Callable[..., list[Any]]:
+    """``run_layers`` giving, after its outputs, the overlap words of its ``boxes``-th output."""
+    from backplane.backends.torch import gpu_nms
+
+    def with_rows(*values: Any) -> list[Any]:
+        outputs = run_layers(*values)
+        return [*outputs, gpu_nms.device_rows(outputs[boxes], centre, limit)]
+
+    return with_rows
 
 
 class HostTail:
@@ -240,17 +266,18 @@ class HostTail:
 
     kinds = ("CudaGraph", "HostChain")  # the build's layers, for tests and debugging
 
-    def __init__(self, graph: HostGraph, chain: Any, reads: list[int], order: list[int]) -> None:
+    def __init__(self, graph: HostGraph, chain: Any, reads: list[int], order: list[int],
+                 width: int) -> None:
         self.graph, self.chain, self.chain_reads, self.order = graph, chain, reads, order
-        self.reads = graph.reads
+        self.reads, self.width = graph.reads, width  # width: the graph's outputs the run reads
 
     def __call__(self, args: Sequence[np.ndarray]) -> list[np.ndarray]:
         import torch
 
         host = self.graph(args)
         made = self.chain(*[torch.from_numpy(host[i]) for i in self.chain_reads])
-        values = [*host, *[t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-                           for t in made]]
+        values = [*host[:self.width], *[t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+                                        for t in made]]
         return [values[i] for i in self.order]
 
     def close(self) -> None:

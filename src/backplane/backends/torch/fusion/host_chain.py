@@ -189,19 +189,24 @@ def _ref_kernel(layer: Layer) -> Any:
         or select_kernel(KERNELS, layer.op_type, layer.opset)
 
 
-def host_chain_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo] = ()) -> Workload:
+def host_chain_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo] = (),
+                        kernels: dict[int, Any] | None = None) -> Workload:
     """CpuRef's kernels of the layers one after the other on NumPy views of the inputs, as straight
     code (``straight``); the outputs as torch tensors again (a copy only where a kernel's result is
-    read-only or not C-contiguous: ``torch.from_numpy`` takes neither)."""
+    read-only or not C-contiguous: ``torch.from_numpy`` takes neither). ``kernels``: by a layer's
+    index, a kernel in place of its own (GpuAcc's NonMaxSuppression on overlaps its whole run's
+    graph computed: ``gpu_nms``), bound to the layer's attributes as its own would be."""
     from backplane.backends.torch.fusion.onednn_graph import sequence_workload
 
     inner: list[Layer] = layer.attrs["layers"]
     constants = {n: np.asarray(v) for n, v in layer.attrs["constants"].items()}
     ranks = layer.attrs.get("ranks", {})
     outputs = set(layer.attrs["outputs"])
-    steps = [(fixed_kernel(lay, constants, ranks, outputs)
+    given = kernels or {}
+    steps = [(bind_kernel(given[k], lay.attrs, len(lay.outputs)) if k in given
+              else fixed_kernel(lay, constants, ranks, outputs)
               or bind_kernel(_ref_kernel(lay), lay.attrs, len(lay.outputs)), lay.inputs, lay.outputs)
-             for lay in inner]
+             for k, lay in enumerate(inner)]
     run = straight(steps, layer.attrs["inputs"], layer.attrs["outputs"], constants)
     sequence = sequence_workload(inner, steps, constants, layer.attrs["inputs"],
                                  layer.attrs["outputs"])

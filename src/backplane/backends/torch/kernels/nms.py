@@ -72,7 +72,13 @@ def _on_host(boxes, scores, center_point_box, iou_limit, limit, threshold, xp=np
 def _selected(overlaps, scores, limit, threshold):
     """The (K, 3) int64 rows [batch, class, box] of the greedy walk over ``overlaps`` (B, N, N)
     in each class's order of ``scores`` (B, C, N), NumPy arrays on the host."""
-    masks = _bit_rows(overlaps)
+    return selected_by_rows(_bit_rows(overlaps), scores, limit, threshold)
+
+
+def selected_by_rows(masks, scores, limit, threshold):
+    """``_selected`` of the overlaps as bit rows (``_bit_rows``' per batch item a list of Python
+    ints, bit j of row i where boxes i and j overlap; a negative int: bit 63 set), as GpuAcc's
+    whole run computes them on the GPU (``gpu_nms.device_rows``)."""
     # best first; equal scores: the lower box index first; NaN last (CpuRef's order), so the
     # boxes above a threshold are the first of each order, as many as there are
     orders = np.argsort(-scores, axis=-1, kind="stable").tolist()
