@@ -7,6 +7,7 @@ Usage:
     python bench/load_time.py --src before=/tmp/old/src        # another backplane tree beside this one
     python bench/load_time.py --quiet-path                     # a busy machine's load measured as a quiet one's
     python bench/load_time.py --burn 2 --models demo           # beside two CPU-burning processes
+    python bench/load_time.py --torch 1 --threads 0 --models demo  # default sessions beside a torch job
 
 Each figure comes from a fresh process (the runtime's module imported and timed apart from the
 session: ``import onnxruntime``, ``import backplane``; torch is not imported apart, a user's script
@@ -35,6 +36,9 @@ machine that is the only way to time it, and its figures then carry the others' 
 the versions and the load average (start, end and per process) are printed beside the figures.
 ``--burn N`` starts N processes that spin on the CPU before each timed process (both runtimes)
 and stops them after it: the busy machine of issue 27's done-when (the demo's load under 1 s).
+``--torch N`` starts N torch processes instead, each at ``--threads`` threads (2 where 0) looping
+over convolutions (``wild.TORCH``): OpenMP pools contending with the session's. ``--threads 0``
+loads the runtimes' default sessions (backplane's CpuAcc.threads "auto", ONNX Runtime's own count).
 
 The workers read their modules' bytecode, as an installed package's are: ``PYTHONPYCACHEPREFIX`` a
 temporary folder per tree, written by an untimed process per model first (this repository's
@@ -157,8 +161,12 @@ def _one(runtime: str, src: str, model: str, feeds: str, args: argparse.Namespac
     command = [sys.executable, __file__, "--worker", runtime, "--model", model, "--feeds", feeds,
                "--threads", str(args.threads), "--calls", str(args.calls)]
     command += ["--quiet-path"] if args.quiet_path else []
+    from wild import TORCH
+
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                for _ in range(args.burn)]
+    burners += [subprocess.Popen([sys.executable, "-c", TORCH.format(threads=args.threads or 2)])
+                for _ in range(args.torch)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     finally:
@@ -203,6 +211,8 @@ def _header(args: argparse.Namespace) -> list[str]:
             f"best of {args.rounds} rounds, {args.calls} steady calls"
             + ("; backplane on the quiet path (--quiet-path)" if args.quiet_path else "")
             + (f"; {args.burn} CPU-burning processes beside each (--burn)" if args.burn else "")
+            + (f"; {args.torch} torch processes at {args.threads or 2} threads beside each (--torch)"
+               if args.torch else "")
             + ("" if args.bytecode else "; modules compiled from source where "
                "PYTHONDONTWRITEBYTECODE is set (--no-bytecode)"),
             f"load average at the start {os.getloadavg()[0]:.2f}", "",
@@ -224,6 +234,8 @@ def main() -> int:
     parser.add_argument("--quiet-path", action="store_true")
     parser.add_argument("--burn", type=int, default=0,
                         help="N processes spinning on the CPU beside each timed process")
+    parser.add_argument("--torch", type=int, default=0,
+                        help="N torch processes (--threads threads) looping over convolutions beside each")
     parser.add_argument("--no-bytecode", action="store_true",
                         help="compile the modules from source where the environment says so")
     parser.add_argument("--worker", choices=["backplane", "onnxruntime"])

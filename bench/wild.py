@@ -4,6 +4,7 @@ Usage:
     python bench/wild.py                                  # every model of tests/data/corpus
     python bench/wild.py --models yolo_v8_ts17,vad_lstm_if_ts16 --rounds 3
     python bench/wild.py --neighbour                      # the same beside a CPU-burning process
+    python bench/wild.py --neighbour torch --bp-threads auto  # beside a 2-thread torch process
     python bench/wild.py --profile --json wild.json       # where backplane's time goes on the slow ones
     python bench/wild.py --tier full                      # the models at users' sizes (see --tier)
 
@@ -72,7 +73,13 @@ FULL_CORPUS = Path.home() / ".cache" / "backplane" / "corpus-full"  # scripts/ex
 RUNTIMES = ("onnxruntime", "openvino", "backplane")
 LOW = 0.8  # issue 27: no model below this ORT / backplane ratio
 BURN = "while True: pass"
+TORCH = ("import torch\ntorch.set_num_threads({threads})\n"
+         "net = torch.nn.Sequential(*[torch.nn.Conv2d(32, 32, 3, padding=1) for _ in range(4)]).eval()\n"
+         "x = torch.randn(1, 32, 64, 64)\nwith torch.no_grad():\n    while True:\n        net(x)")
+"""``--neighbour torch``: another multithreaded OpenMP process (a user's torch job beside the session)."""
 Run = Callable[[], list[Any]]
+NEIGHBOURS = {None: "none", "burn": "one CPU-burning process (" + BURN + ")",
+              "torch": "a torch process at {threads} threads looping over 4 convolutions 32x64x64"}
 
 
 # -- the worker side ------------------------------------------------------------------------------
@@ -218,7 +225,8 @@ def torch_ops(run: Run, runs: int) -> list[dict[str, Any]]:
 def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save: Path | None,
           mode: str = "--worker") -> dict[str, Any]:
     command = [sys.executable, __file__, mode, runtime, "--model", str(model), "--feeds", str(feeds),
-               "--threads", str(args.threads), "--seconds", str(args.seconds),
+               "--threads", str(0 if runtime == "backplane" and getattr(args, "bp_threads", "") == "auto"
+                                else args.threads), "--seconds", str(args.seconds),
                "--warmup-seconds", str(args.warmup_seconds),
                "--profile-runs", str(args.profile_runs),
                "--background", getattr(args, "background", "default")]  # int8.py's args: none
@@ -380,7 +388,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=0.5, help="timed calls per process, in seconds (0.5)")
     ap.add_argument("--warmup-seconds", type=float, default=1.0, help="untimed calls first, in seconds (1)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--neighbour", action="store_true", help="run beside a CPU-burning process")
+    ap.add_argument("--neighbour", nargs="?", const="burn", choices=("burn", "torch"),
+                    help="run beside a CPU-burning process (burn) or a torch process at --threads "
+                         "threads looping over convolutions (torch: two OpenMP pools contending)")
+    ap.add_argument("--bp-threads", choices=("count", "auto"), default="count",
+                    help="backplane's threads: --threads (count, the default) or its default session's "
+                         "(auto: CpuAcc.threads 'auto', at most --threads)")
     ap.add_argument("--background", choices=("default", "on", "off"), default="default",
                     help="backplane's CpuAcc.background: its default, or on or off (default: default)")
     ap.add_argument("--profile", action="store_true", help="profile backplane on the models below 0.8")
@@ -414,9 +427,11 @@ def run_all(args: argparse.Namespace, names: list[str]) -> tuple[list[str], dict
               f"backplane {backplane_version()}",
               f"corpus: {args.tier} tier, {args.corpus}",
               f"CpuAcc.background: {args.background}",
-              f"neighbour: {'one CPU-burning process (' + BURN + ')' if args.neighbour else 'none'}; "
+              f"neighbour: {NEIGHBOURS[args.neighbour].format(threads=args.threads)}; backplane's "
+              f"threads: {args.threads if args.bp_threads == 'count' else 'auto'}; "
               f"{args.rounds} rounds, best of the rounds' medians, batch 1 at each model's .s0.npz"]
-    burner = subprocess.Popen([sys.executable, "-c", BURN]) if args.neighbour else None
+    code = {"burn": BURN, "torch": TORCH.format(threads=args.threads)}.get(args.neighbour)
+    burner = subprocess.Popen([sys.executable, "-c", code]) if code else None
     try:
         with tempfile.TemporaryDirectory(prefix="wild.") as tmp:
             results = [bench_model(args, name, Path(tmp)) for name in names]
