@@ -9,7 +9,8 @@ Each model in a process of its own, ``providers=[("GpuAcc", {"against_cpu": "off
 on the model's ``.s0.npz``. After the background's settling and a warm-up it prints: layers per
 backend; each layer GpuAcc did not take, folded by op type and reason; the copies the plan inserts
 (``report.copies``); the median ms of ``--runs`` runs; then, over ``--profiled`` runs under
-torch.profiler, per run: CUDA kernels, memcpy by direction, memsets, the host's launch calls
+torch.profiler, per run: CUDA kernels (by count, and the names of the most GPU time), memcpy
+by direction, memsets, the host's launch calls
 (cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync, synchronizations), and the host operators with
 the most self CPU time; and ``run_profiled``'s slowest layers (each a host-side span: a captured
 partition's is its replay and wait).
@@ -60,6 +61,7 @@ def profiled(run: Any, runs: int) -> dict[str, Any]:
             run()
     counts: collections.Counter[str] = collections.Counter()
     kernels: collections.Counter[str] = collections.Counter()
+    spent: collections.Counter[str] = collections.Counter()  # us by kernel name
     host: collections.Counter[str] = collections.Counter()
     gpu_us = 0.0
     for event in prof.events():
@@ -71,6 +73,7 @@ def profiled(run: Any, runs: int) -> dict[str, Any]:
             if kind == "kernel":
                 gpu_us += event.device_time_total
                 kernels[name[:70]] += 1
+                spent[name[:70]] += event.device_time_total
         elif name in LAUNCHES:
             counts[name] += 1
         elif not name.startswith(("ProfilerStep", "cuda")):
@@ -78,6 +81,8 @@ def profiled(run: Any, runs: int) -> dict[str, Any]:
     return {"per_run": {k: round(v / runs, 1) for k, v in sorted(counts.items())},
             "kernel_us_per_run": round(gpu_us / runs, 1),
             "kernels_per_run": [f"{n / runs:g} x {k}" for k, n in kernels.most_common(10)],
+            "kernel_us_by_name": [f"{us / runs:.1f} us {kernels[k] / runs:g} x {k}"
+                                  for k, us in spent.most_common(14)],
             "host_us_per_run": [f"{n} {us / runs:.1f}" for n, us in host.most_common(8)]}
 
 
