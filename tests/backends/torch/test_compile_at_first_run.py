@@ -33,8 +33,8 @@ def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _session(model: object, **options: object) -> InferenceSession:
     """A CpuAcc session of ``model`` without the route cache (a choice written there would be
-    another test's load's)."""
-    options = {"CpuAcc.route_cache": False, **options}
+    another test's load's), nor the native route (``CpuAcc.native``: no compile to count)."""
+    options = {"CpuAcc.route_cache": False, "CpuAcc.native": "off", **options}
     return InferenceSession(model, backends=["CpuAcc", "CpuRef"],
                             runtime=Runtime(RuntimeOptions(backend_options=options)))
 
@@ -99,8 +99,8 @@ def test_a_session_through_the_compile_cache_compiles_once(tmp_path: Path,
     the artifact's first run traced and compiled it again. Now only the first run does."""
     path = tmp_path / "cnn.onnx"
     path.write_bytes(_cnn())
-    session = InferenceSession(path, backends=[("CpuAcc", {"route_cache": False}), "CpuRef"],
-                               cache_dir=tmp_path / "cache")
+    session = InferenceSession(path, backends=[("CpuAcc", {"route_cache": False, "native": "off"}),
+                                               "CpuRef"], cache_dir=tmp_path / "cache")
     assert len(list((tmp_path / "cache").glob("*.bpl"))) == 1
     assert traces == []
     want = _reference()

@@ -50,6 +50,7 @@ from backplane.backends.torch.fusion.compiled import (  # noqa: F401  # importab
     AtFirstRun, CompiledPerThreads, _close, _layout_guard, compiled_run, fusion_switch)
 from backplane.backends.torch.fusion.traceable import TRACEABLE_KERNELS, Forced as _Forced  # noqa: F401
 from backplane.backends.torch.fusion.reduced import at_edges, constants, lower, mark
+from backplane.backends.torch.fusion.native_cnn import native_workload
 from backplane.backends.torch.fusion.sequence import sequence_workload
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
@@ -153,6 +154,9 @@ def onednn_graph_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInf
     if mode not in MODES:
         raise OptionError(f"CpuAcc.compile {mode!r} is not one of {', '.join(MODES)}")
     compute, source = layer.attrs.get("compute"), layer.attrs.get("source", "float32")
+    native = native_workload(layer, backend, inputs)  # CpuAcc.native: the whole partition in C
+    if native is not None:
+        return native
     description = _description(layer)
     known = remembered("graph", description, backend) if mode == "auto" else None
     later = mode == "auto" and known != "layers" and threads.deferring()

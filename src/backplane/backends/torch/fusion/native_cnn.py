@@ -1,0 +1,96 @@
+"""A OneDnnGraph partition run by backplane's own C (``native/cnn.c``): the route "native".
+
+Why: a small CNN's partition spends most of its time in torch's per-call costs, not in its
+arithmetic: a oneDNN Graph partition costs 6-9 us of its own beyond its primitive, the fuser never
+puts two ungrouped convolutions in one partition (resnet_basic_ts16 runs 7), torch's bridge adds
+1-3 us a partition; ONNX Runtime spends ~5 us a layer, kernel included. The native plan
+(``native.cnn``) runs the whole partition in one ctypes call, every layer a loop of C over one
+arena planned at load.
+
+``CpuAcc.native``: "auto" (the default) takes it, under ``CpuAcc.compile=auto`` (a pinned compile
+mode keeps its route), for a float32 partition the plan covers whole
+(every layer a kind ``native.cnn_layers`` plans) and small (``SMALL``: at most ``SMALL`` multiply-
+adds, one thread's work); "off" keeps today's routes exactly. Without a C compiler
+(``NativeUnavailable``) the partition keeps its torch route too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from backplane.backends.api.backend import Workload
+from backplane.ir.graph import Layer, TensorInfo
+
+log = logging.getLogger("backplane.torch")
+
+SMALL = 8_000_000
+"""The most multiply-adds a partition runs natively under "auto": the native kernels run at one
+thread, where oneDNN's at the session's count may win on a large image (measured: see
+docs/torch-backends.md, "The native CNN route")."""
+ROUTE = "native"
+
+
+def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload | None:
+    """The OneDnnGraph ``layer`` run natively, or None where ``CpuAcc.native`` is off, the plan
+    does not cover it, it is larger than ``SMALL`` or no library can be built."""
+    from backplane.native import NativeUnavailable, build, library
+    from backplane.native.cnn import Executor, Unplannable, plan
+
+    if build.mode(backend.options) == "off" or backend.options.get("CpuAcc.compile",
+                                                                    "auto") != "auto":
+        return None  # CpuAcc.compile pinned to onednn_graph or layers: that route
+    a = layer.attrs
+    if a.get("compute") or a.get("source") or not all(
+            info.is_static and str(info.dtype) == "float32" for info in inputs):
+        return None
+    try:
+        planned = plan(a["layers"], a["constants"], a["inputs"], [i.shape for i in inputs],
+                       a["outputs"])
+    except Unplannable as why:
+        log.debug("%s: not native (%s)", layer.name, why)
+        return None
+    if planned.flops > SMALL:
+        log.debug("%s: not native (%d multiply-adds, above %d)", layer.name, planned.flops, SMALL)
+        return None
+    try:
+        executor = Executor(planned, library("cnn"))
+    except NativeUnavailable:
+        return None
+    return _workload(executor, planned.names,
+                     f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
+                     f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)")
+
+
+def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Workload:
+    """The executor's call on torch tensors: fresh outputs each run (the caller's alone)."""
+    import torch
+
+    from backplane.runtime.fresh_outputs import Made
+
+    shapes, call, empty = executor.plan.output_shapes, executor.run, torch.empty
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        values = tuple(v if v.is_contiguous() else v.contiguous() for v in values)
+        outputs = [empty(shape) for shape in shapes]
+        call([v.data_ptr() for v in values] + [o.data_ptr() for o in outputs])
+        return Made(outputs)
+
+    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float, int]]]:
+        start = time.perf_counter()
+        seconds = executor.profile([v.contiguous().numpy() for v in values])
+        outputs = run(*values)
+        total = max(sum(seconds), 1e-12)
+        spent: dict[tuple[str, str], float] = {}
+        for key, second in zip(names, seconds):
+            spent[key] = spent.get(key, 0.0) + second
+        wall = (time.perf_counter() - start) / 2  # two runs: each record's share of one
+        return outputs, [(name, op, wall * s / total, 0) for (name, op), s in spent.items()]
+
+    run.route = ROUTE  # type: ignore[attr-defined]
+    run.why = why  # type: ignore[attr-defined]
+    run.profiled = profiled  # type: ignore[attr-defined]
+    run.executor = executor  # type: ignore[attr-defined]
+    return run

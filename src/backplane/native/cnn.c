@@ -1,0 +1,423 @@
+/* A small CNN partition run in one call: a plan of layer records over one arena (cnn.py plans it).
+
+Why: torch's oneDNN Graph partitions cost 6-9 us each beyond their arithmetic and its bridge 1-3 us
+more, and a 32x32 CNN's layers each do a few microseconds of work; here a layer costs its loops.
+Tensors live in the arena channels-last (NHWC: the channels contiguous, which every kernel's inner
+loop runs over); the partition's inputs are copied in from NCHW and its outputs copied out to NCHW
+by the first and last records. No -ffast-math (the build's flags): NaN in, NaN out, and every
+comparison below is written so that a NaN takes the comparison's "keep x" side. */
+#define _POSIX_C_SOURCE 199309L
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#if defined(__FMA__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+
+/* A record's fields (cnn.py's FIELDS, in this order): int64 each, NF of them per record. */
+enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_KW, F_SH, F_SW,
+       F_DH, F_DW, F_PT, F_PL, F_G, F_WOFF, F_BOFF, F_ACT, F_AOFF, F_SCR, F_PH, F_PW, F_VB,
+       F_X1, F_X2, NF = 32 };
+enum { OP_IMPORT = 1, OP_EXPORT, OP_CONV, OP_DWCONV, OP_MAXPOOL, OP_AVGPOOL, OP_GAP, OP_GMP,
+       OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE };
+enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_HSWISH, ACT_HSIGMOID, ACT_SIGMOID, ACT_SWISH, ACT_LEAKY,
+       ACT_TANH };
+
+static inline v8 vload(const float *p) { return *(const v8u *)p; }
+static inline void vstore(float *p, v8 v) { *(v8u *)p = v; }
+static inline v8 vsplat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 vfma(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* p[i] = act(p[i] + r[i]) (r where given), over n floats; one loop per kind, for the vectorizer. */
+static void finish(float *restrict p, const float *restrict r, int64_t n, int64_t kind,
+                   const float *a) {
+    if (r)
+        for (int64_t i = 0; i < n; ++i) p[i] += r[i];
+    switch (kind) {
+    case ACT_RELU:
+        for (int64_t i = 0; i < n; ++i) p[i] = p[i] < 0.0f ? 0.0f : p[i];
+        break;
+    case ACT_CLIP: {
+        const float lo = a[0], hi = a[1];
+        for (int64_t i = 0; i < n; ++i) {
+            float x = p[i];
+            x = x < lo ? lo : x;
+            p[i] = x > hi ? hi : x;
+        }
+        break;
+    }
+    case ACT_HSWISH:
+        for (int64_t i = 0; i < n; ++i) {
+            float x = p[i], c = x + 3.0f;
+            c = c < 0.0f ? 0.0f : c;
+            c = c > 6.0f ? 6.0f : c;
+            p[i] = x * c / 6.0f;
+        }
+        break;
+    case ACT_HSIGMOID: {
+        const float alpha = a[0], beta = a[1];
+        for (int64_t i = 0; i < n; ++i) {
+            float c = alpha * p[i] + beta;
+            c = c < 0.0f ? 0.0f : c;
+            p[i] = c > 1.0f ? 1.0f : c;
+        }
+        break;
+    }
+    case ACT_SIGMOID:
+        for (int64_t i = 0; i < n; ++i) p[i] = 1.0f / (1.0f + expf(-p[i]));
+        break;
+    case ACT_SWISH:
+        for (int64_t i = 0; i < n; ++i) p[i] = p[i] * (1.0f / (1.0f + expf(-p[i])));
+        break;
+    case ACT_LEAKY: {
+        const float alpha = a[0];
+        for (int64_t i = 0; i < n; ++i) p[i] = p[i] < 0.0f ? alpha * p[i] : p[i];
+        break;
+    }
+    case ACT_TANH:
+        for (int64_t i = 0; i < n; ++i) p[i] = tanhf(p[i]);
+        break;
+    default:
+        break;
+    }
+}
+
+/* NCHW (the caller's) to NHWC (the arena's), and back. */
+static void import_nchw(const float *restrict x, float *restrict y, int64_t N, int64_t C,
+                        int64_t HW) {
+    for (int64_t n = 0; n < N; ++n, x += C * HW, y += C * HW)
+        for (int64_t p = 0; p < HW; ++p)
+            for (int64_t c = 0; c < C; ++c) y[p * C + c] = x[c * HW + p];
+}
+
+static void export_nchw(const float *restrict x, float *restrict y, int64_t N, int64_t C,
+                        int64_t HW) {
+    for (int64_t n = 0; n < N; ++n, x += C * HW, y += C * HW)
+        for (int64_t c = 0; c < C; ++c)
+            for (int64_t p = 0; p < HW; ++p) y[c * HW + p] = x[p * C + c];
+}
+
+/* The input copied into a zeroed frame of PH x PW pixels at (PT, PL): the convolution then reads
+   its windows without a bounds check. */
+static void pad_frame(const int64_t *f, const float *restrict x, float *restrict y) {
+    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], PH = f[F_PH], PW = f[F_PW];
+    const int64_t PT = f[F_PT], PL = f[F_PL];
+    memset(y, 0, sizeof(float) * N * PH * PW * C);
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < H; ++h)
+            memcpy(y + ((n * PH + h + PT) * PW + PL) * C, x + (n * H + h) * W * C,
+                   sizeof(float) * W * C);
+}
+
+/* Four output pixels of one row by VB (8 or 16) output channels of one group: the register tile.
+   ip: the first pixel's window origin; xs: the step between the four pixels' origins. */
+static inline __attribute__((always_inline)) void tile(
+    int nv, const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep, int64_t KH,
+    int64_t KW, int64_t ICG, const float *restrict wk, const float *restrict bk,
+    float *restrict op, int64_t OC, int64_t pixels, int64_t valid) {
+    const int64_t VB = 8 * nv;
+    v8 a0[4], a1[4];
+    for (int r = 0; r < 4; ++r) {
+        a0[r] = vload(bk);
+        a1[r] = nv > 1 ? vload(bk + 8) : vsplat(0.0f);
+    }
+    for (int64_t kh = 0; kh < KH; ++kh)
+        for (int64_t kw = 0; kw < KW; ++kw) {
+            const float *x = ip + kh * rowstep + kw * colstep;
+            const float *w = wk + (kh * KW + kw) * ICG * VB;
+            for (int64_t ic = 0; ic < ICG; ++ic, w += VB) {
+                const v8 w0 = vload(w), w1 = nv > 1 ? vload(w + 8) : vsplat(0.0f);
+                for (int r = 0; r < 4; ++r) {
+                    const v8 xr = vsplat(x[r * xs + ic]);
+                    a0[r] = vfma(xr, w0, a0[r]);
+                    if (nv > 1) a1[r] = vfma(xr, w1, a1[r]);
+                }
+            }
+        }
+    if (pixels == 4 && valid == VB) {
+        for (int r = 0; r < 4; ++r) {
+            vstore(op + r * OC, a0[r]);
+            if (nv > 1) vstore(op + r * OC + 8, a1[r]);
+        }
+        return;
+    }
+    float t[16];
+    for (int64_t r = 0; r < pixels; ++r) {
+        vstore(t, a0[r]);
+        if (nv > 1) vstore(t + 8, a1[r]);
+        for (int64_t j = 0; j < valid; ++j) op[r * OC + j] = t[j];
+    }
+}
+
+/* A convolution of any groups, its weights packed per group and block of VB output channels as
+   [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself. */
+static void conv(const int64_t *f, float *A, const float *P) {
+    const int64_t N = f[F_N], C = f[F_C], OH = f[F_OH], OW = f[F_OW], OC = f[F_OC];
+    const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
+                  DW = f[F_DW], G = f[F_G], VB = f[F_VB], PH = f[F_PH], PW = f[F_PW];
+    const int64_t ICG = C / G, OCG = OC / G, NB = (OCG + VB - 1) / VB;
+    const float *src = A + f[F_IN];
+    if (f[F_SCR] >= 0) {
+        pad_frame(f, src, A + f[F_SCR]);
+        src = A + f[F_SCR];
+    }
+    float *out = A + f[F_OUT];
+    const float *res = f[F_IN2] >= 0 ? A + f[F_IN2] : 0;
+    const int64_t xs = SW * C, rowstep = DH * PW * C, colstep = DW * C;
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t oh = 0; oh < OH; ++oh) {
+            float *orow = out + (n * OH + oh) * OW * OC;
+            const float *irow = src + (n * PH + oh * SH) * PW * C;
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t b = 0; b < NB; ++b) {
+                    const float *wk = P + f[F_WOFF] + (g * NB + b) * KH * KW * ICG * VB;
+                    const float *bk = P + f[F_BOFF] + (g * NB + b) * VB;
+                    const int64_t oc0 = g * OCG + b * VB;
+                    const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
+                    for (int64_t ow = 0; ow < OW; ow += 4) {
+                        const int64_t pixels = OW - ow < 4 ? OW - ow : 4;
+                        const float *ip = irow + ow * SW * C + g * ICG;
+                        float *op = orow + ow * OC + oc0;
+                        if (VB == 16)
+                            tile(2, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                                 pixels, valid);
+                        else
+                            tile(1, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                                 pixels, valid);
+                    }
+                }
+            finish(orow, res ? res + (n * OH + oh) * OW * OC : 0, OW * OC, f[F_ACT],
+                   P + f[F_AOFF]);
+        }
+}
+
+/* Four output pixels of a depthwise convolution by 8 channels: the register tile. */
+static inline __attribute__((always_inline)) void dwtile(
+    const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep, int64_t KH,
+    int64_t KW, int64_t C, const float *restrict w, const float *restrict bias,
+    float *restrict op, int64_t pixels) {
+    v8 acc[4];
+    for (int r = 0; r < 4; ++r) acc[r] = vload(bias);
+    for (int64_t kh = 0; kh < KH; ++kh)
+        for (int64_t kw = 0; kw < KW; ++kw) {
+            const float *x = ip + kh * rowstep + kw * colstep;
+            const v8 wv = vload(w + (kh * KW + kw) * C);
+            for (int r = 0; r < 4; ++r) acc[r] = vfma(vload(x + r * xs), wv, acc[r]);
+        }
+    for (int64_t r = 0; r < pixels; ++r) vstore(op + r * C, acc[r]);
+}
+
+/* A depthwise convolution (one input and one output channel a group), weights [kh][kw][C]:
+   blocks of 8 channels by 4 pixels in registers, the channels past the last block one by one. */
+static void dwconv(const int64_t *f, float *A, const float *P) {
+    const int64_t N = f[F_N], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+    const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
+                  DW = f[F_DW], PH = f[F_PH], PW = f[F_PW];
+    const float *src = A + f[F_IN];
+    if (f[F_SCR] >= 0) {
+        pad_frame(f, src, A + f[F_SCR]);
+        src = A + f[F_SCR];
+    }
+    float *out = A + f[F_OUT];
+    const float *res = f[F_IN2] >= 0 ? A + f[F_IN2] : 0;
+    const float *restrict wt = P + f[F_WOFF], *restrict bias = P + f[F_BOFF];
+    const int64_t xs = SW * C, rowstep = DH * PW * C, colstep = DW * C, C8 = C / 8 * 8;
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t oh = 0; oh < OH; ++oh) {
+            float *orow = out + (n * OH + oh) * OW * C;
+            const float *irow = src + (n * PH + oh * SH) * PW * C;
+            for (int64_t ow = 0; ow < OW; ow += 4) {
+                const int64_t pixels = OW - ow < 4 ? OW - ow : 4;
+                for (int64_t c = 0; c < C8; c += 8)
+                    dwtile(irow + ow * xs + c, xs, rowstep, colstep, KH, KW, C, wt + c,
+                           bias + c, orow + ow * C + c, pixels);
+                for (int64_t r = 0; r < pixels; ++r)
+                    for (int64_t c = C8; c < C; ++c) {
+                        float acc = bias[c];
+                        for (int64_t kh = 0; kh < KH; ++kh)
+                            for (int64_t kw = 0; kw < KW; ++kw)
+                                acc = fmaf(irow[(ow + r) * xs + kh * rowstep + kw * colstep + c],
+                                           wt[(kh * KW + kw) * C + c], acc);
+                        orow[(ow + r) * C + c] = acc;
+                    }
+            }
+            finish(orow, res ? res + (n * OH + oh) * OW * C : 0, OW * C, f[F_ACT], P + f[F_AOFF]);
+        }
+}
+
+/* Max or average pooling; the window clipped to the input (PyTorch's and CpuRef's windows:
+   F_X1 counts the padding into an average's divisor, the window then clipped at H + the end pad,
+   whose ends are F_PH, F_PW here). A NaN in a window is the window's maximum. */
+static void pool(const int64_t *f, float *A, int is_max) {
+    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+    const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
+                  DW = f[F_DW], PT = f[F_PT], PL = f[F_PL], HE = f[F_PH], WE = f[F_PW];
+    const float *restrict in = A + f[F_IN];
+    float *restrict out = A + f[F_OUT];
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t oh = 0; oh < OH; ++oh)
+            for (int64_t ow = 0; ow < OW; ++ow) {
+                float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
+                const int64_t h0 = oh * SH - PT, w0 = ow * SW - PL;
+                if (is_max) {
+                    for (int64_t c = 0; c < C; ++c) o[c] = -INFINITY;
+                    for (int64_t kh = 0; kh < KH; ++kh) {
+                        const int64_t h = h0 + kh * DH;
+                        if (h < 0 || h >= H) continue;
+                        for (int64_t kw = 0; kw < KW; ++kw) {
+                            const int64_t w = w0 + kw * DW;
+                            if (w < 0 || w >= W) continue;
+                            const float *restrict x = in + ((n * H + h) * W + w) * C;
+                            for (int64_t c = 0; c < C; ++c)
+                                o[c] = (x[c] > o[c] || x[c] != x[c]) ? x[c] : o[c];
+                        }
+                    }
+                    continue;
+                }
+                int64_t hs = h0, ws = w0, he = h0 + KH, we = w0 + KW;
+                he = he < HE ? he : HE;
+                we = we < WE ? we : WE;
+                int64_t count = (he - hs) * (we - ws);
+                hs = hs < 0 ? 0 : hs;
+                ws = ws < 0 ? 0 : ws;
+                he = he < H ? he : H;
+                we = we < W ? we : W;
+                if (!f[F_X1]) count = (he - hs) * (we - ws);
+                for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
+                for (int64_t h = hs; h < he; ++h)
+                    for (int64_t w = ws; w < we; ++w) {
+                        const float *restrict x = in + ((n * H + h) * W + w) * C;
+                        for (int64_t c = 0; c < C; ++c) o[c] += x[c];
+                    }
+                const float scale = 1.0f / (float)count;
+                for (int64_t c = 0; c < C; ++c) o[c] *= scale;
+            }
+}
+
+static void global_pool(const int64_t *f, float *A, int is_max) {
+    const int64_t N = f[F_N], HW = f[F_H] * f[F_W], C = f[F_C];
+    const float *restrict in = A + f[F_IN];
+    float *restrict out = A + f[F_OUT];
+    for (int64_t n = 0; n < N; ++n, out += C) {
+        for (int64_t c = 0; c < C; ++c) out[c] = is_max ? -INFINITY : 0.0f;
+        for (int64_t p = 0; p < HW; ++p) {
+            const float *restrict x = in + (n * HW + p) * C;
+            if (is_max)
+                for (int64_t c = 0; c < C; ++c)
+                    out[c] = (x[c] > out[c] || x[c] != x[c]) ? x[c] : out[c];
+            else
+                for (int64_t c = 0; c < C; ++c) out[c] += x[c];
+        }
+        if (!is_max)
+            for (int64_t c = 0; c < C; ++c) out[c] /= (float)HW;
+    }
+}
+
+/* rows x K times K x OC (the weight packed transposed, [k][oc]) plus bias, then residual, act. */
+static void linear(const int64_t *f, float *A, const float *P) {
+    const int64_t rows = f[F_N], K = f[F_C], OC = f[F_OC];
+    const float *restrict wt = P + f[F_WOFF], *restrict bias = P + f[F_BOFF];
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict x = A + f[F_IN] + r * K;
+        float *restrict o = A + f[F_OUT] + r * OC;
+        for (int64_t j = 0; j < OC; ++j) o[j] = bias[j];
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < OC; ++j) o[j] = fmaf(x[k], wt[k * OC + j], o[j]);
+    }
+    finish(A + f[F_OUT], f[F_IN2] >= 0 ? A + f[F_IN2] : 0, rows * OC, f[F_ACT], P + f[F_AOFF]);
+}
+
+static void binary(const int64_t *f, float *A, const float *P, int is_mul) {
+    const int64_t n = f[F_N];
+    const float *restrict x = A + f[F_IN], *restrict y = A + f[F_IN2];
+    float *restrict o = A + f[F_OUT];
+    if (is_mul)
+        for (int64_t i = 0; i < n; ++i) o[i] = x[i] * y[i];
+    else
+        for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+    finish(o, 0, n, f[F_ACT], P + f[F_AOFF]);
+}
+
+/* Channels [F_X1, F_X1 + C) of an NHWC output of F_OC channels: a Concat's part. */
+static void slice_into(const int64_t *f, float *A) {
+    const int64_t pixels = f[F_N], C = f[F_C], OC = f[F_OC], at = f[F_X1];
+    const float *restrict x = A + f[F_IN];
+    float *restrict o = A + f[F_OUT];
+    for (int64_t p = 0; p < pixels; ++p) memcpy(o + p * OC + at, x + p * C, sizeof(float) * C);
+}
+
+/* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the
+   caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
+static int step(const int64_t *f, const float *params, float *arena, float *const *ext);
+
+int backplane_cnn_run(const int64_t *records, int64_t count, const float *params, float *arena,
+                      float *const *ext) {
+    for (int64_t i = 0; i < count; ++i)
+        if (step(records + i * NF, params, arena, ext)) return (int)i + 1;
+    return 0;
+}
+
+/* The same, with each record's thread CPU seconds summed into seconds[i] over `times` runs: the
+   profiler's (and the bench's) per-layer figures. */
+int backplane_cnn_profile(const int64_t *records, int64_t count, const float *params,
+                          float *arena, float *const *ext, double *seconds, int64_t times) {
+    struct timespec a, b;
+    for (int64_t t = 0; t < times; ++t)
+        for (int64_t i = 0; i < count; ++i) {
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+            if (step(records + i * NF, params, arena, ext)) return (int)i + 1;
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
+            seconds[i] += (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+        }
+    return 0;
+}
+
+static size_t bytes(const int64_t *f) {
+    return sizeof(float) * (size_t)(f[F_N] * f[F_C] * f[F_H] * f[F_W]);
+}
+
+static int step(const int64_t *f, const float *params, float *arena, float *const *ext) {
+    switch (f[F_OP]) {
+    case OP_IMPORT:
+        if (f[F_H] * f[F_W] == 1 || f[F_C] == 1)
+            memcpy(arena + f[F_OUT], ext[f[F_IN]], bytes(f));
+        else
+            import_nchw(ext[f[F_IN]], arena + f[F_OUT], f[F_N], f[F_C], f[F_H] * f[F_W]);
+        break;
+    case OP_EXPORT:
+        if (f[F_H] * f[F_W] == 1 || f[F_C] == 1)
+            memcpy(ext[f[F_OUT]], arena + f[F_IN], bytes(f));
+        else
+            export_nchw(arena + f[F_IN], ext[f[F_OUT]], f[F_N], f[F_C], f[F_H] * f[F_W]);
+        break;
+    case OP_CONV: conv(f, arena, params); break;
+    case OP_DWCONV: dwconv(f, arena, params); break;
+    case OP_MAXPOOL: pool(f, arena, 1); break;
+    case OP_AVGPOOL: pool(f, arena, 0); break;
+    case OP_GAP: global_pool(f, arena, 0); break;
+    case OP_GMP: global_pool(f, arena, 1); break;
+    case OP_LINEAR: linear(f, arena, params); break;
+    case OP_ADD: binary(f, arena, params, 0); break;
+    case OP_MUL: binary(f, arena, params, 1); break;
+    case OP_ACT:
+        if (f[F_OUT] != f[F_IN])
+            memcpy(arena + f[F_OUT], arena + f[F_IN], sizeof(float) * f[F_N]);
+        finish(arena + f[F_OUT], 0, f[F_N], f[F_ACT], params + f[F_AOFF]);
+        break;
+    case OP_SLICE: slice_into(f, arena); break;
+    default: return 1;
+    }
+    return 0;
+}
+
+int backplane_cnn_fields(void) { return NF; }

@@ -1,0 +1,277 @@
+"""A small CNN partition's layers as one plan for ``cnn.c``: run in one ctypes call.
+
+Why: a 32x32 CNN's layers each do a few microseconds of arithmetic, and torch's oneDNN Graph
+partitions cost 6-9 us each beyond it (its bridge 1-3 more): resnet_basic_ts16's seven partitions
+can never reach ONNX Runtime's ~5 us a layer. Planned here at load, once: every tensor a place in
+one arena (reused after its last reader), channels-last; the weights packed for the kernels'
+register tiles; the layers a flat array of int64 records. A run is then one call of C.
+
+``plan`` takes a partition's layers (CpuAcc's fused layers: FusedConv, Linear, and the plain ops
+of ``OPS``) and gives a ``Plan``, or raises ``Unplannable`` naming the first layer it cannot take
+(the partition then keeps its torch route).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backplane.ir.graph import Layer
+
+FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl g woff boff act aoff scr ph pw "
+          "vb x1 x2 macs").split()
+"""A record's fields, in cnn.c's order (its enum F_*; ``macs``, its multiply-adds, only read
+here); a record is NF = 32 int64s."""
+NF = 32
+OPS = {name: code for code, name in enumerate(
+    "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice".split(), 1)}
+ACTS = {name: code for code, name in enumerate(
+    "none relu clip hswish hsigmoid sigmoid swish leaky tanh".split())}
+UNARY = {"relu": "relu", "hardtanh": "clip", "hardswish": "hswish", "hardsigmoid": "hsigmoid",
+         "sigmoid": "sigmoid", "swish": "swish", "leaky_relu": "leaky", "tanh": "tanh"}
+"""FusedConv's and Linear's post-ops (``patterns.post_op``'s names) the kernels apply."""
+ELEMENTWISE = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish": "hswish",
+               "HardSigmoid": "hsigmoid", "LeakyRelu": "leaky", "Clip": "clip"}
+VIEWS = ("Flatten", "Reshape", "Identity", "Squeeze", "Unsqueeze")
+ALIGN = 16  # floats: each tensor's place starts on a 64-byte line
+
+
+class Unplannable(NotImplementedError):
+    """A layer (or the partition's edges) the native plan does not take; the message says which."""
+
+
+@dataclass
+class Value:
+    """A tensor in the arena, channels-last: ``dims`` (n, c, h, w); ``shape`` its ONNX shape."""
+
+    offset: int
+    dims: tuple[int, int, int, int]
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.dims)
+
+
+@dataclass
+class Plan:
+    """The records, the packed parameters, the arena's size, and the edges' ONNX shapes."""
+
+    records: np.ndarray
+    params: np.ndarray
+    arena: int
+    input_shapes: list[tuple[int, ...]]
+    output_shapes: list[tuple[int, ...]]
+    ops: list[str] = field(default_factory=list)
+    names: list[tuple[str, str]] = field(default_factory=list)
+    """Each record's layer (name, op type): the profile's rows."""
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds of the convolutions and products (what the route's size rule reads)."""
+        return int(self.records[:, FIELDS.index("macs")].sum())
+
+
+class _Arena:
+    """Places in one arena: a tensor's place freed after its last reader is given to a later one."""
+
+    def __init__(self) -> None:
+        self.end, self.free = 0, []  # free: (offset, size)
+
+    def take(self, size: int) -> int:
+        size = -(-size // ALIGN) * ALIGN
+        for i, (offset, room) in enumerate(self.free):
+            if room >= size:
+                self.free[i:i + 1] = [(offset + size, room - size)] if room > size else []
+                return offset
+        offset, self.end = self.end, self.end + size
+        return offset
+
+    def give(self, offset: int, size: int) -> None:
+        self.free.append((offset, -(-size // ALIGN) * ALIGN))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for at, room in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == at:
+                merged[-1] = (merged[-1][0], merged[-1][1] + room)
+            else:
+                merged.append((at, room))
+        self.free = merged
+
+
+def _dims(shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """An ONNX shape's (n, c, h, w): (N, C, H, W); (N, C, L) as a line of height 1; (N, K)."""
+    if len(shape) == 4:
+        return tuple(shape)  # type: ignore[return-value]
+    if len(shape) == 3:
+        return (shape[0], shape[1], 1, shape[2])
+    if len(shape) == 2:
+        return (shape[0], shape[1], 1, 1)
+    raise Unplannable(f"a tensor of shape {tuple(shape)}: only 2-, 3- and 4-d tensors")
+
+
+class _Planner:
+    def __init__(self, layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
+                 inputs: Sequence[str], shapes: Sequence[Sequence[int]], outputs: Sequence[str]):
+        self.layers, self.constants, self.outputs = list(layers), constants, list(outputs)
+        self.arena, self.values, self.records, self.params = _Arena(), {}, [], []
+        self.param_size, self.slack, self.ops, self.names = 0, 0, [], []
+        self.current = ("the partition's inputs", "NativeImport")
+        self.last = {n: i for i, lay in enumerate(self.layers) for n in lay.inputs if n}
+        self.last.update({n: len(self.layers) for n in outputs})
+        for index, (name, shape) in enumerate(zip(inputs, shapes)):
+            value = self.new(name, tuple(shape))
+            self.record("import", in_=index, out=value.offset, dims=value.dims)
+
+    def new(self, name: str, shape: tuple[int, ...]) -> Value:
+        dims = _dims(shape)
+        value = Value(self.arena.take(math.prod(dims)), dims, shape)
+        self.values[name] = value
+        return value
+
+    def param(self, array: np.ndarray) -> int:
+        offset = self.param_size
+        flat = np.ascontiguousarray(array, np.float32).reshape(-1)
+        padded = -(-flat.size // ALIGN) * ALIGN
+        self.params.append(np.pad(flat, (0, padded - flat.size)))
+        self.param_size += padded
+        return offset
+
+    def record(self, op: str, in_: int = -1, out: int = -1, dims: Sequence[int] = (1, 1, 1, 1),
+               **fields: int) -> None:
+        row = np.zeros(NF, np.int64)
+        row[FIELDS.index("in2")] = row[FIELDS.index("scr")] = -1
+        values = {"op": OPS[op], "in": in_, "out": out, **dict(zip("nchw", dims)), **fields}
+        for name, number in values.items():
+            row[FIELDS.index(name)] = int(number)
+        self.records.append(row)
+        self.ops.append(op)
+        self.names.append(self.current)
+
+    def value(self, name: str) -> Value:
+        if name not in self.values:
+            raise Unplannable(f"{name!r} is neither an input of the partition nor planned "
+                              "(a constant operand)")
+        return self.values[name]
+
+    def release(self, index: int, layer: Layer) -> None:
+        """The places of the tensors whose last reader was ``layer``."""
+        given = set()
+        for name in dict.fromkeys(layer.inputs):
+            if name and self.last.get(name) == index and name in self.values:
+                value = self.values[name]  # a view shares its place: given with the last reader
+                if value.offset not in given and not any(
+                        v.offset == value.offset for n, v in self.values.items()
+                        if n != name and self.last.get(n, -1) > index):
+                    self.arena.give(value.offset, value.size)
+                    given.add(value.offset)
+
+    def activation(self, unary: Any) -> tuple[int, int]:
+        """(act code, params offset) of a post-op ``(name, scalars, algorithm)``."""
+        if unary is None:
+            return ACTS["none"], 0
+        name, scalars, _ = unary
+        if name not in UNARY:
+            raise Unplannable(f"the post-op {name!r}")
+        kind = UNARY[name]
+        numbers = {"clip": list(scalars), "hsigmoid": [1 / 6, 0.5],
+                   "leaky": [scalars[0] if scalars else 0.01]}.get(kind, [0.0])
+        return ACTS[kind], self.param(np.array(numbers, np.float32))
+
+
+def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: Sequence[str],
+         input_shapes: Sequence[Sequence[int]], outputs: Sequence[str]) -> Plan:
+    """The plan of a static float32 partition: ``layers`` in order, reading ``inputs`` of
+    ``input_shapes`` (and ``constants``), writing ``outputs``. Raises ``Unplannable``."""
+    from backplane.native import cnn_layers
+
+    planner = _Planner(layers, constants, inputs, input_shapes, outputs)
+    for index, layer in enumerate(planner.layers):
+        make = cnn_layers.PLANNERS.get(layer.op_type)
+        fused = layer.op_type in cnn_layers.FUSED_OPS
+        if make is None or len(layer.outputs) != 1 or fused != (layer.domain == cnn_layers.FUSED) \
+                or not fused and layer.domain not in ("", "ai.onnx"):
+            raise Unplannable(f"{layer.name}: {layer.op_type} is not planned natively")
+        planner.current = (layer.name, layer.op_type)
+        make(planner, layer)
+        planner.release(index, layer)
+    shapes, planner.current = [], ("the partition's outputs", "NativeExport")
+    for index, name in enumerate(outputs):
+        if name in inputs:
+            raise Unplannable(f"the output {name!r} is an input of the partition")
+        value = planner.value(name)
+        planner.record("export", in_=value.offset, out=len(inputs) + index, dims=value.dims)
+        shapes.append(value.shape)
+    params = np.concatenate(planner.params) if planner.params else np.zeros(ALIGN, np.float32)
+    return Plan(np.stack(planner.records), params, planner.arena.end + planner.slack + 4 * ALIGN,
+                [tuple(s) for s in input_shapes], shapes, planner.ops, planner.names)
+
+
+class Executor:
+    """A plan bound to the library: ``run(input pointers, output pointers)`` makes one call. The
+    arena is the plan's own while one thread runs it; a second thread at the same time gets a
+    fresh one (a lock tried, never waited for)."""
+
+    def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
+        self.plan, self.library = planned, library
+        self.fn = library.backplane_cnn_run
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p]
+        self.fn.restype = ctypes.c_int
+        self.count = len(planned.records)
+        self.records = np.ascontiguousarray(planned.records)
+        self.params = planned.params
+        self.edges = len(planned.input_shapes) + len(planned.output_shapes)
+        self.arena = _aligned(planned.arena)
+        self.ext = (ctypes.c_void_p * self.edges)()
+        self.lock = threading.Lock()
+        self.pointers = (self.records.ctypes.data, self.params.ctypes.data)
+
+    def run(self, pointers: Sequence[int]) -> None:
+        """``pointers``: the inputs' then the outputs' data (contiguous float32, NCHW)."""
+        records, params = self.pointers
+        if self.lock.acquire(blocking=False):
+            try:
+                self.ext[:] = pointers
+                failed = self.fn(records, self.count, params, self.arena.ctypes.data, self.ext)
+            finally:
+                self.lock.release()
+        else:
+            ext = (ctypes.c_void_p * self.edges)(*pointers)
+            failed = self.fn(records, self.count, params, _aligned(self.plan.arena).ctypes.data,
+                             ext)
+        if failed:
+            raise RuntimeError(f"native cnn: record {failed - 1} has an unknown op")
+
+    def profile(self, values: Sequence[np.ndarray], times: int = 1) -> list[float]:
+        """Each record's thread CPU seconds, the mean of ``times`` runs on NumPy ``values``."""
+        fn = self.library.backplane_cnn_profile
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        values = [np.ascontiguousarray(v, np.float32) for v in values]
+        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        ext = (ctypes.c_void_p * self.edges)(*[a.ctypes.data for a in (*values, *outputs)])
+        seconds = np.zeros(self.count)
+        with self.lock:
+            fn(*self.pointers[:1], self.count, self.pointers[1], self.arena.ctypes.data, ext,
+               seconds.ctypes.data, times)
+        return list(seconds / times)
+
+    def numpy(self, *values: np.ndarray) -> list[np.ndarray]:
+        """The plan run on NumPy arrays (tests, the bench): fresh outputs."""
+        values = [np.ascontiguousarray(v, np.float32) for v in values]
+        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        self.run([v.ctypes.data for v in values] + [o.ctypes.data for o in outputs])
+        return outputs
+
+
+def _aligned(size: int) -> np.ndarray:
+    raw = np.zeros(size + ALIGN, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start:start + size]

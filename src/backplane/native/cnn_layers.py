@@ -1,0 +1,251 @@
+"""Each layer kind's records for ``cnn.plan``: one function a kind, in ``PLANNERS``. A function
+checks what the kernels take (raising ``Unplannable`` with the reason), packs the weights, places
+its output and writes its records."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from backplane.ir.graph import Layer
+from backplane.native.cnn import ACTS, ELEMENTWISE, Unplannable, _Planner
+
+FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_DOMAIN)
+FUSED_OPS = ("FusedConv", "Linear")
+
+
+def fused_conv(p: _Planner, layer: Layer) -> None:
+    a = layer.attrs
+    if a.get("compute") or a.get("source"):
+        raise Unplannable(f"{layer.name}: computed in {a.get('compute')}")
+    x = p.value(layer.inputs[0])
+    weight = np.asarray(a["weight"], np.float32)
+    if weight.ndim != 4 or tuple(x.dims) != tuple(a["input_shape"]):
+        raise Unplannable(f"{layer.name}: input {x.dims} against {a['input_shape']}")
+    n, c, h, w = x.dims
+    oc, icg, kh, kw = weight.shape
+    groups = int(a["group"])
+    (sh, sw), (dh, dw) = a["strides"], a["dilations"]
+    (pt, pl), (pb, pr) = a["begins"], a["ends"]
+    if min(pt, pl, pb, pr) < 0 or c != icg * groups or oc % groups:
+        raise Unplannable(f"{layer.name}: pads {a['begins']} {a['ends']}, groups {groups}")
+    oh = (h + pt + pb - (kh - 1) * dh - 1) // sh + 1
+    ow = (w + pl + pr - (kw - 1) * dw - 1) // sw + 1
+    if [n, oc, oh, ow] != list(a["output_shape"]):
+        raise Unplannable(f"{layer.name}: output {a['output_shape']} against {[n, oc, oh, ow]}")
+    act, aoff = p.activation(a.get("unary"))
+    bias = np.asarray(a["bias"], np.float32)
+    ocg = oc // groups
+    if icg == 1 and ocg == 1:  # depthwise: [kh][kw][c]
+        op, vb = "dwconv", 0
+        woff = p.param(weight.reshape(oc, kh, kw).transpose(1, 2, 0))
+        boff = p.param(bias)
+    else:  # [g][block][kh][kw][icg][vb], zero past the group's channels
+        op, vb = "conv", 8 if ocg <= 8 else 16
+        blocks = -(-ocg // vb)
+        packed = np.zeros((groups, blocks * vb, icg, kh, kw), np.float32)
+        packed[:, :ocg] = weight.reshape(groups, ocg, icg, kh, kw)
+        packed = packed.reshape(groups, blocks, vb, icg, kh, kw).transpose(0, 1, 4, 5, 3, 2)
+        woff = p.param(packed)
+        padded_bias = np.zeros((groups, blocks * vb), np.float32)
+        padded_bias[:, :ocg] = bias.reshape(groups, ocg)
+        boff = p.param(padded_bias)
+    ph, pw, scratch = h, w, -1
+    if pt or pl or pb or pr:
+        ph = max(h + pt, (oh - 1) * sh + (kh - 1) * dh + 1)
+        pw = max(w + pl, (ow - 1) * sw + (kw - 1) * dw + 1)
+        scratch = p.arena.take(n * ph * pw * c)  # given back once the output has its place
+    residual = p.value(layer.inputs[1]).offset if a.get("binary") else -1
+    if a.get("binary") and p.value(layer.inputs[1]).dims != (n, oc, oh, ow):
+        raise Unplannable(f"{layer.name}: a residual of another shape")
+    shape = (n, oc, ow) if a.get("line") else (n, oc, oh, ow)
+    y = p.new(layer.outputs[0], shape)
+    if scratch >= 0:
+        p.arena.give(scratch, n * ph * pw * c)
+    p.slack = max(p.slack, (4 * sw + kw * dw) * c + 64)
+    dims = x.dims
+    if (kh, kw, sh, sw, scratch) == (1, 1, 1, 1, -1):  # a 1x1 over all pixels as one row
+        dims, oh, ow, ph, pw = (n, c, 1, h * w), 1, h * w, 1, h * w
+    p.record(op, in_=x.offset, out=y.offset, dims=dims, in2=residual, oh=oh, ow=ow, oc=oc,
+             kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl, g=groups, woff=woff,
+             boff=boff, act=act, aoff=aoff, scr=scratch, ph=ph, pw=pw, vb=vb,
+             macs=n * oh * ow * oc * icg * kh * kw)
+
+
+def linear(p: _Planner, layer: Layer) -> None:
+    a = layer.attrs
+    if a.get("compute") or a.get("source"):
+        raise Unplannable(f"{layer.name}: computed in {a.get('compute')}")
+    x = p.value(layer.inputs[0])
+    weight = np.asarray(a["weight"], np.float32)
+    if len(x.shape) != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
+        raise Unplannable(f"{layer.name}: a product over {x.shape}")
+    rows, k = x.shape
+    oc = weight.shape[0]
+    bias = np.zeros(oc, np.float32) if a.get("bias") is None else np.asarray(a["bias"], np.float32)
+    act, aoff = p.activation(a.get("unary"))
+    residual = -1
+    if a.get("binary"):
+        other = p.value(layer.inputs[1])
+        if other.shape != (rows, oc):
+            raise Unplannable(f"{layer.name}: a residual of shape {other.shape}")
+        residual = other.offset
+    y = p.new(layer.outputs[0], (rows, oc))
+    p.record("linear", in_=x.offset, out=y.offset, dims=(rows, k, 1, 1), in2=residual, oc=oc,
+             woff=p.param(weight.T), boff=p.param(bias), act=act, aoff=aoff, macs=rows * k * oc)
+
+
+def pool(p: _Planner, layer: Layer) -> None:
+    a = layer.attrs
+    x = p.value(layer.inputs[0])
+    if len(x.shape) != 4 or a.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID") \
+            or a.get("storage_order", 0):
+        raise Unplannable(f"{layer.name}: {layer.op_type} over {x.shape} ({a})")
+    n, c, h, w = x.dims
+    kh, kw = a["kernel_shape"]
+    sh, sw = a.get("strides") or (1, 1)
+    dh, dw = a.get("dilations") or (1, 1)
+    pads = a.get("pads") if a.get("auto_pad", "NOTSET") == "NOTSET" else None
+    pt, pl, pb, pr = pads or (0, 0, 0, 0)
+    if layer.op_type == "AveragePool" and (dh, dw) != (1, 1):
+        raise Unplannable(f"{layer.name}: a dilated AveragePool")
+    out = []
+    for size, k, s, d, b, e in ((h, kh, sh, dh, pt, pb), (w, kw, sw, dw, pl, pr)):
+        count = (size + b + e - (k - 1) * d - 1) / s + 1
+        o = math.ceil(count) if a.get("ceil_mode") else math.floor(count)
+        if a.get("ceil_mode") and (o - 1) * s >= size + b:
+            o -= 1
+        out.append(o)
+    y = p.new(layer.outputs[0], (n, c, *out))
+    p.record("maxpool" if layer.op_type == "MaxPool" else "avgpool", in_=x.offset, out=y.offset,
+             dims=x.dims, oh=out[0], ow=out[1], kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt,
+             pl=pl, ph=h + pb, pw=w + pr, x1=int(a.get("count_include_pad", 0)))
+
+
+def global_pool(p: _Planner, layer: Layer) -> None:
+    x = p.value(layer.inputs[0])
+    if len(x.shape) != 4:
+        raise Unplannable(f"{layer.name}: over {x.shape}")
+    y = p.new(layer.outputs[0], (x.dims[0], x.dims[1], 1, 1))
+    p.record("gap" if layer.op_type == "GlobalAveragePool" else "gmp", in_=x.offset,
+             out=y.offset, dims=x.dims)
+
+
+def reduce_mean(p: _Planner, layer: Layer) -> None:
+    """ReduceMean over the spatial axes of a 4-d tensor (dynamo's global average pool)."""
+    x = p.value(layer.inputs[0])
+    axes = layer.attrs.get("axes")
+    if axes is None and len(layer.inputs) > 1 and layer.inputs[1]:
+        axes = p.constants.get(layer.inputs[1])
+    if len(x.shape) != 4 or axes is None or sorted(int(a) % 4 for a in axes) != [2, 3]:
+        raise Unplannable(f"{layer.name}: ReduceMean over axes {axes} of {x.shape}")
+    n, c = x.dims[:2]
+    y = p.new(layer.outputs[0], (n, c, 1, 1) if layer.attrs.get("keepdims", 1) else (n, c))
+    p.record("gap", in_=x.offset, out=y.offset, dims=x.dims)
+
+
+def view(p: _Planner, layer: Layer) -> None:
+    """Flatten, Reshape, Squeeze, Unsqueeze, Identity: the same place, where channels-last and
+    NCHW order the elements alike (a tensor of 1x1 pixels or of one channel)."""
+    x = p.value(layer.inputs[0])
+    shape = _target(p, layer, x.shape)
+    n, c, h, w = x.dims
+    if layer.op_type != "Identity" and not (h * w == 1 or c == 1) \
+            or math.prod(shape) != x.size or len(shape) not in (2, 3, 4):
+        raise Unplannable(f"{layer.name}: {layer.op_type} {x.shape} -> {shape}")
+    dims = (shape[0], math.prod(shape[1:]), 1, 1) if layer.op_type != "Identity" else x.dims
+    if layer.op_type != "Identity" and len(shape) > 2 and math.prod(shape[2:]) != 1:
+        raise Unplannable(f"{layer.name}: {layer.op_type} {x.shape} -> {shape}")
+    p.values[layer.outputs[0]] = type(x)(x.offset, dims, shape)
+
+
+def _target(p: _Planner, layer: Layer, shape: tuple[int, ...]) -> tuple[int, ...]:
+    op, a = layer.op_type, layer.attrs
+    if op == "Identity":
+        return shape
+    if op == "Flatten":
+        axis = a.get("axis", 1) % len(shape)
+        return (math.prod(shape[:axis]), math.prod(shape[axis:]))
+    if op == "Reshape":
+        target = p.constants.get(layer.inputs[1]) if len(layer.inputs) > 1 else None
+        if target is None:
+            raise Unplannable(f"{layer.name}: a Reshape to a computed shape")
+        return tuple(np.empty(shape, np.uint8).reshape(
+            [d if d != 0 or a.get("allowzero") else shape[i] for i, d in enumerate(target)]).shape)
+    axes = a.get("axes")
+    if axes is None and len(layer.inputs) > 1 and layer.inputs[1]:
+        axes = p.constants.get(layer.inputs[1])
+    if op == "Squeeze":
+        keep = [i for i, d in enumerate(shape) if not (d == 1 and (axes is None or i in
+                [x % len(shape) for x in axes]))]
+        return tuple(shape[i] for i in keep)
+    if axes is None:
+        raise Unplannable(f"{layer.name}: Unsqueeze without axes")
+    out = list(shape)
+    for axis in sorted(int(x) % (len(shape) + len(axes)) for x in axes):
+        out.insert(axis, 1)
+    return tuple(out)
+
+
+def elementwise(p: _Planner, layer: Layer) -> None:
+    x = p.value(layer.inputs[0])
+    kind, a = ELEMENTWISE[layer.op_type], layer.attrs
+    numbers = [0.0]
+    if kind == "clip":
+        numbers = _clip_bounds(p, layer)
+    elif kind == "hsigmoid":
+        numbers = [a.get("alpha", 0.2), a.get("beta", 0.5)]
+    elif kind == "leaky":
+        numbers = [a.get("alpha", 0.01)]
+    y = p.new(layer.outputs[0], x.shape)
+    p.record("act", in_=x.offset, out=y.offset, dims=(x.size, 1, 1, 1), act=ACTS[kind],
+             aoff=p.param(np.array(numbers, np.float32)))
+
+
+def _clip_bounds(p: _Planner, layer: Layer) -> list[float]:
+    if layer.opset < 11:
+        return [layer.attrs.get("min", -np.inf), layer.attrs.get("max", np.inf)]
+    bounds = []
+    for index, default in ((1, -np.inf), (2, np.inf)):
+        name = layer.inputs[index] if len(layer.inputs) > index else ""
+        if name and name not in p.constants:
+            raise Unplannable(f"{layer.name}: a Clip to computed bounds")
+        bounds.append(float(np.asarray(p.constants[name]).reshape(-1)[0]) if name else default)
+    return bounds
+
+
+def binary(p: _Planner, layer: Layer) -> None:
+    x, other = (p.value(name) for name in layer.inputs[:2])
+    if x.shape != other.shape:
+        raise Unplannable(f"{layer.name}: {layer.op_type} of {x.shape} and {other.shape}")
+    y = p.new(layer.outputs[0], x.shape)
+    p.record("add" if layer.op_type == "Add" else "mul", in_=x.offset, out=y.offset,
+             dims=(x.size, 1, 1, 1), in2=other.offset)
+
+
+def concat(p: _Planner, layer: Layer) -> None:
+    parts = [p.value(name) for name in layer.inputs]
+    rank, (n, _, h, w) = len(parts[0].shape), parts[0].dims
+    if layer.attrs.get("axis", 1) % rank != 1 or any(
+            len(v.shape) != rank or (v.dims[0], *v.dims[2:]) != (n, h, w) for v in parts):
+        raise Unplannable(f"{layer.name}: Concat on axis {layer.attrs.get('axis')}")
+    total = sum(v.dims[1] for v in parts)
+    shape = (parts[0].shape[0], total, *parts[0].shape[2:])
+    y = p.new(layer.outputs[0], shape)
+    at = 0
+    for v in parts:
+        n, c, h, w = v.dims
+        p.record("slice", in_=v.offset, out=y.offset, dims=(n * h * w, c, 1, 1), oc=total, x1=at)
+        at += c
+
+
+PLANNERS: dict[str, Callable[[_Planner, Layer], Any]] = {
+    "FusedConv": fused_conv, "Linear": linear, "MaxPool": pool, "AveragePool": pool,
+    "GlobalAveragePool": global_pool, "GlobalMaxPool": global_pool, "ReduceMean": reduce_mean,
+    "Add": binary, "Mul": binary,
+    "Concat": concat, **{op: view for op in ("Flatten", "Reshape", "Identity", "Squeeze",
+                                               "Unsqueeze")},
+    **{op: elementwise for op in ELEMENTWISE}}
