@@ -302,15 +302,15 @@ def compile_traced(layer: Layer, backend: Any, sample: list[Any]) -> Workload | 
     """The layers traced and frozen, or None where they read a value of the inputs on the host,
     fail to trace, or give other outputs traced than their own (on ``sample`` and one more)."""
     import torch
+    from backplane.native.recurrent import natively  # (LSTM, GRU in C: CpuAcc.native)
 
     traceable = onednn_graph.layers_run(layer, onednn_graph._Forced(backend,
                                                                      onednn_graph.TRACEABLE_ROUTES))
     packing = prepacked.TraceInputs()
     try:
-        with torch.no_grad(), warnings.catch_warnings(), _packing(packing):
+        with torch.no_grad(), warnings.catch_warnings(), _packing(packing), natively(backend):
             warnings.simplefilter("ignore")  # TorchScript's deprecation, the tracer's warnings
-            reads = HostReads(sample)
-            with reads:
+            with HostReads(sample) as reads:
                 expected = traceable(*sample)  # packs the weights the trace takes as inputs
             if reads.found:
                 log.debug("%s runs layer by layer: a kernel reads %s of a computed value on the "

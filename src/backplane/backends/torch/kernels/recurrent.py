@@ -33,6 +33,7 @@ from backplane.backends.torch.kernels.recurrent_fused import (
 )
 from backplane.backends.torch.kernels.recurrent_parallel import at_once, directions
 from backplane.ir.graph import Layer, TensorInfo
+from backplane.native import recurrent as in_c
 
 # -- RNN, GRU, LSTM --------------------------------------------------------------------------------
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -106,6 +107,16 @@ def _natively(X, sequence_lens, clip, layout, names, defaults):
     direction, no clip, full sequences, and steps to take."""
     return (clip is None and layout in (0, 1) and X.numel() > 0 and list(names) == defaults
             and _full(sequence_lens, X.shape[layout]))
+
+
+def _in_c(X, W, R, B, clip, layout, names, defaults):
+    """Whether the layer runs as one call of C (``native/recurrent.py``: in a CpuAcc trace under
+    ``CpuAcc.native`` "auto"): the default activations, no clip, either layout, any
+    sequence_lens, more than one step (one step is torch's cell, a few ops: the VAD's LSTM, 1
+    thread, load 3.7-4.6, thread CPU a run 284 us with the cell, 411 with the C call, whose
+    Python custom op costs about 15 us of dispatch and allocation)."""
+    return (clip is None and layout in (0, 1) and names == defaults and X.dim() == 3
+            and X.shape[layout] > 1 and in_c.usable(X, W, R, B))
 
 
 def _run(cell: Cell, projected, states, sequence_lens, direction, layout):
@@ -230,6 +241,9 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, activation_alpha=No
         layout=0, linear_before_reset=0, *, n_outputs=2):
     dirs, hidden = W.shape[0], W.shape[1] // 3
     names = list(activations or ["Sigmoid", "Tanh"] * dirs)
+    if _in_c(X, W, R, B, clip, layout, names, ["Sigmoid", "Tanh"] * dirs):
+        return in_c.layer("gru", X, W, R, B, sequence_lens, initial_h, None, direction, layout,
+                          linear_before_reset)[:n_outputs]
     h0 = _initial(initial_h, X, dirs, hidden, layout)
     # torch's GRU applies the reset gate after the recurrent product: linear_before_reset=1 only
     if _natively(X, sequence_lens, clip, layout, names, ["Sigmoid", "Tanh"] * dirs):
@@ -347,10 +361,14 @@ def lstm(X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=
          direction="forward", hidden_size=None, input_forget=0, layout=0, *, n_outputs=3):
     dirs, hidden = W.shape[0], W.shape[1] // 4
     names = list(activations or ["Sigmoid", "Tanh", "Tanh"] * dirs)
-    h0 = _initial(initial_h, X, dirs, hidden, layout)
-    c0 = _initial(initial_c, X, dirs, hidden, layout)
     # peepholes of zeros change nothing (read on the CPU only, as sequence_lens)
     no_peepholes = P is None or (P.device.type == "cpu" and not P.any())
+    if no_peepholes and not input_forget and _in_c(X, W, R, B, clip, layout, names,
+                                                   ["Sigmoid", "Tanh", "Tanh"] * dirs):
+        return in_c.layer("lstm", X, W, R, B, sequence_lens, initial_h, initial_c, direction,
+                          layout)[:n_outputs]
+    h0 = _initial(initial_h, X, dirs, hidden, layout)
+    c0 = _initial(initial_c, X, dirs, hidden, layout)
     if no_peepholes and not input_forget and _natively(X, sequence_lens, clip, layout, names,
                                                        ["Sigmoid", "Tanh", "Tanh"] * dirs):
         if _stepped_lstm(X, hidden, layout, direction):
