@@ -84,6 +84,17 @@ def loads_measure_at_load() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def no_inductor_in_the_background() -> Iterator[None]:
+    """No load starts a TorchInductor compile in the background (``CpuAcc.inductor``: a minute of
+    both CPUs a subgraph); tests/backends/torch/test_inductor_background.py asks for it."""
+    from backplane.backends.torch import inductor_background  # imports no torch
+
+    before, inductor_background.DEFAULT = inductor_background.DEFAULT, "off"
+    yield
+    inductor_background.DEFAULT = before
+
+
+@pytest.fixture(autouse=True, scope="session")
 def default_sessions_load_at_once() -> Iterator[None]:
     """A session given no backends loads CpuAcc before it returns, whether or not the test's process
     has imported torch yet (``backplane.deferred_load``): what a test sees does not depend on the

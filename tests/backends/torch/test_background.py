@@ -44,8 +44,9 @@ def held_back():
     (so the test sees the load's stand-ins before any swap); set and drained after the test."""
     release = threading.Event()
     gate = background.Swapped(lambda: ())
-    background._worker().put(weakref.ref(gate), lambda: release.wait(30) and gate.work,
-                             "the test's gate", torch.get_num_threads())
+    background._worker().put(background._swap, (
+        weakref.ref(gate), lambda: release.wait(30) and gate.work, "the test's gate",
+        torch.get_num_threads()), "the test's gate")
     yield release
     release.set()
     assert background.wait(120)
@@ -144,8 +145,9 @@ def test_a_run_beside_the_backgrounds_work_is_not_timed(cache, monkeypatch) -> N
     assert background.wait(120)
     release = threading.Event()
     gate = background.Swapped(lambda: ())
-    background._worker().put(weakref.ref(gate), lambda: release.wait(30) and gate.work,
-                             "a job beside the runs", torch.get_num_threads())
+    background._worker().put(background._swap, (
+        weakref.ref(gate), lambda: release.wait(30) and gate.work, "a job beside the runs",
+        torch.get_num_threads()), "a job beside the runs")
     try:
         while background.epoch() is not None:  # the job has begun
             threading.Event().wait(0.01)
@@ -284,7 +286,9 @@ def test_a_network_unloaded_before_its_turn_is_not_compiled(cache, held_back) ->
     made = []
     session = _session()
     job = background._worker().jobs.queue[-1]
-    background._worker().jobs.queue[-1] = (job[0], lambda: made.append(1) or job[1](), *job[2:])
+    target, make, *rest = job[1]
+    background._worker().jobs.queue[-1] = (job[0], (target, lambda: made.append(1) or make(),
+                                                    *rest), job[2])
     session.close()
     del session, job
     gc.collect()
@@ -296,7 +300,8 @@ def test_a_network_unloaded_before_its_turn_is_not_compiled(cache, held_back) ->
 def test_a_background_failure_leaves_the_stand_in_running(cache, held_back, caplog) -> None:
     session = _session()
     job = background._worker().jobs.queue[-1]
-    background._worker().jobs.queue[-1] = (job[0], lambda: 1 / 0, *job[2:])
+    background._worker().jobs.queue[-1] = (job[0], (job[1][0], lambda: 1 / 0, *job[1][2:]),
+                                           job[2])
     held_back.set()
     assert background.wait(120)
     assert "ZeroDivisionError" in caplog.text and "its layers run as loaded" in caplog.text

@@ -264,6 +264,9 @@ class CpuAcc(TorchBackend):
         "CpuAcc.linear_route": "auto (measured), mkl or onednn",
         "CpuAcc.compile": "auto, onednn_graph, layers, or inductor: each partition compiled by "
                           "TorchInductor's C++ backend at load (a C++ compiler needed)",
+        "CpuAcc.inductor": "auto (a transformer's traced subgraph compiled by TorchInductor in "
+                           "the background, swapped in where its runs time it faster), swap "
+                           "(swapped in untimed) or off",
         "CpuAcc.background": "False (the default: measured and compiled at load) or True (a load "
                              "takes its routes at once; a background thread builds and compiles, "
                              "swaps them in, the runs time them)",
@@ -293,12 +296,13 @@ class CpuAcc(TorchBackend):
     def create_backend_context(self, options: BackendOptions) -> BackendContext | None:
         """Checks the runtime's ``CpuAcc.precision`` (an unknown one is an error at the first load,
         listing the choices); a network's own is checked as it is optimized."""
-        from backplane.backends.torch import memory, static_runtime
+        from backplane.backends.torch import inductor_background, memory, static_runtime
         from backplane.backends.torch.fusion import reduced
         from backplane.native import build as native
 
         reduced.precision_of(options)
         static_runtime.mode(options)  # an unknown setting: an error at load, not at a run
+        inductor_background.mode(options)
         native.mode(options)
         if options.get("CpuAcc.compile") == "inductor":  # no C++ compiler: said at load
             from backplane.backends.torch import inductor
@@ -340,7 +344,9 @@ class CpuAcc(TorchBackend):
             from backplane.backends.torch import inductor
 
             return inductor.workloads(own)
-        return own
+        from backplane.backends.torch import inductor_background
+
+        return inductor_background.workloads(own, self.options)
 
     def flat_layers(self, layer: Layer, workload: Workload, constants: Any) -> Any:
         """A Specialized layer of a control-flow body as plain kernel calls, for builtin's flat

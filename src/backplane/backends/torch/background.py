@@ -100,24 +100,28 @@ def deferred(make: Callable[[], Workload], name: str) -> Workload:
         return quick
     swapped = Swapped(quick)
     # its threads chosen by its runs too, as a Specialized build's (``small.static``)
-    _worker().put(weakref.ref(swapped), small.static(make), name, torch.get_num_threads())
+    _worker().put(_swap, (weakref.ref(swapped), small.static(make), name,
+                          torch.get_num_threads()), name)
     return swapped
+
+
+def later(job: Callable[..., None], *args: Any, name: str) -> None:
+    """``job(*args)`` on the low-priority thread (``NICE``; one per process, started here): what
+    may take a minute of the CPU's time, TorchInductor's compiles (``inductor_background``),
+    counted by ``pending``, ``epoch`` and ``wait`` as the background's other jobs are."""
+    _worker(low=True).put(job, args, name)
 
 
 def pending() -> int:
     """How many queued jobs are not done yet (0: the background is idle)."""
-    worker = _WORKER
-    return 0 if worker is None else worker.pending
+    return sum(worker.pending for worker in _workers())
 
 
 def epoch() -> int | None:
-    """A number that changes whenever the background thread starts or ends a job, or None while
+    """A number that changes whenever a background thread starts or ends a job, or None while
     one runs (what a ``trials.Trial`` times beside it is not what the network runs alone)."""
-    worker = _WORKER
-    if worker is None:
-        return 0
-    now = worker.epoch
-    return None if now % 2 else now
+    now = [worker.epoch for worker in _workers()]
+    return None if any(e % 2 for e in now) else sum(now)
 
 
 def settled() -> bool:
@@ -138,9 +142,10 @@ def wait(timeout: float | None = None) -> bool:
     end = None if timeout is None else time.perf_counter() + timeout
     if not deferred_load.wait(timeout):
         return False
-    worker = _WORKER
-    return True if worker is None else worker.idle(
-        None if end is None else max(0.0, end - time.perf_counter()))
+    for worker in _workers():  # a job of one may queue one on the other: both idle at the end
+        if not worker.idle(None if end is None else max(0.0, end - time.perf_counter())):
+            return False
+    return pending() == 0 or wait(None if end is None else max(0.0, end - time.perf_counter()))
 
 
 def settle(run: Callable[[], Any], timeout: float = 60.0) -> bool:
@@ -164,24 +169,25 @@ def settle(run: Callable[[], Any], timeout: float = 60.0) -> bool:
 
 
 class _Worker:
-    """One thread that makes the queued workloads one after the other."""
+    """One thread that runs the queued jobs one after the other; ``low``: at the lowest priority
+    (``NICE``), which the compilers it starts inherit."""
 
-    def __init__(self) -> None:
+    def __init__(self, low: bool = False) -> None:
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.pending = 0
         self.epoch = 0  # odd while a job runs: a Trial's timing spans no job (``epoch``)
         self.done = threading.Condition()
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="backplane-background",
-                                       daemon=True)
+        self.low = low
+        self.thread = threading.Thread(target=self._loop, daemon=True,
+                                       name="backplane-inductor" if low else "backplane-background")
         self.thread.start()
         atexit.register(self.stop)
 
-    def put(self, target: weakref.ref[Swapped], make: Callable[[], Workload], name: str,
-            count: int) -> None:
+    def put(self, job: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
         with self.done:
             self.pending += 1
-        self.jobs.put((target, make, name, count))
+        self.jobs.put((job, args, name))
 
     def idle(self, timeout: float | None) -> bool:
         with self.done:
@@ -195,6 +201,8 @@ class _Worker:
         self.thread.join(timeout=30)
 
     def _loop(self) -> None:
+        if self.low:
+            _lowest_priority()
         while True:
             job = self.jobs.get()
             if job is None:
@@ -202,7 +210,7 @@ class _Worker:
             self.epoch += 1
             try:
                 if not self.stopping:
-                    _swap(*job)
+                    job[0](*job[1])
             except Exception as exc:  # noqa: BLE001  # the stand-in keeps running: say why
                 log.warning("CpuAcc: building %s in the background failed (%s: %s); "
                             "its layers run as loaded", job[2], type(exc).__name__, exc)
@@ -211,6 +219,22 @@ class _Worker:
                 with self.done:
                     self.pending -= 1
                     self.done.notify_all()
+
+
+NICE = 19
+"""The low-priority thread's nice value (Linux: a thread's own; the compilers it starts inherit
+it): its compiles take what CPU time the runs and the machine's other work leave."""
+
+
+def _lowest_priority() -> None:
+    """The calling thread (and what it starts) at ``NICE``; where the system has no per-thread
+    priority, as it is."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # not Linux: the thread keeps its priority
+        pass
 
 
 def _swap(target: weakref.ref[Swapped], make: Callable[[], Workload], name: str,
@@ -240,12 +264,21 @@ def _swap(target: weakref.ref[Swapped], make: Callable[[], Workload], name: str,
 
 
 _WORKER: _Worker | None = None
+_LOW: _Worker | None = None
 _STARTING = threading.Lock()
 
 
-def _worker() -> _Worker:
-    global _WORKER
+def _worker(low: bool = False) -> _Worker:
+    global _WORKER, _LOW
     with _STARTING:
+        if low:
+            if _LOW is None:
+                _LOW = _Worker(low=True)
+            return _LOW
         if _WORKER is None:
             _WORKER = _Worker()
         return _WORKER
+
+
+def _workers() -> list[_Worker]:
+    return [worker for worker in (_WORKER, _LOW) if worker is not None]
