@@ -101,6 +101,7 @@ from backplane.backends.torch.fusion.qlinear import (
     match_qlinear_matmul,
     qlinear_workload,
 )
+from backplane.backends.torch.fusion.qlinear_float import quantize_centred_workload
 from backplane.backends.torch.fusion.quantized import (
     finite_hard_sigmoid_workload,
     match_quant_dequant,
@@ -136,7 +137,7 @@ def fuse(view: SubgraphView, reduced: str | None = None,
     qlinear_handoff.centred_handoffs(views.substitutions, ctx, int8)
     rest = [layer for layer in view.layers if id(layer) not in ctx.taken]
     ordered = _in_order(view.layers, views.substitutions)
-    whole = onednn_graph.wrap(view, graph, ordered, reduced)
+    whole = onednn_graph.wrap(view, graph, ordered, reduced, int8)
     if whole is None and reduced is not None:
         whole = reduced_precision.wrap(view, graph, ordered, reduced)
     if whole is not None:
@@ -198,6 +199,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "Reduced": reduced_precision.reduced_workload,
     "QuantDequant": quant_dequant_workload, "QLinearConv": qlinear_workload,
     "QLinearMatMul": qlinear_workload, "DynamicQuantMatMul": dynamic_matmul_workload,
+    "QuantizeCentred": quantize_centred_workload,
     "QGemm": qgemm_workload, "HardSwishChain": hardswish_workload, "GeluChain": gelu_workload,
     "Lookup": lookup_workload,
     "FiniteHardSigmoid": finite_hard_sigmoid_workload,

@@ -71,15 +71,18 @@ TRACEABLE_ROUTES = {"CpuAcc.conv_route": "torch", "CpuAcc.linear_route": "mkl"}
 
 
 def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer],
-         compute: str | None = None) -> Layer | None:
+         compute: str | None = None, int8: str = "auto") -> Layer | None:
     """``layers`` (the view's layers after fusion, in order) as one OneDnnGraph layer, or None where
     the subgraph has no convolution or tracing could get it wrong; computing float32 in ``compute``
-    where given (``CpuAcc.precision``, ``reduced``)."""
+    where given (``CpuAcc.precision``, ``reduced``). Fused QLinear layers only where ``int8``
+    (``CpuAcc.int8``, resolved: ``int8_exact.mode``) keeps them on the float route."""
     half = compute is None and _widened_half(graph, layers)
     allowed = TRACED_OPS | (HALF_OPS if half else set())
     if not any(_convolution(layer) or half and layer.op_type == "Conv" for layer in layers):
         return None
     quantized_ops = {"QuantDequant"} if compute is None else set()  # reduced: a Reduced layer
+    if compute is None and int8 == "exact":
+        quantized_ops |= quantized.QLINEAR  # traced out of place (``qlinear_traced``)
     if any(layer.op_type not in allowed | quantized_ops
            or (layer.domain and layer.domain != FUSED_DOMAIN) for layer in layers):
         return None
@@ -131,9 +134,12 @@ def _widened_half(graph: Graph, layers: Sequence[Layer]) -> bool:
 
 
 def _convolution(layer: Layer) -> bool:
-    """A FusedConv, or a QDQ round trip holding one (``quantized.then_quant_dequant``)."""
+    """A FusedConv, a fused QLinearConv, or a QDQ round trip holding a FusedConv
+    (``quantized.then_quant_dequant``)."""
     if layer.domain != FUSED_DOMAIN:
         return False
+    if layer.op_type == "QLinearConv":
+        return True
     held = layer.attrs.get("layers") or [] if layer.op_type == "QuantDequant" else [layer]
     return any(lay.op_type == "FusedConv" for lay in held)
 

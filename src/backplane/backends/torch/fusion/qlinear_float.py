@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from backplane.backends.api.backend import Workload
+from backplane.backends.torch.fusion import qlinear_traced
 from backplane.backends.torch.fusion.int8_cast import PASSES_FROM, integers
 from backplane.backends.torch.fusion.patterns import F32, compute_type, torch_post_op
 from backplane.backends.torch.fusion.quantized import RANGES, to_grid, torch_params
@@ -55,6 +56,8 @@ def _float_route(layer: Layer, backend: Any) -> Workload:
     """Centre (or quantize) the input, the product by the measured route with the multiplier in
     its weight (``_scaled``), requantize, and dequantize, add and activate where the layer took
     those."""
+    import torch
+
     from backplane.backends.torch.fusion.conv import conv_workload
     from backplane.backends.torch.fusion.linear import linear_workload
 
@@ -62,11 +65,14 @@ def _float_route(layer: Layer, backend: Any) -> Workload:
     product = (conv_workload if layer.op_type == "QLinearConv" else linear_workload)(scaled, backend)
     centre, finish, dtype = _centring(a), _finisher(a), compute_type(a)
 
+    def widened(x):  # float32 (a trace records even a no-op .float(): oneDNN Graph's fuser failed)
+        return x.float() if x.is_floating_point() and x.dtype != torch.float32 else x
+
     if a.get("residual") is not None:
         grid, add = _centred_grid(a), _residual_finisher(a)
 
         def run_residual(x, other):
-            (acc,) = product(centre(x.float() if x.is_floating_point() else x))
+            (acc,) = product(centre(widened(x)))
             return (add(grid(acc), other),)
         run_residual.route = getattr(product, "route", None)  # type: ignore[attr-defined]
         return run_residual
@@ -74,9 +80,9 @@ def _float_route(layer: Layer, backend: Any) -> Workload:
     pool = max_pooled(a.get("pool"))
 
     def run(x):
-        (acc,) = product(centre(x.float() if x.is_floating_point() else x))
+        (acc,) = product(centre(widened(x)))
         out = finish(pool(acc) if pool is not None else acc)
-        return (out.to(dtype) if out.is_floating_point() else out,)
+        return (out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out,)
     run.route = getattr(product, "route", None)  # type: ignore[attr-defined]
     return run
 
@@ -112,7 +118,20 @@ def _in_float32(layer: Layer) -> Layer:
                  layer.opset, layer.backend)
 
 
+def quantize_centred_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
+    """A QuantizeLinear whose readers take its integers less its zero point as float32
+    (``qlinear_handoff._quantized_handoffs``): the centring a reader's own QuantizeLinear gets."""
+    centre = _centring(layer.attrs)
+    return lambda x: (centre(x),)
+
+
 def _centring(a: dict[str, Any]) -> Any:
+    """``_centred_input``; in a OneDnnGraph's trace out of place (``qlinear_traced``)."""
+    return qlinear_traced.when_traced(
+        _centred_input(a), qlinear_traced.centring(a) if a.get("fusable") else None)
+
+
+def _centred_input(a: dict[str, Any]) -> Any:
     """The input minus its zero point, in float32: quantized first where the layer took the
     QuantizeLinear (with its zero point the layer's, the clamp is moved by it: clamp(r + z, low,
     high) - z is clamp(r, low - z, high - z), and a NaN, quantized to 0, centres to -z)."""
@@ -158,15 +177,19 @@ def _finisher(a: dict[str, Any]) -> Any:
     if same and add is None and a["activation"] is not None and a["activation"][0] == "relu" \
             and bool((a["back"]["scale"] > 0).all()):
         floor, post = max(floor, 0.0), None
+    fusable = bool(a.get("fusable"))  # in a OneDnnGraph's trace: out of place
     if a.get("hands_centred"):  # not dequantized: the reader would quantize them back
-        return lambda acc: acc.round_().clamp_(floor, high - y_zero)
+        return qlinear_traced.when_traced(lambda acc: acc.round_().clamp_(floor, high - y_zero),
+                                          qlinear_traced.grid(floor, high - y_zero) if fusable
+                                          else None)
 
     def finish(acc):
         y = acc.round_().clamp_(floor, high - y_zero)
         out = (y if same else y.add_(y_zero).sub_(zero)).mul_(scale)
         out = out.add_(add) if add is not None else out
         return post(out) if post else out
-    return finish
+    return qlinear_traced.when_traced(finish, qlinear_traced.finisher(
+        a, post, add, floor, same, scale, zero) if fusable else None)
 
 
 def _single(value: np.ndarray) -> Any:
@@ -181,7 +204,9 @@ def _centred_grid(a: dict[str, Any]) -> Any:
     """The scaled sums requantized to the layer's output less its zero point, rint(acc)
     saturated, as float32 integers (``_finisher``'s first steps)."""
     zero, low, high = a["y_zero"], a["y_low"], a["y_high"]
-    return lambda acc: acc.round_().clamp_(low - zero, high - zero)
+    return qlinear_traced.when_traced(
+        lambda acc: acc.round_().clamp_(low - zero, high - zero),
+        qlinear_traced.grid(low - zero, high - zero) if a.get("fusable") else None)
 
 
 def _residual_finisher(a: dict[str, Any]) -> Any:

@@ -20,8 +20,10 @@ graph's output), with the writer's zero point, and computing in float32.
 from __future__ import annotations
 
 from backplane.backends.api.optimization import Substitution
-from backplane.backends.torch.fusion.patterns import Context
-from backplane.ir.graph import Layer
+from backplane.backends.torch.backend import FUSED_DOMAIN
+from backplane.backends.torch.fusion.patterns import F32, Context
+from backplane.backends.torch.fusion.quantized import quant_params
+from backplane.ir.graph import Layer, SubgraphView
 
 HANDING = frozenset({"QLinearConv", "QLinearMatMul"})
 """The fused layers (``qlinear``, ``qdq_chain``) whose float route can write and read centred
@@ -55,6 +57,43 @@ def centred_handoffs(substitutions: list[Substitution], ctx: Context, int8: str)
         layer.attrs["hands_centred"] = True
         for user, keys in zip(takers, how):
             user.attrs.update(dict.fromkeys(keys, True))  # type: ignore[arg-type]
+        handed += 1
+    return handed + _quantized_handoffs(substitutions, ctx, readers)
+
+
+def _quantized_handoffs(substitutions: list[Substitution], ctx: Context,
+                        readers: dict[str, list[Layer]]) -> int:
+    """Each free per-tensor QuantizeLinear of a float32 tensor whose 8-bit output only fused
+    float-route readers take (a QOperator ResNet's block input: Add -> Relu -> QuantizeLinear, read
+    by a block's first convolution and its shortcut's) as a ``QuantizeCentred`` that writes the
+    integers less the zero point as float32 (``qlinear_float.quantize_centred_workload``), the
+    readers marked to take them so: where it wrote uint8 (a cast) that each reader widened and
+    centred again, and which oneDNN Graph's fuser cannot take (its partitions stopped there, and
+    the subgraph failed to compile: 'bad optional access')."""
+    handed = 0
+    for layer in ctx.view.layers:
+        out = layer.outputs[0] if len(layer.outputs) == 1 else ""
+        if layer.op_type != "QuantizeLinear" or layer.domain or id(layer) in ctx.taken \
+                or not out or out in ctx.graph.outputs \
+                or ctx.graph.info(layer.inputs[0]).dtype != F32:
+            continue
+        into = quant_params(layer, ctx, 1, None)
+        takers = readers.get(out, [])
+        if into is None or into["scale"].ndim or not takers or any(
+                id(user) not in ctx.inside or id(user) not in ctx.taken
+                for user in ctx.consumers.get(out, [])):
+            continue
+        zero = float(into["zero"])
+        how = [_takes(user, out, {}, zero, None) for user in takers]
+        if not all(how):
+            continue
+        for user, keys in zip(takers, how):
+            user.attrs["int8"] = None
+            user.attrs.update(dict.fromkeys(keys, True))  # type: ignore[arg-type]
+        fused = Layer(f"{layer.name}(centred)", "QuantizeCentred", layer.inputs[:1], [out],
+                      {"into": into, "x_zero": zero}, FUSED_DOMAIN, 1)
+        substitutions.append(Substitution(SubgraphView.of(ctx.graph, [layer]), [fused]))
+        ctx.taken.add(id(layer))
         handed += 1
     return handed
 

@@ -230,6 +230,9 @@ FINITE = frozenset({"QuantDequant", "FusedConv", "Linear", "Relu", "MaxPool", "A
                     "Unsqueeze", "Concat", "Identity", "Clip", "HardSigmoid", "Sigmoid"})
 """Ops whose results are finite where their inputs and constants are (a float32 sum of 8-bit steps
 times finite weights does not reach 3.4e38)."""
+QLINEAR = frozenset({"QLinearConv", "QLinearMatMul", "QuantizeCentred"})
+"""Fused QOperator layers a OneDnnGraph may hold where they are on the float route for certain
+(``onednn_graph.wrap``'s ``int8`` "exact"), traced out of place (``qlinear_traced``)."""
 NO_NAN = frozenset({"Mul"})
 """Ops whose results hold no NaN where their inputs are finite (a product may overflow to an
 infinity, which a round trip after it clamps; only inf * 0 makes a NaN): a QDQ hard-swish's
@@ -259,6 +262,13 @@ def fusable(layers: list[Layer], constants: dict[str, np.ndarray]) -> list[Layer
                           {**layer.attrs, "fusable": True, "finite": safe, "nan_free": free},
                           layer.domain, layer.opset, layer.backend)
             finite.update(layer.outputs)
+        elif layer.op_type in QLINEAR and layer.domain == FUSED_DOMAIN:  # ``qlinear_traced``
+            layer = Layer(layer.name, layer.op_type, layer.inputs, layer.outputs,
+                          {**layer.attrs, "fusable": True,
+                           "finite": all(n in finite for n in layer.inputs[:1])},
+                          layer.domain, layer.opset, layer.backend)
+            if layer.attrs.get("add") is None or np.isfinite(layer.attrs["add"]).all():
+                finite.update(layer.outputs)  # saturated integers (NaN centred to -z) times a step
         elif layer.op_type == "HardSigmoid" and not layer.domain \
                 and all(n in finite for n in given):
             layer = Layer(layer.name, "FiniteHardSigmoid", layer.inputs, layer.outputs,
