@@ -187,7 +187,7 @@ def test_nan_in_nan_out(op):
 @needs_library
 def test_outputs_are_fresh_and_weights_packed_once():
     """Two calls give separate outputs (the caller's alone), the same values; the packing is C's
-    layout: blocks of 64 outputs, each H rows."""
+    layout (its own count of floats): blocks of 64 outputs, each input + hidden rows."""
     args = _layer("LSTM", 4, 1, 3, 24, "forward", 0, seed=5)
     tensors = _tensors(args)
     token = in_c.MODE.set("auto")
@@ -199,10 +199,15 @@ def test_outputs_are_fresh_and_weights_packed_once():
     for a, b in zip(first, second):
         assert a.data_ptr() != b.data_ptr()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    packed = in_c.pack(tensors[2])
-    assert packed.shape == (1, 2, 24, in_c.BW)  # 96 gate rows: two blocks of 64, the last padded
-    torch.testing.assert_close(packed[0, 0, :, :64], tensors[2][0, :64].T)
-    assert not packed[0, 1, :, 32:].any()
+    R, W = tensors[2], tensors[1]
+    packed, bias = in_c.prepared("lstm", W, R, tensors[3])
+    count = in_c._library().backplane_packed_floats
+    assert packed.shape == (1, count(3, 24, 0, 0, 0)) == (1, 2 * (3 + 24) * in_c.BW)
+    assert bias.shape == (1, count(3, 24, 0, 0, 1)) == (1, 2 * in_c.BW)
+    # the first block: the rows of [W, R] (27) over the gates' first 64 outputs
+    blocks = packed.reshape(2, 27, in_c.BW)
+    torch.testing.assert_close(blocks[0], torch.cat([W[0], R[0]], 1)[:64].T)
+    assert not blocks[1, :, 32:].any()  # 96 outputs: the second block padded with zeros
 
 
 def _session(path, mode, threads=1):
@@ -211,14 +216,17 @@ def _session(path, mode, threads=1):
     return InferenceSession(str(path), runtime=Runtime(RuntimeOptions(backend_options=options)))
 
 
-CORPUS_ROWS = ["lstm_bi2_ts14", "lstm_bi2_dyn18", "gru_bi2_dyn19", "crnn_paddle_ts12"]
+CORPUS_ROWS = {"lstm_bi2_ts14": 2, "lstm_bi2_dyn18": 2, "gru_bi2_dyn19": 2,
+               "crnn_paddle_ts12": 2, "gru_tm3_ts13": 3}
+"""The corpus's models with recurrent layers of more than one step -> their layers (gru_tm3's
+three: its GruStack's, ``NativeStack``)."""
 
 
 @needs_library
 @pytest.mark.parametrize("name", CORPUS_ROWS)
 def test_corpus_rows_against_cpuref(name, calls):
-    """Each recurrent layer of the corpus's models one native call a run (two layers each), the
-    outputs within 1e-5 of CpuRef's on both samples."""
+    """Each recurrent layer of the corpus's models one native call a run, the outputs within
+    1e-5 of CpuRef's on both samples."""
     path = CORPUS / f"{name}.onnx"
     session, ref = _session(path, "auto"), InferenceSession(str(path), providers=["CpuRef"])
     for sample in ("s0", "s1"):
@@ -226,12 +234,12 @@ def test_corpus_rows_against_cpuref(name, calls):
         session.run(None, feeds)  # (a free-size model builds its signature at its first run)
         calls.clear()
         got, want = session.run(None, feeds), ref.run(None, feeds)
-        assert len(calls) == 2
+        assert len(calls) == CORPUS_ROWS[name]
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["lstm_bi2_ts14", "gru_bi2_dyn19"])
+@pytest.mark.parametrize("name", ["lstm_bi2_ts14", "gru_bi2_dyn19", "gru_tm3_ts13"])
 def test_off_and_no_compiler_keep_torch(name, calls, monkeypatch):
     """``CpuAcc.native`` "off", and "auto" where no library can be built, run no native call, and
     compute what CpuRef does."""

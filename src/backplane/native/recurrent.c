@@ -1,15 +1,17 @@
 /* ONNX's LSTM and GRU over every step of every direction in one call (the default activations,
- * no clip, no peepholes). The input projection of all steps (X W^T + the biases outside the
- * recurrence) is one GEMM made before the call; here, per step, the recurrent product h R^T and
- * the gates. Why native: stepped in torch ops a step costs 6-14 us (5-7 ops of 1-4 us, MKL's
- * one-row product on its generic kernel on AMD), where this loop costs what its arithmetic does.
+ * no clip, no peepholes): per step one product of [x_t, h] by the input and recurrent weights
+ * stacked, from the biases, then the gates. Why native: stepped in torch ops a step costs 6-14
+ * us (5-7 ops of 1-4 us, MKL's one-row product on its generic kernel on AMD), where this loop
+ * costs what its arithmetic does; the input projection in torch (a GEMM of every step before
+ * the loop) was one more op and its reshapes, for less work than the op costs at these sizes.
  *
- * The recurrent weights are packed once (recurrent.py's pack): per direction, columns of R^T in
- * blocks of BW = 64 outputs, each block's rows k = 0..H-1 contiguous (BW floats each), the last
- * block padded with zeros. A block's 64 sums stay in eight 8-float vectors while k runs, so the
- * product streams the weights once a step and the sums never go through memory.
+ * The weights are packed once (recurrent.py's prepared): per direction and matrix ([W, R] rows
+ * k over the gates' outputs), the outputs in blocks of BW = 64, each block's rows k contiguous
+ * (BW floats each), the last block padded with zeros. A block's 64 sums start from the biases and
+ * stay in eight 8-float vectors while k runs: the weights are streamed once a step and the sums
+ * never go through memory.
  *
- * Strides are in floats, for the projections xw and for Y (time, direction, batch) and the states
+ * Strides are in floats, for x (time, batch) and for Y (time, direction, batch) and the states
  * (direction, batch): ONNX's layouts 0 and 1 both read and write in place. A row (direction,
  * batch) runs its own steps: with lens (sequence_lens), only its first lens[b] (backward: from
  * step lens[b] - 1 down), its Y past them zero, its final states those of its last step.
@@ -71,23 +73,26 @@ static inline float exp_r(float x) {
 /* 1 / (1 + e^-x): relative precision where it is small (tanh's form loses it there). */
 static inline float sigmoid_r(float x) { return 1.0f / (1.0f + exp_r(-x)); }
 
-/* out[0 .. nb * BW) = h R^T for one direction's packed blocks (H rows each). */
-static void product(const float *restrict packed, int64_t nb, int64_t H, const float *restrict h,
-                    float *restrict out) {
+/* out[0 .. nb * BW) = bias + v M^T for one packed matrix (nb blocks of K rows each). */
+static void product(const float *restrict packed, const float *restrict bias, int64_t nb,
+                    int64_t K, const float *restrict v, float *restrict out) {
     for (int64_t jb = 0; jb < nb; ++jb) {
-        const float *restrict q = packed + jb * H * BW;
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-        for (int64_t k = 0; k < H; ++k, q += BW) {
-            float s = h[k];
-            v8 hk = {s, s, s, s, s, s, s, s};
-            a0 += hk * *(const v8u *)(q + 0);
-            a1 += hk * *(const v8u *)(q + 8);
-            a2 += hk * *(const v8u *)(q + 16);
-            a3 += hk * *(const v8u *)(q + 24);
-            a4 += hk * *(const v8u *)(q + 32);
-            a5 += hk * *(const v8u *)(q + 40);
-            a6 += hk * *(const v8u *)(q + 48);
-            a7 += hk * *(const v8u *)(q + 56);
+        const float *restrict q = packed + jb * K * BW;
+        const float *b = bias + jb * BW;
+        v8 a0 = *(const v8u *)(b + 0), a1 = *(const v8u *)(b + 8), a2 = *(const v8u *)(b + 16),
+           a3 = *(const v8u *)(b + 24), a4 = *(const v8u *)(b + 32), a5 = *(const v8u *)(b + 40),
+           a6 = *(const v8u *)(b + 48), a7 = *(const v8u *)(b + 56);
+        for (int64_t k = 0; k < K; ++k, q += BW) {
+            float s = v[k];
+            v8 vk = {s, s, s, s, s, s, s, s};
+            a0 += vk * *(const v8u *)(q + 0);
+            a1 += vk * *(const v8u *)(q + 8);
+            a2 += vk * *(const v8u *)(q + 16);
+            a3 += vk * *(const v8u *)(q + 24);
+            a4 += vk * *(const v8u *)(q + 32);
+            a5 += vk * *(const v8u *)(q + 40);
+            a6 += vk * *(const v8u *)(q + 48);
+            a7 += vk * *(const v8u *)(q + 56);
         }
         float *o = out + jb * BW;
         *(v8u *)(o + 0) = a0; *(v8u *)(o + 8) = a1; *(v8u *)(o + 16) = a2;
@@ -98,140 +103,145 @@ static void product(const float *restrict packed, int64_t nb, int64_t H, const f
 
 static int64_t blocks(int64_t n) { return (n + BW - 1) / BW; }
 
-/* One LSTM step's gates (ONNX's order i, o, f, c), h and c updated in place. */
-static void lstm_gates(int64_t H, const float *restrict x, const float *restrict g,
-                       float *restrict h, float *restrict c) {
-    for (int64_t j = 0; j < H; ++j) {
-        float i = sigmoid_r(x[j] + g[j]);
-        float o = sigmoid_r(x[H + j] + g[H + j]);
-        float f = sigmoid_r(x[2 * H + j] + g[2 * H + j]);
-        float n = tanh_r(x[3 * H + j] + g[3 * H + j]);
-        float cj = f * c[j] + i * n;
-        c[j] = cj;
-        h[j] = o * tanh_r(cj);
-    }
-}
-
-/* GRU's gates (z, r, h) with linear_before_reset: n = tanh(x_h + r * (h Rh^T + Rb_h)). */
-static void gru_gates_after(int64_t H, const float *restrict x, const float *restrict g,
-                            const float *restrict rbh, float *restrict h) {
-    for (int64_t j = 0; j < H; ++j) {
-        float z = sigmoid_r(x[j] + g[j]);
-        float r = sigmoid_r(x[H + j] + g[H + j]);
-        float n = tanh_r(x[2 * H + j] + r * (g[2 * H + j] + rbh[j]));
-        h[j] = (1.0f - z) * n + z * h[j];
-    }
-}
+/* The sizes and strides of a call (the caller keeps one per shape: Python's ctypes fills a
+ * structure's fields slower than it passes pointers). x is (seq, batch, I) or (batch, seq, I) by
+ * its strides xt, xb; Y's strides yt, yd, yb; the states' sd, sb. */
+typedef struct {
+    int64_t seq, dirs, batch, I, H, direction, xt, xb, sd, sb, yt, yd, yb, linear_before_reset;
+} Shape;
 
 typedef struct {
-    int64_t seq, dirs, batch, H, direction; /* direction: 0 forward, 1 reverse, 2 bidirectional */
-    const float *xw; int64_t xt, xd, xb;     /* projections and their strides */
-    const float *packed;                     /* every direction's packed R^T, one after another */
-    const float *h0, *c0; int64_t sd, sb;    /* initial states (NULL: zeros) and their strides */
-    const int64_t *lens;                     /* sequence_lens (NULL: all seq) */
-    float *y; int64_t yt, yd, yb;            /* Y (NULL: not wanted) */
-    float *yh, *yc;                          /* final states, strides sd, sb (NULL: not wanted) */
-    const float *rbh;                        /* GRU: Rb_h per direction (H each) */
-    int64_t linear_before_reset;
-} Recurrent;
+    const Shape *s;
+    const float *x, *packed, *bias, *h0, *c0;
+    const int64_t *lens;
+    float *y, *yh, *yc;
+} Call;
 
-/* The steps of row (d, b): 0 for LSTM, 1 for GRU. */
-static void row(const Recurrent *a, int64_t d, int64_t b, int gru, float *restrict work) {
-    const int64_t H = a->H, G = gru ? 3 : 4;
-    const int64_t nb = gru && !a->linear_before_reset ? blocks(2 * H) + blocks(H) : blocks(G * H);
-    const float *packed = a->packed + d * nb * H * BW;
-    float *h = work, *c = work + H, *g = work + 2 * H, *rh = g + (nb + 1) * BW;
-    int64_t s0 = d * a->sd + b * a->sb;
+/* A matrix of the packed weights: its blocks, rows (K) and where it and its bias start. */
+typedef struct { int64_t nb, K, at, bias_at; } Part;
+
+/* The matrices of one direction, in the order recurrent.py's prepared lays them: LSTM [x, h] ->
+ * i, o, f, c; GRU with linear_before_reset [x, h] -> z, r, then x -> h's input part, then h -> its
+ * recurrent part (no block of zeros: an infinite x never meets a zero weight); GRU without [x, h]
+ * -> z, r, then [x, r * h] -> h. *size, *bias_size: one direction's floats. */
+static void parts(const Shape *s, int gru, Part *p, int64_t *size, int64_t *bias_size) {
+    const int64_t I = s->I, H = s->H;
+    int n;
+    int64_t nb[3] = {blocks(2 * H), blocks(H), blocks(H)}, K[3] = {I + H, I, H};
+    if (!gru) {
+        nb[0] = blocks(4 * H); n = 1;
+    } else if (s->linear_before_reset) {
+        n = 3;
+    } else {
+        K[1] = I + H; n = 2;
+    }
+    int64_t at = 0, bias_at = 0;
+    for (int i = 0; i < 3; ++i) {
+        p[i].nb = i < n ? nb[i] : 0; p[i].K = K[i]; p[i].at = at; p[i].bias_at = bias_at;
+        at += p[i].nb * K[i] * BW;
+        bias_at += p[i].nb * BW;
+    }
+    *size = at;
+    *bias_size = bias_at;
+}
+
+/* The steps of row (d, b). work: [x, h], [x, r * h], c, the products' outputs. */
+static void row(const Call *a, int64_t d, int64_t b, int gru, float *restrict work) {
+    const Shape *s = a->s;
+    const int64_t I = s->I, H = s->H;
+    Part p[3];
+    int64_t size, bias_size;
+    parts(s, gru, p, &size, &bias_size);
+    const float *packed = a->packed + d * size, *bias = a->bias + d * bias_size;
+    float *v = work, *h = v + I, *v2 = v + I + H, *rh = v2 + I, *c = v2 + I + H;
+    float *g = c + H, *g1 = g + p[0].nb * BW, *g2 = g1 + p[1].nb * BW;
+    int64_t s0 = d * s->sd + b * s->sb;
     for (int64_t j = 0; j < H; ++j) {
         h[j] = a->h0 ? a->h0[s0 + j] : 0.0f;
         c[j] = a->c0 ? a->c0[s0 + j] : 0.0f;
     }
-    int64_t len = a->lens ? a->lens[b] : a->seq;
-    len = len < 0 ? 0 : (len > a->seq ? a->seq : len);
-    int backward = a->direction == 1 || (a->direction == 2 && d == 1);
-    for (int64_t s = 0; s < len; ++s) {
-        int64_t t = backward ? len - 1 - s : s;
-        const float *x = a->xw + t * a->xt + d * a->xd + b * a->xb;
-        if (!gru) {
-            product(packed, nb, H, h, g);
-            lstm_gates(H, x, g, h, c);
-        } else if (a->linear_before_reset) {
-            product(packed, nb, H, h, g);
-            gru_gates_after(H, x, g, a->rbh + d * H, h);
-        } else { /* n = tanh(x_h + (r * h) Rh^T + Rb_h): z and r first, then h's product */
-            int64_t nzr = blocks(2 * H);
-            const float *rbh = a->rbh + d * H;
-            product(packed, nzr, H, h, g);
+    int64_t len = a->lens ? a->lens[b] : s->seq;
+    len = len < 0 ? 0 : (len > s->seq ? s->seq : len);
+    int backward = s->direction == 1 || (s->direction == 2 && d == 1);
+    for (int64_t step = 0; step < len; ++step) {
+        int64_t t = backward ? len - 1 - step : step;
+        memcpy(v, a->x + t * s->xt + b * s->xb, I * sizeof(float));
+        product(packed + p[0].at, bias + p[0].bias_at, p[0].nb, p[0].K, v, g);
+        if (!gru) { /* ONNX's gates i, o, f, c */
+            for (int64_t j = 0; j < H; ++j) {
+                float i = sigmoid_r(g[j]), o = sigmoid_r(g[H + j]);
+                float f = sigmoid_r(g[2 * H + j]), n = tanh_r(g[3 * H + j]);
+                float cj = f * c[j] + i * n;
+                c[j] = cj;
+                h[j] = o * tanh_r(cj);
+            }
+        } else if (s->linear_before_reset) { /* n = tanh(x Wh + Wb_h + r * (h Rh + Rb_h)) */
+            product(packed + p[1].at, bias + p[1].bias_at, p[1].nb, p[1].K, v, g1);
+            product(packed + p[2].at, bias + p[2].bias_at, p[2].nb, p[2].K, h, g2);
+            for (int64_t j = 0; j < H; ++j) {
+                float z = sigmoid_r(g[j]), r = sigmoid_r(g[H + j]);
+                float n = tanh_r(g1[j] + r * g2[j]);
+                h[j] = (1.0f - z) * n + z * h[j];
+            }
+        } else { /* n = tanh(x Wh + (r * h) Rh + Wb_h + Rb_h) */
+            memcpy(v2, v, I * sizeof(float));
             for (int64_t j = 0; j < 2 * H; ++j)
-                g[j] = sigmoid_r(x[j] + g[j]);
+                g[j] = sigmoid_r(g[j]);
             for (int64_t j = 0; j < H; ++j)
                 rh[j] = g[H + j] * h[j];
-            float *gh = g + nzr * BW;
-            product(packed + nzr * H * BW, blocks(H), H, rh, gh);
+            product(packed + p[1].at, bias + p[1].bias_at, p[1].nb, p[1].K, v2, g1);
             for (int64_t j = 0; j < H; ++j) {
-                float n = tanh_r(x[2 * H + j] + gh[j] + rbh[j]);
+                float n = tanh_r(g1[j]);
                 h[j] = (1.0f - g[j]) * n + g[j] * h[j];
             }
         }
         if (a->y)
-            memcpy(a->y + t * a->yt + d * a->yd + b * a->yb, h, H * sizeof(float));
+            memcpy(a->y + t * s->yt + d * s->yd + b * s->yb, h, H * sizeof(float));
     }
     if (a->y)
-        for (int64_t t = len; t < a->seq; ++t)
-            memset(a->y + t * a->yt + d * a->yd + b * a->yb, 0, H * sizeof(float));
+        for (int64_t t = len; t < s->seq; ++t)
+            memset(a->y + t * s->yt + d * s->yd + b * s->yb, 0, H * sizeof(float));
     if (a->yh)
         memcpy(a->yh + s0, h, H * sizeof(float));
     if (a->yc && !gru)
         memcpy(a->yc + s0, c, H * sizeof(float));
 }
 
-static int run(const Recurrent *a, int gru) {
-    const int64_t H = a->H;
-    /* h, c, the products' outputs (blocks of 3H or 4H, one spare), r * h */
-    float *work = malloc(sizeof(float) * (size_t)(3 * H + (blocks(4 * H) + 3) * BW));
+static int run(const Call *a, int gru) {
+    const int64_t I = a->s->I, H = a->s->H;
+    /* [x, h], [x, r * h], c, the products' outputs (4H's blocks, or 2H's and two of H's) */
+    float *work = malloc(sizeof(float) * (size_t)(2 * (I + H) + H + (blocks(4 * H) + 3) * BW));
     if (!work)
         return 1;
-    for (int64_t d = 0; d < a->dirs; ++d)
-        for (int64_t b = 0; b < a->batch; ++b)
+    for (int64_t d = 0; d < a->s->dirs; ++d)
+        for (int64_t b = 0; b < a->s->batch; ++b)
             row(a, d, b, gru, work);
     free(work);
     return 0;
 }
 
-/* The sizes and strides of a call (the caller keeps one per shape: Python's ctypes fills a
- * structure's fields slower than it passes pointers). */
-typedef struct {
-    int64_t seq, dirs, batch, H, direction, xt, xd, xb, sd, sb, yt, yd, yb, linear_before_reset;
-} Shape;
-
-static Recurrent shaped(const Shape *s) {
-    Recurrent a = {0};
-    a.seq = s->seq; a.dirs = s->dirs; a.batch = s->batch; a.H = s->H;
-    a.direction = s->direction; a.xt = s->xt; a.xd = s->xd; a.xb = s->xb;
-    a.sd = s->sd; a.sb = s->sb; a.yt = s->yt; a.yd = s->yd; a.yb = s->yb;
-    a.linear_before_reset = s->linear_before_reset;
-    return a;
-}
-
-int backplane_lstm(const Shape *s, const float *xw, const float *packed, const float *h0,
-                   const float *c0, const int64_t *lens, float *y, float *yh, float *yc) {
-    Recurrent a = shaped(s);
-    a.xw = xw; a.packed = packed; a.h0 = h0; a.c0 = c0; a.lens = lens;
-    a.y = y; a.yh = yh; a.yc = yc;
+int backplane_lstm(const Shape *s, const float *x, const float *packed, const float *bias,
+                   const float *h0, const float *c0, const int64_t *lens, float *y, float *yh,
+                   float *yc) {
+    Call a = {s, x, packed, bias, h0, c0, lens, y, yh, yc};
     return run(&a, 0);
 }
 
-int backplane_gru(const Shape *s, const float *xw, const float *packed, const float *h0,
-                  const float *rbh, const int64_t *lens, float *y, float *yh) {
-    Recurrent a = shaped(s);
-    a.xw = xw; a.packed = packed; a.h0 = h0; a.rbh = rbh; a.lens = lens; a.y = y; a.yh = yh;
+int backplane_gru(const Shape *s, const float *x, const float *packed, const float *bias,
+                  const float *h0, const int64_t *lens, float *y, float *yh) {
+    Call a = {s, x, packed, bias, h0, NULL, lens, y, yh, NULL};
     return run(&a, 1);
 }
 
-/* The packed layout's size in floats, one direction (what recurrent.py's pack makes). */
-int64_t backplane_packed_floats(int64_t gates, int64_t H, int64_t split) {
-    int64_t nb = split ? blocks(2 * H) + blocks(H) : blocks(gates * H);
-    return nb * H * BW;
+/* One direction's packed floats (want_bias 0) or bias floats (1): what recurrent.py packs. */
+int64_t backplane_packed_floats(int64_t I, int64_t H, int64_t gru, int64_t linear_before_reset,
+                                int64_t want_bias) {
+    Shape s = {0};
+    s.I = I; s.H = H; s.linear_before_reset = linear_before_reset;
+    Part p[3];
+    int64_t size, bias_size;
+    parts(&s, (int)gru, p, &size, &bias_size);
+    return want_bias ? bias_size : size;
 }
 
-int backplane_recurrent_version(void) { return 1; }
+int backplane_recurrent_version(void) { return 2; }

@@ -31,6 +31,8 @@ from backplane.native.build import NativeUnavailable, library, mode
 BW = 64
 """The C loop's block of outputs (``recurrent.c``'s ``BW``): the packed weights' inner size."""
 
+VERSION = 2
+"""``recurrent.c``'s ``backplane_recurrent_version``: the calls' signatures this module makes."""
 MODE: contextvars.ContextVar[str] = contextvars.ContextVar("backplane_native_recurrent",
                                                           default="off")
 """"auto" while a CpuAcc trace is made under ``CpuAcc.native`` "auto" (``natively``)."""
@@ -48,7 +50,7 @@ def natively(backend: Any) -> Iterator[None]:
 
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
-        "seq", "dirs", "batch", "H", "direction", "xt", "xd", "xb", "sd", "sb", "yt", "yd", "yb",
+        "seq", "dirs", "batch", "I", "H", "direction", "xt", "xb", "sd", "sb", "yt", "yd", "yb",
         "linear_before_reset")]
 
 
@@ -58,16 +60,26 @@ _SHAPES: dict[tuple[int, ...], _Shape] = {}
 passes the pointers; never changed after, so threads share them)."""
 
 
-def _functions() -> tuple[Any, Any]:
-    """The library's LSTM and GRU, typed (raises ``NativeUnavailable``)."""
+def _library() -> Any:
+    """The library, its functions typed (raises ``NativeUnavailable``)."""
+    lib = library("recurrent")
     if not _FUNCTIONS:
-        lib = library("recurrent")
-        pointers = [ctypes.c_void_p] * 8
-        for function, count in ((lib.backplane_lstm, 8), (lib.backplane_gru, 7)):
+        if lib.backplane_recurrent_version() != VERSION:  # a source and a library of two trees
+            raise NativeUnavailable(f"the recurrent library is version "
+                                    f"{lib.backplane_recurrent_version()}, not {VERSION}")
+        pointers = [ctypes.c_void_p] * 9
+        for function, count in ((lib.backplane_lstm, 9), (lib.backplane_gru, 7)):
             function.argtypes = [ctypes.POINTER(_Shape)] + pointers[:count]
             function.restype = ctypes.c_int
+        lib.backplane_packed_floats.argtypes = [ctypes.c_int64] * 5
+        lib.backplane_packed_floats.restype = ctypes.c_int64
         _FUNCTIONS[:] = [lib.backplane_lstm, lib.backplane_gru]
-    return _FUNCTIONS[0], _FUNCTIONS[1]
+    return lib
+
+
+def _functions() -> list[Any]:
+    """The library's LSTM and GRU (raises ``NativeUnavailable``)."""
+    return _FUNCTIONS if _FUNCTIONS else (_library(), _FUNCTIONS)[1]
 
 
 def usable(X: torch.Tensor, *weights: torch.Tensor | None) -> bool:
@@ -78,9 +90,12 @@ def usable(X: torch.Tensor, *weights: torch.Tensor | None) -> bool:
 def computes(X: torch.Tensor, *weights: torch.Tensor | None) -> bool:
     """Whether the C loop computes this layer: float32 on the CPU, steps to take, and the library
     here."""
-    if X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 \
-            or any(w is not None and w.dtype != torch.float32 for w in weights):
-        return False
+    return X.device.type == "cpu" and X.dtype == torch.float32 and X.numel() > 0 \
+        and all(w is None or w.dtype == torch.float32 for w in weights) and built()
+
+
+def built() -> bool:
+    """Whether the library is here (built, loaded, of this module's ``VERSION``)."""
     try:
         _functions()
     except NativeUnavailable:
@@ -88,17 +103,18 @@ def computes(X: torch.Tensor, *weights: torch.Tensor | None) -> bool:
     return True
 
 
-def pack(R: torch.Tensor, split: bool = False) -> torch.Tensor:
-    """R (dirs, gates * H, H) as the C loop reads it: per direction R^T's columns in blocks of
-    ``BW``, each block's H rows contiguous, the last block padded with zeros; with ``split`` (a GRU
-    without linear_before_reset) the z, r gates' blocks, then h's."""
-    if split:
-        hidden = R.shape[-1]
-        return torch.cat([pack(R[:, :2 * hidden]), pack(R[:, 2 * hidden:])], 1)
-    dirs, rows, hidden = R.shape
+def _packed(M: torch.Tensor) -> torch.Tensor:
+    """M (dirs, outputs, K) as the C loop reads it: per direction the outputs in blocks of ``BW``
+    (the last padded with zeros), each block's K rows contiguous, (dirs, blocks * K * BW)."""
+    dirs, rows, k = M.shape
     blocks = -(-rows // BW)
-    t = F.pad(R.transpose(1, 2), (0, blocks * BW - rows))  # (dirs, H, blocks * BW)
-    return t.reshape(dirs, hidden, blocks, BW).transpose(1, 2).contiguous()
+    t = F.pad(M.transpose(1, 2), (0, blocks * BW - rows))  # (dirs, K, blocks * BW)
+    return t.reshape(dirs, k, blocks, BW).transpose(1, 2).reshape(dirs, -1)
+
+
+def _padded(bias: torch.Tensor) -> torch.Tensor:
+    rows = bias.shape[1]
+    return F.pad(bias, (0, -(-rows // BW) * BW - rows))
 
 
 def _states(value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -113,69 +129,72 @@ def layer(kind: str, X, W, R, B, sequence_lens, h0, c0, direction, layout,
           linear_before_reset=0):
     """Y, Y_h (and LSTM's Y_c) of an ONNX LSTM (``kind`` "lstm") or GRU, shaped as ONNX's."""
     weights = prepared(kind, W, R, B, linear_before_reset)
-    return run(kind, weights, X, sequence_lens, h0, c0, direction, layout, linear_before_reset)
+    return run(kind, weights, R.shape[-1], X, sequence_lens, h0, c0, direction, layout,
+               linear_before_reset)
 
 
-def prepared(kind: str, W, R, B, linear_before_reset=0) -> tuple[torch.Tensor, ...]:
-    """What a layer's calls read of its weights (in a frozen trace, constants; a caller that
-    keeps them makes them once): W (dirs * gates * H, input), the biases added to the input
-    projection, R packed (``pack``), and a GRU's Rb_h (dirs, H), added inside the reset."""
-    dirs, gates = W.shape[0], 4 if kind == "lstm" else 3
-    hidden = W.shape[1] // gates
+def prepared(kind: str, W, R, B, linear_before_reset=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and biases as the C loop reads them, every direction's (in a frozen trace,
+    constants; a caller that keeps them makes them once): LSTM ``[W, R]`` to its four gates;
+    GRU ``[W, R]`` to z and r, then with linear_before_reset W_h and R_h apart (R_h's product
+    is reset, its bias with it), without it ``[W_h, R_h]`` (read with ``r * h``)."""
+    dirs, gates, hidden = W.shape[0], 4 if kind == "lstm" else 3, R.shape[-1]
     if B is None:
-        bias, rbh = None, torch.zeros((dirs, hidden), dtype=W.dtype)
-    elif kind == "lstm":
-        bias, rbh = (B[:, :4 * hidden] + B[:, 4 * hidden:]).flatten(), None
-    else:  # z's and r's recurrent biases with the input's; h's inside the reset, in C
-        r_b = B[:, 3 * hidden:]
-        bias = (B[:, :3 * hidden] + F.pad(r_b[:, :2 * hidden], (0, hidden))).flatten()
-        rbh = r_b[:, 2 * hidden:].contiguous()
-    packed = pack(R, kind == "gru" and not linear_before_reset)
-    return W.flatten(0, 1), bias, packed, rbh
+        B = W.new_zeros((dirs, 2 * gates * hidden))
+    w_b, r_b = B[:, :gates * hidden], B[:, gates * hidden:]
+    zr, h = slice(0, 2 * hidden), slice(2 * hidden, 3 * hidden)
+    if kind == "lstm":
+        mats, biases = [torch.cat([W, R], 2)], [w_b + r_b]
+    elif linear_before_reset:
+        mats = [torch.cat([W[:, zr], R[:, zr]], 2), W[:, h], R[:, h]]
+        biases = [w_b[:, zr] + r_b[:, zr], w_b[:, h], r_b[:, h]]
+    else:
+        mats = [torch.cat([W[:, zr], R[:, zr]], 2), torch.cat([W[:, h], R[:, h]], 2)]
+        biases = [w_b[:, zr] + r_b[:, zr], w_b[:, h] + r_b[:, h]]
+    return (torch.cat([_packed(m) for m in mats], 1).contiguous(),
+            torch.cat([_padded(b) for b in biases], 1).contiguous())
 
 
-def run(kind: str, weights, X, sequence_lens, h0, c0, direction, layout,
+def run(kind: str, weights, hidden: int, X, sequence_lens, h0, c0, direction, layout,
         linear_before_reset=0):
-    """``layer`` on ``prepared``'s weights."""
-    weight, bias, packed, rbh = weights
-    dirs, hidden = packed.shape[0], packed.shape[2]
-    x = X.transpose(0, 1) if layout else X  # (seq, batch, input): the projection time first
-    xw = F.linear(x, weight, bias)
-    batch = x.shape[1]
+    """``layer`` on ``prepared``'s weights of a layer of ``hidden``."""
+    packed, bias = weights
+    dirs = packed.shape[0]
+    batch = X.shape[1 - layout]
     shape = (batch, dirs, hidden) if layout else (dirs, batch, hidden)
     lens = None if sequence_lens is None else sequence_lens.to(torch.int64)
     direction = {"forward": 0, "reverse": 1, "bidirectional": 2}[direction]
     if kind == "lstm":
-        return torch.ops.backplane.native_lstm(xw, packed, _states(h0, shape), _states(c0, shape),
-                                               lens, direction, layout)
-    return torch.ops.backplane.native_gru(xw, packed, _states(h0, shape), rbh, lens, direction,
-                                          layout, linear_before_reset)
+        return torch.ops.backplane.native_lstm(X, packed, bias, _states(h0, shape),
+                                               _states(c0, shape), lens, direction, layout, hidden)
+    return torch.ops.backplane.native_gru(X, packed, bias, _states(h0, shape), lens, direction,
+                                          layout, hidden, linear_before_reset)
 
 
-def _shape(xw: torch.Tensor, dirs: int, hidden: int, direction: int, layout: int,
+def _shape(x: torch.Tensor, dirs: int, hidden: int, direction: int, layout: int,
            linear_before_reset: int) -> _Shape:
-    """The call's sizes and the strides of xw (seq, batch, dirs * gates, the last 1), Y and the
-    states in ONNX's ``layout``."""
-    seq, batch, width = xw.shape
-    xt, xb, _ = xw.stride()
-    key = (seq, batch, width, xt, xb, dirs, hidden, direction, layout, linear_before_reset)
+    """The call's sizes and the strides of x, Y and the states in ONNX's ``layout``."""
+    sizes, strides = x.shape, x.stride()
+    key = (*sizes, *strides, dirs, hidden, direction, layout, linear_before_reset)
     shape = _SHAPES.get(key)
     if shape is None:
+        seq, batch = (sizes[1], sizes[0]) if layout else (sizes[0], sizes[1])
+        xt, xb = (strides[1], strides[0]) if layout else (strides[0], strides[1])
         if layout:  # Y (batch, seq, dirs, hidden), states (batch, dirs, hidden)
             ys, ss = (dirs * hidden, hidden, seq * dirs * hidden), (hidden, dirs * hidden)
         else:  # Y (seq, dirs, batch, hidden), states (dirs, batch, hidden)
             ys, ss = (dirs * batch * hidden, batch * hidden, hidden), (batch * hidden, hidden)
-        shape = _SHAPES[key] = _Shape(seq, dirs, batch, hidden, direction, xt, width // dirs, xb,
+        shape = _SHAPES[key] = _Shape(seq, dirs, batch, sizes[2], hidden, direction, xt, xb,
                                       *ss, *ys, linear_before_reset)
     return shape
 
 
-def _outputs(xw: torch.Tensor, dirs: int, hidden: int, layout: int,
+def _outputs(x: torch.Tensor, dirs: int, hidden: int, layout: int,
              count: int) -> list[torch.Tensor]:
-    seq, batch = xw.shape[0], xw.shape[1]
-    y = xw.new_empty((batch, seq, dirs, hidden) if layout else (seq, dirs, batch, hidden))
+    seq, batch = (x.shape[1], x.shape[0]) if layout else (x.shape[0], x.shape[1])
+    y = x.new_empty((batch, seq, dirs, hidden) if layout else (seq, dirs, batch, hidden))
     states = (batch, dirs, hidden) if layout else (dirs, batch, hidden)
-    return [y] + [xw.new_empty(states) for _ in range(count)]
+    return [y] + [x.new_empty(states) for _ in range(count)]
 
 
 def _address(value: torch.Tensor | None) -> int | None:
@@ -187,34 +206,36 @@ def _contiguous(*values: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [v if v is None or v.is_contiguous() else v.contiguous() for v in values]
 
 
-def _lstm(xw, packed, h0, c0, lens, direction, layout):
-    xw = xw if xw.stride(-1) == 1 else xw.contiguous()
-    dirs, hidden = packed.shape[0], packed.shape[2]
-    shape = _shape(xw, dirs, hidden, direction, layout, 0)
-    y, y_h, y_c = _outputs(xw, dirs, hidden, layout, 2)
+def _lstm(x, packed, bias, h0, c0, lens, direction, layout, hidden):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    dirs = packed.shape[0]
+    shape = _shape(x, dirs, hidden, direction, layout, 0)
+    y, y_h, y_c = _outputs(x, dirs, hidden, layout, 2)
     h0, c0, lens = _contiguous(h0, c0, lens)
-    if _functions()[0](shape, xw.data_ptr(), packed.data_ptr(), _address(h0), _address(c0),
-                       _address(lens), y.data_ptr(), y_h.data_ptr(), y_c.data_ptr()):
+    if _functions()[0](shape, x.data_ptr(), packed.data_ptr(), bias.data_ptr(), _address(h0),
+                       _address(c0), _address(lens), y.data_ptr(), y_h.data_ptr(),
+                       y_c.data_ptr()):
         raise MemoryError("the native LSTM could not allocate its work memory")
     return y, y_h, y_c
 
 
-def _gru(xw, packed, h0, rbh, lens, direction, layout, linear_before_reset):
-    xw = xw if xw.stride(-1) == 1 else xw.contiguous()
-    dirs, hidden = packed.shape[0], packed.shape[2]
-    shape = _shape(xw, dirs, hidden, direction, layout, linear_before_reset)
-    y, y_h = _outputs(xw, dirs, hidden, layout, 1)
-    h0, rbh, lens = _contiguous(h0, rbh, lens)
-    if _functions()[1](shape, xw.data_ptr(), packed.data_ptr(), _address(h0), _address(rbh),
+def _gru(x, packed, bias, h0, lens, direction, layout, hidden, linear_before_reset):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    dirs = packed.shape[0]
+    shape = _shape(x, dirs, hidden, direction, layout, linear_before_reset)
+    y, y_h = _outputs(x, dirs, hidden, layout, 1)
+    h0, lens = _contiguous(h0, lens)
+    if _functions()[1](shape, x.data_ptr(), packed.data_ptr(), bias.data_ptr(), _address(h0),
                        _address(lens), y.data_ptr(), y_h.data_ptr()):
         raise MemoryError("the native GRU could not allocate its work memory")
     return y, y_h
 
 
 _LIBRARY = torch.library.Library("backplane", "FRAGMENT")
-_LIBRARY.define("native_lstm(Tensor xw, Tensor packed, Tensor? h0, Tensor? c0, Tensor? lens, "
-                "int direction, int layout) -> (Tensor, Tensor, Tensor)")
-_LIBRARY.define("native_gru(Tensor xw, Tensor packed, Tensor? h0, Tensor rbh, Tensor? lens, "
-                "int direction, int layout, int linear_before_reset) -> (Tensor, Tensor)")
+_LIBRARY.define("native_lstm(Tensor x, Tensor packed, Tensor bias, Tensor? h0, Tensor? c0, "
+                "Tensor? lens, int direction, int layout, int hidden) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define("native_gru(Tensor x, Tensor packed, Tensor bias, Tensor? h0, Tensor? lens, "
+                "int direction, int layout, int hidden, int linear_before_reset) "
+                "-> (Tensor, Tensor)")
 _LIBRARY.impl("native_lstm", _lstm, "CPU")
 _LIBRARY.impl("native_gru", _gru, "CPU")

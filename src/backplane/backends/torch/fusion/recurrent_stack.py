@@ -106,20 +106,30 @@ def _squeezes_directions(squeeze: Layer, ctx: Context) -> bool:
 
 
 def gru_stack_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
-    from backplane.backends.torch.kernels.recurrent_stack import GruStack
+    import torch
+
+    from backplane.backends.torch.kernels.recurrent_stack import GruStack, NativeStack
+    from backplane.native.build import mode
+    from backplane.native.recurrent import built
 
     a = layer.attrs
     stack = GruStack(a["weights"])
+    # in C where built and CpuAcc.native is "auto" (float32 only: the wavefronts otherwise)
+    native = NativeStack(a["weights"]) if mode(backend.options) == "auto" \
+        and built() else None
     lens, initial, states, squeezed = a["lens"], a["initial"], a["states"], a["squeezed"]
 
     def run(x: Any, *rest: Any) -> tuple[Any, ...]:
         given = list(rest)
         sequence_lens = given.pop(0) if lens else None
         starts = [given.pop(0) if present else None for present in initial]
-        y, final = stack(x, sequence_lens, starts)
+        if native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            y, final = native(x, sequence_lens, starts)
+        else:
+            y, final = stack(x, sequence_lens, starts)
         layers = final.unsqueeze(1).unbind(0)  # each (1, batch, H)
         return (y if squeezed else y.unsqueeze(1),
                 *[state for state, wanted in zip(layers, states) if wanted])
 
-    run.weights = (stack,)  # type: ignore[attr-defined]  # held with the workload
+    run.weights = (stack, native)  # type: ignore[attr-defined]  # held with the workload
     return run
