@@ -2,14 +2,18 @@
 ``CpuAcc.native`` auto and off, in alternating processes, at one thread.
 
     python bench/native_cnn.py [--models a,b] [--tier small|full] [--rounds 4] [--runs 200]
-                               [--profile]
+                               [--threads 1] [--side S] [--any-size] [--profile]
 
 Each round starts one process per mode (auto, off, auto, ... in turn); a process loads the model
 with static input shapes (the sample's), runs it 30 times untimed, then ``--runs`` times, and
 reports the median thread CPU time (``time.thread_time``: what a loaded machine inflates least)
 and wall time of one run. The table gives the medians over rounds, their ratio, the routes the
 OneDnnGraph partitions took and the load average. ``--profile`` prints, per model, each native
-record's thread CPU time (``Executor.profile``: the mean of 200 runs).
+record's thread CPU time (``Executor.profile``: the mean of 200 runs). ``--threads`` sets torch's
+thread count (the native route runs at one whatever it says: its thread CPU time is then its
+whole cost, where oneDNN's at two also spends a second core); ``--any-size`` lifts the size rule
+(``native_cnn.SMALL``), and ``--side`` runs the 4-d inputs at side x side, to measure where it
+should be.
 """
 
 from __future__ import annotations
@@ -29,14 +33,22 @@ FULL = Path(os.environ.get("BACKPLANE_CORPUS_FULL", Path.home() / ".cache/backpl
 MODELS = "mobilenet_dw_ts13,resnet_basic_ts16,mobilenet_dw_dyn18,resnet_basic_dyn21"
 
 
-def worker(path: str, mode: str, runs: int, profile: bool) -> dict:
+def worker(path: str, mode: str, runs: int, profile: bool, any_size: bool, threads: int,
+           side: int) -> dict:
     import numpy as np
     import torch
 
     from backplane import InferenceSession
+    from backplane.backends.torch.fusion import native_cnn
 
-    torch.set_num_threads(1)
+    if any_size:
+        native_cnn.SMALL = 1 << 62
+    torch.set_num_threads(threads)
     feeds = dict(np.load(path.replace(".onnx", ".s0.npz")))
+    if side:  # the images at side x side: the size rule's measurement
+        rng = np.random.default_rng(0)
+        feeds = {k: rng.standard_normal((*v.shape[:2], side, side)).astype(v.dtype)
+                 if v.ndim == 4 else v for k, v in feeds.items()}
     session = InferenceSession(path, backends=["CpuAcc", "CpuRef"],
                                input_shapes={k: list(v.shape) for k, v in feeds.items()},
                                provider_options=[{"CpuAcc.native": mode}, {}])
@@ -72,10 +84,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--any-size", action="store_true",
+                        help="native for a partition of any size (native_cnn.SMALL lifted)")
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads (off's route)")
+    parser.add_argument("--side", type=int, default=0, help="4-d inputs resized to side x side")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.runs, args.profile)))
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.runs, args.profile,
+                                args.any_size, args.threads, args.side)))
         return
     folder = SMALL if args.tier == "small" else FULL
     print(f"| model | native cpu us | off cpu us | native / off | native wall us | off wall us "
@@ -86,8 +103,10 @@ def main() -> None:
         loads = []
         for _ in range(args.rounds):
             for mode in ("auto", "off"):
-                command = [sys.executable, __file__, "--worker", path, mode,
-                           "--runs", str(args.runs), *(["--profile"] if args.profile else [])]
+                command = [sys.executable, __file__, "--worker", path, mode, "--runs", str(args.runs),
+                           "--threads", str(args.threads), "--side", str(args.side),
+                           *(["--profile"] if args.profile else []),
+                           *(["--any-size"] if args.any_size else [])]
                 done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
                 if done.returncode:
                     sys.exit(f"{name} {mode}: {done.stderr[-2000:]}")

@@ -129,7 +129,55 @@ def test_a_convolution_and_its_post_ops_match_cpuref(case):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale)
 
 
-CNNS = ["mobilenet_dw_ts13", "resnet_basic_ts16", "mobilenet_dw_dyn18", "resnet_basic_dyn21"]
+@st.composite
+def upsampling_cases(draw):
+    return dict(c=draw(st.integers(1, 9)), oc=draw(st.integers(1, 12)), h=draw(st.integers(1, 7)),
+                w=draw(st.integers(1, 7)), op=draw(st.sampled_from(["ConvTranspose", "Resize"])),
+                k=draw(st.integers(1, 3)), s=draw(st.integers(1, 3)), pad=draw(st.integers(0, 1)),
+                mode=draw(st.sampled_from(["linear", "nearest"])),
+                where=draw(st.sampled_from(["half_pixel", "asymmetric", "align_corners",
+                                            "pytorch_half_pixel"])),
+                scale=draw(st.sampled_from([2.0, 1.5, 3.0, 0.5])), seed=draw(st.integers(0, 999)))
+
+
+@needs_compiler
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=upsampling_cases())
+def test_a_transposed_convolution_and_a_resize_match_cpuref(case):
+    """After a 1x1 convolution (a OneDnnGraph holds a convolution): ConvTranspose (strides,
+    pads, kernels) or Resize (linear or nearest, four coordinate modes, up and down)."""
+    rng = np.random.default_rng(case["seed"])
+    c, oc, h, w, k, s = case["c"], case["oc"], case["h"], case["w"], case["k"], case["s"]
+    pad = min(case["pad"], k - 1)
+    inits = [numpy_helper.from_array(rng.standard_normal((c, c, 1, 1)).astype(np.float32), "w1")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["y"])]
+    if case["op"] == "ConvTranspose":
+        inits += [numpy_helper.from_array(rng.standard_normal((c, oc, k, k)).astype(np.float32),
+                                          "wt"),
+                  numpy_helper.from_array(rng.standard_normal(oc).astype(np.float32), "bt")]
+        nodes.append(helper.make_node("ConvTranspose", ["y", "wt", "bt"], ["out"],
+                                      kernel_shape=[k, k], strides=[s, s], pads=[pad] * 4))
+    else:
+        scale = case["scale"] if min(h, w) * case["scale"] >= 1 else 2.0
+        inits.append(numpy_helper.from_array(np.array([1, 1, scale, scale], np.float32), "sc"))
+        nodes.append(helper.make_node("Resize", ["y", "", "sc"], ["out"], mode=case["mode"],
+                                      coordinate_transformation_mode=case["where"]))
+    model = make_model(nodes, [float_input("x", [1, c, h, w])], [float_input("out", None)],
+                       inits, opset=13)
+    x = rng.standard_normal((1, c, h, w)).astype(np.float32)
+    x.reshape(-1)[case["seed"] % x.size] = np.nan
+    session = _session(model)
+    assert _routes(session) == ["native"], case
+    got = session.run(None, {"x": x})[0]
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})[0]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    scale_of = np.abs(want[np.isfinite(want)]).max(initial=1.0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale_of)
+
+
+CNNS = ["mobilenet_dw_ts13", "resnet_basic_ts16", "mobilenet_dw_dyn18", "resnet_basic_dyn21",
+        "unet_resize_ts13", "unet_resize_dyn20"]
 
 
 def _corpus(name: str):

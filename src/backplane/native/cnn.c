@@ -23,7 +23,7 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_DH, F_DW, F_PT, F_PL, F_G, F_WOFF, F_BOFF, F_ACT, F_AOFF, F_SCR, F_PH, F_PW, F_VB,
        F_X1, F_X2, NF = 32 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_CONV, OP_DWCONV, OP_MAXPOOL, OP_AVGPOOL, OP_GAP, OP_GMP,
-       OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE };
+       OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE, OP_DECONV, OP_RESIZE };
 enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_HSWISH, ACT_HSIGMOID, ACT_SIGMOID, ACT_SWISH, ACT_LEAKY,
        ACT_TANH };
 
@@ -112,11 +112,19 @@ static void export_nchw(const float *restrict x, float *restrict y, int64_t N, i
 static void pad_frame(const int64_t *f, const float *restrict x, float *restrict y) {
     const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], PH = f[F_PH], PW = f[F_PW];
     const int64_t PT = f[F_PT], PL = f[F_PL];
-    memset(y, 0, sizeof(float) * N * PH * PW * C);
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t h = 0; h < H; ++h)
-            memcpy(y + ((n * PH + h + PT) * PW + PL) * C, x + (n * H + h) * W * C,
-                   sizeof(float) * W * C);
+    const size_t row = sizeof(float) * PW * C, side = sizeof(float) * PL * C;
+    const size_t rest = sizeof(float) * (PW - PL - W) * C;
+    for (int64_t n = 0; n < N; ++n) {
+        float *frame = y + n * PH * PW * C;
+        memset(frame, 0, row * PT);  /* only the border is zeroed: the input overwrites the rest */
+        for (int64_t h = 0; h < H; ++h) {
+            float *line = frame + (h + PT) * PW * C;
+            memset(line, 0, side);
+            memcpy(line + PL * C, x + (n * H + h) * W * C, sizeof(float) * W * C);
+            memset(line + (PL + W) * C, 0, rest);
+        }
+        memset(frame + (H + PT) * PW * C, 0, row * (PH - H - PT));
+    }
 }
 
 /* Four output pixels of one row by VB (8 or 16) output channels of one group: the register tile.
@@ -159,6 +167,8 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+enum { CHUNK = 32 };
+
 /* A convolution of any groups, its weights packed per group and block of VB output channels as
    [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself. */
 static void conv(const int64_t *f, float *A, const float *P) {
@@ -178,37 +188,44 @@ static void conv(const int64_t *f, float *A, const float *P) {
         for (int64_t oh = 0; oh < OH; ++oh) {
             float *orow = out + (n * OH + oh) * OW * OC;
             const float *irow = src + (n * PH + oh * SH) * PW * C;
-            for (int64_t g = 0; g < G; ++g)
-                for (int64_t b = 0; b < NB; ++b) {
-                    const float *wk = P + f[F_WOFF] + (g * NB + b) * KH * KW * ICG * VB;
-                    const float *bk = P + f[F_BOFF] + (g * NB + b) * VB;
-                    const int64_t oc0 = g * OCG + b * VB;
-                    const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
-                    for (int64_t ow = 0; ow < OW; ow += 4) {
-                        const int64_t pixels = OW - ow < 4 ? OW - ow : 4;
-                        const float *ip = irow + ow * SW * C + g * ICG;
-                        float *op = orow + ow * OC + oc0;
-                        if (VB == 16)
-                            tile(2, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
-                                 pixels, valid);
-                        else
-                            tile(1, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
-                                 pixels, valid);
-                    }
+            const float *rrow = res ? res + (n * OH + oh) * OW * OC : 0;
+            /* CHUNK pixels at a time, every block of channels, then their residual and
+               activation while they are in L1 (a 1x1's row is all its pixels) */
+            for (int64_t ow0 = 0; ow0 < OW; ow0 += CHUNK) {
+                const int64_t ow1 = OW - ow0 < CHUNK ? OW : ow0 + CHUNK;
+                for (int64_t ow = ow0, pixels; ow < ow1; ow += pixels) {
+                    pixels = ow1 - ow < 4 ? ow1 - ow : 4;
+                    for (int64_t g = 0; g < G; ++g)
+                        for (int64_t b = 0; b < NB; ++b) {
+                            const float *wk = P + f[F_WOFF] + (g * NB + b) * KH * KW * ICG * VB;
+                            const float *bk = P + f[F_BOFF] + (g * NB + b) * VB;
+                            const int64_t oc0 = g * OCG + b * VB;
+                            const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
+                            const float *ip = irow + ow * SW * C + g * ICG;
+                            float *op = orow + ow * OC + oc0;
+                            if (VB == 16)
+                                tile(2, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                                     pixels, valid);
+                            else
+                                tile(1, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                                     pixels, valid);
+                        }
                 }
-            finish(orow, res ? res + (n * OH + oh) * OW * OC : 0, OW * OC, f[F_ACT],
-                   P + f[F_AOFF]);
+                finish(orow + ow0 * OC, rrow ? rrow + ow0 * OC : 0, (ow1 - ow0) * OC, f[F_ACT],
+                       P + f[F_AOFF]);
+            }
         }
 }
 
-/* Four output pixels of a depthwise convolution by 8 channels: the register tile. */
+/* Four output pixels of a depthwise convolution by 8 channels, taps [kh0, kh1) x KW: the register
+   tile, for pixels whose windows lie inside the input's columns. */
 static inline __attribute__((always_inline)) void dwtile(
-    const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep, int64_t KH,
-    int64_t KW, int64_t C, const float *restrict w, const float *restrict bias,
+    const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep, int64_t kh0,
+    int64_t kh1, int64_t KW, int64_t C, const float *restrict w, const float *restrict bias,
     float *restrict op, int64_t pixels) {
     v8 acc[4];
     for (int r = 0; r < 4; ++r) acc[r] = vload(bias);
-    for (int64_t kh = 0; kh < KH; ++kh)
+    for (int64_t kh = kh0; kh < kh1; ++kh)
         for (int64_t kw = 0; kw < KW; ++kw) {
             const float *x = ip + kh * rowstep + kw * colstep;
             const v8 wv = vload(w + (kh * KW + kw) * C);
@@ -217,39 +234,69 @@ static inline __attribute__((always_inline)) void dwtile(
     for (int64_t r = 0; r < pixels; ++r) vstore(op + r * C, acc[r]);
 }
 
-/* A depthwise convolution (one input and one output channel a group), weights [kh][kw][C]:
-   blocks of 8 channels by 4 pixels in registers, the channels past the last block one by one. */
+/* One output pixel of a depthwise convolution, its window checked against the input's columns
+   (the border pixels; rows [kh0, kh1) are inside). ip: the window's origin, maybe outside. */
+static void dwpixel(const float *ip, int64_t iw0, int64_t W, int64_t rowstep, int64_t colstep,
+                    int64_t DW, int64_t kh0, int64_t kh1, int64_t KW, int64_t C,
+                    const float *restrict wt, const float *restrict bias, float *restrict o) {
+    for (int64_t c = 0; c < C; ++c) o[c] = bias[c];
+    for (int64_t kh = kh0; kh < kh1; ++kh)
+        for (int64_t kw = 0; kw < KW; ++kw) {
+            const int64_t iw = iw0 + kw * DW;
+            if (iw < 0 || iw >= W) continue;
+            const float *restrict x = ip + kh * rowstep + kw * colstep;
+            const float *restrict w = wt + (kh * KW + kw) * C;
+            for (int64_t c = 0; c < C; ++c) o[c] = fmaf(x[c], w[c], o[c]);
+        }
+}
+
+/* A depthwise convolution (one input and one output channel a group), weights [kh][kw][C], read
+   from the input itself: the taps of rows outside it skipped per output row, the pixels whose
+   windows cross a side column by column (dwpixel), the others 4 by 8 channels in registers. */
 static void dwconv(const int64_t *f, float *A, const float *P) {
-    const int64_t N = f[F_N], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
     const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
-                  DW = f[F_DW], PH = f[F_PH], PW = f[F_PW];
+                  DW = f[F_DW], PT = f[F_PT], PL = f[F_PL];
     const float *src = A + f[F_IN];
-    if (f[F_SCR] >= 0) {
-        pad_frame(f, src, A + f[F_SCR]);
-        src = A + f[F_SCR];
-    }
     float *out = A + f[F_OUT];
     const float *res = f[F_IN2] >= 0 ? A + f[F_IN2] : 0;
     const float *restrict wt = P + f[F_WOFF], *restrict bias = P + f[F_BOFF];
-    const int64_t xs = SW * C, rowstep = DH * PW * C, colstep = DW * C, C8 = C / 8 * 8;
+    const int64_t xs = SW * C, rowstep = DH * W * C, colstep = DW * C, C8 = C / 8 * 8;
+    int64_t lo = (PL + SW - 1) / SW, hi = (W - 1 - (KW - 1) * DW + PL) / SW + 1;
+    if (W - 1 - (KW - 1) * DW + PL < 0) hi = 0;
+    lo = lo < OW ? lo : OW;
+    hi = hi < lo ? lo : hi < OW ? hi : OW;
     for (int64_t n = 0; n < N; ++n)
         for (int64_t oh = 0; oh < OH; ++oh) {
             float *orow = out + (n * OH + oh) * OW * C;
-            const float *irow = src + (n * PH + oh * SH) * PW * C;
-            for (int64_t ow = 0; ow < OW; ow += 4) {
-                const int64_t pixels = OW - ow < 4 ? OW - ow : 4;
-                for (int64_t c = 0; c < C8; c += 8)
-                    dwtile(irow + ow * xs + c, xs, rowstep, colstep, KH, KW, C, wt + c,
-                           bias + c, orow + ow * C + c, pixels);
-                for (int64_t r = 0; r < pixels; ++r)
-                    for (int64_t c = C8; c < C; ++c) {
-                        float acc = bias[c];
-                        for (int64_t kh = 0; kh < KH; ++kh)
-                            for (int64_t kw = 0; kw < KW; ++kw)
-                                acc = fmaf(irow[(ow + r) * xs + kh * rowstep + kw * colstep + c],
-                                           wt[(kh * KW + kw) * C + c], acc);
-                        orow[(ow + r) * C + c] = acc;
+            const int64_t ih0 = oh * SH - PT;
+            int64_t kh0 = 0, kh1 = KH;
+            while (kh0 < KH && ih0 + kh0 * DH < 0) ++kh0;
+            while (kh1 > kh0 && ih0 + (kh1 - 1) * DH >= H) --kh1;
+            /* the window's origin row, maybe outside: only rows [kh0, kh1) are read */
+            const float *irow = src + (n * H + ih0) * W * C;
+            for (int64_t ow = 0; ow < OW; ++ow) {
+                if (ow == lo) {
+                    for (int64_t pixels; ow < hi; ow += pixels) {
+                        pixels = hi - ow < 4 ? hi - ow : 4;
+                        const float *ip = irow + (ow * SW - PL) * C;
+                        for (int64_t c = 0; c < C8; c += 8)
+                            dwtile(ip + c, xs, rowstep, colstep, kh0, kh1, KW, C, wt + c,
+                                   bias + c, orow + ow * C + c, pixels);
+                        for (int64_t r = 0; r < pixels; ++r)
+                            for (int64_t c = C8; c < C; ++c) {
+                                float acc = bias[c];
+                                for (int64_t kh = kh0; kh < kh1; ++kh)
+                                    for (int64_t kw = 0; kw < KW; ++kw)
+                                        acc = fmaf(ip[r * xs + kh * rowstep + kw * colstep + c],
+                                                   wt[(kh * KW + kw) * C + c], acc);
+                                orow[(ow + r) * C + c] = acc;
+                            }
                     }
+                    if (ow >= OW) break;
+                }
+                dwpixel(irow + (ow * SW - PL) * C, ow * SW - PL, W, rowstep, colstep, DW, kh0,
+                        kh1, KW, C, wt, bias, orow + ow * C);
             }
             finish(orow, res ? res + (n * OH + oh) * OW * C : 0, OW * C, f[F_ACT], P + f[F_AOFF]);
         }
@@ -348,6 +395,64 @@ static void binary(const int64_t *f, float *A, const float *P, int is_mul) {
     finish(o, 0, n, f[F_ACT], P + f[F_AOFF]);
 }
 
+/* A transposed convolution (groups 1), weights [kh][kw][ic][OC]: each input pixel's products
+   added into the output pixels its taps reach. */
+static void deconv(const int64_t *f, float *A, const float *P) {
+    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+    const int64_t OC = f[F_OC], KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW],
+                  DH = f[F_DH], DW = f[F_DW], PT = f[F_PT], PL = f[F_PL];
+    const float *restrict in = A + f[F_IN], *restrict wt = P + f[F_WOFF],
+                          *restrict bias = P + f[F_BOFF];
+    float *restrict out = A + f[F_OUT];
+    for (int64_t p = 0; p < N * OH * OW; ++p)
+        for (int64_t oc = 0; oc < OC; ++oc) out[p * OC + oc] = bias[oc];
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t ih = 0; ih < H; ++ih)
+            for (int64_t iw = 0; iw < W; ++iw) {
+                const float *restrict x = in + ((n * H + ih) * W + iw) * C;
+                for (int64_t kh = 0; kh < KH; ++kh) {
+                    const int64_t oh = ih * SH - PT + kh * DH;
+                    if (oh < 0 || oh >= OH) continue;
+                    for (int64_t kw = 0; kw < KW; ++kw) {
+                        const int64_t ow = iw * SW - PL + kw * DW;
+                        if (ow < 0 || ow >= OW) continue;
+                        float *restrict o = out + ((n * OH + oh) * OW + ow) * OC;
+                        const float *restrict w = wt + (kh * KW + kw) * C * OC;
+                        for (int64_t ic = 0; ic < C; ++ic)
+                            for (int64_t oc = 0; oc < OC; ++oc)
+                                o[oc] = fmaf(x[ic], w[ic * OC + oc], o[oc]);
+                    }
+                }
+            }
+    finish(out, 0, N * OH * OW * OC, f[F_ACT], P + f[F_AOFF]);
+}
+
+/* Resize of H and W by two taps an axis (linear; nearest: one, the other weighing 0), from the
+   tables at F_WOFF (OH rows of first, second, weight, weight) and F_BOFF (OW rows): a tap that
+   weighs 0 is not read (CpuRef's taps_of: a NaN stays where it is read). */
+static void resize(const int64_t *f, float *A, const float *P) {
+    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+    const float *restrict in = A + f[F_IN], *rows = P + f[F_WOFF], *cols = P + f[F_BOFF];
+    float *restrict out = A + f[F_OUT];
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t oh = 0; oh < OH; ++oh) {
+            const float *hr = rows + oh * 4;
+            for (int64_t ow = 0; ow < OW; ++ow) {
+                const float *wr = cols + ow * 4;
+                float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
+                for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
+                for (int a = 0; a < 2; ++a)
+                    for (int b = 0; b < 2; ++b) {
+                        const float weight = hr[2 + a] * wr[2 + b];
+                        if (hr[2 + a] == 0.0f || wr[2 + b] == 0.0f) continue;
+                        const float *restrict x =
+                            in + ((n * H + (int64_t)hr[a]) * W + (int64_t)wr[b]) * C;
+                        for (int64_t c = 0; c < C; ++c) o[c] = fmaf(weight, x[c], o[c]);
+                    }
+            }
+        }
+}
+
 /* Channels [F_X1, F_X1 + C) of an NHWC output of F_OC channels: a Concat's part. */
 static void slice_into(const int64_t *f, float *A) {
     const int64_t pixels = f[F_N], C = f[F_C], OC = f[F_OC], at = f[F_X1];
@@ -415,6 +520,8 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
         finish(arena + f[F_OUT], 0, f[F_N], f[F_ACT], params + f[F_AOFF]);
         break;
     case OP_SLICE: slice_into(f, arena); break;
+    case OP_DECONV: deconv(f, arena, params); break;
+    case OP_RESIZE: resize(f, arena, params); break;
     default: return 1;
     }
     return 0;

@@ -30,7 +30,8 @@ FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl g woff boff ac
 here); a record is NF = 32 int64s."""
 NF = 32
 OPS = {name: code for code, name in enumerate(
-    "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice".split(), 1)}
+    "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize"
+    .split(), 1)}
 ACTS = {name: code for code, name in enumerate(
     "none relu clip hswish hsigmoid sigmoid swish leaky tanh".split())}
 UNARY = {"relu": "relu", "hardtanh": "clip", "hardswish": "hswish", "hardsigmoid": "hsigmoid",

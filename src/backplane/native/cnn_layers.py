@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
-from backplane.native.cnn import ACTS, ELEMENTWISE, Unplannable, _Planner
+from backplane.native.cnn import ACTS, ELEMENTWISE, VIEWS, Unplannable, _Planner
 
 FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_DOMAIN)
 FUSED_OPS = ("FusedConv", "Linear")
@@ -54,7 +54,7 @@ def fused_conv(p: _Planner, layer: Layer) -> None:
         padded_bias[:, :ocg] = bias.reshape(groups, ocg)
         boff = p.param(padded_bias)
     ph, pw, scratch = h, w, -1
-    if pt or pl or pb or pr:
+    if (pt or pl or pb or pr) and op == "conv":  # dwconv reads the input itself, sides checked
         ph = max(h + pt, (oh - 1) * sh + (kh - 1) * dh + 1)
         pw = max(w + pl, (ow - 1) * sw + (kw - 1) * dw + 1)
         scratch = p.arena.take(n * ph * pw * c)  # given back once the output has its place
@@ -242,10 +242,79 @@ def concat(p: _Planner, layer: Layer) -> None:
         at += c
 
 
+def conv_transpose(p: _Planner, layer: Layer) -> None:
+    a = layer.attrs
+    x = p.value(layer.inputs[0])
+    weight = p.constants.get(layer.inputs[1])
+    bias_name = layer.inputs[2] if len(layer.inputs) > 2 else ""
+    if weight is None or weight.ndim != 4 or len(x.shape) != 4 or a.get("group", 1) != 1 \
+            or a.get("auto_pad", "NOTSET") != "NOTSET" or a.get("output_shape") \
+            or bias_name and bias_name not in p.constants:
+        raise Unplannable(f"{layer.name}: ConvTranspose over {x.shape} ({a})")
+    n, c, h, w = x.dims
+    _, oc, kh, kw = weight.shape
+    sh, sw = a.get("strides") or (1, 1)
+    dh, dw = a.get("dilations") or (1, 1)
+    pt, pl, pb, pr = a.get("pads") or (0, 0, 0, 0)
+    extra_h, extra_w = a.get("output_padding") or (0, 0)
+    oh = (h - 1) * sh - pt - pb + (kh - 1) * dh + 1 + extra_h
+    ow = (w - 1) * sw - pl - pr + (kw - 1) * dw + 1 + extra_w
+    bias = p.constants[bias_name] if bias_name else np.zeros(oc, np.float32)
+    y = p.new(layer.outputs[0], (n, oc, oh, ow))
+    p.record("deconv", in_=x.offset, out=y.offset, dims=x.dims, oh=oh, ow=ow, oc=oc, kh=kh,
+             kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl,
+             woff=p.param(np.asarray(weight, np.float32).transpose(2, 3, 0, 1)),
+             boff=p.param(bias), act=ACTS["none"], aoff=p.param(np.zeros(1, np.float32)),
+             macs=n * h * w * c * oc * kh * kw)
+
+
+def resize(p: _Planner, layer: Layer) -> None:
+    """Resize of H and W, linear or nearest, its scales or sizes constants: each output row's and
+    column's two taps tabled here by CpuRef's own coordinates and weights."""
+    from backplane.backends.reference.kernels import resize as ref
+
+    a = layer.attrs
+    x = p.value(layer.inputs[0])
+    names = list(layer.inputs) + [""] * 4
+    scales, sizes = (p.constants.get(names[i]) if names[i] else None for i in (2, 3))
+    mode, where = a.get("mode", "nearest"), a.get("coordinate_transformation_mode", "half_pixel")
+    if len(x.shape) != 4 or a.get("axes") is not None or a.get("antialias", 0) \
+            or mode not in ("linear", "nearest") or where == "tf_crop_and_resize" \
+            or a.get("keep_aspect_ratio_policy", "stretch") != "stretch" \
+            or (names[2] and scales is None) or (names[3] and sizes is None) \
+            or (names[1] and names[1] not in p.constants):
+        raise Unplannable(f"{layer.name}: Resize ({a})")
+    n, c, h, w = x.dims
+    if sizes is not None and len(sizes):
+        out = [int(v) for v in sizes]
+        factors = [o / i for o, i in zip(out, x.shape)]
+    elif scales is not None and len(scales):
+        factors = [float(v) for v in scales]
+        out = [math.floor(i * f) for i, f in zip(x.shape, factors)]
+    else:
+        raise Unplannable(f"{layer.name}: Resize without scales or sizes")
+    if out[:2] != [n, c]:
+        raise Unplannable(f"{layer.name}: Resize of the batch or the channels")
+    tables = []
+    for n_in, n_out, factor in ((h, out[2], factors[2]), (w, out[3], factors[3])):
+        coords = ref._source_coordinates(where, n_in, n_out, factor, None)
+        weights = (ref._nearest_weights(coords, n_in, a.get("nearest_mode", "round_prefer_floor"))
+                   if mode == "nearest" else
+                   ref._filter_weights(coords, n_in, ref._linear_taps, 1, 1.0,
+                                       a.get("exclude_outside", 0)))
+        index, taps = ref.taps_of(weights)
+        if index.shape[1] > 2:
+            raise Unplannable(f"{layer.name}: more than two taps an axis")
+        if index.shape[1] == 1:
+            index, taps = np.repeat(index, 2, axis=1), np.pad(taps, ((0, 0), (0, 1)))
+        tables.append(np.concatenate([index, taps], axis=1).astype(np.float32))
+    y = p.new(layer.outputs[0], (n, c, out[2], out[3]))
+    p.record("resize", in_=x.offset, out=y.offset, dims=x.dims, oh=out[2], ow=out[3],
+             woff=p.param(tables[0]), boff=p.param(tables[1]))
+
+
 PLANNERS: dict[str, Callable[[_Planner, Layer], Any]] = {
     "FusedConv": fused_conv, "Linear": linear, "MaxPool": pool, "AveragePool": pool,
     "GlobalAveragePool": global_pool, "GlobalMaxPool": global_pool, "ReduceMean": reduce_mean,
-    "Add": binary, "Mul": binary,
-    "Concat": concat, **{op: view for op in ("Flatten", "Reshape", "Identity", "Squeeze",
-                                               "Unsqueeze")},
-    **{op: elementwise for op in ELEMENTWISE}}
+    "Add": binary, "Mul": binary, "Concat": concat, "ConvTranspose": conv_transpose,
+    "Resize": resize, **{op: view for op in VIEWS}, **{op: elementwise for op in ELEMENTWISE}}
