@@ -200,7 +200,8 @@ def test_outputs_are_fresh_and_weights_packed_once():
         assert a.data_ptr() != b.data_ptr()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     R, W = tensors[2], tensors[1]
-    packed, bias = in_c.prepared("lstm", W, R, tensors[3])
+    packed, bias, w_in, b_in = in_c.prepared("lstm", W, R, tensors[3])
+    assert w_in is None and b_in is None  # [W, R] small: read in the loop
     count = in_c._library().backplane_packed_floats
     assert packed.shape == (1, count(3, 24, 0, 0, 0)) == (1, 2 * (3 + 24) * in_c.BW)
     assert bias.shape == (1, count(3, 24, 0, 0, 1)) == (1, 2 * in_c.BW)
@@ -208,6 +209,20 @@ def test_outputs_are_fresh_and_weights_packed_once():
     blocks = packed.reshape(2, 27, in_c.BW)
     torch.testing.assert_close(blocks[0], torch.cat([W[0], R[0]], 1)[:64].T)
     assert not blocks[1, :, 32:].any()  # 96 outputs: the second block padded with zeros
+
+
+@needs_library
+def test_a_large_layer_projects_its_input_first():
+    """Past ``STACKED_BYTES`` the loop reads R alone (the library's count for no input rows),
+    the input projection one product before it; within CpuRef's values either way."""
+    args = _layer("LSTM", 3, 2, 200, 96, "bidirectional", 1, seed=7, lengths=[3, 1])
+    tensors = _tensors(args)
+    packed, bias, w_in, b_in = in_c.prepared("lstm", *tensors[1:4])
+    count = in_c._library().backplane_packed_floats
+    assert w_in.shape == (2 * 4 * 96, 200) and packed.shape == (2, count(0, 96, 0, 0, 0))
+    ours, theirs = _both("LSTM", args, "bidirectional", 1)
+    for got, want in zip(ours, theirs):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6)
 
 
 def _session(path, mode, threads=1):

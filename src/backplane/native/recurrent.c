@@ -108,6 +108,9 @@ static int64_t blocks(int64_t n) { return (n + BW - 1) / BW; }
  * its strides xt, xb; Y's strides yt, yd, yb; the states' sd, sb. */
 typedef struct {
     int64_t seq, dirs, batch, I, H, direction, xt, xb, sd, sb, yt, yd, yb, linear_before_reset;
+    int64_t xd; /* projected: x holds the input projections x W^T + their biases (a GEMM made
+                 * before the call, where [W, R] would not stay in the cache), xd a direction's
+                 * offset in them; I is 0 and the products read h alone */
 } Shape;
 
 typedef struct {
@@ -128,6 +131,7 @@ static void parts(const Shape *s, int gru, Part *p, int64_t *size, int64_t *bias
     const int64_t I = s->I, H = s->H;
     int n;
     int64_t nb[3] = {blocks(2 * H), blocks(H), blocks(H)}, K[3] = {I + H, I, H};
+    /* (projected, I is 0: a GRU's h-gate input part is read from x, its product has no rows) */
     if (!gru) {
         nb[0] = blocks(4 * H); n = 1;
     } else if (s->linear_before_reset) {
@@ -165,8 +169,12 @@ static void row(const Call *a, int64_t d, int64_t b, int gru, float *restrict wo
     int backward = s->direction == 1 || (s->direction == 2 && d == 1);
     for (int64_t step = 0; step < len; ++step) {
         int64_t t = backward ? len - 1 - step : step;
-        memcpy(v, a->x + t * s->xt + b * s->xb, I * sizeof(float));
+        const float *xp = a->x + t * s->xt + b * s->xb + d * s->xd;
+        memcpy(v, xp, I * sizeof(float));
         product(packed + p[0].at, bias + p[0].bias_at, p[0].nb, p[0].K, v, g);
+        if (s->xd)
+            for (int64_t j = 0; j < (gru ? 2 : 4) * H; ++j)
+                g[j] += xp[j];
         if (!gru) { /* ONNX's gates i, o, f, c */
             for (int64_t j = 0; j < H; ++j) {
                 float i = sigmoid_r(g[j]), o = sigmoid_r(g[H + j]);
@@ -176,7 +184,10 @@ static void row(const Call *a, int64_t d, int64_t b, int gru, float *restrict wo
                 h[j] = o * tanh_r(cj);
             }
         } else if (s->linear_before_reset) { /* n = tanh(x Wh + Wb_h + r * (h Rh + Rb_h)) */
-            product(packed + p[1].at, bias + p[1].bias_at, p[1].nb, p[1].K, v, g1);
+            if (s->xd)
+                memcpy(g1, xp + 2 * H, H * sizeof(float));
+            else
+                product(packed + p[1].at, bias + p[1].bias_at, p[1].nb, p[1].K, v, g1);
             product(packed + p[2].at, bias + p[2].bias_at, p[2].nb, p[2].K, h, g2);
             for (int64_t j = 0; j < H; ++j) {
                 float z = sigmoid_r(g[j]), r = sigmoid_r(g[H + j]);
@@ -191,7 +202,7 @@ static void row(const Call *a, int64_t d, int64_t b, int gru, float *restrict wo
                 rh[j] = g[H + j] * h[j];
             product(packed + p[1].at, bias + p[1].bias_at, p[1].nb, p[1].K, v2, g1);
             for (int64_t j = 0; j < H; ++j) {
-                float n = tanh_r(g1[j]);
+                float n = tanh_r(g1[j] + (s->xd ? xp[2 * H + j] : 0.0f));
                 h[j] = (1.0f - g[j]) * n + g[j] * h[j];
             }
         }
@@ -244,4 +255,4 @@ int64_t backplane_packed_floats(int64_t I, int64_t H, int64_t gru, int64_t linea
     return want_bias ? bias_size : size;
 }
 
-int backplane_recurrent_version(void) { return 2; }
+int backplane_recurrent_version(void) { return 3; }

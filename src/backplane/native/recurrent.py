@@ -31,7 +31,7 @@ from backplane.native.build import NativeUnavailable, library, mode
 BW = 64
 """The C loop's block of outputs (``recurrent.c``'s ``BW``): the packed weights' inner size."""
 
-VERSION = 2
+VERSION = 3
 """``recurrent.c``'s ``backplane_recurrent_version``: the calls' signatures this module makes."""
 MODE: contextvars.ContextVar[str] = contextvars.ContextVar("backplane_native_recurrent",
                                                           default="off")
@@ -51,7 +51,7 @@ def natively(backend: Any) -> Iterator[None]:
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "seq", "dirs", "batch", "I", "H", "direction", "xt", "xb", "sd", "sb", "yt", "yd", "yb",
-        "linear_before_reset")]
+        "linear_before_reset", "xd")]
 
 
 _FUNCTIONS: list[Any] = []
@@ -133,16 +133,35 @@ def layer(kind: str, X, W, R, B, sequence_lens, h0, c0, direction, layout,
                linear_before_reset)
 
 
-def prepared(kind: str, W, R, B, linear_before_reset=0) -> tuple[torch.Tensor, torch.Tensor]:
+STACKED_BYTES = 1 << 17
+"""The largest ``[W, R]`` of a direction (float32 bytes) the C loop reads at every step; a larger
+one (the full tier's layers: 442-786 KB, past this CPU's 512 KB L2 for two directions) has its
+input projection made before the loop, one GEMM of every step (``prepared``'s ``projected``), and
+the loop reads R alone. Full tier, 1 thread, load 6.8-7.8, thread CPU ms a run, torch's routes /
+C reading [W, R]: lstm_bi2_ts14 8.45 / 6.44, crnn_paddle_ts12 26.1 / 28.9."""
+
+
+def prepared(kind: str, W, R, B, linear_before_reset=0) -> tuple[Any, ...]:
     """The weights and biases as the C loop reads them, every direction's (in a frozen trace,
     constants; a caller that keeps them makes them once): LSTM ``[W, R]`` to its four gates;
     GRU ``[W, R]`` to z and r, then with linear_before_reset W_h and R_h apart (R_h's product
-    is reset, its bias with it), without it ``[W_h, R_h]`` (read with ``r * h``)."""
+    is reset, its bias with it), without it ``[W_h, R_h]`` (read with ``r * h``). Where ``[W, R]``
+    is larger than ``STACKED_BYTES`` a direction, the same with no rows of W, and W with the
+    biases outside the reset for the projection before the loop (else those two are None)."""
     dirs, gates, hidden = W.shape[0], 4 if kind == "lstm" else 3, R.shape[-1]
     if B is None:
         B = W.new_zeros((dirs, 2 * gates * hidden))
     w_b, r_b = B[:, :gates * hidden], B[:, gates * hidden:]
     zr, h = slice(0, 2 * hidden), slice(2 * hidden, 3 * hidden)
+    inputs: tuple[Any, Any] = (None, None)
+    if gates * hidden * (W.shape[-1] + hidden) * 4 > STACKED_BYTES:
+        if kind == "lstm":
+            outside, inside = w_b + r_b, torch.zeros_like(r_b)
+        else:  # (a GRU's Rb_h stays with the loop: inside the reset, or beside R_h's product)
+            outside = torch.cat([w_b[:, zr] + r_b[:, zr], w_b[:, h]], 1)
+            inside = torch.cat([torch.zeros_like(r_b[:, zr]), r_b[:, h]], 1)
+        inputs = (W.flatten(0, 1), outside.flatten())
+        W, w_b, r_b = W[:, :, :0], torch.zeros_like(w_b), inside  # the loop's products read h
     if kind == "lstm":
         mats, biases = [torch.cat([W, R], 2)], [w_b + r_b]
     elif linear_before_reset:
@@ -152,30 +171,35 @@ def prepared(kind: str, W, R, B, linear_before_reset=0) -> tuple[torch.Tensor, t
         mats = [torch.cat([W[:, zr], R[:, zr]], 2), torch.cat([W[:, h], R[:, h]], 2)]
         biases = [w_b[:, zr] + r_b[:, zr], w_b[:, h] + r_b[:, h]]
     return (torch.cat([_packed(m) for m in mats], 1).contiguous(),
-            torch.cat([_padded(b) for b in biases], 1).contiguous())
+            torch.cat([_padded(b) for b in biases], 1).contiguous(), *inputs)
 
 
 def run(kind: str, weights, hidden: int, X, sequence_lens, h0, c0, direction, layout,
         linear_before_reset=0):
     """``layer`` on ``prepared``'s weights of a layer of ``hidden``."""
-    packed, bias = weights
+    packed, bias, w_in, b_in = weights
     dirs = packed.shape[0]
+    projected = int(w_in is not None)
+    if projected:  # every step's input projection first, in X's layout
+        X = F.linear(X, w_in, b_in)
     batch = X.shape[1 - layout]
     shape = (batch, dirs, hidden) if layout else (dirs, batch, hidden)
     lens = None if sequence_lens is None else sequence_lens.to(torch.int64)
     direction = {"forward": 0, "reverse": 1, "bidirectional": 2}[direction]
     if kind == "lstm":
         return torch.ops.backplane.native_lstm(X, packed, bias, _states(h0, shape),
-                                               _states(c0, shape), lens, direction, layout, hidden)
+                                               _states(c0, shape), lens, direction, layout, hidden,
+                                               projected)
     return torch.ops.backplane.native_gru(X, packed, bias, _states(h0, shape), lens, direction,
-                                          layout, hidden, linear_before_reset)
+                                          layout, hidden, linear_before_reset, projected)
 
 
 def _shape(x: torch.Tensor, dirs: int, hidden: int, direction: int, layout: int,
-           linear_before_reset: int) -> _Shape:
-    """The call's sizes and the strides of x, Y and the states in ONNX's ``layout``."""
+           linear_before_reset: int, projected: int) -> _Shape:
+    """The call's sizes and the strides of x (the input, or with ``projected`` its projections),
+    Y and the states in ONNX's ``layout``."""
     sizes, strides = x.shape, x.stride()
-    key = (*sizes, *strides, dirs, hidden, direction, layout, linear_before_reset)
+    key = (*sizes, *strides, dirs, hidden, direction, layout, linear_before_reset, projected)
     shape = _SHAPES.get(key)
     if shape is None:
         seq, batch = (sizes[1], sizes[0]) if layout else (sizes[0], sizes[1])
@@ -184,8 +208,9 @@ def _shape(x: torch.Tensor, dirs: int, hidden: int, direction: int, layout: int,
             ys, ss = (dirs * hidden, hidden, seq * dirs * hidden), (hidden, dirs * hidden)
         else:  # Y (seq, dirs, batch, hidden), states (dirs, batch, hidden)
             ys, ss = (dirs * batch * hidden, batch * hidden, hidden), (batch * hidden, hidden)
-        shape = _SHAPES[key] = _Shape(seq, dirs, batch, sizes[2], hidden, direction, xt, xb,
-                                      *ss, *ys, linear_before_reset)
+        shape = _SHAPES[key] = _Shape(seq, dirs, batch, 0 if projected else sizes[2], hidden,
+                                      direction, xt, xb, *ss, *ys, linear_before_reset,
+                                      sizes[2] // dirs if projected else 0)
     return shape
 
 
@@ -206,10 +231,10 @@ def _contiguous(*values: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [v if v is None or v.is_contiguous() else v.contiguous() for v in values]
 
 
-def _lstm(x, packed, bias, h0, c0, lens, direction, layout, hidden):
+def _lstm(x, packed, bias, h0, c0, lens, direction, layout, hidden, projected):
     x = x if x.stride(-1) == 1 else x.contiguous()
     dirs = packed.shape[0]
-    shape = _shape(x, dirs, hidden, direction, layout, 0)
+    shape = _shape(x, dirs, hidden, direction, layout, 0, projected)
     y, y_h, y_c = _outputs(x, dirs, hidden, layout, 2)
     h0, c0, lens = _contiguous(h0, c0, lens)
     if _functions()[0](shape, x.data_ptr(), packed.data_ptr(), bias.data_ptr(), _address(h0),
@@ -219,10 +244,10 @@ def _lstm(x, packed, bias, h0, c0, lens, direction, layout, hidden):
     return y, y_h, y_c
 
 
-def _gru(x, packed, bias, h0, lens, direction, layout, hidden, linear_before_reset):
+def _gru(x, packed, bias, h0, lens, direction, layout, hidden, linear_before_reset, projected):
     x = x if x.stride(-1) == 1 else x.contiguous()
     dirs = packed.shape[0]
-    shape = _shape(x, dirs, hidden, direction, layout, linear_before_reset)
+    shape = _shape(x, dirs, hidden, direction, layout, linear_before_reset, projected)
     y, y_h = _outputs(x, dirs, hidden, layout, 1)
     h0, lens = _contiguous(h0, lens)
     if _functions()[1](shape, x.data_ptr(), packed.data_ptr(), bias.data_ptr(), _address(h0),
@@ -233,9 +258,10 @@ def _gru(x, packed, bias, h0, lens, direction, layout, hidden, linear_before_res
 
 _LIBRARY = torch.library.Library("backplane", "FRAGMENT")
 _LIBRARY.define("native_lstm(Tensor x, Tensor packed, Tensor bias, Tensor? h0, Tensor? c0, "
-                "Tensor? lens, int direction, int layout, int hidden) -> (Tensor, Tensor, Tensor)")
+                "Tensor? lens, int direction, int layout, int hidden, int projected) "
+                "-> (Tensor, Tensor, Tensor)")
 _LIBRARY.define("native_gru(Tensor x, Tensor packed, Tensor bias, Tensor? h0, Tensor? lens, "
-                "int direction, int layout, int hidden, int linear_before_reset) "
+                "int direction, int layout, int hidden, int linear_before_reset, int projected) "
                 "-> (Tensor, Tensor)")
 _LIBRARY.impl("native_lstm", _lstm, "CPU")
 _LIBRARY.impl("native_gru", _gru, "CPU")
