@@ -125,8 +125,10 @@ class InferenceSession:
         ids, per_backend = backend_list(listed, provider_options)
         self._provider_options = per_backend
         options = self.sess_options
-        session_wide = {"CpuAcc.threads": options.intra_op_num_threads} \
-            if options.intra_op_num_threads else {}
+        from backplane.backends.torch.threads import AtMost  # no torch import
+
+        session_wide = {"CpuAcc.threads": AtMost(options.intra_op_num_threads)} \
+            if options.intra_op_num_threads else {}  # a ceiling: fewer while others hold the CPUs
         chosen = merge(("SessionOptions", session_wide), ("the backends' options",
                                                            qualified(per_backend)))
         if runtime is not None:

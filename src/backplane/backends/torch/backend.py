@@ -6,7 +6,8 @@ asynchronously on the current stream) and in ``optimize_subgraph`` (CpuAcc fuses
 primitives, GpuAcc captures CUDA graphs).
 
 Options (``RuntimeOptions.backend_options``): ``CpuAcc.threads`` ("auto", the default: as many
-intra-op threads as the CPUs other processes leave free, ``threads.py``; or a count),
+intra-op threads as the CPUs other processes leave free, ``threads.py``; or a fixed count; a
+session's ``intra_op_num_threads`` is a ceiling, ``threads.AtMost``),
 ``CpuAcc.linear_route`` ("auto": measure MKL and oneDNN per layer at load and keep the faster;
 "mkl"; "onednn"), ``CpuAcc.conv_route`` ("auto", "onednn", "torch", "gemm"), ``CpuAcc.compile``
 ("auto": a subgraph with convolutions compiled by oneDNN Graph where that measures faster;
@@ -163,15 +164,16 @@ class GpuWorkloadFactory(TorchWorkloadFactory):
 
 
 class TorchContext(BackendContext):
-    """Sets torch's threads to ``CpuAcc.threads`` where a count is given; otherwise starts the
-    process's thread governor (``threads.py``), and holds the loading thread at its full count
-    while a network loads (routes are measured, and their cache keyed, at that count)."""
+    """Sets torch's threads to ``CpuAcc.threads`` where a fixed count is given; otherwise starts
+    the process's thread governor (``threads.py``; a session's ``intra_op_num_threads``, an
+    ``AtMost``, that count's), and holds the loading thread at its full count while a network
+    loads (routes are measured, and their cache keyed, at that count)."""
 
     def __init__(self, threads: Any) -> None:
         from backplane.backends.torch import threads as policy
 
         count = policy.thread_setting(threads)
-        self.governor = None if count else policy.governor()
+        self.governor = None if count else policy.governor(policy.ceiling(threads))
         if count:
             import torch
 
@@ -200,10 +202,10 @@ class CpuWorkloadFactory(TorchWorkloadFactory):
         else:
             made = super().create_workload(layer, inputs, outputs)
         workload = _writing_into(made, layer, inputs, outputs)
-        if policy.thread_setting(self.backend.options.get("CpuAcc.threads")) is not None \
-                or AT_RUN.get():
+        threads = self.backend.options.get("CpuAcc.threads")
+        if policy.thread_setting(threads) is not None or AT_RUN.get():
             return workload
-        return policy.Governed(workload, policy.governor())
+        return policy.Governed(workload, policy.governor(policy.ceiling(threads)))
 
 
 @functools.cache

@@ -17,6 +17,13 @@ when the policy started, halved until the free CPUs (with ``SLACK``) cover it, a
 Subtracting only other processes' use keeps the decision stable: one thread fewer does not make
 the neighbour look gone. Without ``/proc/stat`` (not Linux) it keeps torch's count.
 
+A count a session gives (``SessionOptions(intra_op_num_threads=N)``, an ``AtMost(N)``) is a
+ceiling the same way: N on a quiet machine (N even where it exceeds the CPUs), fewer while other
+processes hold the CPUs, N again when they leave. Beside a 2-thread torch process a fixed 2 lost
+30x (issue 27: yolo_v8 540 ms to 1.9 s against ONNX Runtime's 89-186; ONNX Runtime's pool gives a
+region's chunks to whichever thread runs). ``CpuAcc.threads=N`` as a backend option stays a fixed,
+exact count.
+
 ``torch.set_num_threads`` sets the calling thread's count (OpenMP's are per thread), so each thread
 that runs a network gets the decision applied in it at its next call. A compiled ``OneDnnGraph``
 does not follow the count: oneDNN Graph's partitions keep running on the threads they were compiled
@@ -147,17 +154,34 @@ SLACK = 0.25
 """A thread is used where 1 - SLACK of a CPU is free: 2 threads of 2 CPUs need 1.75 free."""
 
 
+class AtMost(int):
+    """``CpuAcc.threads`` as ``SessionOptions.intra_op_num_threads`` gives it: at most this many
+    threads, fewer while other processes hold the CPUs (``governor(most)``). An int, so that it
+    compares, prints and conflicts as the count it is."""
+
+    __slots__ = ()
+
+
 def thread_setting(value: Any) -> int | None:
-    """``CpuAcc.threads`` as a thread count, or None for the policy ("auto", None or 0, what
-    ``SessionOptions.intra_op_num_threads=0`` gives); an OptionError for anything else."""
+    """``CpuAcc.threads`` as a fixed thread count, or None for the policy ("auto", None or 0, what
+    ``SessionOptions.intra_op_num_threads=0`` gives; an ``AtMost``, whose count ``ceiling``
+    says); an OptionError for anything else."""
     if value is None or value == AUTO or (isinstance(value, int) and value == 0):
         return None
+    if isinstance(value, AtMost):
+        return None if value > 0 else thread_setting(int(value))
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     if isinstance(value, str) and value.isdigit() and int(value) > 0:
         return int(value)
     raise OptionError(f"CpuAcc.threads {value!r} is neither {AUTO!r} (the default: fewer threads "
                       f"while other processes hold CPUs) nor a positive thread count")
+
+
+def ceiling(value: Any) -> int | None:
+    """The governor's most threads for ``CpuAcc.threads``: an ``AtMost``'s count; None for "auto"
+    (torch's count) and for a fixed count (no governor)."""
+    return int(value) if isinstance(value, AtMost) and value > 0 else None
 
 
 @dataclass(frozen=True)
@@ -208,8 +232,15 @@ def choose(free: float, most: int) -> int:
     return max(1, count)
 
 
+_APPLIED = threading.local()
+"""In each thread, the governor that last applied its count (``by``) and the count (``threads``):
+two sessions of different ceilings called from one thread each set theirs again."""
+
+
 class ThreadGovernor:
-    """Sets torch's threads to ``choose(free_cpus(...))`` every ``period`` seconds of calls."""
+    """Sets torch's threads to ``choose(free_cpus(...))`` every ``period`` seconds of calls:
+    ``most`` while the CPUs it fits on (at most the affinity's) are free, fewer while others hold
+    them."""
 
     def __init__(self, most: int, cpus: frozenset[int],
                  read: Callable[[frozenset[int]], Sample | None] = read_sample,
@@ -222,22 +253,23 @@ class ThreadGovernor:
         self._last = read(cpus)
         self._due = time.perf_counter() + period
         self._lock = threading.Lock()
-        self._applied = threading.local()
 
     def tick(self) -> None:
         """Before a call: read the CPUs' use if due, and give this thread the current count."""
         if time.perf_counter() >= self._due:
             self.update()
-        if getattr(self._applied, "threads", None) != self.threads:
+        if getattr(_APPLIED, "by", None) is not self or _APPLIED.threads != self.threads:
             self.apply(self.threads)
-            self._applied.threads = self.threads
+            _APPLIED.by, _APPLIED.threads = self, self.threads
 
     def update(self) -> None:
         with self._lock:
             self._due = time.perf_counter() + self.period
             sample = self.read(self.cpus)
             if sample is not None and self._last is not None:
-                self.threads = choose(free_cpus(self._last, sample, len(self.cpus)), self.most)
+                fits = max(1, min(self.most, len(self.cpus)))
+                count = choose(free_cpus(self._last, sample, len(self.cpus)), fits)
+                self.threads = self.most if count == fits else count  # quiet: the count given
                 self.decisions[self.threads] = self.decisions.get(self.threads, 0) + 1
             self._last = sample
 
@@ -245,7 +277,7 @@ class ThreadGovernor:
         """This thread at the full count (a load measures its routes, and keys their cache, at
         the count a quiet machine runs with); the next call's tick applies the decision again."""
         self.apply(self.most)
-        self._applied.threads = self.most
+        _APPLIED.by, _APPLIED.threads = self, self.most
 
 
 def _set_torch_threads(count: int) -> None:
@@ -255,22 +287,29 @@ def _set_torch_threads(count: int) -> None:
 
 
 _GOVERNOR: ThreadGovernor | None = None
+_CEILINGS: dict[int, ThreadGovernor] = {}
+"""The governors of the counts sessions gave (``AtMost``), one per count."""
 _MADE = threading.Lock()
 
 
-def governor() -> ThreadGovernor:
+def governor(most: int | None = None) -> ThreadGovernor:
     """The process's governor (torch's threads are the process's), made at the first "auto" load:
-    at most torch's thread count then, and the CPUs of the process's affinity."""
+    at most torch's thread count then, and the CPUs of the process's affinity; with ``most`` (a
+    session's count, ``AtMost``) that count's governor."""
     global _GOVERNOR
     with _MADE:
-        if _GOVERNOR is None:
-            import os
+        if most is None and _GOVERNOR is not None:
+            return _GOVERNOR
+        if most is not None and most in _CEILINGS:
+            return _CEILINGS[most]
+        cpus = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                         else range(os.cpu_count() or 1))
+        if most is not None:
+            _CEILINGS[most] = ThreadGovernor(most, cpus)
+            return _CEILINGS[most]
+        import torch
 
-            import torch
-
-            cpus = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
-                             else range(os.cpu_count() or 1))
-            _GOVERNOR = ThreadGovernor(max(1, min(torch.get_num_threads(), len(cpus))), cpus)
+        _GOVERNOR = ThreadGovernor(max(1, min(torch.get_num_threads(), len(cpus))), cpus)
         return _GOVERNOR
 
 
@@ -285,8 +324,8 @@ class Governed(Wrapper):
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
         governor = self.governor  # tick's test in line: a frame less per call (the call's floor)
-        if time.perf_counter() >= governor._due \
-                or getattr(governor._applied, "threads", None) != governor.threads:
+        if time.perf_counter() >= governor._due or getattr(_APPLIED, "by", None) is not governor \
+                or _APPLIED.threads != governor.threads:
             governor.tick()
         return self.work(*inputs)
 
@@ -310,11 +349,9 @@ def _keyed_ticking(governor: ThreadGovernor, keyed: Callable[..., Any]) -> Calla
     this, not the workload (the full tier's yolo_v8 at "auto" beside a 2-thread torch process ran
     at 2 threads, 1.1-1.7 s a run against 15 ms quiet, its governor never having read the
     machine; ticked, it ran at 1 thread, 145-250 ms, ONNX Runtime 217-325, load 4-7)."""
-    applied = governor._applied
-
     def keyed_ticked(shapes: tuple[Any, ...], *values: Any) -> tuple[Any, ...]:
-        if time.perf_counter() >= governor._due \
-                or getattr(applied, "threads", None) != governor.threads:
+        if time.perf_counter() >= governor._due or getattr(_APPLIED, "by", None) is not governor \
+                or _APPLIED.threads != governor.threads:
             governor.tick()
         return keyed(shapes, *values)
 
