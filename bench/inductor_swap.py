@@ -8,8 +8,8 @@ python bench/inductor_swap.py --models gpt_causal_ts15 [--tier full] [--threads 
 
 Each process (a fresh cache folder each: inductor compiles cold, as a first load does) loads the
 model in a default session (CpuAcc, CpuRef at ``--threads``), runs it once, then
-``background.settle`` (no limit): the compile and the runs' timing. It reports the seconds that
-took, the process's and its compilers' CPU seconds meanwhile, and ``--runs`` runs after: median
+``background.settle`` (no limit): the compile and the runs' timing; the runs of its first 5 s
+are timed too (``during_*``: beside the compile). It reports the seconds that took, the process's and its compilers' CPU seconds meanwhile, and ``--runs`` runs after: median
 thread CPU (what this thread spent: a busy machine's preemptions left out; at 1 thread the whole
 run) and median wall, the route the Traced layer took, the load average. ``--base`` runs the same
 in the tree at that path (its ``src`` first on the path), alternating with this one, ``--pairs``
@@ -48,6 +48,11 @@ def worker(model: str, threads: int, runs: int) -> dict:
     session.run(None, feeds)
     start, cpu = time.perf_counter(), time.process_time()
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    during = []  # runs while the compile goes on beside them (at most 5 s of them)
+    while background.pending() and time.perf_counter() - start < 5:
+        a, b = time.thread_time(), time.perf_counter()
+        session.run(None, feeds)
+        during.append((time.thread_time() - a, time.perf_counter() - b))
     settled = background.settle(lambda: session.run(None, feeds), 1800)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = {"settle_s": time.perf_counter() - start, "settled": settled,
@@ -63,6 +68,9 @@ def worker(model: str, threads: int, runs: int) -> dict:
         cpu_times.append(time.thread_time() - a)
         walls.append(time.perf_counter() - b)
     routes = sorted({str(getattr(work, "route", "?")) for work in _traced(session)})
+    if during:
+        done["during_cpu_ms"] = statistics.median(c for c, _ in during) * 1e3
+        done["during_wall_ms"] = statistics.median(w for _, w in during) * 1e3
     return {**done, "cpu_ms": statistics.median(cpu_times) * 1e3,
             "wall_ms": statistics.median(walls) * 1e3, "routes": routes,
             "load": os.getloadavg()}
@@ -86,7 +94,7 @@ def spawn(tree: Path, model: Path, threads: int, runs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", required=True)
+    ap.add_argument("--models", default="")
     ap.add_argument("--tier", choices=tuple(TIERS), default="small")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=300)
