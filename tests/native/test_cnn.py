@@ -251,3 +251,16 @@ def test_outputs_are_the_callers_and_threads_at_once_get_their_own_arena():
     for t in threads:
         t.join()
     assert not failures
+
+
+@needs_compiler
+def test_the_profile_times_each_planned_layer():
+    path, feeds, shapes = _corpus("resnet_basic_ts16")
+    session = _session(path, input_shapes=shapes)
+    outputs, rows = session.run_profiled(None, feeds)
+    ops = [row.op_type for row in rows]
+    assert ops.count("FusedConv") == 6 and "NativeImport" in ops and "NativeExport" in ops
+    assert all(isinstance(row.seconds, float) and row.seconds >= 0 for row in rows)
+    want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)
+    for g, w in zip(outputs, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -127,15 +127,17 @@ static void pad_frame(const int64_t *f, const float *restrict x, float *restrict
     }
 }
 
-/* Four output pixels of one row by VB (8 or 16) output channels of one group: the register tile.
-   ip: the first pixel's window origin; xs: the step between the four pixels' origins. */
+/* pb output pixels of one row by VB (8 or 16) output channels of one group: the register tile
+   (6 x 16 or 8 x 8: 12 or 8 accumulators of the 16 AVX registers). ip: the first pixel's window
+   origin; xs: the step between the pixels' origins. */
+enum { PB_MAX = 8 };
 static inline __attribute__((always_inline)) void tile(
-    int nv, const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep, int64_t KH,
-    int64_t KW, int64_t ICG, const float *restrict wk, const float *restrict bk,
+    int nv, int pb, const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep,
+    int64_t KH, int64_t KW, int64_t ICG, const float *restrict wk, const float *restrict bk,
     float *restrict op, int64_t OC, int64_t pixels, int64_t valid) {
     const int64_t VB = 8 * nv;
-    v8 a0[4], a1[4];
-    for (int r = 0; r < 4; ++r) {
+    v8 a0[PB_MAX], a1[PB_MAX];
+    for (int r = 0; r < pb; ++r) {
         a0[r] = vload(bk);
         a1[r] = nv > 1 ? vload(bk + 8) : vsplat(0.0f);
     }
@@ -145,15 +147,15 @@ static inline __attribute__((always_inline)) void tile(
             const float *w = wk + (kh * KW + kw) * ICG * VB;
             for (int64_t ic = 0; ic < ICG; ++ic, w += VB) {
                 const v8 w0 = vload(w), w1 = nv > 1 ? vload(w + 8) : vsplat(0.0f);
-                for (int r = 0; r < 4; ++r) {
+                for (int r = 0; r < pb; ++r) {
                     const v8 xr = vsplat(x[r * xs + ic]);
                     a0[r] = vfma(xr, w0, a0[r]);
                     if (nv > 1) a1[r] = vfma(xr, w1, a1[r]);
                 }
             }
         }
-    if (pixels == 4 && valid == VB) {
-        for (int r = 0; r < 4; ++r) {
+    if (pixels == pb && valid == VB) {
+        for (int r = 0; r < pb; ++r) {
             vstore(op + r * OC, a0[r]);
             if (nv > 1) vstore(op + r * OC + 8, a1[r]);
         }
@@ -167,7 +169,7 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-enum { CHUNK = 32 };
+enum { CHUNK = 48 };  /* pixels: a multiple of both tiles' 6 and 8 */
 
 /* A convolution of any groups, its weights packed per group and block of VB output channels as
    [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself. */
@@ -184,6 +186,10 @@ static void conv(const int64_t *f, float *A, const float *P) {
     float *out = A + f[F_OUT];
     const float *res = f[F_IN2] >= 0 ? A + f[F_IN2] : 0;
     const int64_t xs = SW * C, rowstep = DH * PW * C, colstep = DW * C;
+    /* the wide tile (6 or 8 pixels) unless a short row wastes it: a tile costs about its pixels
+       and two more (8 pixels: two wide tiles of 6 cost 16, two of 4 cost 12) */
+    const int64_t wide = VB == 16 ? 6 : 8;
+    const int64_t pb = (OW + wide - 1) / wide * (wide + 2) <= (OW + 3) / 4 * 6 ? wide : 4;
     for (int64_t n = 0; n < N; ++n)
         for (int64_t oh = 0; oh < OH; ++oh) {
             float *orow = out + (n * OH + oh) * OW * OC;
@@ -194,7 +200,7 @@ static void conv(const int64_t *f, float *A, const float *P) {
             for (int64_t ow0 = 0; ow0 < OW; ow0 += CHUNK) {
                 const int64_t ow1 = OW - ow0 < CHUNK ? OW : ow0 + CHUNK;
                 for (int64_t ow = ow0, pixels; ow < ow1; ow += pixels) {
-                    pixels = ow1 - ow < 4 ? ow1 - ow : 4;
+                    pixels = ow1 - ow < pb ? ow1 - ow : pb;
                     for (int64_t g = 0; g < G; ++g)
                         for (int64_t b = 0; b < NB; ++b) {
                             const float *wk = P + f[F_WOFF] + (g * NB + b) * KH * KW * ICG * VB;
@@ -203,11 +209,17 @@ static void conv(const int64_t *f, float *A, const float *P) {
                             const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
                             const float *ip = irow + ow * SW * C + g * ICG;
                             float *op = orow + ow * OC + oc0;
-                            if (VB == 16)
-                                tile(2, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                            if (VB == 16 && pb == 6)
+                                tile(2, 6, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                                     pixels, valid);
+                            else if (VB == 16)
+                                tile(2, 4, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                                     pixels, valid);
+                            else if (pb == 8)
+                                tile(1, 8, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
                                      pixels, valid);
                             else
-                                tile(1, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
+                                tile(1, 4, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
                                      pixels, valid);
                         }
                 }

@@ -65,7 +65,7 @@ def fused_conv(p: _Planner, layer: Layer) -> None:
     y = p.new(layer.outputs[0], shape)
     if scratch >= 0:
         p.arena.give(scratch, n * ph * pw * c)
-    p.slack = max(p.slack, (4 * sw + kw * dw) * c + 64)
+    p.slack = max(p.slack, (8 * sw + kw * dw) * c + 64)  # a tile's pixels past a row's end
     dims = x.dims
     if (kh, kw, sh, sw, scratch) == (1, 1, 1, 1, -1):  # a 1x1 over all pixels as one row
         dims, oh, ow, ph, pw = (n, c, 1, h * w), 1, h * w, 1, h * w

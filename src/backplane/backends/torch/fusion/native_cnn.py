@@ -87,7 +87,7 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Work
         for key, second in zip(names, seconds):
             spent[key] = spent.get(key, 0.0) + second
         wall = (time.perf_counter() - start) / 2  # two runs: each record's share of one
-        return outputs, [(name, op, wall * s / total, 0) for (name, op), s in spent.items()]
+        return outputs, [(name, op, float(wall * s / total), 0) for (name, op), s in spent.items()]
 
     run.route = ROUTE  # type: ignore[attr-defined]
     run.why = why  # type: ignore[attr-defined]
