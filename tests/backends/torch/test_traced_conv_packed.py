@@ -75,6 +75,31 @@ def test_a_traced_convolution_reads_its_packed_weight(make, convs, monkeypatch) 
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_a_weight_is_packed_for_the_input_the_convolution_sees(monkeypatch) -> None:
+    """Packed for the geometry of the call that reads it: the input as it comes where the
+    convolution pads it itself (symmetric pads), the input padded here where it is not
+    (asymmetric). A weight packed for another input size is reordered at every call
+    (resnet_basic_dyn21_qop's 3x3 ones were packed for 58x58 and run on 56x56)."""
+    seen = []
+    make = prepacked.TraceInputs.conv_weight
+
+    def spied(self, weight, padding, strides, dilations, groups, input_shape):
+        seen.append((list(padding), list(input_shape)))
+        return make(self, weight, padding, strides, dilations, groups, input_shape)
+    monkeypatch.setattr(prepacked.TraceInputs, "conv_weight", spied)
+    monkeypatch.setattr(conv, "TRACED_PACKED_MACS", 0)
+    monkeypatch.setattr(windowed, "PRODUCT_MACS", -1)
+    model, shape = _cnn()
+    session, _ = _traced(model, monkeypatch)
+    # Conv pads 1 on 16x16; Conv stride 2, pads (0, 1, 1, 0), padded here to 17x17; depthwise
+    assert ([1, 1], [1, 4, 16, 16]) in seen and ([0, 0], [1, 8, 17, 17]) in seen \
+        and ([1, 1], [1, 8, 8, 8]) in seen
+    assert all(shape in ([1, 4, 16, 16], [1, 8, 17, 17], [1, 8, 8, 8]) for _, shape in seen)
+    x = RNG.standard_normal(shape).astype(np.float32)
+    (want,) = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("make, packed", [(_cnn, 1), (_gated_1d, 0)])
 def test_a_small_traced_convolution_keeps_torchs_call(make, packed, monkeypatch) -> None:
     """Below ``conv.TRACED_PACKED_MACS`` a convolution of one group keeps torch's conv2d, which
