@@ -1,5 +1,8 @@
 """RNN, GRU and LSTM on torch.
 
+In a CpuAcc trace under ``CpuAcc.native`` "auto", an LSTM or GRU of more than one step, the
+default activations and no clip (nor peepholes, nor input_forget) is one call of C over all its
+steps where the package's C builds (``native/recurrent.py``, ``_in_c``); what follows is the rest.
 They run as one call of torch's fused kernel (``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh`` /
 ``rnn_relu``, what nn.LSTM / GRU / RNN call; oneDNN's LSTM on the CPU; ``recurrent_fused.py``) where
 ONNX's attributes are what it computes: the default activations (RNN's Tanh or Relu), no clip, full
