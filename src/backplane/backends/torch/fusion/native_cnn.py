@@ -9,8 +9,8 @@ arena planned at load.
 
 ``CpuAcc.native``: "auto" (the default) takes it, under ``CpuAcc.compile=auto`` (a pinned compile
 mode keeps its route), for a float32 partition the plan covers whole
-(every layer a kind ``native.cnn_layers`` plans) and small (``SMALL``: at most ``SMALL`` multiply-
-adds, one thread's work); "off" keeps today's routes exactly. Without a C compiler
+(every layer a kind ``native.cnn_layers`` plans) and small (at most ``SMALL`` multiply-adds, one
+thread's work); "off" keeps today's routes exactly. Without a C compiler
 (``NativeUnavailable``) the partition keeps its torch route too.
 """
 
@@ -26,9 +26,9 @@ from backplane.ir.graph import Layer, TensorInfo
 
 log = logging.getLogger("backplane.torch")
 
-SMALL = 8_000_000
+SMALL = 16_000_000
 """The most multiply-adds a partition runs natively under "auto": the native kernels run at one
-thread, where oneDNN's at the session's count may win on a large image (measured: see
+thread and win by oneDNN Graph's fixed costs, which a large image outgrows (measured: see
 docs/torch-backends.md, "The native CNN route")."""
 ROUTE = "native"
 
