@@ -156,6 +156,7 @@ class InferenceSession:
                 self._meta = ModelMetadata(**found.manifest["model"]["metadata"])
                 self.graph = found.network.graph
                 self._optimized: OptimizedNetwork = found.network
+                _ceiling_here(found.network, chosen.get("CpuAcc.threads"))
                 optimized = time.perf_counter()
                 if compiled is not None and not against_cpu.at_load(self.graph):
                     timing = against_cpu.applies(ids, self._optimized, chosen, all_pins)
@@ -451,6 +452,20 @@ class InferenceSession:
             self.runtime.close()  # its contexts, and the backends it holds (destroy hooks)
         self._closed = True
         self._update_fast_path()
+
+
+def _ceiling_here(network: OptimizedNetwork, threads: Any) -> None:
+    """An artifact's network given this session's ``intra_op_num_threads`` (an ``AtMost``: a
+    ceiling its CpuAcc workloads' governor lowers on a busy machine): the count its manifest stored
+    reads back as a plain int, a fixed count (bench/wild.py's sessions load through the compile
+    cache). The runtime gives the network's options to its backends (``Runtime._configure``)."""
+    from backplane.backends.torch.threads import AtMost
+
+    if not isinstance(threads, AtMost):
+        return
+    for net in within(network):
+        if "CpuAcc.threads" in net.backend_options:
+            net.backend_options["CpuAcc.threads"] = threads
 
 
 def _compile_cache(cache_dir: str | os.PathLike | None) -> str | None:

@@ -85,3 +85,36 @@ def test_intra_op_num_threads_follows_the_machine_and_comes_back(monkeypatch) ->
         assert not any(isinstance(w, Governed) for w in _steps(fixed))
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_sessions_count_is_a_ceiling_through_the_compile_cache_too(tmp_path, monkeypatch) -> None:
+    """A session loaded from its compile-cache entry (bench/wild.py's sessions are): the artifact's
+    manifest stores the count as a plain int, which made its workloads fixed at 2, ungoverned; at
+    its compile and at its load from the cache alike they follow the session's ceiling."""
+    torch = pytest.importorskip("torch")
+    from backplane import InferenceSession, SessionOptions
+
+    signal = Simulated()
+    governor = ThreadGovernor(2, CPUS, read=signal, apply=torch.set_num_threads, period=0.0)
+    monkeypatch.setattr(threads, "_CEILINGS", {2: governor})
+    path = tmp_path / "cnn.onnx"
+    path.write_bytes(small_cnn_model().SerializeToString())
+    image = np.random.default_rng(5).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    (want,) = InferenceSession(str(path), backends=["CpuRef"]).run(None, {"x": image})
+    before = torch.get_num_threads()
+    try:
+        for _ in ("compiled", "from the cache"):
+            session = InferenceSession(str(path), SessionOptions(intra_op_num_threads=2),
+                                       backends=["CpuAcc", "CpuRef"], cache_dir=str(tmp_path / "c"))
+            assert any(isinstance(w, Governed) for w in _steps(session))
+            signal.busy = 2.0
+            (busy,) = session.run(None, {"x": image})
+            assert torch.get_num_threads() == 1
+            signal.busy = 0.0
+            (quiet,) = session.run(None, {"x": image})
+            assert torch.get_num_threads() == 2
+            for got in (busy, quiet):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert len(list((tmp_path / "c").rglob("*"))) > 0  # the entry the second load read
+    finally:
+        torch.set_num_threads(before)
