@@ -168,10 +168,7 @@ def test_the_suite_loads_with_no_compile_in_the_background(cache) -> None:
 
 
 def test_no_compiler_compiles_nothing_and_says_so_once(cache, monkeypatch, caplog) -> None:
-    def missing() -> str:
-        raise inductor.CompilerMissing("no g++ here")
-
-    monkeypatch.setattr(inductor, "compiler", missing)
+    monkeypatch.setenv("CXX", "no-g++-here")
     monkeypatch.setattr(inductor_background, "_said_missing", False)
     model = _exported(SmallBlock(), (1, 8, 16))
     with caplog.at_level(logging.INFO, logger="backplane.torch"):
@@ -179,8 +176,9 @@ def test_no_compiler_compiles_nothing_and_says_so_once(cache, monkeypatch, caplo
             session = _session(model, severity=1, inductor="auto")  # info: said
             session.run(None, _feeds())
     assert background.pending() == 0 and not isinstance(_traced(session), background.Swapped)
-    assert [r.message for r in caplog.records if "no g++ here" in r.message] == [
-        "CpuAcc: no TorchInductor compile in the background: no g++ here"]
+    assert [r.message for r in caplog.records if "no-g++-here" in r.message] == [
+        "CpuAcc: no TorchInductor compile in the background: no C++ compiler (no-g++-here) on "
+        "the PATH"]
 
 
 def test_a_subgraph_with_convolutions_is_not_queued(cache, monkeypatch) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -112,9 +113,11 @@ def later(job: Callable[..., None], *args: Any, name: str) -> None:
     _worker(low=True).put(job, args, name)
 
 
-def pending() -> int:
-    """How many queued jobs are not done yet (0: the background is idle)."""
-    return sum(worker.pending for worker in _workers())
+def pending(low: bool = True) -> int:
+    """How many queued jobs are not done yet (0: the background is idle); ``low`` False: not
+    counting the low-priority thread's (a compile that may take minutes, whose result is timed
+    against what runs: a partition's thread count is not left waiting for it, ``small``)."""
+    return sum(worker.pending for worker in _workers() if low or not worker.low)
 
 
 def epoch() -> int | None:
@@ -187,7 +190,7 @@ class _Worker:
     def put(self, job: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
         with self.done:
             self.pending += 1
-        self.jobs.put((job, args, name))
+        self.jobs.put((job, args, name, time.perf_counter()))
 
     def idle(self, timeout: float | None) -> bool:
         with self.done:
@@ -207,14 +210,20 @@ class _Worker:
             job = self.jobs.get()
             if job is None:
                 return
+            if self.low:  # the load and its first runs first (the compile's Python takes the GIL)
+                time.sleep(max(0.0, job[3] + START_DELAY - time.perf_counter()))
             self.epoch += 1
+            switch = sys.getswitchinterval()
             try:
+                if self.low:  # a run waiting for the GIL waits SWITCH, not 5 ms, per handover
+                    sys.setswitchinterval(SWITCH)
                 if not self.stopping:
                     job[0](*job[1])
             except Exception as exc:  # noqa: BLE001  # the stand-in keeps running: say why
                 log.warning("CpuAcc: building %s in the background failed (%s: %s); "
                             "its layers run as loaded", job[2], type(exc).__name__, exc)
             finally:
+                sys.setswitchinterval(switch)
                 self.epoch += 1
                 with self.done:
                     self.pending -= 1
@@ -224,6 +233,17 @@ class _Worker:
 NICE = 19
 """The low-priority thread's nice value (Linux: a thread's own; the compilers it starts inherit
 it): its compiles take what CPU time the runs and the machine's other work leave."""
+
+
+START_DELAY = 3.0
+"""Seconds from a low-priority job's queueing to its start: begun at once, inductor's compile took
+the GIL from the rest of the load and the first run (``bench/wild.py``'s first call of the small
+tier's gpt_causal_ts15 in a default session: 7.96-8.62 s beside it, 1.04 s without)."""
+SWITCH = 0.0002
+"""Python's switch interval (seconds) while the low-priority thread runs a job: inductor's Python
+holds the GIL for stretches, and a run that released it (in torch) waits a whole interval to take
+it back, 5 ms by default: the small tier's gpt_causal_ts15 at 2 threads ran 4.76 ms a call beside
+its compile (``bench/wild.py``, load 9.7) where it runs in 0.37."""
 
 
 def _lowest_priority() -> None:

@@ -113,15 +113,27 @@ def wanted(layer: Layer, backend: Any) -> bool:
         return False
     if threads.deferring() or route_cache.KEPT.get() is not None:
         return False
-    try:
-        inductor.compiler()
-    except inductor.CompilerMissing as missing:
+    missing = _compiler_missing()
+    if missing:
         global _said_missing
         if not _said_missing:
             _said_missing = True
             log.info("CpuAcc: no TorchInductor compile in the background: %s", missing)
         return False
     return True
+
+
+def _compiler_missing() -> str:
+    """Why inductor would find no C++ compiler here ("" where one is on the PATH): looked up
+    without importing inductor (``inductor.compiler`` does, which took 6-7 s of a default
+    session's first run on the busy machine; the compile itself checks it again)."""
+    import os
+    import shutil
+
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    if any(shutil.which(name) for name in names):
+        return ""
+    return f"no C++ compiler ({', '.join(names)}) on the PATH"
 
 
 def _description(layer: Layer) -> dict[str, Any]:

@@ -172,7 +172,7 @@ class Undecided(Wrapper):
         decided = self.decided
         if decided is None:
             if not (self.ready or background.settled()):
-                idle, before = background.pending() == 0, trials.choosing()
+                idle, before = background.pending(low=False) == 0, trials.choosing()
                 outputs = self.work(*inputs)
                 self.ready = idle and trials.choosing() == before
                 return outputs
