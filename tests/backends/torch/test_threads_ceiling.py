@@ -18,6 +18,8 @@ def test_a_sessions_count_is_a_ceiling_and_a_backend_count_is_fixed() -> None:
     assert threads.thread_setting(2) == 2 and threads.ceiling(2) is None
     assert threads.ceiling("auto") is None and threads.ceiling(None) is None
     assert threads.thread_setting(AtMost(0)) is None and threads.ceiling(AtMost(0)) is None
+    # a ceiling of one thread is one thread, ungoverned (no tick, no frame more a call)
+    assert threads.thread_setting(AtMost(1)) == 1 and threads.ceiling(AtMost(1)) is None
     assert AtMost(2) == 2 and f"{AtMost(2)}" == "2"  # compares and prints as the count
 
 

@@ -165,11 +165,11 @@ class AtMost(int):
 def thread_setting(value: Any) -> int | None:
     """``CpuAcc.threads`` as a fixed thread count, or None for the policy ("auto", None or 0, what
     ``SessionOptions.intra_op_num_threads=0`` gives; an ``AtMost``, whose count ``ceiling``
-    says); an OptionError for anything else."""
+    says; ``AtMost(1)`` is 1, fixed); an OptionError for anything else."""
     if value is None or value == AUTO or (isinstance(value, int) and value == 0):
         return None
-    if isinstance(value, AtMost):
-        return None if value > 0 else thread_setting(int(value))
+    if isinstance(value, AtMost):  # a ceiling of one thread is one thread: nothing to govern
+        return None if value > 1 else thread_setting(int(value))
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     if isinstance(value, str) and value.isdigit() and int(value) > 0:
@@ -181,7 +181,7 @@ def thread_setting(value: Any) -> int | None:
 def ceiling(value: Any) -> int | None:
     """The governor's most threads for ``CpuAcc.threads``: an ``AtMost``'s count; None for "auto"
     (torch's count) and for a fixed count (no governor)."""
-    return int(value) if isinstance(value, AtMost) and value > 0 else None
+    return int(value) if isinstance(value, AtMost) and value > 1 else None
 
 
 @dataclass(frozen=True)
