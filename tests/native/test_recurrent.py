@@ -228,7 +228,8 @@ def test_a_large_layer_projects_its_input_first():
 def _session(path, mode, threads=1):
     options = {"CpuAcc.native": mode, "CpuAcc.threads": threads,
                "CpuAcc.compile": "onednn_graph"}  # the trace kept whenever there is one
-    return InferenceSession(str(path), runtime=Runtime(RuntimeOptions(backend_options=options)))
+    return InferenceSession(str(path), backends=["CpuAcc", "CpuRef"],  # GpuAcc first where a GPU is
+                            runtime=Runtime(RuntimeOptions(backend_options=options)))
 
 
 CORPUS_ROWS = {"lstm_bi2_ts14": 2, "lstm_bi2_dyn18": 2, "gru_bi2_dyn19": 2,
