@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -172,8 +173,10 @@ def test_license_and_py_typed_are_shipped() -> None:
     assert license_text.startswith("MIT License") and \
         "Copyright (c) 2026 the backplane developers" in license_text
     assert (ROOT / "src" / "backplane" / "py.typed").is_file()
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '[tool.setuptools.package-data]\nbackplane = ["py.typed"]' in pyproject
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["backplane"]
+    # PEP 561's marker, and the native kernels' C sources (built on first use where installed)
+    assert {"py.typed", "native/*.c", "native/*.h"} <= set(shipped)
 
 
 def test_no_docstring_or_document_cites_the_seed_documents() -> None:

@@ -243,10 +243,11 @@ class Executor:
                 failed = self.fn(records, self.count, params, self.arena.ctypes.data, self.ext)
             finally:
                 self.lock.release()
-        else:
-            ext = (ctypes.c_void_p * self.edges)(*pointers)
-            failed = self.fn(records, self.count, params, _aligned(self.plan.arena).ctypes.data,
-                             ext)
+        else:  # the arena held in a name through the call: a temporary's memory would be freed
+            ext = (ctypes.c_void_p * self.edges)(*pointers)  # as soon as its address was read
+            arena = _aligned(self.plan.arena)
+            failed = self.fn(records, self.count, params, arena.ctypes.data, ext)
+            del arena
         if failed:
             raise RuntimeError(f"native cnn: record {failed - 1} has an unknown op")
 
