@@ -143,6 +143,12 @@ def background_setting(value: str) -> None:
 
 def empty_caches() -> None:
     """backplane's cache folders pointed at a new temporary folder (set before it is imported)."""
+    # the native kernels built once per machine stay (an install's, like torch's own code): a
+    # fresh folder would time their compile (4-6 s) in every process's load. Their folder named
+    # without importing backplane (its import is timed): backplane.native.build.cache_folder's
+    root = os.environ.get("BACKPLANE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "backplane")
+    os.environ.setdefault("BACKPLANE_NATIVE_CACHE", os.path.join(root, "native"))
     folder = tempfile.mkdtemp(prefix="wild-cache.")
     for variable in ("BACKPLANE_CACHE_DIR", "BACKPLANE_COMPILE_CACHE", "XDG_CACHE_HOME"):
         os.environ[variable] = folder

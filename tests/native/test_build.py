@@ -91,3 +91,12 @@ def test_the_option_takes_auto_or_off_and_names_them_otherwise():
     assert build.mode({"CpuAcc.native": "OFF"}) == "off"
     with pytest.raises(OptionError, match="CpuAcc.native 'fast' is not one of auto, off"):
         build.mode({"CpuAcc.native": "fast"})
+
+
+def test_the_libraries_folder_can_be_named_apart_from_the_route_cache(fresh, tmp_path_factory,
+                                                                      monkeypatch):
+    kept = tmp_path_factory.mktemp("kept")
+    monkeypatch.setenv(build.CACHE_VARIABLE, str(kept))
+    assert build.cache_folder() == kept
+    monkeypatch.delenv(build.CACHE_VARIABLE)
+    assert build.cache_folder() == fresh / "native"

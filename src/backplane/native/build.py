@@ -12,8 +12,8 @@ library loaded with ``ctypes``.
   loading a model never runs code from it. The library's name is the SHA-256 of everything that
   went into it (the source, the compiler and its version, the flags, the CPU's instruction sets),
   so a changed source, compiler or machine builds again and never loads a stale library.
-- **Where**: ``native`` beside CpuAcc's route cache (``$BACKPLANE_CACHE_DIR``, else
-  ``~/.cache/backplane``), written to a temporary name and renamed into place, so that processes
+- **Where**: ``$BACKPLANE_NATIVE_CACHE``, else ``native`` beside CpuAcc's route cache
+  (``$BACKPLANE_CACHE_DIR``, else ``~/.cache/backplane``), written to a temporary name and renamed into place, so that processes
   building the same library at once (pytest-xdist's workers) each load a whole one.
 - **For this CPU**: ``-march=native`` (AVX2 and FMA where the CPU has them), ``-O3``; never
   ``-ffast-math``, which lets the compiler assume no NaN, where a NaN in must come out.
@@ -108,10 +108,15 @@ def compiler() -> str | None:
     return next((found for found in map(shutil.which, ("cc", "gcc", "clang")) if found), None)
 
 
+CACHE_VARIABLE = "BACKPLANE_NATIVE_CACHE"
+"""The libraries' folder where set (a bench that empties the route cache for each process keeps
+the machine's built libraries: they are the install's, not a measurement)."""
+
+
 def cache_folder() -> Path:
     from backplane.backends.torch.route_cache import cache_file
 
-    return cache_file().parent / "native"
+    return Path(os.environ.get(CACHE_VARIABLE) or cache_file().parent / "native")
 
 
 def _built(name: str) -> Path:
