@@ -266,9 +266,9 @@ class CpuAcc(TorchBackend):
         "CpuAcc.linear_route": "auto (measured), mkl or onednn",
         "CpuAcc.compile": "auto, onednn_graph, layers, or inductor: each partition compiled by "
                           "TorchInductor's C++ backend at load (a C++ compiler needed)",
-        "CpuAcc.inductor": "auto (a transformer's traced subgraph compiled by TorchInductor in "
-                           "the background, swapped in where its runs time it faster), swap "
-                           "(swapped in untimed) or off",
+        "CpuAcc.inductor": "off (the default), auto (a transformer's traced subgraph compiled "
+                           "by TorchInductor in the background, swapped in where its runs time "
+                           "it faster) or swap (swapped in untimed)",
         "CpuAcc.background": "False (the default: measured and compiled at load) or True (a load "
                              "takes its routes at once; a background thread builds and compiles, "
                              "swaps them in, the runs time them)",

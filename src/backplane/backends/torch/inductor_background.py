@@ -18,7 +18,7 @@ trace's routes are) where the machine was not crowded (``threads.crowded``): the
 compiles only a subgraph whose verdict was inductor, and swaps it in untimed, or compiles
 nothing. A float input holding NaN or an infinity runs the running route (``inductor._finite_or``).
 
-Values of ``CpuAcc.inductor`` (``MODES``): "auto" (the above; ``DEFAULT``), "off" (no compile),
+Values of ``CpuAcc.inductor`` (``MODES``): "auto" (the above), "off" (no compile; ``DEFAULT``),
 "swap" (compiled in the background and swapped in after the first call's check, untimed: where
 the user has measured, and the tests). With no C++ compiler nothing is compiled (said once, in
 the log). ``background.wait`` and ``settle`` wait for the compiles and the timing: a bench that
@@ -42,9 +42,12 @@ from backplane.ir.graph import Layer, TensorInfo
 log = logging.getLogger("backplane.torch")
 
 MODES = ("auto", "off", "swap")
-DEFAULT = "auto"
-"""``CpuAcc.inductor``'s default (the tests' conftest sets "off": no test compiles for a minute
-unless it asks)."""
+DEFAULT = "off"
+"""``CpuAcc.inductor``'s default: "off" until the swap's verdict holds at two threads. The
+seventeenth session's final bench (``bench/wild.py``, 2 threads, quiet 2-core AMD EPYC, one
+round each, the same tree with and without a C++ compiler) read gpt_causal_ts15 0.306 -> 0.533
+ms and char_tagger_ts14 0.792 -> 1.73 with it on, encoder_padmask_dyn17 0.267 -> 0.232, where
+its 1-thread thread-CPU figures had gained 0.83-0.84 (the tests' conftest sets "off" too)."""
 KIND = "inductor"
 """The route cache's kind of a verdict: "inductor" or "own"."""
 MARGIN = 0.9
