@@ -17,12 +17,18 @@ FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_
 FUSED_OPS = ("FusedConv", "Linear")
 
 
-def fused_conv(p: _Planner, layer: Layer) -> None:
+def _input_and_weight(p: _Planner, layer: Layer) -> tuple[Any, np.ndarray]:
+    """A fused layer's first input and its float32 weight; a layer that computes in another
+    precision, or reads its weight from a source at run time, is not planned."""
     a = layer.attrs
     if a.get("compute") or a.get("source"):
         raise Unplannable(f"{layer.name}: computed in {a.get('compute')}")
-    x = p.value(layer.inputs[0])
-    weight = np.asarray(a["weight"], np.float32)
+    return p.value(layer.inputs[0]), np.asarray(a["weight"], np.float32)
+
+
+def fused_conv(p: _Planner, layer: Layer) -> None:
+    a = layer.attrs
+    x, weight = _input_and_weight(p, layer)
     if weight.ndim != 4 or tuple(x.dims) != tuple(a["input_shape"]):
         raise Unplannable(f"{layer.name}: input {x.dims} against {a['input_shape']}")
     n, c, h, w = x.dims
@@ -77,10 +83,7 @@ def fused_conv(p: _Planner, layer: Layer) -> None:
 
 def linear(p: _Planner, layer: Layer) -> None:
     a = layer.attrs
-    if a.get("compute") or a.get("source"):
-        raise Unplannable(f"{layer.name}: computed in {a.get('compute')}")
-    x = p.value(layer.inputs[0])
-    weight = np.asarray(a["weight"], np.float32)
+    x, weight = _input_and_weight(p, layer)
     if len(x.shape) != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
         raise Unplannable(f"{layer.name}: a product over {x.shape}")
     rows, k = x.shape
