@@ -123,6 +123,7 @@ class _Planner:
         self.layers, self.constants, self.outputs = list(layers), constants, list(outputs)
         self.arena, self.values, self.records, self.params = _Arena(), {}, [], []
         self.param_size, self.slack, self.ops, self.names = 0, 0, [], []
+        self.index, self.made = -1, {}  # the layer planned now; each value's maker's index
         self.current = ("the partition's inputs", "NativeImport")
         self.last = {n: i for i, lay in enumerate(self.layers) for n in lay.inputs if n}
         self.last.update({n: len(self.layers) for n in outputs})
@@ -173,6 +174,22 @@ class _Planner:
                     self.arena.give(value.offset, value.size)
                     given.add(value.offset)
 
+    def folding(self, name: str) -> np.ndarray | None:
+        """The record of the convolution or product that made ``name`` in the layer just before,
+        where the layer now planned can be its post-op (its residual, then its activation): the
+        value read by no later layer, no output, no view of it, the record without either yet.
+        Why: a float16 partition's layers come unfused (Conv, then Clip), and a pass of its own
+        over the tensor costs what the kernel's ``finish`` does while the rows are in L1."""
+        row, value = self.records[-1], self.values.get(name)
+        if value is None or self.made.get(name) != self.index - 1 or name in self.outputs \
+                or self.last.get(name) != self.index or row[FIELDS.index("act")] \
+                or row[FIELDS.index("op")] not in (OPS["conv"], OPS["dwconv"], OPS["linear"]) \
+                or row[FIELDS.index("out")] != value.offset or any(
+                    v.offset == value.offset for n, v in self.values.items()
+                    if n != name and self.last.get(n, -1) >= self.index):
+            return None
+        return row
+
     def activation(self, unary: Any) -> tuple[int, int]:
         """(act code, params offset) of a post-op ``(name, scalars, algorithm)``."""
         if unary is None:
@@ -199,8 +216,9 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
         if make is None or len(layer.outputs) != 1 or fused != (layer.domain == cnn_layers.FUSED) \
                 or not fused and layer.domain not in ("", "ai.onnx"):
             raise Unplannable(f"{layer.name}: {layer.op_type} is not planned natively")
-        planner.current = (layer.name, layer.op_type)
+        planner.current, planner.index = (layer.name, layer.op_type), index
         make(planner, layer)
+        planner.made.update(dict.fromkeys(layer.outputs, index))
         planner.release(index, layer)
     shapes, planner.current = [], ("the partition's outputs", "NativeExport")
     for index, name in enumerate(outputs):

@@ -11,24 +11,59 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
-from backplane.native.cnn import ACTS, ELEMENTWISE, VIEWS, Unplannable, _Planner
+from backplane.native.cnn import ACTS, ELEMENTWISE, FIELDS, VIEWS, Unplannable, _Planner
 
 FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_DOMAIN)
 FUSED_OPS = ("FusedConv", "Linear")
 
 
 def _input_and_weight(p: _Planner, layer: Layer) -> tuple[Any, np.ndarray]:
-    """A fused layer's first input and its float32 weight; a layer that computes in another
-    precision, or reads its weight from a source at run time, is not planned."""
+    """A fused layer's first input and its weight in float32: a float16 one too where the layer
+    computes in float32 (a float16 partition's, as ONNX Runtime's CPU computes it); one computing
+    in another precision (bfloat16) is not planned."""
     a = layer.attrs
-    if a.get("compute") or a.get("source"):
+    if a.get("compute", "float32") != "float32" or a.get("source", "float16") != "float16":
         raise Unplannable(f"{layer.name}: computed in {a.get('compute')}")
     return p.value(layer.inputs[0]), np.asarray(a["weight"], np.float32)
 
 
+def conv(p: _Planner, layer: Layer) -> None:
+    """An ONNX Conv the fuser left alone (a float16 partition's: computed in float32), 1-d or
+    2-d, its weight and bias constants: FusedConv's record, its post-op and residual taken by
+    ``fold`` from the layers after it."""
+    from backplane.backends.reference.kernels.conv import spatial_pads
+
+    a, x = layer.attrs, p.value(layer.inputs[0])
+    weight = p.constants.get(layer.inputs[1]) if len(layer.inputs) > 1 else None
+    bias = layer.inputs[2] if len(layer.inputs) > 2 else ""
+    if weight is None or weight.ndim not in (3, 4) or len(x.shape) != weight.ndim \
+            or bias and bias not in p.constants:
+        raise Unplannable(f"{layer.name}: Conv over {x.shape}")
+    rank = weight.ndim - 2
+    strides, dilations = a.get("strides") or [1] * rank, a.get("dilations") or [1] * rank
+    begins, ends = spatial_pads(x.shape[2:], weight.shape[2:], strides, dilations,
+                                a.get("auto_pad", "NOTSET"), a.get("pads"))
+    weight = np.asarray(weight, np.float32)
+    if rank == 1:  # a line: a 2-d convolution of height 1
+        weight, strides, dilations = weight[:, :, None, :], [1, *strides], [1, *dilations]
+        begins, ends = [0, *begins], [0, *ends]
+    n, _, h, w = x.dims
+    oc, _, kh, kw = weight.shape
+    oh = (h + begins[0] + ends[0] - (kh - 1) * dilations[0] - 1) // strides[0] + 1
+    ow = (w + begins[1] + ends[1] - (kw - 1) * dilations[1] - 1) // strides[1] + 1
+    fused = {"input_shape": x.dims, "group": a.get("group", 1), "strides": strides,
+             "dilations": dilations, "begins": begins, "ends": ends,
+             "output_shape": [n, oc, oh, ow], "line": rank == 1,
+             "bias": p.constants[bias] if bias else np.zeros(oc, np.float32)}
+    _conv(p, layer, fused, x, weight)
+
+
 def fused_conv(p: _Planner, layer: Layer) -> None:
-    a = layer.attrs
     x, weight = _input_and_weight(p, layer)
+    _conv(p, layer, layer.attrs, x, weight)
+
+
+def _conv(p: _Planner, layer: Layer, a: dict, x: Any, weight: np.ndarray) -> None:
     if weight.ndim != 4 or tuple(x.dims) != tuple(a["input_shape"]):
         raise Unplannable(f"{layer.name}: input {x.dims} against {a['input_shape']}")
     n, c, h, w = x.dims
@@ -203,6 +238,12 @@ def elementwise(p: _Planner, layer: Layer) -> None:
         numbers = [a.get("alpha", 0.2), a.get("beta", 0.5)]
     elif kind == "leaky":
         numbers = [a.get("alpha", 0.01)]
+    row = p.folding(layer.inputs[0])
+    if row is not None:  # the convolution's own post-op, its output's place this one's
+        row[FIELDS.index("act")], row[FIELDS.index("aoff")] = ACTS[kind], p.param(
+            np.array(numbers, np.float32))
+        p.values[layer.outputs[0]] = type(x)(x.offset, x.dims, x.shape)
+        return
     y = p.new(layer.outputs[0], x.shape)
     p.record("act", in_=x.offset, out=y.offset, dims=(x.size, 1, 1, 1), act=ACTS[kind],
              aoff=p.param(np.array(numbers, np.float32)))
@@ -224,6 +265,15 @@ def binary(p: _Planner, layer: Layer) -> None:
     x, other = (p.value(name) for name in layer.inputs[:2])
     if x.shape != other.shape:
         raise Unplannable(f"{layer.name}: {layer.op_type} of {x.shape} and {other.shape}")
+    first, second = layer.inputs[:2]
+    for made, then in ((first, other), (second, x)) if layer.op_type == "Add" \
+            and first != second else ():
+        row = p.folding(made)
+        if row is not None and row[FIELDS.index("in2")] < 0:  # the convolution's residual
+            row[FIELDS.index("in2")] = then.offset
+            mine = p.values[made]
+            p.values[layer.outputs[0]] = type(mine)(mine.offset, mine.dims, mine.shape)
+            return
     y = p.new(layer.outputs[0], x.shape)
     p.record("add" if layer.op_type == "Add" else "mul", in_=x.offset, out=y.offset,
              dims=(x.size, 1, 1, 1), in2=other.offset)
@@ -317,7 +367,7 @@ def resize(p: _Planner, layer: Layer) -> None:
 
 
 PLANNERS: dict[str, Callable[[_Planner, Layer], Any]] = {
-    "FusedConv": fused_conv, "Linear": linear, "MaxPool": pool, "AveragePool": pool,
+    "FusedConv": fused_conv, "Conv": conv, "Linear": linear, "MaxPool": pool, "AveragePool": pool,
     "GlobalAveragePool": global_pool, "GlobalMaxPool": global_pool, "ReduceMean": reduce_mean,
     "Add": binary, "Mul": binary, "Concat": concat, "ConvTranspose": conv_transpose,
     "Resize": resize, **{op: view for op in VIEWS}, **{op: elementwise for op in ELEMENTWISE}}

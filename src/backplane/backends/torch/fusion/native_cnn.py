@@ -8,7 +8,8 @@ puts two ungrouped convolutions in one partition (resnet_basic_ts16 runs 7), tor
 arena planned at load.
 
 ``CpuAcc.native``: "auto" (the default) takes it, under ``CpuAcc.compile=auto`` (a pinned compile
-mode keeps its route), for a float32 partition the plan covers whole
+mode keeps its route), for a float32 partition (or a float16 one computed in float32, as
+ONNX Runtime's CPU and oneDNN's route here compute it: converted at its edges) the plan covers whole
 (every layer a kind ``native.cnn_layers`` plans) and small (at most ``SMALL`` multiply-adds, one
 thread's work); "off" keeps today's routes exactly. Without a C compiler
 (``NativeUnavailable``) the partition keeps its torch route too.
@@ -43,9 +44,11 @@ def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
                                                                     "auto") != "auto":
         return None  # CpuAcc.compile pinned to onednn_graph or layers: that route
     a = layer.attrs
-    if a.get("compute") or a.get("source") or not all(
-            info.is_static and str(info.dtype) == "float32" for info in inputs):
-        return None
+    half = a.get("compute") == "float32" and a.get("source") == "float16"
+    if (a.get("compute") or a.get("source")) and not half or not all(
+            info.is_static and str(info.dtype) in ("float32", "float16" if half else "")
+            for info in inputs):
+        return None  # bfloat16 (CpuAcc.precision) keeps oneDNN's kernels
     try:
         planned = plan(a["layers"], a["constants"], a["inputs"], [i.shape for i in inputs],
                        a["outputs"])
@@ -59,9 +62,14 @@ def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
         executor = Executor(planned, library("cnn"))
     except NativeUnavailable:
         return None
-    return _workload(executor, planned.names,
-                     f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
-                     f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)")
+    run = _workload(executor, planned.names,
+                    f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
+                    f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)")
+    if half:  # float16 in and out, float32 inside: converted at the edges, as oneDNN's route is
+        from backplane.backends.torch.fusion.reduced import at_edges
+
+        run = at_edges(run, "float32", a["output_dtypes"], "float16")
+    return run
 
 
 def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Workload:
