@@ -30,7 +30,11 @@ calls of a model still measure and build), then timed calls for about ``--second
 its rounds' medians. The table per model: the three times, ORT / backplane and OpenVINO / backplane
 (above 1: backplane is faster), the load seconds of each (import and session; in brackets the part
 of backplane's that is importing backplane; torch is imported by its session, or in the background
-and waited for by its first call where the session defers CpuAcc), the seconds from backplane's session until
+and waited for by its first call where the session defers CpuAcc: not here, where
+``$BACKPLANE_COMPILE_CACHE`` is set), the seconds from the runtime's import to its first call's
+outputs ("1st output s": import, load and first call; the bench's own modules, which import
+backplane, are imported in a worker after that call, or before its clock in OpenVINO's), the
+seconds from backplane's session until
 its background is done ("bp done s": its builds swapped in and their routes chosen by runs of the
 model, which the worker makes, the first call included; inf where not within 60 s;
 ``--background off`` measures at load instead), backplane's first call, its placement
@@ -63,10 +67,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_openvino import difference, environment  # noqa: E402
-from bench_openvino import load as load_peer  # noqa: E402
-
-from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E402
+# bench_openvino and backplane's bench helpers are imported where used, not here: a worker
+# imports this file before it times its runtime's import, and they import backplane
 
 CORPUS = ROOT / "tests" / "data" / "corpus"
 FULL_CORPUS = Path.home() / ".cache" / "backplane" / "corpus-full"  # scripts/export_corpus.py --tier full
@@ -95,6 +97,8 @@ def load(runtime: str, model: str, feeds: dict[str, np.ndarray], threads: int) -
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         return (lambda: session.run(None, feeds)), {}
     if runtime == "openvino":
+        from bench_openvino import load as load_peer  # imported by the worker before its clock
+
         run, _ = load_peer("openvino", model, feeds, threads, "fp32")
         return run, {}
     from backplane import InferenceSession, SessionOptions
@@ -160,6 +164,8 @@ def worker(args: argparse.Namespace) -> None:
     os.dup2(2, 1)  # whatever the runtime prints goes to stderr
     empty_caches()
     feeds = dict(np.load(args.feeds))
+    if args.worker == "openvino":
+        import bench_openvino  # noqa: F401  # its loader's module (it imports backplane): untimed
     try:
         start = time.perf_counter()
         imported(args.worker)
@@ -167,7 +173,11 @@ def worker(args: argparse.Namespace) -> None:
         background_setting(args.background)
         run, plan = load(args.worker, args.model, feeds, args.threads)
         load_s = time.perf_counter() - start
-        outputs, first = timed_runs(run, 0, 1)
+        run()
+        first = [time.perf_counter() - start - load_s]
+        from backplane.bench_worker import timed_runs  # after the first output: backplane's
+        # import is the runtime's own in its worker, and untimed in the others'
+
         ready_s = until_settled(args.worker, run, start + load_s)
         warm, end = [], time.perf_counter() + args.warmup_seconds
         while len(warm) < 5 or time.perf_counter() < end:  # past a runtime's settling runs
@@ -228,6 +238,19 @@ def torch_ops(run: Run, runs: int) -> list[dict[str, Any]]:
 
 
 # -- the parent side ------------------------------------------------------------------------------
+def environment(threads: int) -> list[str]:
+    """bench_openvino's header lines (the machine, the versions): imported here, not at the top."""
+    from bench_openvino import environment as lines
+
+    return lines(threads)
+
+
+def difference(outputs: list[np.ndarray] | None, reference: list[np.ndarray] | None) -> str:
+    from bench_openvino import difference as worst
+
+    return worst(outputs, reference)
+
+
 def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save: Path | None,
           mode: str = "--worker") -> dict[str, Any]:
     command = [sys.executable, __file__, mode, runtime, "--model", str(model), "--feeds", str(feeds),
@@ -237,6 +260,8 @@ def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save
                "--profile-runs", str(args.profile_runs),
                "--background", getattr(args, "background", "default")]  # int8.py's args: none
     command += ["--save", str(save)] if save else []
+    from backplane.bench_engine import worker_report
+
     try:
         return worker_report(command, args.threads, args.timeout)
     except subprocess.TimeoutExpired:
@@ -298,6 +323,7 @@ def record(row: dict[str, Any], reply: dict[str, Any], save: Path | None) -> Non
     row["loads"].append(reply["load_s"])
     row["imports"].append(reply["import_s"])
     row["firsts"].append(reply["first_s"])
+    row.setdefault("outputs_s", []).append(reply["load_s"] + reply["first_s"])
     ready = reply.get("ready_s", 0.0)  # None: the background not done within 60 s
     row.setdefault("readies", []).append(math.inf if ready is None else ready)
     row["plan"] = reply["plan"] or row["plan"]
@@ -315,6 +341,7 @@ def summarize(name: str, entry: dict[str, Any], rows: dict[str, dict[str, Any]])
             "ms": min(row["medians"]) * 1e3, "round_ms": [m * 1e3 for m in row["medians"]],
             "load_s": statistics.median(row["loads"]),
             "import_s": statistics.median(row["imports"]), "first_ms": statistics.median(row["firsts"]) * 1e3,
+            "output_s": statistics.median(row.get("outputs_s") or [math.nan]),
             "ready_s": statistics.median(row.get("readies") or [0.0])}
     result["backplane_plan"] = rows["backplane"]["plan"]
     result["diff"] = difference(rows["backplane"]["outputs"], rows["onnxruntime"]["outputs"])
@@ -332,16 +359,18 @@ def cell(result: dict[str, Any], key: str, fmt: str) -> str:
 
 def table(results: list[dict[str, Any]]) -> list[str]:
     lines = ["| model | ORT ms | OpenVINO ms | backplane ms | ORT / bp | OV / bp | load s ORT / OV / bp (import) "
-             "| bp done s | bp 1st call ms | bp layers per backend | diff |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "| 1st output s ORT / OV / bp | bp done s | bp 1st call ms | bp layers per backend | diff |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
         ms = ["-" if rt == "openvino" and "error" in r[rt] else cell(r[rt], "ms", ".3g") for rt in RUNTIMES]
         loads = " / ".join(cell(r[rt], "load_s", ".2f") if "error" not in r[rt] else "-" for rt in RUNTIMES)
         if "error" not in r["backplane"]:
             loads += f" ({cell(r['backplane'], 'import_s', '.2f')})"
+        firsts = " / ".join(cell(r[rt], "output_s", ".2f") if "error" not in r[rt] else "-"
+                            for rt in RUNTIMES)
         ratios = [f"{r[k]:.2f}" if r[k] else "-" for k in ("ort_over_bp", "ov_over_bp")]
         plan = " ".join(f"{b}:{n}" for b, n in r["backplane_plan"].get("placement", {}).items()) or "-"
-        lines.append(f"| {r['model']} | {' | '.join(ms)} | {' | '.join(ratios)} | {loads} | "
+        lines.append(f"| {r['model']} | {' | '.join(ms)} | {' | '.join(ratios)} | {loads} | {firsts} | "
                      f"{cell(r['backplane'], 'ready_s', '.2f')} | "
                      f"{cell(r['backplane'], 'first_ms', '.3g')} | {plan} | {r['diff']} |")
     return lines
