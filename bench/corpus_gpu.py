@@ -22,7 +22,16 @@ out, each runtime in a process of its own, alternating over the models and runti
   have (issue 28: no model slower with GpuAcc first than on these alone).
 
 A process loads, calls once (the first call, timed apart), calls for ``--warmup-seconds``, then
-times calls for ``--seconds``; a figure is the best of the rounds' medians. ``--jobs N`` runs N
+times calls for ``--seconds``; a figure is the best of the rounds' medians. ``--beside``: each
+``gpuacc`` process then also loads the model on CpuAcc,CpuRef and times the two sessions in
+alternating blocks (``side_by_side``): issue 28's "no model slower with GpuAcc first than on
+CpuAcc,CpuRef" read in one process at one time, where the ``cpuacc`` column is another process at
+another time. Each process also reports a speed probe (``speed_probe``: a Python loop's us a step,
+just before its timed calls): the GPU machine's CPUs ran the same loop 1.7x slower in one stretch
+than seconds later in one process (session 18, an H200 host just started), so a row's processes
+timed at different probes compare loosely. ``--budget S`` starts no process after S seconds and
+prints the table of what ran (a device call's time limit cut the small tier at 27 of 32 models,
+and its table with it). ``--jobs N`` runs N
 processes at a time (their loads and compiles overlap: TorchInductor takes tens of seconds a
 model), each one's warm-up and timed calls alone (a lock file), the GPU runtimes' processes on
 the CPUs ONNX Runtime's is not pinned to. A backplane session's timing against the CPU
@@ -63,6 +72,8 @@ from bench_openvino import environment  # noqa: E402
 from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E402
 
 RUNTIMES = ("ort", "gpuacc", "inductor", "torch_compile", "cpuacc")
+BLOCKS = 6
+"""Blocks of each session in ``side_by_side``, alternating (A B B A A B ...)."""
 ORT_CPUS = {0, 1}
 PROVIDERS: dict[str, list[Any]] = {
     "gpuacc": ["GpuAcc", "CpuAcc", "CpuRef"],
@@ -159,9 +170,13 @@ def worker(args: argparse.Namespace) -> None:
         load_s = time.perf_counter() - start
         with open(args.lock, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one process's calls at a time (--jobs)
+            probe = speed_probe()
             first, times = calls(args, run)
+            beside = (side_by_side(args, run, feeds, statistics.median(times))
+                      if args.beside and args.worker == "gpuacc" else None)
         replies.write(json.dumps({"ms": statistics.median(times) * 1e3, "load_s": load_s,
-                                  "first_ms": first[0] * 1e3, "plan": plan()}) + "\n")
+                                  "first_ms": first[0] * 1e3, "plan": plan(), "probe_us": probe,
+                                  **({"beside": beside} if beside else {})}) + "\n")
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot run a model is a result
         text = " ".join(str(exc).split())
         replies.write(json.dumps({"error": f"{type(exc).__name__}: {text}"[:300]}) + "\n")
@@ -182,14 +197,61 @@ def calls(args: argparse.Namespace, run: Callable[[], Any]) -> tuple[list[float]
     return first, timed_runs(run, 0, runs)[1]
 
 
+def speed_probe() -> float:
+    """The best of three timings of a plain Python loop, us a step: the host CPU's speed as this
+    process times (the same loop on the GPU machine: 0.085 us a step, then 0.046 seconds later in
+    the same process, session 18)."""
+    def step(x: int) -> int:
+        return x + 1
+
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for i in range(50000):
+            step(i)
+        best = min(best, time.perf_counter() - start)
+    return best / 50000 * 1e6
+
+
+def side_by_side(args: argparse.Namespace, run: Callable[[], Any], feeds: dict[str, np.ndarray],
+                 seconds: float) -> dict[str, Any]:
+    """The default list's session (``run``, a run taking about ``seconds``) and the model on
+    CpuAcc,CpuRef in this process, timed in BLOCKS alternating blocks each (the order turning,
+    each block after an untimed run): the medians of their blocks' medians, ms, and the CPU
+    session's placement. Both see the host at the same speed, which two processes do not."""
+    from backplane import InferenceSession
+    from backplane.backends.torch import background
+
+    cpu = InferenceSession(args.model, providers=PROVIDERS["cpuacc"])
+    cpu_run = lambda: cpu.run(None, feeds)  # noqa: E731
+    cpu_run()
+    background.settle(cpu_run, 60.0)
+    cpu_s = statistics.median(timed_runs(cpu_run, 2, 5)[1])
+    share = args.seconds / (2 * BLOCKS)
+    sessions = {"gpuacc": (run, seconds), "cpuacc": (cpu_run, cpu_s)}
+    blocks: dict[str, list[float]] = {name: [] for name in sessions}
+    order = list(sessions)
+    for _ in range(BLOCKS):
+        for name in order:
+            call, each = sessions[name]
+            count = int(min(2000, max(5, share / max(each, 1e-6))))
+            blocks[name].append(statistics.median(timed_runs(call, 1, count)[1]) * 1e3)
+        order.reverse()
+    return {"gpuacc_ms": statistics.median(blocks["gpuacc"]),
+            "cpuacc_ms": statistics.median(blocks["cpuacc"]),
+            "cpu_plan": dict(sorted(cpu.report.counts().items()))}
+
+
 # -- the parent side ------------------------------------------------------------------------------
 def spawn(args: argparse.Namespace, runtime: str, name: str) -> dict[str, Any]:
+    if args.deadline is not None and time.perf_counter() > args.deadline:
+        return {"error": f"not run: --budget {args.budget:g} s spent"}
     entry = json.loads((args.corpus / "manifest.json").read_text())[name]
     command = [sys.executable, __file__, "--worker", runtime, "--name", name, "--tier", args.tier,
                "--model", str(args.corpus / entry["file"]),
                "--feeds", str(args.corpus / entry["inputs_files"][0]),
                "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
-               "--lock", args.lock]
+               "--lock", args.lock, *(["--beside"] if args.beside else [])]
     try:
         return worker_report(command, len(ORT_CPUS), args.timeout)
     except Exception as exc:  # noqa: BLE001  # a timeout: the row says so
@@ -218,6 +280,9 @@ def add(row: dict[str, Any], reply: dict[str, Any]) -> None:
         row["error"] = reply["error"]
         return
     row["ms"].append(reply["ms"])
+    row.setdefault("probe_us", []).append(reply.get("probe_us"))
+    if "beside" in reply:
+        row.setdefault("beside", []).append(reply["beside"])
     row.setdefault("first_ms", reply["first_ms"])
     row.setdefault("load_s", reply["load_s"])
     row["plan"] = reply["plan"] or row.get("plan", {})
@@ -233,10 +298,14 @@ def table(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> tuple[lis
         return (text + (f" (timed {plan['timed']})" if "timed" in plan else "")) or "-"
 
     cpu_plans = "cpuacc" in runtimes
+    pairs = {name: beside(row.get("gpuacc", {})) for name, row in rows.items()}
+    paired = any(pairs.values())
     lines = ["| model | " + " | ".join(f"{rt} ms" for rt in runtimes)
              + " | ORT / GpuAcc | GpuAcc load s (first call ms) | GpuAcc placement |"
-             + (" CpuAcc placement |" if cpu_plans else ""),
-             "| --- |" + " ---: |" * (len(runtimes) + 2) + " --- |" * (1 + cpu_plans)]
+             + (" CpuAcc placement |" if cpu_plans else "")
+             + (" GpuAcc first / CpuAcc,CpuRef, one process, ms |" if paired else ""),
+             "| --- |" + " ---: |" * (len(runtimes) + 2) + " --- |" * (1 + cpu_plans)
+             + (" ---: |" if paired else "")]
     ratios, slower = [], []
     for name, row in rows.items():
         ort, gpu = row.get("ort", {}), row.get("gpuacc", {})
@@ -249,7 +318,8 @@ def table(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> tuple[lis
         lines.append(f"| {name} | " + " | ".join(ms(row[rt]) for rt in runtimes)
                      + f" | {'-' if ratio is None else f'{ratio:.2f}'} | {load} | "
                      + f"{described(gpu.get('plan', {}))} |"
-                     + (f" {described(row['cpuacc'].get('plan', {}))} |" if cpu_plans else ""))
+                     + (f" {described(row['cpuacc'].get('plan', {}))} |" if cpu_plans else "")
+                     + (f" {pair_text(pairs[name])} |" if paired else ""))
     errors = [f"{name} on {rt}: {row[rt]['error']}" for name, row in rows.items()
               for rt in runtimes if "error" in row[rt]]
     behind = [f"{name} {min(row['gpuacc']['ms']):.3f} / {min(row['cpuacc']['ms']):.3f}"
@@ -260,8 +330,55 @@ def table(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> tuple[lis
                f"GpuAcc slower than ORT on {len(slower)}: {', '.join(slower) or 'none'}",
                *([f"GpuAcc,CpuAcc,CpuRef slower than CpuAcc,CpuRef on {len(behind)} (ms): "
                   f"{', '.join(behind) or 'none'}"] if "cpuacc" in runtimes else []),
+               *([slower_beside(pairs)] if paired else []),
+               *([probes] if (probes := probe_line(rows, runtimes)) else []),
                *(f"not timed: {e}" for e in errors)]
     return lines, closing
+
+
+SAME = 0.05
+"""A side-by-side ratio within this of 1 is the blocks' noise (the same placement kept by both
+sessions reads 0.96-1.04)."""
+
+
+def beside(gpu: dict[str, Any]) -> dict[str, float] | None:
+    """A row's side-by-side medians (``--beside``), the best of its rounds: ms of the default
+    list's session and of CpuAcc,CpuRef's, timed in one process; None where not measured."""
+    pairs = gpu.get("beside") or []
+    if not pairs or "error" in gpu:
+        return None
+    return {"gpuacc_ms": min(p["gpuacc_ms"] for p in pairs),
+            "cpuacc_ms": min(p["cpuacc_ms"] for p in pairs)}
+
+
+def pair_text(pair: dict[str, float] | None) -> str:
+    if pair is None:
+        return "-"
+    return (f"{pair['gpuacc_ms']:.3f} / {pair['cpuacc_ms']:.3f} "
+            f"({pair['gpuacc_ms'] / pair['cpuacc_ms']:.2f})")
+
+
+def slower_beside(pairs: dict[str, dict[str, float] | None]) -> str:
+    """Issue 28's second clause read side by side: the models whose default session ran slower
+    than CpuAcc,CpuRef's in the same process by more than SAME."""
+    timed = {name: p for name, p in pairs.items() if p is not None}
+    slower = [f"{name} {pair_text(p)}" for name, p in timed.items()
+              if p["gpuacc_ms"] > p["cpuacc_ms"] * (1 + SAME)]
+    return (f"one process each (--beside): GpuAcc,CpuAcc,CpuRef slower than CpuAcc,CpuRef by "
+            f"more than {SAME:.0%} on {len(slower)} of {len(timed)}: {', '.join(slower) or 'none'}")
+
+
+def probe_line(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> str:
+    """The speed probes' range per runtime (a Python loop's us a step as each process timed):
+    where it spans much, processes timed at different host speeds."""
+    parts = []
+    for rt in runtimes:
+        probes = [p for row in rows.values() for p in row.get(rt, {}).get("probe_us", [])
+                  if p is not None]
+        if probes:
+            parts.append(f"{rt} {min(probes):.3f}-{max(probes):.3f}")
+    return ("speed probe (a Python loop, us a step, per process): " + ", ".join(parts)
+            if parts else "")
 
 
 def gpu_name() -> str:
@@ -298,6 +415,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for one process (300)")
     ap.add_argument("--jobs", type=int, default=1, help="processes at a time (1; see above)")
     ap.add_argument("--json", type=Path, help="write the rows as a JSON document to this file")
+    ap.add_argument("--beside", action="store_true",
+                    help="each gpuacc process also times CpuAcc,CpuRef beside it (see above)")
+    ap.add_argument("--budget", type=float,
+                    help="seconds after which no process is started (the table of what ran)")
     ap.add_argument("--worker", choices=RUNTIMES, help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -328,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               *environment(len(ORT_CPUS)), f"backplane {version()}",
               f"corpus: {args.tier} tier, {args.corpus}; {args.rounds} rounds, best of the "
               f"rounds' medians, NumPy in and out; ORT pinned to CPUs {sorted(ORT_CPUS)}"]
+    args.deadline = None if args.budget is None else time.perf_counter() + args.budget
     with tempfile.NamedTemporaryFile(prefix="corpus_gpu.", suffix=".lock") as lock:
         args.lock = lock.name
         rows = bench(args, names)
