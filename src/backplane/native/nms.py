@@ -1,0 +1,100 @@
+"""ONNX NonMaxSuppression in one C call (``nms.c``): a CpuAcc detector's selections, CpuRef's.
+
+Why: in NumPy a detector's NMS is a dozen array calls (every pair's overlaps, their bit rows, a
+sort per class) and a greedy walk in Python: 92-97 us of thread CPU on the corpus's detectors (32
+and 64 boxes, 39-44 kept; this 2-core AMD EPYC, 1 thread), where ONNX Runtime's whole model takes
+about 130. In C the walk compares a candidate with the boxes kept so far only, and the call is the
+cost. Where: a HostChain's NonMaxSuppression (``fusion/host_chain.py``) of float32 boxes and scores
+while ``CpuAcc.native`` is "auto" and the library builds here (``host_kernel``); any other
+(float16, float64, no compiler, "off") runs ``kernels/nms.py``'s NumPy as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from backplane.native.build import NativeUnavailable, library, mode
+
+VERSION = 1
+"""``nms.c``'s ``backplane_nms_version``: the call's signature this module makes."""
+_FUNCTIONS: list[Any] = []
+
+
+def _function() -> Any:
+    """The library's ``backplane_nms``, typed (raises ``NativeUnavailable``)."""
+    if not _FUNCTIONS:
+        lib = library("nms")
+        if lib.backplane_nms_version() != VERSION:  # a source and a library of two trees
+            raise NativeUnavailable(f"the nms library is version {lib.backplane_nms_version()}, "
+                                    f"not {VERSION}")
+        function = lib.backplane_nms
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4,
+                             ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int64,
+                             ctypes.c_void_p, ctypes.c_int64]
+        function.restype = ctypes.c_int64
+        _FUNCTIONS.append(function)
+    return _FUNCTIONS[0]
+
+
+def built() -> bool:
+    """Whether the library is here (built, loaded, of this module's ``VERSION``)."""
+    try:
+        _function()
+    except NativeUnavailable:
+        return False
+    return True
+
+
+def host_kernel(options: Any) -> Any:
+    """The HostChain's NonMaxSuppression kernel under ``options`` (a CpuAcc's): ``non_max_suppression``
+    where ``CpuAcc.native`` is "auto" and the library is here, else None (NumPy's stays)."""
+    return non_max_suppression if mode(options) == "auto" and built() else None
+
+
+def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
+                        score_threshold=None, center_point_box=0):
+    """``kernels/nms.host_non_max_suppression`` (NumPy arrays in, the (K, 3) int64 rows out) in
+    one C call where boxes and scores are float32; NumPy's for any other type."""
+    if boxes.dtype != np.float32 or scores.dtype != np.float32 or boxes.ndim != 3 \
+            or scores.ndim != 3 or boxes.shape != (scores.shape[0], scores.shape[2], 4):
+        from backplane.backends.torch.kernels.nms import host_non_max_suppression
+
+        return host_non_max_suppression(boxes, scores, max_output_boxes_per_class, iou_threshold,
+                                        score_threshold, center_point_box)
+    limit = 0 if max_output_boxes_per_class is None \
+        else max(int(_one(max_output_boxes_per_class)), 0)
+    batch, classes, count = scores.shape
+    room = batch * classes * min(limit, count)
+    if not room:
+        return (np.zeros((0, 3), np.int64),)
+    iou_limit = 0.0 if iou_threshold is None else float(_one(iou_threshold))
+    threshold = 0.0 if score_threshold is None else float(_one(score_threshold))
+    boxes = np.ascontiguousarray(boxes)
+    scores = np.ascontiguousarray(scores)
+    rows = np.empty((room, 3), np.int64)
+    found = _function()(_address(boxes), _address(scores), batch, classes, count,
+                        1 if center_point_box else 0, iou_limit, score_threshold is not None,
+                        threshold, limit, _address(rows), room)
+    if found < 0:
+        raise MemoryError("NonMaxSuppression: no memory for its boxes' corners")
+    return (rows[:found] if found * 4 >= room else rows[:found].copy(),)
+
+
+def _address(array: np.ndarray) -> int:
+    """A C-contiguous array's address: through its buffer (about 1 us), where ``.ctypes.data``
+    makes an object of NumPy's ctypes helper (3-4 us here, three a call); a read-only array has
+    no writable buffer to lend and goes that way."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except TypeError:
+        return array.ctypes.data  # type: ignore[no-any-return]
+
+
+def _one(value):
+    """A one-element array's value (CpuRef's reading: its first element)."""
+    if isinstance(value, np.ndarray):
+        return value.item(0)
+    return np.asarray(value).reshape(-1)[0].item()
