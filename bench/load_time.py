@@ -18,9 +18,11 @@ load defers CpuAcc, ``backplane.deferred_load``), the runtimes alternating withi
 - ONNX Runtime: ``InferenceSession(path)`` on the CPU provider, ORT_ENABLE_ALL, ``--threads`` intra-op;
 - backplane: ``InferenceSession(path, SessionOptions(intra_op_num_threads=threads))``, its default
   backends, with an empty route cache (``$BACKPLANE_CACHE_DIR`` and ``$XDG_CACHE_HOME`` a new
-  temporary folder per process) and no compile cache (``$BACKPLANE_COMPILE_CACHE`` unset: where it
-  is set, as ``bench/wild.py`` sets it to an empty folder, a load compiles the model into an
-  artifact and loads that: another path than a user's plain session).
+  temporary folder per process; the native libraries built once per machine kept, as
+  ``bench/wild.py`` keeps them: gcc's 2-6 s is an install's, paid once) and no compile cache
+  (``$BACKPLANE_COMPILE_CACHE`` unset: where it is set, as ``bench/wild.py`` sets it to an empty
+  folder, a load compiles the model into an artifact and loads that: another path than a user's
+  plain session).
 
 A process loads, makes one first call (timed apart: what a load leaves to the first run is paid
 there), then ``--calls`` calls whose median is its steady state. Per model and runtime: the best
@@ -71,6 +73,9 @@ DEFAULT_MODELS = "demo,mobilenet_dw_ts13,resnet_basic_dyn21,unet_resize_dyn20,gp
 
 def worker(args: argparse.Namespace) -> None:
     """One process of one runtime: import, load, first call, ``--calls`` calls; one JSON line."""
+    root = os.environ.get("BACKPLANE_CACHE_DIR") or os.path.join(  # the native libraries stay:
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "backplane")
+    os.environ.setdefault("BACKPLANE_NATIVE_CACHE", os.path.join(root, "native"))  # wild's reason
     for variable in ("BACKPLANE_CACHE_DIR", "XDG_CACHE_HOME"):
         os.environ[variable] = tempfile.mkdtemp(prefix="load_time_")
     os.environ.pop("BACKPLANE_COMPILE_CACHE", None)  # set, a load compiles an artifact, then loads it
