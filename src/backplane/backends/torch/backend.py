@@ -324,12 +324,15 @@ class CpuAcc(TorchBackend):
         if self.missing:
             return OptimizationViews(untouched=[view])
         from backplane.backends.torch import fusion
-        from backplane.backends.torch.fusion import int8_exact, reduced, traced
+        from backplane.backends.torch.fusion import int8_exact, int8_native, reduced, traced
 
         specialized = _specialized(view, self)
         if specialized is not None:
             return specialized
         compute = reduced.reduced_type(self.options)
+        native = None if compute is not None else int8_native.whole(view, self.options)
+        if native is not None:  # a whole int8 CNN in one native call
+            return native
         int8 = int8_exact.mode(self.options.get("CpuAcc.int8", "auto"))
         views = fusion.fuse(view, compute, int8)
         if compute is not None or self.options.get("CpuAcc.compile") == "layers":

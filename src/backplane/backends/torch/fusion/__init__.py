@@ -80,6 +80,7 @@ from backplane.backends.torch.fusion.host_chain import host_chain_workload
 from backplane.backends.torch.fusion.gelu import gelu_workload, or_else
 from backplane.backends.torch.fusion.group_norm import group_norm_workload, match_group_norm
 from backplane.backends.torch.fusion.hardswish import hardswish_workload, match_hardswish
+from backplane.backends.torch.fusion.int8_native import native_int8_workload
 from backplane.backends.torch.fusion.layernorm import match_layer_norm
 from backplane.backends.torch.fusion.linear import linear_workload, match_linear
 from backplane.backends.torch.fusion.lookup import lookup_workload, match_lookup
@@ -205,4 +206,5 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "FiniteHardSigmoid": finite_hard_sigmoid_workload,
     "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload,
     "WindowedConv": windowed_conv_workload, "GroupNorm": group_norm_workload,
-    "AffineChain": affine_workload, "GruStack": gru_stack_workload}
+    "AffineChain": affine_workload, "GruStack": gru_stack_workload,
+    "NativeInt8": native_int8_workload}

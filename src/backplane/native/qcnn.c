@@ -1,0 +1,338 @@
+/* An int8 CNN partition run in one call: a plan of records over one arena (qcnn.py plans it).
+
+Why: on this AVX2 machine torch's int8 paths (FBGEMM, oneDNN, oneDNN Graph's int8) are slower
+than its float ones, and a 32x32 int8 ResNet's layers each do a few microseconds of work, which
+torch's per-call costs outgrow. ONNX Runtime's MLAS multiplies uint8 by int8 into int32 and
+requantizes in float; so does this, exactly: the integer sums are exact, the requantization is
+MLAS's (float(acc) * (x_scale * w_scale / y_scale), clamped to the type's range less the zero
+point, rounded half to even, plus the zero point), QuantizeLinear is MLAS's (x / scale, clamped,
+rounded half to even, plus the zero point) and DequantizeLinear (x - zero) * scale.
+
+Tensors live in the arena channels-last: 8-bit ones as bytes, float ones as floats. A
+convolution first copies its input, centred (x - zero) and widened to int16, into a padded
+scratch (padding 0: the zero point's value), its channels rounded up to even; weights are packed
+at load as int16 pairs, (w - w_zero), for _mm256_madd_epi16: 16 exact products a instruction
+into 8 int32 sums. (_mm256_maddubs_epi16 would do 32, but it saturates its int16 pair sums: 255
+* 127 * 2 > 32767; MLAS's AVX2 kernel accepts that, so where a sum saturates there ONNX Runtime's
+output is off and this one is the exact one.) AVX-512 VNNI (vpdpwssd) behind __AVX512VNNI__,
+a scalar path for other CPUs. No -ffast-math: the rounding mode is the default, half to even. */
+#define _POSIX_C_SOURCE 199309L
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* A record's fields (qcnn.py's FIELDS, in this order): int64 each, NF of them per record. */
+enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_KW, F_SH, F_SW,
+       F_DH, F_DW, F_PT, F_PL, F_WOFF, F_BOFF, F_MOFF, F_SCR, F_PH, F_PW, F_ICP, F_ZX, F_ZY,
+       F_LO, F_HI, F_SIGNED, F_X1, NF = 32 };
+enum { OP_IMPORT = 1, OP_EXPORT, OP_QUANT, OP_DEQUANT, OP_QCONV, OP_MAXPOOL_F, OP_MAXPOOL_Q,
+       OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F };
+#define OCB 16 /* output channels a weight block: two vectors of 8 int32 sums */
+
+static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
+    return sgn ? (int32_t)((const int8_t *)p)[i] : (int32_t)p[i];
+}
+
+/* y = clamp(round_half_even(x / scale), lo - zero, hi - zero) + zero, as MLAS: a NaN takes the
+   low end (maxps keeps its second operand where either is NaN). */
+static void quantize(const float *restrict x, uint8_t *restrict y, int64_t n, float scale,
+                     int32_t zero, int32_t lo, int32_t hi, int sgn) {
+    const float fl = (float)(lo - zero), fh = (float)(hi - zero);
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(scale), vl = _mm256_set1_ps(fl), vh = _mm256_set1_ps(fh);
+    const __m256i vz = _mm256_set1_epi32(zero);
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vs);
+        v = _mm256_min_ps(_mm256_max_ps(v, vl), vh);
+        __m256i k = _mm256_add_epi32(_mm256_cvtps_epi32(v), vz);
+        int32_t out[8];
+        _mm256_storeu_si256((__m256i *)out, k);
+        for (int j = 0; j < 8; ++j) y[i + j] = (uint8_t)out[j];
+    }
+#endif
+    for (; i < n; ++i) {
+        float v = x[i] / scale;
+        v = v > fl ? v : fl;
+        v = v < fh ? v : fh;
+        y[i] = (uint8_t)((int32_t)nearbyintf(v) + zero);
+    }
+    (void)sgn;
+}
+
+static void dequantize(const uint8_t *restrict x, float *restrict y, int64_t n, float scale,
+                       int32_t zero, int sgn, int relu) {
+    if (sgn)
+        for (int64_t i = 0; i < n; ++i) y[i] = (float)((int32_t)((const int8_t *)x)[i] - zero) * scale;
+    else
+        for (int64_t i = 0; i < n; ++i) y[i] = (float)((int32_t)x[i] - zero) * scale;
+    if (relu)
+        for (int64_t i = 0; i < n; ++i) y[i] = y[i] < 0.0f ? 0.0f : y[i];
+}
+
+/* The input centred and widened into the padded scratch: [n][ph][pw][icp] int16, 0 outside. */
+static void widen(const int64_t *r, const uint8_t *x, int16_t *restrict s) {
+    const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
+    const int64_t icp = r[F_ICP], pt = r[F_PT], pl = r[F_PL];
+    const int32_t zx = (int32_t)r[F_ZX];
+    const int sgn = (int)r[F_SIGNED];
+    memset(s, 0, (size_t)(n * ph * pw * icp) * sizeof(int16_t));
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t y = 0; y < h; ++y) {
+            const uint8_t *src = x + ((b * h + y) * w) * c;
+            int16_t *dst = s + ((b * ph + y + pt) * pw + pl) * icp;
+            if (sgn)
+                for (int64_t px = 0; px < w; ++px)
+                    for (int64_t k = 0; k < c; ++k)
+                        dst[px * icp + k] = (int16_t)((int32_t)((const int8_t *)src)[px * c + k] - zx);
+            else
+                for (int64_t px = 0; px < w; ++px)
+                    for (int64_t k = 0; k < c; ++k)
+                        dst[px * icp + k] = (int16_t)((int32_t)src[px * c + k] - zx);
+        }
+}
+
+/* MLAS's requantization of 16 sums (one block's), written to y (ocount of them valid). */
+static void requantize(const int32_t *acc, const float *mult, const int32_t *bias, uint8_t *y,
+                       int64_t ocount, int32_t zy, int32_t lo, int32_t hi) {
+    const float fl = (float)(lo - zy), fh = (float)(hi - zy);
+    for (int64_t j = 0; j < ocount; ++j) {
+        float v = (float)(acc[j] + bias[j]) * mult[j];
+        v = v > fl ? v : fl;
+        v = v < fh ? v : fh;
+        y[j] = (uint8_t)((int32_t)nearbyintf(v) + zy);
+    }
+}
+
+#define TILE 4 /* output pixels a register tile */
+
+/* Sums of TILE pixels (their scratch rows at px[t]) by one block of OCB channels: acc[t][16].
+   The weight block is [kh][kw][icp/2][OCB][2] int16. */
+static void block_sums(const int16_t *const *px, int64_t tiles, const int16_t *restrict wb,
+                       int64_t kh, int64_t kw, int64_t pairs, int64_t rowstep, int64_t colstep,
+                       int32_t acc[TILE][OCB]) {
+#if defined(__AVX2__)
+    __m256i a[TILE][2];
+    for (int t = 0; t < TILE; ++t) a[t][0] = a[t][1] = _mm256_setzero_si256();
+    for (int64_t ky = 0; ky < kh; ++ky)
+        for (int64_t kx = 0; kx < kw; ++kx) {
+            const int64_t at = ky * rowstep + kx * colstep;
+            const int16_t *wp = wb + ((ky * kw + kx) * pairs) * OCB * 2;
+            for (int64_t p = 0; p < pairs; ++p, wp += OCB * 2) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wp);
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wp + 16));
+                for (int t = 0; t < TILE; ++t) {
+                    int32_t pair;
+                    memcpy(&pair, px[t] + at + 2 * p, 4);
+                    const __m256i xv = _mm256_set1_epi32(pair);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    a[t][0] = _mm256_dpwssd_epi32(a[t][0], xv, w0);
+                    a[t][1] = _mm256_dpwssd_epi32(a[t][1], xv, w1);
+#else
+                    a[t][0] = _mm256_add_epi32(a[t][0], _mm256_madd_epi16(xv, w0));
+                    a[t][1] = _mm256_add_epi32(a[t][1], _mm256_madd_epi16(xv, w1));
+#endif
+                }
+            }
+        }
+    for (int64_t t = 0; t < tiles; ++t) {
+        _mm256_storeu_si256((__m256i *)acc[t], a[t][0]);
+        _mm256_storeu_si256((__m256i *)(acc[t] + 8), a[t][1]);
+    }
+#else
+    for (int64_t t = 0; t < tiles; ++t)
+        for (int j = 0; j < OCB; ++j) acc[t][j] = 0;
+    for (int64_t ky = 0; ky < kh; ++ky)
+        for (int64_t kx = 0; kx < kw; ++kx) {
+            const int64_t at = ky * rowstep + kx * colstep;
+            const int16_t *wp = wb + ((ky * kw + kx) * pairs) * OCB * 2;
+            for (int64_t p = 0; p < pairs; ++p, wp += OCB * 2)
+                for (int64_t t = 0; t < tiles; ++t) {
+                    const int32_t x0 = px[t][at + 2 * p], x1 = px[t][at + 2 * p + 1];
+                    for (int j = 0; j < OCB; ++j)
+                        acc[t][j] += x0 * (int32_t)wp[2 * j] + x1 * (int32_t)wp[2 * j + 1];
+                }
+        }
+#endif
+}
+
+/* A quantized convolution (QLinearConv; a QDQ Conv; QLinearMatMul / QGemm as a 1x1 one over
+   rows): weights [blocks][kh][kw][icp/2][OCB][2] int16 at woff (bytes), bias int32 and
+   multipliers float at boff / moff, each blocks * OCB long. */
+static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
+    const int64_t n = r[F_N], oh = r[F_OH], ow = r[F_OW], oc = r[F_OC], kh = r[F_KH], kw = r[F_KW];
+    const int64_t sh = r[F_SH], sw = r[F_SW], dh = r[F_DH], dw = r[F_DW], ph = r[F_PH];
+    const int64_t pw = r[F_PW], icp = r[F_ICP], pairs = icp / 2;
+    int16_t *s = (int16_t *)(arena + r[F_SCR]);
+    widen(r, arena + r[F_IN], s);
+    const int16_t *weights = (const int16_t *)(params + r[F_WOFF]);
+    const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
+    const float *mult = (const float *)(params + r[F_MOFF]);
+    uint8_t *y = arena + r[F_OUT];
+    const int32_t zy = (int32_t)r[F_ZY], lo = (int32_t)r[F_LO], hi = (int32_t)r[F_HI];
+    const int64_t blocks = (oc + OCB - 1) / OCB, wblock = kh * kw * pairs * OCB * 2;
+    const int64_t pixels = oh * ow, rowstep = dh * pw * icp, colstep = dw * icp;
+    int32_t acc[TILE][OCB];
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t p0 = 0; p0 < pixels; p0 += TILE) {
+            const int64_t tiles = pixels - p0 < TILE ? pixels - p0 : TILE;
+            const int16_t *px[TILE];
+            for (int64_t t = 0; t < TILE; ++t) {
+                const int64_t p = p0 + (t < tiles ? t : 0), yy = p / ow, xx = p % ow;
+                px[t] = s + ((b * ph + yy * sh) * pw + xx * sw) * icp;
+            }
+            for (int64_t k = 0; k < blocks; ++k) {
+                block_sums(px, tiles, weights + k * wblock, kh, kw, pairs, rowstep, colstep, acc);
+                const int64_t count = oc - k * OCB < OCB ? oc - k * OCB : OCB;
+                for (int64_t t = 0; t < tiles; ++t)
+                    requantize(acc[t], mult + k * OCB, bias + k * OCB,
+                               y + (b * pixels + p0 + t) * oc + k * OCB, count, zy, lo, hi);
+            }
+        }
+}
+
+/* Max or average over windows, channels-last; T the element type. The pads never win a max
+   (skipped); an average counts them where count_include_pad (x1) says. */
+#define POOL(NAME, T, INIT, STEP, DONE)                                                          \
+    static void NAME(const int64_t *r, const T *restrict x, T *restrict y) {                   \
+        const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], oh = r[F_OH];             \
+        const int64_t ow = r[F_OW], kh = r[F_KH], kw = r[F_KW], sh = r[F_SH], sw = r[F_SW];     \
+        const int64_t dh = r[F_DH], dw = r[F_DW], pt = r[F_PT], pl = r[F_PL];                   \
+        const int64_t eh = r[F_PH], ew = r[F_PW], include = r[F_X1];                            \
+        (void)include; (void)eh; (void)ew;                                                      \
+        for (int64_t b = 0; b < n; ++b)                                                         \
+            for (int64_t oy = 0; oy < oh; ++oy)                                                 \
+                for (int64_t ox = 0; ox < ow; ++ox) {                                           \
+                    T *out = y + ((b * oh + oy) * ow + ox) * c;                                 \
+                    int64_t count = 0, inside = 0;                                              \
+                    for (int64_t k = 0; k < c; ++k) out[k] = INIT;                              \
+                    for (int64_t ky = 0; ky < kh; ++ky) {                                       \
+                        const int64_t iy = oy * sh - pt + ky * dh;                              \
+                        for (int64_t kx = 0; kx < kw; ++kx) {                                   \
+                            const int64_t ix = ox * sw - pl + kx * dw;                          \
+                            if (iy < eh && ix < ew) ++count; /* within the pads' end */         \
+                            if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;               \
+                            ++inside;                                                           \
+                            const T *in = x + ((b * h + iy) * w + ix) * c;                      \
+                            for (int64_t k = 0; k < c; ++k) STEP;                               \
+                        }                                                                       \
+                    }                                                                           \
+                    DONE;                                                                       \
+                }                                                                               \
+    }
+
+POOL(maxpool_f, float, -INFINITY, out[k] = (in[k] > out[k] || in[k] != in[k]) ? in[k] : out[k], )
+POOL(maxpool_u8, uint8_t, 0, out[k] = in[k] > out[k] ? in[k] : out[k], )
+POOL(maxpool_s8, int8_t, -128, out[k] = in[k] > out[k] ? in[k] : out[k], )
+POOL(avgpool_f, float, 0.0f, out[k] += in[k],
+     { const float d = (float)(include ? count : inside);
+       for (int64_t k = 0; k < c; ++k) out[k] /= d; })
+
+static void gap_f(const int64_t *r, const float *restrict x, float *restrict y) {
+    const int64_t n = r[F_N], hw = r[F_H] * r[F_W], c = r[F_C];
+    for (int64_t b = 0; b < n; ++b) {
+        float *out = y + b * c;
+        for (int64_t k = 0; k < c; ++k) out[k] = 0.0f;
+        for (int64_t p = 0; p < hw; ++p)
+            for (int64_t k = 0; k < c; ++k) out[k] += x[(b * hw + p) * c + k];
+        for (int64_t k = 0; k < c; ++k) out[k] /= (float)hw;
+    }
+}
+
+static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, void **ext) {
+    const int64_t n = r[F_N], c = r[F_C], hw = r[F_H] * r[F_W], count = n * c * hw;
+    const float *fp = (const float *)params;
+    switch (r[F_OP]) {
+    case OP_IMPORT: { /* NCHW float in -> NHWC float */
+        const float *src = (const float *)ext[r[F_IN]];
+        float *dst = (float *)(arena + r[F_OUT]);
+        for (int64_t b = 0; b < n; ++b)
+            for (int64_t k = 0; k < c; ++k)
+                for (int64_t p = 0; p < hw; ++p) dst[(b * hw + p) * c + k] = src[(b * c + k) * hw + p];
+        break;
+    }
+    case OP_EXPORT: {
+        const float *src = (const float *)(arena + r[F_IN]);
+        float *dst = (float *)ext[r[F_OUT]];
+        for (int64_t b = 0; b < n; ++b)
+            for (int64_t k = 0; k < c; ++k)
+                for (int64_t p = 0; p < hw; ++p) dst[(b * c + k) * hw + p] = src[(b * hw + p) * c + k];
+        break;
+    }
+    case OP_QUANT:
+        quantize((const float *)(arena + r[F_IN]), arena + r[F_OUT], count, fp[r[F_MOFF] / 4],
+                 (int32_t)r[F_ZY], (int32_t)r[F_LO], (int32_t)r[F_HI], (int)r[F_SIGNED]);
+        break;
+    case OP_DEQUANT:
+        dequantize(arena + r[F_IN], (float *)(arena + r[F_OUT]), count, fp[r[F_MOFF] / 4],
+                   (int32_t)r[F_ZX], (int)r[F_SIGNED], (int)r[F_X1]);
+        break;
+    case OP_QCONV:
+        qconv(r, params, arena);
+        break;
+    case OP_MAXPOOL_F:
+        maxpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
+        break;
+    case OP_MAXPOOL_Q:
+        if (r[F_SIGNED])
+            maxpool_s8(r, (const int8_t *)(arena + r[F_IN]), (int8_t *)(arena + r[F_OUT]));
+        else
+            maxpool_u8(r, arena + r[F_IN], arena + r[F_OUT]);
+        break;
+    case OP_AVGPOOL_F:
+        avgpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
+        break;
+    case OP_GAP_F:
+        gap_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
+        break;
+    case OP_ADD_F: {
+        const float *a = (const float *)(arena + r[F_IN]), *b = (const float *)(arena + r[F_IN2]);
+        float *y = (float *)(arena + r[F_OUT]);
+        for (int64_t i = 0; i < count; ++i) y[i] = a[i] + b[i];
+        break;
+    }
+    case OP_ADDC_F: { /* a constant per channel (or one) */
+        const float *a = (const float *)(arena + r[F_IN]), *k = fp + r[F_BOFF] / 4;
+        float *y = (float *)(arena + r[F_OUT]);
+        const int64_t m = r[F_X1]; /* the constant's length: c or 1 */
+        for (int64_t i = 0; i < count; ++i) y[i] = a[i] + k[m == 1 ? 0 : i % c];
+        break;
+    }
+    case OP_RELU_F: {
+        const float *a = (const float *)(arena + r[F_IN]);
+        float *y = (float *)(arena + r[F_OUT]);
+        for (int64_t i = 0; i < count; ++i) y[i] = a[i] < 0.0f ? 0.0f : a[i];
+        break;
+    }
+    default:
+        return 1;
+    }
+    return 0;
+}
+
+/* Runs the records in order; ext: the partition's input then output pointers (float32, NCHW).
+   Returns 0, or 1 + the index of a record of an unknown op. */
+int backplane_qcnn_run(const int64_t *records, int64_t count, const uint8_t *params,
+                       uint8_t *arena, void **ext) {
+    for (int64_t i = 0; i < count; ++i)
+        if (run_record(records + i * NF, params, arena, ext)) return (int)(i + 1);
+    return 0;
+}
+
+/* As backplane_qcnn_run, ``times`` times, adding each record's thread CPU seconds to seconds[i]. */
+int backplane_qcnn_profile(const int64_t *records, int64_t count, const uint8_t *params,
+                           uint8_t *arena, void **ext, double *seconds, int64_t times) {
+    struct timespec a, b;
+    for (int64_t t = 0; t < times; ++t)
+        for (int64_t i = 0; i < count; ++i) {
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+            if (run_record(records + i * NF, params, arena, ext)) return (int)(i + 1);
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
+            seconds[i] += (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+        }
+    return 0;
+}

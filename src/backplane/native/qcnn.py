@@ -1,0 +1,280 @@
+"""An int8 CNN partition's ONNX layers as one plan for ``qcnn.c``: run in one ctypes call.
+
+Why: on this AVX2 machine torch's int8 kernels are slower than its float ones, and the small
+int8 CNNs' layers each do microseconds of work beneath torch's per-call costs; ONNX Runtime runs
+them as uint8 x int8 -> int32 products requantized in float (MLAS). ``qcnn.c`` does the same
+arithmetic, and the planning here makes the QDQ format's chains into its operators as ONNX
+Runtime's QDQ transformer does: DequantizeLinear(x_q) -> Conv / Gemm / MatMul -> QuantizeLinear is
+one quantized convolution of x_q (weights and bias recovered as integers from their folded float
+constants), DequantizeLinear -> MaxPool -> QuantizeLinear of one step a max pool of the bytes,
+QuantizeLinear(DequantizeLinear(x_q)) of the same step x_q itself. A DequantizeLinear is made
+only where a float layer reads its output (Relu, Add, AveragePool, GlobalAveragePool, the
+partition's outputs), so the QOperator format's float glue runs as written.
+
+``plan`` takes the layers of a static partition (the ONNX ops of ``qcnn_layers.PLANNERS``) and
+gives a ``Plan``, or raises ``Unplannable`` naming the first layer it cannot take.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backplane.ir.graph import Layer
+
+FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl woff boff moff scr ph pw icp "
+          "zx zy lo hi signed x1").split()
+"""A record's fields, in qcnn.c's order (its enum F_*): NF = 32 int64s a record."""
+NF = 32
+OPS = {name: code for code, name in enumerate(
+    "import export quant dequant qconv maxpool_f maxpool_q avgpool_f gap_f add_f addc_f relu_f"
+    .split(), 1)}
+ALIGN = 64  # bytes: each tensor's and parameter's place starts on a cache line
+OCB = 16  # output channels a packed weight block (qcnn.c's OCB)
+
+
+class Unplannable(NotImplementedError):
+    """A layer (or the partition's edges) the int8 plan does not take; the message says which."""
+
+
+@dataclass
+class Value:
+    """A tensor in the arena, channels-last: ``dims`` (n, c, h, w); ``kind`` "f" (float32), "u8"
+    or "s8"; for an 8-bit one its step (scale, zero point)."""
+
+    offset: int
+    dims: tuple[int, int, int, int]
+    shape: tuple[int, ...]
+    kind: str
+    step: tuple[np.float32, int] | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def bytes(self) -> int:
+        return self.size * (4 if self.kind == "f" else 1)
+
+
+@dataclass
+class Pending:
+    """A DequantizeLinear not made yet: its 8-bit input and step."""
+
+    source: str
+    scale: np.float32
+    zero: int
+
+
+@dataclass
+class Plan:
+    """The records, the packed parameters (bytes), the arena's size in bytes, the edges' shapes."""
+
+    records: np.ndarray
+    params: np.ndarray
+    arena: int
+    input_shapes: list[tuple[int, ...]]
+    output_shapes: list[tuple[int, ...]]
+    ops: list[str] = field(default_factory=list)
+    names: list[tuple[str, str]] = field(default_factory=list)
+    macs: int = 0
+
+
+def dims_of(shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """An ONNX shape's (n, c, h, w): (N, C, H, W); (N, K) as N pixels of K channels."""
+    if len(shape) == 4:
+        return tuple(int(d) for d in shape)  # type: ignore[return-value]
+    if len(shape) == 2:
+        return (int(shape[0]), int(shape[1]), 1, 1)
+    raise Unplannable(f"a tensor of shape {tuple(shape)}: only 2- and 4-d tensors")
+
+
+class Planner:
+    def __init__(self, layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
+                 inputs: Sequence[str], outputs: Sequence[str]):
+        self.layers, self.constants, self.outputs = list(layers), constants, list(outputs)
+        self.inputs = list(inputs)
+        self.values: dict[str, Value] = {}
+        self.pending: dict[str, Pending] = {}
+        self.records: list[np.ndarray] = []
+        self.params: list[np.ndarray] = []
+        self.param_size, self.end, self.scratch, self.macs = 0, 0, 0, 0
+        self.ops: list[str] = []
+        self.names: list[tuple[str, str]] = []
+        self.done: set[int] = set()  # layers taken by an earlier one's pattern
+        self.readers: dict[str, list[Layer]] = {}
+        for layer in self.layers:
+            for name in dict.fromkeys(layer.inputs):
+                if name:
+                    self.readers.setdefault(name, []).append(layer)
+        self.current = ("the partition's inputs", "QcnnImport")
+
+    # places
+    def new(self, name: str, shape: Sequence[int], kind: str,
+            step: tuple[np.float32, int] | None = None) -> Value:
+        dims = dims_of(shape)
+        value = Value(self.end, dims, tuple(int(d) for d in shape), kind, step)
+        self.end += -(-value.bytes // ALIGN) * ALIGN
+        self.values[name] = value
+        return value
+
+    def param(self, array: np.ndarray) -> int:
+        """``array``'s bytes in the parameters; their offset."""
+        offset = self.param_size
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        padded = -(-raw.size // ALIGN) * ALIGN
+        self.params.append(np.pad(raw, (0, padded - raw.size)))
+        self.param_size += padded
+        return offset
+
+    def record(self, op: str, in_: int = -1, out: int = -1, dims: Sequence[int] = (1, 1, 1, 1),
+               **fields: int) -> None:
+        row = np.zeros(NF, np.int64)
+        row[FIELDS.index("in2")] = row[FIELDS.index("scr")] = -1
+        values = {"op": OPS[op], "in": in_, "out": out, **dict(zip("nchw", dims)), **fields}
+        for name, number in values.items():
+            row[FIELDS.index(name)] = int(number)
+        self.records.append(row)
+        self.ops.append(op)
+        self.names.append(self.current)
+
+    # what the layers read
+    def const(self, name: str) -> np.ndarray | None:
+        return self.constants.get(name) if name else None
+
+    def sole_reader(self, name: str) -> Layer | None:
+        """The one layer reading ``name``, where it is no output of the partition."""
+        found = self.readers.get(name, [])
+        return found[0] if len(found) == 1 and name not in self.outputs else None
+
+    def quantized(self, name: str) -> Value:
+        """The 8-bit tensor ``name``."""
+        value = self.values.get(name)
+        if value is None or value.kind == "f":
+            raise Unplannable(f"{name!r} is not an 8-bit tensor of the partition")
+        return value
+
+    def real(self, name: str) -> Value:
+        """The float tensor ``name``, its DequantizeLinear made here where it was pending."""
+        if name in self.values and self.values[name].kind == "f":
+            return self.values[name]
+        pending = self.pending.get(name)
+        if pending is None:
+            raise Unplannable(f"{name!r} is neither an input of the partition nor planned")
+        source = self.quantized(pending.source)
+        y = self.new(name, source.shape, "f")
+        self.record("dequant", in_=source.offset, out=y.offset, dims=source.dims,
+                    moff=self.param(np.array([pending.scale], np.float32)), zx=pending.zero,
+                    signed=int(source.kind == "s8"))
+        return y
+
+
+def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: Sequence[str],
+         input_shapes: Sequence[Sequence[int]], outputs: Sequence[str]) -> Plan:
+    """The plan of a static partition whose inputs and outputs are float32: ``layers`` in order,
+    reading ``inputs`` of ``input_shapes`` (and ``constants``), writing ``outputs``. Raises
+    ``Unplannable``."""
+    from backplane.native import qcnn_layers
+
+    p = Planner(layers, constants, inputs, outputs)
+    for index, (name, shape) in enumerate(zip(inputs, input_shapes)):
+        value = p.new(name, tuple(shape), "f")
+        p.record("import", in_=index, out=value.offset, dims=value.dims)
+    for index, layer in enumerate(p.layers):
+        if index in p.done:
+            continue
+        make = qcnn_layers.PLANNERS.get(layer.op_type)
+        if make is None or layer.domain not in ("", "ai.onnx") or len(layer.outputs) != 1:
+            raise Unplannable(f"{layer.name}: {layer.domain or 'ai.onnx'} {layer.op_type} is "
+                              "not planned natively in int8")
+        p.current = (layer.name, layer.op_type)
+        make(p, layer, index)
+    if not any(op == "qconv" for op in p.ops):
+        raise Unplannable("no quantized convolution or product in the partition")
+    shapes, p.current = [], ("the partition's outputs", "QcnnExport")
+    for index, name in enumerate(outputs):
+        if name in inputs:
+            raise Unplannable(f"the output {name!r} is an input of the partition")
+        value = p.real(name)
+        p.record("export", in_=value.offset, out=len(inputs) + index, dims=value.dims)
+        shapes.append(value.shape)
+    scratch = p.end
+    for row in p.records:  # one scratch place after the tensors, for every convolution
+        if row[0] == OPS["qconv"]:
+            row[FIELDS.index("scr")] = scratch
+    params = np.concatenate(p.params) if p.params else np.zeros(ALIGN, np.uint8)
+    return Plan(np.stack(p.records), params, p.end + p.scratch + 4 * ALIGN,
+                [tuple(s) for s in input_shapes], shapes, p.ops, p.names, p.macs)
+
+
+class Executor:
+    """A plan bound to the library: ``run(input pointers, output pointers)`` makes one call. The
+    arena is the plan's own while one thread runs it; a second thread at the same time gets a
+    fresh one (a lock tried, never waited for)."""
+
+    def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
+        self.plan, self.library = planned, library
+        self.fn = library.backplane_qcnn_run
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p]
+        self.fn.restype = ctypes.c_int
+        self.count = len(planned.records)
+        self.records = np.ascontiguousarray(planned.records)
+        self.params = _aligned(planned.params.size)
+        self.params[:] = planned.params
+        self.edges = len(planned.input_shapes) + len(planned.output_shapes)
+        self.arena = _aligned(planned.arena)
+        self.ext = (ctypes.c_void_p * self.edges)()
+        self.lock = threading.Lock()
+        self.pointers = (self.records.ctypes.data, self.params.ctypes.data)
+
+    def run(self, pointers: Sequence[int]) -> None:
+        """``pointers``: the inputs' then the outputs' data (contiguous float32, NCHW)."""
+        records, params = self.pointers
+        if self.lock.acquire(blocking=False):
+            try:
+                self.ext[:] = pointers
+                failed = self.fn(records, self.count, params, self.arena.ctypes.data, self.ext)
+            finally:
+                self.lock.release()
+        else:  # the arena held in a name through the call (a temporary's would be freed)
+            ext = (ctypes.c_void_p * self.edges)(*pointers)
+            arena = _aligned(self.plan.arena)
+            failed = self.fn(records, self.count, params, arena.ctypes.data, ext)
+            del arena
+        if failed:
+            raise RuntimeError(f"native qcnn: record {failed - 1} has an unknown op")
+
+    def profile(self, values: Sequence[np.ndarray], times: int = 1) -> list[float]:
+        """Each record's thread CPU seconds, the mean of ``times`` runs on NumPy ``values``."""
+        fn = self.library.backplane_qcnn_profile
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        values = [np.ascontiguousarray(v, np.float32) for v in values]
+        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        ext = (ctypes.c_void_p * self.edges)(*[a.ctypes.data for a in (*values, *outputs)])
+        seconds = np.zeros(self.count)
+        with self.lock:
+            fn(self.pointers[0], self.count, self.pointers[1], self.arena.ctypes.data, ext,
+               seconds.ctypes.data, times)
+        return list(seconds / times)
+
+    def numpy(self, *values: np.ndarray) -> list[np.ndarray]:
+        """The plan run on NumPy arrays (tests, the bench): fresh outputs."""
+        values = tuple(np.ascontiguousarray(v, np.float32) for v in values)
+        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        self.run([v.ctypes.data for v in values] + [o.ctypes.data for o in outputs])
+        return outputs
+
+
+def _aligned(size: int) -> np.ndarray:
+    raw = np.zeros(size + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + size]
+
