@@ -201,3 +201,37 @@ def test_a_static_compiled_partition_given_two_threads_runs_on_one_where_that_is
         assert_close(session.run(None, feeds), expected)
         assert torch.get_num_threads() == 2
     assert isinstance(undecided.decided, small.OneThread)
+
+
+def test_a_build_decided_while_the_governor_holds_fewer_threads_compares_up_to_its_ceiling(
+        monkeypatch) -> None:
+    """A session's ceiling of 2 (``AtMost``) whose governor holds one thread at the build's first
+    calls (other processes, or this process's compilers, held a CPU): the counts compared are the
+    ceiling's, so the build keeps one thread once the governor gives two again. Up to the moment's
+    count there was no choice, and the build ran at the governor's two on the quiet machine
+    (``CpuAcc.inductor``'s first calls after its compile: gpt_causal_ts15 0.3 -> 0.5 ms)."""
+    import threading
+
+    monkeypatch.setattr(threads, "_APPLIED", threading.local())  # this test's governor alone
+    monkeypatch.setattr(threads, "crowded", lambda: False)
+    seconds = {2: 2.0e-4, 1: 1.0e-4}  # one thread the faster, as a small partition's
+    monkeypatch.setattr(small, "_seconds", lambda run, values: seconds[torch.get_num_threads()])
+    before = torch.get_num_threads()
+    governor = threads.ThreadGovernor(2, frozenset({0, 1}), read=lambda cpus: None,
+                                      apply=torch.set_num_threads)
+    try:
+        governor.threads = 1  # busy at the build's first calls
+        governor.tick()
+        assert torch.get_num_threads() == 1 and threads.quiet_count() == 2
+        seen, run = _recording()
+        chosen = small.fewer_threads(run, [torch.zeros(1)])
+        assert isinstance(chosen, small.OneThread) and chosen.work is run
+        governor.threads = 2  # quiet again
+        governor.tick()
+        seen.clear()
+        chosen(torch.zeros(1))
+        assert seen == [1] and torch.get_num_threads() == 2
+        torch.set_num_threads(1)  # a count set past the governor: no ceiling of its
+        assert threads.quiet_count() == 1
+    finally:
+        torch.set_num_threads(before)

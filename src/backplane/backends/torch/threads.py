@@ -237,6 +237,25 @@ _APPLIED = threading.local()
 two sessions of different ceilings called from one thread each set theirs again."""
 
 
+def quiet_count() -> int:
+    """The calling thread's torch threads on a quiet machine: the ceiling of the governor that set
+    its count (it may hold fewer now), else torch's count.
+
+    Why: ``small.fewer_threads`` compares the counts up to this. Compared up to the moment's
+    count, a partition's threads chosen while the governor held one thread were no choice (one
+    count), and it then ran at the governor's two once the machine was quiet again: a default
+    session with ``CpuAcc.inductor`` auto chose so at its first calls after the compile, whose g++
+    the governor had read as other processes' (gpt_causal_ts15 at 2 threads, 0.3 -> 0.5 ms a run
+    in the seventeenth session's bench; issue 27)."""
+    import torch
+
+    count = torch.get_num_threads()
+    by = getattr(_APPLIED, "by", None)
+    if by is not None and getattr(_APPLIED, "threads", None) == count:  # the governor's count
+        return max(count, by.most)
+    return count
+
+
 class ThreadGovernor:
     """Sets torch's threads to ``choose(free_cpus(...))`` every ``period`` seconds of calls:
     ``most`` while the CPUs it fits on (at most the affinity's) are free, fewer while others hold
