@@ -137,12 +137,17 @@ def until_settled(runtime: str, run: Run, loaded: float, most: float = 60.0) -> 
     return time.perf_counter() - loaded if done else None
 
 
-def background_setting(value: str) -> None:
-    """``--background``: CpuAcc.background's default in this worker ("default": as it is)."""
+def background_setting(value: str, inductor: str = "default") -> None:
+    """``--background``: CpuAcc.background's default in this worker ("default": as it is), and
+    ``--inductor``: CpuAcc.inductor's."""
     if value != "default":
         from backplane.backends.torch import background
 
         background.DEFAULT = value == "on"
+    if inductor != "default":
+        from backplane.backends.torch import inductor_background
+
+        inductor_background.DEFAULT = inductor
 
 
 def empty_caches() -> None:
@@ -170,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         imported(args.worker)
         import_s = time.perf_counter() - start
-        background_setting(args.background)
+        background_setting(args.background, args.inductor)
         run, plan = load(args.worker, args.model, feeds, args.threads)
         load_s = time.perf_counter() - start
         run()
@@ -178,7 +183,7 @@ def worker(args: argparse.Namespace) -> None:
         from backplane.bench_worker import timed_runs  # after the first output: backplane's
         # import is the runtime's own in its worker, and untimed in the others'
 
-        ready_s = until_settled(args.worker, run, start + load_s)
+        ready_s = until_settled(args.worker, run, start + load_s, args.settle)
         warm, end = [], time.perf_counter() + args.warmup_seconds
         while len(warm) < 5 or time.perf_counter() < end:  # past a runtime's settling runs
             warm += timed_runs(run, 0, 1)[1]
@@ -202,11 +207,11 @@ def profile_worker(args: argparse.Namespace) -> None:
     from backplane import InferenceSession, SessionOptions
 
     feeds = dict(np.load(args.feeds))
-    background_setting(args.background)
+    background_setting(args.background, args.inductor)
     session = InferenceSession(args.model, SessionOptions(intra_op_num_threads=args.threads))
     session.run(None, feeds)
     run = lambda: session.run(None, feeds)  # noqa: E731
-    until_settled("backplane", run, time.perf_counter())  # profiled: what the background chose
+    until_settled("backplane", run, time.perf_counter(), args.settle)  # what the background chose
     for _ in range(3):
         session.run(None, feeds)
     per_layer: dict[tuple[str, str, str], list[float]] = defaultdict(list)
@@ -258,7 +263,9 @@ def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save
                                 else args.threads), "--seconds", str(args.seconds),
                "--warmup-seconds", str(args.warmup_seconds),
                "--profile-runs", str(args.profile_runs),
-               "--background", getattr(args, "background", "default")]  # int8.py's args: none
+               "--background", getattr(args, "background", "default"),  # int8.py's args: none
+               "--inductor", getattr(args, "inductor", "default"),
+               "--settle", str(getattr(args, "settle", 60.0))]
     command += ["--save", str(save)] if save else []
     from backplane.bench_engine import worker_report
 
@@ -431,6 +438,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          "(auto: CpuAcc.threads 'auto', at most --threads)")
     ap.add_argument("--background", choices=("default", "on", "off"), default="default",
                     help="backplane's CpuAcc.background: its default, or on or off (default: default)")
+    ap.add_argument("--inductor", choices=("default", "auto", "off", "swap"), default="default",
+                    help="backplane's CpuAcc.inductor: its default (off), or auto, off or swap")
+    ap.add_argument("--settle", type=float, default=60.0,
+                    help="seconds backplane's background may take before the runs are timed (60; "
+                         "an inductor compile takes 20-95 s here)")
     ap.add_argument("--profile", action="store_true", help="profile backplane on the models below 0.8")
     ap.add_argument("--profile-runs", type=int, default=20, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help="write the results as a JSON document to this file")
@@ -461,7 +473,7 @@ def run_all(args: argparse.Namespace, names: list[str]) -> tuple[list[str], dict
               *(line.replace(", backplane absent", "") for line in environment(args.threads)),
               f"backplane {backplane_version()}",
               f"corpus: {args.tier} tier, {args.corpus}",
-              f"CpuAcc.background: {args.background}",
+              f"CpuAcc.background: {args.background}, CpuAcc.inductor: {args.inductor}",
               f"neighbour: {NEIGHBOURS[args.neighbour].format(threads=args.threads)}; backplane's "
               f"threads: {args.threads if args.bp_threads == 'count' else 'auto'}; "
               f"{args.rounds} rounds, best of the rounds' medians, batch 1 at each model's .s0.npz"]
