@@ -178,3 +178,29 @@ def test_a_child_forked_during_the_load_runs_on_cpuref() -> None:
     session.run(None, _inputs())  # the parent's took the built session over
     assert session._later is None and session.runtime is not own
     session.close()
+
+
+_EXIT = """
+import threading, time, weakref
+from backplane import deferred_load
+class Held:
+    pass
+held, finalized = Held(), threading.Event()
+weakref.finalize(held, finalized.set)  # at exit, as a Runtime's finalizer runs (atexit=True)
+def make():
+    time.sleep(1.0)  # the process exits during the load
+    if finalized.is_set():
+        raise RuntimeError("finalized under the load")
+    return None
+later = deferred_load.Later(make)
+"""
+
+
+def test_a_process_that_exits_during_the_load_lets_it_finish_before_the_finalizers() -> None:
+    """A script that loads a model and exits without a run: the load in the background ends
+    before ``weakref.finalize``'s exit functions close Runtimes (it said the load failed, a
+    Runtime closed under it, where its wait was an atexit function: they run last first)."""
+    done = subprocess.run([sys.executable, "-c", _EXIT], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "failed" not in done.stderr, done.stderr

@@ -84,8 +84,9 @@ class Later:
             made = make()
         except BaseException as exc:  # noqa: BLE001  # the CpuRef session runs on: say why
             self.error = exc
-            log.warning("the default backends' load in the background failed (%s: %s): the "
-                        "session runs on CpuRef", type(exc).__name__, exc)
+            (log.debug if self.cancelled else log.warning)(
+                "the default backends' load in the background failed (%s: %s): the session runs "
+                "on CpuRef", type(exc).__name__, exc)  # cancelled: no session will run
             made = None
         with self.lock:
             if self.cancelled and made is not None:
@@ -161,11 +162,17 @@ def wait(timeout: float | None = None) -> bool:
     return True
 
 
-@atexit.register
 def _at_exit() -> None:
     """A process that exits during a background load waits for it (torch must not be importing
-    or inside a call while the interpreter finalizes)."""
+    or inside a call while the interpreter finalizes). Before the atexit functions
+    (``threading._register_atexit``, where this Python has it; a thread not a daemon may still
+    run the session after): ``weakref.finalize``'s closed the build's Runtime under it, and a
+    script that loaded a model and exited without a run printed the warning of a failed load."""
     wait(60.0)
+
+
+_register = getattr(threading, "_register_atexit", atexit.register)
+_register(_at_exit)
 
 
 def _forked() -> None:
