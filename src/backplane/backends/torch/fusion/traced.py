@@ -36,7 +36,6 @@ import logging
 import os
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -50,6 +49,7 @@ from backplane.backends.torch.fusion import host_chain, onednn_graph
 from backplane.backends.torch import prepacked, static_runtime, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
+from backplane.backends.torch.fusion.host_reads import HostReads
 from backplane.backends.torch.fusion.index_glue import fold_index_glue
 from backplane.backends.torch.fusion.static_sizes import fold_sizes, fold_views, outputs_made
 from backplane.backends.torch.fusion.trace_epilogues import fold_means, fold_relus
@@ -441,59 +441,3 @@ def _numpy(dtype: Any) -> Any:
     from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 
     return next(n for n, t in NUMPY_TO_TORCH.items() if t == dtype)
-
-
-class HostReads:
-    """A torch function mode that records where a tensor computed from the inputs is read on the
-    host (``item``, ``tolist``, ``bool``, ``int``, ``numpy`` ...): such a read is a value a trace
-    would keep as it was. Constants read on the host (a Reshape's shape) are not recorded: they
-    cannot change between runs. Values are followed through every torch call and method, in-place
-    ones included (a call's outputs are computed from its inputs)."""
-
-    READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
-                       "__array__", "__complex__", "equal", "allclose", "is_nonzero"})
-
-    def __init__(self, inputs: Sequence[Any]) -> None:
-        from torch.overrides import TorchFunctionMode
-
-        owner = self
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                return owner._call(func, args, kwargs or {})
-
-        self._mode = _Mode()
-        self._computed: dict[int, weakref.ref] = {}
-        self.found: list[str] = []
-        for value in inputs:
-            self._mark(value)
-
-    def __enter__(self) -> HostReads:
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
-
-    def _mark(self, value: Any) -> None:
-        self._computed[id(value)] = weakref.ref(value)
-
-    def _is_computed(self, value: Any) -> bool:
-        ref = self._computed.get(id(value))
-        return ref is not None and ref() is value
-
-    def _call(self, func: Any, args: Any, kwargs: Any) -> Any:
-        import torch
-        from torch.utils._pytree import tree_flatten
-
-        computed = any(isinstance(a, torch.Tensor) and self._is_computed(a)
-                       for a in tree_flatten((args, kwargs))[0])
-        name = getattr(func, "__name__", str(func))
-        if computed and name in self.READS:
-            self.found.append(name)
-        outputs = func(*args, **kwargs)
-        if computed:
-            for value in tree_flatten(outputs)[0]:
-                if isinstance(value, torch.Tensor):
-                    self._mark(value)
-        return outputs
