@@ -8,8 +8,8 @@ Each round starts one process per mode (auto, off, auto, ... in turn); a process
 with static input shapes (the sample's), runs it 30 times untimed, then ``--runs`` times, and
 reports the median thread CPU time (``time.thread_time``: what a loaded machine inflates least)
 and wall time of one run. The table gives the medians over rounds, their ratio, the routes the
-OneDnnGraph partitions took and the load average. ``--profile`` prints, per model, each native
-record's thread CPU time (``Executor.profile``: the mean of 200 runs). ``--threads`` sets torch's
+OneDnnGraph and Traced partitions took and the load average. ``--profile`` prints, per model,
+each native record's thread CPU time (``Executor.profile``: the mean of 200 runs). ``--threads`` sets torch's
 thread count (the native route runs at one whatever it says: its thread CPU time is then its
 whole cost, where oneDNN's at two also spends a second core); ``--any-size`` lifts the size rule
 (``native_cnn.SMALL``), and ``--side`` runs the 4-d inputs at side x side, to measure where it
@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "tests" / "data" / "corpus"
 FULL = Path(os.environ.get("BACKPLANE_CORPUS_FULL", Path.home() / ".cache/backplane/corpus-full"))
-MODELS = "mobilenet_dw_ts13,resnet_basic_ts16,mobilenet_dw_dyn18,resnet_basic_dyn21"
+MODELS = ("mobilenet_dw_ts13,resnet_basic_ts16,mobilenet_dw_dyn18,resnet_basic_dyn21,"
+          "mobilenet_fp16_ts17,detect_nms_ts14,crnn_paddle_ts12")
 
 
 def worker(path: str, mode: str, runs: int, profile: bool, any_size: bool, threads: int,
@@ -54,7 +55,7 @@ def worker(path: str, mode: str, runs: int, profile: bool, any_size: bool, threa
                                provider_options=[{"CpuAcc.native": mode}, {}])
     loaded = session.runtime.network(session.network_id)
     graphs = [s.workload for s, lay in zip(loaded.steps, loaded.layers)
-              if lay.op_type == "OneDnnGraph"]
+              if lay.op_type in ("OneDnnGraph", "Traced")]
     for _ in range(30):
         session.run(None, feeds)
     cpu, wall = [], []

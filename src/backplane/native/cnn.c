@@ -23,7 +23,7 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_DH, F_DW, F_PT, F_PL, F_G, F_WOFF, F_BOFF, F_ACT, F_AOFF, F_SCR, F_PH, F_PW, F_VB,
        F_X1, F_X2, NF = 32 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_CONV, OP_DWCONV, OP_MAXPOOL, OP_AVGPOOL, OP_GAP, OP_GMP,
-       OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE, OP_DECONV, OP_RESIZE };
+       OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE, OP_DECONV, OP_RESIZE, OP_GATHER };
 enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_HSWISH, ACT_HSIGMOID, ACT_SIGMOID, ACT_SWISH, ACT_LEAKY,
        ACT_TANH };
 
@@ -473,6 +473,17 @@ static void slice_into(const int64_t *f, float *A) {
     for (int64_t p = 0; p < pixels; ++p) memcpy(o + p * OC + at, x + p * C, sizeof(float) * C);
 }
 
+/* F_N elements, each from its place in the input that the int32 table at F_WOFF names: a
+   Transpose, Slice, Split or Reshape that moves channels-last elements (cnn_layers.py tables the
+   places at load). */
+static void gather(const int64_t *f, float *A, const float *P) {
+    const int64_t n = f[F_N];
+    const int32_t *restrict at = (const int32_t *)(P + f[F_WOFF]);
+    const float *restrict x = A + f[F_IN];
+    float *restrict o = A + f[F_OUT];
+    for (int64_t i = 0; i < n; ++i) o[i] = x[at[i]];
+}
+
 /* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the
    caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
 static int step(const int64_t *f, const float *params, float *arena, float *const *ext);
@@ -534,6 +545,7 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
     case OP_SLICE: slice_into(f, arena); break;
     case OP_DECONV: deconv(f, arena, params); break;
     case OP_RESIZE: resize(f, arena, params); break;
+    case OP_GATHER: gather(f, arena, params); break;
     default: return 1;
     }
     return 0;

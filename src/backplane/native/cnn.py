@@ -30,8 +30,8 @@ FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl g woff boff ac
 here); a record is NF = 32 int64s."""
 NF = 32
 OPS = {name: code for code, name in enumerate(
-    "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize"
-    .split(), 1)}
+    "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize "
+    "gather".split(), 1)}
 ACTS = {name: code for code, name in enumerate(
     "none relu clip hswish hsigmoid sigmoid swish leaky tanh".split())}
 UNARY = {"relu": "relu", "hardtanh": "clip", "hardswish": "hswish", "hardsigmoid": "hsigmoid",
@@ -114,7 +114,9 @@ def _dims(shape: Sequence[int]) -> tuple[int, int, int, int]:
         return (shape[0], shape[1], 1, shape[2])
     if len(shape) == 2:
         return (shape[0], shape[1], 1, 1)
-    raise Unplannable(f"a tensor of shape {tuple(shape)}: only 2-, 3- and 4-d tensors")
+    if len(shape) < 2:
+        return (1, shape[0] if shape else 1, 1, 1)
+    raise Unplannable(f"a tensor of shape {tuple(shape)}: at most 4-d tensors")
 
 
 class _Planner:
@@ -155,6 +157,26 @@ class _Planner:
         self.records.append(row)
         self.ops.append(op)
         self.names.append(self.current)
+
+    def places(self, value: Value) -> np.ndarray:
+        """Each element's place in ``value`` (from its offset), in ONNX order of its shape."""
+        n, c, h, w = value.dims
+        return np.arange(value.size).reshape(n, h, w, c).transpose(0, 3, 1, 2).reshape(
+            value.shape)
+
+    def moved(self, x: Value, name: str, places: np.ndarray) -> None:
+        """``name``, of ``places``' shape, made of ``x``'s elements at ``places`` (``places``
+        of ``x``, rearranged): the same place where channels-last orders them alike, else a
+        gather record."""
+        shape = tuple(int(d) for d in places.shape)
+        n, c, h, w = _dims(shape)
+        table = places.reshape(n, c, h, w).transpose(0, 2, 3, 1).reshape(-1)
+        if table.size == x.size and np.array_equal(table, np.arange(x.size)):
+            self.values[name] = Value(x.offset, (n, c, h, w), shape)
+            return
+        y = self.new(name, shape)
+        self.record("gather", in_=x.offset, out=y.offset, dims=(y.size, 1, 1, 1),
+                    woff=self.param(table.astype(np.int32).view(np.float32)))
 
     def value(self, name: str) -> Value:
         if name not in self.values:
@@ -213,7 +235,8 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     for index, layer in enumerate(planner.layers):
         make = cnn_layers.PLANNERS.get(layer.op_type)
         fused = layer.op_type in cnn_layers.FUSED_OPS
-        if make is None or len(layer.outputs) != 1 or fused != (layer.domain == cnn_layers.FUSED) \
+        if make is None or len(layer.outputs) != 1 and layer.op_type != "Split" \
+                or fused != (layer.domain == cnn_layers.FUSED) \
                 or not fused and layer.domain not in ("", "ai.onnx"):
             raise Unplannable(f"{layer.name}: {layer.op_type} is not planned natively")
         planner.current, planner.index = (layer.name, layer.op_type), index

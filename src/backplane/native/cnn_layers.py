@@ -186,18 +186,67 @@ def reduce_mean(p: _Planner, layer: Layer) -> None:
 
 
 def view(p: _Planner, layer: Layer) -> None:
-    """Flatten, Reshape, Squeeze, Unsqueeze, Identity: the same place, where channels-last and
-    NCHW order the elements alike (a tensor of 1x1 pixels or of one channel)."""
+    """Flatten, Reshape, Squeeze, Unsqueeze, Identity: the same place where channels-last
+    orders the elements as the new shape's channels-last does (a tensor of 1x1 pixels or of one
+    channel, (N, C, 1, W) as (N, C, W)), else a gather."""
     x = p.value(layer.inputs[0])
     shape = _target(p, layer, x.shape)
-    n, c, h, w = x.dims
-    if layer.op_type != "Identity" and not (h * w == 1 or c == 1) \
-            or math.prod(shape) != x.size or len(shape) not in (2, 3, 4):
+    if math.prod(shape) != x.size:
         raise Unplannable(f"{layer.name}: {layer.op_type} {x.shape} -> {shape}")
-    dims = (shape[0], math.prod(shape[1:]), 1, 1) if layer.op_type != "Identity" else x.dims
-    if layer.op_type != "Identity" and len(shape) > 2 and math.prod(shape[2:]) != 1:
-        raise Unplannable(f"{layer.name}: {layer.op_type} {x.shape} -> {shape}")
-    p.values[layer.outputs[0]] = type(x)(x.offset, dims, shape)
+    p.moved(x, layer.outputs[0], p.places(x).reshape(shape))
+
+
+def transpose(p: _Planner, layer: Layer) -> None:
+    """A view where the order in memory stays (CRNN's (1, C, W) -> (W, 1, C): channels-last
+    already), else a gather."""
+    x = p.value(layer.inputs[0])
+    perm = layer.attrs.get("perm") or list(range(len(x.shape)))[::-1]
+    p.moved(x, layer.outputs[0], p.places(x).transpose([int(a) for a in perm]))
+
+
+def slice_(p: _Planner, layer: Layer) -> None:
+    """Slice with constant starts, ends, axes and steps (Python's slices clamp as ONNX's do)."""
+    x, a = p.value(layer.inputs[0]), layer.attrs
+    rank = len(x.shape)
+    if layer.opset < 10:
+        starts, ends = a["starts"], a["ends"]
+        axes, steps = a.get("axes") or list(range(len(starts))), [1] * len(starts)
+    else:
+        given = []
+        for index in range(1, 5):
+            name = layer.inputs[index] if len(layer.inputs) > index else ""
+            if name and name not in p.constants:
+                raise Unplannable(f"{layer.name}: a Slice of computed bounds")
+            given.append(np.asarray(p.constants[name]).reshape(-1).tolist() if name else None)
+        starts, ends, axes, steps = given
+        axes = axes if axes is not None else list(range(len(starts)))
+        steps = steps if steps is not None else [1] * len(starts)
+    index = [slice(None)] * rank
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        index[int(axis) % rank] = slice(int(start), int(end), int(step))
+    places = p.places(x)[tuple(index)]
+    if places.size == 0:
+        raise Unplannable(f"{layer.name}: an empty Slice")
+    p.moved(x, layer.outputs[0], places)
+
+
+def split(p: _Planner, layer: Layer) -> None:
+    x, a = p.value(layer.inputs[0]), layer.attrs
+    axis = int(a.get("axis", 0)) % len(x.shape)
+    size, count = x.shape[axis], len(layer.outputs)
+    sizes = a.get("split")
+    if len(layer.inputs) > 1 and layer.inputs[1]:
+        if layer.inputs[1] not in p.constants:
+            raise Unplannable(f"{layer.name}: a Split of computed sizes")
+        sizes = np.asarray(p.constants[layer.inputs[1]]).reshape(-1).tolist()
+    if sizes is None:
+        step = -(-size // count) if a.get("num_outputs") else size // count
+        sizes = [min(step, size - i * step) for i in range(count)]
+    if sum(sizes) != size or len(sizes) != count or min(sizes) < 1 or not all(layer.outputs):
+        raise Unplannable(f"{layer.name}: Split {sizes} of {size}")
+    parts = np.split(p.places(x), np.cumsum(sizes)[:-1], axis=axis)
+    for name, part in zip(layer.outputs, parts):
+        p.moved(x, name, part)
 
 
 def _target(p: _Planner, layer: Layer, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -370,4 +419,5 @@ PLANNERS: dict[str, Callable[[_Planner, Layer], Any]] = {
     "FusedConv": fused_conv, "Conv": conv, "Linear": linear, "MaxPool": pool, "AveragePool": pool,
     "GlobalAveragePool": global_pool, "GlobalMaxPool": global_pool, "ReduceMean": reduce_mean,
     "Add": binary, "Mul": binary, "Concat": concat, "ConvTranspose": conv_transpose,
-    "Resize": resize, **{op: view for op in VIEWS}, **{op: elementwise for op in ELEMENTWISE}}
+    "Resize": resize, "Transpose": transpose, "Slice": slice_, "Split": split,
+    **{op: view for op in VIEWS}, **{op: elementwise for op in ELEMENTWISE}}

@@ -30,7 +30,8 @@ def _runners(session: InferenceSession) -> list:
 
 def test_a_trace_known_from_its_route_is_traced_at_the_build(monkeypatch) -> None:
     monkeypatch.setattr(traced, "remembered", lambda *args: "traced")  # as the route cache says
-    session = InferenceSession(str(MODEL), providers=["CpuAcc", "CpuRef"])
+    session = InferenceSession(str(MODEL), providers=["CpuAcc", "CpuRef"],  # its CNN traced too
+                               provider_options=[{"CpuAcc.native": "off"}, {}])
     reference = InferenceSession(str(MODEL), providers=["CpuRef"])
     feeds = dict(np.load(DATA / "corpus" / "vad_lstm_if_ts16.s0.npz"))
     got = session.run(None, feeds)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from backplane.backends.api.backend import Workload
 from backplane.ir.graph import Layer, TensorInfo
@@ -69,6 +71,101 @@ def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
         from backplane.backends.torch.fusion.reduced import at_edges
 
         run = at_edges(run, "float32", a["output_dtypes"], "float16")
+    return run
+
+
+CONVOLUTIONS = ("FusedConv", "Conv", "ConvTranspose")
+
+
+def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
+                  rest: Callable[[Layer, Any, Sequence[TensorInfo]], Workload]) -> Workload | None:
+    """A Traced layer's longest run of first layers the plan covers, with a convolution among
+    them, run natively, and its other layers as a Traced layer of their own (``rest``, traced's
+    workload); or None (``native_workload``'s rules). Why: a detector's or a CRNN's backbone
+    ends in layers the plan does not take (an NMS's glue, an LSTM), which kept the whole partition
+    traced, its convolutions on torch's (detect_nms_ts14's on the im2col path: 270 us of 890)."""
+    from backplane.native import NativeUnavailable, build, library
+    from backplane.native.cnn import Executor, Unplannable, plan
+
+    a = layer.attrs
+    if build.mode(backend.options) == "off" or backend.options.get("CpuAcc.compile",
+                                                                    "auto") != "auto" \
+            or a.get("compute") or a.get("source") or not all(
+                info.is_static and str(info.dtype) == "float32" for info in inputs):
+        return None
+    layers, names, planners = a["layers"], list(a["inputs"]), _planners()
+    first = next((i for i, lay in enumerate(layers) if lay.op_type not in planners), len(layers))
+    planned = None
+    for count in range(first, 0, -1):
+        if not any(lay.op_type in CONVOLUTIONS for lay in layers[:count]):
+            return None
+        produced = {n for lay in layers[:count] for n in lay.outputs}
+        read = {n for lay in layers[count:] for n in lay.inputs}
+        made = [n for n in a["outputs"] if n in produced] + [
+            n for lay in layers[:count] for n in lay.outputs
+            if n in read and n not in a["outputs"]]
+        used = [n for n in names if any(n in lay.inputs for lay in layers[:count])]
+        try:
+            planned = plan(layers[:count], a["constants"], used,
+                           [inputs[names.index(n)].shape for n in used], made)
+            break
+        except Unplannable as why:
+            log.debug("%s: its first %d layers not native (%s)", layer.name, count, why)
+    if planned is None:
+        return None
+    if planned.flops > SMALL:
+        return None
+    try:
+        executor = Executor(planned, library("cnn"))
+    except NativeUnavailable:
+        return None
+    head = _workload(executor, planned.names, f"{ROUTE}: the first {count} of {len(layers)} "
+                     f"layers planned ({planned.flops} multiply-adds)")
+    if count == len(layers) and used == names:
+        return head
+    return _then(layer, backend, inputs, head, used, made, planned.output_shapes, count, rest)
+
+
+def _planners() -> dict[str, Any]:
+    from backplane.native.cnn_layers import PLANNERS
+
+    return PLANNERS
+
+
+def _then(layer: Layer, backend: Any, inputs: Sequence[TensorInfo], head: Workload,
+          used: list[str], made: list[str], shapes: Sequence[Sequence[int]], count: int,
+          rest: Callable[[Layer, Any, Sequence[TensorInfo]], Workload]) -> Workload:
+    """``head`` (the native first ``count`` layers) then the others as a Traced layer."""
+    a, names = layer.attrs, list(layer.attrs["inputs"])
+    infos = dict(zip(names, inputs))
+    infos.update({n: TensorInfo(tuple(s), np.dtype(np.float32)) for n, s in zip(made, shapes)})
+    later = a["layers"][count:]
+    read = [n for n in dict.fromkeys(n for lay in later for n in lay.inputs)
+            if n in infos]
+    outputs = [n for n in a["outputs"] if n not in made]
+    tail = Layer(f"{layer.name}[after {count}]", "Traced", read, outputs,
+                 {**a, "layers": later, "inputs": read, "outputs": outputs,
+                  "shapes": a["shapes"][count:],
+                  "constants": {n: v for n, v in a["constants"].items()
+                                if any(n in lay.inputs for lay in later)}},
+                 layer.domain, layer.opset)
+    after = rest(tail, backend, [infos[n] for n in read]) if later else lambda *values: ()
+    take = [names.index(n) for n in used]
+    where = [("made", made.index(n)) if n in made else ("input", names.index(n)) for n in read]
+    back = [("made", made.index(n)) if n in made else ("rest", outputs.index(n))
+            for n in a["outputs"]]
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        first = head(*[values[i] for i in take])
+        second = after(*[first[i] if kind == "made" else values[i] for kind, i in where])
+        return tuple(first[i] if kind == "made" else second[i] for kind, i in back)
+
+    run.route = f"{ROUTE}+{getattr(after, 'route', '?')}"  # type: ignore[attr-defined]
+    run.why = f"{head.why}; then {getattr(after, 'why', '')}"  # type: ignore[attr-defined]
+    run.executor = head.executor  # type: ignore[attr-defined]
+    run.rest = after  # type: ignore[attr-defined]
+    if getattr(after, "deferred", False):
+        run.deferred = True  # type: ignore[attr-defined]
     return run
 
 

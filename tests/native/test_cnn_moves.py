@@ -1,0 +1,129 @@
+"""The native CNN plan's moves (Transpose, Slice, Split, Reshape: a view where channels-last
+orders the elements alike, else a gather) and a Traced partition's native first layers
+(``native_cnn.traced_prefix``: a CNN, then layers the plan does not take, traced), against
+CpuRef; pinned by option (CpuAcc.native), never by a measurement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+
+pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from tests.conftest import float_input, make_model  # noqa: E402
+from tests.native.test_cnn import CORPUS, _session, needs_compiler  # noqa: E402
+
+
+def _partition_routes(session: InferenceSession) -> list[str]:
+    loaded = session.runtime.network(session.network_id)
+    return [getattr(step.workload, "route", None) for step, layer in
+            zip(loaded.steps, loaded.layers) if layer.op_type in ("OneDnnGraph", "Traced")]
+
+
+@st.composite
+def move_cases(draw):
+    shape = [draw(st.integers(1, 2)), draw(st.integers(1, 9)), draw(st.integers(1, 6)),
+             draw(st.integers(1, 6))]
+    op = draw(st.sampled_from(["Transpose", "Slice", "Split", "Reshape"]))
+    case = dict(shape=shape, op=op, seed=draw(st.integers(0, 999)),
+                tail=draw(st.sampled_from(["", "Erf", "Softsign"])))
+    if op == "Transpose":
+        case["perm"] = draw(st.permutations(range(4)))
+    elif op == "Slice":
+        axes = draw(st.lists(st.integers(-4, 3), min_size=1, max_size=3,
+                             unique_by=lambda a: a % 4))
+        bounds = []
+        for axis in axes:
+            size = shape[axis % 4]
+            step = draw(st.sampled_from([1, 1, 2, -1, -2]))
+            start = draw(st.integers(-size - 2, size + 2))
+            end = draw(st.integers(-size - 2, size + 2))
+            if step > 0 and len(range(*slice(start, end, step).indices(size))) == 0:
+                start, end = 0, size
+            if step < 0 and len(range(*slice(start, end, step).indices(size))) == 0:
+                start, end = size - 1, -size - 1
+            bounds.append((start, end, step))
+        case.update(axes=axes, bounds=bounds)
+    elif op == "Split":
+        axis = draw(st.integers(0, 3))
+        size = shape[axis]
+        cut = sorted(draw(st.sets(st.integers(1, max(1, size - 1)), max_size=2)))
+        cut = [c for c in cut if 0 < c < size]
+        case.update(axis=axis, sizes=np.diff([0, *cut, size]).tolist())
+    else:
+        n, c, h, w = shape
+        case["target"] = draw(st.sampled_from([[n, c, h * w], [n, c * h, w], [n, -1], [n, c, 1, h * w],
+                                               [n * c, h, w], [n, c, w, h]]))
+    return case
+
+
+def _move_model(case: dict):
+    rng = np.random.default_rng(case["seed"])
+    n, c, h, w = case["shape"]
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 3, 3, 3)).astype(np.float32), "w")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["y"], ["r"])]
+    outs = ["m"]
+    op = case["op"]
+    if op == "Transpose":
+        nodes.append(helper.make_node("Transpose", ["r"], ["m"], perm=list(case["perm"])))
+    elif op == "Slice":
+        starts, ends, steps = zip(*case["bounds"])
+        for name, values in (("s", starts), ("e", ends), ("a", case["axes"]), ("t", steps)):
+            inits.append(numpy_helper.from_array(np.array(values, np.int64), name))
+        nodes.append(helper.make_node("Slice", ["r", "s", "e", "a", "t"], ["m"]))
+    elif op == "Split":
+        inits.append(numpy_helper.from_array(np.array(case["sizes"], np.int64), "sp"))
+        outs = [f"m{i}" for i in range(len(case["sizes"]))]
+        nodes.append(helper.make_node("Split", ["r", "sp"], outs, axis=case["axis"]))
+    else:
+        inits.append(numpy_helper.from_array(np.array(case["target"], np.int64), "shape"))
+        nodes.append(helper.make_node("Reshape", ["r", "shape"], ["m"]))
+    if case["tail"]:  # a layer the plan does not take: the CNN is a Traced partition's head
+        nodes.append(helper.make_node(case["tail"], [outs[-1]], ["tail"]))
+        outs = [*outs[:-1], "tail"]
+    model = make_model(nodes, [float_input("x", [n, 3, h, w])],
+                       [float_input(o, None) for o in outs], inits)
+    x = rng.standard_normal((n, 3, h, w)).astype(np.float32)
+    x.reshape(-1)[case["seed"] % x.size] = np.nan  # NaN in, NaN out
+    return model, {"x": x}
+
+
+@needs_compiler
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=move_cases())
+def test_a_move_after_a_convolution_matches_cpuref(case):
+    model, feeds = _move_model(case)
+    session = _session(model)
+    routes = _partition_routes(session)
+    assert routes and all(str(r).startswith("native") for r in routes), (routes, case)
+    got = session.run(None, feeds)
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * max(1.0, np.nanmax(np.abs(r))))
+
+
+TRACED = ["detect_nms_ts14", "detect_nms_dyn21", "crnn_paddle_ts12"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", TRACED)
+def test_a_traced_partitions_cnn_runs_natively_and_matches_onnx_runtime(name):
+    feeds = dict(np.load(f"{CORPUS}/{name}.s0.npz"))
+    path, shapes = f"{CORPUS}/{name}.onnx", {k: list(v.shape) for k, v in feeds.items()}
+    session = _session(path, input_shapes=shapes)
+    assert any(str(r).startswith("native") for r in _partition_routes(session))
+    assert not any(str(r).startswith("native") for r in _partition_routes(
+        _session(path, "off", input_shapes=shapes)))
+    got = session.run(None, feeds)
+    for want in (InferenceSession(path, backends=["CpuRef"]).run(None, feeds),
+                 __import__("onnxruntime").InferenceSession(path).run(None, feeds)):
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, abs(w).max()))
