@@ -204,3 +204,17 @@ def test_a_process_that_exits_during_the_load_lets_it_finish_before_the_finalize
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "failed" not in done.stderr, done.stderr
+
+
+def test_a_load_in_the_background_does_not_wait_for_itself() -> None:
+    """What the build calls may wait for the background (against_cpu's timing of a control-flow
+    model: ``background.settle``): its own load is not waited for (each such wait ran out its
+    timeout, 60 s twice for cond_nested_dyn18's first output)."""
+    waited: list[bool] = []
+
+    def make() -> None:
+        waited.append(deferred_load.wait(5.0))
+
+    later = deferred_load.Later(make)
+    assert later.wait(60)
+    assert waited == [True]
