@@ -52,7 +52,8 @@ def _both(boxes, scores, *extra, center=0):
 
 @st.composite
 def _cases(draw):
-    batch, classes, count = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 40))
+    batch, classes = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    count = draw(st.integers(1, 40))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     corner = rng.uniform(0, 24, (batch, count, 2))
     size = rng.uniform(0.5, 14, (batch, count, 2))

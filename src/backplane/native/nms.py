@@ -49,8 +49,9 @@ def built() -> bool:
 
 
 def host_kernel(options: Any) -> Any:
-    """The HostChain's NonMaxSuppression kernel under ``options`` (a CpuAcc's): ``non_max_suppression``
-    where ``CpuAcc.native`` is "auto" and the library is here, else None (NumPy's stays)."""
+    """The HostChain's NonMaxSuppression kernel under ``options`` (a CpuAcc's):
+    ``non_max_suppression`` where ``CpuAcc.native`` is "auto" and the library is here, else None
+    (NumPy's stays)."""
     return non_max_suppression if mode(options) == "auto" and built() else None
 
 

@@ -87,7 +87,7 @@ class BuiltinWorkloadFactory(WorkloadFactory):
             runs = [flatten(body) for body in bodies]
             if layer.attrs.get(DEVICE_OUTPUTS):  # its readers take GPU tensors as they are
                 runs = [on_device(run) for run in runs]
-            workload = _control_flow(layer, runs)
+            workload = _control_flow(layer, runs, self.backend.options.get(NATIVE, "auto"))
             workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
             workload.bodies = bodies  # type: ignore[attr-defined]  # closed with the network
             workload.runs = runs  # type: ignore[attr-defined]  # what runs: flat where it can be
@@ -139,9 +139,9 @@ def _decided(layer: Layer, network_id: int) -> Workload:
     return workload  # type: ignore[no-any-return]
 
 
-def _control_flow(layer: Layer, bodies: list[LoadedNetwork | FlatBody]) -> Workload:
+def _control_flow(layer: Layer, bodies: list[LoadedNetwork | FlatBody], native: str) -> Workload:
     """The workload of a control-flow layer over its bodies, loaded and flattened (then and else
-    for If)."""
+    for If); ``native``: ``builtin.native`` (a Loop's C form)."""
     from backplane.backends.builtin.bodies import IteratedBody  # imports the runtime
 
     attrs, captured = layer.attrs, layer.attrs["captured"]
@@ -160,7 +160,7 @@ def _control_flow(layer: Layer, bodies: list[LoadedNetwork | FlatBody]) -> Workl
         iterated = IteratedBody(bodies[0], 2 + n_carried,
                                 [(2 + k, 1 + k) for k in range(n_carried)],
                                 [0, *range(1 + n_carried, n_outputs)])
-        return make_loop(iterated, n_carried, scan_infos)
+        return make_loop(iterated, n_carried, scan_infos, str(native).strip().lower())
     n_scan_in = attrs["num_scan_inputs"]
     batched = layer.opset < 9  # Scan-8: a leading sequence_lens input, batch axis 0, scan axis 1
     n_state = len(layer.inputs) - n_scan_in - captured - batched
@@ -177,10 +177,15 @@ def _control_flow(layer: Layer, bodies: list[LoadedNetwork | FlatBody]) -> Workl
     return make_batched_scan(scan, n_state, n_scan_in) if batched else scan
 
 
+NATIVE = "builtin.native"
+
+
 class Builtin(Backend):
     id = "builtin"
     version = "1.0.0"
     KERNELS = sequence.KERNELS
+    OPTIONS = {NATIVE: "auto (default): a Loop of small float32 layers runs as one C call where a "
+                       "C compiler is here (native_loop.py); off: its body's kernels, as before"}
 
     def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
                            outputs: Sequence[TensorInfo]) -> Support:

@@ -61,19 +61,30 @@ def make_if(then_net: Any, else_net: Any, n_captured: int) -> Any:
     return if_
 
 
-def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInfo]) -> Any:
+def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInfo],
+              native: str = "off") -> Any:
     """ONNX Loop: run ``body`` while the trip count allows and its condition holds. ``body``'s
     formal inputs: the iteration number, the condition, the carried values; its outputs: the
-    condition, the carried values, the scan outputs."""
+    condition, the carried values, the scan outputs. ``native``: ``builtin.native``, whether a
+    body of small float32 layers runs as one C call (``native_loop.py``)."""
     from backplane.backends.builtin.looped import looped
+    from backplane.backends.builtin.native_loop import planner
     from backplane.runtime.loaded_network import STOP, StepFailure
 
     reads_i, reads_cond = body.reads(0), body.reads(1)
     whole = None if body.plain or body.renew else looped(body, reads_i, reads_cond)
+    in_c = planner(body, n_carried, native)
 
     def loop(trip_count: Any, cond: Any, *rest: Any) -> tuple[Any, ...]:
         max_trips = None if trip_count is None else int(np.asarray(trip_count).reshape(-1)[0])
         keep_going = True if cond is None else _bool(cond)
+        if in_c is not None and STOP.get() is None:
+            try:
+                done = in_c(max_trips, keep_going, rest)
+            except StepFailure as failure:  # a hoisted step's
+                raise body.failure(failure) from failure.error
+            if done is not None:
+                return done
         if whole is not None and STOP.get() is None:  # the whole Loop as straight code (looped.py)
             try:
                 count, values, scans = whole(body.slots(rest[:n_carried], rest[n_carried:]),
@@ -103,6 +114,7 @@ def make_loop(body: IteratedBody, n_carried: int, scan_infos: Sequence[TensorInf
 
     loop.iterated = body  # type: ignore[attr-defined]  # how it iterates, for the tests
     loop.whole = whole  # type: ignore[attr-defined]  # the whole Loop's code, where it has one
+    loop.native = in_c  # type: ignore[attr-defined]  # its C form, where it has one
     return loop
 
 
