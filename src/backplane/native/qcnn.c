@@ -30,7 +30,7 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_DH, F_DW, F_PT, F_PL, F_WOFF, F_BOFF, F_MOFF, F_SCR, F_PH, F_PW, F_ICP, F_ZX, F_ZY,
        F_LO, F_HI, F_SIGNED, F_X1, NF = 32 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_QUANT, OP_DEQUANT, OP_QCONV, OP_MAXPOOL_F, OP_MAXPOOL_Q,
-       OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F };
+       OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F, OP_QDWCONV, OP_LINEAR_F };
 #define OCB 16 /* output channels a weight block: two vectors of 8 int32 sums */
 
 static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
@@ -96,12 +96,44 @@ static void widen(const int64_t *r, const uint8_t *x, int16_t *restrict s) {
         }
 }
 
+/* The bounds a requantized value is clamped to before rounding: the type's range less the zero
+   point, narrowed by a Relu or Clip between the product and its QuantizeLinear (x1: 1 + the byte
+   offset of their two floats, 0 for none). */
+static void bounds(const int64_t *r, const uint8_t *params, float *fl, float *fh) {
+    *fl = (float)(r[F_LO] - r[F_ZY]);
+    *fh = (float)(r[F_HI] - r[F_ZY]);
+    if (r[F_X1] > 0) {
+        const float *b = (const float *)(params + r[F_X1] - 1);
+        *fl = b[0] > *fl ? b[0] : *fl;
+        *fh = b[1] < *fh ? b[1] : *fh;
+    }
+}
+
 /* MLAS's requantization of 16 sums (one block's), written to y (ocount of them valid). */
 static void requantize(const int32_t *acc, const float *mult, const int32_t *bias, uint8_t *y,
-                       int64_t ocount, int32_t zy, int32_t lo, int32_t hi) {
-    const float fl = (float)(lo - zy), fh = (float)(hi - zy);
-    for (int64_t j = 0; j < ocount; ++j) {
+                       int64_t ocount, int32_t zy, float fl, float fh, const float *fbias,
+                       int sgn) {
+    int64_t j = 0;
+#if defined(__AVX2__)
+    const __m256 vl = _mm256_set1_ps(fl), vh = _mm256_set1_ps(fh);
+    const __m256i vz = _mm256_set1_epi32(zy);
+    for (; j + 8 <= ocount; j += 8) { /* the same operations as below, 8 at a time */
+        const __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(acc + j)),
+                                             _mm256_loadu_si256((const __m256i *)(bias + j)));
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(mult + j));
+        if (fbias) v = _mm256_add_ps(v, _mm256_loadu_ps(fbias + j));
+        v = _mm256_min_ps(_mm256_max_ps(v, vl), vh);
+        const __m256i k = _mm256_add_epi32(_mm256_cvtps_epi32(v), vz);
+        const __m128i k16 = _mm_packs_epi32(_mm256_castsi256_si128(k),
+                                            _mm256_extracti128_si256(k, 1));
+        const __m128i k8 = _mm_packus_epi16(k16, k16); /* in 0..255 as bytes: (uint8_t)k */
+        const __m128i s8 = _mm_packs_epi16(k16, k16);  /* in -128..127 */
+        _mm_storel_epi64((__m128i *)(y + j), sgn ? s8 : k8);
+    }
+#endif
+    for (; j < ocount; ++j) {
         float v = (float)(acc[j] + bias[j]) * mult[j];
+        if (fbias) v += fbias[j]; /* a float bias (a QDQ export's, not integers): in steps of y */
         v = v > fl ? v : fl;
         v = v < fh ? v : fh;
         y[j] = (uint8_t)((int32_t)nearbyintf(v) + zy);
@@ -173,8 +205,13 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
     const float *mult = (const float *)(params + r[F_MOFF]);
     uint8_t *y = arena + r[F_OUT];
-    const int32_t zy = (int32_t)r[F_ZY], lo = (int32_t)r[F_LO], hi = (int32_t)r[F_HI];
-    const int64_t blocks = (oc + OCB - 1) / OCB, wblock = kh * kw * pairs * OCB * 2;
+    const int32_t zy = (int32_t)r[F_ZY];
+    float fl, fh;
+    bounds(r, params, &fl, &fh);
+    const float *fbias = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0;
+    const int64_t rows = (kw * icp + 1) / 2; /* pairs a kernel row where dw is 1 */
+    const int64_t blocks = (oc + OCB - 1) / OCB;
+    const int64_t wblock = (dw == 1 ? kh * rows : kh * kw * pairs) * OCB * 2;
     const int64_t pixels = oh * ow, rowstep = dh * pw * icp, colstep = dw * icp;
     int32_t acc[TILE][OCB];
     for (int64_t b = 0; b < n; ++b)
@@ -186,13 +223,70 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                 px[t] = s + ((b * ph + yy * sh) * pw + xx * sw) * icp;
             }
             for (int64_t k = 0; k < blocks; ++k) {
-                block_sums(px, tiles, weights + k * wblock, kh, kw, pairs, rowstep, colstep, acc);
+                if (dw == 1) /* a kernel row's values are contiguous: one run of pairs (its
+                                last one's second value, past the row where kw * c is odd, has
+                                weight 0) */
+                    block_sums(px, tiles, weights + k * wblock, kh, 1, rows, rowstep, 0, acc);
+                else
+                    block_sums(px, tiles, weights + k * wblock, kh, kw, pairs, rowstep, colstep,
+                               acc);
                 const int64_t count = oc - k * OCB < OCB ? oc - k * OCB : OCB;
                 for (int64_t t = 0; t < tiles; ++t)
                     requantize(acc[t], mult + k * OCB, bias + k * OCB,
-                               y + (b * pixels + p0 + t) * oc + k * OCB, count, zy, lo, hi);
+                               y + (b * pixels + p0 + t) * oc + k * OCB, count, zy, fl, fh,
+                               fbias ? fbias + k * OCB : 0, r[F_LO] < 0);
             }
         }
+}
+
+/* A depthwise quantized convolution: weights [kh][kw][c] int16 at woff, bias and multipliers per
+   channel; the sums over each channel's window in int32, the channels the vectorized loop. */
+static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
+    const int64_t n = r[F_N], c = r[F_C], oh = r[F_OH], ow = r[F_OW], kh = r[F_KH], kw = r[F_KW];
+    const int64_t sh = r[F_SH], sw = r[F_SW], dh = r[F_DH], dw = r[F_DW], ph = r[F_PH];
+    const int64_t pw = r[F_PW];
+    int16_t *s = (int16_t *)(arena + r[F_SCR]);
+    widen(r, arena + r[F_IN], s);
+    const int16_t *weights = (const int16_t *)(params + r[F_WOFF]);
+    const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
+    const float *mult = (const float *)(params + r[F_MOFF]);
+    uint8_t *y = arena + r[F_OUT];
+    const int32_t zy = (int32_t)r[F_ZY];
+    float fl, fh;
+    bounds(r, params, &fl, &fh);
+    const float *fbias = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0;
+    int32_t acc[c];
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t oy = 0; oy < oh; ++oy)
+            for (int64_t ox = 0; ox < ow; ++ox) {
+                for (int64_t k = 0; k < c; ++k) acc[k] = 0;
+                for (int64_t ky = 0; ky < kh; ++ky)
+                    for (int64_t kx = 0; kx < kw; ++kx) {
+                        const int16_t *in = s + ((b * ph + oy * sh + ky * dh) * pw + ox * sw +
+                                                 kx * dw) * c;
+                        const int16_t *wk = weights + (ky * kw + kx) * c;
+                        for (int64_t k = 0; k < c; ++k) acc[k] += (int32_t)in[k] * (int32_t)wk[k];
+                    }
+                requantize(acc, mult, bias, y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh, fbias,
+                           r[F_LO] < 0);
+            }
+}
+
+/* A float product: y[r][j] = bias[j] + sum_k x[r][k] * wt[k][j] (wt: the weight transposed). */
+static void linear_f(const int64_t *r, const uint8_t *params, uint8_t *arena) {
+    const int64_t rows = r[F_N], k = r[F_C], oc = r[F_OC];
+    const float *x = (const float *)(arena + r[F_IN]), *wt = (const float *)(params + r[F_WOFF]);
+    const float *bias = (const float *)(params + r[F_BOFF]);
+    float *y = (float *)(arena + r[F_OUT]);
+    for (int64_t i = 0; i < rows; ++i) {
+        float *out = y + i * oc;
+        for (int64_t j = 0; j < oc; ++j) out[j] = 0.0f;
+        for (int64_t q = 0; q < k; ++q) {
+            const float v = x[i * k + q];
+            for (int64_t j = 0; j < oc; ++j) out[j] += v * wt[q * oc + j];
+        }
+        for (int64_t j = 0; j < oc; ++j) out[j] += bias[j];
+    }
 }
 
 /* Max or average over windows, channels-last; T the element type. The pads never win a max
@@ -273,6 +367,12 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
         break;
     case OP_QCONV:
         qconv(r, params, arena);
+        break;
+    case OP_QDWCONV:
+        qdwconv(r, params, arena);
+        break;
+    case OP_LINEAR_F:
+        linear_f(r, params, arena);
         break;
     case OP_MAXPOOL_F:
         maxpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));

@@ -61,12 +61,29 @@ def dequantize(p: Planner, layer: Layer, index: int) -> None:
     p.pending[layer.outputs[0]] = Pending(layer.inputs[0], scale, zero)
 
 
-def _then_quantize(p: Planner, layer: Layer) -> tuple[Layer, tuple[F32, int, str]]:
-    """The QuantizeLinear that alone reads ``layer``'s output, and its step."""
-    q = p.sole_reader(layer.outputs[0])
-    if q is None or q.op_type != "QuantizeLinear" or q.domain not in ("", "ai.onnx"):
+def _then_quantize(p: Planner, layer: Layer) -> tuple[Layer, tuple[F32, int, str], list[Layer],
+                                                    tuple[float, float] | None]:
+    """The QuantizeLinear that alone reads ``layer``'s output (through a Relu or a Clip of
+    constant bounds that alone reads it), its step, the layers between and their bounds on the
+    real value (None: no Relu or Clip)."""
+    reader, between, bounds = p.sole_reader(layer.outputs[0]), [], None
+    if reader is not None and reader.domain in ("", "ai.onnx") and reader.op_type in ("Relu",
+                                                                                     "Clip"):
+        if reader.op_type == "Relu":
+            bounds = (0.0, math.inf)
+        else:
+            low, high = (p.const(n) if n else None for n in (*reader.inputs[1:3], "", "")[:2])
+            if any(n and p.const(n) is None for n in reader.inputs[1:3]):
+                raise Unplannable(f"{reader.name}: a Clip of computed bounds")
+            low = reader.attrs.get("min") if low is None else low  # Clip before opset 11
+            high = reader.attrs.get("max") if high is None else high
+            bounds = (-math.inf if low is None else float(low),
+                      math.inf if high is None else float(high))
+        between = [reader]
+        reader = p.sole_reader(reader.outputs[0])
+    if reader is None or reader.op_type != "QuantizeLinear" or reader.domain not in ("", "ai.onnx"):
         raise Unplannable(f"{layer.name}: a float output (no QuantizeLinear alone reads it)")
-    return q, _step(p, q)
+    return reader, _step(p, reader), between, bounds
 
 
 def qdq_conv(p: Planner, layer: Layer, index: int) -> None:
@@ -75,8 +92,9 @@ def qdq_conv(p: Planner, layer: Layer, index: int) -> None:
     from backplane.backends.torch.fusion.int8 import integer_weight
 
     pending = p.pending.get(layer.inputs[0])
-    if pending is None:
-        raise Unplannable(f"{layer.name}: a float {layer.op_type} (its input not dequantized)")
+    if pending is None or not _quantized_after(p, layer):
+        _float_product(p, layer)
+        return
     weight = p.const(layer.inputs[1])
     bias = p.const(layer.inputs[2]) if len(layer.inputs) > 2 and layer.inputs[2] else None
     a = layer.attrs
@@ -105,11 +123,47 @@ def qdq_conv(p: Planner, layer: Layer, index: int) -> None:
         np.float64) / (np.float64(pending.scale) * w_scale.astype(np.float64))
     if np.abs(units).max(initial=0) >= 2 ** 30:
         raise Unplannable(f"{layer.name}: a bias beyond int32")
-    q, (y_scale, y_zero, y_kind) = _then_quantize(p, layer)
+    q, (y_scale, y_zero, y_kind), between, bounds = _then_quantize(p, layer)
     geometry = _geometry(p, layer, ints.shape[2:]) if layer.op_type == "Conv" else None
+    exact = np.abs(units - np.rint(units)).max(initial=0) <= 1e-3
+    float_bias = None if exact else np.broadcast_to(bias.reshape(-1), (oc,)).astype(F32)
     _qconv(p, layer, pending.source, (pending.scale, pending.zero), ints, np.zeros(oc),
-           w_scale, np.rint(units), q.outputs[0], (y_scale, y_zero, y_kind), geometry)
-    p.done.add(_index(p, q))
+           w_scale, np.rint(units) if exact else np.zeros(oc), q.outputs[0],
+           (y_scale, y_zero, y_kind), geometry, bounds, float_bias)
+    p.done.update(_index(p, lay) for lay in (*between, q))
+
+
+def _quantized_after(p: Planner, layer: Layer) -> bool:
+    try:
+        _then_quantize(p, layer)
+    except Unplannable:
+        return False
+    return True
+
+
+def _float_product(p: Planner, layer: Layer) -> None:
+    """A Gemm or MatMul of a float input by a constant, with a float output (a classifier's head
+    after a ReduceMean): float32 sums, as ONNX Runtime runs it unquantized (not bit for bit: its
+    sums are MLAS's, in another order)."""
+    a = layer.attrs
+    weight = p.const(layer.inputs[1])
+    bias = p.const(layer.inputs[2]) if len(layer.inputs) > 2 and layer.inputs[2] else None
+    x = p.real(layer.inputs[0])
+    if layer.op_type == "Conv" or weight is None or weight.ndim != 2 or len(x.shape) != 2 \
+            or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 \
+            or len(layer.inputs) > 2 and layer.inputs[2] and bias is None:
+        raise Unplannable(f"{layer.name}: a float {layer.op_type} (its input not dequantized, or "
+                          "its output not quantized)")
+    transposed = weight.T if layer.op_type == "Gemm" and a.get("transB", 0) else weight
+    rows, k = x.shape
+    if transposed.shape[0] != k:
+        raise Unplannable(f"{layer.name}: ({rows}, {k}) by {weight.shape}")
+    oc = transposed.shape[1]
+    full = np.zeros(oc, F32) if bias is None else np.broadcast_to(bias.astype(F32), (oc,))
+    y = p.new(layer.outputs[0], (rows, oc), "f")
+    p.record("linear_f", in_=x.offset, out=y.offset, dims=x.dims, oc=oc,
+             woff=p.param(np.ascontiguousarray(transposed, F32)),
+             boff=p.param(np.ascontiguousarray(full, F32)))
 
 
 def qlinear_conv(p: Planner, layer: Layer, index: int) -> None:
@@ -153,34 +207,51 @@ def _geometry(p: Planner, layer: Layer, kernel: tuple[int, ...]) -> tuple[Any, .
 
     a, x = layer.attrs, p.values.get(layer.inputs[0]) or p.values[
         p.pending[layer.inputs[0]].source]
-    if len(x.shape) != 4 or len(kernel) != 2 or int(a.get("group", 1)) != 1:
-        raise Unplannable(f"{layer.name}: a {len(x.shape)}-d input, group {a.get('group', 1)}")
+    group = int(a.get("group", 1))
+    if len(x.shape) != 4 or len(kernel) != 2 or group not in (1, x.shape[1]):
+        raise Unplannable(f"{layer.name}: a {len(x.shape)}-d input, group {group}")
     strides = list(a.get("strides") or [1, 1])
     dilations = list(a.get("dilations") or [1, 1])
     begins, ends = spatial_pads(x.shape[2:], kernel, strides, dilations,
                                 a.get("auto_pad", "NOTSET"), a.get("pads"))
     if min(*begins, *ends) < 0:
         raise Unplannable(f"{layer.name}: negative pads")
-    return strides, dilations, begins, ends
+    return strides, dilations, begins, ends, group
 
 
 def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints: np.ndarray,
            w_zero: np.ndarray, w_scale: np.ndarray, bias: np.ndarray, y_name: str,
-           y_step: tuple[F32, int, str], geometry: tuple[Any, ...] | None) -> None:
+           y_step: tuple[F32, int, str], geometry: tuple[Any, ...] | None,
+           bounds: tuple[float, float] | None = None,
+           float_bias: np.ndarray | None = None) -> None:
+    """A quantized product's record. ``float_bias``: a bias that is no integer of x_scale *
+    w_scale (a QAT export's float one), added in float to the requantized value, in y's steps:
+    ONNX Runtime computes such a convolution in float (its QDQ fusion wants an int32 bias), so
+    this one is within a step of it, not bit for bit."""
     x = p.quantized(x_name)
     n, c, h, w = x.dims
     oc, icg, kh, kw = ints.shape
-    if icg != c or geometry is None and len(x.shape) != 2:
-        raise Unplannable(f"{layer.name}: {c} channels in, a weight of {icg}")
-    (sh, sw), (dh, dw), (pt, pl), (pb, pr) = geometry or ([1, 1], [1, 1], [0, 0], [0, 0])
+    (sh, sw), (dh, dw), (pt, pl), (pb, pr), group = geometry or ([1, 1], [1, 1], [0, 0], [0, 0], 1)
+    depthwise = group > 1 and group == c == oc and icg == 1
+    if icg * group != c or geometry is None and len(x.shape) != 2 or group > 1 and not depthwise:
+        raise Unplannable(f"{layer.name}: {c} channels in, a weight of {icg}, group {group}")
     oh = (h + pt + pb - (kh - 1) * dh - 1) // sh + 1
     ow = (w + pl + pr - (kw - 1) * dw - 1) // sw + 1
-    icp = c + c % 2
-    blocks = -(-oc // OCB)
+    icp = c if depthwise or dw == 1 else c + c % 2  # (dw 1: a row's kw * c values in one run)
+    blocks = 1 if depthwise else -(-oc // OCB)
     centred = ints.astype(np.int32) - np.asarray(w_zero, np.int32).reshape(-1, 1, 1, 1)
-    packed = np.zeros((blocks * OCB, icp, kh, kw), np.int16)
-    packed[:oc, :c] = centred
-    packed = packed.reshape(blocks, OCB, icp // 2, 2, kh, kw).transpose(0, 4, 5, 2, 1, 3)
+    if depthwise:  # [kh][kw][c]
+        packed = centred[:, 0].transpose(1, 2, 0).astype(np.int16)
+        blocks = -(-oc // OCB)
+    elif dw == 1:  # [blocks][kh][ceil(kw * c / 2)][OCB][2]: a row's values, zero past its end
+        pairs = -(-kw * c // 2)
+        packed = np.zeros((blocks * OCB, kh, 2 * pairs), np.int16)
+        packed[:oc, :, :kw * c] = centred.transpose(0, 2, 3, 1).reshape(oc, kh, kw * c)
+        packed = packed.reshape(blocks, OCB, kh, pairs, 2).transpose(0, 2, 3, 1, 4)
+    else:  # [blocks][kh][kw][icp / 2][OCB][2]
+        packed = np.zeros((blocks * OCB, icp, kh, kw), np.int16)
+        packed[:oc, :c] = centred
+        packed = packed.reshape(blocks, OCB, icp // 2, 2, kh, kw).transpose(0, 4, 5, 2, 1, 3)
     multiplier = (F32(x_step[0]) * np.asarray(w_scale, F32)) / F32(y_step[0])
     padded_bias = np.zeros(blocks * OCB, np.int32)
     padded_bias[:oc] = np.asarray(bias, np.int64).reshape(-1)
@@ -188,16 +259,25 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     padded_multiplier[:oc] = multiplier
     ph = max(h + pt, (oh - 1) * sh + (kh - 1) * dh + 1)
     pw = max(w + pl, (ow - 1) * sw + (kw - 1) * dw + 1)
-    p.scratch = max(p.scratch, n * ph * pw * icp * 2 + 64)
+    p.scratch = max(p.scratch, n * ph * pw * icp * 2 + 256)  # a row's last pair reads one past
     shape = (n, oc, oh, ow) if len(x.shape) == 4 else (n, oc)
     y = p.new(y_name, shape, y_step[2], y_step[:2])
     lo, hi = RANGES[y_step[2]]
-    p.record("qconv", in_=x.offset, out=y.offset, dims=x.dims, oh=oh, ow=ow, oc=oc, kh=kh,
+    limits = 0
+    if bounds is not None:  # a Relu's or Clip's bounds in steps of y (the requantized value's unit)
+        limits = 1 + p.param(np.array([np.float32(b) / F32(y_step[0]) if math.isfinite(b) else
+                                       np.float32(b) for b in bounds], F32))
+    in2 = -1
+    if float_bias is not None:
+        padded_float = np.zeros(blocks * OCB, F32)
+        padded_float[:oc] = float_bias / F32(y_step[0])
+        in2 = p.param(padded_float)
+    p.record("qdwconv" if depthwise else "qconv", in_=x.offset, in2=in2, out=y.offset, dims=x.dims, oh=oh, ow=ow, oc=oc, kh=kh,
              kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl,
              woff=p.param(np.ascontiguousarray(packed)), boff=p.param(padded_bias),
              moff=p.param(padded_multiplier), ph=ph, pw=pw, icp=icp, zx=x_step[1],
-             zy=y_step[1], lo=lo, hi=hi, signed=int(x.kind == "s8"))
-    p.macs += n * oh * ow * oc * c * kh * kw
+             zy=y_step[1], lo=lo, hi=hi, signed=int(x.kind == "s8"), x1=limits)
+    p.macs += n * oh * ow * oc * icg * kh * kw
 
 
 def _pool_geometry(layer: Layer, dims: tuple[int, ...]) -> dict[str, int]:
@@ -253,6 +333,19 @@ def _float_pool(p: Planner, layer: Layer, op: str) -> None:
     g = _pool_geometry(layer, x.dims)
     y = p.new(layer.outputs[0], (*x.shape[:2], g["oh"], g["ow"]), "f")
     p.record(op, in_=x.offset, out=y.offset, dims=x.dims, **g)
+
+
+def reduce_mean(p: Planner, layer: Layer, index: int) -> None:
+    """ReduceMean over the spatial axes of a 4-d tensor: a global average pool."""
+    x = p.real(layer.inputs[0])
+    axes = layer.attrs.get("axes")
+    if axes is None and len(layer.inputs) > 1 and layer.inputs[1]:
+        axes = p.const(layer.inputs[1])
+    if len(x.shape) != 4 or axes is None or sorted(int(a) % 4 for a in axes) != [2, 3]:
+        raise Unplannable(f"{layer.name}: ReduceMean over axes {axes} of {x.shape}")
+    n, c = x.shape[:2]
+    y = p.new(layer.outputs[0], (n, c, 1, 1) if layer.attrs.get("keepdims", 1) else (n, c), "f")
+    p.record("gap_f", in_=x.offset, out=y.offset, dims=x.dims)
 
 
 def relu(p: Planner, layer: Layer, index: int) -> None:
@@ -332,4 +425,4 @@ PLANNERS: dict[str, Callable[[Planner, Layer, int], None]] = {
     "QLinearMatMul": qlinear_matmul, "Conv": qdq_conv, "Gemm": qdq_conv, "MatMul": qdq_conv,
     "MaxPool": max_pool, "AveragePool": lambda p, lay, i: _float_pool(p, lay, "avgpool_f"),
     "GlobalAveragePool": lambda p, lay, i: _float_pool(p, lay, "gap_f"), "Relu": relu,
-    "Add": add, "Flatten": view, "Reshape": view, "Identity": view}
+    "Add": add, "ReduceMean": reduce_mean, "Flatten": view, "Reshape": view, "Identity": view}
