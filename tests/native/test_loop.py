@@ -66,14 +66,17 @@ def _agrees(model, feeds, mode="auto", backends=("CpuRef",)):
 
 @needs_library
 def test_the_scripted_rnn_against_cpuref_and_ort(calls):
-    """loop_scripted_ts16's first Loop (Gather of step t, three Gemms, Add, Tanh, SequenceInsert)
-    one C call a run on both samples; its second (int64 counter, If) stays the body's kernels."""
+    """loop_scripted_ts16's two Loops one C call each a run on both samples and on inputs that stop
+    the second sooner: the first's Gather of step t, three Gemms, Add, Tanh and SequenceInsert;
+    the second's int64 counter, ReduceMax, Greater, Cast and an If whose branches (a Gather by a
+    captured index and a Less; a constant) compute the condition that ends it."""
     path = str(CORPUS / "loop_scripted_ts16.onnx")
     for sample in ("s0", "s1"):
         feeds = dict(np.load(CORPUS / f"loop_scripted_ts16.{sample}.npz"))
-        calls.clear()
-        _agrees(path, feeds)
-        assert len(calls) == 1
+        for scale in (1.0, 0.01):
+            calls.clear()
+            got = _agrees(path, {"x": feeds["x"] * np.float32(scale)})
+            assert len(calls) == 2 and got[2].tolist() == ([4] if scale == 1 else [3])
 
 
 def _value(name, elem, *dims):
@@ -184,17 +187,20 @@ def test_trips_from_data_and_past_the_rows(calls):
 
 
 @needs_library
-def test_a_computed_condition_and_off_run_the_kernels(calls):
+def test_a_computed_condition_stops_the_loop_and_off_runs_the_kernels(calls):
+    """The body's condition (ReduceMax, Greater) read after each iteration: the C stops where the
+    kernels do, its scan outputs as many rows; "off" makes no C call."""
     nodes = [helper.make_node("Tanh", ["h_in"], ["h_out"]),
              helper.make_node("ReduceMax", ["h_out"], ["top"], keepdims=0),
-             helper.make_node("Greater", ["top", "b_one"], ["more"]),
+             helper.make_node("Greater", ["top", "stop"], ["more"]),
              helper.make_node("Identity", ["row"], ["y"])]
     weights = _weights()
-    model = _loop_model(5, nodes, weights, cond="more")
+    model = _loop_model(5, nodes, {**weights, "stop": np.array(0.62, np.float32)}, cond="more")
     feeds = {"x": RNG.standard_normal((2, 5, 8)).astype(np.float32),
              "h0": RNG.uniform(1, 3, (2, 8)).astype(np.float32)}
-    _agrees(model, feeds)
-    assert not calls  # the body's own condition: not the C's
+    got = _agrees(model, feeds)
+    assert len(calls) == 1 and 1 < got[1].shape[0] < 5  # stopped by the condition
+    calls.clear()
     _agrees(_loop_model(5, EVERY_OP, weights), {**feeds, "x": feeds["x"]}, mode="off")
     assert not calls
 
@@ -206,3 +212,21 @@ def test_no_compiler_runs_the_kernels(calls, monkeypatch):
     feeds = dict(np.load(CORPUS / "loop_scripted_ts16.s0.npz"))
     _agrees(str(CORPUS / "loop_scripted_ts16.onnx"), feeds)
     assert not calls
+
+
+@needs_library
+def test_an_index_out_of_range_runs_the_kernels(calls):
+    """A Gather by an index the body reads from outside: in range natively, out of range the C
+    call gives up and the kernels fail as CpuRef's."""
+    nodes = [helper.make_node("Gather", ["h_in", "at"], ["picked"], axis=0),
+             helper.make_node("Add", ["h_in", "picked"], ["h_out"]),
+             helper.make_node("Identity", ["row"], ["y"])]
+    model = _loop_model(3, nodes, {})
+    graph = model.graph
+    graph.input.append(_value("at", TensorProto.INT64))
+    feeds = {"x": RNG.standard_normal((2, 3, 8)).astype(np.float32),
+             "h0": RNG.standard_normal((2, 8)).astype(np.float32)}
+    _agrees(model, {**feeds, "at": np.array(-1, np.int64)})
+    assert len(calls) == 1
+    with pytest.raises(Exception, match="(?i)index|out of|bounds"):
+        _session(model, "auto").run(None, {**feeds, "at": np.array(2, np.int64)})

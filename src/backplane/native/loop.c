@@ -14,25 +14,34 @@
 #include <stdint.h>
 #include <string.h>
 
-int64_t backplane_loop_version(void) { return 1; }
+int64_t backplane_loop_version(void) { return 2; }
 
 enum {
-    OP_COPY = 1,      /* out[0:n0] = a[0:n0] */
-    OP_GATHER_I,      /* out[o, j] = a[o, i, j]: n0 outer, n1 the axis' length, n2 inner */
-    OP_APPEND_I,      /* out[i * n0 : (i + 1) * n0] = a[0:n0] (a scan or sequence element) */
+    OP_COPY = 1,      /* out[0:n0] = a[0:n0], n0 bytes */
+    OP_GATHER_I,      /* out[o, j] = a[o, i, j]: n0 outer, n1 the axis' length, n2 inner bytes */
+    OP_APPEND_I,      /* out[i * n0 : (i + 1) * n0] = a[0:n0], bytes (a scan or sequence row) */
     OP_GEMM,          /* out (M=n0, N=n2) = alpha * A (M, K=n1) B (K, N) + beta * C */
-    OP_ADD, OP_SUB, OP_MUL, OP_DIV, /* out[k] = a[k % na] op b[k % nb], k < n0; na = n1, nb = n2 */
-    OP_TANH, OP_SIGMOID, OP_RELU, OP_ABS, OP_NEG, /* out[k] = f(a[k]), k < n0 */
+    OP_ADD, OP_SUB, OP_MUL, OP_DIV, /* float32: out[k] = a[k % na] op b[k % nb], k < n0;
+                                       na = n1, nb = n2 */
+    OP_TANH, OP_SIGMOID, OP_RELU, OP_ABS, OP_NEG, /* float32: out[k] = f(a[k]), k < n0 */
+    OP_ADD_I, OP_SUB_I, OP_MUL_I,  /* int64, broadcast as the float32 ones */
+    OP_GT, OP_LT, OP_EQ,           /* float32 -> bool (one byte), broadcast as above */
+    OP_GT_I, OP_LT_I, OP_EQ_I,     /* int64 -> bool */
+    OP_MAX_ALL,       /* float32: out[0] = the largest of a[0:n0], NaN where one is */
+    OP_GATHER_C,      /* OP_GATHER_I at the int64 index in buffer c (negative: from the end;
+                         out of range: the call fails, -1) */
+    OP_IF,            /* the records [n0, n0 + n1) where the bool a is true, else [n2, n2 + c) */
 };
 
 /* GEMM's layout flags, in params[2 * r + 0 / 1] alpha, beta and the record's c field: the bias
  * record (-1: none); the flags in the high bits of the op: transA << 8, transB << 9, and the bias
  * as a row (N values, 1 << 10), a column (M values, 1 << 11), a scalar (1 << 12) or whole
  * (M x N). */
-static void gemm(const int64_t *r, const double *p, float **ptrs) {
+static void gemm(const int64_t *r, const double *p, void **ptrs) {
     int64_t M = r[5], K = r[6], N = r[7], op = r[0];
     int ta = (op >> 8) & 1, tb = (op >> 9) & 1;
-    const float *A = ptrs[r[2]], *B = ptrs[r[3]], *C = r[4] >= 0 ? ptrs[r[4]] : 0;
+    const float *A = ptrs[r[2]], *B = ptrs[r[3]];
+    const float *C = r[4] >= 0 ? (const float *)ptrs[r[4]] : 0;
     float alpha = (float)p[0], beta = (float)p[1];
     float *out = ptrs[r[1]];
     for (int64_t m = 0; m < M; ++m) {
@@ -54,43 +63,90 @@ static void gemm(const int64_t *r, const double *p, float **ptrs) {
     }
 }
 
-static void run(const int64_t *records, int64_t count, const double *params, float **ptrs,
-                int64_t i) {
-    for (int64_t k = 0; k < count; ++k) {
+#define BROADCAST(T, U, expr)                                              \
+    do {                                                                   \
+        const T *x = a, *y = b;                                            \
+        U *o = out;                                                        \
+        for (int64_t j = 0; j < n0; ++j) {                                 \
+            T u = x[j % n1], v = y[j % n2];                                \
+            o[j] = (expr);                                                 \
+        }                                                                  \
+    } while (0)
+
+static int run(const int64_t *records, const double *params, int64_t start, int64_t count,
+               void **ptrs, int64_t i) {
+    for (int64_t k = start; k < start + count; ++k) {
         const int64_t *r = records + 8 * k;
-        float *out = ptrs[r[1]];
-        const float *a = r[2] >= 0 ? ptrs[r[2]] : 0, *b = r[3] >= 0 ? ptrs[r[3]] : 0;
+        void *out = ptrs[r[1]];
+        const void *a = r[2] >= 0 ? ptrs[r[2]] : 0, *b = r[3] >= 0 ? ptrs[r[3]] : 0;
+        const float *fa = a;
+        float *fo = out;
         int64_t n0 = r[5], n1 = r[6], n2 = r[7];
         switch (r[0] & 0xff) {
-        case OP_COPY: memcpy(out, a, sizeof(float) * (size_t)n0); break;
+        case OP_COPY: memcpy(out, a, (size_t)n0); break;
         case OP_GATHER_I:
+        case OP_GATHER_C: {
+            int64_t at = i;
+            if ((r[0] & 0xff) == OP_GATHER_C) {
+                at = *(const int64_t *)ptrs[r[4]];
+                if (at < 0) at += n1;
+                if (at < 0 || at >= n1) return 1;
+            }
             for (int64_t o = 0; o < n0; ++o)
-                memcpy(out + o * n2, a + (o * n1 + i) * n2, sizeof(float) * (size_t)n2);
+                memcpy((char *)out + o * n2, (const char *)a + (o * n1 + at) * n2, (size_t)n2);
             break;
-        case OP_APPEND_I: memcpy(out + i * n0, a, sizeof(float) * (size_t)n0); break;
+        }
+        case OP_APPEND_I: memcpy((char *)out + i * n0, a, (size_t)n0); break;
         case OP_GEMM: gemm(r, params + 2 * k, ptrs); break;
-        case OP_ADD: for (int64_t j = 0; j < n0; ++j) out[j] = a[j % n1] + b[j % n2]; break;
-        case OP_SUB: for (int64_t j = 0; j < n0; ++j) out[j] = a[j % n1] - b[j % n2]; break;
-        case OP_MUL: for (int64_t j = 0; j < n0; ++j) out[j] = a[j % n1] * b[j % n2]; break;
-        case OP_DIV: for (int64_t j = 0; j < n0; ++j) out[j] = a[j % n1] / b[j % n2]; break;
-        case OP_TANH: for (int64_t j = 0; j < n0; ++j) out[j] = tanhf(a[j]); break;
+        case OP_ADD: BROADCAST(float, float, u + v); break;
+        case OP_SUB: BROADCAST(float, float, u - v); break;
+        case OP_MUL: BROADCAST(float, float, u * v); break;
+        case OP_DIV: BROADCAST(float, float, u / v); break;
+        case OP_ADD_I: BROADCAST(int64_t, int64_t, (int64_t)((uint64_t)u + (uint64_t)v)); break;
+        case OP_SUB_I: BROADCAST(int64_t, int64_t, (int64_t)((uint64_t)u - (uint64_t)v)); break;
+        case OP_MUL_I: BROADCAST(int64_t, int64_t, (int64_t)((uint64_t)u * (uint64_t)v)); break;
+        case OP_GT: BROADCAST(float, uint8_t, u > v); break;
+        case OP_LT: BROADCAST(float, uint8_t, u < v); break;
+        case OP_EQ: BROADCAST(float, uint8_t, u == v); break;
+        case OP_GT_I: BROADCAST(int64_t, uint8_t, u > v); break;
+        case OP_LT_I: BROADCAST(int64_t, uint8_t, u < v); break;
+        case OP_EQ_I: BROADCAST(int64_t, uint8_t, u == v); break;
+        case OP_TANH: for (int64_t j = 0; j < n0; ++j) fo[j] = tanhf(fa[j]); break;
         case OP_SIGMOID: /* CpuRef's: 1 / (1 + exp(-x)) */
-            for (int64_t j = 0; j < n0; ++j) out[j] = 1.0f / (expf(-a[j]) + 1.0f);
+            for (int64_t j = 0; j < n0; ++j) fo[j] = 1.0f / (expf(-fa[j]) + 1.0f);
             break;
         case OP_RELU: /* np.maximum(x, 0): NaN stays */
-            for (int64_t j = 0; j < n0; ++j) out[j] = a[j] < 0.0f ? 0.0f : a[j];
+            for (int64_t j = 0; j < n0; ++j) fo[j] = fa[j] < 0.0f ? 0.0f : fa[j];
             break;
-        case OP_ABS: for (int64_t j = 0; j < n0; ++j) out[j] = fabsf(a[j]); break;
-        case OP_NEG: for (int64_t j = 0; j < n0; ++j) out[j] = -a[j]; break;
+        case OP_ABS: for (int64_t j = 0; j < n0; ++j) fo[j] = fabsf(fa[j]); break;
+        case OP_NEG: for (int64_t j = 0; j < n0; ++j) fo[j] = -fa[j]; break;
+        case OP_MAX_ALL: { /* np.maximum.reduce: a NaN wins */
+            float best = fa[0];
+            for (int64_t j = 1; j < n0 && best == best; ++j)
+                if (fa[j] > best || fa[j] != fa[j]) best = fa[j];
+            fo[0] = best;
+            break;
+        }
+        case OP_IF:
+            if (*(const uint8_t *)a ? run(records, params, n0, n1, ptrs, i)
+                                    : run(records, params, n2, r[4], ptrs, i))
+                return 1;
+            break;
         }
     }
+    return 0;
 }
 
-/* `pre` once, then `body` for i in [0, trips); returns the iterations run. */
-int64_t backplane_loop(const int64_t *pre, int64_t n_pre, const int64_t *body, int64_t n_body,
-                       const double *params, int64_t *ptrs, int64_t trips) {
-    float **table = (float **)ptrs;
-    run(pre, n_pre, params, table, 0);
-    for (int64_t i = 0; i < trips; ++i) run(body, n_body, params + 2 * n_pre, table, i);
+/* Records [0, n_pre) once, then [body, body + n_body) for i in [0, trips) while the bool buffer
+ * `cond` (-1: none) is true after an iteration; returns the iterations run, or -1 where a Gather's
+ * index was out of range (the caller runs the body's kernels, which say so). */
+int64_t backplane_loop(const int64_t *records, const double *params, int64_t n_pre, int64_t body,
+                       int64_t n_body, int64_t *ptrs, int64_t trips, int64_t cond) {
+    void **table = (void **)ptrs;
+    if (run(records, params, 0, n_pre, table, 0)) return -1;
+    for (int64_t i = 0; i < trips; ++i) {
+        if (run(records, params, body, n_body, table, i)) return -1;
+        if (cond >= 0 && !*(const uint8_t *)table[cond]) return i + 1;
+    }
     return trips;
 }
