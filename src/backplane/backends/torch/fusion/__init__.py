@@ -38,7 +38,9 @@ Patterns (each intermediate tensor read by the next layer only, all layers in th
 - Mul, Add, Sub and Div of one tensor by constants, three or more in a row where no other
   pattern starts: one ``AffineChain``, x * a + b in one addcmul (``affine_chain``).
 - Stacked forward GRU layers, GRU -> Squeeze -> GRU ...: one ``GruStack``, every layer's step at
-  once by wavefronts (``recurrent_stack``).
+  once by wavefronts, or one native op (``recurrent_stack``).
+- Stacked LSTM layers, LSTM -> Transpose -> Reshape -> LSTM ... [-> Transpose -> Reshape]: one
+  ``LstmStack``, one native op of a C call a layer, or CpuAcc's LSTM a layer (``recurrent_stack``).
 - Hard-swish written out, x * Clip(x + 3, 0, 6) / 6: a convolution's post-op where one makes x,
   else one ``HardSwishChain`` (``hardswish``); torch's hardswish gives the four layers' values bit
   for bit.
@@ -95,7 +97,12 @@ from backplane.backends.torch.fusion.dynamic_quant import (
     match_dynamic_matmul,
 )
 from backplane.backends.torch.fusion.qdq_chain import match_qdq_conv
-from backplane.backends.torch.fusion.recurrent_stack import gru_stack_workload, match_gru_stack
+from backplane.backends.torch.fusion.recurrent_stack import (
+    gru_stack_workload,
+    lstm_stack_workload,
+    match_gru_stack,
+    match_lstm_stack,
+)
 from backplane.backends.torch.fusion.siblings import linear_siblings_workload, match_sibling_linears
 from backplane.backends.torch.fusion.qlinear import (
     match_qlinear_conv,
@@ -184,7 +191,7 @@ MATCHERS: dict[str, Callable[[Layer, Context], tuple[list[Layer], Layer] | None]
     "com.microsoft::QLinearSigmoid": match_lookup, "com.microsoft::QLinearLeakyRelu": match_lookup,
     "Softmax": match_attention, "com.microsoft::SkipLayerNormalization": match_skip_layer_norm,
     "com.microsoft::FusedMatMul": then_quant_dequant(with_ort_gelu(match_fused_matmul)),
-    "GRU": match_gru_stack}
+    "GRU": match_gru_stack, "LSTM": match_lstm_stack}
 """The first layer of a pattern ("domain::op" outside the default domain) -> its matcher (any
 other layer of the default domain may start a Linear)."""
 MATCHERS = with_affine(MATCHERS, match_linear)
@@ -207,4 +214,5 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "ScaledDotAttention": attention_workload, "HostChain": host_chain_workload,
     "WindowedConv": windowed_conv_workload, "GroupNorm": group_norm_workload,
     "AffineChain": affine_workload, "GruStack": gru_stack_workload,
+    "LstmStack": lstm_stack_workload,
     "NativeInt8": native_int8_workload}

@@ -68,7 +68,7 @@ encoder4_plain_dyn18 1.05 against 0.52, load 4-5)."""
 FUSED_TRACEABLE = frozenset({"FusedConv", "Linear", "LinearSiblings", "SqueezeExcite",
                              "QuantDequant", "QLinearConv", "QLinearMatMul", "DynamicQuantMatMul", "QGemm", "HardSwishChain",
                              "GeluChain", "Lookup", "ScaledDotAttention", "WindowedConv",
-                             "GroupNorm", "AffineChain", "GruStack"})
+                             "GroupNorm", "AffineChain", "GruStack", "LstmStack"})
 """The fused layers a trace may hold: their routes have TorchScript forms (``TRACEABLE_ROUTES``)."""
 NOT_TRACED = NOT_CAPTURABLE | {"If", "Loop", "Scan", "SequenceMap", "Multinomial", "RandomNormal",
                                "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",

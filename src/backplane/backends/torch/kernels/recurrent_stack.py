@@ -162,29 +162,28 @@ class GruStack:
         return states
 
 class NativeStack:
-    """The same stack as one C call a layer (``native/recurrent.py``: its input projection, then
-    every step's recurrent product and gates in C), layer after layer: where the C loop is built
-    and ``CpuAcc.native`` is "auto" (``fusion/recurrent_stack.py``), float32 inputs (others: the
-    wavefronts). gru_tm3_ts13's three layers: three products and three calls, where the wavefronts
-    were 10 of five ops."""
+    """The same stack in one op (``native/recurrent_stack.py``: a C call a layer, each its input
+    projection then every step's recurrent product and gates): where the C loop is built and
+    ``CpuAcc.native`` is "auto" (``fusion/recurrent_stack.py``), float32 inputs (others: the
+    wavefronts). gru_tm3_ts13's three layers: one op, where the wavefronts were 10 of five ops
+    (and an op a layer, 15-25 us each beyond its C, until the eighteenth session)."""
 
     def __init__(self, weights: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]]):
         from backplane.native import recurrent as in_c
+        from backplane.native import recurrent_stack
 
-        self._in_c, self.hidden = in_c, weights[0][1].shape[-1]
-        self.layers = [in_c.prepared("gru", *(None if v is None else torch.from_numpy(v)
-                                              for v in (w, r, b)), 1) for w, r, b in weights]
+        hidden = weights[0][1].shape[-1]
+        self.stack = recurrent_stack.Stack("gru", [in_c.prepared(
+            "gru", *(None if v is None else torch.from_numpy(v) for v in (w, r, b)), 1)
+            for w, r, b in weights], hidden, "forward", 1)
 
     def __call__(self, x: torch.Tensor, sequence_lens: torch.Tensor | None,
-                 initial: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``GruStack``'s: the last layer's Y (seq, batch, H), every layer's final state (L,
-        batch, H)."""
-        finals = []
-        for weights, h0 in zip(self.layers, initial):
-            y, h = self._in_c.run("gru", weights, self.hidden, x, sequence_lens, h0, None, "forward", 0, 1)
-            x = y[:, 0]  # (seq, batch, H): the next layer's input, as the Squeeze's
-            finals.append(h)
-        return x, torch.cat(finals)
+                 initial: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor,
+                                                                  list[torch.Tensor]]:
+        """As ``GruStack``'s: the last layer's Y (seq, batch, H); every layer's final state, a
+        list of (1, batch, H)."""
+        y, finals, _ = self.stack(x, sequence_lens, initial, [], True)
+        return y, finals
 
 
 def _sizes(x: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,166 @@
+"""Stacked LSTM or GRU layers, as exporters write them, in one op of one C call a layer
+(``recurrent.c``): ``backplane::native_stack`` inside CpuAcc's traces.
+
+Why: each op of ``recurrent.py`` costs 15-25 us beyond its C (the dispatcher's call into Python,
+its outputs allocated, ctypes), where a whole layer of the corpus's sizes computes in 3-10 us;
+between two layers an export reshapes Y (Transpose, Reshape: two ops more). Here the stack is one
+op: layer l writes its Y as layer l + 1 reads it, (seq, batch, dirs, H), by the C loop's strides
+(no copy), into a scratch buffer of the op's own; a layer whose ``[W, R]`` is large has its input
+projected first as ``recurrent.run`` does. The weights are no arguments of the op (each tensor
+the dispatcher hands to Python costs: gru_tm3's 18 of them, 20 us a call): the op names its
+``Stack`` by a number. The kernels that reach it: ``GruStack`` (``kernels/recurrent_stack.py``)
+and ``LstmStack`` (``fusion/recurrent_stack.py``), where ``CpuAcc.native`` is "auto" and the
+library builds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from backplane.native import recurrent as single
+
+NONE = torch.empty(0)
+"""An absent initial state in the op's lists (a trace takes no list of optional tensors)."""
+DIRECTIONS = {"forward": 0, "reverse": 1, "bidirectional": 2}
+_PLANS: dict[tuple[Any, ...], list[single._Shape]] = {}
+"""A stack's sizes and strides -> each layer's call structure (made once, shared by threads)."""
+_LAYOUTS: dict[int, Layout] = {}
+"""Each stack's layout, by the number its op names it with (a few numbers each: kept for the
+process, as the op of any trace made may read them)."""
+_NUMBERS = itertools.count()
+
+
+class Layout:
+    """Where each layer's weights lie in a stack's one tensor of them (``Stack.weights``), in
+    floats, and what the layers are."""
+
+    def __init__(self, kind: str, weights: Sequence[tuple[Any, ...]], hidden: int,
+                 direction: str, linear_before_reset: int) -> None:
+        self.gru, self.hidden = int(kind == "gru"), hidden
+        self.linear_before_reset = linear_before_reset
+        self.direction, self.dirs = DIRECTIONS[direction], weights[0][0].shape[0]
+        self.projected = tuple(w[2] is not None for w in weights)
+        self.at: list[tuple[int, ...]] = []  # packed, bias; the projection's W, its shape, bias
+        at = 0
+        for w in weights:
+            where = [at, at + w[0].numel()]
+            at = where[1] + w[1].numel()
+            if w[2] is not None:
+                where += [at, *w[2].shape, at + w[2].numel()]
+                at += w[2].numel() + w[3].numel()
+            self.at.append(tuple(where))
+
+
+class Stack:
+    """Layers of one kind, direction and hidden size, their weights ``recurrent.prepared``'s (one
+    a layer) in one tensor; a call runs them as one op. The weights are that op's argument, so a
+    trace holds them; the layout is named by a number (each tensor the dispatcher hands to Python
+    costs: gru_tm3's weights as 12 tensors a call cost more than its three layers' C)."""
+
+    def __init__(self, kind: str, weights: Sequence[tuple[Any, ...]], hidden: int,
+                 direction: str, linear_before_reset: int = 0) -> None:
+        layout = Layout(kind, weights, hidden, direction, linear_before_reset)
+        self.gru, self.dirs, self.hidden = layout.gru, layout.dirs, hidden
+        self.weights = torch.cat([v.reshape(-1) for w in weights for v in w if v is not None])
+        self.number = next(_NUMBERS)
+        _LAYOUTS[self.number] = layout
+
+    def __call__(self, x: torch.Tensor, sequence_lens: torch.Tensor | None,
+                 h0: Sequence[torch.Tensor | None], c0: Sequence[torch.Tensor | None],
+                 merged: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The layers over x (seq, batch, I), time-major, layer l's Y (seq, dirs, batch, H) read
+        by layer l + 1 as (seq, batch, dirs * H); ``h0``, ``c0`` (LSTM) a layer's initial states
+        or None. The last layer's Y, (seq, batch, dirs * H) with ``merged`` (as the Transpose
+        and Reshape after it make it), else ONNX's (seq, dirs, batch, H); each layer's final
+        states (dirs, batch, H), and LSTM's cells (else an empty list)."""
+        shape = (self.dirs, x.shape[1], self.hidden)
+
+        def states(values: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+            return [NONE if v is None else single._states(v, shape) for v in values]
+
+        lens = None if sequence_lens is None else sequence_lens.to(torch.int64)
+        return torch.ops.backplane.native_stack(x, self.weights, states(h0),
+                                                [] if self.gru else states(c0), lens,
+                                                self.number, int(merged))
+
+
+def _plan(sizes: tuple[int, ...], strides: tuple[int, ...], stack: Layout,
+          merged: int) -> list[single._Shape]:
+    """Each layer's call: x (the input, or its projection), Y and the states' strides."""
+    key = (sizes, strides, stack.projected, stack.dirs, stack.gru, stack.hidden, stack.direction,
+           stack.linear_before_reset, merged)
+    plan = _PLANS.get(key)
+    if plan is None:
+        dirs, hidden, gates = stack.dirs, stack.hidden, 3 if stack.gru else 4
+        seq, batch, width = sizes[0], sizes[1], dirs * hidden
+        plan = []
+        for layer, project in enumerate(stack.projected):
+            inputs, xt, xb = (sizes[2], strides[0], strides[1]) if layer == 0 else \
+                (width, batch * width, width)
+            if project:  # (seq, batch, dirs * gates * H) from F.linear, contiguous
+                inputs = dirs * gates * hidden
+                xt, xb = batch * inputs, inputs
+            last = layer == len(stack.projected) - 1
+            ys = (dirs * batch * hidden, batch * hidden, hidden) if last and not merged else \
+                (batch * width, hidden, width)  # ONNX's (seq, dirs, batch, H); (seq, batch, dirs, H)
+            plan.append(single._Shape(seq, dirs, batch, 0 if project else inputs, hidden,
+                                      stack.direction, xt, xb, batch * hidden, hidden, *ys,
+                                      stack.linear_before_reset, gates * hidden if project else 0))
+        _PLANS[key] = plan
+    return plan
+
+
+def _contiguous(value: torch.Tensor) -> torch.Tensor | None:
+    return None if not value.numel() else value if value.is_contiguous() else value.contiguous()
+
+
+def _stack(x, weights, h0, c0, lens, number, merged):
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if lens is not None and not lens.is_contiguous():
+        lens = lens.contiguous()
+    stack = _LAYOUTS[number]
+    gru, dirs, hidden, projected = stack.gru, stack.dirs, stack.hidden, stack.projected
+    layers, (seq, batch) = len(projected), x.shape[:2]
+    plan = _plan(x.shape, x.stride(), stack, merged)
+    width = dirs * hidden
+    y = single._empty((seq, batch, width) if merged else (seq, dirs, batch, hidden))
+    hs = [single._empty((dirs, batch, hidden)) for _ in range(layers)]
+    cs = [] if gru else [single._empty((dirs, batch, hidden)) for _ in range(layers)]
+    # every layer's Y but the last, (seq, batch, dirs, H): two buffers, read and written in turn
+    scratch = np.empty((min(layers - 1, 2), seq, batch, width), np.float32)
+    between, size = scratch.ctypes.data, seq * batch * width * 4
+    call = (single._FUNCTIONS or single._functions())[gru]
+    lens_at = None if lens is None else lens.data_ptr()
+    source, base = x.data_ptr(), weights.data_ptr()
+    for layer in range(layers):
+        at = stack.at[layer]
+        if projected[layer]:  # every step's input projection first, one GEMM
+            given = x if layer == 0 else torch.from_numpy(scratch[(layer - 1) % 2])
+            w_in = weights[at[2]:at[2] + at[3] * at[4]].view(at[3], at[4])
+            inputs = F.linear(given, w_in, weights[at[5]:at[5] + at[3]])
+            source = inputs.data_ptr()
+        target = y.data_ptr() if layer == layers - 1 else between + (layer % 2) * size
+        start = _contiguous(h0[layer])
+        state = [None if start is None else start.data_ptr()]
+        if not gru:
+            cell = _contiguous(c0[layer])
+            state.append(None if cell is None else cell.data_ptr())
+        outputs = [hs[layer].data_ptr()] + ([] if gru else [cs[layer].data_ptr()])
+        if call(plan[layer], source, base + 4 * at[0], base + 4 * at[1], *state, lens_at,
+                target, *outputs):
+            raise MemoryError("the native recurrent stack could not allocate its work memory")
+        source = target
+    return y, hs, cs
+
+
+_LIBRARY = torch.library.Library("backplane", "FRAGMENT")
+_LIBRARY.define("native_stack(Tensor x, Tensor weights, Tensor[] h0, Tensor[] c0, Tensor? lens, "
+                "int stack, int merged) -> (Tensor, Tensor[], Tensor[])")
+_LIBRARY.impl("native_stack", _stack, "CPU")
