@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from backplane.backends.api.kernels import Kernel, UnsupportedError, bind_kernel, select_kernel
+from backplane.backends.api.kernels import (Kernel, UnsupportedError, bind_kernel, parameters,
+                                            select_kernel)
 from backplane.backends.api.memory import (HOST_FACTORY, MemoryManager, TensorHandleFactory,
                                            TensorRegistry)
 from backplane.backends.api.optimization import OptimizationViews
@@ -365,7 +366,7 @@ def kernel_key(layer: Layer) -> str:
 
 def _unknown_attributes(kernel: Kernel, attrs: Mapping[str, Any]) -> list[str]:
     try:
-        params = inspect.signature(kernel).parameters
+        params = parameters(kernel)
     except (TypeError, ValueError):
         return []
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
