@@ -61,6 +61,61 @@ def dequantize(p: Planner, layer: Layer, index: int) -> None:
     p.pending[layer.outputs[0]] = Pending(layer.inputs[0], scale, zero)
 
 
+_RECOVERED: dict[int, tuple[np.ndarray, Any]] = {}
+"""``_integer_weight``'s answers by the weight array's id (the array held, so the id stays its
+own): a subgraph is planned twice, at the substitution and at its workload."""
+
+
+def _integer_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``fusion.int8.integer_weight``'s answer: (int8 k, float32 scale per output channel) with
+    k * scale rounded to float32 equal to ``weight``, or None. Every candidate scale of a
+    channel (its largest |w| at 127, 128, 126 ... 64 steps, rounded either way) is tried on its
+    first values at once, in one array operation, before one is checked on all of them."""
+    held = _RECOVERED.get(id(weight))
+    if held is not None and held[0] is weight:
+        return held[1]
+    flat = weight.reshape(weight.shape[0], -1).astype(np.float64)
+    levels = np.array([127, 128, *range(126, 63, -1)], np.float64)
+    found = _scales(flat.reshape(1, -1), levels)
+    if found is not None:
+        ints, scales = found[0].reshape(weight.shape), np.full(flat.shape[0], found[1][0], F32)
+    else:
+        found = _scales(flat, levels)
+        ints, scales = (None, None) if found is None else (found[0].reshape(weight.shape),
+                                                            found[1])
+    answer = None if ints is None else (ints, scales)
+    if len(_RECOVERED) > 512:
+        _RECOVERED.clear()
+    _RECOVERED[id(weight)] = (weight, answer)
+    return answer
+
+
+def _scales(rows: np.ndarray, levels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each row as int8 times a float32 scale of its own, exactly, or None."""
+    ints, scales = np.zeros(rows.shape, np.int8), np.zeros(rows.shape[0], F32)
+    for index, row in enumerate(rows):
+        peak = float(np.max(np.abs(row)))
+        if peak == 0:
+            scales[index] = 1.0
+            continue
+        guess = (peak / levels).astype(F32)
+        candidates = np.stack([guess, np.nextafter(guess, F32(0)), np.nextafter(guess, F32(1))],
+                              1).reshape(-1).astype(np.float64)
+        head = row[:16]
+        k = np.rint(head[None, :] / candidates[:, None])
+        good = (np.abs(k) <= 128).all(1) & ((k * candidates[:, None]).astype(F32) ==
+                                            head.astype(F32)).all(1)
+        for scale in candidates[good]:
+            k = np.rint(row / scale)
+            if k.min() >= -128 and k.max() <= 127 and np.array_equal(
+                    (k * scale).astype(F32), row.astype(F32)):
+                ints[index], scales[index] = k.astype(np.int8), F32(scale)
+                break
+        else:
+            return None
+    return ints, scales
+
+
 def _then_quantize(p: Planner, layer: Layer) -> tuple[Layer, tuple[F32, int, str], list[Layer],
                                                     tuple[float, float] | None]:
     """The QuantizeLinear that alone reads ``layer``'s output (through a Relu or a Clip of
@@ -89,8 +144,6 @@ def _then_quantize(p: Planner, layer: Layer) -> tuple[Layer, tuple[F32, int, str
 def qdq_conv(p: Planner, layer: Layer, index: int) -> None:
     """DequantizeLinear(x_q) -> Conv / Gemm / MatMul -> QuantizeLinear: one quantized product,
     its weight and bias the integers their folded constants were dequantized from."""
-    from backplane.backends.torch.fusion.int8 import integer_weight
-
     pending = p.pending.get(layer.inputs[0])
     if pending is None or not _quantized_after(p, layer):
         _float_product(p, layer)
@@ -112,7 +165,7 @@ def qdq_conv(p: Planner, layer: Layer, index: int) -> None:
         if weight.ndim != 2:
             raise Unplannable(f"{layer.name}: a MatMul by a {weight.ndim}-d constant")
         kernel = weight.T[:, :, None, None]
-    found = integer_weight(np.ascontiguousarray(kernel))
+    found = _integer_weight(weight if layer.op_type == "Conv" else kernel)
     if found is None:
         raise Unplannable(f"{layer.name}: the weight is no int8 tensor times a scale")
     ints, w_scale = found
