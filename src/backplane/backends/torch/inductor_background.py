@@ -47,7 +47,11 @@ DEFAULT = "off"
 seventeenth session's final bench (``bench/wild.py``, 2 threads, quiet 2-core AMD EPYC, one
 round each, the same tree with and without a C++ compiler) read gpt_causal_ts15 0.306 -> 0.533
 ms and char_tagger_ts14 0.792 -> 1.73 with it on, encoder_padmask_dyn17 0.267 -> 0.232, where
-its 1-thread thread-CPU figures had gained 0.83-0.84 (the tests' conftest sets "off" too)."""
+its 1-thread thread-CPU figures had gained 0.83-0.84 (the tests' conftest sets "off" too). The
+cause found: the Specialized build's threads were chosen at its first calls after the compile,
+while the thread governor held one thread (its reading spanned the compile's g++), so the build ran
+unwrapped at two once the machine was quiet (``threads.quiet_count`` mends it); a quiet 2-thread
+run of ``bench/wild.py --inductor auto`` against ``off`` decides the default."""
 KIND = "inductor"
 """The route cache's kind of a verdict: "inductor" or "own"."""
 MARGIN = 0.9
