@@ -188,8 +188,11 @@ def _at_exit() -> None:
     wait(60.0)
 
 
-_register = getattr(threading, "_register_atexit", atexit.register)
-_register(_at_exit)
+atexit.register(_at_exit)  # and after: a load that a thread not a daemon began after the first
+try:
+    threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another Python; or imported while the process exits
+    pass
 
 
 def _forked() -> None:
