@@ -70,6 +70,7 @@ class NativeLoop:
     def __init__(self, body: Any, layers: Sequence[Any], n_carried: int) -> None:
         self.body, self.layers, self.n_carried = body, list(layers), n_carried
         self.plans: dict[tuple[Any, ...], Plan | None] = {}
+        self.off = False
         written = {slot for step in body.rest for slot in step.outputs}
         template = body.template  # the body's constants: the same arrays at every call
         self.read = sorted(slot for slot in {s for step in body.rest for s in step.inputs}
@@ -78,7 +79,7 @@ class NativeLoop:
     def __call__(self, max_trips: int | None, keep_going: bool,
                  rest: Sequence[Any]) -> tuple[Any, ...] | None:
         """The Loop's outputs, or None where this call is not the C's (then the caller runs it)."""
-        if max_trips is None or max_trips <= 0 or not keep_going:
+        if max_trips is None or max_trips <= 0 or not keep_going or self.off:
             return None
         body = self.body
         env = body.slots(rest[:self.n_carried], rest[self.n_carried:])
@@ -88,6 +89,9 @@ class NativeLoop:
         plan = self.plans.get(key, False)
         if plan is False:
             plan = self.plans[key] = Plan.make(self.body, self.layers, env)
+            # a body the first signature's plan refused is most likely refused for its layers,
+            # whatever the shapes: later calls go straight to the kernels (no hoisted steps twice)
+            self.off = plan is None and not any(self.plans.values())
         if plan is None or max_trips > plan.most_trips:
             return None
         return plan.run(env, max_trips, _function())

@@ -6,12 +6,15 @@ its own that the If record runs, and what a call fills in and returns."""
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from backplane.runtime.steps import NONE_SLOT
+
+log = logging.getLogger(__name__)
 
 (COPY, GATHER_I, APPEND_I, GEMM, ADD, SUB, MUL, DIV, TANH, SIGMOID, RELU, ABS, NEG, ADD_I, SUB_I,
  MUL_I, GT, LT, EQ, GT_I, LT_I, EQ_I, MAX_ALL, GATHER_C, IF) = range(1, 26)
@@ -128,6 +131,9 @@ class Plan:
         try:
             plan._build(body, layers, env)
         except (Refused, ValueError):
+            return None
+        except Exception:  # a body shaped as no plan foresaw: its kernels run it, as before
+            log.debug("native Loop: no plan", exc_info=True)
             return None
         plan._freeze()
         return plan
