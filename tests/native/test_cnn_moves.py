@@ -127,3 +127,106 @@ def test_a_traced_partitions_cnn_runs_natively_and_matches_onnx_runtime(name):
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, abs(w).max()))
+
+
+@st.composite
+def glue_cases(draw):
+    shape = [draw(st.integers(1, 2)), draw(st.integers(1, 7)), draw(st.integers(1, 5)),
+             draw(st.integers(1, 5))]
+    op = draw(st.sampled_from(["Add", "Sub", "Mul", "Div", "Pow", "ReduceMax", "ReduceMin",
+                               "ReduceSum", "ReduceMean", "Concat"]))
+    case = dict(shape=shape, op=op, seed=draw(st.integers(0, 999)),
+                rank5=draw(st.booleans()), tail=draw(st.sampled_from(["Relu", "Erf"])))
+    if op in ("Add", "Sub", "Mul", "Div", "Pow"):
+        # the other operand: a constant or the conv's Relu, of a shape that broadcasts
+        case["other"] = draw(st.sampled_from(["constant", "tensor"]))
+        case["other_shape"] = [d if draw(st.booleans()) else 1 for d in shape][
+            draw(st.integers(0, 3)):]
+        case["swap"] = case["other"] == "tensor" and draw(st.booleans())
+    elif op == "Concat":
+        case["axis"] = draw(st.integers(-4, 3))
+    else:
+        case["axes"] = draw(st.lists(st.integers(-4, 3), min_size=0, max_size=3,
+                                     unique_by=lambda a: a % 4))
+        case["keepdims"] = draw(st.integers(0, 1))
+    return case
+
+
+def _glue_model(case: dict):
+    rng = np.random.default_rng(case["seed"])
+    n, c, h, w = case["shape"]
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 3, 3, 3)).astype(np.float32), "w")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["y"], ["r"])]
+    first = "r"
+    if case["rank5"] and c > 1 and c % 2 == 0:  # a detector's (N, A, C / A, H, W)
+        inits.append(numpy_helper.from_array(np.array([n, 2, c // 2, h, w], np.int64), "s5"))
+        nodes.append(helper.make_node("Reshape", ["r", "s5"], ["r5"]))
+        first = "r5"
+    op = case["op"]
+    if op in ("Add", "Sub", "Mul", "Div", "Pow"):
+        other_shape = case["other_shape"]
+        if first == "r5":
+            other_shape = [1] * len(other_shape)
+        if case["other"] == "constant":
+            value = rng.uniform(0.5, 2.0, other_shape).astype(np.float32)
+            inits.append(numpy_helper.from_array(value, "k"))
+            second = "k"
+        else:  # the first operand's mean over the axes the other has of size 1
+            rank = 5 if first == "r5" else 4
+            full = [1] * (rank - len(other_shape)) + list(other_shape)
+            axes = [i for i in range(rank) if full[i] == 1]
+            mean = first
+            if axes:
+                inits.append(numpy_helper.from_array(np.array(axes, np.int64), "ax2"))
+                nodes.append(helper.make_node("ReduceMean", [first, "ax2"], ["m"], keepdims=1))
+                mean = "m"
+            inits.append(numpy_helper.from_array(np.array(other_shape, np.int64), "ks"))
+            nodes.append(helper.make_node("Reshape", [mean, "ks"], ["k2"]))
+            second = "k2"
+        pair = [second, first] if case.get("swap") else [first, second]
+        nodes.append(helper.make_node(op, pair, ["out"]))
+    elif op == "Concat":
+        axis = case["axis"] if first == "r" else case["axis"] % 4 + 1
+        nodes += [helper.make_node("Relu", ["y"], ["q"])]
+        other = "q"
+        if first == "r5":
+            nodes.append(helper.make_node("Reshape", ["q", "s5"], ["q5"]))
+            other = "q5"
+        nodes.append(helper.make_node("Concat", [first, other], ["out"], axis=axis))
+    else:
+        rank = 5 if first == "r5" else 4
+        axes = sorted({a % rank for a in case["axes"]})
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), "ax"))
+        nodes.append(helper.make_node(op, [first, "ax"] if axes else [first], ["out"],
+                                      keepdims=case["keepdims"]))
+    last, tail = "out", case["tail"]
+    if op.startswith("Reduce") and not case["keepdims"] and (
+            not case["axes"] or len(case["axes"]) == 4 and first == "r"):
+        tail = "Relu"  # a 0-d result: CpuRef's Erf takes none
+    if tail:
+        nodes.append(helper.make_node(tail, ["out"], ["tail"]))
+        last = "tail"
+    model = make_model(nodes, [float_input("x", [n, 3, h, w])], [float_input(last, None)],
+                       inits, opset=18)
+    x = rng.standard_normal((n, 3, h, w)).astype(np.float32)
+    x.reshape(-1)[case["seed"] % x.size] = np.nan  # NaN in, NaN out
+    return model, {"x": x}
+
+
+@needs_compiler
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=glue_cases())
+def test_broadcasts_reduces_and_concats_after_a_convolution_match_cpuref(case):
+    model, feeds = _glue_model(case)
+    session = _session(model)
+    routes = _partition_routes(session)
+    assert routes and all(str(r).startswith("native") for r in routes), (routes, case)
+    got = session.run(None, feeds)
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+        finite = np.isfinite(r)
+        np.testing.assert_allclose(g[finite], r[finite], rtol=1e-4,
+                                   atol=1e-4 * max(1.0, np.abs(r[finite]).max(initial=0)))

@@ -23,7 +23,10 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_DH, F_DW, F_PT, F_PL, F_G, F_WOFF, F_BOFF, F_ACT, F_AOFF, F_SCR, F_PH, F_PW, F_VB,
        F_X1, F_X2, NF = 32 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_CONV, OP_DWCONV, OP_MAXPOOL, OP_AVGPOOL, OP_GAP, OP_GMP,
-       OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE, OP_DECONV, OP_RESIZE, OP_GATHER };
+       OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE, OP_DECONV, OP_RESIZE, OP_GATHER,
+       OP_SCATTER, OP_ARITH, OP_REDUCE };
+enum { AR_ADD, AR_SUB, AR_MUL, AR_DIV, AR_POW, AR_AFFINE };
+enum { RD_MAX, RD_MIN, RD_SUM, RD_MEAN };
 enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_HSWISH, ACT_HSIGMOID, ACT_SIGMOID, ACT_SWISH, ACT_LEAKY,
        ACT_TANH };
 
@@ -484,6 +487,54 @@ static void gather(const int64_t *f, float *A, const float *P) {
     for (int64_t i = 0; i < n; ++i) o[i] = x[at[i]];
 }
 
+/* The F_N elements of the input written to their places in the output (the int32 table at
+   F_WOFF): a Concat's part on any axis. */
+static void scatter(const int64_t *f, float *A, const float *P) {
+    const int64_t n = f[F_N];
+    const int32_t *restrict at = (const int32_t *)(P + f[F_WOFF]);
+    const float *restrict x = A + f[F_IN];
+    float *restrict o = A + f[F_OUT];
+    for (int64_t i = 0; i < n; ++i) o[at[i]] = x[i];
+}
+
+/* o = x (op) y over F_N elements, y in the arena (F_IN2) or in the parameters (F_WOFF: a
+   constant laid out as the output is, broadcast at load); F_X1 the op; AR_AFFINE: x * y + z,
+   z at F_BOFF. */
+static void arith(const int64_t *f, float *A, const float *P) {
+    const int64_t n = f[F_N];
+    const float *restrict x = A + f[F_IN];
+    const float *restrict y = f[F_IN2] >= 0 ? A + f[F_IN2] : P + f[F_WOFF];
+    const float *restrict z = P + f[F_BOFF];
+    float *restrict o = A + f[F_OUT];
+    switch (f[F_X1]) {
+    case AR_ADD: for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i]; break;
+    case AR_SUB: for (int64_t i = 0; i < n; ++i) o[i] = x[i] - y[i]; break;
+    case AR_MUL: for (int64_t i = 0; i < n; ++i) o[i] = x[i] * y[i]; break;
+    case AR_DIV: for (int64_t i = 0; i < n; ++i) o[i] = x[i] / y[i]; break;
+    case AR_POW: for (int64_t i = 0; i < n; ++i) o[i] = powf(x[i], y[i]); break;
+    default: for (int64_t i = 0; i < n; ++i) o[i] = x[i] * y[i] + z[i]; break;
+    }
+}
+
+/* F_N outputs, each the max, min, sum or mean (F_X1) of the F_C inputs the int32 table at F_WOFF
+   names for it (F_C in a row): a Reduce over any axes. A NaN is the max and the min. */
+static void reduce(const int64_t *f, float *A, const float *P) {
+    const int64_t n = f[F_N], K = f[F_C], kind = f[F_X1];
+    const int32_t *restrict at = (const int32_t *)(P + f[F_WOFF]);
+    const float *restrict x = A + f[F_IN];
+    float *restrict o = A + f[F_OUT];
+    for (int64_t j = 0; j < n; ++j, at += K) {
+        float r = x[at[0]];
+        for (int64_t k = 1; k < K; ++k) {
+            const float v = x[at[k]];
+            if (kind == RD_MAX) r = (v > r || v != v) ? v : r;
+            else if (kind == RD_MIN) r = (v < r || v != v) ? v : r;
+            else r += v;
+        }
+        o[j] = kind == RD_MEAN ? r / (float)K : r;
+    }
+}
+
 /* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the
    caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
 static int step(const int64_t *f, const float *params, float *arena, float *const *ext);
@@ -546,6 +597,9 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
     case OP_DECONV: deconv(f, arena, params); break;
     case OP_RESIZE: resize(f, arena, params); break;
     case OP_GATHER: gather(f, arena, params); break;
+    case OP_SCATTER: scatter(f, arena, params); break;
+    case OP_ARITH: arith(f, arena, params); break;
+    case OP_REDUCE: reduce(f, arena, params); break;
     default: return 1;
     }
     return 0;

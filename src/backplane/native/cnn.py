@@ -31,7 +31,10 @@ here); a record is NF = 32 int64s."""
 NF = 32
 OPS = {name: code for code, name in enumerate(
     "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize "
-    "gather".split(), 1)}
+    "gather scatter arith reduce".split(), 1)}
+ARITH = {name: code for code, name in enumerate("Add Sub Mul Div Pow AffineChain".split())}
+REDUCE = {name: code for code, name in enumerate(
+    "ReduceMax ReduceMin ReduceSum ReduceMean".split())}
 ACTS = {name: code for code, name in enumerate(
     "none relu clip hswish hsigmoid sigmoid swish leaky tanh".split())}
 UNARY = {"relu": "relu", "hardtanh": "clip", "hardswish": "hswish", "hardsigmoid": "hsigmoid",
@@ -114,9 +117,7 @@ def _dims(shape: Sequence[int]) -> tuple[int, int, int, int]:
         return (shape[0], shape[1], 1, shape[2])
     if len(shape) == 2:
         return (shape[0], shape[1], 1, 1)
-    if len(shape) < 2:
-        return (1, shape[0] if shape else 1, 1, 1)
-    raise Unplannable(f"a tensor of shape {tuple(shape)}: at most 4-d tensors")
+    return (shape[0] if shape else 1, math.prod(shape[1:]), 1, 1)  # 1-, 5-d...: ONNX's order
 
 
 class _Planner:
@@ -177,6 +178,17 @@ class _Planner:
         y = self.new(name, shape)
         self.record("gather", in_=x.offset, out=y.offset, dims=(y.size, 1, 1, 1),
                     woff=self.param(table.astype(np.int32).view(np.float32)))
+
+    def table(self, array: np.ndarray) -> int:
+        """An int32 table (places) in the parameters: its offset."""
+        return self.param(np.ascontiguousarray(array, np.int32).reshape(-1).view(np.float32))
+
+    def laid(self, shape: tuple[int, ...], logical: np.ndarray) -> np.ndarray:
+        """``logical`` (ONNX order, broadcast to ``shape``) in the order a value of ``shape``
+        keeps in the arena."""
+        n, c, h, w = _dims(shape)
+        return np.ascontiguousarray(np.broadcast_to(logical, shape)).reshape(
+            n, c, h, w).transpose(0, 2, 3, 1).reshape(-1)
 
     def value(self, name: str) -> Value:
         if name not in self.values:

@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
+from backplane.native import cnn_moves
 from backplane.native.cnn import ACTS, ELEMENTWISE, FIELDS, VIEWS, Unplannable, _Planner
 
 FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_DOMAIN)
-FUSED_OPS = ("FusedConv", "Linear")
+FUSED_OPS = ("FusedConv", "Linear", "AffineChain")
 
 
 def _input_and_weight(p: _Planner, layer: Layer) -> tuple[Any, np.ndarray]:
@@ -172,111 +173,6 @@ def global_pool(p: _Planner, layer: Layer) -> None:
              out=y.offset, dims=x.dims)
 
 
-def reduce_mean(p: _Planner, layer: Layer) -> None:
-    """ReduceMean over the spatial axes of a 4-d tensor (dynamo's global average pool)."""
-    x = p.value(layer.inputs[0])
-    axes = layer.attrs.get("axes")
-    if axes is None and len(layer.inputs) > 1 and layer.inputs[1]:
-        axes = p.constants.get(layer.inputs[1])
-    if len(x.shape) != 4 or axes is None or sorted(int(a) % 4 for a in axes) != [2, 3]:
-        raise Unplannable(f"{layer.name}: ReduceMean over axes {axes} of {x.shape}")
-    n, c = x.dims[:2]
-    y = p.new(layer.outputs[0], (n, c, 1, 1) if layer.attrs.get("keepdims", 1) else (n, c))
-    p.record("gap", in_=x.offset, out=y.offset, dims=x.dims)
-
-
-def view(p: _Planner, layer: Layer) -> None:
-    """Flatten, Reshape, Squeeze, Unsqueeze, Identity: the same place where channels-last
-    orders the elements as the new shape's channels-last does (a tensor of 1x1 pixels or of one
-    channel, (N, C, 1, W) as (N, C, W)), else a gather."""
-    x = p.value(layer.inputs[0])
-    shape = _target(p, layer, x.shape)
-    if math.prod(shape) != x.size:
-        raise Unplannable(f"{layer.name}: {layer.op_type} {x.shape} -> {shape}")
-    p.moved(x, layer.outputs[0], p.places(x).reshape(shape))
-
-
-def transpose(p: _Planner, layer: Layer) -> None:
-    """A view where the order in memory stays (CRNN's (1, C, W) -> (W, 1, C): channels-last
-    already), else a gather."""
-    x = p.value(layer.inputs[0])
-    perm = layer.attrs.get("perm") or list(range(len(x.shape)))[::-1]
-    p.moved(x, layer.outputs[0], p.places(x).transpose([int(a) for a in perm]))
-
-
-def slice_(p: _Planner, layer: Layer) -> None:
-    """Slice with constant starts, ends, axes and steps (Python's slices clamp as ONNX's do)."""
-    x, a = p.value(layer.inputs[0]), layer.attrs
-    rank = len(x.shape)
-    if layer.opset < 10:
-        starts, ends = a["starts"], a["ends"]
-        axes, steps = a.get("axes") or list(range(len(starts))), [1] * len(starts)
-    else:
-        given = []
-        for index in range(1, 5):
-            name = layer.inputs[index] if len(layer.inputs) > index else ""
-            if name and name not in p.constants:
-                raise Unplannable(f"{layer.name}: a Slice of computed bounds")
-            given.append(np.asarray(p.constants[name]).reshape(-1).tolist() if name else None)
-        starts, ends, axes, steps = given
-        axes = axes if axes is not None else list(range(len(starts)))
-        steps = steps if steps is not None else [1] * len(starts)
-    index = [slice(None)] * rank
-    for start, end, axis, step in zip(starts, ends, axes, steps):
-        index[int(axis) % rank] = slice(int(start), int(end), int(step))
-    places = p.places(x)[tuple(index)]
-    if places.size == 0:
-        raise Unplannable(f"{layer.name}: an empty Slice")
-    p.moved(x, layer.outputs[0], places)
-
-
-def split(p: _Planner, layer: Layer) -> None:
-    x, a = p.value(layer.inputs[0]), layer.attrs
-    axis = int(a.get("axis", 0)) % len(x.shape)
-    size, count = x.shape[axis], len(layer.outputs)
-    sizes = a.get("split")
-    if len(layer.inputs) > 1 and layer.inputs[1]:
-        if layer.inputs[1] not in p.constants:
-            raise Unplannable(f"{layer.name}: a Split of computed sizes")
-        sizes = np.asarray(p.constants[layer.inputs[1]]).reshape(-1).tolist()
-    if sizes is None:
-        step = -(-size // count) if a.get("num_outputs") else size // count
-        sizes = [min(step, size - i * step) for i in range(count)]
-    if sum(sizes) != size or len(sizes) != count or min(sizes) < 1 or not all(layer.outputs):
-        raise Unplannable(f"{layer.name}: Split {sizes} of {size}")
-    parts = np.split(p.places(x), np.cumsum(sizes)[:-1], axis=axis)
-    for name, part in zip(layer.outputs, parts):
-        p.moved(x, name, part)
-
-
-def _target(p: _Planner, layer: Layer, shape: tuple[int, ...]) -> tuple[int, ...]:
-    op, a = layer.op_type, layer.attrs
-    if op == "Identity":
-        return shape
-    if op == "Flatten":
-        axis = a.get("axis", 1) % len(shape)
-        return (math.prod(shape[:axis]), math.prod(shape[axis:]))
-    if op == "Reshape":
-        target = p.constants.get(layer.inputs[1]) if len(layer.inputs) > 1 else None
-        if target is None:
-            raise Unplannable(f"{layer.name}: a Reshape to a computed shape")
-        return tuple(np.empty(shape, np.uint8).reshape(
-            [d if d != 0 or a.get("allowzero") else shape[i] for i, d in enumerate(target)]).shape)
-    axes = a.get("axes")
-    if axes is None and len(layer.inputs) > 1 and layer.inputs[1]:
-        axes = p.constants.get(layer.inputs[1])
-    if op == "Squeeze":
-        keep = [i for i, d in enumerate(shape) if not (d == 1 and (axes is None or i in
-                [x % len(shape) for x in axes]))]
-        return tuple(shape[i] for i in keep)
-    if axes is None:
-        raise Unplannable(f"{layer.name}: Unsqueeze without axes")
-    out = list(shape)
-    for axis in sorted(int(x) % (len(shape) + len(axes)) for x in axes):
-        out.insert(axis, 1)
-    return tuple(out)
-
-
 def elementwise(p: _Planner, layer: Layer) -> None:
     x = p.value(layer.inputs[0])
     kind, a = ELEMENTWISE[layer.op_type], layer.attrs
@@ -311,9 +207,10 @@ def _clip_bounds(p: _Planner, layer: Layer) -> list[float]:
 
 
 def binary(p: _Planner, layer: Layer) -> None:
+    if any(name in p.constants for name in layer.inputs[:2]) or layer.op_type not in (
+            "Add", "Mul") or p.value(layer.inputs[0]).shape != p.value(layer.inputs[1]).shape:
+        return cnn_moves.arith(p, layer)
     x, other = (p.value(name) for name in layer.inputs[:2])
-    if x.shape != other.shape:
-        raise Unplannable(f"{layer.name}: {layer.op_type} of {x.shape} and {other.shape}")
     first, second = layer.inputs[:2]
     for made, then in ((first, other), (second, x)) if layer.op_type == "Add" \
             and first != second else ():
@@ -331,9 +228,10 @@ def binary(p: _Planner, layer: Layer) -> None:
 def concat(p: _Planner, layer: Layer) -> None:
     parts = [p.value(name) for name in layer.inputs]
     rank, (n, _, h, w) = len(parts[0].shape), parts[0].dims
-    if layer.attrs.get("axis", 1) % rank != 1 or any(
+    axis = layer.attrs.get("axis", 1) % rank
+    if axis != 1 or rank > 4 or any(
             len(v.shape) != rank or (v.dims[0], *v.dims[2:]) != (n, h, w) for v in parts):
-        raise Unplannable(f"{layer.name}: Concat on axis {layer.attrs.get('axis')}")
+        return cnn_moves._concat_any(p, layer, parts, axis)
     total = sum(v.dims[1] for v in parts)
     shape = (parts[0].shape[0], total, *parts[0].shape[2:])
     y = p.new(layer.outputs[0], shape)
@@ -417,7 +315,10 @@ def resize(p: _Planner, layer: Layer) -> None:
 
 PLANNERS: dict[str, Callable[[_Planner, Layer], Any]] = {
     "FusedConv": fused_conv, "Conv": conv, "Linear": linear, "MaxPool": pool, "AveragePool": pool,
-    "GlobalAveragePool": global_pool, "GlobalMaxPool": global_pool, "ReduceMean": reduce_mean,
-    "Add": binary, "Mul": binary, "Concat": concat, "ConvTranspose": conv_transpose,
-    "Resize": resize, "Transpose": transpose, "Slice": slice_, "Split": split,
-    **{op: view for op in VIEWS}, **{op: elementwise for op in ELEMENTWISE}}
+    "GlobalAveragePool": global_pool, "GlobalMaxPool": global_pool, "Add": binary, "Mul": binary,
+    "Sub": cnn_moves.arith, "Div": cnn_moves.arith, "Pow": cnn_moves.arith,
+    "AffineChain": cnn_moves.affine, "Concat": concat, "ConvTranspose": conv_transpose,
+    "Resize": resize, "Transpose": cnn_moves.transpose, "Slice": cnn_moves.slice_,
+    "Split": cnn_moves.split, **{op: cnn_moves.view for op in VIEWS},
+    **{op: cnn_moves.reduce for op in ("ReduceMax", "ReduceMin", "ReduceSum", "ReduceMean")},
+    **{op: elementwise for op in ELEMENTWISE}}

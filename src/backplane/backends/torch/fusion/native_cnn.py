@@ -145,7 +145,7 @@ def _then(layer: Layer, backend: Any, inputs: Sequence[TensorInfo], head: Worklo
     outputs = [n for n in a["outputs"] if n not in made]
     tail = Layer(f"{layer.name}[after {count}]", "Traced", read, outputs,
                  {**a, "layers": later, "inputs": read, "outputs": outputs,
-                  "shapes": a["shapes"][count:],
+                  "shapes": a["shapes"][count:], "after_native": count,
                   "constants": {n: v for n, v in a["constants"].items()
                                 if any(n in lay.inputs for lay in later)}},
                  layer.domain, layer.opset)

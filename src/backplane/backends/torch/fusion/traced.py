@@ -250,8 +250,10 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
     def chosen() -> Workload:
         known = remembered("traced", description, backend) if mode == "auto" else None
         later = mode == "auto" and known != "layers" and threads.deferring()
-        # (a fused layer that says so counts as the layers it replaced: a GruStack's)
-        many = sum(lay.attrs.get("replaced", 1) for lay in layer.attrs["layers"]) >= UNTIMED_LAYERS
+        # (a fused layer that says so counts as the layers it replaced: a GruStack's; the rest of
+        # a partition whose first layers run natively counts those: native_cnn.traced_prefix)
+        many = sum(lay.attrs.get("replaced", 1) for lay in layer.attrs["layers"]) + \
+            layer.attrs.get("after_native", 0) >= UNTIMED_LAYERS
         crowded = mode == "auto" and known is None and threads.crowded()
         if crowded and many and threads.making() is None and not later:
             return because(_deferred(layer, backend, inputs, layers),
