@@ -239,12 +239,13 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
         }
 }
 
-/* A depthwise quantized convolution: weights [kh][kw][c] int16 at woff, bias and multipliers per
-   channel; the sums over each channel's window in int32, the channels the vectorized loop. */
+/* A depthwise quantized convolution: weights [ceil(kh * kw / 2)][c][2] int16 at woff, two taps'
+   weights a channel side by side (an odd last tap paired with weight 0), so that one
+   _mm256_madd_epi16 adds two taps' products of 8 channels; bias and multipliers per channel. */
 static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int64_t n = r[F_N], c = r[F_C], oh = r[F_OH], ow = r[F_OW], kh = r[F_KH], kw = r[F_KW];
     const int64_t sh = r[F_SH], sw = r[F_SW], dh = r[F_DH], dw = r[F_DW], ph = r[F_PH];
-    const int64_t pw = r[F_PW];
+    const int64_t pw = r[F_PW], taps = kh * kw, pairs = (taps + 1) / 2;
     int16_t *s = (int16_t *)(arena + r[F_SCR]);
     widen(r, arena + r[F_IN], s);
     const int16_t *weights = (const int16_t *)(params + r[F_WOFF]);
@@ -256,17 +257,41 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     bounds(r, params, &fl, &fh);
     const float *fbias = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0;
     int32_t acc[c];
+    int64_t at[2 * pairs]; /* each tap's offset from the window's corner, the odd one twice */
+    for (int64_t t = 0; t < 2 * pairs; ++t) {
+        const int64_t tap = t < taps ? t : taps - 1;
+        at[t] = ((tap / kw) * dh * pw + (tap % kw) * dw) * c;
+    }
     for (int64_t b = 0; b < n; ++b)
         for (int64_t oy = 0; oy < oh; ++oy)
             for (int64_t ox = 0; ox < ow; ++ox) {
-                for (int64_t k = 0; k < c; ++k) acc[k] = 0;
-                for (int64_t ky = 0; ky < kh; ++ky)
-                    for (int64_t kx = 0; kx < kw; ++kx) {
-                        const int16_t *in = s + ((b * ph + oy * sh + ky * dh) * pw + ox * sw +
-                                                 kx * dw) * c;
-                        const int16_t *wk = weights + (ky * kw + kx) * c;
-                        for (int64_t k = 0; k < c; ++k) acc[k] += (int32_t)in[k] * (int32_t)wk[k];
+                const int16_t *corner = s + ((b * ph + oy * sh) * pw + ox * sw) * c;
+                int64_t k = 0;
+#if defined(__AVX2__)
+                for (; k + 8 <= c; k += 8) {
+                    __m256i a = _mm256_setzero_si256();
+                    for (int64_t q = 0; q < pairs; ++q) {
+                        const __m128i xa = _mm_loadu_si128((const __m128i *)(corner + at[2 * q] + k));
+                        const __m128i xb = _mm_loadu_si128(
+                            (const __m128i *)(corner + at[2 * q + 1] + k));
+                        const __m256i x = _mm256_set_m128i(_mm_unpackhi_epi16(xa, xb),
+                                                           _mm_unpacklo_epi16(xa, xb));
+                        const __m256i w = _mm256_loadu_si256(
+                            (const __m256i *)(weights + (q * c + k) * 2));
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(x, w));
                     }
+                    _mm256_storeu_si256((__m256i *)(acc + k), a);
+                }
+#endif
+                for (; k < c; ++k) {
+                    int32_t sum = 0;
+                    for (int64_t q = 0; q < pairs; ++q) {
+                        const int16_t *w = weights + (q * c + k) * 2;
+                        sum += (int32_t)corner[at[2 * q] + k] * w[0] +
+                               (int32_t)corner[at[2 * q + 1] + k] * w[1];
+                    }
+                    acc[k] = sum;
+                }
                 requantize(acc, mult, bias, y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh, fbias,
                            r[F_LO] < 0);
             }

@@ -293,8 +293,11 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     icp = c if depthwise or dw == 1 else c + c % 2  # (dw 1: a row's kw * c values in one run)
     blocks = 1 if depthwise else -(-oc // OCB)
     centred = ints.astype(np.int32) - np.asarray(w_zero, np.int32).reshape(-1, 1, 1, 1)
-    if depthwise:  # [kh][kw][c]
-        packed = centred[:, 0].transpose(1, 2, 0).astype(np.int16)
+    if depthwise:  # [ceil(kh * kw / 2)][c][2]: two taps' weights a channel side by side
+        pairs = -(-kh * kw // 2)
+        taps = np.zeros((oc, 2 * pairs), np.int16)
+        taps[:, :kh * kw] = centred.reshape(oc, kh * kw)
+        packed = np.ascontiguousarray(taps.reshape(oc, pairs, 2).transpose(1, 0, 2))
         blocks = -(-oc // OCB)
     elif dw == 1:  # [blocks][kh][ceil(kw * c / 2)][OCB][2]: a row's values, zero past its end
         pairs = -(-kw * c // 2)
