@@ -89,8 +89,9 @@ def _stacked(kind, weights, x, lens, h0, c0, direction, merged):
                   weights[0][1].shape[-1], direction, 1 if kind == "gru" else 0)
     y, hs, cs = stack(torch.from_numpy(x), tensor(lens), [tensor(h) for h in h0],
                       [tensor(c) for c in c0], merged)
-    return y.numpy(), [[h.numpy()] + ([c.numpy()] if kind == "lstm" else [])
-                       for h, c in zip(hs, cs or hs)]
+    assert hs.shape[0] == len(weights) and cs.shape[0] == (len(weights) if kind == "lstm" else 0)
+    return y.numpy(), [[hs[i].numpy()] + ([cs[i].numpy()] if kind == "lstm" else [])
+                       for i in range(len(weights))]
 
 
 @needs_library
@@ -206,3 +207,35 @@ def test_off_computes_the_stack_by_torch(name, ops):
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert ops == {"ops": 0, "calls": 0}
+
+
+@needs_library
+def test_threads_running_one_stack_keep_their_own_scratch():
+    """Two threads running one stack at once (ctypes lets the GIL go during each C call) each
+    get their own values: the scratch buffers kept between calls are taken whole."""
+    import threading
+
+    rng = np.random.default_rng(6)
+    weights = _weights("lstm", 3, 5, 24, 2, rng)
+    xs = [rng.standard_normal((6, 2, 5)).astype(np.float32) for _ in range(2)]
+    none = [None] * 3
+    wanted = [_cpuref("lstm", weights, x, None, none, none, "bidirectional", True)[0] for x in xs]
+    from backplane.native.recurrent_stack import Stack
+
+    tensors = [[torch.from_numpy(v) for v in w] for w in weights]
+    stack = Stack("lstm", [in_c.prepared("lstm", *w) for w in tensors], 24, "bidirectional")
+    wrong: list[int] = []
+
+    def work(index):
+        x = torch.from_numpy(xs[index])
+        for _ in range(200):
+            y = stack(x, None, none, none, True)[0].numpy()
+            if not np.allclose(y, wanted[index], rtol=1e-4, atol=2e-6):
+                wrong.append(index)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong

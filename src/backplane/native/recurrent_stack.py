@@ -46,6 +46,7 @@ class Layout:
         self.linear_before_reset = linear_before_reset
         self.direction, self.dirs = DIRECTIONS[direction], weights[0][0].shape[0]
         self.projected = tuple(w[2] is not None for w in weights)
+        self.spare: dict[int, list[tuple[np.ndarray, int]]] = {}  # scratch buffers by size
         self.at: list[tuple[int, ...]] = []  # packed, bias; the projection's W, its shape, bias
         at = 0
         for w in weights:
@@ -73,12 +74,13 @@ class Stack:
 
     def __call__(self, x: torch.Tensor, sequence_lens: torch.Tensor | None,
                  h0: Sequence[torch.Tensor | None], c0: Sequence[torch.Tensor | None],
-                 merged: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+                 merged: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layers over x (seq, batch, I), time-major, layer l's Y (seq, dirs, batch, H) read
         by layer l + 1 as (seq, batch, dirs * H); ``h0``, ``c0`` (LSTM) a layer's initial states
         or None. The last layer's Y, (seq, batch, dirs * H) with ``merged`` (as the Transpose
-        and Reshape after it make it), else ONNX's (seq, dirs, batch, H); each layer's final
-        states (dirs, batch, H), and LSTM's cells (else an empty list)."""
+        and Reshape after it make it), else ONNX's (seq, dirs, batch, H); the layers' final
+        states (L, dirs, batch, H), and LSTM's cells (else an empty tensor). (Two outputs for
+        them, not two lists: each tensor handed back to the dispatcher costs.)"""
         shape = (self.dirs, x.shape[1], self.hidden)
 
         def states(values: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -116,10 +118,6 @@ def _plan(sizes: tuple[int, ...], strides: tuple[int, ...], stack: Layout,
     return plan
 
 
-def _contiguous(value: torch.Tensor) -> torch.Tensor | None:
-    return None if not value.numel() else value if value.is_contiguous() else value.contiguous()
-
-
 def _stack(x, weights, h0, c0, lens, number, merged):
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -131,36 +129,55 @@ def _stack(x, weights, h0, c0, lens, number, merged):
     plan = _plan(x.shape, x.stride(), stack, merged)
     width = dirs * hidden
     y = single._empty((seq, batch, width) if merged else (seq, dirs, batch, hidden))
-    hs = [single._empty((dirs, batch, hidden)) for _ in range(layers)]
-    cs = [] if gru else [single._empty((dirs, batch, hidden)) for _ in range(layers)]
-    # every layer's Y but the last, (seq, batch, dirs, H): two buffers, read and written in turn
-    scratch = np.empty((min(layers - 1, 2), seq, batch, width), np.float32)
-    between, size = scratch.ctypes.data, seq * batch * width * 4
+    hs = single._empty((layers, dirs, batch, hidden))
+    cs = single._empty((layers, dirs, batch, hidden) if not gru else (0,))
+    # every layer's Y but the last, (seq, batch, dirs, H): two buffers, read and written in
+    # turn, kept for the next call (taken and put back whole: a thread beside takes another)
+    size = seq * batch * width * 4
+    spare = stack.spare.setdefault(size, [])
+    scratch, between = spare.pop() if spare else _scratch(min(layers - 1, 2), size)
     call = (single._FUNCTIONS or single._functions())[gru]
     lens_at = None if lens is None else lens.data_ptr()
-    source, base = x.data_ptr(), weights.data_ptr()
+    source, base, step = x.data_ptr(), weights.data_ptr(), dirs * batch * hidden * 4
+    h_at, c_at = hs.data_ptr(), None if gru else cs.data_ptr()
     for layer in range(layers):
         at = stack.at[layer]
         if projected[layer]:  # every step's input projection first, one GEMM
-            given = x if layer == 0 else torch.from_numpy(scratch[(layer - 1) % 2])
+            given = x if layer == 0 else \
+                torch.from_numpy(scratch[(layer - 1) % 2]).view(seq, batch, width)
             w_in = weights[at[2]:at[2] + at[3] * at[4]].view(at[3], at[4])
             inputs = F.linear(given, w_in, weights[at[5]:at[5] + at[3]])
             source = inputs.data_ptr()
         target = y.data_ptr() if layer == layers - 1 else between + (layer % 2) * size
-        start = _contiguous(h0[layer])
-        state = [None if start is None else start.data_ptr()]
-        if not gru:
-            cell = _contiguous(c0[layer])
-            state.append(None if cell is None else cell.data_ptr())
-        outputs = [hs[layer].data_ptr()] + ([] if gru else [cs[layer].data_ptr()])
-        if call(plan[layer], source, base + 4 * at[0], base + 4 * at[1], *state, lens_at,
-                target, *outputs):
+        start = h0[layer]
+        if start.numel() and not start.is_contiguous():
+            start = start.contiguous()
+        if gru:
+            failed = call(plan[layer], source, base + 4 * at[0], base + 4 * at[1],
+                          start.data_ptr() if start.numel() else None, lens_at, target,
+                          h_at + layer * step)
+        else:
+            cell = c0[layer]
+            if cell.numel() and not cell.is_contiguous():
+                cell = cell.contiguous()
+            failed = call(plan[layer], source, base + 4 * at[0], base + 4 * at[1],
+                          start.data_ptr() if start.numel() else None,
+                          cell.data_ptr() if cell.numel() else None, lens_at, target,
+                          h_at + layer * step, c_at + layer * step)
+        if failed:
             raise MemoryError("the native recurrent stack could not allocate its work memory")
         source = target
+    spare.append((scratch, between))
     return y, hs, cs
+
+
+def _scratch(count: int, size: int) -> tuple[np.ndarray, int]:
+    """``count`` buffers of ``size`` bytes and the first one's address."""
+    scratch = np.empty((count, size // 4), np.float32)
+    return scratch, scratch.ctypes.data
 
 
 _LIBRARY = torch.library.Library("backplane", "FRAGMENT")
 _LIBRARY.define("native_stack(Tensor x, Tensor weights, Tensor[] h0, Tensor[] c0, Tensor? lens, "
-                "int stack, int merged) -> (Tensor, Tensor[], Tensor[])")
+                "int stack, int merged) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.impl("native_stack", _stack, "CPU")

@@ -302,6 +302,7 @@ def lstm_stack_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workloa
             c0.append(given.pop(0) if has_c else None)
         if native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             y, hs, cs = native(x, sequence_lens, h0, c0, merged)
+            hs, cs = hs.unbind(0), cs.unbind(0)
         else:  # each layer by CpuAcc's kernel, its Y made (seq, batch, dirs * H) for the next
             hs, cs, y = [], [], x
             if x.device not in placed:
