@@ -109,7 +109,9 @@ def test_a_move_after_a_convolution_matches_cpuref(case):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * max(1.0, np.nanmax(np.abs(r))))
 
 
-TRACED = ["detect_nms_ts14", "detect_nms_dyn21", "crnn_paddle_ts12"]
+TRACED = {"detect_nms_ts14": "native+", "detect_nms_dyn21": "native+",
+          "crnn_paddle_ts12": "native+", "audio_conv1d_dyn19": "native"}
+"""The corpus rows and their Traced partition's route: its first layers native, or all of it."""
 
 
 @needs_compiler
@@ -118,7 +120,9 @@ def test_a_traced_partitions_cnn_runs_natively_and_matches_onnx_runtime(name):
     feeds = dict(np.load(f"{CORPUS}/{name}.s0.npz"))
     path, shapes = f"{CORPUS}/{name}.onnx", {k: list(v.shape) for k, v in feeds.items()}
     session = _session(path, input_shapes=shapes)
-    assert any(str(r).startswith("native") for r in _partition_routes(session))
+    routes = [str(r) for r in _partition_routes(session)]
+    assert any(r == TRACED[name] if TRACED[name] == "native" else r.startswith(TRACED[name])
+               for r in routes), routes
     assert not any(str(r).startswith("native") for r in _partition_routes(
         _session(path, "off", input_shapes=shapes)))
     got = session.run(None, feeds)
@@ -230,3 +234,48 @@ def test_broadcasts_reduces_and_concats_after_a_convolution_match_cpuref(case):
         finite = np.isfinite(r)
         np.testing.assert_allclose(g[finite], r[finite], rtol=1e-4,
                                    atol=1e-4 * max(1.0, np.abs(r[finite]).max(initial=0)))
+
+
+@st.composite
+def norm_cases(draw):
+    return dict(c=draw(st.integers(1, 9)), length=draw(st.integers(1, 12)),
+                oc=draw(st.integers(1, 7)), transpose=draw(st.booleans()),
+                axis=draw(st.sampled_from([-1, 1, 2])), seed=draw(st.integers(0, 999)))
+
+
+@needs_compiler
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=norm_cases())
+def test_a_layer_norm_and_a_product_over_a_sequence_after_a_1d_convolution_match_cpuref(case):
+    """audio_conv1d's tail: Conv1d, Transpose to (N, T, C), LayerNormalization (its rows one
+    channel apart in the arena), a MatMul over the last axis (the rows gathered)."""
+    rng = np.random.default_rng(case["seed"])
+    c, length = case["c"], case["length"]
+    shape = [1, length, c] if case["transpose"] else [1, c, length]
+    axis = case["axis"]
+    normed = shape[axis % 3:]
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 2, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(normed).astype(np.float32), "g"),
+             numpy_helper.from_array(rng.standard_normal(normed).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal((shape[-1], case["oc"]))
+                                     .astype(np.float32), "m")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1])]
+    last = "y"
+    if case["transpose"]:
+        nodes.append(helper.make_node("Transpose", ["y"], ["t"], perm=[0, 2, 1]))
+        last = "t"
+    nodes += [helper.make_node("LayerNormalization", [last, "g", "b"], ["n"], axis=axis),
+              helper.make_node("MatMul", ["n", "m"], ["out"])]
+    model = make_model(nodes, [float_input("x", [1, 2, length])], [float_input("out", None)],
+                       inits, opset=18)
+    x = rng.standard_normal((1, 2, length)).astype(np.float32)
+    x.reshape(-1)[case["seed"] % x.size] = np.nan  # NaN in, NaN out
+    session = _session(model)
+    assert _partition_routes(session) == ["native"], case  # the whole partition in C
+    got = session.run(None, {"x": x})[0]
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})[0]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4,
+                               atol=1e-4 * max(1.0, np.abs(want[finite]).max(initial=0)))

@@ -24,11 +24,11 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_X1, F_X2, NF = 32 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_CONV, OP_DWCONV, OP_MAXPOOL, OP_AVGPOOL, OP_GAP, OP_GMP,
        OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE, OP_DECONV, OP_RESIZE, OP_GATHER,
-       OP_SCATTER, OP_ARITH, OP_REDUCE };
+       OP_SCATTER, OP_ARITH, OP_REDUCE, OP_GNORM, OP_LNORM };
 enum { AR_ADD, AR_SUB, AR_MUL, AR_DIV, AR_POW, AR_AFFINE };
 enum { RD_MAX, RD_MIN, RD_SUM, RD_MEAN };
 enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_HSWISH, ACT_HSIGMOID, ACT_SIGMOID, ACT_SWISH, ACT_LEAKY,
-       ACT_TANH };
+       ACT_TANH, ACT_GELU };
 
 static inline v8 vload(const float *p) { return *(const v8u *)p; }
 static inline void vstore(float *p, v8 v) { *(v8u *)p = v; }
@@ -89,6 +89,9 @@ static void finish(float *restrict p, const float *restrict r, int64_t n, int64_
     }
     case ACT_TANH:
         for (int64_t i = 0; i < n; ++i) p[i] = tanhf(p[i]);
+        break;
+    case ACT_GELU:  /* torch's: x * 0.5 * (1 + erf(x / sqrt(2))); -Inf gives NaN, as the steps' */
+        for (int64_t i = 0; i < n; ++i) p[i] = p[i] * 0.5f * (1.0f + erff(p[i] * 0.70710678f));
         break;
     default:
         break;
@@ -535,6 +538,56 @@ static void reduce(const int64_t *f, float *A, const float *P) {
     }
 }
 
+/* Group normalization of an NHWC tensor, F_G groups of the F_C channels, epsilon at F_AOFF,
+   then each channel's scale (F_WOFF) and bias (F_BOFF); mean and variance in double, two
+   passes (a NaN anywhere in a group makes the group NaN, as CpuRef's). */
+static void gnorm(const int64_t *f, float *A, const float *P) {
+    const int64_t N = f[F_N], C = f[F_C], HW = f[F_H] * f[F_W], G = f[F_G], CG = C / G;
+    const float eps = P[f[F_AOFF]], *restrict scale = P + f[F_WOFF], *restrict bias = P + f[F_BOFF];
+    const float *restrict x = A + f[F_IN];
+    float *restrict y = A + f[F_OUT];
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t at = n * HW * C + g * CG;
+            double sum = 0.0, dev = 0.0;
+            for (int64_t p = 0; p < HW; ++p)
+                for (int64_t c = 0; c < CG; ++c) sum += x[at + p * C + c];
+            const double mean = sum / (double)(CG * HW);
+            for (int64_t p = 0; p < HW; ++p)
+                for (int64_t c = 0; c < CG; ++c) {
+                    const double d = x[at + p * C + c] - mean;
+                    dev += d * d;
+                }
+            const float m = (float)mean, inv = (float)(1.0 / sqrt(dev / (double)(CG * HW) + eps));
+            for (int64_t p = 0; p < HW; ++p)
+                for (int64_t c = 0; c < CG; ++c)
+                    y[at + p * C + c] = (x[at + p * C + c] - m) * inv * scale[g * CG + c] +
+                                        bias[g * CG + c];
+        }
+}
+
+/* Layer normalization of F_N rows of F_C elements, a row's k-th at the place the int32 table at
+   F_X2 names (rows in ONNX's order of the normalized axes, wherever the arena keeps them),
+   epsilon at F_AOFF, scale (F_WOFF) and bias (F_BOFF) by k; the output laid out as the input. */
+static void lnorm(const int64_t *f, float *A, const float *P) {
+    const int64_t rows = f[F_N], K = f[F_C];
+    const int32_t *restrict at = (const int32_t *)(P + f[F_X2]);
+    const float eps = P[f[F_AOFF]], *restrict scale = P + f[F_WOFF], *restrict bias = P + f[F_BOFF];
+    const float *restrict x = A + f[F_IN];
+    float *restrict y = A + f[F_OUT];
+    for (int64_t r = 0; r < rows; ++r, at += K) {
+        double sum = 0.0, dev = 0.0;
+        for (int64_t k = 0; k < K; ++k) sum += x[at[k]];
+        const double mean = sum / (double)K;
+        for (int64_t k = 0; k < K; ++k) {
+            const double d = x[at[k]] - mean;
+            dev += d * d;
+        }
+        const float m = (float)mean, inv = (float)(1.0 / sqrt(dev / (double)K + eps));
+        for (int64_t k = 0; k < K; ++k) y[at[k]] = (x[at[k]] - m) * inv * scale[k] + bias[k];
+    }
+}
+
 /* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the
    caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
 static int step(const int64_t *f, const float *params, float *arena, float *const *ext);
@@ -600,6 +653,8 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
     case OP_SCATTER: scatter(f, arena, params); break;
     case OP_ARITH: arith(f, arena, params); break;
     case OP_REDUCE: reduce(f, arena, params); break;
+    case OP_GNORM: gnorm(f, arena, params); break;
+    case OP_LNORM: lnorm(f, arena, params); break;
     default: return 1;
     }
     return 0;

@@ -31,17 +31,18 @@ here); a record is NF = 32 int64s."""
 NF = 32
 OPS = {name: code for code, name in enumerate(
     "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize "
-    "gather scatter arith reduce".split(), 1)}
+    "gather scatter arith reduce gnorm lnorm".split(), 1)}
 ARITH = {name: code for code, name in enumerate("Add Sub Mul Div Pow AffineChain".split())}
 REDUCE = {name: code for code, name in enumerate(
     "ReduceMax ReduceMin ReduceSum ReduceMean".split())}
 ACTS = {name: code for code, name in enumerate(
-    "none relu clip hswish hsigmoid sigmoid swish leaky tanh".split())}
+    "none relu clip hswish hsigmoid sigmoid swish leaky tanh gelu".split())}
 UNARY = {"relu": "relu", "hardtanh": "clip", "hardswish": "hswish", "hardsigmoid": "hsigmoid",
          "sigmoid": "sigmoid", "swish": "swish", "leaky_relu": "leaky", "tanh": "tanh"}
 """FusedConv's and Linear's post-ops (``patterns.post_op``'s names) the kernels apply."""
 ELEMENTWISE = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish": "hswish",
-               "HardSigmoid": "hsigmoid", "LeakyRelu": "leaky", "Clip": "clip"}
+               "HardSigmoid": "hsigmoid", "LeakyRelu": "leaky", "Clip": "clip",
+               "GeluChain": "gelu"}
 VIEWS = ("Flatten", "Reshape", "Identity", "Squeeze", "Unsqueeze")
 ALIGN = 16  # floats: each tensor's place starts on a 64-byte line
 

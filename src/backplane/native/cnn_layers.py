@@ -15,7 +15,7 @@ from backplane.native import cnn_moves
 from backplane.native.cnn import ACTS, ELEMENTWISE, FIELDS, VIEWS, Unplannable, _Planner
 
 FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_DOMAIN)
-FUSED_OPS = ("FusedConv", "Linear", "AffineChain")
+FUSED_OPS = ("FusedConv", "Linear", "AffineChain", "GeluChain", "GroupNorm")
 
 
 def _input_and_weight(p: _Planner, layer: Layer) -> tuple[Any, np.ndarray]:
@@ -120,6 +120,8 @@ def _conv(p: _Planner, layer: Layer, a: dict, x: Any, weight: np.ndarray) -> Non
 def linear(p: _Planner, layer: Layer) -> None:
     a = layer.attrs
     x, weight = _input_and_weight(p, layer)
+    if len(x.shape) > 2 and not a.get("binary"):
+        return _linear_rows(p, layer, x, weight)
     if len(x.shape) != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
         raise Unplannable(f"{layer.name}: a product over {x.shape}")
     rows, k = x.shape
@@ -135,6 +137,67 @@ def linear(p: _Planner, layer: Layer) -> None:
     y = p.new(layer.outputs[0], (rows, oc))
     p.record("linear", in_=x.offset, out=y.offset, dims=(rows, k, 1, 1), in2=residual, oc=oc,
              woff=p.param(weight.T), boff=p.param(bias), act=act, aoff=aoff, macs=rows * k * oc)
+
+
+def _linear_rows(p: _Planner, layer: Layer, x: Any, weight: np.ndarray) -> None:
+    """A product over the last axis of a 3-d or wider tensor: its rows gathered in ONNX's order
+    where the arena keeps them otherwise, the product's rows gathered back likewise."""
+    a, shape = layer.attrs, x.shape
+    k, oc = shape[-1], weight.shape[0]
+    if weight.ndim != 2 or weight.shape[1] != k:
+        raise Unplannable(f"{layer.name}: a product over {shape}")
+    rows = math.prod(shape[:-1])
+    order = p.places(x).reshape(-1)
+    source = x.offset
+    if not np.array_equal(order, np.arange(x.size)):
+        source = p.arena.take(x.size)
+        p.record("gather", in_=x.offset, out=source, dims=(x.size, 1, 1, 1), woff=p.table(order))
+    out_shape = (*shape[:-1], oc)
+    product = p.arena.take(rows * oc)
+    bias = np.zeros(oc, np.float32) if a.get("bias") is None else np.asarray(a["bias"], np.float32)
+    act, aoff = p.activation(a.get("unary"))
+    p.record("linear", in_=source, out=product, dims=(rows, k, 1, 1), oc=oc,
+             woff=p.param(weight.T), boff=p.param(bias), act=act, aoff=aoff, macs=rows * k * oc)
+    if source != x.offset:
+        p.arena.give(source, x.size)
+    y = p.new(layer.outputs[0], out_shape)
+    back = p.laid(out_shape, np.arange(rows * oc).reshape(out_shape))
+    p.record("gather", in_=product, out=y.offset, dims=(y.size, 1, 1, 1), woff=p.table(back))
+    p.arena.give(product, rows * oc)
+
+
+def group_norm(p: _Planner, layer: Layer) -> None:
+    """GroupNorm (torch.onnx's InstanceNormalization form, its affine folded: ``GroupNorm``)."""
+    x, a = p.value(layer.inputs[0]), layer.attrs
+    n, c, h, w = x.dims
+    if len(x.shape) not in (3, 4) or c % int(a["groups"]):
+        raise Unplannable(f"{layer.name}: GroupNorm over {x.shape}")
+    y = p.new(layer.outputs[0], x.shape)
+    p.record("gnorm", in_=x.offset, out=y.offset, dims=x.dims, g=int(a["groups"]),
+             woff=p.param(np.asarray(a["scale"], np.float32)),
+             boff=p.param(np.asarray(a["bias"], np.float32)),
+             aoff=p.param(np.array([a["epsilon"]], np.float32)))
+
+
+def layer_norm(p: _Planner, layer: Layer) -> None:
+    """LayerNormalization over the last axes, its scale and bias constants: each row's elements
+    wherever the arena keeps them (a table of their places; a transposed (N, T, C)'s row is one
+    channel apart)."""
+    x, a = p.value(layer.inputs[0]), layer.attrs
+    names = list(layer.inputs) + ["", ""]
+    if len(layer.outputs) > 1 and any(layer.outputs[1:]) or names[1] not in p.constants \
+            or names[2] and names[2] not in p.constants or a.get("stash_type", 1) != 1:
+        raise Unplannable(f"{layer.name}: LayerNormalization ({a})")
+    axis = int(a.get("axis", -1)) % len(x.shape)
+    k = math.prod(x.shape[axis:])
+    places = p.places(x).reshape(-1, k)
+    scale = np.broadcast_to(np.asarray(p.constants[names[1]], np.float32), x.shape[axis:])
+    bias = np.broadcast_to(np.asarray(p.constants[names[2]], np.float32) if names[2] else
+                           np.zeros(1, np.float32), x.shape[axis:])
+    y = p.new(layer.outputs[0], x.shape)
+    p.record("lnorm", in_=x.offset, out=y.offset, dims=(places.shape[0], k, 1, 1),
+             x2=p.table(places), woff=p.param(scale), boff=p.param(bias),
+             aoff=p.param(np.array([a.get("epsilon", 1e-5)], np.float32)))
 
 
 def pool(p: _Planner, layer: Layer) -> None:
@@ -321,4 +384,5 @@ PLANNERS: dict[str, Callable[[_Planner, Layer], Any]] = {
     "Resize": resize, "Transpose": cnn_moves.transpose, "Slice": cnn_moves.slice_,
     "Split": cnn_moves.split, **{op: cnn_moves.view for op in VIEWS},
     **{op: cnn_moves.reduce for op in ("ReduceMax", "ReduceMin", "ReduceSum", "ReduceMean")},
+    "GroupNorm": group_norm, "LayerNormalization": layer_norm,
     **{op: elementwise for op in ELEMENTWISE}}
