@@ -71,21 +71,59 @@ def test_the_corpus_int8_resnets_run_natively_as_onnx_runtime_does(name):
 
 
 @needs_compiler
-def test_a_qat_export_runs_natively_as_cpuref_does():
-    """fakequant_qdq_ts13 (torch's QAT export): Conv -> Relu / Clip -> QuantizeLinear (the bounds
-    in the requantization), a depthwise convolution, float biases, ReduceMean and a float Gemm.
-    Held to CpuRef and to ONNX Runtime unoptimized: optimized, ONNX Runtime's own int8 fusions
-    put its logits 2.5e-3 from both (its u8 x s8 sums saturate on this AVX2 CPU)."""
+def test_a_qat_exports_float_bias_keeps_todays_route():
+    """fakequant_qdq_ts13 (torch's QAT export) has float biases, no integers of x_scale *
+    w_scale: ONNX Runtime computes those convolutions in float, and an integer one came out a
+    step off at a near-tie on its second input (test_corpus): not planned."""
     path, feeds, shapes = _corpus("fakequant_qdq_ts13")
     session = _session(path, input_shapes=shapes)
+    assert "NativeInt8" not in _ops(session)
+    for g, w in zip(session.run(None, feeds), InferenceSession(path, backends=["CpuRef"]).run(
+            None, feeds)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", ["Relu", "Clip"])
+def test_a_qdq_conv_with_its_activation_then_a_float_head(act):
+    """DQ -> Conv -> Relu / Clip -> Q (the bounds in the requantization; ONNX Runtime's fusion
+    drops the Relu or Clip the step makes redundant) -> DQ -> ReduceMean -> Gemm in float32."""
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(5)
+    x_scale, y_scale = np.float32(0.02), np.float32(0.05)
+    w_scale = rng.uniform(0.002, 0.01, 12).astype(np.float32)
+    ints = rng.integers(-63, 64, (12, 6, 3, 3))
+    inits = [numpy_helper.from_array(x_scale, "xs"), numpy_helper.from_array(np.uint8(128), "xz"),
+             numpy_helper.from_array(ints.astype(np.int8), "wq"),
+             numpy_helper.from_array(w_scale, "ws"),
+             numpy_helper.from_array(np.zeros(12, np.int8), "wz"),
+             numpy_helper.from_array(rng.integers(-500, 500, 12).astype(np.int32), "bq"),
+             numpy_helper.from_array(x_scale * w_scale, "bs"),
+             numpy_helper.from_array(np.zeros(12, np.int32), "bz"),
+             numpy_helper.from_array(y_scale, "ys"), numpy_helper.from_array(np.uint8(0), "yz"),
+             numpy_helper.from_array(np.float32(0), "lo"),
+             numpy_helper.from_array(np.float32(255 * y_scale), "hi"),
+             numpy_helper.from_array(rng.standard_normal((5, 12)).astype(np.float32), "fc"),
+             numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "fb")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0),
+             helper.make_node("DequantizeLinear", ["bq", "bs", "bz"], ["b"], axis=0),
+             helper.make_node("Conv", ["xd", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node(act, ["c"] + (["lo", "hi"] if act == "Clip" else []), ["a"]),
+             helper.make_node("QuantizeLinear", ["a", "ys", "yz"], ["aq"]),
+             helper.make_node("DequantizeLinear", ["aq", "ys", "yz"], ["ad"]),
+             helper.make_node("ReduceMean", ["ad"], ["m"], axes=[2, 3], keepdims=0),
+             helper.make_node("Gemm", ["m", "fc", "fb"], ["out"], transB=1)]
+    model = make_model(nodes, [float_input("x", [2, 6, 9, 7])], [float_input("out", [2, 5])],
+                       inits, opset=13)
+    feeds = {"x": (rng.standard_normal((2, 6, 9, 7)) * 1.5).astype(np.float32)}
+    session = _session(model)
     assert _ops(session) == ["NativeInt8"]
-    got = session.run(None, feeds)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    plain = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]).run(None, feeds)
-    for want in (InferenceSession(path, backends=["CpuRef"]).run(None, feeds), plain):
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    (got,) = session.run(None, feeds)
+    for (want,) in (_ort(model, feeds), InferenceSession(model, backends=["CpuRef"]).run(
+            None, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_compiler

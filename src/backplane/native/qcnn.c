@@ -111,8 +111,7 @@ static void bounds(const int64_t *r, const uint8_t *params, float *fl, float *fh
 
 /* MLAS's requantization of 16 sums (one block's), written to y (ocount of them valid). */
 static void requantize(const int32_t *acc, const float *mult, const int32_t *bias, uint8_t *y,
-                       int64_t ocount, int32_t zy, float fl, float fh, const float *fbias,
-                       int sgn) {
+                       int64_t ocount, int32_t zy, float fl, float fh, int sgn) {
     int64_t j = 0;
 #if defined(__AVX2__)
     const __m256 vl = _mm256_set1_ps(fl), vh = _mm256_set1_ps(fh);
@@ -121,7 +120,6 @@ static void requantize(const int32_t *acc, const float *mult, const int32_t *bia
         const __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(acc + j)),
                                              _mm256_loadu_si256((const __m256i *)(bias + j)));
         __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(mult + j));
-        if (fbias) v = _mm256_add_ps(v, _mm256_loadu_ps(fbias + j));
         v = _mm256_min_ps(_mm256_max_ps(v, vl), vh);
         const __m256i k = _mm256_add_epi32(_mm256_cvtps_epi32(v), vz);
         const __m128i k16 = _mm_packs_epi32(_mm256_castsi256_si128(k),
@@ -133,7 +131,6 @@ static void requantize(const int32_t *acc, const float *mult, const int32_t *bia
 #endif
     for (; j < ocount; ++j) {
         float v = (float)(acc[j] + bias[j]) * mult[j];
-        if (fbias) v += fbias[j]; /* a float bias (a QDQ export's, not integers): in steps of y */
         v = v > fl ? v : fl;
         v = v < fh ? v : fh;
         y[j] = (uint8_t)((int32_t)nearbyintf(v) + zy);
@@ -208,7 +205,6 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int32_t zy = (int32_t)r[F_ZY];
     float fl, fh;
     bounds(r, params, &fl, &fh);
-    const float *fbias = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0;
     const int64_t rows = (kw * icp + 1) / 2; /* pairs a kernel row where dw is 1 */
     const int64_t blocks = (oc + OCB - 1) / OCB;
     const int64_t wblock = (dw == 1 ? kh * rows : kh * kw * pairs) * OCB * 2;
@@ -234,7 +230,7 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                 for (int64_t t = 0; t < tiles; ++t)
                     requantize(acc[t], mult + k * OCB, bias + k * OCB,
                                y + (b * pixels + p0 + t) * oc + k * OCB, count, zy, fl, fh,
-                               fbias ? fbias + k * OCB : 0, r[F_LO] < 0);
+                               r[F_LO] < 0);
             }
         }
 }
@@ -255,7 +251,6 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int32_t zy = (int32_t)r[F_ZY];
     float fl, fh;
     bounds(r, params, &fl, &fh);
-    const float *fbias = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0;
     int32_t acc[c];
     int64_t at[2 * pairs]; /* each tap's offset from the window's corner, the odd one twice */
     for (int64_t t = 0; t < 2 * pairs; ++t) {
@@ -292,7 +287,7 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                     }
                     acc[k] = sum;
                 }
-                requantize(acc, mult, bias, y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh, fbias,
+                requantize(acc, mult, bias, y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh,
                            r[F_LO] < 0);
             }
 }
