@@ -38,15 +38,6 @@ log = logging.getLogger("backplane.session")
 DEFAULT = True
 """Whether a default session defers its torch backends where it may (the module's docstring)."""
 
-SWITCH = 0.0002
-"""Python's switch interval (seconds) while a load is in the background: importing torch reads
-hundreds of files, each read releasing the GIL, and where the caller's thread runs Python between
-the load and the first run each took the GIL back only after a whole interval (5 ms by default):
-torch's import beside a busy loop took 23.3 s wall here, the loop stalled 18.2 s of it (in stalls
-over 20 ms; at 0.2 ms: 7.8 and 2.9 s; load 7). The same as CpuAcc's low-priority thread's
-(``background.SWITCH``); one of its jobs that begins during the load and ends after it puts back
-this value."""
-
 TORCH_BACKENDS = ("GpuAcc", "CpuAcc")
 _GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 """Device nodes of the drivers torch's CUDA (or ROCm) builds use: with none, GpuAcc cannot run."""
@@ -89,9 +80,7 @@ class Later:
         self.thread.start()
 
     def _build(self, make: Callable[[], Any]) -> None:
-        switch = sys.getswitchinterval()
         try:
-            sys.setswitchinterval(SWITCH)
             made = make()
         except BaseException as exc:  # noqa: BLE001  # the CpuRef session runs on: say why
             self.error = exc
@@ -99,9 +88,6 @@ class Later:
                 "the default backends' load in the background failed (%s: %s): the session runs "
                 "on CpuRef", type(exc).__name__, exc)  # cancelled: no session will run
             made = None
-        finally:
-            if abs(sys.getswitchinterval() - SWITCH) < 1e-9:  # else another's: left as it is
-                sys.setswitchinterval(switch)
         with self.lock:
             if self.cancelled and made is not None:
                 made.close()
