@@ -279,3 +279,20 @@ def test_a_layer_norm_and_a_product_over_a_sequence_after_a_1d_convolution_match
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4,
                                atol=1e-4 * max(1.0, np.abs(want[finite]).max(initial=0)))
+
+
+def test_without_a_compiler_a_traced_partition_keeps_its_torch_routes(tmp_path, monkeypatch):
+    from backplane.native import build
+
+    monkeypatch.setenv("BACKPLANE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BACKPLANE_NATIVE_CACHE", str(tmp_path / "native"))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    name = "detect_nms_ts14"
+    feeds = dict(np.load(f"{CORPUS}/{name}.s0.npz"))
+    path, shapes = f"{CORPUS}/{name}.onnx", {k: list(v.shape) for k, v in feeds.items()}
+    session = _session(path, input_shapes=shapes)
+    assert not any(str(r).startswith("native") for r in _partition_routes(session))
+    for g, w in zip(session.run(None, feeds),
+                    InferenceSession(path, backends=["CpuRef"]).run(None, feeds)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, abs(w).max()))
