@@ -89,8 +89,11 @@ def _stacked(kind, weights, x, lens, h0, c0, direction, merged):
                   weights[0][1].shape[-1], direction, 1 if kind == "gru" else 0)
     y, hs, cs = stack(torch.from_numpy(x), tensor(lens), [tensor(h) for h in h0],
                       [tensor(c) for c in c0], merged)
-    assert hs.shape[0] == len(weights) and cs.shape[0] == (len(weights) if kind == "lstm" else 0)
-    return y.numpy(), [[hs[i].numpy()] + ([cs[i].numpy()] if kind == "lstm" else [])
+    dirs = weights[0][0].shape[0]
+    assert hs.shape[0] == len(weights) * dirs
+    assert cs.shape[0] == (len(weights) * dirs if kind == "lstm" else 0)
+    return y.numpy(), [[hs[i * dirs:(i + 1) * dirs].numpy()] +
+                       ([cs[i * dirs:(i + 1) * dirs].numpy()] if kind == "lstm" else [])
                        for i in range(len(weights))]
 
 
@@ -239,3 +242,48 @@ def test_threads_running_one_stack_keep_their_own_scratch():
     for thread in threads:
         thread.join()
     assert not wrong
+
+
+@pytest.mark.parametrize("name, joined", [("lstm_bi2_ts14", [True, True]),
+                                          ("crnn_paddle_ts12", [False, False])])
+def test_the_states_concat_joins_the_stack(name, joined, monkeypatch):
+    """lstm_bi2_ts14's h and c (a Concat of each layer's Y_h, Y_c) are the stack's states as
+    they are: the Concats are in the fused layer; crnn reads no state."""
+    from backplane.backends.torch import fusion
+
+    found = []
+    matcher = fusion.MATCHERS["LSTM"]
+
+    def spy(layer, ctx):
+        match = matcher(layer, ctx)
+        if match is not None:
+            found.append(match)
+        return match
+
+    for table in (fusion.MATCHERS, fusion.INT8_MATCHERS):
+        monkeypatch.setitem(table, "LSTM", spy)
+    feeds = dict(np.load(CORPUS / f"{name}.s0.npz"))
+    _session(name, "off").run(None, feeds)
+    assert found and all(fused.attrs["joined"] == joined for _, fused in found)
+    concats = [lay for group, _ in found for lay in group if lay.op_type == "Concat"]
+    assert len(concats) == sum(joined) * len(found)
+
+
+@needs_library
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_outputs_are_torchs_own_memory(kind):
+    """The op's outputs are torch's allocations (resizable, held by nothing else): a run that
+    hands them over as they are (lstm_bi2_ts14's h and c) does not search the inputs for them
+    (``runtime/fresh_outputs.fresh``; with NumPy's memory it did, about 6 us an output)."""
+    from backplane.native.recurrent_stack import Stack
+    from backplane.runtime.fresh_outputs import fresh
+
+    rng = np.random.default_rng(8)
+    weights = [[torch.from_numpy(v) for v in w] for w in _weights(kind, 2, 4, 8, 2, rng)]
+    lbr = 1 if kind == "gru" else 0
+    stack = Stack(kind, [in_c.prepared(kind, *w, lbr) for w in weights], 8, "bidirectional", lbr)
+    results = stack(torch.randn(3, 1, 4), None, [None, None], [None, None], True)
+    for index in range(2 if kind == "gru" else 3):
+        value = results[index]
+        assert fresh(value)
+        del value

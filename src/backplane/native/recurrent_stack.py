@@ -79,8 +79,9 @@ class Stack:
         by layer l + 1 as (seq, batch, dirs * H); ``h0``, ``c0`` (LSTM) a layer's initial states
         or None. The last layer's Y, (seq, batch, dirs * H) with ``merged`` (as the Transpose
         and Reshape after it make it), else ONNX's (seq, dirs, batch, H); the layers' final
-        states (L, dirs, batch, H), and LSTM's cells (else an empty tensor). (Two outputs for
-        them, not two lists: each tensor handed back to the dispatcher costs.)"""
+        states (L * dirs, batch, H), as a Concat of each layer's makes them, and LSTM's cells
+        (else an empty tensor). (Two outputs for them, not two lists: each tensor handed back to
+        the dispatcher costs; and no view of them: a run's output that is a view is copied.)"""
         shape = (self.dirs, x.shape[1], self.hidden)
 
         def states(values: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -129,8 +130,8 @@ def _stack(x, weights, h0, c0, lens, number, merged):
     plan = _plan(x.shape, x.stride(), stack, merged)
     width = dirs * hidden
     y = single._empty((seq, batch, width) if merged else (seq, dirs, batch, hidden))
-    hs = single._empty((layers, dirs, batch, hidden))
-    cs = single._empty((layers, dirs, batch, hidden) if not gru else (0,))
+    hs = single._empty((layers * dirs, batch, hidden))
+    cs = single._empty((layers * dirs, batch, hidden) if not gru else (0,))
     # every layer's Y but the last, (seq, batch, dirs, H): two buffers, read and written in
     # turn, kept for the next call (taken and put back whole: a thread beside takes another)
     size = seq * batch * width * 4

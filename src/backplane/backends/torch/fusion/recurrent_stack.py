@@ -166,32 +166,54 @@ def match_lstm_stack(first: Layer, ctx: Context) -> tuple[list[Layer], Layer] | 
         group += [*pair, after]
         lstms.append(after)
         layer = after
-    if len(lstms) < 2 or not _in_time(group, lstms, ctx):
+    if len(lstms) < 2:
+        return None
+    y = group[-1].outputs[0]
+    joins = [_joined(lstms, i, ctx) for i in (1, 2)]  # a Concat of every layer's Y_h (Y_c)
+    group += [join for join in joins if join is not None]
+    if not _in_time(group, y, lstms, ctx):
         return None
     lens = _lens(first)
     initial = [tuple(bool(_input(lay, i)) for i in (5, 6)) for lay in lstms]
-    states = [tuple(len(lay.outputs) > i and bool(lay.outputs[i]) for i in (1, 2))
-              for lay in lstms]
+    states = [tuple(len(lay.outputs) > i and bool(lay.outputs[i]) and joins[i - 1] is None
+                    for i in (1, 2)) for lay in lstms]
     inputs = [first.inputs[0]] + ([lens] if lens else []) + \
         [_input(lay, i) for lay in lstms for i in (5, 6) if _input(lay, i)]
-    y = group[-1].outputs[0]
-    fused = Layer("+".join(lay.name for lay in group), "LstmStack", inputs,
-                  [y] + [lay.outputs[i] for lay, wanted in zip(lstms, states)
-                         for i, want in zip((1, 2), wanted) if want],
+    outputs = [y]
+    for i, join in zip((1, 2), joins):  # Y_h's, then Y_c's: joined, or those read of each layer
+        outputs += [join.outputs[0]] if join is not None else \
+            [lay.outputs[i] for lay, wanted in zip(lstms, states) if wanted[i - 1]]
+    fused = Layer("+".join(lay.name for lay in group), "LstmStack", inputs, outputs,
                   {"weights": [_lstm_weights(lay, ctx) for lay in lstms], "lens": bool(lens),
                    "initial": initial, "states": states, "merged": merged,
+                   "joined": [join is not None for join in joins],
                    "direction": _direction(first), "replaced": len(group)},
                   FUSED_DOMAIN, 1)
     return group, fused
 
 
-def _in_time(group: list[Layer], lstms: list[Layer], ctx: Context) -> bool:
-    """Whether the layers of the view that read a layer's final states come after the group's
-    last layer (where the fused layer runs: ``fusion._in_order``)."""
+def _joined(lstms: list[Layer], index: int, ctx: Context) -> Layer | None:
+    """The Concat on axis 0 of every layer's output ``index`` (Y_h, Y_c) in order, alone reading
+    each (lstm_bi2_ts14's h and c: the stack's states as they are, no copy), or None."""
+    names = [lay.outputs[index] if len(lay.outputs) > index else "" for lay in lstms]
+    join = ctx.sole(names[0]) if all(names) else None
+    if join is None or join.op_type != "Concat" or join.domain \
+            or int(join.attrs.get("axis", 0)) not in (0, -3) or list(join.inputs) != names \
+            or any(ctx.sole(name) is not join for name in names):
+        return None
+    return join
+
+
+def _in_time(group: list[Layer], y: str, lstms: list[Layer], ctx: Context) -> bool:
+    """Whether the layers of the view that read the final states (or their Concat) come after
+    the layer that makes ``y`` (where the fused layer runs: ``fusion._in_order``)."""
     at = {id(lay): index for index, lay in enumerate(ctx.view.layers)}
-    last = at.get(id(group[-1]), -1)
-    return all(at.get(id(user), last + 1) > last for lay in lstms for name in lay.outputs[1:]
-               if name for user in ctx.consumers.get(name, []))
+    inside = {id(lay) for lay in group}
+    last = max(at.get(id(lay), -1) for lay in group if y in lay.outputs)
+    names = [name for lay in lstms for name in lay.outputs[1:] if name] + \
+        [lay.outputs[0] for lay in group if lay.op_type == "Concat"]
+    return all(at.get(id(user), last + 1) > last for name in names
+               for user in ctx.consumers.get(name, []) if id(user) not in inside)
 
 
 def _input(layer: Layer, index: int) -> str:
@@ -284,6 +306,7 @@ def lstm_stack_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workloa
 
     a = layer.attrs
     direction, merged, hidden = a["direction"], a["merged"], a["weights"][0][1].shape[-1]
+    joined, dirs = a.get("joined", [False, False]), a["weights"][0][1].shape[0]
     weights = [tuple(None if v is None else torch.from_numpy(np.ascontiguousarray(v)) for v in w)
                for w in a["weights"]]
     native, placed = None, {}
@@ -301,8 +324,9 @@ def lstm_stack_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workloa
             h0.append(given.pop(0) if has_h else None)
             c0.append(given.pop(0) if has_c else None)
         if native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            y, hs, cs = native(x, sequence_lens, h0, c0, merged)
-            hs, cs = hs.unbind(0), cs.unbind(0)
+            y, h, c = native(x, sequence_lens, h0, c0, merged)  # (L * dirs, batch, H) each
+            hs = [h] if joined[0] else list(h.split(dirs))
+            cs = [c] if joined[1] else list(c.split(dirs))
         else:  # each layer by CpuAcc's kernel, its Y made (seq, batch, dirs * H) for the next
             hs, cs, y = [], [], x
             if x.device not in placed:
@@ -315,8 +339,9 @@ def lstm_stack_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workloa
                     y = y.permute(0, 2, 1, 3).reshape(y.shape[0], y.shape[2], -1)
                 hs.append(h)
                 cs.append(c)
-        return (y, *[state for h, c, (want_h, want_c) in zip(hs, cs, a["states"])
-                     for state, want in ((h, want_h), (c, want_c)) if want])
+            hs, cs = ([torch.cat(hs)] if joined[0] else hs), ([torch.cat(cs)] if joined[1] else cs)
+        return (y, *[v for v, wanted in zip(hs, a["states"]) if joined[0] or wanted[0]],
+                *[v for v, wanted in zip(cs, a["states"]) if joined[1] or wanted[1]])
 
     run.weights = (placed, native)  # type: ignore[attr-defined]  # held with the workload
     return run

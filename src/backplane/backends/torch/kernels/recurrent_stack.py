@@ -183,7 +183,7 @@ class NativeStack:
         """As ``GruStack``'s: the last layer's Y (seq, batch, H); every layer's final state, a
         list of (1, batch, H)."""
         y, finals, _ = self.stack(x, sequence_lens, initial, [], True)
-        return y, finals.unbind(0)
+        return y, finals.split(1)
 
 
 def _sizes(x: torch.Tensor) -> tuple[int, int]:
