@@ -118,6 +118,11 @@ def test_the_float16_corpus_cnn_runs_natively_and_matches_onnx_runtime():
     session = _session(path, input_shapes=shapes)
     assert _routes(session) == ["native"]
     assert _routes(_session(path, "off", input_shapes=shapes)) != ["native"]
+    loaded = session.runtime.network(session.network_id)
+    (plan,) = [step.workload.executor.plan for step in loaded.steps
+               if hasattr(step.workload, "executor")]
+    assert plan.input_dtypes == [np.float16]  # converted by the C's import, not by torch
+    assert plan.output_dtypes == [np.float16, np.float16]
     got = session.run(None, feeds)
     for g, w in zip(got, ort.InferenceSession(path).run(None, feeds)):
         _close(g, w, 2)

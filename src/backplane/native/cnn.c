@@ -113,6 +113,43 @@ static void export_nchw(const float *restrict x, float *restrict y, int64_t N, i
             for (int64_t p = 0; p < HW; ++p) y[c * HW + p] = x[p * C + c];
 }
 
+/* A float16 edge (F_X1 set on an import or export record: a float16 partition computed in
+   float32) converted on its way in or out, NCHW to NHWC as the float32 edges; the conversions
+   round to nearest even, NaN stays NaN. Returns 0 where this compiler has no _Float16. */
+static int half_edge(const int64_t *f, float *arena, float *const *ext, int in) {
+#if defined(__FLT16_MAX__)
+    const int64_t N = f[F_N], C = f[F_C], HW = f[F_H] * f[F_W];
+    const int flat = HW == 1 || C == 1;
+    if (in) {
+        const _Float16 *restrict x = (const _Float16 *)ext[f[F_IN]];
+        float *restrict y = arena + f[F_OUT];
+        for (int64_t n = 0; n < N; ++n, x += C * HW, y += C * HW)
+            for (int64_t p = 0; p < HW; ++p)
+                for (int64_t c = 0; c < C; ++c)
+                    y[p * C + c] = (float)x[flat ? p * C + c : c * HW + p];
+    } else {
+        const float *restrict x = arena + f[F_IN];
+        _Float16 *restrict y = (_Float16 *)ext[f[F_OUT]];
+        for (int64_t n = 0; n < N; ++n, x += C * HW, y += C * HW)
+            for (int64_t c = 0; c < C; ++c)
+                for (int64_t p = 0; p < HW; ++p)
+                    y[flat ? p * C + c : c * HW + p] = (_Float16)x[p * C + c];
+    }
+    return 1;
+#else
+    (void)f, (void)arena, (void)ext, (void)in;
+    return 0;
+#endif
+}
+
+int backplane_cnn_half(void) {
+#if defined(__FLT16_MAX__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* The input copied into a zeroed frame of PH x PW pixels at (PT, PL): the convolution then reads
    its windows without a bounds check. */
 static void pad_frame(const int64_t *f, const float *restrict x, float *restrict y) {
@@ -621,12 +658,14 @@ static size_t bytes(const int64_t *f) {
 static int step(const int64_t *f, const float *params, float *arena, float *const *ext) {
     switch (f[F_OP]) {
     case OP_IMPORT:
+        if (f[F_X1]) return !half_edge(f, arena, ext, 1);
         if (f[F_H] * f[F_W] == 1 || f[F_C] == 1)
             memcpy(arena + f[F_OUT], ext[f[F_IN]], bytes(f));
         else
             import_nchw(ext[f[F_IN]], arena + f[F_OUT], f[F_N], f[F_C], f[F_H] * f[F_W]);
         break;
     case OP_EXPORT:
+        if (f[F_X1]) return !half_edge(f, arena, ext, 0);
         if (f[F_H] * f[F_W] == 1 || f[F_C] == 1)
             memcpy(ext[f[F_OUT]], arena + f[F_IN], bytes(f));
         else

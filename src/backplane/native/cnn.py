@@ -76,6 +76,18 @@ class Plan:
     ops: list[str] = field(default_factory=list)
     names: list[tuple[str, str]] = field(default_factory=list)
     """Each record's layer (name, op type): the profile's rows."""
+    input_dtypes: list[Any] = field(default_factory=list)
+    output_dtypes: list[Any] = field(default_factory=list)
+    """The edges' NumPy types: float32, or float16 where ``halved`` made them so."""
+
+    def halved(self, inputs: Sequence[bool], outputs: Sequence[bool]) -> None:
+        """The edges marked True as float16, converted by the import and export records
+        (``cnn.c``'s ``half_edge``; only where ``backplane_cnn_half`` says the build has it)."""
+        column = FIELDS.index("x1")
+        self.records[:len(inputs), column] = inputs
+        self.records[len(self.records) - len(outputs):, column] = outputs
+        self.input_dtypes = [np.float16 if h else np.float32 for h in inputs]
+        self.output_dtypes = [np.float16 if h else np.float32 for h in outputs]
 
     @property
     def flops(self) -> int:
@@ -265,7 +277,8 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
         shapes.append(value.shape)
     params = np.concatenate(planner.params) if planner.params else np.zeros(ALIGN, np.float32)
     return Plan(np.stack(planner.records), params, planner.arena.end + planner.slack + 4 * ALIGN,
-                [tuple(s) for s in input_shapes], shapes, planner.ops, planner.names)
+                [tuple(s) for s in input_shapes], shapes, planner.ops, planner.names,
+                [np.float32] * len(inputs), [np.float32] * len(outputs))
 
 
 class Executor:
@@ -310,8 +323,9 @@ class Executor:
         fn = self.library.backplane_cnn_profile
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        values = [np.ascontiguousarray(v, np.float32) for v in values]
-        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        values = [np.ascontiguousarray(v, t) for v, t in zip(values, self.plan.input_dtypes)]
+        outputs = [np.empty(shape, t) for shape, t in zip(self.plan.output_shapes,
+                                                          self.plan.output_dtypes)]
         ext = (ctypes.c_void_p * self.edges)(*[a.ctypes.data for a in (*values, *outputs)])
         seconds = np.zeros(self.count)
         with self.lock:
@@ -321,8 +335,9 @@ class Executor:
 
     def numpy(self, *values: np.ndarray) -> list[np.ndarray]:
         """The plan run on NumPy arrays (tests, the bench): fresh outputs."""
-        values = [np.ascontiguousarray(v, np.float32) for v in values]
-        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        values = [np.ascontiguousarray(v, t) for v, t in zip(values, self.plan.input_dtypes)]
+        outputs = [np.empty(shape, t) for shape, t in zip(self.plan.output_shapes,
+                                                          self.plan.output_dtypes)]
         self.run([v.ctypes.data for v in values] + [o.ctypes.data for o in outputs])
         return outputs
 

@@ -61,13 +61,18 @@ def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
         log.debug("%s: not native (%d multiply-adds, above %d)", layer.name, planned.flops, SMALL)
         return None
     try:
-        executor = Executor(planned, library("cnn"))
+        built = library("cnn")
     except NativeUnavailable:
         return None
+    edges = half and built.backplane_cnn_half()  # float16 converted by the C at the edges
+    if edges:
+        planned.halved([str(i.dtype) == "float16" for i in inputs],
+                       [str(d) == "float16" for d in a["output_dtypes"]])
+    executor = Executor(planned, built)
     run = _workload(executor, planned.names,
                     f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
                     f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)")
-    if half:  # float16 in and out, float32 inside: converted at the edges, as oneDNN's route is
+    if half and not edges:  # float16 in and out, float32 inside: converted by torch
         from backplane.backends.torch.fusion.reduced import at_edges
 
         run = at_edges(run, "float32", a["output_dtypes"], "float16")
@@ -176,10 +181,15 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Work
     from backplane.runtime.fresh_outputs import Made
 
     shapes, call, empty = executor.plan.output_shapes, executor.run, torch.empty
+    types = [torch.float16 if t == np.float16 else torch.float32
+             for t in executor.plan.output_dtypes]
+    kinds = [torch.float16 if t == np.float16 else torch.float32
+             for t in executor.plan.input_dtypes]
 
     def run(*values: Any) -> tuple[Any, ...]:
-        values = tuple(v if v.is_contiguous() else v.contiguous() for v in values)
-        outputs = [empty(shape) for shape in shapes]
+        values = tuple(v if v.is_contiguous() and v.dtype == k else v.contiguous().to(k)
+                       for v, k in zip(values, kinds))
+        outputs = [empty(shape, dtype=t) for shape, t in zip(shapes, types)]
         call([v.data_ptr() for v in values] + [o.data_ptr() for o in outputs])
         return Made(outputs)
 
