@@ -51,6 +51,23 @@ def test_a_changed_source_builds_another_library(fresh, tmp_path_factory, monkey
     assert len(list((fresh / "native").glob("probe-*.so"))) == 2
 
 
+@needs_compiler
+def test_a_changed_header_builds_another_library(fresh, tmp_path_factory, monkeypatch):
+    """A source split into headers (cnn.c includes its own) is keyed by them too: a stale library
+    built from an old header is never loaded."""
+    sources = tmp_path_factory.mktemp("sources")
+    text = (build.SOURCES / "probe.c").read_text()
+    (sources / "probe.c").write_text(text.replace("return 1;", "return PROBE_VERSION;")
+                                     .replace("#include", '#include "probe_version.h"\n#include', 1))
+    (sources / "probe_version.h").write_text("#define PROBE_VERSION 3\n")
+    monkeypatch.setattr(build, "SOURCES", sources)
+    assert build.library("probe").backplane_native_version() == 3
+    build._loaded.clear()
+    (sources / "probe_version.h").write_text("#define PROBE_VERSION 4\n")
+    assert build.library("probe").backplane_native_version() == 4
+    assert len(list((fresh / "native").glob("probe-*.so"))) == 2
+
+
 def test_without_a_compiler_the_error_says_so(fresh, monkeypatch):
     monkeypatch.setattr(build, "compiler", lambda: None)
     with pytest.raises(build.NativeUnavailable, match="no C compiler"):

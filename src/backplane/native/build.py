@@ -11,7 +11,8 @@ library loaded with ``ctypes``.
 - **What is compiled** is only the package's own source, never anything a model file holds:
   loading a model never runs code from it. The library's name is the SHA-256 of everything that
   went into it (the source, the compiler and its version, the flags, the CPU's instruction sets),
-  so a changed source, compiler or machine builds again and never loads a stale library.
+  so a changed source (or a header beside it), compiler or machine builds again and never loads
+  a stale library.
 - **Where**: ``$BACKPLANE_NATIVE_CACHE``, else ``native`` beside CpuAcc's route cache
   (``$BACKPLANE_CACHE_DIR``, else ``~/.cache/backplane``), written to a temporary name and renamed into place, so that processes
   building the same library at once (pytest-xdist's workers) each load a whole one.
@@ -129,7 +130,7 @@ def _built(name: str) -> Path:
     cc = compiler()
     if cc is None:
         raise NativeUnavailable("no C compiler (set CC, or install cc, gcc or clang)")
-    key = _key(source.read_bytes(), cc)
+    key = _key(source.read_bytes() + _headers(), cc)
     target = cache_folder() / f"{name}-{key[:24]}.so"
     if target.is_file():
         return target
@@ -150,6 +151,13 @@ def _built(name: str) -> Path:
             os.unlink(scratch)
     log.info("native %s: built %s", name, target)
     return target
+
+
+def _headers() -> bytes:
+    """Every header shipped beside the sources, names and contents: a source split into headers
+    it includes (cnn.c's) builds again when one of them changes, never loading a stale library."""
+    return b"".join(b"\0" + path.name.encode() + b"\0" + path.read_bytes()
+                    for path in sorted(SOURCES.glob("*.h")))
 
 
 def _key(source: bytes, cc: str) -> str:
