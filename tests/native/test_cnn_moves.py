@@ -121,8 +121,13 @@ def test_a_traced_partitions_cnn_runs_natively_and_matches_onnx_runtime(name):
     path, shapes = f"{CORPUS}/{name}.onnx", {k: list(v.shape) for k, v in feeds.items()}
     session = _session(path, input_shapes=shapes)
     routes = [str(r) for r in _partition_routes(session)]
-    assert any(r == TRACED[name] if TRACED[name] == "native" else r.startswith(TRACED[name])
-               for r in routes), routes
+    loaded = session.runtime.network(session.network_id)
+    # GELU stays written out (Div, Erf, Add, Mul) where this torch's GELU loses +Inf
+    # (fusion/gelu.py: the GPU machine's torch 2.11): the plan takes a GeluChain, not an Erf
+    gelu_apart = any(inner.op_type == "Erf" for layer in loaded.layers
+                     for inner in layer.attrs.get("layers", ()))
+    route = "native+" if TRACED[name] == "native" and gelu_apart else TRACED[name]
+    assert any(r == route if route == "native" else r.startswith(route) for r in routes), routes
     assert not any(str(r).startswith("native") for r in _partition_routes(
         _session(path, "off", input_shapes=shapes)))
     got = session.run(None, feeds)

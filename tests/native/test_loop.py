@@ -115,7 +115,9 @@ def _loop_model(trips, nodes, consts, *, scan="y", cond="cond_in"):
                               [_value("h", TensorProto.FLOAT, 2, 8),
                                _value("ys", TensorProto.FLOAT, None),
                                _value("stacked", TensorProto.FLOAT, None)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # IR 8: what every ONNX Runtime of the last years reads (onnx 1.23 writes 14 by default,
+    # which the GPU machine's onnxruntime 1.30 refuses)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _weights():

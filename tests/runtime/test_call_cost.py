@@ -244,21 +244,30 @@ def test_the_vads_run_takes_few_python_frames() -> None:
     looked up in line, no frame of the decision's own: builtin/decided.py), then the trace: 14
     Python functions a run (17, then 16; the feeds' check in line in the session's direct run
     now: prepared_run.direct_run); ONNX Runtime's outputs, and NaN in x gives NaN as on CpuRef
-    (ONNX Runtime's Relu gives 0 for it)."""
+    (ONNX Runtime's Relu gives 0 for it). With its convolutions native (``CpuAcc.native`` auto,
+    a C compiler here) three more: the native head's join, its call and the executor's (29 at
+    first, its comprehensions each a frame)."""
     from pathlib import Path
 
     from backplane import SessionOptions
+    from backplane.native import build
 
     ort = pytest.importorskip("onnxruntime")
     model = Path(__file__).resolve().parents[1] / "data" / "corpus" / "vad_lstm_if_ts16.onnx"
     with np.load(model.with_suffix(".s0.npz")) as stored:
         feeds = {name: stored[name] for name in stored.files}
-    session = InferenceSession(str(model), SessionOptions(intra_op_num_threads=1),
-                               backends=["CpuAcc", "CpuRef"])
-    for _ in range(3):
-        session.run(None, feeds)
-    frames = _python_frames(lambda: session.run(None, feeds))
-    assert len(frames) <= 14, frames
+    most = {"off": 14, "auto": 17 if build.available("cnn") else 14}
+    for native in ("off", "auto"):
+        session = InferenceSession(str(model), SessionOptions(intra_op_num_threads=1),
+                                   backends=["CpuAcc", "CpuRef"],
+                                   provider_options=[{"CpuAcc.native": native}, {}])
+        for _ in range(3):
+            session.run(None, feeds)
+        # the fewest of three runs: a periodic tick (the thread governor's reading) adds a frame
+        # to the run it falls in, now and then (15 in one of the final runs of session 18)
+        frames = min((_python_frames(lambda: session.run(None, feeds)) for _ in range(3)),
+                     key=len)
+        assert len(frames) <= most[native], (native, " ".join(frames))
     expected = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)
     for got, want in zip(session.run(None, feeds), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -160,10 +160,25 @@ def _then(layer: Layer, backend: Any, inputs: Sequence[TensorInfo], head: Worklo
     back = [("made", made.index(n)) if n in made else ("rest", outputs.index(n))
             for n in a["outputs"]]
 
+    from backplane.runtime.fresh_outputs import Made
+
     def run(*values: Any) -> tuple[Any, ...]:
-        first = head(*[values[i] for i in take])
-        second = after(*[first[i] if kind == "made" else values[i] for kind, i in where])
-        return tuple(first[i] if kind == "made" else second[i] for kind, i in back)
+        # plain loops, no comprehension: each is a Python frame of its own a call (3.11)
+        given = []
+        for i in take:
+            given.append(values[i])
+        first = head(*given)
+        given = []
+        for kind, i in where:
+            given.append(first[i] if kind == "made" else values[i])
+        second = after(*given)
+        joined = []
+        for kind, i in back:
+            joined.append(first[i] if kind == "made" else second[i])
+        joined = tuple(joined)
+        # the head's results are made in this call; the rest's where its trace says so: then the
+        # outputs reach the caller without the search of the inputs (runtime/fresh_outputs.py)
+        return Made(joined) if not outputs or type(second) is Made else joined
 
     run.route = f"{ROUTE}+{getattr(after, 'route', '?')}"  # type: ignore[attr-defined]
     run.why = f"{head.why}; then {getattr(after, 'why', '')}"  # type: ignore[attr-defined]
@@ -186,11 +201,21 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Work
     kinds = [torch.float16 if t == np.float16 else torch.float32
              for t in executor.plan.input_dtypes]
 
+    made = list(zip(shapes, types))
+
     def run(*values: Any) -> tuple[Any, ...]:
-        values = tuple(v if v.is_contiguous() and v.dtype == k else v.contiguous().to(k)
-                       for v, k in zip(values, kinds))
-        outputs = [empty(shape, dtype=t) for shape, t in zip(shapes, types)]
-        call([v.data_ptr() for v in values] + [o.data_ptr() for o in outputs])
+        # plain loops, no comprehension: each is a Python frame of its own a call (3.11)
+        pointers, held, outputs = [], [], []
+        for v, k in zip(values, kinds):
+            if v.dtype != k or not v.is_contiguous():
+                v = v.contiguous().to(k)
+                held.append(v)  # alive until the call has read it
+            pointers.append(v.data_ptr())
+        for shape, t in made:
+            o = empty(shape, dtype=t)
+            outputs.append(o)
+            pointers.append(o.data_ptr())
+        call(pointers)
         return Made(outputs)
 
     def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float, int]]]:
