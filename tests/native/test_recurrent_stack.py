@@ -121,10 +121,13 @@ def test_against_cpuref(kind, direction, layers, seq, batch, inputs, hidden, sta
     want_y, want_finals = _cpuref(kind, weights, x, lens, h0, c0, direction, merged)
     got_y, got_finals = _stacked(kind, weights, x, lens, h0, c0, direction, merged)
     assert got_y.shape == want_y.shape
-    np.testing.assert_allclose(got_y, want_y, rtol=1e-4, atol=2e-6)
+    # a layer's error (the C's rational tanh and exp-based sigmoid, ~1e-6 against NumPy's) is
+    # the next layer's input: up to 6.4e-6 after three GRU layers of 65 (hypothesis, seed 0)
+    atol = 2e-6 * 2 ** (layers - 1)
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-4, atol=atol)
     for got, want in zip(got_finals, want_finals):
         for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
 
 
 @needs_library

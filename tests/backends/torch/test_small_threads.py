@@ -235,3 +235,27 @@ def test_a_build_decided_while_the_governor_holds_fewer_threads_compares_up_to_i
         assert threads.quiet_count() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_fixed_count_reads_no_ceiling_of_another_sessions_governor(monkeypatch) -> None:
+    """A governor that last applied one thread, then a session of a fixed one thread (its
+    TorchContext): the count is that session's, not the governor's, so ``quiet_count`` is 1 and
+    a build of the fixed session is not compared up to the governor's two (it was wrapped in a
+    ``OneThread`` for nothing: the VAD's run one Python frame more after another test's session)."""
+    import threading
+
+    from backplane.backends.torch.backend import TorchContext
+
+    monkeypatch.setattr(threads, "_APPLIED", threading.local())
+    before = torch.get_num_threads()
+    governor = threads.ThreadGovernor(2, frozenset({0, 1}), read=lambda cpus: None,
+                                      apply=torch.set_num_threads)
+    try:
+        governor.threads = 1
+        governor.tick()
+        assert threads.quiet_count() == 2  # the governor's count: its ceiling
+        TorchContext(1)
+        assert torch.get_num_threads() == 1 and threads.quiet_count() == 1
+    finally:
+        torch.set_num_threads(before)
+

@@ -175,9 +175,7 @@ class TorchContext(BackendContext):
         count = policy.thread_setting(threads)
         self.governor = None if count else policy.governor(policy.ceiling(threads))
         if count:
-            import torch
-
-            torch.set_num_threads(count)
+            policy.fixed(count)
 
     def before_load_network(self, network_id: int) -> None:
         if self.governor is not None:

@@ -299,6 +299,17 @@ class ThreadGovernor:
         _APPLIED.by, _APPLIED.threads = self, self.most
 
 
+def fixed(count: int) -> None:
+    """torch's threads at a fixed count (``CpuAcc.threads=N``, a session's one thread): this
+    thread's count is then no governor's, so ``quiet_count`` reads no ceiling of another session
+    (a governor that had last applied the same count left its mark: a one-thread session's builds
+    were then compared up to that governor's two and wrapped for nothing, a Python frame a call)."""
+    import torch
+
+    torch.set_num_threads(count)
+    _APPLIED.by = None
+
+
 def _set_torch_threads(count: int) -> None:
     import torch
 
