@@ -18,7 +18,6 @@ asked "exact" (CpuRef's values bit for bit: its requantization is its own) or a 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,6 +78,7 @@ def whole(view: SubgraphView, options: Any) -> OptimizationViews | None:
 
 def native_int8_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload:
     """The layer's plan for its inputs' shapes, bound to the library: one C call a run."""
+    from backplane.backends.torch.fusion.native_cnn import _workload
     from backplane.native import library
     from backplane.native.qcnn import Executor, plan
 
@@ -88,36 +88,4 @@ def native_int8_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
     executor = Executor(planned, library("qcnn"))
     return _workload(executor, planned.names,
                      f"{ROUTE}: the whole subgraph planned ({len(planned.records)} records, "
-                     f"{planned.macs} multiply-adds)")
-
-
-def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Workload:
-    """The executor's call on torch tensors: fresh outputs each run (the caller's alone)."""
-    import torch
-
-    from backplane.runtime.fresh_outputs import Made
-
-    shapes, call, empty = executor.plan.output_shapes, executor.run, torch.empty
-
-    def run(*values: Any) -> tuple[Any, ...]:
-        values = tuple(v if v.is_contiguous() else v.contiguous() for v in values)
-        outputs = [empty(shape) for shape in shapes]
-        call([v.data_ptr() for v in values] + [o.data_ptr() for o in outputs])
-        return Made(outputs)
-
-    def profiled(*values: Any) -> tuple[tuple[Any, ...], list[tuple[str, str, float, int]]]:
-        start = time.perf_counter()
-        seconds = executor.profile([v.contiguous().numpy() for v in values])
-        outputs = run(*values)
-        total = max(sum(seconds), 1e-12)
-        spent: dict[tuple[str, str], float] = {}
-        for key, second in zip(names, seconds):
-            spent[key] = spent.get(key, 0.0) + second
-        wall = (time.perf_counter() - start) / 2  # two runs: each record's share of one
-        return outputs, [(name, op, float(wall * s / total), 0) for (name, op), s in spent.items()]
-
-    run.route = ROUTE  # type: ignore[attr-defined]
-    run.why = why  # type: ignore[attr-defined]
-    run.profiled = profiled  # type: ignore[attr-defined]
-    run.executor = executor  # type: ignore[attr-defined]
-    return run
+                     f"{planned.macs} multiply-adds)", route=ROUTE)

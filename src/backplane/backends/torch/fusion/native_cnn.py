@@ -189,17 +189,20 @@ def _then(layer: Layer, backend: Any, inputs: Sequence[TensorInfo], head: Worklo
     return run
 
 
-def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Workload:
-    """The executor's call on torch tensors: fresh outputs each run (the caller's alone)."""
+def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str,
+              route: str = ROUTE) -> Workload:
+    """The executor's call on torch tensors: fresh outputs each run (the caller's alone). Also
+    the int8 route's (``int8_native``: its plan's edges float32, the default here)."""
     import torch
 
     from backplane.runtime.fresh_outputs import Made
 
     shapes, call, empty = executor.plan.output_shapes, executor.run, torch.empty
+    plan = executor.plan
     types = [torch.float16 if t == np.float16 else torch.float32
-             for t in executor.plan.output_dtypes]
+             for t in getattr(plan, "output_dtypes", None) or [np.float32] * len(shapes)]
     kinds = [torch.float16 if t == np.float16 else torch.float32
-             for t in executor.plan.input_dtypes]
+             for t in getattr(plan, "input_dtypes", None) or [np.float32] * len(plan.input_shapes)]
 
     made = list(zip(shapes, types))
 
@@ -229,7 +232,7 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str) -> Work
         wall = (time.perf_counter() - start) / 2  # two runs: each record's share of one
         return outputs, [(name, op, float(wall * s / total), 0) for (name, op), s in spent.items()]
 
-    run.route = ROUTE  # type: ignore[attr-defined]
+    run.route = route  # type: ignore[attr-defined]
     run.why = why  # type: ignore[attr-defined]
     run.profiled = profiled  # type: ignore[attr-defined]
     run.executor = executor  # type: ignore[attr-defined]
