@@ -63,6 +63,23 @@ def deferrable(model: Any, given: dict[str, Any], profiling: bool) -> tuple[str,
     return ("CpuAcc", "CpuRef")
 
 
+def later(session: Any, make: Callable[[], Any]) -> Any:
+    """The session's stand-in for the default backends' load: ``torch_free.TorchFree`` where its
+    model may run natively without torch (no thread, no import until a run needs it), else the
+    load begun in the background now (``Later``)."""
+    from backplane import torch_free
+    from backplane.optimizer.optimize import OptimizerOptions, _run_passes
+
+    network = session._optimized
+    if session._overrides is None and not any(
+            layer.op_type in ("If", "Loop", "Scan") for layer in session.graph.layers):
+        graph = session.graph.private_copy()  # as the default session's optimizer has it
+        _run_passes(graph, network.options or OptimizerOptions())
+        if torch_free.candidate(graph, session.backend_options):
+            return torch_free.TorchFree(graph, session.backend_options, make)
+    return Later(make)
+
+
 class Later:
     """The background load of one session (``make``: the session on the full backend list),
     taken over by the session at its first run (``adopt``) or dropped with it (``cancel``)."""
@@ -99,9 +116,10 @@ class Later:
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
 
-    def adopt(self, session: Any) -> None:
+    def adopt(self, session: Any, feeds: Any = None) -> None:
         """Wait for the build; then ``session`` takes the built session's state (its runtime,
-        network, report), its own runtime closed. Where the build failed it keeps its own."""
+        network, report), its own runtime closed. Where the build failed it keeps its own.
+        ``feeds``: the run's (``torch_free.TorchFree.adopt`` reads them; here they wait too)."""
         self.done.wait()
         with self.lock:
             if session._later is not self:  # another thread took it over first
@@ -158,6 +176,11 @@ def wait(timeout: float | None = None) -> bool:
     import time
 
     end = None if timeout is None else time.perf_counter() + timeout
+    free = sys.modules.get("backplane.torch_free")  # its static builds first: one may start a load
+    for built in list(free.BUILDING) if free is not None else ():
+        if built.thread is not threading.current_thread() and not built.ready.wait(
+                None if end is None else max(0.0, end - time.perf_counter())):
+            return False
     for later in [p for p in list(_PENDING) if p.thread is not threading.current_thread()]:
         left = None if end is None else max(0.0, end - time.perf_counter())
         if not later.wait(left):
@@ -185,6 +208,11 @@ def _forked() -> None:
     """In a child forked during a background load: the thread that made it is not here, and an
     import it held (torch's) would never finish, so each such load is failed, the session running
     on CpuRef with the warning; one done before the fork is taken over as in the parent."""
+    free = sys.modules.get("backplane.torch_free")
+    for built in list(free.BUILDING) if free is not None else ():  # built again at a first run
+        built.lock = threading.Lock()
+        built.ready.set()
+        free.BUILDING.discard(built)
     for later in list(_PENDING):
         later.lock = threading.Lock()  # the locks the thread may have held
         if not later.done.is_set():

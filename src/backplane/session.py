@@ -96,7 +96,7 @@ class InferenceSession:
                  cache_dir: str | os.PathLike | None = None, repreprocess: bool = False) -> None:
         start = time.perf_counter()
         self._overrides: Overrides | None = None  # a network per set of defaults fed (overriding)
-        self._later: deferred_load.Later | None = None  # the default backends' load, in progress
+        self._later: Any = None  # the default backends' load: deferred_load.Later, TorchFree
         given = by_kind(positional, sess_options=sess_options, providers=providers,
                          provider_options=provider_options, backends=backends)
         sess_options, providers = given["sess_options"], given["providers"]
@@ -218,8 +218,8 @@ class InferenceSession:
             self._trace.span("import", start, optimized)
             self._trace.span("optimize", optimized, loading, backends=ids)
             self._trace.span("load", loading, loaded)
-        if later is not None:  # the first run waits for it and takes it over
-            self._later = deferred_load.Later(lambda: InferenceSession(
+        if later is not None:  # the first run waits for it and takes it over (or runs natively)
+            self._later = deferred_load.later(self, lambda: InferenceSession(
                 model, self.sess_options, providers=list(later), optimizer_options=asked,
                 input_shapes=input_shapes,
                 repreprocess=repreprocess))
@@ -315,8 +315,10 @@ class InferenceSession:
             results = direct(input_feed)  # None: not its feed (a wrong one, an input's default)
             if results is not None:
                 return results if output_names is None else self._select(output_names, results)
-        if self._later is not None:
-            self._later.adopt(self)
+        if self._later is not None:  # outputs where its runs need no torch (torch_free)
+            results = self._later.adopt(self, input_feed if run_options is None else None)
+            if results is not None:
+                return results if output_names is None else self._select(output_names, results)
         if self._overrides is not None and not self._overrides.names.isdisjoint(input_feed):
             self._check_open()  # an input's default given: the network that reads it as an input
             with stop_scope(run_options):

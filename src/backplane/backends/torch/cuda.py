@@ -42,35 +42,11 @@ from backplane.backends.torch.gpu_fusion import Step, inner_steps
 from backplane.backends.torch.gpu_host_chain import host_chain_workload, host_chained
 from backplane.backends.torch.gpu_layernorm import fused_layer_norms
 from backplane.backends.torch.gpu_memory import STAGED_BYTES, factory  # noqa: F401  # GpuAcc's memory
+from backplane.backends.torch.host_inputs import HOST_INPUTS, NOT_CAPTURABLE  # noqa: F401  # torch-free
 from backplane.backends.torch.kernels.common import NUMPY_TO_TORCH
 from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 
-HOST_INPUTS: dict[str, tuple[int, ...]] = {
-    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Split": (1,), "Slice": (1, 2, 3, 4),
-    "Squeeze": (1,), "Unsqueeze": (1,), "ReduceSum": (1,), "ReduceMean": (1,),
-    "ReduceMax": (1,), "ReduceMin": (1,), "Clip": (1, 2),
-    # numeric.py's: axes, lengths and steps
-    "CumSum": (1,), "CumProd": (1,), "DFT": (1, 2), "STFT": (1, 3), "ReduceProd": (1,),
-    "ReduceSumSquare": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
-    "ReduceLogSumExp": (1,),
-    # indexing.py's and recurrent.py's: pads, counts, diagonals and sizes
-    "Pad": (1, 2, 3), "CenterCropPad": (1, 2), "OneHot": (1,), "TopK": (1,), "Trilu": (1,),
-    "Col2Im": (1, 2), "MaxUnpool": (2,), "AffineGrid": (1,),
-    # vision.py's: Resize's roi, scales and sizes (scales at 1 before opset 11), Upsample's scales
-    "Resize": (1, 2, 3), "Upsample": (1,),
-    # ml.py's: the optimizers' learning rate and step count
-    "Adagrad": (0, 1), "Adam": (0, 1), "Momentum": (0, 1),
-}
-"""Inputs the kernels read on the host (shapes, axes, bounds): kept as NumPy inside a CUDA graph, since
-reading a CUDA tensor on the host would wait for the GPU, which a capture forbids."""
 log = logging.getLogger("backplane.torch")
-NOT_CAPTURABLE = frozenset({"Shape"})  # makes a tensor from host values during the run
-NOT_CAPTURABLE |= {"NonZero", "Compress", "Unique", "NonMaxSuppression"}  # sizes from data
-NOT_CAPTURABLE |= {"Size", "ConstantOfShape", "Range"}  # read on the host, or make from host values
-NOT_CAPTURABLE |= {"HannWindow", "HammingWindow", "BlackmanWindow"}  # sized by a value read on the host
-NOT_CAPTURABLE |= {"RoiAlign"}  # its samples per cell come from the regions' values
-NOT_CAPTURABLE |= {"MelWeightMatrix"}  # made from values read on the host
-NOT_CAPTURABLE |= {"TreeEnsemble"}  # walks the trees until every row stands on a leaf (a data test)
 
 
 

@@ -29,7 +29,6 @@ from backplane.backends.torch.fusion.patterns import F32, Context, compute_type,
 from backplane.backends.torch.fusion.linear import _gelu
 from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight
 from backplane.backends.torch.fusion.qlinear_float import _in_float32
-from backplane.backends.torch.kernels.contrib_quant import dynamic_grid, product_grid
 from backplane.ir.graph import Layer
 
 Branch = tuple[list[Layer], str, np.ndarray, np.ndarray, np.ndarray | None]
@@ -145,6 +144,15 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     return run
 
 
+def _grids() -> tuple[Any, Any]:
+    """(``product_grid``, ``dynamic_grid``): torch's kernels, imported where a run needs them and
+    not at this module's import (CpuAcc's fusions plan a native model without torch:
+    ``backplane.torch_free``); the common path of ``grid_on_host`` reads neither."""
+    from backplane.backends.torch.kernels.contrib_quant import dynamic_grid, product_grid
+
+    return product_grid, dynamic_grid
+
+
 def grid_on_host(x: Any) -> tuple[Any, Any]:
     """``dynamic_grid`` with the range read on the host and the scale and zero point computed in
     Python floats, as CpuRef computes them (float64, the scale rounded once to float32; 0 - low
@@ -158,12 +166,13 @@ def grid_on_host(x: Any) -> tuple[Any, Any]:
     import torch
 
     if x.is_cuda or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
+        product_grid, dynamic_grid = _grids()
         return product_grid(x) if x.shape.numel() else dynamic_grid(x)
     if not x.numel():
-        return dynamic_grid(x)
+        return _grids()[1](x)
     lowest, highest = (float(v) for v in torch.aminmax(x))
     if lowest != lowest or highest != highest:  # NaN
-        return dynamic_grid(x)
+        return _grids()[1](x)
     low, high = min(lowest, 0.0), max(highest, 0.0)
     scale = np.float32((high - low) / 255) if high > low else np.float32(1.0)
     zero = min(max(float(np.rint(np.float32(0.0 - low) / scale)), 0.0), 255.0)

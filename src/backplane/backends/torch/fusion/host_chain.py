@@ -35,7 +35,6 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.api.kernels import bind_kernel, select_kernel
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
-from backplane.backends.torch.kernels.nms import host_non_max_suppression
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 STARTS = frozenset({"NonMaxSuppression"})
@@ -176,15 +175,20 @@ def _gather_nd(data, indices, batch_dims=0):
     return (data[tuple(indices[..., j] for j in range(indices.shape[-1]))],)
 
 
-HOST_KERNELS = {"Gather": {1: _gather}, "GatherND": {11: _gather_nd},
-                "NonMaxSuppression": {10: host_non_max_suppression}}
-"""Kernels of the chain in place of CpuRef's where they cost less (the same values)."""
+HOST_KERNELS: dict[str, dict[int, Any]] = {"Gather": {1: _gather}, "GatherND": {11: _gather_nd}}
+"""Kernels of the chain in place of CpuRef's where they cost less (the same values); with
+NonMaxSuppression's (``nms.host_non_max_suppression``, torch's module) from the first chain that
+has one: CpuAcc's fusions import no torch of their own (``backplane.torch_free``)."""
 
 
 def _ref_kernel(layer: Layer) -> Any:
     """The chain's kernel of ``layer``: ``HOST_KERNELS``' where it has one, else CpuRef's."""
     from backplane.backends.reference.kernels import KERNELS
 
+    if layer.op_type == "NonMaxSuppression" and layer.op_type not in HOST_KERNELS:
+        from backplane.backends.torch.kernels.nms import host_non_max_suppression
+
+        HOST_KERNELS[layer.op_type] = {10: host_non_max_suppression}
     return select_kernel(HOST_KERNELS, layer.op_type, layer.opset) \
         or select_kernel(KERNELS, layer.op_type, layer.opset)
 

@@ -39,6 +39,23 @@ ROUTE = "native"
 def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload | None:
     """The OneDnnGraph ``layer`` run natively, or None where ``CpuAcc.native`` is off, the plan
     does not cover it, it is larger than ``SMALL`` or no library can be built."""
+    found = native_executor(layer, backend, inputs)
+    if found is None:
+        return None
+    executor, why, half, edges = found
+    run = _workload(executor, executor.plan.names, why)
+    if half and not edges:  # float16 in and out, float32 inside: converted by torch
+        from backplane.backends.torch.fusion.reduced import at_edges
+
+        run = at_edges(run, "float32", layer.attrs["output_dtypes"], "float16")
+    return run
+
+
+def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
+                    ) -> tuple[Any, str, bool, bool] | None:
+    """``native_workload``'s rules without torch: (the plan's executor, why, whether the
+    partition is float16 computed in float32, whether the C converts its float16 edges), or None.
+    ``backplane.torch_free`` runs the executor on NumPy arrays (issue 27 item 5)."""
     from backplane.native import NativeUnavailable, build, library
     from backplane.native.cnn import Executor, Unplannable, plan
 
@@ -68,15 +85,10 @@ def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
     if edges:
         planned.halved([str(i.dtype) == "float16" for i in inputs],
                        [str(d) == "float16" for d in a["output_dtypes"]])
-    executor = Executor(planned, built)
-    run = _workload(executor, planned.names,
-                    f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
-                    f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)")
-    if half and not edges:  # float16 in and out, float32 inside: converted by torch
-        from backplane.backends.torch.fusion.reduced import at_edges
-
-        run = at_edges(run, "float32", a["output_dtypes"], "float16")
-    return run
+    return (Executor(planned, built),
+            f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
+            f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)",
+            bool(half), bool(edges))
 
 
 CONVOLUTIONS = ("FusedConv", "Conv", "ConvTranspose")

@@ -41,7 +41,7 @@ from backplane import progress
 from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.backend import FUSED_DOMAIN
-from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
+from backplane.backends.torch.host_inputs import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch import threads
 from backplane.backends.torch.fusion.patterns import (DEFERRED, because, deferred, fastest,
                                                       named_type, remembered)

@@ -28,7 +28,7 @@ import numpy as np
 
 from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN, _numpy_to_torch
-from backplane.backends.torch.cuda import HOST_INPUTS
+from backplane.backends.torch.host_inputs import HOST_INPUTS
 from backplane.backends.torch.fusion.patterns import named_type
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 

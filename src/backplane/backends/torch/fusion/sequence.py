@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from backplane.backends.torch.cuda import frees
 from backplane.ir.graph import Layer
 
 
@@ -19,6 +18,8 @@ def sequence_workload(layers: Sequence[Layer], steps: Sequence[Any], template: d
     ``template``'s constants, each value dropped after its last reader, and each result passed
     through ``convert`` where given; its ``profiled`` times each of ``layers`` (the step's layer) for
     the profiler (see ``Workload``)."""
+    from backplane.backends.torch.cuda import frees  # torch's: not at this module's import
+
     names_in, names_out = list(names_in), list(names_out)
     dead = frees(steps, set(names_out) | set(template))
     if convert is not None:

@@ -44,7 +44,7 @@ import numpy as np
 from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
-from backplane.backends.torch.cuda import HOST_INPUTS, NOT_CAPTURABLE
+from backplane.backends.torch.host_inputs import HOST_INPUTS, NOT_CAPTURABLE
 from backplane.backends.torch.fusion import host_chain, native_cnn, onednn_graph
 from backplane.backends.torch import prepacked, static_runtime, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered

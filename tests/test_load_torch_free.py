@@ -1,0 +1,118 @@
+"""A default session that never imports torch where CpuAcc runs the whole model in backplane's C
+(``backplane.torch_free``, issue 27 item 5).
+
+In a fresh process (this one has imported torch, and a default session defers only where torch is
+not imported): the session loads and runs the corpus's natively planned CNNs with torch never in
+``sys.modules``, and its outputs are, bit for bit, those of a session given CpuAcc, CpuRef here
+(torch's path: the same plan run from torch's tensors). A model the plans do not take whole (the
+demo: 33.6e6 multiply-adds, above the native rule) imports torch and runs as before.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backplane import InferenceSession, torch_free
+from backplane.frontends.onnx import import_onnx
+from backplane.frontends.onnx_file import read_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "data" / "corpus"
+DEMO = ROOT / "models" / "mobilenet_v2_w020_c10.onnx"
+NATIVE = ("resnet_basic_ts16", "mobilenet_dw_ts13", "unet_resize_dyn20", "resnet_qlinear_ort15")
+
+_FRESH = """
+import json, sys
+import numpy as np
+import backplane
+out, seen = sys.argv[1], {}
+for path in sys.argv[2:]:
+    session = backplane.InferenceSession(path)
+    if path.endswith("mobilenet_v2_w020_c10.onnx"):
+        feeds = {"input": np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)}
+    else:
+        sample = np.load(path[:-5] + ".s0.npz")
+        feeds = {i.name: sample[i.name] for i in session.get_inputs()}
+    first = session.run(None, feeds)
+    again = session.run(None, feeds)
+    seen[path] = {"torch": "torch" in sys.modules, "kind": type(session._later).__name__}
+    np.savez(f"{out}/{len(seen)}.npz", *first, *again)
+print(json.dumps(seen))
+"""
+
+
+def _native_available() -> None:
+    from backplane import native
+
+    if not (native.available("cnn") and native.available("qcnn")):
+        pytest.skip("no C compiler: the native plans (and this route) are not built here")
+
+
+def _fresh(paths: list[Path], out: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", _FRESH, str(out), *map(str, paths)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _torch_path(path: Path, count: int) -> list[np.ndarray]:
+    session = InferenceSession(path, providers=["CpuAcc", "CpuRef"])
+    sample = np.load(str(path)[:-5] + ".s0.npz")
+    return session.run(None, {i.name: sample[i.name] for i in session.get_inputs()})[:count]
+
+
+def test_native_models_load_and_run_without_torch_and_give_its_outputs(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    _native_available()
+    paths = [CORPUS / f"{name}.onnx" for name in NATIVE]
+    seen = _fresh(paths, tmp_path)
+    for index, path in enumerate(paths, 1):
+        assert seen[str(path)] == {"torch": False, "kind": "TorchFree"}, path.name
+        wanted = _torch_path(path, 8)
+        got = np.load(tmp_path / f"{index}.npz")
+        arrays = [got[f"arr_{i}"] for i in range(len(got.files))]
+        assert len(arrays) == 2 * len(wanted)
+        for mine, theirs in zip(arrays, wanted + wanted):  # the first run and the next
+            np.testing.assert_array_equal(mine, theirs, err_msg=path.name)
+
+
+def test_a_model_above_the_native_rule_imports_torch_and_runs_as_before(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    _native_available()
+    seen = _fresh([DEMO], tmp_path)
+    assert seen[str(DEMO)] == {"torch": True, "kind": "NoneType"}  # taken over: the session's
+    x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+    wanted = InferenceSession(DEMO, providers=["CpuAcc", "CpuRef"]).run(None, {"input": x})[0]
+    got = np.load(tmp_path / "1.npz")
+    np.testing.assert_allclose(got["arr_0"], wanted, rtol=1e-5, atol=1e-6)  # oneDNN's threads
+
+
+def _graph(name: str):
+    from backplane.optimizer.optimize import OptimizerOptions, _run_passes
+
+    graph = import_onnx(read_model(CORPUS / f"{name}.onnx")).private_copy()
+    _run_passes(graph, OptimizerOptions())
+    return graph
+
+
+def test_what_the_route_takes_at_load() -> None:
+    graph = _graph("resnet_basic_ts16")
+    assert torch_free.candidate(graph, {})
+    assert not torch_free.candidate(graph, {"CpuAcc.native": "off"})
+    assert not torch_free.candidate(graph, {"CpuAcc.compile": "layers"})
+    assert not torch_free.candidate(graph, {"CpuAcc.precision": "bf16"})
+    assert not torch_free.candidate(_graph("lstm_bi2_ts14"), {})  # an LSTM: torch's
+    assert not torch_free.candidate(_graph("cond_nested_dyn18"), {})  # control flow
+
+
+def test_a_signature_the_plan_does_not_take_has_no_build() -> None:
+    _native_available()
+    graph = _graph("resnet_basic_ts16")
+    assert torch_free.build(graph.private_copy(), {}, [(1, 3, 32, 32)]) is not None
+    assert torch_free.build(graph.private_copy(), {}, [(4, 3, 512, 512)]) is None  # the rule
