@@ -32,8 +32,10 @@ Each ``Rule`` names a backend whose fixed cost per call can outweigh a small mod
 
 A model with a free dimension other than the first of an input (an image's height and width, a
 sequence's length: seeded at 1 they make inputs the model refuses, or whose time says nothing of
-the real ones) is timed the same way at its first ``InferenceSession.run``, on the caller's
-inputs, which that run then pays for (building the other network and the turns).
+the real ones), or with an integer or boolean input and an If, Loop or Scan (seeded at 0 or 1 it
+may take another branch or trip count than the caller's), is timed the same way at its first
+``InferenceSession.run``, on the caller's inputs, which that run then pays for (building the other
+network and the turns).
 
 ``GpuAcc.against_cpu="off"`` and ``CpuAcc.against_cpuref="off"`` keep the placement untimed. Not
 timed either: models of more than MAX_WEIGHT_BYTES of weights, networks with a layer pinned to the
@@ -56,6 +58,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+
+import numpy as np
 
 from backplane.backends.api.backend import OptionError
 from backplane.backends.builtin.control_flow import CONTROL_FLOW_OPS
@@ -219,12 +223,20 @@ def _seedable(graph: Any) -> bool:
     """Whether seeded inputs stand for the model's: each input's type and shape known, free only
     in its first dimension (a batch, seeded at 1). Other free sizes (an image's height and width,
     a sequence's length) are not timed: seeded at 1 they make inputs the model refuses (a 1x1
-    image under a 3x3 convolution) or whose time says nothing of the real ones."""
+    image under a 3x3 convolution) or whose time says nothing of the real ones. Nor are integer
+    or boolean inputs of a model with control flow, seeded 0 or 1: they may pick another branch or
+    trip count than the caller's. The corpus VAD's sampling rate picks its If's branch: seeded at 1
+    it timed the 8 kHz branch, which its 16 kHz inputs never take (H200 machine, session 19:
+    GpuAcc's 0.064 ms a run kept against CpuAcc's 0.072, where on its own inputs the two then ran
+    0.053 and 0.034 side by side in one process; the CPU's route varies between processes too)."""
+    steered = any(layer.op_type in CONTROL_FLOW_OPS for layer in graph.layers)
     for name in graph.inputs:
         info = graph.info(name)
         if info.shape is None or info.dtype is None:
             return False
         if any(not isinstance(d, int) for d in info.shape[1:]):
+            return False
+        if steered and np.dtype(info.dtype).kind in "biu":
             return False
     return True
 
