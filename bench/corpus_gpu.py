@@ -26,10 +26,13 @@ times calls for ``--seconds``; a figure is the best of the rounds' medians. ``--
 ``gpuacc`` process then also loads the model on CpuAcc,CpuRef and times the two sessions in
 alternating blocks (``side_by_side``): issue 28's "no model slower with GpuAcc first than on
 CpuAcc,CpuRef" read in one process at one time, where the ``cpuacc`` column is another process at
-another time. Each process also reports a speed probe (``speed_probe``: a Python loop's us a step,
-just before its timed calls): the GPU machine's CPUs ran the same loop 1.7x slower in one stretch
-than seconds later in one process (session 18, an H200 host just started), so a row's processes
-timed at different probes compare loosely. ``--budget S`` starts no process after S seconds and
+another time; a row slower there names each session's routes and thread wrappers where they
+differ (``gpu_profile.routes``: a CPU partition's route and thread count are measured at its
+build, so two sessions of one placement may run different ones). Each process also reports a
+speed probe (``speed_probe``: a Python loop's us a step, just before its timed calls): the GPU
+machine's CPUs ran the same loop 1.7x slower in one stretch than seconds later in one process
+(session 18, an H200 host just started), so a row's processes timed at different probes compare
+loosely. ``--budget S`` starts no process after S seconds and
 prints the table of what ran (a device call's time limit cut the small tier at 27 of 32 models,
 and its table with it). ``--jobs N`` runs N
 processes at a time (their loads and compiles overlap: TorchInductor takes tens of seconds a
@@ -67,6 +70,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import wild  # noqa: E402
+from gpu_profile import routes  # noqa: E402  # before bench_openvino: it takes bench/ off the path
 from bench_openvino import environment  # noqa: E402
 
 from backplane.backends.torch.bench import timed_runs, worker_report  # noqa: E402
@@ -100,7 +104,7 @@ def load(runtime: str, model: str, name: str, tier: str,
     from backplane import InferenceSession
 
     bp = InferenceSession(model, providers=PROVIDERS[runtime])
-    return (lambda: bp.run(None, feeds)), lambda: placement(bp.report)
+    return (lambda: bp.run(None, feeds)), lambda: {**placement(bp.report), "routes": routes(bp)}
 
 
 def placement(report: Any) -> dict[str, Any]:
@@ -239,7 +243,7 @@ def side_by_side(args: argparse.Namespace, run: Callable[[], Any], feeds: dict[s
         order.reverse()
     return {"gpuacc_ms": statistics.median(blocks["gpuacc"]),
             "cpuacc_ms": statistics.median(blocks["cpuacc"]),
-            "cpu_plan": dict(sorted(cpu.report.counts().items()))}
+            "cpu_plan": dict(sorted(cpu.report.counts().items())), "cpu_routes": routes(cpu)}
 
 
 # -- the parent side ------------------------------------------------------------------------------
@@ -294,11 +298,15 @@ def table(rows: dict[str, dict[str, Any]], runtimes: Sequence[str]) -> tuple[lis
         return "-" if "error" in row or not row["ms"] else f"{min(row['ms']):.3f}"
 
     def described(plan: dict[str, Any]) -> str:
-        text = " ".join(f"{b}:{n}" for b, n in plan.items() if b != "timed")
+        text = " ".join(f"{b}:{n}" for b, n in plan.items() if b not in ("timed", "routes"))
         return (text + (f" (timed {plan['timed']})" if "timed" in plan else "")) or "-"
 
     cpu_plans = "cpuacc" in runtimes
     pairs = {name: beside(row.get("gpuacc", {})) for name, row in rows.items()}
+    for name, pair in pairs.items():  # each session's routes and thread wrappers (gpu_profile)
+        if pair is not None:
+            pair["routes"] = rows[name]["gpuacc"].get("plan", {}).get("routes")
+            pair["cpu_routes"] = rows[name]["gpuacc"]["beside"][0].get("cpu_routes")
     paired = any(pairs.values())
     lines = ["| model | " + " | ".join(f"{rt} ms" for rt in runtimes)
              + " | ORT / GpuAcc | GpuAcc load s (first call ms) | GpuAcc placement |"
@@ -362,8 +370,9 @@ def slower_beside(pairs: dict[str, dict[str, float] | None]) -> str:
     """Issue 28's second clause read side by side: the models whose default session ran slower
     than CpuAcc,CpuRef's in the same process by more than SAME."""
     timed = {name: p for name, p in pairs.items() if p is not None}
-    slower = [f"{name} {pair_text(p)}" for name, p in timed.items()
-              if p["gpuacc_ms"] > p["cpuacc_ms"] * (1 + SAME)]
+    slower = [f"{name} {pair_text(p)}" + (f" routes {p['routes']} / {p['cpu_routes']}"
+                                          if p.get("routes") != p.get("cpu_routes") else "")
+              for name, p in timed.items() if p["gpuacc_ms"] > p["cpuacc_ms"] * (1 + SAME)]
     return (f"one process each (--beside): GpuAcc,CpuAcc,CpuRef slower than CpuAcc,CpuRef by "
             f"more than {SAME:.0%} on {len(slower)} of {len(timed)}: {', '.join(slower) or 'none'}")
 

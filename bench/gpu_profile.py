@@ -51,6 +51,53 @@ def refusals(report: Any) -> list[str]:
     return [f"{n} x {op} on {backend}: {reason}" for (op, backend, reason), n in folded.items()]
 
 
+WRAPPERS = ("OneThread", "AtThreads")
+
+
+def routes(session: Any) -> list[str]:
+    """The routes (``route``: native, native int8, traced, ...) and thread wrappers (OneThread,
+    AtThreads(n)) found in a session's workloads, through closures and attributes, in order:
+    two sessions of one placement whose CPU partitions chose other routes or thread counts at
+    their builds (a measurement each) show it here (issue 28's side-by-side rows, session 19)."""
+    loaded = session.runtime.network(session.network_id)
+    found: list[str] = []
+    for step in loaded.steps:
+        _walk(step.workload, set(), found, 0)
+    return found
+
+
+def _walk(obj: Any, seen: set[int], found: list[str], depth: int) -> None:
+    if depth > 7 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, np.ndarray)):
+        return
+    seen.add(id(obj))
+    kind = type(obj).__name__
+    if kind in WRAPPERS:
+        found.append(f"{kind}({getattr(obj, 'count', '?')})")
+    route = getattr(obj, "route", None)
+    if isinstance(route, str):
+        found.append(route)
+    if isinstance(obj, (list, tuple, dict)):
+        inner = list(obj.values() if isinstance(obj, dict) else obj)[:50]
+    elif callable(obj) and getattr(obj, "__closure__", None):
+        inner = [_contents(cell) for cell in obj.__closure__]
+    elif type(obj).__module__.startswith("backplane") or kind == "OrderedDict":
+        slots = [getattr(obj, a) for a in getattr(type(obj), "__slots__", ()) if hasattr(obj, a)]
+        inner = slots + list(getattr(obj, "__dict__", {}).values()) \
+            + (list(obj.values()) if kind == "OrderedDict" else [])
+    else:
+        return
+    for each in inner:
+        _walk(each, seen, found, depth + 1)
+
+
+def _contents(cell: Any) -> Any:
+    """A closure cell's value; None for a cell not yet filled (reading it raises)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
+
+
 def profiled(run: Any, runs: int) -> dict[str, Any]:
     """Per run: kernels, copies, memsets and launch calls; the top host operators."""
     import torch
