@@ -63,13 +63,16 @@ def deferrable(model: Any, given: dict[str, Any], profiling: bool) -> tuple[str,
     return ("CpuAcc", "CpuRef")
 
 
-def later(session: Any, make: Callable[[], Any]) -> Any:
-    """The session's stand-in for the default backends' load: ``torch_free.TorchFree`` where its
-    model may run natively without torch (no thread, no import until a run needs it), else the
-    load begun in the background now (``Later``)."""
+def later(session: Any, make: Callable[[], Any], model: str | os.PathLike[str]) -> Any:
+    """The session's stand-in for the default backends' load: None where the default session of
+    this model file ran on no backend of torch's here before (``remembered``: the session stays on
+    CpuRef), ``torch_free.TorchFree`` where its model may run natively without torch (no thread,
+    no import until a run needs it), else the load begun in the background now (``Later``)."""
     from backplane import torch_free
     from backplane.optimizer.optimize import OptimizerOptions, _run_passes
 
+    if remembered(session, model):
+        return None
     network = session._optimized
     if session._overrides is None and not any(
             layer.op_type in ("If", "Loop", "Scan") for layer in session.graph.layers):
@@ -78,6 +81,39 @@ def later(session: Any, make: Callable[[], Any]) -> Any:
         if torch_free.candidate(graph, session.backend_options):
             return torch_free.TorchFree(graph, session.backend_options, make)
     return Later(make)
+
+
+def remembered(session: Any, model: str | os.PathLike[str]) -> bool:
+    """Whether the route cache says the default session of ``model`` with these options ran on no
+    backend of torch's (``remember``); else the key to remember it by is set on ``session``.
+    Why: a control-flow model that CpuAcc runs slower than CpuRef (cond_nested_dyn18,
+    loop_scripted_ts16: ``against_cpu``) imported torch (2.4-3.2 CPU s here) only to be timed
+    against CpuRef and dropped, at every session's load. Not with ``CpuAcc.route_cache`` False."""
+    from backplane.backends.torch import route_cache
+
+    if not session.backend_options.get("CpuAcc.route_cache", True):
+        return False
+    key = route_cache.placement_key(model, session.backend_options)
+    if key is not None and route_cache.lookup(key) == route_cache.WITHOUT_TORCH:
+        log.info("this model's default session ran on no backend of torch's on this machine "
+                 "before (the route cache): it loads on %s alone",
+                 ", ".join(session._optimized.report.preferences))
+        return True
+    session._placement_key = key
+    return False
+
+
+def remember(session: Any) -> None:
+    """A default session whose placement is settled (timed against CpuRef at load or at its first
+    run, or never timed) and has no layer on a backend of torch's: remembered by its key."""
+    from backplane.backends.torch import route_cache
+
+    key = getattr(session, "_placement_key", None)
+    if key is None or session._against_cpu is not None:
+        return
+    session._placement_key = None
+    if not any(b in session._optimized.report.counts() for b in TORCH_BACKENDS):
+        route_cache.store(key, route_cache.WITHOUT_TORCH)
 
 
 class Later:
@@ -137,6 +173,7 @@ class Later:
         _threads_here(session.backend_options)
         if own:
             old.close()
+        remember(session)
         session._update_fast_path()
 
     def cancel(self) -> None:

@@ -222,7 +222,7 @@ class InferenceSession:
             self._later = deferred_load.later(self, lambda: InferenceSession(
                 model, self.sess_options, providers=list(later), optimizer_options=asked,
                 input_shapes=input_shapes,
-                repreprocess=repreprocess))
+                repreprocess=repreprocess), model)
         self._update_fast_path()
 
     def _give_up_weights(self, weights: WeightFile,
@@ -346,6 +346,7 @@ class InferenceSession:
                 self._builds_at_run = any(layer.op_type == "Specialized"
                                           for net in within(self._optimized)
                                           for layer in net.graph.layers)
+                deferred_load.remember(self)  # a default session's placement, settled now
                 self._update_fast_path()
 
     def run_profiled(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],

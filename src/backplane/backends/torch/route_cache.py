@@ -126,3 +126,30 @@ def _processor() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+WITHOUT_TORCH = "without torch"
+"""A model's remembered placement (``placement_key``): its default session ran on no backend of
+torch's (CpuAcc timed slower than CpuRef by ``against_cpu``, or claiming none of its layers)."""
+
+
+def placement_key(model: str | os.PathLike[str], options: dict[str, Any]) -> str | None:
+    """The key of a default session's placement of the model file ``model`` with ``options``
+    (the session's backend options, its thread ceiling among them), on this machine and these
+    versions; read without importing torch (its version from its package's metadata). None
+    where the file cannot be read."""
+    import importlib.metadata
+
+    from backplane.backends.torch.backend import TorchBackend
+
+    try:
+        digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
+        torch_version = importlib.metadata.version("torch")
+    except (OSError, importlib.metadata.PackageNotFoundError):
+        return None
+    identity = {"kind": "placement", "model": digest, "cache": CACHE_VERSION,
+                "backend": TorchBackend.version, "torch": torch_version, "cpu": _processor(),
+                "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                os.cpu_count(), "options": {k: repr(v) for k, v in sorted(options.items())}}
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
