@@ -129,6 +129,17 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     w_scale = torch.from_numpy(np.array(a["w_scale"], F32))
     dtype, splits = compute_type(a), a.get("splits")
+    native = _native(a, bias, w_scale, backend)
+
+    def run_native(x):
+        if x.is_cuda:  # a layer placed on the CPU, fed on a GPU: torch's route
+            return run(x)
+        y = native(x if x.dtype == torch.float32 else x.float())
+        y = post(y) if post is not None else y
+        y = y if dtype == torch.float32 else y.to(dtype)
+        if splits is None:
+            return (y,)
+        return tuple(part.contiguous() for part in y.split(splits, dim=-1))
 
     def run(x):
         # no call where x and y are float32 already: a trace keeps each call, about 1 us
@@ -141,7 +152,23 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
         if splits is None:
             return (y,)
         return tuple(part.contiguous() for part in y.split(splits, dim=-1))
-    return run
+    return run if native is None else run_native
+
+
+def _native(attrs: dict[str, Any], bias: Any, w_scale: Any, backend: Any) -> Any:
+    """The layer's product, scales and bias as one C call (``native/dynquant``: one op in a
+    trace where the torch route makes about 20), or None where ``CpuAcc.native`` is off, the
+    library is not here, or the backend is a GPU's."""
+    if getattr(backend, "id", "CpuAcc") != "CpuAcc":
+        return None
+    from backplane.native import build, dynquant
+
+    if not dynquant.usable(build.mode(backend.options)):
+        return None
+    weight = dynquant.weight_by_columns(attrs["weight"])
+    scale = w_scale.reshape(-1).contiguous()
+    added = bias.contiguous() if bias is not None else None
+    return lambda x: dynquant.matmul(x, weight, scale, added)
 
 
 def _grids() -> tuple[Any, Any]:

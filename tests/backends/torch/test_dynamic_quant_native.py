@@ -1,0 +1,105 @@
+"""quantize_dynamic's product as one C call (``native/dynquant``, under ``CpuAcc.native`` "auto"):
+the same outputs as the torch route's, bit for bit (exact sums, CpuRef's grid and rounding), one
+op in the quantized GPT's trace for each of its nine products, and torch's route where x's range
+is not finite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.native import dynquant  # noqa: E402
+from backplane.backends.torch.kernels.contrib_quant import dynamic_grid  # noqa: E402
+
+ort = pytest.importorskip("onnxruntime")
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
+GPT = CORPUS / "gpt_dynquant_ort15.onnx"
+RNG = np.random.default_rng(2727)
+needs_library = pytest.mark.skipif(not dynquant.usable("auto"), reason="no C compiler here")
+
+
+def torch_route(x, weight, w_scale, bias):
+    """The fusion's torch route on the same tensors: CpuRef's grid, the float product, the scales
+    multiplied first, then the bias."""
+    centred, scale = dynamic_grid(x)
+    y = torch.matmul(centred, weight).mul_(w_scale * scale)
+    return y.add_(bias) if bias is not None else y
+
+
+def layer(rows: int, depth: int, cols: int, per_column: bool, with_bias: bool):
+    weight = torch.from_numpy(RNG.integers(-127, 128, (depth, cols)).astype(np.float32))
+    w_scale = torch.from_numpy(RNG.uniform(0.01, 0.03, cols if per_column else 1)
+                               .astype(np.float32))
+    bias = torch.from_numpy(RNG.standard_normal(cols).astype(np.float32)) if with_bias else None
+    return weight, w_scale, bias
+
+
+@needs_library
+@pytest.mark.parametrize("rows,depth,cols", [(8, 64, 192), (5, 64, 256), (3, 17, 35), (1, 1, 1),
+                                             (12, 40, 16)])
+@pytest.mark.parametrize("per_column", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_c_product_is_the_torch_routes_bit_for_bit(rows, depth, cols, per_column, with_bias):
+    weight, w_scale, bias = layer(rows, depth, cols, per_column, with_bias)
+    for spread in (0.01, 3.0, 400.0):
+        x = torch.from_numpy((RNG.standard_normal((2, rows, depth)) * spread).astype(np.float32))
+        x[0, 0, 0] = spread * 5  # a long positive tail: the zero point away from the middle
+        got = dynquant.matmul(x, weight, w_scale, bias)
+        want = torch_route(x, weight, w_scale, bias)
+        assert got.shape == want.shape == (2, rows, cols)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+@needs_library
+def test_ties_round_half_to_even_as_cpuref():
+    """x's range 0..255 makes the scale 1, so x / scale lands on halves: 0.5 -> 0, 1.5 -> 2,
+    2.5 -> 2 (CpuRef's rint), and the zero point 0 keeps them unclamped."""
+    x = torch.tensor([[0.0, 255.0, 0.5, 1.5, 2.5, 3.5, 254.5, 100.5]])
+    weight = torch.eye(8)
+    got = dynquant.matmul(x, weight, torch.tensor([1.0]), None)
+    np.testing.assert_array_equal(got.numpy(), [[0, 255, 0, 2, 2, 4, 254, 100]])
+    np.testing.assert_array_equal(got.numpy(), torch_route(x, weight, torch.tensor([1.0]),
+                                                           None).numpy())
+
+
+@needs_library
+@pytest.mark.parametrize("odd", [float("nan"), float("inf"), -float("inf")])
+def test_a_range_not_finite_takes_the_torch_route(odd):
+    weight, w_scale, bias = layer(4, 16, 16, False, True)
+    x = torch.from_numpy(RNG.standard_normal((4, 16)).astype(np.float32))
+    x[2, 5] = odd
+    got = dynquant.matmul(x, weight, w_scale, bias)
+    want = torch_route(x, weight, w_scale, bias)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())  # NaN where it has NaN
+
+
+def _run(native: str, feeds):
+    session = InferenceSession(str(GPT), backends=[("CpuAcc", {"native": native, "threads": 1}),
+                                                   "CpuRef"])
+    session.run(None, feeds)  # the first run builds the free-dimension signature's trace
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (logits,) = session.run(None, feeds)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "backplane::dynamic_quant_matmul")
+    return logits, calls
+
+
+@needs_library
+@pytest.mark.parametrize("size", ["s0", "s1"])
+def test_the_quantized_gpt_runs_its_nine_products_in_c(size):
+    feeds = dict(np.load(CORPUS / f"gpt_dynquant_ort15.{size}.npz"))
+    native, calls = _run("auto", feeds)
+    torch_only, none = _run("off", feeds)
+    assert (calls, none) == (9, 0)
+    np.testing.assert_array_equal(native, torch_only)
+    (want,) = InferenceSession(str(GPT), backends=["CpuRef"]).run(None, feeds)
+    (theirs,) = ort.InferenceSession(str(GPT)).run(None, feeds)
+    scale = float(np.abs(want).max())
+    assert float(np.abs(native - want).max()) <= 1e-5 * scale
+    assert float(np.abs(native - theirs).max()) <= 1e-5 * scale
