@@ -33,6 +33,9 @@ enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_HSWISH, ACT_HSIGMOID, ACT_SIGMOID, ACT_
 static inline v8 vload(const float *p) { return *(const v8u *)p; }
 static inline void vstore(float *p, v8 v) { *(v8u *)p = v; }
 static inline v8 vsplat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+typedef int32_t v8i __attribute__((vector_size(32)));
+/* m ? y : x, lane by lane (m a comparison's all-ones or zero lanes) */
+static inline v8 vselect(v8i m, v8 y, v8 x) { return (v8)((m & (v8i)y) | (~m & (v8i)x)); }
 static inline v8 vfma(v8 a, v8 b, v8 c) {
 #if defined(__FMA__)
     return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -101,9 +104,19 @@ static void finish(float *restrict p, const float *restrict r, int64_t n, int64_
 /* NCHW (the caller's) to NHWC (the arena's), and back. */
 static void import_nchw(const float *restrict x, float *restrict y, int64_t N, int64_t C,
                         int64_t HW) {
-    for (int64_t n = 0; n < N; ++n, x += C * HW, y += C * HW)
+    for (int64_t n = 0; n < N; ++n, x += C * HW, y += C * HW) {
+        if (C == 3) {  /* an image's RGB: the channel loop unrolled (4.4 -> ~1 us at 32x32) */
+            const float *restrict r = x, *restrict g = x + HW, *restrict b = x + 2 * HW;
+            for (int64_t p = 0; p < HW; ++p) {
+                y[3 * p] = r[p];
+                y[3 * p + 1] = g[p];
+                y[3 * p + 2] = b[p];
+            }
+            continue;
+        }
         for (int64_t p = 0; p < HW; ++p)
             for (int64_t c = 0; c < C; ++c) y[p * C + c] = x[c * HW + p];
+    }
 }
 
 static void export_nchw(const float *restrict x, float *restrict y, int64_t N, int64_t C,
@@ -150,213 +163,7 @@ int backplane_cnn_half(void) {
 #endif
 }
 
-/* The input copied into a zeroed frame of PH x PW pixels at (PT, PL): the convolution then reads
-   its windows without a bounds check. */
-static void pad_frame(const int64_t *f, const float *restrict x, float *restrict y) {
-    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], PH = f[F_PH], PW = f[F_PW];
-    const int64_t PT = f[F_PT], PL = f[F_PL];
-    const size_t row = sizeof(float) * PW * C, side = sizeof(float) * PL * C;
-    const size_t rest = sizeof(float) * (PW - PL - W) * C;
-    for (int64_t n = 0; n < N; ++n) {
-        float *frame = y + n * PH * PW * C;
-        memset(frame, 0, row * PT);  /* only the border is zeroed: the input overwrites the rest */
-        for (int64_t h = 0; h < H; ++h) {
-            float *line = frame + (h + PT) * PW * C;
-            memset(line, 0, side);
-            memcpy(line + PL * C, x + (n * H + h) * W * C, sizeof(float) * W * C);
-            memset(line + (PL + W) * C, 0, rest);
-        }
-        memset(frame + (H + PT) * PW * C, 0, row * (PH - H - PT));
-    }
-}
-
-/* pb output pixels of one row by VB (8 or 16) output channels of one group: the register tile
-   (6 x 16 or 8 x 8: 12 or 8 accumulators of the 16 AVX registers). ip: the first pixel's window
-   origin; xs: the step between the pixels' origins. */
-enum { PB_MAX = 8 };
-static inline __attribute__((always_inline)) void tile(
-    int nv, int pb, const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep,
-    int64_t KH, int64_t KW, int64_t ICG, const float *restrict wk, const float *restrict bk,
-    float *restrict op, int64_t OC, int64_t pixels, int64_t valid) {
-    const int64_t VB = 8 * nv;
-    v8 a0[PB_MAX], a1[PB_MAX];
-    for (int r = 0; r < pb; ++r) {
-        a0[r] = vload(bk);
-        a1[r] = nv > 1 ? vload(bk + 8) : vsplat(0.0f);
-    }
-    for (int64_t kh = 0; kh < KH; ++kh)
-        for (int64_t kw = 0; kw < KW; ++kw) {
-            const float *x = ip + kh * rowstep + kw * colstep;
-            const float *w = wk + (kh * KW + kw) * ICG * VB;
-            for (int64_t ic = 0; ic < ICG; ++ic, w += VB) {
-                const v8 w0 = vload(w), w1 = nv > 1 ? vload(w + 8) : vsplat(0.0f);
-                for (int r = 0; r < pb; ++r) {
-                    const v8 xr = vsplat(x[r * xs + ic]);
-                    a0[r] = vfma(xr, w0, a0[r]);
-                    if (nv > 1) a1[r] = vfma(xr, w1, a1[r]);
-                }
-            }
-        }
-    if (pixels == pb && valid == VB) {
-        for (int r = 0; r < pb; ++r) {
-            vstore(op + r * OC, a0[r]);
-            if (nv > 1) vstore(op + r * OC + 8, a1[r]);
-        }
-        return;
-    }
-    float t[16];
-    for (int64_t r = 0; r < pixels; ++r) {
-        vstore(t, a0[r]);
-        if (nv > 1) vstore(t + 8, a1[r]);
-        for (int64_t j = 0; j < valid; ++j) op[r * OC + j] = t[j];
-    }
-}
-
-enum { CHUNK = 48 };  /* pixels: a multiple of both tiles' 6 and 8 */
-
-/* A convolution of any groups, its weights packed per group and block of VB output channels as
-   [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself. */
-static void conv(const int64_t *f, float *A, const float *P) {
-    const int64_t N = f[F_N], C = f[F_C], OH = f[F_OH], OW = f[F_OW], OC = f[F_OC];
-    const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
-                  DW = f[F_DW], G = f[F_G], VB = f[F_VB], PH = f[F_PH], PW = f[F_PW];
-    const int64_t ICG = C / G, OCG = OC / G, NB = (OCG + VB - 1) / VB;
-    const float *src = A + f[F_IN];
-    if (f[F_SCR] >= 0) {
-        pad_frame(f, src, A + f[F_SCR]);
-        src = A + f[F_SCR];
-    }
-    float *out = A + f[F_OUT];
-    const float *res = f[F_IN2] >= 0 ? A + f[F_IN2] : 0;
-    const int64_t xs = SW * C, rowstep = DH * PW * C, colstep = DW * C;
-    /* the wide tile (6 or 8 pixels) unless a short row wastes it: a tile costs about its pixels
-       and two more (8 pixels: two wide tiles of 6 cost 16, two of 4 cost 12) */
-    const int64_t wide = VB == 16 ? 6 : 8;
-    const int64_t pb = (OW + wide - 1) / wide * (wide + 2) <= (OW + 3) / 4 * 6 ? wide : 4;
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t oh = 0; oh < OH; ++oh) {
-            float *orow = out + (n * OH + oh) * OW * OC;
-            const float *irow = src + (n * PH + oh * SH) * PW * C;
-            const float *rrow = res ? res + (n * OH + oh) * OW * OC : 0;
-            /* CHUNK pixels at a time, every block of channels, then their residual and
-               activation while they are in L1 (a 1x1's row is all its pixels) */
-            for (int64_t ow0 = 0; ow0 < OW; ow0 += CHUNK) {
-                const int64_t ow1 = OW - ow0 < CHUNK ? OW : ow0 + CHUNK;
-                for (int64_t ow = ow0, pixels; ow < ow1; ow += pixels) {
-                    pixels = ow1 - ow < pb ? ow1 - ow : pb;
-                    for (int64_t g = 0; g < G; ++g)
-                        for (int64_t b = 0; b < NB; ++b) {
-                            const float *wk = P + f[F_WOFF] + (g * NB + b) * KH * KW * ICG * VB;
-                            const float *bk = P + f[F_BOFF] + (g * NB + b) * VB;
-                            const int64_t oc0 = g * OCG + b * VB;
-                            const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
-                            const float *ip = irow + ow * SW * C + g * ICG;
-                            float *op = orow + ow * OC + oc0;
-                            if (VB == 16 && pb == 6)
-                                tile(2, 6, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
-                                     pixels, valid);
-                            else if (VB == 16)
-                                tile(2, 4, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
-                                     pixels, valid);
-                            else if (pb == 8)
-                                tile(1, 8, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
-                                     pixels, valid);
-                            else
-                                tile(1, 4, ip, xs, rowstep, colstep, KH, KW, ICG, wk, bk, op, OC,
-                                     pixels, valid);
-                        }
-                }
-                finish(orow + ow0 * OC, rrow ? rrow + ow0 * OC : 0, (ow1 - ow0) * OC, f[F_ACT],
-                       P + f[F_AOFF]);
-            }
-        }
-}
-
-/* Four output pixels of a depthwise convolution by 8 channels, taps [kh0, kh1) x KW: the register
-   tile, for pixels whose windows lie inside the input's columns. */
-static inline __attribute__((always_inline)) void dwtile(
-    const float *restrict ip, int64_t xs, int64_t rowstep, int64_t colstep, int64_t kh0,
-    int64_t kh1, int64_t KW, int64_t C, const float *restrict w, const float *restrict bias,
-    float *restrict op, int64_t pixels) {
-    v8 acc[4];
-    for (int r = 0; r < 4; ++r) acc[r] = vload(bias);
-    for (int64_t kh = kh0; kh < kh1; ++kh)
-        for (int64_t kw = 0; kw < KW; ++kw) {
-            const float *x = ip + kh * rowstep + kw * colstep;
-            const v8 wv = vload(w + (kh * KW + kw) * C);
-            for (int r = 0; r < 4; ++r) acc[r] = vfma(vload(x + r * xs), wv, acc[r]);
-        }
-    for (int64_t r = 0; r < pixels; ++r) vstore(op + r * C, acc[r]);
-}
-
-/* One output pixel of a depthwise convolution, its window checked against the input's columns
-   (the border pixels; rows [kh0, kh1) are inside). ip: the window's origin, maybe outside. */
-static void dwpixel(const float *ip, int64_t iw0, int64_t W, int64_t rowstep, int64_t colstep,
-                    int64_t DW, int64_t kh0, int64_t kh1, int64_t KW, int64_t C,
-                    const float *restrict wt, const float *restrict bias, float *restrict o) {
-    for (int64_t c = 0; c < C; ++c) o[c] = bias[c];
-    for (int64_t kh = kh0; kh < kh1; ++kh)
-        for (int64_t kw = 0; kw < KW; ++kw) {
-            const int64_t iw = iw0 + kw * DW;
-            if (iw < 0 || iw >= W) continue;
-            const float *restrict x = ip + kh * rowstep + kw * colstep;
-            const float *restrict w = wt + (kh * KW + kw) * C;
-            for (int64_t c = 0; c < C; ++c) o[c] = fmaf(x[c], w[c], o[c]);
-        }
-}
-
-/* A depthwise convolution (one input and one output channel a group), weights [kh][kw][C], read
-   from the input itself: the taps of rows outside it skipped per output row, the pixels whose
-   windows cross a side column by column (dwpixel), the others 4 by 8 channels in registers. */
-static void dwconv(const int64_t *f, float *A, const float *P) {
-    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
-    const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
-                  DW = f[F_DW], PT = f[F_PT], PL = f[F_PL];
-    const float *src = A + f[F_IN];
-    float *out = A + f[F_OUT];
-    const float *res = f[F_IN2] >= 0 ? A + f[F_IN2] : 0;
-    const float *restrict wt = P + f[F_WOFF], *restrict bias = P + f[F_BOFF];
-    const int64_t xs = SW * C, rowstep = DH * W * C, colstep = DW * C, C8 = C / 8 * 8;
-    int64_t lo = (PL + SW - 1) / SW, hi = (W - 1 - (KW - 1) * DW + PL) / SW + 1;
-    if (W - 1 - (KW - 1) * DW + PL < 0) hi = 0;
-    lo = lo < OW ? lo : OW;
-    hi = hi < lo ? lo : hi < OW ? hi : OW;
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t oh = 0; oh < OH; ++oh) {
-            float *orow = out + (n * OH + oh) * OW * C;
-            const int64_t ih0 = oh * SH - PT;
-            int64_t kh0 = 0, kh1 = KH;
-            while (kh0 < KH && ih0 + kh0 * DH < 0) ++kh0;
-            while (kh1 > kh0 && ih0 + (kh1 - 1) * DH >= H) --kh1;
-            /* the window's origin row, maybe outside: only rows [kh0, kh1) are read */
-            const float *irow = src + (n * H + ih0) * W * C;
-            for (int64_t ow = 0; ow < OW; ++ow) {
-                if (ow == lo) {
-                    for (int64_t pixels; ow < hi; ow += pixels) {
-                        pixels = hi - ow < 4 ? hi - ow : 4;
-                        const float *ip = irow + (ow * SW - PL) * C;
-                        for (int64_t c = 0; c < C8; c += 8)
-                            dwtile(ip + c, xs, rowstep, colstep, kh0, kh1, KW, C, wt + c,
-                                   bias + c, orow + ow * C + c, pixels);
-                        for (int64_t r = 0; r < pixels; ++r)
-                            for (int64_t c = C8; c < C; ++c) {
-                                float acc = bias[c];
-                                for (int64_t kh = kh0; kh < kh1; ++kh)
-                                    for (int64_t kw = 0; kw < KW; ++kw)
-                                        acc = fmaf(ip[r * xs + kh * rowstep + kw * colstep + c],
-                                                   wt[(kh * KW + kw) * C + c], acc);
-                                orow[(ow + r) * C + c] = acc;
-                            }
-                    }
-                    if (ow >= OW) break;
-                }
-                dwpixel(irow + (ow * SW - PL) * C, ow * SW - PL, W, rowstep, colstep, DW, kh0,
-                        kh1, KW, C, wt, bias, orow + ow * C);
-            }
-            finish(orow, res ? res + (n * OH + oh) * OW * C : 0, OW * C, f[F_ACT], P + f[F_AOFF]);
-        }
-}
-
+#include "cnn_conv.h"
 #include "cnn_ops.h"
 
 /* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the

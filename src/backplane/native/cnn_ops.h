@@ -2,6 +2,42 @@
    resizes, the moves (gather, scatter, slices), reductions and normalizations. Included once, by
    cnn.c, after its record fields, vector helpers and finish(): one translation unit, so the
    compiler inlines across it as before the split (the build keys a library by this header too). */
+/* One max pooling window's channels into o: 8 channels at a time in registers (a NaN in the
+   window is its maximum: a NaN taken, and then kept, since no comparison with it holds). */
+static void max_window(const float *restrict in, float *restrict o, int64_t h0, int64_t w0,
+                       int64_t H, int64_t W, int64_t C, int64_t KH, int64_t KW, int64_t DH,
+                       int64_t DW) {
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        v8 m = vsplat(-INFINITY);
+        for (int64_t kh = 0; kh < KH; ++kh) {
+            const int64_t h = h0 + kh * DH;
+            if (h < 0 || h >= H) continue;
+            for (int64_t kw = 0; kw < KW; ++kw) {
+                const int64_t w = w0 + kw * DW;
+                if (w < 0 || w >= W) continue;
+                const v8 x = vload(in + (h * W + w) * C + c);
+                m = vselect((x > m) | (x != x), x, m);
+            }
+        }
+        vstore(o + c, m);
+    }
+    for (; c < C; ++c) {
+        float m = -INFINITY;
+        for (int64_t kh = 0; kh < KH; ++kh) {
+            const int64_t h = h0 + kh * DH;
+            if (h < 0 || h >= H) continue;
+            for (int64_t kw = 0; kw < KW; ++kw) {
+                const int64_t w = w0 + kw * DW;
+                if (w < 0 || w >= W) continue;
+                const float x = in[(h * W + w) * C + c];
+                m = (x > m || x != x) ? x : m;
+            }
+        }
+        o[c] = m;
+    }
+}
+
 /* Max or average pooling; the window clipped to the input (PyTorch's and CpuRef's windows:
    F_X1 counts the padding into an average's divisor, the window then clipped at H + the end pad,
    whose ends are F_PH, F_PW here). A NaN in a window is the window's maximum. */
@@ -17,18 +53,7 @@ static void pool(const int64_t *f, float *A, int is_max) {
                 float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
                 const int64_t h0 = oh * SH - PT, w0 = ow * SW - PL;
                 if (is_max) {
-                    for (int64_t c = 0; c < C; ++c) o[c] = -INFINITY;
-                    for (int64_t kh = 0; kh < KH; ++kh) {
-                        const int64_t h = h0 + kh * DH;
-                        if (h < 0 || h >= H) continue;
-                        for (int64_t kw = 0; kw < KW; ++kw) {
-                            const int64_t w = w0 + kw * DW;
-                            if (w < 0 || w >= W) continue;
-                            const float *restrict x = in + ((n * H + h) * W + w) * C;
-                            for (int64_t c = 0; c < C; ++c)
-                                o[c] = (x[c] > o[c] || x[c] != x[c]) ? x[c] : o[c];
-                        }
-                    }
+                    max_window(in + n * H * W * C, o, h0, w0, H, W, C, KH, KW, DH, DW);
                     continue;
                 }
                 int64_t hs = h0, ws = w0, he = h0 + KH, we = w0 + KW;

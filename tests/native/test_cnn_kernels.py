@@ -1,0 +1,115 @@
+"""native/cnn.c's compute kernels at the sizes their register tiles split: the convolution's flat
+tiles of 6 or 8 pixels crossing rows and images, its epilogue in registers (residual, ReLU, Clip
+on whole blocks of 8 or 16 channels), a window row read as one loop (groups 1, dilation 1) or
+tap by tap; the depthwise rows' tiles of 6, 2 and 1 pixels and their paired side pixels, 3x3
+weights held in registers or any kernel read from memory; max pooling 8 channels at a time.
+Against CpuRef (hypothesis), NaN in -> NaN out; the route pinned by option, never measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.native import build  # noqa: E402
+from tests.conftest import float_input, make_model  # noqa: E402
+
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
+
+
+@st.composite
+def cases(draw):
+    depthwise = draw(st.booleans())
+    c = draw(st.sampled_from([8, 16, 24, 32, 3, 12, 20]))
+    oc = c if depthwise else draw(st.sampled_from([8, 16, 32, 48, 2, 12, 20]))
+    k = draw(st.sampled_from([3, 3, 1, 5, 2]))
+    dilation = draw(st.sampled_from([1, 1, 2]))
+    span = (k - 1) * dilation + 1
+    pad = draw(st.integers(0, span // 2))
+    return dict(depthwise=depthwise, c=c, oc=oc, k=k, dilation=dilation, pad=pad,
+                stride=draw(st.sampled_from([1, 1, 2])), n=draw(st.integers(1, 2)),
+                h=draw(st.integers(max(1, span - 2 * pad), 19)),
+                w=draw(st.integers(max(1, span - 2 * pad), 23)),
+                act=draw(st.sampled_from(["", "Relu", "Clip", "Sigmoid"])),
+                residual=draw(st.booleans()), pool=draw(st.booleans()),
+                nan=draw(st.sampled_from(["", "x", "r"])), seed=draw(st.integers(0, 2**16)))
+
+
+def _model(case: dict):
+    rng = np.random.default_rng(case["seed"])
+    k, d, p, s = case["k"], case["dilation"], case["pad"], case["stride"]
+    n, c, oc, h, w = case["n"], case["c"], case["oc"], case["h"], case["w"]
+    groups = c if case["depthwise"] else 1
+    oh, ow = ((size + 2 * p - (k - 1) * d - 1) // s + 1 for size in (h, w))
+    inits = [numpy_helper.from_array((rng.standard_normal((oc, c // groups, k, k)) * 0.4)
+                                     .astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(oc).astype(np.float32), "b")]
+    inputs = [float_input("x", [n, c, h, w])]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], group=groups, kernel_shape=[k, k],
+                              strides=[s, s], dilations=[d, d], pads=[p] * 4)]
+    last = "y"
+    if case["residual"]:
+        inputs.append(float_input("r", [n, oc, oh, ow]))
+        nodes.append(helper.make_node("Add", ["y", "r"], ["sum"]))
+        last = "sum"
+    if case["act"] == "Clip":
+        inits += [numpy_helper.from_array(np.float32(-0.5), "lo"),
+                  numpy_helper.from_array(np.float32(1.5), "hi")]
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["a"]))
+        last = "a"
+    elif case["act"]:
+        nodes.append(helper.make_node(case["act"], [last], ["a"]))
+        last = "a"
+    if case["pool"]:
+        nodes.append(helper.make_node("MaxPool", [last], ["out"], kernel_shape=[3, 3],
+                                      strides=[2, 2], pads=[1, 1, 1, 1]))
+    else:
+        nodes.append(helper.make_node("Identity", [last], ["out"]))
+    feeds = {i.name: rng.standard_normal([dim.dim_value for dim in i.type.tensor_type.shape.dim])
+             .astype(np.float32) for i in inputs}
+    if case["nan"] in feeds:  # NaN in, NaN out: one element, somewhere in the tiles
+        feeds[case["nan"]].reshape(-1)[case["seed"] % feeds[case["nan"]].size] = np.nan
+    return make_model(nodes, inputs, [float_input("out", None)], inits), feeds
+
+
+def _native(model) -> InferenceSession:
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"],
+                               provider_options=[{"CpuAcc.native": "auto"}, {}])
+    loaded = session.runtime.network(session.network_id)
+    routes = [getattr(step.workload, "route", None) for step, layer in
+              zip(loaded.steps, loaded.layers) if layer.op_type == "OneDnnGraph"]
+    assert routes == ["native"], routes
+    return session
+
+
+@needs_compiler
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_the_kernels_tiles_match_cpuref(case):
+    model, feeds = _model(case)
+    got = _native(model).run(None, feeds)[0]
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    scale = np.abs(want[np.isfinite(want)]).max(initial=1.0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+@needs_compiler
+@pytest.mark.parametrize("depthwise", [False, True])
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 13, 14, 17])
+def test_every_row_width_a_tile_can_leave(depthwise, width):
+    """Each count of pixels a row leaves after its tiles of 6 (or 8): the depthwise sides paired
+    or alone, a flat tile crossing into the next row and image."""
+    case = dict(depthwise=depthwise, c=16, oc=16, k=3, dilation=1, pad=1, stride=1, n=2, h=3,
+                w=width, act="Relu", residual=True, pool=False, nan="x", seed=width)
+    model, feeds = _model(case)
+    got = _native(model).run(None, feeds)[0]
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.nanmax(np.abs(want)))
