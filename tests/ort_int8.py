@@ -109,3 +109,34 @@ def with_uint8_weights(model: onnx.ModelProto,
                     moved.add(name)
                 node.input[zp] = name
     return model
+
+
+def with_uint8_steps(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a QDQ ``model`` whose int8 steps are uint8, 128 above: every int8 zero point of
+    a QuantizeLinear or DequantizeLinear (an initializer, a Constant, or an Identity's source)
+    and every int8 initializer a DequantizeLinear reads. The same real values and the same
+    integer products after the zero points are taken off, which ONNX Runtime then multiplies u8
+    x u8, exactly, where its u8 x s8 products saturate (no VNNI)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    zeros = {n.input[2] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")
+             and len(n.input) > 2 and n.input[2]}
+    zeros |= {n.input[0] for n in graph.node if n.op_type == "Identity" and n.output[0] in zeros}
+    read = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+
+    def shifted(tensor: onnx.TensorProto) -> onnx.TensorProto:
+        value = numpy_helper.to_array(tensor).astype(np.int16) + 128
+        return numpy_helper.from_array(value.astype(np.uint8), tensor.name)
+
+    for name in zeros | read:
+        if name in inits and inits[name].data_type == TensorProto.INT8:
+            inits[name].CopyFrom(shifted(inits[name]))
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] in zeros \
+                and node.attribute[0].t.data_type == TensorProto.INT8:
+            node.attribute[0].t.CopyFrom(shifted(node.attribute[0].t))
+    for value in (*graph.value_info, *graph.output):
+        if value.type.tensor_type.elem_type == TensorProto.INT8:
+            value.type.tensor_type.elem_type = TensorProto.UINT8
+    return model

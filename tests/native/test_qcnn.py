@@ -70,19 +70,6 @@ def test_the_corpus_int8_resnets_run_natively_as_onnx_runtime_does(name):
         np.testing.assert_array_equal(g, w)
 
 
-@needs_compiler
-def test_a_qat_exports_float_bias_keeps_todays_route():
-    """fakequant_qdq_ts13 (torch's QAT export) has float biases, no integers of x_scale *
-    w_scale: ONNX Runtime computes those convolutions in float, and an integer one came out a
-    step off at a near-tie on its second input (test_corpus): not planned."""
-    path, feeds, shapes = _corpus("fakequant_qdq_ts13")
-    session = _session(path, input_shapes=shapes)
-    assert "NativeInt8" not in _ops(session)
-    for g, w in zip(session.run(None, feeds), InferenceSession(path, backends=["CpuRef"]).run(
-            None, feeds)):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("act", ["Relu", "Clip"])
 def test_a_qdq_conv_with_its_activation_then_a_float_head(act):
     """DQ -> Conv -> Relu / Clip -> Q (the bounds in the requantization; ONNX Runtime's fusion

@@ -30,12 +30,15 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_DH, F_DW, F_PT, F_PL, F_WOFF, F_BOFF, F_MOFF, F_SCR, F_PH, F_PW, F_ICP, F_ZX, F_ZY,
        F_LO, F_HI, F_SIGNED, F_X1, NF = 32 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_QUANT, OP_DEQUANT, OP_QCONV, OP_MAXPOOL_F, OP_MAXPOOL_Q,
-       OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F, OP_QDWCONV, OP_LINEAR_F };
+       OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F, OP_QDWCONV, OP_LINEAR_F,
+       OP_FDWCONV_Q };
 #define OCB 16 /* output channels a weight block: two vectors of 8 int32 sums */
 
 static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
     return sgn ? (int32_t)((const int8_t *)p)[i] : (int32_t)p[i];
 }
+
+#include "qcnn_float.h" /* float biases: requantize_f; a float depthwise: fdwconv_q */
 
 /* y = clamp(round_half_even(x / scale), lo - zero, hi - zero) + zero, as MLAS: a NaN takes the
    low end (maxps keeps its second operand where either is NaN). */
@@ -201,6 +204,7 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int16_t *weights = (const int16_t *)(params + r[F_WOFF]);
     const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
     const float *mult = (const float *)(params + r[F_MOFF]);
+    const float *fb = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0; /* a float bias */
     uint8_t *y = arena + r[F_OUT];
     const int32_t zy = (int32_t)r[F_ZY];
     float fl, fh;
@@ -228,9 +232,14 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                                acc);
                 const int64_t count = oc - k * OCB < OCB ? oc - k * OCB : OCB;
                 for (int64_t t = 0; t < tiles; ++t)
-                    requantize(acc[t], mult + k * OCB, bias + k * OCB,
-                               y + (b * pixels + p0 + t) * oc + k * OCB, count, zy, fl, fh,
-                               r[F_LO] < 0);
+                    if (fb)
+                        requantize_f(acc[t], fb + k * OCB, fb + blocks * OCB + k * OCB,
+                                     fb[2 * blocks * OCB], y + (b * pixels + p0 + t) * oc + k * OCB,
+                                     count, zy, fl, fh);
+                    else
+                        requantize(acc[t], mult + k * OCB, bias + k * OCB,
+                                   y + (b * pixels + p0 + t) * oc + k * OCB, count, zy, fl, fh,
+                                   r[F_LO] < 0);
             }
         }
 }
@@ -247,6 +256,8 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int16_t *weights = (const int16_t *)(params + r[F_WOFF]);
     const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
     const float *mult = (const float *)(params + r[F_MOFF]);
+    const float *fb = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0; /* a float bias */
+    const int64_t padded = (c + OCB - 1) / OCB * OCB;
     uint8_t *y = arena + r[F_OUT];
     const int32_t zy = (int32_t)r[F_ZY];
     float fl, fh;
@@ -287,8 +298,12 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                     }
                     acc[k] = sum;
                 }
-                requantize(acc, mult, bias, y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh,
-                           r[F_LO] < 0);
+                if (fb)
+                    requantize_f(acc, fb, fb + padded, fb[2 * padded],
+                                 y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh);
+                else
+                    requantize(acc, mult, bias, y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh,
+                               r[F_LO] < 0);
             }
 }
 
@@ -393,6 +408,9 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
         break;
     case OP_LINEAR_F:
         linear_f(r, params, arena);
+        break;
+    case OP_FDWCONV_Q:
+        fdwconv_q(r, params, arena);
         break;
     case OP_MAXPOOL_F:
         maxpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));

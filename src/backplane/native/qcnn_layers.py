@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
+from backplane.native import qcnn_float, qcnn_weights
 from backplane.native.qcnn import OCB, Pending, Planner, Unplannable, dims_of
 
 F32 = np.float32
@@ -61,61 +62,6 @@ def dequantize(p: Planner, layer: Layer, index: int) -> None:
     p.pending[layer.outputs[0]] = Pending(layer.inputs[0], scale, zero)
 
 
-_RECOVERED: dict[int, tuple[np.ndarray, Any]] = {}
-"""``_integer_weight``'s answers by the weight array's id (the array held, so the id stays its
-own): a subgraph is planned twice, at the substitution and at its workload."""
-
-
-def _integer_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``fusion.int8.integer_weight``'s answer: (int8 k, float32 scale per output channel) with
-    k * scale rounded to float32 equal to ``weight``, or None. Every candidate scale of a
-    channel (its largest |w| at 127, 128, 126 ... 64 steps, rounded either way) is tried on its
-    first values at once, in one array operation, before one is checked on all of them."""
-    held = _RECOVERED.get(id(weight))
-    if held is not None and held[0] is weight:
-        return held[1]
-    flat = weight.reshape(weight.shape[0], -1).astype(np.float64)
-    levels = np.array([127, 128, *range(126, 63, -1)], np.float64)
-    found = _scales(flat.reshape(1, -1), levels)
-    if found is not None:
-        ints, scales = found[0].reshape(weight.shape), np.full(flat.shape[0], found[1][0], F32)
-    else:
-        found = _scales(flat, levels)
-        ints, scales = (None, None) if found is None else (found[0].reshape(weight.shape),
-                                                            found[1])
-    answer = None if ints is None else (ints, scales)
-    if len(_RECOVERED) > 512:
-        _RECOVERED.clear()
-    _RECOVERED[id(weight)] = (weight, answer)
-    return answer
-
-
-def _scales(rows: np.ndarray, levels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each row as int8 times a float32 scale of its own, exactly, or None."""
-    ints, scales = np.zeros(rows.shape, np.int8), np.zeros(rows.shape[0], F32)
-    for index, row in enumerate(rows):
-        peak = float(np.max(np.abs(row)))
-        if peak == 0:
-            scales[index] = 1.0
-            continue
-        guess = (peak / levels).astype(F32)
-        candidates = np.stack([guess, np.nextafter(guess, F32(0)), np.nextafter(guess, F32(1))],
-                              1).reshape(-1).astype(np.float64)
-        head = row[:16]
-        k = np.rint(head[None, :] / candidates[:, None])
-        good = (np.abs(k) <= 128).all(1) & ((k * candidates[:, None]).astype(F32) ==
-                                            head.astype(F32)).all(1)
-        for scale in candidates[good]:
-            k = np.rint(row / scale)
-            if k.min() >= -128 and k.max() <= 127 and np.array_equal(
-                    (k * scale).astype(F32), row.astype(F32)):
-                ints[index], scales[index] = k.astype(np.int8), F32(scale)
-                break
-        else:
-            return None
-    return ints, scales
-
-
 def _then_quantize(p: Planner, layer: Layer) -> tuple[Layer, tuple[F32, int, str], list[Layer],
                                                     tuple[float, float] | None]:
     """The QuantizeLinear that alone reads ``layer``'s output (through a Relu or a Clip of
@@ -124,16 +70,7 @@ def _then_quantize(p: Planner, layer: Layer) -> tuple[Layer, tuple[F32, int, str
     reader, between, bounds = p.sole_reader(layer.outputs[0]), [], None
     if reader is not None and reader.domain in ("", "ai.onnx") and reader.op_type in ("Relu",
                                                                                      "Clip"):
-        if reader.op_type == "Relu":
-            bounds = (0.0, math.inf)
-        else:
-            low, high = (p.const(n) if n else None for n in (*reader.inputs[1:3], "", "")[:2])
-            if any(n and p.const(n) is None for n in reader.inputs[1:3]):
-                raise Unplannable(f"{reader.name}: a Clip of computed bounds")
-            low = reader.attrs.get("min") if low is None else low  # Clip before opset 11
-            high = reader.attrs.get("max") if high is None else high
-            bounds = (-math.inf if low is None else float(low),
-                      math.inf if high is None else float(high))
+        bounds = (0.0, math.inf) if reader.op_type == "Relu" else qcnn_float.clip_bounds(p, reader)
         between = [reader]
         reader = p.sole_reader(reader.outputs[0])
     if reader is None or reader.op_type != "QuantizeLinear" or reader.domain not in ("", "ai.onnx"):
@@ -165,26 +102,29 @@ def qdq_conv(p: Planner, layer: Layer, index: int) -> None:
         if weight.ndim != 2:
             raise Unplannable(f"{layer.name}: a MatMul by a {weight.ndim}-d constant")
         kernel = weight.T[:, :, None, None]
-    found = _integer_weight(weight if layer.op_type == "Conv" else kernel)
+    found = qcnn_weights.integer_weight(weight if layer.op_type == "Conv" else kernel)
     if found is None:
         raise Unplannable(f"{layer.name}: the weight is no int8 tensor times a scale")
     ints, w_scale = found
     oc = ints.shape[0]
-    if bias is not None and bias.size not in (1, oc):
-        raise Unplannable(f"{layer.name}: a bias of {bias.shape}")
-    units = np.zeros(oc) if bias is None else np.broadcast_to(bias.reshape(-1), (oc,)).astype(
-        np.float64) / (np.float64(pending.scale) * w_scale.astype(np.float64))
-    if np.abs(units).max(initial=0) >= 2 ** 30:
-        raise Unplannable(f"{layer.name}: a bias beyond int32")
-    q, (y_scale, y_zero, y_kind), between, bounds = _then_quantize(p, layer)
+    q, y_step, between, bounds = _then_quantize(p, layer)
     geometry = _geometry(p, layer, ints.shape[2:]) if layer.op_type == "Conv" else None
-    off = np.abs(units - np.rint(units)) - 4e-6 * np.abs(units)  # (a scale recovered an ulp
-    if off.max(initial=0) > 1e-3:  # off moves a large integer bias a little); a QAT's float bias:
-        raise Unplannable(f"{layer.name}: a float bias, no integer of x_scale * w_scale (ONNX "
-                          "Runtime computes such a convolution in float: a value near a tie then "
-                          "rounds by its float sums, fakequant_qdq_ts13's second input a step off)")
-    _qconv(p, layer, pending.source, (pending.scale, pending.zero), ints, np.zeros(oc),
-           w_scale, np.rint(units), q.outputs[0], (y_scale, y_zero, y_kind), geometry, bounds)
+    x_step = (pending.scale, pending.zero)
+    try:
+        units, bias_f = qcnn_float.bias(bias, pending.scale, w_scale, oc)
+    except Unplannable as why:
+        raise Unplannable(f"{layer.name}: {why}") from None
+    kept = bool(between)
+    if kept and units is not None and qcnn_float.redundant(p, between[0], q, y_step):
+        kept, bounds = False, None  # ONNX Runtime drops it: its QLinearConv saturates only
+    if (kept or units is None) and geometry is not None and qcnn_float.depthwise_float(
+            p, layer, pending.source, x_step, weight, bias_f, q.outputs[0], y_step, geometry,
+            bounds or (-math.inf, math.inf)):
+        p.done.update(_index(p, lay) for lay in (*between, q))
+        return
+    _qconv(p, layer, pending.source, x_step, ints, np.zeros(oc), w_scale,
+           np.zeros(oc) if units is None else units, q.outputs[0], y_step, geometry, bounds,
+           None if units is not None else bias_f)
     p.done.update(_index(p, lay) for lay in (*between, q))
 
 
@@ -277,7 +217,8 @@ def _geometry(p: Planner, layer: Layer, kernel: tuple[int, ...]) -> tuple[Any, .
 def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints: np.ndarray,
            w_zero: np.ndarray, w_scale: np.ndarray, bias: np.ndarray, y_name: str,
            y_step: tuple[F32, int, str], geometry: tuple[Any, ...] | None,
-           bounds: tuple[float, float] | None = None) -> None:
+           bounds: tuple[float, float] | None = None, float_bias: np.ndarray | None = None
+           ) -> None:
     x = p.quantized(x_name)
     n, c, h, w = x.dims
     oc, icg, kh, kw = ints.shape
@@ -320,11 +261,13 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     if bounds is not None:  # a Relu's or Clip's bounds in steps of y (the requantized value's unit)
         limits = 1 + p.param(np.array([np.float32(b) / F32(y_step[0]) if math.isfinite(b) else
                                        np.float32(b) for b in bounds], F32))
-    p.record("qdwconv" if depthwise else "qconv", in_=x.offset, out=y.offset, dims=x.dims, oh=oh, ow=ow, oc=oc, kh=kh,
-             kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl,
+    p.record("qdwconv" if depthwise else "qconv", in_=x.offset, out=y.offset, dims=x.dims, oh=oh,
+             ow=ow, oc=oc, kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl,
              woff=p.param(np.ascontiguousarray(packed)), boff=p.param(padded_bias),
              moff=p.param(padded_multiplier), ph=ph, pw=pw, icp=icp, zx=x_step[1],
-             zy=y_step[1], lo=lo, hi=hi, signed=int(x.kind == "s8"), x1=limits)
+             zy=y_step[1], lo=lo, hi=hi, signed=int(x.kind == "s8"), x1=limits,
+             in2=-1 if float_bias is None else qcnn_float.float_bias(
+                 p, float_bias, x_step[0], w_scale, y_step[0], blocks))
     p.macs += n * oh * ow * oc * icg * kh * kw
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from backplane.backends.api.kernels import UnsupportedError, bind_kernel, select_kernel
 from backplane.ir.graph import Graph, Layer, TensorInfo
-from backplane.optimizer import shapes
+from backplane.optimizer import dequantized, shapes
 
 # Ops whose output is not a function of their inputs: never folded.
 NONDETERMINISTIC = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
@@ -36,6 +36,10 @@ def fold_constants(graph: Graph) -> Graph:
             if name:
                 graph.constants[name] = value
                 graph.tensors[name] = TensorInfo(value.shape, value.dtype)
+        if layer.op_type == "DequantizeLinear" and not layer.domain:  # its step kept aside
+            dequantized.note(values[0], graph.constants[layer.inputs[1]], graph.constants.get(
+                layer.inputs[2]) if len(layer.inputs) > 2 and layer.inputs[2] else None,
+                int(layer.attrs.get("axis", 1)))
     graph.layers = kept
     return graph
 
