@@ -124,16 +124,16 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     from backplane.backends.torch.fusion.linear import linear_workload
 
     a = layer.attrs
-    product = linear_workload(_in_float32(layer), backend)
     post = torch_post_op(a.get("post"))
     bias = _numpy_to_torch(a["add"]) if a["add"] is not None else None
     w_scale = torch.from_numpy(np.array(a["w_scale"], F32))
     dtype, splits = compute_type(a), a.get("splits")
     native = _native(a, bias, w_scale, backend)
+    # the float product's route measured at load only where it runs (a measured decision
+    # flips between processes on a busy machine)
+    product = linear_workload(_in_float32(layer), backend) if native is None else None
 
     def run_native(x):
-        if x.is_cuda:  # a layer placed on the CPU, fed on a GPU: torch's route
-            return run(x)
         y = native(x if x.dtype == torch.float32 else x.float())
         y = post(y) if post is not None else y
         y = y if dtype == torch.float32 else y.to(dtype)
