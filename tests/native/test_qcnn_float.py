@@ -172,3 +172,29 @@ def test_a_qdq_convolution_matches_onnx_runtime_bit_for_bit(case):
         assert np.abs(got - want).max(initial=0) <= step * 1.0001
     else:
         np.testing.assert_array_equal(got, want)
+
+
+@needs_compiler
+def test_the_numpy_run_reads_each_arrays_own_address_and_gives_fresh_outputs():
+    """Executor.numpy (the torch-free session's run) reads an array's address from its object:
+    a view's is its own (an offset into its base), a float64 or strided input is converted, and
+    each run's outputs are new arrays."""
+    import gc
+
+    from backplane.native import qcnn
+
+    path = f"{CORPUS}/resnet_qdq_ort17.onnx"
+    feeds = dict(np.load(f"{CORPUS}/resnet_qdq_ort17.s0.npz"))
+    shapes = {k: list(v.shape) for k, v in feeds.items()}
+    _session(path, shapes=shapes)
+    executor = [o for o in gc.get_objects() if isinstance(o, qcnn.Executor)][-1]
+    (x,) = feeds.values()
+    wide = np.concatenate([x, x[:, :, ::-1]], axis=0)
+    for array in (wide, wide[1:], wide[:, 1:], np.empty(5, np.float32)[2:]):
+        assert qcnn._address(array) == array.ctypes.data
+    want = executor.numpy(np.ascontiguousarray(wide[1:]))
+    for value in (wide[1:], wide[1:].astype(np.float64), np.asfortranarray(wide[1:])):
+        got = executor.numpy(value)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+            assert g.ctypes.data != w.ctypes.data and g.flags.owndata
