@@ -109,7 +109,7 @@ def test_a_move_after_a_convolution_matches_cpuref(case):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * max(1.0, np.nanmax(np.abs(r))))
 
 
-TRACED = {"detect_nms_ts14": "native+", "detect_nms_dyn21": "native+",
+TRACED = {"detect_nms_ts14": "native", "detect_nms_dyn21": "native",
           "crnn_paddle_ts12": "native+", "audio_conv1d_dyn19": "native"}
 """The corpus rows and their Traced partition's route: its first layers native, or all of it."""
 

@@ -165,6 +165,7 @@ int backplane_cnn_half(void) {
 
 #include "cnn_conv.h"
 #include "cnn_ops.h"
+#include "cnn_detect.h"
 
 /* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the
    caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
@@ -235,7 +236,7 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
     case OP_REDUCE: reduce(f, arena, params); break;
     case OP_GNORM: gnorm(f, arena, params); break;
     case OP_LNORM: lnorm(f, arena, params); break;
-    default: return 1;
+    default: return detect_step(f, params, arena, ext);
     }
     return 0;
 }

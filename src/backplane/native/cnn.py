@@ -31,7 +31,7 @@ here); a record is NF = 32 int64s."""
 NF = 32
 OPS = {name: code for code, name in enumerate(
     "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize "
-    "gather scatter arith reduce gnorm lnorm".split(), 1)}
+    "gather scatter arith reduce gnorm lnorm topk dgather export_int argreduce softmax".split(), 1)}
 ARITH = {name: code for code, name in enumerate("Add Sub Mul Div Pow AffineChain".split())}
 REDUCE = {name: code for code, name in enumerate(
     "ReduceMax ReduceMin ReduceSum ReduceMean".split())}
@@ -44,6 +44,12 @@ ELEMENTWISE = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish"
                "HardSigmoid": "hsigmoid", "LeakyRelu": "leaky", "Clip": "clip",
                "GeluChain": "gelu"}
 VIEWS = ("Flatten", "Reshape", "Identity", "Squeeze", "Unsqueeze")
+INTEGER = frozenset((*VIEWS, "Transpose", "Slice", "Split", "Concat", "Expand", "Gather",
+                     "GatherElements", "GatherND", "Cast"))
+"""The layers that may read integer values (they move them, or gather by them): any other
+reading one is not planned (float arithmetic is not int64's: a Div, an overflow)."""
+OUTPUTS = {"Split": 0, "TopK": 2}
+"""The layers of more than one output (0: any count)."""
 ALIGN = 16  # floats: each tensor's place starts on a 64-byte line
 
 
@@ -53,11 +59,13 @@ class Unplannable(NotImplementedError):
 
 @dataclass
 class Value:
-    """A tensor in the arena, channels-last: ``dims`` (n, c, h, w); ``shape`` its ONNX shape."""
+    """A tensor in the arena, channels-last: ``dims`` (n, c, h, w); ``shape`` its ONNX shape;
+    ``integer``: indices (a TopK's, an ArgMax's) kept as floats, exact below 2^24 (``INTEGER``)."""
 
     offset: int
     dims: tuple[int, int, int, int]
     shape: tuple[int, ...]
+    integer: bool = False
 
     @property
     def size(self) -> int:
@@ -186,9 +194,10 @@ class _Planner:
         n, c, h, w = _dims(shape)
         table = places.reshape(n, c, h, w).transpose(0, 2, 3, 1).reshape(-1)
         if table.size == x.size and np.array_equal(table, np.arange(x.size)):
-            self.values[name] = Value(x.offset, (n, c, h, w), shape)
+            self.values[name] = Value(x.offset, (n, c, h, w), shape, x.integer)
             return
         y = self.new(name, shape)
+        y.integer = x.integer
         self.record("gather", in_=x.offset, out=y.offset, dims=(y.size, 1, 1, 1),
                     woff=self.param(table.astype(np.int32).view(np.float32)))
 
@@ -260,25 +269,34 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     for index, layer in enumerate(planner.layers):
         make = cnn_layers.PLANNERS.get(layer.op_type)
         fused = layer.op_type in cnn_layers.FUSED_OPS
-        if make is None or len(layer.outputs) != 1 and layer.op_type != "Split" \
-                or fused != (layer.domain == cnn_layers.FUSED) \
+        if make is None or len(layer.outputs) != OUTPUTS.get(layer.op_type, 1) \
+                and layer.op_type != "Split" or fused != (layer.domain == cnn_layers.FUSED) \
                 or not fused and layer.domain not in ("", "ai.onnx"):
             raise Unplannable(f"{layer.name}: {layer.op_type} is not planned natively")
+        if layer.op_type not in INTEGER and any(
+                planner.values[n].integer for n in layer.inputs if n in planner.values):
+            raise Unplannable(f"{layer.name}: {layer.op_type} of integer values")
         planner.current, planner.index = (layer.name, layer.op_type), index
         make(planner, layer)
+        data = planner.values.get(layer.inputs[0]) if layer.inputs else None
+        if layer.op_type in INTEGER and layer.op_type != "Cast" and data and data.integer:
+            for name in layer.outputs:  # moved integers stay integers (a Concat's made anew)
+                planner.values[name].integer = True
         planner.made.update(dict.fromkeys(layer.outputs, index))
         planner.release(index, layer)
-    shapes, planner.current = [], ("the partition's outputs", "NativeExport")
+    shapes, types, planner.current = [], [], ("the partition's outputs", "NativeExport")
     for index, name in enumerate(outputs):
         if name in inputs:
             raise Unplannable(f"the output {name!r} is an input of the partition")
         value = planner.value(name)
-        planner.record("export", in_=value.offset, out=len(inputs) + index, dims=value.dims)
+        planner.record("export_int" if value.integer else "export", in_=value.offset,
+                       out=len(inputs) + index, dims=value.dims)
         shapes.append(value.shape)
+        types.append(np.int64 if value.integer else np.float32)
     params = np.concatenate(planner.params) if planner.params else np.zeros(ALIGN, np.float32)
     return Plan(np.stack(planner.records), params, planner.arena.end + planner.slack + 4 * ALIGN,
                 [tuple(s) for s in input_shapes], shapes, planner.ops, planner.names,
-                [np.float32] * len(inputs), [np.float32] * len(outputs))
+                [np.float32] * len(inputs), types)
 
 
 class Executor:
@@ -317,7 +335,9 @@ class Executor:
             failed = self.fn(records, self.count, params, arena.ctypes.data, ext)
             del arena
         if failed:
-            raise RuntimeError(f"native cnn: record {failed - 1} has an unknown op")
+            raise RuntimeError(f"native cnn: record {failed - 1} ({self.plan.ops[failed - 1]}) "
+                               "failed: an op this library does not know, or an index out of "
+                               "range")
 
     def profile(self, values: Sequence[np.ndarray], times: int = 1) -> list[float]:
         """Each record's thread CPU seconds, the mean of ``times`` runs on NumPy ``values``."""

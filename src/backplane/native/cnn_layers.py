@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
-from backplane.native import cnn_moves
+from backplane.native import cnn_detect, cnn_moves
 from backplane.native.cnn import ACTS, ELEMENTWISE, FIELDS, VIEWS, Unplannable, _Planner
 
 FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_DOMAIN)
@@ -385,4 +385,4 @@ PLANNERS: dict[str, Callable[[_Planner, Layer], Any]] = {
     "Split": cnn_moves.split, **{op: cnn_moves.view for op in VIEWS},
     **{op: cnn_moves.reduce for op in ("ReduceMax", "ReduceMin", "ReduceSum", "ReduceMean")},
     "GroupNorm": group_norm, "LayerNormalization": layer_norm,
-    **{op: elementwise for op in ELEMENTWISE}}
+    **{op: elementwise for op in ELEMENTWISE}, **cnn_detect.PLANNERS}

@@ -155,7 +155,8 @@ def _then(layer: Layer, backend: Any, inputs: Sequence[TensorInfo], head: Worklo
     """``head`` (the native first ``count`` layers) then the others as a Traced layer."""
     a, names = layer.attrs, list(layer.attrs["inputs"])
     infos = dict(zip(names, inputs))
-    infos.update({n: TensorInfo(tuple(s), np.dtype(np.float32)) for n, s in zip(made, shapes)})
+    infos.update({n: TensorInfo(tuple(s), np.dtype(t)) for n, s, t in zip(
+        made, shapes, head.executor.plan.output_dtypes)})  # float32, or int64 indices
     later = a["layers"][count:]
     read = [n for n in dict.fromkeys(n for lay in later for n in lay.inputs)
             if n in infos]
@@ -209,9 +210,10 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str,
 
     from backplane.runtime.fresh_outputs import Made
 
+    TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64}
     shapes, call, empty = executor.plan.output_shapes, executor.run, torch.empty
     plan = executor.plan
-    types = [torch.float16 if t == np.float16 else torch.float32
+    types = [TORCH.get(np.dtype(t), torch.float32)
              for t in getattr(plan, "output_dtypes", None) or [np.float32] * len(shapes)]
     kinds = [torch.float16 if t == np.float16 else torch.float32
              for t in getattr(plan, "input_dtypes", None) or [np.float32] * len(plan.input_shapes)]
