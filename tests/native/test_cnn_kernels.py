@@ -113,3 +113,35 @@ def test_every_row_width_a_tile_can_leave(depthwise, width):
     want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.nanmax(np.abs(want)))
+
+
+@needs_compiler
+@pytest.mark.parametrize("act", ["Sigmoid", "SiLU"])
+def test_the_logistic_in_registers_at_its_ends(act):
+    """Sigmoid and SiLU 8 lanes at a time (cnn.c's vexp): values across exp's range, its ends
+    (+-87..89, +-100, +-inf: 0, 1 and SiLU's NaN at -inf, as CpuRef's) and NaN, brought in as a
+    16-channel 1x1 convolution's residual (an infinite input would make the convolution's
+    0 * inf products NaN)."""
+    ends = [-np.inf, np.inf, np.nan, -100, 100, -89, 89, -88.5, 88.5, -87.5, 87.5, -87.2, 0.0,
+            -0.0, 1e-8, -20, 20, 3]
+    r = np.concatenate([np.array(ends, np.float32),
+                        np.linspace(-30, 30, 16 * 6 * 7 - len(ends), dtype=np.float32)])
+    r = r.reshape(1, 6, 7, 16).transpose(0, 3, 1, 2).copy()
+    x = np.random.default_rng(0).standard_normal((1, 16, 6, 7)).astype(np.float32)
+    inits = [numpy_helper.from_array(np.eye(16, dtype=np.float32).reshape(16, 16, 1, 1) * 0.01,
+                                     "w")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("Add", ["c", "r"], ["y"])]
+    if act == "SiLU":
+        nodes += [helper.make_node("Sigmoid", ["y"], ["s"]),
+                  helper.make_node("Mul", ["y", "s"], ["out"])]
+    else:
+        nodes.append(helper.make_node("Sigmoid", ["y"], ["out"]))
+    model = make_model(nodes, [float_input("x", [1, 16, 6, 7]), float_input("r", [1, 16, 6, 7])],
+                       [float_input("out", None)], inits)
+    feeds = {"x": x, "r": r}
+    got = _native(model).run(None, feeds)[0]
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)[0]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert np.isnan(got).sum() == (2 if act == "SiLU" else 1)  # NaN, and SiLU's -inf
