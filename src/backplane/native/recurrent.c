@@ -256,3 +256,5 @@ int64_t backplane_packed_floats(int64_t I, int64_t H, int64_t gru, int64_t linea
 }
 
 int backplane_recurrent_version(void) { return 3; }
+
+#include "recurrent_net.h"

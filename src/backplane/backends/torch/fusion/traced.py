@@ -45,7 +45,7 @@ from backplane.backends.api.backend import OptionError, Workload
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.host_inputs import HOST_INPUTS, NOT_CAPTURABLE
-from backplane.backends.torch.fusion import host_chain, native_cnn, onednn_graph
+from backplane.backends.torch.fusion import host_chain, native_cnn, onednn_graph, recurrent_net
 from backplane.backends.torch import prepacked, static_runtime, threads
 from backplane.backends.torch.fusion.patterns import DEFERRED, because, deferred, fastest, remembered
 from backplane.backends.torch.fusion.reduced import cpu_flags, mark
@@ -239,6 +239,9 @@ def traced_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) ->
     mode = backend.options.get("CpuAcc.compile", "auto")
     if mode not in onednn_graph.MODES:
         raise OptionError(f"CpuAcc.compile {mode!r} is not one of {', '.join(onednn_graph.MODES)}")
+    whole = recurrent_net.traced_whole(layer, backend, inputs)
+    if whole is not None:  # CpuAcc.native: recurrent layers and their moves, one C call
+        return whole
     native = native_cnn.traced_prefix(layer, backend, inputs, traced_workload)
     if native is not None:  # CpuAcc.native: its first layers (a CNN) in C, the others traced
         return native

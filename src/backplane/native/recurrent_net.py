@@ -1,0 +1,227 @@
+"""A CpuAcc partition of recurrent layers and the moves around them, planned at load and run as
+one C call (``recurrent_net.h``, in the ``recurrent`` library): the route "native" of a Traced
+partition that ``fusion/recurrent_net.py`` finds whole of these.
+
+Why: in a trace each recurrent op cost 10-15 us of Python dispatch (``backplane::native_stack``,
+torch's custom op) and each of the trace's other ops 2-5 us (a Transpose, the Slices of the
+initial states, the head's ``addmm``, a Concat), around layers whose arithmetic takes 5-20 us at
+the corpus's sizes (lstm_bi2_ts14, gru_tm3_ts13, the VAD's one-step LSTM); ONNX Runtime runs such
+a whole net in 60-100 us.
+
+What a plan takes: ONNX's LSTM and GRU (the default activations, no clip, no peepholes or all
+zero, no input_forget, layout 0, no sequence_lens, constant float32 weights), CpuAcc's fused
+``LstmStack`` and ``GruStack``, its ``Linear`` (a constant weight, a bias, Relu, Sigmoid or Tanh
+after it), and Transpose, Squeeze, Unsqueeze, Reshape, Flatten, Identity, Slice (steps of 1 or
+more), Gather of constant indices, Concat. The moves are views (a value is a place, a shape and
+strides in floats) where they can be, else strided copies; every output is copied into the
+caller's fresh tensor at the end. Anything else raises ``Unplannable`` and the partition keeps
+its trace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+REC = 32
+"""Int64 fields a record (``recurrent_net.h``'s ``REC``)."""
+RNN, LINEAR, COPY, SOFTMAX = 1, 2, 3, 4
+ACTS = {None: 0, "relu": 1, "sigmoid": 2, "tanh": 3}
+ARENA, PARAMS, EXT = 0, 1, 2
+DIRECTIONS = {"forward": 0, "reverse": 1, "bidirectional": 2}
+ALIGN = 16  # floats: each buffer and constant starts on a 64-byte line
+LINEAR_MACS = 1 << 22
+"""The largest Linear (rows x inputs x outputs) a plan takes: the C product is a plain register
+tile, where torch's (MKL's or oneDNN's packed GEMM) wins on large heads (the full-tier CRNN's
+192 -> 6625 over its columns); such a partition keeps its trace."""
+
+
+class Unplannable(Exception):
+    """A layer the plan does not take (the partition keeps its trace)."""
+
+
+class View:
+    """A value: where it starts (slot, offset in floats), its shape and strides in floats."""
+
+    __slots__ = ("slot", "offset", "shape", "strides")
+
+    def __init__(self, slot: int, offset: int, shape: Sequence[int],
+                 strides: Sequence[int] | None = None) -> None:
+        self.slot, self.offset, self.shape = slot, offset, tuple(int(d) for d in shape)
+        self.strides = tuple(strides) if strides is not None else _dense(self.shape)
+
+    def ref(self) -> int:
+        return self.slot << 40 | self.offset
+
+    def dense(self) -> bool:
+        """Whether it is contiguous (row-major, sizes of 1 aside)."""
+        return all(s == d for n, s, d in zip(self.shape, self.strides, _dense(self.shape))
+                   if n != 1)
+
+    def moved(self, shape: Sequence[int], strides: Sequence[int], offset: int = 0) -> View:
+        return View(self.slot, self.offset + offset, shape, strides)
+
+
+def _dense(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, size = [], 1
+    for d in reversed(shape):
+        strides.append(size)
+        size *= int(d)
+    return tuple(reversed(strides))
+
+
+class Plan:
+    """The records, constants and arena of a partition; ``output_shapes`` and ``input_shapes``
+    for the caller's buffers (``fusion/native_cnn._workload`` reads them)."""
+
+    def __init__(self, input_shapes: Sequence[Sequence[int]]) -> None:
+        self.input_shapes = [tuple(s) for s in input_shapes]
+        self.output_shapes: list[tuple[int, ...]] = []
+        self.rows: list[list[int]] = []
+        self.kinds: list[str] = []  # each record's layer, for the profile
+        self.pieces: list[np.ndarray] = []
+        self.size = 0  # constant floats so far
+        self.arena = 0  # arena floats so far
+        self.flops = 0
+
+    @property
+    def records(self) -> np.ndarray:
+        return np.array(self.rows, np.int64).reshape(-1, REC)
+
+    @property
+    def params(self) -> np.ndarray:
+        return np.concatenate(self.pieces) if self.pieces else np.zeros(ALIGN, np.float32)
+
+    def const(self, array: Any) -> View:
+        values = np.ascontiguousarray(np.asarray(array, np.float32))
+        at = self.size
+        padded = -(-max(values.size, 1) // ALIGN) * ALIGN
+        self.pieces.append(np.concatenate([values.reshape(-1),
+                                           np.zeros(padded - values.size, np.float32)]))
+        self.size += padded
+        return View(PARAMS, at, values.shape)
+
+    def buffer(self, shape: Sequence[int]) -> View:
+        at = self.arena
+        self.arena += -(-max(math.prod(shape), 1) // ALIGN) * ALIGN
+        return View(ARENA, at, shape)
+
+    def record(self, kind: str, fields: Sequence[int]) -> None:
+        self.rows.append([int(f) for f in fields] + [0] * (REC - len(fields)))
+        self.kinds.append(kind)
+
+    def copy(self, src: View, dst: View, kind: str) -> None:
+        if len(src.shape) > 6:
+            raise Unplannable("a move of more than 6 dimensions")
+        pad = 6 - len(src.shape)
+        self.record(kind, [COPY, *([1] * pad), *src.shape, src.ref(), *([0] * pad), *src.strides,
+                           dst.ref(), *([0] * pad), *dst.strides])
+
+    def dense(self, view: View, kind: str) -> View:
+        """``view``, or a contiguous copy of it."""
+        if view.dense():
+            return view.moved(view.shape, _dense(view.shape))
+        made = self.buffer(view.shape)
+        self.copy(view, made, kind)
+        return made
+
+
+def plan(layers: Sequence[Any], constants: dict[str, Any], inputs: Sequence[str],
+         shapes: Sequence[Sequence[int]], outputs: Sequence[str]) -> Plan:
+    """The partition's plan; raises ``Unplannable``."""
+    from backplane.native import recurrent_layers as kinds
+
+    planned = Plan(shapes)
+    values: dict[str, View] = {n: View(EXT + i, 0, s) for i, (n, s) in enumerate(zip(inputs,
+                                                                                        shapes))}
+    made: dict[int, View] = {}  # a constant's view by the array's id
+
+    def get(name: str) -> View:
+        found = values.get(name)
+        if found is None:
+            array = constants.get(name)
+            if array is None or np.asarray(array).dtype != np.float32:
+                raise Unplannable(f"{name}: neither a value made here nor a float32 constant")
+            found = made.get(id(array))
+            if found is None:
+                found = made[id(array)] = planned.const(array)
+        return found
+
+    for layer in layers:
+        planner = kinds.PLANNERS.get(layer.op_type)
+        if planner is None or layer.domain not in ("", "ai.onnx", kinds.FUSED):
+            raise Unplannable(f"{layer.op_type} is not planned")
+        results = planner(layer, planned, get, constants)
+        for name, view in zip(layer.outputs, results):
+            if name:
+                values[name] = view
+    for index, name in enumerate(outputs):
+        src = get(name)
+        planned.output_shapes.append(src.shape)
+        planned.copy(src, View(EXT + len(inputs) + index, 0, src.shape), "output")
+    return planned
+
+
+class Executor:
+    """A plan bound to the library: ``run(pointers)`` makes one call (the inputs' then the
+    outputs' data, contiguous float32). The arena is the plan's own while one thread runs it; a
+    second thread at the same time gets a fresh one (a lock tried, never waited for), as
+    ``native/cnn.py``'s executor."""
+
+    def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
+        self.plan, self.library = planned, library
+        if library.backplane_rnet_rec() != REC:
+            raise RuntimeError("the recurrent library's records are not this module's")
+        self.fn = library.backplane_rnet_run
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p]
+        self.fn.restype = ctypes.c_int
+        self.records, self.params = planned.records, planned.params
+        self.count = len(self.records)
+        self.edges = len(planned.input_shapes) + len(planned.output_shapes)
+        self.arena = np.zeros(max(planned.arena, ALIGN) + ALIGN, np.float32)
+        self.address = self.arena.ctypes.data + (-self.arena.ctypes.data % 64)
+        self.ext = (ctypes.c_void_p * self.edges)()
+        self.lock = threading.Lock()
+        self.pointers = (self.records.ctypes.data, self.params.ctypes.data)
+
+    def run(self, pointers: Sequence[int]) -> None:
+        records, params = self.pointers
+        if self.lock.acquire(blocking=False):
+            try:
+                self.ext[:] = pointers
+                failed = self.fn(records, self.count, params, self.address, self.ext)
+            finally:
+                self.lock.release()
+        else:  # the arena held in a name through the call
+            ext = (ctypes.c_void_p * self.edges)(*pointers)
+            arena = np.zeros(max(self.plan.arena, ALIGN) + ALIGN, np.float32)
+            address = arena.ctypes.data + (-arena.ctypes.data % 64)
+            failed = self.fn(records, self.count, params, address, ext)
+            del arena
+        if failed:
+            raise MemoryError(f"native recurrent net: record {failed - 1} "
+                              f"({self.plan.kinds[failed - 1]}) could not run")
+
+    def profile(self, values: Sequence[np.ndarray], times: int = 1) -> list[float]:
+        """The whole call's thread CPU seconds (one share: the records are not timed apart)."""
+        import time
+
+        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        values = [np.ascontiguousarray(v, np.float32) for v in values]
+        start = time.thread_time()
+        for _ in range(times):
+            self.run([v.ctypes.data for v in (*values, *outputs)])
+        return [(time.thread_time() - start) / times]
+
+    def numpy(self, *values: np.ndarray) -> list[np.ndarray]:
+        """The plan run on NumPy arrays (tests): fresh outputs."""
+        values = tuple(np.ascontiguousarray(v, np.float32) for v in values)
+        outputs = [np.empty(shape, np.float32) for shape in self.plan.output_shapes]
+        self.run([v.ctypes.data for v in (*values, *outputs)])
+        return outputs
