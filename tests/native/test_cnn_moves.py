@@ -301,3 +301,26 @@ def test_without_a_compiler_a_traced_partition_keeps_its_torch_routes(tmp_path, 
     for g, w in zip(session.run(None, feeds),
                     InferenceSession(path, backends=["CpuRef"]).run(None, feeds)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, abs(w).max()))
+
+
+@needs_compiler
+@pytest.mark.parametrize("op", ["Sub", "Add", "Mul"])
+def test_a_constant_first_operand_is_planned_and_matches_cpuref(op):
+    """yolo_v8's box decode: anchors - distances (c - x: x * -1 + c, exact), c + x, c * x, the
+    constant broadcast over the channels; NaN in, NaN out."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((1, 1, 5, 6)).astype(np.float32), "c")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("Sigmoid", ["y"], ["s"]),
+             helper.make_node(op, ["c", "s"], ["out"])]
+    model = make_model(nodes, [float_input("x", [1, 3, 5, 6])], [float_input("out", None)],
+                       inits)
+    x = rng.standard_normal((1, 3, 5, 6)).astype(np.float32)
+    x[0, 1, 2, 3] = np.nan
+    session = _session(model)
+    assert _partition_routes(session) == ["native"]
+    got = session.run(None, {"x": x})[0]
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

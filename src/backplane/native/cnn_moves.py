@@ -145,7 +145,17 @@ def arith(p: _Planner, layer: Layer) -> None:
             v = p.values.pop(f"{layer.outputs[0]}#{len(temporary)}")
             temporary.append(v)
         operands.append(("arena", v.offset))
-    if operands[0][0] == "param":  # a constant first: c - x, c / x, c ** x as x's record
+    if operands[0][0] == "param" and layer.op_type in ("Add", "Mul"):  # c + x is x + c
+        operands.reverse()
+    if operands[0][0] == "param" and layer.op_type == "Sub":  # c - x as x * -1 + c (exact)
+        y = p.new(layer.outputs[0], shape)
+        p.record("arith", in_=operands[1][1], out=y.offset, dims=(y.size, 1, 1, 1),
+                 x1=cnn.ARITH["AffineChain"], woff=p.param(np.full(y.size, -1, np.float32)),
+                 boff=operands[0][1])
+        for v in temporary:
+            p.arena.give(v.offset, v.size)
+        return
+    if operands[0][0] == "param":  # a constant first: c / x, c ** x as x's record
         raise Unplannable(f"{layer.name}: {layer.op_type} of a constant by a tensor")
     y = p.new(layer.outputs[0], shape)
     kind, second = operands[1]
