@@ -206,6 +206,11 @@ static void slice_into(const int64_t *f, float *A) {
     const int64_t pixels = f[F_N], C = f[F_C], OC = f[F_OC], at = f[F_X1];
     const float *restrict x = A + f[F_IN];
     float *restrict o = A + f[F_OUT];
+    if (C % 8 == 0) {  /* 8 floats a move, not a memcpy call a pixel (unet's 1024 x 8: ~3x) */
+        for (int64_t p = 0; p < pixels; ++p)
+            for (int64_t c = 0; c < C; c += 8) vstore(o + p * OC + at + c, vload(x + p * C + c));
+        return;
+    }
     for (int64_t p = 0; p < pixels; ++p) memcpy(o + p * OC + at, x + p * C, sizeof(float) * C);
 }
 
