@@ -28,10 +28,10 @@ a scalar path for other CPUs. No -ffast-math: the rounding mode is the default, 
 /* A record's fields (qcnn.py's FIELDS, in this order): int64 each, NF of them per record. */
 enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_KW, F_SH, F_SW,
        F_DH, F_DW, F_PT, F_PL, F_WOFF, F_BOFF, F_MOFF, F_SCR, F_PH, F_PW, F_ICP, F_ZX, F_ZY,
-       F_LO, F_HI, F_SIGNED, F_X1, NF = 32 };
+       F_LO, F_HI, F_SIGNED, F_X1, F_CS, F_OCS, NF = 34 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_QUANT, OP_DEQUANT, OP_QCONV, OP_MAXPOOL_F, OP_MAXPOOL_Q,
        OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F, OP_QDWCONV, OP_LINEAR_F,
-       OP_FDWCONV_Q };
+       OP_FDWCONV_Q, OP_HSIG_F, OP_MUL_F };
 #define OCB 16 /* output channels a weight block: two vectors of 8 int32 sums */
 
 static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
@@ -80,22 +80,23 @@ static void dequantize(const uint8_t *restrict x, float *restrict y, int64_t n, 
 /* The input centred and widened into the padded scratch: [n][ph][pw][icp] int16, 0 outside. */
 static void widen(const int64_t *r, const uint8_t *x, int16_t *restrict s) {
     const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
+    const int64_t cs = r[F_CS] ? r[F_CS] : c; /* a pixel's channels in x: a group reads c of them */
     const int64_t icp = r[F_ICP], pt = r[F_PT], pl = r[F_PL];
     const int32_t zx = (int32_t)r[F_ZX];
     const int sgn = (int)r[F_SIGNED];
     memset(s, 0, (size_t)(n * ph * pw * icp) * sizeof(int16_t));
     for (int64_t b = 0; b < n; ++b)
         for (int64_t y = 0; y < h; ++y) {
-            const uint8_t *src = x + ((b * h + y) * w) * c;
+            const uint8_t *src = x + ((b * h + y) * w) * cs;
             int16_t *dst = s + ((b * ph + y + pt) * pw + pl) * icp;
             if (sgn)
                 for (int64_t px = 0; px < w; ++px)
                     for (int64_t k = 0; k < c; ++k)
-                        dst[px * icp + k] = (int16_t)((int32_t)((const int8_t *)src)[px * c + k] - zx);
+                        dst[px * icp + k] = (int16_t)((int32_t)((const int8_t *)src)[px * cs + k] - zx);
             else
                 for (int64_t px = 0; px < w; ++px)
                     for (int64_t k = 0; k < c; ++k)
-                        dst[px * icp + k] = (int16_t)((int32_t)src[px * c + k] - zx);
+                        dst[px * icp + k] = (int16_t)((int32_t)src[px * cs + k] - zx);
         }
 }
 
@@ -213,6 +214,7 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int64_t blocks = (oc + OCB - 1) / OCB;
     const int64_t wblock = (dw == 1 ? kh * rows : kh * kw * pairs) * OCB * 2;
     const int64_t pixels = oh * ow, rowstep = dh * pw * icp, colstep = dw * icp;
+    const int64_t ocs = r[F_OCS] ? r[F_OCS] : oc; /* a pixel's channels in y: a group writes oc */
     int32_t acc[TILE][OCB];
     for (int64_t b = 0; b < n; ++b)
         for (int64_t p0 = 0; p0 < pixels; p0 += TILE) {
@@ -234,11 +236,11 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                 for (int64_t t = 0; t < tiles; ++t)
                     if (fb)
                         requantize_f(acc[t], fb + k * OCB, fb + blocks * OCB + k * OCB,
-                                     fb[2 * blocks * OCB], y + (b * pixels + p0 + t) * oc + k * OCB,
-                                     count, zy, fl, fh);
+                                     fb[2 * blocks * OCB],
+                                     y + (b * pixels + p0 + t) * ocs + k * OCB, count, zy, fl, fh);
                     else
                         requantize(acc[t], mult + k * OCB, bias + k * OCB,
-                                   y + (b * pixels + p0 + t) * oc + k * OCB, count, zy, fl, fh,
+                                   y + (b * pixels + p0 + t) * ocs + k * OCB, count, zy, fl, fh,
                                    r[F_LO] < 0);
             }
         }
@@ -440,6 +442,14 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
         for (int64_t i = 0; i < count; ++i) y[i] = a[i] + k[m == 1 ? 0 : i % c];
         break;
     }
+    case OP_HSIG_F: /* alpha, beta at moff */
+        hard_sigmoid((const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]), count,
+                     fp[r[F_MOFF] / 4], fp[r[F_MOFF] / 4 + 1]);
+        break;
+    case OP_MUL_F:
+        mul_f((const float *)(arena + r[F_IN]), (const float *)(arena + r[F_IN2]),
+              (float *)(arena + r[F_OUT]), count);
+        break;
     case OP_RELU_F: {
         const float *a = (const float *)(arena + r[F_IN]);
         float *y = (float *)(arena + r[F_OUT]);

@@ -29,12 +29,12 @@ import numpy as np
 from backplane.ir.graph import Layer
 
 FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl woff boff moff scr ph pw icp "
-          "zx zy lo hi signed x1").split()
-"""A record's fields, in qcnn.c's order (its enum F_*): NF = 32 int64s a record."""
-NF = 32
+          "zx zy lo hi signed x1 cs ocs").split()
+"""A record's fields, in qcnn.c's order (its enum F_*): NF = 34 int64s a record."""
+NF = 34
 OPS = {name: code for code, name in enumerate(
     "import export quant dequant qconv maxpool_f maxpool_q avgpool_f gap_f add_f addc_f relu_f "
-    "qdwconv linear_f fdwconv_q".split(), 1)}
+    "qdwconv linear_f fdwconv_q hsig_f mul_f".split(), 1)}
 ALIGN = 64  # bytes: each tensor's and parameter's place starts on a cache line
 OCB = 16  # output channels a packed weight block (qcnn.c's OCB)
 

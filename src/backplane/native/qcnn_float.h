@@ -126,3 +126,20 @@ static void requantize_f(const int32_t *acc, const float *bias, const float *sxw
         y[j] = (uint8_t)((int32_t)nearbyintf(v) + zy);
     }
 }
+
+/* Float glue between DequantizeLinear and QuantizeLinear (a hard-swish written out: HardSigmoid,
+   Mul), each operation rounded on its own as ONNX Runtime's kernels do (alpha * x, + beta, then
+   the bounds; a NaN stays NaN). */
+static void hard_sigmoid(const float *restrict x, float *restrict y, int64_t n, float alpha,
+                         float beta) {
+    for (int64_t i = 0; i < n; ++i) {
+        float v = alpha * x[i];
+        v = v + beta;
+        v = v > 1.0f ? 1.0f : v;
+        y[i] = v < 0.0f ? 0.0f : v;
+    }
+}
+
+static void mul_f(const float *restrict a, const float *restrict b, float *restrict y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] = a[i] * b[i];
+}

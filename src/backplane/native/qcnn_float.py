@@ -123,3 +123,22 @@ def depthwise_float(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, in
              x1=1 + p.param(np.array(bounds, F32)))
     p.macs += n * oh * ow * oc * kh * kw
     return True
+
+
+def hard_sigmoid(p: Planner, layer: Layer, index: int) -> None:
+    """HardSigmoid in float32 (ONNX Runtime runs it between a DequantizeLinear and a
+    QuantizeLinear unfused): alpha * x + beta, each step rounded, then clamped to [0, 1]."""
+    x = p.real(layer.inputs[0])
+    y = p.new(layer.outputs[0], x.shape, "f")
+    a = layer.attrs
+    p.record("hsig_f", in_=x.offset, out=y.offset, dims=x.dims, moff=p.param(np.array(
+        [a.get("alpha", 0.2), a.get("beta", 0.5)], F32)))
+
+
+def mul(p: Planner, layer: Layer, index: int) -> None:
+    """Mul of two float tensors of one shape (a hard-swish's x * HardSigmoid(x))."""
+    a, b = (p.real(n) for n in layer.inputs[:2])
+    if a.shape != b.shape:
+        raise Unplannable(f"{layer.name}: Mul of {a.shape} and {b.shape}")
+    y = p.new(layer.outputs[0], a.shape, "f")
+    p.record("mul_f", in_=a.offset, in2=b.offset, out=y.offset, dims=a.dims)

@@ -203,7 +203,7 @@ def _geometry(p: Planner, layer: Layer, kernel: tuple[int, ...]) -> tuple[Any, .
     a, x = layer.attrs, p.values.get(layer.inputs[0]) or p.values[
         p.pending[layer.inputs[0]].source]
     group = int(a.get("group", 1))
-    if len(x.shape) != 4 or len(kernel) != 2 or group not in (1, x.shape[1]):
+    if len(x.shape) != 4 or len(kernel) != 2 or x.shape[1] % group:
         raise Unplannable(f"{layer.name}: a {len(x.shape)}-d input, group {group}")
     strides = list(a.get("strides") or [1, 1])
     dilations = list(a.get("dilations") or [1, 1])
@@ -217,15 +217,28 @@ def _geometry(p: Planner, layer: Layer, kernel: tuple[int, ...]) -> tuple[Any, .
 def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints: np.ndarray,
            w_zero: np.ndarray, w_scale: np.ndarray, bias: np.ndarray, y_name: str,
            y_step: tuple[F32, int, str], geometry: tuple[Any, ...] | None,
-           bounds: tuple[float, float] | None = None, float_bias: np.ndarray | None = None
-           ) -> None:
+           bounds: tuple[float, float] | None = None, float_bias: np.ndarray | None = None,
+           part: tuple[int, int, int, int] | None = None) -> None:
+    """``part``: one group of a grouped convolution (its first input channel, the input's
+    channels, its first output channel, the output's), a record of its own."""
     x = p.quantized(x_name)
     n, c, h, w = x.dims
     oc, icg, kh, kw = ints.shape
     (sh, sw), (dh, dw), (pt, pl), (pb, pr), group = geometry or ([1, 1], [1, 1], [0, 0], [0, 0], 1)
+    c = icg if part else c
     depthwise = group > 1 and group == c == oc and icg == 1
-    if icg * group != c or geometry is None and len(x.shape) != 2 or group > 1 and not depthwise:
+    if icg * group != c or oc % group or geometry is None and len(x.shape) != 2:
         raise Unplannable(f"{layer.name}: {c} channels in, a weight of {icg}, group {group}")
+    if group > 1 and not depthwise:  # each group a convolution of its channels
+        p.new(y_name, (n, oc, *_out_size(h, w, ints.shape[2:], geometry)), y_step[2], y_step[:2])
+        per = [np.broadcast_to(np.asarray(v).reshape(-1), (oc,)) for v in (w_zero, w_scale, bias)]
+        g_oc = oc // group
+        for g in range(group):
+            at = slice(g * g_oc, (g + 1) * g_oc)
+            _qconv(p, layer, x_name, x_step, ints[at], per[0][at], per[1][at], per[2][at], y_name,
+                   y_step, (*geometry[:4], 1), bounds,
+                   None if float_bias is None else float_bias[at], (g * icg, c, g * g_oc, oc))
+        return
     oh = (h + pt + pb - (kh - 1) * dh - 1) // sh + 1
     ow = (w + pl + pr - (kw - 1) * dw - 1) // sw + 1
     icp = c if depthwise or dw == 1 else c + c % 2  # (dw 1: a row's kw * c values in one run)
@@ -255,13 +268,15 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     pw = max(w + pl, (ow - 1) * sw + (kw - 1) * dw + 1)
     p.scratch = max(p.scratch, n * ph * pw * icp * 2 + 256)  # a row's last pair reads one past
     shape = (n, oc, oh, ow) if len(x.shape) == 4 else (n, oc)
-    y = p.new(y_name, shape, y_step[2], y_step[:2])
+    y = p.values[y_name] if part else p.new(y_name, shape, y_step[2], y_step[:2])
+    at = part or (0, 0, 0, 0)
     lo, hi = RANGES[y_step[2]]
     limits = 0
     if bounds is not None:  # a Relu's or Clip's bounds in steps of y (the requantized value's unit)
         limits = 1 + p.param(np.array([np.float32(b) / F32(y_step[0]) if math.isfinite(b) else
                                        np.float32(b) for b in bounds], F32))
-    p.record("qdwconv" if depthwise else "qconv", in_=x.offset, out=y.offset, dims=x.dims, oh=oh,
+    p.record("qdwconv" if depthwise else "qconv", in_=x.offset + at[0], out=y.offset + at[2],
+             dims=(n, c, h, w), cs=at[1], ocs=at[3], oh=oh,
              ow=ow, oc=oc, kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl,
              woff=p.param(np.ascontiguousarray(packed)), boff=p.param(padded_bias),
              moff=p.param(padded_multiplier), ph=ph, pw=pw, icp=icp, zx=x_step[1],
@@ -269,6 +284,13 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
              in2=-1 if float_bias is None else qcnn_float.float_bias(
                  p, float_bias, x_step[0], w_scale, y_step[0], blocks))
     p.macs += n * oh * ow * oc * icg * kh * kw
+
+
+def _out_size(h: int, w: int, kernel: tuple[int, ...], geometry: tuple[Any, ...]
+              ) -> tuple[int, int]:
+    (sh, sw), (dh, dw), (pt, pl), (pb, pr) = geometry[:4]
+    return ((h + pt + pb - (kernel[0] - 1) * dh - 1) // sh + 1,
+            (w + pl + pr - (kernel[1] - 1) * dw - 1) // sw + 1)
 
 
 def _pool_geometry(layer: Layer, dims: tuple[int, ...]) -> dict[str, int]:
@@ -416,4 +438,5 @@ PLANNERS: dict[str, Callable[[Planner, Layer, int], None]] = {
     "QLinearMatMul": qlinear_matmul, "Conv": qdq_conv, "Gemm": qdq_conv, "MatMul": qdq_conv,
     "MaxPool": max_pool, "AveragePool": lambda p, lay, i: _float_pool(p, lay, "avgpool_f"),
     "GlobalAveragePool": lambda p, lay, i: _float_pool(p, lay, "gap_f"), "Relu": relu,
-    "Add": add, "ReduceMean": reduce_mean, "Flatten": view, "Reshape": view, "Identity": view}
+    "Add": add, "ReduceMean": reduce_mean, "Flatten": view, "Reshape": view, "Identity": view,
+    "HardSigmoid": qcnn_float.hard_sigmoid, "Mul": qcnn_float.mul}
