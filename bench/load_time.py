@@ -25,7 +25,10 @@ load defers CpuAcc, ``backplane.deferred_load``), the runtimes alternating withi
   plain session).
 
 A process loads, makes one first call (timed apart: what a load leaves to the first run is paid
-there), then ``--calls`` calls whose median is its steady state. Per model and runtime: the best
+there), then ``--calls`` calls whose median is its steady state; it says whether torch was
+imported by then (a default session of a model CpuAcc plans whole in C never imports it:
+``backplane.torch_free``) and its CPU seconds (all its threads) from the import's start to the
+first call's outputs. Per model and runtime: the best
 load of the rounds (and the median), the least CPU seconds a load took (all its threads: less
 touched by neighbours than the wall time, but ONNX Runtime's and torch's spinning threads count), the
 median first call and its least CPU milliseconds, the best steady median, the import and the load
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -79,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     for variable in ("BACKPLANE_CACHE_DIR", "XDG_CACHE_HOME"):
         os.environ[variable] = tempfile.mkdtemp(prefix="load_time_")
     os.environ.pop("BACKPLANE_COMPILE_CACHE", None)  # set, a load compiles an artifact, then loads it
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.process_time()
     run, crowded, deferred = _loader(args)
     imported = time.perf_counter() - start
     feeds = _feeds(args.model, args.feeds)
@@ -89,6 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     start, cpu = time.perf_counter(), time.process_time()
     call()
     first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
+    to_first_cpu = time.process_time() - began  # all threads: a background load's import too
     times = []
     for _ in range(args.calls):
         start = time.perf_counter()
@@ -97,7 +102,8 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"import_s": imported, "load_s": load, "load_cpu_s": load_cpu, "first_ms": first * 1e3,
                       "first_cpu_ms": first_cpu * 1e3,
                       "steady_ms": statistics.median(times) * 1e3, "crowded": crowded(),
-                      "deferred": deferred(), "loadavg": os.getloadavg()[0]}))
+                      "deferred": deferred(), "loadavg": os.getloadavg()[0],
+                      "to_first_cpu_s": to_first_cpu, "torch": "torch" in sys.modules}))
 
 
 def _loader(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -187,7 +193,7 @@ def _one(runtime: str, src: str, model: str, feeds: str, args: argparse.Namespac
 def _row(model: str, label: str, replies: list[dict]) -> str:
     good = [r for r in replies if "error" not in r]
     if not good:
-        return f"| {model} | {label} | failed: {replies[0]['error']} | | | | | | | | | | |"
+        return f"| {model} | {label} | failed: {replies[0]['error']} | | | | | | | | | | | | |"
     loads = [r["load_s"] for r in good]
     busy = sum(r["crowded"] for r in good)
     deferred = sum(r.get("deferred", False) for r in good)
@@ -199,7 +205,9 @@ def _row(model: str, label: str, replies: list[dict]) -> str:
             f"{min(r['first_cpu_ms'] for r in good):.1f} | "
             f"{min(r['steady_ms'] for r in good):.3f} | {statistics.median(r['import_s'] for r in good):.2f} | "
             f"{min(whole):.2f} ({statistics.median(whole):.2f}) | {statistics.median(first):.2f} | "
+            f"{statistics.median(r.get('to_first_cpu_s', math.nan) for r in good):.2f} | "
             f"{busy}/{len(good)} | {deferred}/{len(good)} | "
+            f"{sum(r.get('torch', False) for r in good)}/{len(good)} | "
             f"{min(r['loadavg'] for r in good):.1f}-{max(r['loadavg'] for r in good):.1f} |")
 
 
@@ -222,9 +230,10 @@ def _header(args: argparse.Namespace) -> list[str]:
                "PYTHONDONTWRITEBYTECODE is set (--no-bytecode)"),
             f"load average at the start {os.getloadavg()[0]:.2f}", "",
             "| model | runtime | load s best (median) | load CPU s | first call ms | first CPU ms | "
-            "steady ms | import s | import + load s | to first output s | busy loads | deferred | "
-            "load avg |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "steady ms | import s | import + load s | to first output s | CPU to first output s | "
+            "busy loads | deferred | torch imported | load avg |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: | --- |"]
 
 
 def main() -> int:

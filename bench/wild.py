@@ -31,7 +31,9 @@ its rounds' medians. The table per model: the three times, ORT / backplane and O
 (above 1: backplane is faster), the load seconds of each (import and session; in brackets the part
 of backplane's that is importing backplane; torch is imported by its session, or in the background
 and waited for by its first call where the session defers CpuAcc: not here, where
-``$BACKPLANE_COMPILE_CACHE`` is set), the seconds from the runtime's import to its first call's
+``$BACKPLANE_COMPILE_CACHE`` is set, but with ``--plain``, which leaves it unset: a user's
+default session, deferred, or never importing torch where CpuAcc runs the model whole in C,
+``backplane.torch_free``), the seconds from the runtime's import to its first call's
 outputs ("1st output s": import, load and first call; the bench's own modules, which import
 backplane, are imported in a worker after that call, or before its clock in OpenVINO's), the
 seconds from backplane's session until
@@ -150,7 +152,7 @@ def background_setting(value: str, inductor: str = "default") -> None:
         inductor_background.DEFAULT = inductor
 
 
-def empty_caches() -> None:
+def empty_caches(plain: bool = False) -> None:
     """backplane's cache folders pointed at a new temporary folder (set before it is imported)."""
     # the native kernels built once per machine stay (an install's, like torch's own code): a
     # fresh folder would time their compile (4-6 s) in every process's load. Their folder named
@@ -161,13 +163,15 @@ def empty_caches() -> None:
     folder = tempfile.mkdtemp(prefix="wild-cache.")
     for variable in ("BACKPLANE_CACHE_DIR", "BACKPLANE_COMPILE_CACHE", "XDG_CACHE_HOME"):
         os.environ[variable] = folder
+    if plain:  # a user's plain session: deferred, or without torch (``backplane.torch_free``)
+        del os.environ["BACKPLANE_COMPILE_CACHE"]
 
 
 def worker(args: argparse.Namespace) -> None:
     """One process of one runtime: load, first call, warm up, time; one JSON line on stdout."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever the runtime prints goes to stderr
-    empty_caches()
+    empty_caches(args.plain)
     feeds = dict(np.load(args.feeds))
     if args.worker == "openvino":
         import bench_openvino  # noqa: F401  # its loader's module (it imports backplane): untimed
@@ -267,6 +271,7 @@ def spawn(args: argparse.Namespace, runtime: str, model: Path, feeds: Path, save
                "--inductor", getattr(args, "inductor", "default"),
                "--settle", str(getattr(args, "settle", 60.0))]
     command += ["--save", str(save)] if save else []
+    command += ["--plain"] if getattr(args, "plain", False) else []
     from backplane.bench_engine import worker_report
 
     try:
@@ -383,6 +388,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settle", type=float, default=60.0,
                     help="seconds backplane's background may take before the runs are timed (60; "
                          "an inductor compile takes 20-95 s here)")
+    ap.add_argument("--plain", action="store_true",
+                    help="backplane's session without the compile cache: a user's default session "
+                         "(its CpuAcc load deferred, or no torch where it runs whole in C)")
     ap.add_argument("--profile", action="store_true", help="profile backplane on the models below 0.8")
     ap.add_argument("--profile-runs", type=int, default=20, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help="write the results as a JSON document to this file")
@@ -413,7 +421,8 @@ def run_all(args: argparse.Namespace, names: list[str]) -> tuple[list[str], dict
               *(line.replace(", backplane absent", "") for line in environment(args.threads)),
               f"backplane {backplane_version()}",
               f"corpus: {args.tier} tier, {args.corpus}",
-              f"CpuAcc.background: {args.background}, CpuAcc.inductor: {args.inductor}",
+              f"CpuAcc.background: {args.background}, CpuAcc.inductor: {args.inductor}"
+              + ("; backplane's plain session (--plain: no compile cache)" if args.plain else ""),
               f"neighbour: {NEIGHBOURS[args.neighbour].format(threads=args.threads)}; backplane's "
               f"threads: {args.threads if args.bp_threads == 'count' else 'auto'}; "
               f"{args.rounds} rounds, best of the rounds' medians, batch 1 at each model's .s0.npz"]

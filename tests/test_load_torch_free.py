@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,10 @@ import numpy as np
 import backplane
 out, seen = sys.argv[1], {}
 for path in sys.argv[2:]:
-    session = backplane.InferenceSession(path)
+    static = path.startswith("static:")  # the inputs' shapes given: planned at load, in a thread
+    path = path.removeprefix("static:")
+    shapes = {"input": [1, 3, 32, 32]} if static else None
+    session = backplane.InferenceSession(path, input_shapes=shapes)
     if path.endswith("mobilenet_v2_w020_c10.onnx"):
         feeds = {"input": np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)}
     else:
@@ -54,11 +58,23 @@ def _native_available() -> None:
         pytest.skip("no C compiler: the native plans (and this route) are not built here")
 
 
-def _fresh(paths: list[Path], out: Path) -> dict:
+def _fresh(paths: Sequence[Path | str], out: Path) -> dict:
     done = subprocess.run([sys.executable, "-c", _FRESH, str(out), *map(str, paths)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_static_inputs_are_planned_at_load_without_torch(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    _native_available()
+    path = CORPUS / "resnet_basic_ts16.onnx"
+    seen = _fresh([f"static:{path}"], tmp_path)
+    assert seen[str(path)] == {"torch": False, "kind": "TorchFree"}
+    wanted = _torch_path(path, 8)
+    got = np.load(tmp_path / "1.npz")
+    for i, theirs in enumerate(wanted + wanted):
+        np.testing.assert_array_equal(got[f"arr_{i}"], theirs)
 
 
 def _torch_path(path: Path, count: int) -> list[np.ndarray]:

@@ -19,6 +19,11 @@ that waited is never slower than the session that loaded at once. ``DEFAULT`` Fa
 conftest) loads as before. What is not deferred: a backend list given, provider options, a
 Runtime given, an artifact or a compile cache, profiling, a model that is not a file, torch
 imported already (then the load takes 0.06 s), a GPU device present (GpuAcc may come first).
+
+Nor is torch imported at all where the session needs none (``later``): a model whose default
+session ran on no backend of torch's here before (the route cache remembers it: ``remember``)
+loads on CpuRef alone, and a model CpuAcc would run whole in backplane's C runs that plan on NumPy
+arrays (``backplane.torch_free``) until a run needs more.
 """
 
 from __future__ import annotations
@@ -66,8 +71,8 @@ def deferrable(model: Any, given: dict[str, Any], profiling: bool) -> tuple[str,
 def later(session: Any, make: Callable[[], Any], model: str | os.PathLike[str]) -> Any:
     """The session's stand-in for the default backends' load: None where the default session of
     this model file ran on no backend of torch's here before (``remembered``: the session stays on
-    CpuRef), ``torch_free.TorchFree`` where its model may run natively without torch (no thread,
-    no import until a run needs it), else the load begun in the background now (``Later``)."""
+    CpuRef), ``torch_free.TorchFree`` where its model may run natively without torch (torch
+    imported only where a run needs it), else the load begun in the background now (``Later``)."""
     from backplane import torch_free
     from backplane.optimizer.optimize import OptimizerOptions, _run_passes
 

@@ -24,6 +24,7 @@ a ``CpuAcc.*`` option other than the defaults this reads.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -102,7 +103,6 @@ def build(graph: Graph, options: Mapping[str, Any],
     None where CpuAcc would not run it whole in C (the reason in the debug log)."""
     from backplane.backends.torch import specialize
     from backplane.backends.torch.backend import FUSED_DOMAIN
-    from backplane.optimizer import passes
 
     quantized = any(lay.op_type in _QUANTIZED for lay in graph.layers)
     stand = _Options(options if quantized else {**options, "CpuAcc.int8": "exact"})
@@ -170,6 +170,7 @@ def _native(layer: Layer, stand: _Options,
             return None
     else:
         return None
+
     def run(*values: np.ndarray) -> list[np.ndarray]:
         return executor.numpy(*values)
 
@@ -208,10 +209,12 @@ class TorchFree:
             self.ready.set()
 
     def _first(self, shapes: tuple[tuple[int, ...], ...]) -> None:
+        from backplane.backends.torch.fusion.native_cnn import SMALL
+
         try:
             with self.lock:
-                if self._built(shapes) is None:
-                    self._start()
+                if _convolutions(self.graph) > SMALL or self._built(shapes) is None:
+                    self._start()  # above the rule (the demo): torch's import begins at once
         finally:
             self.ready.set()
             BUILDING.discard(self)
@@ -286,6 +289,19 @@ class TorchFree:
 
 BUILDING: set[TorchFree] = set()
 """The sessions whose static build runs in its thread (``deferred_load.wait`` waits for them)."""
+
+
+def _convolutions(graph: Graph) -> int:
+    """The multiply-adds of the static graph's convolutions (the plan's count but for its
+    products): a model above the native rule by these alone is not planned (33.6e6 for the demo,
+    whose plan and fusion would cost its background load's start 0.1-0.2 CPU s)."""
+    total = 0
+    for layer in graph.layers:
+        if layer.op_type == "Conv" and len(layer.inputs) > 1:
+            weight, out = graph.constants.get(layer.inputs[1]), graph.info(layer.outputs[0]).shape
+            if weight is not None and out and all(isinstance(d, int) and d >= 0 for d in out):
+                total += math.prod(out) * math.prod(weight.shape[1:])
+    return total
 
 
 def _fits(info: TensorInfo, shape: tuple[int, ...]) -> bool:
