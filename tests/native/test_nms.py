@@ -21,6 +21,7 @@ pytest.importorskip("torch")
 from backplane import InferenceSession  # noqa: E402
 from backplane.backends.reference.kernels import nms as reference  # noqa: E402
 from backplane.native import build  # noqa: E402
+from backplane.ir.graph import Layer  # noqa: E402
 from backplane.native import nms as in_c  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 
@@ -31,15 +32,19 @@ CORPUS = Path(__file__).parents[1] / "data" / "corpus"
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The native kernel's calls, counted (the real kernel runs)."""
+    """The native kernel's C calls, counted (the real kernel runs): both ``non_max_suppression``
+    and a kernel ``bound`` at load make them through ``_function``."""
     made: list[int] = []
-    kernel = in_c.non_max_suppression
+    try:
+        kernel = in_c._function()
+    except build.NativeUnavailable:
+        return made
 
-    def counted(*args, **kwargs):
+    def counted(*args):
         made.append(1)
-        return kernel(*args, **kwargs)
+        return kernel(*args)
 
-    monkeypatch.setattr(in_c, "non_max_suppression", counted)
+    monkeypatch.setattr(in_c, "_FUNCTIONS", [counted])
     return made
 
 
@@ -47,6 +52,13 @@ def _both(boxes, scores, *extra, center=0):
     want = reference.non_max_suppression(boxes, scores, *extra, center_point_box=center)[0]
     got = in_c.non_max_suppression(boxes, scores, *extra, center_point_box=center)[0]
     assert got.dtype == np.int64 and got.flags.c_contiguous
+    names = ["limit", "iou", "threshold"][:len(extra)]
+    given = {n: v for n, v in zip(names, extra) if v is not None}
+    layer = Layer("nms", "NonMaxSuppression", ["boxes", "scores", *(n if n in given else ""
+                                                                    for n in names)],
+                  ["selected"], {"center_point_box": center}, "", 11)
+    bound = in_c.bound(layer, given)  # the limits read at load, as a HostChain's
+    np.testing.assert_array_equal(bound(boxes, scores, *extra, center_point_box=center)[0], got)
     return got, want
 
 

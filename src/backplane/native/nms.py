@@ -55,6 +55,42 @@ def host_kernel(options: Any) -> Any:
     return non_max_suppression if mode(options) == "auto" and built() else None
 
 
+def bound(layer: Any, constants: dict[str, Any]) -> Any:
+    """``non_max_suppression`` with ``layer``'s limit, IoU limit and score threshold read at
+    load, where they are ``constants`` (a detector's: the chain's HostChain passes them at every
+    run all the same): a call then checks the boxes' and scores' types and shapes, and makes one
+    C call. None where one of them is computed."""
+    names = list(layer.inputs[2:5]) + [""] * (5 - len(layer.inputs))
+    if any(name and name not in constants for name in names):
+        return None
+    given = [constants[name] if name else None for name in names]
+    limit = 0 if given[0] is None else max(int(_one(given[0])), 0)
+    iou_limit = 0.0 if given[1] is None else float(_one(given[1]))
+    has_threshold = given[2] is not None
+    threshold = float(_one(given[2])) if has_threshold else 0.0
+    call, f32, general = _function(), np.dtype(np.float32), non_max_suppression
+
+    def run(boxes, scores, *_constants, center_point_box=0):
+        if boxes.dtype != f32 or scores.dtype != f32 or boxes.ndim != 3 or scores.ndim != 3 \
+                or boxes.shape != (scores.shape[0], scores.shape[2], 4):
+            return general(boxes, scores, *given, center_point_box)
+        batch, classes, count = scores.shape
+        room = batch * classes * min(limit, count)
+        if not room:
+            return (np.zeros((0, 3), np.int64),)
+        boxes = np.ascontiguousarray(boxes)
+        scores = np.ascontiguousarray(scores)
+        rows = np.empty((room, 3), np.int64)
+        found = call(_address(boxes), _address(scores), batch, classes, count,
+                     1 if center_point_box else 0, iou_limit, has_threshold, threshold, limit,
+                     _address(rows), room)
+        if found < 0:
+            raise MemoryError("NonMaxSuppression: no memory for its boxes' corners")
+        return (rows[:found] if found * 4 >= room else rows[:found].copy(),)
+
+    return run
+
+
 def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
                         score_threshold=None, center_point_box=0):
     """``kernels/nms.host_non_max_suppression`` (NumPy arrays in, the (K, 3) int64 rows out) in

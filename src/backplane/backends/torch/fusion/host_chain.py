@@ -193,16 +193,18 @@ def _ref_kernel(layer: Layer) -> Any:
         or select_kernel(KERNELS, layer.op_type, layer.opset)
 
 
-def _native(layers: Sequence[Layer], backend: Any) -> dict[int, Any]:
+def _native(layers: Sequence[Layer], backend: Any, constants: dict[str, Any]) -> dict[int, Any]:
     """By layer index, the native kernels of the chain's layers under ``backend``'s options: a
     NonMaxSuppression in one C call (``native/nms.py``) where ``CpuAcc.native`` is "auto" and the
-    library builds here; none else."""
+    library builds here, its limits read at load where they are constants (``nms.bound``); none
+    else."""
     if not any(lay.op_type == "NonMaxSuppression" for lay in layers):
         return {}
     from backplane.native import nms
 
     kernel = nms.host_kernel(getattr(backend, "options", None) or {})
-    return {} if kernel is None else {k: kernel for k, lay in enumerate(layers)
+    return {} if kernel is None else {k: nms.bound(lay, constants) or kernel
+                                      for k, lay in enumerate(layers)
                                       if lay.op_type == "NonMaxSuppression" and not lay.domain}
 
 
@@ -219,7 +221,7 @@ def host_chain_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
     constants = {n: np.asarray(v) for n, v in layer.attrs["constants"].items()}
     ranks = layer.attrs.get("ranks", {})
     outputs = set(layer.attrs["outputs"])
-    given = kernels or _native(inner, backend)
+    given = kernels or _native(inner, backend, constants)
     steps = [(bind_kernel(given[k], lay.attrs, len(lay.outputs)) if k in given
               else fixed_kernel(lay, constants, ranks, outputs)
               or bind_kernel(_ref_kernel(lay), lay.attrs, len(lay.outputs)), lay.inputs, lay.outputs)
