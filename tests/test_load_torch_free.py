@@ -43,9 +43,11 @@ for path in sys.argv[2:]:
     else:
         sample = np.load(path[:-5] + ".s0.npz")
         feeds = {i.name: sample[i.name] for i in session.get_inputs()}
+    providers = session.get_providers()  # the default list, not waiting for torch's load
     first = session.run(None, feeds)
     again = session.run(None, feeds)
-    seen[path] = {"torch": "torch" in sys.modules, "kind": type(session._later).__name__}
+    seen[path] = {"torch": "torch" in sys.modules, "kind": type(session._later).__name__,
+                  "providers": providers}
     np.savez(f"{out}/{len(seen)}.npz", *first, *again)
 print(json.dumps(seen))
 """
@@ -70,7 +72,8 @@ def test_static_inputs_are_planned_at_load_without_torch(tmp_path: Path) -> None
     _native_available()
     path = CORPUS / "resnet_basic_ts16.onnx"
     seen = _fresh([f"static:{path}"], tmp_path)
-    assert seen[str(path)] == {"torch": False, "kind": "TorchFree"}
+    assert seen[str(path)] == {"torch": False, "kind": "TorchFree",
+                               "providers": ["CpuAcc", "CpuRef"]}
     wanted = _torch_path(path, 8)
     got = np.load(tmp_path / "1.npz")
     for i, theirs in enumerate(wanted + wanted):
@@ -89,7 +92,8 @@ def test_native_models_load_and_run_without_torch_and_give_its_outputs(tmp_path:
     paths = [CORPUS / f"{name}.onnx" for name in NATIVE]
     seen = _fresh(paths, tmp_path)
     for index, path in enumerate(paths, 1):
-        assert seen[str(path)] == {"torch": False, "kind": "TorchFree"}, path.name
+        assert seen[str(path)] == {"torch": False, "kind": "TorchFree",
+                                   "providers": ["CpuAcc", "CpuRef"]}, path.name
         wanted = _torch_path(path, 8)
         got = np.load(tmp_path / f"{index}.npz")
         arrays = [got[f"arr_{i}"] for i in range(len(got.files))]
@@ -102,7 +106,8 @@ def test_a_model_above_the_native_rule_imports_torch_and_runs_as_before(tmp_path
     pytest.importorskip("torch")
     _native_available()
     seen = _fresh([DEMO], tmp_path)
-    assert seen[str(DEMO)] == {"torch": True, "kind": "NoneType"}  # taken over: the session's
+    assert seen[str(DEMO)] == {"torch": True, "kind": "NoneType",  # taken over: torch's session
+                               "providers": ["CpuAcc", "CpuRef"]}
     x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
     wanted = InferenceSession(DEMO, providers=["CpuAcc", "CpuRef"]).run(None, {"input": x})[0]
     got = np.load(tmp_path / "1.npz")

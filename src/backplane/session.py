@@ -297,7 +297,8 @@ class InferenceSession:
         return self._meta
 
     def get_providers(self) -> list[str]:
-        return list(self.report.preferences)
+        said = self._later.providers() if hasattr(self._later, "providers") else ()  # torch_free's
+        return list(said or self.report.preferences)  # said: the list, without waiting for torch
 
     def get_provider_options(self) -> dict[str, dict[str, Any]]:
         """Each backend's options as given to this session, named without its id."""

@@ -35,6 +35,9 @@ from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
 
 log = logging.getLogger("backplane.session")
 
+DEFAULT_BACKENDS = ("CpuAcc", "CpuRef")
+"""A default session's backend list (``deferred_load.deferrable``'s): the preferences of the
+session with torch, whose report a read of the placement would otherwise wait for."""
 SIGNATURES = 8
 """Input signatures planned without torch per session (CpuAcc.specialize's default count)."""
 
@@ -274,6 +277,13 @@ class TorchFree:
         session._later = self.later
         self.later.adopt(session)
         return None
+
+    def providers(self) -> tuple[str, ...]:
+        """The backend list a default session's runs have (``get_providers``), where its runs
+        need no torch (a model of static inputs: once its plan is made); () where the background
+        load has begun (the session then reads its report, as a deferred session does)."""
+        self.ready.wait()
+        return () if self.later is not None else DEFAULT_BACKENDS
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self.ready.wait(timeout):
