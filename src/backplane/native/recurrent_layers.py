@@ -193,10 +193,9 @@ def _linear(layer: Any, plan: Plan, get: Get, constants: dict[str, Any]) -> list
         plan.dense(x, layer.name).moved([rows, k], [k, 1])
     out_shape = a.get("output_shape") or [*lead, n]
     out = plan.buffer(out_shape)
-    bias = -1 if a["bias"] is None else plan.const(a["bias"]).ref()
-    plan.record(layer.name, [LINEAR, rows, k, n, flat.ref(), flat.strides[0],
-                             plan.const(np.ascontiguousarray(weight.T)).ref(), bias, out.ref(),
-                             ACTS[act]])
+    packed, bias = plan.panels(weight, a["bias"])
+    plan.record(layer.name, [LINEAR, rows, k, n, flat.ref(), flat.strides[0], packed, bias,
+                             out.ref(), ACTS[act]])
     plan.flops += rows * k * n
     return [out]
 
@@ -234,13 +233,16 @@ def _rnn(plan: Plan, kind: str, weights: Sequence[Any], lbr: int, direction: str
         x = plan.dense(x, name)
     xt, xb, width, xd = x.strides[0], x.strides[1], inputs, 0
     if w_in is not None:  # every step's input projection first, one product
+        if seq * batch * w_in.numel() > LINEAR_MACS:
+            raise Unplannable(f"{name}: an input projection of {seq * batch * w_in.numel()} "
+                              f"multiply-adds")
         step = _row_step(x)
         if step is None:
             x, step = plan.dense(x, name), inputs
         outputs = dirs * gates * hidden
         made = plan.buffer((seq, batch, outputs))
-        plan.record(name, [LINEAR, seq * batch, inputs, outputs, x.ref(), step,
-                           plan.const(w_in.numpy().T).ref(), plan.const(b_in.numpy()).ref(),
+        w_at, b_at = plan.panels(w_in.numpy(), b_in.numpy())
+        plan.record(name, [LINEAR, seq * batch, inputs, outputs, x.ref(), step, w_at, b_at,
                            made.ref(), 0])
         plan.flops += seq * batch * inputs * outputs
         x, xt, xb, width, xd = made, batch * outputs, outputs, 0, gates * hidden

@@ -30,53 +30,55 @@ static inline float act(float v, int64_t kind) {
     }
 }
 
-/* y[m, :] = act(bias + x[m, :] Wt) for M rows (x's rows xs floats apart, contiguous inside),
- * Wt (K, N) row-major; four rows at a time share each load of Wt. */
+/* y[m, :] = act(bias + x[m, :] W^T) for M rows (x's rows xs floats apart, contiguous inside), W
+ * packed by recurrent_net.py's ``panels``: its outputs in panels of 16, each panel's K rows of 16
+ * contiguous, the last padded with zeros, as the bias is. Panels outside, rows inside: a panel
+ * (K x 16 floats) stays in L1 over every row, where a large W (the full tier's projections, 1 MB)
+ * would be streamed from L3 again for each block of rows; six rows share each load of it. A
+ * last panel narrower than 16 is made in a row of 16 on the stack, its columns copied out. */
 static void linear(int64_t M, int64_t K, int64_t N, const float *x, int64_t xs,
-                   const float *wt, const float *bias, float *y, int64_t kind) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-        const float *x0 = x + m * xs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
-        float *y0 = y + m * N, *y1 = y0 + N, *y2 = y1 + N, *y3 = y2 + N;
-        int64_t n = 0;
-        for (; n + 16 <= N; n += 16) {
-            v8 b0 = {0}, b1 = {0};
-            if (bias) { b0 = *(const v8u *)(bias + n); b1 = *(const v8u *)(bias + n + 8); }
-            v8 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1;
-            const float *w = wt + n;
-            for (int64_t k = 0; k < K; ++k, w += N) {
-                v8 w0 = *(const v8u *)w, w1 = *(const v8u *)(w + 8);
-                v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-                s0 += x0[k]; s1 += x1[k]; s2 += x2[k]; s3 += x3[k];
-                a00 += s0 * w0; a01 += s0 * w1; a10 += s1 * w0; a11 += s1 * w1;
-                a20 += s2 * w0; a21 += s2 * w1; a30 += s3 * w0; a31 += s3 * w1;
+                   const float *panels, const float *bias, float *y, int64_t kind) {
+    float part[6][16];
+    for (int64_t n = 0; n < N; n += 16) {
+        const float *panel = panels + (n / 16) * K * 16;
+        int64_t width = N - n < 16 ? N - n : 16;
+        v8 b0 = {0}, b1 = {0};
+        if (bias) { b0 = *(const v8u *)(bias + n); b1 = *(const v8u *)(bias + n + 8); }
+        int64_t m = 0;
+        for (; m + 6 <= M; m += 6) {
+            const float *x0 = x + m * xs;
+            v8 a00 = b0, a01 = b1, a10 = b0, a11 = b1, a20 = b0, a21 = b1, a30 = b0, a31 = b1,
+               a40 = b0, a41 = b1, a50 = b0, a51 = b1;
+            const float *w = panel;
+            for (int64_t k = 0; k < K; ++k, w += 16) {
+                v8 w0 = *(const v8u *)w, w1 = *(const v8u *)(w + 8), s;
+                s = (v8){0} + x0[k]; a00 += s * w0; a01 += s * w1;
+                s = (v8){0} + x0[xs + k]; a10 += s * w0; a11 += s * w1;
+                s = (v8){0} + x0[2 * xs + k]; a20 += s * w0; a21 += s * w1;
+                s = (v8){0} + x0[3 * xs + k]; a30 += s * w0; a31 += s * w1;
+                s = (v8){0} + x0[4 * xs + k]; a40 += s * w0; a41 += s * w1;
+                s = (v8){0} + x0[5 * xs + k]; a50 += s * w0; a51 += s * w1;
             }
-            *(v8u *)(y0 + n) = a00; *(v8u *)(y0 + n + 8) = a01;
-            *(v8u *)(y1 + n) = a10; *(v8u *)(y1 + n + 8) = a11;
-            *(v8u *)(y2 + n) = a20; *(v8u *)(y2 + n + 8) = a21;
-            *(v8u *)(y3 + n) = a30; *(v8u *)(y3 + n + 8) = a31;
+            *(v8u *)part[0] = a00; *(v8u *)(part[0] + 8) = a01;
+            *(v8u *)part[1] = a10; *(v8u *)(part[1] + 8) = a11;
+            *(v8u *)part[2] = a20; *(v8u *)(part[2] + 8) = a21;
+            *(v8u *)part[3] = a30; *(v8u *)(part[3] + 8) = a31;
+            *(v8u *)part[4] = a40; *(v8u *)(part[4] + 8) = a41;
+            *(v8u *)part[5] = a50; *(v8u *)(part[5] + 8) = a51;
+            for (int r = 0; r < 6; ++r)
+                memcpy(y + (m + r) * N + n, part[r], width * sizeof(float));
         }
-        for (int r = 0; r < 4; ++r) {
-            const float *xr = x0 + r * xs;
-            float *yr = y0 + r * N;
-            for (int64_t j = n; j < N; ++j) {
-                float s = bias ? bias[j] : 0.0f;
-                for (int64_t k = 0; k < K; ++k)
-                    s += xr[k] * wt[k * N + j];
-                yr[j] = s;
+        for (; m < M; ++m) {
+            const float *xr = x + m * xs, *w = panel;
+            v8 a0 = b0, a1 = b1;
+            for (int64_t k = 0; k < K; ++k, w += 16) {
+                v8 s = {0};
+                s += xr[k];
+                a0 += s * *(const v8u *)w;
+                a1 += s * *(const v8u *)(w + 8);
             }
-        }
-    }
-    for (; m < M; ++m) { /* the last rows: the outputs as the sums, k outside */
-        const float *xr = x + m * xs;
-        float *yr = y + m * N;
-        for (int64_t j = 0; j < N; ++j)
-            yr[j] = bias ? bias[j] : 0.0f;
-        for (int64_t k = 0; k < K; ++k) {
-            float s = xr[k];
-            const float *w = wt + k * N;
-            for (int64_t j = 0; j < N; ++j)
-                yr[j] += s * w[j];
+            *(v8u *)part[0] = a0; *(v8u *)(part[0] + 8) = a1;
+            memcpy(y + m * N + n, part[0], width * sizeof(float));
         }
     }
     if (kind != A_NONE)

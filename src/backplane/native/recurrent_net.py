@@ -36,9 +36,13 @@ ARENA, PARAMS, EXT = 0, 1, 2
 DIRECTIONS = {"forward": 0, "reverse": 1, "bidirectional": 2}
 ALIGN = 16  # floats: each buffer and constant starts on a 64-byte line
 LINEAR_MACS = 1 << 22
-"""The largest Linear (rows x inputs x outputs) a plan takes: the C product is a plain register
-tile, where torch's (MKL's or oneDNN's packed GEMM) wins on large heads (the full-tier CRNN's
-192 -> 6625 over its columns); such a partition keeps its trace."""
+"""The largest product (rows x inputs x outputs: a Linear head, a large layer's input projection)
+a plan takes: the C product is a plain register tile (6 rows x 16 outputs), about MKL's speed at
+the corpus's small sizes but not at large ones, where the call's cost no longer matters; such a
+partition keeps its trace. 1 thread, thread CPU us, C / torch's F.linear (load 7.8): 100 x 64 x
+1024 446-500 / 534-670, 100 x 256 x 1024 (the full-tier lstm_bi2's second projection) 1471-1495
+/ 945-1080, 80 x 192 x 40 49 / 41, 8 x 48 x 6 2.2 / 9.1. (With the product in C the full-tier
+lstm_bi2_ts14 ran 6594 us against 5106 traced: ``python bench/recurrent_native.py --tier full``.)"""
 
 
 class Unplannable(Exception):
@@ -105,6 +109,22 @@ class Plan:
                                            np.zeros(padded - values.size, np.float32)]))
         self.size += padded
         return View(PARAMS, at, values.shape)
+
+    def panels(self, weight: Any, bias: Any) -> tuple[int, int]:
+        """A Linear's weight (N, K) as ``recurrent_net.h``'s product reads it (its outputs in
+        panels of 16, each panel's K rows of 16 contiguous, the last padded with zeros) and its
+        bias padded so (-1 where none): their references."""
+        weight = np.asarray(weight, np.float32)
+        n, k = weight.shape
+        count = -(-n // 16)
+        padded = np.zeros((count * 16, k), np.float32)
+        padded[:n] = weight
+        packed = padded.reshape(count, 16, k).transpose(0, 2, 1)  # (panels, K, 16)
+        if bias is None:
+            return self.const(packed).ref(), -1
+        wide = np.zeros(count * 16, np.float32)
+        wide[:n] = np.asarray(bias, np.float32).reshape(-1)
+        return self.const(packed).ref(), self.const(wide).ref()
 
     def buffer(self, shape: Sequence[int]) -> View:
         at = self.arena
