@@ -132,6 +132,16 @@ def test_what_the_route_takes_at_load() -> None:
     assert not torch_free.candidate(_graph("cond_nested_dyn18"), {})  # control flow
 
 
+def test_without_a_compiler_or_with_native_off_the_route_is_not_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    graph = _graph("resnet_basic_ts16")
+    monkeypatch.setenv("BACKPLANE_NATIVE", "0")
+    assert not torch_free.candidate(graph, {})
+    monkeypatch.delenv("BACKPLANE_NATIVE")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert not torch_free.candidate(graph, {})
+
+
 def test_a_signature_the_plan_does_not_take_has_no_build() -> None:
     _native_available()
     graph = _graph("resnet_basic_ts16")

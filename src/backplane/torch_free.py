@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -67,6 +68,9 @@ def candidate(graph: Graph, options: Mapping[str, Any]) -> bool:
     not off, no option that changes CpuAcc's route."""
     from backplane.native import build
 
+    if os.environ.get(build.SWITCH, "1").strip().lower() in ("0", "off", "false", "no") \
+            or build.compiler() is None:  # no library can be built: torch's routes, at once
+        return False
     if build.mode(options) == "off" or any(
             options.get(k, v) != v for k, v in (("CpuAcc.compile", "auto"),
                                                 ("CpuAcc.precision", "fp32"),
