@@ -21,10 +21,32 @@ static inline int ranks_before(float a, float b, int largest) {
     return (a == a && b != b) || a < b;
 }
 
+/* Whether (a, ia) comes after (b, ib) in the order: b ranks before a, or they tie and a's index
+   is the later. */
+static inline int after(float a, float ia, float b, float ib, int largest) {
+    return ranks_before(b, a, largest) || (!ranks_before(a, b, largest) && ia > ib);
+}
+
+/* The heap's element at j moved down below those that come after it (the root: the last of the
+   kept, the one a candidate must beat). */
+static inline void sift(float *restrict v, float *restrict ix, int64_t j, int64_t n, int largest) {
+    const float x = v[j], xi = ix[j];
+    for (int64_t c; (c = 2 * j + 1) < n; j = c) {
+        if (c + 1 < n && after(v[c + 1], ix[c + 1], v[c], ix[c], largest)) ++c;
+        if (!after(v[c], ix[c], x, xi, largest)) break;
+        v[j] = v[c];
+        ix[j] = ix[c];
+    }
+    v[j] = x;
+    ix[j] = xi;
+}
+
 /* TopK of F_N rows of F_C candidates (a row's places: the int32 table at F_WOFF, in the axis's
    order): the F_OC best of each in order, values to F_OUT and indices (floats) to F_X2, row by
-   row ([row][k]); F_X1: 1 the largest, 0 the smallest. An insertion into the kept, scanned from
-   the last: k x candidates compares at worst, a few per candidate where most lose to the last. */
+   row ([row][k]); F_X1: 1 the largest, 0 the smallest. The kept are a heap whose root is their
+   last (a candidate that does not rank before it costs one compare; one that ties it comes
+   later and stays out), sorted at the end by taking the root out k times: candidates x log k
+   compares at worst, where an insertion into a sorted array moved k / 2 a candidate. */
 static void topk(const int64_t *f, float *A, const float *P) {
     const int64_t rows = f[F_N], M = f[F_C], K = f[F_OC];
     const int largest = (int)f[F_X1];
@@ -32,17 +54,25 @@ static void topk(const int64_t *f, float *A, const float *P) {
     const float *restrict x = A + f[F_IN];
     float *restrict values = A + f[F_OUT], *restrict index = A + f[F_X2];
     for (int64_t r = 0; r < rows; ++r, at += M, values += K, index += K) {
-        int64_t kept = 0;
-        for (int64_t i = 0; i < M; ++i) {
+        for (int64_t i = 0; i < K; ++i) {
+            values[i] = x[at[i]];
+            index[i] = (float)i;
+        }
+        for (int64_t j = K / 2 - 1; j >= 0; --j) sift(values, index, j, K, largest);
+        for (int64_t i = K; i < M; ++i) {
             const float v = x[at[i]];
-            if (kept == K && !ranks_before(v, values[K - 1], largest)) continue;
-            int64_t j = kept < K ? kept++ : K - 1;
-            for (; j > 0 && ranks_before(v, values[j - 1], largest); --j) {
-                values[j] = values[j - 1];
-                index[j] = index[j - 1];
-            }
-            values[j] = v;
-            index[j] = (float)i;
+            if (!ranks_before(v, values[0], largest)) continue;
+            values[0] = v;
+            index[0] = (float)i;
+            sift(values, index, 0, K, largest);
+        }
+        for (int64_t end = K - 1; end > 0; --end) {  /* the last kept to the end, and so on */
+            const float v = values[0], ix = index[0];
+            values[0] = values[end];
+            index[0] = index[end];
+            values[end] = v;
+            index[end] = ix;
+            sift(values, index, 0, end, largest);
         }
     }
 }
