@@ -228,6 +228,8 @@ def linear_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:
 
     a = layer.attrs
     route = backend.options.get("CpuAcc.linear_route", "auto")
+    if route != "onednn" and _native(a, backend):  # "mkl" too: what a trace forces (onednn_graph)
+        return _native_linear(a)
     if route == "mkl" or not a["input_shape"]:
         return _mkl_linear(a)
     if route == "onednn":
@@ -293,6 +295,48 @@ def _widened(run: Callable[..., Any], dtype: Any, x: Any, residual: Any = None) 
     float16 Linear (``source``) outside a float32 trace, which hands it float32 instead."""
     (y,) = run(x.to(dtype)) if residual is None else run(x.to(dtype), residual.to(dtype))
     return (y.to(x.dtype),)
+
+
+def _native(a: dict[str, Any], backend: Any) -> bool:
+    """Whether the layer takes backplane's C product (``native/linear``): ``CpuAcc.native``
+    "auto" on CpuAcc, a session of one thread, float32, at least ``linear.LARGE`` multiply-adds
+    on its known input shape, the library here."""
+    from backplane.backends.torch.threads import thread_setting
+
+    if getattr(backend, "id", "") != "CpuAcc" or not _plain(a) or not a["input_shape"] \
+            or np.asarray(a["weight"]).dtype != np.float32 or a["weight"].ndim != 2:
+        return False
+    from backplane.native import build, linear
+
+    if math.prod(a["input_shape"][:-1]) * a["weight"].size < linear.LARGE:
+        return False
+    try:
+        if thread_setting(backend.options.get("CpuAcc.threads")) != 1:
+            return False
+    except Exception:  # noqa: BLE001  # an unknown setting is the load's error to raise
+        return False
+    return linear.usable(build.mode(backend.options))
+
+
+def _native_linear(a: dict[str, Any]) -> Workload:
+    """The product by backplane's C on the weight packed here, then the post-op, the view and
+    the residual as ``_mkl_linear`` does them."""
+    from backplane.native import linear
+
+    weight, bias = weight_of(a, "weight"), weight_of(a, "bias")
+    post = torch_post_op(a["unary"])
+    shape = a.get("output_shape")
+    product = linear.product(weight, bias)
+
+    def native(x, residual=None):
+        if x.dtype != weight.dtype:
+            return _widened(native, weight.dtype, x, residual)
+        y = product(x)
+        y = post(y) if post else y
+        y = y.view(shape) if shape else y
+        return (y if residual is None else y.add_(residual),)
+    return because(holding(native, product.packed, bias),
+                   "native: backplane's C product (CpuAcc.native auto)")
 
 
 def _mkl_linear(a: dict[str, Any]) -> Workload:
