@@ -61,12 +61,12 @@ def ort_uint8_exact() -> bool:
     return _probe(TensorProto.UINT8, 255)
 
 
-def with_uint8_weights(model: onnx.ModelProto,
-                       feeds: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+def with_uint8_weights(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None = None,
+                       ops: dict[str, list[tuple[int, int]]] | None = None) -> onnx.ModelProto:
     """A copy of ``model`` whose int8 weights (and their zero points) of the ``WEIGHTS`` ops read
     by uint8 or float activations are uint8, 128 above: the same integer products, exact in ONNX
     Runtime where its u8 x s8 ones saturate. A weight fed at run time (in ``feeds``) is moved
-    there."""
+    there. ``ops``: the ops and their (weight, zero point) inputs, ``WEIGHTS`` by default."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -90,7 +90,7 @@ def with_uint8_weights(model: onnx.ModelProto,
         return name
 
     for node in graph.node:
-        pairs = WEIGHTS.get(node.op_type, [])
+        pairs = (WEIGHTS if ops is None else ops).get(node.op_type, [])
         if not pairs or types.get(node.input[0]) == TensorProto.INT8:
             continue  # an int8 activation (float ones are quantized to uint8): no u8 x u8 product
         for w, zp in pairs:

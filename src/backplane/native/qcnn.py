@@ -180,7 +180,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     """The plan of a static partition whose inputs and outputs are float32: ``layers`` in order,
     reading ``inputs`` of ``input_shapes`` (and ``constants``), writing ``outputs``. Raises
     ``Unplannable``."""
-    from backplane.native import qcnn_layers
+    from backplane.native import qcnn_contrib, qcnn_layers
 
     p = Planner(layers, constants, inputs, outputs)
     for index, (name, shape) in enumerate(zip(inputs, input_shapes)):
@@ -189,8 +189,10 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     for index, layer in enumerate(p.layers):
         if index in p.done:
             continue
-        make = qcnn_layers.PLANNERS.get(layer.op_type)
-        if make is None or layer.domain not in ("", "ai.onnx") or len(layer.outputs) != 1:
+        make = qcnn_layers.PLANNERS.get(layer.op_type) if layer.domain in ("", "ai.onnx") \
+            else qcnn_contrib.PLANNERS.get(layer.op_type) if layer.domain == "com.microsoft" \
+            else None
+        if make is None or len(layer.outputs) != 1:
             raise Unplannable(f"{layer.name}: {layer.domain or 'ai.onnx'} {layer.op_type} is "
                               "not planned natively in int8")
         p.current = (layer.name, layer.op_type)

@@ -319,6 +319,14 @@ def max_pool(p: Planner, layer: Layer, index: int) -> None:
     """A MaxPool between a DequantizeLinear and a QuantizeLinear of one step runs on the bytes
     (a max of integers is the integer of the max); any other on floats."""
     pending, reader = p.pending.get(layer.inputs[0]), p.sole_reader(layer.outputs[0])
+    bytes_in = p.values.get(layer.inputs[0])
+    if bytes_in is not None and bytes_in.kind != "f" and len(bytes_in.shape) == 4:  # QOperator's
+        g = _pool_geometry(layer, bytes_in.dims)
+        y = p.new(layer.outputs[0], (*bytes_in.shape[:2], g["oh"], g["ow"]), bytes_in.kind,
+                  bytes_in.step)
+        p.record("maxpool_q", in_=bytes_in.offset, out=y.offset, dims=bytes_in.dims,
+                 signed=int(bytes_in.kind == "s8"), **g)
+        return
     if pending is not None and reader is not None and reader.op_type == "QuantizeLinear":
         source = p.quantized(pending.source)
         if _step(p, reader) == (pending.scale, pending.zero, source.kind) \
@@ -402,10 +410,12 @@ def add(p: Planner, layer: Layer, index: int) -> None:
 
 def view(p: Planner, layer: Layer, index: int) -> None:
     """Flatten, Reshape, Identity: the same place, where channels-last and NCHW order the elements
-    alike (1x1 pixels); of a pending DequantizeLinear, a pending one of the viewed bytes."""
+    alike (1x1 pixels); of a pending DequantizeLinear, a pending one of the viewed bytes; of
+    8-bit values (the QOperator format's), those bytes."""
     name, out = layer.inputs[0], layer.outputs[0]
     pending = p.pending.get(name) if name not in p.values else None
-    value = p.quantized(pending.source) if pending is not None else p.real(name)
+    value = p.quantized(pending.source) if pending is not None else p.values[name] \
+        if name in p.values else p.real(name)
     shape = _target(p, layer, value.shape)
     if math.prod(shape) != value.size or layer.op_type != "Identity" and \
             value.dims[2] * value.dims[3] != 1:

@@ -155,7 +155,8 @@ def test_a_free_batch_qoperator_cnn_is_fused_in_its_build(busy: None, tmp_path: 
     from backplane.backends.torch.backend import FUSED_DOMAIN
 
     path = quantized(tmp_path, "QOperator", batch="N")
-    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"])
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"],  # torch's route, pinned:
+                               provider_options=[{"CpuAcc.native": "off"}, {}])  # (not C's)
     layers = built_layers_within_a_step(session, path)
     convs = [lay for lay in layers if lay.op_type == "QLinearConv"]
     assert len(convs) == 4 and all(lay.domain == FUSED_DOMAIN for lay in convs), convs

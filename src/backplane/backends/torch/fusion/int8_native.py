@@ -52,8 +52,9 @@ def whole(view: SubgraphView, options: Any) -> OptimizationViews | None:
         return None
     if not _allowed(options):
         return None
-    infos = [graph.info(n) for n in (*view.inputs, *view.outputs)]
-    if not all(info.is_static and str(info.dtype) == "float32" for info in infos):
+    infos = [graph.info(n) for n in view.inputs]  # the outputs' shapes are the plan's own
+    if not all(info.is_static and str(info.dtype) == "float32" for info in infos) or not all(
+            str(graph.info(n).dtype) == "float32" for n in view.outputs):
         return None
     names = {n for layer in view.layers for n in layer.inputs if n}
     constants = {n: graph.constants[n] for n in names if n in graph.constants}
