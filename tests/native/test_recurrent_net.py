@@ -226,3 +226,30 @@ def test_nan_in_nan_out_and_fresh_outputs(op, tmp_path, calls):
     for a, b in zip(first, second):
         assert a.ctypes.data != b.ctypes.data
         np.testing.assert_array_equal(a, b)
+
+
+@needs_library
+def test_threads_running_one_session_keep_their_own_arena(calls):
+    """Two threads running one session at once (ctypes lets the GIL go during the C call): the
+    second takes a fresh arena while the first holds the plan's, each its own values."""
+    import threading
+
+    path = CORPUS / "lstm_bi2_ts14.onnx"
+    session = _session(path)
+    first = dict(np.load(CORPUS / "lstm_bi2_ts14.s0.npz"))
+    feeds = [first, {k: v[..., ::-1].copy() for k, v in first.items()}]  # one plan, two inputs
+    wanted = [session.run(None, f) for f in feeds]
+    wrong: list[int] = []
+
+    def work(index):
+        for _ in range(200):
+            got = session.run(None, feeds[index])
+            if not all(np.array_equal(a, b) for a, b in zip(got, wanted[index])):
+                wrong.append(index)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls and not wrong
