@@ -161,3 +161,31 @@ def test_the_logistic_and_gelu_in_registers_at_their_ends(act):
     # |x| / 2 of that absolutely: at most ~1e-6 where 1 + erf(x / sqrt 2) is not yet 0 in float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 if act == "Gelu" else 1e-7)
     assert np.isnan(got).sum() == (1 if act == "Sigmoid" else 2)  # NaN, and SiLU's, GELU's -inf
+
+
+@needs_compiler
+@pytest.mark.parametrize("channels,groups,length", [(16, 16, 79), (16, 4, 33), (12, 1, 9),
+                                                    (24, 8, 1), (8, 2, 50)])
+def test_a_group_norm_after_a_1d_convolution_matches_cpuref(tmp_path, channels, groups, length):
+    """GroupNorm (torch's export: Reshape, InstanceNormalization, Reshape, Mul, Add; cnn_ops.h's
+    gnorm summing each channel over the pixels, then each group), from a real torch module;
+    a NaN in one channel makes its group NaN, the others not."""
+    module = torch.nn.Sequential(torch.nn.Conv1d(3, channels, 5, padding=2),
+                                 torch.nn.GroupNorm(groups, channels),
+                                 torch.nn.Conv1d(channels, channels, 1, groups=channels)).eval()
+    with torch.no_grad():  # the last a depthwise identity: with it, one partition
+        module[1].weight.normal_()
+        module[1].bias.normal_()
+        module[2].weight.fill_(1.0)
+        module[2].bias.zero_()
+    path = str(tmp_path / "gn.onnx")
+    x = torch.randn(2, 3, length)
+    torch.onnx.export(module, (x,), path, input_names=["x"], output_names=["out"], dynamo=False,
+                      opset_version=17)
+    feeds = {"x": x.numpy().copy()}
+    feeds["x"][1, 0, length // 2] = np.nan  # the second image's every channel: its groups NaN
+    got = _native(path).run(None, feeds)[0]
+    want = InferenceSession(path, backends=["CpuRef"]).run(None, feeds)[0]
+    assert np.isnan(want[1]).all() and not np.isnan(want[0]).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.nanmax(np.abs(want)))

@@ -275,30 +275,41 @@ static void reduce(const int64_t *f, float *A, const float *P) {
 
 /* Group normalization of an NHWC tensor, F_G groups of the F_C channels, epsilon at F_AOFF,
    then each channel's scale (F_WOFF) and bias (F_BOFF); mean and variance in double, two
-   passes (a NaN anywhere in a group makes the group NaN, as CpuRef's). */
+   passes (a NaN anywhere in a group makes the group NaN, as CpuRef's). Each pass runs over the
+   pixels with the channels innermost (contiguous: vectorized, where a group's own channels one
+   pixel apart had been read C floats apart), summed per channel, then per group. */
 static void gnorm(const int64_t *f, float *A, const float *P) {
     const int64_t N = f[F_N], C = f[F_C], HW = f[F_H] * f[F_W], G = f[F_G], CG = C / G;
     const float eps = P[f[F_AOFF]], *restrict scale = P + f[F_WOFF], *restrict bias = P + f[F_BOFF];
-    const float *restrict x = A + f[F_IN];
-    float *restrict y = A + f[F_OUT];
-    for (int64_t n = 0; n < N; ++n)
+    double sum[C], mean[C];
+    float m[C], inv[C];
+    for (int64_t n = 0; n < N; ++n) {
+        const float *restrict x = A + f[F_IN] + n * HW * C;
+        float *restrict y = A + f[F_OUT] + n * HW * C;
+        for (int64_t c = 0; c < C; ++c) sum[c] = 0.0;
+        for (int64_t p = 0; p < HW; ++p)
+            for (int64_t c = 0; c < C; ++c) sum[c] += x[p * C + c];
         for (int64_t g = 0; g < G; ++g) {
-            const int64_t at = n * HW * C + g * CG;
-            double sum = 0.0, dev = 0.0;
-            for (int64_t p = 0; p < HW; ++p)
-                for (int64_t c = 0; c < CG; ++c) sum += x[at + p * C + c];
-            const double mean = sum / (double)(CG * HW);
-            for (int64_t p = 0; p < HW; ++p)
-                for (int64_t c = 0; c < CG; ++c) {
-                    const double d = x[at + p * C + c] - mean;
-                    dev += d * d;
-                }
-            const float m = (float)mean, inv = (float)(1.0 / sqrt(dev / (double)(CG * HW) + eps));
-            for (int64_t p = 0; p < HW; ++p)
-                for (int64_t c = 0; c < CG; ++c)
-                    y[at + p * C + c] = (x[at + p * C + c] - m) * inv * scale[g * CG + c] +
-                                        bias[g * CG + c];
+            double s = 0.0;
+            for (int64_t c = g * CG; c < (g + 1) * CG; ++c) s += sum[c];
+            for (int64_t c = g * CG; c < (g + 1) * CG; ++c) mean[c] = s / (double)(CG * HW);
         }
+        for (int64_t c = 0; c < C; ++c) sum[c] = 0.0;
+        for (int64_t p = 0; p < HW; ++p)
+            for (int64_t c = 0; c < C; ++c) {
+                const double d = x[p * C + c] - mean[c];
+                sum[c] += d * d;
+            }
+        for (int64_t g = 0; g < G; ++g) {
+            double dev = 0.0;
+            for (int64_t c = g * CG; c < (g + 1) * CG; ++c) dev += sum[c];
+            const float i = (float)(1.0 / sqrt(dev / (double)(CG * HW) + eps));
+            for (int64_t c = g * CG; c < (g + 1) * CG; ++c) m[c] = (float)mean[c], inv[c] = i;
+        }
+        for (int64_t p = 0; p < HW; ++p)
+            for (int64_t c = 0; c < C; ++c)
+                y[p * C + c] = (x[p * C + c] - m[c]) * inv[c] * scale[c] + bias[c];
+    }
 }
 
 /* Layer normalization of F_N rows of F_C elements, a row's k-th at the place the int32 table at
