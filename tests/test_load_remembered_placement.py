@@ -103,3 +103,10 @@ def test_the_key_is_the_model_and_its_options(tmp_path: Path) -> None:
     other.write_bytes(model.read_bytes() + b"\0")
     assert key != route_cache.placement_key(other, {})
     assert route_cache.placement_key(tmp_path / "missing.onnx", {}) is None
+
+
+def test_torchs_version_is_read_from_its_package_without_importing_it() -> None:
+    """Where torch has no distribution metadata (the GPU machine's), the key reads torch's
+    version.py as text: the same version torch says when imported."""
+    torch = pytest.importorskip("torch")
+    assert route_cache._torch_version_file() == str(torch.__version__)

@@ -133,6 +133,24 @@ WITHOUT_TORCH = "without torch"
 torch's (CpuAcc timed slower than CpuRef by ``against_cpu``, or claiming none of its layers)."""
 
 
+def _torch_version_file() -> str | None:
+    """torch's version from its package's own ``version.py`` (where the GPU machine's torch has
+    no distribution metadata), read as text: importing it would import torch."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or ()) if spec else ():
+        try:
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        found = re.search(r"^__version__\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+        if found:
+            return found.group(1)
+    return None
+
+
 def placement_key(model: str | os.PathLike[str], options: dict[str, Any]) -> str | None:
     """The key of a default session's placement of the model file ``model`` with ``options``
     (the session's backend options, its thread ceiling among them), on this machine and these
@@ -144,8 +162,13 @@ def placement_key(model: str | os.PathLike[str], options: dict[str, Any]) -> str
 
     try:
         digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()
+    except OSError:
+        return None
+    try:
         torch_version = importlib.metadata.version("torch")
-    except (OSError, importlib.metadata.PackageNotFoundError):
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = _torch_version_file()  # a torch built or copied in without its metadata
+    if torch_version is None:
         return None
     identity = {"kind": "placement", "model": digest, "cache": CACHE_VERSION,
                 "backend": TorchBackend.version, "torch": torch_version, "cpu": _processor(),
