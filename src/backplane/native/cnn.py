@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
+from backplane.native.arena import ArenaExecutor
 
 FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl g woff boff act aoff scr ph pw "
           "vb x1 x2 macs").split()
@@ -299,45 +299,22 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
                 [np.float32] * len(inputs), types)
 
 
-class Executor:
-    """A plan bound to the library: ``run(input pointers, output pointers)`` makes one call. The
-    arena is the plan's own while one thread runs it; a second thread at the same time gets a
-    fresh one (a lock tried, never waited for)."""
+class Executor(ArenaExecutor):
+    """A plan bound to the library: ``run(pointers)`` makes one call, ``pointers`` the inputs'
+    then the outputs' data (contiguous float32, NCHW); see ``arena.ArenaExecutor``."""
 
     def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
         self.plan, self.library = planned, library
-        self.fn = library.backplane_cnn_run
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_void_p]
-        self.fn.restype = ctypes.c_int
-        self.count = len(planned.records)
-        self.records = np.ascontiguousarray(planned.records)
-        self.params = planned.params
-        self.edges = len(planned.input_shapes) + len(planned.output_shapes)
-        self.arena = _aligned(planned.arena)
-        self.ext = (ctypes.c_void_p * self.edges)()
-        self.lock = threading.Lock()
-        self.pointers = (self.records.ctypes.data, self.params.ctypes.data)
-        self.address = self.arena.ctypes.data  # read once: numpy's .ctypes costs ~1-2 us a read
+        self._bind(library.backplane_cnn_run, np.ascontiguousarray(planned.records),
+                   planned.params, _aligned(planned.arena),
+                   len(planned.input_shapes) + len(planned.output_shapes))
 
-    def run(self, pointers: Sequence[int]) -> None:
-        """``pointers``: the inputs' then the outputs' data (contiguous float32, NCHW)."""
-        records, params = self.pointers
-        if self.lock.acquire(blocking=False):
-            try:
-                self.ext[:] = pointers
-                failed = self.fn(records, self.count, params, self.address, self.ext)
-            finally:
-                self.lock.release()
-        else:  # the arena held in a name through the call: a temporary's memory would be freed
-            ext = (ctypes.c_void_p * self.edges)(*pointers)  # as soon as its address was read
-            arena = _aligned(self.plan.arena)
-            failed = self.fn(records, self.count, params, arena.ctypes.data, ext)
-            del arena
-        if failed:
-            raise RuntimeError(f"native cnn: record {failed - 1} ({self.plan.ops[failed - 1]}) "
-                               "failed: an op this library does not know, or an index out of "
-                               "range")
+    def _fresh_arena(self) -> np.ndarray:
+        return _aligned(self.plan.arena)
+
+    def _failure(self, index: int) -> Exception:
+        return RuntimeError(f"native cnn: record {index} ({self.plan.ops[index]}) failed: an op "
+                            "this library does not know, or an index out of range")
 
     def profile(self, values: Sequence[np.ndarray], times: int = 1) -> list[float]:
         """Each record's thread CPU seconds, the mean of ``times`` runs on NumPy ``values``."""

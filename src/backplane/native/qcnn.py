@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
+from backplane.native.arena import ArenaExecutor
 
 FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl woff boff moff scr ph pw icp "
           "zx zy lo hi signed x1 cs ocs").split()
@@ -215,44 +215,22 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
                 [tuple(s) for s in input_shapes], shapes, p.ops, p.names, p.macs)
 
 
-class Executor:
-    """A plan bound to the library: ``run(input pointers, output pointers)`` makes one call. The
-    arena is the plan's own while one thread runs it; a second thread at the same time gets a
-    fresh one (a lock tried, never waited for)."""
+class Executor(ArenaExecutor):
+    """A plan bound to the library: ``run(pointers)`` makes one call, ``pointers`` the inputs'
+    then the outputs' data (contiguous, NCHW); see ``arena.ArenaExecutor``."""
 
     def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
         self.plan, self.library = planned, library
-        self.fn = library.backplane_qcnn_run
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_void_p]
-        self.fn.restype = ctypes.c_int
-        self.count = len(planned.records)
-        self.records = np.ascontiguousarray(planned.records)
-        self.params = _aligned(planned.params.size)
-        self.params[:] = planned.params
-        self.edges = len(planned.input_shapes) + len(planned.output_shapes)
-        self.arena = _aligned(planned.arena)
-        self.ext = (ctypes.c_void_p * self.edges)()
-        self.lock = threading.Lock()
-        self.pointers = (self.records.ctypes.data, self.params.ctypes.data)
-        self.address = self.arena.ctypes.data  # read once: numpy's .ctypes costs ~1-2 us a read
+        params = _aligned(planned.params.size)
+        params[:] = planned.params
+        self._bind(library.backplane_qcnn_run, np.ascontiguousarray(planned.records), params,
+                   _aligned(planned.arena), len(planned.input_shapes) + len(planned.output_shapes))
 
-    def run(self, pointers: Sequence[int]) -> None:
-        """``pointers``: the inputs' then the outputs' data (contiguous float32, NCHW)."""
-        records, params = self.pointers
-        if self.lock.acquire(blocking=False):
-            try:
-                self.ext[:] = pointers
-                failed = self.fn(records, self.count, params, self.address, self.ext)
-            finally:
-                self.lock.release()
-        else:  # the arena held in a name through the call (a temporary's would be freed)
-            ext = (ctypes.c_void_p * self.edges)(*pointers)
-            arena = _aligned(self.plan.arena)
-            failed = self.fn(records, self.count, params, arena.ctypes.data, ext)
-            del arena
-        if failed:
-            raise RuntimeError(f"native qcnn: record {failed - 1} has an unknown op")
+    def _fresh_arena(self) -> np.ndarray:
+        return _aligned(self.plan.arena)
+
+    def _failure(self, index: int) -> Exception:
+        return RuntimeError(f"native qcnn: record {index} has an unknown op")
 
     def profile(self, values: Sequence[np.ndarray], times: int = 1) -> list[float]:
         """Each record's thread CPU seconds, the mean of ``times`` runs on NumPy ``values``."""

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from backplane.native.arena import ArenaExecutor
 
 REC = 32
 """Int64 fields a record (``recurrent_net.h``'s ``REC``)."""
@@ -187,46 +188,25 @@ def plan(layers: Sequence[Any], constants: dict[str, Any], inputs: Sequence[str]
     return planned
 
 
-class Executor:
+class Executor(ArenaExecutor):
     """A plan bound to the library: ``run(pointers)`` makes one call (the inputs' then the
-    outputs' data, contiguous float32). The arena is the plan's own while one thread runs it; a
-    second thread at the same time gets a fresh one (a lock tried, never waited for), as
-    ``native/cnn.py``'s executor."""
+    outputs' data, contiguous float32); see ``arena.ArenaExecutor``."""
 
     def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
         self.plan, self.library = planned, library
         if library.backplane_rnet_rec() != REC:
             raise RuntimeError("the recurrent library's records are not this module's")
-        self.fn = library.backplane_rnet_run
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_void_p]
-        self.fn.restype = ctypes.c_int
-        self.records, self.params = planned.records, planned.params
-        self.count = len(self.records)
-        self.edges = len(planned.input_shapes) + len(planned.output_shapes)
-        self.arena = np.zeros(max(planned.arena, ALIGN) + ALIGN, np.float32)
-        self.address = self.arena.ctypes.data + (-self.arena.ctypes.data % 64)
-        self.ext = (ctypes.c_void_p * self.edges)()
-        self.lock = threading.Lock()
-        self.pointers = (self.records.ctypes.data, self.params.ctypes.data)
+        self._bind(library.backplane_rnet_run, planned.records, planned.params,
+                   self._fresh_arena(), len(planned.input_shapes) + len(planned.output_shapes))
 
-    def run(self, pointers: Sequence[int]) -> None:
-        records, params = self.pointers
-        if self.lock.acquire(blocking=False):
-            try:
-                self.ext[:] = pointers
-                failed = self.fn(records, self.count, params, self.address, self.ext)
-            finally:
-                self.lock.release()
-        else:  # the arena held in a name through the call
-            ext = (ctypes.c_void_p * self.edges)(*pointers)
-            arena = np.zeros(max(self.plan.arena, ALIGN) + ALIGN, np.float32)
-            address = arena.ctypes.data + (-arena.ctypes.data % 64)
-            failed = self.fn(records, self.count, params, address, ext)
-            del arena
-        if failed:
-            raise MemoryError(f"native recurrent net: record {failed - 1} "
-                              f"({self.plan.kinds[failed - 1]}) could not run")
+    def _fresh_arena(self) -> np.ndarray:
+        raw = np.zeros(max(self.plan.arena, ALIGN) + ALIGN, np.float32)
+        start = (-raw.ctypes.data % 64) // 4
+        return raw[start:start + max(self.plan.arena, ALIGN)]
+
+    def _failure(self, index: int) -> Exception:
+        return MemoryError(f"native recurrent net: record {index} ({self.plan.kinds[index]}) "
+                           "could not run")
 
     def profile(self, values: Sequence[np.ndarray], times: int = 1) -> list[float]:
         """The whole call's thread CPU seconds (one share: the records are not timed apart)."""
