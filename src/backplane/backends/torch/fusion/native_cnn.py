@@ -94,6 +94,18 @@ def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
 CONVOLUTIONS = ("FusedConv", "Conv", "ConvTranspose")
 
 
+def traced_float32(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> bool:
+    """Whether a Traced ``layer`` may go to a native plan at all: the native route not off,
+    ``CpuAcc.compile`` not pinned to another route, float32 computed as written (no reduced
+    precision) and static float32 inputs (native_cnn's prefix and recurrent_net's whole plan)."""
+    from backplane.native import build
+
+    a = layer.attrs
+    return build.mode(backend.options) != "off" and backend.options.get(
+        "CpuAcc.compile", "auto") == "auto" and not (a.get("compute") or a.get("source")) and all(
+        info.is_static and str(info.dtype) == "float32" for info in inputs)
+
+
 def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
                   rest: Callable[[Layer, Any, Sequence[TensorInfo]], Workload]) -> Workload | None:
     """A Traced layer's longest run of first layers the plan covers, with a convolution among
@@ -101,14 +113,11 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     workload); or None (``native_workload``'s rules). Why: a detector's or a CRNN's backbone
     ends in layers the plan does not take (an NMS's glue, an LSTM), which kept the whole partition
     traced, its convolutions on torch's (detect_nms_ts14's on the im2col path: 270 us of 890)."""
-    from backplane.native import NativeUnavailable, build, library
+    from backplane.native import NativeUnavailable, library
     from backplane.native.cnn import Executor, Unplannable, plan
 
     a = layer.attrs
-    if build.mode(backend.options) == "off" or backend.options.get("CpuAcc.compile",
-                                                                    "auto") != "auto" \
-            or a.get("compute") or a.get("source") or not all(
-                info.is_static and str(info.dtype) == "float32" for info in inputs):
+    if not traced_float32(layer, backend, inputs):
         return None
     layers, names, planners = a["layers"], list(a["inputs"]), _planners()
     first = next((i for i, lay in enumerate(layers) if lay.op_type not in planners), len(layers))

@@ -28,11 +28,10 @@ def traced_whole(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Wo
     """The Traced ``layer`` as one native call, or None (see above)."""
     from backplane.native import NativeUnavailable, build, library
 
+    from backplane.backends.torch.fusion.native_cnn import traced_float32
+
     a = layer.attrs
-    if build.mode(backend.options) == "off" or backend.options.get("CpuAcc.compile",
-                                                                    "auto") != "auto" \
-            or a.get("compute") or a.get("source") or not all(
-                info.is_static and str(info.dtype) == "float32" for info in inputs):
+    if not traced_float32(layer, backend, inputs):
         return None
     from backplane.native.recurrent_layers import RECURRENT
     from backplane.native.recurrent_net import Executor, Unplannable, plan
