@@ -117,3 +117,15 @@ def test_the_libraries_folder_can_be_named_apart_from_the_route_cache(fresh, tmp
     assert build.cache_folder() == kept
     monkeypatch.delenv(build.CACHE_VARIABLE)
     assert build.cache_folder() == fresh / "native"
+
+
+@needs_compiler
+def test_a_library_of_another_version_is_unavailable_naming_both() -> None:
+    """``library(name, version)`` reads ``backplane_<name>_version()``: a source and a library of
+    two trees give NativeUnavailable (the torch routes run), not a call of the wrong signature."""
+    from backplane.native import nms
+
+    assert build.library("nms", nms.VERSION).backplane_nms_version() == nms.VERSION
+    with pytest.raises(build.NativeUnavailable, match=rf"nms library is version {nms.VERSION}, "
+                                                      rf"not {nms.VERSION + 1}"):
+        build.library("nms", nms.VERSION + 1)

@@ -73,10 +73,20 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | NativeUnavailable] = {}
 
 
-def library(name: str) -> ctypes.CDLL:
+def library(name: str, version: int | None = None) -> ctypes.CDLL:
     """The library built from ``<name>.c``, built first where this machine has not built it yet.
     Raises :class:`NativeUnavailable` (the same one at every call of the process) where it cannot
-    be had."""
+    be had, or, given ``version``, where its ``backplane_<name>_version()`` says another (a
+    source and a library of two trees: the caller's signatures would not be the library's)."""
+    found = _library(name)
+    if version is not None:
+        said = getattr(found, f"backplane_{name}_version")()
+        if said != version:
+            raise NativeUnavailable(f"the {name} library is version {said}, not {version}")
+    return found
+
+
+def _library(name: str) -> ctypes.CDLL:
     with _lock:
         found = _loaded.get(name)
         if found is None:

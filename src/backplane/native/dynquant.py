@@ -31,10 +31,7 @@ _FUNCTIONS: list[Any] = []
 def _function() -> Any:
     """The C function, typed (raises ``NativeUnavailable``)."""
     if not _FUNCTIONS:
-        lib = library("dynquant")
-        if lib.backplane_dynquant_version() != VERSION:  # a source and a library of two trees
-            raise NativeUnavailable(f"the dynquant library is version "
-                                    f"{lib.backplane_dynquant_version()}, not {VERSION}")
+        lib = library("dynquant", VERSION)
         function = lib.backplane_dynquant_matmul
         pointer, size = ctypes.c_void_p, ctypes.c_long
         function.argtypes = [pointer, size, size, pointer, size, pointer, size, pointer, pointer]

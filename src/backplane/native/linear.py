@@ -42,10 +42,7 @@ _FUNCTIONS: list[Any] = []
 def _functions() -> list[Any]:
     """(pack, product), typed (raises ``NativeUnavailable``)."""
     if not _FUNCTIONS:
-        lib = library("linear")
-        if lib.backplane_linear_version() != VERSION:  # a source and a library of two trees
-            raise NativeUnavailable(f"the linear library is version "
-                                    f"{lib.backplane_linear_version()}, not {VERSION}")
+        lib = library("linear", VERSION)
         pointer, size = ctypes.c_void_p, ctypes.c_long
         lib.backplane_linear_pack.argtypes = [pointer, size, size, pointer]
         lib.backplane_linear_pack.restype = None

@@ -26,10 +26,7 @@ _FUNCTIONS: list[Any] = []
 def _function() -> Any:
     """The library's ``backplane_nms``, typed (raises ``NativeUnavailable``)."""
     if not _FUNCTIONS:
-        lib = library("nms")
-        if lib.backplane_nms_version() != VERSION:  # a source and a library of two trees
-            raise NativeUnavailable(f"the nms library is version {lib.backplane_nms_version()}, "
-                                    f"not {VERSION}")
+        lib = library("nms", VERSION)
         function = lib.backplane_nms
         function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4,
                              ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_int64,

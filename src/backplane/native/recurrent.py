@@ -62,11 +62,8 @@ one slower than it passes the pointers; never changed after, so threads share th
 
 def _library() -> Any:
     """The library, its functions typed (raises ``NativeUnavailable``)."""
-    lib = library("recurrent")
+    lib = library("recurrent", VERSION)
     if not _FUNCTIONS:
-        if lib.backplane_recurrent_version() != VERSION:  # a source and a library of two trees
-            raise NativeUnavailable(f"the recurrent library is version "
-                                    f"{lib.backplane_recurrent_version()}, not {VERSION}")
         pointers = [ctypes.c_void_p] * 9
         for function, count in ((lib.backplane_lstm, 9), (lib.backplane_gru, 7)):
             function.argtypes = [ctypes.POINTER(_Shape)] + pointers[:count]

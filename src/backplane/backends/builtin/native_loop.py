@@ -38,9 +38,7 @@ _FUNCTIONS: list[Any] = []
 
 def _function() -> Any:
     if not _FUNCTIONS:
-        lib = library("loop")
-        if lib.backplane_loop_version() != VERSION:
-            raise NativeUnavailable(f"the loop library is version {lib.backplane_loop_version()}")
+        lib = library("loop", VERSION)
         fn = lib.backplane_loop
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3,
                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
