@@ -149,7 +149,8 @@ def test_a_compiled_chain_drops_the_dequantizes_nothing_reads(tmp_path: Path) ->
     """Traced whole, the subgraph holds no DequantizeLinear whose output no layer reads either;
     its convolutions chained in integers exactly where torch's int8 kernels are exact."""
     path = quantized(tmp_path, "QUInt8")
-    session = InferenceSession(path, backends=[("CpuAcc", {"route_cache": False}), "CpuRef"])
+    session = InferenceSession(path, backends=[("CpuAcc", {"route_cache": False,
+                                                           "native": "off"}), "CpuRef"])
     (whole,) = [lay for lay in session.optimized.graph.layers if lay.attrs.get("layers")]
     inner = whole.attrs["layers"]
     read = {name for lay in inner for name in lay.inputs} | set(whole.outputs)
