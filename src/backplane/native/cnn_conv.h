@@ -33,19 +33,21 @@ static inline __attribute__((always_inline)) v8 epilogue(v8 x, const float *r, i
     return x;
 }
 
-/* pb output pixels (each its own window origin ip[r]: a tile may cross rows) by VB (8 or 16)
+/* pb output pixels (each its own window origin ip[r]: a tile may cross rows) by 8 * nv (8 or 16)
    output channels of one group: the register tile (6 x 16 or 8 x 8: 12 or 8 accumulators of the
    16 AVX registers, the FMAs, not the loads, the bound). The taps run as KH x KW x inner, where
    inner is ICG, or KW * ICG with KW 1 where a window's row is contiguous (groups 1, dilation 1:
-   the packed weights' [kw][ic] order is the input's). The epilogue (residual, ReLU or Clip) in
-   registers where `fused`; else finish() passes over the chunk after. */
+   the packed weights' [kw][ic] order is the input's). The weights' rows are VB floats apart (the
+   block's width: 8 * nv, or a wider block's 16-lane part where this build has no AVX-512). The
+   epilogue (residual, ReLU or Clip) in registers where `fused`; else finish() passes over the
+   chunk after. */
 enum { PB_MAX = 8 };
 static inline __attribute__((always_inline)) void tile(
     int nv, int pb, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH,
     int64_t KW, int64_t inner, const float *restrict wk, const float *restrict bk,
     float *restrict op, int64_t OC, int64_t pixels, int64_t valid, int fused,
-    const float *restrict res, int64_t act, const float *a) {
-    const int64_t VB = 8 * nv;
+    const float *restrict res, int64_t act, const float *a, int64_t VB) {
+    const int64_t lanes = 8 * nv;
     v8 a0[PB_MAX], a1[PB_MAX];
     const float *p[PB_MAX];
     for (int r = 0; r < pb; ++r) {
@@ -71,7 +73,7 @@ static inline __attribute__((always_inline)) void tile(
             } while (++ic < inner);
         } while (++kw < KW);
     } while (++kh < KH);
-    if (fused) {  /* valid == VB here; pb, not pixels: unrolled, in registers */
+    if (fused) {  /* valid == lanes here; pb, not pixels: unrolled, in registers */
         const v8 lo = vsplat(act == ACT_CLIP ? a[0] : 0.0f),
                  hi = vsplat(act == ACT_CLIP ? a[1] : 0.0f);
         for (int r = 0; r < pb; ++r)
@@ -80,7 +82,7 @@ static inline __attribute__((always_inline)) void tile(
                 if (nv > 1) a1[r] = epilogue(a1[r], res ? res + r * OC + 8 : 0, act, lo, hi);
             }
     }
-    if (valid == VB && pixels == pb) {
+    if (valid == lanes && pixels == pb) {
         for (int r = 0; r < pb; ++r) {
             vstore(op + r * OC, a0[r]);
             if (nv > 1) vstore(op + r * OC + 8, a1[r]);
@@ -95,11 +97,129 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-enum { CHUNK = 48 };  /* pixels: a multiple of both tiles' 6 and 8 */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* The same tile 16 lanes wide (AVX-512: 32 registers of 16 floats): pb pixels by 16 * nv output
+   channels, 14 x 16, 12 x 32 or 8 x 48 (14 or 24 accumulators beside the block's weights; each
+   pixel's input broadcast from memory into its FMA). The epilogue's ReLU and Clip by max and min,
+   whose second operand is returned where either is NaN: x < lo ? lo : x, as epilogue()'s. A part
+   tile's pixels and lanes stored through a mask. */
+enum { PB16_MAX = 14 };
+static inline __attribute__((always_inline)) void tile16(
+    int nv, int pb, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH,
+    int64_t KW, int64_t inner, const float *restrict wk, const float *restrict bk,
+    float *restrict op, int64_t OC, int64_t pixels, int64_t valid, int fused,
+    const float *restrict res, int64_t act, const float *a) {
+    const int64_t VB = 16 * nv;
+    __m512 acc[3][PB16_MAX];
+    const float *p[PB16_MAX];
+    for (int r = 0; r < pb; ++r) {
+        p[r] = ip[r];
+        for (int v = 0; v < nv; ++v) acc[v][r] = _mm512_loadu_ps(bk + 16 * v);
+    }
+    const float *w = wk;
+    int64_t kh = 0;
+    do {
+        int64_t kw = 0;
+        do {
+            const int64_t at = kh * rowstep + kw * colstep;
+            int64_t ic = 0;
+            do {
+                __m512 wv[3];
+                for (int v = 0; v < nv; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
+                for (int r = 0; r < pb; ++r) {
+                    const __m512 xr = _mm512_set1_ps(p[r][at + ic]);
+                    for (int v = 0; v < nv; ++v) acc[v][r] = _mm512_fmadd_ps(xr, wv[v], acc[v][r]);
+                }
+                w += VB;
+            } while (++ic < inner);
+        } while (++kw < KW);
+    } while (++kh < KH);
+    if (fused) {  /* valid == VB here */
+        const __m512 lo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
+                     hi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
+        for (int r = 0; r < pb; ++r)
+            if (r < pixels)
+                for (int v = 0; v < nv; ++v) {
+                    __m512 x = acc[v][r];
+                    if (res) x = _mm512_add_ps(x, _mm512_loadu_ps(res + r * OC + 16 * v));
+                    if (act == ACT_RELU || act == ACT_CLIP) x = _mm512_max_ps(lo, x);
+                    if (act == ACT_CLIP) x = _mm512_min_ps(hi, x);
+                    acc[v][r] = x;
+                }
+    }
+    if (valid == VB && pixels == pb) {
+        for (int r = 0; r < pb; ++r)
+            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(op + r * OC + 16 * v, acc[v][r]);
+        return;
+    }
+    for (int r = 0; r < pb; ++r)
+        if (r < pixels)
+            for (int v = 0; v < nv; ++v) {
+                const int64_t left = valid - 16 * v, n = left < 0 ? 0 : left > 16 ? 16 : left;
+                _mm512_mask_storeu_ps(op + r * OC + 16 * v, (__mmask16)((1u << n) - 1u),
+                                      acc[v][r]);
+            }
+}
+#endif
+
+/* The vector width the convolutions' weights are packed for (cnn_layers.py asks the library):
+   16 where this build has AVX-512 (blocks of 16, 32 or 48 output channels), else 8 (blocks of 8
+   or 16). Either build runs a plan packed for the other: a block of 32 or 48 runs here as 16-lane
+   parts, 8 as 8. */
+int backplane_cnn_vector_width(void) {
+#if defined(__AVX512F__)
+    return 16;
+#else
+    return 8;
+#endif
+}
+
+enum { PB_ALL = 14 };  /* the most pixels a tile takes in either build */
+
+/* The pixels a tile of VB output channels takes in this build. */
+static inline int64_t tile_pixels(int64_t VB) {
+#if defined(__AVX512F__)
+    return VB == 8 ? 8 : VB == 16 ? 14 : VB == 32 ? 12 : 8;
+#else
+    return VB == 8 ? 8 : 6;
+#endif
+}
+
+/* One tile of pixels by one block of VB output channels: the build's widest tile for it. */
+static inline __attribute__((always_inline)) void block(
+    int64_t VB, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH, int64_t KW,
+    int64_t inner, const float *restrict wk, const float *restrict bk, float *restrict op,
+    int64_t OC, int64_t pixels, int64_t valid, int fused, const float *restrict res, int64_t act,
+    const float *a) {
+    if (VB == 8) {
+        tile(1, 8, ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused, res,
+             act, a, 8);
+        return;
+    }
+#if defined(__AVX512F__)
+    if (VB == 16)
+        tile16(1, 14, ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused,
+               res, act, a);
+    else if (VB == 32)
+        tile16(2, 12, ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused,
+               res, act, a);
+    else
+        tile16(3, 8, ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused,
+               res, act, a);
+#else
+    for (int64_t h = 0; h < VB && h < valid; h += 16)  /* 16 lanes of the block at a time */
+        tile(2, 6, ip, rowstep, colstep, KH, KW, inner, wk + h, bk + h, op + h, OC, pixels,
+             valid - h < 16 ? valid - h : 16, fused, res ? res + h : 0, act, a, VB);
+#endif
+}
+
+enum { CHUNK_TILES = 4 };  /* finish() after this many tiles of pixels, while they are in L1 */
 
 /* A convolution of any groups, its weights packed per group and block of VB output channels as
    [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself.
-   The output's pixels are taken flat (n, oh, ow in order) in tiles of the wide tile's pixels,
+   The output's pixels are taken flat (n, oh, ow in order) in tiles of the block's pixels,
    each pixel's window origin its own: a short row (8x8's 8) no longer wastes a tile's width. */
 static void conv(const int64_t *f, float *A, const float *P) {
     const int64_t N = f[F_N], C = f[F_C], OH = f[F_OH], OW = f[F_OW], OC = f[F_OC];
@@ -118,11 +238,11 @@ static void conv(const int64_t *f, float *A, const float *P) {
     const int merged = G == 1 && DW == 1;  /* a window's row contiguous: kw and ic as one loop */
     const int64_t KWo = merged ? 1 : KW, inner = merged ? KW * ICG : ICG;
     const int fused = OCG % VB == 0 && (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
-    const int64_t pb = VB == 16 ? 6 : 8, total = N * OH * OW;
-    const float *ip[PB_MAX];
+    const int64_t pb = tile_pixels(VB), total = N * OH * OW, chunk = pb * CHUNK_TILES;
+    const float *ip[PB_ALL];
     int64_t n = 0, oh = 0, ow = 0;  /* the next tile's first pixel */
-    for (int64_t q0 = 0; q0 < total; q0 += CHUNK) {
-        const int64_t q1 = total - q0 < CHUNK ? total : q0 + CHUNK;
+    for (int64_t q0 = 0; q0 < total; q0 += chunk) {
+        const int64_t q1 = total - q0 < chunk ? total : q0 + chunk;
         for (int64_t q = q0, pixels; q < q1; q += pixels) {
             pixels = q1 - q < pb ? q1 - q : pb;
             const float *at = src + ((n * PH + oh * SH) * PW + ow * SW) * C;
@@ -142,21 +262,16 @@ static void conv(const int64_t *f, float *A, const float *P) {
                 if (++oh == OH) oh = 0, ++n;
             }
             for (int64_t g = 0; g < G; ++g) {
-                const float *gp[PB_MAX];
+                const float *gp[PB_ALL];
                 for (int64_t r = 0; r < pb; ++r) gp[r] = ip[r] + g * ICG;
                 for (int64_t b = 0; b < NB; ++b) {
                     const float *wk = P + f[F_WOFF] + (g * NB + b) * KH * KW * ICG * VB;
                     const float *bk = P + f[F_BOFF] + (g * NB + b) * VB;
                     const int64_t oc0 = g * OCG + b * VB;
                     const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
-                    float *op = out + q * OC + oc0;
-                    const float *rp = fused && res ? res + q * OC + oc0 : 0;
-                    if (VB == 16)
-                        tile(2, 6, gp, rowstep, colstep, KH, KWo, inner, wk, bk, op, OC, pixels,
-                             valid, fused, rp, act, a);
-                    else
-                        tile(1, 8, gp, rowstep, colstep, KH, KWo, inner, wk, bk, op, OC,
-                             pixels, valid, fused, rp, act, a);
+                    block(VB, gp, rowstep, colstep, KH, KWo, inner, wk, bk, out + q * OC + oc0,
+                          OC, pixels, valid, fused, fused && res ? res + q * OC + oc0 : 0, act,
+                          a);
                 }
             }
         }

@@ -18,6 +18,38 @@ FUSED = "backplane.torch"  # CpuAcc's fused layers' domain (torch.backend.FUSED_
 FUSED_OPS = ("FusedConv", "Linear", "AffineChain", "GeluChain", "GroupNorm")
 
 
+TILE_PIXELS = 14
+"""The most output pixels a convolution's register tile takes (cnn_conv.h's PB_ALL)."""
+_width: list[int] = []
+
+
+def vector_width() -> int:
+    """The floats a vector of the built cnn library holds, its ``backplane_cnn_vector_width()``:
+    16 where it was built with AVX-512, else 8 (8 too where none can be built: no plan then
+    runs). Asked of the library, never of /proc/cpuinfo: the library is what runs the plan."""
+    if not _width:
+        from backplane.native import NativeUnavailable, library
+
+        try:
+            _width.append(int(library("cnn").backplane_cnn_vector_width()))
+        except NativeUnavailable:
+            return 8
+    return _width[0]
+
+
+def block_width(ocg: int, width: int) -> int:
+    """The output channels of a group a convolution's weights are packed in blocks of, for a
+    library of vectors ``width`` floats wide: 8 or 16 for 8 (a 8 x 8 or 6 x 16 register tile);
+    for 16, 8 where a group has no more, else the one of 16, 32, 48 (tiles of 14, 12, 8 pixels)
+    that pads the group's channels least, the wider on a tie (fewer broadcasts of the input). A
+    library of either width runs a plan packed for the other (cnn_conv.h's ``block``)."""
+    if ocg <= 8:
+        return 8
+    if width < 16:
+        return 16
+    return min((48, 32, 16), key=lambda vb: -(-ocg // vb) * vb)
+
+
 def _input_and_weight(p: _Planner, layer: Layer) -> tuple[Any, np.ndarray]:
     """A fused layer's first input and its weight in float32: a float16 one too where the layer
     computes in float32 (a float16 partition's, as ONNX Runtime's CPU computes it); one computing
@@ -86,7 +118,7 @@ def _conv(p: _Planner, layer: Layer, a: dict, x: Any, weight: np.ndarray) -> Non
         woff = p.param(weight.reshape(oc, kh, kw).transpose(1, 2, 0))
         boff = p.param(bias)
     else:  # [g][block][kh][kw][icg][vb], zero past the group's channels
-        op, vb = "conv", 8 if ocg <= 8 else 16
+        op, vb = "conv", block_width(ocg, vector_width())
         blocks = -(-ocg // vb)
         packed = np.zeros((groups, blocks * vb, icg, kh, kw), np.float32)
         packed[:, :ocg] = weight.reshape(groups, ocg, icg, kh, kw)
@@ -107,7 +139,7 @@ def _conv(p: _Planner, layer: Layer, a: dict, x: Any, weight: np.ndarray) -> Non
     y = p.new(layer.outputs[0], shape)
     if scratch >= 0:
         p.arena.give(scratch, n * ph * pw * c)
-    p.slack = max(p.slack, (8 * sw + kw * dw) * c + 64)  # a tile's pixels past a row's end
+    p.slack = max(p.slack, (TILE_PIXELS * sw + kw * dw) * c + 64)  # a tile past a row's end
     dims = x.dims
     if (kh, kw, sh, sw, scratch) == (1, 1, 1, 1, -1):  # a 1x1 over all pixels as one row
         dims, oh, ow, ph, pw = (n, c, 1, h * w), 1, h * w, 1, h * w
