@@ -218,3 +218,50 @@ def test_a_load_in_the_background_does_not_wait_for_itself() -> None:
     later = deferred_load.Later(make)
     assert later.wait(60)
     assert waited == [True]
+
+
+class _Made:
+    """A built session's stand-in: its runs' feeds recorded, the first failing where asked."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fed: list[dict[str, np.ndarray]] = []
+        self.fail = fail
+
+    def run(self, names: object, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.fed.append(feeds)
+        if self.fail:
+            raise ValueError("not this feed")
+        return [feeds["x"]]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_load_runs_the_first_feeds_it_was_given_once_on_a_copy(fail: bool) -> None:
+    """Runs that bridge the load (``torch_free``) hand it their feeds: the build, once made, runs
+    the first it was given once (its first run's costs, oneDNN Graph's compile, not left to the
+    caller's run that takes it over), on a copy; a failing run leaves the build to be taken."""
+    gate, made = threading.Event(), _Made(fail)
+
+    def make() -> _Made:
+        assert gate.wait(60)
+        return made
+
+    later = deferred_load.Later(make)
+    x = np.ones(3, np.float32)
+    later.warm({"x": x})
+    later.warm({"x": x * 2})  # only the first
+    x[:] = 5  # the caller's own again
+    gate.set()
+    assert later.wait(60)
+    assert len(made.fed) == 1 and made.fed[0]["x"].tolist() == [1.0, 1.0, 1.0]
+    assert later.made is made and later.error is None
+    later.warm({"x": x})  # after the load: nothing kept
+    assert later.feeds["x"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_load_given_no_feeds_runs_nothing() -> None:
+    made = _Made()
+    later = deferred_load.Later(lambda: made)
+    assert later.wait(60) and made.fed == [] and later.made is made

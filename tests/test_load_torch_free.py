@@ -4,8 +4,8 @@
 In a fresh process (this one has imported torch, and a default session defers only where torch is
 not imported): the session loads and runs the corpus's natively planned CNNs with torch never in
 ``sys.modules``, and its outputs are, bit for bit, those of a session given CpuAcc, CpuRef here
-(torch's path: the same plan run from torch's tensors). A model the plans do not take whole (the
-demo: 33.6e6 multiply-adds, above the native rule) imports torch and runs as before.
+(torch's path: the same plan run from torch's tensors). A model the plan takes above its size rule
+(the demo: 33.6e6 multiply-adds) runs the plan until torch's load is done, then torch's route.
 """
 
 from __future__ import annotations
@@ -116,6 +116,70 @@ def test_a_model_above_the_native_rule_imports_torch_and_runs_as_before(tmp_path
     wanted = InferenceSession(DEMO, providers=["CpuAcc", "CpuRef"]).run(None, {"input": x})[0]
     got = np.load(tmp_path / "1.npz")
     np.testing.assert_allclose(got["arr_0"], wanted, rtol=1e-5, atol=1e-6)  # oneDNN's threads
+
+
+_BRIDGE = """
+import json, sys
+import numpy as np
+import backplane
+x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+session = backplane.InferenceSession(sys.argv[1])
+first = session.run(None, {"input": x})[0]
+free = session._later
+seen = {"kind": type(free).__name__, "bridge": free.bridge is not None,
+        "warmed": free.later is not None and free.later.feeds is not None}
+x[:] = 0  # the caller's array: the background load's first run holds a copy
+assert free.wait(600)
+then = session.run(None, {"input": np.random.default_rng(0).random((1, 3, 224, 224),
+                                                                  dtype=np.float32)})[0]
+seen.update({"then": type(session._later).__name__, "torch": "torch" in sys.modules,
+             "providers": session.get_providers()})
+np.savez(sys.argv[2], first, then)
+print(json.dumps(seen))
+"""
+
+
+def test_a_model_above_the_native_rule_runs_its_plan_until_torchs_load_is_done(
+        tmp_path: Path) -> None:
+    """The demo (33.6e6 multiply-adds, above the native rule): its first run takes the native
+    plan while torch's load is under way (its outputs the plan's, bit for bit), hands the feeds
+    to that load for a first run of its own, and once the load is done the session is torch's
+    (its outputs those of a session given CpuAcc, CpuRef)."""
+    pytest.importorskip("torch")
+    _native_available()
+    if any(map(os.path.exists, deferred_load._GPU_DEVICES)):
+        pytest.skip("a GPU device here: a default session is torch's from its load")
+    done = subprocess.run([sys.executable, "-c", _BRIDGE, str(DEMO), str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"kind": "TorchFree", "bridge": True, "warmed": True, "then": "NoneType",
+                    "torch": True, "providers": ["CpuAcc", "CpuRef"]}
+    x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+    graph = import_onnx(read_model(DEMO)).private_copy()
+    from backplane.optimizer.optimize import OptimizerOptions, _run_passes
+
+    _run_passes(graph, OptimizerOptions())
+    plan = torch_free.build(graph, {}, [x.shape], rule=False)
+    got = np.load(tmp_path / "out.npz")
+    np.testing.assert_array_equal(got["arr_0"], plan(x)[0])
+    wanted = InferenceSession(DEMO, providers=["CpuAcc", "CpuRef"]).run(None, {"input": x})[0]
+    np.testing.assert_allclose(got["arr_1"], wanted, rtol=1e-5, atol=1e-6)  # oneDNN's threads
+    np.testing.assert_allclose(got["arr_0"], wanted, rtol=1e-4, atol=1e-5)
+
+
+def test_a_plan_above_the_rule_is_built_only_as_a_bridge() -> None:
+    _native_available()
+    graph = import_onnx(read_model(DEMO)).private_copy()
+    from backplane.optimizer.optimize import OptimizerOptions, _run_passes
+
+    _run_passes(graph, OptimizerOptions())
+    assert torch_free.build(graph.private_copy(), {}, [(1, 3, 224, 224)]) is None  # the rule
+    bridge = torch_free.build(graph.private_copy(), {}, [(1, 3, 224, 224)], rule=False)
+    assert bridge is not None and bridge.above_rule
+    small = _graph("resnet_basic_ts16")
+    below = torch_free.build(small, {}, [(1, 3, 32, 32)], rule=False)
+    assert below is not None and not below.above_rule
 
 
 def _graph(name: str):

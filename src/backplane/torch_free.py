@@ -24,7 +24,6 @@ a ``CpuAcc.*`` option other than the defaults this reads.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -104,10 +103,12 @@ class _Options:
         return CpuAcc.optimize_subgraph(self, view)  # type: ignore[arg-type]
 
 
-def build(graph: Graph, options: Mapping[str, Any],
-          shapes: Sequence[tuple[int, ...]]) -> Callable[..., list[np.ndarray]] | None:
+def build(graph: Graph, options: Mapping[str, Any], shapes: Sequence[tuple[int, ...]],
+          rule: bool = True) -> Callable[..., list[np.ndarray]] | None:
     """The model for inputs of ``shapes`` as one native call on NumPy arrays (fresh outputs), or
-    None where CpuAcc would not run it whole in C (the reason in the debug log)."""
+    None where CpuAcc would not run it whole in C (the reason in the debug log). ``rule`` False:
+    a float32 plan above the native size rule is built too, its run marked ``above_rule``
+    (a bridge until torch's load is done: ``TorchFree``)."""
     from backplane.backends.torch import specialize
     from backplane.backends.torch.backend import FUSED_DOMAIN
 
@@ -141,7 +142,7 @@ def build(graph: Graph, options: Mapping[str, Any],
         log.debug("torch-free: %d layers built, not one native partition (%s)", len(layers),
                   [(lay.op_type, lay.inputs, lay.outputs) for lay in layers][:3])
         return None
-    run = _native(layers[0], stand, infos)
+    run = _native(layers[0], stand, infos, rule)
     if run is None or list(layers[0].outputs) == list(graph.outputs):
         return run
     order = [list(layers[0].outputs).index(n) for n in graph.outputs]
@@ -151,14 +152,23 @@ def build(graph: Graph, options: Mapping[str, Any],
         return [made[i] for i in order]
 
     ordered.executor = run.executor  # type: ignore[attr-defined]
+    ordered.above_rule = run.above_rule  # type: ignore[attr-defined]
     return ordered
 
 
-def _native(layer: Layer, stand: _Options,
-            infos: Sequence[TensorInfo]) -> Callable[..., list[np.ndarray]] | None:
+def _native(layer: Layer, stand: _Options, infos: Sequence[TensorInfo],
+            rule: bool = True) -> Callable[..., list[np.ndarray]] | None:
     from backplane.native import NativeUnavailable, library
 
-    if layer.op_type == "OneDnnGraph":
+    above = False
+    if layer.op_type == "OneDnnGraph" and not rule:
+        executor = _unruled(layer, infos)
+        if executor is None:
+            return None
+        from backplane.backends.torch.fusion.native_cnn import SMALL
+
+        above = executor.plan.flops > SMALL
+    elif layer.op_type == "OneDnnGraph":
         from backplane.backends.torch.fusion.native_cnn import native_executor
 
         found = native_executor(layer, stand, infos)
@@ -181,8 +191,27 @@ def _native(layer: Layer, stand: _Options,
     def run(*values: np.ndarray) -> list[np.ndarray]:
         return executor.numpy(*values)
 
-    run.executor = executor  # type: ignore[attr-defined]
+    run.executor, run.above_rule = executor, above  # type: ignore[attr-defined]
     return run
+
+
+def _unruled(layer: Layer, infos: Sequence[TensorInfo]) -> Any:
+    """``native_executor``'s plan of a float32 OneDnnGraph without its size rule (the candidate's
+    options are the defaults it reads), or None where the plan does not cover it."""
+    from backplane.native import NativeUnavailable, library
+    from backplane.native.cnn import Executor, Unplannable, plan
+
+    a = layer.attrs
+    if a.get("compute") or a.get("source") or not all(
+            info.is_static and str(info.dtype) == "float32" for info in infos):
+        return None
+    try:
+        planned = plan(a["layers"], a["constants"], a["inputs"], [i.shape for i in infos],
+                       a["outputs"])
+        return Executor(planned, library("cnn"))
+    except (Unplannable, NativeUnavailable) as why:
+        log.debug("torch-free: %s not planned (%s)", layer.name, why)
+        return None
 
 
 class TorchFree:
@@ -190,14 +219,18 @@ class TorchFree:
     runs need no torch: ``adopt`` with the run's feeds runs them natively where a plan is built
     for their signature; otherwise it starts the background load (``make``) and hands over. A
     model of static inputs is built at once in a thread of its own, which starts the background
-    load where the build fails (the demo, above the 16e6 rule): its torch import overlaps the
-    caller's code as before."""
+    load where the build fails. A plan above the native size rule (the demo, 33.6e6
+    multiply-adds: torch's route is the faster at steady state) is a bridge: the background load
+    starts, and runs of that signature take the plan until the load is done (``bridge``; torch's
+    import is 2-3 s of the demo's first output otherwise), then the session with torch."""
 
     def __init__(self, graph: Graph, options: Mapping[str, Any],
                  make: Callable[[], Any]) -> None:
         self.graph, self.options, self.make = graph, dict(options), make
         self.names = list(graph.inputs)
         self.runners: dict[tuple[tuple[int, ...], ...], Any] = {}
+        self.bridge: tuple[tuple[tuple[int, ...], ...], Any] | None = None
+        """The static signature's plan above the rule, run while torch's load is under way."""
         self.lock = threading.Lock()
         self.later: Any = None
         self.cancelled = False
@@ -216,24 +249,25 @@ class TorchFree:
             self.ready.set()
 
     def _first(self, shapes: tuple[tuple[int, ...], ...]) -> None:
-        from backplane.backends.torch.fusion.native_cnn import SMALL
-
         try:
             with self.lock:
-                if _convolutions(self.graph) > SMALL or self._built(shapes) is None:
-                    self._start()  # above the rule (the demo): torch's import begins at once
+                run = self._built(shapes, rule=False)
+                if run is None or run.above_rule:
+                    self.runners.pop(shapes, None)
+                    self.bridge = None if run is None else (shapes, run)
+                    self._start()  # torch's import begins once the plan is made
         finally:
             self.ready.set()
             BUILDING.discard(self)
 
-    def _built(self, shapes: tuple[tuple[int, ...], ...]) -> Any:
+    def _built(self, shapes: tuple[tuple[int, ...], ...], rule: bool = True) -> Any:
         """The runner of ``shapes``, built now where it is not (under ``lock``), or None."""
         run = self.runners.get(shapes)
         if run is not None or len(self.runners) >= SIGNATURES or any(
                 not _fits(self.graph.info(n), s) for n, s in zip(self.names, shapes)):
             return run
         try:
-            run = build(self.graph.private_copy(), self.options, shapes)
+            run = build(self.graph.private_copy(), self.options, shapes, rule)
         except Exception as exc:  # noqa: BLE001  # the session with torch runs it
             log.debug("torch-free: no build for %s (%s: %s)", shapes, type(exc).__name__, exc)
             run = None
@@ -249,8 +283,8 @@ class TorchFree:
             log.info("the default backends' load starts: this model's runs need torch")
             self.later = deferred_load.Later(self.make)
 
-    def runner(self, feeds: Mapping[str, Any]) -> Any:
-        """The native run of ``feeds`` (built at their signature's first), or None."""
+    def _values(self, feeds: Mapping[str, Any]) -> list[np.ndarray] | None:
+        """The feeds in the inputs' order where all are NumPy float32 arrays, else None."""
         if len(feeds) != len(self.names):
             return None
         values = []
@@ -259,6 +293,13 @@ class TorchFree:
             if type(value) is not np.ndarray or value.dtype != np.float32:
                 return None
             values.append(value)
+        return values
+
+    def runner(self, feeds: Mapping[str, Any]) -> Any:
+        """The native run of ``feeds`` (built at their signature's first), or None."""
+        values = self._values(feeds)
+        if values is None:
+            return None
         shapes = tuple(v.shape for v in values)
         run = self.runners.get(shapes)
         if run is None:
@@ -268,14 +309,31 @@ class TorchFree:
                 return None
         return lambda: run(*values)
 
+    def bridged(self, feeds: Mapping[str, Any]) -> list[np.ndarray] | None:
+        """The bridge's outputs of ``feeds`` while torch's load is under way (its signature's),
+        the feeds handed to that load for a first run of its own (``Later.warm``), else None."""
+        later, bridge = self.later, self.bridge
+        if bridge is None or later is None or later.done.is_set():
+            return None
+        values = self._values(feeds)
+        if values is None or tuple(v.shape for v in values) != bridge[0]:
+            return None
+        later.warm(dict(zip(self.names, values)))
+        return bridge[1](*values)
+
     def adopt(self, session: Any, feeds: Mapping[str, Any] | None = None) -> list[Any] | None:
-        """The run's outputs where ``feeds`` run natively; else the background load started (or
-        taken where started), the session becoming the one with torch, and None."""
+        """The run's outputs where ``feeds`` run natively (the bridge's too, while torch's load
+        is under way); else the background load started (or taken where started), the session
+        becoming the one with torch, and None."""
         self.ready.wait()
         if feeds is not None and self.later is None:
             found = self.runner(feeds)
             if found is not None:
                 return found()
+        if feeds is not None:
+            outputs = self.bridged(feeds)
+            if outputs is not None:
+                return outputs
         with self.lock:
             self._start()
         session._later = self.later
@@ -303,19 +361,6 @@ class TorchFree:
 
 BUILDING: set[TorchFree] = set()
 """The sessions whose static build runs in its thread (``deferred_load.wait`` waits for them)."""
-
-
-def _convolutions(graph: Graph) -> int:
-    """The multiply-adds of the static graph's convolutions (the plan's count but for its
-    products): a model above the native rule by these alone is not planned (33.6e6 for the demo,
-    whose plan and fusion would cost its background load's start 0.1-0.2 CPU s)."""
-    total = 0
-    for layer in graph.layers:
-        if layer.op_type == "Conv" and len(layer.inputs) > 1:
-            weight, out = graph.constants.get(layer.inputs[1]), graph.info(layer.outputs[0]).shape
-            if weight is not None and out and all(isinstance(d, int) and d >= 0 for d in out):
-                total += math.prod(out) * math.prod(weight.shape[1:])
-    return total
 
 
 def _fits(info: TensorInfo, shape: tuple[int, ...]) -> bool:
