@@ -98,70 +98,7 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* The same tile 16 lanes wide (AVX-512: 32 registers of 16 floats): pb pixels by 16 * nv output
-   channels, 14 x 16, 12 x 32 or 8 x 48 (14 or 24 accumulators beside the block's weights; each
-   pixel's input broadcast from memory into its FMA). The epilogue's ReLU and Clip by max and min,
-   whose second operand is returned where either is NaN: x < lo ? lo : x, as epilogue()'s. A part
-   tile's pixels and lanes stored through a mask. */
-enum { PB16_MAX = 14 };
-static inline __attribute__((always_inline)) void tile16(
-    int nv, int pb, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH,
-    int64_t KW, int64_t inner, const float *restrict wk, const float *restrict bk,
-    float *restrict op, int64_t OC, int64_t pixels, int64_t valid, int fused,
-    const float *restrict res, int64_t act, const float *a) {
-    const int64_t VB = 16 * nv;
-    __m512 acc[3][PB16_MAX];
-    const float *p[PB16_MAX];
-    for (int r = 0; r < pb; ++r) {
-        p[r] = ip[r];
-        for (int v = 0; v < nv; ++v) acc[v][r] = _mm512_loadu_ps(bk + 16 * v);
-    }
-    const float *w = wk;
-    int64_t kh = 0;
-    do {
-        int64_t kw = 0;
-        do {
-            const int64_t at = kh * rowstep + kw * colstep;
-            int64_t ic = 0;
-            do {
-                __m512 wv[3];
-                for (int v = 0; v < nv; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
-                for (int r = 0; r < pb; ++r) {
-                    const __m512 xr = _mm512_set1_ps(p[r][at + ic]);
-                    for (int v = 0; v < nv; ++v) acc[v][r] = _mm512_fmadd_ps(xr, wv[v], acc[v][r]);
-                }
-                w += VB;
-            } while (++ic < inner);
-        } while (++kw < KW);
-    } while (++kh < KH);
-    if (fused) {  /* valid == VB here */
-        const __m512 lo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
-                     hi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
-        for (int r = 0; r < pb; ++r)
-            if (r < pixels)
-                for (int v = 0; v < nv; ++v) {
-                    __m512 x = acc[v][r];
-                    if (res) x = _mm512_add_ps(x, _mm512_loadu_ps(res + r * OC + 16 * v));
-                    if (act == ACT_RELU || act == ACT_CLIP) x = _mm512_max_ps(lo, x);
-                    if (act == ACT_CLIP) x = _mm512_min_ps(hi, x);
-                    acc[v][r] = x;
-                }
-    }
-    if (valid == VB && pixels == pb) {
-        for (int r = 0; r < pb; ++r)
-            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(op + r * OC + 16 * v, acc[v][r]);
-        return;
-    }
-    for (int r = 0; r < pb; ++r)
-        if (r < pixels)
-            for (int v = 0; v < nv; ++v) {
-                const int64_t left = valid - 16 * v, n = left < 0 ? 0 : left > 16 ? 16 : left;
-                _mm512_mask_storeu_ps(op + r * OC + 16 * v, (__mmask16)((1u << n) - 1u),
-                                      acc[v][r]);
-            }
-}
+#include "cnn_conv512.h"
 #endif
 
 /* The vector width the convolutions' weights are packed for (cnn_layers.py asks the library):
@@ -178,21 +115,51 @@ int backplane_cnn_vector_width(void) {
 
 enum { PB_ALL = 14 };  /* the most pixels a tile takes in either build */
 
-/* The pixels a tile of VB output channels takes in this build. */
-static inline int64_t tile_pixels(int64_t VB) {
+/* The pixels a tile of VB output channels takes in this build (`paired`: 8 channels by 2 taps). */
+static inline int64_t tile_pixels(int64_t VB, int paired) {
 #if defined(__AVX512F__)
-    return VB == 8 ? 8 : VB == 16 ? 14 : VB == 32 ? 12 : 8;
+    return paired ? PB2 : VB == 8 ? 8 : VB == 16 ? 14 : VB == 32 ? 12 : 8;
 #else
-    return VB == 8 ? 8 : 6;
+    return paired ? 1 : VB == 8 ? 8 : 6;
 #endif
 }
 
+#if !defined(__AVX512F__)
+/* A block of paired taps (cnn_conv512.h's tile_pairs) one pixel at a time, in a build without
+   AVX-512 (a plan packed for one with it): each output channel's even and odd taps' sums. */
+static void pairs_by_one(const float *x, int64_t rowstep, int64_t colstep, int64_t KH,
+                         int64_t KW, int64_t inner, const float *restrict wk,
+                         const float *restrict bk, float *restrict o, int64_t valid) {
+    const int64_t step = (inner + 1) / 2 * 16;
+    for (int64_t c = 0; c < valid; ++c) {
+        float s[2] = {bk[2 * c], bk[2 * c + 1]};
+        for (int64_t kh = 0; kh < KH; ++kh)
+            for (int64_t kw = 0; kw < KW; ++kw) {
+                const float *w = wk + (kh * KW + kw) * step + 2 * c;
+                const float *xt = x + kh * rowstep + kw * colstep;
+                for (int64_t t = 0; t < inner; ++t)
+                    s[t & 1] = fmaf(xt[t], w[t / 2 * 16 + (t & 1)], s[t & 1]);
+            }
+        o[c] = s[0] + s[1];
+    }
+}
+#endif
+
 /* One tile of pixels by one block of VB output channels: the build's widest tile for it. */
 static inline __attribute__((always_inline)) void block(
-    int64_t VB, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH, int64_t KW,
-    int64_t inner, const float *restrict wk, const float *restrict bk, float *restrict op,
-    int64_t OC, int64_t pixels, int64_t valid, int fused, const float *restrict res, int64_t act,
-    const float *a) {
+    int64_t VB, int paired, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH,
+    int64_t KW, int64_t inner, const float *restrict wk, const float *restrict bk,
+    float *restrict op, int64_t OC, int64_t pixels, int64_t valid, int fused,
+    const float *restrict res, int64_t act, const float *a) {
+    if (paired) {
+#if defined(__AVX512F__)
+        tile_pairs(ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused,
+                   res, act, a);
+#else
+        pairs_by_one(ip[0], rowstep, colstep, KH, KW, inner, wk, bk, op, valid);
+#endif
+        return;
+    }
     if (VB == 8) {
         tile(1, 8, ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused, res,
              act, a, 8);
@@ -237,8 +204,17 @@ static void conv(const int64_t *f, float *A, const float *P) {
     const int64_t rowstep = DH * PW * C, colstep = DW * C;
     const int merged = G == 1 && DW == 1;  /* a window's row contiguous: kw and ic as one loop */
     const int64_t KWo = merged ? 1 : KW, inner = merged ? KW * ICG : ICG;
+    const int paired = f[F_X1] != 0;  /* taps in pairs (cnn_conv512.h's tile_pairs) */
+#if defined(__AVX512F__)
     const int fused = OCG % VB == 0 && (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
-    const int64_t pb = tile_pixels(VB), total = N * OH * OW, chunk = pb * CHUNK_TILES;
+#else
+    const int fused = !paired && OCG % VB == 0 &&
+                      (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
+#endif
+    const int64_t pb = tile_pixels(VB, paired), total = N * OH * OW,
+                  chunk = pb * CHUNK_TILES;
+    const int64_t wblock = paired ? KH * KWo * ((inner + 1) / 2) * 16 : KH * KW * ICG * VB,
+                  bblock = paired ? 16 : VB;
     const float *ip[PB_ALL];
     int64_t n = 0, oh = 0, ow = 0;  /* the next tile's first pixel */
     for (int64_t q0 = 0; q0 < total; q0 += chunk) {
@@ -265,13 +241,13 @@ static void conv(const int64_t *f, float *A, const float *P) {
                 const float *gp[PB_ALL];
                 for (int64_t r = 0; r < pb; ++r) gp[r] = ip[r] + g * ICG;
                 for (int64_t b = 0; b < NB; ++b) {
-                    const float *wk = P + f[F_WOFF] + (g * NB + b) * KH * KW * ICG * VB;
-                    const float *bk = P + f[F_BOFF] + (g * NB + b) * VB;
+                    const float *wk = P + f[F_WOFF] + (g * NB + b) * wblock;
+                    const float *bk = P + f[F_BOFF] + (g * NB + b) * bblock;
                     const int64_t oc0 = g * OCG + b * VB;
                     const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
-                    block(VB, gp, rowstep, colstep, KH, KWo, inner, wk, bk, out + q * OC + oc0,
-                          OC, pixels, valid, fused, fused && res ? res + q * OC + oc0 : 0, act,
-                          a);
+                    block(VB, paired, gp, rowstep, colstep, KH, KWo, inner, wk, bk,
+                          out + q * OC + oc0, OC, pixels, valid, fused,
+                          fused && res ? res + q * OC + oc0 : 0, act, a);
                 }
             }
         }

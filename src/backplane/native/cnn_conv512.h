@@ -1,0 +1,138 @@
+/* cnn_conv.h's register tiles 16 lanes wide, for a build with AVX-512 (32 registers of 16 floats),
+included by cnn_conv.h only where __AVX512F__: ONNX Runtime's MLAS runs its convolutions so on
+such a CPU, and the AVX2 tiles' 8 lanes and 16 registers left half of each FMA unused there.
+The AVX2 tiles stay, built and run beside these (a block of 8 channels of a plan packed for AVX2);
+cnn_layers.py packs a plan's weights for the width the library says it has. */
+#include <immintrin.h>
+
+/* The same tile 16 lanes wide (AVX-512: 32 registers of 16 floats): pb pixels by 16 * nv output
+   channels, 14 x 16, 12 x 32 or 8 x 48 (14 or 24 accumulators beside the block's weights; each
+   pixel's input broadcast from memory into its FMA). The epilogue's ReLU and Clip by max and min,
+   whose second operand is returned where either is NaN: x < lo ? lo : x, as epilogue()'s. A part
+   tile's pixels and lanes stored through a mask. */
+enum { PB16_MAX = 14 };
+static inline __attribute__((always_inline)) void tile16(
+    int nv, int pb, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH,
+    int64_t KW, int64_t inner, const float *restrict wk, const float *restrict bk,
+    float *restrict op, int64_t OC, int64_t pixels, int64_t valid, int fused,
+    const float *restrict res, int64_t act, const float *a) {
+    const int64_t VB = 16 * nv;
+    __m512 acc[3][PB16_MAX];
+    const float *p[PB16_MAX];
+    for (int r = 0; r < pb; ++r) {
+        p[r] = ip[r];
+        for (int v = 0; v < nv; ++v) acc[v][r] = _mm512_loadu_ps(bk + 16 * v);
+    }
+    const float *w = wk;
+    int64_t kh = 0;
+    do {
+        int64_t kw = 0;
+        do {
+            const int64_t at = kh * rowstep + kw * colstep;
+            int64_t ic = 0;
+            do {
+                __m512 wv[3];
+                for (int v = 0; v < nv; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
+                for (int r = 0; r < pb; ++r) {
+                    const __m512 xr = _mm512_set1_ps(p[r][at + ic]);
+                    for (int v = 0; v < nv; ++v) acc[v][r] = _mm512_fmadd_ps(xr, wv[v], acc[v][r]);
+                }
+                w += VB;
+            } while (++ic < inner);
+        } while (++kw < KW);
+    } while (++kh < KH);
+    if (fused) {  /* valid == VB here */
+        const __m512 lo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
+                     hi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
+        for (int r = 0; r < pb; ++r)
+            if (r < pixels)
+                for (int v = 0; v < nv; ++v) {
+                    __m512 x = acc[v][r];
+                    if (res) x = _mm512_add_ps(x, _mm512_loadu_ps(res + r * OC + 16 * v));
+                    if (act == ACT_RELU || act == ACT_CLIP) x = _mm512_max_ps(lo, x);
+                    if (act == ACT_CLIP) x = _mm512_min_ps(hi, x);
+                    acc[v][r] = x;
+                }
+    }
+    if (valid == VB && pixels == pb) {
+        for (int r = 0; r < pb; ++r)
+            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(op + r * OC + 16 * v, acc[v][r]);
+        return;
+    }
+    for (int r = 0; r < pb; ++r)
+        if (r < pixels)
+            for (int v = 0; v < nv; ++v) {
+                const int64_t left = valid - 16 * v, n = left < 0 ? 0 : left > 16 ? 16 : left;
+                _mm512_mask_storeu_ps(op + r * OC + 16 * v, (__mmask16)((1u << n) - 1u),
+                                      acc[v][r]);
+            }
+}
+
+/* A group of at most 8 output channels (unet's 8, a grouped convolution's 4 or 8): 16 lanes as
+   8 channels by 2 taps, lane 2o + e the sum over the taps t = e mod 2 of output channel o, the
+   weights packed so ([kh][kw][pair][o][e], zero past the taps and the channels; the bias in the
+   even lanes): each FMA takes two adjacent input values (one 8-byte broadcast) where an 8-lane
+   block would leave half of every register unused. An odd tap count's last tap by a masked FMA
+   (the odd lanes untouched: an infinite input is not multiplied by a padding 0). Two pixels'
+   accumulators are then folded into one register, [pixel r | pixel r + 1] by 8 channels, the
+   even lanes plus the odd, for the epilogue and a masked store each. */
+enum { PB2 = 12 };
+static inline __attribute__((always_inline)) void tile_pairs(
+    const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH, int64_t KW,
+    int64_t inner, const float *restrict wk, const float *restrict bk, float *restrict op,
+    int64_t OC, int64_t pixels, int64_t valid, int fused, const float *restrict res,
+    int64_t act, const float *a) {
+    static const int32_t fold[2][16] = {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+                                        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+    __m512 acc[PB2];
+    const float *p[PB2];
+    const __m512 bias = _mm512_loadu_ps(bk);
+    for (int r = 0; r < PB2; ++r) p[r] = ip[r], acc[r] = bias;
+    const int64_t even = inner & ~(int64_t)1;
+    const float *w = wk;
+    int64_t kh = 0;
+    do {
+        int64_t kw = 0;
+        do {
+            const int64_t at = kh * rowstep + kw * colstep;
+            for (int64_t t = 0; t < even; t += 2) {
+                const __m512 wv = _mm512_loadu_ps(w);
+                for (int r = 0; r < PB2; ++r) {
+                    double two;
+                    memcpy(&two, p[r] + at + t, sizeof two);
+                    acc[r] = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(two)), wv, acc[r]);
+                }
+                w += 16;
+            }
+            if (inner & 1) {
+                const __m512 wv = _mm512_loadu_ps(w);
+                for (int r = 0; r < PB2; ++r)
+                    acc[r] = _mm512_mask3_fmadd_ps(_mm512_set1_ps(p[r][at + even]), wv, acc[r],
+                                                   (__mmask16)0x5555);
+                w += 16;
+            }
+        } while (++kw < KW);
+    } while (++kh < KH);
+    const __m512i evens = _mm512_loadu_si512(fold[0]), odds = _mm512_loadu_si512(fold[1]);
+    const __m512 lo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
+                 hi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
+    const __mmask16 lanes = (__mmask16)((1u << valid) - 1u);
+    for (int r = 0; r < PB2; r += 2) {
+        if (r >= pixels) break;
+        __m512 s = _mm512_add_ps(_mm512_permutex2var_ps(acc[r], evens, acc[r + 1]),
+                                 _mm512_permutex2var_ps(acc[r], odds, acc[r + 1]));
+        const int two = r + 1 < pixels;
+        if (fused) {  /* valid == 8 here */
+            if (res) {
+                const __m512 first = _mm512_maskz_loadu_ps(lanes, res + r * OC);
+                const __m512 second = two ? _mm512_maskz_loadu_ps(lanes, res + (r + 1) * OC)
+                                          : _mm512_setzero_ps();
+                s = _mm512_add_ps(s, _mm512_shuffle_f32x4(first, second, 0x44));
+            }
+            if (act == ACT_RELU || act == ACT_CLIP) s = _mm512_max_ps(lo, s);
+            if (act == ACT_CLIP) s = _mm512_min_ps(hi, s);
+        }
+        _mm512_mask_storeu_ps(op + r * OC, lanes, s);
+        if (two) _mm512_mask_storeu_ps(op + (r + 1) * OC, lanes, _mm512_shuffle_f32x4(s, s, 0xEE));
+    }
+}
