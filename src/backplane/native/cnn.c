@@ -28,7 +28,7 @@ enum { OP_IMPORT = 1, OP_EXPORT, OP_CONV, OP_DWCONV, OP_MAXPOOL, OP_AVGPOOL, OP_
 enum { AR_ADD, AR_SUB, AR_MUL, AR_DIV, AR_POW, AR_AFFINE };
 enum { RD_MAX, RD_MIN, RD_SUM, RD_MEAN };
 enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_HSWISH, ACT_HSIGMOID, ACT_SIGMOID, ACT_SWISH, ACT_LEAKY,
-       ACT_TANH, ACT_GELU };
+       ACT_TANH, ACT_GELU, ACT_ERF };
 
 static inline v8 vload(const float *p) { return *(const v8u *)p; }
 static inline void vstore(float *p, v8 v) { *(v8u *)p = v; }
@@ -154,6 +154,12 @@ static void finish(float *restrict p, const float *restrict r, int64_t n, int64_
         for (; i < n; ++i) p[i] = p[i] * 0.5f * (1.0f + erff(p[i] * 0.70710678f));
         break;
     }
+    case ACT_ERF: {  /* an Erf of its own (a GELU written otherwise than the plan folds) */
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) vstore(p + i, verf(vload(p + i)));
+        for (; i < n; ++i) p[i] = erff(p[i]);
+        break;
+    }
     default:
         break;
     }
@@ -224,6 +230,7 @@ int backplane_cnn_half(void) {
 #include "cnn_conv.h"
 #include "cnn_ops.h"
 #include "cnn_detect.h"
+#include "cnn_seq.h"
 
 /* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the
    caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
@@ -258,6 +265,7 @@ static size_t bytes(const int64_t *f) {
 static int step(const int64_t *f, const float *params, float *arena, float *const *ext) {
     switch (f[F_OP]) {
     case OP_IMPORT:
+        if (f[F_X1] >= EDGE_INT32) return import_integers(f, arena, ext);
         if (f[F_X1]) return !half_edge(f, arena, ext, 1);
         if (f[F_H] * f[F_W] == 1 || f[F_C] == 1)
             memcpy(arena + f[F_OUT], ext[f[F_IN]], bytes(f));
@@ -294,6 +302,7 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
     case OP_REDUCE: reduce(f, arena, params); break;
     case OP_GNORM: gnorm(f, arena, params); break;
     case OP_LNORM: lnorm(f, arena, params); break;
+    case OP_EMBED: return embed(f, arena, params);
     default: return detect_step(f, params, arena, ext);
     }
     return 0;

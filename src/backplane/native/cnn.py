@@ -31,24 +31,27 @@ here); a record is NF = 32 int64s."""
 NF = 32
 OPS = {name: code for code, name in enumerate(
     "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize "
-    "gather scatter arith reduce gnorm lnorm topk dgather export_int argreduce softmax".split(), 1)}
+    "gather scatter arith reduce gnorm lnorm topk dgather export_int argreduce softmax "
+    "embed".split(), 1)}
 ARITH = {name: code for code, name in enumerate("Add Sub Mul Div Pow AffineChain".split())}
 REDUCE = {name: code for code, name in enumerate(
     "ReduceMax ReduceMin ReduceSum ReduceMean".split())}
 ACTS = {name: code for code, name in enumerate(
-    "none relu clip hswish hsigmoid sigmoid swish leaky tanh gelu".split())}
+    "none relu clip hswish hsigmoid sigmoid swish leaky tanh gelu erf".split())}
 UNARY = {"relu": "relu", "hardtanh": "clip", "hardswish": "hswish", "hardsigmoid": "hsigmoid",
          "sigmoid": "sigmoid", "swish": "swish", "leaky_relu": "leaky", "tanh": "tanh"}
 """FusedConv's and Linear's post-ops (``patterns.post_op``'s names) the kernels apply."""
 ELEMENTWISE = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish": "hswish",
                "HardSigmoid": "hsigmoid", "LeakyRelu": "leaky", "Clip": "clip",
-               "GeluChain": "gelu"}
+               "GeluChain": "gelu", "Erf": "erf"}
 VIEWS = ("Flatten", "Reshape", "Identity", "Squeeze", "Unsqueeze")
 INTEGER = frozenset((*VIEWS, "Transpose", "Slice", "Split", "Concat", "Expand", "Gather",
-                     "GatherElements", "GatherND", "Cast"))
+                     "GatherElements", "GatherND", "Cast", "Embedding"))
 """The layers that may read integer values (they move them, or gather by them): any other
 reading one is not planned (float arithmetic is not int64's: a Div, an overflow)."""
-OUTPUTS = {"Split": 0, "TopK": 2}
+TO_FLOATS = frozenset(("Cast", "Embedding"))
+"""Of those, the layers whose outputs are not indices (a Cast's marks its own)."""
+OUTPUTS = {"Split": 0, "TopK": 2, "WindowedConv": 0}
 """The layers of more than one output (0: any count)."""
 ALIGN = 16  # floats: each tensor's place starts on a 64-byte line
 
@@ -260,17 +263,27 @@ class _Planner:
 
 
 def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: Sequence[str],
-         input_shapes: Sequence[Sequence[int]], outputs: Sequence[str]) -> Plan:
-    """The plan of a static float32 partition: ``layers`` in order, reading ``inputs`` of
-    ``input_shapes`` (and ``constants``), writing ``outputs``. Raises ``Unplannable``."""
-    from backplane.native import cnn_layers
+         input_shapes: Sequence[Sequence[int]], outputs: Sequence[str],
+         input_dtypes: Sequence[Any] | None = None) -> Plan:
+    """The plan of a static partition: ``layers`` in order, reading ``inputs`` of
+    ``input_shapes`` (float32, or ``input_dtypes``: int32, int64 and bool inputs become indices,
+    ``cnn_seq``) and ``constants``, writing ``outputs``. Raises ``Unplannable``."""
+    from backplane.native import cnn_layers, cnn_seq
 
-    planner = _Planner(layers, constants, inputs, input_shapes, outputs)
+    kinds = [cnn_seq.integer_kind(t) for t in input_dtypes or [np.float32] * len(inputs)]
+    if -1 in kinds:
+        raise Unplannable(f"inputs of types {[np.dtype(t).name for t in input_dtypes or ()]}")
+    planner = _Planner(cnn_seq.fold(layers, constants, outputs), constants, inputs, input_shapes,
+                       outputs)
+    for index, kind in enumerate(kinds):
+        if kind:  # indices: read as floats, exact below 2^24 (cnn_seq.h's import)
+            planner.records[index][FIELDS.index("x1")] = kind
+            planner.values[inputs[index]].integer = True
     for index, layer in enumerate(planner.layers):
         make = cnn_layers.PLANNERS.get(layer.op_type)
-        fused = layer.op_type in cnn_layers.FUSED_OPS
-        if make is None or len(layer.outputs) != OUTPUTS.get(layer.op_type, 1) \
-                and layer.op_type != "Split" or fused != (layer.domain == cnn_layers.FUSED) \
+        fused = layer.op_type in cnn_layers.FUSED_OPS or layer.op_type in cnn_seq.FUSED_OPS
+        if make is None or OUTPUTS.get(layer.op_type, 1) not in (0, len(layer.outputs)) \
+                or fused != (layer.domain == cnn_layers.FUSED) \
                 or not fused and layer.domain not in ("", "ai.onnx"):
             raise Unplannable(f"{layer.name}: {layer.op_type} is not planned natively")
         if layer.op_type not in INTEGER and any(
@@ -279,7 +292,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
         planner.current, planner.index = (layer.name, layer.op_type), index
         make(planner, layer)
         data = planner.values.get(layer.inputs[0]) if layer.inputs else None
-        if layer.op_type in INTEGER and layer.op_type != "Cast" and data and data.integer:
+        if layer.op_type in INTEGER and layer.op_type not in TO_FLOATS and data and data.integer:
             for name in layer.outputs:  # moved integers stay integers (a Concat's made anew)
                 planner.values[name].integer = True
         planner.made.update(dict.fromkeys(layer.outputs, index))
@@ -296,7 +309,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     params = np.concatenate(planner.params) if planner.params else np.zeros(ALIGN, np.float32)
     return Plan(np.stack(planner.records), params, planner.arena.end + planner.slack + 4 * ALIGN,
                 [tuple(s) for s in input_shapes], shapes, planner.ops, planner.names,
-                [np.float32] * len(inputs), types)
+                [np.dtype(t).type for t in input_dtypes or [np.float32] * len(inputs)], types)
 
 
 class Executor(ArenaExecutor):

@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from backplane.ir.graph import Layer
+from backplane.native import cnn_seq
 from backplane.native.cnn import Unplannable, Value, _dims, _Planner
 
 
@@ -230,4 +231,4 @@ def softmax(p: _Planner, layer: Layer) -> None:
 
 PLANNERS = {"TopK": top_k, "Gather": gather, "GatherElements": gather_elements,
             "GatherND": gather_nd, "Expand": expand, "ArgMax": arg_reduce,
-            "ArgMin": arg_reduce, "Cast": cast, "Softmax": softmax}
+            "ArgMin": arg_reduce, "Cast": cast, "Softmax": softmax, **cnn_seq.PLANNERS}

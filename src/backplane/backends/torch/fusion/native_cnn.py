@@ -91,19 +91,25 @@ def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
             bool(half), bool(edges))
 
 
-CONVOLUTIONS = ("FusedConv", "Conv", "ConvTranspose")
+CONVOLUTIONS = ("FusedConv", "Conv", "ConvTranspose", "WindowedConv")
 
 
-def traced_float32(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> bool:
+def traced_float32(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
+                   indices: bool = False) -> bool:
     """Whether a Traced ``layer`` may go to a native plan at all: the native route not off,
     ``CpuAcc.compile`` not pinned to another route, float32 computed as written (no reduced
-    precision) and static float32 inputs (native_cnn's prefix and recurrent_net's whole plan)."""
+    precision) and static float32 inputs (native_cnn's prefix and recurrent_net's whole plan);
+    with ``indices``, int32, int64 and bool inputs too (``cnn_seq``: the CNN plan's)."""
     from backplane.native import build
 
-    a = layer.attrs
+    a, kinds = layer.attrs, INDICES if indices else ("float32",)
     return build.mode(backend.options) != "off" and backend.options.get(
         "CpuAcc.compile", "auto") == "auto" and not (a.get("compute") or a.get("source")) and all(
-        info.is_static and str(info.dtype) == "float32" for info in inputs)
+        info.is_static and str(info.dtype) in kinds for info in inputs)
+
+
+INDICES = ("float32", "int32", "int64", "bool")
+"""The input types the CNN plan reads (its integers as indices: ``cnn_seq``)."""
 
 
 def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
@@ -117,7 +123,7 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     from backplane.native.cnn import Executor, Unplannable, plan
 
     a = layer.attrs
-    if not traced_float32(layer, backend, inputs):
+    if not traced_float32(layer, backend, inputs, indices=True):
         return None
     layers, names, planners = a["layers"], list(a["inputs"]), _planners()
     first = next((i for i, lay in enumerate(layers) if lay.op_type not in planners), len(layers))
@@ -133,7 +139,8 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
         used = [n for n in names if any(n in lay.inputs for lay in layers[:count])]
         try:
             planned = plan(layers[:count], a["constants"], used,
-                           [inputs[names.index(n)].shape for n in used], made)
+                           [inputs[names.index(n)].shape for n in used], made,
+                           [inputs[names.index(n)].dtype for n in used])
             break
         except Unplannable as why:
             log.debug("%s: its first %d layers not native (%s)", layer.name, count, why)
@@ -219,12 +226,13 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str,
 
     from backplane.runtime.fresh_outputs import Made
 
-    TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64}
+    TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64,
+             np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
     shapes, call, empty = executor.plan.output_shapes, executor.run, torch.empty
     plan = executor.plan
     types = [TORCH.get(np.dtype(t), torch.float32)
              for t in getattr(plan, "output_dtypes", None) or [np.float32] * len(shapes)]
-    kinds = [torch.float16 if t == np.float16 else torch.float32
+    kinds = [TORCH.get(np.dtype(t), torch.float32)
              for t in getattr(plan, "input_dtypes", None) or [np.float32] * len(plan.input_shapes)]
 
     made = list(zip(shapes, types))

@@ -1,0 +1,208 @@
+"""The plan's layers of sequence models (``cnn_detect.PLANNERS`` registers them for
+``cnn_layers.PLANNERS``): an embedding's Gather of a constant table by integer inputs, CpuAcc's
+``WindowedConv`` (sibling 1-d convolutions of one transposed input), Erf; and ``fold``, which
+rewrites the plain ops a GELU and an embedding are written in into one layer each before the
+plan is made.
+
+Why: on a CPU where torch's GELU does not keep +Inf (AVX-512's: ``fusion/gelu``), CpuAcc leaves
+dynamo's Div, Erf, Add, Mul, Mul apart, and audio_conv1d_dyn19's plan stopped at its first Erf
+(the first 4 of 23 layers native, the rest traced: 40 us a run against ONNX Runtime's 18). The
+fold gives the plan its ``GeluChain`` (one pass, or the convolution's own post-op). A byte
+classifier (bytes_int32_dyn20) reads int32 bytes and a bool mask: its lookup, the mask's Mul
+and the Transpose to (N, C, L) become one ``embed`` record writing the rows where the
+convolution reads them, and the whole partition is one C call (``cnn_seq.h``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from backplane.ir.graph import Layer
+from backplane.native.cnn import Unplannable, _Planner
+
+FUSED = "backplane.torch"  # the fused layers' domain (cnn_layers.FUSED, torch.backend's)
+FUSED_OPS = ("WindowedConv", "Embedding")
+"""The fused layers planned here (CpuAcc's WindowedConv, ``fold``'s Embedding); GeluChain is
+``cnn_layers``'."""
+
+
+def fold(layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
+         outputs: Sequence[str]) -> list[Layer]:
+    """``layers`` with each GELU written out in Erf (x * 0.5 * (1 + erf(x / sqrt 2)), in the
+    exporters' orders) as one GeluChain, and each Gather of a constant 2-d table by computed
+    indices as one Embedding (with the Mul by a mask and the Transpose to (N, C, L) after it,
+    where they follow); an intermediate read elsewhere, or an output, is left as it is."""
+    layers = list(layers)
+    for match in (_gelu, _embedding):
+        at = 0
+        while at < len(layers):
+            found = match(layers, at, constants, _Readers(layers, outputs))
+            if found is None:
+                at += 1
+                continue
+            group, fused = found
+            last = max(layers.index(lay) for lay in group)
+            gone = {id(lay) for lay in group}
+            layers = [fused if i == last else lay for i, lay in enumerate(layers)
+                      if i == last or id(lay) not in gone]
+            at = 0 if match is _gelu else at + 1
+    return layers
+
+
+class _Readers:
+    """Each value's readers among the layers; an output of the partition counts as one more."""
+
+    def __init__(self, layers: Sequence[Layer], outputs: Sequence[str]) -> None:
+        self.of: dict[str, list[Layer]] = {}
+        for lay in layers:
+            for name in dict.fromkeys(lay.inputs):
+                self.of.setdefault(name, []).append(lay)
+        self.outputs = set(outputs)
+
+    def sole(self, name: str) -> Layer | None:
+        """The one layer reading ``name``, where it has one and is no output."""
+        readers = self.of.get(name, [])
+        return readers[0] if len(readers) == 1 and name not in self.outputs else None
+
+
+def _scalar(constants: Mapping[str, np.ndarray], name: str, value: float) -> bool:
+    c = constants.get(name)
+    return c is not None and np.size(c) == 1 and np.asarray(c).dtype.kind == "f" \
+        and math.isclose(float(np.asarray(c).reshape(-1)[0]), value, rel_tol=1e-6)
+
+
+def _other(layer: Layer, name: str) -> str | None:
+    """The other operand of a two-operand ``layer`` reading ``name``."""
+    if layer.domain or len(layer.inputs) != 2 or name not in layer.inputs:
+        return None
+    first, second = layer.inputs
+    return second if first == name else first
+
+
+def _gelu(layers: list[Layer], at: int, constants: Mapping[str, np.ndarray],
+          readers: _Readers) -> tuple[list[Layer], Layer] | None:
+    erf = layers[at]
+    if erf.op_type != "Erf" or erf.domain:
+        return None
+    made = {o: lay for lay in layers for o in lay.outputs}
+    scale = made.get(erf.inputs[0])
+    if scale is None or readers.sole(erf.inputs[0]) is not erf or scale.domain \
+            or len(scale.inputs) != 2 or scale.inputs[1] not in constants:
+        return None
+    x = scale.inputs[0]
+    if not (scale.op_type == "Div" and _scalar(constants, scale.inputs[1], math.sqrt(2))
+            or scale.op_type == "Mul" and _scalar(constants, scale.inputs[1], 1 / math.sqrt(2))):
+        return None
+    one = readers.sole(erf.outputs[0])
+    if one is None or one.op_type != "Add" or not _scalar(
+            constants, _other(one, erf.outputs[0]) or "", 1.0):
+        return None
+    first = readers.sole(one.outputs[0])
+    operand = _other(first, one.outputs[0]) if first and first.op_type == "Mul" else None
+    if operand is None:
+        return None
+    second = readers.sole(first.outputs[0])
+    then = _other(second, first.outputs[0]) if second and second.op_type == "Mul" else None
+    half = made.get(operand)
+    if _scalar(constants, operand, 0.5) and then == x \
+            or operand == x and _scalar(constants, then or "", 0.5):
+        group, last = [scale, erf, one, first, second], second  # x * (0.5 * (1 + erf)), ...
+    elif half is not None and half.op_type == "Mul" and readers.sole(operand) is first \
+            and _scalar(constants, _other(half, x) or "", 0.5):
+        group, last = [half, scale, erf, one, first], first  # (x * 0.5) * (1 + erf)
+    else:
+        return None
+    fused = Layer("+".join(lay.name for lay in group), "GeluChain", [x], [last.outputs[0]], {},
+                  FUSED, 1)
+    return group, fused
+
+
+def _embedding(layers: list[Layer], at: int, constants: Mapping[str, np.ndarray],
+               readers: _Readers) -> tuple[list[Layer], Layer] | None:
+    gather = layers[at]
+    table = constants.get(gather.inputs[0]) if gather.inputs else None
+    if gather.op_type != "Gather" or gather.domain or table is None or np.ndim(table) != 2 \
+            or int(gather.attrs.get("axis", 0)) != 0 or gather.inputs[1] in constants \
+            or np.asarray(table).dtype.kind != "f":
+        return None
+    group, inputs, out = [gather], [gather.inputs[1]], gather.outputs[0]
+    mul = readers.sole(out)
+    mask = _other(mul, out) if mul is not None and mul.op_type == "Mul" else None
+    if mask is not None and mask not in constants and mask != out:
+        group, inputs, out = [*group, mul], [*inputs, mask], mul.outputs[0]
+    turn = readers.sole(out)
+    transposed = turn is not None and turn.op_type == "Transpose" and not turn.domain \
+        and list(turn.attrs.get("perm") or []) == [0, 2, 1]
+    if transposed:
+        group, out = [*group, turn], turn.outputs[0]
+    fused = Layer("+".join(lay.name for lay in group), "Embedding", inputs, [out],
+                  {"table": np.asarray(table, np.float32), "transposed": transposed}, FUSED, 1)
+    return group, fused
+
+
+def embedding(p: _Planner, layer: Layer) -> None:
+    """A lookup of (N, L) indices in the (V, E) table: (N, L, E), times an (N, L, 1) mask
+    where the fold took a Mul, transposed to (N, E, L) where it took the Transpose; one
+    ``embed`` record writing each row at its places in the output's channels-last order."""
+    a, index = layer.attrs, p.value(layer.inputs[0])
+    table = a["table"]
+    rows, width = table.shape
+    if not index.integer or len(index.shape) != 2 \
+            or not np.array_equal(p.places(index).reshape(-1), np.arange(index.size)):
+        raise Unplannable(f"{layer.name}: an embedding by {index.shape}"
+                          f"{'' if index.integer else ' floats'}")
+    n, length = index.shape
+    scale = -1
+    if len(layer.inputs) > 1:
+        mask = p.value(layer.inputs[1])
+        if mask.integer or mask.shape != (n, length, 1) or not np.array_equal(
+                p.places(mask).reshape(-1), np.arange(mask.size)):
+            raise Unplannable(f"{layer.name}: an embedding's Mul by {mask.shape}")
+        scale = mask.offset
+    shape = (n, width, length) if a["transposed"] else (n, length, width)
+    y = p.new(layer.outputs[0], shape)
+    places = p.places(y)
+    if a["transposed"]:
+        places = places.transpose(0, 2, 1)
+    first = int(places[0, 0, 0])
+    step = [int(places[tuple(int(i == axis) for i in range(3))]) - first
+            if places.shape[axis] > 1 else 0 for axis in range(3)]
+    p.record("embed", in_=index.offset, out=y.offset, in2=scale, dims=(n, width, length, 1),
+             oc=rows, woff=p.param(table), sh=step[1], sw=step[2], x1=step[0])
+
+
+def windowed_conv(p: _Planner, layer: Layer) -> None:
+    """CpuAcc's WindowedConv (its stacked (O, K * C) weight, in a window's (K, C) order): one
+    convolution record a sibling, each of its rows of the weight, through the Conv planner."""
+    from backplane.native.cnn_layers import PLANNERS
+
+    a, x = layer.attrs, p.value(layer.inputs[0])
+    kernel, stride, channels = int(a["kernel"]), int(a["stride"]), int(a["channels"])
+    if len(x.shape) != 3 or x.shape[1] != channels or len(layer.outputs) != len(a["splits"]):
+        raise Unplannable(f"{layer.name}: WindowedConv over {x.shape}")
+    weight, bias = np.asarray(a["weight"], np.float32), np.asarray(a["bias"], np.float32)
+    constants, start = dict(p.constants), 0
+    for index, (size, name) in enumerate(zip(a["splits"], layer.outputs)):
+        w = weight[start:start + size].reshape(size, kernel, channels).transpose(0, 2, 1)
+        names = (f"{layer.name}#w{index}", f"{layer.name}#b{index}")
+        constants[names[0]], constants[names[1]] = w, bias[start:start + size]
+        p.constants = constants
+        conv = Layer(f"{layer.name}#{index}", "Conv", [layer.inputs[0], *names], [name],
+                     {"strides": [stride], "pads": [0, 0], "dilations": [1], "group": 1,
+                      "kernel_shape": [kernel]}, "", layer.opset)
+        PLANNERS["Conv"](p, conv)
+        start += size
+
+
+def integer_kind(dtype: Any) -> int:
+    """An input's import kind for ``cnn_seq.h`` (0: float32; 2, 3, 4: int32, int64, bool),
+    or -1 for another type."""
+    name = np.dtype(dtype).name
+    return {"float32": 0, "int32": 2, "int64": 3, "bool": 4}.get(name, -1)
+
+
+PLANNERS: dict[str, Any] = {"Embedding": embedding, "WindowedConv": windowed_conv}
