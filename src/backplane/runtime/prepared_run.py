@@ -121,7 +121,8 @@ def _one_call(parts: tuple[Any, ...], values: str, namespace: dict[str, Any]) ->
         namespace["keyed"] = keyed  # its signature by the NumPy shapes, read here once
         shapes = "".join(f"v{index}.shape, " for index, _, _, _ in reads)
         call = f"keyed(({shapes}), {', '.join(args)})"
-    return ["    if STOP.get() is not None:", "        return None", "    try:",
+    return ["    if STOP.get() is not None:", "        return None",
+            *_hosted(reads, outs, values, namespace), "    try:",
             f"        results = {call}",
             "        own = made if type(results) is Made else fresh",
             *(f"        o{j} = results[{index}]" for j, (index, _, _) in enumerate(outs)),
@@ -132,6 +133,30 @@ def _one_call(parts: tuple[Any, ...], values: str, namespace: dict[str, Any]) ->
             "    if mine:", "        return outputs",
             f"    results = {' = '.join(f'o{j}' for j in range(count))} = None",
             f"    return owned(outputs, {values})"]
+
+
+def _hosted(reads: Sequence[Any], outs: Sequence[Any], values: str,
+            namespace: dict[str, Any]) -> list[str]:
+    """Where the one call's workload holds ``host_route.Hosted`` runs (a Specialized layer's
+    native plan, lent through a Delegate's call), the lines that run it on the checked ``v<k>``
+    themselves where a run is kept for their shapes: its outputs are fresh NumPy arrays, the
+    caller's (each network output a distinct one of them); the handovers, which are views, and
+    the workload's frames are left out. None kept: the lines after, as before."""
+    from backplane.runtime.host_route import hosted
+
+    found = hosted(namespace["workload"])
+    taken = [index for index, _, _ in outs]
+    if found is None or any(index < 0 for index, _, _, _ in reads) or \
+            len(set(taken)) != len(taken):
+        return []
+    namespace["hosted"] = found
+    arrays = ", ".join(f"v{index}" for index, _, _, _ in reads)
+    shapes = "".join(f"v{index}.shape, " for index, _, _, _ in reads)
+    return [f"    h = hosted.get(({shapes}))", "    if h is not None:", "        try:",
+            f"            r = h({arrays})",
+            "        except Exception:  # again through the steps: the error names the layer",
+            f"            return execute({values})",
+            f"        return [{', '.join(f'r[{index}]' for index in taken)}]"]
 
 
 def _straight(parts: tuple[Any, ...], held: Any, values: str, namespace: dict[str, Any],

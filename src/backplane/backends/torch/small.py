@@ -134,6 +134,15 @@ def deciding(run: Any, values: Sequence[Any]) -> Any:
     return Undecided(run)
 
 
+def unwrapped(run: Any) -> Any:
+    """``run`` without the thread choice's wrappers (``AtThreads``, ``Undecided``): the build
+    itself, for what does not run on torch's threads (a native plan's NumPy run, which
+    ``runtime/host_route.py`` reads only from the workload that offers it)."""
+    while isinstance(run, (AtThreads, Undecided)):
+        run = run.work
+    return run
+
+
 _building = threading.local()  # .on: making the workloads of a build that ``deciding`` wraps
 
 

@@ -32,6 +32,7 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.torch import small
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+from backplane.runtime import host_route
 
 log = logging.getLogger("backplane.torch")
 DEFAULT_SIGNATURES = 8
@@ -74,6 +75,7 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
         return generic[0]
 
     by_shapes: dict[tuple[Any, ...], Callable[..., Any]] = {}  # ``keyed``'s: while one is built
+    hosted = host_route.Hosted()  # likewise, its build's NumPy run where it offers one
 
     def lookup(key: tuple[Any, ...], values: Sequence[Any]) -> Callable[..., Any]:
         runner = built.get(key)  # one dict read, atomic: no lock for a signature built already
@@ -82,12 +84,17 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
                 if key in built:
                     built.move_to_end(key)
         if runner is None:
-            runner = _build(layer, backend, values) or layers_one_by_one()
+            made = _build(layer, backend, values)
+            runner = made or layers_one_by_one()
             with lock:
                 built[key] = runner
                 by_shapes.clear()  # its runners stand only for a lone signature's
+                hosted.clear()
                 while len(built) > limit:
                     built.popitem(last=False)
+                host = host_route.of(small.unwrapped(made)) if len(built) == 1 else None
+                if host is not None:  # the session's direct run calls it on NumPy arrays
+                    hosted[tuple(tuple(shape) for shape, _ in key)] = host
         return runner
 
     def run(*values: Any) -> tuple[Any, ...]:
@@ -118,11 +125,13 @@ def specialized_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo
             runners = [*built.values(), *generic]
             built.clear()
             by_shapes.clear()
+            hosted.clear()
             generic.clear()
         for runner in runners:
             runner.close()  # type: ignore[attr-defined]
 
     run.keyed = keyed  # type: ignore[attr-defined]
+    run.hosted = hosted  # type: ignore[attr-defined]  # runtime/host_route.py
     run.built = built  # type: ignore[attr-defined]  # for tests and debugging
     run.layer = layer  # type: ignore[attr-defined]  # with its weights (cuda_host builds from it)
     run.exclusive = bool(backend.capabilities().get("CudaGraphs"))  # type: ignore[attr-defined]
@@ -222,6 +231,9 @@ def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
             outputs = [to_backend(o) if f else o for o, f in zip(outputs, folded)]
         return tuple(outputs)
 
+    host = host_route.of(alone) if alone is not None else None
+    if host is not None:  # the one step's NumPy run is this build's (runtime/host_route.py)
+        host_route.offer(run, host)
     run.graph = graph  # type: ignore[attr-defined]  # what was built, for tests and debugging
     run.alone = alone  # type: ignore[attr-defined]  # the one step it calls, where it is one
     run.close = loaded.close  # type: ignore[attr-defined]

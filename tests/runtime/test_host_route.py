@@ -1,0 +1,160 @@
+"""A network that is one native plan runs it on the caller's NumPy arrays (runtime/host_route.py):
+``ArenaExecutor.host`` gives what the torch route gives, fresh outputs the caller's alone; an offer
+is read only from the workload that made it; and the session's direct run calls the plan itself,
+its outputs still the caller's, NaN through, other shapes and wrong feeds as before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backplane import InferenceSession
+from backplane.native import build
+from backplane.runtime import host_route
+
+torch = pytest.importorskip("torch")
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
+MODEL = "tests/data/corpus/resnet_basic_ts16.onnx"  # input N x 3 x H x W: a Specialized layer
+FEEDS = dict(np.load("tests/data/corpus/resnet_basic_ts16.s0.npz"))
+
+
+def _reference(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return InferenceSession(MODEL, backends=["CpuRef"]).run(None, feeds)
+
+
+def _close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, float(abs(w).max())))
+
+
+def _executor() -> object:
+    """The native plan of the model at FEEDS' shapes (CpuAcc, static shapes: one OneDnnGraph)."""
+    shapes = {k: list(v.shape) for k, v in FEEDS.items()}
+    session = InferenceSession(MODEL, backends=["CpuAcc", "CpuRef"], input_shapes=shapes)
+    loaded = session.runtime.network(session.network_id)
+    found = [getattr(s.workload, "executor", None) for s in loaded.steps]
+    (executor,) = [e for e in found if e is not None]
+    return executor
+
+
+@needs_compiler
+def test_a_native_plan_runs_on_numpy_arrays_as_through_torch() -> None:
+    executor = _executor()
+    (x,) = FEEDS.values()
+    first = executor.host(x)  # type: ignore[attr-defined]
+    for g, w in zip(first, executor.numpy(x)):  # type: ignore[attr-defined]  # its plain run
+        np.testing.assert_array_equal(g, w)
+    _close(sorted(first, key=np.ndim), sorted(_reference(FEEDS), key=np.ndim))  # plan's order
+    kept = [o.copy() for o in first]
+    second = executor.host(x * 2)  # type: ignore[attr-defined]
+    for a, b in zip(first, kept):
+        np.testing.assert_array_equal(a, b)  # the next call wrote nothing of the first's
+    assert not any(np.shares_memory(a, b) for a in first for b in (*second, x))
+    # another dtype, or strided: copied to the plan's float32 first, the same results
+    strided = np.repeat(x, 2, axis=3)[..., ::2]
+    assert not strided.flags.c_contiguous
+    for given in (x.astype(np.float64), strided):
+        for g, w in zip(executor.host(given), first):  # type: ignore[attr-defined]
+            np.testing.assert_array_equal(g, w)
+    nan = x.copy()
+    nan.reshape(-1)[5] = np.nan
+    got = sorted(executor.host(nan), key=np.ndim)  # type: ignore[attr-defined]
+    assert np.isnan(got[0]).any()
+    for g, w in zip(got, sorted(_reference({"input": nan}), key=np.ndim)):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    with pytest.raises(ValueError, match=r"shape \(1, 3, 16, 16\), planned for \(1, 3, 32, 32\)"):
+        executor.host(np.zeros((1, 3, 16, 16), np.float32))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="2 inputs given, 1 planned"):
+        executor.host(x, x)  # type: ignore[attr-defined]
+
+
+def test_an_offer_is_read_only_from_the_workload_that_made_it() -> None:
+    from backplane.backends.torch import small
+
+    def work(*values: object) -> tuple[object, ...]:
+        return values
+
+    def host(*values: np.ndarray) -> list[np.ndarray]:
+        return [v.copy() for v in values]
+
+    assert host_route.of(work) is None
+    host_route.offer(work, host)
+    assert host_route.of(work) is host
+
+    def copied(*values: object) -> tuple[object, ...]:  # as reduced.at_edges wraps a run
+        return work(*values)
+
+    copied.__dict__.update(work.__dict__)
+    assert host_route.of(copied) is None  # its run converts: not the offer of what it wraps
+    assert host_route.of(small.OneThread(work)) is None  # a Wrapper forwards the attribute
+    assert host_route.of(small.unwrapped(small.OneThread(work))) is host
+
+    def outer(*values: object) -> tuple[object, ...]:
+        return inner(*values)
+
+    def inner(*values: object) -> tuple[object, ...]:
+        return values
+
+    host_route.forward(outer, inner)
+    assert host_route.hosted(outer) is None  # nothing to lend
+    inner.hosted = host_route.Hosted({((2,),): host})  # type: ignore[attr-defined]
+    host_route.forward(outer, inner)
+    assert host_route.hosted(outer) is inner.hosted  # type: ignore[attr-defined]
+    inner.hosted = {((2,),): host}  # type: ignore[attr-defined]  # a plain dict: not Hosted
+    assert host_route.hosted(inner) is None
+
+
+def _offering(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """native_cnn's workloads offering their executor's ``host`` (the line native_cnn._workload
+    is to hold: until then the test sets it), and a count of its calls."""
+    from backplane.backends.torch.fusion import native_cnn
+    from backplane.native.arena import ArenaExecutor
+
+    calls: list[int] = []
+    real_host, real_workload = ArenaExecutor.host, native_cnn._workload
+
+    def counted(self: ArenaExecutor, *values: np.ndarray) -> list[np.ndarray]:
+        calls.append(1)
+        return real_host(self, *values)
+
+    def offered(executor: ArenaExecutor, *args: object, **kwargs: object) -> object:
+        run = real_workload(executor, *args, **kwargs)
+        if host_route.of(run) is None:
+            host_route.offer(run, executor.host)
+        return run
+
+    monkeypatch.setattr(ArenaExecutor, "host", counted)
+    monkeypatch.setattr(native_cnn, "_workload", offered)
+    return calls
+
+
+@needs_compiler
+def test_the_direct_run_calls_a_lone_native_plan_on_the_callers_arrays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _offering(monkeypatch)
+    session = InferenceSession(MODEL, backends=[("CpuAcc", {"background": False}), "CpuRef"])
+    want = _reference(FEEDS)
+    _close(session.run(None, FEEDS), want)  # the first run builds the signature (torch's route)
+    calls.clear()
+    got = session.run(None, FEEDS)
+    assert calls == [1]  # fails before: the run went through torch's tensors
+    _close(got, want)
+    for value in got:
+        value[...] = np.nan  # the caller's to write
+    again = session.run(None, FEEDS)
+    _close(again, want)
+    assert not any(np.shares_memory(a, b) for a in again for b in (*got, *FEEDS.values()))
+    assert session.run(["features"], FEEDS)[0].shape == want[1].shape
+    nan = {"input": FEEDS["input"].copy()}
+    nan["input"].reshape(-1)[11] = np.nan
+    for g, w in zip(session.run(None, nan), _reference(nan)):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    # another batch: a second signature, built through torch's route; its runs match too
+    two = {"input": np.concatenate([FEEDS["input"], FEEDS["input"] * 0.5])}
+    for _ in range(2):
+        _close(session.run(None, two), _reference(two))
+    _close(session.run(None, FEEDS), want)
+    with pytest.raises(Exception, match="input"):  # a wrong rank: the full check names it
+        session.run(None, {"input": FEEDS["input"][0]})
