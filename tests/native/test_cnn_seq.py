@@ -1,0 +1,283 @@
+"""The native CNN plan's sequence layers (native/cnn_seq.py, cnn_seq.h): a GELU written out in
+Erf folded into one GeluChain (the exporters' three orders), an Erf of its own, int32, int64 and
+bool inputs as indices, an embedding's Gather of a constant table (with its mask's Mul and the
+Transpose to (N, C, L)), CpuAcc's WindowedConv; against CpuRef and ONNX Runtime, NaN and
+infinities in, an index out of range an error as CpuRef's; the corpus's audio_conv1d_dyn19 and
+bytes_int32_dyn20 whole in C at both of their sizes (s0, s1) through their free dimensions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("torch")
+
+from backplane import InferenceSession  # noqa: E402
+from backplane.ir.graph import Layer  # noqa: E402
+from backplane.native import cnn_seq  # noqa: E402
+from tests.conftest import float_input, make_model  # noqa: E402
+from tests.native.test_cnn import CORPUS, _session, needs_compiler  # noqa: E402
+from tests.native.test_cnn_moves import _partition_routes  # noqa: E402
+
+SQRT2 = np.float32(math.sqrt(2))
+
+
+def _gelu_nodes(form: str, x: str, y: str, inits: list) -> list:
+    """GELU of ``x`` as the exporters write it: dynamo's x * ((erf(x / sqrt 2) + 1) * 0.5),
+    torchscript's (x * (1 + erf)) * 0.5, (x * 0.5) * (1 + erf), or by x * (1 / sqrt 2)."""
+    inits += [numpy_helper.from_array(v, n) for n, v in (
+        ("s2", SQRT2), ("r2", np.float32(1 / math.sqrt(2))), ("one", np.float32(1)),
+        ("half", np.float32(0.5))) if n not in {i.name for i in inits}]
+    scale = helper.make_node("Mul", [x, "r2"], [y + "_t"]) if form == "times" else \
+        helper.make_node("Div", [x, "s2"], [y + "_t"])
+    head = [scale, helper.make_node("Erf", [y + "_t"], [y + "_e"]),
+            helper.make_node("Add", [y + "_e", "one"], [y + "_a"])]
+    if form in ("dynamo", "times"):
+        return head + [helper.make_node("Mul", ["half", y + "_a"], [y + "_h"]),
+                       helper.make_node("Mul", [x, y + "_h"], [y])]
+    if form == "torchscript":
+        return head + [helper.make_node("Mul", [x, y + "_a"], [y + "_m"]),
+                       helper.make_node("Mul", [y + "_m", "half"], [y])]
+    return [helper.make_node("Mul", [x, "half"], [y + "_x"])] + head + [
+        helper.make_node("Mul", [y + "_x", y + "_a"], [y])]
+
+
+def _run_both(model, feeds, **kwargs):
+    session = _session(model, **kwargs)
+    got = session.run(None, feeds)
+    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    return session, got, want
+
+
+def _close(got, want, rtol=1e-5):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        finite = np.abs(w[np.isfinite(w)]).max(initial=1.0)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6 * finite)
+
+
+def _plan_ops(session) -> list[str]:
+    loaded = session.runtime.network(session.network_id)
+    return [op for step in loaded.steps
+            if getattr(step.workload, "executor", None) is not None
+            for _, op in step.workload.executor.plan.names]
+
+
+@needs_compiler
+@pytest.mark.parametrize("form", ["dynamo", "torchscript", "half_first", "times"])
+@pytest.mark.parametrize("where", ["after_conv", "first"])
+def test_a_gelu_written_out_is_one_layer_of_the_plan_and_matches_cpuref(form, where):
+    """After a convolution the GELU is its post-op; first, over the input, a pass of its own:
+    NaN, +Inf and -Inf in give CpuRef's NaN, +Inf and NaN (-Inf * 0)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3)).astype(np.float32), "w0"),
+             numpy_helper.from_array(rng.standard_normal((5, 4, 2)).astype(np.float32), "w1")]
+    if where == "after_conv":
+        nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], strides=[2]),
+                 *_gelu_nodes(form, "c0", "g", inits),
+                 helper.make_node("Conv", ["g", "w1"], ["y"])]
+
+    else:
+        nodes = [*_gelu_nodes(form, "x", "g", inits),
+                 helper.make_node("Conv", ["g", "w0"], ["c0"], strides=[2]),
+                 helper.make_node("Conv", ["c0", "w1"], ["y"])]
+
+    x = (rng.standard_normal((2, 3, 41)) * 3).astype(np.float32)
+    x[0, 0, [3, 9, 20]] = [np.nan, np.inf, -np.inf]
+    model = make_model(nodes, [float_input("x", [2, 3, 41])], [float_input("y", None)], inits,
+                       opset=17)
+    session, got, want = _run_both(model, {"x": x})
+    assert _partition_routes(session) == ["native"]
+    ops = _plan_ops(session)
+    assert "Erf" not in ops and ops.count("GeluChain") == (where == "first"), ops
+    _close(got, want)
+    assert np.isnan(got[0]).any() and np.isfinite(got[0][1]).all()
+
+
+@needs_compiler
+def test_an_erf_of_its_own_matches_cpuref():
+    """An Erf that is no GELU's, after a Tanh (a record of its own; after the convolution it
+    would be its post-op): the 8-lane erf, within 5e-7 of CpuRef's; NaN in -> NaN out."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3)).astype(np.float32), "w0")]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"]),
+             helper.make_node("Tanh", ["c0"], ["t"]), helper.make_node("Erf", ["t"], ["e"]),
+             helper.make_node("Mul", ["e", "c0"], ["y"])]
+    x = rng.standard_normal((1, 3, 30)).astype(np.float32)
+    x[0, 1, 4], x[0, 2, 17] = np.nan, np.inf
+    model = make_model(nodes, [float_input("x", [1, 3, 30])], [float_input("y", None)], inits,
+                       opset=17)
+    session, got, want = _run_both(model, {"x": x})
+    assert _partition_routes(session) == ["native"] and "Erf" in _plan_ops(session)
+    _close(got, want)
+
+
+def _layer(op, inputs, outputs, **attrs):
+    return Layer(f"{op}_{outputs[0]}", op, list(inputs), list(outputs), attrs, "", 17)
+
+
+def test_a_gelu_whose_parts_are_read_elsewhere_is_not_folded():
+    constants = {"s2": SQRT2, "one": np.float32(1), "half": np.float32(0.5),
+                 "h4": np.float32(0.4)}
+    chain = [_layer("Div", ["x", "s2"], ["t"]), _layer("Erf", ["t"], ["e"]),
+             _layer("Add", ["e", "one"], ["a"]), _layer("Mul", ["half", "a"], ["h"]),
+             _layer("Mul", ["x", "h"], ["y"])]
+    (fused,) = cnn_seq.fold(chain, constants, ["y"])
+    assert (fused.op_type, fused.inputs, fused.outputs) == ("GeluChain", ["x"], ["y"])
+    assert [lay.op_type for lay in cnn_seq.fold(chain, constants, ["y", "e"])] == \
+        ["Div", "Erf", "Add", "Mul", "Mul"]  # e an output of the partition
+    other = [*chain, _layer("Relu", ["a"], ["r"])]
+    assert len(cnn_seq.fold(other, constants, ["y", "r"])) == 6  # a read by a Relu too
+    wrong = [*chain[:3], _layer("Mul", ["h4", "a"], ["h"]), chain[4]]
+    assert len(cnn_seq.fold(wrong, constants, ["y"])) == 5  # 0.4: not a GELU
+
+
+def _embedding_model(index_type, mask: bool, transposed: bool, n=2, length=37):
+    """(N, L) indices and a bool mask -> Gather of a (V, E) table -> Mul by the mask ->
+    Transpose to (N, E, L) -> Conv1d stride 2 (or, untransposed, a Conv1d over L's channels)
+    -> Conv1d 1x1."""
+    rng = np.random.default_rng(2)
+    vocab, width = 11, 6
+    table = rng.standard_normal((vocab, width)).astype(np.float32)
+    table[3, 2], table[5, 0] = np.nan, np.inf
+    inits = [numpy_helper.from_array(table, "table"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axis")]
+    nodes = [helper.make_node("Gather", ["table", "idx"], ["emb"], axis=0)]
+    source = "emb"
+    if mask:
+        nodes += [helper.make_node("Unsqueeze", ["valid", "axis"], ["v3"]),
+                  helper.make_node("Cast", ["v3"], ["vf"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", ["emb", "vf"], ["masked"])]
+        source = "masked"
+    if transposed:
+        nodes.append(helper.make_node("Transpose", [source], ["t"], perm=[0, 2, 1]))
+        weight = rng.standard_normal((4, width, 5)).astype(np.float32)
+    else:
+        nodes.append(helper.make_node("Identity", [source], ["t"]))
+        weight = rng.standard_normal((4, length, 3)).astype(np.float32)
+    inits += [numpy_helper.from_array(weight, "w"),
+              numpy_helper.from_array(rng.standard_normal((3, 4, 1)).astype(np.float32), "w1")]
+    nodes += [helper.make_node("Conv", ["t", "w"], ["c"], strides=[2]),
+              helper.make_node("Conv", ["c", "w1"], ["y"])]  # a partition of 3 layers at least
+    inputs = [helper.make_tensor_value_info("idx", index_type, [n, length])]
+    index = rng.integers(-vocab, vocab, (n, length))
+    feeds = {"idx": index.astype(np.int32 if index_type == TensorProto.INT32 else np.int64)}
+    if mask:
+        inputs.append(helper.make_tensor_value_info("valid", TensorProto.BOOL, [n, length]))
+        feeds["valid"] = rng.random((n, length)) < 0.7
+        feeds["valid"][0, np.flatnonzero(feeds["idx"][0] % vocab == 5)] = False  # 0 * inf
+    return make_model(nodes, inputs, [float_input("y", None)], inits, opset=17), feeds
+
+
+@needs_compiler
+@pytest.mark.parametrize("index_type", [TensorProto.INT32, TensorProto.INT64])
+@pytest.mark.parametrize("mask", [True, False])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_an_embedding_by_integer_inputs_is_one_record_and_matches_cpuref(index_type, mask,
+                                                                        transposed):
+    """Negative indices count from the end; a NaN or an infinity in the table, and 0 * inf
+    where the mask is off, give CpuRef's NaN."""
+    model, feeds = _embedding_model(index_type, mask, transposed)
+    session, got, want = _run_both(model, feeds)
+    assert _partition_routes(session) == ["native"]
+    ops = _plan_ops(session)
+    assert ops.count("Embedding") == 1 and "Gather" not in ops and "Mul" not in ops, ops
+    _close(got, want)
+    assert np.isnan(got[0]).any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("bad", [11, -12, 1 << 30])
+def test_an_index_outside_the_table_fails_the_run_as_cpurefs_does(bad):
+    """11 and -12 are outside a table of 11 rows; 2^30 has no exact float (the import fails)."""
+    model, feeds = _embedding_model(TensorProto.INT64, True, True)
+    feeds["idx"][1, 7] = bad
+    session = _session(model)
+    assert _partition_routes(session) == ["native"]
+    with pytest.raises(Exception):
+        InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    with pytest.raises(Exception, match="out of range|index|failed"):
+        session.run(None, feeds)
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["audio_conv1d_dyn19", "bytes_int32_dyn20"])
+def test_the_corpus_rows_run_whole_in_c_at_both_sizes_and_match_onnx_runtime(name):
+    """Their free batch and length: each signature's build (Specialized) one native call."""
+    import onnxruntime
+
+    path = f"{CORPUS}/{name}.onnx"
+    session = _session(path)
+    reference = onnxruntime.InferenceSession(path)
+    for size in ("s0", "s1"):
+        feeds = dict(np.load(f"{CORPUS}/{name}.{size}.npz"))
+        got = session.run(None, feeds)
+        want = reference.run(None, feeds)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * max(1.0, abs(w).max()))
+    loaded = session.runtime.network(session.network_id)
+    (built,) = [step.workload.built for step in loaded.steps if hasattr(step.workload, "built")]
+    assert len(built) == 2
+    for runner in built.values():
+        alone = getattr(runner, "alone", None) or getattr(getattr(runner, "work", None),
+                                                          "alone", None)
+        assert getattr(alone, "route", None) == "native", alone
+
+
+FLAVOURS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
+            "plain": ["-march=x86-64"]}
+"""cnn.c as the route builds it (AVX-512 where this CPU has it), as an AVX2-only CPU (a CI
+machine) builds it, and without AVX (the generic vectors split)."""
+
+
+@pytest.fixture(scope="module")
+def flavours(tmp_path_factory):
+    import ctypes
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    from backplane.native import build
+
+    if build.compiler() is None or platform.machine() != "x86_64":
+        pytest.skip("needs a C compiler on x86-64")
+    folder, built = tmp_path_factory.mktemp("cnn_seq_flavours"), {}
+    for name, march in FLAVOURS.items():
+        target = folder / f"cnn_{name}.so"
+        subprocess.run([build.compiler(), *[f for f in build.FLAGS if f != "-march=native"],
+                        *march, "-o", str(target), str(Path(build.__file__).parent / "cnn.c"),
+                        "-lm"], check=True, capture_output=True)
+        built[name] = ctypes.CDLL(str(target))
+    return built
+
+
+@pytest.mark.parametrize("name", ["audio_conv1d_dyn19", "bytes_int32_dyn20"])
+def test_every_build_runs_the_corpus_rows_plans_to_onnx_runtime(flavours, name, monkeypatch):
+    """The plans the route made at s1 (its batch of 3), run by each build of cnn.c."""
+    import onnxruntime
+
+    from backplane.native import cnn
+
+    caught, real = [], cnn.plan
+
+    def catch(*args):
+        made = real(*args)
+        caught.append((made, list(args[2])))
+        return made
+
+    monkeypatch.setattr(cnn, "plan", catch)
+    path = f"{CORPUS}/{name}.onnx"
+    feeds = dict(np.load(f"{CORPUS}/{name}.s1.npz"))
+    _session(path).run(None, feeds)
+    assert caught, "not planned natively"
+    made, names = caught[-1]
+    (want,) = onnxruntime.InferenceSession(path).run(None, feeds)
+    for flavour, library in flavours.items():
+        (got,) = cnn.Executor(made, library).numpy(*[feeds[n] for n in names])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * abs(want).max(),
+                                   err_msg=flavour)
