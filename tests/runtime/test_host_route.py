@@ -158,3 +158,69 @@ def test_the_direct_run_calls_a_lone_native_plan_on_the_callers_arrays(
     _close(session.run(None, FEEDS), want)
     with pytest.raises(Exception, match="input"):  # a wrong rank: the full check names it
         session.run(None, {"input": FEEDS["input"][0]})
+
+
+def test_two_native_runs_chain_as_native_cnn_then_calls_them() -> None:
+    def head(*values: np.ndarray) -> tuple[np.ndarray, ...]:
+        return values
+
+    def after(*values: np.ndarray) -> tuple[np.ndarray, ...]:
+        return values
+
+    host_route.offer(head, lambda a, b: [a + b, a * b])
+    assert host_route.chained(head, after, [0, 1], [("made", 1)], [("rest", 0)]) is None
+    host_route.offer(after, lambda m, x=None: [m - 1])
+    a, b = np.float32([1, 2]), np.float32([3, 4])
+    both = host_route.chained(head, after, [1, 0], [("made", 1)], [("made", 0), ("rest", 0)])
+    assert both is not None
+    made, rest = both(a, b)
+    np.testing.assert_array_equal(made, b + a)
+    np.testing.assert_array_equal(rest, a * b - 1)
+    alone = host_route.chained(head, None, [0, 1], [], [("made", 1)])
+    assert alone is not None
+    np.testing.assert_array_equal(alone(a, b)[0], a * b)
+    # an output given twice is not the caller's alone: no NumPy run
+    assert host_route.chained(head, after, [0, 1], [("made", 1)],
+                              [("made", 0), ("made", 0)]) is None
+
+
+def test_a_version_of_a_decided_if_runs_its_kept_native_plan() -> None:
+    from backplane.runtime import steps
+
+    calls: list[str] = []
+
+    def handed(values: list[object]) -> list[object]:
+        calls.append("steps")
+        return [np.asarray(values[1]) * 2, np.asarray(values[1]) + 0]
+
+    handed.parts = ()  # type: ignore[attr-defined]
+
+    def workload(*values: object) -> tuple[object, ...]:
+        return values
+
+    def host(x: np.ndarray) -> list[np.ndarray]:
+        calls.append("host")
+        return [x * 2, x + 0, x - 1]
+
+    workload.hosted = host_route.Hosted({((2, 3),): host})  # type: ignore[attr-defined]
+    reads = [(1, None, None, None)]  # the step reads the network's second input
+    outs = [(0, None, None), (1, None, None)]
+    run = steps._hosting(handed, reads, workload, outs, owned=lambda o, v: o)  # type: ignore[arg-type]
+    assert run.parts == ()  # type: ignore[attr-defined]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = run([np.float32(0), x])
+    assert calls == ["host"]
+    np.testing.assert_array_equal(got[0], x * 2)
+    np.testing.assert_array_equal(got[1], x)
+    assert not np.shares_memory(got[1], x)
+    calls.clear()
+    run([np.float32(0), np.zeros((4, 3), np.float32)])  # no run kept for these shapes
+    run([np.float32(0), torch.zeros(2, 3)])  # not NumPy
+    token = steps.STOP.set(object())  # under a stop: the steps, which ask it
+    try:
+        run([np.float32(0), x])
+    finally:
+        steps.STOP.reset(token)
+    assert calls == ["steps", "steps", "steps"]
+    twice = [(0, None, None), (0, None, None)]
+    assert steps._hosting(handed, reads, workload, twice, lambda o, v: o) is handed

@@ -25,7 +25,7 @@ Two attributes, set at load, carry it:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 Host = Callable[..., list[Any]]
@@ -66,3 +66,35 @@ def hosted(workload: Any) -> Hosted | None:
     sets torch's threads, which a native plan does not use)."""
     found = getattr(workload, "__dict__", {}).get("hosted")
     return found if type(found) is Hosted else None
+
+
+def chained(head: Any, after: Any, take: Sequence[int], where: Sequence[tuple[str, int]],
+            back: Sequence[tuple[str, int]]) -> Host | None:
+    """The NumPy run of two workloads one after the other, as native_cnn's ``_then`` calls them:
+    ``head`` on the inputs at ``take``; ``after`` (None: nothing after) on ``where``'s values,
+    each ("made", i) ``head``'s i-th output or ("input", i) the i-th input; the outputs
+    ``back``'s, ("made", i) or ("rest", i) ``after``'s. None where either offers no NumPy run or
+    an output would be given twice (each must be the caller's alone)."""
+    first = of(head)
+    second = of(after) if after is not None else None
+    if first is None or (after is not None and second is None) or len(set(back)) != len(back):
+        return None
+
+    def host(*values: Any) -> list[Any]:
+        # plain loops, no comprehension: each is a Python frame of its own a call (3.11)
+        given = []
+        for i in take:
+            given.append(values[i])
+        made = first(*given)
+        rest: Sequence[Any] = ()
+        if second is not None:
+            given = []
+            for kind, i in where:
+                given.append(made[i] if kind == "made" else values[i])
+            rest = second(*given)
+        outputs = []
+        for kind, i in back:
+            outputs.append(made[i] if kind == "made" else rest[i])
+        return outputs
+
+    return host

@@ -280,7 +280,49 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
         return owned(outputs, values)
 
     handed.parts = (reads, workload, outs, owned)  # type: ignore[attr-defined]  # direct_run's
-    return handed
+    return _hosting(handed, reads, workload, outs, owned)
+
+
+def _hosting(handed: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tuple[Any, ...]],
+             workload: Workload, outs: Sequence[tuple[int, Any, Step]],
+             owned: Callable[[list[Any], Sequence[Any]], list[Any]],
+             ) -> Callable[[Sequence[Any]], list[Any]]:
+    """``handed``, or where ``workload`` holds ``host_route.Hosted`` runs (a Specialized layer's
+    native plan) a run that calls the one kept for its NumPy inputs' shapes on them, fresh NumPy
+    outputs the caller's (a version of builtin's DecidedIf, which the session's direct run does
+    not reach: ``prepared_run._hosted`` is the same for a network's one call)."""
+    from backplane.runtime.host_route import hosted
+
+    found = hosted(workload)
+    positions = [index for index, _, _, _ in reads]
+    taken = [index for index, _, _ in outs]
+    if found is None or min(positions, default=-1) < 0 or len(set(taken)) != len(taken):
+        return handed
+    ndarray = np.ndarray
+
+    def host_handed(values: Sequence[Any]) -> list[Any]:
+        if STOP.get() is None:
+            arrays, shapes = [], []
+            for index in positions:
+                value = values[index]
+                if type(value) is not ndarray:
+                    return handed(values)
+                arrays.append(value)
+                shapes.append(value.shape)
+            host = found.get(tuple(shapes))
+            if host is not None:
+                try:
+                    results = host(*arrays)
+                except Exception:  # noqa: BLE001  # again through the step: its error names it
+                    return handed(values)
+                outputs = []
+                for index in taken:
+                    outputs.append(results[index])
+                return outputs
+        return handed(values)
+
+    host_handed.parts = handed.parts  # type: ignore[attr-defined]  # direct_run's (its own lines)
+    return host_handed
 
 
 # -- steps as straight code ------------------------------------------------------------------------
