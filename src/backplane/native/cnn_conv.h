@@ -318,7 +318,13 @@ static inline __attribute__((always_inline)) void dwrow(
     const float *restrict bias, int fused, int64_t act, const float *a) {
     const v8 vlo = vsplat(act == ACT_CLIP ? a[0] : 0.0f),
              vhi = vsplat(act == ACT_CLIP ? a[1] : 0.0f);
+#if defined(__AVX512F__)
+    dwrow16(K, irow, orow, rrow, W, C, OW, SW, PL, KW, DW, rowstep, kh0, kh1, lo, hi, wt, bias,
+            fused, act, a);
+    for (int64_t c = C / 16 * 16; c + 8 <= C; c += 8) {  /* the 8 past the last 16 */
+#else
     for (int64_t c = 0; c + 8 <= C; c += 8) {
+#endif
         v8 w[9];
         if (K)
             for (int t = 0; t < K * K; ++t) w[t] = vload(wt + t * C + c);

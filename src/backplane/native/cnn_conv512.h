@@ -136,3 +136,97 @@ static inline __attribute__((always_inline)) void tile_pairs(
         if (two) _mm512_mask_storeu_ps(op + (r + 1) * OC, lanes, _mm512_shuffle_f32x4(s, s, 0xEE));
     }
 }
+
+/* The depthwise row's tiles (cnn_conv.h's dwtile, dwsides, dwrow) 16 channels wide: np adjacent
+   pixels inside the input's columns (8, 2 or 1: 8 accumulators beside the 3 x 3 weights' 9
+   registers, each input read by its FMA from memory), then two side pixels with each tap's
+   column checked. FMAs in CpuRef's order (bias, then kh, kw); the epilogue by max and min (NaN
+   kept: the second operand is returned where either is NaN). */
+static inline __attribute__((always_inline)) __m512 dwfinish16(__m512 x, const float *r,
+                                                              int fused, int64_t act,
+                                                              __m512 lo, __m512 hi) {
+    if (!fused) return x;
+    if (r) x = _mm512_add_ps(x, _mm512_loadu_ps(r));
+    if (act == ACT_RELU || act == ACT_CLIP) x = _mm512_max_ps(lo, x);
+    if (act == ACT_CLIP) x = _mm512_min_ps(hi, x);
+    return x;
+}
+
+static inline __attribute__((always_inline)) void dwtile16(
+    int K, int np, int64_t ow, const float *irow, float *orow, const float *rrow, const __m512 *w,
+    const float *restrict wt, __m512 b, int64_t c, int64_t C, int64_t SW, int64_t PL,
+    int64_t KW, int64_t DW, int64_t rowstep, int64_t kh0, int64_t kh1, int fused, int64_t act,
+    __m512 lo, __m512 hi) {
+    const int64_t xs = SW * C, colstep = DW * C;
+    const float *ip = irow + (ow * SW - PL) * C + c;
+    __m512 acc[8];
+    for (int r = 0; r < np; ++r) acc[r] = b;
+    for (int64_t kh = K ? 0 : kh0; kh < (K ? K : kh1); ++kh) {
+        if (K && (kh < kh0 || kh >= kh1)) continue;
+        for (int64_t kw = 0; kw < (K ? K : KW); ++kw) {
+            const float *x = ip + kh * rowstep + kw * colstep;
+            const __m512 wv = K ? w[kh * K + kw] : _mm512_loadu_ps(wt + (kh * KW + kw) * C + c);
+            for (int r = 0; r < np; ++r)
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * xs), wv, acc[r]);
+        }
+    }
+    for (int r = 0; r < np; ++r)
+        _mm512_storeu_ps(orow + (ow + r) * C + c,
+                         dwfinish16(acc[r], rrow ? rrow + (ow + r) * C + c : 0, fused, act, lo,
+                                    hi));
+}
+
+static inline __attribute__((always_inline)) void dwsides16(
+    int K, int64_t u, int64_t v, const float *irow, float *orow, const float *rrow,
+    const __m512 *w, const float *restrict wt, __m512 b, int64_t c, int64_t W, int64_t C,
+    int64_t SW, int64_t PL, int64_t KW, int64_t DW, int64_t rowstep, int64_t kh0, int64_t kh1,
+    int fused, int64_t act, __m512 lo, __m512 hi) {
+    const int64_t u0 = u * SW - PL, v0 = v * SW - PL;
+    __m512 au = b, av = b;
+    for (int64_t kh = K ? 0 : kh0; kh < (K ? K : kh1); ++kh) {
+        if (K && (kh < kh0 || kh >= kh1)) continue;
+        const float *x = irow + kh * rowstep + c;
+        for (int64_t kw = 0; kw < (K ? K : KW); ++kw) {
+            const __m512 wv = K ? w[kh * K + kw] : _mm512_loadu_ps(wt + (kh * KW + kw) * C + c);
+            const int64_t iu = u0 + kw * DW, iv = v0 + kw * DW;
+            if (iu >= 0 && iu < W) au = _mm512_fmadd_ps(_mm512_loadu_ps(x + iu * C), wv, au);
+            if (iv >= 0 && iv < W) av = _mm512_fmadd_ps(_mm512_loadu_ps(x + iv * C), wv, av);
+        }
+    }
+    _mm512_storeu_ps(orow + v * C + c,
+                     dwfinish16(av, rrow ? rrow + v * C + c : 0, fused, act, lo, hi));
+    _mm512_storeu_ps(orow + u * C + c,
+                     dwfinish16(au, rrow ? rrow + u * C + c : 0, fused, act, lo, hi));
+}
+
+/* The row's channels [0, C / 16 * 16), 16 at a time; cnn_conv.h's dwrow takes the rest. */
+static inline __attribute__((always_inline)) void dwrow16(
+    int K, const float *irow, float *orow, const float *rrow, int64_t W, int64_t C, int64_t OW,
+    int64_t SW, int64_t PL, int64_t KW, int64_t DW, int64_t rowstep, int64_t kh0,
+    int64_t kh1, int64_t lo, int64_t hi, const float *restrict wt,
+    const float *restrict bias, int fused, int64_t act, const float *a) {
+    const __m512 vlo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
+                 vhi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
+    for (int64_t c = 0; c + 16 <= C; c += 16) {
+        __m512 w[9];
+        if (K)
+            for (int t = 0; t < K * K; ++t) w[t] = _mm512_loadu_ps(wt + t * C + c);
+        const __m512 b = _mm512_loadu_ps(bias + c);
+#define DWT(np) dwtile16(K, np, ow, irow, orow, rrow, w, wt, b, c, C, SW, PL, KW, DW, \
+                         rowstep, kh0, kh1, fused, act, vlo, vhi)
+#define DWS(u, v) dwsides16(K, u, v, irow, orow, rrow, w, wt, b, c, W, C, SW, PL, KW, DW, \
+                            rowstep, kh0, kh1, fused, act, vlo, vhi)
+        int64_t ow = lo;
+        for (; ow + 8 <= hi; ow += 8) DWT(8);
+        for (; ow + 2 <= hi; ow += 2) DWT(2);
+        if (ow < hi) DWT(1);
+        int64_t left = 0, right = hi;
+        while (left < lo || right < OW) {
+            const int64_t u = left < lo ? left++ : right++;
+            const int64_t v = left < lo ? left++ : right < OW ? right++ : u;
+            DWS(u, v);
+        }
+#undef DWT
+#undef DWS
+    }
+}
