@@ -205,6 +205,38 @@ def test_an_index_outside_the_table_fails_the_run_as_cpurefs_does(bad):
 
 
 @needs_compiler
+@pytest.mark.parametrize("op", ["ReduceMax", "ReduceMean"])
+@pytest.mark.parametrize("rank", [3, 4])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_a_max_or_mean_over_the_length_is_a_global_pool_and_matches_cpuref(op, rank, keepdims):
+    """bytes_int32's ReduceMax over L of (N, C, L) (or an image's H and W): the global pool's
+    record, channels innermost; a NaN in one channel's length gives that channel NaN, -Inf
+    stays out of a max."""
+    rng = np.random.default_rng(3)
+    spatial = [9] if rank == 3 else [4, 5]
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 3, *[1] * len(spatial)))
+                                     .astype(np.float32), "w"),
+             numpy_helper.from_array(np.arange(2, rank, dtype=np.int64), "axes")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node(op, ["c", "axes"], ["m"], keepdims=keepdims),
+             helper.make_node("Add", ["m", "m"], ["y"])]
+    x = rng.standard_normal((2, 3, *spatial)).astype(np.float32)
+    x[1, 0].reshape(-1)[2] = np.nan
+    x[0, 1].reshape(-1)[0] = -np.inf
+    model = make_model(nodes, [float_input("x", [2, 3, *spatial])], [float_input("y", None)],
+                       inits, opset=18)
+    session, got, want = _run_both(model, {"x": x})
+    assert _partition_routes(session) == ["native"]
+    assert op in _plan_ops(session) and np.isnan(got[0]).any()
+    loaded = session.runtime.network(session.network_id)
+    (executor,) = [s.workload.executor for s in loaded.steps if hasattr(s.workload, "executor")]
+    from backplane.native import cnn
+
+    assert (cnn.OPS["gmp" if op == "ReduceMax" else "gap"] in executor.plan.records[:, 0])
+    _close(got, want)
+
+
+@needs_compiler
 @pytest.mark.parametrize("name", ["audio_conv1d_dyn19", "bytes_int32_dyn20"])
 def test_the_corpus_rows_run_whole_in_c_at_both_sizes_and_match_onnx_runtime(name):
     """Their free batch and length: each signature's build (Specialized) one native call."""
