@@ -15,7 +15,8 @@ at load as int16 pairs, (w - w_zero), for _mm256_madd_epi16: 16 exact products a
 into 8 int32 sums. (_mm256_maddubs_epi16 would do 32, but it saturates its int16 pair sums: 255
 * 127 * 2 > 32767; MLAS's AVX2 kernel accepts that, so where a sum saturates there ONNX Runtime's
 output is off and this one is the exact one.) AVX-512 VNNI (vpdpwssd) behind __AVX512VNNI__,
-a scalar path for other CPUs. No -ffast-math: the rounding mode is the default, half to even. */
+a scalar path for other CPUs. Where the build has AVX-512 VNNI the plan takes qcnn_bytes.h's
+record instead (OP_QCONV8: bytes, u8 x s8, vpdpbusd, 64 products an instruction). No -ffast-math: the rounding mode is the default, half to even. */
 #define _POSIX_C_SOURCE 199309L
 #include <math.h>
 #include <stdint.h>
@@ -31,7 +32,7 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_LO, F_HI, F_SIGNED, F_X1, F_CS, F_OCS, NF = 34 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_QUANT, OP_DEQUANT, OP_QCONV, OP_MAXPOOL_F, OP_MAXPOOL_Q,
        OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F, OP_QDWCONV, OP_LINEAR_F,
-       OP_FDWCONV_Q, OP_HSIG_F, OP_MUL_F };
+       OP_FDWCONV_Q, OP_HSIG_F, OP_MUL_F, OP_QCONV8 };
 #define OCB 16 /* output channels a weight block: two vectors of 8 int32 sums */
 
 static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
@@ -140,6 +141,8 @@ static void requantize(const int32_t *acc, const float *mult, const int32_t *bia
         y[j] = (uint8_t)((int32_t)nearbyintf(v) + zy);
     }
 }
+
+#include "qcnn_bytes.h" /* OP_QCONV8: u8 x s8 products, vpdpbusd */
 
 #define TILE 6 /* output pixels a register tile: 12 accumulators, 2 weights, 1 input of 16 ymm */
 
@@ -407,6 +410,9 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
         break;
     case OP_QDWCONV:
         qdwconv(r, params, arena);
+        break;
+    case OP_QCONV8:
+        qconv_bytes(r, params, arena);
         break;
     case OP_LINEAR_F:
         linear_f(r, params, arena);

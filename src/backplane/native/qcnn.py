@@ -34,7 +34,7 @@ FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl woff boff moff
 NF = 34
 OPS = {name: code for code, name in enumerate(
     "import export quant dequant qconv maxpool_f maxpool_q avgpool_f gap_f add_f addc_f relu_f "
-    "qdwconv linear_f fdwconv_q hsig_f mul_f".split(), 1)}
+    "qdwconv linear_f fdwconv_q hsig_f mul_f qconv8".split(), 1)}
 ALIGN = 64  # bytes: each tensor's and parameter's place starts on a cache line
 OCB = 16  # output channels a packed weight block (qcnn.c's OCB)
 
@@ -197,7 +197,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
                               "not planned natively in int8")
         p.current = (layer.name, layer.op_type)
         make(p, layer, index)
-    if not any(op in ("qconv", "qdwconv", "fdwconv_q") for op in p.ops):
+    if not any(op in ("qconv", "qconv8", "qdwconv", "fdwconv_q") for op in p.ops):
         raise Unplannable("no quantized convolution or product in the partition")
     shapes, p.current = [], ("the partition's outputs", "QcnnExport")
     for index, name in enumerate(outputs):
@@ -208,7 +208,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
         shapes.append(value.shape)
     scratch = p.end
     for row in p.records:  # one scratch place after the tensors, for every convolution
-        if row[0] in (OPS["qconv"], OPS["qdwconv"], OPS["fdwconv_q"]):
+        if row[0] in (OPS["qconv"], OPS["qconv8"], OPS["qdwconv"], OPS["fdwconv_q"]):
             row[FIELDS.index("scr")] = scratch
     params = np.concatenate(p.params) if p.params else np.zeros(ALIGN, np.uint8)
     return Plan(np.stack(p.records), params, p.end + p.scratch + 4 * ALIGN,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from backplane.ir.graph import Layer
-from backplane.native import qcnn_float, qcnn_weights
+from backplane.native import qcnn_bytes, qcnn_float, qcnn_weights
 from backplane.native.qcnn import OCB, Pending, Planner, Unplannable, dims_of
 
 F32 = np.float32
@@ -244,7 +244,11 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     icp = c if depthwise or dw == 1 else c + c % 2  # (dw 1: a row's kw * c values in one run)
     blocks = 1 if depthwise else -(-oc // OCB)
     centred = ints.astype(np.int32) - np.asarray(w_zero, np.int32).reshape(-1, 1, 1, 1)
-    if depthwise:  # [ceil(kh * kw / 2)][c][2]: two taps' weights a channel side by side
+    on_bytes = None if depthwise or not qcnn_bytes.available() else qcnn_bytes.pack(
+        centred, bias, x_step[1], x.kind == "s8", dw)
+    if on_bytes is not None:  # u8 x s8 products, vpdpbusd (qcnn_bytes.py)
+        packed, bias, icp = on_bytes
+    elif depthwise:  # [ceil(kh * kw / 2)][c][2]: two taps' weights a channel side by side
         pairs = -(-kh * kw // 2)
         taps = np.zeros((oc, 2 * pairs), np.int16)
         taps[:, :kh * kw] = centred.reshape(oc, kh * kw)
@@ -266,7 +270,8 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     padded_multiplier[:oc] = multiplier
     ph = max(h + pt, (oh - 1) * sh + (kh - 1) * dh + 1)
     pw = max(w + pl, (ow - 1) * sw + (kw - 1) * dw + 1)
-    p.scratch = max(p.scratch, n * ph * pw * icp * 2 + 256)  # a row's last pair reads one past
+    p.scratch = max(p.scratch, n * ph * pw * icp * (1 if on_bytes else 2) + 256)  # (a row's
+    # last pair or quad reads past it)
     shape = (n, oc, oh, ow) if len(x.shape) == 4 else (n, oc)
     y = p.values[y_name] if part else p.new(y_name, shape, y_step[2], y_step[:2])
     at = part or (0, 0, 0, 0)
@@ -275,7 +280,7 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     if bounds is not None:  # a Relu's or Clip's bounds in steps of y (the requantized value's unit)
         limits = 1 + p.param(np.array([np.float32(b) / F32(y_step[0]) if math.isfinite(b) else
                                        np.float32(b) for b in bounds], F32))
-    p.record("qdwconv" if depthwise else "qconv", in_=x.offset + at[0], out=y.offset + at[2],
+    p.record("qdwconv" if depthwise else "qconv8" if on_bytes else "qconv", in_=x.offset + at[0], out=y.offset + at[2],
              dims=(n, c, h, w), cs=at[1], ocs=at[3], oh=oh,
              ow=ow, oc=oc, kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl,
              woff=p.param(np.ascontiguousarray(packed)), boff=p.param(padded_bias),

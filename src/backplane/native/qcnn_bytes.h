@@ -1,0 +1,185 @@
+/* A quantized convolution on bytes (OP_QCONV8): the input kept as unsigned bytes, the weight
+   centred as signed bytes, four products an int32 lane with AVX-512 VNNI's vpdpbusd (64 exact
+   u8 x s8 products an instruction, summed in 32 bits: no saturation, unlike AVX2's
+   _mm256_maddubs_epi16) where the int16 pairs of qconv do 16 (vpdpwssd, 256 bits).
+
+   Exact, the same sums as qconv: the input is not centred; sum (x - zx) * w = sum x * w - zx *
+   sum w, and the pads hold zx (a pad's centred value is 0), so the second term is a constant of
+   the output channel over every window: qcnn_layers.py folds -zx * sum w into the int32 bias at
+   load. A signed input is made unsigned by flipping its top bit (x + 128, its zero point zx +
+   128). Planned only where every centred weight is a signed byte and no partial sum can leave
+   int32 (qcnn_layers.bytes_fit); a scalar path for CPUs without VNNI (the plan takes this op only
+   where the library says it has it: backplane_qcnn_bytes).
+
+   Included once by qcnn.c (its F_* fields, OCB, requantize, bounds). */
+
+/* The input as bytes into the padded scratch [n][ph][pw][icp]: zx (the unsigned zero point) in
+   the pads and the channels past c, a signed input's top bit flipped. */
+static void pad_bytes(const int64_t *r, const uint8_t *x, uint8_t *restrict s, uint8_t zero) {
+    const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
+    const int64_t cs = r[F_CS] ? r[F_CS] : c, icp = r[F_ICP], pt = r[F_PT], pl = r[F_PL];
+    const uint8_t flip = r[F_SIGNED] ? 0x80 : 0;
+    memset(s, zero, (size_t)(n * ph * pw * icp));
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t y = 0; y < h; ++y) {
+            const uint8_t *src = x + ((b * h + y) * w) * cs;
+            uint8_t *dst = s + ((b * ph + y + pt) * pw + pl) * icp;
+            if (cs == c && icp == c) /* a row's w * c values, contiguous both sides */
+                for (int64_t i = 0; i < w * c; ++i) dst[i] = src[i] ^ flip;
+            else
+                for (int64_t px = 0; px < w; ++px)
+                    for (int64_t k = 0; k < c; ++k) dst[px * icp + k] = src[px * cs + k] ^ flip;
+        }
+}
+
+/* A block's requantization: qconv's (int32 bias, multipliers) or, with a float bias (sxw set),
+   requantize_f's (x_scale * w_scale, the float bias, y_scale), the bias (less zx * the weights'
+   sum) added to the sums first. */
+typedef struct {
+    const int32_t *bias;
+    const float *mult, *sxw, *fbias;
+    float ys, fl, fh;
+    int32_t zy;
+    int64_t count;
+    int sgn;
+} Requant;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#define BYTES_VNNI 1
+#define TILE8 12 /* pixels a register tile: 12 accumulators of AVX-512's 32 registers */
+/* requantize's and requantize_f's operations on 16 sums in a register, in the same order (the
+   outputs are theirs bit for bit); the values are within the type's range after the clamp, so
+   each lane's low byte (vpmovdb) is the pack. */
+static inline __attribute__((always_inline)) void requantize16(__m512i acc, const Requant *q,
+                                                                uint8_t *y) {
+    const __mmask16 m = (__mmask16)((1u << q->count) - 1);
+    const __m512i sum = _mm512_add_epi32(acc, _mm512_maskz_loadu_epi32(m, q->bias));
+    __m512 v;
+    if (q->sxw) {
+        v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_maskz_loadu_ps(m, q->sxw)),
+                          _mm512_maskz_loadu_ps(m, q->fbias));
+        v = _mm512_div_ps(v, _mm512_set1_ps(q->ys));
+    } else
+        v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_maskz_loadu_ps(m, q->mult));
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(q->fl)), _mm512_set1_ps(q->fh));
+    const __m512i k = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(q->zy));
+    _mm_mask_storeu_epi8(y, m, _mm512_cvtepi32_epi8(k));
+}
+
+/* T pixels (their scratch rows at px[t], outputs at out[t]) by one block of OCB channels, T a
+   constant where inlined: T accumulators of 16 int32 sums in registers, one weight vector, each
+   pixel's four bytes broadcast; then each requantized from its register. The weight block is
+   [kh][kw][quads][OCB][4] int8. */
+static inline __attribute__((always_inline)) void tile_bytes(
+    const uint8_t *const *px, uint8_t *const *out, const int8_t *restrict wb, int64_t kh,
+    int64_t kw, int64_t quads, int64_t rowstep, int64_t colstep, const Requant *q, const int T) {
+    __m512i a[TILE8];
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) a[t] = _mm512_setzero_si512();
+    for (int64_t ky = 0; ky < kh; ++ky)
+        for (int64_t kx = 0; kx < kw; ++kx) {
+            const int64_t at = ky * rowstep + kx * colstep;
+            const int8_t *wp = wb + ((ky * kw + kx) * quads) * OCB * 4;
+            for (int64_t i = 0; i < 4 * quads; i += 4, wp += OCB * 4) {
+                const __m512i wv = _mm512_loadu_si512((const void *)wp);
+#pragma GCC unroll 16
+                for (int t = 0; t < T; ++t) {
+                    int32_t four;
+                    memcpy(&four, px[t] + at + i, 4);
+                    a[t] = _mm512_dpbusd_epi32(a[t], _mm512_set1_epi32(four), wv);
+                }
+            }
+        }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) requantize16(a[t], q, out[t]);
+}
+#endif
+
+/* `tiles` pixels by one block: the widest register tiles that fit (VNNI), else plain loops. */
+static void block_bytes(const uint8_t *const *px, uint8_t *const *out, int64_t tiles,
+                        const int8_t *restrict wb, int64_t kh, int64_t kw, int64_t quads,
+                        int64_t rowstep, int64_t colstep, const Requant *q) {
+#if defined(BYTES_VNNI)
+    int64_t t = 0;
+    for (; t + TILE8 <= tiles; t += TILE8)
+        tile_bytes(px + t, out + t, wb, kh, kw, quads, rowstep, colstep, q, TILE8);
+    for (; t + 4 <= tiles; t += 4)
+        tile_bytes(px + t, out + t, wb, kh, kw, quads, rowstep, colstep, q, 4);
+    for (; t < tiles; ++t)
+        tile_bytes(px + t, out + t, wb, kh, kw, quads, rowstep, colstep, q, 1);
+#else
+    for (int64_t t = 0; t < tiles; ++t) {
+        uint32_t sum[OCB] = {0}; /* unsigned: the sums wrap as vpdpbusd's (the plan keeps them
+                                    within int32 anyway) */
+        for (int64_t ky = 0; ky < kh; ++ky)
+            for (int64_t kx = 0; kx < kw; ++kx) {
+                const uint8_t *xp = px[t] + ky * rowstep + kx * colstep;
+                const int8_t *wp = wb + ((ky * kw + kx) * quads) * OCB * 4;
+                for (int64_t i = 0; i < 4 * quads; ++i)
+                    for (int j = 0; j < OCB; ++j)
+                        sum[j] += (uint32_t)((int32_t)xp[i] * (int32_t)wp[(i / 4) * OCB * 4 +
+                                                                         j * 4 + i % 4]);
+            }
+        int32_t acc[OCB];
+        for (int j = 0; j < OCB; ++j) acc[j] = (int32_t)sum[j];
+        if (q->sxw) {
+            for (int64_t j = 0; j < q->count; ++j) acc[j] += q->bias[j];
+            requantize_f(acc, q->fbias, q->sxw, q->ys, out[t], q->count, q->zy, q->fl, q->fh);
+        } else
+            requantize(acc, q->mult, q->bias, out[t], q->count, q->zy, q->fl, q->fh, q->sgn);
+    }
+#endif
+}
+
+/* qconv's record on bytes: weights [blocks][kh][kw][icp/4][OCB][4] int8 (dw 1: [blocks][kh]
+   [ceil(kw * icp / 4)][OCB][4], a kernel row's values one run, zero past its end), bias int32
+   (less zx * the weights' sum) and multipliers float, each blocks * OCB long. */
+static void qconv_bytes(const int64_t *r, const uint8_t *params, uint8_t *arena) {
+    const int64_t n = r[F_N], oh = r[F_OH], ow = r[F_OW], oc = r[F_OC], kh = r[F_KH], kw = r[F_KW];
+    const int64_t sh = r[F_SH], sw = r[F_SW], dh = r[F_DH], dw = r[F_DW], ph = r[F_PH];
+    const int64_t pw = r[F_PW], icp = r[F_ICP];
+    const int32_t zx = (int32_t)r[F_ZX] + (r[F_SIGNED] ? 128 : 0);
+    uint8_t *s = arena + r[F_SCR];
+    pad_bytes(r, arena + r[F_IN], s, (uint8_t)zx);
+    const int8_t *weights = (const int8_t *)(params + r[F_WOFF]);
+    const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
+    const float *mult = (const float *)(params + r[F_MOFF]);
+    const float *fb = r[F_IN2] >= 0 ? (const float *)(params + r[F_IN2]) : 0; /* a float bias */
+    uint8_t *y = arena + r[F_OUT];
+    float fl, fh;
+    bounds(r, params, &fl, &fh);
+    const int64_t quads = dw == 1 ? (kw * icp + 3) / 4 : icp / 4;
+    const int64_t blocks = (oc + OCB - 1) / OCB, wblock = kh * (dw == 1 ? 1 : kw) * quads * OCB * 4;
+    const int64_t pixels = oh * ow, rowstep = dh * pw * icp, colstep = dw * icp;
+    const int64_t ocs = r[F_OCS] ? r[F_OCS] : oc;
+    enum { STRIP = 48 }; /* pixels a strip: their rows' pointers, then block by block */
+    const uint8_t *px[STRIP];
+    uint8_t *out[STRIP];
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t p0 = 0; p0 < pixels; p0 += STRIP) {
+            const int64_t tiles = pixels - p0 < STRIP ? pixels - p0 : STRIP;
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t yy = (p0 + t) / ow, xx = (p0 + t) % ow;
+                px[t] = s + ((b * ph + yy * sh) * pw + xx * sw) * icp;
+            }
+            for (int64_t k = 0; k < blocks; ++k) {
+                const Requant q = {bias + k * OCB, mult + k * OCB,
+                                   fb ? fb + blocks * OCB + k * OCB : 0, fb ? fb + k * OCB : 0,
+                                   fb ? fb[2 * blocks * OCB] : 0.0f, fl, fh, (int32_t)r[F_ZY],
+                                   oc - k * OCB < OCB ? oc - k * OCB : OCB, r[F_LO] < 0};
+                for (int64_t t = 0; t < tiles; ++t) out[t] = y + (b * pixels + p0 + t) * ocs + k * OCB;
+                block_bytes(px, out, tiles, weights + k * wblock, kh, dw == 1 ? 1 : kw, quads,
+                            rowstep, dw == 1 ? 0 : colstep, &q);
+            }
+        }
+}
+
+/* 1 where this build multiplies bytes with VNNI (the plan then takes OP_QCONV8), else 0. */
+int backplane_qcnn_bytes(void) {
+#if defined(BYTES_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
