@@ -15,7 +15,7 @@ from backplane.ir.graph import Layer  # noqa: E402
 OPS = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div, "Erf": torch.erf,
        "Tanh": torch.tanh, "Sqrt": torch.sqrt, "Pow": torch.pow, "Sigmoid": torch.sigmoid,
        "Clip": torch.clamp, "Relu": torch.relu,
-       "HardSigmoid": lambda x: torch.clamp(x * 0.2 + 0.5, 0, 1)}
+       "HardSigmoid": lambda x: torch.clamp(x * 0.2 + 0.5, 0, 1), "Where": torch.where}
 F32 = np.float32
 
 
@@ -202,3 +202,57 @@ def test_on_cuda_a_half_tree_is_one_kernel_and_the_layers_per_layer_rounding(tre
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1, kernels
+
+
+MASKED = [Layer("m", "Mul", ["x", "scale"], ["m"]), Layer("w", "Where", ["mask", "low", "m"], ["y"])]
+"""An exported attention's scale and causal mask: Where(mask, -inf, scores * scale)."""
+
+
+def _masked(low: float) -> dict[str, np.ndarray]:
+    mask = np.random.default_rng(1).random((1, 5, 16)) > 0.5
+    return {"scale": np.asarray(F32(0.125)), "low": np.asarray(F32(low)), "mask": mask}
+
+
+@pytest.mark.parametrize("low", [-np.inf, -1e4])  # -inf a tensor of the kernel, -1e4 a literal
+def test_a_scale_and_a_constant_mask_s_where_are_one_step(low: float) -> None:
+    constants = _masked(low)
+    kept, _ = _steps(MASKED, constants)
+    assert len(kept) == 1 and kept[0][1][:2] == ["x", "mask"]
+    assert ("T in2" in kept[0][0].code) == (low == -np.inf)  # a third tensor, or a literal
+    fused, sequential = (_run(s, _feeds(), constants) for s in (kept, _sequential(MASKED)))
+    torch.testing.assert_close(fused["y"], sequential["y"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_where_of_a_computed_or_tensor_condition_is_its_own_step() -> None:
+    constants = _masked(-np.inf)
+    computed = [MASKED[0], Layer("w", "Where", ["c", "low", "m"], ["y"])]
+    assert len(_steps(computed, constants)[0]) == 2  # the condition is a value of the run
+    ints = {**constants, "mask": constants["mask"].astype(np.int64)}
+    assert len(_steps(MASKED, ints)[0]) == 2  # Where's condition is boolean
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("low", [-np.inf, -1e4])
+def test_on_cuda_a_masked_scale_is_one_kernel_and_the_layers_values(low, dtype) -> None:
+    """Exact: the product rounded once to the type and a selection, as the two layers' kernels;
+    the condition made the tree's type at the first call and kept, so a later call (a captured
+    graph's replay) launches the one kernel alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    constants = _masked(low)
+    kept, _ = _steps(MASKED, constants)
+    feeds = {k: v.to(dtype) for k, v in _feeds("cuda").items()}
+    known = {**feeds, **{k: torch.from_numpy(v).cuda() for k, v in constants.items()}}
+    known = {k: v.to(dtype) if v.dtype == torch.float32 else v for k, v in known.items()}
+    kernel, names, _ = kept[0]
+    (fused,) = kernel(*[known[n] for n in names])
+    want = torch.where(known["mask"], known["low"], known["x"] * known["scale"])
+    assert fused.dtype == dtype and fused.shape == want.shape
+    torch.testing.assert_close(fused, want, rtol=0, atol=0, equal_nan=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        kernel(*[known[n] for n in names])
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and kernels[0].startswith("backplane_ew"), kernels

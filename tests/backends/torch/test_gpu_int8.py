@@ -224,9 +224,14 @@ def test_a_lone_quantize_or_dequantize_on_cuda_is_the_layer_s(zero_type) -> None
 
 @cuda
 @pytest.mark.parametrize("shift", [0.0, 3.0, -3.0])  # a range across 0, above it, below it
-def test_dynamic_quantize_on_cuda_is_three_kernels_and_the_layers_values(shift) -> None:
+@pytest.mark.parametrize("one_kernel", [True, False])  # DYNAMIC_QUANTIZE, or refused: two
+def test_dynamic_quantize_on_cuda_is_two_kernels_and_the_layers_values(shift, one_kernel,
+                                                                       monkeypatch) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    if not one_kernel:
+        monkeypatch.setattr(gpu_jit, "_refused",
+                            {*gpu_jit._refused, (gpu_jit.DYNAMIC_QUANTIZE, torch.float32)})
     steps, run, layers_own = _dynamic()
     x = np.random.default_rng(5).standard_normal((7, 48)).astype(np.float32) + np.float32(shift)
     x[0, :4] = [0.5, -0.5, 1.5, 2.5]  # exact halves among the values
@@ -235,13 +240,29 @@ def test_dynamic_quantize_on_cuda_is_three_kernels_and_the_layers_values(shift) 
     torch.testing.assert_close(got["f"].cpu(), want, rtol=0, atol=0)
     torch.testing.assert_close(got["ys"].cpu(), scale, rtol=0, atol=0)
     assert got["y"].dtype == torch.float32  # the centred form, not the kernel's uint8
+    assert got["ys"].dim() == 0 and got["yz"].dim() == 0
+    (_, zero_own) = quantization.dynamic_quantize_linear(torch.from_numpy(x))[1:]
+    assert got["yz"].item() == zero_own.item()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         steps[0][0](torch.from_numpy(x).cuda())
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith("Memcpy")]
-    assert len(kernels) <= 3, kernels
+    assert len(kernels) == (2 if one_kernel else 3), kernels
+
+
+@cuda
+def test_dynamic_quantize_on_cuda_of_nan_is_the_layers() -> None:
+    """A NaN in x: its min and max NaN, the scale 1 and zero point 0 (as the kernel's), the NaN
+    quantized to 0, as CUDA's cast gives it."""
+    steps, run, layers_own = _dynamic()
+    x = np.random.default_rng(6).standard_normal((3, 48)).astype(np.float32)
+    x[1, 5] = np.nan
+    got = run(torch.from_numpy(x).cuda())
+    _, scale, zero = quantization.dynamic_quantize_linear(torch.from_numpy(x).cuda())
+    assert got["ys"].item() == scale.item() and got["yz"].item() == float(zero.item())
+    assert got["y"][1, 5].item() == -got["yz"].item()  # 0 less the zero point
 
 
 @cuda

@@ -20,7 +20,9 @@ device, no NVRTC, a trace), the layers' own steps run one after another.
 A QDQ round trip (``gpu_int8._round_trip``) is an element of a tree, and a Conv's bias is added
 in the tree that alone reads the Conv's output (on CUDA torch adds it after cuDNN's convolution,
 in a kernel of its own), the Conv then run without it: resnet_qdq_ort17's Conv -> QDQ -> Add ->
-QDQ is two kernels where it was five. So is a QuantizeLinear giving a QLinearConv its integers
+QDQ is two kernels where it was five. A Where of a constant boolean condition joins a tree too:
+an exported attention's scale Mul and causal-mask Where (gpt_causal_ts15, gpt_dynquant_ort15),
+one kernel where they were two. So is a QuantizeLinear giving a QLinearConv its integers
 less their zero point (``gpu_int8._quantize_centred``): resnet_qlinear_ort15's Add -> Relu ->
 QuantizeLinear, one kernel. Those trees run in float32 alone.
 """
@@ -45,6 +47,9 @@ UNARY = {"Erf": "erff({0})", "Tanh": "tanhf({0})", "Sqrt": "sqrtf({0})", "Neg": 
 """Each as torch's CUDA kernel computes it in float32 (sigmoid as 1 / (1 + exp(-x))); a NaN
 passes every comparison written here as false, so it comes out NaN, as torch's clamps give it."""
 CLIP = "({0} < {1} ? {1} : ({0} > {2} ? {2} : {0}))"
+WHERE = "({0} != 0.0f ? {1} : {2})"
+"""Where of a constant boolean condition (an exported causal mask), read as 0 or 1 of the tree's
+type (``_typed``): the attention's scale Mul and its mask Where, one kernel where they were two."""
 POWERS = {2.0: "({0} * {0})", 3.0: "({0} * {0} * {0})"}  # torch's pow by 2 and 3 multiplies
 MAX_TENSORS = 8  # jiterator's inputs
 
@@ -140,6 +145,11 @@ def _fusible(layer: Layer, step: Step | None, kernel: Any,
         return None in values or values[0] <= values[1]  # type: ignore[operator]
     if layer.op_type == "HardSigmoid":
         return len(layer.inputs) == 1
+    if layer.op_type == "Where":
+        condition = constants.get(layer.inputs[0]) if len(layer.inputs) == 3 else None
+        return condition is not None and condition.dtype == np.bool_ \
+            and not any(n in constants and constants[n].dtype == np.bool_
+                        for n in layer.inputs[1:])
     if layer.op_type == "Pow":
         exponent = _scalar(layer.inputs[1], constants) if len(layer.inputs) == 2 else None
         return exponent in POWERS
@@ -167,6 +177,7 @@ def _kernel(layers: Sequence[Layer], tree: list[int], steps: list[Step | None],
     literals: list[str] = []  # scalar constants written into the code (the fallback reads them)
     lines = []
     views: dict[int, int] = {}  # a bias's tensor -> its convolution's, whose rank it takes
+    conditions: set[str] = set()  # Where's boolean constants, read as the tree's type
 
     def operand(name: str) -> str:
         if name in inside:
@@ -214,6 +225,9 @@ def _kernel(layers: Sequence[Layer], tree: list[int], steps: list[Step | None],
             low, high = [*layer.inputs[1:], "", ""][:2]
             text = CLIP.format(operand(layer.inputs[0]), operand(low) if low else "-INFINITY",
                                operand(high) if high else "INFINITY")
+        elif layer.op_type == "Where":
+            conditions.add(layer.inputs[0])
+            text = WHERE.format(*[operand(x) for x in layer.inputs])
         elif layer.op_type == "HardSigmoid":  # clamp(x * alpha + beta, 0, 1), as the kernel
             alpha, beta = (f"{float(np.float32(layer.attrs.get(k, d))).hex()}f"
                            for k, d in (("alpha", 0.2), ("beta", 0.5)))
@@ -223,7 +237,7 @@ def _kernel(layers: Sequence[Layer], tree: list[int], steps: list[Step | None],
             table = UNARY if layer.op_type in UNARY else BINARY
             text = table[layer.op_type].format(*[operand(x) for x in layer.inputs])
         lines.append(f"    T v{n} = {text};")
-    if not tensors or len(tensors) > MAX_TENSORS:
+    if not tensors or len(tensors) > MAX_TENSORS or set(tensors) <= conditions:
         return None
     body = "\n".join(lines)
     params = ", ".join(f"T in{k}" for k in range(len(tensors)))
@@ -233,8 +247,30 @@ def _kernel(layers: Sequence[Layer], tree: list[int], steps: list[Step | None],
     parts += [steps[i] for i in tree]  # type: ignore[misc]
     names = tensors + sorted(set(literals) - set(tensors))
     strict = bool(biases) or any(_trip(steps[i]) or _centred(steps[i]) for i in tree)  # float32's
-    return (_workload(code, names, len(tensors), parts, views, strict),  # type: ignore[arg-type]
-            names, layers[tree[-1]].outputs)
+    return (_workload(code, names, len(tensors), parts, views, strict,  # type: ignore[arg-type]
+                      {tensors.index(c) for c in conditions}), names, layers[tree[-1]].outputs)
+
+
+def _typed() -> Callable[[Any, Any], Any]:
+    """A boolean constant as a tensor of 0 and 1 of another tensor's type and device, made at its
+    first call (the warm-up before a capture) and kept with the constant it was made from: the
+    captured graph reads it, no conversion kernel is replayed."""
+    import torch
+
+    kept: dict[tuple[int, Any, Any], tuple[Any, Any]] = {}
+
+    def typed(condition: Any, like: Any) -> Any:
+        if not isinstance(condition, torch.Tensor) or condition.dtype != torch.bool:
+            return condition
+        key = (id(condition), like.dtype, like.device)
+        made = kept.get(key)
+        if made is None or made[0] is not condition:
+            if len(kept) >= 8:  # a constant is one tensor a run: others come and go (tests)
+                kept.clear()
+            made = kept[key] = (condition, condition.to(device=like.device, dtype=like.dtype))
+        return made[1]
+
+    return typed
 
 
 def _per_channel(bias: Any, like: Any) -> Any:
@@ -247,19 +283,26 @@ def _add_bias(y: Any, bias: Any) -> tuple[Any]:
 
 
 def _workload(code: str, names: list[str], count: int, parts: list[Step],
-              views: dict[int, int] | None = None, strict: bool = False) -> Any:
+              views: dict[int, int] | None = None, strict: bool = False,
+              conditions: set[int] | None = None) -> Any:
     """The kernel over the first ``count`` inputs (``views``: a bias's position -> its
-    convolution output's), all float32, float16 or bfloat16 alike (float32 alone where
-    ``strict``); the layers' steps where it cannot run."""
+    convolution output's; ``conditions``: Where's boolean constants, read as the others' type),
+    all float32, float16 or bfloat16 alike (float32 alone where ``strict``); the layers' steps
+    where it cannot run."""
     import torch
 
-    views = views or {}
+    views, conditions = views or {}, conditions or set()
     types = (torch.float32,) if strict else (torch.float32, torch.float16, torch.bfloat16)
+    typed = _typed()
 
     def workload(*values: Any) -> tuple[Any, ...]:
         tensors = values[:count]
         if views:
             tensors = tuple(_per_channel(t, tensors[views[k]]) if k in views else t
+                            for k, t in enumerate(tensors))
+        if conditions and all(isinstance(v, torch.Tensor) and v.is_cuda for v in tensors):
+            like = next(t for k, t in enumerate(tensors) if k not in conditions)
+            tensors = tuple(typed(t, like) if k in conditions else t
                             for k, t in enumerate(tensors))
         if all(isinstance(v, torch.Tensor) and v.is_cuda for v in tensors) \
                 and tensors[0].dtype in types and len({v.dtype for v in tensors}) == 1 \

@@ -54,6 +54,25 @@ DYNAMIC_CENTRED = """template <typename T> T backplane_dql_centred(T x, T s, T z
 MatMulInteger's float product reads (``gpu_int8._matmul_integer``: A widened, less its zero
 point)."""
 
+DYNAMIC_QUANTIZE = """template <typename T> void backplane_dql(T x, T lo, T hi, T& centred, T& scale,
+                                                      T& zero) {
+    double low = lo > 0 ? 0.0 : (double)lo;
+    double high = hi < 0 ? 0.0 : (double)hi;
+    float s = high > low ? (float)((high - low) / 255.0) : 1.0f;
+    float z = rintf(__fdiv_rn(-(float)low, s));
+    z = z != z ? 0.0f : (z < 0.0f ? 0.0f : (z > 255.0f ? 255.0f : z));
+    float q = rintf(__fdiv_rn(x, s)) + z;
+    q = q != q ? 0.0f : (q < 0.0f ? 0.0f : (q > 255.0f ? 255.0f : q));
+    centred = q - z;
+    scale = s;
+    zero = z;
+}"""
+"""``DYNAMIC_PARAMS`` then ``DYNAMIC_CENTRED`` in one kernel over x, its min and max: each element
+computes the scale and zero point itself (the same float64 and float32 steps, so the same
+values) and writes them beside its centred value; a 0-d view of one element of each is the
+layer's scale and zero point. One kernel where the two were two, at a write of two floats an
+element more (gpt_dynquant_ort15's rows are 256 to 1024 elements)."""
+
 REQUANTIZE = """template <typename T> T backplane_requantize(T acc, T m, T zy, T low, T high) {
     double y = rint(rint((double)acc) * (double)m) + (double)zy;
     y = y < (double)low ? (double)low : y;
