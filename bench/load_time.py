@@ -25,7 +25,9 @@ load defers CpuAcc, ``backplane.deferred_load``), the runtimes alternating withi
   plain session).
 
 A process loads, makes one first call (timed apart: what a load leaves to the first run is paid
-there), then ``--calls`` calls whose median is its steady state; it says whether torch was
+there), waits for a load left to the background (``deferred_load.wait``: runs until then may
+bridge it on the native plan, ``torch_free``) and makes one call, the two timed as "settled s",
+then ``--calls`` calls whose median is its steady state; it says whether torch was
 imported by then (a default session of a model CpuAcc plans whole in C never imports it:
 ``backplane.torch_free``) and its CPU seconds (all its threads) from the import's start to the
 first call's outputs. Per model and runtime: the best
@@ -84,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
         os.environ[variable] = tempfile.mkdtemp(prefix="load_time_")
     os.environ.pop("BACKPLANE_COMPILE_CACHE", None)  # set, a load compiles an artifact, then loads it
     start, began = time.perf_counter(), time.process_time()
-    run, crowded, deferred = _loader(args)
+    run, crowded, deferred, settle = _loader(args)
     imported = time.perf_counter() - start
     feeds = _feeds(args.model, args.feeds)
     start, cpu = time.perf_counter(), time.process_time()
@@ -94,6 +96,10 @@ def worker(args: argparse.Namespace) -> None:
     call()
     first, first_cpu = time.perf_counter() - start, time.process_time() - cpu
     to_first_cpu = time.process_time() - began  # all threads: a background load's import too
+    start = time.perf_counter()
+    settle()  # runs bridging a background load (torch_free) are not the steady state
+    call()
+    settled = time.perf_counter() - start
     times = []
     for _ in range(args.calls):
         start = time.perf_counter()
@@ -103,13 +109,15 @@ def worker(args: argparse.Namespace) -> None:
                       "first_cpu_ms": first_cpu * 1e3,
                       "steady_ms": statistics.median(times) * 1e3, "crowded": crowded(),
                       "deferred": deferred(), "loadavg": os.getloadavg()[0],
-                      "to_first_cpu_s": to_first_cpu, "torch": "torch" in sys.modules}))
+                      "to_first_cpu_s": to_first_cpu, "torch": "torch" in sys.modules,
+                      "settled_s": settled}))
 
 
-def _loader(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _loader(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """The runtime imported: a function from feeds to a call of a new session, one saying
-    whether backplane found the machine busy and one whether its session returned with CpuAcc's
-    load deferred to the background (``deferred_load``; both always False for ONNX Runtime)."""
+    whether backplane found the machine busy, one whether its session returned with CpuAcc's
+    load deferred to the background (``deferred_load``; both always False for ONNX Runtime) and
+    one waiting for that load (``deferred_load.wait``: runs before it may bridge it)."""
     if args.runtime == "onnxruntime":
         import onnxruntime as ort
 
@@ -118,7 +126,7 @@ def _loader(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
             session = ort.InferenceSession(args.model, options, providers=["CPUExecutionProvider"])
             return lambda: session.run(None, feeds)
-        return load, lambda: False, lambda: False
+        return load, lambda: False, lambda: False, lambda: None
     from backplane import InferenceSession, SessionOptions
     from backplane.backends.torch import threads
 
@@ -131,7 +139,9 @@ def _loader(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         session = InferenceSession(args.model, SessionOptions(intra_op_num_threads=args.threads))
         said.append(getattr(session, "_later", None) is not None)  # a tree before it: none
         return lambda: session.run(None, feeds)
-    return load, lambda: said[0], lambda: said[1]
+    from backplane import deferred_load
+
+    return load, lambda: said[0], lambda: said[1], lambda: deferred_load.wait(600)
 
 
 def _feeds(model: str, feeds: str) -> dict[str, np.ndarray]:
@@ -193,7 +203,7 @@ def _one(runtime: str, src: str, model: str, feeds: str, args: argparse.Namespac
 def _row(model: str, label: str, replies: list[dict]) -> str:
     good = [r for r in replies if "error" not in r]
     if not good:
-        return f"| {model} | {label} | failed: {replies[0]['error']} | | | | | | | | | | | | |"
+        return f"| {model} | {label} | failed: {replies[0]['error']} | | | | | | | | | | | | | |"
     loads = [r["load_s"] for r in good]
     busy = sum(r["crowded"] for r in good)
     deferred = sum(r.get("deferred", False) for r in good)
@@ -206,6 +216,7 @@ def _row(model: str, label: str, replies: list[dict]) -> str:
             f"{min(r['steady_ms'] for r in good):.3f} | {statistics.median(r['import_s'] for r in good):.2f} | "
             f"{min(whole):.2f} ({statistics.median(whole):.2f}) | {statistics.median(first):.2f} | "
             f"{statistics.median(r.get('to_first_cpu_s', math.nan) for r in good):.2f} | "
+            f"{statistics.median(r.get('settled_s', math.nan) for r in good):.2f} | "
             f"{busy}/{len(good)} | {deferred}/{len(good)} | "
             f"{sum(r.get('torch', False) for r in good)}/{len(good)} | "
             f"{min(r['loadavg'] for r in good):.1f}-{max(r['loadavg'] for r in good):.1f} |")
@@ -231,9 +242,9 @@ def _header(args: argparse.Namespace) -> list[str]:
             f"load average at the start {os.getloadavg()[0]:.2f}", "",
             "| model | runtime | load s best (median) | load CPU s | first call ms | first CPU ms | "
             "steady ms | import s | import + load s | to first output s | CPU to first output s | "
-            "busy loads | deferred | torch imported | load avg |",
+            "settled s | busy loads | deferred | torch imported | load avg |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-            "| ---: | --- |"]
+            "| ---: | ---: | --- |"]
 
 
 def main() -> int:

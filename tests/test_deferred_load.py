@@ -3,8 +3,9 @@
 A fresh process where the path needs torch not imported yet (the test process has imported it):
 the session returns on CpuRef, the first run (or a read of its placement) waits for CpuAcc's load
 in the background and takes it over, and its outputs are those of a session loaded on CpuAcc at
-once and ONNX Runtime's. In this process: a failed background load leaves the CpuRef session running, and a session closed before
-its first run closes the load it was waiting for.
+once and ONNX Runtime's. In this process: a failed background load leaves the CpuRef session running, a session closed before
+its first run closes the load it was waiting for, and runs before the load is done bridge it on the
+session's own network (CpuRef), stopped between two layers where it is done first.
 """
 
 from __future__ import annotations
@@ -90,10 +91,11 @@ def test_a_failed_background_load_leaves_the_cpuref_session_running(
     def failing() -> InferenceSession:
         raise RuntimeError("no torch today")
 
-    session._later = deferred_load.Later(failing)
-    session._update_fast_path()
-    assert not session._fast
     with caplog.at_level(logging.WARNING, logger="backplane.session"):
+        session._later = deferred_load.Later(failing)
+        session._update_fast_path()
+        assert not session._fast
+        assert session._later.wait(60)  # done: no run bridges it
         got = session.run(None, _inputs())[0]
     assert "no torch today" in caplog.text and "runs on CpuRef" in caplog.text
     assert session._later is None and session._fast
@@ -123,6 +125,7 @@ def test_the_first_run_takes_over_the_built_network() -> None:
     built = InferenceSession(DEMO, providers=["CpuRef"], pins={"Conv": "CpuRef"})
     session._later = deferred_load.Later(lambda: built)
     session._update_fast_path()
+    assert session._later.wait(60)  # done: no run bridges it
     session.run(None, _inputs())
     assert session.runtime is built.runtime and session.network_id == built.network_id
     assert session.optimized is built.optimized and session._later is None
@@ -223,6 +226,8 @@ def test_a_load_in_the_background_does_not_wait_for_itself() -> None:
 class _Made:
     """A built session's stand-in: its runs' feeds recorded, the first failing where asked."""
 
+    _against_cpu = None
+
     def __init__(self, fail: bool = False) -> None:
         self.fed: list[dict[str, np.ndarray]] = []
         self.fail = fail
@@ -265,3 +270,103 @@ def test_a_load_given_no_feeds_runs_nothing() -> None:
     made = _Made()
     later = deferred_load.Later(lambda: made)
     assert later.wait(60) and made.fed == [] and later.made is made
+
+
+GPT = ROOT / "tests" / "data" / "corpus" / "gpt_causal_ts15.onnx"
+
+
+def _gpt() -> tuple[InferenceSession, dict[str, np.ndarray]]:
+    session = InferenceSession(GPT, providers=["CpuRef"])
+    return session, dict(np.load(str(GPT)[:-5] + ".s0.npz"))
+
+
+def _gated(session: InferenceSession, built: InferenceSession, monkeypatch: pytest.MonkeyPatch,
+           ) -> tuple[deferred_load.Later, threading.Event, list]:
+    """A load of ``built`` that waits for the gate; the load's first runs' feeds recorded."""
+    gate, fed = threading.Event(), []
+    first_run = deferred_load.Later._first_run
+
+    def recorded(made, feeds):
+        fed.append(feeds)
+        first_run(made, feeds)
+
+    monkeypatch.setattr(deferred_load.Later, "_first_run", staticmethod(recorded))
+
+    def make() -> InferenceSession:
+        assert gate.wait(60)
+        return built
+
+    session._later = deferred_load.Later(make)
+    session._update_fast_path()
+    return session._later, gate, fed
+
+
+def test_runs_bridge_the_load_on_the_sessions_own_network_until_it_is_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    session, feeds = _gpt()
+    expected = session.run(None, feeds)
+    old_runtime = session.runtime
+    built = InferenceSession(GPT, providers=["CpuRef"], pins={"Softmax": "CpuRef"})
+    later, gate, fed = _gated(session, built, monkeypatch)
+    for _ in range(2):
+        got = session.run(None, feeds)
+        assert session._later is later and session.runtime is old_runtime  # not taken over
+        for mine, theirs in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(mine, theirs)
+    assert later.feeds is not None and fed == []
+    gate.set()
+    assert later.wait(60) and len(fed) == 1  # the load's first run, on the feeds' copy
+    got = session.run(None, feeds)
+    assert session._later is None and session.runtime is built.runtime
+    assert old_runtime._finalizer.alive is False
+    for mine, theirs in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_bridged_run_stops_between_two_layers_when_the_load_is_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    session, feeds = _gpt()
+    built = InferenceSession(GPT, providers=["CpuRef"], pins={"Softmax": "CpuRef"})
+    later, gate, fed = _gated(session, built, monkeypatch)
+    checks = []
+    stop = later._stop
+
+    def done_meanwhile() -> None:  # the load ends during the bridged run's layers
+        checks.append(later.done.is_set())
+        if len(checks) == 3:
+            gate.set()
+            assert later.wait(60)
+        stop()
+
+    monkeypatch.setattr(later, "_stop", done_meanwhile)
+    session.run(None, feeds)
+    assert checks == [False, False, False]  # stopped at its third layer's check
+    assert session._later is None and session.runtime is built.runtime
+    assert len(fed) == 1  # the load's first run, on the bridged run's feeds
+
+
+def test_a_slow_bridged_run_ends_the_bridge(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deferred_load, "BRIDGE_SECONDS", 0.0)
+    session, feeds = _gpt()
+    built = InferenceSession(GPT, providers=["CpuRef"], pins={"Softmax": "CpuRef"})
+    later, gate, fed = _gated(session, built, monkeypatch)
+    session.run(None, feeds)
+    assert session._later is later and not later.bridge  # the next run waits for the load
+    threading.Timer(0.2, gate.set).start()
+    session.run(None, feeds)
+    assert session._later is None and session.runtime is built.runtime
+
+
+def test_the_runtime_a_bridged_run_holds_is_closed_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    session, feeds = _gpt()
+    old_runtime = session.runtime
+    built = InferenceSession(GPT, providers=["CpuRef"], pins={"Softmax": "CpuRef"})
+    later, gate, _ = _gated(session, built, monkeypatch)
+    later.bridging = 1  # a run on the old network in another thread
+    gate.set()
+    assert later.wait(60)
+    session.run(None, feeds)
+    assert session.runtime is built.runtime and old_runtime._finalizer.alive
+    later._bridged(0.0)  # that run ends
+    assert old_runtime._finalizer.alive is False

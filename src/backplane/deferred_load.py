@@ -123,15 +123,29 @@ def remember(session: Any) -> None:
         route_cache.store(key, route_cache.WITHOUT_TORCH)
 
 
+BRIDGE_SECONDS = 0.25
+"""A run on the session's own backends (CpuRef) while the load is under way (``Later.bridged``)
+that took longer ends the bridging: such runs take CPU from the load they wait for."""
+
+
+class _LoadDone(Exception):
+    """A bridged run stopped between two layers: the load it bridged is done."""
+
+
 class Later:
     """The background load of one session (``make``: the session on the full backend list),
-    taken over by the session at its first run (``adopt``) or dropped with it (``cancel``)."""
+    taken over by the session at a run once done (``adopt``) or dropped with it (``cancel``).
+    Until then a run takes the session's own network (``bridged``: CpuRef), stopped between two
+    layers where the load is done first (it then runs on the load's)."""
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self.made: Any = None
         self.error: BaseException | None = None
         self.cancelled = False
         self.feeds: dict[str, Any] | None = None  # a first run's, run by the build once made
+        self.bridge = True  # runs take the session's own network until the load is done
+        self.bridging = 0  # such runs under way: the runtime they run on is closed after them
+        self.closing: Any = None
         self.lock = threading.Lock()
         self.done = threading.Event()
         context = contextvars.copy_context()  # the loader's scopes (log, cache) in its build
@@ -143,8 +157,8 @@ class Later:
     def _build(self, make: Callable[[], Any]) -> None:
         try:
             made = make()
-            if self.feeds is not None and not self.cancelled:
-                self._first_run(made, self.feeds)
+            if self.feeds is not None and not self.cancelled and made._against_cpu is None:
+                self._first_run(made, self.feeds)  # not a placement timed: the caller's run's
         except BaseException as exc:  # noqa: BLE001  # the CpuRef session runs on: say why
             self.error = exc
             (log.debug if self.cancelled else log.warning)(
@@ -162,8 +176,9 @@ class Later:
     @staticmethod
     def _first_run(made: Any, feeds: dict[str, Any]) -> None:
         """The built session's first run, here: what it leaves to a first run (oneDNN Graph's
-        compile, ``at_first_run``: 0.2-0.5 s of the demo's) is not paid by the caller's run that
-        takes it over. Its outputs are dropped; an error is the caller's run's to raise."""
+        compile, ``at_first_run``: 0.2-0.5 s of the demo's; a Specialized layer's build of the
+        signature, 1 s of gpt_causal_ts15's) is not paid by the caller's run that takes it over.
+        Its outputs are dropped; an error is the caller's run's to raise."""
         try:
             made.run(None, feeds)
         except Exception as exc:  # noqa: BLE001
@@ -178,10 +193,59 @@ class Later:
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
 
-    def adopt(self, session: Any, feeds: Any = None) -> None:
-        """Wait for the build; then ``session`` takes the built session's state (its runtime,
-        network, report), its own runtime closed. Where the build failed it keeps its own.
-        ``feeds``: the run's (``torch_free.TorchFree.adopt`` reads them; here they wait too)."""
+    def bridged(self, session: Any, feeds: Mapping[str, Any]) -> list[Any] | None:
+        """The outputs of ``feeds`` on the session's own network (CpuRef) while the load is under
+        way; None where the load is done first (the run stopped between two layers), the bridge
+        is off (a run took longer than ``BRIDGE_SECONDS``, or failed) or does not apply (an
+        input's default fed). The feeds go to the load's first run (``warm``)."""
+        import time
+
+        from backplane.runtime.steps import STOP
+
+        with self.lock:
+            if not self.bridge or self.done.is_set() or session._later is not self or \
+                    session._overrides is not None or session._against_cpu is not None:
+                return None
+            self.bridging += 1
+            runtime, network_id = session.runtime, session.network_id
+        self.warm(feeds)
+        started, token = time.perf_counter(), STOP.set(self._stop)
+        try:
+            return runtime.run(network_id, feeds)
+        except _LoadDone:
+            return None
+        except Exception as exc:  # noqa: BLE001  # the load's session runs it, and says why
+            log.debug("a run bridging the load failed (%s: %s)", type(exc).__name__, exc)
+            self.bridge = False
+            return None
+        finally:
+            STOP.reset(token)
+            self._bridged(time.perf_counter() - started)
+
+    def _stop(self) -> None:
+        if self.done.is_set():
+            raise _LoadDone
+
+    def _bridged(self, took: float) -> None:
+        """A bridged run ended: the runtime it ran on closed where the session let go of it."""
+        with self.lock:
+            self.bridging -= 1
+            self.bridge = self.bridge and took <= BRIDGE_SECONDS
+            closing = self.closing if not self.bridging else None
+            if closing is not None:
+                self.closing = None
+        if closing is not None:
+            closing.close()
+
+    def adopt(self, session: Any, feeds: Mapping[str, Any] | None = None) -> list[Any] | None:
+        """Outputs of ``feeds`` while the load is under way (``bridged``), or wait for the build;
+        then ``session`` takes the built session's state (its runtime, network, report), its own
+        runtime closed (after the bridged runs on it), and None (the run goes on with it).
+        Where the build failed it keeps its own."""
+        if feeds is not None and not self.done.is_set():
+            outputs = self.bridged(session, feeds)
+            if outputs is not None:
+                return outputs
         self.done.wait()
         with self.lock:
             if session._later is not self:  # another thread took it over first
@@ -196,11 +260,14 @@ class Later:
             state["_later"] = None
             vars(session).update(state)
             made._closed = True  # its runtime is the session's now: nothing to close twice
+            if own and self.bridging:
+                self.closing, own = old, False  # the last bridged run closes it
         _threads_here(session.backend_options)
         if own:
             old.close()
         remember(session)
         session._update_fast_path()
+        return None
 
     def cancel(self) -> None:
         """The session closed before its first run: the build, when done, is closed too."""

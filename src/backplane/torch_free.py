@@ -323,8 +323,8 @@ class TorchFree:
 
     def adopt(self, session: Any, feeds: Mapping[str, Any] | None = None) -> list[Any] | None:
         """The run's outputs where ``feeds`` run natively (the bridge's too, while torch's load
-        is under way); else the background load started (or taken where started), the session
-        becoming the one with torch, and None."""
+        is under way); else the background load started (or taken where started) and adopted
+        (``Later.adopt``: its bridge's outputs, or None, the session the one with torch)."""
         self.ready.wait()
         if feeds is not None and self.later is None:
             found = self.runner(feeds)
@@ -337,8 +337,7 @@ class TorchFree:
         with self.lock:
             self._start()
         session._later = self.later
-        self.later.adopt(session)
-        return None
+        return self.later.adopt(session, feeds)  # bridged on CpuRef, or the session with torch
 
     def providers(self) -> tuple[str, ...]:
         """The backend list a default session's runs have (``get_providers``), where its runs
