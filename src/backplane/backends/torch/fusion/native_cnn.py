@@ -26,6 +26,7 @@ import numpy as np
 
 from backplane.backends.api.backend import Workload
 from backplane.ir.graph import Layer, TensorInfo
+from backplane.runtime import host_route
 
 log = logging.getLogger("backplane.torch")
 
@@ -209,6 +210,9 @@ def _then(layer: Layer, backend: Any, inputs: Sequence[TensorInfo], head: Worklo
         # outputs reach the caller without the search of the inputs (runtime/fresh_outputs.py)
         return Made(joined) if not outputs or type(second) is Made else joined
 
+    host = host_route.chained(head, after if later else None, take, where, back)
+    if host is not None:  # both parts run on NumPy arrays (a CNN head, then a recurrent plan)
+        host_route.offer(run, host)
     run.route = f"{ROUTE}+{getattr(after, 'route', '?')}"  # type: ignore[attr-defined]
     run.why = f"{head.why}; then {getattr(after, 'why', '')}"  # type: ignore[attr-defined]
     run.executor = head.executor  # type: ignore[attr-defined]
@@ -267,4 +271,5 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str,
     run.why = why  # type: ignore[attr-defined]
     run.profiled = profiled  # type: ignore[attr-defined]
     run.executor = executor  # type: ignore[attr-defined]
+    host_route.offer(run, executor.host)  # the direct run's call on the caller's NumPy arrays
     return run
