@@ -10,9 +10,15 @@
  * product rounded to float32 first, as the graph's Mul makes it) and the bias added after (a
  * separate rounding: -std=c11 keeps GCC from contracting the two into one FMA). */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define DYNQUANT_VNNI 1
+#endif
 
-#define BACKPLANE_DYNQUANT_VERSION 1
+#define BACKPLANE_DYNQUANT_VERSION 2
 #define ROWS 4  /* rows of x a block of the product reads each weight value for */
 #define COLS 16 /* columns a block keeps in registers: ROWS * COLS / 8 = 8 AVX2 accumulators */
 #define STACK 4096
@@ -111,6 +117,19 @@ static void edge(const float *q, long rows, long depth, const float *w, long col
         }
 }
 
+/* each sum times the two scales (w_scale's first: the graph's constant product), then the bias */
+static void finish(float *y, long rows, long cols, const float *w_scale, long scales, float scale,
+                   const float *bias) {
+    for (long r = 0; r < rows; r++) {
+        float *yr = y + r * cols;
+        for (long c = 0; c < cols; c++)
+            yr[c] = yr[c] * (w_scale[scales == 1 ? 0 : c] * scale);
+        if (bias)
+            for (long c = 0; c < cols; c++)
+                yr[c] = yr[c] + bias[c];
+    }
+}
+
 /* x (rows, depth) row-major; w the centred weight (depth, cols) row-major; w_scale `scales`
  * values (1: per tensor, else cols); bias cols values or NULL; y (rows, cols). 0 done, 1 x's range
  * not finite (y untouched), 2 no memory. */
@@ -139,13 +158,97 @@ int backplane_dynquant_matmul(const float *x, long rows, long depth, const float
     }
     if (q != stack)
         free(q);
-    for (long r = 0; r < rows; r++) {
-        float *yr = y + r * cols;
-        for (long c = 0; c < cols; c++)
-            yr[c] = yr[c] * (w_scale[scales == 1 ? 0 : c] * scale);
-        if (bias)
-            for (long c = 0; c < cols; c++)
-                yr[c] = yr[c] + bias[c];
-    }
+    finish(y, rows, cols, w_scale, scales, scale, bias);
     return 0;
+}
+
+/* The product on bytes where the build has AVX-512 VNNI (backplane_dynquant_bytes): x quantized
+ * to unsigned bytes (its centred value plus the zero point: 0..255), the weight centred as signed
+ * bytes, packed at load (dynquant.py's pack: [ceil(cols / 16)][ceil(depth / 4)][16][4] int8, zero
+ * past depth and cols, then each column's sum, int32), vpdpbusd adding 64 exact products an
+ * instruction into 16 int32 sums; less the zero point times the column's sum, each is the
+ * centred product's integer sum, so its float (exact below 2^24) is the float path's sum, bit for
+ * bit. 0 done, 1 x's range not finite, 2 no memory, 3 not built with VNNI. */
+int backplane_dynquant_bytes(const float *x, long rows, long depth, const int8_t *packed,
+                             long cols, const float *w_scale, long scales, const float *bias,
+                             float *y) {
+#if defined(DYNQUANT_VNNI)
+    float scale, zero;
+    if (grid(x, rows * depth, &scale, &zero))
+        return 1;
+    const long quads = (depth + 3) / 4, blocks = (cols + 15) / 16, stride = 4 * quads;
+    const int32_t *colsum = (const int32_t *)(packed + blocks * quads * 64);
+    uint8_t stack[4 * STACK];
+    uint8_t *q = rows * stride <= 4 * STACK ? stack : malloc((size_t)(rows * stride));
+    if (!q)
+        return 2;
+    const float low = -zero, high = 255.0f - zero;
+    for (long r = 0; r < rows; r++) {
+        for (long k = 0; k < depth; k++) { /* centre()'s value, plus the zero point */
+            float v = rintf(x[r * depth + k] / scale);
+            q[r * stride + k] = (uint8_t)(int32_t)((v < low ? low : (v > high ? high : v)) + zero);
+        }
+        for (long k = depth; k < stride; k++)
+            q[r * stride + k] = 0;
+    }
+    const __m512i vz = _mm512_set1_epi32((int32_t)zero);
+    for (long b = 0; b < blocks; b++) {
+        const int8_t *wb = packed + b * quads * 64;
+        const long c0 = 16 * b, count = cols - c0 < 16 ? cols - c0 : 16;
+        const __mmask16 m = (__mmask16)((1u << count) - 1);
+        const __m512i correction = _mm512_mullo_epi32(vz, _mm512_loadu_si512(colsum + c0));
+        long r = 0;
+        for (; r + 4 <= rows; r += 4) { /* four rows: four accumulators a weight vector */
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+            const uint8_t *q0 = q + r * stride;
+            for (long i = 0; i < quads; i++) {
+                const __m512i w = _mm512_loadu_si512(wb + i * 64);
+                int32_t f0, f1, f2, f3;
+                memcpy(&f0, q0 + 4 * i, 4);
+                memcpy(&f1, q0 + stride + 4 * i, 4);
+                memcpy(&f2, q0 + 2 * stride + 4 * i, 4);
+                memcpy(&f3, q0 + 3 * stride + 4 * i, 4);
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(f0), w);
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(f1), w);
+                a2 = _mm512_dpbusd_epi32(a2, _mm512_set1_epi32(f2), w);
+                a3 = _mm512_dpbusd_epi32(a3, _mm512_set1_epi32(f3), w);
+            }
+            _mm512_mask_storeu_ps(y + r * cols + c0, m,
+                                  _mm512_cvtepi32_ps(_mm512_sub_epi32(a0, correction)));
+            _mm512_mask_storeu_ps(y + (r + 1) * cols + c0, m,
+                                  _mm512_cvtepi32_ps(_mm512_sub_epi32(a1, correction)));
+            _mm512_mask_storeu_ps(y + (r + 2) * cols + c0, m,
+                                  _mm512_cvtepi32_ps(_mm512_sub_epi32(a2, correction)));
+            _mm512_mask_storeu_ps(y + (r + 3) * cols + c0, m,
+                                  _mm512_cvtepi32_ps(_mm512_sub_epi32(a3, correction)));
+        }
+        for (; r < rows; r++) {
+            __m512i a = _mm512_setzero_si512();
+            for (long i = 0; i < quads; i++) {
+                int32_t f;
+                memcpy(&f, q + r * stride + 4 * i, 4);
+                a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(f), _mm512_loadu_si512(wb + i * 64));
+            }
+            _mm512_mask_storeu_ps(y + r * cols + c0, m,
+                                  _mm512_cvtepi32_ps(_mm512_sub_epi32(a, correction)));
+        }
+    }
+    if (q != stack)
+        free(q);
+    finish(y, rows, cols, w_scale, scales, scale, bias);
+    return 0;
+#else
+    (void)x, (void)rows, (void)depth, (void)packed, (void)cols, (void)w_scale, (void)scales;
+    (void)bias, (void)y;
+    return 3;
+#endif
+}
+
+/* 1 where backplane_dynquant_bytes is built (AVX-512 VNNI), else 0. */
+int backplane_dynquant_has_bytes(void) {
+#if defined(DYNQUANT_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -1,7 +1,8 @@
 """quantize_dynamic's product as one C call (``native/dynquant``, under ``CpuAcc.native`` "auto"):
-the same outputs as the torch route's, bit for bit (exact sums, CpuRef's grid and rounding), one
-op in the quantized GPT's trace for each of its nine products, and torch's route where x's range
-is not finite."""
+the same outputs as the torch route's, bit for bit (exact sums, CpuRef's grid and rounding), on
+the float product's weight and on the bytes' (AVX-512 VNNI's vpdpbusd, where the library has it),
+one op in the quantized GPT's trace for each of its nine products, and torch's route where x's
+range is not finite."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 GPT = CORPUS / "gpt_dynquant_ort15.onnx"
 RNG = np.random.default_rng(2727)
 needs_library = pytest.mark.skipif(not dynquant.usable("auto"), reason="no C compiler here")
+FORMS = ["float", pytest.param("bytes", marks=pytest.mark.skipif(
+    not dynquant.on_bytes(), reason="the library here has no AVX-512 VNNI"))]
+"""The weight as the C reads it: (K, N) float32, or packed signed bytes (``dynquant.pack``)."""
 
 
 def torch_route(x, weight, w_scale, bias):
@@ -39,29 +43,42 @@ def layer(rows: int, depth: int, cols: int, per_column: bool, with_bias: bool):
     return weight, w_scale, bias
 
 
+def as_read(weight: torch.Tensor, form: str):
+    """``weight`` (K, N) as ``dynquant.weight_by_columns`` makes it from the fusion's (N, K)."""
+    if form == "float":
+        return weight
+    made = dynquant.weight_by_columns(weight.t().numpy().astype(np.int64))
+    assert isinstance(made, tuple)  # the bytes' form
+    return made
+
+
 @needs_library
 @pytest.mark.parametrize("rows,depth,cols", [(8, 64, 192), (5, 64, 256), (3, 17, 35), (1, 1, 1),
                                              (12, 40, 16)])
 @pytest.mark.parametrize("per_column", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_c_product_is_the_torch_routes_bit_for_bit(rows, depth, cols, per_column, with_bias):
+@pytest.mark.parametrize("form", FORMS)
+def test_the_c_product_is_the_torch_routes_bit_for_bit(rows, depth, cols, per_column, with_bias,
+                                                       form):
     weight, w_scale, bias = layer(rows, depth, cols, per_column, with_bias)
+    read = as_read(weight, form)
     for spread in (0.01, 3.0, 400.0):
         x = torch.from_numpy((RNG.standard_normal((2, rows, depth)) * spread).astype(np.float32))
         x[0, 0, 0] = spread * 5  # a long positive tail: the zero point away from the middle
-        got = dynquant.matmul(x, weight, w_scale, bias)
+        got = dynquant.matmul(x, read, w_scale, bias)
         want = torch_route(x, weight, w_scale, bias)
         assert got.shape == want.shape == (2, rows, cols)
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
 @needs_library
-def test_ties_round_half_to_even_as_cpuref():
+@pytest.mark.parametrize("form", FORMS)
+def test_ties_round_half_to_even_as_cpuref(form):
     """x's range 0..255 makes the scale 1, so x / scale lands on halves: 0.5 -> 0, 1.5 -> 2,
     2.5 -> 2 (CpuRef's rint), and the zero point 0 keeps them unclamped."""
     x = torch.tensor([[0.0, 255.0, 0.5, 1.5, 2.5, 3.5, 254.5, 100.5]])
     weight = torch.eye(8)
-    got = dynquant.matmul(x, weight, torch.tensor([1.0]), None)
+    got = dynquant.matmul(x, as_read(weight, form), torch.tensor([1.0]), None)
     np.testing.assert_array_equal(got.numpy(), [[0, 255, 0, 2, 2, 4, 254, 100]])
     np.testing.assert_array_equal(got.numpy(), torch_route(x, weight, torch.tensor([1.0]),
                                                            None).numpy())
@@ -69,13 +86,35 @@ def test_ties_round_half_to_even_as_cpuref():
 
 @needs_library
 @pytest.mark.parametrize("odd", [float("nan"), float("inf"), -float("inf")])
-def test_a_range_not_finite_takes_the_torch_route(odd):
+@pytest.mark.parametrize("form", FORMS)
+def test_a_range_not_finite_takes_the_torch_route(odd, form):
     weight, w_scale, bias = layer(4, 16, 16, False, True)
     x = torch.from_numpy(RNG.standard_normal((4, 16)).astype(np.float32))
     x[2, 5] = odd
-    got = dynquant.matmul(x, weight, w_scale, bias)
+    got = dynquant.matmul(x, as_read(weight, form), w_scale, bias)
     want = torch_route(x, weight, w_scale, bias)
     np.testing.assert_array_equal(got.numpy(), want.numpy())  # NaN where it has NaN
+
+
+@needs_library
+def test_the_bytes_layout_and_where_it_is_taken():
+    """pack: [ceil(N / 16)][ceil(K / 4)][16][4] signed bytes, zero past K and N, then each
+    column's int32 sum; unpack gives the float weight back. A weight past a signed byte, or a
+    product deeper than BYTES_DEPTH, keeps the float form."""
+    weight = RNG.integers(-128, 128, (21, 7))  # the fusion's (N, K)
+    packed = dynquant.pack(weight).numpy()
+    assert packed.size == 2 * 2 * 64 + 32 * 4
+    tiles = packed[:256].reshape(2, 2, 16, 4)
+    assert tiles[1, 1, 4, 2] == weight[20, 6] and tiles[1, 1, 4, 3] == 0 and tiles[1, 0, 5, 0] == 0
+    np.testing.assert_array_equal(packed[256:].view(np.int32)[:21], weight.sum(1))
+    np.testing.assert_array_equal(dynquant.unpack(torch.from_numpy(packed), 7, 21).numpy(),
+                                  weight.T.astype(np.float32))
+    wide = dynquant.weight_by_columns(np.full((4, 3), 200))
+    assert isinstance(wide, torch.Tensor) and wide.dtype == torch.float32
+    if dynquant.on_bytes():
+        assert isinstance(dynquant.weight_by_columns(weight), tuple)
+        deep = np.ones((2, dynquant.BYTES_DEPTH + 1), np.int64)
+        assert isinstance(dynquant.weight_by_columns(deep), torch.Tensor)
 
 
 def _run(native: str, feeds):
@@ -86,7 +125,8 @@ def _run(native: str, feeds):
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         (logits,) = session.run(None, feeds)
-    calls = sum(e.count for e in prof.key_averages() if e.key == "backplane::dynamic_quant_matmul")
+    calls = sum(e.count for e in prof.key_averages() if e.key in (
+        "backplane::dynamic_quant_matmul", "backplane::dynamic_quant_matmul_bytes"))
     return logits, calls
 
 
