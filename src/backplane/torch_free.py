@@ -3,8 +3,9 @@
 Why: importing torch is 2.4-3.2 s of a cold session's 2.8-4.8 s to its first output (thread CPU,
 this 2-core EPYC; ONNX Runtime's 0.05-0.2 s: issue 27, item 5), and a small CNN that CpuAcc plans
 whole for ``native/cnn.c`` (route "native") or ``native/qcnn.c`` ("native int8") never calls a
-torch kernel: torch only carried its tensors. So for a model of float32 inputs whose layers are all
-ops those plans (and the CpuAcc fusions before them) take, a default session
+torch kernel: torch only carried its tensors. So for a model of float32 inputs (or float16: the C
+converts its edges) whose layers are all ops those plans (and the CpuAcc fusions before them) take,
+a default session
 (``deferred_load``) does not import torch at its load. The first run with a signature (the inputs'
 shapes) builds, for those shapes, what the default session's CpuAcc builds: the optimizer's passes,
 then ``CpuAcc.optimize_subgraph`` itself (its fusions import no torch) on a stand-in that holds the
@@ -14,11 +15,13 @@ library) or the int8 plan, run on NumPy arrays. The same plan, the same C: the o
 the session with torch (tests/test_load_torch_free.py asserts it bit for bit).
 
 Anything else, at load or at a run (a layer outside the plans, a signature whose build is not one
-native layer, a partition above the rule, a feed that is not NumPy float32, a read of the
+native layer, a partition above the rule, a feed not of the input's NumPy type, a read of the
 placement), starts the default backends' load as before (``deferred_load.Later``), and the session
-is the one with torch from then on. What is not taken: float16 partitions (torch converted their
-edges), Specialized builds beyond the first signatures (``SIGNATURES``), models with control flow,
-a ``CpuAcc.*`` option other than the defaults this reads.
+is the one with torch from then on; its runs until that load is done bridge it (on the plan where
+it is above the rule only, ``TorchFree.bridge``; else on CpuRef, ``Later.bridged``). What is not
+taken: float16 partitions where the library does not convert their edges (torch converted them),
+Specialized builds beyond the first signatures (``SIGNATURES``), models with control flow, a
+``CpuAcc.*`` option other than the defaults this reads.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ _FOLDED = {"Constant", "Shape", "Gather", "Unsqueeze", "Squeeze", "Concat", "Cas
 _FUSED_AWAY = {"BatchNormalization", "Gemm", "MatMul", "HardSigmoid", "HardSwish", "Erf",
                "QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "Relu"}
 """Ops CpuAcc's fusions or the int8 plan take into the layers the native plans read."""
+_EDGES = (np.float32, np.float16)
+"""The models' input and output types: float16 where the plan converts its edges in C
+(``native_cnn``: a float16 partition computed in float32, as CpuAcc's native route runs it)."""
 _QUANTIZED = {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul"}
 """A model without them gets CpuAcc.int8 "exact" on the stand-in: its "auto" probes torch's int8
 kernels (``int8_exact.exact_kernels``), and the modes differ only in the matchers of quantized
@@ -62,9 +68,9 @@ def _ops() -> frozenset[str]:
 
 
 def candidate(graph: Graph, options: Mapping[str, Any]) -> bool:
-    """Whether a session of ``graph`` may run without torch: float32 inputs and outputs, every
-    layer an op the native plans (or the fusions and folds before them) take, ``CpuAcc.native``
-    not off, no option that changes CpuAcc's route."""
+    """Whether a session of ``graph`` may run without torch: float32 (or float16) inputs and
+    outputs, every layer an op the native plans (or the fusions and folds before them) take,
+    ``CpuAcc.native`` not off, no option that changes CpuAcc's route."""
     from backplane.native import build
 
     if os.environ.get(build.SWITCH, "1").strip().lower() in ("0", "off", "false", "no") \
@@ -79,7 +85,7 @@ def candidate(graph: Graph, options: Mapping[str, Any]) -> bool:
     if not graph.layers or any(lay.op_type not in ops or lay.domain not in ("", "ai.onnx")
                                for lay in graph.layers):
         return False
-    return all(graph.info(n).dtype == np.float32 for n in (*graph.inputs, *graph.outputs))
+    return all(graph.info(n).dtype in _EDGES for n in (*graph.inputs, *graph.outputs))
 
 
 class _Options:
@@ -130,7 +136,7 @@ def build(graph: Graph, options: Mapping[str, Any], shapes: Sequence[tuple[int, 
         wrapped = specialize.wrap(SubgraphView.of(graph, graph.layers), graph, stand)
         if wrapped is None:
             return None
-        fed = [np.empty(s, np.float32) for s in shapes]
+        fed = [np.empty(s, graph.info(n).dtype) for n, s in zip(graph.inputs, shapes)]
         made = specialize.built_graph(wrapped, stand, fed)
         if made is None:
             return None
@@ -172,7 +178,7 @@ def _native(layer: Layer, stand: _Options, infos: Sequence[TensorInfo],
         from backplane.backends.torch.fusion.native_cnn import native_executor
 
         found = native_executor(layer, stand, infos)
-        if found is None or found[2]:  # float16 edges: torch's conversions
+        if found is None or found[2] and not found[3]:  # float16 edges torch would convert
             return None
         executor = found[0]
     elif layer.op_type == "NativeInt8":
@@ -284,13 +290,14 @@ class TorchFree:
             self.later = deferred_load.Later(self.make)
 
     def _values(self, feeds: Mapping[str, Any]) -> list[np.ndarray] | None:
-        """The feeds in the inputs' order where all are NumPy float32 arrays, else None."""
+        """The feeds in the inputs' order where all are NumPy arrays of the inputs' types
+        (float32, float16), else None."""
         if len(feeds) != len(self.names):
             return None
         values = []
         for name in self.names:
             value = feeds.get(name)
-            if type(value) is not np.ndarray or value.dtype != np.float32:
+            if type(value) is not np.ndarray or value.dtype != self.graph.info(name).dtype:
                 return None
             values.append(value)
         return values
