@@ -152,3 +152,54 @@ def test_a_uint8_weight_past_a_signed_byte_runs_on_the_int16_pairs(monkeypatch):
         (want,) = ort.InferenceSession(model.SerializeToString(), options,
                                        providers=["CPUExecutionProvider"]).run(None, {"x": x})
         np.testing.assert_array_equal(got, want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("c", [5, 16, 21])
+@pytest.mark.parametrize("pool", [dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+                                  dict(kernel_shape=[2, 3], dilations=[2, 1], pads=[0, 1, 1, 0])])
+def test_a_max_pool_of_bytes_matches_onnx_runtime(signed, c, pool):
+    """DequantizeLinear -> MaxPool -> QuantizeLinear of one step, planned as a max pool of the
+    bytes (qcnn_bytes.h's maxpool_bytes: 16 channels an instruction, then the rest one by one),
+    then a 1x1 QLinearConv: ONNX Runtime's outputs bit for bit (small weights: exact on any
+    CPU), CpuRef's within a step."""
+    rng = np.random.default_rng(c + 7 * signed)
+    xdt, zero = (np.int8, 3) if signed else (np.uint8, 131)
+    inits = [numpy_helper.from_array(np.float32(0.05), "xs"),
+             numpy_helper.from_array(xdt(zero), "xz"),
+             numpy_helper.from_array(rng.integers(-60, 61, (4, c, 1, 1)).astype(np.int8), "w"),
+             numpy_helper.from_array(np.float32(0.01), "ws"),
+             numpy_helper.from_array(np.int8(0), "wz"),
+             numpy_helper.from_array(np.float32(0.2), "ys"),
+             numpy_helper.from_array(xdt(zero), "yz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("MaxPool", ["xd"], ["p"], **pool),
+             helper.make_node("QuantizeLinear", ["p", "xs", "xz"], ["pq"]),
+             helper.make_node("QLinearConv", ["pq", "xs", "xz", "w", "ws", "wz", "ys", "yz"],
+                              ["yq"], kernel_shape=[1, 1]),
+             helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["out"])]
+    x = (rng.standard_normal((2, c, 9, 8)) * 3).astype(np.float32)
+    ref = InferenceSession(make_model(nodes, [float_input("x", list(x.shape))],
+                                      [float_input("out", None)], inits, opset=13),
+                           backends=["CpuRef"])
+    (reference,) = ref.run(None, {"x": x})
+    model = make_model(nodes, [float_input("x", list(x.shape))],
+                       [float_input("out", list(reference.shape))], inits, opset=13)
+    ops = []
+    real_plan = qcnn.plan
+    import unittest.mock
+
+    with unittest.mock.patch.object(qcnn, "plan",
+                                    lambda *a: ops.append(real_plan(*a).ops) or real_plan(*a)):
+        session = InferenceSession(model, backends=["CpuAcc", "CpuRef"],
+                                   input_shapes={"x": list(x.shape)})
+    assert ops and "maxpool_q" in ops[-1]
+    (got,) = session.run(None, {"x": x})
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    (want,) = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(got - reference).max() <= 0.2 * 1.0001

@@ -360,8 +360,6 @@ static void linear_f(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     }
 
 POOL(maxpool_f, float, -INFINITY, out[k] = (in[k] > out[k] || in[k] != in[k]) ? in[k] : out[k], )
-POOL(maxpool_u8, uint8_t, 0, out[k] = in[k] > out[k] ? in[k] : out[k], )
-POOL(maxpool_s8, int8_t, -128, out[k] = in[k] > out[k] ? in[k] : out[k], )
 POOL(avgpool_f, float, 0.0f, out[k] += in[k],
      { const float d = (float)(include ? count : inside);
        for (int64_t k = 0; k < c; ++k) out[k] /= d; })
@@ -424,10 +422,7 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
         maxpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
         break;
     case OP_MAXPOOL_Q:
-        if (r[F_SIGNED])
-            maxpool_s8(r, (const int8_t *)(arena + r[F_IN]), (int8_t *)(arena + r[F_OUT]));
-        else
-            maxpool_u8(r, arena + r[F_IN], arena + r[F_OUT]);
+        maxpool_bytes(r, arena + r[F_IN], arena + r[F_OUT], (int)r[F_SIGNED]);
         break;
     case OP_AVGPOOL_F:
         avgpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
