@@ -222,18 +222,49 @@ def test_a_lone_quantize_or_dequantize_on_cuda_is_the_layer_s(zero_type) -> None
         assert count == (2 if step is steps[0] else 1)
 
 
+FORMS = {"triton": 1, "jiterator": 2, "torch": 3}
+"""DynamicQuantizeLinear's kernels on CUDA: gpu_triton's one, else jiterator's min and max and one,
+else the min and max, the parameters and the values."""
+
+
+def _only(form: str, monkeypatch) -> None:
+    """DynamicQuantizeLinear on CUDA in ``form``: the forms before it refused."""
+    from backplane.backends.torch import gpu_triton
+
+    if form == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(gpu_triton, "_refused", set())
+    else:
+        monkeypatch.setattr(gpu_triton, "triton", None)
+    if form == "torch":
+        monkeypatch.setattr(gpu_jit, "_refused",
+                            {*gpu_jit._refused, (gpu_jit.DYNAMIC_QUANTIZE, torch.float32)})
+
+
+def test_the_triton_form_answers_none_off_cuda_or_past_its_limit() -> None:
+    """Where its one kernel cannot run, the caller's kernels do (gpu_int8: jiterator's two)."""
+    from backplane.backends.torch import gpu_triton
+
+    assert gpu_triton.dynamic_quantize(torch.zeros(4, 8)) is None  # a CPU tensor
+    if torch.cuda.is_available():
+        big = torch.zeros(gpu_triton.LIMIT + 1, device="cuda")
+        assert gpu_triton.dynamic_quantize(big) is None
+        assert gpu_triton.dynamic_quantize(torch.zeros(8, 4, device="cuda").t()) is None
+
+
 @cuda
 @pytest.mark.parametrize("shift", [0.0, 3.0, -3.0])  # a range across 0, above it, below it
-@pytest.mark.parametrize("one_kernel", [True, False])  # DYNAMIC_QUANTIZE, or refused: two
-def test_dynamic_quantize_on_cuda_is_two_kernels_and_the_layers_values(shift, one_kernel,
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows", [7, 200])  # 336 elements, one Triton program; 9600, past LIMIT
+def test_dynamic_quantize_on_cuda_is_few_kernels_and_the_layers_values(shift, form, rows,
                                                                        monkeypatch) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    if not one_kernel:
-        monkeypatch.setattr(gpu_jit, "_refused",
-                            {*gpu_jit._refused, (gpu_jit.DYNAMIC_QUANTIZE, torch.float32)})
+    from backplane.backends.torch import gpu_triton
+
+    _only(form, monkeypatch)
     steps, run, layers_own = _dynamic()
-    x = np.random.default_rng(5).standard_normal((7, 48)).astype(np.float32) + np.float32(shift)
+    x = np.random.default_rng(5).standard_normal((rows, 48)).astype(np.float32) + np.float32(shift)
     x[0, :4] = [0.5, -0.5, 1.5, 2.5]  # exact halves among the values
     got = run(torch.from_numpy(x).cuda())
     want, scale = layers_own(torch.from_numpy(x))
@@ -249,13 +280,16 @@ def test_dynamic_quantize_on_cuda_is_two_kernels_and_the_layers_values(shift, on
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith("Memcpy")]
-    assert len(kernels) == (2 if one_kernel else 3), kernels
+    small = rows * 48 <= gpu_triton.LIMIT
+    assert len(kernels) == (FORMS[form] if small or form != "triton" else 2), kernels
 
 
 @cuda
-def test_dynamic_quantize_on_cuda_of_nan_is_the_layers() -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_dynamic_quantize_on_cuda_of_nan_is_the_layers(form, monkeypatch) -> None:
     """A NaN in x: its min and max NaN, the scale 1 and zero point 0 (as the kernel's), the NaN
     quantized to 0, as CUDA's cast gives it."""
+    _only(form, monkeypatch)
     steps, run, layers_own = _dynamic()
     x = np.random.default_rng(6).standard_normal((3, 48)).astype(np.float32)
     x[1, 5] = np.nan

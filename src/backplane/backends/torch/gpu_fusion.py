@@ -9,7 +9,7 @@
   and torch's fused cell; a Gemm of one row by few columns as a sum of products.
 - int8 layers in fewer kernels (``gpu_int8.py``): a QuantizeLinear -> DequantizeLinear round
   trip in one (five where jiterator cannot compile it); DynamicQuantizeLinear before a
-  MatMulInteger in two; MatMulInteger and QLinearConv with their constant operands made once.
+  MatMulInteger in one (Triton, ``gpu_triton.py``) or two; MatMulInteger and QLinearConv with their constant operands made once.
 - Trees of float32 elementwise layers (Add, Sub, Mul, Div, Erf, Tanh, Sqrt, Neg, Reciprocal, Pow
   by 2 or 3) as one kernel each (``gpu_chains.py``): an exported GELU, a LayerNorm's tail.
 

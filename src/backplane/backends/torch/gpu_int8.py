@@ -174,8 +174,9 @@ def _dynamic_pairs(layers: Sequence[Layer], steps: list[Step | None],
                    sole: Callable[[str], int | None], constants: dict[str, np.ndarray]) -> set[int]:
     """DynamicQuantizeLinear whose uint8 value and zero point the one MatMulInteger with a
     constant B alone reads (ONNX Runtime's quantize_dynamic writes one before each): on CUDA in
-    two kernels (min and max; the value less its zero point as float32 with the scale and zero
-    point, ``gpu_jit.DYNAMIC_QUANTIZE``; three where that one cannot be made) in place of about 28 (the kernel's float64 scalar arithmetic, its conversions, the product's
+    one Triton kernel where x is small (``gpu_triton``), else two (min and max; the value less its
+    zero point as float32 with the scale and zero point, ``gpu_jit.DYNAMIC_QUANTIZE``; three where
+    that one cannot be made) in place of about 28 (the kernel's float64 scalar arithmetic, its conversions, the product's
     widening). The MatMulInteger's indices, which read that float32 value as it is."""
     centred: set[int] = set()
     for index, layer in enumerate(layers):
@@ -204,6 +205,11 @@ def _dynamic_quantize(kernel: Workload, width: int) -> Workload:
     def workload(x: Any) -> tuple[Any, ...]:
         if x.is_cuda and x.dtype == torch.float32 and x.numel() and x.dim() >= 2 \
                 and x.shape[-1] == width:
+            from backplane.backends.torch import gpu_triton
+
+            made = gpu_triton.dynamic_quantize(x)  # one kernel where x is small
+            if made is not None:
+                return made
             low, high = torch.aminmax(x)
             made = gpu_jit.call(gpu_jit.DYNAMIC_QUANTIZE, x, low, high, outputs=3)
             if made is not None:  # every element of the last two the same: one is a 0-d view
