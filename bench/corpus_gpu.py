@@ -262,6 +262,27 @@ def spawn(args: argparse.Namespace, runtime: str, name: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
+def prebuilt() -> str:
+    """Every native library built before the processes start, into the folder they read
+    (``$BACKPLANE_NATIVE_CACHE``, set for them): a build is the install's, once per machine, not
+    a model's first call. On a fresh device machine the first process that needs one compiles it,
+    and where that is the CPU placement's first run inside ``GpuAcc.against_cpu``'s timing, its
+    5 s stop (``against_cpu.FIRST_RUN_S``) left the model untimed on the GPU (vad_lstm_if_ts16,
+    an H200 at 12:03 UTC in session 20: first call 6.2 s, GpuAcc kept at 0.054 ms against
+    CpuAcc,CpuRef's 0.037 side by side)."""
+    from backplane.native import build
+
+    os.environ.setdefault(build.CACHE_VARIABLE, str(build.cache_folder()))
+    names = sorted(path.stem for path in build.SOURCES.glob("*.c"))
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        built = dict(zip(names, pool.map(build.available, names)))
+    missing = [name for name, ok in built.items() if not ok]
+    return (f"native libraries built before the processes ({time.perf_counter() - start:.1f} s):"
+            f" {len(built) - len(missing)} of {len(built)}"
+            + (f", not available: {', '.join(missing)}" if missing else ""))
+
+
 def bench(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:
     """Every model on every runtime, alternating in each round: per model and runtime the best
     median, the first call and load of its first round, or its error."""
@@ -458,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               *environment(len(ORT_CPUS)), f"backplane {version()}",
               f"corpus: {args.tier} tier, {args.corpus}; {args.rounds} rounds, best of the "
               f"rounds' medians, NumPy in and out; ORT pinned to CPUs {sorted(ORT_CPUS)}"]
+    header.append(prebuilt())
     args.deadline = None if args.budget is None else time.perf_counter() + args.budget
     with tempfile.NamedTemporaryFile(prefix="corpus_gpu.", suffix=".lock") as lock:
         args.lock = lock.name
