@@ -206,7 +206,11 @@ static void conv(const int64_t *f, float *A, const float *P) {
     const int64_t KWo = merged ? 1 : KW, inner = merged ? KW * ICG : ICG;
     const int paired = f[F_X1] != 0;  /* taps in pairs (cnn_conv512.h's tile_pairs) */
 #if defined(__AVX512F__)
-    const int fused = OCG % VB == 0 && (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
+    /* the 16-lane tiles apply any act16_takes in registers; paired taps of fewer than 4 output
+       channels only the cheap ones (an exp for 2 useful lanes of 16: finish's 8 a vector win) */
+    const int cheap = act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP || act == ACT_LEAKY;
+    const int fused = paired ? act16_takes(act) && (OCG >= 4 || cheap) :
+                      VB != 8 ? act16_takes(act) : OCG % VB == 0 && cheap && act != ACT_LEAKY;
 #else
     const int fused = !paired && OCG % VB == 0 &&
                       (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
@@ -374,7 +378,10 @@ static void dwconv(const int64_t *f, float *A, const float *P) {
     const float *a = P + f[F_AOFF];
     const int64_t rowstep = DH * W * C;
     /* the epilogue in registers for whole blocks of 8 channels; else finish() after each row */
-    const int fused = C % 8 == 0 && (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
+    int fused = C % 8 == 0 && (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
+#if defined(__AVX512F__)
+    fused = fused || (C % 16 == 0 && act16_takes(act));  /* dwrow16's lanes only: any act16's */
+#endif
     int64_t lo = (PL + SW - 1) / SW, hi = (W - 1 - (KW - 1) * DW + PL) / SW + 1;
     if (W - 1 - (KW - 1) * DW + PL < 0) hi = 0;
     lo = lo < OW ? lo : OW;

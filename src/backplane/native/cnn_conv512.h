@@ -5,6 +5,105 @@ The AVX2 tiles stay, built and run beside these (a block of 8 channels of a plan
 cnn_layers.py packs a plan's weights for the width the library says it has. */
 #include <immintrin.h>
 
+/* cnn.c's vexp, lane for lane the same steps, 16 lanes: clamped to [-87.3, 88], a degree-5
+   polynomial on x - n ln 2 times 2^n; 0 below -87.3, infinity above 88.7, NaN in, NaN out. No
+   contraction beyond vexp's own FMAs (its products and sums kept apart as there). */
+static inline __m512 vexp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f), in = x;
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(lo, x));  /* NaN stays x */
+    __m512 t = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                             _mm512_set1_ps(0.5f));
+    t = _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), _mm512_setzero_ps());
+    __m512i n = _mm512_cvttps_epi32(t);
+    n = _mm512_mask_sub_epi32(n, _mm512_cmp_ps_mask(_mm512_cvtepi32_ps(n), t, _CMP_GT_OQ), n,
+                              _mm512_set1_epi32(1));  /* floor */
+    const __m512 fn = _mm512_cvtepi32_ps(n);
+    x = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(fn, _mm512_set1_ps(0.693359375f))),
+                      _mm512_mul_ps(fn, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(
+                             _mm512_add_epi32(n, _mm512_set1_epi32(127)), 23)));
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(in, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(in, _mm512_set1_ps(88.7f), _CMP_GT_OQ),
+                              _mm512_set1_ps(INFINITY));
+}
+
+static inline __m512 vneg16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x),
+                                                _mm512_set1_epi32((int32_t)0x80000000u)));
+}
+
+/* cnn.c's verf, 16 lanes (Abramowitz and Stegun's 7.1.26, the sign restored). */
+static inline __m512 verf16(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 ax = _mm512_mask_mov_ps(x, negative, vneg16(x));
+    const __m512 t = _mm512_div_ps(one, _mm512_add_ps(one, _mm512_mul_ps(
+                                                          _mm512_set1_ps(0.3275911f), ax)));
+    __m512 r = _mm512_set1_ps(1.061405429f);
+    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-1.453152027f));
+    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(1.421413741f));
+    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-0.284496736f));
+    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(0.254829592f));
+    const __m512 y = _mm512_sub_ps(one, _mm512_mul_ps(_mm512_mul_ps(r, t),
+                                                      vexp16(vneg16(_mm512_mul_ps(ax, ax)))));
+    return _mm512_mask_mov_ps(y, negative, vneg16(y));
+}
+
+/* The activations a tile applies in registers on AVX-512 (finish()'s but Tanh's): the same steps
+   as finish()'s loops, lane for lane; every comparison's NaN keeps x (max and min return their
+   second operand where either is NaN). */
+static inline int act16_takes(int64_t act) {
+    return act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP || act == ACT_HSWISH ||
+           act == ACT_HSIGMOID || act == ACT_SIGMOID || act == ACT_SWISH || act == ACT_LEAKY ||
+           act == ACT_GELU;
+}
+
+static inline __attribute__((always_inline)) __m512 act16(__m512 x, int64_t act,
+                                                         const float *a) {
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    switch (act) {
+    case ACT_RELU: return _mm512_max_ps(zero, x);
+    case ACT_CLIP:
+        return _mm512_min_ps(_mm512_set1_ps(a[1]), _mm512_max_ps(_mm512_set1_ps(a[0]), x));
+    case ACT_HSWISH: {
+        __m512 c = _mm512_add_ps(x, _mm512_set1_ps(3.0f));
+        c = _mm512_min_ps(_mm512_set1_ps(6.0f), _mm512_max_ps(zero, c));
+        return _mm512_div_ps(_mm512_mul_ps(x, c), _mm512_set1_ps(6.0f));
+    }
+    case ACT_HSIGMOID: {
+        const __m512 c = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(a[0]), x),
+                                       _mm512_set1_ps(a[1]));
+        return _mm512_min_ps(one, _mm512_max_ps(zero, c));
+    }
+    case ACT_SIGMOID: return _mm512_div_ps(one, _mm512_add_ps(one, vexp16(vneg16(x))));
+    case ACT_SWISH:
+        return _mm512_mul_ps(x, _mm512_div_ps(one, _mm512_add_ps(one, vexp16(vneg16(x)))));
+    case ACT_LEAKY:
+        return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ),
+                                  _mm512_mul_ps(_mm512_set1_ps(a[0]), x));
+    case ACT_GELU:
+        return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)),
+                             _mm512_add_ps(one, verf16(_mm512_mul_ps(
+                                                    x, _mm512_set1_ps(0.70710678f)))));
+    default: return x;
+    }
+}
+
+/* The epilogue of `lanes` of a register: the residual's lanes (where r) added, then act16. */
+static inline __attribute__((always_inline)) __m512 epilogue16(__m512 x, const float *r,
+                                                              __mmask16 lanes, int64_t act,
+                                                              const float *a) {
+    if (r) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(lanes, r));
+    return act16(x, act, a);
+}
+
 /* The same tile 16 lanes wide (AVX-512: 32 registers of 16 floats): pb pixels by 16 * nv output
    channels, 14 x 16, 12 x 32 or 8 x 48 (14 or 24 accumulators beside the block's weights; each
    pixel's input broadcast from memory into its FMA). The epilogue's ReLU and Clip by max and min,
@@ -41,19 +140,15 @@ static inline __attribute__((always_inline)) void tile16(
             } while (++ic < inner);
         } while (++kw < KW);
     } while (++kh < KH);
-    if (fused) {  /* valid == VB here */
-        const __m512 lo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
-                     hi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
-        for (int r = 0; r < pb; ++r)
-            if (r < pixels)
-                for (int v = 0; v < nv; ++v) {
-                    __m512 x = acc[v][r];
-                    if (res) x = _mm512_add_ps(x, _mm512_loadu_ps(res + r * OC + 16 * v));
-                    if (act == ACT_RELU || act == ACT_CLIP) x = _mm512_max_ps(lo, x);
-                    if (act == ACT_CLIP) x = _mm512_min_ps(hi, x);
-                    acc[v][r] = x;
-                }
-    }
+    if (fused)  /* any valid: the residual read through the lanes' mask */
+        for (int v = 0; v < nv; ++v) {
+            const int64_t left = valid - 16 * v, n = left < 0 ? 0 : left > 16 ? 16 : left;
+            const __mmask16 lanes = (__mmask16)((1u << n) - 1u);
+            for (int r = 0; r < pb; ++r)
+                if (r < pixels)
+                    acc[v][r] = epilogue16(acc[v][r], res ? res + r * OC + 16 * v : 0, lanes,
+                                           act, a);
+        }
     if (valid == VB && pixels == pb) {
         for (int r = 0; r < pb; ++r)
             for (int v = 0; v < nv; ++v) _mm512_storeu_ps(op + r * OC + 16 * v, acc[v][r]);
@@ -114,23 +209,20 @@ static inline __attribute__((always_inline)) void tile_pairs(
         } while (++kw < KW);
     } while (++kh < KH);
     const __m512i evens = _mm512_loadu_si512(fold[0]), odds = _mm512_loadu_si512(fold[1]);
-    const __m512 lo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
-                 hi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
     const __mmask16 lanes = (__mmask16)((1u << valid) - 1u);
     for (int r = 0; r < PB2; r += 2) {
         if (r >= pixels) break;
         __m512 s = _mm512_add_ps(_mm512_permutex2var_ps(acc[r], evens, acc[r + 1]),
                                  _mm512_permutex2var_ps(acc[r], odds, acc[r + 1]));
         const int two = r + 1 < pixels;
-        if (fused) {  /* valid == 8 here */
+        if (fused) {
             if (res) {
                 const __m512 first = _mm512_maskz_loadu_ps(lanes, res + r * OC);
                 const __m512 second = two ? _mm512_maskz_loadu_ps(lanes, res + (r + 1) * OC)
                                           : _mm512_setzero_ps();
                 s = _mm512_add_ps(s, _mm512_shuffle_f32x4(first, second, 0x44));
             }
-            if (act == ACT_RELU || act == ACT_CLIP) s = _mm512_max_ps(lo, s);
-            if (act == ACT_CLIP) s = _mm512_min_ps(hi, s);
+            s = act16(s, act, a);
         }
         _mm512_mask_storeu_ps(op + r * OC, lanes, s);
         if (two) _mm512_mask_storeu_ps(op + (r + 1) * OC, lanes, _mm512_shuffle_f32x4(s, s, 0xEE));
@@ -144,19 +236,15 @@ static inline __attribute__((always_inline)) void tile_pairs(
    kept: the second operand is returned where either is NaN). */
 static inline __attribute__((always_inline)) __m512 dwfinish16(__m512 x, const float *r,
                                                               int fused, int64_t act,
-                                                              __m512 lo, __m512 hi) {
-    if (!fused) return x;
-    if (r) x = _mm512_add_ps(x, _mm512_loadu_ps(r));
-    if (act == ACT_RELU || act == ACT_CLIP) x = _mm512_max_ps(lo, x);
-    if (act == ACT_CLIP) x = _mm512_min_ps(hi, x);
-    return x;
+                                                              const float *a) {
+    return fused ? epilogue16(x, r, (__mmask16)0xffff, act, a) : x;
 }
 
 static inline __attribute__((always_inline)) void dwtile16(
     int K, int np, int64_t ow, const float *irow, float *orow, const float *rrow, const __m512 *w,
     const float *restrict wt, __m512 b, int64_t c, int64_t C, int64_t SW, int64_t PL,
     int64_t KW, int64_t DW, int64_t rowstep, int64_t kh0, int64_t kh1, int fused, int64_t act,
-    __m512 lo, __m512 hi) {
+    const float *a) {
     const int64_t xs = SW * C, colstep = DW * C;
     const float *ip = irow + (ow * SW - PL) * C + c;
     __m512 acc[8];
@@ -172,15 +260,14 @@ static inline __attribute__((always_inline)) void dwtile16(
     }
     for (int r = 0; r < np; ++r)
         _mm512_storeu_ps(orow + (ow + r) * C + c,
-                         dwfinish16(acc[r], rrow ? rrow + (ow + r) * C + c : 0, fused, act, lo,
-                                    hi));
+                         dwfinish16(acc[r], rrow ? rrow + (ow + r) * C + c : 0, fused, act, a));
 }
 
 static inline __attribute__((always_inline)) void dwsides16(
     int K, int64_t u, int64_t v, const float *irow, float *orow, const float *rrow,
     const __m512 *w, const float *restrict wt, __m512 b, int64_t c, int64_t W, int64_t C,
     int64_t SW, int64_t PL, int64_t KW, int64_t DW, int64_t rowstep, int64_t kh0, int64_t kh1,
-    int fused, int64_t act, __m512 lo, __m512 hi) {
+    int fused, int64_t act, const float *a) {
     const int64_t u0 = u * SW - PL, v0 = v * SW - PL;
     __m512 au = b, av = b;
     for (int64_t kh = K ? 0 : kh0; kh < (K ? K : kh1); ++kh) {
@@ -194,9 +281,9 @@ static inline __attribute__((always_inline)) void dwsides16(
         }
     }
     _mm512_storeu_ps(orow + v * C + c,
-                     dwfinish16(av, rrow ? rrow + v * C + c : 0, fused, act, lo, hi));
+                     dwfinish16(av, rrow ? rrow + v * C + c : 0, fused, act, a));
     _mm512_storeu_ps(orow + u * C + c,
-                     dwfinish16(au, rrow ? rrow + u * C + c : 0, fused, act, lo, hi));
+                     dwfinish16(au, rrow ? rrow + u * C + c : 0, fused, act, a));
 }
 
 /* The row's channels [0, C / 16 * 16), 16 at a time; cnn_conv.h's dwrow takes the rest. */
@@ -205,17 +292,15 @@ static inline __attribute__((always_inline)) void dwrow16(
     int64_t SW, int64_t PL, int64_t KW, int64_t DW, int64_t rowstep, int64_t kh0,
     int64_t kh1, int64_t lo, int64_t hi, const float *restrict wt,
     const float *restrict bias, int fused, int64_t act, const float *a) {
-    const __m512 vlo = _mm512_set1_ps(act == ACT_CLIP ? a[0] : 0.0f),
-                 vhi = _mm512_set1_ps(act == ACT_CLIP ? a[1] : 0.0f);
     for (int64_t c = 0; c + 16 <= C; c += 16) {
         __m512 w[9];
         if (K)
             for (int t = 0; t < K * K; ++t) w[t] = _mm512_loadu_ps(wt + t * C + c);
         const __m512 b = _mm512_loadu_ps(bias + c);
 #define DWT(np) dwtile16(K, np, ow, irow, orow, rrow, w, wt, b, c, C, SW, PL, KW, DW, \
-                         rowstep, kh0, kh1, fused, act, vlo, vhi)
+                         rowstep, kh0, kh1, fused, act, a)
 #define DWS(u, v) dwsides16(K, u, v, irow, orow, rrow, w, wt, b, c, W, C, SW, PL, KW, DW, \
-                            rowstep, kh0, kh1, fused, act, vlo, vhi)
+                            rowstep, kh0, kh1, fused, act, a)
         int64_t ow = lo;
         for (; ow + 8 <= hi; ow += 8) DWT(8);
         for (; ow + 2 <= hi; ow += 2) DWT(2);
