@@ -105,7 +105,8 @@ class Rule:
     clock: Callable[[], float] = time.perf_counter
     """What a warm-up run's time is read on for ``limit_ms`` (``_warm``)."""
     first_run_s: float | None = None
-    """The most the placed network's first run may take (``_first``); None: ``FIRST_RUN_S``."""
+    """The most each placement's first run may take (``_first``: the placed one's, then the
+    other's, which may build a native library on a fresh machine); None: ``FIRST_RUN_S``."""
 
 
 def _control_flow(network: OptimizedNetwork) -> bool:
@@ -262,7 +263,14 @@ def choose(runtime: Runtime, rule: Rule, placed: OptimizedNetwork, placed_id: in
     other = make_other()
     other_id = runtime.load(other)
     try:
-        _first(runtime, other_id, feeds)
+        _first(runtime, other_id, feeds, rule.first_run_s)
+    except Exception as exc:  # noqa: BLE001  # a first run that builds a native library, say
+        log.debug("%s: not timed (%s: %s)", rule.option, type(exc).__name__, exc)
+        runtime.unload(other_id)
+        _untimed(runtime, rule, placed, placed_id, first,
+                 f"the placement without it failed its first run ({type(exc).__name__})")
+        return placed, placed_id
+    try:
         for network_id in (placed_id, other_id):  # CpuAcc's routes chosen: timed as final
             background.settle(partial(runtime.run, network_id, feeds))
         _warm(runtime, other_id, feeds)

@@ -23,6 +23,7 @@ from backplane.backends.api.backend import OptionError
 from backplane.optimizer.optimize import optimize
 from backplane.frontends.onnx import import_onnx
 from backplane.runtime.runtime import Runtime
+from backplane.runtime.steps import RunTerminated
 
 
 def _conv_model() -> onnx.ModelProto:
@@ -143,6 +144,40 @@ def test_a_placement_slow_enough_is_kept_without_building_another(graph) -> None
     assert record.chosen and record.ms > 0 and record.note.startswith(
         "GpuAcc.against_cpu: not timed: its fastest warm-up run took ")
 
+
+
+def test_the_other_placement_failing_its_first_run_keeps_the_placed_one_and_says_so(
+        graph, monkeypatch) -> None:
+    """The placement without the rule's backend stopped in its first run (on a fresh machine the
+    GPU machine's VAD built a native library there and hit the 5 s stop): the placed network is
+    kept, the other unloaded, and the report says it was not timed, where it said nothing."""
+    every = dataclasses.replace(against_cpu.GPU, limit_ms=1e9, first_run_s=7.0)
+    runtime = Runtime()
+    first = optimize(graph, ["CpuRef"], registry=runtime.registry)
+    first_id = runtime.load(first)
+    limits = []
+    real = against_cpu._first
+
+    def stopped_second(rt, network_id, feeds, limit_s=None):
+        limits.append(limit_s)
+        if network_id != first_id:
+            raise RunTerminated("stopped")
+        return real(rt, network_id, feeds, limit_s)
+
+    monkeypatch.setattr(against_cpu, "_first", stopped_second)
+    other = {}
+
+    def make_other():
+        other["net"] = optimize(graph, ["CpuAcc", "CpuRef"], registry=runtime.registry)
+        return other["net"]
+
+    assert against_cpu.choose(runtime, every, first, first_id, make_other) == (first, first_id)
+    assert limits == [7.0, 7.0]  # the rule's limit for both first runs
+    assert list(runtime._networks) == [first_id]  # the other one unloaded
+    (record,) = runtime.network(first_id).network.report.measurements
+    assert record.chosen and record.ms > 0 and record.note == (
+        "GpuAcc.against_cpu: not timed: the placement without it failed its first run "
+        "(RunTerminated)")
 
 def _placed(counts, graph=None):
     return SimpleNamespace(report=SimpleNamespace(counts=lambda: counts),
