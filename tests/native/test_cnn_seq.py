@@ -116,6 +116,29 @@ def test_an_erf_of_its_own_matches_cpuref():
     _close(got, want)
 
 
+@needs_compiler
+@pytest.mark.parametrize("op", ["Relu", "Clip", "HardSwish", "HardSigmoid", "Sigmoid",
+                                "LeakyRelu", "Tanh", "Erf"])
+def test_an_activation_record_of_its_own_matches_cpuref(op):
+    """After a Transpose (a gather: no convolution to take it as its post-op), a pass of its
+    own, 16 lanes at a time on AVX-512 and the tail (5 x 7 x 3 = 105 floats) after; NaN, +Inf
+    and -Inf in."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(rng.standard_normal((5, 3, 1)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.float32(-0.5), "lo"),
+             numpy_helper.from_array(np.float32(0.75), "hi")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 1]),
+             helper.make_node(op, ["t", "lo", "hi"] if op == "Clip" else ["t"], ["y"])]
+    x = (rng.standard_normal((3, 3, 7)) * 4).astype(np.float32)
+    x[0, :, 1], x[1, :, 2], x[2, :, 6] = np.nan, np.inf, -np.inf
+    model = make_model(nodes, [float_input("x", [3, 3, 7])], [float_input("y", None)], inits,
+                       opset=17)
+    session, got, want = _run_both(model, {"x": x})
+    assert _partition_routes(session) == ["native"] and op in _plan_ops(session)
+    _close(got, want)
+
+
 def _layer(op, inputs, outputs, **attrs):
     return Layer(f"{op}_{outputs[0]}", op, list(inputs), list(outputs), attrs, "", 17)
 

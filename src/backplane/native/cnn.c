@@ -291,7 +291,7 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
     case OP_ACT:
         if (f[F_OUT] != f[F_IN])
             memcpy(arena + f[F_OUT], arena + f[F_IN], sizeof(float) * f[F_N]);
-        finish(arena + f[F_OUT], 0, f[F_N], f[F_ACT], params + f[F_AOFF]);
+        act_pass(arena + f[F_OUT], f[F_N], f[F_ACT], params + f[F_AOFF]);
         break;
     case OP_SLICE: slice_into(f, arena); break;
     case OP_DECONV: deconv(f, arena, params); break;

@@ -60,3 +60,17 @@ static int embed(const int64_t *f, float *A, const float *P) {
         }
     return 0;
 }
+
+/* An activation record's pass over n floats (an OP_ACT: a GELU after a norm, a gate's Sigmoid
+   where no convolution takes it): 16 lanes at a time by the convolution tiles' own act16 where
+   the build has AVX-512 (audio_conv1d's GELU after its GroupNorm had run 8 lanes at a time),
+   the rest (and every other build) by finish(). */
+static void act_pass(float *p, int64_t n, int64_t kind, const float *a) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (act16_takes(kind))
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(p + i, act16(_mm512_loadu_ps(p + i), kind, a));
+#endif
+    finish(p + i, 0, n - i, kind, a);
+}
