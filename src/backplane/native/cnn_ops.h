@@ -140,9 +140,9 @@ static void binary(const int64_t *f, float *A, const float *P, int is_mul) {
 }
 
 /* A transposed convolution (groups 1), weights [kh][kw][ic][OC]: each input pixel's products
-   added into the output pixels its taps reach, 8 output channels at a time in a register over
-   the input channels (one load and store a tap, not one a product; each output's sums in the
-   same order as one channel at a time). */
+   added into the output pixels its taps reach, 16 (AVX-512) or 8 output channels at a time in a
+   register over the input channels (one load and store a tap, not one a product; each output's
+   sums in the same order as one channel at a time). */
 static void deconv(const int64_t *f, float *A, const float *P) {
     const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
     const int64_t OC = f[F_OC], KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW],
@@ -164,7 +164,17 @@ static void deconv(const int64_t *f, float *A, const float *P) {
                         if (ow < 0 || ow >= OW) continue;
                         float *restrict o = out + ((n * OH + oh) * OW + ow) * OC;
                         const float *restrict w = wt + (kh * KW + kw) * C * OC;
-                        for (int64_t oc = 0; oc < OC8; oc += 8) {
+                        int64_t oc = 0;
+#if defined(__AVX512F__)
+                        for (; oc + 16 <= OC; oc += 16) {  /* 16 a register on AVX-512 */
+                            __m512 acc = _mm512_loadu_ps(o + oc);
+                            for (int64_t ic = 0; ic < C; ++ic)
+                                acc = _mm512_fmadd_ps(_mm512_set1_ps(x[ic]),
+                                                      _mm512_loadu_ps(w + ic * OC + oc), acc);
+                            _mm512_storeu_ps(o + oc, acc);
+                        }
+#endif
+                        for (; oc < OC8; oc += 8) {
                             v8 acc = vload(o + oc);
                             for (int64_t ic = 0; ic < C; ++ic)
                                 acc = vfma(vsplat(x[ic]), vload(w + ic * OC + oc), acc);
