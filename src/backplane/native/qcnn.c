@@ -41,43 +41,6 @@ static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
 
 #include "qcnn_float.h" /* float biases: requantize_f; a float depthwise: fdwconv_q */
 
-/* y = clamp(round_half_even(x / scale), lo - zero, hi - zero) + zero, as MLAS: a NaN takes the
-   low end (maxps keeps its second operand where either is NaN). */
-static void quantize(const float *restrict x, uint8_t *restrict y, int64_t n, float scale,
-                     int32_t zero, int32_t lo, int32_t hi, int sgn) {
-    const float fl = (float)(lo - zero), fh = (float)(hi - zero);
-    int64_t i = 0;
-#if defined(__AVX2__)
-    const __m256 vs = _mm256_set1_ps(scale), vl = _mm256_set1_ps(fl), vh = _mm256_set1_ps(fh);
-    const __m256i vz = _mm256_set1_epi32(zero);
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vs);
-        v = _mm256_min_ps(_mm256_max_ps(v, vl), vh);
-        __m256i k = _mm256_add_epi32(_mm256_cvtps_epi32(v), vz);
-        int32_t out[8];
-        _mm256_storeu_si256((__m256i *)out, k);
-        for (int j = 0; j < 8; ++j) y[i + j] = (uint8_t)out[j];
-    }
-#endif
-    for (; i < n; ++i) {
-        float v = x[i] / scale;
-        v = v > fl ? v : fl;
-        v = v < fh ? v : fh;
-        y[i] = (uint8_t)((int32_t)nearbyintf(v) + zero);
-    }
-    (void)sgn;
-}
-
-static void dequantize(const uint8_t *restrict x, float *restrict y, int64_t n, float scale,
-                       int32_t zero, int sgn, int relu) {
-    if (sgn)
-        for (int64_t i = 0; i < n; ++i) y[i] = (float)((int32_t)((const int8_t *)x)[i] - zero) * scale;
-    else
-        for (int64_t i = 0; i < n; ++i) y[i] = (float)((int32_t)x[i] - zero) * scale;
-    if (relu)
-        for (int64_t i = 0; i < n; ++i) y[i] = y[i] < 0.0f ? 0.0f : y[i];
-}
-
 /* The input centred and widened into the padded scratch: [n][ph][pw][icp] int16, 0 outside. */
 static void widen(const int64_t *r, const uint8_t *x, int16_t *restrict s) {
     const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
@@ -278,6 +241,24 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
             for (int64_t ox = 0; ox < ow; ++ox) {
                 const int16_t *corner = s + ((b * ph + oy * sh) * pw + ox * sw) * c;
                 int64_t k = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) /* 16 channels: vpdpwssd on 512 bits */
+                for (; k + 16 <= c; k += 16) {
+                    __m512i a = _mm512_setzero_si512();
+                    for (int64_t q = 0; q < pairs; ++q) {
+                        const __m256i xa = _mm256_loadu_si256((const __m256i *)(corner + at[2 * q] + k));
+                        const __m256i xb = _mm256_loadu_si256(
+                            (const __m256i *)(corner + at[2 * q + 1] + k));
+                        const __m256i lo = _mm256_unpacklo_epi16(xa, xb); /* channels 0-3, 8-11 */
+                        const __m256i hi = _mm256_unpackhi_epi16(xa, xb); /* 4-7, 12-15 */
+                        const __m512i x = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                            _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+                        a = _mm512_dpwssd_epi32(
+                            a, x, _mm512_loadu_si512((const void *)(weights + (q * c + k) * 2)));
+                    }
+                    _mm512_storeu_si512((void *)(acc + k), a);
+                }
+#endif
 #if defined(__AVX2__)
                 for (; k + 8 <= c; k += 8) {
                     __m256i a = _mm256_setzero_si256();

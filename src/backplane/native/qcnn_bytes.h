@@ -8,10 +8,70 @@
    the output channel over every window: qcnn_layers.py folds -zx * sum w into the int32 bias at
    load. A signed input is made unsigned by flipping its top bit (x + 128, its zero point zx +
    128). Planned only where every centred weight is a signed byte and no partial sum can leave
-   int32 (qcnn_layers.bytes_fit); a scalar path for CPUs without VNNI (the plan takes this op only
+   int32 (qcnn_bytes.py's pack); a scalar path for CPUs without VNNI (the plan takes this op only
    where the library says it has it: backplane_qcnn_bytes).
 
+   Here too QuantizeLinear and DequantizeLinear (bytes out and in), and a max pool of bytes.
    Included once by qcnn.c (its F_* fields, OCB, requantize, bounds). */
+
+/* y = clamp(round_half_even(x / scale), lo - zero, hi - zero) + zero, as MLAS: a NaN takes the
+   low end (maxps keeps its second operand where either is NaN). */
+static void quantize(const float *restrict x, uint8_t *restrict y, int64_t n, float scale,
+                     int32_t zero, int32_t lo, int32_t hi, int sgn) {
+    const float fl = (float)(lo - zero), fh = (float)(hi - zero);
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) /* the same, 16 at once, each low byte kept */
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(scale));
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(fl)), _mm512_set1_ps(fh));
+        _mm_storeu_si128((__m128i *)(y + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(
+                                                  _mm512_cvtps_epi32(v), _mm512_set1_epi32(zero))));
+    }
+#endif
+#if defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(scale), vl = _mm256_set1_ps(fl), vh = _mm256_set1_ps(fh);
+    const __m256i vz = _mm256_set1_epi32(zero);
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vs);
+        v = _mm256_min_ps(_mm256_max_ps(v, vl), vh);
+        __m256i k = _mm256_add_epi32(_mm256_cvtps_epi32(v), vz);
+        int32_t out[8];
+        _mm256_storeu_si256((__m256i *)out, k);
+        for (int j = 0; j < 8; ++j) y[i + j] = (uint8_t)out[j];
+    }
+#endif
+    for (; i < n; ++i) {
+        float v = x[i] / scale;
+        v = v > fl ? v : fl;
+        v = v < fh ? v : fh;
+        y[i] = (uint8_t)((int32_t)nearbyintf(v) + zero);
+    }
+    (void)sgn;
+}
+
+static void dequantize(const uint8_t *restrict x, float *restrict y, int64_t n, float scale,
+                       int32_t zero, int sgn, int relu) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) /* the loops below' operations, 16 at once */
+    int64_t i = 0;
+    const __m512 vs = _mm512_set1_ps(scale), z = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(x + i));
+        const __m512i k = sgn ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(k, _mm512_set1_epi32(zero))),
+                                 vs);
+        if (relu)
+            v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, z, _CMP_LT_OQ), z);
+        _mm512_storeu_ps(y + i, v);
+    }
+    x += i, y += i, n -= i;
+#endif
+    if (sgn)
+        for (int64_t i = 0; i < n; ++i) y[i] = (float)((int32_t)((const int8_t *)x)[i] - zero) * scale;
+    else
+        for (int64_t i = 0; i < n; ++i) y[i] = (float)((int32_t)x[i] - zero) * scale;
+    if (relu)
+        for (int64_t i = 0; i < n; ++i) y[i] = y[i] < 0.0f ? 0.0f : y[i];
+}
 
 /* The input as bytes into the padded scratch [n][ph][pw][icp]: zx (the unsigned zero point) in
    the pads and the channels past c, a signed input's top bit flipped. */
