@@ -139,6 +139,44 @@ def test_an_activation_record_of_its_own_matches_cpuref(op):
     _close(got, want)
 
 
+@needs_compiler
+@pytest.mark.parametrize("tail", ["linear", "linear_relu", "norm", "norm_then_relu"])
+def test_a_norm_over_the_channels_of_a_transposed_line_matches_cpuref(tail):
+    """audio_conv1d's tail: Transpose (N, C, L) -> (N, L, C), LayerNormalization over C, the
+    product by a constant (CpuAcc's Linear; with a Relu its post-op): one RowNorm over the
+    channels-last rows, the product's rows exported as they are; the norm's own output (a
+    partition output, or read by a Relu: a copy in channels-last first); NaN in one step."""
+    rng = np.random.default_rng(5)
+    c, o = 6, 10
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "g"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal((c, o)).astype(np.float32), "m"),
+             numpy_helper.from_array(rng.standard_normal(o).astype(np.float32), "mb")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["cv"], strides=[2]),
+             helper.make_node("Transpose", ["cv"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("LayerNormalization", ["t", "g", "b"], ["n"], axis=-1,
+                              epsilon=1e-5)]
+    if tail.startswith("linear"):
+        nodes += [helper.make_node("MatMul", ["n", "m"], ["p"]),
+                  helper.make_node("Add", ["p", "mb"], ["y" if tail == "linear" else "q"])]
+    if tail.endswith("relu"):
+        nodes.append(helper.make_node("Relu", ["q" if tail == "linear_relu" else "n"], ["y"]))
+    outputs = ["n"] if tail == "norm" else ["y"]
+    x = rng.standard_normal((2, 3, 23)).astype(np.float32)
+    x[1, 0, 5] = np.nan
+    model = make_model(nodes, [float_input("x", [2, 3, 23])],
+                       [float_input(name, None) for name in outputs], inits, opset=17)
+    session, got, want = _run_both(model, {"x": x})
+    ops = _plan_ops(session)
+    assert _partition_routes(session) == ["native"] and "RowNorm" in ops
+    assert "Linear" not in ops and "Transpose" not in ops and "LayerNormalization" not in ops
+    assert np.isnan(got[0][1]).any() and not np.isnan(got[0][0]).any()
+    _close(got, want)
+    _close(got, [__import__("onnxruntime").InferenceSession(model.SerializeToString())
+                 .run(None, {"x": x})[0]], rtol=1e-4)
+
+
 def _layer(op, inputs, outputs, **attrs):
     return Layer(f"{op}_{outputs[0]}", op, list(inputs), list(outputs), attrs, "", 17)
 

@@ -63,12 +63,15 @@ class Unplannable(NotImplementedError):
 @dataclass
 class Value:
     """A tensor in the arena, channels-last: ``dims`` (n, c, h, w); ``shape`` its ONNX shape;
-    ``integer``: indices (a TopK's, an ArgMax's) kept as floats, exact below 2^24 (``INTEGER``)."""
+    ``integer``: indices (a TopK's, an ArgMax's) kept as floats, exact below 2^24 (``INTEGER``);
+    ``rows``: kept in ONNX's order instead (a product's rows, ``cnn_seq``), which only the plan's
+    outputs read as it is: ``_Planner.value`` gives any other reader a channels-last copy."""
 
     offset: int
     dims: tuple[int, int, int, int]
     shape: tuple[int, ...]
     integer: bool = False
+    rows: bool = False
 
     @property
     def size(self) -> int:
@@ -185,6 +188,8 @@ class _Planner:
 
     def places(self, value: Value) -> np.ndarray:
         """Each element's place in ``value`` (from its offset), in ONNX order of its shape."""
+        if value.rows:
+            return np.arange(value.size).reshape(value.shape)
         n, c, h, w = value.dims
         return np.arange(value.size).reshape(n, h, w, c).transpose(0, 3, 1, 2).reshape(
             value.shape)
@@ -215,10 +220,15 @@ class _Planner:
         return np.ascontiguousarray(np.broadcast_to(logical, shape)).reshape(
             n, c, h, w).transpose(0, 2, 3, 1).reshape(-1)
 
-    def value(self, name: str) -> Value:
+    def value(self, name: str, rows: bool = False) -> Value:
+        """The planned ``name``, channels-last (a value kept in ONNX's order gathered to a
+        copy, which stands for it after), or as it is with ``rows``."""
         if name not in self.values:
             raise Unplannable(f"{name!r} is neither an input of the partition nor planned "
                               "(a constant operand)")
+        found = self.values[name]
+        if found.rows and not rows:
+            self.moved(found, name, self.places(found))
         return self.values[name]
 
     def release(self, index: int, layer: Layer) -> None:
@@ -301,9 +311,10 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     for index, name in enumerate(outputs):
         if name in inputs:
             raise Unplannable(f"the output {name!r} is an input of the partition")
-        value = planner.value(name)
+        value = planner.value(name, rows=True)
         planner.record("export_int" if value.integer else "export", in_=value.offset,
-                       out=len(inputs) + index, dims=value.dims)
+                       out=len(inputs) + index, dims=(1, value.size, 1, 1) if value.rows
+                       else value.dims)  # in ONNX's order already: one copy
         shapes.append(value.shape)
         types.append(np.int64 if value.integer else np.float32)
     params = np.concatenate(planner.params) if planner.params else np.zeros(ALIGN, np.float32)

@@ -25,9 +25,9 @@ from backplane.ir.graph import Layer
 from backplane.native.cnn import Unplannable, _Planner
 
 FUSED = "backplane.torch"  # the fused layers' domain (cnn_layers.FUSED, torch.backend's)
-FUSED_OPS = ("WindowedConv", "Embedding")
-"""The fused layers planned here (CpuAcc's WindowedConv, ``fold``'s Embedding); GeluChain is
-``cnn_layers``'."""
+FUSED_OPS = ("WindowedConv", "Embedding", "RowNorm")
+"""The fused layers planned here (CpuAcc's WindowedConv, ``fold``'s Embedding and RowNorm);
+GeluChain is ``cnn_layers``'."""
 
 
 def fold(layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
@@ -37,7 +37,7 @@ def fold(layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
     indices as one Embedding (with the Mul by a mask and the Transpose to (N, C, L) after it,
     where they follow); an intermediate read elsewhere, or an output, is left as it is."""
     layers = list(layers)
-    for match in (_gelu, _embedding):
+    for match in (_gelu, _embedding, _row_norm):
         at = 0
         while at < len(layers):
             found = match(layers, at, constants, _Readers(layers, outputs))
@@ -49,7 +49,7 @@ def fold(layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
             gone = {id(lay) for lay in group}
             layers = [fused if i == last else lay for i, lay in enumerate(layers)
                       if i == last or id(lay) not in gone]
-            at = 0 if match is _gelu else at + 1
+            at = 0 if match is _gelu else at + 1  # a GELU's match may start before
     return layers
 
 
@@ -144,6 +144,66 @@ def _embedding(layers: list[Layer], at: int, constants: Mapping[str, np.ndarray]
     return group, fused
 
 
+def _row_norm(layers: list[Layer], at: int, constants: Mapping[str, np.ndarray],
+              readers: _Readers) -> tuple[list[Layer], Layer] | None:
+    """A Transpose of (N, C, L) to (N, L, C), the LayerNormalization over its C after it and
+    the Linear after that, where they follow: one RowNorm, the channels-last rows as they are."""
+    turn = layers[at]
+    if turn.op_type != "Transpose" or turn.domain \
+            or list(turn.attrs.get("perm") or []) != [0, 2, 1]:
+        return None
+    norm = readers.sole(turn.outputs[0])
+    names = list(norm.inputs) + ["", ""] if norm is not None else []
+    if norm is None or norm.op_type != "LayerNormalization" or norm.domain \
+            or norm.inputs[0] != turn.outputs[0] or int(norm.attrs.get("axis", -1)) not in (-1, 2) \
+            or norm.attrs.get("stash_type", 1) != 1 or any(norm.outputs[1:]) \
+            or names[1] not in constants or names[2] and names[2] not in constants:
+        return None
+    group, out = [turn, norm], norm.outputs[0]
+    attrs: dict[str, Any] = {"epsilon": float(norm.attrs.get("epsilon", 1e-5)),
+                             "scale": np.asarray(constants[names[1]], np.float32),
+                             "bias": np.asarray(constants[names[2]], np.float32) if names[2]
+                             else np.zeros(1, np.float32), "linear": None}
+    linear = readers.sole(out)
+    if linear is not None and linear.op_type == "Linear" and linear.domain == FUSED \
+            and not linear.attrs.get("binary") and linear.attrs.get("compute", "float32") \
+            == "float32" and not linear.attrs.get("source"):
+        group, out, attrs["linear"] = [*group, linear], linear.outputs[0], linear.attrs
+    return group, Layer("+".join(lay.name for lay in group), "RowNorm", [turn.inputs[0]], [out],
+                        attrs, FUSED, 1)
+
+
+def row_norm(p: _Planner, layer: Layer) -> None:
+    """``_row_norm``'s: the norm over each of the N * L rows of C floats where channels-last
+    keeps (N, C, L) (contiguous: no transpose), the product over those rows, its (N, L, O)
+    kept in ONNX's order (``Value.rows``: an output of the partition exported as it is)."""
+    x, a = p.value(layer.inputs[0]), layer.attrs
+    if len(x.shape) != 3 or x.integer:
+        raise Unplannable(f"{layer.name}: a RowNorm of {x.shape}")
+    n, c, length = x.shape
+    count = n * length
+    scale, bias = (np.broadcast_to(a[k], (c,)) for k in ("scale", "bias"))
+    linear = a["linear"]
+    width = c if linear is None else int(np.shape(linear["weight"])[0])
+    if linear is not None and np.shape(linear["weight"]) != (width, c):
+        raise Unplannable(f"{layer.name}: a product of {np.shape(linear['weight'])} over {c}")
+    y = p.new(layer.outputs[0], (n, length, width))
+    y.rows = True
+    normed = y.offset if linear is None else p.arena.take(count * c)
+    p.record("lnorm", in_=x.offset, out=normed, dims=(count, c, 1, 1),
+             x2=p.table(np.arange(count * c)), woff=p.param(scale), boff=p.param(bias),
+             aoff=p.param(np.array([a["epsilon"]], np.float32)))
+    if linear is None:
+        return
+    bias = np.zeros(width, np.float32) if linear.get("bias") is None else linear["bias"]
+    act, aoff = p.activation(linear.get("unary"))
+    p.record("linear", in_=normed, out=y.offset, dims=(count, c, 1, 1), oc=width,
+             woff=p.param(np.asarray(linear["weight"], np.float32).T),
+             boff=p.param(np.asarray(bias, np.float32)), act=act, aoff=aoff,
+             macs=count * c * width)
+    p.arena.give(normed, count * c)
+
+
 def embedding(p: _Planner, layer: Layer) -> None:
     """A lookup of (N, L) indices in the (V, E) table: (N, L, E), times an (N, L, 1) mask
     where the fold took a Mul, transposed to (N, E, L) where it took the Transpose; one
@@ -205,4 +265,5 @@ def integer_kind(dtype: Any) -> int:
     return {"float32": 0, "int32": 2, "int64": 3, "bool": 4}.get(name, -1)
 
 
-PLANNERS: dict[str, Any] = {"Embedding": embedding, "WindowedConv": windowed_conv}
+PLANNERS: dict[str, Any] = {"Embedding": embedding, "WindowedConv": windowed_conv,
+                            "RowNorm": row_norm}
