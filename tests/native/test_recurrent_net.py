@@ -253,3 +253,34 @@ def test_threads_running_one_session_keep_their_own_arena(calls):
     for thread in threads:
         thread.join()
     assert calls and not wrong
+
+
+@needs_library
+def test_the_largest_product_follows_the_tile():
+    """AVX-512's tile (12 rows, built where the CPU has it) takes products of any size; AVX2's
+    keeps those past ``LINEAR_MACS`` in the trace."""
+    from backplane.native import recurrent_net
+
+    rows = build.library("recurrent").backplane_rnet_rows()
+    assert rows == (12 if "avx512f" in build._cpu_flags() else 6)
+    wide = recurrent_net.largest_product()
+    assert wide == (float("inf") if rows == 12 else recurrent_net.LINEAR_MACS)
+
+
+@needs_library
+@pytest.mark.parametrize("wide", [True, False])
+def test_a_projection_past_four_million_is_planned_by_the_wide_tile_alone(wide, tmp_path, calls,
+                                                                            monkeypatch):
+    """A layer whose input projection is 21M multiply-adds (80 rows x 256 x 1024): one native
+    call with AVX-512's tile, within CpuRef's and ONNX Runtime's values; the trace with AVX2's."""
+    from backplane.native import recurrent_net
+
+    if wide and build.library("recurrent").backplane_rnet_rows() != 12:
+        pytest.skip("this CPU builds AVX2's tile")
+    monkeypatch.setattr(recurrent_net, "_WIDE", [wide])
+    model, feeds = _net("LSTM", "bidirectional", 1, 40, 2, 256, 128, False, 0, False, 11)
+    path = tmp_path / "net.onnx"
+    onnx.save(model, path)
+    got = _session(path).run(None, feeds)
+    assert len(calls) == (1 if wide else 0)
+    _close(got, InferenceSession(str(path), providers=["CpuRef"]).run(None, feeds), 1e-5)

@@ -15,13 +15,13 @@ from backplane.native.recurrent_net import (
     ACTS,
     DIRECTIONS,
     LINEAR,
-    LINEAR_MACS,
     RNN,
     SOFTMAX,
     Plan,
     Unplannable,
     View,
     _dense,
+    largest_product,
 )
 
 FUSED = "backplane.torch"  # (backends/torch/backend.py's FUSED_DOMAIN, not imported: no torch)
@@ -186,7 +186,7 @@ def _linear(layer: Any, plan: Plan, get: Get, constants: dict[str, Any]) -> list
         raise Unplannable("a Linear's input not as wide as its weight")
     lead = list(x.shape[:-1])
     rows = int(np.prod(lead))
-    if rows * k * n > LINEAR_MACS:
+    if rows * k * n > largest_product():
         raise Unplannable(f"a Linear of {rows * k * n} multiply-adds")
     step = _row_step(x)
     flat = x.moved([rows, k], [step, 1]) if step is not None else \
@@ -233,7 +233,7 @@ def _rnn(plan: Plan, kind: str, weights: Sequence[Any], lbr: int, direction: str
         x = plan.dense(x, name)
     xt, xb, width, xd = x.strides[0], x.strides[1], inputs, 0
     if w_in is not None:  # every step's input projection first, one product
-        if seq * batch * w_in.numel() > LINEAR_MACS:
+        if seq * batch * w_in.numel() > largest_product():
             raise Unplannable(f"{name}: an input projection of {seq * batch * w_in.numel()} "
                               f"multiply-adds")
         step = _row_step(x)

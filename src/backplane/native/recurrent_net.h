@@ -121,3 +121,6 @@ int backplane_rnet_run(const int64_t *recs, int64_t count, const float *params, 
 }
 
 int backplane_rnet_rec(void) { return REC; }
+
+/* The product's tile rows: 12 where it was built with AVX-512's (recurrent_net.py reads it). */
+int backplane_rnet_rows(void) { return PANEL_ROWS; }

@@ -38,12 +38,36 @@ DIRECTIONS = {"forward": 0, "reverse": 1, "bidirectional": 2}
 ALIGN = 16  # floats: each buffer and constant starts on a 64-byte line
 LINEAR_MACS = 1 << 22
 """The largest product (rows x inputs x outputs: a Linear head, a large layer's input projection)
-a plan takes: the C product is a plain register tile (6 rows x 16 outputs), about MKL's speed at
-the corpus's small sizes but not at large ones, where the call's cost no longer matters; such a
-partition keeps its trace. 1 thread, thread CPU us, C / torch's F.linear (load 7.8): 100 x 64 x
-1024 446-500 / 534-670, 100 x 256 x 1024 (the full-tier lstm_bi2's second projection) 1471-1495
-/ 945-1080, 80 x 192 x 40 49 / 41, 8 x 48 x 6 2.2 / 9.1. (With the product in C the full-tier
-lstm_bi2_ts14 ran 6594 us against 5106 traced: ``python bench/recurrent_native.py --tier full``.)"""
+a plan takes where the library's tile is AVX2's (6 rows x 16 outputs, ``panel_product.h``):
+about MKL's speed at the corpus's small sizes but not at large ones on the AVX2 EPYC it was
+measured on, where the call's cost no longer matters; such a partition keeps its trace. 1 thread,
+thread CPU us, C / torch's F.linear (load 7.8): 100 x 64 x 1024 446-500 / 534-670, 100 x 256 x
+1024 (the full-tier lstm_bi2's second projection) 1471-1495 / 945-1080, 80 x 192 x 40 49 / 41,
+8 x 48 x 6 2.2 / 9.1. (With the product in C the full-tier lstm_bi2_ts14 ran 6594 us against
+5106 traced: ``python bench/recurrent_native.py --tier full``.) No bound with AVX-512's tile
+(``largest_product``)."""
+WIDE_ROWS = 12
+"""``backplane_rnet_rows()`` of a library built with AVX-512's tile (12 rows x 32 outputs)."""
+
+
+def largest_product() -> float:
+    """The largest product a plan takes on this machine's library: ``LINEAR_MACS`` with AVX2's
+    tile, none with AVX-512's, which runs 2.3-2.5 times torch's MKL here at every size measured
+    (AMD EPYC family 26, 1 thread, thread CPU us, C / F.linear, load 3-9: 80 x 64 x 256 11.5 /
+    27.3, 32 x 256 x 768 50 / 129, 100 x 256 x 1024 212 / 493; torch's 2 threads would at best
+    halve its figures): the full-tier lstm_bi2_ts14 at 2 threads, load 8.4, 1773 -> 1049 us a
+    run, its projections in the plan (ONNX Runtime 1.5 ms)."""
+    if not _WIDE:
+        from backplane.native.build import NativeUnavailable, library
+
+        try:
+            _WIDE.append(library("recurrent").backplane_rnet_rows() >= WIDE_ROWS)
+        except NativeUnavailable:
+            _WIDE.append(False)
+    return math.inf if _WIDE[0] else LINEAR_MACS
+
+
+_WIDE: list[bool] = []
 
 
 class Unplannable(Exception):
