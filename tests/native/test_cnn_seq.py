@@ -141,11 +141,14 @@ def test_an_activation_record_of_its_own_matches_cpuref(op):
 
 @needs_compiler
 @pytest.mark.parametrize("tail", ["linear", "linear_relu", "norm", "norm_then_relu"])
-def test_a_norm_over_the_channels_of_a_transposed_line_matches_cpuref(tail):
+@pytest.mark.parametrize("row", [cnn_seq.ROW, 1])
+def test_a_norm_over_the_channels_of_a_transposed_line_matches_cpuref(tail, row, monkeypatch):
     """audio_conv1d's tail: Transpose (N, C, L) -> (N, L, C), LayerNormalization over C, the
     product by a constant (CpuAcc's Linear; with a Relu its post-op): one RowNorm over the
-    channels-last rows, the product's rows exported as they are; the norm's own output (a
-    partition output, or read by a Relu: a copy in channels-last first); NaN in one step."""
+    channels-last rows (one rownorm record; rows wider than ``ROW`` an lnorm and a linear), the
+    product's rows exported as they are; the norm's own output (a partition output, or read by
+    a Relu: a copy in channels-last first); NaN in one step, +Inf in another (its rows NaN)."""
+    monkeypatch.setattr(cnn_seq, "ROW", row)
     rng = np.random.default_rng(5)
     c, o = 6, 10
     inits = [numpy_helper.from_array(rng.standard_normal((c, 3, 3)).astype(np.float32), "w"),
@@ -164,7 +167,7 @@ def test_a_norm_over_the_channels_of_a_transposed_line_matches_cpuref(tail):
         nodes.append(helper.make_node("Relu", ["q" if tail == "linear_relu" else "n"], ["y"]))
     outputs = ["n"] if tail == "norm" else ["y"]
     x = rng.standard_normal((2, 3, 23)).astype(np.float32)
-    x[1, 0, 5] = np.nan
+    x[1, 0, 5], x[1, 2, 17] = np.nan, np.inf
     model = make_model(nodes, [float_input("x", [2, 3, 23])],
                        [float_input(name, None) for name in outputs], inits, opset=17)
     session, got, want = _run_both(model, {"x": x})

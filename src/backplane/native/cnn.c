@@ -303,6 +303,7 @@ static int step(const int64_t *f, const float *params, float *arena, float *cons
     case OP_GNORM: gnorm(f, arena, params); break;
     case OP_LNORM: lnorm(f, arena, params); break;
     case OP_EMBED: return embed(f, arena, params);
+    case OP_ROWNORM: rownorm(f, arena, params); break;
     default: return detect_step(f, params, arena, ext);
     }
     return 0;

@@ -32,7 +32,7 @@ NF = 32
 OPS = {name: code for code, name in enumerate(
     "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize "
     "gather scatter arith reduce gnorm lnorm topk dgather export_int argreduce softmax "
-    "embed".split(), 1)}
+    "embed rownorm".split(), 1)}
 ARITH = {name: code for code, name in enumerate("Add Sub Mul Div Pow AffineChain".split())}
 REDUCE = {name: code for code, name in enumerate(
     "ReduceMax ReduceMin ReduceSum ReduceMean".split())}

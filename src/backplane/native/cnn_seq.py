@@ -173,6 +173,11 @@ def _row_norm(layers: list[Layer], at: int, constants: Mapping[str, np.ndarray],
                         attrs, FUSED, 1)
 
 
+ROW = 1024
+"""The widest row ``rownorm`` takes (its four normalized rows on the stack: 16 KB); a wider one
+is lnorm's and linear's records."""
+
+
 def row_norm(p: _Planner, layer: Layer) -> None:
     """``_row_norm``'s: the norm over each of the N * L rows of C floats where channels-last
     keeps (N, C, L) (contiguous: no transpose), the product over those rows, its (N, L, O)
@@ -182,24 +187,33 @@ def row_norm(p: _Planner, layer: Layer) -> None:
         raise Unplannable(f"{layer.name}: a RowNorm of {x.shape}")
     n, c, length = x.shape
     count = n * length
-    scale, bias = (np.broadcast_to(a[k], (c,)) for k in ("scale", "bias"))
+    scale, shift = (np.broadcast_to(a[k], (c,)) for k in ("scale", "bias"))
     linear = a["linear"]
     width = c if linear is None else int(np.shape(linear["weight"])[0])
     if linear is not None and np.shape(linear["weight"]) != (width, c):
         raise Unplannable(f"{layer.name}: a product of {np.shape(linear['weight'])} over {c}")
     y = p.new(layer.outputs[0], (n, length, width))
     y.rows = True
+    act, aoff = p.activation(linear.get("unary") if linear is not None else None)
+    weight = np.zeros((c, 1), np.float32) if linear is None else np.asarray(
+        linear["weight"], np.float32).T
+    bias = np.zeros(width, np.float32) if linear is None or linear.get("bias") is None \
+        else np.asarray(linear["bias"], np.float32)
+    if c <= ROW:  # one record: each row normalized into registers' reach, then its product
+        p.record("rownorm", in_=x.offset, out=y.offset, dims=(count, c, 1, 1),
+                 oc=0 if linear is None else width, woff=p.param(scale), boff=p.param(shift),
+                 aoff=p.param(np.array([a["epsilon"]], np.float32)), x2=p.param(weight),
+                 ph=p.param(bias), act=act, pw=aoff,
+                 macs=0 if linear is None else count * c * width)
+        return
     normed = y.offset if linear is None else p.arena.take(count * c)
     p.record("lnorm", in_=x.offset, out=normed, dims=(count, c, 1, 1),
-             x2=p.table(np.arange(count * c)), woff=p.param(scale), boff=p.param(bias),
+             x2=p.table(np.arange(count * c)), woff=p.param(scale), boff=p.param(shift),
              aoff=p.param(np.array([a["epsilon"]], np.float32)))
     if linear is None:
         return
-    bias = np.zeros(width, np.float32) if linear.get("bias") is None else linear["bias"]
-    act, aoff = p.activation(linear.get("unary"))
     p.record("linear", in_=normed, out=y.offset, dims=(count, c, 1, 1), oc=width,
-             woff=p.param(np.asarray(linear["weight"], np.float32).T),
-             boff=p.param(np.asarray(bias, np.float32)), act=act, aoff=aoff,
+             woff=p.param(weight), boff=p.param(bias), act=act, aoff=aoff,
              macs=count * c * width)
     p.arena.give(normed, count * c)
 
