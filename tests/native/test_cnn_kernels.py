@@ -1,8 +1,11 @@
 """native/cnn.c's compute kernels at the sizes their register tiles split: the convolution's flat
-tiles of 6 or 8 pixels crossing rows and images, its epilogue in registers (residual, ReLU, Clip
-on whole blocks of 8 or 16 channels), a window row read as one loop (groups 1, dilation 1) or
-tap by tap; the depthwise rows' tiles of 6, 2 and 1 pixels and their paired side pixels, 3x3
-weights held in registers or any kernel read from memory; max pooling 8 channels at a time.
+tiles of 6 or 8 pixels (AVX2; 14, 12, 8 on AVX-512, paired taps for 8 channels or fewer)
+crossing rows and images, its epilogue in registers (residual, ReLU, Clip on whole blocks of 8 or
+16 channels; on AVX-512 every activation but Tanh, part blocks too), a window row read as one loop
+(groups 1, dilation 1) or tap by tap; the depthwise rows' tiles of 6, 2 and 1 pixels (8, 2, 1 by
+16 channels on AVX-512) and their paired side pixels, 3x3 weights held in registers or any kernel
+read from memory; max pooling 8 (16) channels at a time. The AVX2 build of the same source runs
+beside this one in test_cnn_widths.py.
 Against CpuRef (hypothesis), NaN in -> NaN out; the route pinned by option, never measured."""
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compi
 def cases(draw):
     depthwise = draw(st.booleans())
     c = draw(st.sampled_from([8, 16, 24, 32, 3, 12, 20]))
-    oc = c if depthwise else draw(st.sampled_from([8, 16, 32, 48, 2, 12, 20]))
+    oc = c if depthwise else draw(st.sampled_from([8, 16, 32, 48, 2, 12, 20, 24, 64, 5]))
     k = draw(st.sampled_from([3, 3, 1, 5, 2]))
     dilation = draw(st.sampled_from([1, 1, 2]))
     span = (k - 1) * dilation + 1
@@ -103,10 +106,10 @@ def test_the_kernels_tiles_match_cpuref(case):
 
 @needs_compiler
 @pytest.mark.parametrize("depthwise", [False, True])
-@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 13, 14, 17])
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 9, 13, 14, 15, 17])
 def test_every_row_width_a_tile_can_leave(depthwise, width):
-    """Each count of pixels a row leaves after its tiles of 6 (or 8): the depthwise sides paired
-    or alone, a flat tile crossing into the next row and image."""
+    """Each count of pixels a row leaves after its tiles of 6 or 8 (AVX-512: 14, 8): the depthwise
+    sides paired or alone, a flat tile crossing into the next row and image."""
     case = dict(depthwise=depthwise, c=16, oc=16, k=3, dilation=1, pad=1, stride=1, n=2, h=3,
                 w=width, act="Relu", residual=True, pool=False, nan="x", seed=width)
     model, feeds = _model(case)

@@ -1,5 +1,7 @@
 /* cnn.c's convolutions: dense and grouped (register tiles of 6 x 16 or 8 x 8 over flat runs of
-   output pixels, weights packed at load) and depthwise (row by row, 3x3 weights in registers).
+   output pixels, weights packed at load; on AVX-512 cnn_conv512.h's 16-lane tiles, 14 x 16,
+   12 x 32, 8 x 48 and 12 x (8 channels x 2 taps), the library saying its width to the packer:
+   backplane_cnn_vector_width) and depthwise (row by row, 3x3 weights in registers).
    Included once, by cnn.c, after its record fields, vector helpers and finish(): one translation
    unit (the build keys a library by this header too). Why the tiles are shaped so:
    docs/torch-backends.md, "The native CNN route". */
