@@ -226,7 +226,7 @@ def test_a_load_in_the_background_does_not_wait_for_itself() -> None:
 class _Made:
     """A built session's stand-in: its runs' feeds recorded, the first failing where asked."""
 
-    _against_cpu = None
+    _against_cpu, _builds_at_run = None, False
 
     def __init__(self, fail: bool = False) -> None:
         self.fed: list[dict[str, np.ndarray]] = []

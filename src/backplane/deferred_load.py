@@ -157,8 +157,9 @@ class Later:
     def _build(self, make: Callable[[], Any]) -> None:
         try:
             made = make()
-            if self.feeds is not None and not self.cancelled and made._against_cpu is None:
-                self._first_run(made, self.feeds)  # not a placement timed: the caller's run's
+            if self.feeds is not None and not self.cancelled and made._against_cpu is None \
+                    and not made._builds_at_run:  # what those time at a first run: the caller's
+                self._first_run(made, self.feeds)
         except BaseException as exc:  # noqa: BLE001  # the CpuRef session runs on: say why
             self.error = exc
             (log.debug if self.cancelled else log.warning)(
@@ -176,9 +177,11 @@ class Later:
     @staticmethod
     def _first_run(made: Any, feeds: dict[str, Any]) -> None:
         """The built session's first run, here: what it leaves to a first run (oneDNN Graph's
-        compile, ``at_first_run``: 0.2-0.5 s of the demo's; a Specialized layer's build of the
-        signature, 1 s of gpt_causal_ts15's) is not paid by the caller's run that takes it over.
-        Its outputs are dropped; an error is the caller's run's to raise."""
+        compile, ``at_first_run``: 0.2-0.5 s of the demo's) is not paid by the caller's run that
+        takes it over. Its outputs are dropped; an error is the caller's run's to raise. Not
+        where a run builds (Specialized: ``small.fewer_threads`` reads the running thread's
+        count, and a build here kept yolo_v8_ts17 off one thread in the caller's: 1.74-1.85 ms
+        a run against 1.39-1.48 at load 7.4-8.6) or times a placement (``against_cpu``)."""
         try:
             made.run(None, feeds)
         except Exception as exc:  # noqa: BLE001
