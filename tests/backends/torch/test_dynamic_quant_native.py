@@ -143,3 +143,37 @@ def test_the_quantized_gpt_runs_its_nine_products_in_c(size):
     scale = float(np.abs(want).max())
     assert float(np.abs(native - want).max()) <= 1e-5 * scale
     assert float(np.abs(native - theirs).max()) <= 1e-5 * scale
+
+
+@needs_library
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="an x86-64 build flag")
+def test_a_build_without_vnni_has_no_bytes_and_the_float_product_stays(tmp_path):
+    """dynquant.c built for AVX2 only (-march=x86-64-v3; x86-64 where the CPU has no AVX2): no
+    product on bytes (backplane_dynquant_bytes answers 3, has_bytes 0), and its float product is
+    this library's, bit for bit: the path a CI machine without VNNI takes."""
+    import ctypes
+    import subprocess
+
+    from backplane.native import build
+
+    march = "x86-64-v3" if "avx2" in build._cpu_flags() else "x86-64"
+    flags = [f if f != "-march=native" else f"-march={march}" for f in build.FLAGS]
+    path = tmp_path / "dynquant_plain.so"
+    subprocess.run([build.compiler(), *flags, "-o", str(path),
+                    str(Path(build.__file__).parent / "dynquant.c"), "-lm"], check=True)
+    plain = ctypes.CDLL(str(path))
+    assert plain.backplane_dynquant_version() == dynquant.VERSION
+    assert plain.backplane_dynquant_has_bytes() == 0
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    for name in ("backplane_dynquant_matmul", "backplane_dynquant_bytes"):
+        getattr(plain, name).argtypes = [pointer, size, size, pointer, size, pointer, size,
+                                         pointer, pointer]
+    weight, w_scale, bias = layer(6, 40, 35, True, True)
+    x = torch.from_numpy((RNG.standard_normal((6, 40)) * 3).astype(np.float32))
+    y = torch.empty(6, 35)
+    args = (x.data_ptr(), 6, 40, weight.data_ptr(), 35, w_scale.data_ptr(), 35, bias.data_ptr(),
+            y.data_ptr())
+    assert plain.backplane_dynquant_bytes(*args) == 3
+    assert plain.backplane_dynquant_matmul(*args) == 0
+    np.testing.assert_array_equal(y.numpy(), dynquant.matmul(x, weight, w_scale, bias).numpy())
+    np.testing.assert_array_equal(y.numpy(), torch_route(x, weight, w_scale, bias).numpy())
