@@ -184,7 +184,13 @@ static inline __attribute__((always_inline)) void block(
 #endif
 }
 
-enum { CHUNK_TILES = 4 };  /* finish() after this many tiles of pixels, while they are in L1 */
+/* finish() after a chunk of pixels, while they are in L1: 48 (a multiple of the AVX2 tiles' 6 and
+   8), or 4 tiles of the AVX-512 tile's 14, 12 or 8 */
+#if defined(__AVX512F__)
+static inline int64_t chunk_of(int64_t pb) { return 4 * pb; }
+#else
+static inline int64_t chunk_of(int64_t pb) { return (void)pb, 48; }
+#endif
 
 /* A convolution of any groups, its weights packed per group and block of VB output channels as
    [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself.
@@ -217,8 +223,7 @@ static void conv(const int64_t *f, float *A, const float *P) {
     const int fused = !paired && OCG % VB == 0 &&
                       (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
 #endif
-    const int64_t pb = tile_pixels(VB, paired), total = N * OH * OW,
-                  chunk = pb * CHUNK_TILES;
+    const int64_t pb = tile_pixels(VB, paired), total = N * OH * OW, chunk = chunk_of(pb);
     const int64_t wblock = paired ? KH * KWo * ((inner + 1) / 2) * 16 : KH * KW * ICG * VB,
                   bblock = paired ? 16 : VB;
     const float *ip[PB_ALL];
