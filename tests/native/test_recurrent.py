@@ -166,8 +166,10 @@ def test_against_cpuref(op, direction, layout, seq, batch, inputs, hidden, bias,
     args = _layer(op, seq, batch, inputs, hidden, direction, layout, seed, bias, states, lengths)
     ours, theirs = _both(op, args, direction, layout, linear_before_reset)
     assert [o.shape for o in ours] == [t.shape for t in theirs]
+    # float32 sums of up to 139 products in two orders (the C's registers, AVX-512's even and odd
+    # k apart; NumPy's BLAS): 2.3e-6 apart at hidden 130 near zero
     for got, want in zip(ours, theirs):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=4e-6)
 
 
 @needs_library

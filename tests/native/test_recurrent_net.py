@@ -284,3 +284,18 @@ def test_a_projection_past_four_million_is_planned_by_the_wide_tile_alone(wide, 
     got = _session(path).run(None, feeds)
     assert len(calls) == (1 if wide else 0)
     _close(got, InferenceSession(str(path), providers=["CpuRef"]).run(None, feeds), 1e-5)
+
+
+@needs_library
+@pytest.mark.parametrize("name,products", [("crnn_paddle_ts12", 3), ("lstm_bi2_ts14", 1)])
+def test_layers_whose_weights_leave_l1_project_their_inputs_first(name, products, calls):
+    """The CRNN's layers (80 steps, [W, R] 48 KB a direction) each have their input projection
+    as a product record before the loop, beside the head's; lstm_bi2's (8 steps) read [W, R]."""
+    from backplane.native import recurrent_net
+
+    feeds = dict(np.load(CORPUS / f"{name}.s0.npz"))
+    _session(CORPUS / f"{name}.onnx").run(None, feeds)
+    (executor,) = set(calls)
+    kinds = list(executor.records[:, 0])
+    assert kinds.count(recurrent_net.LINEAR) == products
+    assert kinds.count(recurrent_net.RNN) == 2

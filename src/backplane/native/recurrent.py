@@ -138,20 +138,24 @@ the loop reads R alone. Full tier, 1 thread, load 6.8-7.8, thread CPU ms a run, 
 C reading [W, R]: lstm_bi2_ts14 8.45 / 6.44, crnn_paddle_ts12 26.1 / 28.9."""
 
 
-def prepared(kind: str, W, R, B, linear_before_reset=0) -> tuple[Any, ...]:
+def prepared(kind: str, W, R, B, linear_before_reset=0, project: bool | None = None
+             ) -> tuple[Any, ...]:
     """The weights and biases as the C loop reads them, every direction's (in a frozen trace,
     constants; a caller that keeps them makes them once): LSTM ``[W, R]`` to its four gates;
     GRU ``[W, R]`` to z and r, then with linear_before_reset W_h and R_h apart (R_h's product
     is reset, its bias with it), without it ``[W_h, R_h]`` (read with ``r * h``). Where ``[W, R]``
-    is larger than ``STACKED_BYTES`` a direction, the same with no rows of W, and W with the
-    biases outside the reset for the projection before the loop (else those two are None)."""
+    is larger than ``STACKED_BYTES`` a direction (or ``project`` says so), the same with no rows
+    of W, and W with the biases outside the reset for the projection before the loop (else those
+    two are None)."""
     dirs, gates, hidden = W.shape[0], 4 if kind == "lstm" else 3, R.shape[-1]
     if B is None:
         B = W.new_zeros((dirs, 2 * gates * hidden))
     w_b, r_b = B[:, :gates * hidden], B[:, gates * hidden:]
     zr, h = slice(0, 2 * hidden), slice(2 * hidden, 3 * hidden)
     inputs: tuple[Any, Any] = (None, None)
-    if gates * hidden * (W.shape[-1] + hidden) * 4 > STACKED_BYTES:
+    if project is None:
+        project = gates * hidden * (W.shape[-1] + hidden) * 4 > STACKED_BYTES
+    if project:
         if kind == "lstm":
             outside, inside = w_b + r_b, torch.zeros_like(r_b)
         else:  # (a GRU's Rb_h stays with the loop: inside the reset, or beside R_h's product)
