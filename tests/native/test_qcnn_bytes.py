@@ -203,3 +203,22 @@ def test_a_max_pool_of_bytes_matches_onnx_runtime(signed, c, pool):
                                    providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_array_equal(got, want)
     assert np.abs(got - reference).max() <= 0.2 * 1.0001
+
+
+@needs_compiler
+@x86
+def test_every_build_runs_the_float_depthwise_and_bias_plan_alike(tmp_path, monkeypatch):
+    """fakequant_qdq_ts13 (a QAT export: float biases, a depthwise convolution ONNX Runtime runs
+    in float: fdwconv_q's AVX-512, AVX2 and scalar loops, requantize_f's): the same outputs from
+    every build this CPU runs, on both of the corpus's inputs."""
+    builds = [_built(m, tmp_path) for m in ("x86-64", "x86-64-v3", "native")
+              if m != "x86-64-v3" or "avx2" in build._cpu_flags()]
+    for size in ("s0", "s1"):
+        feeds = dict(np.load(f"{CORPUS}/fakequant_qdq_ts13.{size}.npz"))
+        made, _ = _plan(f"{CORPUS}/fakequant_qdq_ts13.onnx", feeds, monkeypatch,
+                        qcnn_bytes.available())
+        assert "fdwconv_q" in made.ops
+        outputs = [qcnn.Executor(made, library).numpy(feeds["input"]) for library in builds]
+        for other in outputs[1:]:
+            for got, want in zip(other, outputs[0]):
+                np.testing.assert_array_equal(got, want)

@@ -50,6 +50,29 @@ static void fdwconv_q(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                 const float *corner = s + ((b * ph + oy * sh) * pw + ox * sw) * c;
                 uint8_t *out = y + ((b * oh + oy) * ow + ox) * c;
                 int64_t k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) /* the same operations, 16 channels */
+                for (; k + 16 <= c; k += 16) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t t = 0; t < taps;) {
+                        const int64_t left = taps - t, g = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                        __m512 part = _mm512_mul_ps(_mm512_loadu_ps(corner + at[t] + k),
+                                                    _mm512_loadu_ps(weights + t * c + k));
+                        for (int64_t i = 1; i < g; ++i)
+                            part = _mm512_add_ps(part, _mm512_mul_ps(
+                                _mm512_loadu_ps(corner + at[t + i] + k),
+                                _mm512_loadu_ps(weights + (t + i) * c + k)));
+                        acc = _mm512_add_ps(part, acc);
+                        t += g;
+                    }
+                    __m512 v = _mm512_add_ps(acc, _mm512_loadu_ps(bias + k));
+                    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(cl)), _mm512_set1_ps(ch));
+                    v = _mm512_div_ps(v, _mm512_set1_ps(ys));
+                    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(fl)), _mm512_set1_ps(fh));
+                    _mm_storeu_si128((__m128i *)(out + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(
+                                                               _mm512_cvtps_epi32(v),
+                                                               _mm512_set1_epi32(zy))));
+                }
+#endif
 #if defined(__AVX2__)
                 for (; k + 8 <= c; k += 8) { /* the scalar loop's operations, 8 channels at once */
                     __m256 acc = _mm256_setzero_ps();
