@@ -38,9 +38,9 @@ def fold(layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
     where they follow); an intermediate read elsewhere, or an output, is left as it is."""
     layers = list(layers)
     for match in (_gelu, _embedding, _row_norm):
-        at = 0
+        at, readers = 0, _Readers(layers, outputs)
         while at < len(layers):
-            found = match(layers, at, constants, _Readers(layers, outputs))
+            found = match(layers, at, constants, readers)
             if found is None:
                 at += 1
                 continue
@@ -49,18 +49,23 @@ def fold(layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
             gone = {id(lay) for lay in group}
             layers = [fused if i == last else lay for i, lay in enumerate(layers)
                       if i == last or id(lay) not in gone]
+            readers = _Readers(layers, outputs)  # again only after a match: a plan's fold
+            # runs once per prefix traced_prefix tries, over partitions of hundreds of layers
             at = 0 if match is _gelu else at + 1  # a GELU's match may start before
     return layers
 
 
 class _Readers:
-    """Each value's readers among the layers; an output of the partition counts as one more."""
+    """Each value's readers and maker among the layers; an output of the partition counts as
+    one more reader."""
 
     def __init__(self, layers: Sequence[Layer], outputs: Sequence[str]) -> None:
         self.of: dict[str, list[Layer]] = {}
+        self.made: dict[str, Layer] = {}
         for lay in layers:
             for name in dict.fromkeys(lay.inputs):
                 self.of.setdefault(name, []).append(lay)
+            self.made.update(dict.fromkeys(lay.outputs, lay))
         self.outputs = set(outputs)
 
     def sole(self, name: str) -> Layer | None:
@@ -88,7 +93,7 @@ def _gelu(layers: list[Layer], at: int, constants: Mapping[str, np.ndarray],
     erf = layers[at]
     if erf.op_type != "Erf" or erf.domain:
         return None
-    made = {o: lay for lay in layers for o in lay.outputs}
+    made = readers.made
     scale = made.get(erf.inputs[0])
     if scale is None or readers.sole(erf.inputs[0]) is not erf or scale.domain \
             or len(scale.inputs) != 2 or scale.inputs[1] not in constants:
