@@ -132,9 +132,22 @@ def test_against_cpuref(kind, direction, layers, seq, batch, inputs, hidden, sta
 
 @needs_library
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_a_large_layer_projects_its_input_first(kind, ops):
-    """Past ``STACKED_BYTES`` a layer's input is projected first inside the op; within CpuRef's
-    values either way, one op of two C calls."""
+@pytest.mark.parametrize("by", ["tile", "torch"])
+def test_a_large_layer_projects_its_input_first(kind, by, ops, monkeypatch):
+    """Past ``STACKED_BYTES`` a layer's input is projected first inside the op, by linear.c's
+    tile where it is AVX-512's (else torch's F.linear); within CpuRef's values either way, one op
+    of two C calls."""
+    from backplane.native import linear, recurrent_stack
+
+    made = []
+    real = recurrent_stack._panels
+    if by == "torch":
+        monkeypatch.setattr(recurrent_stack, "_panels", lambda weight, bias: None)
+    elif linear.rows() < linear.WIDE_ROWS:
+        pytest.skip("this CPU builds AVX2's tile: the projection is torch's")
+    else:
+        monkeypatch.setattr(recurrent_stack, "_panels",
+                            lambda weight, bias: made.append(real(weight, bias)) or made[-1])
     rng = np.random.default_rng(4)
     weights = _weights(kind, 2, 200, 96, 2, rng, scale=0.1)
     assert in_c.prepared(kind, *map(torch.from_numpy, weights[1]))[2] is not None
@@ -145,6 +158,7 @@ def test_a_large_layer_projects_its_input_first(kind, ops):
     got_y, got_finals = _stacked(kind, weights, x, lens, [None, None], [None, None],
                                  "bidirectional", False)
     assert ops == {"ops": 1, "calls": 2}
+    assert len(made) == (2 if by == "tile" else 0) and all(p is not None for p in made)
     np.testing.assert_allclose(got_y, want_y, rtol=1e-4, atol=2e-6)
     for got, want in zip(got_finals, want_finals):
         for a, b in zip(got, want):

@@ -36,7 +36,10 @@ LARGE = 1 << 20
 pointers read, the ctypes call: ~5-10 us) costs what the C saves over MKL's addmm (8x64 by 64x192
 on Static Runtime, 1 thread, load 7: addmm 21.2, this op 22.5 us; the small tier's transformers
 ran slower with it)."""
+WIDE_ROWS = 12
+"""``backplane_linear_rows()`` of a library built with AVX-512's tile (``panel_product.h``)."""
 _FUNCTIONS: list[Any] = []
+_ROWS: list[int] = []
 
 
 def _functions() -> list[Any]:
@@ -50,6 +53,15 @@ def _functions() -> list[Any]:
         lib.backplane_linear.restype = None
         _FUNCTIONS[:] = [lib.backplane_linear_pack, lib.backplane_linear]
     return _FUNCTIONS
+
+
+def rows() -> int:
+    """The library's tile rows: 12 built with AVX-512, 6 with AVX2 or without (raises
+    ``NativeUnavailable``)."""
+    if not _ROWS:
+        _functions()
+        _ROWS.append(library("linear", VERSION).backplane_linear_rows())
+    return _ROWS[0]
 
 
 def usable(mode: str) -> bool:
