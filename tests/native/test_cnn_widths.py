@@ -1,7 +1,7 @@
-"""cnn.c built three ways on one machine: as the route builds it (-march=native: AVX-512 where
+"""cnn.c built four ways on one machine: as the route builds it (-march=native: AVX-512 where
 this CPU has it, cnn_conv512.h's 16-lane tiles), its AVX2 build (-mno-avx512f: what a CI machine
-without AVX-512 runs, cnn_conv.h's 8-lane tiles) and a plain x86-64 build (no AVX: the generic
-vectors split). Each plan is packed for the width its library says (backplane_cnn_vector_width),
+without AVX-512 runs, cnn_conv.h's 8-lane tiles), a plain x86-64 build (no AVX: the generic
+vectors split) and AVX-512 without VL (-mno-avx512vl). Each plan is packed for the width its library says (backplane_cnn_vector_width),
 and each library runs a plan packed for the other width too (blocks of 32 and 48 as 16-lane parts,
 paired taps one pixel at a time): every pairing gives ONNX Runtime's outputs within the corpus
 tests' tolerance, and NaN where CpuRef gives NaN."""
@@ -26,7 +26,8 @@ from tests.conftest import float_input, make_model  # noqa: E402
 
 CORPUS = "tests/data/corpus"
 FLAVOURS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
-            "plain": ["-march=x86-64"]}
+            "plain": ["-march=x86-64"], "no_vl": ["-march=native", "-mno-avx512vl"]}
+"""no_vl: AVX-512 F without VL (its 16-lane tiles; 4-tap groups one pixel at a time)."""
 pytestmark = pytest.mark.skipif(build.compiler() is None or platform.machine() != "x86_64",
                                 reason="needs a C compiler on x86-64")
 
@@ -51,6 +52,7 @@ def test_each_build_says_its_vector_width(libraries):
     assert libraries["native"].backplane_cnn_vector_width() == (16 if wide else 8)
     assert libraries["avx2"].backplane_cnn_vector_width() == 8
     assert libraries["plain"].backplane_cnn_vector_width() == 8
+    assert libraries["no_vl"].backplane_cnn_vector_width() == (16 if wide else 8)
     assert cnn_layers.vector_width() == build.library("cnn").backplane_cnn_vector_width()
 
 
@@ -108,11 +110,13 @@ def test_every_build_runs_every_width_of_the_corpus_plans_to_onnx_runtime(librar
 
 @pytest.mark.parametrize("c,oc,groups,k,pad", [(3, 8, 1, 3, 1), (16, 2, 1, 1, 0),
                                                (24, 32, 4, 3, 1), (32, 32, 8, 3, 1),
+                                               (3, 3, 1, 3, 1), (7, 4, 1, 1, 0), (10, 6, 2, 2, 0),
                                                (5, 20, 1, 3, 0), (8, 48, 1, 1, 0),
                                                (12, 64, 2, 3, 1), (6, 24, 3, 2, 1)])
 def test_blocks_and_paired_taps_match_cpuref_with_nan_in_every_build(libraries, monkeypatch, c,
                                                                      oc, groups, k, pad):
-    """Blocks of 8 (paired taps on AVX-512, an odd tap count among them), 16, 32 and 48, grouped
+    """Blocks of 8 (taps in pairs or fours on AVX-512, tap counts past a multiple among them), 16,
+    32 and 48, grouped
     and dense, a residual and ReLU in the epilogue, one NaN in the input and one in the residual:
     CpuRef's NaNs and values from every build at both widths."""
     rng = np.random.default_rng(c * 100 + oc)

@@ -117,49 +117,68 @@ int backplane_cnn_vector_width(void) {
 
 enum { PB_ALL = 14 };  /* the most pixels a tile takes in either build */
 
-/* The pixels a tile of VB output channels takes in this build (`paired`: 8 channels by 2 taps). */
-static inline int64_t tile_pixels(int64_t VB, int paired) {
-#if defined(__AVX512F__)
-    return paired ? PB2 : VB == 8 ? 8 : VB == 16 ? 14 : VB == 32 ? 12 : 8;
+/* Whether this build runs a block of `taps` taps a lane group (cnn_conv512.h's tile_pairs, 2;
+   tile_quads, 4) in registers; else one pixel at a time (taps_by_one). */
+static inline int taps_in_registers(int64_t taps) {
+#if defined(__AVX512VL__)
+    return taps == 2 || taps == 4;
+#elif defined(__AVX512F__)
+    return taps == 2;
 #else
-    return paired ? 1 : VB == 8 ? 8 : 6;
+    return (void)taps, 0;
 #endif
 }
 
-#if !defined(__AVX512F__)
-/* A block of paired taps (cnn_conv512.h's tile_pairs) one pixel at a time, in a build without
-   AVX-512 (a plan packed for one with it): each output channel's even and odd taps' sums. */
-static void pairs_by_one(const float *x, int64_t rowstep, int64_t colstep, int64_t KH,
-                         int64_t KW, int64_t inner, const float *restrict wk,
-                         const float *restrict bk, float *restrict o, int64_t valid) {
-    const int64_t step = (inner + 1) / 2 * 16;
+/* The pixels a tile of VB output channels (or of `taps` taps a lane group) takes in this build. */
+static inline int64_t tile_pixels(int64_t VB, int64_t taps) {
+#if defined(__AVX512F__)
+    if (taps) return taps_in_registers(taps) ? PB2 : 1;
+    return VB == 8 ? 8 : VB == 16 ? 14 : VB == 32 ? 12 : 8;
+#else
+    return taps ? 1 : VB == 8 ? 8 : 6;
+#endif
+}
+
+/* A block of taps in lane groups (cnn_conv512.h's tile_pairs, tile_quads) one pixel at a time,
+   in a build that has not those tiles (a plan packed for one that has): each output channel's
+   sums of the taps t = e mod `taps`, then their sum. */
+static void taps_by_one(int64_t taps, const float *x, int64_t rowstep, int64_t colstep,
+                        int64_t KH, int64_t KW, int64_t inner, const float *restrict wk,
+                        const float *restrict bk, float *restrict o, int64_t valid) {
+    const int64_t step = (inner + taps - 1) / taps * 16;
     for (int64_t c = 0; c < valid; ++c) {
-        float s[2] = {bk[2 * c], bk[2 * c + 1]};
+        float s[4] = {bk[taps * c], 0.0f, 0.0f, 0.0f};
         for (int64_t kh = 0; kh < KH; ++kh)
             for (int64_t kw = 0; kw < KW; ++kw) {
-                const float *w = wk + (kh * KW + kw) * step + 2 * c;
+                const float *w = wk + (kh * KW + kw) * step + taps * c;
                 const float *xt = x + kh * rowstep + kw * colstep;
                 for (int64_t t = 0; t < inner; ++t)
-                    s[t & 1] = fmaf(xt[t], w[t / 2 * 16 + (t & 1)], s[t & 1]);
+                    s[t % taps] = fmaf(xt[t], w[t / taps * 16 + t % taps], s[t % taps]);
             }
-        o[c] = s[0] + s[1];
+        o[c] = (s[0] + s[1]) + (s[2] + s[3]);
     }
 }
-#endif
 
 /* One tile of pixels by one block of VB output channels: the build's widest tile for it. */
 static inline __attribute__((always_inline)) void block(
-    int64_t VB, int paired, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH,
+    int64_t VB, int64_t taps, const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH,
     int64_t KW, int64_t inner, const float *restrict wk, const float *restrict bk,
     float *restrict op, int64_t OC, int64_t pixels, int64_t valid, int fused,
     const float *restrict res, int64_t act, const float *a) {
-    if (paired) {
+    if (taps) {
 #if defined(__AVX512F__)
-        tile_pairs(ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused,
-                   res, act, a);
-#else
-        pairs_by_one(ip[0], rowstep, colstep, KH, KW, inner, wk, bk, op, valid);
+        if (taps == 2) {
+            tile_pairs(ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused,
+                       res, act, a);
+            return;
+        }
 #endif
+#if defined(__AVX512VL__)
+        tile_quads(ip, rowstep, colstep, KH, KW, inner, wk, bk, op, OC, pixels, valid, fused,
+                   res, act, a);
+        return;
+#endif
+        taps_by_one(taps, ip[0], rowstep, colstep, KH, KW, inner, wk, bk, op, valid);
         return;
     }
     if (VB == 8) {
@@ -212,20 +231,21 @@ static void conv(const int64_t *f, float *A, const float *P) {
     const int64_t rowstep = DH * PW * C, colstep = DW * C;
     const int merged = G == 1 && DW == 1;  /* a window's row contiguous: kw and ic as one loop */
     const int64_t KWo = merged ? 1 : KW, inner = merged ? KW * ICG : ICG;
-    const int paired = f[F_X1] != 0;  /* taps in pairs (cnn_conv512.h's tile_pairs) */
+    const int64_t taps = f[F_X1];  /* taps a lane group: 2 or 4 (cnn_conv512.h), else 0 */
 #if defined(__AVX512F__)
-    /* the 16-lane tiles apply any act16_takes in registers; paired taps of fewer than 4 output
-       channels only the cheap ones (an exp for 2 useful lanes of 16: finish's 8 a vector win) */
+    /* the 16-lane tiles apply any act16_takes in registers; taps in lane groups with fewer than
+       8 useful lanes only the cheap ones (an exp for 4 useful lanes of 16: finish's 8 a win) */
     const int cheap = act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP || act == ACT_LEAKY;
-    const int fused = paired ? act16_takes(act) && (OCG >= 4 || cheap) :
+    const int fused = taps ? taps_in_registers(taps) && act16_takes(act) &&
+                             (OCG * taps >= 8 || cheap) :
                       VB != 8 ? act16_takes(act) : OCG % VB == 0 && cheap && act != ACT_LEAKY;
 #else
-    const int fused = !paired && OCG % VB == 0 &&
+    const int fused = !taps && OCG % VB == 0 &&
                       (act == ACT_NONE || act == ACT_RELU || act == ACT_CLIP);
 #endif
-    const int64_t pb = tile_pixels(VB, paired), total = N * OH * OW, chunk = chunk_of(pb);
-    const int64_t wblock = paired ? KH * KWo * ((inner + 1) / 2) * 16 : KH * KW * ICG * VB,
-                  bblock = paired ? 16 : VB;
+    const int64_t pb = tile_pixels(VB, taps), total = N * OH * OW, chunk = chunk_of(pb);
+    const int64_t wblock = taps ? KH * KWo * ((inner + taps - 1) / taps) * 16 : KH * KW * ICG * VB,
+                  bblock = taps ? 16 : VB;
     const float *ip[PB_ALL];
     int64_t n = 0, oh = 0, ow = 0;  /* the next tile's first pixel */
     for (int64_t q0 = 0; q0 < total; q0 += chunk) {
@@ -256,7 +276,7 @@ static void conv(const int64_t *f, float *A, const float *P) {
                     const float *bk = P + f[F_BOFF] + (g * NB + b) * bblock;
                     const int64_t oc0 = g * OCG + b * VB;
                     const int64_t valid = OCG - b * VB < VB ? OCG - b * VB : VB;
-                    block(VB, paired, gp, rowstep, colstep, KH, KWo, inner, wk, bk,
+                    block(VB, taps, gp, rowstep, colstep, KH, KWo, inner, wk, bk,
                           out + q * OC + oc0, OC, pixels, valid, fused,
                           fused && res ? res + q * OC + oc0 : 0, act, a);
                 }

@@ -315,3 +315,77 @@ static inline __attribute__((always_inline)) void dwrow16(
 #undef DWS
     }
 }
+
+#if defined(__AVX512VL__)
+/* A group of at most 4 output channels (a grouped convolution's 4, unet's last 2): 16 lanes as
+   4 channels by 4 taps (tile_pairs' scheme, lane 4o + e; one 16-byte broadcast of four adjacent
+   inputs an FMA, a count of taps past a multiple of 4 by masked FMAs, one a tap), four pixels'
+   accumulators then folded into one register, [pixel r | r + 1 | r + 2 | r + 3] by 4 channels
+   (the sums of taps e = 0, 1 and 2, 3 first, then of the two). */
+static inline __attribute__((always_inline)) void tile_quads(
+    const float *const *ip, int64_t rowstep, int64_t colstep, int64_t KH, int64_t KW,
+    int64_t inner, const float *restrict wk, const float *restrict bk, float *restrict op,
+    int64_t OC, int64_t pixels, int64_t valid, int fused, const float *restrict res,
+    int64_t act, const float *a) {
+    static const int32_t fold[2][16] = {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+                                        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+    __m512 acc[PB2];
+    const float *p[PB2];
+    const __m512 bias = _mm512_loadu_ps(bk);
+    for (int r = 0; r < PB2; ++r) p[r] = ip[r], acc[r] = bias;
+    const int64_t whole = inner & ~(int64_t)3, rest = inner & 3;
+    const float *w = wk;
+    int64_t kh = 0;
+    do {
+        int64_t kw = 0;
+        do {
+            const int64_t at = kh * rowstep + kw * colstep;
+            for (int64_t t = 0; t < whole; t += 4) {
+                const __m512 wv = _mm512_loadu_ps(w);
+                for (int r = 0; r < PB2; ++r)
+                    acc[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(p[r] + at + t)),
+                                             wv, acc[r]);
+                w += 16;
+            }
+            if (rest) {
+                const __m512 wv = _mm512_loadu_ps(w);
+                for (int64_t e = 0; e < rest; ++e)
+                    for (int r = 0; r < PB2; ++r)
+                        acc[r] = _mm512_mask3_fmadd_ps(_mm512_set1_ps(p[r][at + whole + e]), wv,
+                                                       acc[r], (__mmask16)(0x1111u << e));
+                w += 16;
+            }
+        } while (++kw < KW);
+    } while (++kh < KH);
+    const __m512i evens = _mm512_loadu_si512(fold[0]), odds = _mm512_loadu_si512(fold[1]);
+    const __mmask8 lanes = (__mmask8)((1u << valid) - 1u);
+    for (int r = 0; r < PB2; r += 4) {
+        if (r >= pixels) break;
+        const __m512 a01 = _mm512_add_ps(_mm512_permutex2var_ps(acc[r], evens, acc[r + 1]),
+                                         _mm512_permutex2var_ps(acc[r], odds, acc[r + 1]));
+        const __m512 a23 = _mm512_add_ps(_mm512_permutex2var_ps(acc[r + 2], evens, acc[r + 3]),
+                                         _mm512_permutex2var_ps(acc[r + 2], odds, acc[r + 3]));
+        __m512 s = _mm512_add_ps(_mm512_permutex2var_ps(a01, evens, a23),
+                                 _mm512_permutex2var_ps(a01, odds, a23));
+        const int64_t n = pixels - r;  /* of the four, those that are pixels */
+        if (fused) {
+            if (res) {
+                __m512 rv = _mm512_castps128_ps512(_mm_maskz_loadu_ps(lanes, res + r * OC));
+                rv = _mm512_mask_mov_ps(rv, 0xfff0, _mm512_setzero_ps());
+                if (n > 1)
+                    rv = _mm512_insertf32x4(rv, _mm_maskz_loadu_ps(lanes, res + (r + 1) * OC), 1);
+                if (n > 2)
+                    rv = _mm512_insertf32x4(rv, _mm_maskz_loadu_ps(lanes, res + (r + 2) * OC), 2);
+                if (n > 3)
+                    rv = _mm512_insertf32x4(rv, _mm_maskz_loadu_ps(lanes, res + (r + 3) * OC), 3);
+                s = _mm512_add_ps(s, rv);
+            }
+            s = act16(s, act, a);
+        }
+        _mm_mask_storeu_ps(op + r * OC, lanes, _mm512_castps512_ps128(s));
+        if (n > 1) _mm_mask_storeu_ps(op + (r + 1) * OC, lanes, _mm512_extractf32x4_ps(s, 1));
+        if (n > 2) _mm_mask_storeu_ps(op + (r + 2) * OC, lanes, _mm512_extractf32x4_ps(s, 2));
+        if (n > 3) _mm_mask_storeu_ps(op + (r + 3) * OC, lanes, _mm512_extractf32x4_ps(s, 3));
+    }
+}
+#endif

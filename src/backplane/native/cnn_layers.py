@@ -113,14 +113,14 @@ def _conv(p: _Planner, layer: Layer, a: dict, x: Any, weight: np.ndarray) -> Non
     act, aoff = p.activation(a.get("unary"))
     bias = np.asarray(a["bias"], np.float32)
     ocg = oc // groups
-    paired = 0
+    taps = 0
     if icg == 1 and ocg == 1:  # depthwise: [kh][kw][c]
         op, vb = "dwconv", 0
         woff = p.param(weight.reshape(oc, kh, kw).transpose(1, 2, 0))
         boff = p.param(bias)
-    elif ocg <= 8 and vector_width() >= 16:  # taps in pairs (cnn_conv512.h's tile_pairs)
-        op, vb, paired = "conv", 8, 1
-        woff, boff = _paired(p, weight, bias, groups, merged=groups == 1 and dw == 1)
+    elif ocg <= 8 and vector_width() >= 16:  # taps in lane groups (cnn_conv512.h)
+        op, vb, taps = "conv", 8, 4 if ocg <= 4 else 2
+        woff, boff = _taps(p, weight, bias, groups, taps, merged=groups == 1 and dw == 1)
     else:  # [g][block][kh][kw][icg][vb], zero past the group's channels
         op, vb = "conv", block_width(ocg, vector_width())
         blocks = -(-ocg // vb)
@@ -149,26 +149,27 @@ def _conv(p: _Planner, layer: Layer, a: dict, x: Any, weight: np.ndarray) -> Non
         dims, oh, ow, ph, pw = (n, c, 1, h * w), 1, h * w, 1, h * w
     p.record(op, in_=x.offset, out=y.offset, dims=dims, in2=residual, oh=oh, ow=ow, oc=oc,
              kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl, g=groups, woff=woff,
-             boff=boff, act=act, aoff=aoff, scr=scratch, ph=ph, pw=pw, vb=vb, x1=paired,
+             boff=boff, act=act, aoff=aoff, scr=scratch, ph=ph, pw=pw, vb=vb, x1=taps,
              macs=n * oh * ow * oc * icg * kh * kw)
 
 
-def _paired(p: _Planner, weight: np.ndarray, bias: np.ndarray, groups: int,
-            merged: bool) -> tuple[int, int]:
-    """A group's at most 8 output channels' weights as [g][kh][kw][pair][8][2] (taps in pairs:
-    ``inner`` of them a kw, the group's input channels, or kw x ic as one where ``merged``, its
-    window row contiguous; zero past the taps and the channels), and the bias [g][8][2] in the
-    even lanes: cnn_conv512.h's tile_pairs. Returns (weights, bias) offsets."""
+def _taps(p: _Planner, weight: np.ndarray, bias: np.ndarray, groups: int, taps: int,
+          merged: bool) -> tuple[int, int]:
+    """A group's at most 16 / ``taps`` output channels' weights as [g][kh][kw][q][16 / taps]
+    [taps] (``taps`` adjacent taps a lane group: ``inner`` of them a kw, the group's input
+    channels, or kw x ic as one where ``merged``, its window row contiguous; zero past the taps
+    and the channels), and the bias [g][16 / taps][taps] in each group's first lane:
+    cnn_conv512.h's tile_pairs (2) and tile_quads (4). Returns (weights, bias) offsets."""
     oc, icg, kh, kw = weight.shape
     ocg = oc // groups
-    taps = weight.reshape(groups, ocg, icg, kh, kw).transpose(0, 3, 4, 2, 1)  # g kh kw ic o
+    rows = weight.reshape(groups, ocg, icg, kh, kw).transpose(0, 3, 4, 2, 1)  # g kh kw ic o
     if merged:
-        taps = taps.reshape(groups, kh, 1, kw * icg, ocg)
-    inner = taps.shape[3]
-    packed = np.zeros((*taps.shape[:3], -(-inner // 2) * 2, 8), np.float32)
-    packed[..., :inner, :ocg] = taps
-    packed = packed.reshape(*taps.shape[:3], -1, 2, 8).swapaxes(-1, -2)
-    lanes = np.zeros((groups, 8, 2), np.float32)
+        rows = rows.reshape(groups, kh, 1, kw * icg, ocg)
+    inner, width = rows.shape[3], 16 // taps
+    packed = np.zeros((*rows.shape[:3], -(-inner // taps) * taps, width), np.float32)
+    packed[..., :inner, :ocg] = rows
+    packed = packed.reshape(*rows.shape[:3], -1, taps, width).swapaxes(-1, -2)
+    lanes = np.zeros((groups, width, taps), np.float32)
     lanes[:, :ocg, 0] = bias.reshape(groups, ocg)
     return p.param(packed), p.param(lanes)
 
