@@ -301,6 +301,27 @@ def test_a_max_or_mean_over_the_length_is_a_global_pool_and_matches_cpuref(op, r
 
 
 @needs_compiler
+def test_an_integer_input_read_other_than_as_indices_is_left_to_torch():
+    """An int64 input Cast to float and added: not planned (a value above 2^24 has no exact
+    float in the arena: the plan reads int32 and int64 inputs only as a gather's indices, where
+    such a value is out of range anyway); torch's route gives CpuRef's rounding of 2^25 + 1."""
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3)).astype(np.float32), "w")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("Cast", ["k"], ["kf"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["c", "kf"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    model = make_model(nodes, [float_input("x", [1, 3, 10]),
+                               helper.make_tensor_value_info("k", TensorProto.INT64, [1, 4, 8])],
+                       [float_input("y", None)], inits, opset=17)
+    feeds = {"x": rng.standard_normal((1, 3, 10)).astype(np.float32),
+             "k": rng.integers(-3, 3, (1, 4, 8))}
+    feeds["k"][0, 1, 2] = (1 << 25) + 1
+    session, got, want = _run_both(model, feeds)
+    assert "native" not in _partition_routes(session)
+    _close(got, want)
+
+
+@needs_compiler
 @pytest.mark.parametrize("name", ["audio_conv1d_dyn19", "bytes_int32_dyn20"])
 def test_the_corpus_rows_run_whole_in_c_at_both_sizes_and_match_onnx_runtime(name):
     """Their free batch and length: each signature's build (Specialized) one native call."""

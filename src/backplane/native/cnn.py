@@ -51,6 +51,10 @@ INTEGER = frozenset((*VIEWS, "Transpose", "Slice", "Split", "Concat", "Expand", 
 reading one is not planned (float arithmetic is not int64's: a Div, an overflow)."""
 TO_FLOATS = frozenset(("Cast", "Embedding"))
 """Of those, the layers whose outputs are not indices (a Cast's marks its own)."""
+GATHERED = {("Embedding", 0), ("Gather", 1), ("GatherElements", 1), ("GatherND", 1)}
+"""(layer, input) pairs where an int32 or int64 input of the partition may be read: as indices
+only, where one without an exact float (above 2^24, whose import fails the call) is out of any
+planned axis's range anyway, as CpuRef's gather raises; a bool input (0, 1) anywhere."""
 OUTPUTS = {"Split": 0, "TopK": 2, "WindowedConv": 0}
 """The layers of more than one output (0: any count)."""
 ALIGN = 16  # floats: each tensor's place starts on a 64-byte line
@@ -286,6 +290,9 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     planner = _Planner(cnn_seq.fold(layers, constants, outputs), constants, inputs, input_shapes,
                        outputs)
     for index, kind in enumerate(kinds):
+        if kind in (2, 3) and any(name == inputs[index] and (lay.op_type, at) not in GATHERED
+                                  for lay in planner.layers for at, name in enumerate(lay.inputs)):
+            raise Unplannable(f"the integer input {inputs[index]!r} read other than as indices")
         if kind:  # indices: read as floats, exact below 2^24 (cnn_seq.h's import)
             planner.records[index][FIELDS.index("x1")] = kind
             planner.values[inputs[index]].integer = True
