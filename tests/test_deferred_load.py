@@ -255,6 +255,7 @@ def test_the_load_runs_the_first_feeds_it_was_given_once_on_a_copy(fail: bool) -
 
     later = deferred_load.Later(make)
     x = np.ones(3, np.float32)
+    later.warm({"x": [1.0, 2.0]})  # not an array: not kept
     later.warm({"x": x})
     later.warm({"x": x * 2})  # only the first
     x[:] = 5  # the caller's own again

@@ -189,9 +189,11 @@ class Later:
 
     def warm(self, feeds: Mapping[str, Any]) -> None:
         """Feeds the build runs once it is made (the first given, copied: the caller's arrays
-        are its own again when its run returns), while runs bridge the load (``torch_free``)."""
-        if self.feeds is None and not self.done.is_set():
-            self.feeds = {name: np.array(value) for name, value in feeds.items()}
+        are its own again when its run returns), while runs bridge the load. NumPy arrays only
+        (a tensor on a device is not copied here)."""
+        if self.feeds is None and not self.done.is_set() and all(
+                type(value) is np.ndarray for value in feeds.values()):
+            self.feeds = {name: value.copy() for name, value in feeds.items()}
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
@@ -211,9 +213,9 @@ class Later:
                 return None
             self.bridging += 1
             runtime, network_id = session.runtime, session.network_id
-        self.warm(feeds)
         started, token = time.perf_counter(), STOP.set(self._stop)
         try:
+            self.warm(feeds)
             return runtime.run(network_id, feeds)
         except _LoadDone:
             return None
