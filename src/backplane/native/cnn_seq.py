@@ -10,7 +10,10 @@ dynamo's Div, Erf, Add, Mul, Mul apart, and audio_conv1d_dyn19's plan stopped at
 fold gives the plan its ``GeluChain`` (one pass, or the convolution's own post-op). A byte
 classifier (bytes_int32_dyn20) reads int32 bytes and a bool mask: its lookup, the mask's Mul
 and the Transpose to (N, C, L) become one ``embed`` record writing the rows where the
-convolution reads them, and the whole partition is one C call (``cnn_seq.h``).
+convolution reads them, and the whole partition is one C call (``cnn_seq.h``). audio's tail
+(Transpose, LayerNormalization, Linear) is one ``rownorm`` record over the channels-last rows as
+they lie, its product's rows kept in ONNX's order (``Value.rows``), where three gathers had
+moved them there and back.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def fold(layers: Sequence[Layer], constants: Mapping[str, np.ndarray],
     """``layers`` with each GELU written out in Erf (x * 0.5 * (1 + erf(x / sqrt 2)), in the
     exporters' orders) as one GeluChain, and each Gather of a constant 2-d table by computed
     indices as one Embedding (with the Mul by a mask and the Transpose to (N, C, L) after it,
-    where they follow); an intermediate read elsewhere, or an output, is left as it is."""
+    where they follow), and each Transpose of (N, C, L) to (N, L, C) with the
+    LayerNormalization over C after it (and its Linear) as one RowNorm; an intermediate read
+    elsewhere, or an output, is left as it is."""
     layers = list(layers)
     for match in (_gelu, _embedding, _row_norm):
         at, readers = 0, _Readers(layers, outputs)
