@@ -18,7 +18,7 @@
 #define DYNQUANT_VNNI 1
 #endif
 
-#define BACKPLANE_DYNQUANT_VERSION 2
+#define BACKPLANE_DYNQUANT_VERSION 3
 #define ROWS 4  /* rows of x a block of the product reads each weight value for */
 #define COLS 16 /* columns a block keeps in registers: ROWS * COLS / 8 = 8 AVX2 accumulators */
 #define STACK 4096
@@ -242,6 +242,16 @@ int backplane_dynquant_bytes(const float *x, long rows, long depth, const int8_t
     (void)bias, (void)y;
     return 3;
 #endif
+}
+
+/* backplane_dynquant_bytes with the layer's constants read from one array (dynquant.py's
+ * _layer: the packed weight's address, depth, cols, w_scale's address, its count, the bias's
+ * address or 0), made once a layer: four arguments a call where ctypes converts nine (0.30
+ * against 0.68 us a call). */
+int backplane_dynquant_bytes_at(const float *x, long rows, const int64_t *layer, float *y) {
+    return backplane_dynquant_bytes(x, rows, (long)layer[1], (const int8_t *)(intptr_t)layer[0],
+                                    (long)layer[2], (const float *)(intptr_t)layer[3],
+                                    (long)layer[4], (const float *)(intptr_t)layer[5], y);
 }
 
 /* 1 where backplane_dynquant_bytes is built (AVX-512 VNNI), else 0. */

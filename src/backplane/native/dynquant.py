@@ -24,7 +24,7 @@ import torch
 
 from backplane.native.build import NativeUnavailable, library
 
-VERSION = 2
+VERSION = 3
 """``dynquant.c``'s ``backplane_dynquant_version``."""
 _FUNCTIONS: list[Any] = []
 BYTES_DEPTH = 65_000
@@ -44,8 +44,12 @@ def _function() -> Any:
                                  pointer]
             function.restype = ctypes.c_int
             found.append(function)
+        at = lib.backplane_dynquant_bytes_at
+        at.argtypes = [pointer, size, pointer, pointer]
+        at.restype = ctypes.c_int
+        found.append(at)
         if not lib.backplane_dynquant_has_bytes():
-            found[1] = None
+            found[1] = found[2] = None
         _FUNCTIONS.extend(found)
     return _FUNCTIONS[0]
 
@@ -118,9 +122,10 @@ def _matmul_bytes(x: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor,
     y = torch.empty((*x.shape[:-1], cols))
     rows = x.numel() // depth if depth else 0
     if rows:
-        code = _FUNCTIONS[1](x.data_ptr(), rows, depth, packed.data_ptr(), cols,
-                             w_scale.data_ptr(), w_scale.numel(),
-                             None if bias is None else bias.data_ptr(), y.data_ptr())
+        held = getattr(packed, LAYER, None)
+        if held is None or held[1] is not w_scale or held[2] is not bias:
+            held = _layer(packed, w_scale, bias, depth, cols)
+        code = _FUNCTIONS[2](x.data_ptr(), rows, held[0], y.data_ptr())
         if code == 0:
             return y
         if code == 2:
@@ -128,6 +133,22 @@ def _matmul_bytes(x: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor,
     if not x.numel():
         return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
     return _torch_route(x, unpack(packed, depth, cols), w_scale, bias)
+
+
+LAYER = "_backplane_dynquant_layer"
+"""The attribute of a packed weight holding its layer's constants for ``backplane_dynquant_bytes_at``
+(made at its first call: the tensors a trace passes are its constants, the same objects each call)."""
+
+
+def _layer(packed: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, depth: int,
+           cols: int) -> tuple[int, torch.Tensor, torch.Tensor | None, Any]:
+    """(the constants' array's address, w_scale, bias, the array), set on ``packed``: the array
+    holds the three tensors' addresses, and the tuple holds the tensors, so they outlive it."""
+    values = (ctypes.c_int64 * 6)(packed.data_ptr(), depth, cols, w_scale.data_ptr(),
+                                  w_scale.numel(), 0 if bias is None else bias.data_ptr())
+    held = (ctypes.addressof(values), w_scale, bias, values)
+    setattr(packed, LAYER, held)
+    return held
 
 
 def unpack(packed: torch.Tensor, depth: int, cols: int) -> torch.Tensor:

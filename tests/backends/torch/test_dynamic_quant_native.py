@@ -177,3 +177,23 @@ def test_a_build_without_vnni_has_no_bytes_and_the_float_product_stays(tmp_path)
     assert plain.backplane_dynquant_matmul(*args) == 0
     np.testing.assert_array_equal(y.numpy(), dynquant.matmul(x, weight, w_scale, bias).numpy())
     np.testing.assert_array_equal(y.numpy(), torch_route(x, weight, w_scale, bias).numpy())
+
+
+@needs_library
+@pytest.mark.skipif(not dynquant.on_bytes(), reason="the library here has no AVX-512 VNNI")
+def test_a_packed_weight_keeps_its_layers_constants_for_the_calls_after(monkeypatch):
+    """The first call on a packed weight makes its constants' array (dynquant._layer: four
+    arguments a call); later calls with the same w_scale and bias reuse it, another w_scale or
+    bias makes another: each call's outputs the torch route's, bit for bit."""
+    weight, w_scale, bias = layer(5, 24, 40, True, True)
+    read = as_read(weight, "bytes")
+    made = []
+    real = dynquant._layer
+    monkeypatch.setattr(dynquant, "_layer", lambda *a: made.append(a) or real(*a))
+    x = torch.from_numpy(RNG.standard_normal((5, 24)).astype(np.float32))
+    other_scale = w_scale * 2
+    for scale, added, builds in ((w_scale, bias, 1), (w_scale, bias, 1), (other_scale, bias, 2),
+                                 (other_scale, None, 3), (other_scale, None, 3)):
+        got = dynquant.matmul(x, read, scale, added)
+        np.testing.assert_array_equal(got.numpy(), torch_route(x, weight, scale, added).numpy())
+        assert len(made) == builds
