@@ -5,9 +5,12 @@ Why: at a transformer's sizes (8 to 64 rows of 64 to 1024) torch's products run 
 this AVX2 machine does: MKL's and oneDNN's, 1 thread, thread CPU, in one process alternating with
 ONNX Runtime's Gemm and this C (load 6-7): 32x256 by 256x768 382 (oneDNN packed) / 351 (MKL) /
 283 (ORT) / 226 us (C), 32x1024 by 1024x256 568 / 496 / 429 / 352, 32x256 by 256x256 236 / 132 /
-145 / 90, 8x64 by 64x192 45.5 / 14.8 / 17.8 / 5.5. The C is a 6 x 16 register block over panels
-of 16 columns (the weight's K rows of 16 floats each), FMAs: float32 sums in another order than
-torch's, a rounding or so apart (the outputs within the corpus tests' tolerances, not bit for bit).
+145 / 90, 8x64 by 64x192 45.5 / 14.8 / 17.8 / 5.5. The C is ``panel_product.h``'s register tile
+over panels of 16 columns (the weight's K rows of 16 floats each), FMAs: 6 rows x 16 outputs in
+8-float vectors (AVX2), 12 x 32 in 16-float ones where the CPU has AVX-512 (``rows``), twice the
+rate (an AMD EPYC of family 26, 1 thread, thread CPU, torch's MKL / C: 32x256 by 256x768 129 / 50
+us, 80x64 by 64x256 27.3 / 11.5). Float32 sums in another order than torch's, a rounding or so
+apart (the outputs within the corpus tests' tolerances, not bit for bit).
 
 Where: ``CpuAcc.native`` "auto", a float32 layer on the CPU whose input shape is known, the
 library built (``usable``), a session of one thread (``CpuAcc.threads`` 1: the C runs on one;
