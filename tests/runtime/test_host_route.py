@@ -189,38 +189,54 @@ def test_a_version_of_a_decided_if_runs_its_kept_native_plan() -> None:
 
     calls: list[str] = []
 
-    def handed(values: list[object]) -> list[object]:
+    def workload(x: object) -> tuple[object, ...]:
         calls.append("steps")
-        return [np.asarray(values[1]) * 2, np.asarray(values[1]) + 0]
-
-    handed.parts = ()  # type: ignore[attr-defined]
-
-    def workload(*values: object) -> tuple[object, ...]:
-        return values
+        value = np.asarray(x)
+        return value * 2, value + 0
 
     def host(x: np.ndarray) -> list[np.ndarray]:
         calls.append("host")
         return [x * 2, x + 0, x - 1]
 
-    workload.hosted = host_route.Hosted({((2, 3),): host})  # type: ignore[attr-defined]
-    reads = [(1, None, None, None)]  # the step reads the network's second input
-    outs = [(0, None, None), (1, None, None)]
-    run = steps._hosting(handed, reads, workload, outs, owned=lambda o, v: o)  # type: ignore[arg-type]
-    assert run.parts == ()  # type: ignore[attr-defined]
+    def view(value: object) -> object:  # a handover between host memories
+        return value
+
+    step = steps.Step(workload, (0,), (1, 2), ())
+    reads = [(1, view, step, None)]  # the step reads the network's second input
+    outs = [(0, view, step), (1, view, step)]
+
+    def handed_of(work: object, outputs: list[tuple[int, object, object]]) -> object:
+        def call(values: list[object]) -> list[object]:  # the steps' loop, which asks the stop
+            calls.append("loop")
+            return []
+
+        return steps.owning_call(call, reads, work, step, outputs,  # type: ignore[arg-type]
+                                 lambda o, v: o, lambda at, exc: exc)
+
+    run = handed_of(workload, outs)
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    got = run([np.float32(0), x])
-    assert calls == ["host"]
+    run([np.float32(0), x])  # type: ignore[operator]
+    assert calls == ["steps"]  # nothing kept: the step
+    workload.hosted = host_route.Hosted()  # type: ignore[attr-defined]
+    run = handed_of(workload, outs)
+    assert run.parts[1] is workload  # type: ignore[attr-defined]  # direct_run's
+    calls.clear()
+    run([np.float32(0), x])  # type: ignore[operator]
+    workload.hosted[((2, 3),)] = host  # type: ignore[attr-defined]  # kept at its build, later
+    got = run([np.float32(0), x])  # type: ignore[operator]
+    assert calls == ["steps", "host"]
     np.testing.assert_array_equal(got[0], x * 2)
     np.testing.assert_array_equal(got[1], x)
     assert not np.shares_memory(got[1], x)
     calls.clear()
-    run([np.float32(0), np.zeros((4, 3), np.float32)])  # no run kept for these shapes
-    run([np.float32(0), torch.zeros(2, 3)])  # not NumPy
+    run([np.float32(0), np.zeros((4, 3), np.float32)])  # type: ignore[operator]  # other shapes
+    run([np.float32(0), torch.zeros(2, 3)])  # type: ignore[operator]  # not NumPy
     token = steps.STOP.set(object())  # under a stop: the steps, which ask it
     try:
-        run([np.float32(0), x])
+        run([np.float32(0), x])  # type: ignore[operator]
     finally:
         steps.STOP.reset(token)
-    assert calls == ["steps", "steps", "steps"]
-    twice = [(0, None, None), (0, None, None)]
-    assert steps._hosting(handed, reads, workload, twice, lambda o, v: o) is handed
+    assert calls == ["steps", "steps", "loop"]
+    calls.clear()
+    handed_of(workload, [(0, view, step), (0, view, step)])([np.float32(0), x])  # type: ignore
+    assert calls == ["steps"]  # an output given twice: not the kept run

@@ -64,7 +64,7 @@ class ArenaExecutor:
         """The plan run on NumPy arrays of its input shapes (ValueError for another shape): an
         input of another dtype, or not C-contiguous, is copied to the plan's first; the outputs
         are fresh arrays, the caller's alone. Plain loops (a comprehension is a frame of its own
-        on 3.11), each address read from the array object (``address``)."""
+        on 3.11), each address read from the array object in line (``DIRECT``)."""
         inputs, outputs = self.edge_types or self._edge_types()
         if len(values) != len(inputs):
             raise ValueError(f"native plan: {len(values)} inputs given, {len(inputs)} planned")
@@ -75,11 +75,11 @@ class ArenaExecutor:
                 held.append(v)  # alive through the call
             if v.shape != shape:
                 raise ValueError(f"native plan: an input of shape {v.shape}, planned for {shape}")
-            pointers.append(address(v))
+            pointers.append(at(id(v) + HEADER).value if DIRECT else v.ctypes.data)  # no frame
         for shape, kind in outputs:
             o = empty(shape, kind)
             made.append(o)
-            pointers.append(address(o))
+            pointers.append(at(id(o) + HEADER).value if DIRECT else o.ctypes.data)
         self.run(pointers)
         return made
 
@@ -96,20 +96,19 @@ class ArenaExecutor:
         return self.edge_types
 
 
-def _addresses() -> Callable[[np.ndarray], int]:
-    """A function giving an ndarray's data address: read from the array object (its first field
-    after the object's header, ``PyArrayObject.data``: 0.08 us) where a probe finds it there,
-    else numpy's ``.ctypes.data`` (0.8 us, an object made a read)."""
-    at, header = ctypes.c_void_p.from_address, object.__basicsize__
+def _direct() -> bool:
+    """Whether an ndarray's data address is the first field after its object's header
+    (``PyArrayObject.data``), read there in 0.08 us (numpy's ``.ctypes.data``: 0.8, an object
+    made a read), in line in ``host``: a call of a function for it was a Python frame an edge."""
     probe = np.empty(3, np.float32)
-    if at(id(probe) + header).value != probe.ctypes.data:
-        return lambda array: array.ctypes.data  # type: ignore[no-any-return]
-
-    def address(array: np.ndarray) -> int:
-        return at(id(array) + header).value or 0
-
-    return address
+    return at(id(probe) + HEADER).value == probe.ctypes.data  # type: ignore[no-any-return]
 
 
-address = _addresses()
+def address(array: np.ndarray) -> int:
+    """An ndarray's data address (``host`` reads it in line)."""
+    return (at(id(array) + HEADER).value or 0) if DIRECT else array.ctypes.data  # type: ignore
+
+
+at, HEADER = ctypes.c_void_p.from_address, object.__basicsize__
+DIRECT = _direct()
 ndarray, empty = np.ndarray, np.empty

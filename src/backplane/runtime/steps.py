@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy import ndarray
 
 from backplane.backends.api.backend import Workload
 from backplane.backends.api.memory import HOST_FACTORY, TensorHandleFactory
@@ -252,9 +253,28 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
     if any(convert is None for _, convert, _ in outs):
         return lambda values: owned(call(values), values)
 
+    kept, positions, taken = _hosted(reads, workload, outs)
+
     def handed(values: Sequence[Any]) -> list[Any]:
         if STOP.get() is not None:
             return owned(call(values), values)
+        if kept:  # a native plan's NumPy run kept for these shapes: called in line, no frame
+            arrays, shapes = [], []
+            for index in positions:
+                value = values[index]
+                arrays.append(value)
+                shapes.append(value.shape if type(value) is ndarray else None)
+            host = kept.get(tuple(shapes))
+            if host is not None:
+                try:
+                    results = host(*arrays)
+                except Exception:  # noqa: BLE001  # again through the step: its error names it
+                    results = None
+                if results is not None:
+                    outputs = []
+                    for index in taken:
+                        outputs.append(results[index])
+                    return outputs
         at = step
         try:
             args = []
@@ -280,49 +300,25 @@ def owning_call(call: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tupl
         return owned(outputs, values)
 
     handed.parts = (reads, workload, outs, owned)  # type: ignore[attr-defined]  # direct_run's
-    return _hosting(handed, reads, workload, outs, owned)
+    return handed
 
 
-def _hosting(handed: Callable[[Sequence[Any]], list[Any]], reads: Sequence[tuple[Any, ...]],
-             workload: Workload, outs: Sequence[tuple[int, Any, Step]],
-             owned: Callable[[list[Any], Sequence[Any]], list[Any]],
-             ) -> Callable[[Sequence[Any]], list[Any]]:
-    """``handed``, or where ``workload`` holds ``host_route.Hosted`` runs (a Specialized layer's
-    native plan) a run that calls the one kept for its NumPy inputs' shapes on them, fresh NumPy
-    outputs the caller's (a version of builtin's DecidedIf, which the session's direct run does
-    not reach: ``prepared_run._hosted`` is the same for a network's one call)."""
+def _hosted(reads: Sequence[tuple[Any, ...]], workload: Workload,
+            outs: Sequence[tuple[int, Any, Step]]) -> tuple[Any, list[int], list[int]]:
+    """For ``owning_call``'s ``handed``: the ``host_route.Hosted`` runs ``workload`` holds (a
+    Specialized layer's native plan; None where it holds none, where the step reads a constant
+    or two outputs are one result), the inputs' positions it reads and the results the outputs
+    take. ``handed`` calls the run kept for its NumPy inputs' shapes on them, fresh NumPy
+    outputs the caller's: a version of builtin's DecidedIf, which the session's direct run does
+    not reach (``prepared_run._hosted`` is the same for a network's one call)."""
     from backplane.runtime.host_route import hosted
 
     found = hosted(workload)
     positions = [index for index, _, _, _ in reads]
     taken = [index for index, _, _ in outs]
-    if found is None or min(positions, default=-1) < 0 or len(set(taken)) != len(taken):
-        return handed
-    ndarray = np.ndarray
-
-    def host_handed(values: Sequence[Any]) -> list[Any]:
-        if STOP.get() is None:
-            arrays, shapes = [], []
-            for index in positions:
-                value = values[index]
-                if type(value) is not ndarray:
-                    return handed(values)
-                arrays.append(value)
-                shapes.append(value.shape)
-            host = found.get(tuple(shapes))
-            if host is not None:
-                try:
-                    results = host(*arrays)
-                except Exception:  # noqa: BLE001  # again through the step: its error names it
-                    return handed(values)
-                outputs = []
-                for index in taken:
-                    outputs.append(results[index])
-                return outputs
-        return handed(values)
-
-    host_handed.parts = handed.parts  # type: ignore[attr-defined]  # direct_run's (its own lines)
-    return host_handed
+    if min(positions, default=-1) < 0 or len(set(taken)) != len(taken):
+        found = None
+    return found, positions, taken
 
 
 # -- steps as straight code ------------------------------------------------------------------------
