@@ -195,7 +195,74 @@ static void deconv(const int64_t *f, float *A, const float *P) {
 /* Resize of H and W by two taps an axis (linear; nearest: one, the other weighing 0), from the
    tables at F_WOFF (OH rows of first, second, weight, weight) and F_BOFF (OW rows): a tap that
    weighs 0 is not read (CpuRef's taps_of: a NaN stays where it is read). */
+#if defined(__AVX512F__)
+enum { RESIZE_ROW = 16384 };  /* the floats of an input row the separable resize blends on the stack */
+
+/* resize() in two passes on AVX-512: each output row's two input rows blended first (W x C
+   contiguous floats, 16 a register), then each output pixel's two columns of that blend (C
+   channels through a mask): the taps' bookkeeping once a row and once a pixel, where resize()
+   weighs four taps a pixel 8 channels at a time (unet_resize's 8 channels: one register a
+   pixel). A tap that weighs 0 is not read in either pass (a NaN stays where it is read, as
+   CpuRef's taps_of). Returns 0 where a row is too long for the stack (resize() runs then). */
+static int resize_rows(const int64_t *f, float *A, const float *P) {
+    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+    if (W * C > RESIZE_ROW) return 0;
+    const float *restrict in = A + f[F_IN], *rows = P + f[F_WOFF], *cols = P + f[F_BOFF];
+    float *restrict out = A + f[F_OUT];
+    float blend[W * C];
+    const int64_t WC = W * C, WC16 = WC / 16 * 16;
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t oh = 0; oh < OH; ++oh) {
+            const float *hr = rows + oh * 4, *x[2];
+            float weight[2];
+            int taps = 0;
+            for (int a = 0; a < 2; ++a)
+                if (hr[2 + a] != 0.0f) {
+                    weight[taps] = hr[2 + a];
+                    x[taps++] = in + (n * H + (int64_t)hr[a]) * WC;
+                }
+            int64_t i = 0;
+            for (; i < WC16; i += 16) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int t = 0; t < taps; ++t)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(weight[t]), _mm512_loadu_ps(x[t] + i),
+                                          acc);
+                _mm512_storeu_ps(blend + i, acc);
+            }
+            for (; i < WC; ++i) {
+                float acc = 0.0f;
+                for (int t = 0; t < taps; ++t) acc = fmaf(weight[t], x[t][i], acc);
+                blend[i] = acc;
+            }
+            for (int64_t ow = 0; ow < OW; ++ow) {
+                const float *wr = cols + ow * 4, *y[2];
+                float across[2];
+                int ctaps = 0;
+                for (int b = 0; b < 2; ++b)
+                    if (wr[2 + b] != 0.0f) {
+                        across[ctaps] = wr[2 + b];
+                        y[ctaps++] = blend + (int64_t)wr[b] * C;
+                    }
+                float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
+                for (int64_t c = 0; c < C; c += 16) {
+                    const __mmask16 lanes = (__mmask16)(C - c >= 16 ? 0xffffu
+                                                        : (1u << (C - c)) - 1u);
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int t = 0; t < ctaps; ++t)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(across[t]),
+                                              _mm512_maskz_loadu_ps(lanes, y[t] + c), acc);
+                    _mm512_mask_storeu_ps(o + c, lanes, acc);
+                }
+            }
+        }
+    return 1;
+}
+#endif
+
 static void resize(const int64_t *f, float *A, const float *P) {
+#if defined(__AVX512F__)
+    if (resize_rows(f, A, P)) return;
+#endif
     const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
     const int64_t C8 = C / 8 * 8;
     const float *restrict in = A + f[F_IN], *rows = P + f[F_WOFF], *cols = P + f[F_BOFF];
