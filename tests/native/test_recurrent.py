@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -277,3 +278,44 @@ def test_off_and_no_compiler_keep_torch(name, calls, monkeypatch):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert not calls
+
+
+def _lstm_graph(seq=5, clip=None, activations=None, peepholes=None):
+    """One bidirectional LSTM (input 3, hidden 4) as the importer makes its graph."""
+    from backplane.frontends.onnx import import_onnx
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("W", (2, 16, 3)), ("R", (2, 16, 4)))]
+    inputs = ["x", "W", "R"]
+    if peepholes is not None:
+        inits.append(numpy_helper.from_array(np.full((2, 12), peepholes, np.float32), "P"))
+        inputs += ["", "", "", "", "P"]
+    attrs = {"hidden_size": 4, "direction": "bidirectional"}
+    if clip is not None:
+        attrs["clip"] = clip
+    if activations:
+        attrs["activations"] = activations
+    node = helper.make_node("LSTM", inputs, ["y"], **attrs)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [seq, 1, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([node], "g", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    return import_onnx(model)
+
+
+@needs_library
+def test_steps_in_c_says_which_layers_a_trace_runs_natively():
+    """``steps_in_c``: a plain LSTM of more than one step under "auto" (zero peepholes too); not
+    under "off", nor with a clip, other activations, nonzero peepholes or one step."""
+    def says(native="auto", **given):
+        graph = _lstm_graph(**given)
+        (layer,) = [lay for lay in graph.layers if lay.op_type == "LSTM"]
+        return in_c.steps_in_c(layer, graph, native)
+
+    assert says() and says(peepholes=0.0)
+    assert not says("off")
+    assert not says(clip=3.0)
+    assert not says(activations=["Sigmoid", "Tanh", "Relu"] * 2)
+    assert not says(peepholes=0.5)
+    assert not says(seq=1)

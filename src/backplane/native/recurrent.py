@@ -100,6 +100,42 @@ def built() -> bool:
     return True
 
 
+DEFAULTS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"]}
+
+
+def steps_in_c(layer: Any, graph: Any, native: str) -> bool:
+    """Whether a trace made under ``CpuAcc.native`` ``native`` runs ``layer`` (an ONNX LSTM or
+    GRU of ``graph``) as this C loop, as ``kernels/recurrent``'s ``_in_c`` will decide it: the
+    default activations, no clip, no input_forget, no peepholes (or constant zeros), a static
+    float32 input of more than one step, the library here. Such a layer's steps run on the calling
+    thread whatever torch's count, so ``traced._alone``'s reason to keep a recurrent layer out of
+    traces on a busy machine (a trace keeps torch's ops, not the thread count its kernel sets)
+    does not hold for it: left out, the small tier's lstm_bi2_ts14 lost its one native call
+    (2 threads, load 6.6, a warm route cache: 307 us a run against 9.5 with it traced;
+    crnn_paddle_ts12 582 against 196)."""
+    a, op = layer.attrs, layer.op_type
+    if native != "auto" or op not in DEFAULTS or layer.domain or len(layer.inputs) < 3:
+        return False
+    direction = a.get("direction", "forward")
+    direction = direction.decode() if isinstance(direction, bytes) else str(direction)
+    dirs = 2 if direction == "bidirectional" else 1
+    names = [v.decode() if isinstance(v, bytes) else str(v) for v in a.get("activations") or []]
+    if (names and names != DEFAULTS[op] * dirs) or a.get("clip") is not None \
+            or a.get("input_forget", 0) or a.get("activation_alpha") or a.get("activation_beta"):
+        return False
+    if op == "LSTM" and len(layer.inputs) > 7 and layer.inputs[7]:
+        peepholes = graph.constants.get(layer.inputs[7])
+        if peepholes is None or peepholes.any():
+            return False
+    info = graph.info(layer.inputs[0])
+    layout = int(a.get("layout", 0))
+    if info is None or not info.is_static or len(info.shape) != 3 or layout not in (0, 1) \
+            or info.shape[layout] <= 1 or any(str(graph.info(n).dtype) != "float32"
+                                              for n in layer.inputs[:3] if n):
+        return False
+    return built()
+
+
 def _packed(M: torch.Tensor) -> torch.Tensor:
     """M (dirs, outputs, K) as the C loop reads it: per direction the outputs in blocks of ``BW``
     (the last padded with zeros), each block's K rows contiguous, (dirs, blocks * K * BW)."""
