@@ -332,10 +332,13 @@ class CpuAcc(TorchBackend):
         if native is not None:  # a whole int8 CNN in one native call
             return native
         int8 = int8_exact.mode(self.options.get("CpuAcc.int8", "auto"))
-        views = fusion.fuse(view, compute, int8)
+        from backplane.native import build
+
+        native_mode = build.mode(self.options)
+        views = fusion.fuse(view, compute, int8, native_mode)
         if compute is not None or self.options.get("CpuAcc.compile") == "layers":
             return views
-        return traced.whole(view, views)
+        return traced.whole(view, views, native_mode)
 
     def fused_workloads(self) -> dict[str, Callable[..., Workload]]:
         from backplane.backends.torch import fusion, specialize

@@ -125,13 +125,14 @@ from backplane.ir.graph import Layer, SubgraphView
 
 
 def fuse(view: SubgraphView, reduced: str | None = None,
-         int8: str = "auto") -> OptimizationViews:
+         int8: str = "auto", native: str = "off") -> OptimizationViews:
     """The view's patterns fused; then the whole view as one OneDnnGraph where it can be, else,
     computing in ``reduced`` (``CpuAcc.precision``), as one Reduced layer. Large QDQ convolutions
-    are chained in integers (``qdq_chain``) unless ``int8`` (``CpuAcc.int8``) is "exact"."""
+    are chained in integers (``qdq_chain``) unless ``int8`` (``CpuAcc.int8``) is "exact";
+    ``native`` is ``CpuAcc.native`` (``traced._alone``)."""
     graph = view.graph
     assert graph is not None, "the optimizer always gives views of a graph"
-    ctx = Context(view, graph, graph.consumers(), set(map(id, view.layers)))
+    ctx = Context(view, graph, graph.consumers(), set(map(id, view.layers)), native=native)
     views = OptimizationViews()
     matchers = MATCHERS if int8 == "exact" or reduced is not None else INT8_MATCHERS
 

@@ -41,6 +41,8 @@ class Context:
     consumers: dict[str, list[Layer]]
     inside: set[int]
     taken: set[int] = field(default_factory=set)
+    native: str = "off"
+    """``CpuAcc.native`` ("auto" or "off": ``traced._alone``)."""
 
     def const(self, name: str) -> np.ndarray | None:
         return self.graph.constants.get(name) if name else None

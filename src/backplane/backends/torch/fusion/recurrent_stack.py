@@ -294,7 +294,7 @@ def _apart(lstm: Layer, ctx: Context) -> bool:
     """Whether a trace leaves this layer apart (``traced._alone``)."""
     from backplane.backends.torch.fusion.traced import _alone
 
-    return _alone(lstm, ctx.graph)
+    return _alone(lstm, ctx.graph, ctx.native)
 
 
 def lstm_stack_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload:

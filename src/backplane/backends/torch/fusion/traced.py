@@ -78,10 +78,11 @@ keeps the seed's draws of torch's generator as they are made, but not NumPy's), 
 training mode read from an input."""
 
 
-def whole(view: SubgraphView, views: OptimizationViews) -> OptimizationViews:
+def whole(view: SubgraphView, views: OptimizationViews, native: str = "off") -> OptimizationViews:
     """``views`` (``fusion.fuse``'s of ``view``) with the view as one Traced layer where it is not
     one compiled layer already and ``wrap`` takes it; else each longest run of layers that can be
-    traced (between a NonZero, a NonMaxSuppression or a shape read from data) as one."""
+    traced (between a NonZero, a NonMaxSuppression or a shape read from data) as one. ``native``:
+    ``CpuAcc.native`` (``_alone``)."""
     from backplane.backends.torch.fusion import _in_order
 
     graph = view.graph
@@ -90,14 +91,14 @@ def whole(view: SubgraphView, views: OptimizationViews) -> OptimizationViews:
     if views.failed or (len(subs) == 1 and len(subs[0].substitutable.layers) == len(view.layers)):
         return views
     ordered = _in_order(list(view.layers), subs)
-    layer = wrap(view, graph, ordered)
+    layer = wrap(view, graph, ordered, native)
     if layer is not None:
         return OptimizationViews(substitutions=[Substitution(view, [layer])])
-    return host_chain.chained(view, _segments(view, views, ordered))  # post-NMS: one step
+    return host_chain.chained(view, _segments(view, views, ordered, native))  # post-NMS: one step
 
 
 def _segments(view: SubgraphView, views: OptimizationViews,
-              ordered: Sequence[Layer]) -> OptimizationViews:
+              ordered: Sequence[Layer], native: str = "off") -> OptimizationViews:
     """Each longest run of ``ordered`` (the view's layers after fusion, in order: a run of them is
     a convex subgraph) that ``wrap`` takes, as one Traced layer; the rest as ``views`` has it."""
     graph = view.graph
@@ -120,14 +121,14 @@ def _segments(view: SubgraphView, views: OptimizationViews,
             return
         inner = originals(run)
         part = SubgraphView.of(graph, inner)
-        layer = wrap(part, graph, run)
+        layer = wrap(part, graph, run, native)
         if layer is not None:
             result.substitutions.append(Substitution(part, [layer]))
             taken.update(map(id, run))
 
     run: list[Layer] = []
     for lay in ordered:
-        if id(lay) not in split and _traceable(lay, graph):
+        if id(lay) not in split and _traceable(lay, graph, native):
             run.append(lay)
         else:
             close(run)
@@ -141,14 +142,15 @@ def _segments(view: SubgraphView, views: OptimizationViews,
     return result
 
 
-def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer]) -> Layer | None:
+def wrap(view: SubgraphView, graph: Graph, layers: Sequence[Layer],
+         native: str = "off") -> Layer | None:
     """``layers`` (the view's layers after fusion, in order) as one Traced layer, or None where
     the subgraph is too small or a trace could hold a value that changes between runs."""
     if len(layers) < MIN_LAYERS or not view.inputs:
         return None
     if not all(graph.info(n).is_static for n in view.inputs):
         return None
-    if not all(_traceable(layer, graph) for layer in layers):
+    if not all(_traceable(layer, graph, native) for layer in layers):
         return None
     names = {n for layer in layers for n in (*layer.inputs, *layer.outputs) if n}
     half = any(graph.info(n).dtype == HALF for n in names)
@@ -176,14 +178,14 @@ def native_half() -> bool:
     return bool(cpu_flags() & {"avx512_fp16", "amx_fp16", "asimdhp"})
 
 
-def _traceable(layer: Layer, graph: Graph) -> bool:
+def _traceable(layer: Layer, graph: Graph, native: str = "off") -> bool:
     """Whether a trace of ``layer`` keeps nothing that changes between runs (as far as the op and
     its constant host inputs tell: ``compile_traced`` checks the kernels' reads too)."""
     if layer.domain == FUSED_DOMAIN and layer.op_type not in FUSED_TRACEABLE:
         return False
     if layer.op_type in NOT_TRACED or any(isinstance(v, Graph) for v in layer.attrs.values()):
         return False
-    if layer.op_type in RECURRENT and not layer.domain and _alone(layer, graph):
+    if layer.op_type in RECURRENT and not layer.domain and _alone(layer, graph, native):
         return False
     host = HOST_INPUTS.get(layer.op_type, ())
     return not any(i < len(layer.inputs) and layer.inputs[i] and layer.inputs[i] not in graph.constants
@@ -208,7 +210,7 @@ def _busy() -> bool:
         return False
 
 
-def _alone(layer: Layer, graph: Graph) -> bool:
+def _alone(layer: Layer, graph: Graph, native: str = "off") -> bool:
     """Whether a recurrent layer runs its steps on one thread (``recurrent.runs_alone``): a trace
     holds its ops but not the thread count its kernel sets around them, and at two threads each
     step waits for both (crnn_paddle_ts12's and lstm_bi2_ts14's traced LSTMs, 2 threads, load 5:
@@ -217,12 +219,20 @@ def _alone(layer: Layer, graph: Graph) -> bool:
     and the trace saves a call: the small tier's CRNN 1.25-1.34 ms a run traced whole, 1.49-1.50
     with its LSTM apart, 1 thread), nor on a machine not busy (``_busy``), where the partner thread
     is not preempted and the trace is faster: lstm_bi2_ts14 at 2 threads, load 1.4, small tier
-    0.37 ms a run traced whole against 0.55-0.60 apart, full tier 2.32 against 3.05)."""
+    0.37 ms a run traced whole against 0.55-0.60 apart, full tier 2.32 against 3.05). Nor a layer
+    whose steps run in backplane's C under ``native`` (``CpuAcc.native``; ``recurrent.steps_in_c``):
+    that loop runs on the calling thread whatever torch's count, and left out of the trace it lost
+    its one native call (2 threads, a warm route cache, load 4.4: lstm_bi2_ts14 283 us a run
+    against 8.8 traced, crnn_paddle_ts12 549 against 187)."""
     import torch
 
     from backplane.backends.torch.kernels.recurrent import runs_alone
 
     if torch.get_num_threads() == 1 or not _busy():
+        return False
+    from backplane.native import recurrent
+
+    if recurrent.steps_in_c(layer, graph, native):
         return False
     shape = graph.info(layer.inputs[0]).shape
     weight = graph.constants.get(layer.inputs[2]) if len(layer.inputs) > 2 else None
