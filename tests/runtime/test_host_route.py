@@ -240,3 +240,35 @@ def test_a_version_of_a_decided_if_runs_its_kept_native_plan() -> None:
     calls.clear()
     handed_of(workload, [(0, view, step), (0, view, step)])([np.float32(0), x])  # type: ignore
     assert calls == ["steps"]  # an output given twice: not the kept run
+
+
+@needs_compiler
+@pytest.mark.parametrize("model", ["resnet_basic_ts16", "vad_lstm_if_ts16"])
+def test_a_compiled_session_runs_its_native_plans_on_the_callers_arrays(
+        model: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the compile cache (a Delegate of CpuAcc's blob, its sequence of one Specialized
+    step: the forwards), a lone native plan (resnet_basic) and a DecidedIf's version that is a
+    native CNN then a native recurrent plan (the VAD: native_cnn._then's chained run)."""
+    from backplane.native.arena import ArenaExecutor
+
+    path = f"tests/data/corpus/{model}.onnx"
+    feeds = dict(np.load(f"tests/data/corpus/{model}.s0.npz"))
+    calls: list[int] = []
+    real = ArenaExecutor.host
+
+    def counted(self: ArenaExecutor, *values: np.ndarray) -> list[np.ndarray]:
+        calls.append(1)
+        return real(self, *values)
+
+    monkeypatch.setattr(ArenaExecutor, "host", counted)
+    session = InferenceSession(path, backends=[("CpuAcc", {"background": False}), "CpuRef"],
+                               cache_dir=str(tmp_path))
+    want = __import__("onnxruntime").InferenceSession(path).run(None, feeds)
+    for _ in range(2):
+        _close(session.run(None, feeds), want)
+    calls.clear()
+    got = session.run(None, feeds)
+    assert calls  # fails before: the run went through torch's tensors
+    _close(got, want)
+    again = session.run(None, feeds)
+    assert not any(np.shares_memory(a, b) for a in again for b in (*got, *feeds.values()))

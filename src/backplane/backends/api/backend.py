@@ -344,6 +344,9 @@ def delegate_workload(backend: Backend, layer: Layer, network_id: int) -> Worklo
     if profiled is not None:  # a handle that times its own layers, named after the model's nodes
         run.profiled = profiled  # type: ignore[attr-defined]
     run.destroy = weakref.finalize(run, backend.destroy, handle)  # type: ignore[attr-defined]
+    from backplane.runtime import host_route
+
+    host_route.forward(run, handle)  # a handle with NumPy runs: CpuAcc's, which execute calls
     return run
 
 
