@@ -267,6 +267,27 @@ def test_the_largest_product_follows_the_tile():
     assert wide == (float("inf") if rows == 12 else recurrent_net.LINEAR_MACS)
 
 
+
+@needs_library
+def test_no_library_for_a_while_is_not_kept_as_the_tile(monkeypatch):
+    """A library unavailable once (``BACKPLANE_NATIVE=0`` in a test, a failed build) answers
+    ``LINEAR_MACS`` then, and is not kept: the GPU machine's run of the test files latched AVX2's
+    bound in a worker whose library had been switched off in an earlier test."""
+    from backplane.native import recurrent_net
+
+    monkeypatch.setattr(recurrent_net, "_WIDE", [])
+    real = build.library
+
+    def off(name, version=None):
+        raise build.NativeUnavailable("switched off")
+
+    monkeypatch.setattr(build, "library", off)
+    assert recurrent_net.largest_product() == recurrent_net.LINEAR_MACS
+    assert recurrent_net._WIDE == []
+    monkeypatch.setattr(build, "library", real)
+    rows = real("recurrent").backplane_rnet_rows()
+    assert recurrent_net.largest_product() == (float("inf") if rows == 12
+                                               else recurrent_net.LINEAR_MACS)
 @needs_library
 @pytest.mark.parametrize("wide", [True, False])
 def test_a_projection_past_four_million_is_planned_by_the_wide_tile_alone(wide, tmp_path, calls,
