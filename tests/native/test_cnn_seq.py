@@ -354,23 +354,16 @@ machine) builds it, and without AVX (the generic vectors split)."""
 
 @pytest.fixture(scope="module")
 def flavours(tmp_path_factory):
-    import ctypes
     import platform
-    import subprocess
-    from pathlib import Path
 
     from backplane.native import build
 
     if build.compiler() is None or platform.machine() != "x86_64":
         pytest.skip("needs a C compiler on x86-64")
-    folder, built = tmp_path_factory.mktemp("cnn_seq_flavours"), {}
-    for name, march in FLAVOURS.items():
-        target = folder / f"cnn_{name}.so"
-        subprocess.run([build.compiler(), *[f for f in build.FLAGS if f != "-march=native"],
-                        *march, "-o", str(target), str(Path(build.__file__).parent / "cnn.c"),
-                        "-lm"], check=True, capture_output=True)
-        built[name] = ctypes.CDLL(str(target))
-    return built
+    from tests.native.flavours import built
+
+    folder = tmp_path_factory.mktemp("cnn_seq_flavours")
+    return {name: built("cnn", march, folder) for name, march in FLAVOURS.items()}
 
 
 @pytest.mark.parametrize("name", ["audio_conv1d_dyn19", "bytes_int32_dyn20"])

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +21,7 @@ ort = pytest.importorskip("onnxruntime")
 from backplane import InferenceSession  # noqa: E402
 from backplane.native import build, cnn, cnn_layers  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
+from tests.native import flavours  # noqa: E402
 
 CORPUS = "tests/data/corpus"
 FLAVOURS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
@@ -34,15 +33,8 @@ pytestmark = pytest.mark.skipif(build.compiler() is None or platform.machine() !
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    folder, built = tmp_path_factory.mktemp("cnn_flavours"), {}
-    for name, march in FLAVOURS.items():
-        flags = [f for f in build.FLAGS if f != "-march=native"] + march
-        target = folder / f"cnn_{name}.so"
-        subprocess.run([build.compiler(), *flags, "-o", str(target),
-                        str(Path(build.__file__).parent / "cnn.c"), "-lm"], check=True,
-                       capture_output=True)
-        built[name] = ctypes.CDLL(str(target))
-    return built
+    folder = tmp_path_factory.mktemp("cnn_flavours")
+    return {name: flavours.built("cnn", march, folder) for name, march in FLAVOURS.items()}
 
 
 def test_each_build_says_its_vector_width(libraries):

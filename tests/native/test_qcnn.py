@@ -292,16 +292,11 @@ def test_the_scalar_path_built_for_plain_x86_64_gives_the_same_outputs(name, tmp
     """qcnn.c built with -march=x86-64 (no AVX2: its scalar loops, as on a CPU without it) runs
     the corpus ResNets' plans (the session's own, caught as it plans them) to ONNX Runtime's
     outputs too, bit for bit."""
-    import ctypes
-    import subprocess
-    from pathlib import Path
-
     from backplane.native import qcnn
 
-    flags = [f if f != "-march=native" else "-march=x86-64" for f in build.FLAGS]
-    library = tmp_path / "qcnn_plain.so"
-    subprocess.run([build.compiler(), *flags, "-o", str(library),
-                    str(Path(build.__file__).parent / "qcnn.c"), "-lm"], check=True)
+    from tests.native.flavours import built
+
+    library = built("qcnn", "x86-64", tmp_path)
     planned = []
     real_plan = qcnn.plan
 
@@ -314,7 +309,7 @@ def test_the_scalar_path_built_for_plain_x86_64_gives_the_same_outputs(name, tmp
     _session(path, input_shapes=shapes)
     assert planned  # at the substitution and at the workload
     made, outputs = planned[-1]
-    got = dict(zip(outputs, qcnn.Executor(made, ctypes.CDLL(str(library))).numpy(feeds["input"])))
+    got = dict(zip(outputs, qcnn.Executor(made, library).numpy(feeds["input"])))
     names = [o.name for o in ort.InferenceSession(path).get_outputs()]
     for n, w in zip(names, _ort(path, feeds)):
         np.testing.assert_array_equal(got[n], w)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -22,6 +21,7 @@ from backplane import InferenceSession  # noqa: E402
 from backplane.native import build, qcnn, qcnn_bytes  # noqa: E402
 from tests.conftest import float_input, make_model  # noqa: E402
 from tests.ort_int8 import ort_int8_exact  # noqa: E402
+from tests.native import flavours  # noqa: E402
 
 CORPUS = "tests/data/corpus"
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
@@ -53,11 +53,7 @@ def _ort(path, feeds):
 
 
 def _built(march: str, folder: Path) -> ctypes.CDLL:
-    flags = [f if f != "-march=native" else f"-march={march}" for f in build.FLAGS]
-    library = folder / f"qcnn_{march}.so"
-    subprocess.run([build.compiler(), *flags, "-o", str(library),
-                    str(Path(build.__file__).parent / "qcnn.c"), "-lm"], check=True)
-    return ctypes.CDLL(str(library))
+    return flavours.built("qcnn", march, folder)
 
 
 @needs_compiler

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from backplane.native import build  # noqa: E402
 from backplane.native import recurrent as in_c  # noqa: E402
 from backplane.native import recurrent_net  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
+from tests.native import flavours  # noqa: E402
 
 from .test_recurrent import _both, _layer  # noqa: E402
 
@@ -55,11 +55,7 @@ def built(tmp_path_factory):
 
     def get(name: str, march: str) -> ctypes.CDLL:
         if (name, march) not in made:
-            flags = [f if f != "-march=native" else f"-march={march}" for f in build.FLAGS]
-            target = folder / f"{name}_{march}.so"
-            subprocess.run([build.compiler(), *flags, "-o", str(target),
-                            str(build.SOURCES / f"{name}.c"), "-lm"], check=True)
-            made[name, march] = ctypes.CDLL(str(target))
+            made[name, march] = flavours.built(name, march, folder)
         return made[name, march]
     return get
 

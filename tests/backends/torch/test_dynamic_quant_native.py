@@ -152,16 +152,13 @@ def test_a_build_without_vnni_has_no_bytes_and_the_float_product_stays(tmp_path)
     product on bytes (backplane_dynquant_bytes answers 3, has_bytes 0), and its float product is
     this library's, bit for bit: the path a CI machine without VNNI takes."""
     import ctypes
-    import subprocess
 
     from backplane.native import build
 
     march = "x86-64-v3" if "avx2" in build._cpu_flags() else "x86-64"
-    flags = [f if f != "-march=native" else f"-march={march}" for f in build.FLAGS]
-    path = tmp_path / "dynquant_plain.so"
-    subprocess.run([build.compiler(), *flags, "-o", str(path),
-                    str(Path(build.__file__).parent / "dynquant.c"), "-lm"], check=True)
-    plain = ctypes.CDLL(str(path))
+    from tests.native.flavours import built
+
+    plain = built("dynquant", march, tmp_path)
     assert plain.backplane_dynquant_version() == dynquant.VERSION
     assert plain.backplane_dynquant_has_bytes() == 0
     pointer, size = ctypes.c_void_p, ctypes.c_long
