@@ -284,32 +284,5 @@ def test_a_grouped_convolution_is_planned_group_by_group(group, c, oc):
     np.testing.assert_array_equal(got, want)
 
 
-@needs_compiler
-@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="an x86-64 build flag")
-@pytest.mark.parametrize("name", RESNETS)
-def test_the_scalar_path_built_for_plain_x86_64_gives_the_same_outputs(name, tmp_path,
-                                                                         monkeypatch):
-    """qcnn.c built with -march=x86-64 (no AVX2: its scalar loops, as on a CPU without it) runs
-    the corpus ResNets' plans (the session's own, caught as it plans them) to ONNX Runtime's
-    outputs too, bit for bit."""
-    from backplane.native import qcnn
-
-    from tests.native.flavours import built
-
-    library = built("qcnn", "x86-64", tmp_path)
-    planned = []
-    real_plan = qcnn.plan
-
-    def caught(*args):
-        planned.append((real_plan(*args), list(args[4])))
-        return planned[-1][0]
-
-    monkeypatch.setattr(qcnn, "plan", caught)
-    path, feeds, shapes = _corpus(name)
-    _session(path, input_shapes=shapes)
-    assert planned  # at the substitution and at the workload
-    made, outputs = planned[-1]
-    got = dict(zip(outputs, qcnn.Executor(made, library).numpy(feeds["input"])))
-    names = [o.name for o in ort.InferenceSession(path).get_outputs()]
-    for n, w in zip(names, _ort(path, feeds)):
-        np.testing.assert_array_equal(got[n], w)
+# qcnn.c built for plain x86-64 and for AVX2 beside this CPU's build, each running both kinds of
+# plan of the corpus ResNets to ONNX Runtime's outputs bit for bit: tests/native/test_qcnn_bytes.py.
