@@ -8,7 +8,11 @@
  * the fusion: every sum below 2^24) sums in float32 without rounding in any order, so the sums are
  * MatMulInteger's int32 ones; each is then multiplied by x's scale times the weight's (that
  * product rounded to float32 first, as the graph's Mul makes it) and the bias added after (a
- * separate rounding: -std=c11 keeps GCC from contracting the two into one FMA). */
+ * separate rounding: -std=c11 keeps GCC from contracting the two into one FMA).
+ *
+ * The layer is also a torch op whose kernel is this C (backplane_dynquant_op, at the end): called
+ * through torch's stable C ABI, whose functions dynquant.py hands over as addresses, so the
+ * library is still built without torch's headers and loads without torch. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,7 +22,7 @@
 #define DYNQUANT_VNNI 1
 #endif
 
-#define BACKPLANE_DYNQUANT_VERSION 3
+#define BACKPLANE_DYNQUANT_VERSION 4
 #define ROWS 4  /* rows of x a block of the product reads each weight value for */
 #define COLS 16 /* columns a block keeps in registers: ROWS * COLS / 8 = 8 AVX2 accumulators */
 #define STACK 4096
@@ -130,14 +134,10 @@ static void finish(float *y, long rows, long cols, const float *w_scale, long sc
     }
 }
 
-/* x (rows, depth) row-major; w the centred weight (depth, cols) row-major; w_scale `scales`
- * values (1: per tensor, else cols); bias cols values or NULL; y (rows, cols). 0 done, 1 x's range
- * not finite (y untouched), 2 no memory. */
-int backplane_dynquant_matmul(const float *x, long rows, long depth, const float *w, long cols,
-                              const float *w_scale, long scales, const float *bias, float *y) {
-    float scale, zero;
-    if (grid(x, rows * depth, &scale, &zero))
-        return 1;
+/* the product of x (rows, depth) on the grid (scale, zero) by w; 0 done, 2 no memory */
+static int float_product(const float *x, long rows, long depth, const float *w, long cols,
+                         const float *w_scale, long scales, const float *bias, float *y,
+                         float scale, float zero) {
     float stack[STACK];
     long need = ROWS * depth;
     float *q = need <= STACK ? stack : malloc(sizeof(float) * need);
@@ -162,6 +162,17 @@ int backplane_dynquant_matmul(const float *x, long rows, long depth, const float
     return 0;
 }
 
+/* x (rows, depth) row-major; w the centred weight (depth, cols) row-major; w_scale `scales`
+ * values (1: per tensor, else cols); bias cols values or NULL; y (rows, cols). 0 done, 1 x's range
+ * not finite (y untouched), 2 no memory. */
+int backplane_dynquant_matmul(const float *x, long rows, long depth, const float *w, long cols,
+                              const float *w_scale, long scales, const float *bias, float *y) {
+    float scale, zero;
+    if (grid(x, rows * depth, &scale, &zero))
+        return 1;
+    return float_product(x, rows, depth, w, cols, w_scale, scales, bias, y, scale, zero);
+}
+
 /* The product on bytes where the build has AVX-512 VNNI (backplane_dynquant_bytes): x quantized
  * to unsigned bytes (its centred value plus the zero point: 0..255), the weight centred as signed
  * bytes, packed at load (dynquant.py's pack: [ceil(cols / 16)][ceil(depth / 4)][16][4] int8, zero
@@ -169,13 +180,10 @@ int backplane_dynquant_matmul(const float *x, long rows, long depth, const float
  * instruction into 16 int32 sums; less the zero point times the column's sum, each is the
  * centred product's integer sum, so its float (exact below 2^24) is the float path's sum, bit for
  * bit. 0 done, 1 x's range not finite, 2 no memory, 3 not built with VNNI. */
-int backplane_dynquant_bytes(const float *x, long rows, long depth, const int8_t *packed,
-                             long cols, const float *w_scale, long scales, const float *bias,
-                             float *y) {
 #if defined(DYNQUANT_VNNI)
-    float scale, zero;
-    if (grid(x, rows * depth, &scale, &zero))
-        return 1;
+static int bytes_product(const float *x, long rows, long depth, const int8_t *packed, long cols,
+                         const float *w_scale, long scales, const float *bias, float *y,
+                         float scale, float zero) {
     const long quads = (depth + 3) / 4, blocks = (cols + 15) / 16, stride = 4 * quads;
     const int32_t *colsum = (const int32_t *)(packed + blocks * quads * 64);
     uint8_t stack[4 * STACK];
@@ -237,6 +245,17 @@ int backplane_dynquant_bytes(const float *x, long rows, long depth, const int8_t
         free(q);
     finish(y, rows, cols, w_scale, scales, scale, bias);
     return 0;
+}
+#endif
+
+int backplane_dynquant_bytes(const float *x, long rows, long depth, const int8_t *packed,
+                             long cols, const float *w_scale, long scales, const float *bias,
+                             float *y) {
+#if defined(DYNQUANT_VNNI)
+    float scale, zero;
+    if (grid(x, rows * depth, &scale, &zero))
+        return 1;
+    return bytes_product(x, rows, depth, packed, cols, w_scale, scales, bias, y, scale, zero);
 #else
     (void)x, (void)rows, (void)depth, (void)packed, (void)cols, (void)w_scale, (void)scales;
     (void)bias, (void)y;
@@ -261,4 +280,113 @@ int backplane_dynquant_has_bytes(void) {
 #else
     return 0;
 #endif
+}
+
+/* The layer as a torch op, its kernel this C: backplane::dynamic_quant_matmul_c(Tensor x, Tensor
+ * weight, Tensor w_scale, Tensor bias, int depth, int cols) -> Tensor, the weight float32 (depth,
+ * cols) or packed bytes (int8), no bias an empty tensor. Why: the op's kernel in Python cost ~5 us
+ * a call (torch's call into Python, its argument checks, torch.empty, ctypes) around ~0.4 us of
+ * product; a boxed kernel of torch's stable C ABI (torch::Library's impl of a function over a
+ * stack of 64-bit values: each tensor an owned handle, each int its value) is called by torch's
+ * dispatcher without Python. The functions of that ABI (aoti_torch_*, exported by libtorch) come
+ * as addresses (backplane_dynquant_bind), read by dynquant.py from the torch it imported. Where
+ * this C does not take x (not float32 on the CPU, not contiguous, empty, its range not finite:
+ * CpuRef's NaN cases), the call goes on to backplane::dynamic_quant_matmul, the op in Python
+ * (dynquant.py's torch route), with the same stack: that op takes the handles over. */
+typedef uint64_t StableIValue;
+typedef void *Tensor; /* AtenTensorHandle: an owned at::Tensor */
+
+static struct {
+    int32_t (*data)(Tensor, void **);
+    int32_t (*dim)(Tensor, int64_t *);
+    int32_t (*numel)(Tensor, int64_t *);
+    int32_t (*sizes)(Tensor, int64_t **);
+    int32_t (*contiguous)(Tensor, _Bool *);
+    int32_t (*dtype)(Tensor, int32_t *);
+    int32_t (*device)(Tensor, int32_t *);
+    int32_t (*empty)(int64_t, const int64_t *, const int64_t *, int32_t, int32_t, int32_t,
+                     Tensor *);
+    int32_t (*release)(Tensor);
+    int32_t (*dispatch)(const char *, const char *, StableIValue *);
+    void (*fail)(_Bool, const char *, const char *, uint32_t, const char *);
+    const char *(*what)(void); /* the last error's message; NULL in a torch before 2.10 */
+    int32_t float32, int8, cpu;
+} abi;
+
+#define ABI_FUNCTIONS 12
+#define MAX_DIMS 8
+
+/* dynquant.py's addresses, in the struct's order (the 12 functions, then the float32 and int8
+ * dtype codes and the CPU's device code). 0 bound. */
+int backplane_dynquant_bind(const int64_t *calls) {
+    void **slots = (void **)&abi;
+    for (int i = 0; i < ABI_FUNCTIONS; i++)
+        memcpy(&slots[i], &calls[i], sizeof(void *));
+    abi.float32 = (int32_t)calls[ABI_FUNCTIONS];
+    abi.int8 = (int32_t)calls[ABI_FUNCTIONS + 1];
+    abi.cpu = (int32_t)calls[ABI_FUNCTIONS + 2];
+    return 0;
+}
+
+/* y (x's shape, its last size cols) computed here; 0 done, else x or the weight is one this C
+ * does not take (the op in Python does), or no memory (y released) */
+static int run_op(Tensor x, Tensor w, Tensor w_scale, Tensor bias, long depth, long cols,
+                  Tensor *y) {
+    int32_t type, weight_type, device;
+    int64_t dims, count, scales, added, *sizes, shape[MAX_DIMS], strides[MAX_DIMS];
+    _Bool dense;
+    void *xs, *ws, *ss, *bs, *ys;
+    if (abi.dtype(x, &type) || abi.device(x, &device) || abi.contiguous(x, &dense) ||
+        abi.dim(x, &dims) || abi.numel(x, &count) || abi.sizes(x, &sizes) ||
+        abi.dtype(w, &weight_type) || abi.numel(w_scale, &scales) || abi.numel(bias, &added))
+        return 1;
+    if (type != abi.float32 || device != abi.cpu || !dense || dims < 1 || dims > MAX_DIMS ||
+        depth < 1 || sizes[dims - 1] != depth || count == 0 || (added && added != cols))
+        return 1;
+#if !defined(DYNQUANT_VNNI)
+    if (weight_type == abi.int8)
+        return 1;
+#endif
+    if (abi.data(x, &xs) || abi.data(w, &ws) || abi.data(w_scale, &ss) || abi.data(bias, &bs))
+        return 1;
+    const long rows = (long)(count / depth);
+    float scale, zero;
+    if (grid(xs, count, &scale, &zero))
+        return 1;
+    for (int64_t d = dims - 1, step = 1; d >= 0; d--) {
+        shape[d] = d == dims - 1 ? cols : sizes[d];
+        strides[d] = step;
+        step *= shape[d];
+    }
+    if (abi.empty(dims, shape, strides, abi.float32, abi.cpu, 0, y))
+        return 2;
+    int code = abi.data(*y, &ys);
+    const float *b = added ? bs : NULL;
+#if defined(DYNQUANT_VNNI)
+    if (!code && weight_type == abi.int8)
+        code = bytes_product(xs, rows, depth, ws, cols, ss, (long)scales, b, ys, scale, zero);
+    else
+#endif
+        if (!code)
+        code = float_product(xs, rows, depth, ws, cols, ss, (long)scales, b, ys, scale, zero);
+    if (code)
+        abi.release(*y);
+    return code;
+}
+
+/* torch's boxed kernel of backplane::dynamic_quant_matmul_c: the stack holds the six arguments
+ * (x, weight, w_scale, bias: owned handles; depth, cols), then the result */
+void backplane_dynquant_op(StableIValue *stack, uint64_t arguments, uint64_t results) {
+    (void)arguments, (void)results;
+    Tensor x = (Tensor)(uintptr_t)stack[0], w = (Tensor)(uintptr_t)stack[1];
+    Tensor w_scale = (Tensor)(uintptr_t)stack[2], bias = (Tensor)(uintptr_t)stack[3];
+    Tensor y = NULL;
+    if (run_op(x, w, w_scale, bias, (long)(int64_t)stack[4], (long)(int64_t)stack[5], &y) == 0) {
+        abi.release(x), abi.release(w), abi.release(w_scale), abi.release(bias);
+        stack[0] = (StableIValue)(uintptr_t)y; /* torch takes the handle over */
+        return;
+    }
+    if (abi.dispatch("backplane::dynamic_quant_matmul", "", stack)) /* raises a c10::Error: */
+        abi.fail(0, "backplane_dynquant_op", __FILE__, __LINE__,
+                 abi.what ? abi.what() : "backplane::dynamic_quant_matmul failed");
 }

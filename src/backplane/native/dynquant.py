@@ -9,14 +9,23 @@ twice its float twin's time. Its products stay exact (the sums MatMulInteger's i
 the outputs are CpuRef's, bit for bit, as the torch route's are.
 
 Where: a layer on the CPU in float32 under ``CpuAcc.native`` "auto" where the library builds
-(``usable``); the trace holds one op, ``backplane::dynamic_quant_matmul``, whose CPU kernel calls
-the C function on the tensors' memory. Where x's range is not finite (a NaN or an infinity), the
-kernel takes torch's route (``dynamic_grid``: CpuRef's NaN case) instead.
+(``usable``); the trace holds one op, ``backplane::dynamic_quant_matmul_c``, whose CPU kernel is
+the C itself (``backplane_dynquant_op``), called by torch's dispatcher without Python: a boxed
+kernel of torch's stable C ABI (``aoti_torch_library_impl``; the ABI's functions handed to the C
+as addresses read from libtorch, ``_bind``, so the C is still built without torch's headers).
+The op's kernel in Python (``backplane::dynamic_quant_matmul``: ctypes around the same C) cost
+~5 us a call around ~0.4 us of product, the quantized GPT's seven calls about a third of its run.
+Where the C does not take x (not float32 on the CPU, not contiguous, empty, or its range not
+finite: a NaN or an infinity), it hands the call on to that Python op, which takes torch's route
+(``dynamic_grid``: CpuRef's NaN case); a torch without the stable ABI's functions runs the Python
+op throughout.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,9 +33,24 @@ import torch
 
 from backplane.native.build import NativeUnavailable, library
 
-VERSION = 3
+log = logging.getLogger("backplane.native")
+
+VERSION = 4
 """``dynquant.c``'s ``backplane_dynquant_version``."""
 _FUNCTIONS: list[Any] = []
+ABI = ("aoti_torch_get_data_ptr", "aoti_torch_get_dim", "aoti_torch_get_numel",
+       "aoti_torch_get_sizes", "aoti_torch_is_contiguous", "aoti_torch_get_dtype",
+       "aoti_torch_get_device_type", "aoti_torch_empty_strided", "aoti_torch_delete_tensor_object",
+       "aoti_torch_call_dispatcher", "aoti_torch_check",
+       "torch_exception_get_what_without_backtrace")
+"""The functions of torch's stable C ABI ``backplane_dynquant_op`` calls, in ``backplane_dynquant_bind``'s
+order (then the float32 and int8 dtype codes and the CPU's device code); the last, an error's
+message, may be missing (torch before 2.10)."""
+_BOUND: list[Any] = []
+"""The torch::Library holding the C kernel (never freed: freeing it drops the kernel), or empty
+where torch has no stable ABI here."""
+_FILE = __file__.encode()
+"""The file name torch::Library keeps (a pointer: it must outlive the library)."""
 BYTES_DEPTH = 65_000
 """The longest product on bytes: 255 * 128 * depth stays within int32 (vpdpbusd's sums)."""
 
@@ -51,7 +75,56 @@ def _function() -> Any:
         if not lib.backplane_dynquant_has_bytes():
             found[1] = found[2] = None
         _FUNCTIONS.extend(found)
+        _bind(lib)
     return _FUNCTIONS[0]
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """The C kernel registered as ``backplane::dynamic_quant_matmul_c``'s CPU kernel; nothing
+    where this torch lacks the stable ABI's functions (the Python op runs instead)."""
+    handle = register(lib, "backplane", "dynamic_quant_matmul_c")
+    if handle is not None:
+        _BOUND.append(handle)
+
+
+def register(lib: ctypes.CDLL, namespace: str, name: str) -> ctypes.c_void_p | None:
+    """``lib``'s ``backplane_dynquant_op`` as the CPU kernel of the op ``namespace::name`` (defined
+    with ``SCHEMA``), the stable ABI's functions handed to ``lib`` first: the torch::Library
+    holding it (keep it: freeing it drops the kernel), or None where torch lacks them."""
+    folder = Path(torch.__file__).parent / "lib"
+    found = [folder / file for file in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll")
+             if (folder / file).exists()]
+    try:
+        libtorch = ctypes.CDLL(str(found[0]))
+        calls = [ctypes.cast(getattr(libtorch, call), ctypes.c_void_p).value for call in ABI[:-1]]
+        what = getattr(libtorch, ABI[-1], None)
+        calls.append(ctypes.cast(what, ctypes.c_void_p).value if what is not None else 0)
+        codes = [libtorch.aoti_torch_dtype_float32(), libtorch.aoti_torch_dtype_int8(),
+                 libtorch.aoti_torch_device_type_cpu()]
+        init, impl = libtorch.aoti_torch_library_init_impl, libtorch.aoti_torch_library_impl
+    except (IndexError, OSError, AttributeError) as exc:
+        log.debug("%s::%s keeps its Python kernel: %s", namespace, name, exc)
+        return None
+    lib.backplane_dynquant_bind((ctypes.c_int64 * (len(calls) + 3))(*calls, *codes))
+    init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32,
+                     ctypes.POINTER(ctypes.c_void_p)]
+    impl.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    handle = ctypes.c_void_p()
+    kernel = ctypes.cast(lib.backplane_dynquant_op, ctypes.c_void_p)
+    if init(namespace.encode(), b"CPU", _FILE, 0, ctypes.byref(handle)) \
+            or impl(handle, name.encode(), kernel):
+        log.debug("%s::%s keeps its Python kernel: torch refused the registration", namespace, name)
+        return None
+    return handle
+
+
+def in_c() -> bool:
+    """Whether the op's kernel is the C (``backplane_dynquant_op``), not its Python one."""
+    try:
+        _function()
+    except NativeUnavailable:
+        return False
+    return bool(_BOUND)
 
 
 def on_bytes() -> bool:
@@ -97,10 +170,24 @@ def pack(weight: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([tiles, sums.view(np.int8)]).copy())
 
 
+def _op(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor,
+        depth: int, cols: int) -> torch.Tensor:
+    """``backplane::dynamic_quant_matmul``'s kernel in Python (ctypes): the op where the stable
+    ABI is not here, and the C kernel's route for the x it does not take."""
+    if x.shape[-1:] != (depth,):
+        raise ValueError(f"x of shape {tuple(x.shape)} for a product of depth {depth}")
+    if not _FUNCTIONS:
+        _function()
+    added = bias if bias.numel() else None
+    if weight.dtype == torch.int8:
+        return _matmul_bytes(x, weight, w_scale, added, depth, cols)
+    return _matmul(x, weight, w_scale, added)
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
             bias: torch.Tensor | None) -> torch.Tensor:
     depth, cols = weight.shape
-    x = x if x.is_contiguous() else x.contiguous()
+    x = x if x.is_contiguous() and x.dtype == torch.float32 else x.contiguous().float()
     y = torch.empty((*x.shape[:-1], cols))
     rows = x.numel() // depth if depth else 0
     if not x.numel():
@@ -118,10 +205,10 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
 
 def _matmul_bytes(x: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None, depth: int, cols: int) -> torch.Tensor:
-    x = x if x.is_contiguous() else x.contiguous()
+    x = x if x.is_contiguous() and x.dtype == torch.float32 else x.contiguous().float()
     y = torch.empty((*x.shape[:-1], cols))
     rows = x.numel() // depth if depth else 0
-    if rows:
+    if rows and _FUNCTIONS[2] is not None:
         held = getattr(packed, LAYER, None)
         if held is None or held[1] is not w_scale or held[2] is not bias:
             held = _layer(packed, w_scale, bias, depth, cols)
@@ -169,29 +256,27 @@ def _torch_route(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     return y.add_(bias) if bias is not None else y
 
 
-def _abstract(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[1]))
+def _abstract(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor,
+              depth: int, cols: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], cols), dtype=torch.float32)
 
 
+SCHEMA = "(Tensor x, Tensor weight, Tensor w_scale, Tensor bias, int depth, int cols) -> Tensor"
+"""Both ops': the weight float32 (depth, cols) or ``pack``'s bytes, no bias an empty tensor (the
+stable ABI's kernel takes no optional tensor)."""
 _LIBRARY = torch.library.Library("backplane", "FRAGMENT")
-_LIBRARY.define("dynamic_quant_matmul(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) "
-                "-> Tensor")
-_LIBRARY.impl("dynamic_quant_matmul", _matmul, "CPU")
-_LIBRARY.impl("dynamic_quant_matmul", _abstract, "Meta")
-_LIBRARY.define("dynamic_quant_matmul_bytes(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias, "
-                "int depth, int cols) -> Tensor")
-_LIBRARY.impl("dynamic_quant_matmul_bytes", _matmul_bytes, "CPU")
-_LIBRARY.impl("dynamic_quant_matmul_bytes",
-              lambda x, packed, w_scale, bias, depth, cols: x.new_empty((*x.shape[:-1], cols)),
-              "Meta")
+for _name in ("dynamic_quant_matmul", "dynamic_quant_matmul_c"):
+    _LIBRARY.define(_name + SCHEMA)
+    _LIBRARY.impl(_name, _abstract, "Meta")
+_LIBRARY.impl("dynamic_quant_matmul", _op, "CPU")  # dynamic_quant_matmul_c's: the C (``_bind``)
+_NO_BIAS = torch.empty(0)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, int, int],
            w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The layer's product, scales and bias: the op (one op in a trace); ``weight`` as
-    ``weight_by_columns`` made it."""
-    if isinstance(weight, tuple):
-        return torch.ops.backplane.dynamic_quant_matmul_bytes(x, weight[0], w_scale, bias,
-                                                              weight[1], weight[2])
-    return torch.ops.backplane.dynamic_quant_matmul(x, weight, w_scale, bias)
+    """The layer's product, scales and bias: the op (one op in a trace), its kernel the C where
+    ``in_c``; ``weight`` as ``weight_by_columns`` made it."""
+    tensor, depth, cols = weight if isinstance(weight, tuple) else (weight, *weight.shape)
+    op = torch.ops.backplane.dynamic_quant_matmul_c if _BOUND else \
+        torch.ops.backplane.dynamic_quant_matmul
+    return op(x, tensor, w_scale, _NO_BIAS if bias is None else bias, depth, cols)

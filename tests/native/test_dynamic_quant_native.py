@@ -1,0 +1,128 @@
+"""``backplane::dynamic_quant_matmul_c``: the dynamically quantized product as a torch op whose
+kernel is ``dynquant.c`` itself (``backplane_dynquant_op``, a boxed kernel of torch's stable C ABI),
+against the op in Python (``backplane::dynamic_quant_matmul``) bit for bit; the x it does not take
+handed on to that op; every tensor handle it is given released (no tensor kept alive by a call);
+and the same kernel built for AVX2 and for plain x86-64 (a CI machine's builds), registered as ops
+of their own, giving the same bits."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backplane.native import build, dynquant  # noqa: E402
+
+RNG = np.random.default_rng(2121)
+pytestmark = pytest.mark.skipif(not dynquant.in_c(), reason="no C compiler or no stable ABI here")
+NO_BIAS = torch.empty(0)
+
+
+def c_op(x, weight, w_scale, bias, depth, cols):
+    return torch.ops.backplane.dynamic_quant_matmul_c(x, weight, w_scale, bias, depth, cols)
+
+
+def python_op(x, weight, w_scale, bias, depth, cols):
+    return torch.ops.backplane.dynamic_quant_matmul(x, weight, w_scale, bias, depth, cols)
+
+
+def layer(depth: int, cols: int, packed: bool, with_bias: bool):
+    """(weight as the op reads it, w_scale, bias): a float32 (depth, cols) or packed bytes."""
+    centred = RNG.integers(-127, 128, (cols, depth))  # the fusion's (N, K)
+    weight = dynquant.pack(centred) if packed else \
+        torch.from_numpy(centred.T.astype(np.float32)).contiguous()
+    w_scale = torch.from_numpy(RNG.uniform(0.01, 0.03, cols).astype(np.float32))
+    bias = torch.from_numpy(RNG.standard_normal(cols).astype(np.float32)) if with_bias else NO_BIAS
+    return weight, w_scale, bias
+
+
+WEIGHTS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not dynquant.on_bytes(), reason="the library here has no AVX-512 VNNI"))]
+
+
+@pytest.mark.parametrize("packed", WEIGHTS)
+@pytest.mark.parametrize("shape,depth,cols", [((2, 8, 32), 32, 96), ((1, 128), 128, 32),
+                                              ((3, 5, 7, 17), 17, 35)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_c_kernel_is_the_python_ops_bit_for_bit(packed, shape, depth, cols, with_bias):
+    weight, w_scale, bias = layer(depth, cols, packed, with_bias)
+    for spread in (0.02, 5.0):
+        x = torch.from_numpy((RNG.standard_normal(shape) * spread).astype(np.float32))
+        got = c_op(x, weight, w_scale, bias, depth, cols)
+        want = python_op(x, weight, w_scale, bias, depth, cols)
+        assert got.shape == (*shape[:-1], cols) and got.dtype == torch.float32
+        assert got.is_contiguous()
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def _odd_inputs():
+    """x the C does not take, each with the x the Python op is given for it."""
+    x = torch.from_numpy(RNG.standard_normal((6, 32)).astype(np.float32))
+    strided = torch.from_numpy(RNG.standard_normal((32, 6)).astype(np.float32)).t()
+    with_nan, with_inf = x.clone(), x.clone()
+    with_nan[2, 3], with_inf[4, 1] = float("nan"), float("inf")
+    return [("strided", strided, strided.contiguous()), ("float64", x.double(), x),
+            ("empty", torch.empty(0, 32), torch.empty(0, 32)), ("nan", with_nan, with_nan),
+            ("inf", with_inf, with_inf)]
+
+
+@pytest.mark.parametrize("packed", WEIGHTS)
+@pytest.mark.parametrize("case", range(5))
+def test_the_x_the_c_does_not_take_goes_to_the_python_op(packed, case):
+    name, x, as_given = _odd_inputs()[case]
+    weight, w_scale, bias = layer(32, 40, packed, True)
+    got = c_op(x, weight, w_scale, bias, 32, 40)
+    want = python_op(as_given, weight, w_scale, bias, 32, 40)
+    assert got.shape == want.shape == (*x.shape[:-1], 40), name
+    np.testing.assert_array_equal(got.numpy(), want.numpy())  # NaN where it has NaN
+
+
+def test_an_error_of_the_python_op_is_raised_with_its_message():
+    weight, w_scale, bias = layer(32, 16, False, False)
+    with pytest.raises(RuntimeError, match="for a product of depth 32"):
+        c_op(torch.zeros(4, 31), weight, w_scale, bias, 32, 16)
+
+
+@pytest.mark.parametrize("packed", WEIGHTS)
+def test_a_call_keeps_no_tensor_alive(packed):
+    """Each tensor comes to the kernel as a handle it owns: released on the C's route and on
+    the one through the Python op, so each tensor's count of owners is as before the calls, and
+    the output's is one (the caller's)."""
+    weight, w_scale, bias = layer(32, 48, packed, True)
+    fine = torch.from_numpy(RNG.standard_normal((8, 32)).astype(np.float32))
+    odd = fine.clone()
+    odd[0, 0] = float("nan")
+    tensors = (fine, odd, weight, w_scale, bias)
+    before = [t._use_count() for t in tensors]
+    for x in (fine, odd) * 50:
+        y = c_op(x, weight, w_scale, bias, 32, 48)
+    assert [t._use_count() for t in tensors] == before
+    assert y._use_count() == 1
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 build flags")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_kernel_built_for_avx2_and_plain_x86_64_gives_the_same_bits(march, tmp_path):
+    """dynquant.c built for another CPU (``tests/native/flavours``) and registered as an op of its
+    own: a float weight's product in its C (AVX2's or SSE's vectors), a packed one handed on to
+    the Python op (no VNNI in that build): both this machine's op's outputs."""
+    from tests.native.flavours import built
+
+    if march == "x86-64-v3" and "avx2" not in build._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    flavour = built("dynquant", march, tmp_path)
+    assert flavour.backplane_dynquant_has_bytes() == 0
+    namespace, name = "backplane_test_flavour", "matmul_" + march.replace("-", "_")
+    definition = torch.library.Library(namespace, "FRAGMENT")
+    definition.define(name + dynquant.SCHEMA)
+    held = dynquant.register(flavour, namespace, name)
+    assert held is not None
+    op = getattr(getattr(torch.ops, namespace), name)
+    for packed in (False, True) if dynquant.on_bytes() else (False,):
+        weight, w_scale, bias = layer(40, 35, packed, True)
+        x = torch.from_numpy((RNG.standard_normal((2, 6, 40)) * 3).astype(np.float32))
+        np.testing.assert_array_equal(op(x, weight, w_scale, bias, 40, 35).numpy(),
+                                      c_op(x, weight, w_scale, bias, 40, 35).numpy())
