@@ -7,6 +7,9 @@ Gemm kernel wants 2-D operands; backplane's product kernels take the N-D activat
 the MatMul + Add into one Linear), and each Reshape is one more call a run (an ORT-saved tiny BERT:
 24 of them, 21 views and reshapes more a run than the plain export). ``unfold_gemm_reshapes``
 rewrites the sandwich as the MatMul and Add it was.
+
+Its transformer optimizer's SkipLayerNormalization and Attention are written back as the plain ops
+they fused (``ort_lowered``); ``plain_forms`` does both.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from backplane.ir.graph import Graph, Layer, TensorInfo
+from backplane.optimizer import ort_lowered
 
 
 def unfold_gemm_reshapes(graph: Graph) -> Graph:
@@ -99,3 +103,10 @@ def _fresh(name: str, graph: Graph, taken: set[str] = frozenset()) -> str:
     if isinstance(taken, set):
         taken.add(unique)
     return unique
+
+
+def plain_forms(graph: Graph) -> Graph:
+    """``graph`` with ONNX Runtime's patterns undone (in place): its Reshape -> Gemm -> Reshape
+    sandwiches, and its SkipLayerNormalization and Attention where they can be written as the
+    ops they fused (``ort_lowered``)."""
+    return ort_lowered.lower(unfold_gemm_reshapes(graph))
