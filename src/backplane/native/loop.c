@@ -1,5 +1,6 @@
 /* An ONNX Loop whose body is small float32 layers, every iteration in one call
- * (backplane/backends/builtin/native_loop.py plans it).
+ * (backplane/backends/builtin/native_loop.py plans it); and a whole network of such layers and
+ * Ifs, run once (`backplane_net`: backplane/backends/builtin/native_net.py plans it).
  *
  * Why: a body of Gemms and elementwise layers on a few dozen values costs its NumPy calls (1-3 us
  * each, a scripted RNN's body 7 a step), where the arithmetic is nanoseconds. The plan is records
@@ -14,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-int64_t backplane_loop_version(void) { return 2; }
+int64_t backplane_loop_version(void) { return 3; }
 
 enum {
     OP_COPY = 1,      /* out[0:n0] = a[0:n0], n0 bytes */
@@ -31,7 +32,34 @@ enum {
     OP_GATHER_C,      /* OP_GATHER_I at the int64 index in buffer c (negative: from the end;
                          out of range: the call fails, -1) */
     OP_IF,            /* the records [n0, n0 + n1) where the bool a is true, else [n2, n2 + c) */
+    OP_SUM_ALL,       /* float32: out[0] = the sum of a[0:n0], NumPy's pairwise order */
+    OP_MEAN_ALL,      /* float32: out[0] = that sum / n0 */
 };
+
+/* np.add.reduce's float32 sum of a contiguous run (NumPy's pairwise_sum, accumulated in float32):
+ * under 8 values in order; up to 128 in eight running sums, paired, then the rest in order; past
+ * that the two halves (the first a multiple of 8) summed so and added. The same order gives
+ * CpuRef's sum bit for bit, so a predicate read from a mean takes CpuRef's branch. */
+static float pairwise_sum(const float *a, int64_t n) {
+    if (n < 8) {
+        float res = 0.0f;
+        for (int64_t i = 0; i < n; ++i) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        float r[8];
+        int64_t i;
+        for (int j = 0; j < 8; ++j) r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; ++j) r[j] += a[i + j];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; ++i) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
+}
 
 /* GEMM's layout flags, in params[2 * r + 0 / 1] alpha, beta and the record's c field: the bias
  * record (-1: none); the flags in the high bits of the op: transA << 8, transB << 9, and the bias
@@ -127,6 +155,8 @@ static int run(const int64_t *records, const double *params, int64_t start, int6
             fo[0] = best;
             break;
         }
+        case OP_SUM_ALL: fo[0] = 0.0f + pairwise_sum(fa, n0); break; /* the reduction's 0 first */
+        case OP_MEAN_ALL: fo[0] = (0.0f + pairwise_sum(fa, n0)) / (float)n0; break;
         case OP_IF:
             if (*(const uint8_t *)a ? run(records, params, n0, n1, ptrs, i)
                                     : run(records, params, n2, r[4], ptrs, i))
@@ -149,4 +179,14 @@ int64_t backplane_loop(const int64_t *records, const double *params, int64_t n_p
         if (cond >= 0 && !*(const uint8_t *)table[cond]) return i + 1;
     }
     return trips;
+}
+
+/* A network's records run once (`backplane_net`, planned by native_net.py): `call` holds the
+ * records' and the params' addresses, the records' count, then the table of buffer addresses,
+ * the call's inputs and outputs among them (written by the caller). Returns 0, or -1 where a
+ * Gather's index was out of range (the caller runs the kernels, which say so). */
+int64_t backplane_net(int64_t *call) {
+    const int64_t *records = (const int64_t *)(intptr_t)call[0];
+    const double *params = (const double *)(intptr_t)call[1];
+    return run(records, params, 0, call[2], (void **)(call + 3), 0) ? -1 : 0;
 }

@@ -60,7 +60,8 @@ def direct_run(specs: Sequence[tuple[str, TensorInfo]], loaded: Any) -> Callable
     if parts is not None:
         lines += _one_call(parts, values, namespace)
     elif straight is not None:
-        lines += _straight(straight, loaded.held, values, namespace)
+        lines += _straight(straight, loaded.held, values, namespace,
+                           getattr(loaded.execute, "native", None))
     else:
         lines.append(f"    return execute({values})")
     exec(compile("\n".join(lines), "<backplane direct run>", "exec"), namespace)  # noqa: S102
@@ -159,10 +160,26 @@ def _hosted(reads: Sequence[Any], outs: Sequence[Any], values: str,
             f"        return [{', '.join(f'r[{index}]' for index in taken)}]"]
 
 
+def _native(native: Any, count: int, values: str, namespace: dict[str, Any]) -> list[str]:
+    """Where the network runs whole as one native call (``steps.native_network``), the lines that
+    run it on the checked ``v<k>``: the run kept for their shapes, made at their first call;
+    its outputs fresh arrays, the caller's. None kept or made, or the call declined (None): the
+    lines after, the steps."""
+    if native is None:
+        return []
+    namespace.update(hosted=native.hosted, make=native.make)
+    shapes = "".join(f"v{k}.shape, " for k in range(count))
+    arrays = ", ".join(f"v{k}" for k in range(count))
+    return [f"    k = ({shapes})", "    h = hosted.get(k)", "    if h is None:",
+            f"        h = make(k, {values})", "    if h is not None:", f"        r = h({arrays})",
+            "        if r is not None:", "            return r"]
+
+
 def _straight(parts: tuple[Any, ...], held: Any, values: str, namespace: dict[str, Any],
-              ) -> list[str]:
-    """The lines of ``steps.straight_run``'s run of ``parts`` on the checked ``v<k>``, then
-    ``LoadedNetwork.execute_owned``'s ``owned`` of its outputs."""
+              native: Any = None) -> list[str]:
+    """The lines of ``steps.straight_run``'s run of ``parts`` on the checked ``v<k>`` (first its
+    native call, where it has one: ``_native``), then ``LoadedNetwork.execute_owned``'s ``owned``
+    of its outputs."""
     from backplane.runtime.ownership import owned
     from backplane.runtime.steps import StepFailure
 
@@ -173,6 +190,7 @@ def _straight(parts: tuple[Any, ...], held: Any, values: str, namespace: dict[st
     arrays = ", ".join(f"asarray(o[{j}]) if isinstance(o[{j}], generic) else o[{j}]"
                        for j in range(count))
     return ["    if STOP.get() is not None:", f"        return execute({values})",
+            *_native(native, len(inputs_at), values, namespace),
             "    env = list(template)", *puts, "    try:", "        o = call(env)",
             "    except StepFailure as failed:",
             "        raise failure(failed.step, failed.error) from failed.error",

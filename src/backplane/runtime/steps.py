@@ -437,8 +437,13 @@ def straight_run(plan: Plan, template: Sequence[Any],
         return None
     steps, inputs_at, outputs_at = plan.steps, plan.input_slots, plan.output_slots
     call = compiled(steps, returns=outputs_at)
+    native = native_network(plan, template)
 
     def run(inputs: Sequence[Any]) -> list[Any]:
+        if native is not None and STOP.get() is None:
+            made = native(inputs)
+            if made is not None:
+                return made  # type: ignore[no-any-return]  # fresh arrays, the caller's
         env = list(template)
         for slot, value in zip(inputs_at, inputs):
             env[slot] = value
@@ -454,4 +459,18 @@ def straight_run(plan: Plan, template: Sequence[Any],
         return [np.asarray(v) if isinstance(v, np.generic) else v for v in outputs]
 
     run.straight = (call, template, inputs_at, len(outputs_at), failure)  # type: ignore[attr-defined]
+    run.native = native  # type: ignore[attr-defined]  # read by prepared_run's direct run
     return run
+
+
+def native_network(plan: Plan, template: Sequence[Any]) -> Any:
+    """The whole network as one native call, where a step's workload offers to plan it
+    (``plans_network``: builtin's If, ``builtin/native_net.py``) and it takes the network: an
+    object called on a run's inputs that returns its outputs, fresh, or None (then the steps run),
+    with ``hosted`` (``host_route.Hosted``: its runs by the inputs' shapes) and ``make(shapes,
+    inputs)`` for the direct run. None where no step offers or the offer refuses."""
+    for step in plan.steps:
+        offer = getattr(step.workload, "plans_network", None)
+        if offer is not None:
+            return offer(plan.steps, plan.layers, template, plan.input_slots, plan.output_slots)
+    return None

@@ -87,7 +87,11 @@ class BuiltinWorkloadFactory(WorkloadFactory):
             runs = [flatten(body) for body in bodies]
             if layer.attrs.get(DEVICE_OUTPUTS):  # its readers take GPU tensors as they are
                 runs = [on_device(run) for run in runs]
-            workload = _control_flow(layer, runs, self.backend.options.get(NATIVE, "auto"))
+            native = str(self.backend.options.get(NATIVE, "auto")).strip().lower()
+            workload = _control_flow(layer, runs, native)
+            if layer.op_type == "If" and native == "auto":  # the network around it in C, where
+                from backplane.backends.builtin.native_net import planner  # all its layers are
+                workload.plans_network = planner  # type: ignore[attr-defined]  # (steps.py)
             workload.exclusive = any(body.exclusive for body in bodies)  # type: ignore[attr-defined]
             workload.bodies = bodies  # type: ignore[attr-defined]  # closed with the network
             workload.runs = runs  # type: ignore[attr-defined]  # what runs: flat where it can be
@@ -160,7 +164,7 @@ def _control_flow(layer: Layer, bodies: list[LoadedNetwork | FlatBody], native: 
         iterated = IteratedBody(bodies[0], 2 + n_carried,
                                 [(2 + k, 1 + k) for k in range(n_carried)],
                                 [0, *range(1 + n_carried, n_outputs)])
-        return make_loop(iterated, n_carried, scan_infos, str(native).strip().lower())
+        return make_loop(iterated, n_carried, scan_infos, native)
     n_scan_in = attrs["num_scan_inputs"]
     batched = layer.opset < 9  # Scan-8: a leading sequence_lens input, batch axis 0, scan axis 1
     n_state = len(layer.inputs) - n_scan_in - captured - batched
@@ -185,7 +189,8 @@ class Builtin(Backend):
     version = "1.0.0"
     KERNELS = sequence.KERNELS
     OPTIONS = {NATIVE: "auto (default): a Loop of small float32 layers runs as one C call where a "
-                       "C compiler is here (native_loop.py); off: its body's kernels, as before"}
+                       "C compiler is here (native_loop.py), and so does a network of such layers "
+                       "around an If (native_net.py); off: their kernels, as before"}
 
     def is_layer_supported(self, layer: Layer, inputs: Sequence[TensorInfo],
                            outputs: Sequence[TensorInfo]) -> Support:

@@ -31,7 +31,7 @@ import numpy as np
 from backplane.backends.builtin.native_plan import OPS, Plan
 from backplane.native.build import NativeUnavailable, library
 
-VERSION = 2
+VERSION = 3
 """``loop.c``'s ``backplane_loop_version``: the records and the call this module makes."""
 _FUNCTIONS: list[Any] = []
 

@@ -17,15 +17,19 @@ from backplane.runtime.steps import NONE_SLOT
 log = logging.getLogger(__name__)
 
 (COPY, GATHER_I, APPEND_I, GEMM, ADD, SUB, MUL, DIV, TANH, SIGMOID, RELU, ABS, NEG, ADD_I, SUB_I,
- MUL_I, GT, LT, EQ, GT_I, LT_I, EQ_I, MAX_ALL, GATHER_C, IF) = range(1, 26)
+ MUL_I, GT, LT, EQ, GT_I, LT_I, EQ_I, MAX_ALL, GATHER_C, IF, SUM_ALL, MEAN_ALL) = range(1, 28)
 F32, I64, BOOL = np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.bool_)
 BINARY = {F32: {"Add": ADD, "Sub": SUB, "Mul": MUL, "Div": DIV},
           I64: {"Add": ADD_I, "Sub": SUB_I, "Mul": MUL_I}}
 COMPARE = {F32: {"Greater": GT, "Less": LT, "Equal": EQ},
            I64: {"Greater": GT_I, "Less": LT_I, "Equal": EQ_I}}
 UNARY = {"Tanh": TANH, "Sigmoid": SIGMOID, "Relu": RELU, "Abs": ABS, "Neg": NEG}
+REDUCE_ALL = {"ReduceMax": MAX_ALL, "ReduceSum": SUM_ALL, "ReduceMean": MEAN_ALL}
+RESHAPES = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Flatten"})
+"""Layers that keep the values in their order (a copy into a buffer of the new shape, which
+CpuRef's kernel gives on an empty array of the input's shape and the layer's constant inputs)."""
 OPS = frozenset({"Add", "Sub", "Mul", "Div", "Greater", "Less", "Equal", *UNARY, "Gemm",
-                 "Identity", "Gather", "SequenceInsert", "ReduceMax", "Cast", "If"})
+                 "Identity", "Gather", "SequenceInsert", *REDUCE_ALL, "Cast", "If", *RESHAPES})
 """The layers a body's iterations may hold (each further checked by types and shapes)."""
 MOST_ROWS = 1 << 16
 """A Loop whose body computes its condition and makes rows (scan outputs, a grown sequence) is
@@ -72,6 +76,18 @@ class Scope:
         if self.env is not None:
             return self.env[slot]
         return self.template[slot]
+
+    def constant(self, slot: int) -> np.ndarray | None:
+        """The value of a slot the same at every call (a constant of the network): None for an
+        absent input; Refused for a value made or given per call."""
+        if slot == NONE_SLOT:
+            return None
+        slot = self.alias.get(slot, slot)
+        value = self.template[slot]
+        if slot in self.plan.produced or type(value) is not np.ndarray or \
+                (self.env is not None and self.env[slot] is not value):
+            raise Refused
+        return value
 
     def of(self, slot: int) -> int:
         slot = self.alias.get(slot, slot)
@@ -266,15 +282,25 @@ class Plan:
                 raise Refused
             out = self.buffer(shape, BOOL if table is COMPARE else dtype)
             return [table[dtype][op], out, a, b, -1, _size(shape), _size(sa), _size(sb)]
-        if op == "ReduceMax":
+        if op in REDUCE_ALL:
             a = scope.of(ins[0])
             shape = self.shapes[a]
-            if self.dtypes[a] != F32 or not _size(shape) or layer.attrs.get("axes") is not None \
-                    or (len(ins) > 1 and ins[1] != NONE_SLOT) \
-                    or layer.attrs.get("noop_with_empty_axes", 0):
+            axes = layer.attrs.get("axes")
+            if len(ins) > 1 and ins[1] != NONE_SLOT:
+                axes = scope.constant(ins[1])
+            if axes is not None and len(axes) and (not shape or sorted(
+                    int(x) % len(shape) for x in np.ravel(axes)) != list(range(len(shape)))):
+                raise Refused  # some of the axes only
+            if self.dtypes[a] != F32 or not _size(shape) or (
+                    layer.attrs.get("noop_with_empty_axes", 0) and (axes is None or not len(axes))):
                 raise Refused
             kept = (1,) * len(shape) if layer.attrs.get("keepdims", 1) else ()
-            return [MAX_ALL, self.buffer(kept, F32), a, -1, -1, _size(shape), 0, 0]
+            return [REDUCE_ALL[op], self.buffer(kept, F32), a, -1, -1, _size(shape), 0, 0]
+        if op in RESHAPES:
+            a = scope.of(ins[0])
+            shape = _reshaped(layer, self.shapes[a], self.dtypes[a],
+                              [scope.constant(s) for s in ins[1:]])
+            return [COPY, self.buffer(shape, self.dtypes[a]), a, -1, -1, self.bytes_of(a), 0, 0]
         if op in UNARY:
             a = scope.of(ins[0])
             if self.dtypes[a] != F32:
@@ -409,6 +435,21 @@ class Plan:
                 buffer, slot = what  # the sequence given to this call, grown
                 carried.append([*env[slot], *rows[buffer][:count]])
         return (*carried, *(rows[buffer][:count] for buffer in self.scans))
+
+
+def _reshaped(layer: Any, shape: tuple[int, ...], dtype: np.dtype,
+              constants: Sequence[Any]) -> tuple[int, ...]:
+    """The shape ``layer`` (one of RESHAPES) gives an input of ``shape``: its CpuRef kernel run on
+    an empty array of it and the layer's other inputs, which must be constants (Refused else)."""
+    from backplane.backends.api.backend import kernel_key
+    from backplane.backends.api.kernels import bind_kernel, select_kernel
+    from backplane.backends.reference.kernels import KERNELS
+
+    kernel = select_kernel(KERNELS, kernel_key(layer), layer.opset)
+    if kernel is None:
+        raise Refused
+    (out,) = bind_kernel(kernel, layer.attrs, 1)(np.empty(shape, dtype), *constants)
+    return tuple(int(d) for d in out.shape)
 
 
 def _onnx_type(to: Any) -> Any:
