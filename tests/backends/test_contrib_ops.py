@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from backplane import InferenceSession
+from backplane import InferenceSession, OptimizerOptions
 from backplane.backends.reference.backend import CpuRef
 from backplane.frontends.onnx import ModelError, import_onnx
 from backplane.frontends.onnx_contrib import ONNX_EQUIVALENTS, ORT_OPS
@@ -23,11 +23,17 @@ from tests.backends.contrib_cases import (
     skip_where_ort_crashes)
 
 
+AS_IS = OptimizerOptions(fold_constants=False)
+"""The optimizer's passes off: each op to its own kernel (with them, SkipLayerNormalization and
+Attention are written as plain ops where they can be: tests/optimizer/test_ort_lowered.py)."""
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_cpuref_matches_onnx_runtime(name: str) -> None:
     skip_where_ort_crashes(name)
     model, feeds = _model(CASES[name])
-    session = InferenceSession(model, backends=["CpuRef"])
+    session = InferenceSession(model, backends=["CpuRef"], optimizer_options=AS_IS)
+    assert [p.op_type for p in session.report.layers.values()] == [CASES[name].op]
     assert_matches_ort(session.run(None, feeds), ort_run(model, feeds))
     assert set(session.report.counts()) == {"CpuRef"}
 

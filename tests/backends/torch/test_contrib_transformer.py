@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 torch = pytest.importorskip("torch")
 
-from backplane import InferenceSession  # noqa: E402
+from backplane import InferenceSession, OptimizerOptions  # noqa: E402
 from tests.conftest import make_model  # noqa: E402
 
 MS = "com.microsoft"
@@ -87,6 +87,9 @@ ATTENTION = ["EmbedLayerNormalization", "EmbedLayerNormalization-no-segment", "A
              "GroupQueryAttention-smooth-softmax-scale"]
 """test_contrib_ops' cases of the ops kernels/contrib_attention.py (and EmbedLayerNormalization)
 run on the torch backends."""
+AS_IS = OptimizerOptions(fold_constants=False)
+"""The optimizer's passes off: the kernels themselves (with them, Attention is written as plain ops
+where it can be: tests/optimizer/test_ort_lowered.py)."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -99,11 +102,12 @@ def test_attention_on_cpuacc_matches_onnx_runtime(name: str, backend: str) -> No
     if backend == "GpuAcc" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model, feeds = ort_model(ORT_CASES[name])
-    session = InferenceSession(model, backends=[*BACKENDS[backend], "CpuRef"])
+    session = InferenceSession(model, backends=[*BACKENDS[backend], "CpuRef"],
+                               optimizer_options=AS_IS)
     assert set(session.report.counts()) == {backend}
     if name not in ORT_CRASHES:  # else against CpuRef alone, below
         assert_matches_ort(session.run(None, feeds), ort_run(model, feeds))
-    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    want = InferenceSession(model, backends=["CpuRef"], optimizer_options=AS_IS).run(None, feeds)
     for have, expected in zip(session.run(None, feeds), want):
         np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-5)
 
@@ -125,8 +129,9 @@ def test_attention_propagates_nan_as_cpuref(name: str, backend: str) -> None:
     first = next(iter(feeds))
     feeds[first] = feeds[first].copy()
     feeds[first][0, 1, :2] = np.nan  # (B, S, d): the second token of the first sequence
-    got = InferenceSession(model, backends=BACKENDS[backend]).run(None, feeds)
-    want = InferenceSession(model, backends=["CpuRef"]).run(None, feeds)
+    got = InferenceSession(model, backends=BACKENDS[backend], optimizer_options=AS_IS).run(None,
+                                                                                           feeds)
+    want = InferenceSession(model, backends=["CpuRef"], optimizer_options=AS_IS).run(None, feeds)
     assert np.isnan(want[0]).any()
     for have, expected in zip(got, want):
         np.testing.assert_array_equal(np.isnan(have), np.isnan(expected))
