@@ -12,6 +12,8 @@
   MatMulInteger in one (Triton, ``gpu_triton.py``) or two; MatMulInteger and QLinearConv with their constant operands made once.
 - Trees of float32 elementwise layers (Add, Sub, Mul, Div, Erf, Tanh, Sqrt, Neg, Reciprocal, Pow
   by 2 or 3) as one kernel each (``gpu_chains.py``): an exported GELU, a LayerNorm's tail.
+- A MatMul by a constant matrix and the Add of a constant bias that no tree took, as one addmm
+  (``gpu_linear.py``): cuBLASLt adds the bias in the product's epilogue.
 
 Each fused call keeps its layers' own kernels to fall back on, for good, where the fused kernel
 refuses the shapes or types it is given (that shows in the warm-up runs, before any capture).
@@ -28,6 +30,7 @@ from backplane.backends.api.backend import Workload
 from backplane.backends.api.kernels import bind_kernel
 from backplane.backends.torch.gpu_chains import chain_steps
 from backplane.backends.torch.gpu_int8 import int8_steps
+from backplane.backends.torch.gpu_linear import linear_steps
 from backplane.backends.torch.gpu_small import Step, small_steps
 from backplane.ir.graph import Layer
 
@@ -65,6 +68,7 @@ def inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = 
     int8_steps(layers, steps, sole, constants or {}, uses)
     if not backend.options.get("GpuAcc.fuse_conv_relu", FUSE_CONV_RELU):
         chain_steps(layers, steps, [w for w, _ in bound], sole, outputs, constants or {})
+        linear_steps(layers, steps, [w for w, _ in bound], sole, constants or {})
         return [s for s in steps if s is not None]
     for index, layer in enumerate(layers):
         if layer.op_type != "Conv" or layer.domain or not _fusable_conv(layer):
@@ -93,6 +97,7 @@ def inner_steps(layers: Sequence[Layer], backend: Any, outputs: Sequence[str] = 
             steps[i] = None
         steps[chain[-1]] = (fused, names, layers[chain[-1]].outputs)
     chain_steps(layers, steps, [w for w, _ in bound], sole, outputs, constants or {})
+    linear_steps(layers, steps, [w for w, _ in bound], sole, constants or {})
     return [s for s in steps if s is not None]
 
 
