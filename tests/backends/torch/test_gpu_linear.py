@@ -81,6 +81,21 @@ def test_a_matmul_and_its_bias_are_one_step_with_the_layers_values(bias_shape, o
     assert np.isnan(got[0, 1]).all() and not np.isnan(got[1]).any()
 
 
+def test_a_float16_linear_layer_is_one_product_within_its_rounding() -> None:
+    """An fp16 export's (gpt_fp16_dyn19's) weights and bias: the product adds the bias to its
+    float sums and rounds once, where the layers rounded the product, then the sum."""
+    constants = {"w": W.astype(np.float16), "b": BIAS.astype(np.float16)}
+    steps = _steps(LINEAR, constants)
+    x = RNG.standard_normal((6, 16)).astype(np.float16)
+    w, b = (torch.from_numpy(constants[n]) for n in ("w", "b"))
+    assert gpu_linear.fits(torch.from_numpy(x), w, b)
+    got = _run(steps, {"x": x}, constants)["y"].numpy()
+    want = x.astype(np.float64) @ W.astype(np.float16).astype(np.float64) \
+        + BIAS.astype(np.float16).astype(np.float64)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3, atol=2e-2)
+
+
 def test_pairs_that_are_not_a_linear_layer_keep_their_steps() -> None:
     cases = {
         "bias not constant": ({"w": W}, LINEAR),
