@@ -16,8 +16,12 @@ into 8 int32 sums. (_mm256_maddubs_epi16 would do 32, but it saturates its int16
 * 127 * 2 > 32767; MLAS's AVX2 kernel accepts that, so where a sum saturates there ONNX Runtime's
 output is off and this one is the exact one.) AVX-512 VNNI (vpdpwssd) behind __AVX512VNNI__,
 a scalar path for other CPUs. Where the build has AVX-512 VNNI the plan takes qcnn_bytes.h's
-record instead (OP_QCONV8: bytes, u8 x s8, vpdpbusd, 64 products an instruction). No -ffast-math: the rounding mode is the default, half to even. */
-#define _POSIX_C_SOURCE 199309L
+record instead (OP_QCONV8: bytes, u8 x s8, vpdpbusd, 64 products an instruction). No -ffast-math: the rounding mode is the default, half to even.
+
+A run uses the threads backplane_qcnn_threads asked for in the calling thread: the records qcnn.py
+marks split (F_SPLIT: the large convolutions and elementwise records) are shared with a crew of
+workers (qcnn_pool.h), each item written by one thread with the one-thread arithmetic. */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -29,10 +33,10 @@ record instead (OP_QCONV8: bytes, u8 x s8, vpdpbusd, 64 products an instruction)
 /* A record's fields (qcnn.py's FIELDS, in this order): int64 each, NF of them per record. */
 enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_KW, F_SH, F_SW,
        F_DH, F_DW, F_PT, F_PL, F_WOFF, F_BOFF, F_MOFF, F_SCR, F_PH, F_PW, F_ICP, F_ZX, F_ZY,
-       F_LO, F_HI, F_SIGNED, F_X1, F_CS, F_OCS, NF = 34 };
+       F_LO, F_HI, F_SIGNED, F_X1, F_CS, F_OCS, F_SPLIT, NF = 35 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_QUANT, OP_DEQUANT, OP_QCONV, OP_MAXPOOL_F, OP_MAXPOOL_Q,
        OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F, OP_QDWCONV, OP_LINEAR_F,
-       OP_FDWCONV_Q, OP_HSIG_F, OP_MUL_F, OP_QCONV8 };
+       OP_FDWCONV_Q, OP_HSIG_F, OP_MUL_F, OP_QCONV8, OP_LUT8, OP_QADD8 };
 #define OCB 16 /* output channels a weight block: two vectors of 8 int32 sums */
 
 static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
@@ -41,27 +45,37 @@ static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
 
 #include "qcnn_float.h" /* float biases: requantize_f; a float depthwise: fdwconv_q */
 
-/* The input centred and widened into the padded scratch: [n][ph][pw][icp] int16, 0 outside. */
-static void widen(const int64_t *r, const uint8_t *x, int16_t *restrict s) {
-    const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
+/* The input centred and widened into the padded scratch: [n][ph][pw][icp] int16, 0 outside;
+   padded rows [begin, end) of the n * ph (each row whole: a part of the crew's job). */
+static void widen_rows(const int64_t *r, const uint8_t *x, int16_t *restrict s, int64_t begin,
+                       int64_t end) {
+    const int64_t h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
     const int64_t cs = r[F_CS] ? r[F_CS] : c; /* a pixel's channels in x: a group reads c of them */
     const int64_t icp = r[F_ICP], pt = r[F_PT], pl = r[F_PL];
     const int32_t zx = (int32_t)r[F_ZX];
     const int sgn = (int)r[F_SIGNED];
-    memset(s, 0, (size_t)(n * ph * pw * icp) * sizeof(int16_t));
-    for (int64_t b = 0; b < n; ++b)
-        for (int64_t y = 0; y < h; ++y) {
-            const uint8_t *src = x + ((b * h + y) * w) * cs;
-            int16_t *dst = s + ((b * ph + y + pt) * pw + pl) * icp;
-            if (sgn)
-                for (int64_t px = 0; px < w; ++px)
-                    for (int64_t k = 0; k < c; ++k)
-                        dst[px * icp + k] = (int16_t)((int32_t)((const int8_t *)src)[px * cs + k] - zx);
-            else
-                for (int64_t px = 0; px < w; ++px)
-                    for (int64_t k = 0; k < c; ++k)
-                        dst[px * icp + k] = (int16_t)((int32_t)src[px * cs + k] - zx);
-        }
+    for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / ph, y = row % ph - pt;
+        int16_t *dst = s + row * pw * icp;
+        memset(dst, 0, (size_t)(pw * icp) * sizeof(int16_t));
+        if (y < 0 || y >= h) continue;
+        const uint8_t *src = x + ((b * h + y) * w) * cs;
+        dst += pl * icp;
+        if (sgn)
+            for (int64_t px = 0; px < w; ++px)
+                for (int64_t k = 0; k < c; ++k)
+                    dst[px * icp + k] = (int16_t)((int32_t)((const int8_t *)src)[px * cs + k] - zx);
+        else
+            for (int64_t px = 0; px < w; ++px)
+                for (int64_t k = 0; k < c; ++k)
+                    dst[px * icp + k] = (int16_t)((int32_t)src[px * cs + k] - zx);
+    }
+}
+
+static void widen_part(const int64_t *r, const uint8_t *params, uint8_t *arena, int64_t begin,
+                       int64_t end) {
+    (void)params;
+    widen_rows(r, arena + r[F_IN], (int16_t *)(arena + r[F_SCR]), begin, end);
 }
 
 /* The bounds a requantized value is clamped to before rounding: the type's range less the zero
@@ -162,12 +176,17 @@ static void block_sums(const int16_t *const *px, int64_t tiles, const int16_t *r
 /* A quantized convolution (QLinearConv; a QDQ Conv; QLinearMatMul / QGemm as a 1x1 one over
    rows): weights [blocks][kh][kw][icp/2][OCB][2] int16 at woff (bytes), bias int32 and
    multipliers float at boff / moff, each blocks * OCB long. */
-static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
-    const int64_t n = r[F_N], oh = r[F_OH], ow = r[F_OW], oc = r[F_OC], kh = r[F_KH], kw = r[F_KW];
+static int64_t qconv_items(const int64_t *r) { /* register tiles of TILE pixels, per image */
+    return r[F_N] * ((r[F_OH] * r[F_OW] + TILE - 1) / TILE);
+}
+
+/* Tiles [begin, end) of qconv_items, the scratch widened. */
+static void qconv_part(const int64_t *r, const uint8_t *params, uint8_t *arena, int64_t begin,
+                       int64_t end) {
+    const int64_t oh = r[F_OH], ow = r[F_OW], oc = r[F_OC], kh = r[F_KH], kw = r[F_KW];
     const int64_t sh = r[F_SH], sw = r[F_SW], dh = r[F_DH], dw = r[F_DW], ph = r[F_PH];
     const int64_t pw = r[F_PW], icp = r[F_ICP], pairs = icp / 2;
-    int16_t *s = (int16_t *)(arena + r[F_SCR]);
-    widen(r, arena + r[F_IN], s);
+    const int16_t *s = (const int16_t *)(arena + r[F_SCR]);
     const int16_t *weights = (const int16_t *)(params + r[F_WOFF]);
     const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
     const float *mult = (const float *)(params + r[F_MOFF]);
@@ -182,8 +201,9 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
     const int64_t pixels = oh * ow, rowstep = dh * pw * icp, colstep = dw * icp;
     const int64_t ocs = r[F_OCS] ? r[F_OCS] : oc; /* a pixel's channels in y: a group writes oc */
     int32_t acc[TILE][OCB];
-    for (int64_t b = 0; b < n; ++b)
-        for (int64_t p0 = 0; p0 < pixels; p0 += TILE) {
+    const int64_t per = (pixels + TILE - 1) / TILE;
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / per, p0 = (item % per) * TILE;
             const int64_t tiles = pixels - p0 < TILE ? pixels - p0 : TILE;
             const int16_t *px[TILE];
             for (int64_t t = 0; t < TILE; ++t) {
@@ -212,15 +232,20 @@ static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
         }
 }
 
+static void qconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
+    widen_part(r, params, arena, 0, r[F_N] * r[F_PH]);
+    qconv_part(r, params, arena, 0, qconv_items(r));
+}
+
 /* A depthwise quantized convolution: weights [ceil(kh * kw / 2)][c][2] int16 at woff, two taps'
    weights a channel side by side (an odd last tap paired with weight 0), so that one
    _mm256_madd_epi16 adds two taps' products of 8 channels; bias and multipliers per channel. */
-static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
-    const int64_t n = r[F_N], c = r[F_C], oh = r[F_OH], ow = r[F_OW], kh = r[F_KH], kw = r[F_KW];
+static void qdwconv_part(const int64_t *r, const uint8_t *params, uint8_t *arena, int64_t begin,
+                         int64_t end) { /* output rows [begin, end) of n * oh, the scratch widened */
+    const int64_t c = r[F_C], oh = r[F_OH], ow = r[F_OW], kh = r[F_KH], kw = r[F_KW];
     const int64_t sh = r[F_SH], sw = r[F_SW], dh = r[F_DH], dw = r[F_DW], ph = r[F_PH];
     const int64_t pw = r[F_PW], taps = kh * kw, pairs = (taps + 1) / 2;
-    int16_t *s = (int16_t *)(arena + r[F_SCR]);
-    widen(r, arena + r[F_IN], s);
+    const int16_t *s = (const int16_t *)(arena + r[F_SCR]);
     const int16_t *weights = (const int16_t *)(params + r[F_WOFF]);
     const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
     const float *mult = (const float *)(params + r[F_MOFF]);
@@ -236,8 +261,8 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
         const int64_t tap = t < taps ? t : taps - 1;
         at[t] = ((tap / kw) * dh * pw + (tap % kw) * dw) * c;
     }
-    for (int64_t b = 0; b < n; ++b)
-        for (int64_t oy = 0; oy < oh; ++oy)
+    for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / oh, oy = row % oh;
             for (int64_t ox = 0; ox < ow; ++ox) {
                 const int16_t *corner = s + ((b * ph + oy * sh) * pw + ox * sw) * c;
                 int64_t k = 0;
@@ -291,6 +316,12 @@ static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
                     requantize(acc, mult, bias, y + ((b * oh + oy) * ow + ox) * c, c, zy, fl, fh,
                                r[F_LO] < 0);
             }
+    }
+}
+
+static void qdwconv(const int64_t *r, const uint8_t *params, uint8_t *arena) {
+    widen_part(r, params, arena, 0, r[F_N] * r[F_PH]);
+    qdwconv_part(r, params, arena, 0, r[F_N] * r[F_OH]);
 }
 
 /* A float product: y[r][j] = bias[j] + sum_k x[r][k] * wt[k][j] (wt: the weight transposed). */
@@ -356,9 +387,10 @@ static void gap_f(const int64_t *r, const float *restrict x, float *restrict y) 
     }
 }
 
+#include "qcnn_glue.h" /* the elementwise records: lut8, qadd8, quant, dequant, float */
+
 static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, void **ext) {
-    const int64_t n = r[F_N], c = r[F_C], hw = r[F_H] * r[F_W], count = n * c * hw;
-    const float *fp = (const float *)params;
+    const int64_t n = r[F_N], c = r[F_C], hw = r[F_H] * r[F_W];
     switch (r[F_OP]) {
     case OP_IMPORT: { /* NCHW float in -> NHWC float */
         const float *src = (const float *)ext[r[F_IN]];
@@ -376,13 +408,9 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
                 for (int64_t p = 0; p < hw; ++p) dst[(b * c + k) * hw + p] = src[(b * hw + p) * c + k];
         break;
     }
-    case OP_QUANT:
-        quantize((const float *)(arena + r[F_IN]), arena + r[F_OUT], count, fp[r[F_MOFF] / 4],
-                 (int32_t)r[F_ZY], (int32_t)r[F_LO], (int32_t)r[F_HI], (int)r[F_SIGNED]);
-        break;
-    case OP_DEQUANT:
-        dequantize(arena + r[F_IN], (float *)(arena + r[F_OUT]), count, fp[r[F_MOFF] / 4],
-                   (int32_t)r[F_ZX], (int)r[F_SIGNED], (int)r[F_X1]);
+    case OP_QUANT: case OP_DEQUANT: case OP_ADD_F: case OP_ADDC_F: case OP_HSIG_F: case OP_MUL_F:
+    case OP_RELU_F: case OP_LUT8: case OP_QADD8:
+        eltwise_part(r, params, arena, 0, eltwise_items(r));
         break;
     case OP_QCONV:
         qconv(r, params, arena);
@@ -411,43 +439,56 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
     case OP_GAP_F:
         gap_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
         break;
-    case OP_ADD_F: {
-        const float *a = (const float *)(arena + r[F_IN]), *b = (const float *)(arena + r[F_IN2]);
-        float *y = (float *)(arena + r[F_OUT]);
-        for (int64_t i = 0; i < count; ++i) y[i] = a[i] + b[i];
-        break;
-    }
-    case OP_ADDC_F: { /* a constant per channel (or one) */
-        const float *a = (const float *)(arena + r[F_IN]), *k = fp + r[F_BOFF] / 4;
-        float *y = (float *)(arena + r[F_OUT]);
-        const int64_t m = r[F_X1]; /* the constant's length: c or 1 */
-        for (int64_t i = 0; i < count; ++i) y[i] = a[i] + k[m == 1 ? 0 : i % c];
-        break;
-    }
-    case OP_HSIG_F: /* alpha, beta at moff */
-        hard_sigmoid((const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]), count,
-                     fp[r[F_MOFF] / 4], fp[r[F_MOFF] / 4 + 1]);
-        break;
-    case OP_MUL_F:
-        mul_f((const float *)(arena + r[F_IN]), (const float *)(arena + r[F_IN2]),
-              (float *)(arena + r[F_OUT]), count);
-        break;
-    case OP_RELU_F: {
-        const float *a = (const float *)(arena + r[F_IN]);
-        float *y = (float *)(arena + r[F_OUT]);
-        for (int64_t i = 0; i < count; ++i) y[i] = a[i] < 0.0f ? 0.0f : a[i];
-        break;
-    }
     default:
         return 1;
     }
     return 0;
 }
 
+#include "qcnn_pool.h"
+
+/* A split record (F_SPLIT, set by qcnn.py's plan) on the crew's `workers` and the caller: its
+   scratch's rows, then its output's items; 0 where its kind is not split. */
+static int split_record(const int64_t *r, const uint8_t *params, uint8_t *arena, int workers) {
+    switch (r[F_OP]) {
+    case OP_QCONV8:
+        if (!bytes_in_place(r)) crew_run(pad_part, r, params, arena, r[F_N] * r[F_PH], 8, workers);
+        crew_run(qconv8_part, r, params, arena, qconv8_items(r), 1, workers);
+        return 1;
+    case OP_QCONV:
+        crew_run(widen_part, r, params, arena, r[F_N] * r[F_PH], 8, workers);
+        crew_run(qconv_part, r, params, arena, qconv_items(r), 8, workers);
+        return 1;
+    case OP_QDWCONV:
+        crew_run(widen_part, r, params, arena, r[F_N] * r[F_PH], 8, workers);
+        crew_run(qdwconv_part, r, params, arena, r[F_N] * r[F_OH], 1, workers);
+        return 1;
+    case OP_QUANT: case OP_DEQUANT: case OP_ADD_F: case OP_ADDC_F: case OP_HSIG_F: case OP_MUL_F:
+    case OP_RELU_F: case OP_LUT8: case OP_QADD8:
+        crew_run(eltwise_part, r, params, arena, eltwise_items(r), 1, workers);
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 /* Runs the records in order; ext: the partition's input then output pointers (float32, NCHW).
+   On the threads backplane_qcnn_threads asked for in this thread: the split records on the crew
+   (where no other run holds it), the others on the caller; else every record on the caller.
    Returns 0, or 1 + the index of a record of an unknown op. */
 int backplane_qcnn_run(const int64_t *records, int64_t count, const uint8_t *params,
                        uint8_t *arena, void **ext) {
+    if (crew_asked > 1 && pthread_mutex_trylock(&crew.owner) == 0) {
+        const int workers = crew_workers((int)crew_asked - 1);
+        int failed = 0;
+        for (int64_t i = 0; i < count && !failed; ++i) {
+            const int64_t *r = records + i * NF;
+            if (workers && r[F_SPLIT] && split_record(r, params, arena, workers)) continue;
+            if (run_record(r, params, arena, ext)) failed = (int)i + 1;
+        }
+        pthread_mutex_unlock(&crew.owner);
+        return failed;
+    }
     for (int64_t i = 0; i < count; ++i)
         if (run_record(records + i * NF, params, arena, ext)) return (int)(i + 1);
     return 0;

@@ -29,12 +29,27 @@ from backplane.ir.graph import Layer
 from backplane.native.arena import ArenaExecutor
 
 FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl woff boff moff scr ph pw icp "
-          "zx zy lo hi signed x1 cs ocs").split()
-"""A record's fields, in qcnn.c's order (its enum F_*): NF = 34 int64s a record."""
-NF = 34
+          "zx zy lo hi signed x1 cs ocs split").split()
+"""A record's fields, in qcnn.c's order (its enum F_*): NF = 35 int64s a record (``split``, set
+by ``plan``: the record's work shared by the run's threads, ``qcnn_pool.h``)."""
+NF = 35
 OPS = {name: code for code, name in enumerate(
     "import export quant dequant qconv maxpool_f maxpool_q avgpool_f gap_f add_f addc_f relu_f "
-    "qdwconv linear_f fdwconv_q hsig_f mul_f qconv8".split(), 1)}
+    "qdwconv linear_f fdwconv_q hsig_f mul_f qconv8 lut8 qadd8".split(), 1)}
+SPLIT_CONVS = ("qconv", "qconv8", "qdwconv")
+"""The convolutions ``qcnn_pool.h`` splits across a run's threads (output pixel strips or rows,
+after the scratch's rows): each item written by one thread with the one-thread run's arithmetic."""
+SPLIT_ELEMENTWISE = ("quant", "dequant", "add_f", "addc_f", "hsig_f", "mul_f", "relu_f", "lut8",
+                     "qadd8")
+"""The elementwise records it splits, in chunks of values."""
+SPLIT_MACS = 1_000_000
+"""The fewest multiply-adds of a split convolution: ~15 us of one thread's work, where waking a
+worker and waiting for its last item (1-5 us, more where it slept) is a small part."""
+SPLIT_VALUES = 65_536
+"""The fewest values of a split elementwise record (~5-10 us of one thread's work)."""
+TABLES = True
+"""Whether single-source float glue between byte tensors becomes a ``lut8`` table
+(``qcnn_lookup``; the tests turn it off to compare)."""
 ALIGN = 64  # bytes: each tensor's and parameter's place starts on a cache line
 OCB = 16  # output channels a packed weight block (qcnn.c's OCB)
 
@@ -180,7 +195,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
     """The plan of a static partition whose inputs and outputs are float32: ``layers`` in order,
     reading ``inputs`` of ``input_shapes`` (and ``constants``), writing ``outputs``. Raises
     ``Unplannable``."""
-    from backplane.native import qcnn_contrib, qcnn_layers
+    from backplane.native import qcnn_contrib, qcnn_layers, qcnn_lookup
 
     p = Planner(layers, constants, inputs, outputs)
     for index, (name, shape) in enumerate(zip(inputs, input_shapes)):
@@ -206,25 +221,53 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
         value = p.real(name)
         p.record("export", in_=value.offset, out=len(inputs) + index, dims=value.dims)
         shapes.append(value.shape)
+    if TABLES:
+        qcnn_lookup.tables(p)
+        qcnn_lookup.sums(p)
     scratch = p.end
     for row in p.records:  # one scratch place after the tensors, for every convolution
         if row[0] in (OPS["qconv"], OPS["qconv8"], OPS["qdwconv"], OPS["fdwconv_q"]):
             row[FIELDS.index("scr")] = scratch
     params = np.concatenate(p.params) if p.params else np.zeros(ALIGN, np.uint8)
-    return Plan(np.stack(p.records), params, p.end + p.scratch + 4 * ALIGN,
+    records = np.stack(p.records)
+    split(records, SPLIT_MACS, SPLIT_VALUES)
+    return Plan(records, params, p.end + p.scratch + 4 * ALIGN,
                 [tuple(s) for s in input_shapes], shapes, p.ops, p.names, p.macs)
+
+
+def split(records: np.ndarray, macs: int, values: int) -> None:
+    """Marks the convolutions of at least ``macs`` multiply-adds and the elementwise records of
+    at least ``values`` values as split across the run's threads (0, 0: every one of them, as the
+    tests run them)."""
+    column = {name: records[:, FIELDS.index(name)] for name in
+              ("op", "n", "c", "h", "w", "oh", "ow", "oc", "kh", "kw")}
+    op, size = column["op"], column["n"] * column["c"] * column["h"] * column["w"]
+    depthwise = op == OPS["qdwconv"]
+    work = (column["n"] * column["oh"] * column["ow"] * column["kh"] * column["kw"]
+            * np.where(depthwise, column["c"], column["c"] * column["oc"]))
+    convs = np.isin(op, [OPS[name] for name in SPLIT_CONVS]) & (work >= macs)
+    elementwise = np.isin(op, [OPS[name] for name in SPLIT_ELEMENTWISE]) & (size >= values)
+    records[:, FIELDS.index("split")] = convs | elementwise
 
 
 class Executor(ArenaExecutor):
     """A plan bound to the library: ``run(pointers)`` makes one call, ``pointers`` the inputs'
-    then the outputs' data (contiguous, NCHW); see ``arena.ArenaExecutor``."""
+    then the outputs' data (contiguous, NCHW); see ``arena.ArenaExecutor``.
 
-    def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
-        self.plan, self.library = planned, library
+    ``splits``: whether the plan has records its run's threads share; then the threads a call
+    uses are those ``ask(count)`` asked for last in the calling thread (``qcnn_pool.h``; the
+    workload asks for torch's count before each call, ``native_cnn._workload``), ``threads`` in
+    ``numpy``'s runs."""
+
+    def __init__(self, planned: Plan, library: ctypes.CDLL, threads: int = 1) -> None:
+        self.plan, self.library, self.threads = planned, library, threads
         params = _aligned(planned.params.size)
         params[:] = planned.params
         self._bind(library.backplane_qcnn_run, np.ascontiguousarray(planned.records), params,
                    _aligned(planned.arena), len(planned.input_shapes) + len(planned.output_shapes))
+        self.splits = bool(planned.records[:, FIELDS.index("split")].any())
+        self.ask = library.backplane_qcnn_threads
+        self.ask.argtypes, self.ask.restype = [ctypes.c_int64], ctypes.c_int64
 
     def _fresh_arena(self) -> np.ndarray:
         return _aligned(self.plan.arena)
@@ -262,6 +305,8 @@ class Executor(ArenaExecutor):
             o = np.empty(shape, F32)
             outputs.append(o)
             pointers.append(address(o))
+        if self.splits:
+            self.ask(self.threads)
         self.run(pointers)
         return outputs
 

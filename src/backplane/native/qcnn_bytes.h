@@ -74,22 +74,41 @@ static void dequantize(const uint8_t *restrict x, float *restrict y, int64_t n, 
 }
 
 /* The input as bytes into the padded scratch [n][ph][pw][icp]: zx (the unsigned zero point) in
-   the pads and the channels past c, a signed input's top bit flipped. */
-static void pad_bytes(const int64_t *r, const uint8_t *x, uint8_t *restrict s, uint8_t zero) {
-    const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
+   the pads and the channels past c, a signed input's top bit flipped; padded rows [begin, end)
+   of the n * ph (each row whole: a part of the crew's job). */
+static void pad_rows(const int64_t *r, const uint8_t *x, uint8_t *restrict s, uint8_t zero,
+                     int64_t begin, int64_t end) {
+    const int64_t h = r[F_H], w = r[F_W], c = r[F_C], ph = r[F_PH], pw = r[F_PW];
     const int64_t cs = r[F_CS] ? r[F_CS] : c, icp = r[F_ICP], pt = r[F_PT], pl = r[F_PL];
     const uint8_t flip = r[F_SIGNED] ? 0x80 : 0;
-    memset(s, zero, (size_t)(n * ph * pw * icp));
-    for (int64_t b = 0; b < n; ++b)
-        for (int64_t y = 0; y < h; ++y) {
-            const uint8_t *src = x + ((b * h + y) * w) * cs;
-            uint8_t *dst = s + ((b * ph + y + pt) * pw + pl) * icp;
-            if (cs == c && icp == c) /* a row's w * c values, contiguous both sides */
-                for (int64_t i = 0; i < w * c; ++i) dst[i] = src[i] ^ flip;
-            else
-                for (int64_t px = 0; px < w; ++px)
-                    for (int64_t k = 0; k < c; ++k) dst[px * icp + k] = src[px * cs + k] ^ flip;
-        }
+    for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / ph, y = row % ph - pt;
+        uint8_t *dst = s + row * pw * icp;
+        memset(dst, zero, (size_t)(pw * icp));
+        if (y < 0 || y >= h) continue;
+        const uint8_t *src = x + ((b * h + y) * w) * cs;
+        dst += pl * icp;
+        if (cs == c && icp == c) /* a row's w * c values, contiguous both sides */
+            for (int64_t i = 0; i < w * c; ++i) dst[i] = src[i] ^ flip;
+        else
+            for (int64_t px = 0; px < w; ++px)
+                for (int64_t k = 0; k < c; ++k) dst[px * icp + k] = src[px * cs + k] ^ flip;
+    }
+}
+
+/* Whether the convolution reads its input where it is: no pads, unsigned, a pixel's channels
+   the scratch's (icp == c, the whole pixel read): the scratch would be a copy (a 1x1 layer's
+   input, 0.4 MB at 112x112x32). */
+static int bytes_in_place(const int64_t *r) {
+    return r[F_PH] == r[F_H] && r[F_PW] == r[F_W] && r[F_ICP] == r[F_C] && !r[F_SIGNED] &&
+           (r[F_CS] == 0 || r[F_CS] == r[F_C]);
+}
+
+static void pad_part(const int64_t *r, const uint8_t *params, uint8_t *arena, int64_t begin,
+                     int64_t end) {
+    (void)params;
+    pad_rows(r, arena + r[F_IN], arena + r[F_SCR],
+             (uint8_t)((int32_t)r[F_ZX] + (r[F_SIGNED] ? 128 : 0)), begin, end);
 }
 
 /* A block's requantization: qconv's (int32 bias, multipliers) or, with a float bias (sxw set),
@@ -192,16 +211,23 @@ static void block_bytes(const uint8_t *const *px, uint8_t *const *out, int64_t t
 #endif
 }
 
+enum { STRIP = 48 }; /* pixels a strip (an item of the crew's job): their rows' pointers, then
+                        block by block */
+
+static int64_t qconv8_items(const int64_t *r) {
+    return r[F_N] * ((r[F_OH] * r[F_OW] + STRIP - 1) / STRIP);
+}
+
 /* qconv's record on bytes: weights [blocks][kh][kw][icp/4][OCB][4] int8 (dw 1: [blocks][kh]
    [ceil(kw * icp / 4)][OCB][4], a kernel row's values one run, zero past its end), bias int32
-   (less zx * the weights' sum) and multipliers float, each blocks * OCB long. */
-static void qconv_bytes(const int64_t *r, const uint8_t *params, uint8_t *arena) {
-    const int64_t n = r[F_N], oh = r[F_OH], ow = r[F_OW], oc = r[F_OC], kh = r[F_KH], kw = r[F_KW];
+   (less zx * the weights' sum) and multipliers float, each blocks * OCB long. Strips [begin,
+   end) of qconv8_items, the input padded into the scratch (or read in place: bytes_in_place). */
+static void qconv8_part(const int64_t *r, const uint8_t *params, uint8_t *arena, int64_t begin,
+                        int64_t end) {
+    const int64_t oh = r[F_OH], ow = r[F_OW], oc = r[F_OC], kh = r[F_KH], kw = r[F_KW];
     const int64_t sh = r[F_SH], sw = r[F_SW], dh = r[F_DH], dw = r[F_DW], ph = r[F_PH];
     const int64_t pw = r[F_PW], icp = r[F_ICP];
-    const int32_t zx = (int32_t)r[F_ZX] + (r[F_SIGNED] ? 128 : 0);
-    uint8_t *s = arena + r[F_SCR];
-    pad_bytes(r, arena + r[F_IN], s, (uint8_t)zx);
+    const uint8_t *s = arena + (bytes_in_place(r) ? r[F_IN] : r[F_SCR]);
     const int8_t *weights = (const int8_t *)(params + r[F_WOFF]);
     const int32_t *bias = (const int32_t *)(params + r[F_BOFF]);
     const float *mult = (const float *)(params + r[F_MOFF]);
@@ -212,27 +238,31 @@ static void qconv_bytes(const int64_t *r, const uint8_t *params, uint8_t *arena)
     const int64_t quads = dw == 1 ? (kw * icp + 3) / 4 : icp / 4;
     const int64_t blocks = (oc + OCB - 1) / OCB, wblock = kh * (dw == 1 ? 1 : kw) * quads * OCB * 4;
     const int64_t pixels = oh * ow, rowstep = dh * pw * icp, colstep = dw * icp;
-    const int64_t ocs = r[F_OCS] ? r[F_OCS] : oc;
-    enum { STRIP = 48 }; /* pixels a strip: their rows' pointers, then block by block */
+    const int64_t ocs = r[F_OCS] ? r[F_OCS] : oc, per = (pixels + STRIP - 1) / STRIP;
     const uint8_t *px[STRIP];
     uint8_t *out[STRIP];
-    for (int64_t b = 0; b < n; ++b)
-        for (int64_t p0 = 0; p0 < pixels; p0 += STRIP) {
-            const int64_t tiles = pixels - p0 < STRIP ? pixels - p0 : STRIP;
-            for (int64_t t = 0; t < tiles; ++t) {
-                const int64_t yy = (p0 + t) / ow, xx = (p0 + t) % ow;
-                px[t] = s + ((b * ph + yy * sh) * pw + xx * sw) * icp;
-            }
-            for (int64_t k = 0; k < blocks; ++k) {
-                const Requant q = {bias + k * OCB, mult + k * OCB,
-                                   fb ? fb + blocks * OCB + k * OCB : 0, fb ? fb + k * OCB : 0,
-                                   fb ? fb[2 * blocks * OCB] : 0.0f, fl, fh, (int32_t)r[F_ZY],
-                                   oc - k * OCB < OCB ? oc - k * OCB : OCB, r[F_LO] < 0};
-                for (int64_t t = 0; t < tiles; ++t) out[t] = y + (b * pixels + p0 + t) * ocs + k * OCB;
-                block_bytes(px, out, tiles, weights + k * wblock, kh, dw == 1 ? 1 : kw, quads,
-                            rowstep, dw == 1 ? 0 : colstep, &q);
-            }
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / per, p0 = (item % per) * STRIP;
+        const int64_t tiles = pixels - p0 < STRIP ? pixels - p0 : STRIP;
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t yy = (p0 + t) / ow, xx = (p0 + t) % ow;
+            px[t] = s + ((b * ph + yy * sh) * pw + xx * sw) * icp;
         }
+        for (int64_t k = 0; k < blocks; ++k) {
+            const Requant q = {bias + k * OCB, mult + k * OCB,
+                               fb ? fb + blocks * OCB + k * OCB : 0, fb ? fb + k * OCB : 0,
+                               fb ? fb[2 * blocks * OCB] : 0.0f, fl, fh, (int32_t)r[F_ZY],
+                               oc - k * OCB < OCB ? oc - k * OCB : OCB, r[F_LO] < 0};
+            for (int64_t t = 0; t < tiles; ++t) out[t] = y + (b * pixels + p0 + t) * ocs + k * OCB;
+            block_bytes(px, out, tiles, weights + k * wblock, kh, dw == 1 ? 1 : kw, quads,
+                        rowstep, dw == 1 ? 0 : colstep, &q);
+        }
+    }
+}
+
+static void qconv_bytes(const int64_t *r, const uint8_t *params, uint8_t *arena) {
+    if (!bytes_in_place(r)) pad_part(r, params, arena, 0, r[F_N] * r[F_PH]);
+    qconv8_part(r, params, arena, 0, qconv8_items(r));
 }
 
 /* A max pool of 8-bit values (unsigned, or signed where sgn), channels-last: each output pixel
