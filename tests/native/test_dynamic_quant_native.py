@@ -21,12 +21,14 @@ pytestmark = pytest.mark.skipif(not dynquant.in_c(), reason="no C compiler or no
 NO_BIAS = torch.empty(0)
 
 
-def c_op(x, weight, w_scale, bias, depth, cols):
-    return torch.ops.backplane.dynamic_quant_matmul_c(x, weight, w_scale, bias, depth, cols)
+def c_op(x, weight, w_scale, bias, depth, cols, residual=NO_BIAS):
+    return torch.ops.backplane.dynamic_quant_matmul_c(x, weight, w_scale, bias, residual, depth,
+                                                      cols)
 
 
-def python_op(x, weight, w_scale, bias, depth, cols):
-    return torch.ops.backplane.dynamic_quant_matmul(x, weight, w_scale, bias, depth, cols)
+def python_op(x, weight, w_scale, bias, depth, cols, residual=NO_BIAS):
+    return torch.ops.backplane.dynamic_quant_matmul(x, weight, w_scale, bias, residual, depth,
+                                                    cols)
 
 
 def layer(depth: int, cols: int, packed: bool, with_bias: bool):
@@ -47,12 +49,19 @@ WEIGHTS = [False, pytest.param(True, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("shape,depth,cols", [((2, 8, 32), 32, 96), ((1, 128), 128, 32),
                                               ((3, 5, 7, 17), 17, 35)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_c_kernel_is_the_python_ops_bit_for_bit(packed, shape, depth, cols, with_bias):
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_c_kernel_is_the_python_ops_bit_for_bit(packed, shape, depth, cols, with_bias,
+                                                    with_residual):
     weight, w_scale, bias = layer(depth, cols, packed, with_bias)
+    residual = torch.from_numpy(RNG.standard_normal((*shape[:-1], cols)).astype(np.float32)) \
+        if with_residual else NO_BIAS
     for spread in (0.02, 5.0):
         x = torch.from_numpy((RNG.standard_normal(shape) * spread).astype(np.float32))
-        got = c_op(x, weight, w_scale, bias, depth, cols)
-        want = python_op(x, weight, w_scale, bias, depth, cols)
+        got = c_op(x, weight, w_scale, bias, depth, cols, residual)
+        want = python_op(x, weight, w_scale, bias, depth, cols, residual)
+        if with_residual:  # the graph's Add after the product, one rounding
+            alone = python_op(x, weight, w_scale, bias, depth, cols)
+            np.testing.assert_array_equal(want.numpy(), (alone + residual).numpy())
         assert got.shape == (*shape[:-1], cols) and got.dtype == torch.float32
         assert got.is_contiguous()
         np.testing.assert_array_equal(got.numpy(), want.numpy())
@@ -80,10 +89,26 @@ def test_the_x_the_c_does_not_take_goes_to_the_python_op(packed, case):
     np.testing.assert_array_equal(got.numpy(), want.numpy())  # NaN where it has NaN
 
 
-def test_an_error_of_the_python_op_is_raised_with_its_message():
+def test_a_residual_the_c_does_not_take_goes_to_the_python_op():
+    """A strided or float64 residual: the Python op's sum (torch's add, the same rounding)."""
+    weight, w_scale, bias = layer(32, 40, False, True)
+    x = torch.from_numpy(RNG.standard_normal((6, 32)).astype(np.float32))
+    residual = torch.from_numpy(RNG.standard_normal((40, 6)).astype(np.float32))
+    want = python_op(x, weight, w_scale, bias, 32, 40, residual.t().contiguous())
+    np.testing.assert_array_equal(c_op(x, weight, w_scale, bias, 32, 40, residual.t()).numpy(),
+                                  want.numpy())
+    np.testing.assert_array_equal(c_op(x, weight, w_scale, bias, 32, 40,
+                                       residual.t().contiguous().double()).numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("x,residual,message", [
+    ((4, 31), None, "for a product of depth 32"),
+    ((4, 32), (16, 4), r"a residual of shape \(16, 4\) added to a product of shape \(4, 16\)")])
+def test_an_error_of_the_python_op_is_raised_with_its_message(x, residual, message):
     weight, w_scale, bias = layer(32, 16, False, False)
-    with pytest.raises(RuntimeError, match="for a product of depth 32"):
-        c_op(torch.zeros(4, 31), weight, w_scale, bias, 32, 16)
+    added = NO_BIAS if residual is None else torch.zeros(residual)
+    with pytest.raises(RuntimeError, match=message):
+        c_op(torch.zeros(x), weight, w_scale, bias, 32, 16, added)
 
 
 @pytest.mark.parametrize("packed", WEIGHTS)
@@ -95,10 +120,11 @@ def test_a_call_keeps_no_tensor_alive(packed):
     fine = torch.from_numpy(RNG.standard_normal((8, 32)).astype(np.float32))
     odd = fine.clone()
     odd[0, 0] = float("nan")
-    tensors = (fine, odd, weight, w_scale, bias)
+    residual = torch.from_numpy(RNG.standard_normal((8, 48)).astype(np.float32))
+    tensors = (fine, odd, weight, w_scale, bias, residual)
     before = [t._use_count() for t in tensors]
     for x in (fine, odd) * 50:
-        y = c_op(x, weight, w_scale, bias, 32, 48)
+        y = c_op(x, weight, w_scale, bias, 32, 48, residual)
     assert [t._use_count() for t in tensors] == before
     assert y._use_count() == 1
 
@@ -124,5 +150,6 @@ def test_the_kernel_built_for_avx2_and_plain_x86_64_gives_the_same_bits(march, t
     for packed in (False, True) if dynquant.on_bytes() else (False,):
         weight, w_scale, bias = layer(40, 35, packed, True)
         x = torch.from_numpy((RNG.standard_normal((2, 6, 40)) * 3).astype(np.float32))
-        np.testing.assert_array_equal(op(x, weight, w_scale, bias, 40, 35).numpy(),
-                                      c_op(x, weight, w_scale, bias, 40, 35).numpy())
+        residual = torch.from_numpy(RNG.standard_normal((2, 6, 35)).astype(np.float32))
+        np.testing.assert_array_equal(op(x, weight, w_scale, bias, residual, 40, 35).numpy(),
+                                      c_op(x, weight, w_scale, bias, 40, 35, residual).numpy())

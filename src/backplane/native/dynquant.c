@@ -283,8 +283,9 @@ int backplane_dynquant_has_bytes(void) {
 }
 
 /* The layer as a torch op, its kernel this C: backplane::dynamic_quant_matmul_c(Tensor x, Tensor
- * weight, Tensor w_scale, Tensor bias, int depth, int cols) -> Tensor, the weight float32 (depth,
- * cols) or packed bytes (int8), no bias an empty tensor. Why: the op's kernel in Python cost ~5 us
+ * weight, Tensor w_scale, Tensor bias, Tensor residual, int depth, int cols) -> Tensor, the weight
+ * float32 (depth, cols) or packed bytes (int8), no bias or residual an empty tensor; the residual
+ * (a tensor of the result's shape, the graph's Add after the product) added last. Why: the op's kernel in Python cost ~5 us
  * a call (torch's call into Python, its argument checks, torch.empty, ctypes) around ~0.4 us of
  * product; a boxed kernel of torch's stable C ABI (torch::Library's impl of a function over a
  * stack of 64-bit values: each tensor an owned handle, each int its value) is called by torch's
@@ -328,17 +329,34 @@ int backplane_dynquant_bind(const int64_t *calls) {
     return 0;
 }
 
+/* whether t is float32 on the CPU, contiguous, of the shape (dims, shape): its data in *data */
+static int is_like(Tensor t, int64_t dims, const int64_t *shape, void **data) {
+    int32_t type, device;
+    int64_t own, *sizes;
+    _Bool dense;
+    if (abi.dtype(t, &type) || abi.device(t, &device) || abi.contiguous(t, &dense) ||
+        abi.dim(t, &own) || abi.sizes(t, &sizes) || abi.data(t, data))
+        return 0;
+    if (type != abi.float32 || device != abi.cpu || !dense || own != dims)
+        return 0;
+    for (int64_t d = 0; d < dims; d++)
+        if (sizes[d] != shape[d])
+            return 0;
+    return 1;
+}
+
 /* y (x's shape, its last size cols) computed here; 0 done, else x or the weight is one this C
  * does not take (the op in Python does), or no memory (y released) */
-static int run_op(Tensor x, Tensor w, Tensor w_scale, Tensor bias, long depth, long cols,
-                  Tensor *y) {
+static int run_op(Tensor x, Tensor w, Tensor w_scale, Tensor bias, Tensor residual, long depth,
+                  long cols, Tensor *y) {
     int32_t type, weight_type, device;
-    int64_t dims, count, scales, added, *sizes, shape[MAX_DIMS], strides[MAX_DIMS];
+    int64_t dims, count, scales, added, summed, *sizes, shape[MAX_DIMS], strides[MAX_DIMS];
     _Bool dense;
-    void *xs, *ws, *ss, *bs, *ys;
+    void *xs, *ws, *ss, *bs, *ys, *rs = NULL;
     if (abi.dtype(x, &type) || abi.device(x, &device) || abi.contiguous(x, &dense) ||
         abi.dim(x, &dims) || abi.numel(x, &count) || abi.sizes(x, &sizes) ||
-        abi.dtype(w, &weight_type) || abi.numel(w_scale, &scales) || abi.numel(bias, &added))
+        abi.dtype(w, &weight_type) || abi.numel(w_scale, &scales) || abi.numel(bias, &added) ||
+        abi.numel(residual, &summed))
         return 1;
     if (type != abi.float32 || device != abi.cpu || !dense || dims < 1 || dims > MAX_DIMS ||
         depth < 1 || sizes[dims - 1] != depth || count == 0 || (added && added != cols))
@@ -349,15 +367,17 @@ static int run_op(Tensor x, Tensor w, Tensor w_scale, Tensor bias, long depth, l
 #endif
     if (abi.data(x, &xs) || abi.data(w, &ws) || abi.data(w_scale, &ss) || abi.data(bias, &bs))
         return 1;
-    const long rows = (long)(count / depth);
-    float scale, zero;
-    if (grid(xs, count, &scale, &zero))
-        return 1;
     for (int64_t d = dims - 1, step = 1; d >= 0; d--) {
         shape[d] = d == dims - 1 ? cols : sizes[d];
         strides[d] = step;
         step *= shape[d];
     }
+    if (summed && !is_like(residual, dims, shape, &rs))
+        return 1;
+    const long rows = (long)(count / depth);
+    float scale, zero;
+    if (grid(xs, count, &scale, &zero))
+        return 1;
     if (abi.empty(dims, shape, strides, abi.float32, abi.cpu, 0, y))
         return 2;
     int code = abi.data(*y, &ys);
@@ -369,20 +389,28 @@ static int run_op(Tensor x, Tensor w, Tensor w_scale, Tensor bias, long depth, l
 #endif
         if (!code)
         code = float_product(xs, rows, depth, ws, cols, ss, (long)scales, b, ys, scale, zero);
-    if (code)
+    if (code) {
         abi.release(*y);
-    return code;
+        return code;
+    }
+    float *out = ys;
+    const float *r = rs;
+    for (int64_t i = 0; i < summed; i++) /* the graph's Add(product, residual): one rounding */
+        out[i] = out[i] + r[i];
+    return 0;
 }
 
-/* torch's boxed kernel of backplane::dynamic_quant_matmul_c: the stack holds the six arguments
- * (x, weight, w_scale, bias: owned handles; depth, cols), then the result */
+/* torch's boxed kernel of backplane::dynamic_quant_matmul_c: the stack holds the seven arguments
+ * (x, weight, w_scale, bias, residual: owned handles; depth, cols), then the result */
 void backplane_dynquant_op(StableIValue *stack, uint64_t arguments, uint64_t results) {
     (void)arguments, (void)results;
     Tensor x = (Tensor)(uintptr_t)stack[0], w = (Tensor)(uintptr_t)stack[1];
     Tensor w_scale = (Tensor)(uintptr_t)stack[2], bias = (Tensor)(uintptr_t)stack[3];
-    Tensor y = NULL;
-    if (run_op(x, w, w_scale, bias, (long)(int64_t)stack[4], (long)(int64_t)stack[5], &y) == 0) {
+    Tensor residual = (Tensor)(uintptr_t)stack[4], y = NULL;
+    long depth = (long)(int64_t)stack[5], cols = (long)(int64_t)stack[6];
+    if (run_op(x, w, w_scale, bias, residual, depth, cols, &y) == 0) {
         abi.release(x), abi.release(w), abi.release(w_scale), abi.release(bias);
+        abi.release(residual);
         stack[0] = (StableIValue)(uintptr_t)y; /* torch takes the handle over */
         return;
     }

@@ -171,7 +171,7 @@ def pack(weight: np.ndarray) -> torch.Tensor:
 
 
 def _op(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor,
-        depth: int, cols: int) -> torch.Tensor:
+        residual: torch.Tensor, depth: int, cols: int) -> torch.Tensor:
     """``backplane::dynamic_quant_matmul``'s kernel in Python (ctypes): the op where the stable
     ABI is not here, and the C kernel's route for the x it does not take."""
     if x.shape[-1:] != (depth,):
@@ -180,8 +180,15 @@ def _op(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torc
         _function()
     added = bias if bias.numel() else None
     if weight.dtype == torch.int8:
-        return _matmul_bytes(x, weight, w_scale, added, depth, cols)
-    return _matmul(x, weight, w_scale, added)
+        y = _matmul_bytes(x, weight, w_scale, added, depth, cols)
+    else:
+        y = _matmul(x, weight, w_scale, added)
+    if residual.numel():
+        if residual.shape != y.shape:
+            raise ValueError(f"a residual of shape {tuple(residual.shape)} added to a product "
+                             f"of shape {tuple(y.shape)}")
+        y = y.add_(residual)
+    return y
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
@@ -257,26 +264,30 @@ def _torch_route(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
 
 
 def _abstract(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor,
-              depth: int, cols: int) -> torch.Tensor:
+              residual: torch.Tensor, depth: int, cols: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], cols), dtype=torch.float32)
 
 
-SCHEMA = "(Tensor x, Tensor weight, Tensor w_scale, Tensor bias, int depth, int cols) -> Tensor"
-"""Both ops': the weight float32 (depth, cols) or ``pack``'s bytes, no bias an empty tensor (the
-stable ABI's kernel takes no optional tensor)."""
+SCHEMA = ("(Tensor x, Tensor weight, Tensor w_scale, Tensor bias, Tensor residual, int depth, "
+          "int cols) -> Tensor")
+"""Both ops': the weight float32 (depth, cols) or ``pack``'s bytes, no bias or residual an empty
+tensor (the stable ABI's kernel takes no optional tensor); the residual, of the result's shape,
+added last (the graph's Add after the product)."""
 _LIBRARY = torch.library.Library("backplane", "FRAGMENT")
 for _name in ("dynamic_quant_matmul", "dynamic_quant_matmul_c"):
     _LIBRARY.define(_name + SCHEMA)
     _LIBRARY.impl(_name, _abstract, "Meta")
 _LIBRARY.impl("dynamic_quant_matmul", _op, "CPU")  # dynamic_quant_matmul_c's: the C (``_bind``)
-_NO_BIAS = torch.empty(0)
+_NONE = torch.empty(0)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, int, int],
-           w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The layer's product, scales and bias: the op (one op in a trace), its kernel the C where
-    ``in_c``; ``weight`` as ``weight_by_columns`` made it."""
+           w_scale: torch.Tensor, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's product, scales, bias and residual: the op (one op in a trace), its kernel the
+    C where ``in_c``; ``weight`` as ``weight_by_columns`` made it."""
     tensor, depth, cols = weight if isinstance(weight, tuple) else (weight, *weight.shape)
     op = torch.ops.backplane.dynamic_quant_matmul_c if _BOUND else \
         torch.ops.backplane.dynamic_quant_matmul
-    return op(x, tensor, w_scale, _NO_BIAS if bias is None else bias, depth, cols)
+    return op(x, tensor, w_scale, _NONE if bias is None else bias,
+              _NONE if residual is None else residual, depth, cols)

@@ -196,6 +196,6 @@ def test_a_packed_weight_keeps_its_layers_constants_for_the_calls_after(monkeypa
     for scale, added, builds in ((w_scale, bias, 1), (w_scale, bias, 1), (other_scale, bias, 2),
                                  (other_scale, None, 3), (other_scale, None, 3)):
         got = torch.ops.backplane.dynamic_quant_matmul(  # the op in Python, where _layer is
-            x, read[0], scale, none if added is None else added, read[1], read[2])
+            x, read[0], scale, none if added is None else added, none, read[1], read[2])
         np.testing.assert_array_equal(got.numpy(), torch_route(x, weight, scale, added).numpy())
         assert len(made) == builds

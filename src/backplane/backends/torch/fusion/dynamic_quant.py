@@ -15,6 +15,11 @@ GPT's two were 18 of its trace's 232 ops. Its values are torch's GELU's, a round
 the nine steps' (as the float GPT's are), so a later quantization may put a value on the next
 step where the nine steps' would not: within one step of the graph's grid (the contract for
 ONNX Runtime's quantized models: its output within one quantization step).
+
+An Add of a tensor of its shape after a lone branch (a transformer block's residual sum: the
+quantized GPT's four) is the layer's last step, the sum made by the product's op (one rounding,
+the Add's own: the outputs stay CpuRef's bit for bit), as a float Linear takes it: one trace op
+fewer each.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 from backplane.backends.api.backend import Workload
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.backends.torch.fusion.patterns import F32, Context, compute_type, torch_post_op
-from backplane.backends.torch.fusion.linear import _gelu
+from backplane.backends.torch.fusion.linear import _gelu, _residual
 from backplane.backends.torch.fusion.qlinear import EXACT, _centred_weight
 from backplane.backends.torch.fusion.qlinear_float import _in_float32
 from backplane.ir.graph import Layer
@@ -60,12 +65,16 @@ def match_dynamic_matmul(quantize: Layer, ctx: Context) -> tuple[list[Layer], La
              "add": None if found[0][4] is None else np.concatenate([b[4] for b in found]),
              "splits": [b[2].shape[1] for b in found] if len(found) > 1 else None}
     group = [quantize, *(layer for b in found for layer in b[0])]
-    outputs = [b[1] for b in found]
+    inputs, outputs = [x], [b[1] for b in found]
     gelu = _gelu(outputs[0], ctx) if len(found) == 1 else None
+    add = ctx.sole(outputs[0]) if len(found) == 1 else None
     if gelu is not None:  # the layer's post-op (torch's GELU), where a float Linear takes it too
         attrs["post"] = ("gelu", [], gelu[1])
         group, outputs = group + gelu[0], [gelu[0][-1].outputs[0]]
-    fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", [x], outputs,
+    elif (residual := _residual(add, outputs[0], ctx)) is not None:  # a block's sum, added last
+        attrs["residual"] = True
+        group, inputs, outputs = group + [add], [x, residual], [add.outputs[0]]  # type: ignore
+    fused = Layer("+".join(lay.name for lay in group), "DynamicQuantMatMul", inputs, outputs,
                   attrs, FUSED_DOMAIN, 1)
     return group, fused
 
@@ -133,20 +142,23 @@ def dynamic_matmul_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Wor
     # flips between processes on a busy machine)
     product = linear_workload(_in_float32(layer), backend) if native is None else None
 
-    def run_native(x):
-        y = native(x if x.dtype == torch.float32 else x.float())
+    def run_native(x, residual=None):
+        if residual is not None and residual.dtype != torch.float32:
+            residual = residual.float()
+        y = native(x if x.dtype == torch.float32 else x.float(), residual)
         y = post(y) if post is not None else y
         y = y if dtype == torch.float32 else y.to(dtype)
         if splits is None:
             return (y,)
         return tuple(part.contiguous() for part in y.split(splits, dim=-1))
 
-    def run(x):
+    def run(x, residual=None):
         # no call where x and y are float32 already: a trace keeps each call, about 1 us
         centred, scale = grid_on_host(x if x.dtype == torch.float32 else x.float())
         (acc,) = product(centred)
         y = acc.mul_(w_scale * scale)  # the two scales, the constant first (``product_grid``)
         y = y.add_(bias) if bias is not None else y
+        y = y.add_(residual) if residual is not None else y
         y = post(y) if post is not None else y
         y = y if dtype == torch.float32 else y.to(dtype)
         if splits is None:
@@ -168,7 +180,7 @@ def _native(attrs: dict[str, Any], bias: Any, w_scale: Any, backend: Any) -> Any
     weight = dynquant.weight_by_columns(attrs["weight"])
     scale = w_scale.reshape(-1).contiguous()
     added = bias.contiguous() if bias is not None else None
-    return lambda x: dynquant.matmul(x, weight, scale, added)
+    return lambda x, residual: dynquant.matmul(x, weight, scale, added, residual)
 
 
 def _grids() -> tuple[Any, Any]:
