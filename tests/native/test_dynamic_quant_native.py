@@ -153,3 +153,45 @@ def test_the_kernel_built_for_avx2_and_plain_x86_64_gives_the_same_bits(march, t
         residual = torch.from_numpy(RNG.standard_normal((2, 6, 35)).astype(np.float32))
         np.testing.assert_array_equal(op(x, weight, w_scale, bias, residual, 40, 35).numpy(),
                                       c_op(x, weight, w_scale, bias, 40, 35, residual).numpy())
+
+
+GPT_ON = """
+import sys
+import numpy as np
+from pathlib import Path
+from backplane import InferenceSession
+from backplane.native import dynquant
+from tests.native.flavours import built
+
+flavour = built("dynquant", sys.argv[1], Path(sys.argv[2]))
+dynquant.library = lambda name, version=None: flavour  # this process's dynquant: the flavour
+assert dynquant.in_c() and not dynquant.on_bytes()
+gpt = "tests/data/corpus/gpt_dynquant_ort15.onnx"
+for size in ("s0", "s1"):
+    feeds = dict(np.load(f"tests/data/corpus/gpt_dynquant_ort15.{size}.npz"))
+    got = [InferenceSession(gpt, backends=[("CpuAcc", {"native": native}), "CpuRef"])
+           .run(None, feeds)[0] for native in ("auto", "off")]
+    np.testing.assert_array_equal(got[0], got[1])
+    (want,) = InferenceSession(gpt, backends=["CpuRef"]).run(None, feeds)
+    assert float(np.abs(got[0] - want).max()) <= 1e-5 * float(np.abs(want).max())
+print("matched")
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 build flags")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_quantized_gpt_on_the_avx2_and_plain_builds(march, tmp_path):
+    """The corpus's quantized GPT in a process whose dynquant library is the AVX2 build (a CI
+    machine without VNNI) or plain x86-64's: its products in that C through the op (float
+    weights, no bytes), the torch route's outputs bit for bit, CpuRef's within 1e-5 of the
+    largest (torch's GELU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if march == "x86-64-v3" and "avx2" not in build._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", GPT_ON, march, str(tmp_path)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "matched" in done.stdout, done.stderr[-2000:]

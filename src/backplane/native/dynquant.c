@@ -285,15 +285,16 @@ int backplane_dynquant_has_bytes(void) {
 /* The layer as a torch op, its kernel this C: backplane::dynamic_quant_matmul_c(Tensor x, Tensor
  * weight, Tensor w_scale, Tensor bias, Tensor residual, int depth, int cols) -> Tensor, the weight
  * float32 (depth, cols) or packed bytes (int8), no bias or residual an empty tensor; the residual
- * (a tensor of the result's shape, the graph's Add after the product) added last. Why: the op's kernel in Python cost ~5 us
- * a call (torch's call into Python, its argument checks, torch.empty, ctypes) around ~0.4 us of
- * product; a boxed kernel of torch's stable C ABI (torch::Library's impl of a function over a
- * stack of 64-bit values: each tensor an owned handle, each int its value) is called by torch's
- * dispatcher without Python. The functions of that ABI (aoti_torch_*, exported by libtorch) come
- * as addresses (backplane_dynquant_bind), read by dynquant.py from the torch it imported. Where
- * this C does not take x (not float32 on the CPU, not contiguous, empty, its range not finite:
- * CpuRef's NaN cases), the call goes on to backplane::dynamic_quant_matmul, the op in Python
- * (dynquant.py's torch route), with the same stack: that op takes the handles over. */
+ * (a tensor of the result's shape, the graph's Add after the product) added last. Why: the op's
+ * kernel in Python cost ~5 us a call (torch's call into Python, its argument checks, torch.empty,
+ * ctypes) around ~0.4 us of product; a boxed kernel of torch's stable C ABI (torch::Library's
+ * impl of a function over a stack of 64-bit values: each tensor an owned handle, each int its
+ * value) is called by torch's dispatcher without Python. The functions of that ABI (aoti_torch_*,
+ * exported by libtorch) come as addresses (backplane_dynquant_bind), read by dynquant.py from the
+ * torch it imported. Where this C does not take x or the residual (not float32 on the CPU, not
+ * contiguous, empty, x's range not finite: CpuRef's NaN cases), the call goes on to
+ * backplane::dynamic_quant_matmul, the op in Python (dynquant.py's torch route), with the same
+ * stack: that op takes the handles over. */
 typedef uint64_t StableIValue;
 typedef void *Tensor; /* AtenTensorHandle: an owned at::Tensor */
 

@@ -43,9 +43,9 @@ ABI = ("aoti_torch_get_data_ptr", "aoti_torch_get_dim", "aoti_torch_get_numel",
        "aoti_torch_get_device_type", "aoti_torch_empty_strided", "aoti_torch_delete_tensor_object",
        "aoti_torch_call_dispatcher", "aoti_torch_check",
        "torch_exception_get_what_without_backtrace")
-"""The functions of torch's stable C ABI ``backplane_dynquant_op`` calls, in ``backplane_dynquant_bind``'s
-order (then the float32 and int8 dtype codes and the CPU's device code); the last, an error's
-message, may be missing (torch before 2.10)."""
+"""The functions of torch's stable C ABI ``backplane_dynquant_op`` calls, in the order
+``backplane_dynquant_bind`` reads them (then the float32 and int8 dtype codes and the CPU's device
+code); the last, an error's message, may be missing (torch before 2.10)."""
 _BOUND: list[Any] = []
 """The torch::Library holding the C kernel (never freed: freeing it drops the kernel), or empty
 where torch has no stable ABI here."""

@@ -184,8 +184,9 @@ def test_a_build_without_vnni_has_no_bytes_and_the_float_product_stays(tmp_path)
 @pytest.mark.skipif(not dynquant.on_bytes(), reason="the library here has no AVX-512 VNNI")
 def test_a_packed_weight_keeps_its_layers_constants_for_the_calls_after(monkeypatch):
     """The first call of the Python op on a packed weight makes its constants' array
-    (dynquant._layer: four arguments a call); later calls with the same w_scale and bias reuse it, another w_scale or
-    bias makes another: each call's outputs the torch route's, bit for bit."""
+    (dynquant._layer: four arguments a call); later calls with the same w_scale and bias reuse
+    it, another w_scale or bias makes another: each call's outputs the torch route's, bit for
+    bit."""
     weight, w_scale, bias = layer(5, 24, 40, True, True)
     read = as_read(weight, "bytes")
     made = []
