@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ log = logging.getLogger("backplane.native")
 VERSION = 4
 """``dynquant.c``'s ``backplane_dynquant_version``."""
 _FUNCTIONS: list[Any] = []
+_LOCK = threading.Lock()
 ABI = ("aoti_torch_get_data_ptr", "aoti_torch_get_dim", "aoti_torch_get_numel",
        "aoti_torch_get_sizes", "aoti_torch_is_contiguous", "aoti_torch_get_dtype",
        "aoti_torch_get_device_type", "aoti_torch_empty_strided", "aoti_torch_delete_tensor_object",
@@ -59,24 +61,30 @@ def _function() -> Any:
     """The C functions, typed: the float product's, then the one on bytes (or None where the
     library is built without VNNI). Raises ``NativeUnavailable``."""
     if not _FUNCTIONS:
-        lib = library("dynquant", VERSION)
-        pointer, size = ctypes.c_void_p, ctypes.c_long
-        found = []
-        for name in ("backplane_dynquant_matmul", "backplane_dynquant_bytes"):
-            function = getattr(lib, name)
-            function.argtypes = [pointer, size, size, pointer, size, pointer, size, pointer,
-                                 pointer]
-            function.restype = ctypes.c_int
-            found.append(function)
-        at = lib.backplane_dynquant_bytes_at
-        at.argtypes = [pointer, size, pointer, pointer]
-        at.restype = ctypes.c_int
-        found.append(at)
-        if not lib.backplane_dynquant_has_bytes():
-            found[1] = found[2] = None
-        _FUNCTIONS.extend(found)
-        _bind(lib)
+        with _LOCK:  # one registration of the C kernel (CpuAcc's background threads load too)
+            if not _FUNCTIONS:
+                _load()
     return _FUNCTIONS[0]
+
+
+def _load() -> None:
+    """``_FUNCTIONS`` filled from the library, its op kernel registered first (``_bind``)."""
+    lib = library("dynquant", VERSION)
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    found = []
+    for name in ("backplane_dynquant_matmul", "backplane_dynquant_bytes"):
+        function = getattr(lib, name)
+        function.argtypes = [pointer, size, size, pointer, size, pointer, size, pointer, pointer]
+        function.restype = ctypes.c_int
+        found.append(function)
+    at = lib.backplane_dynquant_bytes_at
+    at.argtypes = [pointer, size, pointer, pointer]
+    at.restype = ctypes.c_int
+    found.append(at)
+    if not lib.backplane_dynquant_has_bytes():
+        found[1] = found[2] = None
+    _bind(lib)
+    _FUNCTIONS.extend(found)
 
 
 def _bind(lib: ctypes.CDLL) -> None:
