@@ -6,7 +6,7 @@ Tensors live in the arena channels-last (NHWC: the channels contiguous, which ev
 loop runs over); the partition's inputs are copied in from NCHW and its outputs copied out to NCHW
 by the first and last records. No -ffast-math (the build's flags): NaN in, NaN out, and every
 comparison below is written so that a NaN takes the comparison's "keep x" side. */
-#define _POSIX_C_SOURCE 199309L
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,10 +18,11 @@ comparison below is written so that a NaN takes the comparison's "keep x" side. 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
-/* A record's fields (cnn.py's FIELDS, in this order): int64 each, NF of them per record. */
+/* A record's fields (cnn.py's FIELDS, in this order): int64 each, NF of them per record; F_SPLIT
+   set where the record's work is split across the run's threads (cnn_pool.h). */
 enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_KW, F_SH, F_SW,
        F_DH, F_DW, F_PT, F_PL, F_G, F_WOFF, F_BOFF, F_ACT, F_AOFF, F_SCR, F_PH, F_PW, F_VB,
-       F_X1, F_X2, NF = 32 };
+       F_X1, F_X2, F_MACS, F_SPLIT, NF = 32 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_CONV, OP_DWCONV, OP_MAXPOOL, OP_AVGPOOL, OP_GAP, OP_GMP,
        OP_LINEAR, OP_ADD, OP_MUL, OP_ACT, OP_SLICE, OP_DECONV, OP_RESIZE, OP_GATHER,
        OP_SCATTER, OP_ARITH, OP_REDUCE, OP_GNORM, OP_LNORM };
@@ -231,13 +232,28 @@ int backplane_cnn_half(void) {
 #include "cnn_ops.h"
 #include "cnn_detect.h"
 #include "cnn_seq.h"
+#include "cnn_pool.h"
+#include "cnn_split.h"
 
 /* Runs the plan: records[count][NF] over the arena, with the packed parameters; ext holds the
    caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
 static int step(const int64_t *f, const float *params, float *arena, float *const *ext);
 
+/* On the threads backplane_cnn_threads asked for in this thread: the split records on the pool
+   (where no other run holds it), the others on the caller; else every record on the caller. */
 int backplane_cnn_run(const int64_t *records, int64_t count, const float *params, float *arena,
                       float *const *ext) {
+    if (asked > 1 && pthread_mutex_trylock(&team.owner) == 0) {
+        const int workers = pool_workers((int)asked - 1);
+        int failed = 0;
+        for (int64_t i = 0; i < count && !failed; ++i) {
+            const int64_t *f = records + i * NF;
+            if (workers && f[F_SPLIT] && split_step(f, params, arena, workers)) continue;
+            if (step(f, params, arena, ext)) failed = (int)i + 1;
+        }
+        pthread_mutex_unlock(&team.owner);
+        return failed;
+    }
     for (int64_t i = 0; i < count; ++i)
         if (step(records + i * NF, params, arena, ext)) return (int)i + 1;
     return 0;

@@ -25,9 +25,10 @@ from backplane.ir.graph import Layer
 from backplane.native.arena import ArenaExecutor
 
 FIELDS = ("op in in2 out n h w c oh ow oc kh kw sh sw dh dw pt pl g woff boff act aoff scr ph pw "
-          "vb x1 x2 macs").split()
+          "vb x1 x2 macs split").split()
 """A record's fields, in cnn.c's order (its enum F_*; ``macs``, its multiply-adds, only read
-here); a record is NF = 32 int64s."""
+here; ``split``, set by ``plan``: the record's work shared by the run's threads); a record is
+NF = 32 int64s."""
 NF = 32
 OPS = {name: code for code, name in enumerate(
     "import export conv dwconv maxpool avgpool gap gmp linear add mul act slice deconv resize "
@@ -58,6 +59,28 @@ planned axis's range anyway, as CpuRef's gather raises; a bool input (0, 1) anyw
 OUTPUTS = {"Split": 0, "TopK": 2, "WindowedConv": 0}
 """The layers of more than one output (0: any count)."""
 ALIGN = 16  # floats: each tensor's place starts on a 64-byte line
+SPLIT_MACS = 1_000_000
+"""The fewest multiply-adds of a split convolution: ~20 us of one thread's work, where waking a
+worker and waiting for its last grain (1-5 us, more where it slept) is a small part."""
+SPLIT_ELEMENTS = 32_768
+"""The fewest elements (read or written, a window's taps counted) of another split record: a
+move or an elementwise pass of ~30-50 us."""
+
+
+def _work(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each record's multiply-adds where it is a convolution, and elements where it is one of
+    the other kinds ``cnn_split.h`` shares (0 for any other)."""
+    col = {name: records[:, FIELDS.index(name)] for name in
+           ("op", "n", "c", "oh", "ow", "kh", "kw", "macs")}
+    op, macs = col["op"], col["macs"]
+    convolutions = np.where(np.isin(op, [OPS["conv"], OPS["dwconv"]]), macs, 0)
+    out = col["n"] * col["oh"] * col["ow"] * col["c"]
+    elements = np.select(
+        [np.isin(op, [OPS["maxpool"], OPS["avgpool"]]), op == OPS["resize"],
+         np.isin(op, [OPS["slice"], OPS["softmax"]]),
+         np.isin(op, [OPS["gather"], OPS["scatter"], OPS["arith"], OPS["act"]])],
+        [out * col["kh"] * col["kw"], out * 4, col["n"] * col["c"], col["n"]], 0)
+    return convolutions, elements
 
 
 class Unplannable(NotImplementedError):
@@ -325,20 +348,38 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
         shapes.append(value.shape)
         types.append(np.int64 if value.integer else np.float32)
     params = np.concatenate(planner.params) if planner.params else np.zeros(ALIGN, np.float32)
-    return Plan(np.stack(planner.records), params, planner.arena.end + planner.slack + 4 * ALIGN,
+    records = np.stack(planner.records)
+    split(records)
+    return Plan(records, params, planner.arena.end + planner.slack + 4 * ALIGN,
                 [tuple(s) for s in input_shapes], shapes, planner.ops, planner.names,
                 [np.dtype(t).type for t in input_dtypes or [np.float32] * len(inputs)], types)
 
 
+def split(records: np.ndarray, macs: int = SPLIT_MACS, elements: int = SPLIT_ELEMENTS) -> None:
+    """Marks the records whose work the run's threads share (``cnn_split.h``): a convolution of
+    at least ``macs`` multiply-adds, a pool, resize, move, elementwise pass or softmax of at least
+    ``elements`` (0 and 0: every one of them, as the tests run them)."""
+    convolutions, others = _work(records)
+    records[:, FIELDS.index("split")] = (convolutions > 0) & (convolutions >= macs) | (
+        others > 0) & (others >= elements)
+
+
 class Executor(ArenaExecutor):
     """A plan bound to the library: ``run(pointers)`` makes one call, ``pointers`` the inputs'
-    then the outputs' data (contiguous float32, NCHW); see ``arena.ArenaExecutor``."""
+    then the outputs' data (contiguous float32, NCHW); see ``arena.ArenaExecutor``.
 
-    def __init__(self, planned: Plan, library: ctypes.CDLL) -> None:
-        self.plan, self.library = planned, library
+    ``splits``: whether the plan has records its run's threads share; then the threads a call
+    uses are those ``ask(count)`` asked for last in the calling thread (``cnn_pool.h``; the
+    workload asks for torch's count before each call), ``threads`` in ``numpy``'s runs."""
+
+    def __init__(self, planned: Plan, library: ctypes.CDLL, threads: int = 1) -> None:
+        self.plan, self.library, self.threads = planned, library, threads
         self._bind(library.backplane_cnn_run, np.ascontiguousarray(planned.records),
                    planned.params, _aligned(planned.arena),
                    len(planned.input_shapes) + len(planned.output_shapes))
+        self.splits = bool(planned.records[:, FIELDS.index("split")].any())
+        self.ask = library.backplane_cnn_threads
+        self.ask.argtypes, self.ask.restype = [ctypes.c_int64], ctypes.c_int64
 
     def _fresh_arena(self) -> np.ndarray:
         return _aligned(self.plan.arena)
@@ -366,7 +407,10 @@ class Executor(ArenaExecutor):
         """The plan run on NumPy arrays (the torch-free session's run, tests, the bench): fresh
         outputs, the caller's alone; ``host``'s loop, which reads each address from the array
         object (``.ctypes.data`` made an object a read: resnet_basic_dyn21's torch-free run
-        ~5 us slower than the session's direct run of ``host``)."""
+        ~5 us slower than the session's direct run of ``host``); on ``threads`` threads where
+        the plan splits records."""
+        if self.splits:
+            self.ask(self.threads)
         return self.host(*values)
 
 

@@ -211,20 +211,33 @@ static inline int64_t chunk_of(int64_t pb) { return 4 * pb; }
 static inline int64_t chunk_of(int64_t pb) { return (void)pb, 48; }
 #endif
 
+/* A convolution's output pixels come in chunks (finish() runs after each, while its rows are in
+   L1): the pool's items (cnn_pool.h). */
+static int64_t conv_chunk(const int64_t *f) {
+    return chunk_of(tile_pixels(f[F_VB], f[F_X1]));
+}
+
+static int64_t conv_items(const int64_t *f) {
+    const int64_t chunk = conv_chunk(f);
+    return (f[F_N] * f[F_OH] * f[F_OW] + chunk - 1) / chunk;
+}
+
+/* The padded frame a convolution reads (before any chunk of it runs). */
+static void conv_frame(const int64_t *f, float *A) {
+    if (f[F_SCR] >= 0) pad_frame(f, A + f[F_IN], A + f[F_SCR]);
+}
+
 /* A convolution of any groups, its weights packed per group and block of VB output channels as
-   [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself.
-   The output's pixels are taken flat (n, oh, ow in order) in tiles of the block's pixels,
-   each pixel's window origin its own: a short row (8x8's 8) no longer wastes a tile's width. */
-static void conv(const int64_t *f, float *A, const float *P) {
+   [kh][kw][ic][VB] (zero past the group's channels), over a padded frame or the input itself:
+   chunks [c0, c1) of its output pixels. The output's pixels are taken flat (n, oh, ow in order)
+   in tiles of the block's pixels, each pixel's window origin its own: a short row (8x8's 8) no
+   longer wastes a tile's width. */
+static void conv_part(const int64_t *f, float *A, const float *P, int64_t c0, int64_t c1) {
     const int64_t N = f[F_N], C = f[F_C], OH = f[F_OH], OW = f[F_OW], OC = f[F_OC];
     const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
                   DW = f[F_DW], G = f[F_G], VB = f[F_VB], PH = f[F_PH], PW = f[F_PW];
     const int64_t ICG = C / G, OCG = OC / G, NB = (OCG + VB - 1) / VB, act = f[F_ACT];
-    const float *src = A + f[F_IN];
-    if (f[F_SCR] >= 0) {
-        pad_frame(f, src, A + f[F_SCR]);
-        src = A + f[F_SCR];
-    }
+    const float *src = A + (f[F_SCR] >= 0 ? f[F_SCR] : f[F_IN]);
     float *out = A + f[F_OUT];
     const float *res = f[F_IN2] >= 0 ? A + f[F_IN2] : 0;
     const float *a = P + f[F_AOFF];
@@ -247,8 +260,10 @@ static void conv(const int64_t *f, float *A, const float *P) {
     const int64_t wblock = taps ? KH * KWo * ((inner + taps - 1) / taps) * 16 : KH * KW * ICG * VB,
                   bblock = taps ? 16 : VB;
     const float *ip[PB_ALL];
-    int64_t n = 0, oh = 0, ow = 0;  /* the next tile's first pixel */
-    for (int64_t q0 = 0; q0 < total; q0 += chunk) {
+    const int64_t first = c0 * chunk;
+    int64_t n = first / (OH * OW), oh = first / OW % OH, ow = first % OW;  /* the next tile's */
+    const int64_t last = c1 * chunk < total ? c1 * chunk : total;
+    for (int64_t q0 = first; q0 < last; q0 += chunk) {
         const int64_t q1 = total - q0 < chunk ? total : q0 + chunk;
         for (int64_t q = q0, pixels; q < q1; q += pixels) {
             pixels = q1 - q < pb ? q1 - q : pb;
@@ -285,6 +300,11 @@ static void conv(const int64_t *f, float *A, const float *P) {
         if (!fused)
             finish(out + q0 * OC, res ? res + q0 * OC : 0, (q1 - q0) * OC, act, a);
     }
+}
+
+static void conv(const int64_t *f, float *A, const float *P) {
+    conv_frame(f, A);
+    conv_part(f, A, P, 0, conv_items(f));
 }
 
 /* np adjacent output pixels of a depthwise row from ow, by 8 channels (c), their windows inside
@@ -392,10 +412,10 @@ static inline __attribute__((always_inline)) void dwrow(
 }
 
 /* A depthwise convolution (one input and one output channel a group), weights [kh][kw][C], read
-   from the input itself (no padded copy): row by row, dwrow's registers (3x3, the common kernel,
-   its own instance). */
-static void dwconv(const int64_t *f, float *A, const float *P) {
-    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+   from the input itself (no padded copy): rows [r0, r1) of its N x OH output rows (the pool's
+   items), each by dwrow's registers (3x3, the common kernel, its own instance). */
+static void dw_part(const int64_t *f, float *A, const float *P, int64_t r0, int64_t r1) {
+    const int64_t H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
     const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
                   DW = f[F_DW], PT = f[F_PT], PL = f[F_PL], act = f[F_ACT];
     const float *src = A + f[F_IN];
@@ -413,22 +433,26 @@ static void dwconv(const int64_t *f, float *A, const float *P) {
     if (W - 1 - (KW - 1) * DW + PL < 0) hi = 0;
     lo = lo < OW ? lo : OW;
     hi = hi < lo ? lo : hi < OW ? hi : OW;
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t oh = 0; oh < OH; ++oh) {
-            float *orow = out + (n * OH + oh) * OW * C;
-            const float *rrow = res ? res + (n * OH + oh) * OW * C : 0;
-            const int64_t ih0 = oh * SH - PT;
-            int64_t kh0 = 0, kh1 = KH;
-            while (kh0 < KH && ih0 + kh0 * DH < 0) ++kh0;
-            while (kh1 > kh0 && ih0 + (kh1 - 1) * DH >= H) --kh1;
-            /* the window's origin row, maybe outside: only rows [kh0, kh1) are read */
-            const float *irow = src + (n * H + ih0) * W * C;
-            if (KH == 3 && KW == 3)
-                dwrow(3, irow, orow, rrow, W, C, OW, SW, PL, KW, DW, rowstep, kh0, kh1, lo, hi,
-                      wt, bias, fused, act, a);
-            else
-                dwrow(0, irow, orow, rrow, W, C, OW, SW, PL, KW, DW, rowstep, kh0, kh1, lo, hi,
-                      wt, bias, fused, act, a);
-            if (!fused) finish(orow, rrow, OW * C, act, a);
-        }
+    for (int64_t row = r0; row < r1; ++row) {
+        const int64_t n = row / OH, oh = row % OH;
+        float *orow = out + (n * OH + oh) * OW * C;
+        const float *rrow = res ? res + (n * OH + oh) * OW * C : 0;
+        const int64_t ih0 = oh * SH - PT;
+        int64_t kh0 = 0, kh1 = KH;
+        while (kh0 < KH && ih0 + kh0 * DH < 0) ++kh0;
+        while (kh1 > kh0 && ih0 + (kh1 - 1) * DH >= H) --kh1;
+        /* the window's origin row, maybe outside: only rows [kh0, kh1) are read */
+        const float *irow = src + (n * H + ih0) * W * C;
+        if (KH == 3 && KW == 3)
+            dwrow(3, irow, orow, rrow, W, C, OW, SW, PL, KW, DW, rowstep, kh0, kh1, lo, hi,
+                  wt, bias, fused, act, a);
+        else
+            dwrow(0, irow, orow, rrow, W, C, OW, SW, PL, KW, DW, rowstep, kh0, kh1, lo, hi,
+                  wt, bias, fused, act, a);
+        if (!fused) finish(orow, rrow, OW * C, act, a);
+    }
+}
+
+static void dwconv(const int64_t *f, float *A, const float *P) {
+    dw_part(f, A, P, 0, f[F_N] * f[F_OH]);
 }

@@ -138,12 +138,12 @@ static void argreduce(const int64_t *f, float *A, const float *P) {
 
 /* Softmax of F_N rows of F_C elements (the int32 table at F_WOFF: a row's places, in and out
    alike), CpuRef's: exp(x - max) / sum, the max a NaN where the row has one (np.max's). */
-static void softmax(const int64_t *f, float *A, const float *P) {
-    const int64_t rows = f[F_N], M = f[F_C];
-    const int32_t *restrict at = (const int32_t *)(P + f[F_WOFF]);
+static void softmax_rows(const int64_t *f, float *A, const float *P, int64_t r0, int64_t r1) {
+    const int64_t M = f[F_C];
+    const int32_t *restrict at = (const int32_t *)(P + f[F_WOFF]) + r0 * M;
     const float *restrict x = A + f[F_IN];
     float *restrict o = A + f[F_OUT];
-    for (int64_t r = 0; r < rows; ++r, at += M) {
+    for (int64_t r = r0; r < r1; ++r, at += M) {
         float peak = x[at[0]], sum = 0.0f;
         for (int64_t i = 1; i < M; ++i) {
             const float v = x[at[i]];
@@ -156,6 +156,10 @@ static void softmax(const int64_t *f, float *A, const float *P) {
         }
         for (int64_t i = 0; i < M; ++i) o[at[i]] = o[at[i]] / sum;
     }
+}
+
+static void softmax(const int64_t *f, float *A, const float *P) {
+    softmax_rows(f, A, P, 0, f[F_N]);
 }
 
 /* The records of this header; 1 for an op code no one knows or a failed record. */

@@ -60,39 +60,44 @@ static void max_window(const float *restrict in, float *restrict o, int64_t h0, 
 /* Max or average pooling; the window clipped to the input (PyTorch's and CpuRef's windows:
    F_X1 counts the padding into an average's divisor, the window then clipped at H + the end pad,
    whose ends are F_PH, F_PW here). A NaN in a window is the window's maximum. */
-static void pool(const int64_t *f, float *A, int is_max) {
-    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+static void pool_rows(const int64_t *f, float *A, int is_max, int64_t r0, int64_t r1) {
+    const int64_t H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
     const int64_t KH = f[F_KH], KW = f[F_KW], SH = f[F_SH], SW = f[F_SW], DH = f[F_DH],
                   DW = f[F_DW], PT = f[F_PT], PL = f[F_PL], HE = f[F_PH], WE = f[F_PW];
     const float *restrict in = A + f[F_IN];
     float *restrict out = A + f[F_OUT];
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t oh = 0; oh < OH; ++oh)
-            for (int64_t ow = 0; ow < OW; ++ow) {
-                float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
-                const int64_t h0 = oh * SH - PT, w0 = ow * SW - PL;
-                if (is_max) {
-                    max_window(in + n * H * W * C, o, h0, w0, H, W, C, KH, KW, DH, DW);
-                    continue;
-                }
-                int64_t hs = h0, ws = w0, he = h0 + KH, we = w0 + KW;
-                he = he < HE ? he : HE;
-                we = we < WE ? we : WE;
-                int64_t count = (he - hs) * (we - ws);
-                hs = hs < 0 ? 0 : hs;
-                ws = ws < 0 ? 0 : ws;
-                he = he < H ? he : H;
-                we = we < W ? we : W;
-                if (!f[F_X1]) count = (he - hs) * (we - ws);
-                for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
-                for (int64_t h = hs; h < he; ++h)
-                    for (int64_t w = ws; w < we; ++w) {
-                        const float *restrict x = in + ((n * H + h) * W + w) * C;
-                        for (int64_t c = 0; c < C; ++c) o[c] += x[c];
-                    }
-                const float scale = 1.0f / (float)count;
-                for (int64_t c = 0; c < C; ++c) o[c] *= scale;
+    for (int64_t row = r0; row < r1; ++row) {  /* output rows [r0, r1) of the N x OH */
+        const int64_t n = row / OH, oh = row % OH;
+        for (int64_t ow = 0; ow < OW; ++ow) {
+            float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
+            const int64_t h0 = oh * SH - PT, w0 = ow * SW - PL;
+            if (is_max) {
+                max_window(in + n * H * W * C, o, h0, w0, H, W, C, KH, KW, DH, DW);
+                continue;
             }
+            int64_t hs = h0, ws = w0, he = h0 + KH, we = w0 + KW;
+            he = he < HE ? he : HE;
+            we = we < WE ? we : WE;
+            int64_t count = (he - hs) * (we - ws);
+            hs = hs < 0 ? 0 : hs;
+            ws = ws < 0 ? 0 : ws;
+            he = he < H ? he : H;
+            we = we < W ? we : W;
+            if (!f[F_X1]) count = (he - hs) * (we - ws);
+            for (int64_t c = 0; c < C; ++c) o[c] = 0.0f;
+            for (int64_t h = hs; h < he; ++h)
+                for (int64_t w = ws; w < we; ++w) {
+                    const float *restrict x = in + ((n * H + h) * W + w) * C;
+                    for (int64_t c = 0; c < C; ++c) o[c] += x[c];
+                }
+            const float scale = 1.0f / (float)count;
+            for (int64_t c = 0; c < C; ++c) o[c] *= scale;
+        }
+    }
+}
+
+static void pool(const int64_t *f, float *A, int is_max) {
+    pool_rows(f, A, is_max, 0, f[F_N] * f[F_OH]);
 }
 
 static void global_pool(const int64_t *f, float *A, int is_max) {
@@ -204,142 +209,153 @@ enum { RESIZE_ROW = 16384 };  /* the floats of an input row the separable resize
    weighs four taps a pixel 8 channels at a time (unet_resize's 8 channels: one register a
    pixel). A tap that weighs 0 is not read in either pass (a NaN stays where it is read, as
    CpuRef's taps_of). Returns 0 where a row is too long for the stack (resize() runs then). */
-static int resize_rows(const int64_t *f, float *A, const float *P) {
-    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+static int resize_rows(const int64_t *f, float *A, const float *P, int64_t r0, int64_t r1) {
+    const int64_t H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
     if (W * C > RESIZE_ROW) return 0;
     const float *restrict in = A + f[F_IN], *rows = P + f[F_WOFF], *cols = P + f[F_BOFF];
     float *restrict out = A + f[F_OUT];
     float blend[W * C];
     const int64_t WC = W * C, WC16 = WC / 16 * 16;
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t oh = 0; oh < OH; ++oh) {
-            const float *hr = rows + oh * 4, *x[2];
-            float weight[2];
-            int taps = 0;
-            for (int a = 0; a < 2; ++a)
-                if (hr[2 + a] != 0.0f) {
-                    weight[taps] = hr[2 + a];
-                    x[taps++] = in + (n * H + (int64_t)hr[a]) * WC;
+    for (int64_t row = r0; row < r1; ++row) {  /* output rows [r0, r1) of the N x OH */
+        const int64_t n = row / OH, oh = row % OH;
+        const float *hr = rows + oh * 4, *x[2];
+        float weight[2];
+        int taps = 0;
+        for (int a = 0; a < 2; ++a)
+            if (hr[2 + a] != 0.0f) {
+                weight[taps] = hr[2 + a];
+                x[taps++] = in + (n * H + (int64_t)hr[a]) * WC;
+            }
+        int64_t i = 0;
+        for (; i < WC16; i += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int t = 0; t < taps; ++t)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(weight[t]), _mm512_loadu_ps(x[t] + i),
+                                      acc);
+            _mm512_storeu_ps(blend + i, acc);
+        }
+        for (; i < WC; ++i) {
+            float acc = 0.0f;
+            for (int t = 0; t < taps; ++t) acc = fmaf(weight[t], x[t][i], acc);
+            blend[i] = acc;
+        }
+        for (int64_t ow = 0; ow < OW; ++ow) {
+            const float *wr = cols + ow * 4, *y[2];
+            float across[2];
+            int ctaps = 0;
+            for (int b = 0; b < 2; ++b)
+                if (wr[2 + b] != 0.0f) {
+                    across[ctaps] = wr[2 + b];
+                    y[ctaps++] = blend + (int64_t)wr[b] * C;
                 }
-            int64_t i = 0;
-            for (; i < WC16; i += 16) {
+            float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
+            for (int64_t c = 0; c < C; c += 16) {
+                const __mmask16 lanes = (__mmask16)(C - c >= 16 ? 0xffffu
+                                                    : (1u << (C - c)) - 1u);
                 __m512 acc = _mm512_setzero_ps();
-                for (int t = 0; t < taps; ++t)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(weight[t]), _mm512_loadu_ps(x[t] + i),
-                                          acc);
-                _mm512_storeu_ps(blend + i, acc);
-            }
-            for (; i < WC; ++i) {
-                float acc = 0.0f;
-                for (int t = 0; t < taps; ++t) acc = fmaf(weight[t], x[t][i], acc);
-                blend[i] = acc;
-            }
-            for (int64_t ow = 0; ow < OW; ++ow) {
-                const float *wr = cols + ow * 4, *y[2];
-                float across[2];
-                int ctaps = 0;
-                for (int b = 0; b < 2; ++b)
-                    if (wr[2 + b] != 0.0f) {
-                        across[ctaps] = wr[2 + b];
-                        y[ctaps++] = blend + (int64_t)wr[b] * C;
-                    }
-                float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
-                for (int64_t c = 0; c < C; c += 16) {
-                    const __mmask16 lanes = (__mmask16)(C - c >= 16 ? 0xffffu
-                                                        : (1u << (C - c)) - 1u);
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int t = 0; t < ctaps; ++t)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(across[t]),
-                                              _mm512_maskz_loadu_ps(lanes, y[t] + c), acc);
-                    _mm512_mask_storeu_ps(o + c, lanes, acc);
-                }
+                for (int t = 0; t < ctaps; ++t)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(across[t]),
+                                          _mm512_maskz_loadu_ps(lanes, y[t] + c), acc);
+                _mm512_mask_storeu_ps(o + c, lanes, acc);
             }
         }
+    }
     return 1;
 }
 #endif
 
-static void resize(const int64_t *f, float *A, const float *P) {
+/* Output rows [r0, r1) of the N x OH (the pool's items). */
+static void resize_part(const int64_t *f, float *A, const float *P, int64_t r0, int64_t r1) {
 #if defined(__AVX512F__)
-    if (resize_rows(f, A, P)) return;
+    if (resize_rows(f, A, P, r0, r1)) return;
 #endif
-    const int64_t N = f[F_N], H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
+    const int64_t H = f[F_H], W = f[F_W], C = f[F_C], OH = f[F_OH], OW = f[F_OW];
     const int64_t C8 = C / 8 * 8;
     const float *restrict in = A + f[F_IN], *rows = P + f[F_WOFF], *cols = P + f[F_BOFF];
     float *restrict out = A + f[F_OUT];
-    for (int64_t n = 0; n < N; ++n)
-        for (int64_t oh = 0; oh < OH; ++oh) {
-            const float *hr = rows + oh * 4;
-            for (int64_t ow = 0; ow < OW; ++ow) {
-                const float *wr = cols + ow * 4;
-                float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
-                const float *x[4];
-                float weight[4];
-                int taps = 0;
-                for (int a = 0; a < 2; ++a)
-                    for (int b = 0; b < 2; ++b) {
-                        if (hr[2 + a] == 0.0f || wr[2 + b] == 0.0f) continue;
-                        weight[taps] = hr[2 + a] * wr[2 + b];
-                        x[taps++] = in + ((n * H + (int64_t)hr[a]) * W + (int64_t)wr[b]) * C;
-                    }
-                for (int64_t c = 0; c < C8; c += 8) {  /* 8 channels in a register */
-                    v8 acc = vsplat(0.0f);
-                    for (int t = 0; t < taps; ++t)
-                        acc = vfma(vsplat(weight[t]), vload(x[t] + c), acc);
-                    vstore(o + c, acc);
+    for (int64_t row = r0; row < r1; ++row) {
+        const int64_t n = row / OH, oh = row % OH;
+        const float *hr = rows + oh * 4;
+        for (int64_t ow = 0; ow < OW; ++ow) {
+            const float *wr = cols + ow * 4;
+            float *restrict o = out + ((n * OH + oh) * OW + ow) * C;
+            const float *x[4];
+            float weight[4];
+            int taps = 0;
+            for (int a = 0; a < 2; ++a)
+                for (int b = 0; b < 2; ++b) {
+                    if (hr[2 + a] == 0.0f || wr[2 + b] == 0.0f) continue;
+                    weight[taps] = hr[2 + a] * wr[2 + b];
+                    x[taps++] = in + ((n * H + (int64_t)hr[a]) * W + (int64_t)wr[b]) * C;
                 }
-                for (int64_t c = C8; c < C; ++c) {
-                    float acc = 0.0f;
-                    for (int t = 0; t < taps; ++t) acc = fmaf(weight[t], x[t][c], acc);
-                    o[c] = acc;
-                }
+            for (int64_t c = 0; c < C8; c += 8) {  /* 8 channels in a register */
+                v8 acc = vsplat(0.0f);
+                for (int t = 0; t < taps; ++t)
+                    acc = vfma(vsplat(weight[t]), vload(x[t] + c), acc);
+                vstore(o + c, acc);
+            }
+            for (int64_t c = C8; c < C; ++c) {
+                float acc = 0.0f;
+                for (int t = 0; t < taps; ++t) acc = fmaf(weight[t], x[t][c], acc);
+                o[c] = acc;
             }
         }
+    }
+}
+
+static void resize(const int64_t *f, float *A, const float *P) {
+    resize_part(f, A, P, 0, f[F_N] * f[F_OH]);
 }
 
 /* Channels [F_X1, F_X1 + C) of an NHWC output of F_OC channels: a Concat's part. */
-static void slice_into(const int64_t *f, float *A) {
-    const int64_t pixels = f[F_N], C = f[F_C], OC = f[F_OC], at = f[F_X1];
+static void slice_part(const int64_t *f, float *A, int64_t p0, int64_t p1) {
+    const int64_t C = f[F_C], OC = f[F_OC], at = f[F_X1];
     const float *restrict x = A + f[F_IN];
     float *restrict o = A + f[F_OUT];
     if (C % 8 == 0) {  /* 8 floats a move, not a memcpy call a pixel (unet's 1024 x 8: ~3x) */
-        for (int64_t p = 0; p < pixels; ++p)
+        for (int64_t p = p0; p < p1; ++p)
             for (int64_t c = 0; c < C; c += 8) vstore(o + p * OC + at + c, vload(x + p * C + c));
         return;
     }
-    for (int64_t p = 0; p < pixels; ++p) memcpy(o + p * OC + at, x + p * C, sizeof(float) * C);
+    for (int64_t p = p0; p < p1; ++p) memcpy(o + p * OC + at, x + p * C, sizeof(float) * C);
 }
+
+static void slice_into(const int64_t *f, float *A) { slice_part(f, A, 0, f[F_N]); }
 
 /* F_N elements, each from its place in the input that the int32 table at F_WOFF names: a
    Transpose, Slice, Split or Reshape that moves channels-last elements (cnn_layers.py tables the
    places at load). */
-static void gather(const int64_t *f, float *A, const float *P) {
-    const int64_t n = f[F_N];
+static void gather_part(const int64_t *f, float *A, const float *P, int64_t i0, int64_t i1) {
     const int32_t *restrict at = (const int32_t *)(P + f[F_WOFF]);
     const float *restrict x = A + f[F_IN];
     float *restrict o = A + f[F_OUT];
-    for (int64_t i = 0; i < n; ++i) o[i] = x[at[i]];
+    for (int64_t i = i0; i < i1; ++i) o[i] = x[at[i]];
 }
+
+static void gather(const int64_t *f, float *A, const float *P) { gather_part(f, A, P, 0, f[F_N]); }
 
 /* The F_N elements of the input written to their places in the output (the int32 table at
    F_WOFF): a Concat's part on any axis. */
-static void scatter(const int64_t *f, float *A, const float *P) {
-    const int64_t n = f[F_N];
+static void scatter_part(const int64_t *f, float *A, const float *P, int64_t i0, int64_t i1) {
     const int32_t *restrict at = (const int32_t *)(P + f[F_WOFF]);
     const float *restrict x = A + f[F_IN];
     float *restrict o = A + f[F_OUT];
-    for (int64_t i = 0; i < n; ++i) o[at[i]] = x[i];
+    for (int64_t i = i0; i < i1; ++i) o[at[i]] = x[i];
+}
+
+static void scatter(const int64_t *f, float *A, const float *P) {
+    scatter_part(f, A, P, 0, f[F_N]);
 }
 
 /* o = x (op) y over F_N elements, y in the arena (F_IN2) or in the parameters (F_WOFF: a
    constant laid out as the output is, broadcast at load); F_X1 the op; AR_AFFINE: x * y + z,
    z at F_BOFF. */
-static void arith(const int64_t *f, float *A, const float *P) {
-    const int64_t n = f[F_N];
-    const float *restrict x = A + f[F_IN];
-    const float *restrict y = f[F_IN2] >= 0 ? A + f[F_IN2] : P + f[F_WOFF];
-    const float *restrict z = P + f[F_BOFF];
-    float *restrict o = A + f[F_OUT];
+static void arith_part(const int64_t *f, float *A, const float *P, int64_t i0, int64_t i1) {
+    const int64_t n = i1 - i0;
+    const float *restrict x = A + f[F_IN] + i0;
+    const float *restrict y = (f[F_IN2] >= 0 ? A + f[F_IN2] : P + f[F_WOFF]) + i0;
+    const float *restrict z = P + f[F_BOFF] + i0;
+    float *restrict o = A + f[F_OUT] + i0;
     switch (f[F_X1]) {
     case AR_ADD: for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i]; break;
     case AR_SUB: for (int64_t i = 0; i < n; ++i) o[i] = x[i] - y[i]; break;
@@ -349,6 +365,8 @@ static void arith(const int64_t *f, float *A, const float *P) {
     default: for (int64_t i = 0; i < n; ++i) o[i] = x[i] * y[i] + z[i]; break;
     }
 }
+
+static void arith(const int64_t *f, float *A, const float *P) { arith_part(f, A, P, 0, f[F_N]); }
 
 /* F_N outputs, each the max, min, sum or mean (F_X1) of the F_C inputs the int32 table at F_WOFF
    names for it (F_C in a row): a Reduce over any axes. A NaN is the max and the min. */

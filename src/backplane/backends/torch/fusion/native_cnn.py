@@ -31,10 +31,37 @@ from backplane.runtime import host_route
 log = logging.getLogger("backplane.torch")
 
 SMALL = 16_000_000
-"""The most multiply-adds a partition runs natively under "auto": the native kernels run at one
-thread and win by oneDNN Graph's fixed costs, which a large image outgrows (measured: see
+"""The most multiply-adds a partition runs natively under "auto" in a one-thread session: the
+native kernels win by oneDNN Graph's fixed costs, which a large image outgrows (measured: see
 docs/torch-backends.md, "The native CNN route")."""
+LARGE = SMALL
+"""The most in a session of two threads or more, whose plan's large records the threads share
+(``native/cnn_pool.h``)."""
 ROUTE = "native"
+
+
+def session_threads(backend: Any) -> int:
+    """The threads a session's runs may use: ``CpuAcc.threads`` where it gives a count (a fixed
+    one or an ``AtMost``), else torch's count where torch is loaded (the loading thread's: the
+    governor holds it at its most while a network loads), else the CPUs of the affinity (a
+    torch-free session's)."""
+    import os
+    import sys
+
+    given = backend.options.get("CpuAcc.threads")
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return int(given)
+    if isinstance(given, str) and given.isdigit() and int(given) > 0:
+        return int(given)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return int(torch.get_num_threads())
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def size_rule(threads: int) -> int:
+    """The most multiply-adds a partition planned natively may have at ``threads`` threads."""
+    return SMALL if threads < 2 else LARGE
 
 
 def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload | None:
@@ -75,8 +102,10 @@ def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     except Unplannable as why:
         log.debug("%s: not native (%s)", layer.name, why)
         return None
-    if planned.flops > SMALL:
-        log.debug("%s: not native (%d multiply-adds, above %d)", layer.name, planned.flops, SMALL)
+    threads = session_threads(backend)
+    if planned.flops > size_rule(threads):
+        log.debug("%s: not native (%d multiply-adds, above %d at %d threads)", layer.name,
+                  planned.flops, size_rule(threads), threads)
         return None
     try:
         built = library("cnn")
@@ -86,7 +115,7 @@ def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     if edges:
         planned.halved([str(i.dtype) == "float16" for i in inputs],
                        [str(d) == "float16" for d in a["output_dtypes"]])
-    return (Executor(planned, built),
+    return (Executor(planned, built, threads),
             f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
             f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)",
             bool(half), bool(edges))
@@ -147,10 +176,11 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
             log.debug("%s: its first %d layers not native (%s)", layer.name, count, why)
     if planned is None:
         return None
-    if planned.flops > SMALL:
+    threads = session_threads(backend)
+    if planned.flops > size_rule(threads):
         return None
     try:
-        executor = Executor(planned, library("cnn"))
+        executor = Executor(planned, library("cnn"), threads)
     except NativeUnavailable:
         return None
     head = _workload(executor, planned.names, f"{ROUTE}: the first {count} of {len(layers)} "
@@ -233,7 +263,9 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str,
     TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64,
              np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
     shapes, call, empty = executor.plan.output_shapes, executor.run, torch.empty
-    plan = executor.plan
+    plan, host = executor.plan, executor.host
+    if getattr(executor, "splits", False):  # its threads: torch's count in the calling thread
+        call, host = _asking(executor, executor.run), _asking(executor, executor.host)
     types = [TORCH.get(np.dtype(t), torch.float32)
              for t in getattr(plan, "output_dtypes", None) or [np.float32] * len(shapes)]
     kinds = [TORCH.get(np.dtype(t), torch.float32)
@@ -271,5 +303,19 @@ def _workload(executor: Any, names: Sequence[tuple[str, str]], why: str,
     run.why = why  # type: ignore[attr-defined]
     run.profiled = profiled  # type: ignore[attr-defined]
     run.executor = executor  # type: ignore[attr-defined]
-    host_route.offer(run, executor.host)  # the direct run's call on the caller's NumPy arrays
+    host_route.offer(run, host)  # the direct run's call on the caller's NumPy arrays
     return run
+
+
+def _asking(executor: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` on the threads torch has in the calling thread (the session's count, or fewer
+    where CpuAcc's governor holds fewer, ``threads.py``; one in a ``small.OneThread``)."""
+    import torch
+
+    ask, count = executor.ask, torch.get_num_threads
+
+    def asking(*values: Any) -> Any:
+        ask(count())
+        return call(*values)
+
+    return asking
