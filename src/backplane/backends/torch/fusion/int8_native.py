@@ -8,17 +8,16 @@ native plan (``native.qcnn``) does the same arithmetic in one ctypes call a run,
 ONNX Runtime's bit for bit on the corpus's QOperator and QDQ ResNets (tests/native/test_qcnn.py).
 
 On a CPU with AVX-512 VNNI (this session's AMD EPYC family 26) torch's int8 kernels are exact
-(``int8_exact.exact_kernels``), so its traced int8 route is the other choice; measured there (1
-thread, thread CPU of ``session.run``, load 7-9, native plan / ``CpuAcc.native`` off): the small
-tier's resnet_qdq_ort17 25.6 / 72.7 us, resnet_qlinear_ort15 24.2 / 79.7, fakequant_qdq_ts13
-21.7 / 35.3 (before the plan's VNNI products, which halved it), ONNX Runtime's quantizations of
-the small mobilenet_dw_ts13 0.05 / 0.73 ms, of the full tier's (224x224) resnet_basic_dyn21
-1.56-1.95 / 1.62-2.21 ms: the plan; but the full tier's mobilenet_dw_ts13 (2^28 multiply-adds,
-four depthwise convolutions, hard-swishes between) 5.28-5.55 / 3.79-4.34 ms, ONNX Runtime
-3.95-4.22: its float glue at 112x112x96 (a hard-swish's four passes over float tensors) costs
-what oneDNN's fused int8 kernels do not. So where torch's int8 kernels are exact, a plan with a
-depthwise convolution and at least ``DEPTHWISE_MACS`` multiply-adds keeps torch's routes
-(``torch_int8_faster``); every other plan is taken.
+(``int8_exact.exact_kernels``), so its traced int8 route is the other choice. The twentieth
+session kept it for the full tier's MobileNet (224x224, four depthwise convolutions, hard-swishes
+in float between: the plan 5.3-5.6 ms a run at 1 thread, torch's 3.8-4.3, ONNX Runtime's 4.0);
+since its hard-swishes are 256-byte tables, its residual Adds one pass (``native.qcnn_lookup``),
+its 1x1 convolutions read their input in place and the plan runs on the session's threads
+(``native/qcnn_pool.h``), the plan is the faster one at every size measured (1 thread, thread CPU
+of ``session.run``, two processes each alternating, load 7-9, ms, plan / torch's int8 / ONNX
+Runtime's: mobilenet_dw_ts13 QDQ 2.96-3.13 / 3.80-4.04 / 3.84-3.85, QOperator 2.82-3.04 /
+3.78-3.92 / 3.67-3.86; resnet_basic_dyn21 QDQ 1.62-1.66 / 1.74-1.92 / 1.81-1.93, QOperator
+1.55-1.65 / 2.00-2.03 / 1.77-1.86), so every plan is taken.
 
 Taken, before CpuAcc's fusions, for a whole subgraph: static float32 inputs and outputs, every
 layer one ``native.qcnn_layers`` plans, at least one quantized convolution or product. Under
@@ -41,19 +40,6 @@ from backplane.ir.graph import Layer, SubgraphView, TensorInfo
 log = logging.getLogger("backplane.torch")
 ROUTE = "native int8"
 OP = "NativeInt8"
-DEPTHWISE_MACS = 2**26
-"""From here a plan with a depthwise convolution runs on torch's int8 kernels where they are exact
-(the module's docstring: 2^28 at 224x224 1.3x faster there, 2^20.6 at 32x32 14x slower)."""
-
-
-def torch_int8_faster(planned: Any) -> bool:
-    """Whether torch's traced int8 route is the measured faster one for the plan (see above)."""
-    if planned.macs < DEPTHWISE_MACS or not any(op in ("qdwconv", "fdwconv_q")
-                                                for op in planned.ops):
-        return False
-    from backplane.backends.torch.fusion.int8_exact import exact_kernels
-
-    return exact_kernels()
 
 
 def _allowed(options: Any) -> bool:
@@ -92,10 +78,6 @@ def whole(view: SubgraphView, options: Any) -> OptimizationViews | None:
         log.debug("%s..: not native int8 (%s)", view.layers[0].name, why)
         return None
     except NativeUnavailable:
-        return None
-    if torch_int8_faster(planned):
-        log.debug("%s..: not native int8 (a depthwise plan of %d multiply-adds: torch's exact int8 "
-                  "kernels are faster)", view.layers[0].name, planned.macs)
         return None
     attrs = {"layers": list(view.layers), "constants": constants, "inputs": list(view.inputs),
              "outputs": list(view.outputs)}
