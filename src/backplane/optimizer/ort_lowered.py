@@ -16,7 +16,8 @@ Written back (CpuRef runs the same plain ops, the values of ONNX Runtime's docum
 
 - ``SkipLayerNormalization(input, skip, gamma, beta, bias)`` whose mean and inverse deviation no
   layer reads: ``Add(input, bias)``, ``Add(., skip)`` (its sum, where an output), then
-  ``LayerNormalization`` over the last axis;
+  ``LayerNormalization`` over the last axis (the bias on ``skip`` where it, not ``input``, is a
+  product: ONNX Runtime's saved encoders have the residual first);
 - ``Attention`` (BERT's: no past, no rotary, no shared buffer; masks of no kind, each sequence's
   length (B,) or a raw 0/1 (B, T); a causal ``unidirectional`` over a static length; an
   ``attention_bias``), its present unread: the Q, K and V products (each ``MatMul`` by its slice
@@ -114,6 +115,8 @@ def _skip_layer_norm(layer: Layer, w: _Writer, read: set[str]) -> bool:
     info = graph.info(outs[0])
     if info.dtype != F32 or info.shape is None or graph.info(x).shape != info.shape:
         return False
+    if _product(skip, graph) and not _product(x, graph) and graph.info(skip).shape == info.shape:
+        x, skip = skip, x  # the bias on the product (a Linear's), the other the residual
     total = x
     if bias:
         total = w.op(f"{layer.name}/bias", "Add", [x, bias], info)
@@ -123,6 +126,11 @@ def _skip_layer_norm(layer: Layer, w: _Writer, read: set[str]) -> bool:
     w.op(layer.name, "LayerNormalization", norm_inputs, info, out=outs[0], axis=-1,
          epsilon=float(layer.attrs.get("epsilon", 1e-12)))
     return True
+
+
+def _product(name: str, graph: Graph) -> bool:
+    made = next((layer for layer in graph.layers if name in layer.outputs), None)
+    return made is not None and made.op_type in ("MatMul", "Gemm", "FusedMatMul", "FusedGemm")
 
 
 # -- Attention ----------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ the MatMul + Add into one Linear), and each Reshape is one more call a run (an O
 24 of them, 21 views and reshapes more a run than the plain export). ``unfold_gemm_reshapes``
 rewrites the sandwich as the MatMul and Add it was.
 
-Its transformer optimizer's SkipLayerNormalization and Attention are written back as the plain ops
-they fused (``ort_lowered``); ``plain_forms`` does both.
+Its saved GPT-2 moves each tanh GELU's last factor (0.5) into the product after it (FusedMatMul's
+alpha), which leaves a GELU no fusion knows; ``half_back_in_gelus`` puts it back. Its transformer
+optimizer's SkipLayerNormalization and Attention are written back as the plain ops they fused
+(``ort_lowered``). ``plain_forms`` does all three.
 """
 
 from __future__ import annotations
@@ -105,8 +107,63 @@ def _fresh(name: str, graph: Graph, taken: set[str] = frozenset()) -> str:
     return unique
 
 
+def half_back_in_gelus(graph: Graph) -> Graph:
+    """FusedMatMul(G, W, alpha 0.5), W a constant (K, N) float32, no transposes, G = x * (1 +
+    Tanh(...)) read by it alone: ONNX Runtime's saved GPT-2 moves the tanh GELU's last factor,
+    0.5, into the product after it, which leaves a GELU no fusion knows (eight elementwise ops
+    over the widest activation, the product after them a plain one). Written back as
+    Mul(G, 0.5) then MatMul(., W): the GELU as the exporters write it, which the Linear before
+    it takes as its post-op, and the product a Linear. The same values: a product of G scaled by
+    0.5 is the product scaled by 0.5, bit for bit (a power of two). Returns ``graph``, in place."""
+    producers, consumers = graph.producers(), graph.consumers()
+    opset, names = graph.opsets.get("", 0) or 17, {layer.name for layer in graph.layers}
+    replaced: dict[int, list[Layer]] = {}
+    for layer in graph.layers:
+        a = layer.attrs
+        weight = graph.constants.get(layer.inputs[1]) if len(layer.inputs) == 2 else None
+        if layer.op_type != "FusedMatMul" or layer.domain != "com.microsoft" \
+                or float(a.get("alpha", 1.0)) != 0.5 or weight is None or weight.ndim != 2 \
+                or weight.dtype != np.float32 or any(a.get(flag, 0) for flag in (
+                    "transA", "transB", "transBatchA", "transBatchB")):
+            continue
+        gelu = layer.inputs[0]
+        if not _tanh_gelu_end(producers.get(gelu), graph, producers) \
+                or len(consumers.get(gelu, [])) != 1 or gelu in graph.outputs:
+            continue
+        half, halved = _fresh(f"{layer.name}/half", graph), _fresh(f"{gelu}/half", graph)
+        graph.constants[half] = np.array(0.5, np.float32)
+        graph.tensors[half] = TensorInfo((), np.dtype(np.float32))
+        graph.tensors[halved] = graph.info(gelu)
+        replaced[id(layer)] = [
+            Layer(_fresh(f"{layer.name}/half", graph, names), "Mul", [gelu, half], [halved], {},
+                  "", opset),
+            Layer(layer.name, "MatMul", [halved, layer.inputs[1]], list(layer.outputs), {}, "",
+                  opset)]
+    if replaced:
+        graph.layers = [new for layer in graph.layers for new in replaced.get(id(layer), [layer])]
+    return graph
+
+
+def _tanh_gelu_end(mul: Layer | None, graph: Graph, producers: dict[str, Layer]) -> bool:
+    """Whether ``mul`` is Mul(x, 1 + Tanh(...)) (either order), the end of a tanh GELU without
+    its 0.5 (the rest of the GELU is for the Linear's fusion to find, or not)."""
+    if mul is None or mul.op_type != "Mul" or mul.domain or len(mul.inputs) != 2:
+        return False
+    for name in mul.inputs:
+        add = producers.get(name)
+        if add is None or add.op_type != "Add" or add.domain:
+            continue
+        one = [graph.constants.get(n) for n in add.inputs]
+        tanh = [producers.get(n) for n in add.inputs]
+        if any(c is not None and c.size == 1 and float(c.reshape(-1)[0]) == 1.0 for c in one) \
+                and any(t is not None and t.op_type == "Tanh" for t in tanh):
+            return True
+    return False
+
+
 def plain_forms(graph: Graph) -> Graph:
     """``graph`` with ONNX Runtime's patterns undone (in place): its Reshape -> Gemm -> Reshape
-    sandwiches, and its SkipLayerNormalization and Attention where they can be written as the
-    ops they fused (``ort_lowered``)."""
-    return ort_lowered.lower(unfold_gemm_reshapes(graph))
+    sandwiches, its GELUs' 0.5 moved into the products after them, and its
+    SkipLayerNormalization and Attention where they can be written as the ops they fused
+    (``ort_lowered``)."""
+    return ort_lowered.lower(half_back_in_gelus(unfold_gemm_reshapes(graph)))
