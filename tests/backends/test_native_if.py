@@ -319,15 +319,9 @@ def test_other_builds_compute_the_same(monkeypatch, tmp_path, march):
     assert len(made) == 4
 
 
-@needs_library
-def test_a_loop_body_with_a_mean_and_reshapes_is_one_c_call(monkeypatch):
-    """The records the network's plan added (a mean and a sum over all axes, Squeeze, Unsqueeze,
-    Reshape, Flatten) in a Loop's body: its iterations one C call (``native_loop``), as CpuRef."""
-    from backplane.backends.builtin import native_loop
-
-    function = native_loop._function()
-    made = []
-    monkeypatch.setattr(native_loop, "_FUNCTIONS", [lambda *a: made.append(1) or function(*a)])
+def _loop_model():
+    """A Loop of 3 trips over a body of the records the network's plan added (a mean and a sum
+    over all axes, Squeeze, Unsqueeze, Reshape, Flatten), a scan output the sums."""
     body = helper.make_graph(
         [helper.make_node("ReduceMean", ["h_in"], ["m"], keepdims=1),
          helper.make_node("ReduceSum", ["h_in"], ["s"], keepdims=0),
@@ -345,7 +339,50 @@ def test_a_loop_body_with_a_mean_and_reshapes_is_one_c_call(monkeypatch):
     nodes = [helper.make_node("Loop", ["trips", "go", "x"], ["h", "ys"], body=body)]
     inits = {"trips": np.array(3, np.int64), "go": np.array(True), "axis0": np.array([0], np.int64),
              "back": np.array([2, 8], np.int64)}
-    model = _model(nodes, inits, [_value("h", F, 2, 8), _value("ys", F, 3)],
-                   [_value("x", F, 2, 8)])
-    _agrees(model, {"x": RNG.standard_normal((2, 8)).astype(np.float32)})
-    assert len(made) == 1
+    return _model(nodes, inits, [_value("h", F, 2, 8), _value("ys", F, 3)],
+                  [_value("x", F, 2, 8)])
+
+
+@pytest.fixture
+def loop_calls(monkeypatch):
+    """The native Loop's C calls, counted."""
+    from backplane.backends.builtin import native_loop
+
+    function = native_loop._function()
+    made: list[int] = []
+    monkeypatch.setattr(native_loop, "_FUNCTIONS", [lambda *a: made.append(1) or function(*a)])
+    return made
+
+
+@needs_library
+def test_a_loop_body_with_a_mean_and_reshapes_is_one_c_call(loop_calls):
+    _agrees(_loop_model(), {"x": RNG.standard_normal((2, 8)).astype(np.float32)})
+    assert len(loop_calls) == 1
+    x = RNG.standard_normal((8, 2)).astype(np.float32).T  # not C-contiguous: copied for the C
+    _agrees(_loop_model(), {"x": x})
+    assert len(loop_calls) == 2
+
+
+@needs_library
+def test_a_native_loop_from_two_threads(loop_calls):
+    """A plan's table and arena are made once (``native_loop.Bound``): a second thread at the same
+    time runs a table and an arena of its own; every output CpuRef's."""
+    model = _loop_model()
+    session, kernels = _session(model), _session(model, "off")
+    feeds = [{"x": RNG.standard_normal((2, 8)).astype(np.float32)} for _ in range(6)]
+    wants = [kernels.run(None, f) for f in feeds]
+    failures = []
+
+    def runner():
+        for _ in range(300):
+            for f, want in zip(feeds, wants):
+                for a, b in zip(session.run(None, f), want):
+                    if not np.allclose(a, b, rtol=1e-5, atol=1e-6):
+                        failures.append((a, b))
+
+    threads = [threading.Thread(target=runner) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and len(loop_calls) == 2 * 300 * 6

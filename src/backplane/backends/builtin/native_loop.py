@@ -23,13 +23,17 @@ CpuRef's to float32 rounding (a Gemm's sum in another order than BLAS's; libm's 
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from backplane.backends.builtin.native_plan import OPS, Plan
+from backplane.native.arena import DIRECT, HEADER, at
 from backplane.native.build import NativeUnavailable, library
+
+ndarray = np.ndarray
 
 VERSION = 3
 """``loop.c``'s ``backplane_loop_version``: the records and the call this module makes."""
@@ -67,7 +71,7 @@ class NativeLoop:
 
     def __init__(self, body: Any, layers: Sequence[Any], n_carried: int) -> None:
         self.body, self.layers, self.n_carried = body, list(layers), n_carried
-        self.plans: dict[tuple[Any, ...], Plan | None] = {}
+        self.plans: dict[tuple[Any, ...], Bound | None] = {}
         self.off = False
         written = {slot for step in body.rest for slot in step.outputs}
         template = body.template  # the body's constants: the same arrays at every call
@@ -83,16 +87,76 @@ class NativeLoop:
         env = body.slots(rest[:self.n_carried], rest[self.n_carried:])
         if body.hoisted:
             body.execute(body.hoisted, env)
-        key = tuple(_signature(env[slot]) for slot in self.read)
-        plan = self.plans.get(key, False)
-        if plan is False:
-            plan = self.plans[key] = Plan.make(self.body, self.layers, env)
+        key = []  # a plain loop: a generator is a frame of its own a step (3.11)
+        for slot in self.read:
+            value = env[slot]
+            key.append((value.shape, value.dtype.str) if type(value) is ndarray
+                       else _signature(value))
+        found = self.plans.get(tuple(key), False)
+        if found is False:
+            plan = Plan.make(self.body, self.layers, env)
+            found = self.plans[tuple(key)] = None if plan is None else Bound(plan)
             # a body the first signature's plan refused is most likely refused for its layers,
             # whatever the shapes: later calls go straight to the kernels (no hoisted steps twice)
-            self.off = plan is None and not any(self.plans.values())
-        if plan is None or max_trips > plan.most_trips:
+            self.off = found is None and not any(self.plans.values())
+        if found is None or max_trips > found.plan.most_trips:
             return None
-        return plan.run(env, max_trips, _function())
+        return found(env, max_trips, _function())
+
+
+class Bound:
+    """A plan with its table of addresses and its arena made once: a call writes the addresses
+    of the values given to it and of the rows it makes into the table, then calls the C (the
+    table's constants and arena addresses stay). Why: ``Plan.run`` makes them per call (a copy
+    of the table, an arena, a fancy-indexed write, an address read through a ctypes object per
+    value: about 4 us of the 7 a ten-trip Loop costs). A second thread at the same time runs
+    ``Plan.run``, its own."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.arena = np.empty(max(plan.arena, 1), np.uint8)
+        self.table = plan.base.copy()
+        self.table[plan.in_arena] = self.arena.ctypes.data + plan.arena_bytes
+        self.lock = threading.Lock()
+        records, params = plan.addresses
+        start = len(plan.pre)
+        self.args = (records, params, start, start, len(plan.body), self.table.ctypes.data)
+        self.carried = [(kind, self._view(*what) if kind == "tensor" else what)
+                        for kind, what in plan.carried]
+
+    def _view(self, start: int, size: int, shape: Any, dtype: Any) -> np.ndarray:
+        return self.arena[start:start + size].view(dtype).reshape(shape)
+
+    def __call__(self, env: list[Any], trips: int, function: Any) -> tuple[Any, ...] | None:
+        plan = self.plan
+        if not self.lock.acquire(blocking=False):
+            return plan.run(env, trips, function)
+        try:
+            table, kept = self.table, []  # kept: copies made here, alive through the call
+            for buffer, slot in plan.per_call:
+                value = env[slot]
+                if type(value) is not ndarray or not value.flags.c_contiguous:
+                    value = np.ascontiguousarray(value)
+                    kept.append(value)
+                table[buffer] = at(id(value) + HEADER).value if DIRECT else value.ctypes.data
+            rows = {}
+            for k, shape, dtype in plan.row_shapes:
+                made = rows[k] = np.empty((trips, *shape), dtype)
+                table[k] = at(id(made) + HEADER).value if DIRECT else made.ctypes.data
+            records, params, pre, start, count, address = self.args
+            done = function(records, params, pre, start, count, address, trips, plan.condition)
+            if done < 0:
+                return None  # an index out of range: the kernels run and say so
+            carried: list[Any] = []
+            for kind, what in self.carried:
+                if kind == "tensor":
+                    carried.append(what.copy())
+                else:
+                    buffer, slot = what  # the sequence given to this call, grown
+                    carried.append([*env[slot], *rows[buffer][:done]])
+            return (*carried, *(rows[buffer][:done] for buffer in plan.scans))
+        finally:
+            self.lock.release()
 
 
 def _signature(value: Any) -> Any:
