@@ -24,6 +24,13 @@ row masked throughout. torch 2.13's CPU kernel is the faster at these shapes (4 
 1 thread: 11.6 against 21.1 us) but gives no NaN at all for a NaN in a query, so it stays out;
 at the full-tier encoder's 4 x 32 x 64 (no mask) it took 194 us against these ops' 54 (baddbmm
 21, softmax 17, bmm 17; 1 thread, thread CPU, load 6.7).
+
+On CpuAcc with ``CpuAcc.native`` "auto" a float32 layer is one call of backplane's C instead
+(``native/attention``, ``_Native``): the scores of a few query rows kept in L1 from the product
+to the softmax to V, the keys a constant causal condition hides never computed, the output in
+the merged-heads layout. The full-tier tagger, thread CPU of a run at 1 thread, 14271f4 against
+this, load 7-9: 1.24-1.28 -> 1.08-1.10 ms; at 2 threads (process CPU) 1.47-1.50 -> 1.34-1.39.
+A trace for oneDNN Graph's fuser keeps torch's ops (the fuser takes them into its partitions).
 """
 
 from __future__ import annotations
@@ -223,6 +230,7 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
     kind, fill, scale, transposed = a["mask"], a["fill"], a["scale"], a.get("transposed", False)
     alpha = 1.0 if scale is None else scale[1] if scale[0] == "Mul" else 1.0 / scale[1]
     zeros: dict[Any, Any] = {}  # baddbmm's ignored input (beta 0), one per dtype and device
+    native = _native(backend, kind, fill)
 
     def scores_of(q: Any, kt: Any, mask: Any) -> tuple[Any, bool]:
         """Q Kt times the scale, (..., L, S) flattened to (-1, L, S), and whether the mask
@@ -241,6 +249,9 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
         return torch.baddbmm(zeros[key], q3, kt3, beta=0, alpha=alpha), False
 
     def run(q: Any, kt: Any, v: Any, mask: Any = None) -> tuple[Any]:
+        if native is not None and q.dtype == torch.float32 and q.device.type == "cpu" \
+                and not native.fused_trace():
+            return (native.call(q, kt if transposed else kt.transpose(-1, -2), v, mask, alpha),)
         kt = kt.transpose(-1, -2) if transposed else kt
         shape = (*q.shape[:-1], kt.shape[-1])  # (..., L, S)
         scores, added = scores_of(q, kt, mask)  # (-1, L, S)
@@ -282,7 +293,25 @@ def _causal(condition: Any, fill: float, scores: Any) -> tuple[int, Any] | None:
 
     from backplane.backends.torch.kernels.recurrent_fused import untraced
 
-    if scores.numel() < TRIL_FROM or fill == 0 or condition.dim() != 2 or condition.dtype != torch.bool:
+    if scores.numel() < TRIL_FROM or fill == 0:
+        return None
+    k = triu_offset(condition)
+    if k is None:
+        return None
+    with untraced(True):
+        added = torch.zeros(condition.shape, dtype=scores.dtype,
+                            device=scores.device).masked_fill_(condition, fill)
+    return k - 1, added
+
+
+def triu_offset(condition: Any) -> int | None:
+    """k where the 2-d bool ``condition`` is ``triu`` of ones from diagonal k (each row masked from
+    column i + k on: a causal mask) and masks part of some row; else None."""
+    import torch
+
+    from backplane.backends.torch.kernels.recurrent_fused import untraced
+
+    if condition.dim() != 2 or condition.dtype != torch.bool:
         return None
     with untraced(True):
         rows, columns = condition.shape
@@ -292,8 +321,55 @@ def _causal(condition: Any, fill: float, scores: Any) -> tuple[int, Any] | None:
             return None
         row = int(inside[0, 0])
         k = int(kept[row]) - row
-        if not torch.equal(condition, torch.ones(rows, columns, dtype=torch.bool).triu(k)):
+        if not torch.equal(condition, torch.ones(rows, columns, dtype=torch.bool,
+                                                 device=condition.device).triu(k)):
             return None
-        added = torch.zeros(rows, columns, dtype=scores.dtype,
-                            device=scores.device).masked_fill_(condition, fill)
-    return k - 1, added
+    return k
+
+
+class _Native:
+    """A ScaledDotAttention's call of backplane's C (``native/attention``): the mask as the C
+    takes it, an additive one as it is, a condition's fill by its bytes or, where the condition
+    is a constant of the trace that is a causal ``triu`` (``triu_offset``), by its diagonal: the
+    hidden keys are never computed (they are each the fill)."""
+
+    def __init__(self, kind: str | None, fill: float | None) -> None:
+        from backplane.backends.torch.kernels.common import for_onednn_graph
+        from backplane.native import attention
+
+        self.kind, self.fill, self.scaled = kind, fill, attention.scaled
+        self.fused_trace = for_onednn_graph  # oneDNN Graph's fuser takes torch's ops
+
+    def call(self, q: Any, k: Any, v: Any, mask: Any, alpha: float = 1.0) -> Any:
+        import torch
+
+        from backplane.backends.torch.kernels.recurrent_fused import trace_constants, untraced
+
+        kind, fill = self.kind, self.fill
+        if kind is None:
+            return self.scaled(q, k, v, alpha=alpha)
+        if kind == "add":
+            if mask.dtype != torch.float32:
+                mask = mask.to(torch.float32)  # (a float16 mask in a widened trace)
+            return self.scaled(q, k, v, mask=mask, alpha=alpha)
+        if all(n == 1 for n in mask.shape[:-2]) and trace_constants([mask]):
+            with untraced(True):  # one (L, S) condition for every head, a constant
+                hidden = mask.reshape(mask.shape[-2:])
+                offset = triu_offset(hidden if kind == "where" else ~hidden)
+            if offset is not None:
+                return self.scaled(q, k, v, diagonal=offset, fill=fill, alpha=alpha)
+        return self.scaled(q, k, v, cond=mask, invert=kind == "where_not", fill=fill, alpha=alpha)
+
+
+def _native(backend: Any, kind: str | None, fill: float | None) -> _Native | None:
+    """The layer's C call where it takes one: ``CpuAcc.native`` "auto" on CpuAcc, the library
+    here; None where torch's ops run it."""
+    if getattr(backend, "id", "") != "CpuAcc":
+        return None
+    from backplane.native import attention, build
+
+    try:
+        mode = build.mode(backend.options)
+    except Exception:  # noqa: BLE001  # an unknown setting is the load's error to raise
+        return None
+    return _Native(kind, fill) if attention.usable(mode) else None
