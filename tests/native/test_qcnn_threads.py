@@ -136,3 +136,36 @@ def test_the_plan_splits_the_large_records_only(models, monkeypatch):
     assert everything.sum() > split.sum() and (everything | ~split).all()
     assert everything[np.isin(ops, qcnn.SPLIT_CONVS + qcnn.SPLIT_ELEMENTWISE)].all()
 
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "native"])
+@pytest.mark.parametrize("name", ["mobilenet_qdq", "mobilenet_qop"])
+def test_the_byte_depthwise_record_gives_the_int16_ones_bytes(name, march, models, tmp_path,
+                                                              monkeypatch):
+    """qdw8 (``qcnn_dw8.h``: four taps of 64 channels a vpdpbusd; the scalar loop elsewhere)
+    against qdwconv's int16 pairs, each build against this CPU's int16 plan."""
+    if not qcnn_bytes.available():
+        pytest.skip("this CPU's build has no byte products (AVX-512 VNNI)")
+    if march == "x86-64-v3" and "avx2" not in build._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    path, feeds = models[name]
+    on_bytes = _plan(_arguments(path, feeds[0], monkeypatch, True), monkeypatch, True)
+    pairs = _plan(_arguments(path, feeds[0], monkeypatch, False), monkeypatch, True)
+    assert on_bytes.ops.count("qdw8") == pairs.ops.count("qdwconv") >= 3
+    assert "qdwconv" not in on_bytes.ops and "qdw8" not in pairs.ops
+    lib = library("qcnn") if march == "native" else flavours.built("qcnn", march, tmp_path)
+    _same(_outputs(on_bytes, lib, feeds), _outputs(pairs, library("qcnn"), feeds))
+
+
+def test_the_depthwise_weights_are_packed_as_the_unpacking_orders_the_channels():
+    rng = np.random.default_rng(2)
+    centred = rng.integers(-128, 128, (70, 1, 3, 3)).astype(np.int32)
+    packed, folded = qcnn_bytes.pack_depthwise(centred, np.arange(70), 5, False)
+    assert packed.shape == (2, 3, 4, 4, 4, 4) and packed.dtype == np.int8  # [g][q][r][L][j][i]
+    np.testing.assert_array_equal(folded, np.arange(70) - 5 * centred.sum((1, 2, 3)))
+    # channel 64 g + 16 L + 4 r + j, tap 4 q + i
+    assert packed[0, 1, 2, 3, 1, 0] == centred[16 * 3 + 4 * 2 + 1, 0, 1, 1]  # ch 57, tap 4
+    assert packed[1, 0, 1, 0, 1, 3] == centred[64 + 4 + 1, 0, 1, 0]  # ch 69, tap 3
+    assert (packed[:, 2, :, :, :, 1:] == 0).all()  # taps 9-11
+    assert (packed[1, :, :, 1:] == 0).all() and (packed[1, :, 2:] == 0).all()  # channels past 70
+    assert qcnn_bytes.pack_depthwise(centred + 200, np.zeros(70), 0, False) is None

@@ -36,7 +36,7 @@ enum { F_OP, F_IN, F_IN2, F_OUT, F_N, F_H, F_W, F_C, F_OH, F_OW, F_OC, F_KH, F_K
        F_LO, F_HI, F_SIGNED, F_X1, F_CS, F_OCS, F_SPLIT, NF = 35 };
 enum { OP_IMPORT = 1, OP_EXPORT, OP_QUANT, OP_DEQUANT, OP_QCONV, OP_MAXPOOL_F, OP_MAXPOOL_Q,
        OP_AVGPOOL_F, OP_GAP_F, OP_ADD_F, OP_ADDC_F, OP_RELU_F, OP_QDWCONV, OP_LINEAR_F,
-       OP_FDWCONV_Q, OP_HSIG_F, OP_MUL_F, OP_QCONV8, OP_LUT8, OP_QADD8 };
+       OP_FDWCONV_Q, OP_HSIG_F, OP_MUL_F, OP_QCONV8, OP_LUT8, OP_QADD8, OP_QDW8 };
 #define OCB 16 /* output channels a weight block: two vectors of 8 int32 sums */
 
 static inline int32_t load8(const uint8_t *p, int64_t i, int sgn) {
@@ -120,6 +120,7 @@ static void requantize(const int32_t *acc, const float *mult, const int32_t *bia
 }
 
 #include "qcnn_bytes.h" /* OP_QCONV8: u8 x s8 products, vpdpbusd */
+#include "qcnn_dw8.h"   /* OP_QDW8: a depthwise convolution's u8 x s8 products */
 
 #define TILE 6 /* output pixels a register tile: 12 accumulators, 2 weights, 1 input of 16 ymm */
 
@@ -421,6 +422,9 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
     case OP_QCONV8:
         qconv_bytes(r, params, arena);
         break;
+    case OP_QDW8:
+        qdw8(r, params, arena);
+        break;
     case OP_LINEAR_F:
         linear_f(r, params, arena);
         break;
@@ -462,6 +466,10 @@ static int split_record(const int64_t *r, const uint8_t *params, uint8_t *arena,
     case OP_QDWCONV:
         crew_run(widen_part, r, params, arena, r[F_N] * r[F_PH], 8, workers);
         crew_run(qdwconv_part, r, params, arena, r[F_N] * r[F_OH], 1, workers);
+        return 1;
+    case OP_QDW8:
+        crew_run(pad_part, r, params, arena, r[F_N] * r[F_PH], 8, workers);
+        crew_run(qdw8_part, r, params, arena, r[F_N] * r[F_OH], 1, workers);
         return 1;
     case OP_QUANT: case OP_DEQUANT: case OP_ADD_F: case OP_ADDC_F: case OP_HSIG_F: case OP_MUL_F:
     case OP_RELU_F: case OP_LUT8: case OP_QADD8:

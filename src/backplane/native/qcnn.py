@@ -35,8 +35,8 @@ by ``plan``: the record's work shared by the run's threads, ``qcnn_pool.h``)."""
 NF = 35
 OPS = {name: code for code, name in enumerate(
     "import export quant dequant qconv maxpool_f maxpool_q avgpool_f gap_f add_f addc_f relu_f "
-    "qdwconv linear_f fdwconv_q hsig_f mul_f qconv8 lut8 qadd8".split(), 1)}
-SPLIT_CONVS = ("qconv", "qconv8", "qdwconv")
+    "qdwconv linear_f fdwconv_q hsig_f mul_f qconv8 lut8 qadd8 qdw8".split(), 1)}
+SPLIT_CONVS = ("qconv", "qconv8", "qdwconv", "qdw8")
 """The convolutions ``qcnn_pool.h`` splits across a run's threads (output pixel strips or rows,
 after the scratch's rows): each item written by one thread with the one-thread run's arithmetic."""
 SPLIT_ELEMENTWISE = ("quant", "dequant", "add_f", "addc_f", "hsig_f", "mul_f", "relu_f", "lut8",
@@ -212,7 +212,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
                               "not planned natively in int8")
         p.current = (layer.name, layer.op_type)
         make(p, layer, index)
-    if not any(op in ("qconv", "qconv8", "qdwconv", "fdwconv_q") for op in p.ops):
+    if not any(op in ("qconv", "qconv8", "qdwconv", "qdw8", "fdwconv_q") for op in p.ops):
         raise Unplannable("no quantized convolution or product in the partition")
     shapes, p.current = [], ("the partition's outputs", "QcnnExport")
     for index, name in enumerate(outputs):
@@ -226,7 +226,7 @@ def plan(layers: Sequence[Layer], constants: Mapping[str, np.ndarray], inputs: S
         qcnn_lookup.sums(p)
     scratch = p.end
     for row in p.records:  # one scratch place after the tensors, for every convolution
-        if row[0] in (OPS["qconv"], OPS["qconv8"], OPS["qdwconv"], OPS["fdwconv_q"]):
+        if row[0] in (OPS["qconv"], OPS["qconv8"], OPS["qdwconv"], OPS["qdw8"], OPS["fdwconv_q"]):
             row[FIELDS.index("scr")] = scratch
     params = np.concatenate(p.params) if p.params else np.zeros(ALIGN, np.uint8)
     records = np.stack(p.records)
@@ -242,7 +242,7 @@ def split(records: np.ndarray, macs: int, values: int) -> None:
     column = {name: records[:, FIELDS.index(name)] for name in
               ("op", "n", "c", "h", "w", "oh", "ow", "oc", "kh", "kw")}
     op, size = column["op"], column["n"] * column["c"] * column["h"] * column["w"]
-    depthwise = op == OPS["qdwconv"]
+    depthwise = np.isin(op, [OPS["qdwconv"], OPS["qdw8"]])
     work = (column["n"] * column["oh"] * column["ow"] * column["kh"] * column["kw"]
             * np.where(depthwise, column["c"], column["c"] * column["oc"]))
     convs = np.isin(op, [OPS[name] for name in SPLIT_CONVS]) & (work >= macs)

@@ -71,3 +71,29 @@ def pack(centred: np.ndarray, bias: np.ndarray, zx: int, signed: bool, dw: int
         packed[:oc, :c] = centred
         packed = packed.reshape(blocks, OCB, icp // 4, 4, kh, kw).transpose(0, 4, 5, 2, 1, 3)
     return np.ascontiguousarray(packed), folded, icp
+
+
+DW_GROUP = 64
+"""Channels a ``qdw8`` weight group: four 512-bit vectors of 16 channels' four taps each."""
+
+
+def pack_depthwise(centred: np.ndarray, bias: np.ndarray, zx: int, signed: bool
+                   ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(packed weights, the bias less zx * each channel's weight sum) of a depthwise convolution's
+    ``centred`` (c, 1, kh, kw) int32 weights for ``qcnn_dw8.h``'s record ``qdw8``, or None where
+    a weight is no signed byte. The layout: [groups of 64 channels][quads of 4 taps][4][64]
+    bytes, vector r of a quad holding in its 128-bit lane L channel 16 L + 4 r + j's four taps at
+    bytes 16 L + 4 j (the order ``vpunpck*`` gives 64 channels' bytes of four taps); taps past
+    kh * kw and channels past c weigh 0."""
+    c = centred.shape[0]
+    taps = centred.reshape(c, -1)
+    if taps.min(initial=0) < -128 or taps.max(initial=0) > 127:
+        return None
+    zero = int(zx) + (128 if signed else 0)
+    folded = np.asarray(bias, np.int64).reshape(-1) - zero * taps.astype(np.int64).sum(1)
+    groups, quads = -(-c // DW_GROUP), -(-taps.shape[1] // 4)
+    full = np.zeros((groups * DW_GROUP, quads * 4), np.int8)
+    full[:c, :taps.shape[1]] = taps
+    # channel 64 g + 16 L + 4 r + j, tap 4 q + i -> [g][q][r][L][j][i]
+    packed = full.reshape(groups, 4, 4, 4, quads, 4).transpose(0, 4, 2, 1, 3, 5)
+    return np.ascontiguousarray(packed), folded

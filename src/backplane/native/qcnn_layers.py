@@ -246,8 +246,13 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     centred = ints.astype(np.int32) - np.asarray(w_zero, np.int32).reshape(-1, 1, 1, 1)
     on_bytes = None if depthwise or not qcnn_bytes.available() else qcnn_bytes.pack(
         centred, bias, x_step[1], x.kind == "s8", dw)
+    dw_bytes = None if not depthwise or not qcnn_bytes.available() else \
+        qcnn_bytes.pack_depthwise(centred, bias, x_step[1], x.kind == "s8")
     if on_bytes is not None:  # u8 x s8 products, vpdpbusd (qcnn_bytes.py)
         packed, bias, icp = on_bytes
+    elif dw_bytes is not None:  # four taps of 64 channels a vpdpbusd (qcnn_dw8.h)
+        packed, bias = dw_bytes
+        blocks = -(-oc // OCB)
     elif depthwise:  # [ceil(kh * kw / 2)][c][2]: two taps' weights a channel side by side
         pairs = -(-kh * kw // 2)
         taps = np.zeros((oc, 2 * pairs), np.int16)
@@ -270,8 +275,9 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     padded_multiplier[:oc] = multiplier
     ph = max(h + pt, (oh - 1) * sh + (kh - 1) * dh + 1)
     pw = max(w + pl, (ow - 1) * sw + (kw - 1) * dw + 1)
-    p.scratch = max(p.scratch, n * ph * pw * icp * (1 if on_bytes else 2) + 256)  # (a row's
-    # last pair or quad reads past it)
+    bytes_in = on_bytes is not None or dw_bytes is not None
+    p.scratch = max(p.scratch, n * ph * pw * icp * (1 if bytes_in else 2) + 256)  # (a row's
+    # last pair or quad, a depthwise group's 64 bytes, reads past it)
     shape = (n, oc, oh, ow) if len(x.shape) == 4 else (n, oc)
     y = p.values[y_name] if part else p.new(y_name, shape, y_step[2], y_step[:2])
     at = part or (0, 0, 0, 0)
@@ -280,7 +286,9 @@ def _qconv(p: Planner, layer: Layer, x_name: str, x_step: tuple[F32, int], ints:
     if bounds is not None:  # a Relu's or Clip's bounds in steps of y (the requantized value's unit)
         limits = 1 + p.param(np.array([np.float32(b) / F32(y_step[0]) if math.isfinite(b) else
                                        np.float32(b) for b in bounds], F32))
-    p.record("qdwconv" if depthwise else "qconv8" if on_bytes else "qconv", in_=x.offset + at[0], out=y.offset + at[2],
+    kind = ("qdw8" if dw_bytes is not None else "qdwconv") if depthwise else \
+        "qconv8" if on_bytes is not None else "qconv"
+    p.record(kind, in_=x.offset + at[0], out=y.offset + at[2],
              dims=(n, c, h, w), cs=at[1], ocs=at[3], oh=oh,
              ow=ow, oc=oc, kh=kh, kw=kw, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl,
              woff=p.param(np.ascontiguousarray(packed)), boff=p.param(padded_bias),
