@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,12 +49,34 @@ def _function() -> Any:
     """``backplane_attention``, typed (raises ``NativeUnavailable``)."""
     if not _FUNCTIONS:
         lib = library("attention", VERSION)
-        lib.backplane_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.backplane_attention.restype = ctypes.c_int
         if lib.backplane_attention_arguments() != ARGUMENTS:
             raise NativeUnavailable("the attention library's plan is not this module's")
+        typed(lib)
         _FUNCTIONS.append(lib.backplane_attention)
     return _FUNCTIONS[0]
+
+
+def typed(lib: ctypes.CDLL) -> Any:
+    """``lib``'s (a build's) ``backplane_attention``, typed, its team torch's (``team``)."""
+    lib.backplane_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.backplane_attention.restype = ctypes.c_int
+    lib.backplane_attention_team.argtypes = [ctypes.c_void_p]
+    lib.backplane_attention_team(team())
+    return lib.backplane_attention
+
+
+def team() -> int | None:
+    """The address of ``GOMP_parallel`` in the libgomp torch loaded (the runtime of the OpenMP
+    team its ops run on), or None where torch runs on another OpenMP or none: the C then runs on
+    the calling thread only."""
+    folder = Path(torch.__file__).parent / "lib"
+    found = sorted(folder.glob("libgomp*.so*"))
+    if not found or "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        return ctypes.cast(ctypes.CDLL(str(found[0])).GOMP_parallel, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def usable(mode: str) -> bool:
@@ -135,16 +158,17 @@ views, not a copy; other batch ranks contiguous."""
 
 
 def call(function: Any, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         mask: torch.Tensor | None, cond: torch.Tensor | None) -> torch.Tensor:
+         mask: torch.Tensor | None, cond: torch.Tensor | None, threads: int) -> torch.Tensor:
     """The attention of ``plan`` (made for these operands' shapes and strides) by ``function``
-    (``backplane_attention`` of a build: the session's, or another CPU's in the tests)."""
+    (``backplane_attention`` of a build: the session's, or another CPU's in the tests) on
+    ``threads`` of torch's OpenMP team."""
     out = torch.empty(plan.shape)
     values = plan.values
     values[0], values[1], values[2] = q.data_ptr(), k.data_ptr(), v.data_ptr()
     values[3] = 0 if mask is None else mask.data_ptr()
     values[4] = 0 if cond is None else cond.data_ptr()
     values[5] = out.data_ptr()
-    if function(values, plan.floats):
+    if function(values, plan.floats, threads):
         raise MemoryError("native attention: its work memory was not had")
     return out if plan.order is None else out.permute(plan.order)
 
@@ -163,7 +187,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         plan = _PLANS.setdefault(key, plan_of(q, k, v, mask, cond, invert, diagonal, fill, alpha))
     if plan is None:
         return _torch_attention(q, k, v, mask, cond, invert, diagonal, fill, alpha)
-    return call(_FUNCTIONS[0] if _FUNCTIONS else _function(), plan, q, k, v, mask, cond)
+    return call(_FUNCTIONS[0] if _FUNCTIONS else _function(), plan, q, k, v, mask, cond,
+                torch.get_num_threads())
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
