@@ -26,6 +26,11 @@ Written back (CpuRef runs the same plain ops, the values of ONNX Runtime's docum
   mask's ``mask_filter_value`` where a key is masked, made once for every Attention of that
   mask), ``Softmax``, ``MatMul`` by V, ``Transpose`` and ``Reshape`` back to (B, S, n * hv).
 
+- ``FusedGemm`` and ``FusedConv`` (ONNX Runtime's saved product or convolution and its activation,
+  a convolution's residual ``Z``): ``Gemm`` or ``Conv``, ``Add(Z)``, then the activation, which
+  CpuAcc's Linear and convolution fusions take as the plain model's (the saved tiny BERT's pooler
+  ran as a product of its own, then its Tanh).
+
 Anything else (past keys, rotary, 3-D and (2B,) masks, float16, an opset below 13) is left as it
 is, for the backends' own kernels.
 """
@@ -41,7 +46,7 @@ from backplane.ir.graph import Graph, Layer, TensorInfo
 MS = "com.microsoft"
 F32 = np.dtype(np.float32)
 MIN_OPSET = 13  # the plain ops written here in their forms from opset 13 (Softmax's last axis)
-LOWERED = frozenset({"SkipLayerNormalization", "Attention"})
+LOWERED = frozenset({"SkipLayerNormalization", "Attention", "FusedGemm", "FusedConv"})
 """The com.microsoft ops ``lower`` writes as plain ops where it can."""
 
 
@@ -97,6 +102,8 @@ def lower(graph: Graph) -> Graph:
             done = _skip_layer_norm(layer, writer, read)
         elif layer.domain == MS and layer.op_type == "Attention":
             done = _attention(layer, writer, read, masks)
+        elif layer.domain == MS and layer.op_type in ("FusedGemm", "FusedConv"):
+            done = _unfused(layer, writer)
         layers += writer.layers if done else [layer]
         changed |= done
     if changed:
@@ -267,3 +274,55 @@ def _mask_bias(layer: Layer, w: _Writer, mask: str, fill: float) -> str | None:
     return w.op(f"{name}/heads", "Reshape",
                 [bias, w.constant(f"{name}/heads", np.array([0, 1, 1, -1], np.int64))],
                 bias_info)
+
+
+# -- FusedGemm, FusedConv ---------------------------------------------------------------------
+ACTIVATIONS = {"Relu": (), "Tanh": (), "Sigmoid": (), "LeakyRelu": ("alpha",),
+               "HardSigmoid": ("alpha", "beta"), "Clip": ()}
+"""ONNX Runtime's activations of its fused products and convolutions -> the attributes their
+parameters are, in order (Clip's two are its min and max inputs)."""
+
+
+def _unfused(layer: Layer, w: _Writer) -> bool:
+    """FusedGemm as Gemm then its activation; FusedConv as Conv, Add(Z), then its activation:
+    CpuAcc's Linear and convolution fusions take the activation (and the residual) as the plain
+    model's (the fused op was a product or convolution of its own, then the activation)."""
+    a, graph = layer.attrs, w.graph
+    activation = a.get("activation", "")
+    info = graph.info(layer.outputs[0])
+    if activation and activation not in ACTIVATIONS or info.dtype != F32:
+        return False
+    if layer.op_type == "FusedGemm":
+        params = [a[k] for k in ("activation_alpha", "activation_beta", "activation_gamma")
+                  if a.get(k) is not None]
+        attrs = {k: a[k] for k in ("alpha", "beta", "transA", "transB") if k in a}
+        ins = list(layer.inputs[:3])
+        op, name = "Gemm", f"{layer.name}/gemm"
+    else:
+        params = list(a.get("activation_params") or ())
+        attrs = {k: a[k] for k in ("auto_pad", "dilations", "group", "kernel_shape", "pads",
+                                   "strides") if a.get(k) is not None}
+        ins, op, name = list(layer.inputs[:3]), "Conv", f"{layer.name}/conv"
+    while ins and not ins[-1]:
+        ins.pop()
+    residual = layer.inputs[3] if layer.op_type == "FusedConv" and len(layer.inputs) > 3 else ""
+    last = not activation and not residual
+    y = w.op(layer.name if last else name, op, ins, info,
+             out=layer.outputs[0] if last else None, **attrs)
+    if residual:
+        y = w.op(layer.name if not activation else f"{layer.name}/residual", "Add", [y, residual],
+                 info, out=None if activation else layer.outputs[0])
+    if activation:
+        _activation(layer, w, activation, params, y, info)
+    return True
+
+
+def _activation(layer: Layer, w: _Writer, activation: str, params: list, x: str,
+                info: TensorInfo) -> None:
+    if activation == "Clip":
+        bounds = [w.constant(f"{layer.name}/{bound}", np.array(value, F32))
+                  for bound, value in zip(("min", "max"), params)]
+        w.op(layer.name, "Clip", [x, *bounds], info, out=layer.outputs[0])
+        return
+    attrs = {key: float(value) for key, value in zip(ACTIVATIONS[activation], params)}
+    w.op(layer.name, activation, [x], info, out=layer.outputs[0], **attrs)
