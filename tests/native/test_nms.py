@@ -33,10 +33,10 @@ CORPUS = Path(__file__).parents[1] / "data" / "corpus"
 @pytest.fixture
 def calls(monkeypatch):
     """The native kernel's C calls, counted (the real kernel runs): both ``non_max_suppression``
-    and a kernel ``bound`` at load make them through ``_function``."""
+    and a kernel ``bound`` at load make them (through ``_function`` and ``_packed``)."""
     made: list[int] = []
     try:
-        kernel = in_c._function()
+        kernel, packed = in_c._function(), in_c._packed()
     except build.NativeUnavailable:
         return made
 
@@ -44,7 +44,12 @@ def calls(monkeypatch):
         made.append(1)
         return kernel(*args)
 
+    def counted_packed(*args):
+        made.append(1)
+        return packed(*args)
+
     monkeypatch.setattr(in_c, "_FUNCTIONS", [counted])
+    monkeypatch.setattr(in_c, "_PACKED", [counted_packed])
     return made
 
 
@@ -110,6 +115,40 @@ def test_overlapping_boxes_ties_and_nan():
 
 
 @needs_library
+@pytest.mark.parametrize("count", [256, 257, 400])
+def test_past_the_small_buffers(count):
+    """Up to 256 boxes the C keeps its buffers on the stack and sorts by insertion, past them it
+    allocates and sorts with qsort: both CpuRef's order (ties by box, NaN last) and rows."""
+    rng = np.random.default_rng(count)
+    corner = rng.uniform(0, 60, (1, count, 2))
+    boxes = np.concatenate([corner, corner + rng.uniform(2, 9, (1, count, 2))], -1)
+    scores = rng.choice(np.float32([0.1, 0.3, 0.3, 0.6, 0.9]), (1, 2, count))
+    scores[0, 1, rng.integers(0, count, 12)] = np.nan
+    args = (np.array([count], np.int64), np.array([0.4], np.float32))
+    got, want = _both(boxes.astype(np.float32), scores, *args)
+    assert len(want) > 20
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_library
+def test_a_second_thread_at_once():
+    """A bound kernel's call while another holds its argument arrays (a second thread at the
+    same time) writes arrays of its own: the same rows."""
+    rng = np.random.default_rng(5)
+    corner = rng.uniform(0, 20, (1, 32, 2))
+    boxes = np.concatenate([corner, corner + 6], -1).astype(np.float32)
+    scores = rng.uniform(0, 1, (1, 3, 32)).astype(np.float32)
+    layer = Layer("nms", "NonMaxSuppression", ["boxes", "scores", "limit", "iou"], ["selected"],
+                  {}, "", 11)
+    given = {"limit": np.array([10], np.int64), "iou": np.array([0.45], np.float32)}
+    bound = in_c.bound(layer, given)
+    want = reference.non_max_suppression(boxes, scores, *given.values())[0]
+    with bound.lock:
+        np.testing.assert_array_equal(bound(boxes, scores)[0], want)
+    np.testing.assert_array_equal(bound(boxes, scores)[0], want)
+
+
+@needs_library
 def test_no_limit_and_other_types():
     boxes = np.zeros((1, 4, 4), np.float32)
     scores = np.ones((1, 1, 4), np.float32)
@@ -163,6 +202,7 @@ def test_off_and_no_compiler_keep_numpy(name, calls, monkeypatch):
     monkeypatch.setattr(build, "_loaded", {})
     monkeypatch.setattr(build, "compiler", lambda: None)
     monkeypatch.setattr(in_c, "_FUNCTIONS", [])
+    monkeypatch.setattr(in_c, "_PACKED", [])
     missing = _session(path, "auto")
     for session in (off, missing):
         for _ in range(2):

@@ -12,15 +12,18 @@ while ``CpuAcc.native`` is "auto" and the library builds here (``host_kernel``);
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import numpy as np
 
+from backplane.native.arena import address
 from backplane.native.build import NativeUnavailable, library, mode
 
-VERSION = 1
-"""``nms.c``'s ``backplane_nms_version``: the call's signature this module makes."""
+VERSION = 2
+"""``nms.c``'s ``backplane_nms_version``: the calls' signatures this module makes."""
 _FUNCTIONS: list[Any] = []
+_PACKED: list[Any] = []
 
 
 def _function() -> Any:
@@ -34,6 +37,16 @@ def _function() -> Any:
         function.restype = ctypes.c_int64
         _FUNCTIONS.append(function)
     return _FUNCTIONS[0]
+
+
+def _packed() -> Any:
+    """The library's ``backplane_nms_packed`` (its arguments in two arrays), typed."""
+    if not _PACKED:
+        function = library("nms", VERSION).backplane_nms_packed
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        function.restype = ctypes.c_int64
+        _PACKED.append(function)
+    return _PACKED[0]
 
 
 def built() -> bool:
@@ -65,26 +78,47 @@ def bound(layer: Any, constants: dict[str, Any]) -> Any:
     iou_limit = 0.0 if given[1] is None else float(_one(given[1]))
     has_threshold = given[2] is not None
     threshold = float(_one(given[2])) if has_threshold else 0.0
-    call, f32, general = _function(), np.dtype(np.float32), non_max_suppression
+    call, f32, general = _packed(), np.dtype(np.float32), non_max_suppression
+    ndarray, contiguous, empty, i64 = np.ndarray, np.ascontiguousarray, np.empty, np.int64
+    # the call's arguments: ints' [2:5] and [8:10] written at each call, the rest here (a call
+    # from a second thread at the same time writes arrays of its own: the lock is tried only)
+    thresholded = 1 if has_threshold else 0
+    ints = (ctypes.c_int64 * 10)(0, 0, 0, 0, 0, 0, thresholded, limit, 0, 0)
+    reals = (ctypes.c_double * 2)(iou_limit, threshold)
+    at_ints, at_reals, lock = ctypes.addressof(ints), ctypes.addressof(reals), threading.Lock()
+    run_arrays = (ints, reals)  # alive while ``run`` is: the call reads them by address
 
     def run(boxes, scores, *_constants, center_point_box=0):
-        if boxes.dtype != f32 or scores.dtype != f32 or boxes.ndim != 3 or scores.ndim != 3 \
+        if type(boxes) is not ndarray or type(scores) is not ndarray or boxes.dtype != f32 \
+                or scores.dtype != f32 or boxes.ndim != 3 or scores.ndim != 3 \
                 or boxes.shape != (scores.shape[0], scores.shape[2], 4):
             return general(boxes, scores, *given, center_point_box)
         batch, classes, count = scores.shape
         room = batch * classes * min(limit, count)
         if not room:
             return (np.zeros((0, 3), np.int64),)
-        boxes = np.ascontiguousarray(boxes)
-        scores = np.ascontiguousarray(scores)
-        rows = np.empty((room, 3), np.int64)
-        found = call(_address(boxes), _address(scores), batch, classes, count,
-                     1 if center_point_box else 0, iou_limit, has_threshold, threshold, limit,
-                     _address(rows), room)
+        if not boxes.flags.c_contiguous:
+            boxes = contiguous(boxes)
+        if not scores.flags.c_contiguous:
+            scores = contiguous(scores)
+        rows = empty((room, 3), i64)
+        values = (address(boxes), address(scores), batch, classes, count,
+                  1 if center_point_box else 0, thresholded, limit, address(rows), room)
+        if lock.acquire(blocking=False):
+            try:
+                ints[:] = values
+                found = call(at_ints, at_reals)
+            finally:
+                lock.release()
+        else:
+            mine = (ctypes.c_int64 * 10)(*values)
+            found = call(ctypes.addressof(mine), at_reals)
         if found < 0:
             raise MemoryError("NonMaxSuppression: no memory for its boxes' corners")
         return (rows[:found] if found * 4 >= room else rows[:found].copy(),)
 
+    run.arrays = run_arrays  # type: ignore[attr-defined]
+    run.lock = lock  # type: ignore[attr-defined]  # (tests hold it: a second thread's call)
     return run
 
 

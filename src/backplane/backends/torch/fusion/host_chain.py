@@ -36,6 +36,9 @@ from backplane.backends.api.kernels import bind_kernel, select_kernel
 from backplane.backends.api.optimization import OptimizationViews, Substitution
 from backplane.backends.torch.backend import FUSED_DOMAIN
 from backplane.ir.graph import Graph, Layer, SubgraphView, TensorInfo
+from backplane.runtime import host_route
+
+from backplane.backends.torch.fusion import host_network
 
 STARTS = frozenset({"NonMaxSuppression"})
 """The layers whose outputs start a chain: sizes from data, bounded by their inputs'."""
@@ -227,6 +230,9 @@ def host_chain_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
               or bind_kernel(_ref_kernel(lay), lay.attrs, len(lay.outputs)), lay.inputs, lay.outputs)
              for k, lay in enumerate(inner)]
     run = straight(steps, layer.attrs["inputs"], layer.attrs["outputs"], constants)
+    fresh = _fresh_outputs(inner, layer.attrs["inputs"], layer.attrs["outputs"], constants, ranks,
+                           given)
+    host = straight(steps, layer.attrs["inputs"], layer.attrs["outputs"], constants, fresh)
     sequence = sequence_workload(inner, steps, constants, layer.attrs["inputs"],
                                  layer.attrs["outputs"])
 
@@ -237,18 +243,50 @@ def host_chain_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]
         return tuple(map(_numpy_to_torch, outputs)), spent
 
     run.profiled = profiled  # type: ignore[attr-defined]
+    host_route.offer(run, host)  # on NumPy arrays, fresh NumPy outputs (runtime/host_route.py)
+    run.plans_network = host_network.planner  # type: ignore[attr-defined]  # steps.native_network
     return run
 
 
+FRESH = frozenset({"NonMaxSuppression", "Gather", "GatherElements", "GatherND", "Add", "Sub", "Mul",
+                   "Div", "Neg", "Concat", "Equal", "Less", "Greater", "Not", "And", "Or", "Where"})
+"""The ops whose kernels here return an array of their own each call (NumPy's ufuncs, ``take``,
+fancy indexing, ``concatenate``, ``where``; the NMS's rows): a chain's output made by one of them
+is handed over as it is; any other (a view: Reshape, Slice, Squeeze, a fixed Gather of one column;
+Cast or Identity, which may give their input back) is copied."""
+
+
+def _fresh_outputs(layers: Sequence[Layer], names_in: Sequence[str], names_out: Sequence[str],
+                   constants: dict[str, Any], ranks: dict[str, int],
+                   given: dict[int, Any]) -> list[bool]:
+    """For each of the chain's outputs, whether its value is memory of its own, the caller's
+    alone as it is (``FRESH``'s op made it by CpuRef's, this module's or ``given``'s kernel, not
+    a fixed view, and no output before it is the same value); else the NumPy run copies it."""
+    maker = {n: (k, lay) for k, lay in enumerate(layers) for n in lay.outputs if n}
+    found, seen = [], set()
+    for name in names_out:
+        k, lay = maker.get(name, (-1, None))
+        found.append(lay is not None and name not in seen and name not in constants
+                     and name not in names_in and lay.op_type in FRESH and not lay.domain
+                     and (k in given or fixed_kernel(lay, constants, ranks, set(names_out)) is None))
+        seen.add(name)
+    return found
+
+
 def straight(steps: Sequence[tuple[Any, Sequence[str], Sequence[str]]], names_in: Sequence[str],
-             names_out: Sequence[str], constants: dict[str, Any]) -> Any:
+             names_out: Sequence[str], constants: dict[str, Any],
+             fresh: Sequence[bool] | None = None) -> Any:
     """The chain as one function of straight code over local variables (the runtime's
     ``steps.compiled`` for named values): its torch inputs' NumPy views, a line per kernel, its
     outputs as torch tensors. Made from tensor positions only (v0, v1 ...: nothing of the model's
-    names in the code); the kernels and constants are the function's globals."""
+    names in the code); the kernels and constants are the function's globals. With ``fresh``
+    (``_fresh_outputs``) the NumPy run instead: NumPy arrays in, a list of NumPy arrays out, each
+    the caller's alone (a copy where ``fresh`` says not; a NumPy scalar a ufunc gave for a 0-d
+    result an array)."""
     from backplane.backends.torch.backend import _numpy_to_torch
 
-    namespace: dict[str, Any] = {"_torch": _numpy_to_torch}
+    namespace: dict[str, Any] = {"_torch": _numpy_to_torch, "_ndarray": np.ndarray,
+                                 "_asarray": np.asarray, "_copy": _copy}
     local: dict[str, str] = {}
 
     def read(name: str) -> str:
@@ -267,16 +305,27 @@ def straight(steps: Sequence[tuple[Any, Sequence[str], Sequence[str]]], names_in
 
     arguments = [made(name) for name in names_in]
     lines = [f"def run({', '.join(arguments)}):"]
-    lines += [f"    {v} = {v}.numpy()" for v in arguments]
+    if fresh is None:
+        lines += [f"    {v} = {v}.numpy()" for v in arguments]
     for index, (kernel, reads, writes) in enumerate(steps):
         namespace[f"k{index}"] = kernel
         call = f"k{index}({', '.join(map(read, reads))})"
         outputs = [made(name) for name in writes]
         lines.append(f"    {outputs[0]} = {call}[0]" if len(outputs) == 1
                      else f"    {', '.join(outputs)} = {call}[:{len(outputs)}]")
-    lines.append(f"    return ({''.join(f'_torch({read(n)}), ' for n in names_out)})")
+    if fresh is None:
+        lines.append(f"    return ({''.join(f'_torch({read(n)}), ' for n in names_out)})")
+    else:
+        given = [read(n) for n in names_out]
+        lines.append("    return [" + ", ".join(
+            f"{v} if type({v}) is _ndarray else _asarray({v})" if mine else f"_copy({v})"
+            for v, mine in zip(given, fresh)) + "]")
     exec(compile("\n".join(lines), "<host chain>", "exec"), namespace)  # noqa: S102  # positions only
     return namespace["run"]
+
+
+def _copy(value: Any) -> np.ndarray:
+    return np.array(value, order="C")  # a copy, C-contiguous, writable: the caller's alone
 
 
 def fixed_kernel(layer: Layer, constants: dict[str, Any], ranks: dict[str, int],
