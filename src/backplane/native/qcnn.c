@@ -390,25 +390,37 @@ static void gap_f(const int64_t *r, const float *restrict x, float *restrict y) 
 
 #include "qcnn_glue.h" /* the elementwise records: lut8, qadd8, quant, dequant, float */
 
+enum { PIXELS = 256 }; /* pixels an item of an import's or export's job */
+
+static int64_t transpose_items(const int64_t *r) {
+    return r[F_N] * ((r[F_H] * r[F_W] + PIXELS - 1) / PIXELS);
+}
+
+/* An import (NCHW float in -> NHWC float) or export (back) of pixels [begin, end) * PIXELS of
+   each image: each item writes its pixels' runs (its own lines of the output, but at their
+   ends: no two threads share a line but there). */
+static void transpose(const int64_t *r, uint8_t *arena, void **ext, int64_t begin, int64_t end) {
+    const int64_t c = r[F_C], hw = r[F_H] * r[F_W], per = (hw + PIXELS - 1) / PIXELS;
+    const int in = r[F_OP] == OP_IMPORT;
+    const float *src = in ? (const float *)ext[r[F_IN]] : (const float *)(arena + r[F_IN]);
+    float *dst = in ? (float *)(arena + r[F_OUT]) : (float *)ext[r[F_OUT]];
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / per, p0 = (item % per) * PIXELS;
+        const int64_t p1 = p0 + PIXELS < hw ? p0 + PIXELS : hw;
+        if (in)
+            for (int64_t k = 0; k < c; ++k)
+                for (int64_t p = p0; p < p1; ++p) dst[(b * hw + p) * c + k] = src[(b * c + k) * hw + p];
+        else
+            for (int64_t k = 0; k < c; ++k)
+                for (int64_t p = p0; p < p1; ++p) dst[(b * c + k) * hw + p] = src[(b * hw + p) * c + k];
+    }
+}
+
 static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, void **ext) {
-    const int64_t n = r[F_N], c = r[F_C], hw = r[F_H] * r[F_W];
     switch (r[F_OP]) {
-    case OP_IMPORT: { /* NCHW float in -> NHWC float */
-        const float *src = (const float *)ext[r[F_IN]];
-        float *dst = (float *)(arena + r[F_OUT]);
-        for (int64_t b = 0; b < n; ++b)
-            for (int64_t k = 0; k < c; ++k)
-                for (int64_t p = 0; p < hw; ++p) dst[(b * hw + p) * c + k] = src[(b * c + k) * hw + p];
+    case OP_IMPORT: case OP_EXPORT:
+        transpose(r, arena, ext, 0, transpose_items(r));
         break;
-    }
-    case OP_EXPORT: {
-        const float *src = (const float *)(arena + r[F_IN]);
-        float *dst = (float *)ext[r[F_OUT]];
-        for (int64_t b = 0; b < n; ++b)
-            for (int64_t k = 0; k < c; ++k)
-                for (int64_t p = 0; p < hw; ++p) dst[(b * c + k) * hw + p] = src[(b * hw + p) * c + k];
-        break;
-    }
     case OP_QUANT: case OP_DEQUANT: case OP_ADD_F: case OP_ADDC_F: case OP_HSIG_F: case OP_MUL_F:
     case OP_RELU_F: case OP_LUT8: case OP_QADD8:
         eltwise_part(r, params, arena, 0, eltwise_items(r));
@@ -451,10 +463,21 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
 
 #include "qcnn_pool.h"
 
+static void **crew_ext; /* the crew's run's edges (under crew.owner) */
+
+static void transpose_part(const int64_t *r, const uint8_t *params, uint8_t *arena,
+                           int64_t begin, int64_t end) {
+    (void)params;
+    transpose(r, arena, crew_ext, begin, end);
+}
+
 /* A split record (F_SPLIT, set by qcnn.py's plan) on the crew's `workers` and the caller: its
    scratch's rows, then its output's items; 0 where its kind is not split. */
 static int split_record(const int64_t *r, const uint8_t *params, uint8_t *arena, int workers) {
     switch (r[F_OP]) {
+    case OP_IMPORT: case OP_EXPORT:
+        crew_run(transpose_part, r, params, arena, transpose_items(r), 1, workers);
+        return 1;
     case OP_QCONV8:
         if (!bytes_in_place(r)) crew_run(pad_part, r, params, arena, r[F_N] * r[F_PH], 8, workers);
         crew_run(qconv8_part, r, params, arena, qconv8_items(r), 1, workers);
@@ -489,6 +512,7 @@ int backplane_qcnn_run(const int64_t *records, int64_t count, const uint8_t *par
     if (crew_asked > 1 && pthread_mutex_trylock(&crew.owner) == 0) {
         const int workers = crew_workers((int)crew_asked - 1);
         int failed = 0;
+        crew_ext = ext;
         for (int64_t i = 0; i < count && !failed; ++i) {
             const int64_t *r = records + i * NF;
             if (workers && r[F_SPLIT] && split_record(r, params, arena, workers)) continue;
