@@ -29,19 +29,50 @@
 
 int backplane_dynquant_version(void) { return BACKPLANE_DYNQUANT_VERSION; }
 
+typedef float v8 __attribute__((vector_size(32))); /* GCC's and Clang's vectors: AVX2's where
+                                                       the target has it, two SSE halves else */
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+typedef int32_t m8 __attribute__((vector_size(32))); /* a comparison's lanes: -1 or 0 */
+
 /* x's scale and zero point: CpuRef's DynamicQuantizeLinear (its Python floats are doubles, the
  * scale rounded once to float32, 0 - low divided in float32, rounded half to even). 1 where the
- * range is not finite (a NaN or an infinity: the caller takes torch's route, CpuRef's cases). */
+ * range is not finite (a NaN or an infinity: the caller takes torch's route, CpuRef's cases).
+ * Eight lanes at once (the scalar loop's compare-and-keep was most of the C's time besides the
+ * product): each lane keeps what the scalar loop keeps (a value replaces the lowest only where
+ * below it, so -0.0 never replaces the 0 the range starts from), the lanes then joined the same
+ * way; v - v is 0 for a finite v and NaN for a NaN or an infinity, so the lanes' sum is 0 only
+ * where every value is finite. */
 static int grid(const float *x, long count, float *scale, float *zero) {
-    float lowest = 0.0f, highest = 0.0f; /* the range always holds 0 */
-    int finite = 1;
-    for (long i = 0; i < count; i++) {
+    v8 low8 = {0}, high8 = {0}, odd8 = {0};
+    long i = 0;
+    for (; i + 8 <= count; i += 8) {
+        v8 v = load8(x + i);
+        m8 below = v < low8, above = v > high8;
+        low8 = (v8)((below & (m8)v) | (~below & (m8)low8));
+        high8 = (v8)((above & (m8)v) | (~above & (m8)high8));
+        odd8 += v - v;
+    }
+    float lowest = 0.0f, highest = 0.0f, odd = 0.0f; /* the range always holds 0 */
+    for (int j = 0; j < 8; j++) {
+        lowest = low8[j] < lowest ? low8[j] : lowest;
+        highest = high8[j] > highest ? high8[j] : highest;
+        odd += odd8[j];
+    }
+    for (; i < count; i++) {
         float v = x[i];
         lowest = v < lowest ? v : lowest;
         highest = v > highest ? v : highest;
-        finite &= (v - v) == 0.0f; /* NaN and infinities give NaN */
+        odd += v - v; /* NaN and infinities give NaN */
     }
-    if (!finite)
+    if (odd != 0.0f) /* NaN */
         return 1;
     double range = (double)highest - (double)lowest;
     *scale = highest > lowest ? (float)(range / 255.0) : 1.0f;
@@ -58,17 +89,6 @@ static void centre(const float *x, long count, float scale, float zero, float *q
         q[i] = v < low ? low : (v > high ? high : v);
     }
 }
-
-typedef float v8 __attribute__((vector_size(32))); /* GCC's and Clang's vectors: AVX2's where
-                                                       the target has it, two SSE halves else */
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 /* y[r, c] = sum_k q[r, k] * w[k, c] for ROWS rows and COLS columns from c0, the sums kept in
  * eight registers (exact: see above) */

@@ -97,6 +97,30 @@ def test_a_range_not_finite_takes_the_torch_route(odd, form):
 
 
 @needs_library
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("depth", [1, 7, 8, 9, 16, 21])
+def test_the_range_read_eight_at_once_is_cpurefs(form, depth):
+    """x's range is read eight values at once, then the rest one by one: a NaN or an infinity at
+    any place (in the lanes or in the rest) takes the torch route; -0.0, a range all below or
+    all above 0, and one value alone give the torch route's grid, bit for bit."""
+    weight, w_scale, bias = layer(2, depth, 19, True, True)
+    read = as_read(weight, form)
+    base = torch.from_numpy(RNG.standard_normal((2, depth)).astype(np.float32))
+    cases = [base, -base.abs(), base.abs(), torch.full((2, depth), -0.0), base * 0]
+    for place in range(2 * depth):
+        for odd in (float("nan"), float("inf"), -float("inf")):
+            x = base.clone()
+            x.view(-1)[place] = odd
+            cases.append(x)
+        x = base.clone()
+        x.view(-1)[place] = -7.5  # the lowest at each place in turn
+        cases.append(x)
+    for x in cases:
+        got = dynquant.matmul(x, read, w_scale, bias)
+        np.testing.assert_array_equal(got.numpy(), torch_route(x, weight, w_scale, bias).numpy())
+
+
+@needs_library
 def test_the_bytes_layout_and_where_it_is_taken():
     """pack: [ceil(N / 16)][ceil(K / 4)][16][4] signed bytes, zero past K and N, then each
     column's int32 sum; unpack gives the float weight back. A weight past a signed byte, or a
