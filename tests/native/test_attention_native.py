@@ -155,6 +155,29 @@ def test_torch_s_threads_share_a_call_and_give_the_one_thread_values_bit_for_bit
         assert torch.allclose(alone.double(), _reference(q, k, v, alpha=0.5, **case), atol=2e-6)
 
 
+def test_the_op_s_kernel_is_the_c_and_gives_the_python_kernel_s_values_bit_for_bit():
+    assert attention.in_c()  # torch 2.13 has the stable ABI: no Python in the op's call
+    g = torch.Generator().manual_seed(5)
+    q, k, v = _heads(1, 4, 33, 16, g), _heads(1, 4, 33, 16, g), _heads(1, 4, 33, 16, g)
+    mask, cond = torch.randn(1, 1, 1, 33, generator=g), torch.rand(33, 33, generator=g) < 0.2
+    in_c, in_python = torch.ops.backplane.native_attention_c, torch.ops.backplane.native_attention
+    none = attention._NONE
+    for args in [(mask, none, 0, attention.NO_DIAGONAL, 0.0), (none, cond, 1, attention.NO_DIAGONAL,
+                 LOWEST), (none, none, 0, 1, -math.inf), (none, none, 0, attention.NO_DIAGONAL, 0.0)]:
+        got, want = in_c(q, k, v, *args, 0.25), in_python(q, k, v, *args, 0.25)
+        assert got.stride() == want.stride() and torch.equal(got, want)
+    flat = [x.reshape(4, 33, 16) for x in (q, k, v)]  # a batch of one axis: (L, H, Ev) memory
+    got = in_c(*flat, none, none, 0, attention.NO_DIAGONAL, 0.0, 0.5)
+    assert got.transpose(0, 1).is_contiguous()
+    assert torch.equal(got, in_python(*flat, none, none, 0, attention.NO_DIAGONAL, 0.0, 0.5))
+    strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last axis strided: Python's
+    got = in_c(strided, k, v, mask, none, 0, attention.NO_DIAGONAL, 0.0, 0.25)  # route, torch's ops
+    assert torch.allclose(got.double(), _reference(q, k, v, mask=mask, alpha=0.25), atol=2e-6)
+    wide = torch.randn(2, 1, 33, 33, generator=g)  # a mask whose batch is not q's: torch's error
+    with pytest.raises(RuntimeError):
+        in_c(q, k, v, wide, none, 0, attention.NO_DIAGONAL, 0.0, 0.25)
+
+
 def test_the_output_is_the_merged_heads_layout_the_exporters_read():
     g = torch.Generator().manual_seed(3)
     q, k, v = _heads(2, 4, 10, 8, g), _heads(2, 4, 10, 8, g), _heads(2, 4, 10, 8, g)
@@ -201,7 +224,7 @@ def test_a_corpus_transformer_runs_it_in_its_trace_as_onnx_runtime_computes(mode
     finally:
         onednn_graph._freeze = freeze
     kinds = {node.kind() for module in frozen for node in module.graph.nodes()}
-    assert "backplane::native_attention" in kinds
+    assert "backplane::native_attention_c" in kinds  # the op whose kernel is the C
     assert "aten::softmax" not in kinds and "aten::baddbmm" not in kinds
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
     for g, w in zip(got, want):

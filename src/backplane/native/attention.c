@@ -22,7 +22,7 @@
 
 #pragma GCC optimize("fp-contract=fast") /* FMAs: a rounding or so from separate ops */
 
-#define BACKPLANE_ATTENTION_VERSION 1
+#define BACKPLANE_ATTENTION_VERSION 2
 #define ROWS 8 /* query rows a block: ROWS accumulators share each load of K^T or V */
 #define NO_DIAGONAL INT64_MAX
 
@@ -327,3 +327,5 @@ int backplane_attention(const int64_t *a, const float *f, int threads) {
 }
 
 int backplane_attention_arguments(void) { return A_COUNT; }
+
+#include "attention_op.h"

@@ -11,17 +11,20 @@ thread CPU, load 8: torch's ops 92-98 us a layer, this op 60 (its Python body an
 call of it ~2 of that). Float32 sums in another order than torch's, a rounding or so apart.
 
 Where: ``CpuAcc.native`` "auto", float32 on the CPU, the library built (``usable``); in a trace
-the op ``backplane::native_attention``. On the calling thread at any thread count: a call on
-torch's own OpenMP team (libgomp's GOMP_parallel, which torch's process exports) ran the tagger
-at 44 ms a run instead of 2.7 on this busy 2-vCPU machine (load 9: the team's barrier waits for a
-thread the scheduler has not run, as every torch parallel region does, at seven regions a run
-more), and a pool of our own would spin beside torch's team (``native/cnn_pool.h`` says why not).
+the op ``backplane::native_attention``. Threads: a call's items (a batch-head's 32 query rows)
+are claimed by the threads of torch's own OpenMP team (``team``: libgomp's GOMP_parallel, the
+call torch's parallel regions make; no pool of ours spinning beside it, ``native/cnn_pool.h``
+says why not one), as many as torch's count in the calling thread, which CpuAcc's governor
+(``threads``) lowers to 1 on a busy machine: a team forced to 2 at load 9 ran the tagger at 44 ms
+a run instead of 2.7 (the region's end waits for a thread the scheduler has not run).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,9 @@ import torch
 
 from backplane.native.build import NativeUnavailable, library
 
-VERSION = 1
+log = logging.getLogger("backplane.native")
+
+VERSION = 2
 """``attention.c``'s ``backplane_attention_version``."""
 NO_DIAGONAL = (1 << 63) - 1
 """``attention.c``'s NO_DIAGONAL: no causal diagonal."""
@@ -43,17 +48,78 @@ POINTERS = 6
 """A plan's first values, the pointers a call writes: q, k, v, mask, cond, out."""
 ARGUMENTS = 34
 """A plan's values (``attention.c``'s A_COUNT)."""
+ABI = ("aoti_torch_get_data_ptr", "aoti_torch_get_dim", "aoti_torch_get_numel",
+       "aoti_torch_get_sizes", "aoti_torch_get_strides", "aoti_torch_get_dtype",
+       "aoti_torch_get_device_type", "aoti_torch_empty_strided", "aoti_torch_delete_tensor_object",
+       "aoti_torch_call_dispatcher", "aoti_torch_check",
+       "torch_exception_get_what_without_backtrace")
+"""The functions of torch's stable C ABI ``backplane_attention_op`` calls, in the order
+``backplane_attention_bind`` reads them (then libgomp's omp_get_max_threads, the float32 and bool
+dtype codes and the CPU's device code); the last, an error's message, may be missing (torch
+before 2.10)."""
+_LOCK = threading.Lock()
+_BOUND: list[Any] = []
+"""The torch::Library holding the C kernel (never freed), or empty where torch has no stable ABI."""
+_FILE = __file__.encode()
+"""The file name torch::Library keeps (a pointer: it must outlive the library)."""
 
 
 def _function() -> Any:
-    """``backplane_attention``, typed (raises ``NativeUnavailable``)."""
+    """``backplane_attention``, typed, the op's C kernel registered first (raises
+    ``NativeUnavailable``)."""
     if not _FUNCTIONS:
-        lib = library("attention", VERSION)
-        if lib.backplane_attention_arguments() != ARGUMENTS:
-            raise NativeUnavailable("the attention library's plan is not this module's")
-        typed(lib)
-        _FUNCTIONS.append(lib.backplane_attention)
+        with _LOCK:  # one registration (CpuAcc's background threads load too)
+            if not _FUNCTIONS:
+                lib = library("attention", VERSION)
+                if lib.backplane_attention_arguments() != ARGUMENTS:
+                    raise NativeUnavailable("the attention library's plan is not this module's")
+                typed(lib)
+                handle = register(lib, "native_attention_c")
+                _BOUND.extend([] if handle is None else [handle])
+                _FUNCTIONS.append(lib.backplane_attention)
     return _FUNCTIONS[0]
+
+
+def register(lib: ctypes.CDLL, name: str) -> ctypes.c_void_p | None:
+    """``lib``'s ``backplane_attention_op`` as the CPU kernel of ``backplane::name``, the stable
+    ABI's functions handed to ``lib`` first (``ABI``, as ``native/dynquant.py`` does): the
+    torch::Library holding it (kept: freeing it drops the kernel), or None where torch lacks
+    them (the op's Python kernel stays)."""
+    folder = Path(torch.__file__).parent / "lib"
+    found = [folder / file for file in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll")
+             if (folder / file).exists()]
+    try:
+        libtorch = ctypes.CDLL(str(found[0]))
+        calls = [ctypes.cast(getattr(libtorch, call), ctypes.c_void_p).value for call in ABI[:-1]]
+        what = getattr(libtorch, ABI[-1], None)
+        calls.append(ctypes.cast(what, ctypes.c_void_p).value if what is not None else 0)
+        codes = [libtorch.aoti_torch_dtype_float32(), libtorch.aoti_torch_dtype_bool(),
+                 libtorch.aoti_torch_device_type_cpu()]
+        init, impl = libtorch.aoti_torch_library_init_impl, libtorch.aoti_torch_library_impl
+    except (IndexError, OSError, AttributeError) as exc:
+        log.debug("backplane::%s keeps its Python kernel: %s", name, exc)
+        return None
+    threads = _omp_max_threads()
+    lib.backplane_attention_bind((ctypes.c_int64 * 16)(*calls, threads or 0, *codes))
+    init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32,
+                     ctypes.POINTER(ctypes.c_void_p)]
+    impl.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    handle = ctypes.c_void_p()
+    kernel = ctypes.cast(lib.backplane_attention_op, ctypes.c_void_p)
+    if init(b"backplane", b"CPU", _FILE, 0, ctypes.byref(handle)) \
+            or impl(handle, name.encode(), kernel):
+        log.debug("backplane::%s keeps its Python kernel: torch refused it", name)
+        return None
+    return handle
+
+
+def in_c() -> bool:
+    """Whether ``backplane::native_attention_c``'s kernel is the C, not its Python one."""
+    try:
+        _function()
+    except NativeUnavailable:
+        return False
+    return bool(_BOUND)
 
 
 def typed(lib: ctypes.CDLL) -> Any:
@@ -69,12 +135,22 @@ def team() -> int | None:
     """The address of ``GOMP_parallel`` in the libgomp torch loaded (the runtime of the OpenMP
     team its ops run on), or None where torch runs on another OpenMP or none: the C then runs on
     the calling thread only."""
+    return _gomp("GOMP_parallel")
+
+
+def _omp_max_threads() -> int | None:
+    """The address of that libgomp's ``omp_get_max_threads`` (torch's thread count in the calling
+    thread, what ``torch.get_num_threads`` reads), or None (one thread)."""
+    return _gomp("omp_get_max_threads") if team() else None
+
+
+def _gomp(name: str) -> int | None:
     folder = Path(torch.__file__).parent / "lib"
     found = sorted(folder.glob("libgomp*.so*"))
     if not found or "OpenMP" not in torch.__config__.parallel_info():
         return None
     try:
-        return ctypes.cast(ctypes.CDLL(str(found[0])).GOMP_parallel, ctypes.c_void_p).value
+        return ctypes.cast(getattr(ctypes.CDLL(str(found[0])), name), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
 
@@ -173,9 +249,13 @@ def call(function: Any, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return out if plan.order is None else out.permute(plan.order)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               cond: torch.Tensor | None, invert: int, diagonal: int, fill: float,
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               cond: torch.Tensor, invert: int, diagonal: int, fill: float,
                alpha: float) -> torch.Tensor:
+    """The op's kernel in Python (ctypes around the same C): the op where torch has no stable
+    ABI, and the C kernel's route for operands it does not take. An empty mask or cond: none."""
+    mask = mask if mask.numel() else None
+    cond = cond if cond.numel() else None
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
            None if mask is None else (mask.shape, mask.stride(), mask.dtype),
            None if cond is None else (cond.shape, cond.stride(), cond.dtype),
@@ -207,17 +287,22 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(torch.softmax(scores, -1), v)
 
 
-def _abstract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              cond: torch.Tensor | None, invert: int, diagonal: int, fill: float,
+def _abstract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              cond: torch.Tensor, invert: int, diagonal: int, fill: float,
               alpha: float) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
+SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor cond, int invert, int diagonal, "
+          "float fill, float alpha) -> Tensor")
+"""Both ops' arguments: no mask or condition is an empty tensor (the stable ABI's kernel takes
+no optional tensor)."""
 _LIBRARY = torch.library.Library("backplane", "FRAGMENT")
-_LIBRARY.define("native_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? cond, "
-                "int invert, int diagonal, float fill, float alpha) -> Tensor")
+for _name in ("native_attention", "native_attention_c"):
+    _LIBRARY.define(_name + SCHEMA)
+    _LIBRARY.impl(_name, _abstract, "Meta")
 _LIBRARY.impl("native_attention", _attention, "CPU")
-_LIBRARY.impl("native_attention", _abstract, "Meta")
+_NONE = torch.empty(0)
 
 
 def scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -227,7 +312,9 @@ def scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     transpose), v (..., S, Ev) of one batch shape; ``mask`` added to the scores, or ``cond``
     (bool) putting ``fill`` where it is true (false with ``invert``), or ``diagonal``: keys j >=
     i + diagonal take ``fill`` (a causal condition); masks (..., L, S) broadcast over the batch.
-    The result (..., L, Ev), for a 4-d q of batch 1 a view of a (1, L, H, Ev) tensor."""
-    return torch.ops.backplane.native_attention(
-        q, k, v, mask, cond, int(invert), NO_DIAGONAL if diagonal is None else int(diagonal),
-        float(fill), float(alpha))
+    The result (..., L, Ev), for a batch of one or two axes a view of the merged-heads layout
+    (``MERGED``). The op's kernel is the C where the stable ABI is here (``in_c``)."""
+    op = torch.ops.backplane.native_attention_c if in_c() else torch.ops.backplane.native_attention
+    return op(q, k, v, _NONE if mask is None else mask, _NONE if cond is None else cond,
+              int(invert), NO_DIAGONAL if diagonal is None else int(diagonal), float(fill),
+              float(alpha))
