@@ -2,8 +2,9 @@
 kernel is ``dynquant.c`` itself (``backplane_dynquant_op``, a boxed kernel of torch's stable C ABI),
 against the op in Python (``backplane::dynamic_quant_matmul``) bit for bit; the x it does not take
 handed on to that op; every tensor handle it is given released (no tensor kept alive by a call);
-and the same kernel built for AVX2 and for plain x86-64 (a CI machine's builds), registered as ops
-of their own, giving the same bits."""
+the same kernel built for AVX2 and for plain x86-64 (a CI machine's builds), registered as ops of
+their own, giving the same bits, and the corpus's quantized GPT on those builds; a torch without
+the stable ABI running the Python op."""
 
 from __future__ import annotations
 
@@ -194,4 +195,40 @@ def test_the_quantized_gpt_on_the_avx2_and_plain_builds(march, tmp_path):
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", GPT_ON, march, str(tmp_path)], cwd=root,
                           capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "matched" in done.stdout, done.stderr[-2000:]
+
+
+WITHOUT_ABI = """
+import numpy as np
+from torch.profiler import profile
+from backplane import InferenceSession
+from backplane.native import dynquant
+
+dynquant.ABI = ("aoti_torch_not_in_this_torch",) + dynquant.ABI[1:]  # a torch before the ABI
+assert dynquant.usable("auto") and not dynquant.in_c()
+gpt = "tests/data/corpus/gpt_dynquant_ort15.onnx"
+feeds = dict(np.load("tests/data/corpus/gpt_dynquant_ort15.s0.npz"))
+native = InferenceSession(gpt, backends=[("CpuAcc", {"native": "auto"}), "CpuRef"])
+native.run(None, feeds)
+with profile() as prof:
+    (got,) = native.run(None, feeds)
+counts = {e.key: e.count for e in prof.key_averages()}
+assert counts.get("backplane::dynamic_quant_matmul", 0) > 0, counts
+assert "backplane::dynamic_quant_matmul_c" not in counts, counts
+(want,) = InferenceSession(gpt, backends=[("CpuAcc", {"native": "off"}), "CpuRef"]).run(None, feeds)
+np.testing.assert_array_equal(got, want)
+print("matched")
+"""
+
+
+def test_a_torch_without_the_stable_abi_runs_the_python_op():
+    """Where libtorch lacks one of the ABI's functions (a torch before it), no C kernel is
+    registered and the trace holds the op in Python: the quantized GPT's outputs unchanged."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", WITHOUT_ABI], cwd=root, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0 and "matched" in done.stdout, done.stderr[-2000:]
