@@ -107,6 +107,7 @@ class HostNetwork:
 
         self.host = host
         self.hosted = Hosted()
+        host_route.offer(self, host)  # a Specialized build of this network lends it (specialize)
         self._tensor, self._torch = torch.Tensor, _numpy_to_torch
 
     def __call__(self, values: Sequence[Any]) -> list[Any] | None:
