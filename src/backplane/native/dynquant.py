@@ -11,8 +11,8 @@ the outputs are CpuRef's, bit for bit, as the torch route's are.
 Where: a layer on the CPU in float32 under ``CpuAcc.native`` "auto" where the library builds
 (``usable``); the trace holds one op, ``backplane::dynamic_quant_matmul_c``, whose CPU kernel is
 the C itself (``backplane_dynquant_op``), called by torch's dispatcher without Python: a boxed
-kernel of torch's stable C ABI (``aoti_torch_library_impl``; the ABI's functions handed to the C
-as addresses read from libtorch, ``_bind``, so the C is still built without torch's headers).
+kernel of torch's stable C ABI (``stable_abi``: its functions handed to the C as addresses read
+from libtorch, so the C is still built without torch's headers).
 The op's kernel in Python (``backplane::dynamic_quant_matmul``: ctypes around the same C) cost
 ~5 us a call around ~0.4 us of product, the quantized GPT's seven calls about a third of its run.
 Where the C does not take x (not float32 on the CPU, not contiguous, empty, or its range not
@@ -24,17 +24,14 @@ op throughout.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from backplane.native import stable_abi
 from backplane.native.build import NativeUnavailable, library
-
-log = logging.getLogger("backplane.native")
 
 VERSION = 4
 """``dynquant.c``'s ``backplane_dynquant_version``."""
@@ -51,8 +48,6 @@ code); the last, an error's message, may be missing (torch before 2.10)."""
 _BOUND: list[Any] = []
 """The torch::Library holding the C kernel (never freed: freeing it drops the kernel), or empty
 where torch has no stable ABI here."""
-_FILE = __file__.encode()
-"""The file name torch::Library keeps (a pointer: it must outlive the library)."""
 BYTES_DEPTH = 65_000
 """The longest product on bytes: 255 * 128 * depth stays within int32 (vpdpbusd's sums)."""
 
@@ -99,31 +94,14 @@ def register(lib: ctypes.CDLL, namespace: str, name: str) -> ctypes.c_void_p | N
     """``lib``'s ``backplane_dynquant_op`` as the CPU kernel of the op ``namespace::name`` (defined
     with ``SCHEMA``), the stable ABI's functions handed to ``lib`` first: the torch::Library
     holding it (keep it: freeing it drops the kernel), or None where torch lacks them."""
-    folder = Path(torch.__file__).parent / "lib"
-    found = [folder / file for file in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll")
-             if (folder / file).exists()]
-    try:
-        libtorch = ctypes.CDLL(str(found[0]))
-        calls = [ctypes.cast(getattr(libtorch, call), ctypes.c_void_p).value for call in ABI[:-1]]
-        what = getattr(libtorch, ABI[-1], None)
-        calls.append(ctypes.cast(what, ctypes.c_void_p).value if what is not None else 0)
-        codes = [libtorch.aoti_torch_dtype_float32(), libtorch.aoti_torch_dtype_int8(),
-                 libtorch.aoti_torch_device_type_cpu()]
-        init, impl = libtorch.aoti_torch_library_init_impl, libtorch.aoti_torch_library_impl
-    except (IndexError, OSError, AttributeError) as exc:
-        log.debug("%s::%s keeps its Python kernel: %s", namespace, name, exc)
+    calls = stable_abi.addresses(ABI[:-1], optional=ABI[-1:])
+    codes = stable_abi.codes(["aoti_torch_dtype_float32", "aoti_torch_dtype_int8",
+                              "aoti_torch_device_type_cpu"])
+    if calls is None or codes is None:
         return None
     lib.backplane_dynquant_bind((ctypes.c_int64 * (len(calls) + 3))(*calls, *codes))
-    init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32,
-                     ctypes.POINTER(ctypes.c_void_p)]
-    impl.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    handle = ctypes.c_void_p()
-    kernel = ctypes.cast(lib.backplane_dynquant_op, ctypes.c_void_p)
-    if init(namespace.encode(), b"CPU", _FILE, 0, ctypes.byref(handle)) \
-            or impl(handle, name.encode(), kernel):
-        log.debug("%s::%s keeps its Python kernel: torch refused the registration", namespace, name)
-        return None
-    return handle
+    kernel = ctypes.cast(lib.backplane_dynquant_op, ctypes.c_void_p).value
+    return stable_abi.register(kernel or 0, namespace, name)
 
 
 def in_c() -> bool:
