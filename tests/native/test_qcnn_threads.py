@@ -169,3 +169,49 @@ def test_the_depthwise_weights_are_packed_as_the_unpacking_orders_the_channels()
     assert (packed[:, 2, :, :, :, 1:] == 0).all()  # taps 9-11
     assert (packed[1, :, :, 1:] == 0).all() and (packed[1, :, 2:] == 0).all()  # channels past 70
     assert qcnn_bytes.pack_depthwise(centred + 200, np.zeros(70), 0, False) is None
+
+
+def _wide_model():
+    """QuantizeLinear -> a 3x3 QLinearConv of 64 channels at 64x64 (151M multiply-adds: split)
+    -> DequantizeLinear."""
+    from onnx import helper, numpy_helper
+
+    from tests.conftest import float_input, make_model
+
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array(np.float32(0.03), "s"),
+             numpy_helper.from_array(np.uint8(128), "z"),
+             numpy_helper.from_array(rng.integers(-60, 60, (64, 64, 3, 3)).astype(np.int8), "w"),
+             numpy_helper.from_array(np.float32(0.002), "ws"),
+             numpy_helper.from_array(np.int8(0), "wz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("QLinearConv", ["xq", "s", "z", "w", "ws", "wz", "s", "z"], ["c"],
+                              kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("DequantizeLinear", ["c", "s", "z"], ["y"])]
+    shape = [1, 64, 64, 64]
+    return make_model(nodes, [float_input("x", shape)], [float_input("y", shape)], inits,
+                      opset=13)
+
+
+def test_a_two_thread_session_runs_its_split_plan_on_the_crew():
+    """The session's int8 workload asks for torch's thread count before each call
+    (``native_cnn._workload``): a 2-thread session's runs use the crew, a 1-thread one's never,
+    and both give the same bytes."""
+    lib = library("qcnn")
+    taken = lib.backplane_qcnn_crew_items
+    taken.restype = ctypes.c_int64
+    x = np.random.default_rng(7).standard_normal((1, 64, 64, 64)).astype(np.float32)
+    outputs = {}
+    for threads in (1, 2):
+        session = InferenceSession(_wide_model(), backends=[("CpuAcc", {"threads": threads}),
+                                                            "CpuRef"],
+                                   input_shapes={"x": [1, 64, 64, 64]})
+        loaded = session.runtime.network(session.network_id)
+        assert [lay.op_type for lay in loaded.layers if lay.backend == "CpuAcc"] == ["NativeInt8"]
+        before = taken()
+        outputs[threads] = session.run(None, {"x": x})[0]
+        until = time.monotonic() + 20
+        while threads > 1 and taken() == before and time.monotonic() < until:
+            session.run(None, {"x": x})  # a busy machine: the worker may not have had a CPU
+        assert (taken() > before) is (threads > 1)
+    np.testing.assert_array_equal(outputs[2], outputs[1])
