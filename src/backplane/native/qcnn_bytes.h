@@ -175,6 +175,71 @@ static inline __attribute__((always_inline)) void tile_bytes(
 }
 #endif
 
+enum { STRIP = 48 }; /* pixels a strip (an item of the crew's job): their rows' pointers, then
+                        block by block */
+
+#if defined(BYTES_VNNI)
+/* tile_bytes for two blocks at once (wb, wb + wnext): each pixel's four bytes broadcast once for
+   both (a broadcast a vpdpbusd was the stem's and the small 1x1 layers' bound), 2T accumulators;
+   outputs out[t] and out[t] + OCB. The same sums, the same requantization. */
+static inline __attribute__((always_inline)) void tile_bytes2(
+    const uint8_t *const *px, uint8_t *const *out, const int8_t *restrict wb, int64_t wnext,
+    int64_t kh, int64_t kw, int64_t quads, int64_t rowstep, int64_t colstep, const Requant *q0,
+    const Requant *q1, const int T) {
+    __m512i a[TILE8][2];
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) a[t][0] = a[t][1] = _mm512_setzero_si512();
+    for (int64_t ky = 0; ky < kh; ++ky)
+        for (int64_t kx = 0; kx < kw; ++kx) {
+            const int64_t at = ky * rowstep + kx * colstep;
+            const int8_t *wp = wb + ((ky * kw + kx) * quads) * OCB * 4;
+            for (int64_t i = 0; i < 4 * quads; i += 4, wp += OCB * 4) {
+                const __m512i w0 = _mm512_loadu_si512((const void *)wp);
+                const __m512i w1 = _mm512_loadu_si512((const void *)(wp + wnext));
+#pragma GCC unroll 16
+                for (int t = 0; t < T; ++t) {
+                    int32_t four;
+                    memcpy(&four, px[t] + at + i, 4);
+                    const __m512i xv = _mm512_set1_epi32(four);
+                    a[t][0] = _mm512_dpbusd_epi32(a[t][0], xv, w0);
+                    a[t][1] = _mm512_dpbusd_epi32(a[t][1], xv, w1);
+                }
+            }
+        }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+        requantize16(a[t][0], q0, out[t]);
+        requantize16(a[t][1], q1, out[t] + OCB);
+    }
+}
+#endif
+
+/* `tiles` pixels by two blocks (the second's weights wnext bytes on, its outputs OCB channels
+   on): tile_bytes2's tiles of 12, 4 and 1 with VNNI, else block_bytes twice. */
+static void block_bytes(const uint8_t *const *px, uint8_t *const *out, int64_t tiles,
+                        const int8_t *restrict wb, int64_t kh, int64_t kw, int64_t quads,
+                        int64_t rowstep, int64_t colstep, const Requant *q);
+
+static void blocks_bytes2(const uint8_t *const *px, uint8_t *const *out, int64_t tiles,
+                          const int8_t *restrict wb, int64_t wnext, int64_t kh, int64_t kw,
+                          int64_t quads, int64_t rowstep, int64_t colstep, const Requant *q0,
+                          const Requant *q1) {
+#if defined(BYTES_VNNI)
+    int64_t t = 0;
+    for (; t + TILE8 <= tiles; t += TILE8)
+        tile_bytes2(px + t, out + t, wb, wnext, kh, kw, quads, rowstep, colstep, q0, q1, TILE8);
+    for (; t + 4 <= tiles; t += 4)
+        tile_bytes2(px + t, out + t, wb, wnext, kh, kw, quads, rowstep, colstep, q0, q1, 4);
+    for (; t < tiles; ++t)
+        tile_bytes2(px + t, out + t, wb, wnext, kh, kw, quads, rowstep, colstep, q0, q1, 1);
+#else
+    uint8_t *second[STRIP];
+    for (int64_t t = 0; t < tiles; ++t) second[t] = out[t] + OCB;
+    block_bytes(px, out, tiles, wb, kh, kw, quads, rowstep, colstep, q0);
+    block_bytes(px, second, tiles, wb + wnext, kh, kw, quads, rowstep, colstep, q1);
+#endif
+}
+
 /* `tiles` pixels by one block: the widest register tiles that fit (VNNI), else plain loops. */
 static void block_bytes(const uint8_t *const *px, uint8_t *const *out, int64_t tiles,
                         const int8_t *restrict wb, int64_t kh, int64_t kw, int64_t quads,
@@ -211,8 +276,6 @@ static void block_bytes(const uint8_t *const *px, uint8_t *const *out, int64_t t
 #endif
 }
 
-enum { STRIP = 48 }; /* pixels a strip (an item of the crew's job): their rows' pointers, then
-                        block by block */
 
 static int64_t qconv8_items(const int64_t *r) {
     return r[F_N] * ((r[F_OH] * r[F_OW] + STRIP - 1) / STRIP);
@@ -248,14 +311,24 @@ static void qconv8_part(const int64_t *r, const uint8_t *params, uint8_t *arena,
             const int64_t yy = (p0 + t) / ow, xx = (p0 + t) % ow;
             px[t] = s + ((b * ph + yy * sh) * pw + xx * sw) * icp;
         }
-        for (int64_t k = 0; k < blocks; ++k) {
-            const Requant q = {bias + k * OCB, mult + k * OCB,
-                               fb ? fb + blocks * OCB + k * OCB : 0, fb ? fb + k * OCB : 0,
-                               fb ? fb[2 * blocks * OCB] : 0.0f, fl, fh, (int32_t)r[F_ZY],
-                               oc - k * OCB < OCB ? oc - k * OCB : OCB, r[F_LO] < 0};
+        for (int64_t k = 0; k < blocks;) {
+            Requant q[2];
+            for (int64_t j = 0; j < 2; ++j) { /* (a last lone block: q[1] is q[0], unused) */
+                const int64_t at = (k + j < blocks ? k + j : k) * OCB;
+                q[j] = (Requant){bias + at, mult + at, fb ? fb + blocks * OCB + at : 0,
+                                 fb ? fb + at : 0, fb ? fb[2 * blocks * OCB] : 0.0f, fl, fh,
+                                 (int32_t)r[F_ZY], oc - at < OCB ? oc - at : OCB, r[F_LO] < 0};
+            }
             for (int64_t t = 0; t < tiles; ++t) out[t] = y + (b * pixels + p0 + t) * ocs + k * OCB;
-            block_bytes(px, out, tiles, weights + k * wblock, kh, dw == 1 ? 1 : kw, quads,
-                        rowstep, dw == 1 ? 0 : colstep, &q);
+            if (k + 1 < blocks) { /* two blocks a broadcast */
+                blocks_bytes2(px, out, tiles, weights + k * wblock, wblock, kh, dw == 1 ? 1 : kw,
+                              quads, rowstep, dw == 1 ? 0 : colstep, &q[0], &q[1]);
+                k += 2;
+            } else {
+                block_bytes(px, out, tiles, weights + k * wblock, kh, dw == 1 ? 1 : kw, quads,
+                            rowstep, dw == 1 ? 0 : colstep, &q[0]);
+                k += 1;
+            }
         }
     }
 }
