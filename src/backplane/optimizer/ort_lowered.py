@@ -24,8 +24,7 @@ Written back (CpuRef runs the same plain ops, the values of ONNX Runtime's docum
   of the packed weight, ``Add`` of its bias), each ``Reshape``d to its heads and ``Transpose``d
   (K to (B, n, h, T)), ``MatMul(Q, Kt)``, ``Mul`` by the scale, ``Add`` of one additive bias (the
   mask's ``mask_filter_value`` where a key is masked, made once for every Attention of that
-  mask), ``Softmax``, ``MatMul`` by V, ``Transpose`` and ``Reshape`` back to (B, S, n * hv).
-
+  mask), ``Softmax``, ``MatMul`` by V, ``Transpose`` and ``Reshape`` back to (B, S, n * hv);
 - ``FusedGemm`` and ``FusedConv`` (ONNX Runtime's saved product or convolution and its activation,
   a convolution's residual ``Z``): ``Gemm`` or ``Conv``, ``Add(Z)``, then the activation, which
   CpuAcc's Linear and convolution fusions take as the plain model's (the saved tiny BERT's pooler
@@ -86,15 +85,15 @@ class _Writer:
 
 
 def lower(graph: Graph) -> Graph:
-    """Every SkipLayerNormalization and Attention of ``graph`` that can be, as the plain ops
-    above (in place); returns ``graph``."""
+    """Every SkipLayerNormalization, Attention, FusedGemm and FusedConv of ``graph`` that can be,
+    as the plain ops above (in place); returns ``graph``."""
     if (graph.opsets.get("", 0) or 17) < MIN_OPSET:
         return graph
     consumers = graph.consumers()
     read = set(consumers) | set(graph.outputs)
     masks: dict[tuple, str] = {}  # one score bias per mask (and causal flag, attention bias)
     layers: list[Layer] = []
-    changed = False
+    replaced: set[str] = set()  # what the replaced layers read
     writer = _Writer(graph)
     for layer in graph.layers:
         writer.layers, writer.replacing, done = [], layer.name, False
@@ -105,9 +104,12 @@ def lower(graph: Graph) -> Graph:
         elif layer.domain == MS and layer.op_type in ("FusedGemm", "FusedConv"):
             done = _unfused(layer, writer)
         layers += writer.layers if done else [layer]
-        changed |= done
-    if changed:
+        replaced |= set(layer.inputs) if done else set()
+    if replaced:
         graph.layers = layers
+        still = {name for layer in layers for name in layer.inputs} | set(graph.outputs)
+        for name in replaced - still:  # an Attention's packed weights: its slices now
+            graph.constants.pop(name, None)
     return graph
 
 
@@ -136,6 +138,7 @@ def _skip_layer_norm(layer: Layer, w: _Writer, read: set[str]) -> bool:
 
 
 def _product(name: str, graph: Graph) -> bool:
+    """Whether a product (that a Linear may take the bias of) makes ``name``."""
     made = next((layer for layer in graph.layers if name in layer.outputs), None)
     return made is not None and made.op_type in ("MatMul", "Gemm", "FusedMatMul", "FusedGemm")
 

@@ -161,9 +161,66 @@ def _tanh_gelu_end(mul: Layer | None, graph: Graph, producers: dict[str, Layer])
     return False
 
 
+def gathers_from_splits(graph: Graph) -> Graph:
+    """Split(X, all parts of size 1, axis a) whose every part one Squeeze(axes [a]) reads alone:
+    ONNX Runtime's saved models make the Gathers of one tensor's indices 0, 1, ... on one axis
+    (torch's packed multi-head attention taking Q, K and V from one product) this Split; each
+    Squeeze written back as the Gather it was, ``Gather(X, i, axis a)``, which CpuAcc's traces
+    fold into a view of the product (``index_glue``): the saved encoder's trace held a split
+    and a squeeze a part, 128 layers against the plain file's 124. Returns ``graph``, in place."""
+    consumers, opset = graph.consumers(), graph.opsets.get("", 0) or 17
+    replaced: dict[int, list[Layer]] = {}
+    for split in graph.layers:
+        squeezes = _part_squeezes(split, graph, consumers)
+        if squeezes is None:
+            continue
+        replaced[id(split)] = []
+        for index, squeeze in enumerate(squeezes):
+            at = _fresh(f"{split.name}/index{index}", graph)
+            graph.constants[at] = np.array(index, np.int64)
+            graph.tensors[at] = TensorInfo((), np.dtype(np.int64))
+            replaced[id(squeeze)] = [Layer(squeeze.name, "Gather", [split.inputs[0], at],
+                                           list(squeeze.outputs), {"axis": split.attrs["axis"]},
+                                           "", opset)]
+    if replaced:
+        graph.layers = [new for layer in graph.layers for new in replaced.get(id(layer), [layer])]
+    return graph
+
+
+def _part_squeezes(split: Layer, graph: Graph, consumers: dict[str, list[Layer]],
+                   ) -> list[Layer] | None:
+    """The Squeeze reading each part of ``split`` (in order), where the parts are all of size 1
+    on its axis and each Squeeze takes that axis alone; else None."""
+    if split.op_type != "Split" or split.domain:
+        return None
+    shape = graph.info(split.inputs[0]).shape
+    if shape is None or not shape:
+        return None
+    axis = int(split.attrs.get("axis", 0)) % len(shape)
+    sizes = graph.constants.get(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] \
+        else split.attrs.get("split")
+    parts = len(split.outputs)
+    if sizes is not None and list(np.asarray(sizes).reshape(-1)) != [1] * parts \
+            or sizes is None and shape[axis] != parts:
+        return None
+    squeezes = []
+    for part in split.outputs:
+        readers = consumers.get(part, [])
+        if not part or part in graph.outputs or len(readers) != 1:
+            return None
+        squeeze = readers[0]
+        axes = graph.constants.get(squeeze.inputs[1]) if len(squeeze.inputs) > 1 \
+            else squeeze.attrs.get("axes")
+        if squeeze.op_type != "Squeeze" or squeeze.domain or axes is None \
+                or [int(a) % len(shape) for a in np.asarray(axes).reshape(-1)] != [axis]:
+            return None
+        squeezes.append(squeeze)
+    return squeezes
+
+
 def plain_forms(graph: Graph) -> Graph:
     """``graph`` with ONNX Runtime's patterns undone (in place): its Reshape -> Gemm -> Reshape
-    sandwiches, its GELUs' 0.5 moved into the products after them, and its
-    SkipLayerNormalization and Attention where they can be written as the ops they fused
-    (``ort_lowered``)."""
-    return ort_lowered.lower(half_back_in_gelus(unfold_gemm_reshapes(graph)))
+    sandwiches, its GELUs' 0.5 moved into the products after them, its Gathers made a Split,
+    and its SkipLayerNormalization, Attention, FusedGemm and FusedConv where they can be written
+    as the ops they fused (``ort_lowered``)."""
+    return ort_lowered.lower(gathers_from_splits(half_back_in_gelus(unfold_gemm_reshapes(graph))))
