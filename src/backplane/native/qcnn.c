@@ -447,7 +447,7 @@ static int run_record(const int64_t *r, const uint8_t *params, uint8_t *arena, v
         maxpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
         break;
     case OP_MAXPOOL_Q:
-        maxpool_bytes(r, arena + r[F_IN], arena + r[F_OUT], (int)r[F_SIGNED]);
+        maxpool_part(r, params, arena, 0, r[F_N] * r[F_OH]);
         break;
     case OP_AVGPOOL_F:
         avgpool_f(r, (const float *)(arena + r[F_IN]), (float *)(arena + r[F_OUT]));
@@ -477,6 +477,9 @@ static int split_record(const int64_t *r, const uint8_t *params, uint8_t *arena,
     switch (r[F_OP]) {
     case OP_IMPORT: case OP_EXPORT:
         crew_run(transpose_part, r, params, arena, transpose_items(r), 1, workers);
+        return 1;
+    case OP_MAXPOOL_Q:
+        crew_run(maxpool_part, r, params, arena, r[F_N] * r[F_OH], 1, workers);
         return 1;
     case OP_QCONV8:
         if (!bytes_in_place(r)) crew_run(pad_part, r, params, arena, r[F_N] * r[F_PH], 8, workers);

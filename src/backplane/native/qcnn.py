@@ -40,9 +40,10 @@ SPLIT_CONVS = ("qconv", "qconv8", "qdwconv", "qdw8")
 """The convolutions ``qcnn_pool.h`` splits across a run's threads (output pixel strips or rows,
 after the scratch's rows): each item written by one thread with the one-thread run's arithmetic."""
 SPLIT_ELEMENTWISE = ("quant", "dequant", "add_f", "addc_f", "hsig_f", "mul_f", "relu_f", "lut8",
-                     "qadd8", "import", "export")
+                     "qadd8", "import", "export", "maxpool_q")
 """The elementwise records it splits, in chunks of values (an import or export, NCHW to NHWC
-and back, in chunks of pixels)."""
+and back, in chunks of pixels; a max pool of bytes by output rows), from ``SPLIT_VALUES`` of
+their input."""
 SPLIT_MACS = 1_000_000
 """The fewest multiply-adds of a split convolution: ~15 us of one thread's work, where waking a
 worker and waiting for its last item (1-5 us, more where it slept) is a small part."""

@@ -342,13 +342,13 @@ static void qconv_bytes(const int64_t *r, const uint8_t *params, uint8_t *arena)
    its window's inside taps' maximum, channel by channel (the pads never win; the type's lowest
    where no tap is inside), 16 channels an instruction: POOL's loop left a pixel's 16 channels
    to the scalar epilogue of a wider vector (maxpool_q 3.7 us on resnet_qdq_ort17's 8x8x16). */
-static void maxpool_bytes(const int64_t *r, const uint8_t *restrict x, uint8_t *restrict y,
-                          int sgn) {
-    const int64_t n = r[F_N], h = r[F_H], w = r[F_W], c = r[F_C], oh = r[F_OH], ow = r[F_OW];
+static void maxpool_rows(const int64_t *r, const uint8_t *restrict x, uint8_t *restrict y,
+                         int sgn, int64_t begin, int64_t end) { /* output rows of n * oh */
+    const int64_t h = r[F_H], w = r[F_W], c = r[F_C], oh = r[F_OH], ow = r[F_OW];
     const int64_t kh = r[F_KH], kw = r[F_KW], sh = r[F_SH], sw = r[F_SW], dh = r[F_DH];
     const int64_t dw = r[F_DW], pt = r[F_PT], pl = r[F_PL];
-    for (int64_t b = 0; b < n; ++b)
-        for (int64_t oy = 0; oy < oh; ++oy)
+    for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / oh, oy = row % oh;
             for (int64_t ox = 0; ox < ow; ++ox) {
                 uint8_t *out = y + ((b * oh + oy) * ow + ox) * c;
                 memset(out, sgn ? 0x80 : 0, (size_t)c);
@@ -378,6 +378,13 @@ static void maxpool_bytes(const int64_t *r, const uint8_t *restrict x, uint8_t *
                     }
                 }
             }
+    }
+}
+
+static void maxpool_part(const int64_t *r, const uint8_t *params, uint8_t *arena, int64_t begin,
+                         int64_t end) {
+    (void)params;
+    maxpool_rows(r, arena + r[F_IN], arena + r[F_OUT], (int)r[F_SIGNED], begin, end);
 }
 
 /* 1 where this build multiplies bytes with VNNI (the plan then takes OP_QCONV8), else 0. */

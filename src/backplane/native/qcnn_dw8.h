@@ -23,6 +23,50 @@ static inline int32_t dw8_weight(const int8_t *w, int64_t quads, int64_t k, int6
     return w[((g * quads + t / 4) * 4 + r) * 64 + lane * 16 + j * 4 + t % 4];
 }
 
+#if defined(BYTES_VNNI)
+/* Group g's 64 channels of ow output pixels of one row (corners at `corner` + ox * step): with Q
+   a constant (a 3x3 kernel's 3 quads, inlined) the group's weights are loaded once into
+   registers; Q 0: `quads` of them, loaded a pixel. Per pixel four loads, unpacking and four
+   vpdpbusd a quad, the shuffles to channel order, requantize16. */
+static inline __attribute__((always_inline)) void dw8_span(
+    const uint8_t *corner, int64_t step, int64_t ow, const int64_t *at, const int8_t *wq,
+    int64_t quads, uint8_t *out, int64_t c, int64_t g, const Requant *rq, const int Q) {
+    __m512i wv[12];
+#pragma GCC unroll 12
+    for (int v = 0; v < 4 * Q; ++v) wv[v] = _mm512_loadu_si512((const void *)(wq + 64 * v));
+    const int64_t nq = Q ? Q : quads;
+    for (int64_t ox = 0; ox < ow; ++ox) {
+        const uint8_t *p = corner + ox * step + g * DW8;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+#pragma GCC unroll 3
+        for (int64_t q = 0; q < nq; ++q) {
+            const __m512i x0 = _mm512_loadu_si512((const void *)(p + at[4 * q]));
+            const __m512i x1 = _mm512_loadu_si512((const void *)(p + at[4 * q + 1]));
+            const __m512i x2 = _mm512_loadu_si512((const void *)(p + at[4 * q + 2]));
+            const __m512i x3 = _mm512_loadu_si512((const void *)(p + at[4 * q + 3]));
+            const __m512i l01 = _mm512_unpacklo_epi8(x0, x1), h01 = _mm512_unpackhi_epi8(x0, x1);
+            const __m512i l23 = _mm512_unpacklo_epi8(x2, x3), h23 = _mm512_unpackhi_epi8(x2, x3);
+            const int8_t *w = wq + 256 * q;
+#define DW8_W(v) (Q ? wv[4 * q + (v)] : _mm512_loadu_si512((const void *)(w + 64 * (v))))
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_unpacklo_epi16(l01, l23), DW8_W(0));
+            a1 = _mm512_dpbusd_epi32(a1, _mm512_unpackhi_epi16(l01, l23), DW8_W(1));
+            a2 = _mm512_dpbusd_epi32(a2, _mm512_unpacklo_epi16(h01, h23), DW8_W(2));
+            a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23), DW8_W(3));
+#undef DW8_W
+        }
+        /* a_r's lane L holds channels 16 L + 4 r + (0..3): lane L of each, in order */
+        const __m512i t0 = _mm512_shuffle_i32x4(a0, a1, 0x44), t1 = _mm512_shuffle_i32x4(a2, a3, 0x44);
+        const __m512i t2 = _mm512_shuffle_i32x4(a0, a1, 0xEE), t3 = _mm512_shuffle_i32x4(a2, a3, 0xEE);
+        const __m512i o[4] = {_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xDD),
+                              _mm512_shuffle_i32x4(t2, t3, 0x88), _mm512_shuffle_i32x4(t2, t3, 0xDD)};
+        for (int lane = 0; lane < 4; ++lane) {
+            if (g * DW8 + lane * 16 >= c) break;
+            requantize16(o[lane], &rq[lane], out + ox * c + g * DW8 + lane * 16);
+        }
+    }
+}
+#endif
+
 /* Output rows [begin, end) of n * oh, the input padded into the scratch as bytes. */
 static void qdw8_part(const int64_t *r, const uint8_t *params, uint8_t *arena, int64_t begin,
                       int64_t end) {
@@ -45,46 +89,28 @@ static void qdw8_part(const int64_t *r, const uint8_t *params, uint8_t *arena, i
     }
     for (int64_t row = begin; row < end; ++row) {
         const int64_t b = row / oh, oy = row % oh;
-        for (int64_t ox = 0; ox < ow; ++ox) {
-            const uint8_t *corner = s + ((b * ph + oy * sh) * pw + ox * sw) * c;
-            uint8_t *out = y + ((b * oh + oy) * ow + ox) * c;
+        const uint8_t *first = s + (b * ph + oy * sh) * pw * c; /* the corner of ox 0 */
+        uint8_t *row_out = y + (b * oh + oy) * ow * c;
 #if defined(BYTES_VNNI)
-            for (int64_t g = 0; g < groups; ++g) {
-                const uint8_t *p = corner + g * DW8;
-                const int8_t *wq = weights + g * quads * 256;
-                __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-                for (int64_t q = 0; q < quads; ++q, wq += 256) {
-                    const __m512i x0 = _mm512_loadu_si512((const void *)(p + at[4 * q]));
-                    const __m512i x1 = _mm512_loadu_si512((const void *)(p + at[4 * q + 1]));
-                    const __m512i x2 = _mm512_loadu_si512((const void *)(p + at[4 * q + 2]));
-                    const __m512i x3 = _mm512_loadu_si512((const void *)(p + at[4 * q + 3]));
-                    const __m512i l01 = _mm512_unpacklo_epi8(x0, x1), h01 = _mm512_unpackhi_epi8(x0, x1);
-                    const __m512i l23 = _mm512_unpacklo_epi8(x2, x3), h23 = _mm512_unpackhi_epi8(x2, x3);
-                    a0 = _mm512_dpbusd_epi32(a0, _mm512_unpacklo_epi16(l01, l23),
-                                             _mm512_loadu_si512((const void *)wq));
-                    a1 = _mm512_dpbusd_epi32(a1, _mm512_unpackhi_epi16(l01, l23),
-                                             _mm512_loadu_si512((const void *)(wq + 64)));
-                    a2 = _mm512_dpbusd_epi32(a2, _mm512_unpacklo_epi16(h01, h23),
-                                             _mm512_loadu_si512((const void *)(wq + 128)));
-                    a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23),
-                                             _mm512_loadu_si512((const void *)(wq + 192)));
-                }
-                /* a_r's lane L holds channels 16 L + 4 r + (0..3): lane L of each, in order */
-                const __m512i t0 = _mm512_shuffle_i32x4(a0, a1, 0x44), t1 = _mm512_shuffle_i32x4(a2, a3, 0x44);
-                const __m512i t2 = _mm512_shuffle_i32x4(a0, a1, 0xEE), t3 = _mm512_shuffle_i32x4(a2, a3, 0xEE);
-                const __m512i o[4] = {_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xDD),
-                                      _mm512_shuffle_i32x4(t2, t3, 0x88), _mm512_shuffle_i32x4(t2, t3, 0xDD)};
-                for (int lane = 0; lane < 4; ++lane) {
-                    const int64_t k = g * DW8 + lane * 16;
-                    if (k >= c) break;
-                    const Requant rq = {bias + k, mult + k, fb ? fb + blocks * OCB + k : 0,
-                                        fb ? fb + k : 0, fb ? fb[2 * blocks * OCB] : 0.0f, fl, fh,
-                                        (int32_t)r[F_ZY], c - k < 16 ? c - k : 16, r[F_LO] < 0};
-                    requantize16(o[lane], &rq, out + k);
-                }
+        for (int64_t g = 0; g < groups; ++g) {
+            Requant rq[4]; /* the group's four blocks of 16 (past c: the first's, unused) */
+            for (int lane = 0; lane < 4; ++lane) {
+                const int64_t k = g * DW8 + lane * 16 < c ? g * DW8 + lane * 16 : g * DW8;
+                rq[lane] = (Requant){bias + k, mult + k, fb ? fb + blocks * OCB + k : 0,
+                                     fb ? fb + k : 0, fb ? fb[2 * blocks * OCB] : 0.0f, fl, fh,
+                                     (int32_t)r[F_ZY], c - k < 16 ? c - k : 16, r[F_LO] < 0};
             }
+            const int8_t *wq = weights + g * quads * 256;
+            if (quads == 3)
+                dw8_span(first, sw * c, ow, at, wq, quads, row_out, c, g, rq, 3);
+            else
+                dw8_span(first, sw * c, ow, at, wq, quads, row_out, c, g, rq, 0);
+        }
 #else
-            (void)groups;
+        (void)groups;
+        for (int64_t ox = 0; ox < ow; ++ox) {
+            const uint8_t *corner = first + ox * sw * c;
+            uint8_t *out = row_out + ox * c;
             for (int64_t k0 = 0; k0 < c; k0 += OCB) {
                 const int64_t count = c - k0 < OCB ? c - k0 : OCB;
                 uint32_t sum[OCB] = {0}; /* unsigned: wraps as vpdpbusd's (within int32 anyway) */
@@ -102,8 +128,8 @@ static void qdw8_part(const int64_t *r, const uint8_t *params, uint8_t *arena, i
                     requantize(acc, mult + k0, bias + k0, out + k0, count, (int32_t)r[F_ZY], fl,
                                fh, r[F_LO] < 0);
             }
-#endif
         }
+#endif
     }
 }
 
