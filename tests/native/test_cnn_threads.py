@@ -25,7 +25,7 @@ from tests.native import flavours  # noqa: E402
 CORPUS = "tests/data/corpus"
 SHARED = ("conv", "dwconv", "maxpool", "avgpool", "resize", "slice", "gather", "scatter", "arith",
           "act", "softmax")
-"""The records the threads share (``cnn_split.h``)."""
+"""The records the threads share (``cnn_split.h``; and the float32 edges)."""
 FLAVOURS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
             "plain": ["-march=x86-64"]}
 pytestmark = pytest.mark.skipif(build.compiler() is None or platform.machine() != "x86_64",
@@ -97,7 +97,9 @@ def test_split_runs_give_the_one_thread_outputs_bit_for_bit_in_every_build(
     made, names, outputs = _plan(monkeypatch, path, {k: list(v.shape) for k, v in feeds.items()})
     cnn.split(made.records, 0, 0)
     kinds = made.records[:, cnn.FIELDS.index("op")]
-    shared = np.isin(kinds, [cnn.OPS[k] for k in SHARED])
+    edges = np.isin(kinds, [cnn.OPS["import"], cnn.OPS["export"]])
+    shared = np.isin(kinds, [cnn.OPS[k] for k in SHARED]) | edges & (
+        made.records[:, cnn.FIELDS.index("x1")] == 0)
     assert made.records[:, cnn.FIELDS.index("split")].sum() == shared.sum() > 0
     values = [feeds[n] for n in names]
     reference = ort.InferenceSession(path)
@@ -141,13 +143,15 @@ def _resnet_at(side: int) -> tuple[str, dict[str, np.ndarray]]:
     return path, {name: x}
 
 
-def test_a_session_of_two_threads_takes_a_large_cnn_natively_on_the_pool(monkeypatch):
-    """resnet_basic at 224x224 (~7.5e7 multiply-adds, above ``SMALL``), ``LARGE`` above it:
-    native at two threads, its runs share the split records with the pool (the workload asks
-    torch's count), ONNX Runtime's outputs; at one thread the partition keeps oneDNN Graph's
-    route."""
-    monkeypatch.setattr(native_cnn, "LARGE", 1 << 62)
-    path, feeds = _resnet_at(224)
+def test_a_session_of_two_threads_takes_a_large_unet_natively_on_the_pool():
+    """unet_resize at 192x192 (above ``SMALL``, its plan with ``GLUE``: a transposed convolution,
+    a resize, concatenations): native at two threads, its runs sharing the split records with the
+    pool (the workload asks torch's count), ONNX Runtime's outputs; at one thread the partition
+    keeps oneDNN Graph's route."""
+    path = f"{CORPUS}/unet_resize_dyn20.onnx"
+    name = ort.InferenceSession(path).get_inputs()[0].name
+    x = np.random.default_rng(4).standard_normal((1, 3, 192, 192)).astype(np.float32)
+    feeds = {name: x}
     want = ort.InferenceSession(path).run(None, feeds)
     library = build.library("cnn")
     routes = {}
@@ -169,6 +173,18 @@ def test_a_session_of_two_threads_takes_a_large_cnn_natively_on_the_pool(monkeyp
     assert routes == {1: ["onednn_graph"], 2: ["native"]}
 
 
+def test_a_plain_chain_of_convolutions_keeps_the_one_thread_rule_at_two_threads():
+    """resnet_basic at 224x224 (~4.7e8 multiply-adds, no ``GLUE``): oneDNN Graph's route at two
+    threads as at one (its plain chains ran faster there)."""
+    path, feeds = _resnet_at(224)
+    session = InferenceSession(path, backends=["CpuAcc", "CpuRef"],
+                               input_shapes={k: list(v.shape) for k, v in feeds.items()},
+                               provider_options=[{"CpuAcc.threads": 2}, {}])
+    loaded = session.runtime.network(session.network_id)
+    assert [getattr(s.workload, "route", "?") for s, lay in zip(loaded.steps, loaded.layers)
+            if lay.op_type == "OneDnnGraph"] == ["onednn_graph"]
+
+
 def test_a_one_thread_run_of_a_split_plan_never_wakes_the_pool(monkeypatch):
     """The rule lifted, a one-thread session plans resnet_basic at 224x224 natively, its large
     convolutions split; its runs (torch's count 1) leave every item to the caller."""
@@ -188,7 +204,15 @@ def test_a_one_thread_run_of_a_split_plan_never_wakes_the_pool(monkeypatch):
     assert _items(library) == before
 
 
-def test_the_size_rule_reads_the_session_threads(monkeypatch):
-    monkeypatch.setattr(native_cnn, "LARGE", 1 << 62)
-    assert native_cnn.size_rule(1) == native_cnn.SMALL
-    assert native_cnn.size_rule(2) == native_cnn.size_rule(4) == 1 << 62
+def test_the_size_rule_reads_the_session_threads_and_the_plan(monkeypatch):
+    """``SMALL`` at one thread; at two or more ``LARGE`` for a plan with ``GLUE``, ``SMALL`` for
+    one without (a plan of a convolution alone)."""
+    rows = np.zeros((2, cnn.NF), np.int64)
+    rows[:, 0] = [cnn.OPS["conv"], cnn.OPS["export"]]
+    chain = cnn.Plan(rows, np.zeros(16, np.float32), 16, [], [])
+    glued = cnn.Plan(rows.copy(), np.zeros(16, np.float32), 16, [], [])
+    glued.records[1, 0] = cnn.OPS["resize"]
+    assert native_cnn.size_rule(1, glued) == native_cnn.size_rule(1, chain) == native_cnn.SMALL
+    assert native_cnn.size_rule(2, chain) == native_cnn.size_rule(4, chain) == native_cnn.SMALL
+    assert native_cnn.size_rule(2, glued) == native_cnn.size_rule(4, glued) == native_cnn.LARGE
+    assert native_cnn.LARGE > native_cnn.SMALL

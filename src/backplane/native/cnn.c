@@ -239,6 +239,13 @@ int backplane_cnn_half(void) {
    caller's input then output pointers (an import's F_IN, an export's F_OUT index it). */
 static int step(const int64_t *f, const float *params, float *arena, float *const *ext);
 
+/* One record: on the pool's `workers` and the caller where it is split, else on the caller. */
+static inline int run_record(const int64_t *f, const float *params, float *arena,
+                             float *const *ext, int workers) {
+    if (workers && f[F_SPLIT] && split_step(f, params, arena, ext, workers)) return 0;
+    return step(f, params, arena, ext);
+}
+
 /* On the threads backplane_cnn_threads asked for in this thread: the split records on the pool
    (where no other run holds it), the others on the caller; else every record on the caller. */
 int backplane_cnn_run(const int64_t *records, int64_t count, const float *params, float *arena,
@@ -246,17 +253,34 @@ int backplane_cnn_run(const int64_t *records, int64_t count, const float *params
     if (asked > 1 && pthread_mutex_trylock(&team.owner) == 0) {
         const int workers = pool_workers((int)asked - 1);
         int failed = 0;
-        for (int64_t i = 0; i < count && !failed; ++i) {
-            const int64_t *f = records + i * NF;
-            if (workers && f[F_SPLIT] && split_step(f, params, arena, workers)) continue;
-            if (step(f, params, arena, ext)) failed = (int)i + 1;
-        }
+        for (int64_t i = 0; i < count && !failed; ++i)
+            if (run_record(records + i * NF, params, arena, ext, workers)) failed = (int)i + 1;
         pthread_mutex_unlock(&team.owner);
         return failed;
     }
     for (int64_t i = 0; i < count; ++i)
         if (step(records + i * NF, params, arena, ext)) return (int)i + 1;
     return 0;
+}
+
+/* Each record's best wall seconds over `times` runs (seconds[i], at most its value given) on the
+   threads asked, as backplane_cnn_run runs it: on a busy machine a record's best run is one
+   that met a quiet moment, where a whole run's seldom does (the bench's per-layer figures at
+   more than one thread). */
+int backplane_cnn_profile_best(const int64_t *records, int64_t count, const float *params,
+                               float *arena, float *const *ext, double *seconds, int64_t times) {
+    const int pooled = asked > 1 && pthread_mutex_trylock(&team.owner) == 0;
+    const int workers = pooled ? pool_workers((int)asked - 1) : 0;
+    int failed = 0;
+    for (int64_t t = 0; t < times && !failed; ++t)
+        for (int64_t i = 0; i < count && !failed; ++i) {
+            const int64_t start = now_ns();
+            if (run_record(records + i * NF, params, arena, ext, workers)) failed = (int)i + 1;
+            const double took = 1e-9 * (double)(now_ns() - start);
+            seconds[i] = took < seconds[i] ? took : seconds[i];
+        }
+    if (pooled) pthread_mutex_unlock(&team.owner);
+    return failed;
 }
 
 /* The same, with each record's thread CPU seconds summed into seconds[i] over `times` runs: the

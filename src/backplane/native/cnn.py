@@ -69,17 +69,20 @@ move or an elementwise pass of ~30-50 us."""
 
 def _work(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each record's multiply-adds where it is a convolution, and elements where it is one of
-    the other kinds ``cnn_split.h`` shares (0 for any other)."""
+    the other kinds ``cnn_split.h`` shares (0 for any other; an edge of float32, whose F_X1 is
+    0: ``cnn_split.h`` leaves a float16 or integer one to the caller)."""
     col = {name: records[:, FIELDS.index(name)] for name in
            ("op", "n", "c", "oh", "ow", "kh", "kw", "macs")}
     op, macs = col["op"], col["macs"]
     convolutions = np.where(np.isin(op, [OPS["conv"], OPS["dwconv"]]), macs, 0)
     out = col["n"] * col["oh"] * col["ow"] * col["c"]
+    edges = np.isin(op, [OPS["import"], OPS["export"]]) & (records[:, FIELDS.index("x1")] == 0)
     elements = np.select(
-        [np.isin(op, [OPS["maxpool"], OPS["avgpool"]]), op == OPS["resize"],
+        [edges, np.isin(op, [OPS["maxpool"], OPS["avgpool"]]), op == OPS["resize"],
          np.isin(op, [OPS["slice"], OPS["softmax"]]),
          np.isin(op, [OPS["gather"], OPS["scatter"], OPS["arith"], OPS["act"]])],
-        [out * col["kh"] * col["kw"], out * 4, col["n"] * col["c"], col["n"]], 0)
+        [col["n"] * col["c"] * records[:, FIELDS.index("h")] * records[:, FIELDS.index("w")],
+         out * col["kh"] * col["kw"], out * 4, col["n"] * col["c"], col["n"]], 0)
     return convolutions, elements
 
 
@@ -402,6 +405,27 @@ class Executor(ArenaExecutor):
             fn(*self.pointers[:1], self.count, self.pointers[1], self.arena.ctypes.data, ext,
                seconds.ctypes.data, times)
         return list(seconds / times)
+
+    def profile_best(self, values: Sequence[np.ndarray], times: int = 20,
+                     threads: int = 1) -> list[float]:
+        """Each record's best wall seconds of ``times`` runs on ``threads`` threads (split records
+        on the pool): the per-layer figures of a run at more than one thread."""
+        fn = self.library.backplane_cnn_profile_best
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        values = [np.ascontiguousarray(v, t) for v, t in zip(values, self.plan.input_dtypes)]
+        outputs = [np.empty(shape, t) for shape, t in zip(self.plan.output_shapes,
+                                                          self.plan.output_dtypes)]
+        ext = (ctypes.c_void_p * self.edges)(*[a.ctypes.data for a in (*values, *outputs)])
+        seconds = np.full(self.count, np.inf)
+        with self.lock:
+            was = self.ask(threads)
+            try:
+                fn(*self.pointers[:1], self.count, self.pointers[1], self.arena.ctypes.data, ext,
+                   seconds.ctypes.data, times)
+            finally:
+                self.ask(was)
+        return list(seconds)
 
     def numpy(self, *values: np.ndarray) -> list[np.ndarray]:
         """The plan run on NumPy arrays (the torch-free session's run, tests, the bench): fresh

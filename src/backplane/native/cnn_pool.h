@@ -39,6 +39,7 @@ static struct {
     const int64_t *f;
     float *A;
     const float *P;
+    float *const *ext;            /* the caller's edges (an import's or export's part reads them) */
     part_fn fn;
     int64_t items, grain;
     _Atomic int want;             /* workers asked to take part (the run's threads - 1) */

@@ -70,13 +70,47 @@ static void softmax_part(const int64_t *f, float *A, const float *P, int64_t r0,
     softmax_rows(f, A, P, r0, r1);
 }
 
+/* An import's or export's items: blocks of SPAN / 16 pixels of one image. */
+static inline int64_t edge_blocks(const int64_t *f) {
+    return (f[F_H] * f[F_W] + SPAN / 16 - 1) / (SPAN / 16);
+}
+
+/* NCHW to NHWC (import_nchw's moves) or back (export_nchw's), blocks [b, e) of the N images'. */
+static void edge_part(const int64_t *f, float *A, const float *P, int64_t b, int64_t e) {
+    (void)P;
+    const int64_t C = f[F_C], HW = f[F_H] * f[F_W], blocks = edge_blocks(f);
+    const int in = f[F_OP] == OP_IMPORT;
+    for (int64_t item = b; item < e; ++item) {
+        const int64_t n = item / blocks, p0 = item % blocks * (SPAN / 16);
+        const int64_t p1 = p0 + SPAN / 16 < HW ? p0 + SPAN / 16 : HW;
+        if (in) {
+            const float *restrict x = team.ext[f[F_IN]] + n * C * HW;
+            float *restrict y = A + f[F_OUT] + n * C * HW;
+            for (int64_t p = p0; p < p1; ++p)
+                for (int64_t c = 0; c < C; ++c) y[p * C + c] = x[c * HW + p];
+        } else {
+            const float *restrict x = A + f[F_IN] + n * C * HW;
+            float *restrict y = team.ext[f[F_OUT]] + n * C * HW;
+            for (int64_t c = 0; c < C; ++c)
+                for (int64_t p = p0; p < p1; ++p) y[c * HW + p] = x[p * C + c];
+        }
+    }
+}
+
 static inline int64_t spans(int64_t n) { return (n + SPAN - 1) / SPAN; }
 
 /* A split record on the pool's `workers` and the caller; 0 where its kind is not split (the
    caller runs it alone). */
-static int split_step(const int64_t *f, const float *P, float *A, int workers) {
+static int split_step(const int64_t *f, const float *P, float *A, float *const *ext,
+                      int workers) {
     const int64_t rows = f[F_N] * f[F_OH];
     switch (f[F_OP]) {
+    case OP_IMPORT:
+    case OP_EXPORT:  /* float32 edges in NCHW only (not float16, indices, nor a plain copy) */
+        if (f[F_X1] || f[F_H] * f[F_W] == 1 || f[F_C] == 1) return 0;
+        team.ext = ext;
+        pool_run(edge_part, f, A, P, f[F_N] * edge_blocks(f), 1, workers);
+        return 1;
     case OP_CONV:
         if (f[F_SCR] >= 0) pool_run(frame_part, f, A, P, f[F_N] * f[F_PH], 8, workers);
         pool_run(conv_part, f, A, P, conv_items(f), 1, workers);

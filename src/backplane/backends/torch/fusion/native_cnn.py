@@ -31,12 +31,18 @@ from backplane.runtime import host_route
 log = logging.getLogger("backplane.torch")
 
 SMALL = 16_000_000
-"""The most multiply-adds a partition runs natively under "auto" in a one-thread session: the
-native kernels win by oneDNN Graph's fixed costs, which a large image outgrows (measured: see
-docs/torch-backends.md, "The native CNN route")."""
-LARGE = SMALL
-"""The most in a session of two threads or more, whose plan's large records the threads share
-(``native/cnn_pool.h``)."""
+"""The most multiply-adds a partition runs natively under "auto" (at any thread count where it is
+a chain of convolutions and pools): the native kernels win by oneDNN Graph's fixed costs, which a
+large image outgrows (measured: see docs/torch-backends.md, "The native CNN route")."""
+LARGE = 1 << 62
+"""The most where the session has two threads or more and the plan has ``GLUE``: its large
+records shared by the threads (``native/cnn_pool.h``); no bound was measured."""
+GLUE = ("deconv", "resize", "slice", "gather", "scatter", "softmax")
+"""The records that make a plan more than a chain of convolutions (a U-Net's transposed
+convolution, resizes and concatenations, a detector's slices, reshapes and softmax). Why the
+rule reads them: at two threads oneDNN Graph ran the full tier's plain chains (resnet_basic,
+mobilenet_dw at 224x224) ~15% faster than the native plan at its best runs, and the plans with
+these records 1.5-2.2x slower (docs/torch-backends.md, "On two threads")."""
 ROUTE = "native"
 
 
@@ -59,9 +65,15 @@ def session_threads(backend: Any) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def size_rule(threads: int) -> int:
-    """The most multiply-adds a partition planned natively may have at ``threads`` threads."""
-    return SMALL if threads < 2 else LARGE
+def size_rule(threads: int, planned: Any = None) -> int:
+    """The most multiply-adds ``planned`` (a ``native.cnn.Plan``) may have to run natively at
+    ``threads`` threads: ``LARGE`` at two or more where it has ``GLUE``, else ``SMALL``."""
+    if threads < 2 or planned is None:
+        return SMALL
+    from backplane.native.cnn import OPS
+
+    glued = np.isin(planned.records[:, 0], [OPS[name] for name in GLUE]).any()
+    return LARGE if glued else SMALL
 
 
 def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload | None:
@@ -103,9 +115,9 @@ def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
         log.debug("%s: not native (%s)", layer.name, why)
         return None
     threads = session_threads(backend)
-    if planned.flops > size_rule(threads):
+    if planned.flops > size_rule(threads, planned):
         log.debug("%s: not native (%d multiply-adds, above %d at %d threads)", layer.name,
-                  planned.flops, size_rule(threads), threads)
+                  planned.flops, size_rule(threads, planned), threads)
         return None
     try:
         built = library("cnn")
@@ -177,7 +189,7 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     if planned is None:
         return None
     threads = session_threads(backend)
-    if planned.flops > size_rule(threads):
+    if planned.flops > SMALL:  # the CRNN's and detectors' heads: not measured at two threads
         return None
     try:
         executor = Executor(planned, library("cnn"), threads)
