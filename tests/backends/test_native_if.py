@@ -159,6 +159,22 @@ def test_built_networks_against_cpuref_and_ort(calls):
 
 
 @needs_library
+def test_the_networks_own_run_takes_the_c_too(calls):
+    """The loaded network's ``execute`` (what a run the direct run does not take goes through:
+    ``steps.straight_run``) calls the same plan; a float64 input, which it was not made for,
+    runs the steps."""
+    model = _if_model()
+    session = _session(model)
+    x = (RNG.standard_normal((2, 8)) + 2).astype(np.float32)
+    want = _session(model, "off").run(None, {"x": x})
+    got = _network(session).execute([x])
+    assert len(calls) == 1
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert _network(session).execute.native([x.astype(np.float64)]) is None
+
+
+@needs_library
 def test_a_sum_and_a_mean_are_cpurefs_bit_for_bit(calls):
     """NumPy's pairwise float32 sum, in its order: the same bits as CpuRef's for 1 to 300 values
     (under 8 in order, eight running sums to 128, halves past it)."""
@@ -240,6 +256,20 @@ def test_what_the_c_refuses_runs_the_kernels(calls):
     model = _model(shaped, {"zero": np.array(0.0, np.float32)}, [_value("y", F, "batch", 8)])
     _agrees(model, {"x": RNG.standard_normal((3, 8)).astype(np.float32)})
     assert not calls
+
+
+@needs_library
+def test_large_values_run_the_kernels(calls):
+    """Past MOST_VALUES elements in a buffer the kernels run (NumPy's SIMD loops and BLAS win
+    there); below it the C. Both as CpuRef computes."""
+    path = str(CORPUS / "cond_nested_dyn18.onnx")
+    session = _session(path)
+    rows = native_net.MOST_VALUES // 16
+    for batch in (rows, rows + 1, 4 * rows):
+        calls.clear()
+        _agrees(path, {"x": RNG.standard_normal((batch, 16)).astype(np.float32)}, session)
+        assert len(calls) == (batch == rows)
+    assert _network(session).execute.native.refused == {((rows + 1, 16),), ((4 * rows, 16),)}
 
 
 def _network(session):

@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-int64_t backplane_loop_version(void) { return 3; }
+int64_t backplane_loop_version(void) { return 4; }
 
 enum {
     OP_COPY = 1,      /* out[0:n0] = a[0:n0], n0 bytes */
@@ -72,32 +72,58 @@ static void gemm(const int64_t *r, const double *p, void **ptrs) {
     const float *C = r[4] >= 0 ? (const float *)ptrs[r[4]] : 0;
     float alpha = (float)p[0], beta = (float)p[1];
     float *out = ptrs[r[1]];
+    /* each output's sum over k in order, as before, but a row of them at a time (k outer, n
+     * inner: the n loop vectorizes without reordering any one sum) where B is not transposed
+     * (the plan transposes a constant B once) */
     for (int64_t m = 0; m < M; ++m) {
-        for (int64_t n = 0; n < N; ++n) {
-            float sum = 0.0f;
-            for (int64_t k = 0; k < K; ++k) {
-                float x = ta ? A[k * M + m] : A[m * K + k];
-                float w = tb ? B[n * K + k] : B[k * N + n];
-                sum += x * w;
+        float *row = out + m * N;
+        for (int64_t n = 0; n < N; ++n) row[n] = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+            float x = ta ? A[k * M + m] : A[m * K + k];
+            if (tb) {
+                for (int64_t n = 0; n < N; ++n) row[n] += x * B[n * K + k];
+            } else {
+                const float *b = B + k * N;
+                for (int64_t n = 0; n < N; ++n) row[n] += x * b[n];
             }
+        }
+        for (int64_t n = 0; n < N; ++n) {
+            float sum = row[n];
             if (alpha != 1.0f) sum *= alpha;
             if (C) {
                 float bias = (op >> 10) & 1 ? C[n] : (op >> 11) & 1 ? C[m]
                            : (op >> 12) & 1 ? C[0] : C[m * N + n];
                 sum += beta != 1.0f ? beta * bias : bias;
             }
-            out[m * N + n] = sum;
+            row[n] = sum;
         }
     }
 }
 
+/* out[j] = expr(u = a[j % n1], v = b[j % n2]): where one side is whole (n0 values) and the other
+ * repeats (n0 a multiple of its size: a scalar, a row) in rows of that size with no division per
+ * value (the loops vectorize); the modulo for any other. */
 #define BROADCAST(T, U, expr)                                              \
     do {                                                                   \
         const T *x = a, *y = b;                                            \
         U *o = out;                                                        \
-        for (int64_t j = 0; j < n0; ++j) {                                 \
-            T u = x[j % n1], v = y[j % n2];                                \
-            o[j] = (expr);                                                 \
+        if (n1 == n0 && n2 > 0 && n0 % n2 == 0) {                          \
+            for (int64_t s = 0; s < n0; s += n2)                           \
+                for (int64_t c = 0; c < n2; ++c) {                         \
+                    T u = x[s + c], v = y[c];                              \
+                    o[s + c] = (expr);                                     \
+                }                                                          \
+        } else if (n2 == n0 && n1 > 0 && n0 % n1 == 0) {                   \
+            for (int64_t s = 0; s < n0; s += n1)                           \
+                for (int64_t c = 0; c < n1; ++c) {                         \
+                    T u = x[c], v = y[s + c];                              \
+                    o[s + c] = (expr);                                     \
+                }                                                          \
+        } else {                                                           \
+            for (int64_t j = 0; j < n0; ++j) {                             \
+                T u = x[j % n1], v = y[j % n2];                            \
+                o[j] = (expr);                                             \
+            }                                                              \
         }                                                                  \
     } while (0)
 

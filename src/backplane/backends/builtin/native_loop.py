@@ -35,7 +35,7 @@ from backplane.native.build import NativeUnavailable, library
 
 ndarray = np.ndarray
 
-VERSION = 3
+VERSION = 4
 """``loop.c``'s ``backplane_loop_version``: the records and the call this module makes."""
 _FUNCTIONS: list[Any] = []
 

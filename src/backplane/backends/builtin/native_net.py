@@ -16,8 +16,9 @@ network (``steps.straight_run``) asks at load. Per signature (the inputs' shapes
 at the first call with it: each value a buffer of the plan's arena, the inputs' and the outputs'
 data written into its table of addresses per call; an output a fresh array, the caller's alone.
 A network with a layer the C does not run (any other op, a MemImport, a body that is not flat), a
-signature it refuses (an If's branches of two shapes, a shape computed from data), a call under a
-stop or from a second thread at once runs the steps as before. Values are CpuRef's to float32
+signature it refuses (an If's branches of two shapes, a shape computed from data, a value of more
+than MOST_VALUES elements), a call under a stop or from a second thread at once runs the steps as
+before. Values are CpuRef's to float32
 rounding (a Gemm's sum in k's order, BLAS's in blocks; libm's tanhf and expf); a sum or a mean
 over all axes is NumPy's pairwise sum, CpuRef's bit for bit.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +43,11 @@ log = logging.getLogger(__name__)
 
 SIGNATURES = 64
 """The most input signatures a network keeps a plan for (past them, new ones run the steps)."""
+MOST_VALUES = 512
+"""The most values (elements) a plan's buffer may hold: past a few hundred, NumPy's own loops
+(its SIMD tanh, BLAS's products) beat this C's plain ones and the calls it saves no longer
+count (cond_nested_dyn18 at 1 thread: batch 32, tensors of 512 values, 6.8-9.1 us in C against
+10.2-15.8 through the kernels; batch 128, 2048 values, 21-31 against 12-19)."""
 _FUNCTIONS: list[Any] = []
 
 
@@ -72,7 +79,8 @@ def planner(steps: Sequence[Any], layers: Sequence[Any], template: Sequence[Any]
 
 class NativeNetwork:
     """A network's plans by signature (``hosted``: input shapes -> the NumPy run of its plan, the
-    direct run's lookup) and the call that makes one at a signature's first call (``make``)."""
+    direct run's lookup; a refused signature's run declines, returning None) and the call that
+    makes one at a signature's first call (``make``)."""
 
     def __init__(self, steps: Sequence[Any], layers: Sequence[Any], template: Sequence[Any],
                  input_slots: Sequence[int], output_slots: Sequence[int]) -> None:
@@ -92,7 +100,7 @@ class NativeNetwork:
             shapes.append(value.shape)
         key = tuple(shapes)
         host = self.hosted.get(key) or self.make(key, values)
-        return host(*values) if host is not None else None
+        return host(*values) if host is not None else None  # type: ignore[no-any-return]
 
     def make(self, key: tuple[Any, ...], values: Sequence[Any]) -> Callable[..., Any] | None:
         """The NumPy run for the signature ``key`` of ``values``: made and kept at its first call,
@@ -101,7 +109,7 @@ class NativeNetwork:
             found = self.hosted.get(key)
             if found is not None or key in self.refused:
                 return found
-            if len(self.hosted) + len(self.refused) >= SIGNATURES:
+            if len(self.hosted) >= SIGNATURES:
                 return None
             try:
                 found = _host(self._plan(values), _function())
@@ -112,8 +120,7 @@ class NativeNetwork:
                 found = None
             if found is None:
                 self.refused.add(key)
-            else:
-                self.hosted[key] = found
+            self.hosted[key] = found or _declined  # a refused signature's lookup: no lock again
             return found
 
     def _plan(self, values: Sequence[Any]) -> Built:
@@ -133,6 +140,8 @@ class NativeNetwork:
             out = plan.buffer(plan.shapes[made], plan.dtypes[made], given=-1 - j)
             plan.body.append([COPY, out, made, -1, -1, plan.bytes_of(made), 0, 0])
             outputs.append(out)
+        if max(map(math.prod, plan.shapes), default=0) > MOST_VALUES:
+            raise Refused  # the kernels' turn (above)
         plan._freeze()
         return Built(plan, [given[slot] for slot in self.input_slots], outputs)
 
@@ -153,6 +162,11 @@ class Built:
         self.block, self.address = block, block.ctypes.data
         self.inputs = [(3 + k, plan.shapes[k], plan.dtypes[k]) for k in inputs]
         self.outputs = [(3 + k, plan.shapes[k], plan.dtypes[k]) for k in outputs]
+
+
+def _declined(*values: Any) -> None:
+    """The run kept for a refused signature: none (the steps run)."""
+    return None
 
 
 def _host(built: Built, fn: Any) -> Callable[..., list[np.ndarray] | None]:

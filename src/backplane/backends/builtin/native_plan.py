@@ -320,6 +320,9 @@ class Plan:
         kb, n = (sb[1], sb[0]) if tb else sb
         if k != kb:
             raise Refused
+        if tb and b in self.fixed:  # a constant weight read as (K, N) rows: its transpose, once
+            b = self.constant(np.ascontiguousarray(self.fixed[b].T))
+            tb = 0
         flags = (ta << 8) | (tb << 9)
         if c >= 0:
             sc = self.shapes[c]
