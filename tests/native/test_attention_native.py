@@ -86,10 +86,11 @@ def _heads(batch, heads, rows, size, generator, scale=1.0):
     return x.view(batch, rows, heads, size).transpose(1, 2)
 
 
-SHAPES = [(1, 4, 128, 128, 16, 16), (2, 3, 13, 29, 8, 12), (1, 2, 1, 1, 4, 4),
-          (1, 4, 64, 64, 64, 64), (3, 1, 9, 17, 5, 33)]
-"""(batch, heads, L, S, E, Ev): the tagger's, rows and keys not whole blocks or vectors with a
-head size below a vector and a tail (12, 33), one query and one key, the GPT's and encoder's."""
+SHAPES = [(1, 4, 128, 128, 16, 16), (1, 4, 48, 48, 8, 8), (2, 3, 13, 29, 8, 12),
+          (1, 2, 1, 1, 4, 4), (1, 4, 64, 64, 64, 64), (3, 1, 9, 17, 5, 33), (1, 2, 8, 8, 24, 24)]
+"""(batch, heads, L, S, E, Ev): the full tier's tagger and the small tier's (head size 8: half an
+AVX-512 vector), rows and keys not whole blocks or vectors with head sizes below a vector and
+tails (12, 33), one query and one key, the GPT's and encoder's, 24 (a vector and a half)."""
 
 
 @pytest.mark.parametrize("march", RUNNABLE)

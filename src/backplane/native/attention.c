@@ -106,6 +106,27 @@ typedef struct {
 SCORES(8)
 SCORES(1)
 
+/* With 16-float vectors, 8 columns left (a head size of 8, 24, 40, ...) in 8-float ones */
+#if VL > 8
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define HALF_VALUES(R)                                                                         \
+    if (c + 8 <= Ev) {                                                                         \
+        v8 half[R];                                                                            \
+        for (int r = 0; r < R; ++r)                                                            \
+            half[r] = (v8){0};                                                                 \
+        for (int64_t j = 0; j < jend; ++j) {                                                   \
+            const v8 b = *(const v8 *)(v + j * vs + c);                                        \
+            for (int r = 0; r < R; ++r)                                                        \
+                half[r] += s[r * sp + j] * b;                                                  \
+        }                                                                                      \
+        for (int r = 0; r < R; ++r)                                                            \
+            *(v8 *)(h->out + (i0 + r) * h->ol + c) = half[r] * inverse[r];                     \
+        c += 8;                                                                                \
+    }
+#else
+#define HALF_VALUES(R)
+#endif
+
 /* out_(i0 + r) = inverse[r] * sum_(j < jend) s[r][j] v_j for r < R */
 #define VALUES(R)                                                                              \
     static void values_##R(const Head *h, int64_t i0, int64_t jend, const float *s,           \
@@ -125,6 +146,7 @@ SCORES(1)
             for (int r = 0; r < R; ++r)                                                        \
                 *(vf *)(h->out + (i0 + r) * h->ol + c) = acc[r] * inverse[r];                  \
         }                                                                                      \
+        HALF_VALUES(R)                                                                         \
         for (; c < Ev; ++c)                                                                    \
             for (int r = 0; r < R; ++r) {                                                      \
                 float acc = 0.0f;                                                              \
