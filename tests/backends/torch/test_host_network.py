@@ -23,8 +23,24 @@ from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 CORPUS = Path(__file__).parents[2] / "data" / "corpus"
 
 
+def _static(name: str, tmp_path: Path) -> str:
+    """The corpus detector with its input's free dimensions fixed to its sample's: no
+    Specialized layer, the session's own network the native plan and the HostChain between
+    MemImports."""
+    import onnx
+
+    model = onnx.load(str(CORPUS / f"{name}.onnx"))
+    for dim, size in zip(model.graph.input[0].type.tensor_type.shape.dim, (1, 3, 32, 32)):
+        dim.ClearField("dim_param")
+        dim.dim_value = size
+    path = tmp_path / f"{name}_static.onnx"
+    onnx.save(model, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("name", ["detect_nms_dyn21", "detect_nms_ts14"])
-def test_detectors_run_as_one_host_network(name, monkeypatch):
+def test_detectors_run_as_one_host_network(name, static, monkeypatch, tmp_path):
     ort = pytest.importorskip("onnxruntime")
     calls: list[bool] = []
     code = host_network._code
@@ -40,12 +56,12 @@ def test_detectors_run_as_one_host_network(name, monkeypatch):
         return counted
 
     monkeypatch.setattr(host_network, "_code", counting)
-    path = str(CORPUS / f"{name}.onnx")
+    path = _static(name, tmp_path) if static else str(CORPUS / f"{name}.onnx")
     session = InferenceSession(path, backends=["CpuAcc", "CpuRef"], runtime=Runtime(
         RuntimeOptions(backend_options={"CpuAcc.threads": 1})))
     ref = InferenceSession(path, providers=["CpuRef"])
     peer = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    for sample in ("s0", "s1"):
+    for sample in ("s0",) if static else ("s0", "s1"):
         feeds = dict(np.load(CORPUS / f"{name}.{sample}.npz"))
         first = session.run(None, feeds)
         calls.clear()
@@ -134,6 +150,30 @@ def test_planner_takes_straight_networks_only():
     assert host_network.planner(unknown, [], [*template, None], [1], [5]) is None
     handover = [_step(double, [1], [2, 3], convert=lambda v: v), _step(add, [2, 3, 4], [5])]
     assert host_network.planner(handover, [], template, [1], [5]) is None
+
+
+def test_handovers_make_a_network_on_the_callers_arrays():
+    """MemImports (the caller's arrays handed to CpuAcc and back) are the same arrays: such a
+    network takes NumPy arrays and gives its outputs as they are; one handed back in part, or
+    a step reading the caller's array itself, is not taken."""
+    double = _offering(lambda a: [a * 2, a + 1])
+    add = _offering(lambda a, b: [a + b])
+    copy = SimpleNamespace(op_type="MemImport")
+    same = lambda v: v  # noqa: E731
+    steps = [_step(None, [1], [2], same), _step(double, [2], [3, 4]), _step(add, [3, 4], [5]),
+             _step(None, [5], [6], same)]
+    layers = [copy, None, None, copy]
+    network = host_network.planner(steps, layers, [None] * 7, [1], [6])
+    assert network is not None and network.on_host
+    (out,) = network([np.float32([1.0, 2.0])])
+    assert type(out) is np.ndarray
+    np.testing.assert_array_equal(out, [4.0, 7.0])
+    assert network([torch.tensor([1.0])]) is None
+    assert host_network.planner(steps, layers, [None] * 7, [1], [6, 5]) is None  # in part
+    direct = [steps[0], _step(double, [1], [3, 4]), *steps[2:]]
+    assert host_network.planner(direct, layers, [None] * 7, [1], [6]) is None
+    other = [SimpleNamespace(op_type="Relu"), None, None, copy]
+    assert host_network.planner(steps, other, [None] * 7, [1], [6]) is None
 
 
 def test_a_run_that_raises_goes_back_to_the_steps():
