@@ -18,9 +18,9 @@ data written into its table of addresses per call; an output a fresh array, the 
 A network with a layer the C does not run (any other op, a MemImport, a body that is not flat), a
 signature it refuses (an If's branches of two shapes, a shape computed from data, a value of more
 than MOST_VALUES elements), a call under a stop or from a second thread at once runs the steps as
-before. Values are CpuRef's to float32
-rounding (a Gemm's sum in k's order, BLAS's in blocks; libm's tanhf and expf); a sum or a mean
-over all axes is NumPy's pairwise sum, CpuRef's bit for bit.
+before. Values are CpuRef's to float32 rounding (a Gemm's sum in k's order, BLAS's in blocks;
+libm's tanhf and expf); a sum or a mean over all axes is NumPy's pairwise sum, CpuRef's bit for
+bit. cond_nested_dyn18 then: 2.3 us of thread CPU a run (1 thread, load 6).
 """
 
 from __future__ import annotations
