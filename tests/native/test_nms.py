@@ -148,6 +148,46 @@ def test_a_second_thread_at_once():
     np.testing.assert_array_equal(bound(boxes, scores)[0], want)
 
 
+def _one_node(batch: int, classes: int, count: int, threshold: bool) -> bytes:
+    from onnx import TensorProto, helper
+
+    names = ["boxes", "scores", "limit", "iou"] + (["threshold"] if threshold else [])
+    shapes = {"boxes": (TensorProto.FLOAT, [batch, count, 4]),
+              "scores": (TensorProto.FLOAT, [batch, classes, count]),
+              "limit": (TensorProto.INT64, [1]), "iou": (TensorProto.FLOAT, [1]),
+              "threshold": (TensorProto.FLOAT, [1])}
+    graph = helper.make_graph(
+        [helper.make_node("NonMaxSuppression", names, ["selected"])], "nms",
+        [helper.make_tensor_value_info(n, *shapes[n]) for n in names],
+        [helper.make_tensor_value_info("selected", TensorProto.INT64, [None, 3])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)],
+                             ir_version=8).SerializeToString()
+
+
+@needs_library
+@pytest.mark.parametrize("seed", range(24))
+def test_ties_in_onnx_runtimes_order(seed):
+    """Scores of five values only (most of a class's candidates tie): the C keeps ONNX
+    Runtime's rows, in its order, on both of its sorts (insertion to 256 boxes, qsort past)."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(seed)
+    batch, classes = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+    count = int(rng.choice([5, 40, 64, 300]))
+    corner = rng.uniform(0, 30, (batch, count, 2))
+    boxes = np.concatenate([corner, corner + rng.uniform(1, 10, (batch, count, 2))], -1)
+    feeds = {"boxes": boxes.astype(np.float32),
+             "scores": rng.choice(np.float32([0.1, 0.3, 0.3, 0.5, 0.9]), (batch, classes, count)),
+             "limit": np.array([rng.choice([3, 10, 1000])], np.int64),
+             "iou": np.array([rng.choice([0.0, 0.3, 0.5, 0.9])], np.float32)}
+    if seed % 2:
+        feeds["threshold"] = np.array([0.2], np.float32)
+    peer = ort.InferenceSession(_one_node(batch, classes, count, seed % 2 == 1),
+                                providers=["CPUExecutionProvider"])
+    want = peer.run(None, feeds)[0]
+    got, _ = _both(*feeds.values())
+    np.testing.assert_array_equal(got, want)
+
+
 @needs_library
 def test_no_limit_and_other_types():
     boxes = np.zeros((1, 4, 4), np.float32)
