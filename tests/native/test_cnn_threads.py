@@ -216,3 +216,36 @@ def test_the_size_rule_reads_the_session_threads_and_the_plan(monkeypatch):
     assert native_cnn.size_rule(2, chain) == native_cnn.size_rule(4, chain) == native_cnn.SMALL
     assert native_cnn.size_rule(2, glued) == native_cnn.size_rule(4, glued) == native_cnn.LARGE
     assert native_cnn.LARGE > native_cnn.SMALL
+
+
+def test_two_callers_at_once_get_the_one_thread_outputs(libraries, monkeypatch):
+    """Two Python threads running one split plan at once, each asking two threads: one run holds
+    the pool, the other runs alone (``team.owner`` tried, never waited for), its arena its own;
+    every output is the one-thread run's, bit for bit."""
+    import threading
+
+    path = f"{CORPUS}/unet_resize_ts13.onnx"
+    name = ort.InferenceSession(path).get_inputs()[0].name
+    made, names, _ = _plan(monkeypatch, path, {name: [1, 3, 64, 64]})
+    cnn.split(made.records, 0, 0)
+    executor = cnn.Executor(made, libraries["native"], threads=2)
+    rng = np.random.default_rng(5)
+    images = [rng.standard_normal((1, 3, 64, 64)).astype(np.float32) for _ in range(2)]
+    executor.threads = 1
+    wanted = [executor.numpy(x)[0] for x in images]
+    executor.threads = 2
+    found: list[list[np.ndarray]] = [[], []]
+
+    def calls(index: int) -> None:
+        for _ in range(40):
+            found[index].append(executor.numpy(images[index])[0])
+
+    workers = [threading.Thread(target=calls, args=(i,)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    for index in range(2):
+        assert len(found[index]) == 40
+        for got in found[index]:
+            np.testing.assert_array_equal(got, wanted[index])
