@@ -249,3 +249,24 @@ def test_two_callers_at_once_get_the_one_thread_outputs(libraries, monkeypatch):
         assert len(found[index]) == 40
         for got in found[index]:
             np.testing.assert_array_equal(got, wanted[index])
+
+
+def test_a_traced_partitions_head_above_small_is_native_at_two_threads():
+    """crnn_paddle_ts12's s1 (batch 2: its convolutions' 2.7e7 multiply-adds, above ``SMALL``):
+    at two threads its head runs natively (``traced_prefix``, ``LARGE``: the rest's route is
+    traced either way), at one the partition stays traced whole; ONNX Runtime's outputs."""
+    path = f"{CORPUS}/crnn_paddle_ts12.onnx"
+    feeds = dict(np.load(f"{CORPUS}/crnn_paddle_ts12.s1.npz"))
+    want = ort.InferenceSession(path).run(None, feeds)
+    routes = {}
+    for threads in (1, 2):
+        session = InferenceSession(path, backends=["CpuAcc", "CpuRef"],
+                                   input_shapes={k: list(v.shape) for k, v in feeds.items()},
+                                   provider_options=[{"CpuAcc.threads": threads}, {}])
+        loaded = session.runtime.network(session.network_id)
+        routes[threads] = [getattr(s.workload, "route", "?") for s, lay in
+                           zip(loaded.steps, loaded.layers) if lay.op_type == "Traced"]
+        for g, w in zip(session.run(None, feeds), want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
+    assert not any(r.startswith("native") for r in routes[1])
+    assert routes[2] and all(r.startswith("native+") for r in routes[2])

@@ -160,7 +160,10 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     them, run natively, and its other layers as a Traced layer of their own (``rest``, traced's
     workload); or None (``native_workload``'s rules). Why: a detector's or a CRNN's backbone
     ends in layers the plan does not take (an NMS's glue, an LSTM), which kept the whole partition
-    traced, its convolutions on torch's (detect_nms_ts14's on the im2col path: 270 us of 890)."""
+    traced, its convolutions on torch's (detect_nms_ts14's on the im2col path: 270 us of 890).
+    The size rule: ``SMALL`` at one thread, ``LARGE`` at two or more (the alternative is the
+    traced route, not oneDNN Graph's: the full tier's CRNN ran 0.82 of its best wall, 0.21 of
+    its 10th percentile, ``bench/cnn_threads.py``)."""
     from backplane.native import NativeUnavailable, library
     from backplane.native.cnn import Executor, Unplannable, plan
 
@@ -189,7 +192,7 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     if planned is None:
         return None
     threads = session_threads(backend)
-    if planned.flops > SMALL:  # the CRNN's and detectors' heads: not measured at two threads
+    if planned.flops > (SMALL if threads < 2 else LARGE):  # the rest's route is traced anyway
         return None
     try:
         executor = Executor(planned, library("cnn"), threads)
