@@ -7,11 +7,14 @@ scores, written and read again by each, then a copy that merges the heads. The C
 the keys a causal mask hides (each is the fill: half a GPT's products), and writes the output in
 the merged-heads layout (``MERGED``), so that the exporter's Transpose and Reshape after it are
 views. The full tier's tagger (4 heads, L = S = 128, head size 16, a padding mask), 1 thread,
-thread CPU, load 8: torch's ops 92-98 us a layer, this op 60 (its Python body and the dispatcher's
-call of it ~2 of that). Float32 sums in another order than torch's, a rounding or so apart.
+thread CPU, load 8-12: torch's ops 92-98 us a layer, this op 67 with its kernel in C
+(``attention_op.h``), 73 with the kernel in Python. Float32 sums in another order than torch's,
+a rounding or so apart.
 
 Where: ``CpuAcc.native`` "auto", float32 on the CPU, the library built (``usable``); in a trace
-the op ``backplane::native_attention``. Threads: a call's items (a batch-head's 32 query rows)
+the op ``backplane::native_attention_c``, whose kernel is the C itself where torch has its stable
+C ABI (``in_c``; else, and for operands the C does not take, ``backplane::native_attention``,
+the kernel in Python). Threads: a call's items (a batch-head's 32 query rows)
 are claimed by the threads of torch's own OpenMP team (``team``: libgomp's GOMP_parallel, the
 call torch's parallel regions make; no pool of ours spinning beside it, ``native/cnn_pool.h``
 says why not one), as many as torch's count in the calling thread, which CpuAcc's governor

@@ -28,9 +28,12 @@ at the full-tier encoder's 4 x 32 x 64 (no mask) it took 194 us against these op
 On CpuAcc with ``CpuAcc.native`` "auto" a float32 layer is one call of backplane's C instead
 (``native/attention``, ``_Native``): the scores of a few query rows kept in L1 from the product
 to the softmax to V, the keys a constant causal condition hides never computed, the output in
-the merged-heads layout. The full-tier tagger, thread CPU of a run at 1 thread, 14271f4 against
-this, load 7-9: 1.24-1.28 -> 1.08-1.10 ms; at 2 threads (process CPU) 1.47-1.50 -> 1.34-1.39.
-A trace for oneDNN Graph's fuser keeps torch's ops (the fuser takes them into its partitions).
+the merged-heads layout. CPU time of a run at 1 thread, 14271f4 against this, alternating
+processes (load 7-12): the full tier's char_tagger 1.21-1.26 -> 1.02-1.09 ms, gpt_causal
+3.03-3.32 -> 2.72-2.99, encoder4_plain 1.35-1.47 -> 1.21-1.37; the small tier's char_tagger
+0.172 -> 0.145, gpt_causal 0.052 -> 0.040, encoder_padmask_dyn17 0.057 -> 0.048, gpt_sdpa 0.052
+-> 0.044, gpt_fp16 0.058 -> 0.048. A trace for oneDNN Graph's fuser keeps torch's ops (the fuser
+takes them into its partitions).
 """
 
 from __future__ import annotations
