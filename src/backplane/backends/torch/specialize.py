@@ -232,6 +232,8 @@ def _loaded(graph: Graph, backend: Any) -> Callable[..., tuple[Any, ...]]:
         return tuple(outputs)
 
     host = host_route.of(alone) if alone is not None else None
+    if host is None and not any(folded):  # steps that all run on NumPy, as one (host_network)
+        host = host_route.of(getattr(loaded.execute, "native", None))
     if host is not None:  # the one step's NumPy run is this build's (runtime/host_route.py)
         host_route.offer(run, host)
     run.graph = graph  # type: ignore[attr-defined]  # what was built, for tests and debugging
