@@ -72,11 +72,11 @@ def _reference(q, k, v, mask=None, cond=None, invert=False, diagonal=None, fill=
 
 
 def _run(function, q, k, v, mask=None, cond=None, invert=False, diagonal=None, fill=0.0,
-         alpha=1.0, threads=1):
+         alpha=1.0):
     plan = attention.plan_of(q, k, v, mask, cond, int(invert),
                              attention.NO_DIAGONAL if diagonal is None else diagonal, fill, alpha)
     assert plan is not None
-    return attention.call(function, plan, q, k, v, mask, cond, threads)
+    return attention.call(function, plan, q, k, v, mask, cond)
 
 
 def _heads(batch, heads, rows, size, generator, scale=1.0):
@@ -140,20 +140,6 @@ def test_nan_and_infinities_go_where_onnx_puts_them(functions, march):
     got = _run(function, q, k2, v, diagonal=1, fill=LOWEST)
     want = _reference(q, k2, v, diagonal=1, fill=LOWEST)
     assert torch.equal(got.isnan(), want.isnan()) and not got[0, 1, :4].isnan().any()
-
-
-@pytest.mark.parametrize("march", RUNNABLE)
-def test_torch_s_threads_share_a_call_and_give_the_one_thread_values_bit_for_bit(functions, march):
-    if attention.team() is None:
-        pytest.skip("this torch runs on no libgomp: the C runs on the calling thread only")
-    g = torch.Generator().manual_seed(11)
-    q, k, v = _heads(2, 3, 70, 16, g), _heads(2, 3, 70, 16, g), _heads(2, 3, 70, 24, g)
-    function = functions(march)
-    for case in (dict(mask=torch.randn(70, 70, generator=g)), dict(diagonal=1, fill=LOWEST)):
-        alone = _run(function, q, k, v, alpha=0.5, **case)
-        for threads in (2, 3, 8):  # more threads than items too (2 x 3 heads x 3 chunks)
-            assert torch.equal(_run(function, q, k, v, alpha=0.5, threads=threads, **case), alone)
-        assert torch.allclose(alone.double(), _reference(q, k, v, alpha=0.5, **case), atol=2e-6)
 
 
 def test_the_op_s_kernel_is_the_c_and_gives_the_python_kernel_s_values_bit_for_bit():

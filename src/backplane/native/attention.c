@@ -15,14 +15,13 @@
  * softmax's 1 / sum multiplies the product's rows (not each probability), sums in j's order: a
  * rounding or so from torch's, not bit for bit. GCC's generic vectors, 16 floats with AVX-512, 8
  * without (AVX2, or plain code on other CPUs): one source for every flavour. */
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #pragma GCC optimize("fp-contract=fast") /* FMAs: a rounding or so from separate ops */
 
-#define BACKPLANE_ATTENTION_VERSION 2
+#define BACKPLANE_ATTENTION_VERSION 3
 #define ROWS 8 /* query rows a block: ROWS accumulators share each load of K^T or V */
 #define NO_DIAGONAL INT64_MAX
 
@@ -281,37 +280,24 @@ enum { A_Q, A_K, A_V, A_MASK, A_COND, A_OUT, A_B, A_H, A_L, A_S, A_E, A_EV, A_QB
        A_KB, A_KH, A_KS, A_VB, A_VH, A_VS, A_MB, A_MH, A_ML, A_MS, A_CB, A_CH, A_CL, A_CS, A_OB,
        A_OH, A_OL, A_INVERT, A_DIAGONAL, A_COUNT };
 
-#define CHUNK 32 /* query rows an item: the threads share a call's heads x chunks */
+#define CHUNK 32 /* query rows an item: a call runs its heads x chunks in turn */
 
 static void *at(const int64_t *a, int i) { return (void *)(intptr_t)a[i]; }
 
-typedef struct {
-    const int64_t *a;
-    const float *f; /* fill, alpha */
-    _Atomic int64_t next;
-    _Atomic int failed;
-} Job;
-
-/* Claims items (a batch-head's chunk of CHUNK query rows) from the job's counter until none is
- * left: every thread's body, the caller's among them, so that a thread the scheduler has not run
- * leaves its share to the others */
-static void part(void *data) {
-    Job *job = data;
-    const int64_t *a = job->a;
+/* The attention the plan `a` (A_COUNT values: pointers, sizes, strides; A_DIAGONAL NO_DIAGONAL
+ * or keys j >= i + diagonal masked by the fill) and f (fill, alpha) say, on the calling thread
+ * (backplane.native.attention says why not on torch's team). 0, or -1 where the work memory was
+ * not had. */
+int backplane_attention(const int64_t *a, const float *f) {
     const int64_t H = a[A_H], L = a[A_L], S = a[A_S], E = a[A_E];
     const int64_t chunks = (L + CHUNK - 1) / CHUNK, items = a[A_B] * H * chunks;
     const int64_t sp = (S + VL - 1) / VL * VL;
     const float *mask = at(a, A_MASK);
     const uint8_t *cond = at(a, A_COND);
-    float *work = NULL;
-    for (;;) {
-        const int64_t item = atomic_fetch_add(&job->next, 1);
-        if (item >= items)
-            break;
-        if (!work && !(work = malloc(sizeof(float) * (size_t)(sp * (E + ROWS))))) {
-            atomic_store(&job->failed, 1);
-            break;
-        }
+    float *work = malloc(sizeof(float) * (size_t)(sp * (E + ROWS)));
+    if (!work)
+        return -1;
+    for (int64_t item = 0; item < items; ++item) {
         const int64_t bh = item / chunks, b = bh / H, hh = bh % H, i0 = item % chunks * CHUNK;
         Head h = {L, S, E, a[A_EV],
                   (const float *)at(a, A_Q) + b * a[A_QB] + hh * a[A_QH],
@@ -320,32 +306,12 @@ static void part(void *data) {
                   mask ? mask + b * a[A_MB] + hh * a[A_MH] : NULL,
                   a[A_QL], a[A_KS], a[A_VS], a[A_ML], a[A_MS], a[A_CL], a[A_CS], a[A_OL],
                   cond ? cond + b * a[A_CB] + hh * a[A_CH] : NULL, (int)a[A_INVERT],
-                  a[A_DIAGONAL], job->f[0], job->f[1],
+                  a[A_DIAGONAL], f[0], f[1],
                   (float *)at(a, A_OUT) + b * a[A_OB] + hh * a[A_OH]};
         rows_of(&h, i0, i0 + CHUNK < L ? i0 + CHUNK : L, work, sp, work + sp * E);
     }
     free(work);
-}
-
-typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
-static gomp_parallel_fn team;
-
-/* libgomp's GOMP_parallel as torch's process has it loaded: the OpenMP team torch's own ops run
- * on (its threads spinning from the op before), no pool of ours beside it. NULL: the caller's
- * thread only. */
-void backplane_attention_team(void *gomp_parallel) { team = (gomp_parallel_fn)gomp_parallel; }
-
-/* The attention the plan `a` (A_COUNT values: pointers, sizes, strides; A_DIAGONAL NO_DIAGONAL
- * or keys j >= i + diagonal masked by the fill) and f (fill, alpha) say, on `threads` threads of
- * torch's team (1: the caller's alone). 0, or -1 where the work memory was not had. */
-int backplane_attention(const int64_t *a, const float *f, int threads) {
-    Job job = {a, f, 0, 0};
-    const int64_t items = a[A_B] * a[A_H] * ((a[A_L] + CHUNK - 1) / CHUNK);
-    if (threads > 1 && team && items > 1)
-        team(part, &job, (unsigned)(threads < items ? threads : items), 0);
-    else
-        part(&job);
-    return atomic_load(&job.failed) ? -1 : 0;
+    return 0;
 }
 
 int backplane_attention_arguments(void) { return A_COUNT; }

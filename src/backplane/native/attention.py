@@ -14,12 +14,12 @@ a rounding or so apart.
 Where: ``CpuAcc.native`` "auto", float32 on the CPU, the library built (``usable``); in a trace
 the op ``backplane::native_attention_c``, whose kernel is the C itself where torch has its stable
 C ABI (``in_c``; else, and for operands the C does not take, ``backplane::native_attention``,
-the kernel in Python). Threads: a call's items (a batch-head's 32 query rows)
-are claimed by the threads of torch's own OpenMP team (``team``: libgomp's GOMP_parallel, the
-call torch's parallel regions make; no pool of ours spinning beside it, ``native/cnn_pool.h``
-says why not one), as many as torch's count in the calling thread, which CpuAcc's governor
-(``threads``) lowers to 1 on a busy machine: a team forced to 2 at load 9 ran the tagger at 44 ms
-a run instead of 2.7 (the region's end waits for a thread the scheduler has not run).
+the kernel in Python). On the calling thread, at any thread count: a call's items run on
+torch's own OpenMP team (libgomp's GOMP_parallel, handed to the C) ran the tagger at 44 ms a
+run instead of 2.7 where the team was forced to two threads at load 9 (a region's end waits for
+a thread the scheduler has not run), 780-1020 us a call against 154 at load 4, and in a test
+process the team's second thread sometimes took no item at all (left for a quiet machine to
+measure: the docs' open items).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from backplane.native.build import NativeUnavailable, library
 
 log = logging.getLogger("backplane.native")
 
-VERSION = 2
+VERSION = 3
 """``attention.c``'s ``backplane_attention_version``."""
 NO_DIAGONAL = (1 << 63) - 1
 """``attention.c``'s NO_DIAGONAL: no causal diagonal."""
@@ -57,9 +57,8 @@ ABI = ("aoti_torch_get_data_ptr", "aoti_torch_get_dim", "aoti_torch_get_numel",
        "aoti_torch_call_dispatcher", "aoti_torch_check",
        "torch_exception_get_what_without_backtrace")
 """The functions of torch's stable C ABI ``backplane_attention_op`` calls, in the order
-``backplane_attention_bind`` reads them (then libgomp's omp_get_max_threads, the float32 and bool
-dtype codes and the CPU's device code); the last, an error's message, may be missing (torch
-before 2.10)."""
+``backplane_attention_bind`` reads them (then the float32 and bool dtype codes and the CPU's
+device code); the last, an error's message, may be missing (torch before 2.10)."""
 _LOCK = threading.Lock()
 _BOUND: list[Any] = []
 """The torch::Library holding the C kernel (never freed), or empty where torch has no stable ABI."""
@@ -102,8 +101,7 @@ def register(lib: ctypes.CDLL, name: str) -> ctypes.c_void_p | None:
     except (IndexError, OSError, AttributeError) as exc:
         log.debug("backplane::%s keeps its Python kernel: %s", name, exc)
         return None
-    threads = _omp_max_threads()
-    lib.backplane_attention_bind((ctypes.c_int64 * 16)(*calls, threads or 0, *codes))
+    lib.backplane_attention_bind((ctypes.c_int64 * 15)(*calls, *codes))
     init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32,
                      ctypes.POINTER(ctypes.c_void_p)]
     impl.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -126,36 +124,10 @@ def in_c() -> bool:
 
 
 def typed(lib: ctypes.CDLL) -> Any:
-    """``lib``'s (a build's) ``backplane_attention``, typed, its team torch's (``team``)."""
-    lib.backplane_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    """``lib``'s (a build's) ``backplane_attention``, typed."""
+    lib.backplane_attention.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.backplane_attention.restype = ctypes.c_int
-    lib.backplane_attention_team.argtypes = [ctypes.c_void_p]
-    lib.backplane_attention_team(team())
     return lib.backplane_attention
-
-
-def team() -> int | None:
-    """The address of ``GOMP_parallel`` in the libgomp torch loaded (the runtime of the OpenMP
-    team its ops run on), or None where torch runs on another OpenMP or none: the C then runs on
-    the calling thread only."""
-    return _gomp("GOMP_parallel")
-
-
-def _omp_max_threads() -> int | None:
-    """The address of that libgomp's ``omp_get_max_threads`` (torch's thread count in the calling
-    thread, what ``torch.get_num_threads`` reads), or None (one thread)."""
-    return _gomp("omp_get_max_threads") if team() else None
-
-
-def _gomp(name: str) -> int | None:
-    folder = Path(torch.__file__).parent / "lib"
-    found = sorted(folder.glob("libgomp*.so*"))
-    if not found or "OpenMP" not in torch.__config__.parallel_info():
-        return None
-    try:
-        return ctypes.cast(getattr(ctypes.CDLL(str(found[0])), name), ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
 
 
 def usable(mode: str) -> bool:
@@ -237,17 +209,16 @@ views, not a copy; other batch ranks contiguous."""
 
 
 def call(function: Any, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         mask: torch.Tensor | None, cond: torch.Tensor | None, threads: int) -> torch.Tensor:
+         mask: torch.Tensor | None, cond: torch.Tensor | None) -> torch.Tensor:
     """The attention of ``plan`` (made for these operands' shapes and strides) by ``function``
-    (``backplane_attention`` of a build: the session's, or another CPU's in the tests) on
-    ``threads`` of torch's OpenMP team."""
+    (``backplane_attention`` of a build: the session's, or another CPU's in the tests)."""
     out = torch.empty(plan.shape)
     values = plan.values
     values[0], values[1], values[2] = q.data_ptr(), k.data_ptr(), v.data_ptr()
     values[3] = 0 if mask is None else mask.data_ptr()
     values[4] = 0 if cond is None else cond.data_ptr()
     values[5] = out.data_ptr()
-    if function(values, plan.floats, threads):
+    if function(values, plan.floats):
         raise MemoryError("native attention: its work memory was not had")
     return out if plan.order is None else out.permute(plan.order)
 
@@ -270,8 +241,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         plan = _PLANS.setdefault(key, plan_of(q, k, v, mask, cond, invert, diagonal, fill, alpha))
     if plan is None:
         return _torch_attention(q, k, v, mask, cond, invert, diagonal, fill, alpha)
-    return call(_FUNCTIONS[0] if _FUNCTIONS else _function(), plan, q, k, v, mask, cond,
-                torch.get_num_threads())
+    return call(_FUNCTIONS[0] if _FUNCTIONS else _function(), plan, q, k, v, mask, cond)
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

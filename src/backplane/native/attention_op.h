@@ -11,8 +11,7 @@
  * or condition (bool) broadcast to (..., L, S), the batch's leading axes flattening as views; the
  * output in the merged-heads layout for a batch of one or two axes. Operands it does not take
  * (another type or device, a strided last axis, an empty size, more than MAX_DIMS axes) go on
- * to backplane::native_attention, the op in Python, with the same stack. The threads: torch's
- * count in the calling thread (libgomp's omp_get_max_threads, what torch.get_num_threads reads). */
+ * to backplane::native_attention, the op in Python, with the same stack. */
 typedef uint64_t StableIValue;
 typedef void *Tensor; /* AtenTensorHandle: an owned at::Tensor */
 
@@ -30,14 +29,13 @@ static struct {
     int32_t (*dispatch)(const char *, const char *, StableIValue *);
     void (*fail)(_Bool, const char *, const char *, uint32_t, const char *);
     const char *(*what)(void); /* the last error's message; NULL in a torch before 2.10 */
-    int (*threads)(void);      /* omp_get_max_threads; NULL: one thread */
     int32_t float32, boolean, cpu;
 } abi;
 
-#define ABI_FUNCTIONS 13
+#define ABI_FUNCTIONS 12
 #define MAX_DIMS 8
 
-/* attention.py's addresses, in the struct's order (the 13 functions, then the float32 and bool
+/* attention.py's addresses, in the struct's order (the 12 functions, then the float32 and bool
  * dtype codes and the CPU's device code). */
 int backplane_attention_bind(const int64_t *calls) {
     void **slots = (void **)&abi;
@@ -167,7 +165,7 @@ void backplane_attention_op(StableIValue *stack, uint64_t arguments, uint64_t re
     int code = planned(t, (int64_t)stack[5], (int64_t)stack[6], a, &out);
     if (code == 0) {
         const float f[2] = {(float)fill, (float)alpha};
-        code = backplane_attention(a, f, abi.threads ? abi.threads() : 1) ? 2 : 0;
+        code = backplane_attention(a, f) ? 2 : 0;
         if (code)
             abi.release(out);
     }
