@@ -28,11 +28,11 @@ import ctypes
 import logging
 import math
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from backplane.native import stable_abi
 from backplane.native.build import NativeUnavailable, library
 
 log = logging.getLogger("backplane.native")
@@ -62,8 +62,7 @@ device code); the last, an error's message, may be missing (torch before 2.10)."
 _LOCK = threading.Lock()
 _BOUND: list[Any] = []
 """The torch::Library holding the C kernel (never freed), or empty where torch has no stable ABI."""
-_FILE = __file__.encode()
-"""The file name torch::Library keeps (a pointer: it must outlive the library)."""
+
 
 
 def _function() -> Any:
@@ -84,34 +83,18 @@ def _function() -> Any:
 
 def register(lib: ctypes.CDLL, name: str) -> ctypes.c_void_p | None:
     """``lib``'s ``backplane_attention_op`` as the CPU kernel of ``backplane::name``, the stable
-    ABI's functions handed to ``lib`` first (``ABI``, as ``native/dynquant.py`` does): the
-    torch::Library holding it (kept: freeing it drops the kernel), or None where torch lacks
-    them (the op's Python kernel stays)."""
-    folder = Path(torch.__file__).parent / "lib"
-    found = [folder / file for file in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll")
-             if (folder / file).exists()]
-    try:
-        libtorch = ctypes.CDLL(str(found[0]))
-        calls = [ctypes.cast(getattr(libtorch, call), ctypes.c_void_p).value for call in ABI[:-1]]
-        what = getattr(libtorch, ABI[-1], None)
-        calls.append(ctypes.cast(what, ctypes.c_void_p).value if what is not None else 0)
-        codes = [libtorch.aoti_torch_dtype_float32(), libtorch.aoti_torch_dtype_bool(),
-                 libtorch.aoti_torch_device_type_cpu()]
-        init, impl = libtorch.aoti_torch_library_init_impl, libtorch.aoti_torch_library_impl
-    except (IndexError, OSError, AttributeError) as exc:
-        log.debug("backplane::%s keeps its Python kernel: %s", name, exc)
+    ABI's functions handed to ``lib`` first (``ABI``, ``native/stable_abi``): the torch::Library
+    holding it (kept: freeing it drops the kernel), or None where torch lacks them (the op's
+    Python kernel stays)."""
+    calls = stable_abi.addresses(ABI[:-1], optional=ABI[-1:])
+    codes = stable_abi.codes(["aoti_torch_dtype_float32", "aoti_torch_dtype_bool",
+                              "aoti_torch_device_type_cpu"])
+    if calls is None or codes is None:
+        log.debug("backplane::%s keeps its Python kernel: no stable ABI here", name)
         return None
-    lib.backplane_attention_bind((ctypes.c_int64 * 15)(*calls, *codes))
-    init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32,
-                     ctypes.POINTER(ctypes.c_void_p)]
-    impl.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    handle = ctypes.c_void_p()
-    kernel = ctypes.cast(lib.backplane_attention_op, ctypes.c_void_p)
-    if init(b"backplane", b"CPU", _FILE, 0, ctypes.byref(handle)) \
-            or impl(handle, name.encode(), kernel):
-        log.debug("backplane::%s keeps its Python kernel: torch refused it", name)
-        return None
-    return handle
+    lib.backplane_attention_bind((ctypes.c_int64 * (len(calls) + 3))(*calls, *codes))
+    kernel = ctypes.cast(lib.backplane_attention_op, ctypes.c_void_p).value
+    return stable_abi.register(kernel or 0, "backplane", name)
 
 
 def in_c() -> bool:
