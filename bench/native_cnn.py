@@ -15,7 +15,7 @@ the CPUs; ``--fixed``: exactly that many), which both routes run on (the native 
 records, ``native/cnn_pool.h``); at more than one thread the wall times are the figures to read
 (best is the best run of the best process). A model given as a path (``models/mobilenet_v2_w020_c10.onnx``, the demo) runs on random
 inputs of its declared shapes. ``--any-size`` lifts the size rule
-(``native_cnn.SMALL`` and ``LARGE``), and ``--side`` runs the 4-d inputs at side x side, to
+(``native_cnn.SMALL``), and ``--side`` runs the 4-d inputs at side x side, to
 measure where it should be.
 """
 
@@ -46,7 +46,7 @@ def worker(path: str, mode: str, runs: int, profile: bool, any_size: bool, threa
     from backplane.backends.torch.fusion import native_cnn
 
     if any_size:
-        native_cnn.SMALL = native_cnn.LARGE = 1 << 62
+        native_cnn.SMALL = 1 << 62
     torch.set_num_threads(threads)
     sample = path.replace(".onnx", ".s0.npz")
     feeds = dict(np.load(sample)) if os.path.exists(sample) else _random_feeds(path)

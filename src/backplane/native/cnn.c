@@ -251,10 +251,13 @@ static inline int run_record(const int64_t *f, const float *params, float *arena
 int backplane_cnn_run(const int64_t *records, int64_t count, const float *params, float *arena,
                       float *const *ext) {
     if (asked > 1 && pthread_mutex_trylock(&team.owner) == 0) {
-        const int workers = pool_workers((int)asked - 1);
+        int64_t by = 0, all = 0;
+        const int pooled = pool_ready(&by, &all);
+        const int workers = pooled ? pool_workers((int)asked - 1) : 0;
         int failed = 0;
         for (int64_t i = 0; i < count && !failed; ++i)
             if (run_record(records + i * NF, params, arena, ext, workers)) failed = (int)i + 1;
+        if (pooled) pool_judge(by, all);
         pthread_mutex_unlock(&team.owner);
         return failed;
     }

@@ -14,7 +14,11 @@ are the convolution's chunks of output pixels or the depthwise convolution's row
 by exactly one thread with the same arithmetic as the one-thread run: the outputs are bit for bit
 the same. Between jobs a worker spins for SPIN_NS (the next layer's job is usually posted within
 it), then sleeps on a condition variable: ONNX Runtime's spinning threads slowed their
-neighbours. One run at a time uses the pool (a second run at once runs on its own thread).
+neighbours. One run at a time uses the pool (a second run at once runs on its own thread). A
+run whose workers took under a fifth of its items (a busy machine: the scheduler seldom ran them)
+leaves the pool for the next 4, 8, ... 256 runs, the caller alone, then tries it again
+(`pool_ready`, `pool_judge`): at load 4.5 on this 2-vCPU machine two threads had run slower than
+one.
 
 The job's state: `generation` odd while a job is open, even while none is; a worker counts
 itself `inside` before it reads the generation, and the caller closes a job (even) and waits
@@ -45,6 +49,8 @@ static struct {
     _Atomic int want;             /* workers asked to take part (the run's threads - 1) */
     _Atomic int64_t next, done;
     _Atomic int64_t by_workers;   /* items the workers ran, ever (backplane_cnn_pool_items) */
+    _Atomic int64_t all_items;    /* items of every job, ever */
+    int64_t alone, strikes;       /* runs left on the caller alone; failed probes in a row */
 } team = {.lock = PTHREAD_MUTEX_INITIALIZER, .owner = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER};
 
@@ -160,10 +166,36 @@ static void pool_run(part_fn fn, const int64_t *f, float *A, const float *P, int
         pthread_cond_broadcast(&team.wake);
         pthread_mutex_unlock(&team.lock);
     }
+    atomic_fetch_add(&team.all_items, items);
     take_part(0);
     wait_for(&team.done, items);  /* a grain a worker claimed, finishing */
     atomic_fetch_add(&team.generation, 1);  /* closed */
     wait_for(&team.inside, 0);
+}
+
+/* Whether the run about to start uses the pool (held: team.owner): not while `alone` runs are
+   left, which a run whose workers took under a fifth of its items (a busy machine: the scheduler
+   seldom ran them, and the caller paid their wake-ups and waits) sets to 4, 8, ... 256 runs
+   (doubling while such probes repeat). Returns the counters the run's end reads. */
+static int pool_ready(int64_t *workers_before, int64_t *all_before) {
+    if (team.alone > 0) {
+        --team.alone;
+        return 0;
+    }
+    *workers_before = atomic_load(&team.by_workers);
+    *all_before = atomic_load(&team.all_items);
+    return 1;
+}
+
+static void pool_judge(int64_t workers_before, int64_t all_before) {
+    const int64_t by = atomic_load(&team.by_workers) - workers_before,
+                  all = atomic_load(&team.all_items) - all_before;
+    if (all == 0) return;
+    if (5 * by < all) {
+        team.strikes = team.strikes < 6 ? team.strikes + 1 : 6;
+        team.alone = (int64_t)2 << team.strikes;
+    } else
+        team.strikes = 0;
 }
 
 /* The threads this thread's next runs may use (the session's count, set before each call of a

@@ -31,18 +31,12 @@ from backplane.runtime import host_route
 log = logging.getLogger("backplane.torch")
 
 SMALL = 16_000_000
-"""The most multiply-adds a partition runs natively under "auto" (at any thread count where it is
-a chain of convolutions and pools): the native kernels win by oneDNN Graph's fixed costs, which a
-large image outgrows (measured: see docs/torch-backends.md, "The native CNN route")."""
-LARGE = 1 << 62
-"""The most where the session has two threads or more and the plan has ``GLUE``: its large
-records shared by the threads (``native/cnn_pool.h``); no bound was measured."""
-GLUE = ("deconv", "resize", "slice", "gather", "scatter", "softmax")
-"""The records that make a plan more than a chain of convolutions (a U-Net's transposed
-convolution, resizes and concatenations, a detector's slices, reshapes and softmax). Why the
-rule reads them: at two threads oneDNN Graph ran the full tier's plain chains (resnet_basic,
-mobilenet_dw at 224x224) ~15% faster than the native plan at its best runs, and the plans with
-these records 1.5-2.2x slower (docs/torch-backends.md, "On two threads")."""
+"""The most multiply-adds a partition runs natively under "auto", at any thread count: the native
+kernels win by oneDNN Graph's fixed costs, which a large image outgrows. At two threads the plan's
+large records are shared by the pool (``native/cnn_pool.h``), but on this 2-vCPU EPYC oneDNN
+Graph's two threads still ran the full tier's CNNs as fast or faster at their best runs (native
+over oneDNN, load 2-4: unet_resize 1.13, yolo_v8 1.64, layout_hswish 0.99, resnet_basic 1.69,
+mobilenet_dw 1.47; docs/torch-backends.md, "The native CNN route")."""
 ROUTE = "native"
 
 
@@ -63,17 +57,6 @@ def session_threads(backend: Any) -> int:
     if torch is not None:
         return int(torch.get_num_threads())
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def size_rule(threads: int, planned: Any = None) -> int:
-    """The most multiply-adds ``planned`` (a ``native.cnn.Plan``) may have to run natively at
-    ``threads`` threads: ``LARGE`` at two or more where it has ``GLUE``, else ``SMALL``."""
-    if threads < 2 or planned is None:
-        return SMALL
-    from backplane.native.cnn import OPS
-
-    glued = np.isin(planned.records[:, 0], [OPS[name] for name in GLUE]).any()
-    return LARGE if glued else SMALL
 
 
 def native_workload(layer: Layer, backend: Any, inputs: Sequence[TensorInfo]) -> Workload | None:
@@ -114,10 +97,8 @@ def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     except Unplannable as why:
         log.debug("%s: not native (%s)", layer.name, why)
         return None
-    threads = session_threads(backend)
-    if planned.flops > size_rule(threads, planned):
-        log.debug("%s: not native (%d multiply-adds, above %d at %d threads)", layer.name,
-                  planned.flops, size_rule(threads, planned), threads)
+    if planned.flops > SMALL:
+        log.debug("%s: not native (%d multiply-adds, above %d)", layer.name, planned.flops, SMALL)
         return None
     try:
         built = library("cnn")
@@ -127,7 +108,7 @@ def native_executor(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     if edges:
         planned.halved([str(i.dtype) == "float16" for i in inputs],
                        [str(d) == "float16" for d in a["output_dtypes"]])
-    return (Executor(planned, built, threads),
+    return (Executor(planned, built, session_threads(backend)),
             f"{ROUTE}: CpuAcc.native={build.mode(backend.options)}, the whole partition "
             f"planned ({len(planned.records)} records, {planned.flops} multiply-adds)",
             bool(half), bool(edges))
@@ -160,10 +141,7 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
     them, run natively, and its other layers as a Traced layer of their own (``rest``, traced's
     workload); or None (``native_workload``'s rules). Why: a detector's or a CRNN's backbone
     ends in layers the plan does not take (an NMS's glue, an LSTM), which kept the whole partition
-    traced, its convolutions on torch's (detect_nms_ts14's on the im2col path: 270 us of 890).
-    The size rule: ``SMALL`` at one thread, ``LARGE`` at two or more (the alternative is the
-    traced route, not oneDNN Graph's: the full tier's CRNN ran 0.82 of its best wall, 0.21 of
-    its 10th percentile, ``bench/cnn_threads.py``)."""
+    traced, its convolutions on torch's (detect_nms_ts14's on the im2col path: 270 us of 890)."""
     from backplane.native import NativeUnavailable, library
     from backplane.native.cnn import Executor, Unplannable, plan
 
@@ -191,11 +169,10 @@ def traced_prefix(layer: Layer, backend: Any, inputs: Sequence[TensorInfo],
             log.debug("%s: its first %d layers not native (%s)", layer.name, count, why)
     if planned is None:
         return None
-    threads = session_threads(backend)
-    if planned.flops > (SMALL if threads < 2 else LARGE):  # the rest's route is traced anyway
+    if planned.flops > SMALL:
         return None
     try:
-        executor = Executor(planned, library("cnn"), threads)
+        executor = Executor(planned, library("cnn"), session_threads(backend))
     except NativeUnavailable:
         return None
     head = _workload(executor, planned.names, f"{ROUTE}: the first {count} of {len(layers)} "
