@@ -93,7 +93,83 @@ def test_onnx_runtime_saved_bert_has_its_products_back(backends, tmp_path) -> No
     feeds = dict(np.load(DATA / "tiny_bert.npz"))
     session = InferenceSession(options.optimized_model_filepath, backends=backends)
     ops = placed_ops(session)
-    assert ops["Gemm"] == written["Gemm"] - 12 and ops["Reshape"] == written["Reshape"] - 24
+    # 12 sandwiches undone; the pooler's FusedGemm (Gemm, Tanh) a Gemm then a Tanh (ort_lowered)
+    assert ops["Gemm"] == written["Gemm"] - 12 + written["FusedGemm"]
+    assert ops["Reshape"] == written["Reshape"] - 24
+    want = reference(options.optimized_model_filepath, feeds)
+    for got, expected in zip(session.run(None, feeds), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def saved_small_gpt(tmp_path: Path) -> Path:
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "saved.onnx")
+    ort.InferenceSession(str(DATA / "corpus" / "gpt_causal_ts15.onnx"), options,
+                         providers=["CPUExecutionProvider"])
+    return tmp_path / "saved.onnx"
+
+
+def test_a_saved_gpts_gelus_get_their_half_back(tmp_path) -> None:
+    """ONNX Runtime's saved GPT-2: x * (1 + tanh(...)) then FusedMatMul(alpha 0.5) becomes the
+    GELU as exported (its Mul by 0.5) then a MatMul (ort_patterns.half_back_in_gelus)."""
+    from backplane.frontends.onnx import import_onnx
+    from backplane.optimizer.ort_patterns import half_back_in_gelus
+
+    graph = import_onnx(saved_small_gpt(tmp_path))
+    halved = [lay for lay in graph.layers if lay.op_type == "FusedMatMul"
+              and lay.attrs.get("alpha") == 0.5]
+    assert len(halved) == 2  # one a block
+    names = {lay.name for lay in halved}
+    half_back_in_gelus(graph)
+    assert not [lay for lay in graph.layers if lay.op_type == "FusedMatMul"]
+    made = {lay.outputs[0]: lay for lay in graph.layers}
+    for product in [lay for lay in graph.layers if lay.name in names]:
+        assert product.op_type == "MatMul" and not product.domain
+        half = made[product.inputs[0]]
+        assert half.op_type == "Mul" and float(graph.constants[half.inputs[1]]) == 0.5
+        assert made[half.inputs[0]].op_type == "Mul"  # x * (1 + tanh(...))
+
+
+def test_a_product_of_another_mul_keeps_its_alpha(tmp_path) -> None:
+    from backplane.frontends.onnx import import_onnx
+    from backplane.optimizer.ort_patterns import half_back_in_gelus
+
+    weight = RNG.standard_normal((8, 6)).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["x", "x"], ["m"]),
+             helper.make_node("FusedMatMul", ["m", "w"], ["y"], domain="com.microsoft",
+                              alpha=0.5)]
+    graph = helper.make_graph(nodes, "halved",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    imported = half_back_in_gelus(import_onnx(model))
+    assert [lay.op_type for lay in imported.layers] == ["Mul", "FusedMatMul"]
+
+
+def test_a_saved_encoders_split_parts_are_gathers_again(tmp_path) -> None:
+    """ONNX Runtime's saved encoder takes Q, K and V from the packed product by Split then a
+    Squeeze each, where the export had a Gather each: Gathers again (gathers_from_splits), the
+    values ONNX Runtime's."""
+    ort = pytest.importorskip("onnxruntime")
+    from backplane.frontends.onnx import import_onnx
+    from backplane.optimizer.ort_patterns import gathers_from_splits
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "saved.onnx")
+    source = DATA / "corpus" / "encoder4_plain_dyn18.onnx"
+    ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    graph = import_onnx(options.optimized_model_filepath)
+    before = collections.Counter(lay.op_type for lay in graph.layers)
+    assert before["Split"] == 4 and before["Gather"] == 0  # one a layer, of 3 parts
+    ops = collections.Counter(lay.op_type for lay in gathers_from_splits(graph).layers)
+    assert ops["Split"] == 0 and ops["Gather"] == 12 and ops["Squeeze"] == before["Squeeze"] - 12
+    feeds = dict(np.load(DATA / "corpus" / "encoder4_plain_dyn18.s0.npz"))
+    session = InferenceSession(options.optimized_model_filepath, backends=["CpuRef"])
     want = reference(options.optimized_model_filepath, feeds)
     for got, expected in zip(session.run(None, feeds), want):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)

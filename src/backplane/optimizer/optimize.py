@@ -237,7 +237,7 @@ def _run_passes(graph: Graph, options: OptimizerOptions) -> None:
         passes.remove_identities(graph)
     if options.fold_constants:
         passes.fold_constants(graph)
-        ort_patterns.unfold_gemm_reshapes(graph)  # static shapes and constants known now
+        ort_patterns.plain_forms(graph)  # static shapes and constants known now
     if options.remove_dead_layers:
         passes.remove_dead_layers(graph)
 

@@ -16,8 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
 
-from backplane import InferenceSession  # noqa: E402
+from backplane import InferenceSession, OptimizerOptions  # noqa: E402
 from backplane.backends.torch.backend import FUSED_DOMAIN  # noqa: E402
+from backplane.optimizer.ort_lowered import LOWERED  # noqa: E402
 from backplane.runtime.runtime import Runtime, RuntimeOptions  # noqa: E402
 from tests.backends.contrib_cases import CASES as CONTRIB_CASES  # noqa: E402
 from tests.backends.contrib_cases import _model as one_node  # noqa: E402
@@ -64,8 +65,10 @@ def test_saved_optimized_models_run_in_one_trace_on_cpuacc(name: str, tmp_path: 
     ops = [lay.op_type for lay in traced.attrs["layers"]]
     held = {lay.op_type for lay in traced.attrs["layers"] if lay.domain == "com.microsoft"}
     # a GELU after a product is its post-op (below); FusedMatMul(Q, K) with its scale, the mask,
-    # the softmax and the product by V are one ScaledDotAttention, as the plain model's
-    assert held == fused - {"Gelu", "FastGelu", "FusedMatMul"}
+    # the softmax and the product by V are one ScaledDotAttention, as the plain model's; each
+    # SkipLayerNormalization its Adds and a LayerNormalization, FusedGemm a Gemm and its
+    # activation (optimizer/ort_lowered.py)
+    assert held == fused - {"Gelu", "FastGelu", "FusedMatMul"} - LOWERED
     assert ops.count("ScaledDotAttention") == 2
     got = session.run(None, feeds)
     assert_close(got, ort_run(path, feeds))
@@ -174,30 +177,49 @@ def test_saved_fusions_one_node_on_cpuacc(name: str) -> None:
     """Each of test_contrib_ops' FusedMatMul, FusedGemm and FusedConv cases (every activation,
     a residual, broadcasting, transposes, alpha) runs on CpuAcc as ONNX Runtime and CpuRef do."""
     model, feeds = one_node(CONTRIB_CASES[name])
-    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"])
+    as_is = OptimizerOptions(fold_constants=False)  # the op itself (else FusedGemm and FusedConv
+    # are their plain ops: tests/optimizer/test_ort_lowered.py)
+    session = InferenceSession(model, backends=["CpuAcc", "CpuRef"], optimizer_options=as_is)
     assert set(session.report.counts()) == {"CpuAcc"}
+    assert [p.op_type for p in session.report.layers.values()] == [CONTRIB_CASES[name].op]
     got = session.run(None, feeds)
     assert_close(got, ort_run_model(model, feeds))
-    assert_close(got, InferenceSession(model, backends=["CpuRef"]).run(None, feeds))
+    assert_close(got, InferenceSession(model, backends=["CpuRef"], optimizer_options=as_is)
+                 .run(None, feeds))
 
 
 def test_unread_statistics_of_skip_layer_normalization_are_not_computed(tmp_path: Path) -> None:
-    """ONNX Runtime's optimized GPT-2: each SkipLayerNormalization also writes its sum (the next
-    residual), its mean and inverse deviation left empty; CpuAcc's layer computes neither
-    (``statistics`` 0: torch's one-pass layer_norm), in the trace, as ONNX Runtime and CpuRef."""
-    from onnxruntime.transformers.optimizer import optimize_model
+    """A pre-norm decoder's SkipLayerNormalization as ONNX Runtime's optimizer writes it: its sum
+    (the next residual) an output, its mean and inverse deviation left empty; CpuAcc's layer
+    computes neither (``statistics`` 0: torch's one-pass layer_norm), in the trace, as ONNX Runtime
+    and CpuRef. At opset 12, which optimizer/ort_lowered.py leaves alone (from 13 the op is its
+    Adds and a LayerNormalization: test_ort_lowered.py)."""
+    rng = np.random.default_rng(12)
 
-    path = tmp_path / "opt.onnx"
-    optimize_model(str(DATA / "tiny_gpt2.onnx"), model_type="gpt2", num_heads=2, hidden_size=32,
-                   opt_level=0).save_model_to_file(str(path))
-    skips = [n for n in onnx.load(str(path)).graph.node if n.op_type == "SkipLayerNormalization"]
-    assert any(len(n.output) == 4 and not any(n.output[1:3]) and n.output[3] for n in skips)
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / 4).astype(np.float32)
+
+    node = helper.make_node
+    nodes = [node("MatMul", ["x", "w1"], ["a"]),
+             node("SkipLayerNormalization", ["a", "x", "g", "b", "bias"], ["y1", "", "", "s1"],
+                  domain="com.microsoft", epsilon=1e-5),
+             node("MatMul", ["y1", "w2"], ["c"]),
+             node("SkipLayerNormalization", ["c", "s1", "g", "b"], ["y2", "", "", "s2"],
+                  domain="com.microsoft", epsilon=1e-5)]
+    inits = {"w1": w(16, 16), "w2": w(16, 16), "g": 1 + w(16), "b": w(16), "bias": w(16)}
+    graph = helper.make_graph(
+        nodes, "pre_norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 16])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y2", "s2")],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    path = tmp_path / "pre_norm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12),
+                                                      helper.make_opsetid("com.microsoft", 1)],
+                                ir_version=8), str(path))
     session = traced_session(path)
     (traced,) = [lay for lay in run_layers(session) if lay.op_type == "Traced"]
     held = [lay for lay in traced.attrs["layers"] if lay.op_type == "SkipLayerNormalization"]
-    assert len(held) == len(skips)
-    assert all(lay.attrs.get("statistics", 1) == 0 for lay in held if len(lay.outputs) > 1)
-    feeds = dict(np.load(DATA / "tiny_gpt2.npz"))
+    assert len(held) == 2 and all(lay.attrs.get("statistics", 1) == 0 for lay in held)
+    feeds = {"x": rng.standard_normal((1, 6, 16)).astype(np.float32)}
     got = session.run(None, feeds)
     assert_close(got, ort_run(path, feeds))
     assert_close(got, InferenceSession(path, backends=["CpuRef"]).run(None, feeds))
