@@ -106,8 +106,13 @@ def test_a_residual_the_c_does_not_take_goes_to_the_python_op():
     ((4, 31), None, "for a product of depth 32"),
     ((4, 32), (16, 4), r"a residual of shape \(16, 4\) added to a product of shape \(4, 16\)")])
 def test_an_error_of_the_python_op_is_raised_with_its_message(x, residual, message):
+    """The Python op's error raised by the C's call of it, as a RuntimeError with its message
+    (torch 2.13); torch 2.11's shim (the GPU machine's) logs the message and raises the op's name
+    and "failed" in its place."""
     weight, w_scale, bias = layer(32, 16, False, False)
     added = NO_BIAS if residual is None else torch.zeros(residual)
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+        message = r"backplane::dynamic_quant_matmul failed|" + message
     with pytest.raises(RuntimeError, match=message):
         c_op(torch.zeros(x), weight, w_scale, bias, 32, 16, added)
 
