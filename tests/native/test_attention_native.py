@@ -188,6 +188,23 @@ def test_operands_it_does_not_take_run_through_torch_s_ops():
     assert attention.plan_of(*half, None, None, 0, attention.NO_DIAGONAL, 0.0, 1.0) is None
 
 
+def test_every_route_and_the_fake_kernel_give_the_same_layout():
+    """Torch's route (operands the C does not take) and the Meta kernel inductor traces with lay
+    the output out as the C's does: a trace's views after the op (the exporters' Transpose then
+    Reshape as ``view``) hold whichever route ran (the slow inductor test compiled the tagger's
+    trace against a contiguous fake and failed: 'Cannot view a tensor ...')."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = _heads(1, 4, 8, 8, g), _heads(1, 4, 8, 8, g), _heads(1, 4, 8, 8, g)
+    by_c = attention.scaled(q, k, v, alpha=0.5)
+    strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last axis strided
+    assert attention.plan_of(strided, k, v, None, None, 0, attention.NO_DIAGONAL, 0.0, 1.0) is None
+    by_torch = attention.scaled(strided, k, v, alpha=0.5)
+    fake = attention.scaled(*(x.to("meta") for x in (q, k, v)), alpha=0.5)
+    assert by_c.stride() == by_torch.stride() == fake.stride() and fake.shape == by_c.shape
+    assert by_torch.transpose(1, 2).reshape(1, 8, 32).data_ptr() == by_torch.data_ptr()  # a view
+    assert torch.allclose(by_torch.double(), _reference(q, k, v, alpha=0.5), atol=2e-6)
+
+
 @pytest.mark.parametrize("model", ["char_tagger_ts14", "gpt_causal_ts15"])
 def test_a_corpus_transformer_runs_it_in_its_trace_as_onnx_runtime_computes(model):
     ort = pytest.importorskip("onnxruntime")

@@ -223,8 +223,21 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
             _PLANS.clear()
         plan = _PLANS.setdefault(key, plan_of(q, k, v, mask, cond, invert, diagonal, fill, alpha))
     if plan is None:
-        return _torch_attention(q, k, v, mask, cond, invert, diagonal, fill, alpha)
+        return _merged(_torch_attention(q, k, v, mask, cond, invert, diagonal, fill, alpha))
     return call(_FUNCTIONS[0] if _FUNCTIONS else _function(), plan, q, k, v, mask, cond)
+
+
+def _merged(result: torch.Tensor) -> torch.Tensor:
+    """``result`` (..., L, Ev) in the layout a plan's output has (``MERGED``), whichever route
+    made it: a trace records the views after the op (the exporters' Transpose and Reshape) for
+    that layout, and inductor's fake kernel (``_abstract``) gives it too."""
+    *batch, L, Ev = result.shape
+    if len(batch) not in MERGED:
+        return result
+    shape, order = MERGED[len(batch)](*batch, L, Ev)
+    out = result.new_empty(shape).permute(order)
+    out.copy_(result)
+    return out
 
 
 def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -246,7 +259,11 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _abstract(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               cond: torch.Tensor, invert: int, diagonal: int, fill: float,
               alpha: float) -> torch.Tensor:
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    batch, L, Ev = q.shape[:-2], q.shape[-2], v.shape[-1]
+    if len(batch) not in MERGED:
+        return q.new_empty((*batch, L, Ev))
+    shape, order = MERGED[len(batch)](*batch, L, Ev)
+    return q.new_empty(shape).permute(order)  # the layout the kernels give (``_merged``)
 
 
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor cond, int invert, int diagonal, "
