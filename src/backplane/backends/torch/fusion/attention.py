@@ -234,6 +234,7 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
     alpha = 1.0 if scale is None else scale[1] if scale[0] == "Mul" else 1.0 / scale[1]
     zeros: dict[Any, Any] = {}  # baddbmm's ignored input (beta 0), one per dtype and device
     native = _native(backend, kind, fill)
+    threads = _session_threads(backend) if native is not None else 1
 
     def scores_of(q: Any, kt: Any, mask: Any) -> tuple[Any, bool]:
         """Q Kt times the scale, (..., L, S) flattened to (-1, L, S), and whether the mask
@@ -253,7 +254,7 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
 
     def run(q: Any, kt: Any, v: Any, mask: Any = None) -> tuple[Any]:
         if native is not None and q.dtype == torch.float32 and q.device.type == "cpu" \
-                and not native.fused_trace():
+                and not native.fused_trace() and not _threads_win(q, v, threads):
             return (native.call(q, kt if transposed else kt.transpose(-1, -2), v, mask, alpha),)
         kt = kt.transpose(-1, -2) if transposed else kt
         shape = (*q.shape[:-1], kt.shape[-1])  # (..., L, S)
@@ -276,6 +277,40 @@ def attention_workload(layer: Layer, backend: Any, inputs: Any = ()) -> Workload
         out = torch.bmm(torch.softmax(scores, -1), v.reshape(-1, *v.shape[-2:]))
         return (out.view(*shape[:-1], v.shape[-1]),)
     return run
+
+
+
+THREADS_FROM = 1 << 20
+"""The work (batch x heads x L x S x (E + Ev)) above which torch's ops at two threads or more
+beat the C on the calling thread (1 thread for the C, torch at 2, this session's AVX-512 EPYC,
+quiet, us a call, torch / C: 4 x 64 x 64 x 32 27.4 / 27.1; 4 x 128 x 128 x 16 51.6 / 63.5; 8 x 128 x
+128 x 64 210 / 265; 4 x 32 x 32 x 16 15.4 / 9.4): the full tier's char_tagger_ts14 ran 0.98 ms a
+run with the C against 0.90 without."""
+
+
+def _threads_win(q: Any, v: Any, threads: int) -> bool:
+    """Whether torch's ops take this attention: a session of more than one thread (``threads``,
+    read at load: a trace is made at one thread) and more work than ``THREADS_FROM``."""
+    batch = q.numel() // (q.shape[-1] * q.shape[-2]) if q.dim() >= 2 else 1
+    return threads > 1 and batch * q.shape[-2] * v.shape[-2] * (q.shape[-1] + v.shape[-1]) \
+        > THREADS_FROM
+
+
+def _session_threads(backend: Any) -> int:
+    """The session's threads on a quiet machine: ``CpuAcc.threads`` where it gives a count, else
+    the process governor's most where one runs (the signature's build traces at one thread),
+    else torch's count now."""
+    from backplane.backends.torch import threads
+    from backplane.backends.torch.fusion.native_cnn import session_threads
+
+    try:
+        count = session_threads(backend)
+    except Exception:  # noqa: BLE001  # a backend without options: one thread's choice
+        return 1
+    given = backend.options.get("CpuAcc.threads")
+    if given in (None, "auto") and threads._GOVERNOR is not None:
+        count = max(count, threads._GOVERNOR.most)
+    return count
 
 
 TRIL_FROM = 2048
