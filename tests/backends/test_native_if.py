@@ -304,21 +304,7 @@ def test_runs_from_two_threads_agree(calls):
     session, kernels = _session(model), _session(model, "off")
     feeds = [{"x": (RNG.standard_normal((2, 8)) + s).astype(np.float32)} for s in (-2, 2) * 4]
     wants = [kernels.run(None, f) for f in feeds]
-    failures = []
-
-    def runner():
-        for _ in range(200):
-            for f, want in zip(feeds, wants):
-                for a, b in zip(session.run(None, f), want):
-                    if not np.allclose(a, b, rtol=1e-5, atol=1e-6):
-                        failures.append((a, b))
-
-    threads = [threading.Thread(target=runner) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures and calls
+    assert not _raced(session, feeds, wants, 200) and calls
 
 
 @needs_library
@@ -401,10 +387,16 @@ def test_a_native_loop_from_two_threads(loop_calls):
     session, kernels = _session(model), _session(model, "off")
     feeds = [{"x": RNG.standard_normal((2, 8)).astype(np.float32)} for _ in range(6)]
     wants = [kernels.run(None, f) for f in feeds]
+    assert not _raced(session, feeds, wants, 300) and len(loop_calls) == 2 * 300 * 6
+
+
+def _raced(session, feeds, wants, rounds):
+    """The outputs two threads running ``session`` at once got unlike ``wants`` (CpuRef's), each
+    thread ``rounds`` times over ``feeds``."""
     failures = []
 
     def runner():
-        for _ in range(300):
+        for _ in range(rounds):
             for f, want in zip(feeds, wants):
                 for a, b in zip(session.run(None, f), want):
                     if not np.allclose(a, b, rtol=1e-5, atol=1e-6):
@@ -415,4 +407,4 @@ def test_a_native_loop_from_two_threads(loop_calls):
         t.start()
     for t in threads:
         t.join()
-    assert not failures and len(loop_calls) == 2 * 300 * 6
+    return failures
